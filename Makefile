@@ -1,0 +1,33 @@
+# specserve: two commands on a fresh machine.
+#   make demo   installs what is needed and runs the shipped demo through gateway, draft and target
+#   make test   installs what is needed and runs the test suite (what CI runs)
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: install demo test test-gpu protos soak bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test,bench]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/specserve demo
+
+test: $(STAMP)
+	$(PY) -m pytest -q -x tests
+
+test-gpu: $(STAMP)
+	$(PY) -m pytest -q -m gpu tests
+
+protos: $(STAMP)
+	$(PY) -m specserve.protos.generate
+
+clean:
+	rm -rf $(VENV) build *.egg-info
