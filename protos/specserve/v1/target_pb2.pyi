@@ -1,0 +1,114 @@
+from . import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class TargetInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class TargetInfo(_message.Message):
+    __slots__ = ("model_type", "vocab_size", "vocab_hash", "max_context", "num_layers", "hidden_size", "eos_token_ids", "tensor_parallel_size", "model_name")
+    MODEL_TYPE_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_HASH_FIELD_NUMBER: _ClassVar[int]
+    MAX_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
+    EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    model_type: str
+    vocab_size: int
+    vocab_hash: str
+    max_context: int
+    num_layers: int
+    hidden_size: int
+    eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    tensor_parallel_size: int
+    model_name: str
+    def __init__(self, model_type: _Optional[str] = ..., vocab_size: _Optional[int] = ..., vocab_hash: _Optional[str] = ..., max_context: _Optional[int] = ..., num_layers: _Optional[int] = ..., hidden_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., tensor_parallel_size: _Optional[int] = ..., model_name: _Optional[str] = ...) -> None: ...
+
+class PrefillRequest(_message.Message):
+    __slots__ = ("session_id", "prompt_ids", "sampling", "hidden_layers")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    prompt_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling: _common_pb2.SamplingParams
+    hidden_layers: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, session_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., hidden_layers: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class PrefillResponse(_message.Message):
+    __slots__ = ("session_id", "next_token", "hidden", "timings")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_FIELD_NUMBER: _ClassVar[int]
+    TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    next_token: int
+    hidden: _common_pb2.Tensor
+    timings: _common_pb2.StepTimings
+    def __init__(self, session_id: _Optional[str] = ..., next_token: _Optional[int] = ..., hidden: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., timings: _Optional[_Union[_common_pb2.StepTimings, _Mapping]] = ...) -> None: ...
+
+class VerifyRequest(_message.Message):
+    __slots__ = ("session_id", "draft")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    draft: _common_pb2.DraftBlock
+    def __init__(self, session_id: _Optional[str] = ..., draft: _Optional[_Union[_common_pb2.DraftBlock, _Mapping]] = ...) -> None: ...
+
+class VerifyResponse(_message.Message):
+    __slots__ = ("session_id", "accepted_ids", "next_token", "hidden", "num_drafted", "experts_touched", "timings", "batch_size")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_IDS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_FIELD_NUMBER: _ClassVar[int]
+    NUM_DRAFTED_FIELD_NUMBER: _ClassVar[int]
+    EXPERTS_TOUCHED_FIELD_NUMBER: _ClassVar[int]
+    TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    accepted_ids: _containers.RepeatedScalarFieldContainer[int]
+    next_token: int
+    hidden: _common_pb2.Tensor
+    num_drafted: int
+    experts_touched: int
+    timings: _common_pb2.StepTimings
+    batch_size: int
+    def __init__(self, session_id: _Optional[str] = ..., accepted_ids: _Optional[_Iterable[int]] = ..., next_token: _Optional[int] = ..., hidden: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., num_drafted: _Optional[int] = ..., experts_touched: _Optional[int] = ..., timings: _Optional[_Union[_common_pb2.StepTimings, _Mapping]] = ..., batch_size: _Optional[int] = ...) -> None: ...
+
+class ReleaseRequest(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class ReleaseResponse(_message.Message):
+    __slots__ = ("released",)
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    released: bool
+    def __init__(self, released: _Optional[bool] = ...) -> None: ...
+
+class TargetStatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class TargetStats(_message.Message):
+    __slots__ = ("active_sessions", "kv_blocks_total", "kv_blocks_used", "steps")
+    ACTIVE_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_USED_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    active_sessions: int
+    kv_blocks_total: int
+    kv_blocks_used: int
+    steps: int
+    def __init__(self, active_sessions: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., steps: _Optional[int] = ...) -> None: ...
