@@ -60,7 +60,14 @@ class TreeSpec(_message.Message):
     def __init__(self, num_nodes: _Optional[int] = ..., top_k: _Optional[int] = ..., depth: _Optional[int] = ...) -> None: ...
 
 class ProposeRequest(_message.Message):
-    __slots__ = ("session_id", "prefix_len", "append_ids", "append_hidden", "num_tokens", "tree", "is_tree")
+    __slots__ = ("session_id", "prefix_len", "append_ids", "append_hidden", "num_tokens", "tree", "is_tree", "trace_context")
+    class TraceContextEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PREFIX_LEN_FIELD_NUMBER: _ClassVar[int]
     APPEND_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -68,6 +75,7 @@ class ProposeRequest(_message.Message):
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TREE_FIELD_NUMBER: _ClassVar[int]
     IS_TREE_FIELD_NUMBER: _ClassVar[int]
+    TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     prefix_len: int
     append_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -75,7 +83,8 @@ class ProposeRequest(_message.Message):
     num_tokens: int
     tree: TreeSpec
     is_tree: bool
-    def __init__(self, session_id: _Optional[str] = ..., prefix_len: _Optional[int] = ..., append_ids: _Optional[_Iterable[int]] = ..., append_hidden: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., num_tokens: _Optional[int] = ..., tree: _Optional[_Union[TreeSpec, _Mapping]] = ..., is_tree: _Optional[bool] = ...) -> None: ...
+    trace_context: _containers.ScalarMap[str, str]
+    def __init__(self, session_id: _Optional[str] = ..., prefix_len: _Optional[int] = ..., append_ids: _Optional[_Iterable[int]] = ..., append_hidden: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., num_tokens: _Optional[int] = ..., tree: _Optional[_Union[TreeSpec, _Mapping]] = ..., is_tree: _Optional[bool] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class ProposeResponse(_message.Message):
     __slots__ = ("session_id", "draft", "timings")
