@@ -1,0 +1,59 @@
+"""What the per-request loop needs from a target and a drafter, local or remote.
+
+Both sides are async: a local adapter (gateway/local.py) runs the synchronous engine or proposer in
+its own thread; a remote adapter (gateway/remote.py) calls the gRPC service.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+import torch
+
+from specserve.errors import SpecserveError
+from specserve.target_service.engine.types import DraftBlock, PrefillResult, SamplingParams, VerifyResult
+
+
+class DraftError(Exception):
+    """The drafter failed (down, too slow, or gave a malformed block). The request goes on target-only."""
+
+
+class TargetUnavailable(Exception):
+    """The target cannot serve the request (down, or past the deadline)."""
+
+
+class RequestRejected(SpecserveError):
+    """The target refused the request's input (for example a prompt over its context)."""
+
+
+class TargetClient(Protocol):
+    async def info(self): ...  # -> TargetInfo-like: vocab_size, vocab_hash, max_context, eos_token_ids, model_type
+
+    async def prefill(
+        self, session_id: str, prompt_ids: Sequence[int], sampling: SamplingParams, hidden_layers: tuple[int, ...]
+    ) -> PrefillResult: ...
+
+    async def verify(self, session_id: str, block: DraftBlock) -> VerifyResult: ...
+
+    async def release(self, session_id: str) -> None: ...
+
+
+class DraftClient(Protocol):
+    async def info(self): ...  # -> DrafterInfo-like: family, vocab_hash, hidden_layers, needs_hidden_states, ...
+
+    async def start(
+        self, session_id: str, token_ids: Sequence[int], hidden: torch.Tensor | None, sampling: SamplingParams
+    ) -> None: ...
+
+    async def propose(
+        self,
+        session_id: str,
+        prefix_len: int,
+        append_ids: Sequence[int],
+        append_hidden: torch.Tensor | None,  # [len(append_ids), F] or None
+        num_tokens: int,
+        tree=None,
+    ) -> DraftBlock: ...
+
+    async def release(self, session_id: str) -> None: ...

@@ -1,0 +1,75 @@
+"""In-process adapters: the engine and the proposer each run in one dedicated thread.
+
+The event loop only awaits; all model work happens on the adapter's thread (one thread per part, so
+the synchronous engine and proposer never see two calls at once).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from specserve.gateway.clients import DraftError
+from specserve.target_service.engine.types import DraftBlock, PrefillResult, SamplingParams, VerifyResult
+
+
+class _OwnThread:
+    def __init__(self, name: str) -> None:
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+
+    async def _call(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+
+class LocalTarget(_OwnThread):
+    def __init__(self, engine) -> None:
+        super().__init__("target-engine")
+        self.engine = engine
+
+    async def info(self):
+        return self.engine.info()
+
+    async def prefill(
+        self, session_id: str, prompt_ids: Sequence[int], sampling: SamplingParams, hidden_layers: tuple[int, ...]
+    ) -> PrefillResult:
+        return await self._call(self.engine.prefill, session_id, list(prompt_ids), sampling, tuple(hidden_layers))
+
+    async def verify(self, session_id: str, block: DraftBlock) -> VerifyResult:
+        return await self._call(self.engine.verify, session_id, block)
+
+    async def release(self, session_id: str) -> None:
+        await self._call(self.engine.release, session_id)
+
+
+class LocalDraft(_OwnThread):
+    """A proposer in its own thread; any exception it raises becomes a DraftError (target-only fallback)."""
+
+    def __init__(self, proposer) -> None:
+        super().__init__("draft")
+        self.proposer = proposer
+
+    async def _guarded(self, fn, *args):
+        try:
+            return await self._call(fn, *args)
+        except Exception as exc:  # the drafter's failure must never fail the request
+            raise DraftError(f"{type(exc).__name__}: {exc}") from exc
+
+    async def info(self):
+        return self.proposer.info
+
+    async def start(self, session_id: str, token_ids: Sequence[int], hidden: torch.Tensor | None, sampling) -> None:
+        await self._guarded(self.proposer.start, session_id, list(token_ids), hidden, sampling)
+
+    async def propose(self, session_id, prefix_len, append_ids, append_hidden, num_tokens, tree=None) -> DraftBlock:
+        return await self._guarded(
+            self.proposer.propose, session_id, prefix_len, list(append_ids), append_hidden, num_tokens, tree
+        )
+
+    async def release(self, session_id: str) -> None:
+        await self._guarded(self.proposer.release, session_id)

@@ -1,0 +1,77 @@
+"""Flags and output shared by `generate` and `client` (the same prompt, sampling and JSON contract)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from specserve.errors import SpecserveError
+
+DRAFT_CHOICES = ("none", "ngram", "model", "eagle3", "dflash")
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def _prompt_ids(text: str) -> tuple[int, ...]:
+    try:
+        ids = tuple(int(t) for t in text.split(",") if t.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated token ids, got {text!r}") from None
+    if not ids or min(ids) < 0:
+        raise argparse.ArgumentTypeError("expected at least one non-negative token id")
+    return ids
+
+
+def add_prompt_arguments(parser: argparse.ArgumentParser) -> None:
+    """--prompt/--prompt-ids and the sampling flags."""
+    group = parser.add_mutually_exclusive_group(required=True)
+    group.add_argument("--prompt", help="prompt text (needs a tokenizer)")
+    group.add_argument("--prompt-ids", type=_prompt_ids, help="comma-separated prompt token ids")
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--max-new-tokens", type=_positive_int, default=64)
+    parser.add_argument("--num-speculative-tokens", type=_positive_int, default=4, help="draft block size k")
+    parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    parser.add_argument("--speculation", choices=("fixed", "adaptive"), default="fixed")
+    parser.add_argument("--draft-ahead", choices=("on", "off"), default="off")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """The model, drafter and placement flags of `generate` and `serve`."""
+    parser.add_argument("--model", type=Path, default=None, help="target checkpoint folder (default: shipped demo)")
+    parser.add_argument("--draft", choices=DRAFT_CHOICES, default="none")
+    parser.add_argument("--draft-model", type=Path, default=None, help="drafter checkpoint folder")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    parser.add_argument("--tensor-parallel-size", type=_positive_int, default=1)
+    parser.add_argument("--enable-expert-parallel", action="store_true")
+    parser.add_argument("--num-kv-blocks", type=_positive_int, default=4096)
+    parser.add_argument("--kv-block-size", type=_positive_int, default=16)
+
+
+def sampling_from_args(args: argparse.Namespace):
+    from specserve.target_service.engine.types import SamplingParams
+
+    try:
+        return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+    except ValueError as exc:
+        raise SpecserveError(str(exc)) from None
+
+
+def result_json(token_ids, text: str | None, finish_reason: str, stats: dict) -> str:
+    """The JSON contract of `generate --json` and `client --json` (text omitted without a tokenizer)."""
+    out: dict = {"token_ids": list(token_ids)}
+    if text is not None:
+        out["text"] = text
+    out["finish_reason"] = finish_reason
+    out["stats"] = stats
+    return json.dumps(out)
