@@ -40,8 +40,6 @@ def add_prompt_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-new-tokens", type=_positive_int, default=64)
     parser.add_argument("--num-speculative-tokens", type=_positive_int, default=4, help="draft block size k")
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    parser.add_argument("--speculation", choices=("fixed", "adaptive"), default="fixed")
-    parser.add_argument("--draft-ahead", choices=("on", "off"), default="off")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -75,3 +73,23 @@ def result_json(token_ids, text: str | None, finish_reason: str, stats: dict) ->
     out["finish_reason"] = finish_reason
     out["stats"] = stats
     return json.dumps(out)
+
+
+def drafter_config_from_args(args: argparse.Namespace, target_checkpoint: Path):
+    """The DrafterConfig of --draft/--draft-model; the shipped demo drafter when no --draft-model."""
+    from specserve.draft_service.proposer import DrafterConfig
+    from specserve.paths import demo_checkpoint
+
+    checkpoint = args.draft_model
+    if checkpoint is None and args.draft != "ngram" and args.model is None:
+        checkpoint = demo_checkpoint(args.draft)
+    if checkpoint is None and args.draft != "ngram":
+        raise SpecserveError(f"--draft {args.draft} needs --draft-model DIR")
+    return DrafterConfig(
+        family=args.draft,
+        checkpoint=checkpoint,
+        target_checkpoint=target_checkpoint,
+        device=args.device,
+        dtype=args.dtype,
+        max_block_size=max(args.num_speculative_tokens, 1) if hasattr(args, "num_speculative_tokens") else 8,
+    )

@@ -1,0 +1,109 @@
+"""`specserve generate`: target, drafter and the per-request loop in one process."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+
+from specserve.cli.common import add_model_arguments, add_prompt_arguments, result_json, sampling_from_args
+from specserve.errors import SpecserveError
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_model_arguments(parser)
+    add_prompt_arguments(parser)
+
+
+def prompt_ids_from_args(args: argparse.Namespace, tokenizer) -> tuple[int, ...]:
+    if args.prompt_ids is not None:
+        return tuple(args.prompt_ids)
+    if tokenizer is None:
+        raise SpecserveError("--prompt needs a checkpoint with tokenizer.json; use --prompt-ids instead")
+    ids = tuple(tokenizer.encode(args.prompt).ids)
+    if not ids:
+        raise SpecserveError("--prompt encodes to no tokens")
+    return ids
+
+
+def build_local(args: argparse.Namespace):
+    """(engine, proposer or None) from the model flags."""
+    from specserve.cli.common import drafter_config_from_args
+    from specserve.draft_service.registry import build_proposer
+    from specserve.paths import demo_checkpoint
+    from specserve.target_service.factory import EngineConfig, build_engine
+
+    model = args.model or demo_checkpoint("target")
+    engine = build_engine(
+        EngineConfig(
+            model=model,
+            device=args.device,
+            dtype=args.dtype,
+            num_kv_blocks=args.num_kv_blocks,
+            kv_block_size=args.kv_block_size,
+            tensor_parallel_size=args.tensor_parallel_size,
+            enable_expert_parallel=args.enable_expert_parallel,
+        )
+    )
+    proposer = None
+    if args.draft != "none":
+        proposer = build_proposer(drafter_config_from_args(args, target_checkpoint=model))
+        target_hash, draft_hash = engine.info().vocab_hash, proposer.info.vocab_hash
+        if draft_hash and target_hash != draft_hash:
+            raise SpecserveError(
+                f"drafter vocabulary {draft_hash[:12]} does not match the target's {target_hash[:12]}"
+            )
+    return engine, proposer
+
+
+async def _generate(args: argparse.Namespace) -> dict:
+    from specserve.gateway.local import LocalDraft, LocalTarget
+    from specserve.gateway.spec_loop import FinalEvent, GenerationRequest, run_request
+
+    engine, proposer = build_local(args)
+    tokenizer = getattr(engine, "tokenizer", None)
+    request = GenerationRequest(
+        prompt_ids=prompt_ids_from_args(args, tokenizer),
+        max_new_tokens=args.max_new_tokens,
+        sampling=sampling_from_args(args),
+        num_speculative_tokens=args.num_speculative_tokens,
+        stop=tuple(args.stop),
+    )
+    target = LocalTarget(engine)
+    draft = LocalDraft(proposer) if proposer is not None else None
+    try:
+        async for event in run_request(request, target, draft, tokenizer=tokenizer):
+            if isinstance(event, FinalEvent):
+                return {
+                    "token_ids": event.token_ids,
+                    "text": event.text,
+                    "finish_reason": event.finish_reason,
+                    "stats": event.stats.as_dict(),
+                }
+            if not args.json and event.text:
+                print(event.text, end="", flush=True)
+    finally:
+        target.close()
+        if draft is not None:
+            draft.close()
+    raise RuntimeError("the request ended without a final event")
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvloop
+
+    out = uvloop.run(_generate(args))
+    if args.json:
+        print(result_json(out["token_ids"], out["text"], out["finish_reason"], out["stats"]))
+    else:
+        stats = out["stats"]
+        if out["text"] is None:
+            print(",".join(map(str, out["token_ids"])))
+        else:
+            print()
+        print(
+            f"[{len(out['token_ids'])} tokens, {stats['tokens_per_s']:.1f} tok/s, "
+            f"mean accepted length {stats['mean_accepted_length']:.2f}, finish {out['finish_reason']}]",
+            file=sys.stderr,
+        )
+    return 0
