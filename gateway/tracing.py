@@ -1,38 +1,218 @@
-"""OpenTelemetry span names and attribute keys: the one place they are defined (README lists them).
+"""OpenTelemetry for the three services: setup from the standard env vars, span names, attribute keys,
+W3C trace-context propagation through gRPC, and a few speculative-decoding metrics.
 
-(The exporter set-up lives beside these constants; the per-request loop in spec_loop.py uses them.)
+Tracing is on when OTEL_TRACES_EXPORTER is ``otlp``/``console``, or when it is unset and an OTLP
+endpoint (OTEL_EXPORTER_OTLP_ENDPOINT / OTEL_EXPORTER_OTLP_TRACES_ENDPOINT) is set. With nothing set no
+provider is installed: the API's no-op tracer costs a function call per span. Metrics follow the same
+rule with OTEL_METRICS_EXPORTER / OTEL_EXPORTER_OTLP_METRICS_ENDPOINT. The service name is
+OTEL_SERVICE_NAME, else the service's default (specserve-target, specserve-draft, specserve-gateway).
+
+The glossary words (drafted, accepted, ...) are the ones of target_service/engine/types.py.
 """
 
 from __future__ import annotations
 
-from opentelemetry import trace
+import os
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from opentelemetry import context as otel_context
+from opentelemetry import metrics, propagate, trace
 
 TRACER_NAME = "specserve"
 
-# span names
-SPAN_REQUEST = "gateway.request"
-SPAN_PREFILL = "target.prefill"
-SPAN_DRAFT_START = "draft.start"
-SPAN_DRAFT_PROPOSE = "draft.propose"
-SPAN_TARGET_VERIFY = "target.verify"
-SPAN_ACCEPT_STREAM = "gateway.accept_stream"
+# --------------------------------------------------------------------------------- span names
+# The gateway's spec loop opens the request, prefill, draft.*, target.verify and accept_stream spans
+# (kind INTERNAL); the target and draft services open spans of the same names (kind SERVER) as
+# children of the caller's span, carrying what only the service knows (batch size, queue time).
+SPAN_REQUEST = "gateway.request"          # one Generate call, first byte to final message
+SPAN_PREFILL = "target.prefill"           # prompt forward + first pending token
+SPAN_DRAFT_START = "draft.start"          # draft session start (prompt + hidden states)
+SPAN_DRAFT_PROPOSE = "draft.propose"      # one proposal (per step)
+SPAN_TARGET_VERIFY = "target.verify"      # one verify of a session (per step)
+SPAN_ACCEPT_STREAM = "gateway.accept_stream"  # apply emitted tokens, detokenize, stop checks, stream
+SPAN_TARGET_BATCH = "target.verify_batch"  # target: one batched forward over several sessions
+SPAN_RELEASE = "release"                  # target/draft: free a session
 
-# attribute keys (GenAI semantic conventions where they exist)
+# ---------------------------------------------------------------------------- attribute keys
+# OpenTelemetry GenAI semantic conventions where they exist
 ATTR_MODEL = "gen_ai.request.model"
 ATTR_INPUT_TOKENS = "gen_ai.usage.input_tokens"
 ATTR_OUTPUT_TOKENS = "gen_ai.usage.output_tokens"
+ATTR_MAX_TOKENS = "gen_ai.request.max_tokens"
+ATTR_TEMPERATURE = "gen_ai.request.temperature"
+ATTR_TOP_P = "gen_ai.request.top_p"
+# specserve
 ATTR_TTFT_S = "specserve.time_to_first_token_s"
-ATTR_DRAFT_FAMILY = "specserve.draft.family"
-ATTR_DRAFT_FALLBACK = "specserve.draft.fallback"
-ATTR_K = "specserve.spec.k"
-ATTR_TREE_SIZE = "specserve.spec.tree_size"
-ATTR_ACCEPTED = "specserve.spec.accepted"
-ATTR_EMITTED = "specserve.spec.emitted"
-ATTR_FORWARD_MS = "specserve.target.forward_ms"
-ATTR_EXPERTS_TOUCHED = "specserve.target.experts_touched"
-ATTR_MEAN_ACCEPTED_LENGTH = "specserve.spec.mean_accepted_length"
 ATTR_FINISH_REASON = "specserve.finish_reason"
+ATTR_SESSION = "specserve.session_id"
+ATTR_DRAFT_NAME = "specserve.draft.name"
+ATTR_DRAFT_FAMILY = "specserve.draft.family"
+ATTR_DRAFT_FALLBACK = "specserve.draft.fallback"  # the draft failed; target-only from there on
+ATTR_K = "specserve.spec.k"                       # drafted tokens asked for / offered
+ATTR_TREE_SIZE = "specserve.spec.tree_size"       # drafted tree nodes (0 for a chain)
+ATTR_ACCEPTED = "specserve.spec.accepted"         # accepted drafted tokens this step
+ATTR_EMITTED = "specserve.spec.emitted"           # accepted + 1
+ATTR_MEAN_ACCEPTED_LENGTH = "specserve.spec.mean_accepted_length"
+ATTR_FORWARD_MS = "specserve.target.forward_ms"   # device forward time (CUDA events on GPU)
+ATTR_SAMPLE_MS = "specserve.target.sample_ms"
+ATTR_QUEUE_MS = "specserve.queue_ms"              # waiting for the engine / drafter thread
+ATTR_BATCH_SIZE = "specserve.target.batch_size"   # sessions verified in the same forward
+ATTR_EXPERTS_TOUCHED = "specserve.target.experts_touched"
+ATTR_PROMPT_TOKENS = "specserve.prompt_tokens"
+
+TRACES_ENV = ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+METRICS_ENV = ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT")
+
+
+def _exporter_choice(kind_env: str, endpoint_envs: Iterable[str]) -> str:
+    """'otlp', 'console' or 'none' for a signal, from the standard env vars."""
+    choice = os.environ.get(kind_env, "").strip().lower()
+    if choice:
+        return choice.split(",")[0].strip()
+    return "otlp" if any(os.environ.get(e) for e in endpoint_envs) else "none"
+
+
+@dataclass
+class Telemetry:
+    """What setup_telemetry installed; shutdown() flushes the batch processors (call it on exit)."""
+
+    service_name: str
+    tracer_provider: object | None = None
+    meter_provider: object | None = None
+
+    @property
+    def tracing(self) -> bool:
+        return self.tracer_provider is not None
+
+    def shutdown(self) -> None:
+        if self.tracer_provider is not None:
+            self.tracer_provider.force_flush(5_000)
+            self.tracer_provider.shutdown()
+        if self.meter_provider is not None:
+            self.meter_provider.shutdown(timeout_millis=5_000)
+
+
+def setup_telemetry(default_service_name: str) -> Telemetry:
+    """Install the global tracer/meter providers the env vars ask for (none when nothing is set)."""
+    name = os.environ.get("OTEL_SERVICE_NAME") or default_service_name
+    tel = Telemetry(service_name=name)
+    traces = _exporter_choice("OTEL_TRACES_EXPORTER", TRACES_ENV)
+    metric_kind = _exporter_choice("OTEL_METRICS_EXPORTER", METRICS_ENV)
+    if traces == "none" and metric_kind == "none":
+        return tel
+    from opentelemetry.sdk.resources import SERVICE_NAME, Resource
+
+    resource = Resource.create({SERVICE_NAME: name})
+    if traces != "none":
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+        provider = TracerProvider(resource=resource)
+        provider.add_span_processor(BatchSpanProcessor(_span_exporter(traces)))
+        trace.set_tracer_provider(provider)
+        tel.tracer_provider = provider
+    if metric_kind != "none":
+        from opentelemetry.sdk.metrics import MeterProvider
+        from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
+
+        reader = PeriodicExportingMetricReader(_metric_exporter(metric_kind))
+        meter_provider = MeterProvider(resource=resource, metric_readers=[reader])
+        metrics.set_meter_provider(meter_provider)
+        tel.meter_provider = meter_provider
+    return tel
+
+
+def _span_exporter(kind: str):
+    if kind == "otlp":
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+
+        return OTLPSpanExporter()
+    if kind == "console":
+        from opentelemetry.sdk.trace.export import ConsoleSpanExporter
+
+        return ConsoleSpanExporter()
+    raise ValueError(f"OTEL_TRACES_EXPORTER={kind!r}: specserve supports otlp, console or none")
+
+
+def _metric_exporter(kind: str):
+    if kind == "otlp":
+        from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter
+
+        return OTLPMetricExporter()
+    if kind == "console":
+        from opentelemetry.sdk.metrics.export import ConsoleMetricExporter
+
+        return ConsoleMetricExporter()
+    raise ValueError(f"OTEL_METRICS_EXPORTER={kind!r}: specserve supports otlp, console or none")
 
 
 def tracer() -> trace.Tracer:
     return trace.get_tracer(TRACER_NAME)
+
+
+# ------------------------------------------------------------------------------- propagation
+def outgoing_metadata(extra: Iterable[tuple[str, str]] = ()) -> tuple[tuple[str, str], ...]:
+    """gRPC call metadata carrying the current span's W3C trace context (traceparent, tracestate)."""
+    carrier: dict[str, str] = {}
+    propagate.inject(carrier)
+    return (*extra, *carrier.items())
+
+
+def current_trace_context() -> dict[str, str]:
+    """The current W3C trace context as a plain map (for the per-message trace_context proto field)."""
+    carrier: dict[str, str] = {}
+    propagate.inject(carrier)
+    return carrier
+
+
+def context_from_metadata(metadata: Iterable[tuple[str, str | bytes]] | None) -> otel_context.Context:
+    """The caller's trace context from incoming gRPC metadata (the empty context when absent)."""
+    carrier = {k: v for k, v in (metadata or ()) if isinstance(v, str)}
+    return propagate.extract(carrier)
+
+
+def context_from_map(carrier: Mapping[str, str], fallback: otel_context.Context | None = None):
+    """The trace context of a per-message trace_context map, or fallback when the map is empty."""
+    if not carrier:
+        return fallback if fallback is not None else otel_context.get_current()
+    return propagate.extract(dict(carrier))
+
+
+# ----------------------------------------------------------------------------------- metrics
+class SpecMetrics:
+    """Speculative-decoding metrics, exported over OTLP when a meter provider is installed.
+
+    acceptance rate = specserve.spec.accepted / specserve.spec.drafted (two counters); accepted length
+    per step and step latency are histograms; accepted-per-position is a counter with a position
+    attribute; tokens/s and TTFT are per-request histograms.
+    """
+
+    def __init__(self) -> None:
+        meter = metrics.get_meter(TRACER_NAME)
+        self.drafted = meter.create_counter("specserve.spec.drafted", unit="{token}")
+        self.accepted = meter.create_counter("specserve.spec.accepted", unit="{token}")
+        self.accepted_length = meter.create_histogram("specserve.spec.accepted_length", unit="{token}")
+        self.accepted_per_position = meter.create_counter("specserve.spec.accepted_per_position", unit="{token}")
+        self.step_latency = meter.create_histogram("specserve.spec.step_latency", unit="ms")
+        self.tokens_per_s = meter.create_histogram("specserve.request.tokens_per_s", unit="{token}/s")
+        self.ttft = meter.create_histogram("specserve.request.ttft", unit="s")
+        self.requests = meter.create_counter("specserve.requests", unit="{request}")
+
+    def record_step(self, num_drafted: int, num_accepted: int, latency_ms: float) -> None:
+        self.drafted.add(num_drafted)
+        self.accepted.add(num_accepted)
+        self.accepted_length.record(num_accepted + 1)
+        self.step_latency.record(latency_ms)
+
+    def record_request(self, stats: Mapping, finish_reason: str, draft_name: str) -> None:
+        """stats: the JSON stats dict (steps, accepted_per_position, tokens_per_s, ttft_s)."""
+        attrs = {ATTR_FINISH_REASON: finish_reason, ATTR_DRAFT_NAME: draft_name}
+        self.requests.add(1, attrs)
+        for i, n in enumerate(stats.get("accepted_per_position", ())):
+            if n:
+                self.accepted_per_position.add(int(n), {"position": i})
+        if stats.get("tokens_per_s"):
+            self.tokens_per_s.record(float(stats["tokens_per_s"]))
+        if stats.get("ttft_s") is not None:
+            self.ttft.record(float(stats["ttft_s"]))

@@ -1,0 +1,201 @@
+"""Shared bootstrap of the three gRPC services (target, draft, gateway) and of their clients.
+
+- grpc.aio server on uvloop, bound to TCP (``HOST:PORT``) and/or Unix-domain (``unix:/path``) addresses;
+- grpc.health.v1 health (SERVING once bound, NOT_SERVING while draining) and server reflection;
+- keepalive that keeps idle long-lived streams open, raised message-size limits (draft probs are MBs);
+- graceful SIGTERM/SIGINT: stop accepting, let in-flight calls finish within a grace period, then run
+  the service's own shutdown (engine thread, tracing flush).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
+from grpc_reflection.v1alpha import reflection
+
+from specserve.errors import SpecserveError
+
+MAX_MESSAGE_BYTES = 512 * 1024 * 1024
+
+# Keepalive: clients ping every 30 s even without calls; servers accept that rate and never count
+# pings without data against the peer, so an idle VerifyStream or ProposeStream survives for hours.
+_KEEPALIVE_MS = 30_000
+_KEEPALIVE_TIMEOUT_MS = 10_000
+
+
+class AddressError(SpecserveError):
+    """A listen or connect address that is neither HOST:PORT nor unix:/path."""
+
+
+def check_address(address: str) -> str:
+    """Return address unchanged if it is ``HOST:PORT`` (port 0-65535) or ``unix:PATH``; else raise."""
+    if address.startswith("unix:"):
+        if len(address) <= len("unix:"):
+            raise AddressError(f"address {address!r}: empty unix socket path")
+        return address
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise AddressError(f"address {address!r}: expected HOST:PORT or unix:/path")
+    return address
+
+
+def server_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
+    return [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.keepalive_time_ms", _KEEPALIVE_MS),
+        ("grpc.keepalive_timeout_ms", _KEEPALIVE_TIMEOUT_MS),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.min_recv_ping_interval_without_data_ms", _KEEPALIVE_MS // 2),
+        ("grpc.http2.max_ping_strikes", 0),
+        ("grpc.http2.max_pings_without_data", 0),
+        ("grpc.so_reuseport", 0),
+    ]
+
+
+def channel_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
+    """Client side: the same limits and keepalive, and a short reconnect backoff so that a restarted
+    service is used again within about a second."""
+    return [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.keepalive_time_ms", _KEEPALIVE_MS),
+        ("grpc.keepalive_timeout_ms", _KEEPALIVE_TIMEOUT_MS),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
+        ("grpc.initial_reconnect_backoff_ms", 100),
+        ("grpc.min_reconnect_backoff_ms", 100),
+        ("grpc.max_reconnect_backoff_ms", 1000),
+        ("grpc.enable_retries", 0),
+    ]
+
+
+def aio_channel(address: str) -> grpc.aio.Channel:
+    return grpc.aio.insecure_channel(check_address(address), options=channel_options())
+
+
+@dataclass(frozen=True)
+class ServiceBinding:
+    """One servicer to register: the generated ``add_XServicer_to_server`` and its full service name."""
+
+    add_to_server: Callable
+    servicer: object
+    full_name: str  # e.g. target_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    addresses: tuple[str, ...]
+    grace_s: float = 10.0
+    max_message_bytes: int = MAX_MESSAGE_BYTES
+
+    def __post_init__(self) -> None:
+        if not self.addresses:
+            raise AddressError("no listen address given")
+        for a in self.addresses:
+            check_address(a)
+        if self.grace_s < 0:
+            raise ValueError(f"grace_s must be >= 0, got {self.grace_s}")
+
+
+class RunningServer:
+    """A started server: its bound addresses, health servicer, and a stop() that drains it."""
+
+    def __init__(self, server: grpc.aio.Server, health: HealthServicer, names: Sequence[str], bound: list[str]):
+        self.server = server
+        self.health = health
+        self.names = tuple(names)
+        self.bound = bound  # addresses with the real port (port 0 resolved)
+        self._stopping = False
+
+    async def stop(self, grace_s: float) -> None:
+        if self._stopping:
+            return
+        self._stopping = True
+        for name in ("", *self.names):
+            await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self.server.stop(grace_s)
+
+
+async def start_server(config: ServerConfig, bindings: Sequence[ServiceBinding]) -> RunningServer:
+    """Register bindings + health + reflection, bind every address, start, and mark SERVING."""
+    server = grpc.aio.server(options=server_options(config.max_message_bytes))
+    health = HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    names = [b.full_name for b in bindings]
+    for b in bindings:
+        b.add_to_server(b.servicer, server)
+    reflection.enable_server_reflection(
+        (*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server
+    )
+    bound = []
+    for address in config.addresses:
+        if address.startswith("unix:"):
+            path = address[len("unix:") :].removeprefix("//")
+            if os.path.exists(path):
+                os.unlink(path)  # a stale socket left by a killed process
+        try:
+            port = server.add_insecure_port(address)
+        except RuntimeError as e:
+            raise AddressError(f"cannot listen on {address}: {e}") from None
+        if address.startswith("unix:"):
+            bound.append(address)
+        else:
+            bound.append(f"{address.rpartition(':')[0]}:{port}")
+    await server.start()
+    for name in ("", *names):
+        await health.set(name, health_pb2.HealthCheckResponse.SERVING)
+    return RunningServer(server, health, names, bound)
+
+
+async def serve_until_signal(
+    config: ServerConfig,
+    bindings: Sequence[ServiceBinding],
+    on_ready: Callable[[RunningServer], None] | None = None,
+    on_stop: Callable[[], Awaitable[None]] | None = None,
+) -> None:
+    """Run a server until SIGTERM/SIGINT, then drain in-flight calls for grace_s and run on_stop."""
+    running = await start_server(config, bindings)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        if on_ready is not None:
+            on_ready(running)
+        await stop.wait()
+    finally:
+        await running.stop(config.grace_s)
+        if on_stop is not None:
+            await on_stop()
+
+
+def run_async(main: Awaitable) -> None:
+    """Run a coroutine on uvloop (the event loop every specserve service uses)."""
+    import uvloop
+
+    uvloop.run(main)
+
+
+async def wait_healthy(address: str, timeout_s: float, service: str = "") -> None:
+    """Poll grpc.health.v1 at address until SERVING; raise TimeoutError after timeout_s."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    async with aio_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while True:
+            try:
+                resp = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=1.0)
+                if resp.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.aio.AioRpcError:
+                pass
+            if asyncio.get_running_loop().time() > deadline:
+                raise TimeoutError(f"{address} not healthy after {timeout_s} s")
+            await asyncio.sleep(0.1)

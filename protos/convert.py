@@ -1,0 +1,141 @@
+"""Conversions between engine data types (target_service/engine/types.py) and specserve.v1 messages.
+
+Every ``from_proto`` direction validates what arrived on the wire and raises ``ConversionError``
+(a ValueError) naming the field; servers map it to INVALID_ARGUMENT.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from specserve.protos.specserve.v1 import common_pb2, draft_pb2
+from specserve.target_service.engine.types import DraftBlock, SamplingParams, StepTimings
+
+_F32_LE = np.dtype("<f4")
+
+
+class ConversionError(ValueError):
+    """A message could not be converted: the text names the field and the problem."""
+
+
+# ---------------------------------------------------------------------------------------- tensors
+def tensor_to_proto(t: torch.Tensor | None) -> common_pb2.Tensor | None:
+    """A tensor of any float dtype / device -> little-endian float32 row-major bytes (None -> None)."""
+    if t is None:
+        return None
+    arr = t.detach().to(device="cpu", dtype=torch.float32).contiguous().numpy()
+    return common_pb2.Tensor(shape=list(arr.shape), data=arr.astype(_F32_LE, copy=False).tobytes())
+
+
+def tensor_from_proto(msg: common_pb2.Tensor, field: str = "tensor") -> torch.Tensor:
+    """A Tensor message -> a float32 CPU tensor (a private copy; the message's bytes are not shared)."""
+    shape = tuple(int(d) for d in msg.shape)
+    if any(d < 0 for d in shape):
+        raise ConversionError(f"{field}: negative dimension in shape {shape}")
+    numel = math.prod(shape)
+    if len(msg.data) != 4 * numel:
+        raise ConversionError(
+            f"{field}: {len(msg.data)} bytes of data for shape {shape} (expected {4 * numel})"
+        )
+    arr = np.frombuffer(msg.data, dtype=_F32_LE).astype(np.float32, copy=True).reshape(shape)
+    return torch.from_numpy(arr)
+
+
+def optional_tensor(parent, name: str, field: str | None = None) -> torch.Tensor | None:
+    """parent.<name> as a tensor when the message field is set, else None."""
+    if not parent.HasField(name):
+        return None
+    return tensor_from_proto(getattr(parent, name), field or name)
+
+
+# ----------------------------------------------------------------------------------- sampling
+def sampling_to_proto(s: SamplingParams) -> common_pb2.SamplingParams:
+    msg = common_pb2.SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k)
+    if s.seed is not None:
+        msg.seed = s.seed
+    return msg
+
+
+def sampling_from_proto(msg: common_pb2.SamplingParams, field: str = "sampling") -> SamplingParams:
+    """Wire -> SamplingParams; top_p 0 on the wire means unset (1.0)."""
+    top_p = msg.top_p if msg.top_p != 0.0 else 1.0
+    seed = msg.seed if msg.HasField("seed") else None
+    try:
+        return SamplingParams(temperature=msg.temperature, top_p=top_p, top_k=msg.top_k, seed=seed)
+    except ValueError as e:
+        raise ConversionError(f"{field}: {e}") from None
+
+
+# --------------------------------------------------------------------------------- draft blocks
+def draft_block_to_proto(block: DraftBlock) -> common_pb2.DraftBlock:
+    msg = common_pb2.DraftBlock(token_ids=list(block.token_ids), is_tree=not block.is_chain)
+    if block.parents is not None:
+        msg.parents.extend(block.parents)
+    if block.probs is not None:
+        msg.probs.CopyFrom(tensor_to_proto(block.probs))
+        msg.has_probs = True
+    return msg
+
+
+def draft_block_from_proto(
+    msg: common_pb2.DraftBlock, vocab_size: int | None = None, field: str = "draft"
+) -> DraftBlock:
+    """Wire -> DraftBlock. With vocab_size, also checks ids are in [0, vocab) and probs is [n, vocab]
+    with finite, non-negative entries (what a verifier needs to trust a block)."""
+    ids = tuple(int(t) for t in msg.token_ids)
+    parents: tuple[int, ...] | None = None
+    if msg.is_tree:
+        parents = tuple(int(p) for p in msg.parents)
+    elif len(msg.parents):
+        raise ConversionError(f"{field}.parents: set on a chain (is_tree is false)")
+    probs = tensor_from_proto(msg.probs, f"{field}.probs") if msg.has_probs else None
+    if vocab_size is not None:
+        check_block_values(ids, probs, vocab_size, field)
+    try:
+        return DraftBlock(token_ids=ids, parents=parents, probs=probs)
+    except ValueError as e:
+        raise ConversionError(f"{field}: {e}") from None
+
+
+def check_block_values(
+    ids: Sequence[int], probs: torch.Tensor | None, vocab_size: int, field: str = "draft"
+) -> None:
+    """Raise ConversionError unless every id is in [0, vocab_size) and probs (if any) is a finite,
+    non-negative [len(ids), vocab_size] tensor."""
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ConversionError(f"{field}.token_ids: {bad[:4]} outside the vocabulary [0, {vocab_size})")
+    if probs is None:
+        return
+    if probs.dim() != 2 or tuple(probs.shape) != (len(ids), vocab_size):
+        raise ConversionError(
+            f"{field}.probs: shape {tuple(probs.shape)}, expected ({len(ids)}, {vocab_size})"
+        )
+    if not bool(torch.isfinite(probs).all()):
+        raise ConversionError(f"{field}.probs: contains NaN or inf")
+    if bool((probs < 0).any()):
+        raise ConversionError(f"{field}.probs: contains negative entries")
+
+
+# ------------------------------------------------------------------------------------ timings
+def timings_to_proto(t: StepTimings, total_ms: float = 0.0, queue_ms: float | None = None):
+    """StepTimings -> wire; queue_ms (measured by the server) overrides the engine's value."""
+    return common_pb2.StepTimings(
+        queue_ms=t.queue_ms if queue_ms is None else queue_ms,
+        forward_ms=t.forward_ms,
+        sample_ms=t.sample_ms,
+        total_ms=total_ms,
+    )
+
+
+def timings_from_proto(msg: common_pb2.StepTimings) -> StepTimings:
+    return StepTimings(queue_ms=msg.queue_ms, forward_ms=msg.forward_ms, sample_ms=msg.sample_ms)
+
+
+# ------------------------------------------------------------------------------------- trees
+def tree_spec_to_proto(num_nodes: int, top_k: int, depth: int) -> draft_pb2.TreeSpec:
+    return draft_pb2.TreeSpec(num_nodes=num_nodes, top_k=top_k, depth=depth)
