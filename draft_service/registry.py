@@ -1,0 +1,52 @@
+"""The one place that maps drafter family names to factories. Nothing else branches on names.
+
+Factories import their module lazily, so building an ``ngram`` drafter never imports model code.
+"""
+
+from __future__ import annotations
+
+from types import MappingProxyType
+from typing import Callable, Mapping
+
+from specserve.draft_service.proposer import DrafterConfig, DrafterConfigError, Proposer
+
+ProposerFactory = Callable[[DrafterConfig], Proposer]
+
+
+def _ngram(config: DrafterConfig) -> Proposer:
+    from specserve.draft_service.ngram import build_ngram_proposer
+
+    return build_ngram_proposer(config)
+
+
+def _model(config: DrafterConfig) -> Proposer:
+    from specserve.draft_service.model_drafter import build_model_proposer
+
+    return build_model_proposer(config)
+
+
+def _eagle3(config: DrafterConfig) -> Proposer:
+    from specserve.draft_service.eagle3 import build_eagle3_proposer
+
+    return build_eagle3_proposer(config)
+
+
+def _dflash(config: DrafterConfig) -> Proposer:
+    from specserve.draft_service.dflash import build_dflash_proposer
+
+    return build_dflash_proposer(config)
+
+
+PROPOSER_FACTORIES: Mapping[str, ProposerFactory] = MappingProxyType(
+    {"ngram": _ngram, "model": _model, "eagle3": _eagle3, "dflash": _dflash}
+)
+
+
+def build_proposer(config: DrafterConfig) -> Proposer:
+    """Build the drafter ``config.family`` names; unknown family -> DrafterConfigError."""
+    factory = PROPOSER_FACTORIES.get(config.family)
+    if factory is None:
+        raise DrafterConfigError(
+            f"unknown drafter family {config.family!r}; known: {sorted(PROPOSER_FACTORIES)}"
+        )
+    return factory(config)
