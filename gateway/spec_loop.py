@@ -5,27 +5,37 @@ target_service/engine/types.py). The drafter keeps its own copy of S; each propo
 much of its copy is still confirmed (``prefix_len``) and what to append, so a drafter can never
 drift from the target. A drafter failure only drops speculation: the loop goes on target-only, which
 is still lossless, and the request is marked ``draft_fallback``.
+
+Two optional policies change only *which* tokens are verified, never the acceptance rule:
+- adaptive speculation (gateway/adaptive.py) picks each step's chain length;
+- draft-ahead: while the target verifies block n, the drafter already drafts block n+1 assuming
+  block n is accepted in full (its first token is its guess of the bonus token). When that guess
+  holds, the next verify starts at once; otherwise the ahead block is dropped.
 """
 
 from __future__ import annotations
 
+import asyncio
+import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from specserve.gateway import tracing as names
+from specserve.gateway.adaptive import AdaptiveSpeculation
 from specserve.gateway.clients import DraftClient, DraftError, TargetClient
-
-
-class MalformedDraft(DraftError):
-    """One drafted block is unusable; that step runs target-only and the drafter is kept."""
 from specserve.gateway.detok import IncrementalText
 from specserve.gateway.stats import SpecStats
 from specserve.target_service.engine.types import DraftBlock, SamplingParams
 
 EMPTY_BLOCK = DraftBlock(token_ids=())
+
+
+class MalformedDraft(DraftError):
+    """One drafted block is unusable; that step runs target-only and the drafter is kept."""
 
 
 @dataclass(frozen=True)
@@ -37,6 +47,8 @@ class GenerationRequest:
     tree: object | None = None  # a TreeSpec for tree drafting
     stop: tuple[str, ...] = ()
     model_name: str = ""
+    adaptive: bool = False
+    draft_ahead: bool = False
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:
@@ -78,6 +90,22 @@ def check_block(block: DraftBlock, max_nodes: int, vocab_size: int) -> None:
             raise MalformedDraft("draft probs are not a finite non-negative distribution")
 
 
+def truncate_chain(block: DraftBlock, k: int) -> DraftBlock:
+    """The first k drafted tokens of a chain (verifying a prefix is always lossless)."""
+    if k >= len(block) or not block.is_chain:
+        return block
+    probs = None if block.probs is None else block.probs[:k]
+    return DraftBlock(token_ids=block.token_ids[:k], probs=probs)
+
+
+def drafted_confidence(block: DraftBlock) -> np.ndarray | None:
+    """q of each drafted token: the drafter's own estimate that the target agrees."""
+    if block.probs is None or not block.is_chain or not len(block):
+        return None
+    ids = torch.tensor(block.token_ids, dtype=torch.long)
+    return block.probs[torch.arange(len(ids)), ids].float().numpy()
+
+
 class _DraftSync:
     """What the drafter already holds of S, and the target hidden rows it has not been sent yet."""
 
@@ -98,6 +126,133 @@ class _DraftSync:
         return rows
 
 
+class _Run:
+    """One request's state between steps."""
+
+    def __init__(self, request, target, draft, info, tokenizer, adaptive, sid) -> None:
+        self.request, self.target, self.draft, self.info = request, target, draft, info
+        self.adaptive: AdaptiveSpeculation | None = adaptive if request.adaptive else None
+        self.sid = sid
+        self.stats = SpecStats()
+        self.text = IncrementalText(tokenizer, request.stop)
+        self.tracer = names.tracer()
+        self.seq: list[int] = []
+        self.emitted: list[int] = []
+        self.sync = _DraftSync(needs_hidden=False)
+        self.ahead: DraftBlock | None = None  # a block drafted in advance for the current S
+        self.last_ahead_ms = 0.0
+        self.draft_session = draft  # released at the end even if the request fell back to target-only
+
+    def fallback(self, span, exc: Exception) -> None:
+        """Drop the drafter for the rest of the request."""
+        self.stats.draft_fallback = True
+        self.draft = None
+        span.add_event("draft fallback", {"reason": str(exc)[:200]})
+
+    def chain_limit(self) -> int:
+        remaining = self.request.max_new_tokens - len(self.emitted)
+        return max(0, min(self.request.num_speculative_tokens, remaining - 1, self.info.max_context - len(self.seq) - 1))
+
+    async def propose(self, span) -> DraftBlock:
+        limit = self.chain_limit()
+        if self.draft is None or limit == 0:
+            return EMPTY_BLOCK
+        if self.ahead is not None:
+            block, self.ahead = truncate_chain(self.ahead, limit), None
+            return block
+        k = limit if self.adaptive is None else max(1, self.adaptive.choose_k(limit))
+        t0 = time.perf_counter()
+        try:
+            with self.tracer.start_as_current_span(names.SPAN_DRAFT_PROPOSE) as dspan:
+                dspan.set_attribute(names.ATTR_K, k)
+                block = await self.draft.propose(
+                    self.sid, self.sync.known, self.seq[self.sync.known :], self.sync.take_hidden(), k, self.request.tree
+                )
+            self.sync.known = len(self.seq)
+            max_nodes = self.request.tree.num_nodes if self.request.tree is not None else k
+            check_block(block, max_nodes, self.info.vocab_size)
+        except MalformedDraft as exc:
+            span.add_event("malformed draft ignored", {"reason": str(exc)[:200]})
+            return EMPTY_BLOCK
+        except DraftError as exc:
+            self.fallback(span, exc)
+            return EMPTY_BLOCK
+        ms = (time.perf_counter() - t0) * 1e3
+        self.stats.draft_ms += ms
+        if self.adaptive is not None:
+            self.adaptive.observe_draft(len(block), ms)
+            block = truncate_chain(block, self.adaptive.choose_k(len(block), drafted_confidence(block)))
+        return block
+
+    async def draft_next_ahead(self, block: DraftBlock) -> DraftBlock | None:
+        """Draft block n+1 while block n is verified, assuming block n is accepted in full."""
+        k = self.request.num_speculative_tokens
+        t0 = time.perf_counter()
+        try:
+            ahead = await self.draft.propose(
+                self.sid, self.sync.known, self.seq[self.sync.known :] + list(block.token_ids), None, k + 1, None
+            )
+            check_block(ahead, k + 1, self.info.vocab_size)
+        except DraftError:
+            return None
+        self.last_ahead_ms = (time.perf_counter() - t0) * 1e3
+        self.stats.draft_ahead_ms += self.last_ahead_ms
+        return ahead
+
+    async def verify(self, span, block: DraftBlock):
+        ahead_task = None
+        if self.request.draft_ahead and self.draft is not None and block.is_chain and len(block) and not self.sync.needs_hidden:
+            ahead_task = asyncio.ensure_future(self.draft_next_ahead(block))
+        try:
+            with self.tracer.start_as_current_span(names.SPAN_TARGET_VERIFY) as vspan:
+                t0 = time.perf_counter()
+                res = await self.target.verify(self.sid, block)
+                verify_wall_ms = (time.perf_counter() - t0) * 1e3
+                vspan.set_attribute(names.ATTR_K, len(block))
+                vspan.set_attribute(names.ATTR_TREE_SIZE, 0 if block.is_chain else len(block))
+                vspan.set_attribute(names.ATTR_ACCEPTED, len(res.accepted_ids))
+                vspan.set_attribute(names.ATTR_EMITTED, len(res.accepted_ids) + 1)
+                vspan.set_attribute(names.ATTR_FORWARD_MS, res.timings.forward_ms)
+                vspan.set_attribute(names.ATTR_EXPERTS_TOUCHED, res.experts_touched)
+        finally:
+            ahead = await ahead_task if ahead_task is not None else None
+        if ahead is not None:
+            # the drafter now holds S + block (+ its own tail); confirmed: S + the accepted prefix
+            self.sync.known = len(self.seq) + len(res.accepted_ids)
+            if len(res.accepted_ids) == len(block) and ahead.token_ids[:1] == (res.next_token,):
+                probs = None if ahead.probs is None else ahead.probs[1:]
+                self.ahead = DraftBlock(token_ids=ahead.token_ids[1:], probs=probs)
+                self.stats.draft_ahead_hits += 1
+                self.stats.draft_hidden_ms += min(self.last_ahead_ms, verify_wall_ms)
+        self.stats.record_step(len(block), len(res.accepted_ids))
+        self.stats.verify_ms += res.timings.forward_ms
+        if self.adaptive is not None and block.is_chain:
+            self.adaptive.observe_verify(len(block), len(res.accepted_ids), res.experts_touched, verify_wall_ms)
+        self.sync.add_hidden(res.hidden)
+        return res
+
+    def cut(self, new: list[int]) -> tuple[list[int], str | None, str]:
+        """Trim a step's emitted tokens at the first eos (kept), a stop string or the limits."""
+        room = self.request.max_new_tokens - len(self.emitted)
+        eos = self.info.eos_token_ids
+        finish = None
+        for i, t in enumerate(new[:room]):
+            if t in eos:
+                new, finish = new[: i + 1], "eos"
+                break
+        else:
+            if len(new) >= room:
+                new, finish = new[:room], "length"
+        delta, stopped = self.text.push(new)
+        self.emitted.extend(new)
+        self.stats.completion_tokens = len(self.emitted)
+        if stopped:
+            finish = "stop"
+        elif finish is None and len(self.seq) >= self.info.max_context:
+            finish = "length"
+        return new, finish, delta
+
+
 async def run_request(
     request: GenerationRequest,
     target: TargetClient,
@@ -105,116 +260,69 @@ async def run_request(
     *,
     tokenizer=None,
     target_info=None,
+    adaptive: AdaptiveSpeculation | None = None,
     session_id: str | None = None,
 ) -> AsyncIterator[TokenEvent | FinalEvent]:
-    """Yield token deltas as they are accepted, then one FinalEvent. Releases both sessions at the end."""
+    """Yield token deltas as they are accepted, then one FinalEvent. Releases both sessions at the end.
+
+    ``adaptive`` is the process-wide chooser (its cost model outlives requests); it is used only when
+    ``request.adaptive`` is set.
+    """
     sid = session_id or uuid.uuid4().hex
     info = target_info or await target.info()
-    eos = frozenset(info.eos_token_ids)
-    stats = SpecStats()
-    text = IncrementalText(tokenizer, request.stop)
-    tracer = names.tracer()
+    if request.adaptive and adaptive is None:
+        raise ValueError("adaptive speculation was asked for but no AdaptiveSpeculation was given")
+    run = _Run(request, target, draft, info, tokenizer, adaptive, sid)
+    tracer = run.tracer
     with tracer.start_as_current_span(names.SPAN_REQUEST) as span:
         span.set_attribute(names.ATTR_MODEL, request.model_name or info.model_type)
         span.set_attribute(names.ATTR_INPUT_TOKENS, len(request.prompt_ids))
-        draft_info = None
-        if draft is not None:
+        span.set_attribute(names.ATTR_SESSION, sid)
+        hidden_layers: tuple[int, ...] = ()
+        if run.draft is not None:
             try:
-                draft_info = await draft.info()
+                draft_info = await run.draft.info()
                 span.set_attribute(names.ATTR_DRAFT_FAMILY, draft_info.family)
-            except DraftError:
-                draft, stats.draft_fallback = None, True
-        hidden_layers = tuple(draft_info.hidden_layers) if draft_info and draft_info.needs_hidden_states else ()
-        sync = _DraftSync(needs_hidden=bool(hidden_layers))
+                if draft_info.needs_hidden_states:
+                    hidden_layers = tuple(draft_info.hidden_layers)
+            except DraftError as exc:
+                run.fallback(span, exc)
+        run.sync = _DraftSync(needs_hidden=bool(hidden_layers))
         try:
             with tracer.start_as_current_span(names.SPAN_PREFILL):
                 pre = await target.prefill(sid, request.prompt_ids, request.sampling, hidden_layers)
-            seq = list(request.prompt_ids) + [pre.next_token]
-            sync.add_hidden(pre.hidden)
-            stats.first_token()
-            if draft is not None:
+            run.seq = list(request.prompt_ids) + [pre.next_token]
+            run.sync.add_hidden(pre.hidden)
+            run.stats.first_token()
+            if run.draft is not None:
                 try:
                     with tracer.start_as_current_span(names.SPAN_DRAFT_START):
-                        await draft.start(sid, seq, sync.take_hidden(), request.sampling)
-                    sync.known = len(seq)
+                        await run.draft.start(sid, run.seq, run.sync.take_hidden(), request.sampling)
+                    run.sync.known = len(run.seq)
                 except DraftError as exc:
-                    draft = _fallback(stats, span, exc)
-            emitted: list[int] = []
-            finish = None
+                    run.fallback(span, exc)
             new = [pre.next_token]
             while True:
-                # --- stream what the last step emitted, stopping at eos, a stop string or the length limit
                 with tracer.start_as_current_span(names.SPAN_ACCEPT_STREAM):
-                    new, finish = _cut(new, eos, request.max_new_tokens - len(emitted))
-                    delta, stopped = text.push(new)
-                    emitted.extend(new)
-                    stats.completion_tokens = len(emitted)
-                    finish = "stop" if stopped else finish
-                    if finish is None and len(seq) >= info.max_context:
-                        finish = "length"
+                    new, finish, delta = run.cut(new)
                 if new:
                     yield TokenEvent(tuple(new), delta)
                 if finish is not None:
                     break
-                remaining = request.max_new_tokens - len(emitted)
-                k = max(0, min(request.num_speculative_tokens, remaining - 1, info.max_context - len(seq) - 1))
-                # --- propose
-                block = EMPTY_BLOCK
-                if draft is not None and k > 0:
-                    try:
-                        with tracer.start_as_current_span(names.SPAN_DRAFT_PROPOSE) as dspan:
-                            dspan.set_attribute(names.ATTR_K, k)
-                            block = await draft.propose(
-                                sid, sync.known, seq[sync.known :], sync.take_hidden(), k, request.tree
-                            )
-                        sync.known = len(seq)
-                        max_nodes = getattr(request.tree, "num_nodes", 0) if request.tree is not None else k
-                        check_block(block, max_nodes, info.vocab_size)
-                    except MalformedDraft as exc:
-                        span.add_event("malformed draft ignored", {"reason": str(exc)[:200]})
-                        block = EMPTY_BLOCK
-                    except DraftError as exc:
-                        draft = _fallback(stats, span, exc)
-                        block = EMPTY_BLOCK
-                # --- verify
-                with tracer.start_as_current_span(names.SPAN_TARGET_VERIFY) as vspan:
-                    res = await target.verify(sid, block)
-                    vspan.set_attribute(names.ATTR_K, len(block))
-                    vspan.set_attribute(names.ATTR_TREE_SIZE, 0 if block.is_chain else len(block))
-                    vspan.set_attribute(names.ATTR_ACCEPTED, len(res.accepted_ids))
-                    vspan.set_attribute(names.ATTR_FORWARD_MS, res.timings.forward_ms)
-                    vspan.set_attribute(names.ATTR_EXPERTS_TOUCHED, res.experts_touched)
-                stats.record_step(len(block), len(res.accepted_ids))
-                stats.verify_ms += res.timings.forward_ms
-                sync.add_hidden(res.hidden)
+                block = await run.propose(span)
+                res = await run.verify(span, block)
                 new = list(res.emitted)
-                seq.extend(new)
-            final_text = text.text if tokenizer is not None else None
-            span.set_attribute(names.ATTR_OUTPUT_TOKENS, len(emitted))
+                run.seq.extend(new)
+            stats = run.stats
+            span.set_attribute(names.ATTR_OUTPUT_TOKENS, len(run.emitted))
             span.set_attribute(names.ATTR_FINISH_REASON, finish)
             span.set_attribute(names.ATTR_MEAN_ACCEPTED_LENGTH, stats.mean_accepted_length)
             span.set_attribute(names.ATTR_TTFT_S, (stats.first_token_at or stats.started) - stats.started)
             span.set_attribute(names.ATTR_DRAFT_FALLBACK, stats.draft_fallback)
-            yield FinalEvent(tuple(emitted), final_text, finish, len(request.prompt_ids), len(emitted), stats)
+            final_text = run.text.text if tokenizer is not None else None
+            yield FinalEvent(tuple(run.emitted), final_text, finish, len(request.prompt_ids), len(run.emitted), stats)
         finally:
-            await _release(sid, target, draft)
-
-
-def _cut(new: list[int], eos: frozenset[int], room: int) -> tuple[list[int], str | None]:
-    """Trim a step's emitted tokens at the first eos (kept) or at the length limit."""
-    for i, t in enumerate(new[:room]):
-        if t in eos:
-            return new[: i + 1], "eos"
-    if len(new) >= room:
-        return new[:room], "length"
-    return new, None
-
-
-def _fallback(stats: SpecStats, span, exc: Exception) -> None:
-    """Drop the drafter for the rest of the request (returns the new, absent drafter)."""
-    stats.draft_fallback = True
-    span.add_event("draft fallback", {"reason": str(exc)[:200]})
-    return None
+            await _release(sid, target, run.draft_session)
 
 
 async def _release(sid: str, target: TargetClient, draft: DraftClient | None) -> None:
@@ -224,6 +332,5 @@ async def _release(sid: str, target: TargetClient, draft: DraftClient | None) ->
             continue
         try:
             await part.release(sid)
-        except Exception:  # noqa: BLE001 - best effort; the service also frees sessions on stream end
+        except Exception:  # noqa: BLE001 - best effort; the services also free sessions when a stream ends
             pass
-

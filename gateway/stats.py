@@ -20,6 +20,9 @@ class SpecStats:
     draft_ms: float = 0.0
     verify_ms: float = 0.0
     draft_fallback: bool = False
+    draft_ahead_ms: float = 0.0  # drafter time spent on blocks drafted ahead (overlapping verify)
+    draft_ahead_hits: int = 0  # steps whose block had been drafted ahead and was usable
+    draft_hidden_ms: float = 0.0  # drafter time hidden behind verify by draft-ahead
     completion_tokens: int = 0
 
     def first_token(self) -> None:
@@ -56,4 +59,17 @@ class SpecStats:
             "accepted_per_position": list(self.accepted_per_position),
             "tokens_per_s": round(tps, 3),
             "ttft_s": round(ttft, 6),
+            "draft_ms": round(self.draft_ms, 3),
+            "draft_hidden_ms": round(self.draft_hidden_ms, 3),
+            "draft_ahead_hits": self.draft_ahead_hits,
+            "chosen_k": _histogram(self.chosen_k),
+            "draft_fallback": self.draft_fallback,
         }
+
+
+def _histogram(values: list[int]) -> dict[str, int]:
+    """{k: how many steps drafted k tokens}, keys as strings for JSON."""
+    out: dict[str, int] = {}
+    for v in values:
+        out[str(v)] = out.get(str(v), 0) + 1
+    return dict(sorted(out.items(), key=lambda kv: int(kv[0])))
