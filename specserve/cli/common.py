@@ -40,6 +40,14 @@ def add_prompt_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-new-tokens", type=_positive_int, default=64)
     parser.add_argument("--num-speculative-tokens", type=_positive_int, default=4, help="draft block size k")
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    parser.add_argument(
+        "--speculation", choices=("fixed", "adaptive"), default="fixed",
+        help="fixed k, or choose k per step from the verify cost model and acceptance (k is then the cap)",
+    )
+    parser.add_argument(
+        "--draft-ahead", choices=("on", "off"), default="off",
+        help="draft block n+1 while block n is verified (drafters without target hidden states)",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 

@@ -57,6 +57,7 @@ def build_local(args: argparse.Namespace):
 
 
 async def _generate(args: argparse.Namespace) -> dict:
+    from specserve.gateway.adaptive import AdaptiveConfig, AdaptiveSpeculation
     from specserve.gateway.local import LocalDraft, LocalTarget
     from specserve.gateway.spec_loop import FinalEvent, GenerationRequest, run_request
 
@@ -68,11 +69,14 @@ async def _generate(args: argparse.Namespace) -> dict:
         sampling=sampling_from_args(args),
         num_speculative_tokens=args.num_speculative_tokens,
         stop=tuple(args.stop),
+        adaptive=args.speculation == "adaptive",
+        draft_ahead=args.draft_ahead == "on",
     )
     target = LocalTarget(engine)
     draft = LocalDraft(proposer) if proposer is not None else None
     try:
-        async for event in run_request(request, target, draft, tokenizer=tokenizer):
+        adaptive = AdaptiveSpeculation(AdaptiveConfig(max_k=max(1, args.num_speculative_tokens)))
+        async for event in run_request(request, target, draft, tokenizer=tokenizer, adaptive=adaptive):
             if isinstance(event, FinalEvent):
                 return {
                     "token_ids": event.token_ids,
