@@ -60,6 +60,21 @@ class GenerationRequest:
 
 
 @dataclass(frozen=True)
+class StepRecord:
+    """One verify step, for per-step artifacts (benchmark JSONL) and metrics."""
+
+    step: int
+    context_len: int  # tokens of S before the step (the pending token included)
+    drafted: int
+    accepted: int
+    draft_ms: float  # drafter wall time spent for this step's block (0 when drafted ahead)
+    verify_ms: float  # target forward time measured by the target (device time on GPU)
+    verify_wall_ms: float  # verify call as the loop saw it (forward + sampling + transport)
+    experts_touched: int
+    tree: bool
+
+
+@dataclass(frozen=True)
 class TokenEvent:
     token_ids: tuple[int, ...]
     text: str
@@ -129,7 +144,9 @@ class _DraftSync:
 class _Run:
     """One request's state between steps."""
 
-    def __init__(self, request, target, draft, info, tokenizer, adaptive, sid) -> None:
+    def __init__(self, request, target, draft, info, tokenizer, adaptive, sid, on_step) -> None:
+        self.on_step = on_step
+        self.step_draft_ms = 0.0
         self.request, self.target, self.draft, self.info = request, target, draft, info
         self.adaptive: AdaptiveSpeculation | None = adaptive if request.adaptive else None
         self.sid = sid
@@ -179,6 +196,7 @@ class _Run:
             return EMPTY_BLOCK
         ms = (time.perf_counter() - t0) * 1e3
         self.stats.draft_ms += ms
+        self.step_draft_ms = ms
         if self.adaptive is not None:
             self.adaptive.observe_draft(len(block), ms)
             block = truncate_chain(block, self.adaptive.choose_k(len(block), drafted_confidence(block)))
@@ -225,6 +243,21 @@ class _Run:
                 self.stats.draft_ahead_hits += 1
                 self.stats.draft_hidden_ms += min(self.last_ahead_ms, verify_wall_ms)
         self.stats.record_step(len(block), len(res.accepted_ids))
+        if self.on_step is not None:
+            self.on_step(
+                StepRecord(
+                    step=self.stats.steps,
+                    context_len=len(self.seq),
+                    drafted=len(block),
+                    accepted=len(res.accepted_ids),
+                    draft_ms=self.step_draft_ms,
+                    verify_ms=res.timings.forward_ms,
+                    verify_wall_ms=verify_wall_ms,
+                    experts_touched=res.experts_touched,
+                    tree=not block.is_chain,
+                )
+            )
+        self.step_draft_ms = 0.0
         self.stats.verify_ms += res.timings.forward_ms
         if self.adaptive is not None and block.is_chain:
             self.adaptive.observe_verify(len(block), len(res.accepted_ids), res.experts_touched, verify_wall_ms)
@@ -262,17 +295,18 @@ async def run_request(
     target_info=None,
     adaptive: AdaptiveSpeculation | None = None,
     session_id: str | None = None,
+    on_step=None,
 ) -> AsyncIterator[TokenEvent | FinalEvent]:
     """Yield token deltas as they are accepted, then one FinalEvent. Releases both sessions at the end.
 
     ``adaptive`` is the process-wide chooser (its cost model outlives requests); it is used only when
-    ``request.adaptive`` is set.
+    ``request.adaptive`` is set. ``on_step(StepRecord)`` is called after every verify step.
     """
     sid = session_id or uuid.uuid4().hex
     info = target_info or await target.info()
     if request.adaptive and adaptive is None:
         raise ValueError("adaptive speculation was asked for but no AdaptiveSpeculation was given")
-    run = _Run(request, target, draft, info, tokenizer, adaptive, sid)
+    run = _Run(request, target, draft, info, tokenizer, adaptive, sid, on_step)
     tracer = run.tracer
     with tracer.start_as_current_span(names.SPAN_REQUEST) as span:
         span.set_attribute(names.ATTR_MODEL, request.model_name or info.model_type)
