@@ -1,0 +1,190 @@
+"""Attention over the paged cache: GQA (Llama/Qwen3/Mixtral) and MLA (DeepSeek-V3), plain torch.
+
+Both write this step's cache entries first, then for each sequence attend over its cached context
+(gathered through the block table) plus its new tokens under the causal or tree mask.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from specserve.target_service.engine.attn_metadata import AttentionBatch
+from specserve.target_service.engine.kv_cache import PagedKVCache
+from specserve.target_service.models.config import GQAConfig, MLAConfig, ParallelConfig, RopeConfig
+from specserve.target_service.models.layers import (
+    ColumnParallelLinear,
+    RMSNorm,
+    ReplicatedLinear,
+    RowParallelLinear,
+    divide,
+)
+from specserve.target_service.models.rope import RotaryEmbedding, softmax_scale_multiplier
+
+
+def new_token_mask(attn: AttentionBatch, b: int, device: torch.device) -> torch.Tensor:
+    """bool [q, ctx + q]: which keys (cached then new) each new token of sequence b may see."""
+    q, ctx = attn.query_lens[b], attn.context_lens[b]
+    tree = attn.tree_masks[b]
+    own = tree.to(device) if tree is not None else torch.ones(q, q, dtype=torch.bool, device=device).tril()
+    return torch.cat([torch.ones(q, ctx, dtype=torch.bool, device=device), own], dim=1)
+
+
+def sliding_window_mask(
+    mask: torch.Tensor,  # [q, S]
+    q_pos: torch.Tensor,  # [q]
+    k_pos: torch.Tensor,  # [S]
+    window: int | None,
+) -> torch.Tensor:
+    if window is None:
+        return mask
+    return mask & ((q_pos[:, None] - k_pos[None, :]) < window)
+
+
+def attend(
+    q: torch.Tensor,  # [q, Hq, D]
+    k: torch.Tensor,  # [S, Hkv, D]
+    v: torch.Tensor,  # [S, Hkv, Dv]
+    mask: torch.Tensor,  # [q, S] bool
+    scale: float,
+) -> torch.Tensor:  # [q, Hq, Dv]
+    """Softmax attention; query heads are grouped onto Hq // Hkv consecutive heads per key head."""
+    n_q, hq, d = q.shape
+    hkv = k.shape[1]
+    qg = q.view(n_q, hkv, hq // hkv, d)
+    scores = torch.einsum("qhgd,shd->hgqs", qg, k) * scale  # [Hkv, G, q, S]
+    scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    out = torch.einsum("hgqs,shd->qhgd", probs, v)  # [q, Hkv, G, Dv]
+    return out.reshape(n_q, hq, v.shape[-1])
+
+
+def key_positions(ctx: int, new_positions: torch.Tensor) -> torch.Tensor:
+    """Positions of the keys of one sequence: cached tokens 0..ctx-1, then the new tokens."""
+    return torch.cat([torch.arange(ctx, device=new_positions.device), new_positions])
+
+
+class GQAAttention(nn.Module):
+    """Cache entry per token: [2, num_kv_heads, head_dim] = (roped k, v)."""
+
+    def __init__(self, cfg: GQAConfig, rope: RopeConfig, hidden: int, eps: float, layer: int, parallel: ParallelConfig) -> None:
+        super().__init__()
+        self.cfg, self.layer = cfg, layer
+        self.num_heads = divide(cfg.num_heads, parallel.tp_size, "num_heads")
+        self.num_kv_heads = divide(cfg.num_kv_heads, parallel.tp_size, "num_kv_heads")
+        d = cfg.head_dim
+        self.q_proj = ColumnParallelLinear(hidden, cfg.num_heads * d, parallel, cfg.bias)
+        self.k_proj = ColumnParallelLinear(hidden, cfg.num_kv_heads * d, parallel, cfg.bias)
+        self.v_proj = ColumnParallelLinear(hidden, cfg.num_kv_heads * d, parallel, cfg.bias)
+        self.o_proj = RowParallelLinear(cfg.num_heads * d, hidden, parallel, cfg.bias)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(d, eps)
+            self.k_norm = RMSNorm(d, eps)
+        self.rotary = RotaryEmbedding(rope)
+        self.scale = d**-0.5
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, H]
+        positions: torch.Tensor,  # [T]
+        attn: AttentionBatch,
+        kv_cache: PagedKVCache,
+    ) -> torch.Tensor:  # [T, H]
+        t, d = x.shape[0], self.cfg.head_dim
+        q = self.q_proj(x).view(t, self.num_heads, d)
+        k = self.k_proj(x).view(t, self.num_kv_heads, d)
+        v = self.v_proj(x).view(t, self.num_kv_heads, d)
+        if self.cfg.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        q = RotaryEmbedding.apply(q, cos, sin, interleaved=False)
+        k = RotaryEmbedding.apply(k, cos, sin, interleaved=False)
+        kv_cache.write(self.layer, attn.slot_mapping, torch.stack([k, v], dim=1))
+
+        out = torch.empty(t, self.num_heads, d, dtype=x.dtype, device=x.device)
+        for b, (s, e) in enumerate(attn.token_ranges()):
+            if s == e:
+                continue
+            ctx = attn.context_lens[b]
+            cached = kv_cache.gather(self.layer, attn.block_tables[b], ctx).to(x.dtype)  # [ctx, 2, Hkv, D]
+            keys = torch.cat([cached[:, 0], k[s:e]])
+            values = torch.cat([cached[:, 1], v[s:e]])
+            mask = new_token_mask(attn, b, x.device)
+            mask = sliding_window_mask(mask, positions[s:e], key_positions(ctx, positions[s:e]), self.cfg.sliding_window)
+            out[s:e] = attend(q[s:e], keys, values, mask, self.scale)
+        return self.o_proj(out.view(t, -1))
+
+
+class MLAAttention(nn.Module):
+    """Cache entry per token: [kv_lora_rank + qk_rope_head_dim] = (normalised latent, roped shared key).
+
+    Keys/values are expanded from the latents with kv_b_proj at attention time (as transformers does);
+    an absorbed-weights kernel can replace `_attend_sequence` later without changing the cache layout.
+    """
+
+    def __init__(self, cfg: MLAConfig, rope: RopeConfig, hidden: int, eps: float, layer: int, parallel: ParallelConfig) -> None:
+        super().__init__()
+        self.cfg, self.layer = cfg, layer
+        self.num_heads = divide(cfg.num_heads, parallel.tp_size, "num_heads")
+        qk = cfg.qk_head_dim
+        if cfg.q_lora_rank is None:
+            self.q_proj = ColumnParallelLinear(hidden, cfg.num_heads * qk, parallel)
+        else:
+            self.q_a_proj = ReplicatedLinear(hidden, cfg.q_lora_rank, cfg.bias)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, 1e-6)
+            self.q_b_proj = ColumnParallelLinear(cfg.q_lora_rank, cfg.num_heads * qk, parallel)
+        self.kv_a_proj_with_mqa = ReplicatedLinear(hidden, cfg.kv_lora_rank + cfg.qk_rope_head_dim, cfg.bias)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, 1e-6)
+        self.kv_b_proj = ColumnParallelLinear(
+            cfg.kv_lora_rank, cfg.num_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), parallel
+        )
+        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.v_head_dim, hidden, parallel, cfg.bias)
+        self.rotary = RotaryEmbedding(rope)
+        self.scale = qk**-0.5 * softmax_scale_multiplier(rope)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, H]
+        positions: torch.Tensor,  # [T]
+        attn: AttentionBatch,
+        kv_cache: PagedKVCache,
+    ) -> torch.Tensor:  # [T, H]
+        cfg, t = self.cfg, x.shape[0]
+        if cfg.q_lora_rank is None:
+            q = self.q_proj(x)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = q.view(t, self.num_heads, cfg.qk_head_dim)
+        q_nope, q_rot = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
+        latent, k_rot = self.kv_a_proj_with_mqa(x).split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
+        latent = self.kv_a_layernorm(latent)  # [T, R]
+        cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        q_rot = RotaryEmbedding.apply(q_rot, cos, sin, cfg.rope_interleave)
+        k_rot = RotaryEmbedding.apply(k_rot[:, None, :], cos, sin, cfg.rope_interleave)[:, 0]  # [T, Dr]
+        entries = torch.cat([latent, k_rot], dim=-1)  # [T, R + Dr]
+        kv_cache.write(self.layer, attn.slot_mapping, entries)
+        q = torch.cat([q_nope, q_rot], dim=-1)  # [T, Hq, Dqk]
+
+        out = torch.empty(t, self.num_heads, cfg.v_head_dim, dtype=x.dtype, device=x.device)
+        for b, (s, e) in enumerate(attn.token_ranges()):
+            if s == e:
+                continue
+            cached = kv_cache.gather(self.layer, attn.block_tables[b], attn.context_lens[b]).to(x.dtype)
+            out[s:e] = self._attend_sequence(q[s:e], torch.cat([cached, entries[s:e]]), new_token_mask(attn, b, x.device))
+        return self.o_proj(out.view(t, -1))
+
+    def _attend_sequence(
+        self,
+        q: torch.Tensor,  # [q, Hq, Dqk]
+        entries: torch.Tensor,  # [S, R + Dr]
+        mask: torch.Tensor,  # [q, S]
+    ) -> torch.Tensor:  # [q, Hq, Dv]
+        cfg, s = self.cfg, entries.shape[0]
+        latent, k_rot = entries.split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
+        kv = self.kv_b_proj(latent).view(s, self.num_heads, cfg.qk_nope_head_dim + cfg.v_head_dim)
+        k_nope, v = kv.split([cfg.qk_nope_head_dim, cfg.v_head_dim], dim=-1)
+        k = torch.cat([k_nope, k_rot[:, None, :].expand(s, self.num_heads, cfg.qk_rope_head_dim)], dim=-1)
+        return attend(q, k, v, mask, self.scale)
+
+
+ATTENTION_CLASSES: dict[type, type[nn.Module]] = {GQAConfig: GQAAttention, MLAConfig: MLAAttention}

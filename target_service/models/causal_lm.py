@@ -1,0 +1,165 @@
+"""The decoder-only causal LM shared by every supported architecture (features come from ModelConfig).
+
+Module and parameter names follow the Hugging Face checkpoints (model.layers.N.self_attn.q_proj, ...),
+except the routed experts, which are stacked (model.layers.N.mlp.experts.w13 / .w2).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specserve.target_service.engine.attn_metadata import AttentionBatch
+from specserve.target_service.engine.kv_cache import PagedKVCache
+from specserve.target_service.models.attention import ATTENTION_CLASSES
+from specserve.target_service.models.config import ModelConfig, ParallelConfig
+from specserve.target_service.models.layers import ColumnParallelLinear, Embedding, GatedMLP, RMSNorm
+from specserve.target_service.models.moe import ExpertsFn, MoEBlock, moe_reference
+
+
+class ModelInputError(ValueError):
+    """forward() arguments that do not fit the model, the batch or the cache."""
+
+
+@dataclass(frozen=True)
+class ModelOutput:
+    hidden: torch.Tensor  # [T, H] after the final norm
+    # [T, len(capture_layers) * H]: output of decoder layer i (pre final norm), in the order given
+    captured: torch.Tensor | None
+    routed_experts: torch.Tensor | None  # [num_moe_layers, T, top_k] int64 expert ids; None for dense models
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int, parallel: ParallelConfig, experts_fn: ExpertsFn) -> None:
+        super().__init__()
+        attn_cls = ATTENTION_CLASSES[type(config.attention)]
+        self.self_attn = attn_cls(config.attention, config.rope, config.hidden_size, config.rms_norm_eps, layer, parallel)
+        self.is_moe = layer in config.moe_layers
+        if self.is_moe:
+            self.mlp: nn.Module = MoEBlock(config.moe, config.hidden_size, parallel, experts_fn)
+        else:
+            self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, parallel, config.mlp_bias)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, H]
+        positions: torch.Tensor,  # [T]
+        attn: AttentionBatch,
+        kv_cache: PagedKVCache,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:  # ([T, H], topk_ids [T, K] or None)
+        h = x + self.self_attn(self.input_layernorm(x), positions, attn, kv_cache)
+        ids = None
+        if self.is_moe:
+            mlp_out, ids = self.mlp(self.post_attention_layernorm(h))
+        else:
+            mlp_out = self.mlp(self.post_attention_layernorm(h))
+        return h + mlp_out, ids
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, config: ModelConfig, parallel: ParallelConfig, experts_fn: ExpertsFn) -> None:
+        super().__init__()
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, parallel, experts_fn) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    def __init__(
+        self,
+        config: ModelConfig,
+        parallel: ParallelConfig | None = None,
+        experts_fn: ExpertsFn = moe_reference,
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.parallel = parallel or ParallelConfig()
+        self.model = DecoderModel(config, self.parallel, experts_fn)
+        self.lm_head = None if config.tie_word_embeddings else ColumnParallelLinear(
+            config.hidden_size, config.vocab_size, self.parallel
+        )
+
+    def kv_entry_shape(self) -> tuple[int, ...]:
+        shape = self.config.kv_entry_shape
+        if len(shape) == 3:  # GQA: kv heads split across tp ranks
+            return (shape[0], shape[1] // self.parallel.tp_size, shape[2])
+        return shape
+
+    def set_experts_fn(self, experts_fn: ExpertsFn) -> None:
+        """Swap the routed-experts compute (e.g. a fused GPU kernel) in every MoE layer."""
+        for layer in self.model.layers:
+            if layer.is_moe:
+                layer.mlp.experts_fn = experts_fn
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, H]
+        return self.model.embed_tokens(input_ids)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, V] float32
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T] int64
+        positions: torch.Tensor,  # [T] int64
+        attn: AttentionBatch,
+        kv_cache: PagedKVCache,
+        capture_layers: tuple[int, ...] = (),
+    ) -> ModelOutput:
+        self._check_inputs(input_ids, positions, attn, kv_cache, capture_layers)
+        x = self.embed(input_ids)
+        captured: dict[int, torch.Tensor] = {}
+        routed = []
+        for i, layer in enumerate(self.model.layers):
+            x, ids = layer(x, positions, attn, kv_cache)
+            if ids is not None:
+                routed.append(ids)
+            if i in capture_layers:
+                captured[i] = x
+        return ModelOutput(
+            hidden=self.model.norm(x),
+            captured=torch.cat([captured[i] for i in capture_layers], dim=-1) if capture_layers else None,
+            routed_experts=torch.stack(routed) if routed else None,
+        )
+
+    def _check_inputs(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn: AttentionBatch,
+        kv_cache: PagedKVCache,
+        capture_layers: tuple[int, ...],
+    ) -> None:
+        t = attn.num_tokens
+        if input_ids.shape != (t,) or positions.shape != (t,):
+            raise ModelInputError(
+                f"input_ids {tuple(input_ids.shape)} and positions {tuple(positions.shape)} must both be [{t}]"
+            )
+        if kv_cache.num_layers != self.config.num_layers or tuple(kv_cache.entry_shape) != self.kv_entry_shape():
+            raise ModelInputError(
+                f"cache has {kv_cache.num_layers} layers of entry {kv_cache.entry_shape}; model needs "
+                f"{self.config.num_layers} of {self.kv_entry_shape()}"
+            )
+        bad = [i for i in capture_layers if not 0 <= i < self.config.num_layers]
+        if bad:
+            raise ModelInputError(f"capture_layers {bad} outside [0, {self.config.num_layers})")
+        if t and (int(input_ids.min()) < 0 or int(input_ids.max()) >= self.config.vocab_size):
+            raise ModelInputError(f"token id outside [0, {self.config.vocab_size})")
+
+
+def build_model(
+    config: ModelConfig,
+    parallel: ParallelConfig | None = None,
+    experts_fn: ExpertsFn = moe_reference,
+) -> CausalLM:
+    """Uninitialised model (parameters from torch.empty): load weights before use."""
+    parallel = parallel or ParallelConfig()
+    if parallel.tp_size > 1:
+        raise NotImplementedError("tensor-parallel execution is not wired yet; run with tp_size=1")
+    return CausalLM(config, parallel, experts_fn)

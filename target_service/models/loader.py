@@ -1,0 +1,126 @@
+"""Load a Hugging Face-format checkpoint directory (config.json + safetensors) into a CausalLM.
+
+Tensors are streamed one at a time from safetensors files straight into their (pre-allocated)
+parameters through each parameter's weight_loader, so the weights never exist twice in memory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+from collections.abc import Iterator
+
+import torch
+from safetensors import safe_open
+from tqdm import tqdm
+
+from specserve.target_service.models import weight_names
+from specserve.target_service.models.causal_lm import CausalLM, build_model
+from specserve.target_service.models.config import ModelConfig, ParallelConfig
+from specserve.target_service.models.errors import CheckpointError
+from specserve.target_service.models.layers import WeightShapeError
+from specserve.target_service.models.moe import ExpertsFn, StackedExperts, moe_reference
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def checkpoint_files(path: str) -> list[str]:
+    """The safetensors files of a checkpoint directory (one file, or the shards an index names)."""
+    single, index = os.path.join(path, SINGLE_FILE), os.path.join(path, INDEX_FILE)
+    if os.path.isfile(index):
+        try:
+            with open(index, encoding="utf-8") as f:
+                weight_map = json.load(f)["weight_map"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise CheckpointError(f"cannot read shard index {index}: {e!r}") from e
+        files = [os.path.join(path, name) for name in sorted(set(weight_map.values()))]
+        missing = [f for f in files if not os.path.isfile(f)]
+        if missing:
+            raise CheckpointError(f"{index} names shard files that do not exist: {', '.join(missing)}")
+        return files
+    if os.path.isfile(single):
+        return [single]
+    raise CheckpointError(f"no {SINGLE_FILE} or {INDEX_FILE} in {path}")
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def load_model(
+    path: str | os.PathLike[str],
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+    parallel: ParallelConfig | None = None,
+    experts_fn: ExpertsFn = moe_reference,
+    progress: bool = True,
+) -> tuple[CausalLM, ModelConfig]:
+    path = os.fspath(path)
+    config = ModelConfig.from_file(path)
+    files = checkpoint_files(path)
+    with torch.device(device), _default_dtype(dtype):
+        model = build_model(config, parallel, experts_fn)
+    load_weights(model, files, progress)
+    return model.eval(), config
+
+
+def load_weights(model: CausalLM, files: list[str], progress: bool = True) -> None:
+    config = model.config
+    params = dict(model.named_parameters())
+    local = {
+        f"{name}.{p}": module.local_experts()
+        for name, module in model.named_modules()
+        if isinstance(module, StackedExperts)
+        for p in ("w13", "w2")
+    }
+    needed = {name: weight_names.required_pieces(name, local.get(name)) for name in params}
+    num_experts = config.moe.num_experts if config.moe else 0
+    for file in tqdm(files, desc="loading checkpoint shards", unit="file", file=sys.stderr, disable=not progress):
+        try:
+            handle = safe_open(file, framework="pt", device="cpu")
+        except Exception as e:  # safetensors raises its own error types for bad headers / short files
+            raise CheckpointError(f"corrupt or unreadable safetensors file {file}: {e}") from e
+        with handle as f:
+            for name in f.keys():
+                target = weight_names.resolve(name, config.num_layers, config.tie_word_embeddings, num_experts)
+                if target is None:
+                    continue
+                param = params.get(target.param)
+                if param is None:
+                    raise CheckpointError(f"unexpected tensor {name} in {file}: the model has no parameter {target.param}")
+                try:
+                    tensor = f.get_tensor(name)
+                except Exception as e:
+                    raise CheckpointError(f"cannot read tensor {name} from {file} (corrupt file?): {e}") from e
+                try:
+                    param.weight_loader(param, tensor.to(device=param.device, dtype=param.dtype), **target.kwargs)
+                except WeightShapeError as e:
+                    raise CheckpointError(f"tensor {name} in {file} does not fit {target.param}: {e}") from e
+                needed[target.param].difference_update(target.pieces)
+                del tensor
+    missing = [weight_names.checkpoint_name(p, piece) for p, pieces in needed.items() for piece in sorted(pieces, key=str)]
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" (+{len(missing) - 5} more)" if len(missing) > 5 else "")
+        raise CheckpointError(f"checkpoint {', '.join(files)} lacks tensor(s): {shown}")
+
+
+def load_tokenizer(path: str | os.PathLike[str]):  # -> tokenizers.Tokenizer | None
+    """The checkpoint's tokenizer.json as a `tokenizers.Tokenizer`, or None when there is none."""
+    from tokenizers import Tokenizer
+
+    file = os.path.join(os.fspath(path), "tokenizer.json")
+    if not os.path.isfile(file):
+        return None
+    try:
+        return Tokenizer.from_file(file)
+    except Exception as e:
+        raise CheckpointError(f"cannot read tokenizer {file}: {e}") from e

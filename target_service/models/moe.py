@@ -1,0 +1,144 @@
+"""Routed-experts MoE block: router (softmax top-k or DeepSeek sigmoid/noaux_tc) + stacked experts.
+
+Routed experts are stored stacked: w13 [E, 2*I, H] (gate rows then up rows) and w2 [E, H, I]. They are
+computed through ONE call site, ``self.experts_fn`` (default: the pure-torch moe_reference), so a fused
+GPU kernel with the same signature can be swapped in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specserve.kernels.moe_reference import moe_reference
+from specserve.target_service.models.config import MoEConfig, ParallelConfig
+from specserve.target_service.models.layers import GatedMLP, WeightShapeError, copy_checked, divide, new_param, shard
+
+# (hidden [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_ids [T, K], topk_weights [T, K]) -> [T, H]
+ExpertsFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+EXPERT_SHARDS = ("gate", "up", "gate_up", "down")
+
+
+class TopKRouter(nn.Module):
+    """Chooses top_k experts per token; weights applied after each expert's down projection."""
+
+    def __init__(self, cfg: MoEConfig, hidden: int) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.weight = new_param((cfg.num_experts, hidden))
+        self.weight.weight_loader = lambda p, w: copy_checked(p.data, w)
+        if cfg.correction_bias:
+            self.e_score_correction_bias = new_param((cfg.num_experts,), dtype=torch.float32)
+            self.e_score_correction_bias.weight_loader = lambda p, w: copy_checked(p.data, w)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, H] -> (topk_ids [T, K] int64, topk_weights [T, K] float32)."""
+        if self.cfg.scoring == "sigmoid":
+            return self._sigmoid_grouped(x)
+        return self._softmax(x)
+
+    def _softmax(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        probs = torch.softmax(F.linear(x, self.weight).float(), dim=-1)  # [T, E]
+        weights, ids = torch.topk(probs, self.cfg.top_k, dim=-1)
+        if self.cfg.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return ids, weights * self.cfg.routed_scaling_factor
+
+    def _sigmoid_grouped(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cfg = self.cfg
+        scores = F.linear(x.float(), self.weight.float()).sigmoid()  # [T, E]
+        choice = scores + self.e_score_correction_bias if cfg.correction_bias else scores
+        if cfg.n_group > 1:
+            per_group = cfg.num_experts // cfg.n_group
+            grouped = choice.view(-1, cfg.n_group, per_group)
+            group_scores = grouped.topk(min(2, per_group), dim=-1)[0].sum(dim=-1)  # [T, n_group]
+            best = torch.topk(group_scores, cfg.topk_group, dim=-1, sorted=False)[1]
+            keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
+            keep = keep[:, :, None].expand(-1, -1, per_group).reshape(-1, cfg.num_experts)
+            choice = choice.masked_fill(~keep, float("-inf"))
+        ids = torch.topk(choice, cfg.top_k, dim=-1, sorted=False)[1]
+        weights = scores.gather(1, ids)
+        if cfg.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return ids, weights * cfg.routed_scaling_factor
+
+
+class StackedExperts(nn.Module):
+    """Parameters of the routed experts held by this rank (EP: a contiguous expert range; TP: an I-slice)."""
+
+    def __init__(self, cfg: MoEConfig, hidden: int, parallel: ParallelConfig) -> None:
+        super().__init__()
+        self.parallel = parallel
+        self.num_experts = cfg.num_experts
+        if parallel.ep:
+            self.num_local = divide(cfg.num_experts, parallel.tp_size, "num_experts")
+            self.first_expert = parallel.tp_rank * self.num_local
+            self.inter = cfg.intermediate_size
+        else:
+            self.num_local, self.first_expert = cfg.num_experts, 0
+            self.inter = divide(cfg.intermediate_size, parallel.tp_size, "moe_intermediate_size")
+        self.w13 = new_param((self.num_local, 2 * self.inter, hidden))
+        self.w2 = new_param((self.num_local, hidden, self.inter))
+        self.w13.weight_loader = self.weight_loader
+        self.w2.weight_loader = self.weight_loader
+
+    def local_experts(self) -> range:
+        """Global ids of the experts stored here."""
+        return range(self.first_expert, self.first_expert + self.num_local)
+
+    def _tp_slice(self, w: torch.Tensor, dim: int) -> torch.Tensor:
+        return w if self.parallel.ep else shard(w, dim, self.parallel.tp_rank, self.parallel.tp_size)
+
+    def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor, expert: int | None = None, shard_id: str = "") -> None:
+        """One expert's gate/up [I, H] or down [H, I] (expert given), or all experts fused: gate_up
+        [E, 2I, H] / down [E, H, I] (expert None). Experts outside this rank are skipped."""
+        if shard_id not in EXPERT_SHARDS:
+            raise WeightShapeError(f"unknown expert shard {shard_id!r}")
+        if expert is None:
+            if loaded.dim() != 3 or loaded.shape[0] != self.num_experts:
+                raise WeightShapeError(f"fused experts tensor has shape {tuple(loaded.shape)}, expected {self.num_experts} experts")
+            for e in self.local_experts():
+                if shard_id == "gate_up":
+                    full = loaded.shape[1] // 2
+                    self.weight_loader(param, loaded[e, :full], e, "gate")
+                    self.weight_loader(param, loaded[e, full:], e, "up")
+                else:
+                    self.weight_loader(param, loaded[e], e, shard_id)
+            return
+        if expert not in self.local_experts():
+            return
+        local = expert - self.first_expert
+        if shard_id == "down":
+            copy_checked(param.data[local], self._tp_slice(loaded, 1))
+            return
+        rows = slice(0, self.inter) if shard_id == "gate" else slice(self.inter, 2 * self.inter)
+        copy_checked(param.data[local, rows], self._tp_slice(loaded, 0))
+
+
+class MoEBlock(nn.Module):
+    """Routed experts + optional shared experts; returns the routing for the verify-tax accounting."""
+
+    def __init__(self, cfg: MoEConfig, hidden: int, parallel: ParallelConfig, experts_fn: ExpertsFn = moe_reference) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.gate = TopKRouter(cfg, hidden)
+        self.experts = StackedExperts(cfg, hidden, parallel)
+        self.shared_experts = (
+            GatedMLP(hidden, cfg.intermediate_size * cfg.n_shared_experts, parallel) if cfg.n_shared_experts else None
+        )
+        self.experts_fn = experts_fn
+        self.parallel = parallel
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, H] -> (out [T, H], topk_ids [T, K])."""
+        topk_ids, topk_weights = self.gate(x)
+        if self.parallel.tp_size > 1:
+            raise NotImplementedError("multi-rank MoE execution is not wired yet (weight sharding is)")
+        out = self.experts_fn(x, self.experts.w13, self.experts.w2, topk_ids, topk_weights)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out, topk_ids
