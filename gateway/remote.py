@@ -1,0 +1,318 @@
+"""Remote adapters: the TargetClient / DraftClient protocols of gateway/clients.py over gRPC.
+
+One ``RemoteTarget`` / ``RemoteDraftEndpoint`` per service address (one channel, shared by all
+requests); ``.session(deadline)`` gives the per-request adapter the spec loop drives. Verify and
+propose steps go over one long-lived bidi stream per request (opened at the first step), each message
+carrying the W3C trace context of the caller's current span.
+
+Failure contract (what the loop relies on):
+- target: a refused input -> RequestRejected; down / past the deadline / internal -> TargetCallError
+  (a TargetUnavailable carrying the gRPC status code to return to the client);
+- draft: anything at all (down, slower than its step timeout, stream broken) -> DraftError, and a block
+  that does not even decode -> MalformedDraft. The loop then goes on target-only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+
+import grpc
+import torch
+
+from specserve.gateway import tracing as tn
+from specserve.gateway.clients import DraftError, RequestRejected, TargetUnavailable
+from specserve.gateway.servers_common import aio_channel
+from specserve.gateway.spec_loop import MalformedDraft
+from specserve.protos import convert
+from specserve.protos.specserve.v1 import draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
+from specserve.target_service.engine.types import DraftBlock, PrefillResult, SamplingParams, VerifyResult
+
+RELEASE_TIMEOUT_S = 2.0  # releases run even past the request's deadline, but never hang
+
+# target status codes that mean "your input was refused", not "the target is broken"
+_REJECTED = frozenset(
+    {
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.OUT_OF_RANGE,
+        grpc.StatusCode.FAILED_PRECONDITION,
+        grpc.StatusCode.ALREADY_EXISTS,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+    }
+)
+
+
+class TargetCallError(TargetUnavailable):
+    """A target call failed; ``code`` is the status the gateway returns (UNAVAILABLE unless the
+    deadline passed or the target reported an internal error)."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def _target_error(exc: grpc.aio.AioRpcError) -> Exception:
+    code, details = exc.code(), exc.details() or ""
+    if code in _REJECTED:
+        return RequestRejected(f"target refused the request: {details}")
+    if code not in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.INTERNAL):
+        code = grpc.StatusCode.UNAVAILABLE
+    return TargetCallError(code, f"target {exc.code().name}: {details}")
+
+
+class _Deadline:
+    """A request's absolute deadline on the event loop's clock (None = no deadline)."""
+
+    def __init__(self, deadline: float | None) -> None:
+        self.deadline = deadline
+
+    def remaining(self, cap: float | None = None) -> float | None:
+        if self.deadline is None:
+            return cap
+        left = self.deadline - asyncio.get_running_loop().time()
+        return left if cap is None else min(left, cap)
+
+
+class _Stream:
+    """A bidi stream used strictly request -> response, opened on first use."""
+
+    def __init__(self, opener) -> None:
+        self._opener = opener
+        self._call = None
+
+    async def exchange(self, request, timeout: float | None):
+        if self._call is None:
+            self._call = self._opener()
+        await self._call.write(request)
+        read = self._call.read()
+        resp = await (asyncio.wait_for(read, timeout) if timeout is not None else read)
+        if resp is grpc.aio.EOF:
+            raise EOFError("the stream ended without a response")
+        return resp
+
+    def close(self) -> None:
+        if self._call is not None:
+            self._call.cancel()
+            self._call = None
+
+
+# ------------------------------------------------------------------------------------ target
+class RemoteTarget:
+    """The target service at one address (one channel for every request)."""
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self.channel = aio_channel(address)
+        self.stub = target_pb2_grpc.TargetServiceStub(self.channel)
+        self.target_info: target_pb2.TargetInfo | None = None
+
+    async def fetch_info(self, timeout_s: float, wait_for_ready: bool = True) -> target_pb2.TargetInfo:
+        self.target_info = await self.stub.GetInfo(
+            target_pb2.TargetInfoRequest(), timeout=timeout_s, wait_for_ready=wait_for_ready
+        )
+        return self.target_info
+
+    def session(self, deadline: float | None, metrics: tn.SpecMetrics | None = None) -> RemoteTargetSession:
+        return RemoteTargetSession(self, deadline, metrics)
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+
+class RemoteTargetSession:
+    """TargetClient for one request: prefill (unary), verify steps (one VerifyStream), release."""
+
+    def __init__(self, target: RemoteTarget, deadline: float | None, metrics: tn.SpecMetrics | None) -> None:
+        self._target = target
+        self._deadline = _Deadline(deadline)
+        self._metrics = metrics
+        self._stream = _Stream(self._open_stream)
+        self._last_step_end = time.perf_counter()
+
+    def _timeout(self) -> float | None:
+        left = self._deadline.remaining()
+        if left is not None and left <= 0:
+            raise TargetCallError(grpc.StatusCode.DEADLINE_EXCEEDED, "the request's deadline passed")
+        return left
+
+    def _open_stream(self):
+        return self._target.stub.VerifyStream(timeout=self._timeout(), metadata=tn.outgoing_metadata())
+
+    async def info(self):
+        if self._target.target_info is None:
+            try:
+                await self._target.fetch_info(self._timeout() or 10.0, wait_for_ready=False)
+            except grpc.aio.AioRpcError as exc:
+                raise _target_error(exc) from None
+        return self._target.target_info
+
+    async def prefill(
+        self, session_id: str, prompt_ids: Sequence[int], sampling: SamplingParams, hidden_layers: tuple[int, ...]
+    ) -> PrefillResult:
+        req = target_pb2.PrefillRequest(
+            session_id=session_id,
+            prompt_ids=list(prompt_ids),
+            sampling=convert.sampling_to_proto(sampling),
+            hidden_layers=list(hidden_layers),
+        )
+        try:
+            resp = await self._target.stub.Prefill(req, timeout=self._timeout(), metadata=tn.outgoing_metadata())
+        except grpc.aio.AioRpcError as exc:
+            raise _target_error(exc) from None
+        self._last_step_end = time.perf_counter()
+        return PrefillResult(
+            next_token=resp.next_token,
+            hidden=convert.optional_tensor(resp, "hidden"),
+            timings=convert.timings_from_proto(resp.timings),
+        )
+
+    async def verify(self, session_id: str, block: DraftBlock) -> VerifyResult:
+        req = target_pb2.VerifyRequest(
+            session_id=session_id,
+            draft=convert.draft_block_to_proto(block),
+            trace_context=tn.current_trace_context(),
+        )
+        try:
+            resp = await self._stream.exchange(req, self._timeout())
+        except grpc.aio.AioRpcError as exc:
+            self._stream.close()
+            raise _target_error(exc) from None
+        except (EOFError, asyncio.TimeoutError) as exc:
+            self._stream.close()
+            raise TargetCallError(grpc.StatusCode.UNAVAILABLE, f"target verify stream: {exc!r}") from None
+        result = VerifyResult(
+            accepted_ids=tuple(resp.accepted_ids),
+            next_token=resp.next_token,
+            hidden=convert.optional_tensor(resp, "hidden"),
+            num_drafted=resp.num_drafted,
+            experts_touched=resp.experts_touched,
+            timings=convert.timings_from_proto(resp.timings),
+        )
+        now = time.perf_counter()
+        if self._metrics is not None:
+            self._metrics.record_step(len(block), len(result.accepted_ids), (now - self._last_step_end) * 1e3)
+        self._last_step_end = now
+        return result
+
+    async def release(self, session_id: str) -> None:
+        self._stream.close()
+        await asyncio.shield(self._release(session_id))
+
+    async def _release(self, session_id: str) -> None:
+        try:
+            await self._target.stub.Release(
+                target_pb2.ReleaseRequest(session_id=session_id),
+                timeout=RELEASE_TIMEOUT_S,
+                metadata=tn.outgoing_metadata(),
+            )
+        except grpc.aio.AioRpcError:
+            pass  # the target also frees a session when its verify stream ends
+
+
+# ------------------------------------------------------------------------------------- draft
+class RemoteDraftEndpoint:
+    """A draft service at one address (one channel for every request)."""
+
+    def __init__(self, name: str, address: str, step_timeout_s: float = 5.0) -> None:
+        self.name = name
+        self.address = address
+        self.step_timeout_s = step_timeout_s
+        self.channel = aio_channel(address)
+        self.stub = draft_pb2_grpc.DraftServiceStub(self.channel)
+        self.last_info: draft_pb2.DraftInfo | None = None
+
+    async def fetch_info(self, timeout_s: float, wait_for_ready: bool = False) -> draft_pb2.DraftInfo:
+        self.last_info = await self.stub.GetInfo(
+            draft_pb2.DraftInfoRequest(), timeout=timeout_s, wait_for_ready=wait_for_ready
+        )
+        return self.last_info
+
+    def session(self, deadline: float | None) -> RemoteDraft:
+        return RemoteDraft(self, deadline)
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+
+class RemoteDraft:
+    """DraftClient for one request. Every failure is a DraftError: a draft never fails a request."""
+
+    def __init__(self, endpoint: RemoteDraftEndpoint, deadline: float | None) -> None:
+        self._ep = endpoint
+        self._deadline = _Deadline(deadline)
+        self._stream = _Stream(self._open_stream)
+
+    def _timeout(self) -> float:
+        left = self._deadline.remaining(self._ep.step_timeout_s)
+        if left <= 0:
+            raise DraftError("no time left before the request's deadline")
+        return left
+
+    def _open_stream(self):
+        return self._ep.stub.ProposeStream(metadata=tn.outgoing_metadata())
+
+    async def _unary(self, method, request):
+        try:
+            return await method(request, timeout=self._timeout(), metadata=tn.outgoing_metadata())
+        except grpc.aio.AioRpcError as exc:
+            raise DraftError(f"draft {self._ep.name} at {self._ep.address}: {exc.code().name}: {exc.details()}") from None
+
+    async def info(self):
+        info = await self._unary(self._ep.stub.GetInfo, draft_pb2.DraftInfoRequest())
+        self._ep.last_info = info
+        return info
+
+    async def start(
+        self, session_id: str, token_ids: Sequence[int], hidden: torch.Tensor | None, sampling: SamplingParams
+    ) -> None:
+        req = draft_pb2.StartSessionRequest(
+            session_id=session_id, token_ids=list(token_ids), sampling=convert.sampling_to_proto(sampling)
+        )
+        if hidden is not None:
+            req.hidden.CopyFrom(convert.tensor_to_proto(hidden))
+        await self._unary(self._ep.stub.StartSession, req)
+
+    async def propose(
+        self,
+        session_id: str,
+        prefix_len: int,
+        append_ids: Sequence[int],
+        append_hidden: torch.Tensor | None,
+        num_tokens: int,
+        tree=None,
+    ) -> DraftBlock:
+        req = draft_pb2.ProposeRequest(
+            session_id=session_id,
+            prefix_len=prefix_len,
+            append_ids=list(append_ids),
+            num_tokens=num_tokens,
+            trace_context=tn.current_trace_context(),
+        )
+        if append_hidden is not None:
+            req.append_hidden.CopyFrom(convert.tensor_to_proto(append_hidden))
+        if tree is not None:
+            req.is_tree = True
+            req.tree.CopyFrom(convert.tree_spec_to_proto(tree.num_nodes, tree.top_k, tree.depth))
+        try:
+            resp = await self._stream.exchange(req, self._timeout())
+        except (grpc.aio.AioRpcError, EOFError, asyncio.TimeoutError) as exc:
+            self._stream.close()
+            what = f"{exc.code().name}: {exc.details()}" if isinstance(exc, grpc.aio.AioRpcError) else repr(exc)
+            raise DraftError(f"draft {self._ep.name} at {self._ep.address}: {what}") from None
+        try:
+            return convert.draft_block_from_proto(resp.draft)
+        except convert.ConversionError as exc:
+            raise MalformedDraft(f"draft {self._ep.name}: {exc}") from None
+
+    async def release(self, session_id: str) -> None:
+        self._stream.close()
+        await asyncio.shield(self._release(session_id))
+
+    async def _release(self, session_id: str) -> None:
+        try:
+            await self._ep.stub.Release(
+                draft_pb2.DraftReleaseRequest(session_id=session_id), timeout=RELEASE_TIMEOUT_S
+            )
+        except grpc.aio.AioRpcError:
+            pass  # the draft also frees a session when its propose stream ends

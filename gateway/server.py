@@ -1,0 +1,264 @@
+"""The gateway gRPC service: Generate (server streaming), GenerateUnary, SetDraft, ListDrafts.
+
+Each request: validate -> the lead's spec loop (gateway/spec_loop.py) over the remote adapters
+(gateway/remote.py) -> token deltas, then one final message. The client's deadline is forwarded to
+both services; a client that cancels closes the loop, which releases the session on both services.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import grpc
+from opentelemetry import context as otel_context
+
+from specserve.errors import SpecserveError
+from specserve.gateway import tracing as tn
+from specserve.gateway.adaptive import AdaptiveConfig, AdaptiveSpeculation
+from specserve.gateway.clients import RequestRejected, TargetUnavailable
+from specserve.gateway.remote import RemoteDraftEndpoint, RemoteTarget, TargetCallError
+from specserve.gateway.servers_common import check_address
+from specserve.gateway.spec_loop import FinalEvent, GenerationRequest, run_request
+from specserve.gateway.validation import MAX_SPECULATIVE_TOKENS, NO_DRAFT, InvalidRequest, validate_request
+from specserve.protos.specserve.v1 import draft_pb2, gateway_pb2, gateway_pb2_grpc
+
+SERVICE_NAME = gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name
+DEFAULT_SPECULATIVE_TOKENS = 4
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    target_address: str
+    drafts: Mapping[str, str] = field(default_factory=dict)  # draft name -> draft service address
+    default_draft: str | None = None  # None: the first of drafts (if any)
+    draft_step_timeout_s: float = 5.0  # a propose slower than this drops the draft for the request
+    set_draft_timeout_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        check_address(self.target_address)
+        for name, address in self.drafts.items():
+            if not name or name == NO_DRAFT:
+                raise ValueError(f"draft name {name!r} is reserved or empty")
+            check_address(address)
+        if self.default_draft is not None and self.default_draft not in self.drafts:
+            raise ValueError(f"default draft {self.default_draft!r} is not among the drafts {sorted(self.drafts)}")
+        if not self.draft_step_timeout_s > 0:
+            raise ValueError(f"draft_step_timeout_s must be > 0, got {self.draft_step_timeout_s}")
+
+
+class DraftTable:
+    """Draft name -> endpoint, swappable at run time. A replaced endpoint stays open until the
+    requests that use it finish (counted), then its channel closes."""
+
+    def __init__(self, step_timeout_s: float) -> None:
+        self.step_timeout_s = step_timeout_s
+        self._by_name: dict[str, RemoteDraftEndpoint] = {}
+        self._users: dict[int, int] = {}
+        self._retired: dict[int, RemoteDraftEndpoint] = {}
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._by_name
+
+    def addresses(self) -> dict[str, str]:
+        return {n: e.address for n, e in self._by_name.items()}
+
+    def make(self, name: str, address: str) -> RemoteDraftEndpoint:
+        return RemoteDraftEndpoint(name, check_address(address), self.step_timeout_s)
+
+    def put(self, endpoint: RemoteDraftEndpoint) -> None:
+        old = self._by_name.get(endpoint.name)
+        self._by_name[endpoint.name] = endpoint
+        if old is not None:
+            self._retire(old)
+
+    def remove(self, name: str) -> None:
+        old = self._by_name.pop(name, None)
+        if old is not None:
+            self._retire(old)
+
+    def acquire(self, name: str) -> RemoteDraftEndpoint:
+        ep = self._by_name[name]
+        self._users[id(ep)] = self._users.get(id(ep), 0) + 1
+        return ep
+
+    def release(self, ep: RemoteDraftEndpoint) -> None:
+        left = self._users.get(id(ep), 1) - 1
+        self._users[id(ep)] = left
+        if left <= 0:
+            self._users.pop(id(ep), None)
+            if id(ep) in self._retired:
+                self._retired.pop(id(ep))
+                asyncio.get_running_loop().create_task(ep.close())
+
+    def _retire(self, ep: RemoteDraftEndpoint) -> None:
+        if self._users.get(id(ep), 0) > 0:
+            self._retired[id(ep)] = ep
+        else:
+            asyncio.get_running_loop().create_task(ep.close())
+
+    async def close(self) -> None:
+        for ep in [*self._by_name.values(), *self._retired.values()]:
+            await ep.close()
+
+
+class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
+    def __init__(self, config: GatewayConfig, target: RemoteTarget, tokenizer=None) -> None:
+        if target.target_info is None:
+            raise ValueError("fetch the target's info (RemoteTarget.fetch_info) before serving")
+        self.config = config
+        self.target = target
+        self.tokenizer = tokenizer
+        self.drafts = DraftTable(config.draft_step_timeout_s)
+        for name, address in config.drafts.items():
+            self.drafts.put(self.drafts.make(name, address))
+        self.default_draft = config.default_draft or next(iter(config.drafts), None)
+        self.metrics = tn.SpecMetrics()
+        self._adaptive_by_draft: dict[str, AdaptiveSpeculation] = {}
+
+    def _adaptive(self, draft_name: str) -> AdaptiveSpeculation:
+        """The process-wide adaptive chooser of one draft (its cost model outlives requests)."""
+        if draft_name not in self._adaptive_by_draft:
+            self._adaptive_by_draft[draft_name] = AdaptiveSpeculation(AdaptiveConfig(max_k=MAX_SPECULATIVE_TOKENS))
+        return self._adaptive_by_draft[draft_name]
+
+    async def close(self) -> None:
+        await self.drafts.close()
+        await self.target.close()
+
+    # ----------------------------------------------------------------------------- generate
+    async def _events(self, request, context):
+        """Validated request -> GenerateResponse messages (aborts the call with a status on failure)."""
+        info = self.target.target_info
+        try:
+            checked = validate_request(request, info, self.drafts, self.default_draft, self.tokenizer)
+        except InvalidRequest as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        remaining = context.time_remaining()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + remaining if remaining is not None else None
+        endpoint = self.drafts.acquire(checked.draft_name) if checked.draft_name else None
+        k = checked.num_speculative_tokens or DEFAULT_SPECULATIVE_TOKENS
+        if endpoint is not None and endpoint.last_info is not None:
+            k = min(k, endpoint.last_info.max_block_size)
+        gen = GenerationRequest(
+            prompt_ids=checked.prompt_ids,
+            max_new_tokens=checked.max_new_tokens,
+            sampling=checked.sampling,
+            num_speculative_tokens=k,
+            stop=checked.stop,
+            model_name=info.model_name or info.model_type,
+            adaptive=checked.adaptive and endpoint is not None,
+            draft_ahead=checked.draft_ahead,
+        )
+        token = otel_context.attach(tn.context_from_metadata(context.invocation_metadata()))
+        try:
+            events = run_request(
+                gen,
+                self.target.session(deadline, self.metrics),
+                endpoint.session(deadline) if endpoint is not None else None,
+                tokenizer=self.tokenizer,
+                target_info=info,
+                adaptive=self._adaptive(checked.draft_name) if gen.adaptive else None,
+                session_id=uuid.uuid4().hex,
+            )
+            async with contextlib.aclosing(events):
+                async for event in events:
+                    if isinstance(event, FinalEvent):
+                        yield self._final(event, checked.draft_name)
+                    else:
+                        yield gateway_pb2.GenerateResponse(
+                            delta=gateway_pb2.TokenDelta(token_ids=list(event.token_ids), text=event.text)
+                        )
+        except RequestRejected as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except TargetCallError as exc:
+            await context.abort(exc.code, str(exc))
+        except TargetUnavailable as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        finally:
+            otel_context.detach(token)
+            if endpoint is not None:
+                self.drafts.release(endpoint)
+
+    def _final(self, event: FinalEvent, draft_name: str | None) -> gateway_pb2.GenerateResponse:
+        stats = event.stats.as_dict()
+        self.metrics.record_request(stats, event.finish_reason, draft_name or NO_DRAFT)
+        return gateway_pb2.GenerateResponse(
+            final=gateway_pb2.FinalMessage(
+                finish_reason=event.finish_reason,
+                usage=gateway_pb2.Usage(prompt_tokens=event.prompt_tokens, completion_tokens=event.completion_tokens),
+                stats=gateway_pb2.SpecStats(
+                    steps=stats["steps"],
+                    mean_accepted_length=stats["mean_accepted_length"],
+                    accepted_per_position=stats["accepted_per_position"],
+                    tokens_per_s=stats["tokens_per_s"],
+                    ttft_s=stats["ttft_s"],
+                    draft_fallback=bool(stats.get("draft_fallback", event.stats.draft_fallback)),
+                    draft_ms=stats.get("draft_ms", 0.0),
+                    draft_hidden_ms=stats.get("draft_hidden_ms", 0.0),
+                    draft_ahead_hits=stats.get("draft_ahead_hits", 0),
+                    chosen_k=stats.get("chosen_k", {}),
+                ),
+                has_text=event.text is not None,
+                text=event.text or "",
+            )
+        )
+
+    async def Generate(self, request, context):
+        async for msg in self._events(request, context):
+            yield msg
+
+    async def GenerateUnary(self, request, context):
+        ids: list[int] = []
+        async for msg in self._events(request, context):
+            if msg.HasField("final"):
+                return gateway_pb2.GenerateResult(token_ids=ids, text=msg.final.text, final=msg.final)
+            ids.extend(msg.delta.token_ids)
+        await context.abort(grpc.StatusCode.INTERNAL, "the request ended without a final message")
+
+    # -------------------------------------------------------------------------------- admin
+    async def SetDraft(self, request, context):
+        name, address = request.name, request.address
+        if not name or name == NO_DRAFT:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"name: {name!r} is empty or reserved")
+        if not address:
+            self.drafts.remove(name)
+            if self.default_draft == name:
+                self.default_draft = next(iter(self.drafts.addresses()), None)
+            return gateway_pb2.SetDraftResponse(name=name, address="")
+        try:
+            ep = self.drafts.make(name, address)
+        except SpecserveError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        try:
+            info = await ep.fetch_info(self.config.set_draft_timeout_s, wait_for_ready=True)
+        except grpc.aio.AioRpcError as exc:
+            await ep.close()
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION, f"address: no draft service reachable at {address}: {exc.details()}"
+            )
+        problem = _incompatible(info, self.target.target_info)
+        if problem:
+            await ep.close()
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"address: {problem}")
+        self.drafts.put(ep)
+        self._adaptive_by_draft.pop(name, None)  # a new drafter: its costs and acceptance start afresh
+        if self.default_draft is None:
+            self.default_draft = name
+        return gateway_pb2.SetDraftResponse(name=name, address=address)
+
+    async def ListDrafts(self, request, context):
+        return gateway_pb2.ListDraftsResponse(drafts=self.drafts.addresses())
+
+
+def _incompatible(draft: draft_pb2.DraftInfo, target) -> str:
+    """Why a drafter cannot serve this target ("" when it can)."""
+    if draft.vocab_hash and target.vocab_hash and draft.vocab_hash != target.vocab_hash:
+        return f"drafter vocabulary {draft.vocab_hash[:12]} differs from the target's {target.vocab_hash[:12]}"
+    if draft.needs_hidden_states and any(not 0 <= layer <= target.num_layers for layer in draft.hidden_layers):
+        return f"drafter reads target layers {list(draft.hidden_layers)} but the target has {target.num_layers}"
+    return ""

@@ -1,0 +1,108 @@
+"""Check a GenerateRequest before any service sees it; every error names the offending field."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Container
+from dataclasses import dataclass
+
+from specserve.errors import SpecserveError
+from specserve.protos.specserve.v1 import gateway_pb2, target_pb2
+from specserve.target_service.engine.types import SamplingParams
+
+MAX_SPECULATIVE_TOKENS = 64
+NO_DRAFT = "none"  # GenerateRequest.draft value that asks for target-only decoding
+
+
+class InvalidRequest(SpecserveError):
+    """A request field is invalid; the message starts with the field name."""
+
+    def __init__(self, field: str, problem: str) -> None:
+        super().__init__(f"{field}: {problem}")
+        self.field = field
+
+
+@dataclass(frozen=True)
+class CheckedRequest:
+    prompt_ids: tuple[int, ...]
+    max_new_tokens: int
+    sampling: SamplingParams
+    draft_name: str | None  # None = target-only
+    num_speculative_tokens: int  # 0 = the draft's default
+    stop: tuple[str, ...]
+    adaptive: bool
+    draft_ahead: bool
+
+
+def validate_request(
+    req: gateway_pb2.GenerateRequest,
+    target: target_pb2.TargetInfo,
+    drafts: Container[str],
+    default_draft: str | None,
+    tokenizer=None,
+) -> CheckedRequest:
+    """Raise InvalidRequest for the first bad field; return the request in engine terms."""
+    if req.prompt and req.prompt_ids:
+        raise InvalidRequest("prompt", "give either prompt (text) or prompt_ids, not both")
+    if req.prompt_ids:
+        ids = tuple(int(t) for t in req.prompt_ids)
+        bad = [t for t in ids if not 0 <= t < target.vocab_size]
+        if bad:
+            raise InvalidRequest("prompt_ids", f"ids {bad[:4]} outside the vocabulary [0, {target.vocab_size})")
+    elif req.prompt:
+        if tokenizer is None:
+            raise InvalidRequest("prompt", "this gateway has no tokenizer; send prompt_ids")
+        ids = tuple(tokenizer.encode(req.prompt).ids)
+        if not ids:
+            raise InvalidRequest("prompt", "encodes to no tokens")
+    else:
+        raise InvalidRequest("prompt", "empty (set prompt or prompt_ids)")
+    if len(ids) >= target.max_context:
+        raise InvalidRequest("prompt", f"{len(ids)} tokens leave no room in the context of {target.max_context}")
+
+    if req.max_new_tokens <= 0:
+        raise InvalidRequest("max_new_tokens", f"must be positive, got {req.max_new_tokens}")
+    if len(ids) + req.max_new_tokens > target.max_context:
+        raise InvalidRequest(
+            "max_new_tokens",
+            f"{req.max_new_tokens} new tokens after a {len(ids)}-token prompt exceed the model's context "
+            f"of {target.max_context}",
+        )
+
+    s = req.sampling
+    if not (math.isfinite(s.temperature) and s.temperature >= 0):
+        raise InvalidRequest("sampling.temperature", f"must be >= 0, got {s.temperature}")
+    if not (math.isfinite(s.top_p) and 0.0 <= s.top_p <= 1.0):  # 0 on the wire = unset = 1.0
+        raise InvalidRequest("sampling.top_p", f"must be in (0, 1], got {s.top_p}")
+    if s.top_k < 0:
+        raise InvalidRequest("sampling.top_k", f"must be >= 0, got {s.top_k}")
+    sampling = SamplingParams(
+        temperature=s.temperature,
+        top_p=s.top_p if s.top_p > 0 else 1.0,
+        top_k=s.top_k,
+        seed=s.seed if s.HasField("seed") else None,
+    )
+
+    if req.draft == NO_DRAFT:
+        draft_name = None
+    elif req.draft:
+        if req.draft not in drafts:
+            raise InvalidRequest("draft", f"unknown draft {req.draft!r}")
+        draft_name = req.draft
+    else:
+        draft_name = default_draft if default_draft in drafts else None
+
+    if not 0 <= req.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+        raise InvalidRequest(
+            "num_speculative_tokens", f"must be in [0, {MAX_SPECULATIVE_TOKENS}], got {req.num_speculative_tokens}"
+        )
+    return CheckedRequest(
+        prompt_ids=ids,
+        max_new_tokens=req.max_new_tokens,
+        sampling=sampling,
+        draft_name=draft_name,
+        num_speculative_tokens=req.num_speculative_tokens,
+        stop=tuple(req.stop),
+        adaptive=req.speculation == gateway_pb2.SPECULATION_ADAPTIVE,
+        draft_ahead=req.draft_ahead,
+    )

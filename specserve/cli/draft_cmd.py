@@ -1,0 +1,73 @@
+"""`specserve draft`: a draft gRPC service (one drafter thread)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from pathlib import Path
+
+from specserve.cli.target_cmd import _positive_int, add_listen_arguments
+
+DEFAULT_LISTEN = "127.0.0.1:50053"
+FAMILIES = ("ngram", "model", "eagle3", "dflash")
+
+
+def add_drafter_arguments(parser: argparse.ArgumentParser) -> None:
+    """The drafter's flags (shared with `serve`, which forwards them)."""
+    parser.add_argument("--draft", choices=FAMILIES, default="ngram", help="drafter family")
+    parser.add_argument("--draft-model", type=Path, default=None, help="drafter checkpoint folder")
+    parser.add_argument("--max-block-size", type=_positive_int, default=8, help="most tokens one proposal may draft")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_drafter_arguments(parser)
+    parser.add_argument("--model", type=Path, default=None, help="the target's checkpoint folder (vocabulary, layers)")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    add_listen_arguments(parser, DEFAULT_LISTEN)
+
+
+def drafter_config(args: argparse.Namespace):
+    from specserve.cli.common import drafter_config_from_args
+    from specserve.paths import demo_checkpoint
+
+    target = args.model or demo_checkpoint("target")
+    config = drafter_config_from_args(args, target_checkpoint=target)
+    return dataclasses.replace(config, max_block_size=args.max_block_size)
+
+
+def run(args: argparse.Namespace) -> int:
+    from specserve.gateway.servers_common import ServerConfig, run_async
+
+    config = drafter_config(args)
+    server_config = ServerConfig(addresses=tuple(args.listen or [DEFAULT_LISTEN]), grace_s=args.grace_s)
+    run_async(_serve(config, server_config))
+    return 0
+
+
+async def _serve(config, server_config) -> None:
+    from specserve.draft_service.registry import build_proposer
+    from specserve.draft_service.server import SERVICE_NAME, DraftServicer, DrafterWorker
+    from specserve.gateway.servers_common import ServiceBinding, serve_until_signal
+    from specserve.gateway.tracing import setup_telemetry
+    from specserve.protos.specserve.v1 import draft_pb2_grpc
+
+    telemetry = setup_telemetry("specserve-draft")
+    worker = await DrafterWorker.build(lambda: build_proposer(config))
+    servicer = DraftServicer(worker)
+
+    async def on_stop() -> None:
+        await worker.close()
+        telemetry.shutdown()
+
+    def on_ready(running) -> None:
+        print(f"draft ({config.family}) listening on {' '.join(running.bound)}", flush=True)
+
+    await serve_until_signal(
+        server_config,
+        [ServiceBinding(draft_pb2_grpc.add_DraftServiceServicer_to_server, servicer, SERVICE_NAME)],
+        on_ready=on_ready,
+        on_stop=on_stop,
+    )
+    print("draft stopped", file=sys.stderr, flush=True)

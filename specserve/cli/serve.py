@@ -1,0 +1,167 @@
+"""`specserve serve`: target, draft and gateway as three local processes, wired by Unix sockets.
+
+Prints exactly one line on stdout, ``gateway listening on HOST:PORT``, once the gateway accepts
+requests (the services' own output goes to stderr). SIGINT/SIGTERM stop all three. A draft process
+that dies is not fatal (requests go on target-only); a target or gateway that dies stops the rest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from specserve.cli.common import add_model_arguments
+from specserve.errors import SpecserveError
+
+READY = "gateway listening on "
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_model_arguments(parser)
+    parser.add_argument("--host", default="127.0.0.1", help="gateway host")
+    parser.add_argument("--port", type=int, default=50051, help="gateway port (0 = any free port)")
+    parser.add_argument("--max-block-size", type=int, default=8, help="most tokens one proposal may draft")
+    parser.add_argument("--draft-step-timeout-s", type=float, default=5.0)
+    parser.add_argument("--startup-timeout-s", type=float, default=600.0)
+    parser.add_argument("--grace-s", type=float, default=10.0, help="seconds in-flight requests get on stop")
+
+
+class _Children:
+    """The started processes, stopped in reverse dependency order (gateway, draft, target)."""
+
+    def __init__(self) -> None:
+        self.procs: dict[str, subprocess.Popen] = {}
+
+    def start(self, role: str, argv: list[str], stdout=None) -> subprocess.Popen:
+        base = os.environ.get("OTEL_SERVICE_NAME") or "specserve"
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OTEL_SERVICE_NAME": f"{base}-{role}"}
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "specserve.cli.main", role, *argv],
+            stdout=stdout if stdout is not None else sys.stderr,
+            stderr=sys.stderr,
+            env=env,
+            text=True,
+        )
+        self.procs[role] = proc
+        return proc
+
+    def dead(self) -> list[str]:
+        return [r for r, p in self.procs.items() if p.poll() is not None]
+
+    def stop(self, grace_s: float) -> None:
+        for role in ("gateway", "draft", "target"):
+            proc = self.procs.get(role)
+            if proc is not None and proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    proc.wait(timeout=grace_s + 5)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+
+
+def _wait_healthy(address: str, deadline: float, children: _Children) -> None:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from specserve.gateway.servers_common import channel_options
+
+    with grpc.insecure_channel(address, options=channel_options()) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while True:
+            dead = children.dead()
+            if dead:
+                raise SpecserveError(f"the {dead[0]} process exited with {children.procs[dead[0]].returncode} at start")
+            try:
+                if stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0).status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            if time.monotonic() > deadline:
+                raise SpecserveError(f"{address} did not become healthy in time")
+            time.sleep(0.2)
+
+
+def _forward(stream, sink) -> None:
+    for line in stream:
+        sink.write(line)
+        sink.flush()
+
+
+def run(args: argparse.Namespace) -> int:
+    from specserve.cli.common import drafter_config_from_args
+    from specserve.paths import demo_checkpoint
+
+    model = args.model or demo_checkpoint("target")
+    if not Path(model).is_dir():
+        raise SpecserveError(f"model folder {model} does not exist")
+    if args.draft != "none":
+        drafter_config_from_args(args, target_checkpoint=model)  # flag errors now, not in a child
+    if not 0 <= args.port <= 65535:
+        raise SpecserveError(f"--port must be in [0, 65535], got {args.port}")
+
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    sockets = tempfile.mkdtemp(prefix="specserve-")
+    target_addr, draft_addr = f"unix:{sockets}/target.sock", f"unix:{sockets}/draft.sock"
+    children = _Children()
+    model_flag = ["--model", str(args.model)] if args.model is not None else []
+    placement = ["--device", args.device, "--dtype", args.dtype]
+    try:
+        children.start("target", [
+            *model_flag, *placement, "--listen", target_addr,
+            "--tensor-parallel-size", str(args.tensor_parallel_size),
+            "--num-kv-blocks", str(args.num_kv_blocks), "--kv-block-size", str(args.kv_block_size),
+            *(["--enable-expert-parallel"] if args.enable_expert_parallel else []),
+            "--grace-s", str(args.grace_s),
+        ])
+        gateway_drafts: list[str] = []
+        if args.draft != "none":
+            children.start("draft", [
+                "--draft", args.draft, *model_flag, *placement, "--listen", draft_addr,
+                "--max-block-size", str(args.max_block_size), "--grace-s", str(args.grace_s),
+                *(["--draft-model", str(args.draft_model)] if args.draft_model is not None else []),
+            ])
+            gateway_drafts = ["--draft-service", f"{args.draft}={draft_addr}"]
+        deadline = time.monotonic() + args.startup_timeout_s
+        _wait_healthy(target_addr, deadline, children)
+        if args.draft != "none":
+            _wait_healthy(draft_addr, deadline, children)
+        gateway = children.start("gateway", [
+            "--target", target_addr, *gateway_drafts, "--model", str(model),
+            "--host", args.host, "--port", str(args.port),
+            "--draft-step-timeout-s", str(args.draft_step_timeout_s), "--grace-s", str(args.grace_s),
+        ], stdout=subprocess.PIPE)
+        for line in gateway.stdout:
+            if line.startswith(READY):
+                print(line.strip(), flush=True)
+                break
+            sys.stderr.write(line)
+        else:
+            raise SpecserveError(f"the gateway exited with {gateway.wait()} before it was ready")
+        threading.Thread(target=_forward, args=(gateway.stdout, sys.stderr), daemon=True).start()
+        reported: set[str] = set()
+        while not stop.wait(0.2):
+            dead = set(children.dead()) - reported
+            if "target" in dead or "gateway" in dead:
+                role = "target" if "target" in dead else "gateway"
+                print(f"specserve serve: the {role} process exited with {children.procs[role].returncode}; "
+                      "stopping", file=sys.stderr, flush=True)
+                return 1
+            for role in dead:
+                print(f"specserve serve: the {role} process exited with {children.procs[role].returncode}; "
+                      "going on target-only", file=sys.stderr, flush=True)
+                reported.add(role)
+        return 0
+    finally:
+        children.stop(args.grace_s)
+        shutil.rmtree(sockets, ignore_errors=True)

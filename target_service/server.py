@@ -1,0 +1,336 @@
+"""The target gRPC service: Prefill, Verify, VerifyStream, Release, GetInfo, GetStats.
+
+One engine thread owns the TargetEngine (a single-thread executor); servicers only await. Verify
+requests are batched per step: whatever is queued when the engine thread becomes free runs as ONE
+``engine.verify_batch`` call, so N concurrent sessions share one forward.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import grpc
+from opentelemetry import trace
+
+from specserve.errors import SpecserveError
+from specserve.gateway import tracing as tn
+from specserve.protos import convert
+from specserve.protos.specserve.v1 import target_pb2, target_pb2_grpc
+from specserve.target_service.engine.types import DraftBlock, VerifyResult
+
+SERVICE_NAME = target_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name
+
+# Errors caused by a request's content (not by the service): INVALID_ARGUMENT.
+INPUT_ERRORS: tuple[type[BaseException], ...] = (ValueError, SpecserveError, convert.ConversionError)
+
+
+class UnknownSession(SpecserveError):
+    """A call named a session this service does not hold (never opened, or released)."""
+
+
+class DuplicateSession(SpecserveError):
+    """Prefill named a session that is already open."""
+
+
+@dataclass
+class _Queued:
+    session_id: str
+    block: DraftBlock
+    future: asyncio.Future
+    enqueued: float = field(default_factory=time.perf_counter)
+
+
+@dataclass(frozen=True)
+class VerifyOutcome:
+    result: VerifyResult
+    queue_ms: float
+    batch_size: int
+
+
+class EngineWorker:
+    """Owns the engine on one thread. prefill/release/info run there one at a time; verify requests
+    queue up and run as one batched ``verify_batch`` call whenever the thread is free."""
+
+    def __init__(self, engine, max_batch: int = 256) -> None:
+        self.engine = engine
+        self.max_batch = max_batch
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="target-engine")
+        self._queue: list[_Queued] = []
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self.active: dict[str, int] = {}  # session id -> len(S)
+        self.steps = 0
+
+    @classmethod
+    async def build(cls, factory: Callable[[], object], **kw) -> EngineWorker:
+        """Build the engine on the engine thread itself (model loading never blocks the loop)."""
+        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="target-engine")
+        engine = await asyncio.get_running_loop().run_in_executor(pool, factory)
+        worker = cls(engine, **kw)
+        worker._pool.shutdown(wait=False)
+        worker._pool = pool
+        return worker
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._batch_loop(), name="target-batcher")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+        await asyncio.get_running_loop().run_in_executor(None, self._pool.shutdown, True)
+
+    async def call(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    async def prefill(self, session_id: str, prompt_ids: list[int], sampling, hidden_layers: tuple[int, ...]):
+        if session_id in self.active:
+            raise DuplicateSession(f"session_id {session_id!r} is already open")
+        self.active[session_id] = -1  # reserved while the prefill runs
+        try:
+            result = await self.call(self.engine.prefill, session_id, prompt_ids, sampling, hidden_layers)
+        except BaseException:
+            self.active.pop(session_id, None)
+            raise
+        if session_id in self.active:  # not released meanwhile
+            self.active[session_id] = len(prompt_ids) + 1
+        return result
+
+    async def verify(self, session_id: str, block: DraftBlock) -> VerifyOutcome:
+        if self.active.get(session_id, -1) < 0:
+            raise UnknownSession(f"session_id {session_id!r} is not open (prefill it first)")
+        fut = asyncio.get_running_loop().create_future()
+        self._queue.append(_Queued(session_id, block, fut))
+        self._wake.set()
+        return await fut
+
+    async def release(self, session_id: str) -> bool:
+        if session_id not in self.active:
+            return False
+        del self.active[session_id]
+        for item in [q for q in self._queue if q.session_id == session_id]:
+            self._queue.remove(item)
+            if not item.future.done():
+                item.future.set_exception(UnknownSession(f"session_id {session_id!r} was released"))
+        await self.call(self.engine.release, session_id)
+        return True
+
+    async def _batch_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            items = [q for q in self._queue[: self.max_batch] if not q.future.done()]
+            del self._queue[: self.max_batch]
+            if self._queue:
+                self._wake.set()
+            items = [q for q in items if q.session_id in self.active]
+            if not items:
+                continue
+            started = time.perf_counter()
+            pairs = [(q.session_id, q.block) for q in items]
+            try:
+                results = await loop.run_in_executor(self._pool, self._run_batch, pairs)
+            except BaseException as exc:  # noqa: BLE001 - every waiter must hear about it
+                for q in items:
+                    if not q.future.done():
+                        q.future.set_exception(exc if isinstance(exc, Exception) else RuntimeError(str(exc)))
+                if isinstance(exc, asyncio.CancelledError):
+                    raise
+                continue
+            self.steps += len(items)
+            for q, res in zip(items, results):
+                if q.session_id in self.active:
+                    self.active[q.session_id] += len(res.emitted)
+                if q.future.done():
+                    continue
+                if isinstance(res, Exception):
+                    q.future.set_exception(res)
+                else:
+                    q.future.set_result(VerifyOutcome(res, (started - q.enqueued) * 1e3, len(items)))
+
+    def _run_batch(self, pairs: list[tuple[str, DraftBlock]]) -> list:
+        """On the engine thread: one batched forward; if the batch fails, each session alone, so one
+        bad request cannot fail the others (the engine checks its input before it changes state)."""
+        if len(pairs) == 1:
+            return [self.engine.verify(*pairs[0])]
+        try:
+            return list(self.engine.verify_batch(pairs))
+        except Exception:  # noqa: BLE001 - isolate the failing session below
+            out = []
+            for sid, block in pairs:
+                try:
+                    out.append(self.engine.verify(sid, block))
+                except Exception as exc:  # noqa: BLE001 - returned to that session's caller
+                    out.append(exc)
+            return out
+
+
+def _status_for(exc: BaseException) -> grpc.StatusCode:
+    if isinstance(exc, UnknownSession):
+        return grpc.StatusCode.NOT_FOUND
+    if isinstance(exc, DuplicateSession):
+        return grpc.StatusCode.ALREADY_EXISTS
+    if isinstance(exc, INPUT_ERRORS):
+        return grpc.StatusCode.INVALID_ARGUMENT
+    return grpc.StatusCode.INTERNAL
+
+
+class TargetServicer(target_pb2_grpc.TargetServiceServicer):
+    def __init__(self, worker: EngineWorker, model_name: str = "", tensor_parallel_size: int = 1) -> None:
+        self.worker = worker
+        self.info = worker.engine.info()
+        self.model_name = model_name
+        self.tensor_parallel_size = tensor_parallel_size
+        self._tracer = tn.tracer()
+
+    # ------------------------------------------------------------------------------ helpers
+    def _check_ids(self, ids, field: str) -> None:
+        bad = [t for t in ids if not 0 <= t < self.info.vocab_size]
+        if bad:
+            raise convert.ConversionError(f"{field}: ids {bad[:4]} outside the vocabulary [0, {self.info.vocab_size})")
+
+    async def _abort(self, context, exc: BaseException):
+        await context.abort(_status_for(exc), f"{type(exc).__name__}: {exc}")
+
+    # -------------------------------------------------------------------------------- RPCs
+    async def GetInfo(self, request, context):
+        i = self.info
+        return target_pb2.TargetInfo(
+            model_type=i.model_type,
+            vocab_size=i.vocab_size,
+            vocab_hash=i.vocab_hash,
+            max_context=i.max_context,
+            num_layers=i.num_layers,
+            hidden_size=i.hidden_size,
+            eos_token_ids=list(i.eos_token_ids),
+            tensor_parallel_size=self.tensor_parallel_size,
+            model_name=self.model_name,
+        )
+
+    async def Prefill(self, request, context):
+        received = time.perf_counter()
+        parent = tn.context_from_metadata(context.invocation_metadata())
+        with self._tracer.start_as_current_span(tn.SPAN_PREFILL, context=parent, kind=trace.SpanKind.SERVER) as span:
+            span.set_attribute(tn.ATTR_SESSION, request.session_id)
+            span.set_attribute(tn.ATTR_INPUT_TOKENS, len(request.prompt_ids))
+            try:
+                if not request.session_id:
+                    raise convert.ConversionError("session_id: empty")
+                ids = list(request.prompt_ids)
+                if not ids:
+                    raise convert.ConversionError("prompt_ids: empty")
+                self._check_ids(ids, "prompt_ids")
+                if len(ids) >= self.info.max_context:
+                    raise convert.ConversionError(
+                        f"prompt_ids: {len(ids)} tokens leave no room in the context of {self.info.max_context}"
+                    )
+                layers = tuple(int(x) for x in request.hidden_layers)
+                sampling = convert.sampling_from_proto(request.sampling)
+                res = await self.worker.prefill(request.session_id, ids, sampling, layers)
+            except Exception as exc:  # noqa: BLE001 - mapped to a status
+                span.record_exception(exc)
+                await self._abort(context, exc)
+            span.set_attribute(tn.ATTR_FORWARD_MS, res.timings.forward_ms)
+            out = target_pb2.PrefillResponse(
+                session_id=request.session_id,
+                next_token=res.next_token,
+                timings=convert.timings_to_proto(res.timings, (time.perf_counter() - received) * 1e3),
+            )
+            if res.hidden is not None:
+                out.hidden.CopyFrom(convert.tensor_to_proto(res.hidden))
+            return out
+
+    async def _verify_one(self, request, call_ctx) -> target_pb2.VerifyResponse:
+        """One verify step (raises; callers map exceptions to a status)."""
+        received = time.perf_counter()
+        parent = tn.context_from_map(request.trace_context, call_ctx)
+        with self._tracer.start_as_current_span(
+            tn.SPAN_TARGET_VERIFY, context=parent, kind=trace.SpanKind.SERVER
+        ) as span:
+            block = convert.draft_block_from_proto(request.draft, vocab_size=self.info.vocab_size)
+            span.set_attribute(tn.ATTR_SESSION, request.session_id)
+            span.set_attribute(tn.ATTR_K, len(block))
+            span.set_attribute(tn.ATTR_TREE_SIZE, 0 if block.is_chain else len(block))
+            out = await self.worker.verify(request.session_id, block)
+            res = out.result
+            span.set_attribute(tn.ATTR_ACCEPTED, len(res.accepted_ids))
+            span.set_attribute(tn.ATTR_EMITTED, len(res.emitted))
+            span.set_attribute(tn.ATTR_BATCH_SIZE, out.batch_size)
+            span.set_attribute(tn.ATTR_QUEUE_MS, out.queue_ms)
+            span.set_attribute(tn.ATTR_FORWARD_MS, res.timings.forward_ms)
+            span.set_attribute(tn.ATTR_SAMPLE_MS, res.timings.sample_ms)
+            span.set_attribute(tn.ATTR_EXPERTS_TOUCHED, res.experts_touched)
+            resp = target_pb2.VerifyResponse(
+                session_id=request.session_id,
+                accepted_ids=list(res.accepted_ids),
+                next_token=res.next_token,
+                num_drafted=res.num_drafted or len(block),
+                experts_touched=res.experts_touched,
+                timings=convert.timings_to_proto(res.timings, (time.perf_counter() - received) * 1e3, out.queue_ms),
+                batch_size=out.batch_size,
+            )
+            if res.hidden is not None:
+                resp.hidden.CopyFrom(convert.tensor_to_proto(res.hidden))
+            return resp
+
+    async def Verify(self, request, context):
+        call_ctx = tn.context_from_metadata(context.invocation_metadata())
+        try:
+            return await self._verify_one(request, call_ctx)
+        except Exception as exc:  # noqa: BLE001 - mapped to a status
+            await self._abort(context, exc)
+
+    async def VerifyStream(self, request_iterator, context):
+        """Per-session stream of verify steps. When the stream ends for any reason (the client cancelled,
+        went away, or finished) the sessions it carried are released."""
+        call_ctx = tn.context_from_metadata(context.invocation_metadata())
+        sessions: set[str] = set()
+        try:
+            async for request in request_iterator:
+                sessions.add(request.session_id)
+                try:
+                    resp = await self._verify_one(request, call_ctx)
+                except Exception as exc:  # noqa: BLE001 - mapped to a status
+                    await self._abort(context, exc)
+                yield resp
+        finally:
+            # a separate task: the handler may be cancelled, the release must still happen
+            for sid in sessions:
+                asyncio.get_running_loop().create_task(self.worker.release(sid))
+
+    async def Release(self, request, context):
+        parent = tn.context_from_metadata(context.invocation_metadata())
+        with self._tracer.start_as_current_span(tn.SPAN_RELEASE, context=parent, kind=trace.SpanKind.SERVER) as span:
+            span.set_attribute(tn.ATTR_SESSION, request.session_id)
+            try:
+                released = await self.worker.release(request.session_id)
+            except Exception as exc:  # noqa: BLE001 - mapped to a status
+                await self._abort(context, exc)
+            return target_pb2.ReleaseResponse(released=released)
+
+    async def GetStats(self, request, context):
+        used, total = _kv_blocks(await self.worker.call(self.worker.engine.kv_usage))
+        return target_pb2.TargetStats(
+            active_sessions=len(self.worker.active),
+            kv_blocks_total=total,
+            kv_blocks_used=used,
+            steps=self.worker.steps,
+        )
+
+
+def _kv_blocks(usage) -> tuple[int, int]:
+    """(used, total) KV blocks from engine.kv_usage(): a (used, total) pair or an object with
+    used/total block counts."""
+    if isinstance(usage, tuple):
+        return int(usage[0]), int(usage[1])
+    used = getattr(usage, "used_blocks", getattr(usage, "used", 0))
+    total = getattr(usage, "total_blocks", getattr(usage, "total", 0))
+    return int(used), int(total)
