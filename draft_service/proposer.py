@@ -49,7 +49,7 @@ class VocabMismatchError(DrafterConfigError):
     """The drafter's vocabulary differs from the target's."""
 
 
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_DTYPES = {"float64": torch.float64, "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -296,10 +296,9 @@ class Proposer(ABC):
                 )
             state.draft_tail = ()
             return self._draft_tree(state, tree)
-        if not 0 <= num_tokens <= self.info.max_block_size:
-            raise ProposerError(
-                f"num_tokens must be in [0, {self.info.max_block_size}], got {num_tokens}"
-            )
+        if num_tokens < 0:
+            raise ProposerError(f"num_tokens must be >= 0, got {num_tokens}")
+        num_tokens = min(num_tokens, self.info.max_block_size)  # a chain is at most max_block_size
         block = DraftBlock(token_ids=()) if num_tokens == 0 else self._draft_chain(state, num_tokens)
         state.draft_tail = block.token_ids
         return block

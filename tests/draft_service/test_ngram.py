@@ -114,7 +114,7 @@ def test_bad_calls_raise_clear_errors():
     with pytest.raises(ProposerError, match="prefix_len"):
         p.propose("s", 5, [], None, 2)
     with pytest.raises(ProposerError, match="num_tokens"):
-        p.propose("s", 2, [], None, 9)
+        p.propose("s", 2, [], None, -1)
     with pytest.raises(ProposerError, match="token id -1"):
         p.propose("s", 2, [-1], None, 2)
     p.release("s")

@@ -1,0 +1,154 @@
+"""EAGLE-3 head: published layout round trip, malformed heads, rollback/sync for chains and trees."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from specserve.draft_service.eagle3 import Eagle3Proposer, default_eagle3_layers
+from specserve.draft_service.eagle3_head import REQUIRED_TENSORS, Eagle3Config, Eagle3Head, save_eagle3_head
+from specserve.draft_service.proposer import DrafterConfig, DrafterConfigError, ProposerError, TreeSpec
+from specserve.draft_service.registry import build_proposer
+from specserve.target_service.engine.types import SamplingParams
+
+from draft_helpers import FakeFeatures, rollback_matches_fresh
+
+VOCAB, DRAFT_VOCAB, H, TARGET_H, TARGET_LAYERS = 48, 32, 16, 12, 6
+
+
+def head_config() -> dict:
+    return {
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "model_type": "llama",
+        "hidden_size": H,
+        "intermediate_size": 32,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "num_hidden_layers": 1,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "vocab_size": VOCAB,
+        "draft_vocab_size": DRAFT_VOCAB,
+        "target_hidden_size": TARGET_H,
+        "hidden_act": "silu",
+    }
+
+
+def random_head(seed: int = 0) -> Eagle3Head:
+    torch.manual_seed(seed)
+    head = Eagle3Head(Eagle3Config.from_dict(head_config()))
+    with torch.no_grad():
+        for p in head.parameters():
+            p.copy_(torch.randn_like(p) * 0.3)
+        draft_to_target = torch.sort(torch.randperm(VOCAB)[:DRAFT_VOCAB]).values
+        head.d2t.copy_(draft_to_target - torch.arange(DRAFT_VOCAB))
+        head.t2d.zero_()
+        head.t2d[draft_to_target] = True
+    return head
+
+
+def write_target(tmp_path, embed: torch.Tensor):
+    """A target checkpoint folder with just what the head needs: config.json + embeddings."""
+    tdir = tmp_path / "target"
+    tdir.mkdir()
+    cfg = {"model_type": "llama", "vocab_size": VOCAB, "hidden_size": TARGET_H, "num_hidden_layers": TARGET_LAYERS,
+           "intermediate_size": 24, "num_attention_heads": 2}
+    (tdir / "config.json").write_text(json.dumps(cfg))
+    save_file({"model.embed_tokens.weight": embed.contiguous()}, str(tdir / "model.safetensors"))
+    return tdir
+
+
+@pytest.fixture()
+def saved(tmp_path):
+    head = random_head()
+    hdir = tmp_path / "head"
+    save_eagle3_head(head, hdir)  # published layout, no embeddings
+    tdir = write_target(tmp_path, head.embed_tokens.weight.detach().clone())
+    return head, hdir, tdir
+
+
+def make_config(hdir, tdir, **kw):
+    return DrafterConfig(family="eagle3", checkpoint=hdir, target_checkpoint=tdir, dtype="float64",
+                         max_block_size=6, **kw)
+
+
+def test_saved_layout_is_the_published_one(saved):
+    _, hdir, _ = saved
+    names = set(load_file(str(hdir / "model.safetensors")))
+    assert names == set(REQUIRED_TENSORS)
+    assert json.loads((hdir / "config.json").read_text())["draft_vocab_size"] == DRAFT_VOCAB
+
+
+def test_load_and_propose(saved):
+    head, hdir, tdir = saved
+    p = build_proposer(make_config(hdir, tdir))
+    assert isinstance(p, Eagle3Proposer)
+    info = p.info
+    assert info.family == "eagle3" and info.needs_hidden_states and info.has_probs and info.supports_tree
+    assert info.hidden_layers == default_eagle3_layers(TARGET_LAYERS) == (1, 2, 2)
+    assert info.vocab_size == VOCAB and info.vocab_hash == f"size:{VOCAB}"
+    for name, ref in head.state_dict().items():  # loaded weights are the saved ones
+        torch.testing.assert_close(p.head.state_dict()[name].to(ref.dtype), ref)
+    feats = FakeFeatures(VOCAB, 3 * TARGET_H)
+    seq = [3, 5, 7, 9, 11]
+    p.start("s", seq, feats.rows(seq, 0, 4), SamplingParams(temperature=0.8, top_k=10, seed=1))
+    block = p.propose("s", 5, [], None, 4)
+    allowed = set((torch.arange(DRAFT_VOCAB) + head.d2t).tolist())
+    assert len(block) == 4 and set(block.token_ids) <= allowed
+    assert block.probs.shape == (4, VOCAB)
+    torch.testing.assert_close(block.probs.sum(-1), torch.ones(4, dtype=torch.float32))
+    assert float(block.probs[:, ~head.t2d].sum()) == 0.0  # q lives on the draft vocabulary
+    assert all(block.probs[i, t] > 0 for i, t in enumerate(block.token_ids))
+    with pytest.raises(ProposerError, match="feature width"):
+        p.propose("s", 5, [1], torch.zeros(1, 7), 2)
+
+
+def test_malformed_head_names_the_missing_tensor(saved, tmp_path):
+    _, hdir, tdir = saved
+    tensors = load_file(str(hdir / "model.safetensors"))
+    del tensors["midlayer.hidden_norm.weight"]
+    save_file(tensors, str(hdir / "model.safetensors"))
+    with pytest.raises(DrafterConfigError, match="midlayer.hidden_norm.weight"):
+        build_proposer(make_config(hdir, tdir))
+    cfg = head_config()
+    del cfg["draft_vocab_size"]
+    (hdir / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(DrafterConfigError, match="draft_vocab_size"):
+        build_proposer(make_config(hdir, tdir))
+
+
+def test_embeddings_from_head_when_present(saved, tmp_path):
+    head, _, _ = saved
+    hdir = tmp_path / "with_emb"
+    save_eagle3_head(head, hdir, with_embeddings=True)
+    p = build_proposer(DrafterConfig(family="eagle3", checkpoint=hdir, hidden_layers=(0, 1, 2)))
+    assert p.info.hidden_layers == (0, 1, 2)
+    torch.testing.assert_close(p.head.embed_tokens.weight, head.embed_tokens.weight)
+    with pytest.raises(DrafterConfigError, match="embed_tokens"):
+        build_proposer(DrafterConfig(family="eagle3", checkpoint=tmp_path / "head", hidden_layers=(0, 1, 2)))
+
+
+@pytest.mark.parametrize("tree", [None, TreeSpec(num_nodes=10, top_k=3, depth=4)])
+def test_rollback_matches_fresh_drafter(saved, tree):
+    _, hdir, tdir = saved
+    cfg = make_config(hdir, tdir)
+    rollback_matches_fresh(lambda: build_proposer(cfg), FakeFeatures(VOCAB, 3 * TARGET_H), VOCAB, tree=tree)
+
+
+def test_sampled_tree_declares_draws_without_replacement(saved):
+    _, hdir, tdir = saved
+    p = build_proposer(make_config(hdir, tdir))
+    feats = FakeFeatures(VOCAB, 3 * TARGET_H)
+    seq = [1, 2, 3, 4]
+    p.start("s", seq, feats.rows(seq, 0, 3), SamplingParams(temperature=1.0, seed=3))
+    block = p.propose("s", 4, [], None, 0, TreeSpec(num_nodes=12, top_k=3, depth=3))
+    assert len(block) == 12 and block.probs.shape == (12, VOCAB)
+    for i, parent in enumerate(block.parents):
+        earlier = [j for j in range(i) if block.parents[j] == parent]
+        assert len({block.token_ids[j] for j in earlier + [i]}) == len(earlier) + 1  # distinct siblings
+        for j in earlier:  # an earlier sibling is excluded from a later sibling's declared q
+            assert float(block.probs[i, block.token_ids[j]]) == 0.0
+        assert float(block.probs[i, block.token_ids[i]]) > 0.0
