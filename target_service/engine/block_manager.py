@@ -10,8 +10,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from specserve.errors import SpecserveError
 
-class BlockManagerError(Exception):
+
+class BlockManagerError(SpecserveError):
     """Base class of block-manager errors."""
 
 
@@ -45,6 +47,10 @@ class KVUsage:
     used_blocks: int
     num_sequences: int
     used_tokens: int  # sum over sequences of their current length
+
+    @property
+    def total_blocks(self) -> int:
+        return self.num_blocks
 
     @property
     def utilization(self) -> float:

@@ -1,0 +1,390 @@
+"""TargetEngine: sessions over a paged KV cache; prefill, verify (chain or tree, batched), rollback.
+
+Terms follow the glossary in ``engine/types.py``. Between steps a session holds ``cached_len`` tokens
+of K/V and one pending token. A verify step feeds ``[pending] + drafted`` in one forward (chain:
+causal; tree: ancestor mask, positions ``cached_len + depth``), writes their K/V to the step-local slots
+``cached_len + node``, accepts with the rules of ``engine/sampler.py``, moves the accepted tree path to
+contiguous slots (``PagedKVCache.copy_slots``) and truncates the sequence to
+``cached_len + 1 + accepted``: the rejected tokens' slots are beyond the length and never read again.
+
+The engine is synchronous and not thread-safe: drive it from one thread. Every public method checks
+its input before it changes any state, so a refused call leaves the engine as it was.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from collections.abc import Sequence
+
+import torch
+
+from specserve.target_service.models.vocab import vocab_hash as checkpoint_vocab_hash
+
+from .attn_metadata import AttentionBatch
+from .block_manager import BlockManager, KVUsage, OutOfBlocks
+from .kv_cache import PagedKVCache
+from .sampler import make_generator, target_probs, verify_step
+from .session import (
+    ContextTooLong,
+    DuplicateSession,
+    EngineInfo,
+    InvalidInput,
+    Session,
+    SessionView,
+    UnknownSession,
+)
+from .tree import StepLayout, compaction_moves, layout_of
+from .types import DraftBlock, PrefillResult, SamplingParams, StepTimings, VerifyResult
+
+__all__ = [
+    "ContextTooLong",
+    "DuplicateSession",
+    "EngineInfo",
+    "InvalidInput",
+    "OutOfBlocks",
+    "TargetEngine",
+    "UnknownSession",
+]
+
+_EMPTY = DraftBlock(token_ids=())
+
+
+def tokenizer_vocab_hash(tokenizer, vocab_size: int) -> str:
+    """The models/vocab.py fingerprint, computed from a loaded ``tokenizers.Tokenizer`` (or None)."""
+    if tokenizer is None:
+        return f"size:{vocab_size}"
+    with tempfile.TemporaryDirectory() as tmp:
+        with open(os.path.join(tmp, "tokenizer.json"), "w", encoding="utf-8") as f:
+            f.write(tokenizer.to_str())
+        return checkpoint_vocab_hash(tmp)
+
+
+class _Step:
+    """One session's share of a batched verify forward."""
+
+    __slots__ = ("session", "block", "layout", "start", "end")
+
+    def __init__(self, session: Session, block: DraftBlock, layout: StepLayout, start: int) -> None:
+        self.session = session
+        self.block = block
+        self.layout = layout
+        self.start = start
+        self.end = start + layout.num_nodes
+
+
+class TargetEngine:
+    def __init__(
+        self,
+        model,  # CausalLM
+        config,  # ModelConfig
+        tokenizer=None,  # tokenizers.Tokenizer or None
+        *,
+        num_blocks: int,
+        block_size: int = 16,
+        device: str | torch.device | None = None,
+        hidden_layers: tuple[int, ...] = (),  # default capture layers when prefill passes None
+        max_context: int | None = None,  # cap below the model's max_position_embeddings
+        vocab_hash: str | None = None,  # override the fingerprint computed from the tokenizer
+    ) -> None:
+        self.model = model
+        self.config = config
+        self.tokenizer = tokenizer
+        param = next(model.parameters())
+        self.device = torch.device(device) if device is not None else param.device
+        self.max_context = int(min(config.max_position_embeddings, max_context or config.max_position_embeddings))
+        if self.max_context < 2:
+            raise ValueError(f"max_context must be >= 2, got {self.max_context}")
+        self.default_hidden_layers = self._check_layers(tuple(hidden_layers))
+        self.blocks = BlockManager(num_blocks, block_size)
+        self.kv_cache = PagedKVCache(
+            config.num_layers, num_blocks, block_size, model.kv_entry_shape(), param.dtype, self.device
+        )
+        self._sessions: dict[str, Session] = {}
+        self._info = EngineInfo(
+            model_type=config.model_type,
+            vocab_size=config.vocab_size,
+            vocab_hash=vocab_hash or tokenizer_vocab_hash(tokenizer, config.vocab_size),
+            max_context=self.max_context,
+            num_layers=config.num_layers,
+            hidden_size=config.hidden_size,
+            eos_token_ids=tuple(config.eos_token_ids),
+            kv_block_size=block_size,
+            kv_num_blocks=num_blocks,
+        )
+
+    # ---- queries ---------------------------------------------------------------------------------
+    def info(self) -> EngineInfo:
+        return self._info
+
+    def kv_usage(self) -> KVUsage:
+        return self.blocks.usage()
+
+    def has_session(self, session_id: str) -> bool:
+        return session_id in self._sessions
+
+    def session(self, session_id: str) -> SessionView:
+        s = self._get(session_id)
+        return SessionView(s.session_id, s.cached_len, s.pending_token, s.steps, s.hidden_layers, s.sampling)
+
+    def _get(self, session_id: str) -> Session:
+        try:
+            return self._sessions[session_id]
+        except KeyError:
+            raise UnknownSession(session_id) from None
+
+    # ---- input checks ----------------------------------------------------------------------------
+    def _check_layers(self, layers: tuple[int, ...]) -> tuple[int, ...]:
+        bad = [i for i in layers if not 0 <= int(i) < self.config.num_layers]
+        if bad:
+            raise InvalidInput(f"hidden_layers {bad} outside [0, {self.config.num_layers})")
+        if len(set(layers)) != len(layers):
+            raise InvalidInput(f"hidden_layers {layers} repeat a layer")
+        return tuple(int(i) for i in layers)
+
+    def _check_ids(self, ids: Sequence[int], what: str) -> None:
+        v = self.config.vocab_size
+        bad = [t for t in ids if not 0 <= int(t) < v]
+        if bad:
+            raise InvalidInput(f"{what}: token ids {bad[:4]} outside the vocabulary [0, {v})")
+
+    def _check_block(self, session: Session, block: DraftBlock) -> None:
+        if not isinstance(block, DraftBlock):
+            raise InvalidInput(f"expected a DraftBlock, got {type(block).__name__}")
+        self._check_ids(block.token_ids, f"draft for {session.session_id!r}")
+        if block.probs is not None:
+            if block.probs.dim() != 2:
+                raise InvalidInput(f"draft probs must be [n, vocab], got {tuple(block.probs.shape)}")
+        needed = session.cached_len + 1 + len(block)
+        if needed > self.max_context:
+            raise ContextTooLong(session.session_id, needed, self.max_context)
+
+    # ---- prefill ---------------------------------------------------------------------------------
+    def prefill(
+        self,
+        session_id: str,
+        prompt_ids: Sequence[int],
+        sampling: SamplingParams = SamplingParams(),
+        hidden_layers: tuple[int, ...] | None = None,
+    ) -> PrefillResult:
+        """Forward the prompt into a new session and sample its first pending token."""
+        if session_id in self._sessions:
+            raise DuplicateSession(session_id)
+        prompt = [int(t) for t in prompt_ids]
+        if not prompt:
+            raise InvalidInput("prompt_ids: empty")
+        self._check_ids(prompt, "prompt_ids")
+        if len(prompt) + 1 > self.max_context:  # the pending token needs a position too
+            raise ContextTooLong(session_id, len(prompt) + 1, self.max_context)
+        layers = self.default_hidden_layers if hidden_layers is None else self._check_layers(tuple(hidden_layers))
+        if not isinstance(sampling, SamplingParams):
+            raise InvalidInput(f"sampling must be SamplingParams, got {type(sampling).__name__}")
+        n = len(prompt)
+        table = self.blocks.add(session_id, n)  # raises OutOfBlocks with nothing allocated
+        try:
+            t0 = time.perf_counter()
+            attn = AttentionBatch(
+                query_lens=(n,),
+                context_lens=(0,),
+                block_tables=(table,),
+                slot_mapping=self._slots(session_id, 0, n),
+                tree_masks=(None,),
+            )
+            ids = torch.tensor(prompt, dtype=torch.int64, device=self.device)
+            pos = torch.arange(n, dtype=torch.int64, device=self.device)
+            out = self.model(ids, pos, attn, self.kv_cache, capture_layers=layers)
+            logits = self.model.compute_logits(out.hidden[-1:])  # [1, V]
+            self._sync()
+            t1 = time.perf_counter()
+            gen = None if sampling.greedy else make_generator(sampling.seed, self.device)
+            if sampling.greedy:
+                first = int(logits[0].argmax())
+            else:
+                probs = target_probs(logits, sampling)
+                first = int(torch.multinomial(probs, 1, generator=gen)[0, 0])
+            t2 = time.perf_counter()
+        except BaseException:
+            self.blocks.free(session_id)
+            raise
+        self._sessions[session_id] = Session(session_id, sampling, gen, layers, n, first)
+        return PrefillResult(
+            next_token=first,
+            hidden=out.captured,
+            timings=StepTimings(forward_ms=(t1 - t0) * 1e3, sample_ms=(t2 - t1) * 1e3),
+        )
+
+    # ---- verify ----------------------------------------------------------------------------------
+    def verify(self, session_id: str, block: DraftBlock) -> VerifyResult:
+        return self.verify_batch([(session_id, block)])[0]
+
+    def decode(self, session_id: str) -> VerifyResult:
+        """One target-only step: commit the pending token, sample the next one."""
+        return self.verify(session_id, _EMPTY)
+
+    def verify_batch(self, items: Sequence[tuple[str, DraftBlock]]) -> list[VerifyResult]:
+        """Verify several sessions' blocks in ONE forward; results in the order of ``items``."""
+        steps = self._prepare(items)
+        t0 = time.perf_counter()
+        try:
+            out, logits = self._forward(steps)
+        except BaseException:
+            self._rollback(steps)
+            raise
+        forward_ms = (time.perf_counter() - t0) * 1e3
+        return [self._accept(step, out, logits, forward_ms) for step in steps]
+
+    def score_block(self, session_id: str, block: DraftBlock) -> torch.Tensor:  # [n+1, V] float32
+        """Target logits at every node of ``[pending] + block`` without committing anything."""
+        steps = self._prepare([(session_id, block)])
+        try:
+            _, logits = self._forward(steps)
+        finally:
+            self._rollback(steps)
+        return logits
+
+    def _prepare(self, items: Sequence[tuple[str, DraftBlock]]) -> list[_Step]:
+        if not items:
+            raise InvalidInput("verify_batch got no sessions")
+        seen: set[str] = set()
+        steps: list[_Step] = []
+        start = 0
+        for session_id, block in items:
+            if session_id in seen:
+                raise InvalidInput(f"session {session_id!r} appears twice in one verify batch")
+            seen.add(session_id)
+            session = self._get(session_id)
+            self._check_block(session, block)
+            step = _Step(session, block, layout_of(block), start)
+            steps.append(step)
+            start = step.end
+        grown: list[_Step] = []
+        try:
+            for step in steps:
+                s = step.session
+                self.blocks.grow(s.session_id, s.cached_len + step.layout.num_nodes)
+                grown.append(step)
+        except OutOfBlocks:
+            self._rollback(grown)
+            raise
+        return steps
+
+    def _rollback(self, steps: Sequence[_Step]) -> None:
+        for step in steps:
+            self.blocks.truncate(step.session.session_id, step.session.cached_len)
+
+    def _slots(self, session_id: str, start: int, end: int) -> torch.Tensor:  # [end - start] int64
+        return torch.tensor(self.blocks.slots(session_id, start, end), dtype=torch.int64, device=self.device)
+
+    def _forward(self, steps: Sequence[_Step]):
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        masks: list[torch.Tensor | None] = []
+        for step in steps:
+            s = step.session
+            ids.append(s.pending_token)
+            ids.extend(step.block.token_ids)
+            pos.extend(step.layout.positions(s.cached_len))
+            slots.extend(self.blocks.slots(s.session_id, s.cached_len, s.cached_len + step.layout.num_nodes))
+            masks.append(None if step.layout.is_chain else step.layout.attention_mask())
+        attn = AttentionBatch(
+            query_lens=tuple(step.layout.num_nodes for step in steps),
+            context_lens=tuple(step.session.cached_len for step in steps),
+            block_tables=tuple(self.blocks.block_table(step.session.session_id) for step in steps),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=self.device),
+            tree_masks=tuple(masks),
+        )
+        capture = tuple(sorted({i for step in steps for i in step.session.hidden_layers}))
+        out = self.model(
+            torch.tensor(ids, dtype=torch.int64, device=self.device),
+            torch.tensor(pos, dtype=torch.int64, device=self.device),
+            attn,
+            self.kv_cache,
+            capture_layers=capture,
+        )
+        logits = self.model.compute_logits(out.hidden)  # [T, V]
+        self._sync()
+        return (out, capture), logits
+
+    def _accept(self, step: _Step, out_capture, logits: torch.Tensor, forward_ms: float) -> VerifyResult:
+        out, capture = out_capture
+        s, block, layout = step.session, step.block, step.layout
+        t0 = time.perf_counter()
+        tokens = torch.tensor(block.token_ids, dtype=torch.int64, device=logits.device)
+        path, nxt = verify_step(layout, tokens, logits[step.start : step.end], block.probs, s.sampling, s.generator)
+        t1 = time.perf_counter()
+        committed = (0,) + path
+        src, dst = compaction_moves(committed)
+        if src:
+            slots = self.blocks.slots(s.session_id, s.cached_len, s.cached_len + layout.num_nodes)
+            self.kv_cache.copy_slots(
+                torch.tensor([slots[j] for j in src], dtype=torch.int64, device=self.device),
+                torch.tensor([slots[j] for j in dst], dtype=torch.int64, device=self.device),
+            )
+        new_len = s.cached_len + len(committed)
+        self.blocks.truncate(s.session_id, new_len)
+        s.cached_len = new_len
+        s.pending_token = nxt
+        s.steps += 1
+        hidden = None
+        if s.hidden_layers:
+            rows = torch.tensor([step.start + j for j in committed], device=out.captured.device)
+            hidden = self._select_layers(out.captured.index_select(0, rows), capture, s.hidden_layers)
+        experts = 0
+        if out.routed_experts is not None:
+            experts = _distinct_experts(out.routed_experts[:, step.start : step.end])
+        return VerifyResult(
+            accepted_ids=tuple(block.token_ids[j - 1] for j in path),
+            next_token=nxt,
+            hidden=hidden,
+            num_drafted=len(block),
+            experts_touched=experts,
+            timings=StepTimings(forward_ms=forward_ms, sample_ms=(t1 - t0) * 1e3),
+        )
+
+    def _select_layers(
+        self, captured: torch.Tensor, capture: tuple[int, ...], wanted: tuple[int, ...]
+    ) -> torch.Tensor:  # [N, len(capture) * H] -> [N, len(wanted) * H]
+        if capture == wanted:
+            return captured
+        h = self.config.hidden_size
+        cols = captured.view(captured.shape[0], len(capture), h)
+        idx = torch.tensor([capture.index(i) for i in wanted], device=captured.device)
+        return cols.index_select(1, idx).reshape(captured.shape[0], len(wanted) * h)
+
+    # ---- lifecycle -------------------------------------------------------------------------------
+    def release(self, session_id: str) -> bool:
+        """Free a session's blocks; False when it was not open (releasing twice is harmless)."""
+        if self._sessions.pop(session_id, None) is None:
+            return False
+        self.blocks.free(session_id)
+        return True
+
+    def generate_greedy(self, prompt_ids: Sequence[int], max_new_tokens: int, stop_at_eos: bool = False) -> list[int]:
+        """Reference target-only greedy decode (one token per step); returns the new token ids."""
+        if max_new_tokens < 1:
+            raise InvalidInput(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        sid = f"__greedy_reference_{id(prompt_ids)}_{time.monotonic_ns()}"
+        out = [self.prefill(sid, prompt_ids, SamplingParams(), ()).next_token]
+        try:
+            eos = set(self._info.eos_token_ids) if stop_at_eos else set()
+            while len(out) < max_new_tokens and out[-1] not in eos:
+                out.append(self.decode(sid).next_token)
+        finally:
+            self.release(sid)
+        return out
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+
+def _distinct_experts(routed: torch.Tensor) -> int:  # [n_moe_layers, T, top_k] -> count
+    """Distinct (MoE layer, expert) pairs the tokens were routed to."""
+    if routed.numel() == 0:
+        return 0
+    layers = routed.shape[0]
+    span = int(routed.max()) + 1
+    keys = routed.reshape(layers, -1) + torch.arange(layers, device=routed.device)[:, None] * span
+    return int(torch.unique(keys).numel())
