@@ -1,0 +1,307 @@
+"""`specserve bench`: one command that reproduces every number of BENCHMARKS.md.
+
+Order of a run: environment and copy bandwidth; target engine; each drafter whose checkpoint exists;
+target-only first (the greedy reference), then every drafter x speculation x draft-ahead method; the
+Hugging Face transformers baselines; the verify-tax sweep; the projection (only with GPU synthetic
+timings); then summary.json and the plots. Single stream, greedy, fixed seeds, pinned prompts.
+
+Artifacts under --out: steps.jsonl, requests.jsonl, verify_tax.jsonl, summary.json, plots/*.png.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from specserve.bench import plots
+from specserve.bench.bandwidth import measure_copy_bandwidth
+from specserve.bench.config import BenchConfig, MethodSpec, Skipped, plan_methods
+from specserve.bench.environment import environment
+from specserve.bench.model_bytes import model_bytes
+from specserve.bench.prompts import load_prompt_set
+from specserve.bench.summary import summarize_method
+from specserve.errors import SpecserveError
+
+SCHEMA_VERSION = 1
+WARMUP_TOKENS = 16
+# what a drafter or baseline may raise while being built: recorded as "skipped", never fatal
+BUILD_ERRORS = (SpecserveError, ImportError, ValueError, OSError, NotImplementedError, RuntimeError, KeyError)
+
+
+class BenchError(SpecserveError):
+    """The benchmark cannot run (no tokenizer, no methods, ...)."""
+
+
+def _reason(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"[:300]
+
+
+def _write_jsonl(path: Path, rows) -> None:
+    with path.open("a", encoding="utf-8") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+
+
+def resolve_drafter_checkpoints(config: BenchConfig, skipped: list[Skipped]) -> dict[str, Path]:
+    """family -> checkpoint: --draft-models first, then the shipped demo (only for the demo target)."""
+    from specserve.paths import demo_checkpoint
+
+    found = {}
+    for family in config.drafters:
+        if family in ("none", "ngram"):
+            continue
+        if family in config.draft_models:
+            found[family] = config.draft_models[family]
+        elif config.demo_drafters:
+            try:
+                found[family] = demo_checkpoint(family)
+            except SpecserveError as exc:
+                skipped.append(Skipped(family, f"no checkpoint: {exc}"))
+        else:
+            skipped.append(Skipped(family, f"no checkpoint given (--draft-models {family}=DIR)"))
+    return found
+
+
+def build_drafters(config: BenchConfig, engine, checkpoints: dict[str, Path], skipped: list[Skipped]) -> dict:
+    from specserve.draft_service.proposer import DrafterConfig
+    from specserve.draft_service.registry import build_proposer
+
+    proposers = {}
+    target_hash = engine.info().vocab_hash
+    for family in config.drafters:
+        if family == "none" or (family != "ngram" and family not in checkpoints):
+            continue
+        try:
+            proposer = build_proposer(DrafterConfig(
+                family=family, checkpoint=checkpoints.get(family), target_checkpoint=Path(config.model),
+                device=config.device, dtype=config.dtype, max_block_size=config.drafter_block_size,
+            ))
+        except BUILD_ERRORS as exc:
+            skipped.append(Skipped(family, f"drafter did not build: {_reason(exc)}"))
+            continue
+        draft_hash = proposer.info.vocab_hash
+        if draft_hash and draft_hash != target_hash:
+            skipped.append(Skipped(family, f"vocabulary {draft_hash[:16]} differs from the target's {target_hash[:16]}"))
+            continue
+        proposers[family] = proposer
+    return proposers
+
+
+def _model_bytes(engine):
+    """Bytes by role of the engine's loaded model; KV entries in the cache's dtype."""
+    cache = getattr(engine, "kv_cache", None)
+    return model_bytes(engine.model, engine.config, kv_dtype=getattr(cache, "dtype", None))
+
+
+class _Bench:
+    """One run's state: the artifacts folder, the progress bar and the collected results."""
+
+    def __init__(self, config: BenchConfig, progress: bool) -> None:
+        self.config = config
+        self.out = Path(config.out)
+        self.out.mkdir(parents=True, exist_ok=True)
+        (self.out / "plots").mkdir(exist_ok=True)
+        for name in ("steps.jsonl", "requests.jsonl", "verify_tax.jsonl"):
+            (self.out / name).write_text("")
+        self.progress = progress
+        self.bar = None
+        self.skipped: list[Skipped] = []
+        self.methods: dict[str, dict] = {}
+        self.reference: dict[str, tuple[int, ...]] | None = None
+        self.all_steps: list[dict] = []
+
+    def record(self, name: str, results, meta: dict) -> None:
+        for r in results:
+            _write_jsonl(self.out / "steps.jsonl", r.steps)
+            self.all_steps.extend(r.steps)
+        _write_jsonl(self.out / "requests.jsonl", [{
+            "method": r.method, "prompt": r.prompt_id, "prompt_tokens": r.prompt_tokens,
+            "completion_tokens": r.completion_tokens, "finish_reason": r.finish_reason,
+            "ttft_s": round(r.ttft_s, 6), "decode_s": round(r.decode_s, 6), "token_ids": list(r.token_ids),
+            "stats": r.stats,
+        } for r in results])
+        self.methods[name] = {**meta, **summarize_method(results, self.reference)}
+
+    def tick(self, label: str) -> None:
+        if self.bar is not None:
+            self.bar.set_postfix_str(label, refresh=False)
+            self.bar.update(1)
+
+
+def run_bench(config: BenchConfig, progress: bool = True) -> dict:
+    """Run everything, write the artifacts under config.out, return the summary."""
+    from specserve.bench.runner import SpecRunner
+    from specserve.bench.verify_tax import measure_verify_tax, token_stream
+    from specserve.target_service.factory import EngineConfig, build_engine
+    from specserve.target_service.models.loader import load_tokenizer
+
+    started = time.perf_counter()
+    b = _Bench(config, progress)
+    tokenizer = load_tokenizer(config.model)
+    if tokenizer is None:
+        raise BenchError(f"the bench encodes its pinned text prompts: {config.model} needs a tokenizer.json")
+    prompt_set = load_prompt_set(config.prompt_set, config.num_prompts)
+    prompts = [(p.id, tuple(tokenizer.encode(p.text).ids)) for p in prompt_set.prompts]
+    env = environment(config.device)
+    bandwidth = measure_copy_bandwidth(config.device, config.copy_bytes)
+    engine = build_engine(EngineConfig(model=Path(config.model), device=config.device, dtype=config.dtype,
+                                       num_kv_blocks=config.num_kv_blocks, kv_block_size=config.kv_block_size))
+    mb = _model_bytes(engine)
+    checkpoints = resolve_drafter_checkpoints(config, b.skipped)
+    proposers = build_drafters(config, engine, checkpoints, b.skipped)
+    methods, more_skipped = plan_methods(
+        config, {f: True for f in proposers}, {f: p.info.needs_hidden_states for f, p in proposers.items()}
+    )
+    b.skipped.extend(more_skipped)
+    if not methods:
+        raise BenchError("no method can run: " + "; ".join(f"{s.method}: {s.reason}" for s in b.skipped))
+    if methods[0].drafter != "none":  # the greedy reference for the lossless check runs first when asked for
+        methods.sort(key=lambda m: m.drafter != "none")
+    hf = _build_hf(config, engine, checkpoints, b.skipped)
+    hf_methods = hf.methods() if hf is not None else []
+    n_runs = len(methods) + len(hf_methods)
+    total = n_runs * (len(prompts) + config.warmup) + len(config.k_sweep) * config.tax_repeats
+    b.bar = tqdm(total=total, desc="specserve bench", unit="run", file=sys.stderr, disable=not progress)
+    runner = SpecRunner(engine, proposers, config, mb, bandwidth.bytes_per_s)
+    try:
+        for spec in methods:
+            torch.manual_seed(config.seed)
+            chooser = runner.new_chooser(spec)
+            for w in range(config.warmup):
+                pid, ids = prompts[w % len(prompts)]
+                runner.run(spec, pid, ids, chooser, max_new_tokens=min(WARMUP_TOKENS, config.max_new_tokens))
+                b.tick(f"{spec.name} warm-up")
+            results = []
+            for pid, ids in prompts:
+                results.append(runner.run(spec, pid, ids, chooser))
+                b.tick(spec.name)
+            b.record(spec.name, results, {"kind": "specserve", "drafter": spec.drafter,
+                                          "speculation": spec.speculation, "draft_ahead": spec.draft_ahead})
+            if spec.drafter == "none":
+                b.reference = {r.prompt_id: r.token_ids for r in results}
+                b.methods[spec.name]["matches_target_only"] = 1.0
+        for method in hf_methods:
+            results = []
+            try:
+                for w in range(config.warmup):
+                    pid, ids = prompts[w % len(prompts)]
+                    hf.run(method, pid, ids, min(WARMUP_TOKENS, config.max_new_tokens), config.seed)
+                    b.tick(f"{method.name} warm-up")
+                for pid, ids in prompts:
+                    results.append(hf.run(method, pid, ids, config.max_new_tokens, config.seed))
+                    b.tick(method.name)
+            except BUILD_ERRORS as exc:
+                b.skipped.append(Skipped(method.name, f"transformers generate failed: {_reason(exc)}"))
+                continue
+            b.record(method.name, results, {"kind": "transformers", "drafter": method.name.split("/", 1)[1]})
+        stream = token_stream([ids for _, ids in _all_prompt_ids(config, tokenizer)],
+                              config.tax_context + max(config.k_sweep) + config.tax_repeats + 2)
+        tax_path = b.out / "verify_tax.jsonl"
+        tax = measure_verify_tax(
+            engine, stream, config.k_sweep, config.tax_context, config.tax_repeats, mb, bandwidth.bytes_per_s,
+            config.device, on_sample=lambda row: _write_jsonl(tax_path, [row]), progress=lambda: b.tick("verify tax"),
+        )
+    finally:
+        runner.close()
+        b.bar.close()
+    projection = _projection(config, b.methods)
+    summary = {
+        "schema_version": SCHEMA_VERSION,
+        "command": " ".join(sys.argv),
+        "config": _config_dict(config),
+        "prompt_set": {"name": prompt_set.name, "sha256": prompt_set.sha256,
+                       "prompts": [{"id": pid, "tokens": len(ids)} for pid, ids in prompts]},
+        "environment": env,
+        "copy_bandwidth": bandwidth.as_dict(),
+        "model_bytes": mb.as_dict(),
+        "methods": b.methods,
+        "skipped": [s.as_dict() for s in b.skipped],
+        "verify_tax": {"context_len": config.tax_context + 1, "repeats": config.tax_repeats, "points": tax},
+        "projection": projection,
+        "wall_s": round(time.perf_counter() - started, 3),
+    }
+    if config.plots:
+        summary["plots"] = _plots(b, summary, env)
+    (b.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+def _all_prompt_ids(config: BenchConfig, tokenizer):
+    """Every prompt of the set (not only the first N): natural text for the verify-tax context."""
+    full = load_prompt_set(config.prompt_set)
+    return [(p.id, tuple(tokenizer.encode(p.text).ids)) for p in full.prompts]
+
+
+def _build_hf(config: BenchConfig, engine, checkpoints: dict[str, Path], skipped: list[Skipped]):
+    if not config.hf_baselines:
+        skipped.append(Skipped("hf/*", "transformers baselines turned off (--no-hf)"))
+        return None
+    from specserve.bench.hf_baseline import HFBaseline
+    from specserve.target_service.factory import DTYPES
+
+    assistant = checkpoints.get("model")
+    try:
+        hf = HFBaseline(Path(config.model), config.device, DTYPES[config.dtype], engine.info().eos_token_ids,
+                        config.num_speculative_tokens)
+    except BUILD_ERRORS as exc:
+        skipped.append(Skipped("hf/*", f"transformers could not load {config.model}: {_reason(exc)}"))
+        return None
+    if assistant is None:
+        skipped.append(Skipped("hf/assisted", "no draft LM checkpoint (the 'model' drafter)"))
+        return hf
+    try:
+        hf.load_assistant(assistant)
+    except BUILD_ERRORS as exc:
+        skipped.append(Skipped("hf/assisted", f"transformers could not load the draft LM {assistant}: {_reason(exc)}"))
+    return hf
+
+
+def _projection(config: BenchConfig, methods: dict) -> dict:
+    if config.projection_timings is None:
+        return {"label": "projection", "included": False,
+                "reason": "no GPU synthetic-model timings given (--projection-timings FILE)"}
+    from specserve.bench.projection import load_shape_timings, project
+
+    acceptance = {name: m["acceptance_by_position"]["conditional"] for name, m in methods.items()
+                  if m.get("kind") == "specserve" and m.get("speculation") == "fixed" and not m.get("draft_ahead")
+                  and "acceptance_by_position" in m}
+    out = project(load_shape_timings(config.projection_timings), acceptance)
+    out["included"] = True
+    return out
+
+
+def _config_dict(config: BenchConfig) -> dict:
+    out = {}
+    for name in config.__dataclass_fields__:
+        value = getattr(config, name)
+        if isinstance(value, Path):
+            value = str(value)
+        elif hasattr(value, "items"):
+            value = {k: str(v) for k, v in value.items()}
+        elif isinstance(value, tuple):
+            value = list(value)
+        out[name] = value
+    return out
+
+
+def _plots(b: _Bench, summary: dict, env: dict) -> list[str]:
+    where = env["gpu"]["name"] if env.get("gpu") else env["cpu"]
+    cfg = b.config
+    tag = f"{Path(cfg.model).name}, {cfg.dtype}, {where}, k={cfg.num_speculative_tokens}"
+    d = b.out / "plots"
+    made = [
+        plots.plot_tokens_per_s(b.methods, d / "tokens_per_s.png", f"decode tokens/s ({tag})"),
+        plots.plot_verify_tax(summary["verify_tax"]["points"], summary["model_bytes"]["num_moe_layers"]
+                              * summary["model_bytes"]["num_experts"], d / "verify_tax.png",
+                              f"verify tax at context {summary['verify_tax']['context_len']} ({tag})", b.all_steps),
+        plots.plot_phase_breakdown(b.methods, d / "phase_breakdown.png", f"per-step phases ({tag})"),
+        plots.plot_phase_steps(b.all_steps, d / "phase_steps.png", f"per-step phases, first prompt ({tag})"),
+    ]
+    if summary["projection"].get("included"):
+        made.append(plots.plot_projection(summary["projection"], d / "projection.png"))
+    return [str(p.relative_to(b.out)) for p in made]

@@ -1,0 +1,139 @@
+"""The benchmark's configuration and its plan: which methods run, which are skipped and why."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+
+from specserve.errors import SpecserveError
+
+DRAFTERS = ("none", "ngram", "model", "eagle3", "dflash")  # the order methods run in
+CHECKPOINT_FREE = frozenset({"none", "ngram"})  # drafters that need no checkpoint of their own
+SPECULATION_MODES = ("fixed", "adaptive")
+
+
+class BenchConfigError(SpecserveError):
+    """Benchmark flags that cannot describe a run."""
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    model: Path
+    out: Path
+    draft_models: Mapping[str, Path] = field(default_factory=dict)  # family -> checkpoint folder
+    demo_drafters: bool = False  # families not in draft_models come from the shipped demo (demo target)
+    drafters: tuple[str, ...] = DRAFTERS
+    device: str = "cpu"
+    dtype: str = "float32"
+    max_new_tokens: int = 128
+    num_speculative_tokens: int = 4
+    prompt_set: str = "v1"
+    num_prompts: int | None = None  # None = the whole set
+    speculation: tuple[str, ...] = ("fixed",)
+    draft_ahead: tuple[bool, ...] = (False,)
+    k_sweep: tuple[int, ...] = (0, 1, 2, 3, 4, 6, 8, 12, 16)
+    tax_context: int = 256  # cached tokens before the verify-tax steps
+    tax_repeats: int = 10
+    seed: int = 0
+    warmup: int = 1  # unrecorded warm-up requests per method
+    hf_baselines: bool = True
+    bandwidth_bytes: int | None = None  # size of the bandwidth copy; None: 1 GiB on GPU, 256 MiB on CPU
+    num_kv_blocks: int = 4096
+    kv_block_size: int = 16
+    projection_timings: Path | None = None  # GPU synthetic-model timings (see specserve.bench.projection)
+    plots: bool = True
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "draft_models", MappingProxyType({k: Path(v) for k, v in self.draft_models.items()}))
+        unknown = [d for d in (*self.drafters, *self.draft_models) if d not in DRAFTERS]
+        if unknown:
+            raise BenchConfigError(f"unknown drafter(s) {unknown}; known: {', '.join(DRAFTERS)}")
+        if not self.drafters:
+            raise BenchConfigError("at least one drafter (or 'none') must be benchmarked")
+        bad_modes = [m for m in self.speculation if m not in SPECULATION_MODES]
+        if bad_modes or not self.speculation:
+            raise BenchConfigError(f"speculation modes must be among {SPECULATION_MODES}, got {self.speculation}")
+        if not self.draft_ahead:
+            raise BenchConfigError("draft_ahead needs at least one setting")
+        for name in ("max_new_tokens", "num_speculative_tokens", "tax_context", "tax_repeats", "num_kv_blocks", "kv_block_size"):
+            if getattr(self, name) <= 0:
+                raise BenchConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.warmup < 0:
+            raise BenchConfigError(f"warmup must be >= 0, got {self.warmup}")
+        if not self.k_sweep or min(self.k_sweep) < 0:
+            raise BenchConfigError(f"k_sweep needs non-negative block sizes, got {self.k_sweep}")
+        object.__setattr__(self, "k_sweep", tuple(sorted(set(self.k_sweep))))
+        if self.bandwidth_bytes is not None and self.bandwidth_bytes < 1 << 20:
+            raise BenchConfigError("bandwidth_bytes must be at least 1 MiB")
+        if not Path(self.model).is_dir():
+            raise BenchConfigError(f"model folder {self.model} does not exist")
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.device.startswith("cuda")
+
+    @property
+    def copy_bytes(self) -> int:
+        if self.bandwidth_bytes is not None:
+            return self.bandwidth_bytes
+        return (1 << 30) if self.is_cuda else (256 << 20)
+
+    @property
+    def drafter_block_size(self) -> int:
+        # draft-ahead asks for k + 1 tokens (its first token guesses the bonus token)
+        return self.num_speculative_tokens + 1
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """One benchmarked configuration of our stack (the HF baselines are separate)."""
+
+    drafter: str  # a DRAFTERS entry
+    adaptive: bool = False
+    draft_ahead: bool = False
+
+    @property
+    def name(self) -> str:
+        if self.drafter == "none":
+            return "target-only"
+        parts = [self.drafter, "adaptive" if self.adaptive else "fixed"]
+        if self.draft_ahead:
+            parts.append("ahead")
+        return "/".join(parts)
+
+    @property
+    def speculation(self) -> str:
+        return "adaptive" if self.adaptive else "fixed"
+
+
+@dataclass(frozen=True)
+class Skipped:
+    method: str
+    reason: str
+
+    def as_dict(self) -> dict:
+        return {"method": self.method, "reason": self.reason}
+
+
+def plan_methods(
+    config: BenchConfig, ready: Mapping[str, bool], needs_hidden: Mapping[str, bool]
+) -> tuple[list[MethodSpec], list[Skipped]]:
+    """The methods to run, given which drafters were built (``ready``) and which read target hidden
+    states (draft-ahead does not apply to those: the loop never drafts ahead for them)."""
+    methods, skipped = [], []
+    for drafter in config.drafters:
+        if drafter == "none":
+            methods.append(MethodSpec("none"))
+            continue
+        if not ready.get(drafter, False):
+            continue  # the builder already recorded why
+        for mode in config.speculation:
+            for ahead in config.draft_ahead:
+                spec = MethodSpec(drafter, adaptive=mode == "adaptive", draft_ahead=ahead)
+                if ahead and needs_hidden.get(drafter, False):
+                    skipped.append(Skipped(spec.name, "draft-ahead does not apply to drafters that read target hidden states"))
+                    continue
+                methods.append(spec)
+    return methods, skipped

@@ -1,0 +1,105 @@
+"""Count the loaded target's real parameters by role, for the byte floors (specserve.bench.floors).
+
+Roles come from module types, not from parameter-name guesses: the deepest typed ancestor of a
+parameter decides (an RMSNorm inside an attention block is a norm; a GatedMLP inside an MoE block is
+a shared expert; routed experts are the StackedExperts tensors, counted per expert).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from specserve.bench.floors import DENSE_ROLES, FloorError, ModelBytes
+
+
+def _role_table():
+    from specserve.target_service.models.attention import ATTENTION_CLASSES
+    from specserve.target_service.models.layers import Embedding, GatedMLP, RMSNorm
+    from specserve.target_service.models.moe import MoEBlock, StackedExperts, TopKRouter
+
+    # module type -> role; order does not matter (deepest match wins)
+    table = {RMSNorm: "norm", Embedding: "embedding", GatedMLP: "dense_mlp", TopKRouter: "router",
+             StackedExperts: "routed_experts", MoEBlock: "other"}
+    table.update({cls: "attention" for cls in ATTENTION_CLASSES.values()})
+    return table, MoEBlock, GatedMLP, StackedExperts
+
+
+def parameter_roles(model: nn.Module) -> dict[str, str]:
+    """parameter name -> role (DENSE_ROLES, "embedding" or "routed_experts")."""
+    table, moe_cls, mlp_cls, _ = _role_table()
+    modules = dict(model.named_modules())
+    lm_head = getattr(model, "lm_head", None)
+    roles = {}
+    for name, _ in model.named_parameters():
+        parts = name.split(".")[:-1]
+        role, parent = "other", None
+        for i in range(len(parts) + 1):
+            module = modules[".".join(parts[:i])]
+            if lm_head is not None and module is lm_head:
+                role = "lm_head"
+            for cls, r in table.items():
+                if type(module) is cls:
+                    role = "shared_experts" if cls is mlp_cls and isinstance(parent, moe_cls) else r
+            parent = module
+        roles[name] = role
+    return roles
+
+
+def model_bytes(model: nn.Module, config, kv_dtype: torch.dtype | None = None) -> ModelBytes:
+    """Bytes of the loaded CausalLM by role; ``config`` is its ModelConfig (kv entry shape, layers)."""
+    _, _, _, experts_cls = _role_table()
+    roles = parameter_roles(model)
+    params = dict(model.named_parameters())
+    dense = {r: 0 for r in DENSE_ROLES}
+    embedding_bytes, embedding_rows, total = 0, 0, 0
+    for name, p in params.items():
+        nbytes = p.numel() * p.element_size()
+        total += nbytes
+        role = roles[name]
+        if role == "routed_experts":
+            continue
+        if role == "embedding":
+            embedding_bytes += nbytes
+            embedding_rows = p.shape[0]
+            continue
+        dense[role] += nbytes
+    notes = []
+    tied = getattr(model, "lm_head", None) is None
+    if tied:
+        # logits read the whole embedding matrix every step; the row gathers are inside that read
+        dense["lm_head"] += embedding_bytes
+        row_bytes = 0
+        notes.append("tied embeddings: lm_head reads the embedding matrix; no separate row bytes")
+    else:
+        row_bytes = embedding_bytes // embedding_rows if embedding_rows else 0
+    per_expert, moe_layers, num_experts = [], 0, 0
+    for module in model.modules():
+        if isinstance(module, experts_cls):
+            local = len(module.local_experts())
+            nbytes = sum(p.numel() * p.element_size() for p in module.parameters(recurse=False))
+            per_expert.append(nbytes / local)
+            moe_layers += 1
+            num_experts = max(num_experts, local)
+    if per_expert and max(per_expert) != min(per_expert):
+        notes.append("routed experts differ in size across layers; expert_bytes is their mean")
+    expert = round(sum(per_expert) / len(per_expert)) if per_expert else 0
+    if kv_dtype is None:
+        kv_dtype = next(iter(params.values())).dtype
+    kv_elem = torch.empty((), dtype=kv_dtype).element_size()
+    entry_shape = model.kv_entry_shape() if hasattr(model, "kv_entry_shape") else config.kv_entry_shape
+    if not entry_shape:
+        raise FloorError("the model reports no KV cache entry shape")
+    return ModelBytes(
+        dense_bytes={r: b for r, b in dense.items() if b},
+        embedding_row_bytes=row_bytes,
+        expert_bytes=expert,
+        num_moe_layers=moe_layers,
+        num_experts=num_experts,
+        kv_entry_bytes=math.prod(entry_shape) * kv_elem,
+        num_layers=config.num_layers,
+        param_bytes_total=total,
+        notes=tuple(notes),
+    )

@@ -1,0 +1,94 @@
+"""Projection hook: measured step times of a larger MoE shape x the demo model's measured acceptance.
+
+Only used when a timings file from a GPU synthetic-model run is given (``--projection-timings``);
+without one the summary says so and no projection is drawn. Everything this module outputs is
+labelled "projection": it combines two measurements, it is not a measurement of the larger model.
+
+Timings file (JSON), written by the synthetic-model timing run:
+    {"shape": "Qwen3-30B-A3B", "source": "<how it was measured>", "device": "<GPU name>",
+     "verify_ms_by_k": {"0": 4.1, "1": 4.3, ...},      # target step with k drafted tokens (k=0: decode)
+     "draft_ms_by_k": {"1": 0.2, ...}}                 # optional drafter time per step
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from specserve.errors import SpecserveError
+
+LABEL = "projection"
+
+
+class ProjectionError(SpecserveError):
+    """The synthetic timings file is missing or malformed."""
+
+
+@dataclass(frozen=True)
+class ShapeTimings:
+    shape: str
+    source: str
+    device: str
+    verify_ms_by_k: Mapping[int, float]
+    draft_ms_by_k: Mapping[int, float]
+
+    def __post_init__(self) -> None:
+        if 0 not in self.verify_ms_by_k:
+            raise ProjectionError("verify_ms_by_k needs k=0 (plain decode) as the baseline")
+        if any(v <= 0 for v in self.verify_ms_by_k.values()) or any(v < 0 for v in self.draft_ms_by_k.values()):
+            raise ProjectionError("step times must be positive")
+
+
+def load_shape_timings(path: Path) -> ShapeTimings:
+    try:
+        raw = json.loads(Path(path).read_text(encoding="utf-8"))
+        return ShapeTimings(
+            shape=str(raw["shape"]),
+            source=str(raw.get("source", "")),
+            device=str(raw.get("device", "")),
+            verify_ms_by_k={int(k): float(v) for k, v in raw["verify_ms_by_k"].items()},
+            draft_ms_by_k={int(k): float(v) for k, v in (raw.get("draft_ms_by_k") or {}).items()},
+        )
+    except FileNotFoundError:
+        raise ProjectionError(f"projection timings file {path} does not exist") from None
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise ProjectionError(f"projection timings file {path} is malformed: {exc!r}") from None
+
+
+def expected_emitted(alpha: Sequence[float], k: int) -> float:
+    """E[emitted | k] = 1 + sum_{i<k} prod_{j<=i} alpha_j (alpha = conditional per-position acceptance)."""
+    total, run = 1.0, 1.0
+    for a in alpha[:k]:
+        run *= a
+        total += run
+    return total
+
+
+def project(timings: ShapeTimings, acceptance: Mapping[str, Sequence[float | None]]) -> dict:
+    """Per drafter (conditional acceptance per position), projected tokens/s for each k whose step time
+    was measured and whose positions' acceptance is known."""
+    base_ms = timings.verify_ms_by_k[0]
+    lines = {}
+    for method, alpha in acceptance.items():
+        known = [a for a in alpha if a is not None]
+        known = known[: next((i for i, a in enumerate(alpha) if a is None), len(alpha))]
+        points = []
+        for k in sorted(timings.verify_ms_by_k):
+            if k > len(known):
+                continue
+            step_ms = timings.verify_ms_by_k[k] + timings.draft_ms_by_k.get(k, 0.0)
+            emitted = expected_emitted(known, k)
+            points.append({"k": k, "expected_emitted": round(emitted, 4), "step_ms": step_ms,
+                           "tokens_per_s": round(emitted * 1e3 / step_ms, 3)})
+        lines[method] = points
+    return {
+        "label": LABEL,
+        "shape": timings.shape,
+        "source": timings.source,
+        "device": timings.device,
+        "draft_time_included": bool(timings.draft_ms_by_k),
+        "baseline_tokens_per_s": round(1e3 / base_ms, 3),
+        "methods": lines,
+    }

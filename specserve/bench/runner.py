@@ -1,0 +1,154 @@
+"""Run our stack (engine + drafter + the per-request loop) one request at a time and record each step.
+
+Per step: the loop's StepRecord (draft ms, verify ms as the target measured it, experts touched,
+context length) plus the step's wall time as seen here (from the previous step, or from the first
+token for step 1), overhead = wall - draft - verify, and the byte floor of the step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from specserve.bench.config import BenchConfig, MethodSpec
+from specserve.bench.floors import ModelBytes, floor_ms, step_bytes
+
+
+@dataclass
+class RequestResult:
+    method: str
+    prompt_id: str
+    prompt_tokens: int
+    token_ids: tuple[int, ...]
+    finish_reason: str
+    ttft_s: float  # request start -> first token (prefill)
+    decode_s: float  # first token -> last token
+    stats: dict  # SpecStats.as_dict() plus draft-ahead time
+    steps: list[dict] = field(default_factory=list)
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+def _new_loop() -> asyncio.AbstractEventLoop:
+    try:
+        import uvloop
+
+        return uvloop.new_event_loop()
+    except ImportError:  # uvloop is a dependency; plain asyncio is only a fallback
+        return asyncio.new_event_loop()
+
+
+class SpecRunner:
+    """Holds the engine, the drafters (each in its own thread, as in `generate`) and one event loop."""
+
+    def __init__(self, engine, proposers: dict, config: BenchConfig, model_bytes: ModelBytes, bandwidth: float) -> None:
+        from specserve.gateway.local import LocalDraft, LocalTarget
+
+        self.config = config
+        self.engine = engine
+        self.info = engine.info()
+        self.target = LocalTarget(engine)
+        self.drafts = {family: LocalDraft(p) for family, p in proposers.items()}
+        self.model_bytes = model_bytes
+        self.bandwidth = bandwidth
+        self.loop = _new_loop()
+        self._counter = 0
+
+    def close(self) -> None:
+        self.target.close()
+        for d in self.drafts.values():
+            d.close()
+        self.loop.close()
+
+    def new_chooser(self, spec: MethodSpec):
+        """The process-wide adaptive chooser of one method (kept across its warm-up and prompts)."""
+        if not spec.adaptive:
+            return None
+        from specserve.gateway.adaptive import AdaptiveConfig, AdaptiveSpeculation
+
+        return AdaptiveSpeculation(AdaptiveConfig(max_k=self.config.num_speculative_tokens))
+
+    def run(self, spec: MethodSpec, prompt_id: str, prompt_ids: Sequence[int], chooser, max_new_tokens: int | None = None) -> RequestResult:
+        return self.loop.run_until_complete(self._run(spec, prompt_id, tuple(prompt_ids), chooser, max_new_tokens))
+
+    async def _run(self, spec: MethodSpec, prompt_id: str, prompt_ids: tuple[int, ...], chooser, max_new_tokens) -> RequestResult:
+        from specserve.gateway.spec_loop import FinalEvent, GenerationRequest, run_request
+        from specserve.target_service.engine.types import SamplingParams
+
+        cfg = self.config
+        request = GenerationRequest(
+            prompt_ids=prompt_ids,
+            max_new_tokens=max_new_tokens or cfg.max_new_tokens,
+            sampling=SamplingParams(temperature=0.0, seed=cfg.seed),
+            num_speculative_tokens=0 if spec.drafter == "none" else cfg.num_speculative_tokens,
+            adaptive=spec.adaptive,
+            draft_ahead=spec.draft_ahead,
+        )
+        draft = None if spec.drafter == "none" else self.drafts[spec.drafter]
+        self._counter += 1
+        steps: list[dict] = []
+        mark = [0.0]
+
+        def on_step(rec) -> None:
+            now = time.perf_counter()
+            steps.append(self._step_row(spec, prompt_id, rec, (now - mark[0]) * 1e3))
+            mark[0] = now
+
+        t0 = time.perf_counter()
+        t_first = None
+        final = None
+        async for event in run_request(
+            request, self.target, draft, target_info=self.info, adaptive=chooser,
+            session_id=f"bench-{self._counter}", on_step=on_step,
+        ):
+            if t_first is None:
+                t_first = mark[0] = time.perf_counter()
+            if isinstance(event, FinalEvent):
+                final = event
+        t_end = time.perf_counter()
+        if final is None:
+            raise RuntimeError(f"{spec.name} on {prompt_id}: the request ended without a final event")
+        stats = final.stats.as_dict()
+        stats["draft_ahead_ms"] = round(final.stats.draft_ahead_ms, 3)
+        stats["verify_ms"] = round(final.stats.verify_ms, 3)
+        return RequestResult(
+            method=spec.name,
+            prompt_id=prompt_id,
+            prompt_tokens=len(prompt_ids),
+            token_ids=final.token_ids,
+            finish_reason=final.finish_reason,
+            ttft_s=(t_first or t_end) - t0,
+            decode_s=t_end - (t_first or t_end),
+            stats=stats,
+            steps=steps,
+        )
+
+    def _step_row(self, spec: MethodSpec, prompt_id: str, rec, wall_ms: float) -> dict:
+        verify_ms = rec.verify_ms if rec.verify_ms > 0 else rec.verify_wall_ms
+        nbytes = step_bytes(self.model_bytes, rec.drafted + 1, rec.experts_touched, rec.context_len)
+        floor = floor_ms(nbytes.total, self.bandwidth)
+        return {
+            "method": spec.name,
+            "drafter": spec.drafter,
+            "speculation": spec.speculation,
+            "draft_ahead": spec.draft_ahead,
+            "prompt": prompt_id,
+            "step": rec.step,
+            "context_len": rec.context_len,
+            "drafted": rec.drafted,
+            "accepted": rec.accepted,
+            "draft_ms": round(rec.draft_ms, 4),
+            "verify_ms": round(verify_ms, 4),
+            "verify_ms_source": "target" if rec.verify_ms > 0 else "loop_wall",
+            "verify_wall_ms": round(rec.verify_wall_ms, 4),
+            "wall_ms": round(wall_ms, 4),
+            "overhead_ms": round(wall_ms - rec.draft_ms - verify_ms, 4),
+            "experts_touched": rec.experts_touched,
+            "floor_bytes": nbytes.total,
+            "floor_ms": round(floor, 5),
+            "tree": rec.tree,
+        }

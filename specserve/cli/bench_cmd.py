@@ -1,0 +1,150 @@
+"""`specserve bench`: the reproducible benchmark (issue 7). Writes its artifacts under --out."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from specserve.errors import SpecserveError
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(t) for t in text.split(",") if t.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 0:
+        raise argparse.ArgumentTypeError("expected at least one non-negative integer")
+    return values
+
+
+def _draft_models(text: str) -> dict[str, Path]:
+    out = {}
+    for item in text.split(","):
+        if not item.strip():
+            continue
+        family, sep, path = item.partition("=")
+        if not sep or not family.strip() or not path.strip():
+            raise argparse.ArgumentTypeError(f"expected FAMILY=DIR[,FAMILY=DIR...], got {item!r}")
+        out[family.strip()] = Path(path.strip())
+    return out
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from specserve.bench.config import DRAFTERS
+
+    parser.add_argument("--model", type=Path, default=None, help="target checkpoint folder (default: shipped demo)")
+    parser.add_argument("--draft-models", type=_draft_models, action="append", default=[], metavar="FAMILY=DIR",
+                        help="drafter checkpoints, e.g. model=DIR,eagle3=DIR (default: the shipped demo's, "
+                             "only when --model is not given)")
+    parser.add_argument("--drafters", default=",".join(DRAFTERS),
+                        help=f"comma-separated drafters to run, in order (default: {','.join(DRAFTERS)})")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    parser.add_argument("--max-new-tokens", type=_positive, default=128)
+    parser.add_argument("--num-speculative-tokens", type=_positive, default=4, help="draft block size k")
+    parser.add_argument("--prompts", type=_positive, default=None, help="first N prompts of the pinned set (default: all)")
+    parser.add_argument("--prompt-set", default="v1", help="pinned prompt set name or a .json path")
+    parser.add_argument("--out", type=Path, default=Path("bench_out"), help="artifacts folder (default: bench_out)")
+    parser.add_argument("--speculation", choices=("fixed", "adaptive", "both"), default="both")
+    parser.add_argument("--draft-ahead", choices=("on", "off", "both"), default="both")
+    parser.add_argument("--k-sweep", type=_int_list, default=(0, 1, 2, 3, 4, 6, 8, 12, 16),
+                        help="drafted-token counts of the verify-tax curve (default 0,1,2,3,4,6,8,12,16)")
+    parser.add_argument("--tax-context", type=_positive, default=256, help="cached tokens for the verify-tax curve")
+    parser.add_argument("--tax-repeats", type=_positive, default=10, help="repeats per k (median reported)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--warmup", type=int, default=1, help="unrecorded warm-up requests per method")
+    parser.add_argument("--no-hf", action="store_true", help="skip the Hugging Face transformers baselines")
+    parser.add_argument("--bandwidth-mib", type=_positive, default=None,
+                        help="size of the copy that measures bandwidth (default 1024 on GPU, 256 on CPU)")
+    parser.add_argument("--num-kv-blocks", type=_positive, default=4096)
+    parser.add_argument("--kv-block-size", type=_positive, default=16)
+    parser.add_argument("--projection-timings", type=Path, default=None,
+                        help="GPU synthetic-model step timings (JSON) for the labelled projection line")
+    parser.add_argument("--no-plots", action="store_true")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    parser.add_argument("--json", action="store_true", help="print the summary JSON instead of the table")
+
+
+def config_from_args(args: argparse.Namespace):
+    from specserve.bench.config import BenchConfig
+    from specserve.paths import demo_checkpoint
+
+    draft_models: dict[str, Path] = {}
+    for d in args.draft_models:
+        draft_models.update(d)
+    both = {"both": None}
+    return BenchConfig(
+        model=args.model or demo_checkpoint("target"),
+        out=args.out,
+        draft_models=draft_models,
+        demo_drafters=args.model is None,
+        drafters=tuple(d.strip() for d in args.drafters.split(",") if d.strip()),
+        device=args.device,
+        dtype=args.dtype,
+        max_new_tokens=args.max_new_tokens,
+        num_speculative_tokens=args.num_speculative_tokens,
+        prompt_set=args.prompt_set,
+        num_prompts=args.prompts,
+        speculation=("fixed", "adaptive") if args.speculation in both else (args.speculation,),
+        draft_ahead=(False, True) if args.draft_ahead in both else (args.draft_ahead == "on",),
+        k_sweep=args.k_sweep,
+        tax_context=args.tax_context,
+        tax_repeats=args.tax_repeats,
+        seed=args.seed,
+        warmup=args.warmup,
+        hf_baselines=not args.no_hf,
+        bandwidth_bytes=None if args.bandwidth_mib is None else args.bandwidth_mib << 20,
+        num_kv_blocks=args.num_kv_blocks,
+        kv_block_size=args.kv_block_size,
+        projection_timings=args.projection_timings,
+        plots=not args.no_plots,
+    )
+
+
+def format_table(summary: dict) -> str:
+    """The Markdown table BENCHMARKS.md carries (one row per method)."""
+    base = summary["methods"].get("target-only", {}).get("tokens_per_s")
+    lines = [
+        "| method | tok/s | vs target-only | mean accepted length | TTFT ms | step ms (draft/verify/overhead) | floor fraction | same output |",
+        "|---|---:|---:|---:|---:|---|---:|---:|",
+    ]
+    for name, m in summary["methods"].items():
+        tps = m.get("tokens_per_s")
+        ph = m.get("per_step_ms")
+        phases = f"{ph['wall']:.2f} ({ph['draft']:.2f}/{ph['verify']:.2f}/{ph['overhead']:.2f})" if ph else "-"
+        frac = m.get("floor_fraction_of_step")
+        same = m.get("matches_target_only")
+        lines.append(
+            f"| {name} | {tps:.1f} | {tps / base:.2f}x | " if tps and base else f"| {name} | {tps or '-'} | - | "
+        )
+        lines[-1] += (
+            f"{m['mean_accepted_length']:.2f} | " if "mean_accepted_length" in m else "- | "
+        ) + f"{m['ttft_s_mean'] * 1e3:.1f} | {phases} | " + (f"{frac:.3f} | " if frac is not None else "- | ") + (
+            f"{same:.2f} |" if same is not None else "- |"
+        )
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    from specserve.bench.bench import run_bench
+
+    if args.warmup < 0:
+        raise SpecserveError(f"--warmup must be >= 0, got {args.warmup}")
+    summary = run_bench(config_from_args(args), progress=not args.quiet)
+    if args.json:
+        print(json.dumps(summary, indent=2))
+        return 0
+    print(format_table(summary))
+    for s in summary["skipped"]:
+        print(f"skipped {s['method']}: {s['reason']}")
+    print(f"artifacts: {args.out}/ (summary.json, steps.jsonl, requests.jsonl, verify_tax.jsonl, plots/)")
+    return 0
