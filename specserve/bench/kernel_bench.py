@@ -1,0 +1,183 @@
+"""GPU benchmark of the fused MoE against torch._grouped_mm, moe_reference and the bytes floor.
+
+Run on the GPU machine:  python -m specserve.bench.kernel_bench [--out DIR] [--quick]
+1. device-to-device copy bandwidth (bytes read + written), the ceiling for the floors below;
+2. for each MoE layer shape and token count T: median time per call of fused_moe (Triton), the grouped_mm path
+   and moe_reference; the bytes floor = distinct routed experts' weights read once / measured bandwidth.
+Timing: CUDA graphs of R calls, each on its own random routing (and, for small layers, its own layer's weights, so
+the set of weights touched is far above the 60 MB L2), replayed under triton.testing.do_bench; median / R.
+Never zeros: weights, activations and routing are random. Prints a short table last; writes JSON to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+SHAPES = {  # name: (E, H, I, K, layers)
+    "qwen3_30b_a3b": (128, 2048, 768, 8, 8),
+    "kimi_k2": (384, 7168, 2048, 8, 1),
+}
+TOKENS = (1, 2, 4, 8, 16)
+LARGE_TOKENS = (64, 256, 1024)
+ROUTINGS = 8
+
+
+@dataclass(frozen=True)
+class Row:
+    shape: str
+    tokens: int
+    distinct_experts: float  # mean over the R routings
+    floor_ms: float
+    fused_ms: float
+    grouped_mm_ms: float
+    reference_ms: float | None
+    fused_rel_err: float
+    best_config: str | None = None
+    best_config_ms: float | None = None
+
+
+def copy_bandwidth(nbytes: int = 4 << 30) -> float:
+    """Bytes/s of a large device-to-device copy, counting bytes read plus bytes written."""
+    import triton.testing
+
+    src = torch.randn(nbytes // 4, device="cuda")
+    dst = torch.empty_like(src)
+    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=25, rep=200, return_mode="median")
+    del src, dst
+    return 2 * nbytes / (ms * 1e-3)
+
+
+def graph_time_ms(fn, calls: int) -> float:
+    """Median ms per call of `fn(r)` for r in range(calls), captured in one CUDA graph (NaN if it fails)."""
+    try:
+        return _graph_time_ms(fn, calls)
+    except Exception as exc:  # report and keep benchmarking the other variants
+        print(f"  timing failed: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+        torch.cuda.synchronize()
+        return float("nan")
+
+
+def _graph_time_ms(fn, calls: int) -> float:
+    import triton.testing
+
+    for r in range(calls):  # compile / warm up outside capture
+        fn(r)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for r in range(calls):
+            fn(r)
+    ms = triton.testing.do_bench(graph.replay, warmup=25, rep=150, return_mode="median")
+    return ms / calls
+
+
+def bench_shape(name: str, tokens: tuple[int, ...], bw: float, sweep: bool, with_ref: bool) -> list[Row]:
+    import triton.testing
+
+    from specserve.kernels.fused_moe import MoETileConfig, fused_moe, moe_grouped_mm
+    from specserve.kernels.moe_reference import moe_reference
+
+    e, h, i, k, layers = SHAPES[name]
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    w13 = [torch.randn(e, 2 * i, h, device="cuda", dtype=torch.bfloat16, generator=gen).mul_(h**-0.5)
+           for _ in range(layers)]
+    w2 = [torch.randn(e, h, i, device="cuda", dtype=torch.bfloat16, generator=gen).mul_(i**-0.5)
+          for _ in range(layers)]
+    bytes_per_expert = 3 * h * i * w13[0].element_size()
+    rows = []
+    for t in tokens:
+        xs = [torch.randn(t, h, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(ROUTINGS)]
+        routing = []
+        for _ in range(ROUTINGS):
+            probs = torch.softmax(torch.randn(t, e, device="cuda", generator=gen), -1)
+            w, ids = torch.topk(probs, k, dim=-1)
+            routing.append((ids.contiguous(), (w / w.sum(-1, keepdim=True)).contiguous()))
+        distinct = sum(int(torch.unique(ids).numel()) for ids, _ in routing) / ROUTINGS
+        floor_ms = distinct * bytes_per_expert / bw * 1e3
+
+        def call(r, fn=fused_moe, **kw):
+            return fn(xs[r], w13[r % layers], w2[r % layers], routing[r][0], routing[r][1], **kw)
+
+        fused_ms = graph_time_ms(lambda r: call(r, backend="triton"), ROUTINGS)
+        gmm_ms = graph_time_ms(lambda r: call(r, moe_grouped_mm), ROUTINGS)
+        ref_out = call(0, moe_reference)
+        out = call(0, backend="triton")
+        err = float((out.double() - ref_out.double()).norm() / ref_out.double().norm())
+        ref_ms = None
+        if with_ref:
+            ref_ms = triton.testing.do_bench(lambda: call(0, moe_reference), warmup=5, rep=50, return_mode="median")
+        best = best_ms = None
+        if sweep:
+            for cfg in sweep_configs(t, MoETileConfig):
+                ms = graph_time_ms(lambda r, c=cfg: call(r, backend="triton", config=c), ROUTINGS)
+                if ms == ms and (best_ms is None or ms < best_ms):
+                    best, best_ms = cfg, ms
+        rows.append(Row(name, t, distinct, floor_ms, fused_ms, gmm_ms, ref_ms, err,
+                        str(asdict(best)) if best else None, best_ms))
+        print(f"  {name} T={t}: fused {fused_ms:.4f} ms, grouped_mm {gmm_ms:.4f}, floor {floor_ms:.4f}, "
+              f"err {err:.2e}" + (f", best sweep {best_ms:.4f} {best}" if best else ""), flush=True)
+    del w13, w2
+    torch.cuda.empty_cache()
+    return rows
+
+
+def sweep_configs(t: int, cfg_cls) -> list:
+    """A few tile shapes around the default, for one-shot tuning of the decode path."""
+    bm = 16 if t <= 16 else (32 if t <= 32 else 64)
+    return [
+        cfg_cls(bm, 32, 128, 4, 4, 64, 128, 4, 4),
+        cfg_cls(bm, 64, 64, 4, 4, 64, 64, 4, 4),
+        cfg_cls(bm, 16, 256, 4, 4, 32, 256, 4, 4),
+        cfg_cls(bm, 32, 256, 4, 3, 32, 128, 4, 4),
+        cfg_cls(bm, 64, 128, 8, 3, 128, 128, 8, 3),
+        cfg_cls(bm, 32, 64, 2, 6, 32, 64, 2, 6),
+    ]
+
+
+def format_table(bw: float, rows: list[Row]) -> str:
+    lines = [f"copy bandwidth {bw / 1e12:.2f} TB/s (read+write)",
+             f"{'shape':14} {'T':>5} {'experts':>7} {'floor ms':>9} {'fused ms':>9} {'x floor':>7} "
+             f"{'gmm ms':>8} {'x floor':>7} {'ref ms':>8} {'best ms':>8} {'err':>8}"]
+    for r in rows:
+        ref = f"{r.reference_ms:8.3f}" if r.reference_ms is not None else f"{'-':>8}"
+        best = f"{r.best_config_ms:8.4f}" if r.best_config_ms is not None else f"{'-':>8}"
+        lines.append(
+            f"{r.shape:14} {r.tokens:5d} {r.distinct_experts:7.1f} {r.floor_ms:9.4f} {r.fused_ms:9.4f} "
+            f"{r.fused_ms / r.floor_ms:7.2f} {r.grouped_mm_ms:8.4f} {r.grouped_mm_ms / r.floor_ms:7.2f} {ref} {best} "
+            f"{r.fused_rel_err:8.1e}"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
+    parser.add_argument("--quick", action="store_true", help="decode token counts only, no sweep")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("kernel_bench needs a CUDA GPU")
+    start = time.time()
+    bw = copy_bandwidth()
+    print(f"copy bandwidth {bw / 1e12:.3f} TB/s", flush=True)
+    rows: list[Row] = []
+    for name in SHAPES:
+        rows += bench_shape(name, TOKENS, bw, sweep=not args.quick, with_ref=True)
+        if not args.quick:
+            rows += bench_shape(name, LARGE_TOKENS if name != "kimi_k2" else LARGE_TOKENS[:2], bw, sweep=False,
+                                with_ref=False)
+    os.makedirs(args.out, exist_ok=True)
+    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "copy_bandwidth_Bps": bw,
+              "rows": [asdict(r) for r in rows], "seconds": time.time() - start}
+    with open(os.path.join(args.out, "kernel_bench.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    print(format_table(bw, rows))
+
+
+if __name__ == "__main__":
+    main()
