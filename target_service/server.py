@@ -20,20 +20,18 @@ from specserve.errors import SpecserveError
 from specserve.gateway import tracing as tn
 from specserve.protos import convert
 from specserve.protos.specserve.v1 import target_pb2, target_pb2_grpc
+from specserve.target_service.engine.engine import (
+    ContextTooLong,
+    DuplicateSession,
+    OutOfBlocks,
+    UnknownSession,
+)
 from specserve.target_service.engine.types import DraftBlock, VerifyResult
 
 SERVICE_NAME = target_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name
 
 # Errors caused by a request's content (not by the service): INVALID_ARGUMENT.
 INPUT_ERRORS: tuple[type[BaseException], ...] = (ValueError, SpecserveError, convert.ConversionError)
-
-
-class UnknownSession(SpecserveError):
-    """A call named a session this service does not hold (never opened, or released)."""
-
-
-class DuplicateSession(SpecserveError):
-    """Prefill named a session that is already open."""
 
 
 @dataclass
@@ -61,6 +59,7 @@ class EngineWorker:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="target-engine")
         self._queue: list[_Queued] = []
         self._wake = asyncio.Event()
+        self._engine_free = asyncio.Lock()  # held while a call runs on the engine thread (FIFO)
         self._task: asyncio.Task | None = None
         self.active: dict[str, int] = {}  # session id -> len(S)
         self.steps = 0
@@ -88,16 +87,23 @@ class EngineWorker:
         await asyncio.get_running_loop().run_in_executor(None, self._pool.shutdown, True)
 
     async def call(self, fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+        """Run fn on the engine thread once it is free (calls run in arrival order)."""
+        async with self._engine_free:
+            return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
     async def prefill(self, session_id: str, prompt_ids: list[int], sampling, hidden_layers: tuple[int, ...]):
         if session_id in self.active:
-            raise DuplicateSession(f"session_id {session_id!r} is already open")
+            raise DuplicateSession(session_id)
         self.active[session_id] = -1  # reserved while the prefill runs
         try:
             result = await self.call(self.engine.prefill, session_id, prompt_ids, sampling, hidden_layers)
-        except BaseException:
+        except asyncio.CancelledError:
+            # the caller went away; the prefill itself still runs to its end on the engine thread
             self.active.pop(session_id, None)
+            asyncio.get_running_loop().create_task(self.call(self.engine.release, session_id))
+            raise
+        except BaseException:
+            self.active.pop(session_id, None)  # the engine refused it and holds no session
             raise
         if session_id in self.active:  # not released meanwhile
             self.active[session_id] = len(prompt_ids) + 1
@@ -105,7 +111,7 @@ class EngineWorker:
 
     async def verify(self, session_id: str, block: DraftBlock) -> VerifyOutcome:
         if self.active.get(session_id, -1) < 0:
-            raise UnknownSession(f"session_id {session_id!r} is not open (prefill it first)")
+            raise UnknownSession(session_id)
         fut = asyncio.get_running_loop().create_future()
         self._queue.append(_Queued(session_id, block, fut))
         self._wake.set()
@@ -118,7 +124,7 @@ class EngineWorker:
         for item in [q for q in self._queue if q.session_id == session_id]:
             self._queue.remove(item)
             if not item.future.done():
-                item.future.set_exception(UnknownSession(f"session_id {session_id!r} was released"))
+                item.future.set_exception(UnknownSession(session_id))
         await self.call(self.engine.release, session_id)
         return True
 
@@ -126,34 +132,35 @@ class EngineWorker:
         loop = asyncio.get_running_loop()
         while True:
             await self._wake.wait()
-            self._wake.clear()
-            items = [q for q in self._queue[: self.max_batch] if not q.future.done()]
-            del self._queue[: self.max_batch]
-            if self._queue:
-                self._wake.set()
-            items = [q for q in items if q.session_id in self.active]
-            if not items:
-                continue
-            started = time.perf_counter()
-            pairs = [(q.session_id, q.block) for q in items]
-            try:
-                results = await loop.run_in_executor(self._pool, self._run_batch, pairs)
-            except BaseException as exc:  # noqa: BLE001 - every waiter must hear about it
-                for q in items:
-                    if not q.future.done():
-                        q.future.set_exception(exc if isinstance(exc, Exception) else RuntimeError(str(exc)))
-                if isinstance(exc, asyncio.CancelledError):
-                    raise
-                continue
+            async with self._engine_free:  # collect only once the engine thread is free
+                self._wake.clear()
+                items = [q for q in self._queue[: self.max_batch] if not q.future.done()]
+                del self._queue[: self.max_batch]
+                if self._queue:
+                    self._wake.set()
+                items = [q for q in items if q.session_id in self.active]
+                if not items:
+                    continue
+                started = time.perf_counter()
+                pairs = [(q.session_id, q.block) for q in items]
+                try:
+                    results = await loop.run_in_executor(self._pool, self._run_batch, pairs)
+                except BaseException as exc:  # noqa: BLE001 - every waiter must hear about it
+                    for q in items:
+                        if not q.future.done():
+                            q.future.set_exception(exc if isinstance(exc, Exception) else RuntimeError(str(exc)))
+                    if isinstance(exc, asyncio.CancelledError):
+                        raise
+                    continue
             self.steps += len(items)
             for q, res in zip(items, results):
+                if isinstance(res, Exception):
+                    if not q.future.done():
+                        q.future.set_exception(res)
+                    continue
                 if q.session_id in self.active:
                     self.active[q.session_id] += len(res.emitted)
-                if q.future.done():
-                    continue
-                if isinstance(res, Exception):
-                    q.future.set_exception(res)
-                else:
+                if not q.future.done():
                     q.future.set_result(VerifyOutcome(res, (started - q.enqueued) * 1e3, len(items)))
 
     def _run_batch(self, pairs: list[tuple[str, DraftBlock]]) -> list:
@@ -178,6 +185,10 @@ def _status_for(exc: BaseException) -> grpc.StatusCode:
         return grpc.StatusCode.NOT_FOUND
     if isinstance(exc, DuplicateSession):
         return grpc.StatusCode.ALREADY_EXISTS
+    if isinstance(exc, ContextTooLong):
+        return grpc.StatusCode.OUT_OF_RANGE
+    if isinstance(exc, OutOfBlocks):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED
     if isinstance(exc, INPUT_ERRORS):
         return grpc.StatusCode.INVALID_ARGUMENT
     return grpc.StatusCode.INTERNAL
@@ -192,11 +203,6 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         self._tracer = tn.tracer()
 
     # ------------------------------------------------------------------------------ helpers
-    def _check_ids(self, ids, field: str) -> None:
-        bad = [t for t in ids if not 0 <= t < self.info.vocab_size]
-        if bad:
-            raise convert.ConversionError(f"{field}: ids {bad[:4]} outside the vocabulary [0, {self.info.vocab_size})")
-
     async def _abort(self, context, exc: BaseException):
         await context.abort(_status_for(exc), f"{type(exc).__name__}: {exc}")
 
@@ -225,13 +231,6 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                 if not request.session_id:
                     raise convert.ConversionError("session_id: empty")
                 ids = list(request.prompt_ids)
-                if not ids:
-                    raise convert.ConversionError("prompt_ids: empty")
-                self._check_ids(ids, "prompt_ids")
-                if len(ids) >= self.info.max_context:
-                    raise convert.ConversionError(
-                        f"prompt_ids: {len(ids)} tokens leave no room in the context of {self.info.max_context}"
-                    )
                 layers = tuple(int(x) for x in request.hidden_layers)
                 sampling = convert.sampling_from_proto(request.sampling)
                 res = await self.worker.prefill(request.session_id, ids, sampling, layers)
@@ -317,20 +316,10 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             return target_pb2.ReleaseResponse(released=released)
 
     async def GetStats(self, request, context):
-        used, total = _kv_blocks(await self.worker.call(self.worker.engine.kv_usage))
+        usage = await self.worker.call(self.worker.engine.kv_usage)
         return target_pb2.TargetStats(
             active_sessions=len(self.worker.active),
-            kv_blocks_total=total,
-            kv_blocks_used=used,
+            kv_blocks_total=usage.num_blocks,
+            kv_blocks_used=usage.used_blocks,
             steps=self.worker.steps,
         )
-
-
-def _kv_blocks(usage) -> tuple[int, int]:
-    """(used, total) KV blocks from engine.kv_usage(): a (used, total) pair or an object with
-    used/total block counts."""
-    if isinstance(usage, tuple):
-        return int(usage[0]), int(usage[1])
-    used = getattr(usage, "used_blocks", getattr(usage, "used", 0))
-    total = getattr(usage, "total_blocks", getattr(usage, "total", 0))
-    return int(used), int(total)

@@ -1,0 +1,164 @@
+"""Helpers for the service tests: specserve subcommands as real processes, and a real OTLP/gRPC
+collector (grpc.aio TraceService + MetricsService from opentelemetry-proto) in a background thread."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+# ------------------------------------------------------------------------------------ processes
+class Proc:
+    """A specserve subcommand in its own process; stdout lines are collected by a reader thread."""
+
+    def __init__(self, role: str, argv: list[str], env: dict[str, str]) -> None:
+        self.role, self.argv, self.env = role, argv, env
+        self.lines: list[str] = []
+        self.popen = subprocess.Popen(
+            [sys.executable, "-m", "specserve.cli.main", role, *argv],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+            cwd=REPO,
+        )
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        for line in self.popen.stdout:
+            self.lines.append(line.rstrip("\n"))
+
+    def wait_line(self, prefix: str, timeout: float = 120.0) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for line in list(self.lines):
+                if line.startswith(prefix):
+                    return line
+            if self.popen.poll() is not None and not self._reader.is_alive():
+                break
+            time.sleep(0.05)
+        raise AssertionError(f"{self.role} did not print {prefix!r}; output:\n" + "\n".join(self.lines[-40:]))
+
+    def stop(self, sig=None, timeout: float = 30.0) -> int:
+        import signal
+
+        if self.popen.poll() is None:
+            self.popen.send_signal(sig or signal.SIGTERM)
+            try:
+                self.popen.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait()
+        self._reader.join(timeout=5)
+        return self.popen.returncode
+
+
+def base_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", **extra)
+    return env
+
+
+# ---------------------------------------------------------------------------------- OTLP receiver
+@dataclass(frozen=True)
+class SpanRecord:
+    service: str
+    name: str
+    trace_id: str
+    span_id: str
+    parent_span_id: str
+    kind: int
+    attributes: dict
+
+
+def _any_value(v):
+    kind = v.WhichOneof("value")
+    return getattr(v, kind) if kind else None
+
+
+class OtlpReceiver:
+    """A real OTLP/gRPC collector (traces + metrics) in a background thread with its own event loop."""
+
+    def __init__(self) -> None:
+        self.spans: list[SpanRecord] = []
+        self.metric_names: set[str] = set()
+        self._lock = threading.Lock()
+        self._ready = threading.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self.port = 0
+        self._thread = threading.Thread(target=lambda: asyncio.run(self._main()), daemon=True)
+        self._thread.start()
+        if not self._ready.wait(20):
+            raise RuntimeError("OTLP receiver did not start")
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    async def _main(self) -> None:
+        import grpc
+        from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2, metrics_service_pb2_grpc
+        from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+
+        receiver = self
+
+        class Traces(trace_service_pb2_grpc.TraceServiceServicer):
+            async def Export(self, request, context):
+                receiver._add_spans(request)
+                return trace_service_pb2.ExportTraceServiceResponse()
+
+        class Metrics(metrics_service_pb2_grpc.MetricsServiceServicer):
+            async def Export(self, request, context):
+                with receiver._lock:
+                    for rm in request.resource_metrics:
+                        for sm in rm.scope_metrics:
+                            receiver.metric_names.update(m.name for m in sm.metrics)
+                return metrics_service_pb2.ExportMetricsServiceResponse()
+
+        server = grpc.aio.server()
+        trace_service_pb2_grpc.add_TraceServiceServicer_to_server(Traces(), server)
+        metrics_service_pb2_grpc.add_MetricsServiceServicer_to_server(Metrics(), server)
+        self.port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
+        self._ready.set()
+        await self._stop.wait()
+        await server.stop(0)
+
+    def _add_spans(self, request) -> None:
+        with self._lock:
+            for rs in request.resource_spans:
+                attrs = {a.key: _any_value(a.value) for a in rs.resource.attributes}
+                service = attrs.get("service.name", "")
+                for ss in rs.scope_spans:
+                    for s in ss.spans:
+                        self.spans.append(
+                            SpanRecord(
+                                service=service,
+                                name=s.name,
+                                trace_id=s.trace_id.hex(),
+                                span_id=s.span_id.hex(),
+                                parent_span_id=s.parent_span_id.hex(),
+                                kind=s.kind,
+                                attributes={a.key: _any_value(a.value) for a in s.attributes},
+                            )
+                        )
+
+    def snapshot(self) -> list[SpanRecord]:
+        with self._lock:
+            return list(self.spans)
+
+    def close(self) -> None:
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(timeout=10)
