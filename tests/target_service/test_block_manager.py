@@ -125,3 +125,11 @@ def test_random_operations_keep_invariants():
             _check_invariants(bm)
     _check_invariants(bm)
     assert out_of_blocks > 0  # the pool was exhausted at least once and survived it
+
+
+def test_block_manager_does_not_import_torch():
+    import subprocess
+    import sys
+
+    code = "import sys, specserve.target_service.engine.block_manager; assert 'torch' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -1,0 +1,269 @@
+"""TargetEngine on tiny random checkpoints (A's fixtures): greedy parity with transformers, full
+acceptance of the target's own continuation, chain/tree logits equal to one-by-one feeding, rollback
+leaves exactly the from-scratch cache, batched verify equals one-at-a-time verify, clear errors."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from specserve.target_service.engine.engine import (
+    ContextTooLong,
+    DuplicateSession,
+    InvalidInput,
+    OutOfBlocks,
+    TargetEngine,
+    UnknownSession,
+)
+from specserve.target_service.engine.tree import layout_of
+from specserve.target_service.engine.types import DraftBlock, SamplingParams
+from specserve.target_service.models import load_model
+
+ARCHS = ["qwen3_moe", "deepseek_v3"]  # GQA + MoE with a dense layer; MLA + grouped MoE + YaRN
+PROMPT = [5, 17, 99, 3, 250, 42, 7]
+GREEDY = SamplingParams()
+
+
+@pytest.fixture(scope="module")
+def load(tiny_checkpoint):
+    cache = {}
+
+    def get(name):
+        if name not in cache:
+            cache[name] = load_model(tiny_checkpoint(name), progress=False)
+        return cache[name]
+
+    return get
+
+
+def _engine(load, name, num_blocks=256, block_size=4, **kw) -> TargetEngine:
+    model, config = load(name)
+    return TargetEngine(model, config, num_blocks=num_blocks, block_size=block_size, **kw)
+
+
+def _decoy(tok: int) -> int:
+    return (tok + 1) % 256
+
+
+def _gather_all(eng: TargetEngine, sid: str) -> list[torch.Tensor]:
+    n = eng.session(sid).cached_len
+    table = eng.blocks.block_table(sid)
+    return [eng.kv_cache.gather(layer, table, n) for layer in range(eng.kv_cache.num_layers)]
+
+
+@pytest.mark.parametrize("name", ARCHS)
+def test_greedy_decode_matches_transformers_generate(load, hf_reference_dir, name):
+    from transformers import AutoModelForCausalLM
+
+    eng = _engine(load, name)
+    ours = eng.generate_greedy(PROMPT, 14)
+    hf = AutoModelForCausalLM.from_pretrained(hf_reference_dir(name), dtype=torch.float32).eval()
+    ref = hf.generate(torch.tensor([PROMPT]), do_sample=False, max_new_tokens=14, min_new_tokens=14)
+    assert ours == ref[0, len(PROMPT) :].tolist()
+    assert eng.kv_usage().num_sequences == 0 and eng.kv_usage().used_blocks == 0
+
+
+@pytest.mark.parametrize("name", ARCHS)
+def test_own_greedy_continuation_is_accepted_in_full(load, name):
+    k = 3
+    eng = _engine(load, name)
+    ref = eng.generate_greedy(PROMPT, 2 + 2 * (k + 1) + 3 + 4)
+    assert eng.prefill("s", PROMPT, GREEDY).next_token == ref[0]
+    i = 0  # ref[i] is the pending token
+    for _ in range(2):
+        res = eng.verify("s", DraftBlock(tuple(ref[i + 1 : i + 1 + k])))
+        assert res.accepted_ids == tuple(ref[i + 1 : i + 1 + k]) and len(res.emitted) == k + 1
+        assert res.next_token == ref[i + 1 + k]
+        i += k + 1
+    # tree whose accepted path is never the first child: nodes 1, 3, 5 are decoys, path is 0-2-4-6
+    a, b, c = ref[i + 1 : i + 4]
+    tree = DraftBlock(
+        token_ids=(_decoy(a), a, _decoy(b), b, _decoy(c), c),
+        parents=(-1, -1, 1, 1, 3, 3),
+    )
+    res = eng.verify("s", tree)
+    assert res.accepted_ids == (a, b, c) and res.next_token == ref[i + 4]
+    i += 4
+    assert eng.session("s").cached_len == len(PROMPT) + i
+    # the compacted cache decodes exactly like the reference
+    for _ in range(4):
+        res = eng.decode("s")
+        i += 1
+        assert res.accepted_ids == () and res.next_token == ref[i]
+
+
+def _one_by_one_logits(runner, seq_id: int, tokens: list[int]) -> torch.Tensor:  # [V] after tokens
+    out = runner.step([seq_id], [tokens[:1]])
+    for t in tokens[1:]:
+        out = runner.step([seq_id], [[t]])
+    return runner.logits(out)[-1]
+
+
+@pytest.mark.parametrize("name", ARCHS)
+@pytest.mark.parametrize("shape", ["chain", "tree"])
+def test_verify_logits_equal_one_by_one_feeding(load, paged_runner, hf_reference_dir, name, shape):
+    from transformers import AutoModelForCausalLM
+
+    eng = _engine(load, name)
+    pending = eng.prefill("s", PROMPT, GREEDY).next_token
+    rng = random.Random(3)
+    toks = tuple(rng.randrange(256) for _ in range(6))
+    block = DraftBlock(toks) if shape == "chain" else DraftBlock(toks, parents=(-1, -1, 0, 0, 1, 3))
+    usage = eng.kv_usage()
+    logits = eng.score_block("s", block)  # [7, V]
+    assert eng.kv_usage() == usage and eng.session("s").cached_len == len(PROMPT)  # nothing committed
+    runner = paged_runner(load(name)[0], block_size=4, num_blocks=256)
+    hf = AutoModelForCausalLM.from_pretrained(hf_reference_dir(name), dtype=torch.float32).eval()
+    lay = layout_of(block)
+    for node in range(lay.num_nodes):
+        seq = PROMPT + [pending] + [toks[j - 1] for j in lay.path_to(node)[1:]]
+        ref = _one_by_one_logits(runner, node, seq)
+        torch.testing.assert_close(logits[node], ref, atol=2e-4, rtol=2e-4)
+        with torch.no_grad():
+            hf_logits = hf(torch.tensor([seq])).logits[0, -1].float()
+        torch.testing.assert_close(logits[node], hf_logits, atol=2e-3, rtol=2e-3)
+
+
+@pytest.mark.parametrize("name", ARCHS)
+def test_rollback_leaves_the_from_scratch_cache(load, name):
+    eng = _engine(load, name, num_blocks=128, block_size=4)
+    rng = random.Random(0)
+    sampling = SamplingParams(temperature=0.3, seed=1)
+    seq = list(PROMPT) + [eng.prefill("s", PROMPT, sampling, hidden_layers=(1,)).next_token]
+    stats = {"partial": 0, "none": 0, "full": 0, "compacted": 0}
+    for step in range(10):
+        k = rng.randint(1, 4)
+        guess = eng.generate_greedy(seq, k + 1)  # the target's own likely continuation
+        chain = [g if rng.random() < 0.8 else rng.randrange(256) for g in guess[:k]]
+        if step % 2 == 0:
+            block = DraftBlock(tuple(chain))
+        else:  # two branches: a random one first, the likely one second; plus a random leaf
+            alt = [rng.randrange(256) for _ in range(k)]
+            toks = tuple(alt) + tuple(chain) + (rng.randrange(256),)
+            parents = tuple(range(-1, k - 1)) + (-1,) + tuple(range(k, 2 * k - 1)) + (k,)
+            block = DraftBlock(toks, parents=parents)
+        before = eng.session("s").cached_len
+        res = eng.verify("s", block)
+        m = len(res.accepted_ids)
+        stats["none" if m == 0 else "full" if m == layout_of(block).depth[-1] and block.is_chain else "partial"] += 1
+        if not block.is_chain and m and res.accepted_ids[0] != block.token_ids[0]:
+            stats["compacted"] += 1
+        assert res.hidden.shape == (m + 1, eng.info().hidden_size)
+        seq += list(res.emitted)
+        s = eng.session("s")
+        assert s.cached_len == before + m + 1 == len(seq) - 1 and s.pending_token == seq[-1]
+        assert len(eng.blocks.block_table("s")) == -(-s.cached_len // 4)
+        # from scratch: prefill the committed tokens into a fresh session and compare every layer
+        fresh = eng.prefill("fresh", seq[:-1], GREEDY, hidden_layers=(1,))
+        for got, want in zip(_gather_all(eng, "s"), _gather_all(eng, "fresh")):
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        # the step's hidden features are those of the committed positions
+        torch.testing.assert_close(res.hidden, fresh.hidden[before:], atol=1e-5, rtol=1e-5)
+        eng.release("fresh")
+    assert stats["none"] and stats["partial"] and stats["compacted"], stats
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_verify_batch_equals_one_at_a_time(load, temperature):
+    name = "qwen3_moe"
+    prompts = {"a": PROMPT, "b": [9, 8, 7, 6, 5, 4, 3, 2, 1, 0, 11], "c": [200, 100]}
+    layers = {"a": (0, 2), "b": (), "c": (1,)}
+    engines = [_engine(load, name), _engine(load, name)]
+    for e in engines:
+        for sid, p in prompts.items():
+            e.prefill(sid, p, SamplingParams(temperature=temperature, seed=len(p)), layers[sid])
+    rng = random.Random(5)
+    for step in range(4):
+        blocks = {
+            "a": DraftBlock(tuple(rng.randrange(256) for _ in range(3))),
+            "b": DraftBlock(tuple(rng.randrange(256) for _ in range(4)), parents=(-1, -1, 0, 1)),
+            "c": DraftBlock(()),
+        }
+        batched = engines[0].verify_batch(list(blocks.items()))
+        alone = [engines[1].verify(sid, b) for sid, b in blocks.items()]
+        for x, y, sid in zip(batched, alone, blocks):
+            assert (x.accepted_ids, x.next_token) == (y.accepted_ids, y.next_token)
+            assert x.experts_touched == y.experts_touched > 0
+            if layers[sid]:
+                assert x.hidden.shape == (len(x.emitted), len(layers[sid]) * 64)
+                torch.testing.assert_close(x.hidden, y.hidden, atol=1e-5, rtol=1e-5)
+            else:
+                assert x.hidden is None
+    for sid in prompts:
+        assert engines[0].session(sid).cached_len == engines[1].session(sid).cached_len
+        for got, want in zip(_gather_all(engines[0], sid), _gather_all(engines[1], sid)):
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_seed_reproduces_sampled_output(load):
+    outs = []
+    for _ in range(2):
+        eng = _engine(load, "qwen3_moe")
+        first = eng.prefill("s", PROMPT, SamplingParams(temperature=1.0, seed=123)).next_token
+        outs.append([first] + [t for _ in range(6) for t in eng.decode("s").emitted])
+    assert outs[0] == outs[1]
+    eng = _engine(load, "qwen3_moe")
+    others = {tuple(eng.generate_greedy(PROMPT, 3))}
+    for seed in range(5):
+        first = eng.prefill(f"x{seed}", PROMPT, SamplingParams(temperature=1.0, seed=seed)).next_token
+        others.add((first,) + tuple(t for _ in range(5) for t in eng.decode(f"x{seed}").emitted))
+    assert len(others) > 2  # different seeds give different samples
+
+
+def test_experts_touched_counts_distinct_layer_expert_pairs(load):
+    eng = _engine(load, "qwen3_moe")  # 2 MoE layers (layer 1 is dense), 8 experts, top-2
+    eng.prefill("s", PROMPT, GREEDY)
+    assert eng.decode("s").experts_touched == 2 * 2  # one token: top_k distinct experts per MoE layer
+    res = eng.verify("s", DraftBlock(tuple(range(10, 40))))
+    assert 4 < res.experts_touched <= 2 * 8
+
+
+def test_errors_are_clear_and_leave_state_unchanged(load):
+    eng = _engine(load, "qwen3_moe", num_blocks=6, block_size=4, max_context=32)
+    with pytest.raises(UnknownSession, match="'nope'"):
+        eng.verify("nope", DraftBlock((1,)))
+    with pytest.raises(InvalidInput, match="outside the vocabulary"):
+        eng.prefill("s", [1, 999], GREEDY)
+    with pytest.raises(InvalidInput, match="empty"):
+        eng.prefill("s", [], GREEDY)
+    with pytest.raises(InvalidInput, match="hidden_layers"):
+        eng.prefill("s", PROMPT, GREEDY, hidden_layers=(7,))
+    with pytest.raises(ContextTooLong):
+        eng.prefill("s", list(range(32)), GREEDY)
+    eng.prefill("s", PROMPT, GREEDY)
+    with pytest.raises(DuplicateSession):
+        eng.prefill("s", PROMPT, GREEDY)
+    eng.prefill("t", list(range(12)), GREEDY)  # 2 + 3 of 6 blocks used
+    snapshot = (eng.session("s"), eng.session("t"), eng.kv_usage())
+    with pytest.raises(OutOfBlocks):
+        eng.verify_batch([("s", DraftBlock(tuple(range(3)))), ("t", DraftBlock(tuple(range(8))))])
+    with pytest.raises(ContextTooLong):
+        eng.verify("s", DraftBlock(tuple(range(25))))
+    with pytest.raises(InvalidInput, match="outside the vocabulary"):
+        eng.verify("s", DraftBlock((1, 256)))
+    with pytest.raises(InvalidInput, match="twice"):
+        eng.verify_batch([("s", DraftBlock(())), ("s", DraftBlock(()))])
+    with pytest.raises(UnknownSession):
+        eng.verify_batch([("s", DraftBlock((1,))), ("gone", DraftBlock(()))])
+    assert (eng.session("s"), eng.session("t"), eng.kv_usage()) == snapshot
+    assert eng.release("t") and not eng.release("t")
+    ref = _engine(load, "qwen3_moe").generate_greedy(PROMPT, 4)
+    assert [eng.session("s").pending_token] + [eng.decode("s").next_token for _ in range(3)] == ref
+
+
+def test_info(load, tmp_path):
+    from tokenizers import Tokenizer, models
+
+    from specserve.target_service.models.loader import load_tokenizer
+    from specserve.target_service.models.vocab import vocab_hash
+
+    eng = _engine(load, "deepseek_v3")
+    info = eng.info()
+    assert (info.model_type, info.vocab_size, info.num_layers, info.hidden_size) == ("deepseek_v3", 256, 3, 64)
+    assert info.vocab_hash == "size:256" and info.max_context == 512
+    Tokenizer(models.WordLevel({f"t{i}": i for i in range(256)}, unk_token="t0")).save(str(tmp_path / "tokenizer.json"))
+    model, config = load("deepseek_v3")
+    eng = TargetEngine(model, config, load_tokenizer(tmp_path), num_blocks=8, block_size=4)
+    assert eng.info().vocab_hash == vocab_hash(tmp_path) and eng.info().vocab_hash.startswith("sha256:")
