@@ -156,7 +156,9 @@ class TargetEngine:
         if block.probs is not None:
             if block.probs.dim() != 2:
                 raise InvalidInput(f"draft probs must be [n, vocab], got {tuple(block.probs.shape)}")
-        needed = session.cached_len + 1 + len(block)
+
+    def _check_positions(self, session: Session, layout: StepLayout) -> None:
+        needed = session.cached_len + 1 + max(layout.depth)  # positions the step's deepest node uses
         if needed > self.max_context:
             raise ContextTooLong(session.session_id, needed, self.max_context)
 
@@ -232,7 +234,14 @@ class TargetEngine:
             self._rollback(steps)
             raise
         forward_ms = (time.perf_counter() - t0) * 1e3
-        return [self._accept(step, out, logits, forward_ms) for step in steps]
+        results: list[VerifyResult] = []
+        try:
+            for step in steps:
+                results.append(self._accept(step, out, logits, forward_ms))
+        except BaseException:
+            self._rollback(steps[len(results) :])  # sessions not accepted yet keep their old state
+            raise
+        return results
 
     def score_block(self, session_id: str, block: DraftBlock) -> torch.Tensor:  # [n+1, V] float32
         """Target logits at every node of ``[pending] + block`` without committing anything."""
@@ -256,6 +265,7 @@ class TargetEngine:
             session = self._get(session_id)
             self._check_block(session, block)
             step = _Step(session, block, layout_of(block), start)
+            self._check_positions(session, step.layout)
             steps.append(step)
             start = step.end
         grown: list[_Step] = []

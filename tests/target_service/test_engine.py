@@ -267,3 +267,12 @@ def test_info(load, tmp_path):
     model, config = load("deepseek_v3")
     eng = TargetEngine(model, config, load_tokenizer(tmp_path), num_blocks=8, block_size=4)
     assert eng.info().vocab_hash == vocab_hash(tmp_path) and eng.info().vocab_hash.startswith("sha256:")
+
+
+def test_context_limit_counts_positions_not_tree_nodes(load):
+    eng = _engine(load, "qwen3_moe", max_context=16)
+    eng.prefill("s", list(range(10)), GREEDY)  # 10 cached; the pending token sits at position 10
+    with pytest.raises(ContextTooLong, match="needs 17 positions"):
+        eng.verify("s", DraftBlock(tuple(range(6))))  # positions 10..16
+    res = eng.verify("s", DraftBlock(tuple(range(6)), parents=(-1,) * 6))  # positions 10..11
+    assert eng.session("s").cached_len == 11 + len(res.accepted_ids)
