@@ -67,13 +67,12 @@ class HFBaseline:
         gc.assistant_confidence_threshold = 0.0  # always draft k tokens (no early exit)
         self.assistant = assistant
 
-    def _gen_config(self, max_new_tokens: int):
-        from transformers import GenerationConfig
-
-        return GenerationConfig(
-            max_new_tokens=max_new_tokens, do_sample=False, num_beams=1,
-            eos_token_id=self.eos or None, pad_token_id=self.eos[0] if self.eos else 0,
-        )
+    def _generate_kwargs(self, max_new_tokens: int) -> dict:
+        """Greedy, explicit stop ids (the engine's), no sampling knobs from the checkpoint."""
+        return {
+            "max_new_tokens": max_new_tokens, "do_sample": False, "num_beams": 1,
+            "eos_token_id": self.eos or None, "pad_token_id": self.eos[0] if self.eos else 0,
+        }
 
     def methods(self) -> list[HFMethod]:
         out = [HFMethod("hf/greedy")]
@@ -95,8 +94,7 @@ class HFBaseline:
         _sync(self.device)
         t0 = time.perf_counter()
         out = self.model.generate(
-            ids, attention_mask=torch.ones_like(ids), generation_config=self._gen_config(max_new_tokens),
-            streamer=streamer, **kwargs,
+            ids, attention_mask=torch.ones_like(ids), streamer=streamer, **self._generate_kwargs(max_new_tokens), **kwargs,
         )
         _sync(self.device)
         t_end = time.perf_counter()
