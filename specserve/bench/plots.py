@@ -90,6 +90,10 @@ def plot_phase_breakdown(methods: dict, path: Path, title: str) -> Path:
         bottom = [b + v for b, v in zip(bottom, vals)]
     ax.scatter(names, [methods[m]["per_step_ms"]["floor"] for m in names], marker="_", s=600, color="#2f7d32",
                label="bytes floor", zorder=3)
+    for i, m in enumerate(names):
+        frac = methods[m].get("floor_fraction_of_step")
+        if frac is not None:
+            ax.text(i, bottom[i], f"floor {frac:.1%}", ha="center", va="bottom", fontsize=7)
     ax.set_ylabel("ms per step (mean)")
     ax.set_title(title, fontsize=10)
     ax.tick_params(axis="x", rotation=30)

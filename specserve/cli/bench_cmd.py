@@ -143,8 +143,10 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(summary, indent=2))
         return 0
-    print(format_table(summary))
+    table = format_table(summary)
+    (args.out / "table.md").write_text(table + "\n")
+    print(table)
     for s in summary["skipped"]:
         print(f"skipped {s['method']}: {s['reason']}")
-    print(f"artifacts: {args.out}/ (summary.json, steps.jsonl, requests.jsonl, verify_tax.jsonl, plots/)")
+    print(f"artifacts: {args.out}/ (summary.json, steps.jsonl, requests.jsonl, verify_tax.jsonl, table.md, plots/)")
     return 0
