@@ -102,6 +102,8 @@ class TargetEngine:
             config.num_layers, num_blocks, block_size, model.kv_entry_shape(), param.dtype, self.device
         )
         self._sessions: dict[str, Session] = {}
+        moe = getattr(config, "moe", None)
+        self._num_experts = int(moe.num_experts) if moe is not None else 0
         self._info = EngineInfo(
             model_type=config.model_type,
             vocab_size=config.vocab_size,
@@ -343,7 +345,7 @@ class TargetEngine:
             hidden = self._select_layers(out.captured.index_select(0, rows), capture, s.hidden_layers)
         experts = 0
         if out.routed_experts is not None:
-            experts = _distinct_experts(out.routed_experts[:, step.start : step.end])
+            experts = _distinct_experts(out.routed_experts[:, step.start : step.end], self._num_experts)
         return VerifyResult(
             accepted_ids=tuple(block.token_ids[j - 1] for j in path),
             next_token=nxt,
@@ -390,11 +392,11 @@ class TargetEngine:
             torch.cuda.synchronize(self.device)
 
 
-def _distinct_experts(routed: torch.Tensor) -> int:  # [n_moe_layers, T, top_k] -> count
+def _distinct_experts(routed: torch.Tensor, num_experts: int) -> int:  # [n_moe_layers, T, top_k] -> count
     """Distinct (MoE layer, expert) pairs the tokens were routed to."""
     if routed.numel() == 0:
         return 0
     layers = routed.shape[0]
-    span = int(routed.max()) + 1
+    span = num_experts if num_experts > 0 else int(routed.max()) + 1
     keys = routed.reshape(layers, -1) + torch.arange(layers, device=routed.device)[:, None] * span
     return int(torch.unique(keys).numel())
