@@ -155,22 +155,25 @@ SPEC_KEYS = METHOD_KEYS | {"steps", "mean_accepted_length", "acceptance_by_posit
 
 @pytest.fixture(scope="module")
 def bench_run(bench_target, bench_draft_lm, tmp_path_factory):
-    from specserve.bench.bench import run_bench
+    """The whole command, through the CLI entry point, on tiny random checkpoints (CPU, seconds)."""
+    from specserve.cli.main import main
 
     out = tmp_path_factory.mktemp("bench_out")
-    cfg = BenchConfig(
-        model=bench_target, out=out, draft_models={"model": bench_draft_lm},
-        drafters=("none", "ngram", "model", "eagle3"), max_new_tokens=6, num_speculative_tokens=2, num_prompts=1,
-        speculation=("fixed", "adaptive"), draft_ahead=(False, True), k_sweep=(0, 1, 3), tax_context=16,
-        tax_repeats=2, warmup=0, bandwidth_bytes=1 << 20, num_kv_blocks=64, kv_block_size=8,
-    )
-    return out, run_bench(cfg, progress=False)
+    rc = main([
+        "bench", "--model", str(bench_target), "--draft-models", f"model={bench_draft_lm}",
+        "--drafters", "none,ngram,model,eagle3", "--max-new-tokens", "6", "--num-speculative-tokens", "2",
+        "--prompts", "1", "--speculation", "both", "--draft-ahead", "both", "--k-sweep", "0,1,3",
+        "--tax-context", "16", "--tax-repeats", "2", "--warmup", "0", "--bandwidth-mib", "1",
+        "--num-kv-blocks", "64", "--kv-block-size", "8", "--out", str(out), "--quiet",
+    ])
+    assert rc == 0
+    return out, json.loads((out / "summary.json").read_text())
 
 
-def test_artifacts_exist_and_summary_matches_disk(bench_run):
+def test_artifacts_exist(bench_run):
     out, summary = bench_run
-    on_disk = json.loads((out / "summary.json").read_text())
-    assert on_disk["methods"].keys() == summary["methods"].keys()
+    table = (out / "table.md").read_text().splitlines()
+    assert len(table) == 2 + len(summary["methods"]) and table[2].startswith("| target-only | ")
     for rel in summary["plots"]:
         assert (out / rel).stat().st_size > 1000 and rel.endswith(".png")
     assert {"plots/tokens_per_s.png", "plots/verify_tax.png", "plots/phase_breakdown.png"} <= set(summary["plots"])
