@@ -1,0 +1,206 @@
+"""`specserve train tokenizer|target|draft|eval-acceptance`: build the shipped demo from scratch.
+
+The corpus is the Python standard library of the interpreter running the command (see
+specserve/train/corpus.py). Every step is seeded; on CPU use small settings (--steps N), on a GPU
+add --device cuda.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import replace
+from pathlib import Path
+
+ARCH_HELP = "architecture override KEY=VALUE (repeatable), e.g. --arch hidden_size=64"
+
+
+def _add_corpus_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--corpus-root", type=Path, default=None, help="corpus folder (default: this Python's stdlib)")
+    p.add_argument("--max-files", type=int, default=None, help="use only the first N files of each split")
+    p.add_argument("--max-chars-per-file", type=int, default=None)
+
+
+def _add_run_args(p: argparse.ArgumentParser, steps: int, batch: int, lr: float) -> None:
+    p.add_argument("--out", type=Path, required=True, help="output checkpoint folder")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--steps", type=int, default=steps)
+    p.add_argument("--batch-size", type=int, default=batch)
+    p.add_argument("--lr", type=float, default=lr)
+    p.add_argument("--time-limit-s", type=float, default=None, help="finish the LR decay and stop by then")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--arch", action="append", default=[], help=ARCH_HELP)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="train_command", required=True, metavar="WHAT")
+
+    p = sub.add_parser("tokenizer", help="train the byte-level BPE tokenizer")
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--vocab-size", type=int, default=4096)
+    _add_corpus_args(p)
+
+    p = sub.add_parser("target", help="train the DeepSeek-V3-architecture MoE target")
+    p.add_argument("--tokenizer", type=Path, required=True, help="tokenizer.json or its folder")
+    p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--eval-every", type=int, default=500)
+    p.add_argument("--eval-windows", type=int, default=256)
+    p.add_argument("--num-prompts", type=int, default=32, help="held-out code prompts to store")
+    _add_run_args(p, steps=2000, batch=64, lr=3e-3)
+    _add_corpus_args(p)
+
+    p = sub.add_parser("draft", help="train a drafter against a trained target")
+    from specserve.train.drafters import DRAFT_TRAINERS
+
+    p.add_argument("--family", choices=sorted(DRAFT_TRAINERS), required=True)
+    p.add_argument("--target", type=Path, required=True, help="trained target checkpoint folder")
+    p.add_argument("--sd-prompts", type=int, default=2048, help="self-distillation prompts")
+    p.add_argument("--sd-prompt-len", type=int, default=64)
+    p.add_argument("--sd-new-tokens", type=int, default=128)
+    p.add_argument("--sd-batch-size", type=int, default=256)
+    p.add_argument("--sd-cache", type=Path, default=None, help="folder to cache self-distilled sequences in")
+    _add_run_args(p, steps=1500, batch=64, lr=3e-3)
+    _add_corpus_args(p)
+
+    p = sub.add_parser("eval-acceptance", help="measure acceptance and check losslessness on held-out prompts")
+    from specserve.train.acceptance import add_eval_arguments
+
+    add_eval_arguments(p)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.train_command == "tokenizer":
+        return _run_tokenizer(args)
+    if args.train_command == "target":
+        return _run_target(args)
+    if args.train_command == "draft":
+        return _run_draft(args)
+    from specserve.train.acceptance import run_eval
+
+    return run_eval(args)
+
+
+def _corpus(args):
+    from specserve.train.corpus import CorpusSpec, load_corpus
+
+    return load_corpus(CorpusSpec(args.corpus_root, args.max_files, args.max_chars_per_file))
+
+
+def _run_tokenizer(args) -> int:
+    from specserve.train.common import Logger, write_json
+    from specserve.train.tokenizer import TokenizerSpec, save_tokenizer, train_tokenizer
+
+    log = Logger()
+    corpus = _corpus(args)
+    tok = train_tokenizer(corpus.texts("train"), TokenizerSpec(vocab_size=args.vocab_size))
+    save_tokenizer(tok, args.out)
+    info = {"python": corpus.python_version, "train_files": len(corpus.train_files),
+            "heldout_files": len(corpus.heldout_files), "vocab_size": tok.get_vocab_size()}
+    write_json(args.out / "tokenizer_info.json", info)
+    log("tokenizer", out=str(args.out), **info)
+    return 0
+
+
+def _run_target(args) -> int:
+    import torch
+    from transformers import DeepseekV3ForCausalLM
+
+    from specserve.train.common import (
+        Logger, apply_arch, parse_arch, resolve_device, run_info, seed_everything, write_json,
+    )
+    from specserve.train.corpus import prompt_snippets
+    from specserve.train.data import encode_stream, unigram_cross_entropy
+    from specserve.train.target import (
+        LMTrainSpec, TargetSpec, checkpoint_summary, copy_tokenizer, save_bf16_pretrained, train_lm,
+    )
+    from specserve.train.tokenizer import load_tokenizer
+
+    device = resolve_device(args.device)
+    seed_everything(args.seed)
+    args.out.mkdir(parents=True, exist_ok=True)
+    log = Logger(args.out / "train_log.jsonl")
+    (args.out / "train_log.jsonl").write_text("")
+    tok = load_tokenizer(args.tokenizer)
+    corpus = _corpus(args)
+    train_stream = encode_stream(tok, corpus.texts("train"))
+    heldout_texts = corpus.texts("heldout")
+    heldout_stream = encode_stream(tok, heldout_texts)
+    log("corpus", python=corpus.python_version, train_tokens=len(train_stream), heldout_tokens=len(heldout_stream))
+    spec = apply_arch(TargetSpec(vocab_size=tok.get_vocab_size()), parse_arch(args.arch))
+    model = DeepseekV3ForCausalLM(spec.hf_config())
+    n_params = sum(p.numel() for p in model.parameters())
+    log("model", params=n_params)
+    tspec = LMTrainSpec(steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
+                        eval_every=args.eval_every, eval_windows=args.eval_windows,
+                        time_limit_s=args.time_limit_s, seed=args.seed)
+    summary = train_lm(model, train_stream, heldout_stream, tspec, device, log,
+                       load_tracker_rate=tspec.bias_update_rate)
+    uni = unigram_cross_entropy(train_stream, heldout_stream, spec.vocab_size)
+    final = summary["heldout_history"][-1]["heldout_loss"] if summary["heldout_history"] else None
+    from specserve.train.data import eval_windows
+    from specserve.train.target import heldout_loss
+
+    full_windows = eval_windows(heldout_stream, tspec.seq_len)
+    final = heldout_loss(model, full_windows, device)
+    save_bf16_pretrained(model, args.out)
+    copy_tokenizer(args.tokenizer, args.out)
+    prompts = prompt_snippets(heldout_texts, args.num_prompts)
+    (args.out / "heldout_prompts.json").write_text(json.dumps(prompts, indent=1) + "\n")
+    import math
+
+    info = {
+        **run_info(args),
+        "corpus": {"python": corpus.python_version, "root": str(corpus.root), "train_files": len(corpus.train_files),
+                   "heldout_files": len(corpus.heldout_files), "train_tokens": int(len(train_stream)),
+                   "heldout_tokens": int(len(heldout_stream))},
+        "params": n_params,
+        "arch": spec.__dict__,
+        "train": {**tspec.__dict__, **summary},
+        "heldout": {"loss": final, "perplexity": math.exp(final), "windows": int(len(full_windows)),
+                    "unigram_loss": uni, "unigram_perplexity": math.exp(uni)},
+        "checkpoint": checkpoint_summary(args.out),
+        "device": str(device) + (f" ({torch.cuda.get_device_name()})" if device.type == "cuda" else ""),
+    }
+    write_json(args.out / "train_info.json", info)
+    log("done", heldout_loss=final, heldout_ppl=math.exp(final), unigram_ppl=math.exp(uni),
+        mib=info["checkpoint"]["mib"])
+    return 0
+
+
+def _run_draft(args) -> int:
+    from specserve.train.common import Logger, parse_arch, resolve_device, run_info, seed_everything, write_json
+    from specserve.train.data import encode_stream
+    from specserve.train.distill import SelfDistillSpec, load_target, self_distill_sequences
+    from specserve.train.drafters import DraftJob, train_drafter
+    from specserve.train.target import checkpoint_summary
+    from specserve.train.tokenizer import load_tokenizer
+
+    device = resolve_device(args.device)
+    seed_everything(args.seed)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "train_log.jsonl").write_text("")
+    log = Logger(args.out / "train_log.jsonl")
+    target = load_target(args.target, device)
+    tok = load_tokenizer(args.target)
+    corpus = _corpus(args)
+    train_stream = encode_stream(tok, corpus.texts("train"))
+    heldout_stream = encode_stream(tok, corpus.texts("heldout"))
+    sd = SelfDistillSpec(args.sd_prompts, args.sd_prompt_len, args.sd_new_tokens, args.sd_batch_size, args.seed + 1)
+    cache = args.sd_cache
+    if cache is not None:
+        cache.mkdir(parents=True, exist_ok=True)
+    seqs = self_distill_sequences(target, train_stream, sd, device, cache and cache / "train.pt")
+    sd_held = replace(sd, num_prompts=max(8, sd.num_prompts // 16), seed=args.seed + 2)
+    held = self_distill_sequences(target, heldout_stream, sd_held, device, cache and cache / "heldout.pt")
+    log("self_distill", sequences=len(seqs), length=seqs.shape[1], heldout_sequences=len(held))
+    job = DraftJob(target=target, target_dir=args.target, train_stream=train_stream, sequences=seqs,
+                   heldout_sequences=held, out_dir=args.out, device=device, log=log, steps=args.steps,
+                   batch_size=args.batch_size, lr=args.lr, time_limit_s=args.time_limit_s, seed=args.seed,
+                   arch=parse_arch(args.arch))
+    summary = train_drafter(args.family, job)
+    info = {**run_info(args), "python": corpus.python_version, "family": args.family, "train": summary,
+            "self_distill": sd.__dict__, "checkpoint": checkpoint_summary(args.out)}
+    write_json(args.out / "train_info.json", info)
+    log("done", family=args.family, mib=info["checkpoint"]["mib"])
+    return 0
+
