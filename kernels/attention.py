@@ -35,6 +35,13 @@ def _require_flashinfer() -> None:
     require(HAS_FLASHINFER, f"flashinfer is not importable here ({FLASHINFER_IMPORT_ERROR or 'not installed'})")
 
 
+def _cuda_device(device: torch.device | str) -> torch.device:
+    """Normalize 'cuda' to 'cuda:<current>' so device equality checks match tensors' devices."""
+    dev = torch.device(device)
+    require(dev.type == "cuda", f"FlashInfer needs a CUDA device, got {dev}")
+    return dev if dev.index is not None else torch.device("cuda", torch.cuda.current_device())
+
+
 def _workspace(device: torch.device, workspace: torch.Tensor | None) -> torch.Tensor:
     if workspace is None:
         return torch.zeros(DEFAULT_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
@@ -73,8 +80,7 @@ class _GQABase:
                 f"num_qo_heads ({num_qo_heads}) must be a positive multiple of num_kv_heads ({num_kv_heads})")
         require(dtype in _DTYPES, f"dtype must be bf16 or fp16, got {dtype}")
         self.num_qo_heads, self.num_kv_heads, self.head_dim, self.dtype = num_qo_heads, num_kv_heads, head_dim, dtype
-        self.device = torch.device(device)
-        require(self.device.type == "cuda", f"FlashInfer needs a CUDA device, got {self.device}")
+        self.device = _cuda_device(device)
         self._workspace = _workspace(self.device, workspace)
         self._batch: PagedBatch | None = None
 
@@ -156,8 +162,7 @@ class MLAPagedAttention:
         _require_flashinfer()
         require(dtype in _DTYPES, f"dtype must be bf16 or fp16, got {dtype}")
         self.num_heads, self.kv_lora_rank, self.rope_dim, self.dtype = num_heads, kv_lora_rank, rope_dim, dtype
-        self.device = torch.device(device)
-        require(self.device.type == "cuda", f"FlashInfer needs a CUDA device, got {self.device}")
+        self.device = _cuda_device(device)
         self._wrapper = flashinfer.mla.BatchMLAPagedAttentionWrapper(_workspace(self.device, workspace),
                                                                      backend=backend)
         self._batch: PagedBatch | None = None

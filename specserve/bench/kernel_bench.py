@@ -24,7 +24,7 @@ SHAPES = {  # name: (E, H, I, K, layers)
     "kimi_k2": (384, 7168, 2048, 8, 1),
 }
 TOKENS = (1, 2, 4, 8, 16)
-LARGE_TOKENS = (64, 256, 1024)
+LARGE_TOKENS = (64, 256, 1024, 4096)
 ROUTINGS = 8
 
 
@@ -127,6 +127,77 @@ def bench_shape(name: str, tokens: tuple[int, ...], bw: float, sweep: bool, with
     return rows
 
 
+ATTN_CASES = (  # name, kind, requests, new tokens each, context, tree
+    ("gqa_decode", "gqa", 1, 1, 4096, False),
+    ("gqa_decode", "gqa", 8, 1, 4096, False),
+    ("gqa_verify_tree", "gqa", 1, 16, 4096, True),
+    ("gqa_verify_tree", "gqa", 8, 8, 4096, True),
+    ("mla_decode", "mla", 1, 1, 4096, False),
+    ("mla_decode", "mla", 8, 1, 4096, False),
+    ("mla_verify_chain", "mla", 1, 8, 4096, False),
+    ("mla_verify_tree", "mla", 1, 16, 4096, True),
+)
+GQA_DIMS = (32, 4, 128)  # Qwen3-30B-A3B: q heads, kv heads, head dim
+MLA_DIMS = (64, 512, 64)  # Kimi-K2: heads, kv_lora_rank, rope dim
+
+
+def bench_attention(bw: float) -> list[dict]:
+    """FlashInfer wrappers vs the torch references: median ms, KV-bytes floor, relative error."""
+    import triton.testing
+
+    from specserve.kernels import attention as fa
+    from specserve.kernels.attention_reference import mla_attention_reference, paged_attention_reference
+    from specserve.kernels.paged_batch import PagedBatch
+
+    if not fa.HAS_FLASHINFER:
+        print(f"  attention skipped: {fa.FLASHINFER_IMPORT_ERROR}")
+        return []
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    block, rows = 16, []
+    for name, kind, b, q, ctx, tree in ATTN_CASES:
+        per_req = -(-(ctx + q) // block)
+        perm = torch.randperm(b * per_req, device="cpu").tolist()
+        tables = [perm[i * per_req:(i + 1) * per_req] for i in range(b)]
+        masks = None
+        if tree:
+            masks = []
+            for _ in range(b):
+                m = torch.eye(q, dtype=torch.bool)
+                for j in range(1, q):
+                    m[j] |= m[(j - 1) // 2]  # binary tree in topological order
+                masks.append(m)
+        batch = PagedBatch.build([q] * b, [ctx] * b, tables, block, masks)
+        if kind == "gqa":
+            hq, hkv, d = GQA_DIMS
+            cache = torch.randn(b * per_req, block, 2, hkv, d, device="cuda", generator=gen).bfloat16()
+            qt = torch.randn(b * q, hq, d, device="cuda", generator=gen).bfloat16()
+            att = (fa.PagedDecodeAttention if q == 1 else fa.PagedVerifyAttention)(hq, hkv, d, torch.bfloat16, "cuda")
+            att.plan(batch)
+            fast, ref = (lambda: att.run(qt, cache)), (lambda: paged_attention_reference(qt, cache, batch))
+            kv_bytes = b * (ctx + q) * 2 * hkv * d * 2
+        else:
+            h, r, p = MLA_DIMS
+            cache = torch.randn(b * per_req, block, r + p, device="cuda", generator=gen).bfloat16()
+            qn = torch.randn(b * q, h, r, device="cuda", generator=gen).bfloat16()
+            qp = torch.randn(b * q, h, p, device="cuda", generator=gen).bfloat16()
+            att = fa.MLAPagedAttention(h, r, p, torch.bfloat16, "cuda")
+            att.plan(batch, sm_scale=192**-0.5)
+            fast = lambda: att.run(qn, qp, cache)  # noqa: E731
+            ref = lambda: mla_attention_reference(qn, qp, cache, batch, 192**-0.5)  # noqa: E731
+            kv_bytes = b * (ctx + q) * (r + p) * 2
+        out, expect = fast(), ref()
+        err = float((out.double() - expect.double()).norm() / expect.double().norm())
+        eager_ms = triton.testing.do_bench(fast, warmup=10, rep=60, return_mode="median")
+        graph_ms = graph_time_ms(lambda r_, f=fast: f(), 1)
+        ref_ms = triton.testing.do_bench(ref, warmup=3, rep=30, return_mode="median")
+        row = {"case": f"{name} B={b} q={q} ctx={ctx}", "floor_ms": kv_bytes / bw * 1e3, "graph_ms": graph_ms,
+               "eager_ms": eager_ms, "reference_ms": ref_ms, "rel_err": err}
+        rows.append(row)
+        print(f"  {row['case']}: graph {graph_ms:.4f} ms eager {eager_ms:.4f} ref {ref_ms:.3f} "
+              f"floor {row['floor_ms']:.4f} err {err:.1e}", flush=True)
+    return rows
+
+
 def sweep_configs(t: int, cfg_cls) -> list:
     """A few tile shapes around the default, for one-shot tuning of the decode path."""
     bm = 16 if t <= 16 else (32 if t <= 32 else 64)
@@ -171,11 +242,15 @@ def main() -> None:
         if not args.quick:
             rows += bench_shape(name, LARGE_TOKENS if name != "kimi_k2" else LARGE_TOKENS[:2], bw, sweep=False,
                                 with_ref=False)
+    attn = bench_attention(bw)
     os.makedirs(args.out, exist_ok=True)
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "copy_bandwidth_Bps": bw,
-              "rows": [asdict(r) for r in rows], "seconds": time.time() - start}
+              "rows": [asdict(r) for r in rows], "attention": attn, "seconds": time.time() - start}
     with open(os.path.join(args.out, "kernel_bench.json"), "w") as f:
         json.dump(result, f, indent=1)
+    for a in attn:
+        print(f"{a['case']:38} graph {a['graph_ms']:.4f} ms  eager {a['eager_ms']:.4f}  ref {a['reference_ms']:.3f}  "
+              f"floor {a['floor_ms']:.4f}  err {a['rel_err']:.1e}")
     print(format_table(bw, rows))
 
 
