@@ -327,6 +327,14 @@ class TargetEngine:
         path, nxt = verify_step(layout, tokens, logits[step.start : step.end], block.probs, s.sampling, s.generator)
         t1 = time.perf_counter()
         committed = (0,) + path
+        hidden = None
+        if s.hidden_layers:
+            rows = torch.tensor([step.start + j for j in committed], device=out.captured.device)
+            hidden = self._select_layers(out.captured.index_select(0, rows), capture, s.hidden_layers)
+        experts = 0
+        if out.routed_experts is not None:
+            experts = _distinct_experts(out.routed_experts[:, step.start : step.end], self._num_experts)
+        # commit: accepted path to contiguous slots, drop the rest (nothing above may change state)
         src, dst = compaction_moves(committed)
         if src:
             slots = self.blocks.slots(s.session_id, s.cached_len, s.cached_len + layout.num_nodes)
@@ -339,13 +347,6 @@ class TargetEngine:
         s.cached_len = new_len
         s.pending_token = nxt
         s.steps += 1
-        hidden = None
-        if s.hidden_layers:
-            rows = torch.tensor([step.start + j for j in committed], device=out.captured.device)
-            hidden = self._select_layers(out.captured.index_select(0, rows), capture, s.hidden_layers)
-        experts = 0
-        if out.routed_experts is not None:
-            experts = _distinct_experts(out.routed_experts[:, step.start : step.end], self._num_experts)
         return VerifyResult(
             accepted_ids=tuple(block.token_ids[j - 1] for j in path),
             next_token=nxt,
