@@ -119,6 +119,7 @@ def test_wrappers_reject_bad_arguments() -> None:
         att.run(q[:1], cache)
     with pytest.raises(KernelArgumentError, match="kv_cache"):
         att.run(q, cache[:, :8].contiguous())
+    att.plan(PagedBatch.build([1, 1], [5, 9], [[7], [6]], BLOCK))
     with pytest.raises(KernelArgumentError, match="out of range"):
         att.run(q, cache[:2].contiguous())
     with pytest.raises(KernelArgumentError, match="one new token"):
