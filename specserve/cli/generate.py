@@ -74,23 +74,24 @@ async def _generate(args: argparse.Namespace) -> dict:
     )
     target = LocalTarget(engine)
     draft = LocalDraft(proposer) if proposer is not None else None
+    final = None
     try:
         adaptive = AdaptiveSpeculation(AdaptiveConfig(max_k=max(1, args.num_speculative_tokens)))
         async for event in run_request(request, target, draft, tokenizer=tokenizer, adaptive=adaptive):
             if isinstance(event, FinalEvent):
-                return {
-                    "token_ids": event.token_ids,
-                    "text": event.text,
-                    "finish_reason": event.finish_reason,
-                    "stats": event.stats.as_dict(),
-                }
-            if not args.json and event.text:
+                final = event  # the last event; the generator then closes on its own
+            elif not args.json and event.text:
                 print(event.text, end="", flush=True)
     finally:
         target.close()
         if draft is not None:
             draft.close()
-    raise RuntimeError("the request ended without a final event")
+    return {
+        "token_ids": final.token_ids,
+        "text": final.text,
+        "finish_reason": final.finish_reason,
+        "stats": final.stats.as_dict(),
+    }
 
 
 def run(args: argparse.Namespace) -> int:
