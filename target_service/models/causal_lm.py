@@ -103,7 +103,7 @@ class CausalLM(nn.Module):
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(hidden, weight).float()
 
-    @torch.inference_mode()
+    @torch.no_grad()  # not inference_mode: captured features may feed draft-head training
     def forward(
         self,
         input_ids: torch.Tensor,  # [T] int64

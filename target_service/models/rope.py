@@ -80,11 +80,13 @@ class RotaryEmbedding(torch.nn.Module):
         super().__init__()
         self.rope = rope
         inv_freq, self.scale = inv_freq_and_scale(rope)
-        self._inv_freq_cpu = inv_freq  # plain attribute: not a checkpoint tensor, moved on use
+        self._inv_freq = {inv_freq.device: inv_freq}  # per device; not a checkpoint tensor
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [T] -> cos, sin [T, dim // 2] (already multiplied by the attention factor)."""
-        inv_freq = self._inv_freq_cpu.to(positions.device)
+        inv_freq = self._inv_freq.get(positions.device)
+        if inv_freq is None:
+            inv_freq = self._inv_freq[positions.device] = next(iter(self._inv_freq.values())).to(positions.device)
         freqs = positions.float()[:, None] * inv_freq[None, :]  # [T, dim/2]
         return (freqs.cos() * self.scale).to(dtype), (freqs.sin() * self.scale).to(dtype)
 
