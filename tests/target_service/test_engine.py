@@ -38,6 +38,20 @@ def load(tiny_checkpoint):
     return get
 
 
+@pytest.fixture(scope="module")
+def hf_model(hf_reference_dir):
+    cache = {}
+
+    def get(name):
+        from transformers import AutoModelForCausalLM
+
+        if name not in cache:
+            cache[name] = AutoModelForCausalLM.from_pretrained(hf_reference_dir(name), dtype=torch.float32).eval()
+        return cache[name]
+
+    return get
+
+
 def _engine(load, name, num_blocks=256, block_size=4, **kw) -> TargetEngine:
     model, config = load(name)
     return TargetEngine(model, config, num_blocks=num_blocks, block_size=block_size, **kw)
@@ -54,12 +68,10 @@ def _gather_all(eng: TargetEngine, sid: str) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize("name", ARCHS)
-def test_greedy_decode_matches_transformers_generate(load, hf_reference_dir, name):
-    from transformers import AutoModelForCausalLM
-
+def test_greedy_decode_matches_transformers_generate(load, hf_model, name):
     eng = _engine(load, name)
     ours = eng.generate_greedy(PROMPT, 14)
-    hf = AutoModelForCausalLM.from_pretrained(hf_reference_dir(name), dtype=torch.float32).eval()
+    hf = hf_model(name)
     ref = hf.generate(torch.tensor([PROMPT]), do_sample=False, max_new_tokens=14, min_new_tokens=14)
     assert ours == ref[0, len(PROMPT) :].tolist()
     assert eng.kv_usage().num_sequences == 0 and eng.kv_usage().used_blocks == 0
@@ -101,11 +113,9 @@ def _one_by_one_logits(runner, seq_id: int, tokens: list[int]) -> torch.Tensor: 
     return runner.logits(out)[-1]
 
 
-@pytest.mark.parametrize("name", ARCHS)
+@pytest.mark.parametrize("name", ARCHS + ["mixtral"])  # mixtral: sliding window 8 < the positions used
 @pytest.mark.parametrize("shape", ["chain", "tree"])
-def test_verify_logits_equal_one_by_one_feeding(load, paged_runner, hf_reference_dir, name, shape):
-    from transformers import AutoModelForCausalLM
-
+def test_verify_logits_equal_one_by_one_feeding(load, paged_runner, hf_model, name, shape):
     eng = _engine(load, name)
     pending = eng.prefill("s", PROMPT, GREEDY).next_token
     rng = random.Random(3)
@@ -115,7 +125,7 @@ def test_verify_logits_equal_one_by_one_feeding(load, paged_runner, hf_reference
     logits = eng.score_block("s", block)  # [7, V]
     assert eng.kv_usage() == usage and eng.session("s").cached_len == len(PROMPT)  # nothing committed
     runner = paged_runner(load(name)[0], block_size=4, num_blocks=256)
-    hf = AutoModelForCausalLM.from_pretrained(hf_reference_dir(name), dtype=torch.float32).eval()
+    hf = hf_model(name)
     lay = layout_of(block)
     for node in range(lay.num_nodes):
         seq = PROMPT + [pending] + [toks[j - 1] for j in lay.path_to(node)[1:]]
