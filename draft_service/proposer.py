@@ -34,10 +34,11 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
+from specserve.errors import SpecserveError
 from specserve.target_service.engine.types import DraftBlock, SamplingParams
 
 
-class ProposerError(Exception):
+class ProposerError(SpecserveError):
     """Bad input to a proposer (unknown session, out-of-range prefix, wrong hidden rows, ...)."""
 
 

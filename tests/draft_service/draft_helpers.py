@@ -27,11 +27,12 @@ def block_tokens(block: DraftBlock) -> tuple:
     return (block.token_ids, block.parents)
 
 
-def rollback_matches_fresh(make, feats, vocab, tree=None, steps=12, k=4, seed=0, sampling=None):
-    """Drive one long-lived session with random accept patterns; after every step a fresh proposer
-    started on the same S must propose the same block (greedy)."""
+def rollback_matches_fresh(make, feats, vocab, tree=None, steps=12, k=4, seed=0, sampled=True):
+    """Drive one long-lived session with random accept patterns (including a replaced last token);
+    after every step a fresh proposer started on the same S must propose the same block. Sampled
+    mode reseeds both sessions' generators alike each step, so tokens AND q must agree."""
     rnd = random.Random(seed)
-    sampling = sampling or SamplingParams()
+    sampling = SamplingParams(temperature=1.0, seed=0) if sampled else SamplingParams()
     live = make()
     needs = live.info.needs_hidden_states
     seq = [rnd.randrange(vocab) for _ in range(rnd.randint(3, 9))]
@@ -39,9 +40,11 @@ def rollback_matches_fresh(make, feats, vocab, tree=None, steps=12, k=4, seed=0,
     rows_from, prefix, append = 0, len(seq), []
     for step in range(steps):
         hid = feats.rows(seq, rows_from, len(seq) - 1) if needs and append else None
+        live.session("s").generator.manual_seed(step)
         block = live.propose("s", prefix, append, hid, k, tree)
         fresh = make()
         fresh.start("f", seq, feats.rows(seq, 0, len(seq) - 1) if needs else None, sampling)
+        fresh.session("f").generator.manual_seed(step)
         want = fresh.propose("f", len(seq), [], None, k, tree)
         assert block_tokens(block) == block_tokens(want), f"step {step}: {block} != {want}"
         if block.probs is not None:
@@ -56,7 +59,7 @@ def rollback_matches_fresh(make, feats, vocab, tree=None, steps=12, k=4, seed=0,
                 accepted.insert(0, block.token_ids[node])
                 node = block.parents[node]
         nxt, roll = rnd.randrange(vocab), rnd.random()
-        if roll < 0.2:  # a deeper rollback: the last token of S itself is replaced
+        if roll < 0.25 or step == 1:  # a deeper rollback: the last token of S itself is replaced
             rows_from, prefix, append = len(seq) - 2, len(seq) - 1, [rnd.randrange(vocab), nxt]
             seq = seq[:-1] + append
             continue

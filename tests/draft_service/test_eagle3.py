@@ -131,11 +131,21 @@ def test_embeddings_from_head_when_present(saved, tmp_path):
         build_proposer(DrafterConfig(family="eagle3", checkpoint=tmp_path / "head", hidden_layers=(0, 1, 2)))
 
 
-@pytest.mark.parametrize("tree", [None, TreeSpec(num_nodes=10, top_k=3, depth=4)])
-def test_rollback_matches_fresh_drafter(saved, tree):
+@pytest.mark.parametrize(
+    "tree,sampled",
+    [(None, True), (None, False), (TreeSpec(num_nodes=10, top_k=3, depth=4), False),
+     (TreeSpec(num_nodes=10, top_k=3, depth=4), True)],
+)
+def test_rollback_matches_fresh_drafter(saved, tree, sampled):
     _, hdir, tdir = saved
     cfg = make_config(hdir, tdir)
-    rollback_matches_fresh(lambda: build_proposer(cfg), FakeFeatures(VOCAB, 3 * TARGET_H), VOCAB, tree=tree)
+    feats = FakeFeatures(VOCAB, 3 * TARGET_H)
+    loaded = build_proposer(cfg)
+
+    def make():  # a fresh proposer (own sessions and caches) sharing the loaded head
+        return Eagle3Proposer(loaded.head, loaded.info.hidden_layers, cfg, loaded.info.vocab_hash)
+
+    rollback_matches_fresh(make, feats, VOCAB, tree=tree, sampled=sampled, steps=8)
 
 
 def test_sampled_tree_declares_draws_without_replacement(saved):

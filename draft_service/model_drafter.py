@@ -1,0 +1,183 @@
+"""``model`` drafter: an independent small causal LM (any architecture the target code loads, dense or
+MoE) with its own paged KV cache, drafting autoregressively (chains) or EAGLE-2 dynamic trees.
+
+It reuses the target's model code (``models/loader.load_model``), paged cache (``PagedKVCache``),
+block manager and attention metadata, so it runs exactly the arithmetic the target would.
+
+Cache sync: per session the cache holds the K/V of ``kv_tokens`` (a prefix of S, possibly followed by
+the drafted tokens it fed while drafting). Each propose keeps the longest prefix of ``kv_tokens`` that
+still matches S (accepted drafted tokens are kept for free; the pending token is always re-fed to get
+its logits), truncates the block table there and feeds the rest.
+
+Tree levels are fed WITHOUT writing the cache (slot -1): the nodes to expand and their ancestors go in
+as new tokens under a tree mask, on top of S's cached context.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from specserve.draft_service.drafting import draw_tokens, to_target_probs
+from specserve.draft_service.proposer import (
+    DrafterConfig,
+    DrafterConfigError,
+    DrafterInfo,
+    Proposer,
+    ProposerError,
+    SessionState,
+    TreeSpec,
+    check_same_vocab,
+    checkpoint_vocab,
+    common_prefix_len,
+)
+from specserve.draft_service.tree import build_tree
+from specserve.target_service.engine.attn_metadata import AttentionBatch
+from specserve.target_service.engine.block_manager import BlockManager, OutOfBlocks
+from specserve.target_service.engine.kv_cache import PagedKVCache
+from specserve.target_service.engine.types import DraftBlock
+
+
+@dataclass
+class _ModelSession:
+    key: object  # block-manager sequence id
+    kv_tokens: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # [cached]
+
+
+class ModelProposer(Proposer):
+    def __init__(self, model, model_config, config: DrafterConfig, vocab_size: int, vocab_hash: str) -> None:
+        self.model = model
+        self.mcfg = model_config
+        self.device = torch.device(config.device)
+        self.vocab_size = vocab_size  # the target's (draft logits are cut / q padded to it)
+        dtype = next(model.parameters()).dtype
+        self.blocks = BlockManager(config.kv_num_blocks, config.kv_block_size)
+        self.kv = PagedKVCache(
+            model_config.num_layers, config.kv_num_blocks, config.kv_block_size,
+            model.kv_entry_shape(), dtype, self.device,
+        )
+        super().__init__(
+            DrafterInfo(
+                family="model",
+                vocab_size=vocab_size,
+                vocab_hash=vocab_hash,
+                max_block_size=config.max_block_size,
+                needs_hidden_states=False,
+                hidden_layers=(),
+                has_probs=True,
+                supports_tree=True,
+            )
+        )
+
+    # ------------------------------------------------------------------ session state
+    def _start_state(self, state: SessionState) -> None:
+        fs = _ModelSession(key=object())
+        self.blocks.add(fs.key, 0)
+        state.family_state = fs
+
+    def _release_state(self, state: SessionState) -> None:
+        self.blocks.free(state.family_state.key)
+
+    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBatch) -> torch.Tensor:
+        """[T] ids -> [T, V] float32 logits, cut to the target's vocabulary."""
+        try:
+            out = self.model(ids.to(self.device), positions.to(self.device), attn, self.kv)
+        except ValueError as e:  # ModelInputError: e.g. a token id the draft's embedding lacks
+            raise ProposerError(f"model drafter refused its input: {e}") from e
+        return self.model.compute_logits(out.hidden)[:, : self.vocab_size]
+
+    def _feed(self, fs: _ModelSession, new: np.ndarray) -> torch.Tensor:
+        """Append tokens to the cache (causal); returns the logits at the last one [V]."""
+        start, n = len(fs.kv_tokens), len(new)
+        try:
+            table = self.blocks.grow(fs.key, start + n)
+        except OutOfBlocks as e:
+            self.blocks.truncate(fs.key, start)
+            raise ProposerError(f"model drafter KV cache is full: {e}") from e
+        attn = AttentionBatch.contiguous([n], [start], [table], self.blocks.block_size)
+        logits = self._forward(torch.as_tensor(new), torch.arange(start, start + n), attn)
+        fs.kv_tokens = np.concatenate([fs.kv_tokens, new])
+        return logits[-1]
+
+    def _catch_up(self, state: SessionState) -> torch.Tensor:
+        """Sync the cache to S; returns the logits after S's last token (the pending token) [V]."""
+        fs: _ModelSession = state.family_state
+        ids, L = state.ids, len(state)
+        keep = min(common_prefix_len(fs.kv_tokens, ids), L - 1)
+        self.blocks.truncate(fs.key, keep)
+        fs.kv_tokens = fs.kv_tokens[:keep]
+        return self._feed(fs, ids[keep:L].copy())
+
+    # ------------------------------------------------------------------ drafting
+    @torch.inference_mode()
+    def _draft_chain(self, state: SessionState, num_tokens: int) -> DraftBlock:
+        fs: _ModelSession = state.family_state
+        logits = self._catch_up(state)
+        drafted, qs = [], []
+        for i in range(num_tokens):
+            tok, q = draw_tokens(logits[None], state.sampling, state.generator)
+            drafted.append(int(tok[0]))
+            if q is not None:
+                qs.append(q)
+            if i < num_tokens - 1:
+                logits = self._feed(fs, np.array([drafted[-1]], dtype=np.int64))
+        probs = None if not qs else to_target_probs(torch.cat(qs), self.vocab_size)
+        return DraftBlock(token_ids=tuple(drafted), probs=probs)
+
+    @torch.inference_mode()
+    def _draft_tree(self, state: SessionState, spec: TreeSpec) -> DraftBlock:
+        fs: _ModelSession = state.family_state
+        root_logits = self._catch_up(state)
+        ctx = len(fs.kv_tokens)
+        table = self.blocks.block_table(fs.key)
+
+        def expand(tokens, parents, nodes):
+            feed: set[int] = set()
+            for n in nodes:  # the nodes and all their ancestors, fed in creation order
+                while n != -1 and n not in feed:
+                    feed.add(n)
+                    n = parents[n]
+            order = sorted(feed)
+            row = {n: r for r, n in enumerate(order)}
+            depth = {}
+            mask = torch.zeros(len(order), len(order), dtype=torch.bool)
+            for n in order:
+                depth[n] = 1 if parents[n] == -1 else depth[parents[n]] + 1
+                a = n
+                while a != -1:
+                    mask[row[n], row[a]] = True
+                    a = parents[a]
+            attn = AttentionBatch(
+                query_lens=(len(order),),
+                context_lens=(ctx,),
+                block_tables=(table,),
+                slot_mapping=torch.full((len(order),), -1, dtype=torch.int64),
+                tree_masks=(mask,),
+            )
+            ids = torch.tensor([tokens[n] for n in order], dtype=torch.int64)
+            pos = torch.tensor([ctx - 1 + depth[n] for n in order], dtype=torch.int64)
+            logits = self._forward(ids, pos, attn)
+            return logits[[row[n] for n in nodes]]
+
+        tree = build_tree(root_logits, expand, spec, state.sampling, state.generator)
+        probs = None if tree.probs is None else to_target_probs(tree.probs, self.vocab_size)
+        return DraftBlock(token_ids=tree.tokens, parents=tree.parents, probs=probs)
+
+
+def build_model_proposer(config: DrafterConfig) -> ModelProposer:
+    """Registry factory: load the draft LM; refuse it when its vocabulary differs from the target's."""
+    from specserve.target_service.models.loader import load_model
+
+    if config.checkpoint is None:
+        raise DrafterConfigError("model drafter needs checkpoint = the draft model folder")
+    if config.target_checkpoint is not None:
+        vocab_size, vocab_hash = check_same_vocab(config.checkpoint, config.target_checkpoint)
+    else:
+        vocab_size, vocab_hash = checkpoint_vocab(config.checkpoint)
+    try:
+        model, mcfg = load_model(config.checkpoint, config.device, config.dtype, progress=False)
+    except (ValueError, RuntimeError) as e:
+        raise DrafterConfigError(f"cannot load the draft model {config.checkpoint}: {e}") from e
+    return ModelProposer(model, mcfg, config, vocab_size, vocab_hash)
