@@ -268,7 +268,8 @@ def _projection(config: BenchConfig, methods: dict) -> dict:
     from specserve.bench.projection import load_shape_timings, project
 
     acceptance = {name: m["acceptance_by_position"]["conditional"] for name, m in methods.items()
-                  if m.get("kind") == "specserve" and m.get("speculation") == "fixed" and not m.get("draft_ahead")
+                  if m.get("kind") == "specserve" and m.get("drafter") != "none" and m.get("speculation") == "fixed"
+                  and not m.get("draft_ahead")
                   and "acceptance_by_position" in m}
     out = project(load_shape_timings(config.projection_timings), acceptance)
     out["included"] = True

@@ -92,3 +92,18 @@ def project(timings: ShapeTimings, acceptance: Mapping[str, Sequence[float | Non
         "baseline_tokens_per_s": round(1e3 / base_ms, 3),
         "methods": lines,
     }
+
+
+def timings_from_verify_tax(points: Sequence[dict], shape: str, source: str, device: str) -> ShapeTimings:
+    """ShapeTimings from measure_verify_tax() points: the hook a synthetic-model GPU run uses (build an
+    engine with the larger shape, sweep it with specserve.bench.verify_tax, then save_shape_timings)."""
+    return ShapeTimings(shape=shape, source=source, device=device,
+                        verify_ms_by_k={int(p["k"]): float(p["verify_ms_median"]) for p in points}, draft_ms_by_k={})
+
+
+def save_shape_timings(timings: ShapeTimings, path: Path) -> None:
+    Path(path).write_text(json.dumps({
+        "shape": timings.shape, "source": timings.source, "device": timings.device,
+        "verify_ms_by_k": {str(k): v for k, v in sorted(timings.verify_ms_by_k.items())},
+        "draft_ms_by_k": {str(k): v for k, v in sorted(timings.draft_ms_by_k.items())},
+    }, indent=2) + "\n", encoding="utf-8")

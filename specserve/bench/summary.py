@@ -90,7 +90,7 @@ def summarize_method(results: Sequence[RequestResult], reference: dict[str, tupl
         "experts_touched_mean": _mean(s["experts_touched"] for s in steps),
         "floor_fraction_of_step": round(floor / wall, 4) if wall > 0 else None,
         "floor_fraction_of_verify": round(floor / verify, 4) if verify > 0 else None,
-        "draft_ahead": {
+        "draft_ahead_stats": {
             "hits": sum(r.stats.get("draft_ahead_hits", 0) for r in results),
             "ahead_ms": round(sum(r.stats.get("draft_ahead_ms", 0.0) for r in results), 3),
             "hidden_ms": round(sum(r.stats.get("draft_hidden_ms", 0.0) for r in results), 3),

@@ -21,7 +21,15 @@ from specserve.bench.floors import (
     kv_bytes,
     step_bytes,
 )
-from specserve.bench.projection import ShapeTimings, expected_emitted, project
+from specserve.bench.projection import (
+    ProjectionError,
+    ShapeTimings,
+    expected_emitted,
+    load_shape_timings,
+    project,
+    save_shape_timings,
+    timings_from_verify_tax,
+)
 from specserve.bench.prompts import PromptSetError, load_prompt_set
 from specserve.bench.summary import acceptance_by_position
 
@@ -108,6 +116,18 @@ def test_projection_combines_measured_step_times_with_acceptance():
     assert out["methods"]["m"][2]["tokens_per_s"] == pytest.approx(1.75 * 1e3 / 12.0, rel=1e-4)
 
 
+def test_projection_timings_file_round_trip(tmp_path):
+    points = [{"k": 0, "verify_ms_median": 4.0}, {"k": 2, "verify_ms_median": 5.0}]
+    timings = timings_from_verify_tax(points, "Qwen3-30B-A3B (synthetic)", "unit test", "none")
+    save_shape_timings(timings, tmp_path / "t.json")
+    assert load_shape_timings(tmp_path / "t.json") == timings
+    with pytest.raises(ProjectionError):
+        ShapeTimings("X", "", "", {1: 2.0}, {})  # no k=0 baseline
+    (tmp_path / "bad.json").write_text("{}")
+    with pytest.raises(ProjectionError):
+        load_shape_timings(tmp_path / "bad.json")
+
+
 def test_prompt_set_is_pinned_and_interleaved():
     full = load_prompt_set()
     assert 8 <= len(full.prompts) <= 16 and len(full.sha256) == 64
@@ -150,7 +170,7 @@ STEP_KEYS = {"method", "drafter", "speculation", "draft_ahead", "prompt", "step"
              "floor_bytes", "floor_ms"}
 METHOD_KEYS = {"kind", "prompts", "completion_tokens", "tokens_per_s", "ttft_s_mean", "matches_target_only"}
 SPEC_KEYS = METHOD_KEYS | {"steps", "mean_accepted_length", "acceptance_by_position", "chosen_k", "per_step_ms",
-                           "floor_fraction_of_step", "draft_ahead", "experts_touched_mean"}
+                           "floor_fraction_of_step", "draft_ahead_stats", "experts_touched_mean"}
 
 
 @pytest.fixture(scope="module")
@@ -159,8 +179,10 @@ def bench_run(bench_target, bench_draft_lm, tmp_path_factory):
     from specserve.cli.main import main
 
     out = tmp_path_factory.mktemp("bench_out")
+    timings = ShapeTimings("test shape", "unit-test numbers, not a measurement", "none", {0: 10.0, 1: 11.0, 2: 12.0}, {})
+    save_shape_timings(timings, out / "shape_timings.json")
     rc = main([
-        "bench", "--model", str(bench_target), "--draft-models", f"model={bench_draft_lm}",
+        "bench", "--projection-timings", str(out / "shape_timings.json"), "--model", str(bench_target), "--draft-models", f"model={bench_draft_lm}",
         "--drafters", "none,ngram,model,eagle3", "--max-new-tokens", "6", "--num-speculative-tokens", "2",
         "--prompts", "1", "--speculation", "both", "--draft-ahead", "both", "--k-sweep", "0,1,3",
         "--tax-context", "16", "--tax-repeats", "2", "--warmup", "0", "--bandwidth-mib", "1",
@@ -180,7 +202,16 @@ def test_artifacts_exist(bench_run):
     env = summary["environment"]
     assert {"versions", "git", "gpu", "device", "cpu"} <= env.keys() and env["versions"]["torch"]
     assert summary["copy_bandwidth"]["bytes_per_s"] > 0
-    assert summary["projection"]["included"] is False and summary["projection"]["label"] == "projection"
+    proj = summary["projection"]
+    assert proj["included"] and proj["label"] == "projection" and "plots/projection.png" in summary["plots"]
+    assert set(proj["methods"]) == {"ngram/fixed", "model/fixed"}  # fixed-k, no draft-ahead methods
+
+
+def test_no_projection_without_synthetic_timings(tmp_path):
+    from specserve.bench.bench import _projection
+
+    cfg = BenchConfig(model=tmp_path, out=tmp_path)
+    assert _projection(cfg, {})["included"] is False
 
 
 def test_step_rows_and_method_summaries(bench_run):
@@ -198,6 +229,7 @@ def test_step_rows_and_method_summaries(bench_run):
         assert m["matches_target_only"] == 1.0  # greedy speculative decoding is lossless
         assert m["completion_tokens"] == 6
     assert methods["target-only"]["mean_accepted_length"] == 1.0
+    assert methods["ngram/fixed/ahead"]["draft_ahead"] is True and methods["ngram/fixed"]["draft_ahead"] is False
     assert "hf/greedy" in methods and METHOD_KEYS <= methods["hf/greedy"].keys()
     assert "hf/assisted" in methods
     skipped = {s["method"] for s in summary["skipped"]}
