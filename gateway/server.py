@@ -235,7 +235,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         except SpecserveError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         try:
-            info = await ep.fetch_info(self.config.set_draft_timeout_s, wait_for_ready=True)
+            remaining = context.time_remaining()
+            wait_s = self.config.set_draft_timeout_s if remaining is None else min(self.config.set_draft_timeout_s, 0.8 * remaining)
+            info = await ep.fetch_info(wait_s, wait_for_ready=True)
         except grpc.aio.AioRpcError as exc:
             await ep.close()
             await context.abort(

@@ -177,6 +177,16 @@ async def serve_until_signal(
             await on_stop()
 
 
+def exit_now(code: int) -> None:
+    """End a service process after its graceful shutdown (calls drained, engine closed, traces
+    flushed): flush stdio and skip interpreter finalization, which takes seconds once torch is loaded."""
+    import sys
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def run_async(main: Awaitable) -> None:
     """Run a coroutine on uvloop (the event loop every specserve service uses)."""
     import uvloop

@@ -38,11 +38,12 @@ def drafter_config(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
-    from specserve.gateway.servers_common import ServerConfig, run_async
+    from specserve.gateway.servers_common import ServerConfig, exit_now, run_async
 
     config = drafter_config(args)
     server_config = ServerConfig(addresses=tuple(args.listen or [DEFAULT_LISTEN]), grace_s=args.grace_s)
     run_async(_serve(config, server_config))
+    exit_now(0)
     return 0
 
 

@@ -36,7 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from specserve.gateway.server import GatewayConfig
-    from specserve.gateway.servers_common import ServerConfig, run_async
+    from specserve.gateway.servers_common import ServerConfig, exit_now, run_async
 
     names = [n for n, _ in args.draft_service]
     if len(set(names)) != len(names):
@@ -58,6 +58,7 @@ def run(args: argparse.Namespace) -> int:
             raise SpecserveError(f"--model {args.model} is not a folder")
         tokenizer = load_tokenizer(args.model)
     run_async(_serve(config, server_config, tokenizer, args.connect_timeout_s))
+    exit_now(0)
     return 0
 
 

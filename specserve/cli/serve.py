@@ -68,7 +68,11 @@ class _Children:
                     proc.wait()
 
 
-def _wait_healthy(address: str, deadline: float, children: _Children) -> None:
+class _Stopped(Exception):
+    """SIGINT/SIGTERM arrived while the services were starting."""
+
+
+def _wait_healthy(address: str, deadline: float, children: _Children, stop: threading.Event) -> None:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -77,6 +81,8 @@ def _wait_healthy(address: str, deadline: float, children: _Children) -> None:
     with grpc.insecure_channel(address, options=channel_options()) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while True:
+            if stop.is_set():
+                raise _Stopped
             dead = children.dead()
             if dead:
                 raise SpecserveError(f"the {dead[0]} process exited with {children.procs[dead[0]].returncode} at start")
@@ -90,8 +96,13 @@ def _wait_healthy(address: str, deadline: float, children: _Children) -> None:
             time.sleep(0.2)
 
 
-def _forward(stream, sink) -> None:
+def _forward(stream, sink, ready: list[str], seen: threading.Event) -> None:
+    """Copy the gateway's stdout to sink, except its ready line, which is kept in ready."""
     for line in stream:
+        if not seen.is_set() and line.startswith(READY):
+            ready.append(line.strip())
+            seen.set()
+            continue
         sink.write(line)
         sink.flush()
 
@@ -132,23 +143,27 @@ def run(args: argparse.Namespace) -> int:
                 *(["--draft-model", str(args.draft_model)] if args.draft_model is not None else []),
             ])
             gateway_drafts = ["--draft-service", f"{args.draft}={draft_addr}"]
-        deadline = time.monotonic() + args.startup_timeout_s
-        _wait_healthy(target_addr, deadline, children)
-        if args.draft != "none":
-            _wait_healthy(draft_addr, deadline, children)
         gateway = children.start("gateway", [
             "--target", target_addr, *gateway_drafts, "--model", str(model),
             "--host", args.host, "--port", str(args.port),
             "--draft-step-timeout-s", str(args.draft_step_timeout_s), "--grace-s", str(args.grace_s),
         ], stdout=subprocess.PIPE)
-        for line in gateway.stdout:
-            if line.startswith(READY):
-                print(line.strip(), flush=True)
-                break
-            sys.stderr.write(line)
-        else:
-            raise SpecserveError(f"the gateway exited with {gateway.wait()} before it was ready")
-        threading.Thread(target=_forward, args=(gateway.stdout, sys.stderr), daemon=True).start()
+        ready: list[str] = []
+        seen = threading.Event()
+        threading.Thread(target=_forward, args=(gateway.stdout, sys.stderr, ready, seen), daemon=True).start()
+        deadline = time.monotonic() + args.startup_timeout_s
+        _wait_healthy(target_addr, deadline, children, stop)
+        if args.draft != "none":
+            _wait_healthy(draft_addr, deadline, children, stop)
+        while not seen.wait(0.1):
+            if stop.is_set():
+                raise _Stopped
+            dead = children.dead()
+            if dead:
+                raise SpecserveError(f"the {dead[0]} process exited with {children.procs[dead[0]].returncode} at start")
+            if time.monotonic() > deadline:
+                raise SpecserveError("the gateway did not become ready in time")
+        print(ready[0], flush=True)
         reported: set[str] = set()
         while not stop.wait(0.2):
             dead = set(children.dead()) - reported
@@ -161,6 +176,8 @@ def run(args: argparse.Namespace) -> int:
                 print(f"specserve serve: the {role} process exited with {children.procs[role].returncode}; "
                       "going on target-only", file=sys.stderr, flush=True)
                 reported.add(role)
+        return 0
+    except _Stopped:
         return 0
     finally:
         children.stop(args.grace_s)

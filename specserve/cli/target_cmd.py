@@ -41,7 +41,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from specserve.gateway.servers_common import ServerConfig, run_async
+    from specserve.gateway.servers_common import ServerConfig, exit_now, run_async
     from specserve.paths import demo_checkpoint
     from specserve.target_service.factory import EngineConfig
 
@@ -57,6 +57,7 @@ def run(args: argparse.Namespace) -> int:
     )
     server_config = ServerConfig(addresses=tuple(args.listen or [DEFAULT_LISTEN]), grace_s=args.grace_s)
     run_async(_serve(engine_config, server_config, args.tensor_parallel_size))
+    exit_now(0)
     return 0
 
 

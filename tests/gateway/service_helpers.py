@@ -19,23 +19,30 @@ REPO = Path(__file__).resolve().parents[2]
 class Proc:
     """A specserve subcommand in its own process; stdout lines are collected by a reader thread."""
 
-    def __init__(self, role: str, argv: list[str], env: dict[str, str]) -> None:
+    def __init__(self, role: str, argv: list[str], env: dict[str, str], merge_stderr: bool = True) -> None:
         self.role, self.argv, self.env = role, argv, env
-        self.lines: list[str] = []
+        self.lines: list[str] = []  # stdout (and stderr when merged)
+        self.err_lines: list[str] = []
         self.popen = subprocess.Popen(
             [sys.executable, "-m", "specserve.cli.main", role, *argv],
             stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
+            stderr=subprocess.STDOUT if merge_stderr else subprocess.PIPE,
             text=True,
             env=env,
             cwd=REPO,
         )
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
+        self._readers = [threading.Thread(target=self._read, args=(self.popen.stdout, self.lines), daemon=True)]
+        if not merge_stderr:
+            self._readers.append(
+                threading.Thread(target=self._read, args=(self.popen.stderr, self.err_lines), daemon=True)
+            )
+        for t in self._readers:
+            t.start()
 
-    def _read(self) -> None:
-        for line in self.popen.stdout:
-            self.lines.append(line.rstrip("\n"))
+    @staticmethod
+    def _read(stream, sink: list[str]) -> None:
+        for line in stream:
+            sink.append(line.rstrip("\n"))
 
     def wait_line(self, prefix: str, timeout: float = 120.0) -> str:
         deadline = time.monotonic() + timeout
@@ -43,10 +50,12 @@ class Proc:
             for line in list(self.lines):
                 if line.startswith(prefix):
                     return line
-            if self.popen.poll() is not None and not self._reader.is_alive():
+            if self.popen.poll() is not None and not self._readers[0].is_alive():
                 break
             time.sleep(0.05)
-        raise AssertionError(f"{self.role} did not print {prefix!r}; output:\n" + "\n".join(self.lines[-40:]))
+        raise AssertionError(
+            f"{self.role} did not print {prefix!r}; output:\n" + "\n".join((self.lines + self.err_lines)[-40:])
+        )
 
     def stop(self, sig=None, timeout: float = 30.0) -> int:
         import signal
@@ -58,7 +67,8 @@ class Proc:
             except subprocess.TimeoutExpired:
                 self.popen.kill()
                 self.popen.wait()
-        self._reader.join(timeout=5)
+        for t in self._readers:
+            t.join(timeout=5)
         return self.popen.returncode
 
 

@@ -1,0 +1,75 @@
+"""`specserve serve` (three processes) + `specserve client` against `specserve generate` in one process."""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+
+import pytest
+from service_helpers import Proc, base_env
+
+from specserve.cli.main import main
+
+PROMPT_IDS = "5,17,99,5,17,3,42,7,5,17"
+
+
+def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
+    capsys.readouterr()
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.fixture(scope="module")
+def served(tiny_target_dir):
+    proc = Proc("serve", ["--model", str(tiny_target_dir), "--draft", "ngram", "--port", "0"], base_env(), merge_stderr=False)
+    line = proc.wait_line("gateway listening on ", timeout=240)
+    yield proc, line.split()[-1]
+    proc.stop()
+
+
+def test_client_json_matches_generate(served, tiny_target_dir, capsys):
+    _, address = served
+    flags = ["--prompt-ids", PROMPT_IDS, "--max-new-tokens", "20", "--temperature", "0", "--json"]
+    code, out, _ = run_cli(capsys, "client", "--gateway", address, *flags)
+    assert code == 0
+    remote = json.loads(out)
+    code, out, _ = run_cli(capsys, "generate", "--model", str(tiny_target_dir), "--draft", "ngram", *flags)
+    assert code == 0
+    local = json.loads(out)
+    assert remote["token_ids"] == local["token_ids"] and len(remote["token_ids"]) == 20
+    assert remote["text"] == local["text"] and remote["finish_reason"] == local["finish_reason"] == "length"
+    assert remote["stats"].keys() == local["stats"].keys()
+    assert {"steps", "mean_accepted_length", "accepted_per_position", "tokens_per_s", "ttft_s"} <= remote["stats"].keys()
+    assert remote["stats"]["accepted_per_position"] == local["stats"]["accepted_per_position"]
+    # a text prompt through the gateway's tokenizer, and target-only: the same tokens again
+    code, out, _ = run_cli(capsys, "client", "--gateway", address, "--prompt", "hello", "--max-new-tokens", "5",
+                           "--draft", "none", "--json")
+    assert code == 0 and len(json.loads(out)["token_ids"]) == 5
+
+
+def test_client_admin_and_errors(served, capsys):
+    _, address = served
+    code, out, _ = run_cli(capsys, "client", "--gateway", address, "--list-drafts")
+    assert code == 0 and list(json.loads(out)) == ["ngram"]
+    # an address nothing listens on: refused, one line, no traceback
+    code, out, err = run_cli(capsys, "client", "--gateway", address, "--set-draft", "x=unix:/nonexistent/d.sock",
+                             "--timeout", "3")
+    assert code != 0 and err.count("\n") == 1 and "FAILED_PRECONDITION" in err and "Traceback" not in err
+    code, _, err = run_cli(capsys, "client", "--gateway", address, "--prompt-ids", "1,2", "--draft", "nosuch")
+    assert code != 0 and err.count("\n") == 1 and "INVALID_ARGUMENT: draft:" in err
+    code, _, err = run_cli(capsys, "client", "--gateway", address, "--max-new-tokens", "3")
+    assert code != 0 and err.count("\n") == 1 and "--prompt" in err
+    code, _, err = run_cli(capsys, "client", "--gateway", "127.0.0.1:1", "--prompt-ids", "1,2", "--timeout", "2")
+    assert code != 0 and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_serve_prints_one_line_and_stops_all_three(served):
+    proc, _ = served
+    t0 = time.monotonic()
+    assert proc.stop(signal.SIGTERM, timeout=60) == 0
+    assert time.monotonic() - t0 < 60
+    assert len(proc.lines) == 1 and proc.lines[0].startswith("gateway listening on 127.0.0.1:")  # stdout
+    for role in ("target", "draft", "gateway"):  # each child drained and exited on its own
+        assert f"{role} stopped" in proc.err_lines
