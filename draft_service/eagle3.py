@@ -26,6 +26,7 @@ from specserve.draft_service.eagle3_head import Eagle3Head, load_eagle3_head
 from specserve.draft_service.proposer import (
     DrafterConfig,
     DrafterConfigError,
+    ROLLBACK_ROWS,
     DrafterInfo,
     Proposer,
     SessionState,
@@ -122,7 +123,7 @@ class Eagle3Proposer(Proposer):
         self._ensure_capacity(fs, L - 1)
         fs.k[keep : L - 1], fs.v[keep : L - 1] = k, v
         fs.tokens = ids[1:L].copy()
-        state.drop_hidden_before(L - 2)  # the pending token's row is re-read if S does not grow
+        state.drop_hidden_before(L - 1 - ROLLBACK_ROWS)
         return out[-1]
 
     # ------------------------------------------------------------------ drafting

@@ -237,6 +237,11 @@ def check_same_vocab(draft_dir: Path, target_dir: Path) -> tuple[int, str]:
     return t_size, t_hash
 
 
+# Families drop hidden rows once they live in their own caches, but keep the rows of this many
+# positions before the pending token, so a caller may still roll S back by that many tokens.
+ROLLBACK_ROWS = 4
+
+
 def common_prefix_len(a: np.ndarray, b: np.ndarray) -> int:
     """Length of the longest common prefix of two int arrays (vectorised)."""
     n = min(len(a), len(b))

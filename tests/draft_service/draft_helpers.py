@@ -59,9 +59,11 @@ def rollback_matches_fresh(make, feats, vocab, tree=None, steps=12, k=4, seed=0,
                 accepted.insert(0, block.token_ids[node])
                 node = block.parents[node]
         nxt, roll = rnd.randrange(vocab), rnd.random()
-        if roll < 0.25 or step == 1:  # a deeper rollback: the last token of S itself is replaced
-            rows_from, prefix, append = len(seq) - 2, len(seq) - 1, [rnd.randrange(vocab), nxt]
-            seq = seq[:-1] + append
+        if roll < 0.25 or step == 1:  # a deeper rollback: the last 1..3 tokens of S are replaced
+            back = rnd.randint(1, min(3, len(seq) - 2))
+            append = [rnd.randrange(vocab) for _ in range(back)] + [nxt]
+            rows_from, prefix = len(seq) - back - 1, len(seq) - back
+            seq = seq[:prefix] + append
             continue
         if block.parents is None and roll < 0.6:  # count accepted drafted tokens into the prefix
             rows_from, prefix, append = len(seq) - 1, len(seq) + len(accepted), [nxt]

@@ -1,0 +1,287 @@
+"""DFlash-style block drafter: fills a block of b positions in ONE forward pass.
+
+Model. Target hidden rows (a few layers, concatenated) are fused by ``fc`` and normed into one context
+vector per position; every draft layer projects those context vectors to its own K/V (rope at their
+positions). The block's queries are [embed(pending token), mask, mask, ...] at positions L-1 .. L+b-2;
+inside the block attention is NON-causal, and every block query sees the whole context. Output i gives
+the logits of drafted token i + 1, so drafting k <= b tokens is one forward of b queries.
+
+Sampling. Each drafted token is drawn independently from its own q_i (the request's sampling transform
+of logits i); q_i does not depend on the tokens drawn before it, so q_i IS the distribution token i was
+drawn from given them, which is what the target's lossless rule needs.
+
+Checkpoint layout (``save_dflash`` / ``load_dflash``): ``config.json`` with ``model_type: "dflash"``,
+hidden_size, num_hidden_layers, num_attention_heads, num_key_value_heads, head_dim, intermediate_size,
+rms_norm_eps, rope_theta, vocab_size (the target's), block_size, target_hidden_size,
+target_layer_ids (our capture convention: output of target decoder layer i); ``model.safetensors`` with
+``embed_tokens.weight [V, H]``, ``mask_embedding [H]``, ``fc.weight [H, n_layers * Ht]``,
+``context_norm.weight [H]``, ``layers.{i}.input_layernorm.weight``,
+``layers.{i}.self_attn.{q,k,v,o}_proj.weight``, ``layers.{i}.post_attention_layernorm.weight``,
+``layers.{i}.mlp.{gate,up,down}_proj.weight``, ``norm.weight``, ``lm_head.weight [V, H]``.
+
+Session cache: per layer the K/V of the context rows of CONFIRMED positions (tokens of S with target
+rows); rollback keeps the longest prefix whose tokens still match S.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import MISSING, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+
+from specserve.draft_service.drafting import draw_tokens, to_target_probs
+from specserve.draft_service.proposer import (
+    DrafterConfig,
+    DrafterConfigError,
+    ROLLBACK_ROWS,
+    DrafterInfo,
+    Proposer,
+    SessionState,
+    VocabMismatchError,
+    checkpoint_vocab,
+    common_prefix_len,
+)
+from specserve.target_service.engine.types import DraftBlock
+from specserve.target_service.models.attention import attend
+from specserve.target_service.models.config import RopeConfig
+from specserve.target_service.models.layers import RMSNorm
+from specserve.target_service.models.rope import RotaryEmbedding
+
+WEIGHTS_FILE = "model.safetensors"
+
+
+@dataclass(frozen=True)
+class DFlashConfig:
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    block_size: int
+    target_hidden_size: int
+    target_layer_ids: tuple[int, ...]
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "target_layer_ids", tuple(int(i) for i in self.target_layer_ids))
+        for name in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                     "head_dim", "intermediate_size", "vocab_size", "block_size", "target_hidden_size"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
+                raise DrafterConfigError(f"dflash config: {name} must be a positive int, got {getattr(self, name)!r}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise DrafterConfigError("dflash config: num_attention_heads must be a multiple of num_key_value_heads")
+        if not self.target_layer_ids or min(self.target_layer_ids) < 0:
+            raise DrafterConfigError(f"dflash config: bad target_layer_ids {self.target_layer_ids}")
+
+    def to_dict(self) -> dict:
+        d = {k: getattr(self, k) for k in self.__dataclass_fields__}
+        return dict(d, model_type="dflash", target_layer_ids=list(self.target_layer_ids))
+
+    @staticmethod
+    def from_dict(raw: dict) -> DFlashConfig:
+        if raw.get("model_type") != "dflash":
+            raise DrafterConfigError(f"dflash config.json must say model_type 'dflash', got {raw.get('model_type')!r}")
+        fields = DFlashConfig.__dataclass_fields__
+        missing = [k for k in fields if k not in raw and fields[k].default is MISSING]
+        if missing:
+            raise DrafterConfigError(f"dflash config.json lacks {', '.join(missing)}")
+        return DFlashConfig(**{k: raw[k] for k in fields if k in raw})
+
+
+def _norm(size: int, eps: float) -> RMSNorm:
+    norm = RMSNorm(size, eps)
+    nn.init.ones_(norm.weight)
+    return norm
+
+
+class _Layer(nn.Module):
+    def __init__(self, c: DFlashConfig) -> None:
+        super().__init__()
+        h, d = c.hidden_size, c.head_dim
+        self.input_layernorm = _norm(h, c.rms_norm_eps)
+        self.post_attention_layernorm = _norm(h, c.rms_norm_eps)
+        self.q_proj = nn.Linear(h, c.num_attention_heads * d, bias=False)
+        self.k_proj = nn.Linear(h, c.num_key_value_heads * d, bias=False)
+        self.v_proj = nn.Linear(h, c.num_key_value_heads * d, bias=False)
+        self.o_proj = nn.Linear(c.num_attention_heads * d, h, bias=False)
+        self.gate_proj = nn.Linear(h, c.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(h, c.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(c.intermediate_size, h, bias=False)
+
+
+class DFlashModel(nn.Module):
+    """Parameters are plain tensors with random init (a trainer calls ``requires_grad_()``)."""
+
+    def __init__(self, cfg: DFlashConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        h = cfg.hidden_size
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, h)
+        self.mask_embedding = nn.Parameter(torch.zeros(h))
+        self.fc = nn.Linear(len(cfg.target_layer_ids) * cfg.target_hidden_size, h, bias=False)
+        self.context_norm = _norm(h, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(_Layer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = _norm(h, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(h, cfg.vocab_size, bias=False)
+        self.rotary = RotaryEmbedding(RopeConfig(rope_type="default", theta=cfg.rope_theta, dim=cfg.head_dim))
+
+    def _kv(self, layer: _Layer, x: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        c, t = self.cfg, x.shape[0]
+        h = layer.input_layernorm(x)
+        k = layer.k_proj(h).view(t, c.num_key_value_heads, c.head_dim)
+        v = layer.v_proj(h).view(t, c.num_key_value_heads, c.head_dim)
+        cos, sin = self.rotary.cos_sin(pos, x.dtype)
+        return RotaryEmbedding.apply(k, cos, sin, interleaved=False), v
+
+    def context_kv(self, feats: torch.Tensor, pos: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """feats [T, n_layers * Ht], pos [T] -> per draft layer (k, v), each [T, Hkv, D]."""
+        ctx = self.context_norm(self.fc(feats.to(self.fc.weight.dtype)))
+        return [self._kv(layer, ctx, pos) for layer in self.layers]
+
+    def block_logits(
+        self,
+        first_token: torch.Tensor,  # [1] int64, the pending token
+        first_pos: int,  # its position
+        ctx_kv: list[tuple[torch.Tensor, torch.Tensor]],  # per layer ([P, Hkv, D], [P, Hkv, D])
+        ctx_mask: torch.Tensor | None = None,  # [b, P] bool; None = every block query sees all context
+    ) -> torch.Tensor:  # [b, V] float32: logits of drafted tokens 1..b
+        c, b = self.cfg, self.cfg.block_size
+        x = torch.cat([self.embed_tokens(first_token), self.mask_embedding[None].expand(b - 1, -1)])  # [b, H]
+        pos = torch.arange(first_pos, first_pos + b, device=x.device)
+        cos, sin = self.rotary.cos_sin(pos, x.dtype)
+        p = ctx_kv[0][0].shape[0]
+        mask = torch.ones(b, p + b, dtype=torch.bool, device=x.device)
+        if ctx_mask is not None:
+            mask[:, :p] = ctx_mask
+        for layer, (ck, cv) in zip(self.layers, ctx_kv):
+            h = layer.input_layernorm(x)
+            q = RotaryEmbedding.apply(layer.q_proj(h).view(b, c.num_attention_heads, c.head_dim), cos, sin, False)
+            k = RotaryEmbedding.apply(layer.k_proj(h).view(b, c.num_key_value_heads, c.head_dim), cos, sin, False)
+            v = layer.v_proj(h).view(b, c.num_key_value_heads, c.head_dim)
+            out = attend(q, torch.cat([ck, k]), torch.cat([cv, v]), mask, c.head_dim**-0.5)
+            x = x + layer.o_proj(out.reshape(b, -1))
+            y = layer.post_attention_layernorm(x)
+            x = x + layer.down_proj(F.silu(layer.gate_proj(y)) * layer.up_proj(y))
+        return self.lm_head(self.norm(x)).float()
+
+
+def save_dflash(model: DFlashModel, out_dir: str | Path) -> None:
+    """Write config.json + model.safetensors (the layout in the module docstring)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = {_ckpt_name(k): v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    save_file(tensors, str(out / WEIGHTS_FILE))
+    (out / "config.json").write_text(json.dumps(model.cfg.to_dict(), indent=2))
+
+
+def _ckpt_name(attr: str) -> str:
+    """Module attribute path -> checkpoint name (attention / MLP projections get HF-style groups)."""
+    parts = attr.split(".")
+    if parts[0] == "layers" and parts[2] in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        return ".".join(parts[:2] + ["self_attn"] + parts[2:])
+    if parts[0] == "layers" and parts[2] in ("gate_proj", "up_proj", "down_proj"):
+        return ".".join(parts[:2] + ["mlp"] + parts[2:])
+    return attr
+
+
+def load_dflash(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> DFlashModel:
+    path = Path(path)
+    try:
+        raw = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except FileNotFoundError as e:
+        raise DrafterConfigError(f"dflash: no config.json in {path}") from e
+    except json.JSONDecodeError as e:
+        raise DrafterConfigError(f"dflash: {path / 'config.json'} is not valid JSON: {e}") from e
+    cfg = DFlashConfig.from_dict(raw)
+    if not (path / WEIGHTS_FILE).is_file():
+        raise DrafterConfigError(f"dflash: no {WEIGHTS_FILE} in {path}")
+    with torch.device(device):
+        model = DFlashModel(cfg)
+    with safe_open(str(path / WEIGHTS_FILE), framework="pt", device="cpu") as f:
+        names = set(f.keys())
+        for attr, param in model.state_dict().items():
+            name = _ckpt_name(attr)
+            if name not in names:
+                raise DrafterConfigError(f"dflash checkpoint {path} lacks tensor {name}")
+            src = f.get_tensor(name)
+            if tuple(src.shape) != tuple(param.shape):
+                raise DrafterConfigError(f"dflash tensor {name} has shape {tuple(src.shape)}, expected {tuple(param.shape)}")
+            param.copy_(src)
+    return model.to(dtype=dtype).eval()
+
+
+@dataclass
+class _DFlashSession:
+    kv: list[tuple[torch.Tensor, torch.Tensor]]  # per layer context K/V of confirmed positions
+    tokens: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # [P] their tokens
+
+
+class DFlashProposer(Proposer):
+    def __init__(self, model: DFlashModel, config: DrafterConfig, hidden_layers: tuple[int, ...], vocab_hash: str) -> None:
+        self.model = model
+        self.device = torch.device(config.device)
+        self.vocab_size = model.cfg.vocab_size
+        super().__init__(
+            DrafterInfo(
+                family="dflash",
+                vocab_size=self.vocab_size,
+                vocab_hash=vocab_hash,
+                max_block_size=min(config.max_block_size, model.cfg.block_size),
+                needs_hidden_states=True,
+                hidden_layers=hidden_layers,
+                has_probs=True,
+                supports_tree=False,
+            )
+        )
+
+    def _hidden_width(self) -> int:
+        return len(self.model.cfg.target_layer_ids) * self.model.cfg.target_hidden_size
+
+    def _start_state(self, state: SessionState) -> None:
+        c = self.model.cfg
+        empty = torch.zeros(0, c.num_key_value_heads, c.head_dim, dtype=self.model.fc.weight.dtype, device=self.device)
+        state.family_state = _DFlashSession(kv=[(empty, empty) for _ in range(c.num_hidden_layers)])
+
+    @torch.inference_mode()
+    def _draft_chain(self, state: SessionState, num_tokens: int) -> DraftBlock:
+        fs: _DFlashSession = state.family_state
+        ids, L = state.ids, len(state)
+        keep = min(common_prefix_len(fs.tokens, ids), L - 1)
+        if keep < L - 1:  # context rows for positions keep .. L-2
+            feats = state.hidden_rows(keep, L - 1).to(self.device)
+            new = self.model.context_kv(feats, torch.arange(keep, L - 1, device=self.device))
+            fs.kv = [(torch.cat([k[:keep], nk]), torch.cat([v[:keep], nv])) for (k, v), (nk, nv) in zip(fs.kv, new)]
+        else:
+            fs.kv = [(k[:keep], v[:keep]) for k, v in fs.kv]
+        fs.tokens = ids[: L - 1].copy()
+        state.drop_hidden_before(L - 1 - ROLLBACK_ROWS)
+        first = torch.as_tensor(ids[L - 1 : L], device=self.device)
+        logits = self.model.block_logits(first, L - 1, fs.kv)[:num_tokens]  # [k, V]
+        tokens, q = draw_tokens(logits, state.sampling, state.generator)
+        probs = None if q is None else to_target_probs(q, self.vocab_size)
+        return DraftBlock(token_ids=tuple(int(t) for t in tokens.tolist()), probs=probs)
+
+
+def build_dflash_proposer(config: DrafterConfig) -> DFlashProposer:
+    if config.checkpoint is None:
+        raise DrafterConfigError("dflash needs checkpoint = the DFlash drafter folder")
+    model = load_dflash(config.checkpoint, config.device, config.dtype)
+    vocab_hash = f"size:{model.cfg.vocab_size}"
+    if config.target_checkpoint is not None:
+        t_size, vocab_hash = checkpoint_vocab(config.target_checkpoint)
+        if t_size != model.cfg.vocab_size:
+            raise VocabMismatchError(f"dflash vocab_size {model.cfg.vocab_size} != target vocab_size {t_size}")
+    layers = config.hidden_layers or model.cfg.target_layer_ids
+    if len(layers) != len(model.cfg.target_layer_ids):
+        raise DrafterConfigError(f"dflash was trained on {len(model.cfg.target_layer_ids)} target layers, got {layers}")
+    return DFlashProposer(model, config, tuple(layers), vocab_hash)
