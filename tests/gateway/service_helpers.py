@@ -172,3 +172,42 @@ class OtlpReceiver:
         if self._loop is not None:
             self._loop.call_soon_threadsafe(self._stop.set)
         self._thread.join(timeout=10)
+
+
+class BackgroundServer:
+    """grpc.aio servers in a background thread with their own event loop (for test-only services)."""
+
+    def __init__(self) -> None:
+        self._ready = threading.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._servers = []
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        if not self._ready.wait(20):
+            raise RuntimeError("background loop did not start")
+
+    def _run(self) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._ready.set()
+        self._loop.run_forever()
+
+    def serve(self, add_to_server, servicer, address: str) -> None:
+        import grpc
+
+        async def start():
+            server = grpc.aio.server()
+            add_to_server(servicer, server)
+            server.add_insecure_port(address)
+            await server.start()
+            self._servers.append(server)
+
+        asyncio.run_coroutine_threadsafe(start(), self._loop).result(20)
+
+    def close(self) -> None:
+        async def stop():
+            for s in self._servers:
+                await s.stop(0)
+
+        asyncio.run_coroutine_threadsafe(stop(), self._loop).result(20)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)

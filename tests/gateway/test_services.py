@@ -7,7 +7,9 @@ target) run last, in file order.
 
 from __future__ import annotations
 
+import asyncio
 import signal
+import struct
 import time
 
 import grpc
@@ -40,7 +42,7 @@ from specserve.protos.specserve.v1 import (
     target_pb2_grpc,
 )
 
-from service_helpers import Proc, base_env
+from service_helpers import BackgroundServer, Proc, base_env
 
 PROMPT = [5, 17, 99, 5, 17, 3, 42, 7, 5, 17]
 SERVER_KIND = 2  # opentelemetry.proto.trace.v1.Span.SPAN_KIND_SERVER
@@ -61,7 +63,7 @@ class Stack:
         self.gateway = Proc(
             "gateway",
             ["--target", self.target_addr, "--draft-service", f"ngram={self.draft_addr}", "--model", str(ckpt),
-             "--port", "0", "--draft-step-timeout-s", "5"],
+             "--port", "0", "--draft-step-timeout-s", "2"],
             dict(self.env, OTEL_SERVICE_NAME="specserve-gateway"),
         )
         line = self.gateway.wait_line("gateway listening on ", timeout=180)
@@ -178,6 +180,10 @@ def test_one_trace_across_three_services(stack, otlp_receiver):
     gateway_ids = {s.span_id for s in spans if s.service == "specserve-gateway"}
     assert all(s.parent_span_id in gateway_ids for s in t_verify + d_propose)
     assert {s.parent_span_id for s in t_verify} == {s.span_id for s in g_verify}
+    # the gateway's speculative-decoding metrics arrive over OTLP as well
+    wanted = {"specserve.spec.accepted", "specserve.spec.drafted", "specserve.spec.step_latency",
+              "specserve.spec.accepted_length", "specserve.request.tokens_per_s", "specserve.request.ttft"}
+    wait_until(lambda: wanted <= otlp_receiver.metric_names, 10, f"metrics {wanted}")
 
 
 @pytest.mark.parametrize(
@@ -267,9 +273,84 @@ def test_step_batching_one_forward_for_concurrent_sessions(stack):
             stack.tgt.Release(target_pb2.ReleaseRequest(session_id=sid), timeout=5)
 
 
+class BrokenDraft(draft_pb2_grpc.DraftServiceServicer):
+    """A misbehaving draft service (fault injection): proposals are malformed in turn, or late."""
+
+    def __init__(self, vocab_hash: str = "", delay_s: float = 0.0) -> None:
+        self.vocab_hash, self.delay_s, self.calls = vocab_hash, delay_s, 0
+
+    async def GetInfo(self, request, context):
+        return draft_pb2.DraftInfo(family="broken", vocab_size=256, vocab_hash=self.vocab_hash, max_block_size=4)
+
+    async def StartSession(self, request, context):
+        return draft_pb2.StartSessionResponse(session_id=request.session_id)
+
+    def _garbage(self, k: int) -> common_pb2.DraftBlock:
+        self.calls += 1
+        mode = self.calls % 5
+        if mode == 0:  # ids outside the vocabulary
+            return common_pb2.DraftBlock(token_ids=[300 + i for i in range(k)])
+        if mode == 1:  # more tokens than asked for
+            return common_pb2.DraftBlock(token_ids=[1] * (k + 3))
+        if mode == 2:  # NaN probabilities
+            nan = struct.pack("<f", float("nan")) * (k * 256)
+            return common_pb2.DraftBlock(
+                token_ids=[1] * k, has_probs=True, probs=common_pb2.Tensor(shape=[k, 256], data=nan)
+            )
+        if mode == 3:  # probs bytes that do not match their shape
+            return common_pb2.DraftBlock(
+                token_ids=[1] * k, has_probs=True, probs=common_pb2.Tensor(shape=[k, 256], data=b"xx")
+            )
+        return common_pb2.DraftBlock(token_ids=[1, 2], parents=[-1, 7], is_tree=True)  # bad tree
+
+    async def ProposeStream(self, request_iterator, context):
+        async for req in request_iterator:
+            if self.delay_s:
+                await asyncio.sleep(self.delay_s)
+            yield draft_pb2.ProposeResponse(session_id=req.session_id, draft=self._garbage(req.num_tokens))
+
+    async def Release(self, request, context):
+        return draft_pb2.DraftReleaseResponse(released=True)
+
+
+@pytest.fixture(scope="module")
+def broken_drafts(tmp_path_factory):
+    socks = tmp_path_factory.mktemp("broken")
+    server = BackgroundServer()
+    addrs = {}
+    for name, servicer in {"junk": BrokenDraft(), "slow": BrokenDraft(delay_s=2.5),
+                           "alien": BrokenDraft(vocab_hash="sha256:not-this-vocabulary")}.items():
+        addrs[name] = f"unix:{socks}/{name}.sock"
+        server.serve(draft_pb2_grpc.add_DraftServiceServicer_to_server, servicer, addrs[name])
+    yield addrs
+    server.close()
+
+
+def test_set_draft_and_broken_drafts_stay_lossless(stack, broken_drafts):
+    base, _ = generate(stack, request(draft="none", n=16))
+    for name in ("junk", "slow"):
+        resp = stack.gw.SetDraft(gateway_pb2.SetDraftRequest(name=name, address=broken_drafts[name]), timeout=10)
+        assert resp.address == broken_drafts[name]
+    assert set(stack.gw.ListDrafts(gateway_pb2.ListDraftsRequest()).drafts) == {"ngram", "junk", "slow"}
+    ids, final = generate(stack, request(draft="junk", n=16), timeout=60)
+    assert ids == base and final.stats.steps == 15  # every garbage block dropped: one token per step
+    t0 = time.monotonic()
+    ids, final = generate(stack, request(draft="slow", n=16), timeout=60)
+    assert ids == base and final.stats.draft_fallback and time.monotonic() - t0 < 10
+    with pytest.raises(grpc.RpcError) as info:
+        stack.gw.SetDraft(gateway_pb2.SetDraftRequest(name="alien", address=broken_drafts["alien"]), timeout=10)
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "vocabulary" in info.value.details()
+    for name in ("junk", "slow"):
+        stack.gw.SetDraft(gateway_pb2.SetDraftRequest(name=name, address=""), timeout=10)
+    assert set(stack.gw.ListDrafts(gateway_pb2.ListDraftsRequest()).drafts) == {"ngram"}
+    with pytest.raises(grpc.RpcError) as info:
+        generate(stack, request(draft="junk", n=4), timeout=10)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
 def test_draft_killed_mid_stream_then_back(stack):
-    base, _ = generate(stack, request(draft="none", n=300))
-    call = stack.gw.Generate(request(draft="ngram", n=300))
+    base, _ = generate(stack, request(draft="none", n=150))
+    call = stack.gw.Generate(request(draft="ngram", n=150))
     ids = list(next(call).delta.token_ids)
     stack.draft.stop(signal.SIGKILL)
     final = None
