@@ -1,0 +1,178 @@
+"""Synthetic models for performance work: named public architectures with random weights, built on the device.
+
+The preset table below is the one place that names architectures by preset name. A preset is a frozen
+ModelConfig; `synthetic_config(spec)` reads "NAME" or "NAME:LAYERS" (LAYERS keeps the first N decoder layers,
+with the MoE layer set cut to match), and `build_synthetic_model` allocates the model directly on the target
+device (no checkpoint, no CPU staging) and fills every parameter with small normal noise (never zeros).
+
+Presets:
+  qwen3-30b-a3b    Qwen3-30B-A3B: 48 layers, hidden 2048, 128 experts top-8 (moe_intermediate 768), 32 q / 4 kv
+                   heads of 128, vocab 151936.
+  kimi-k2-layer    Kimi-K2 width: hidden 7168, 384 experts top-8 + 1 shared (moe_intermediate 2048), MLA (q_lora
+                   1536, kv_lora 512, rope 64, nope 128, v 128, 64 heads), every layer MoE (first_k_dense 0 for
+                   the slice); 1 layer unless NAME:LAYERS says more.
+  mini-qwen3-moe   2 layers with Qwen3-30B-A3B's attention dims (FlashInfer-supported head_dim 128) and few
+                   small experts: for GPU equality tests.
+  mini-kimi-k2     2 layers with Kimi-K2's MLA latent dims (512 + 64), few small experts, first layer dense.
+  tiny-qwen3-moe   CPU-sized (hidden 64, head_dim 16): tests of the table and of the random init.
+  tiny-kimi-k2     CPU-sized MLA + shared expert + sigmoid/noaux routing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from types import MappingProxyType
+
+import torch
+
+from specserve.target_service.models.causal_lm import CausalLM, build_model
+from specserve.target_service.models.config import GQAConfig, MLAConfig, ModelConfig, MoEConfig, ParallelConfig, RopeConfig
+from specserve.target_service.models.errors import ModelConfigError
+from specserve.target_service.models.moe import ExpertsFn, moe_reference
+
+SYNTHETIC_PREFIX = "synthetic:"
+DEFAULT_STD = 0.02
+
+
+def _qwen3_moe(layers: int, hidden: int, heads: int, kv_heads: int, head_dim: int, experts: int, top_k: int,
+               moe_inter: int, vocab: int) -> ModelConfig:
+    return ModelConfig(
+        model_type="qwen3_moe",
+        vocab_size=vocab,
+        hidden_size=hidden,
+        num_layers=layers,
+        intermediate_size=3 * hidden,  # unused: every layer is MoE
+        rms_norm_eps=1e-6,
+        attention=GQAConfig(num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, qk_norm=True),
+        rope=RopeConfig(rope_type="default", theta=1e6, dim=head_dim),
+        moe=MoEConfig(num_experts=experts, top_k=top_k, intermediate_size=moe_inter, layers=tuple(range(layers)),
+                      scoring="softmax", norm_topk_prob=True),
+        max_position_embeddings=40960,
+    )
+
+
+def _kimi_k2(layers: int, hidden: int, heads: int, q_lora: int, kv_lora: int, rope: int, nope: int, v: int,
+             experts: int, top_k: int, moe_inter: int, vocab: int, first_dense: int) -> ModelConfig:
+    return ModelConfig(
+        model_type="kimi_k2",
+        vocab_size=vocab,
+        hidden_size=hidden,
+        num_layers=layers,
+        intermediate_size=hidden * 18432 // 7168,
+        rms_norm_eps=1e-6,
+        attention=MLAConfig(num_heads=heads, q_lora_rank=q_lora, kv_lora_rank=kv_lora, qk_nope_head_dim=nope,
+                            qk_rope_head_dim=rope, v_head_dim=v, rope_interleave=True),
+        rope=RopeConfig(rope_type="yarn", theta=50000.0, dim=rope, factor=32.0, original_max_position_embeddings=4096,
+                        beta_fast=1.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0),
+        moe=MoEConfig(num_experts=experts, top_k=top_k, intermediate_size=moe_inter,
+                      layers=tuple(range(first_dense, layers)), scoring="sigmoid", norm_topk_prob=True,
+                      routed_scaling_factor=2.827, correction_bias=True, n_shared_experts=1),
+        max_position_embeddings=131072,
+    )
+
+
+# The frozen preset table: name -> full-depth config (cut by NAME:LAYERS).
+PRESETS: Mapping[str, ModelConfig] = MappingProxyType({
+    "qwen3-30b-a3b": _qwen3_moe(48, 2048, 32, 4, 128, 128, 8, 768, 151936),
+    "kimi-k2-layer": _kimi_k2(1, 7168, 64, 1536, 512, 64, 128, 128, 384, 8, 2048, 163840, first_dense=0),
+    "mini-qwen3-moe": _qwen3_moe(2, 1024, 16, 4, 128, 16, 4, 256, 4096),
+    "mini-kimi-k2": _kimi_k2(2, 1024, 16, 256, 512, 64, 128, 128, 16, 4, 256, 4096, first_dense=1),
+    "tiny-qwen3-moe": _qwen3_moe(2, 64, 4, 2, 16, 8, 2, 32, 256),
+    "tiny-kimi-k2": _kimi_k2(2, 64, 4, 24, 16, 8, 16, 16, 8, 2, 32, 256, first_dense=1),
+})
+
+
+def is_synthetic(model: object) -> bool:
+    """True for a model name of the form 'synthetic:NAME[:LAYERS]'."""
+    return str(model).startswith(SYNTHETIC_PREFIX)
+
+
+def parse_spec(spec: str) -> tuple[str, int | None]:
+    """'NAME', 'NAME:LAYERS' or 'synthetic:NAME[:LAYERS]' -> (NAME, LAYERS or None)."""
+    body = spec[len(SYNTHETIC_PREFIX):] if spec.startswith(SYNTHETIC_PREFIX) else spec
+    name, sep, layers = body.partition(":")
+    if name not in PRESETS:
+        raise ModelConfigError(f"unknown synthetic preset {name!r}; choose from {', '.join(sorted(PRESETS))}")
+    if not sep:
+        return name, None
+    if not layers.isdigit() or int(layers) < 1:
+        raise ModelConfigError(f"synthetic spec {spec!r}: layer count must be a positive integer, got {layers!r}")
+    return name, int(layers)
+
+
+def synthetic_config(spec: str) -> ModelConfig:
+    """The preset's config, with the first LAYERS decoder layers when the spec gives a count."""
+    name, layers = parse_spec(spec)
+    config = PRESETS[name]
+    if layers is None or layers == config.num_layers:
+        return config
+    moe = config.moe
+    if moe is not None:
+        if config.num_layers == 1:  # a one-layer slice repeats its layer kind (MoE) at any depth
+            moe = dataclasses.replace(moe, layers=tuple(range(layers)))
+        else:
+            moe = dataclasses.replace(moe, layers=tuple(i for i in moe.layers if i < layers))
+    return dataclasses.replace(config, num_layers=layers, moe=moe)
+
+
+@torch.no_grad()
+def init_random_(model: CausalLM, seed: int = 0, std: float = DEFAULT_STD) -> CausalLM:
+    """Fill every parameter in place on its own device: norms 1 + noise, everything else N(0, std^2)."""
+    if not std > 0:
+        raise ModelConfigError(f"std must be > 0, got {std}")
+    device = next(model.parameters()).device
+    gen = torch.Generator(device=device).manual_seed(seed)
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            p.normal_(1.0, std, generator=gen)
+        else:
+            p.normal_(0.0, std, generator=gen)
+    return model
+
+
+def build_synthetic_model(
+    spec: str,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.bfloat16,
+    parallel: ParallelConfig | None = None,
+    experts_fn: ExpertsFn = moe_reference,
+    seed: int = 0,
+    std: float = DEFAULT_STD,
+) -> tuple[CausalLM, ModelConfig]:
+    """A full-size model of a preset with random weights, allocated on `device` directly."""
+    config = synthetic_config(spec)
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = build_model(config, parallel, experts_fn)
+    finally:
+        torch.set_default_dtype(old)
+    init_random_(model, seed, std)
+    return model.eval(), config
+
+
+def parameter_bytes(config: ModelConfig, dtype: torch.dtype = torch.bfloat16) -> dict[str, int]:
+    """Weight bytes by role: 'dense' (read in full every step: attention, norms, routers, dense and shared MLPs,
+    lm_head), 'embed' (the input table: a step reads only its tokens' rows), 'expert' (one routed expert of one
+    layer), and 'moe_layers' (how many layers have routed experts)."""
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device("meta"):
+            model = build_model(config)
+    finally:
+        torch.set_default_dtype(old)
+    dense = embed = experts = 0
+    for name, p in model.named_parameters():
+        size = p.numel() * p.element_size()
+        if name.endswith("experts.w13") or name.endswith("experts.w2"):
+            experts += size
+        elif name == "model.embed_tokens.weight" and not config.tie_word_embeddings:
+            embed += size
+        else:
+            dense += size
+    n_moe = len(config.moe_layers)
+    per_expert = experts // (n_moe * config.moe.num_experts) if n_moe else 0
+    return {"dense": dense, "embed": embed, "expert": per_expert, "moe_layers": n_moe}
