@@ -236,12 +236,15 @@ def moe_grouped_mm(
     return out.index_add_(0, tok, y).to(hidden.dtype)
 
 
-def pick_backend(num_tokens: int) -> str:
-    """Auto dispatch by token count (thresholds from kernels/NOTES.md measurements)."""
-    return "triton" if num_tokens <= GROUPED_MM_ABOVE_TOKENS else "grouped_mm"
+# Triton measured faster than grouped_mm at every T tried (1..4096 Qwen3-30B-A3B, 1..256 Kimi-K2; NOTES.md);
+# above 4096 tokens nothing was measured, so auto falls back to the library path there.
+GROUPED_MM_ABOVE_TOKENS = 4096
 
 
-GROUPED_MM_ABOVE_TOKENS = 128
+def pick_backend(hidden: torch.Tensor) -> str:  # hidden [T, H]
+    """Auto dispatch: Triton on CUDA up to GROUPED_MM_ABOVE_TOKENS tokens, else grouped_mm (also on CPU)."""
+    usable = HAS_TRITON and (hidden.is_cuda or triton_interpreting())
+    return "triton" if usable and hidden.shape[0] <= GROUPED_MM_ABOVE_TOKENS else "grouped_mm"
 
 
 def fused_moe(
@@ -255,12 +258,16 @@ def fused_moe(
     config: MoETileConfig | None = None,
     validate_ids: bool = False,
 ) -> torch.Tensor:  # [T, H]
-    """Routed-experts MoE on CUDA tensors; same function as moe_reference. backend: auto | triton | grouped_mm."""
-    t, _, e, _, _ = check_moe_args(hidden, w13, w2, topk_ids, topk_weights)
+    """Routed-experts MoE; same function as moe_reference. backend: auto | triton | grouped_mm.
+
+    auto = Triton on CUDA for T <= GROUPED_MM_ABOVE_TOKENS, torch._grouped_mm otherwise (CPU included).
+    validate_ids=True checks 0 <= topk_ids < E first (one device sync); out-of-range ids are not caught otherwise.
+    """
+    _, _, e, _, _ = check_moe_args(hidden, w13, w2, topk_ids, topk_weights)
     require(backend in BACKENDS, f"backend must be one of {BACKENDS}, got {backend!r}")
     if validate_ids:
         check_routing_ids(topk_ids, e)
-    chosen = pick_backend(t) if backend == "auto" else backend
+    chosen = pick_backend(hidden) if backend == "auto" else backend
     if chosen == "grouped_mm":
         return moe_grouped_mm(hidden, w13, w2, topk_ids, topk_weights)
     require(HAS_TRITON, "backend 'triton' needs the triton package, which is not installed")

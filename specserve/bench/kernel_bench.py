@@ -49,7 +49,6 @@ def copy_bandwidth(nbytes: int = 4 << 30) -> float:
     src = torch.randn(nbytes // 4, device="cuda")
     dst = torch.empty_like(src)
     ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=25, rep=200, return_mode="median")
-    del src, dst
     return 2 * nbytes / (ms * 1e-3)
 
 
@@ -122,7 +121,8 @@ def bench_shape(name: str, tokens: tuple[int, ...], bw: float, sweep: bool, with
                         str(asdict(best)) if best else None, best_ms))
         print(f"  {name} T={t}: fused {fused_ms:.4f} ms, grouped_mm {gmm_ms:.4f}, floor {floor_ms:.4f}, "
               f"err {err:.2e}" + (f", best sweep {best_ms:.4f} {best}" if best else ""), flush=True)
-    del w13, w2
+    w13.clear()  # free this shape's weights before the next one
+    w2.clear()
     torch.cuda.empty_cache()
     return rows
 

@@ -79,6 +79,7 @@ def test_grouped_mm_path_matches_reference_on_cpu(t: int) -> None:
     ref = moe_reference(x, w13, w2, ids, w)
     assert rel_err(moe_grouped_mm(x, w13, w2, ids, w), ref) < 1e-2
     assert rel_err(fused_moe(x, w13, w2, ids, w, backend="grouped_mm"), ref) < 1e-2
+    assert rel_err(fused_moe(x, w13, w2, ids, w), ref) < 1e-2  # auto on CPU -> grouped_mm
 
 
 def test_moe_reference_matches_dense_per_token_loop() -> None:
