@@ -82,6 +82,7 @@ class GQAAttention(nn.Module):
             self.k_norm = RMSNorm(d, eps)
         self.rotary = RotaryEmbedding(rope)
         self.scale = d**-0.5
+        self.attn_backend = None  # FlashInferBackend when CausalLM.set_attention_backend installed one
 
     def forward(
         self,
@@ -99,6 +100,8 @@ class GQAAttention(nn.Module):
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
         q = RotaryEmbedding.apply(q, cos, sin, interleaved=False)
         k = RotaryEmbedding.apply(k, cos, sin, interleaved=False)
+        if self.attn_backend is not None:  # fast path: writes the cache and attends (models/attn_backend.py)
+            return self.o_proj(self.attn_backend.gqa(self.layer, q, k, v, attn, kv_cache).reshape(t, -1))
         kv_cache.write(self.layer, attn.slot_mapping, torch.stack([k, v], dim=1))
 
         out = torch.empty(t, self.num_heads, d, dtype=x.dtype, device=x.device)
@@ -141,6 +144,7 @@ class MLAAttention(nn.Module):
         self.o_proj = RowParallelLinear(cfg.num_heads * cfg.v_head_dim, hidden, parallel, cfg.bias)
         self.rotary = RotaryEmbedding(rope)
         self.scale = qk**-0.5 * softmax_scale_multiplier(rope)
+        self.attn_backend = None  # FlashInferBackend when CausalLM.set_attention_backend installed one
 
     def forward(
         self,
@@ -162,6 +166,8 @@ class MLAAttention(nn.Module):
         q_rot = RotaryEmbedding.apply(q_rot, cos, sin, cfg.rope_interleave)
         k_rot = RotaryEmbedding.apply(k_rot[:, None, :], cos, sin, cfg.rope_interleave)[:, 0]  # [T, Dr]
         entries = torch.cat([latent, k_rot], dim=-1)  # [T, R + Dr]
+        if self.attn_backend is not None:  # fast path: absorbed MLA over the latent cache
+            return self.o_proj(self._attend_absorbed(q_nope, q_rot, entries, attn, kv_cache).reshape(t, -1))
         kv_cache.write(self.layer, attn.slot_mapping, entries)
         q = torch.cat([q_nope, q_rot], dim=-1)  # [T, Hq, Dqk]
 
@@ -172,6 +178,22 @@ class MLAAttention(nn.Module):
             cached = kv_cache.gather(self.layer, attn.block_tables[b], attn.context_lens[b]).to(x.dtype)
             out[s:e] = self._attend_sequence(q[s:e], torch.cat([cached, entries[s:e]]), new_token_mask(attn, b, x.device))
         return self.o_proj(out.view(t, -1))
+
+    def _attend_absorbed(
+        self,
+        q_nope: torch.Tensor,  # [T, Hq, Dn]
+        q_rot: torch.Tensor,  # [T, Hq, Dr]
+        entries: torch.Tensor,  # [T, R + Dr]
+        attn: AttentionBatch,
+        kv_cache: PagedKVCache,
+    ) -> torch.Tensor:  # [T, Hq, Dv]
+        """q_nope . (W_UK latent) = (W_UK^T q_nope) . latent; output W_UV (sum p * latent): same function."""
+        cfg = self.cfg
+        w = self.kv_b_proj.weight.view(self.num_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
+        w_uk, w_uv = w.split([cfg.qk_nope_head_dim, cfg.v_head_dim], dim=1)  # [Hq, Dn, R], [Hq, Dv, R]
+        q_latent = torch.einsum("thn,hnr->thr", q_nope, w_uk)  # [T, Hq, R]
+        out_latent = self.attn_backend.mla(self.layer, q_latent, q_rot, entries, attn, kv_cache)  # [T, Hq, R]
+        return torch.einsum("thr,hvr->thv", out_latent, w_uv)
 
     def _attend_sequence(
         self,

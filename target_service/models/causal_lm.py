@@ -80,6 +80,7 @@ class CausalLM(nn.Module):
         self.config = config
         self.parallel = parallel or ParallelConfig()
         self.model = DecoderModel(config, self.parallel, experts_fn)
+        self.attn_backend = None  # None: plain-torch attention; else see set_attention_backend
         self.lm_head = None if config.tie_word_embeddings else ColumnParallelLinear(
             config.hidden_size, config.vocab_size, self.parallel
         )
@@ -95,6 +96,13 @@ class CausalLM(nn.Module):
         for layer in self.model.layers:
             if layer.is_moe:
                 layer.mlp.experts_fn = experts_fn
+
+    def set_attention_backend(self, backend) -> None:
+        """Route every attention layer through `backend` (models/attn_backend.py: FlashInferBackend or
+        ReferencePagedBackend), or back to the plain-torch path with None. forward() prepares it once per step."""
+        self.attn_backend = backend
+        for layer in self.model.layers:
+            layer.self_attn.attn_backend = backend
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, H]
         return self.model.embed_tokens(input_ids)
@@ -113,6 +121,8 @@ class CausalLM(nn.Module):
         capture_layers: tuple[int, ...] = (),
     ) -> ModelOutput:
         self._check_inputs(input_ids, positions, attn, kv_cache, capture_layers)
+        if self.attn_backend is not None:
+            self.attn_backend.prepare(attn)  # plan once per step (a no-op when the graph runner already did)
         x = self.embed(input_ids)
         captured: dict[int, torch.Tensor] = {}
         routed = []
@@ -149,6 +159,8 @@ class CausalLM(nn.Module):
         bad = [i for i in capture_layers if not 0 <= i < self.config.num_layers]
         if bad:
             raise ModelInputError(f"capture_layers {bad} outside [0, {self.config.num_layers})")
+        if input_ids.is_cuda and torch.cuda.is_current_stream_capturing():
+            return  # CUDA-graph capture: no device reads (the engine checks ids on the host)
         if t and (int(input_ids.min()) < 0 or int(input_ids.max()) >= self.config.vocab_size):
             raise ModelInputError(f"token id outside [0, {self.config.vocab_size})")
 
