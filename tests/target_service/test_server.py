@@ -1,0 +1,191 @@
+"""The target gRPC service in-process (real engine, real gRPC over a unix socket) against a second,
+local engine built from the same checkpoint."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+import time
+
+import grpc
+import pytest
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from specserve.gateway.servers_common import ServerConfig, ServiceBinding, channel_options, start_server
+from specserve.protos import convert
+from specserve.protos.specserve.v1 import common_pb2, target_pb2, target_pb2_grpc
+from specserve.target_service.engine.types import DraftBlock, SamplingParams
+from specserve.target_service.factory import EngineConfig, build_engine
+from specserve.target_service.server import SERVICE_NAME, EngineWorker, TargetServicer
+
+PROMPT = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38]
+
+
+class ServedTarget:
+    """A TargetServicer on its own event loop thread, as the `specserve target` process runs it."""
+
+    def __init__(self, cfg: EngineConfig, address: str) -> None:
+        self.address = address
+        self.loop = asyncio.new_event_loop()
+        threading.Thread(target=self.loop.run_forever, daemon=True).start()
+        self.running = self._do(self._start(cfg), 120)
+        self.channel = grpc.insecure_channel(address, options=channel_options())
+        self.stub = target_pb2_grpc.TargetServiceStub(self.channel)
+
+    def _do(self, coro, timeout=30):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    async def _start(self, cfg):
+        self.worker = await EngineWorker.build(lambda: build_engine(cfg))
+        self.worker.start()
+        servicer = TargetServicer(self.worker, model_name="tiny")
+        binding = ServiceBinding(target_pb2_grpc.add_TargetServiceServicer_to_server, servicer, SERVICE_NAME)
+        return await start_server(ServerConfig((self.address,)), [binding])
+
+    def stats(self) -> target_pb2.TargetStats:
+        return self.stub.GetStats(target_pb2.TargetStatsRequest(), timeout=10)
+
+    def close(self) -> None:
+        self.channel.close()
+        self._do(self.running.stop(5))
+        self._do(self.worker.close())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+
+
+@pytest.fixture(scope="module")
+def engine_config(tiny_checkpoint):
+    return EngineConfig(model=tiny_checkpoint("qwen3_moe"), num_kv_blocks=256, kv_block_size=4)
+
+
+@pytest.fixture(scope="module")
+def served(engine_config, tmp_path_factory):
+    s = ServedTarget(engine_config, f"unix:{tmp_path_factory.mktemp('tsock')}/t.sock")
+    yield s
+    s.close()
+
+
+@pytest.fixture(scope="module")
+def local(engine_config):
+    return build_engine(engine_config)
+
+
+def block_msg(ids, probs=None) -> common_pb2.DraftBlock:
+    return convert.draft_block_to_proto(DraftBlock(token_ids=tuple(ids), probs=probs))
+
+
+def test_info_health_reflection(served, local):
+    info = served.stub.GetInfo(target_pb2.TargetInfoRequest(), timeout=10)
+    ref = local.info()
+    assert (info.model_type, info.vocab_size, info.vocab_hash, info.max_context, info.num_layers) == (
+        ref.model_type, ref.vocab_size, ref.vocab_hash, ref.max_context, ref.num_layers)
+    assert info.model_name == "tiny" and info.tensor_parallel_size == 1
+    health = health_pb2_grpc.HealthStub(served.channel)
+    for name in ("", SERVICE_NAME):
+        assert health.Check(health_pb2.HealthCheckRequest(service=name), timeout=5).status == 1  # SERVING
+    refl = reflection_pb2_grpc.ServerReflectionStub(served.channel)
+    reply = next(refl.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")])))
+    assert SERVICE_NAME in {s.name for s in reply.list_services_response.service}
+
+
+def test_stream_matches_local_engine(served, local):
+    """Prefill (with hidden states) then verify steps over one VerifyStream = the same calls on a local
+    engine, token for token and row for row."""
+    layers = (0, 1)
+    pre = served.stub.Prefill(
+        target_pb2.PrefillRequest(session_id="s1", prompt_ids=PROMPT, hidden_layers=list(layers)), timeout=30)
+    ref = local.prefill("s1", PROMPT, SamplingParams(), layers)
+    assert pre.next_token == ref.next_token
+    assert torch.allclose(convert.tensor_from_proto(pre.hidden), ref.hidden.float())
+    blocks = [[], [7, 7, 7], [ref.next_token, 1], [5]]
+    reqs = iter([target_pb2.VerifyRequest(session_id="s1", draft=block_msg(b)) for b in blocks])
+    for b, resp in zip(blocks, served.stub.VerifyStream(reqs, timeout=30)):
+        want = local.verify("s1", DraftBlock(token_ids=tuple(b)))
+        assert (tuple(resp.accepted_ids), resp.next_token, resp.num_drafted) == (want.accepted_ids, want.next_token, len(b))
+        assert torch.allclose(convert.tensor_from_proto(resp.hidden), want.hidden.float())
+        assert resp.batch_size == 1 and resp.timings.forward_ms > 0 and resp.timings.total_ms > 0
+    local.release("s1")
+    # the stream ended: the service released the session by itself
+    deadline = time.monotonic() + 2
+    while served.stats().active_sessions and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert served.stats().active_sessions == 0 and served.stats().kv_blocks_used == 0
+
+
+def test_errors_map_to_status_and_leave_session_usable(served):
+    stub = served.stub
+    cases = [
+        (lambda: stub.Verify(target_pb2.VerifyRequest(session_id="nope"), timeout=10), grpc.StatusCode.NOT_FOUND),
+        (lambda: stub.Prefill(target_pb2.PrefillRequest(session_id="e", prompt_ids=[1, 999]), timeout=10),
+         grpc.StatusCode.INVALID_ARGUMENT),
+        (lambda: stub.Prefill(target_pb2.PrefillRequest(session_id="e", prompt_ids=[]), timeout=10),
+         grpc.StatusCode.INVALID_ARGUMENT),
+        (lambda: stub.Prefill(target_pb2.PrefillRequest(session_id="e", prompt_ids=[1] * 600), timeout=10),
+         grpc.StatusCode.OUT_OF_RANGE),
+    ]
+    for call, code in cases:
+        with pytest.raises(grpc.RpcError) as info:
+            call()
+        assert info.value.code() == code, info.value.details()
+    stub.Prefill(target_pb2.PrefillRequest(session_id="e", prompt_ids=PROMPT), timeout=10)
+    with pytest.raises(grpc.RpcError) as info:
+        stub.Prefill(target_pb2.PrefillRequest(session_id="e", prompt_ids=PROMPT), timeout=10)
+    assert info.value.code() == grpc.StatusCode.ALREADY_EXISTS
+    bad_blocks = [block_msg([1, 300]), block_msg([1, 2], probs=torch.full((2, 256), float("nan")))]
+    for bad in bad_blocks:
+        with pytest.raises(grpc.RpcError) as info:
+            stub.Verify(target_pb2.VerifyRequest(session_id="e", draft=bad), timeout=10)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    ok = stub.Verify(target_pb2.VerifyRequest(session_id="e", draft=block_msg([2])), timeout=10)
+    assert ok.num_drafted == 1
+    assert stub.Release(target_pb2.ReleaseRequest(session_id="e"), timeout=10).released
+    assert not stub.Release(target_pb2.ReleaseRequest(session_id="e"), timeout=10).released
+
+
+def test_concurrent_sessions_share_one_forward_losslessly(served, local):
+    """Verify requests queued while the engine thread is busy run as one verify_batch call, and each
+    session gets what it would get alone."""
+    sids = [f"b{i}" for i in range(3)]
+    prompts = {sid: PROMPT[i:] + [i + 1] for i, sid in enumerate(sids)}
+    block = {sid: [9, 9] for sid in sids}
+    for sid in sids:
+        served.stub.Prefill(target_pb2.PrefillRequest(session_id=sid, prompt_ids=prompts[sid]), timeout=10)
+        local.prefill(sid, prompts[sid], SamplingParams(), ())
+    want = {sid: local.verify(sid, DraftBlock(token_ids=tuple(block[sid]))) for sid in sids}
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        busy = pool.submit(served.stub.Prefill, target_pb2.PrefillRequest(session_id="busy", prompt_ids=[5] * 500),
+                           timeout=60)
+        time.sleep(0.01)
+        futs = {sid: pool.submit(served.stub.Verify, target_pb2.VerifyRequest(session_id=sid, draft=block_msg(block[sid])),
+                                 timeout=60) for sid in sids}
+        got = {sid: f.result() for sid, f in futs.items()}
+        busy.result()
+    for sid in sids:
+        assert (tuple(got[sid].accepted_ids), got[sid].next_token) == (want[sid].accepted_ids, want[sid].next_token)
+        local.release(sid)
+        served.stub.Release(target_pb2.ReleaseRequest(session_id=sid), timeout=10)
+    served.stub.Release(target_pb2.ReleaseRequest(session_id="busy"), timeout=10)
+    assert max(r.batch_size for r in got.values()) == 3
+    assert served.stats().active_sessions == 0 and served.stats().kv_blocks_used == 0
+
+
+def test_cancelled_stream_frees_the_session(served):
+    served.stub.Prefill(target_pb2.PrefillRequest(session_id="c", prompt_ids=PROMPT), timeout=10)
+    requests = [target_pb2.VerifyRequest(session_id="c")]
+    gate = threading.Event()
+
+    def gen():
+        yield requests[0]
+        gate.wait(10)  # keep the stream open until the test cancels it
+
+    call = served.stub.VerifyStream(gen())
+    next(call)
+    assert served.stats().active_sessions == 1
+    call.cancel()
+    gate.set()
+    deadline = time.monotonic() + 1
+    while served.stats().active_sessions and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert served.stats().active_sessions == 0 and served.stats().kv_blocks_used == 0
