@@ -21,7 +21,7 @@ from tqdm import tqdm
 from specserve.bench import plots
 from specserve.bench.bandwidth import measure_copy_bandwidth
 from specserve.bench.config import BenchConfig, MethodSpec, Skipped, plan_methods
-from specserve.bench.environment import environment
+from specserve.bench.environment import environment, load_average
 from specserve.bench.model_bytes import model_bytes
 from specserve.bench.prompts import load_prompt_set
 from specserve.bench.summary import summarize_method
@@ -209,6 +209,7 @@ def run_bench(config: BenchConfig, progress: bool = True) -> dict:
     finally:
         runner.close()
         b.bar.close()
+    env["load_average_at_end"] = load_average()
     projection = _projection(config, b.methods)
     summary = {
         "schema_version": SCHEMA_VERSION,

@@ -40,6 +40,14 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+def load_average() -> list[float] | None:
+    """1/5/15-minute load averages: a busy machine makes CPU timings noisy, so the run records it."""
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
+
+
 def git_state() -> dict:
     commit = _run(["git", "rev-parse", "HEAD"], REPO_ROOT)
     dirty = _run(["git", "status", "--porcelain", "--untracked-files=no"], REPO_ROOT)
@@ -54,6 +62,7 @@ def environment(device: str) -> dict:
         "cpu": _cpu_name(),
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
+        "load_average_at_start": load_average(),
         "versions": {p: _version(p) for p in PACKAGES},
         "git": git_state(),
         "device": device,
