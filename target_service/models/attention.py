@@ -17,6 +17,7 @@ from specserve.target_service.models.layers import (
     RMSNorm,
     ReplicatedLinear,
     RowParallelLinear,
+    WeightShapeError,
     divide,
 )
 from specserve.target_service.models.rope import RotaryEmbedding, softmax_scale_multiplier
@@ -64,6 +65,22 @@ def key_positions(ctx: int, new_positions: torch.Tensor) -> torch.Tensor:
     return torch.cat([torch.arange(ctx, device=new_positions.device), new_positions])
 
 
+def kv_head_shards(num_kv_heads: int, parallel: ParallelConfig) -> tuple[int, int]:
+    """(which part, how many parts) of the kv heads this rank holds.
+
+    kv heads >= tp: split evenly. Fewer kv heads than ranks: each kv head is replicated on tp / kv
+    consecutive ranks, which are exactly the ranks whose query heads read it (rank r's Hq/tp query heads
+    all fall in group r * kv // tp because Hq/tp <= Hq/kv). The paged cache is sharded the same way.
+    """
+    tp = parallel.tp_size
+    if num_kv_heads >= tp:
+        divide(num_kv_heads, tp, "num_kv_heads")
+        return parallel.tp_rank, tp
+    if tp % num_kv_heads:
+        raise WeightShapeError(f"tp_size {tp} must be a multiple of num_kv_heads {num_kv_heads} to replicate kv heads")
+    return parallel.tp_rank * num_kv_heads // tp, num_kv_heads
+
+
 class GQAAttention(nn.Module):
     """Cache entry per token: [2, num_kv_heads, head_dim] = (roped k, v)."""
 
@@ -71,11 +88,12 @@ class GQAAttention(nn.Module):
         super().__init__()
         self.cfg, self.layer = cfg, layer
         self.num_heads = divide(cfg.num_heads, parallel.tp_size, "num_heads")
-        self.num_kv_heads = divide(cfg.num_kv_heads, parallel.tp_size, "num_kv_heads")
+        kv_shards = kv_head_shards(cfg.num_kv_heads, parallel)
+        self.num_kv_heads = cfg.num_kv_heads // kv_shards[1]
         d = cfg.head_dim
         self.q_proj = ColumnParallelLinear(hidden, cfg.num_heads * d, parallel, cfg.bias)
-        self.k_proj = ColumnParallelLinear(hidden, cfg.num_kv_heads * d, parallel, cfg.bias)
-        self.v_proj = ColumnParallelLinear(hidden, cfg.num_kv_heads * d, parallel, cfg.bias)
+        self.k_proj = ColumnParallelLinear(hidden, cfg.num_kv_heads * d, parallel, cfg.bias, kv_shards)
+        self.v_proj = ColumnParallelLinear(hidden, cfg.num_kv_heads * d, parallel, cfg.bias, kv_shards)
         self.o_proj = RowParallelLinear(cfg.num_heads * d, hidden, parallel, cfg.bias)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(d, eps)

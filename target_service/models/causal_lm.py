@@ -14,9 +14,9 @@ from torch import nn
 
 from specserve.target_service.engine.attn_metadata import AttentionBatch
 from specserve.target_service.engine.kv_cache import PagedKVCache
-from specserve.target_service.models.attention import ATTENTION_CLASSES
+from specserve.target_service.models.attention import ATTENTION_CLASSES, kv_head_shards
 from specserve.target_service.models.config import ModelConfig, ParallelConfig
-from specserve.target_service.models.layers import ColumnParallelLinear, Embedding, GatedMLP, RMSNorm
+from specserve.target_service.models.layers import Embedding, GatedMLP, ParallelLMHead, RMSNorm, gather_vocab, vocab_range
 from specserve.target_service.models.moe import ExpertsFn, MoEBlock, moe_reference
 
 
@@ -81,14 +81,16 @@ class CausalLM(nn.Module):
         self.parallel = parallel or ParallelConfig()
         self.model = DecoderModel(config, self.parallel, experts_fn)
         self.attn_backend = None  # None: plain-torch attention; else see set_attention_backend
-        self.lm_head = None if config.tie_word_embeddings else ColumnParallelLinear(
+        self.lm_head = None if config.tie_word_embeddings else ParallelLMHead(
             config.hidden_size, config.vocab_size, self.parallel
         )
 
     def kv_entry_shape(self) -> tuple[int, ...]:
+        """This rank's cache entry: GQA kv heads split (or replicated) with the heads; the MLA latent
+        is shared by all heads and kept whole on every rank."""
         shape = self.config.kv_entry_shape
-        if len(shape) == 3:  # GQA: kv heads split across tp ranks
-            return (shape[0], shape[1] // self.parallel.tp_size, shape[2])
+        if len(shape) == 3:
+            return (shape[0], shape[1] // kv_head_shards(shape[1], self.parallel)[1], shape[2])
         return shape
 
     def set_experts_fn(self, experts_fn: ExpertsFn) -> None:
@@ -108,8 +110,15 @@ class CausalLM(nn.Module):
         return self.model.embed_tokens(input_ids)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, V] float32
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        """Under tp every rank scores its vocabulary rows; the full logits are gathered on every rank."""
+        if self.lm_head is not None:
+            return self.lm_head(hidden)
+        start, end = vocab_range(self.config.vocab_size, self.parallel)
+        local = F.linear(hidden, self.model.embed_tokens.weight[start:end]).float()
+        part = -(-self.config.vocab_size // self.parallel.tp_size)
+        if end - start < part:
+            local = F.pad(local, (0, part - (end - start)))
+        return gather_vocab(local, self.config.vocab_size, self.parallel)
 
     @torch.no_grad()  # not inference_mode: captured features may feed draft-head training
     def forward(
@@ -171,7 +180,4 @@ def build_model(
     experts_fn: ExpertsFn = moe_reference,
 ) -> CausalLM:
     """Uninitialised model (parameters from torch.empty): load weights before use."""
-    parallel = parallel or ParallelConfig()
-    if parallel.tp_size > 1:
-        raise NotImplementedError("tensor-parallel execution is not wired yet; run with tp_size=1")
-    return CausalLM(config, parallel, experts_fn)
+    return CausalLM(config, parallel or ParallelConfig(), experts_fn)

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specserve.target_service.models.checkpoint_slice import CheckpointSlice, materialize
 from specserve.target_service.models.config import ParallelConfig
 
 
@@ -21,10 +22,18 @@ def new_param(shape: tuple[int, ...], dtype: torch.dtype | None = None) -> nn.Pa
     return nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
 
 
-def copy_checked(dst: torch.Tensor, src: torch.Tensor) -> None:
+def copy_checked(dst: torch.Tensor, src: torch.Tensor | CheckpointSlice) -> None:
+    """Copy (converting dtype and device) after checking the shape; a CheckpointSlice is read only now."""
     if tuple(dst.shape) != tuple(src.shape):
         raise WeightShapeError(f"expected shape {tuple(dst.shape)}, got {tuple(src.shape)}")
-    dst.copy_(src)
+    dst.copy_(materialize(src))
+
+
+def all_reduce(x: torch.Tensor, parallel: ParallelConfig) -> torch.Tensor:
+    """Sum x over the tp ranks (in place; the default process group holds exactly the tp ranks)."""
+    if parallel.tp_size > 1:
+        torch.distributed.all_reduce(x)
+    return x
 
 
 def shard(tensor: torch.Tensor, dim: int, rank: int, size: int) -> torch.Tensor:
@@ -78,12 +87,24 @@ class ReplicatedLinear(nn.Module):
 
 
 class ColumnParallelLinear(nn.Module):
-    """y = x W^T with W's output rows split across tp ranks (each rank yields its output slice)."""
+    """y = x W^T with W's output rows split across tp ranks (each rank yields its output slice).
 
-    def __init__(self, in_features: int, out_features: int, parallel: ParallelConfig, bias: bool = False) -> None:
+    ``shards=(index, count)`` overrides the split: W is cut into `count` parts and this rank holds part
+    `index` (GQA with fewer kv heads than ranks: several ranks hold the same kv head).
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        parallel: ParallelConfig,
+        bias: bool = False,
+        shards: tuple[int, int] | None = None,
+    ) -> None:
         super().__init__()
         self.parallel = parallel
-        local_out = divide(out_features, parallel.tp_size, "output features")
+        self.shard_index, self.num_shards = shards if shards is not None else (parallel.tp_rank, parallel.tp_size)
+        local_out = divide(out_features, self.num_shards, "output features")
         self.weight = new_param((local_out, in_features))
         self.weight.weight_loader = self.weight_loader
         self.bias = None
@@ -92,18 +113,24 @@ class ColumnParallelLinear(nn.Module):
             self.bias.weight_loader = self.weight_loader
 
     def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor) -> None:
-        copy_checked(param.data, shard(loaded, 0, self.parallel.tp_rank, self.parallel.tp_size))
+        copy_checked(param.data, shard(loaded, 0, self.shard_index, self.num_shards))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):
-    """y = x W^T with W's input columns split across tp ranks; partial sums are all-reduced."""
+    """y = x W^T with W's input columns split across tp ranks; partial sums are all-reduced
+    (``reduce_results=False``: the caller reduces, e.g. once for routed + shared experts)."""
 
-    def __init__(self, in_features: int, out_features: int, parallel: ParallelConfig, bias: bool = False) -> None:
+    def __init__(
+        self, in_features: int, out_features: int, parallel: ParallelConfig, bias: bool = False, reduce_results: bool = True
+    ) -> None:
         super().__init__()
         self.parallel = parallel
+        self.reduce_results = reduce_results
+        if bias and not reduce_results and parallel.tp_size > 1:
+            raise WeightShapeError("a row-parallel bias needs reduce_results=True (it is added once, after the sum)")
         local_in = divide(in_features, parallel.tp_size, "input features")
         self.weight = new_param((out_features, local_in))
         self.weight.weight_loader = self.weight_loader
@@ -120,8 +147,8 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = F.linear(x, self.weight)
-        if self.parallel.tp_size > 1:
-            torch.distributed.all_reduce(out)
+        if self.reduce_results:
+            all_reduce(out, self.parallel)
         return out if self.bias is None else out + self.bias
 
 
@@ -140,11 +167,53 @@ class Embedding(nn.Module):
 class GatedMLP(nn.Module):
     """down(silu(gate(x)) * up(x)); the dense FFN and the DeepSeek shared experts."""
 
-    def __init__(self, hidden: int, intermediate: int, parallel: ParallelConfig, bias: bool = False) -> None:
+    def __init__(
+        self, hidden: int, intermediate: int, parallel: ParallelConfig, bias: bool = False, reduce_results: bool = True
+    ) -> None:
         super().__init__()
         self.gate_proj = ColumnParallelLinear(hidden, intermediate, parallel, bias)
         self.up_proj = ColumnParallelLinear(hidden, intermediate, parallel, bias)
-        self.down_proj = RowParallelLinear(intermediate, hidden, parallel, bias)
+        self.down_proj = RowParallelLinear(intermediate, hidden, parallel, bias, reduce_results)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H]
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def vocab_range(vocab_size: int, parallel: ParallelConfig) -> tuple[int, int]:
+    """[start, end) of the vocabulary rows this rank scores: ceil(V / tp) per rank, the last may be short."""
+    part = -(-vocab_size // parallel.tp_size)
+    start = min(vocab_size, parallel.tp_rank * part)
+    return start, min(vocab_size, start + part)
+
+
+def gather_vocab(local: torch.Tensor, vocab_size: int, parallel: ParallelConfig) -> torch.Tensor:
+    """[N, ceil(V/tp)] logits of this rank's vocab rows (short rank zero-padded) -> [N, V] on every rank."""
+    if parallel.tp_size == 1:
+        return local
+    parts = [torch.empty_like(local) for _ in range(parallel.tp_size)]
+    torch.distributed.all_gather(parts, local.contiguous())
+    return torch.cat(parts, dim=-1)[:, :vocab_size]
+
+
+class ParallelLMHead(nn.Module):
+    """Output projection [V, H] split by vocabulary rows; logits gathered to [N, V] on every rank.
+
+    Each rank holds ceil(V / tp) rows (the last rank's tail is zero padding), so any V works.
+    """
+
+    def __init__(self, hidden: int, vocab_size: int, parallel: ParallelConfig) -> None:
+        super().__init__()
+        self.parallel, self.vocab_size = parallel, vocab_size
+        self.start, self.end = vocab_range(vocab_size, parallel)
+        self.weight = new_param((-(-vocab_size // parallel.tp_size), hidden))
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor) -> None:
+        if loaded.dim() != 2 or loaded.shape[0] != self.vocab_size:
+            raise WeightShapeError(f"expected [{self.vocab_size}, hidden], got {tuple(loaded.shape)}")
+        n = self.end - self.start
+        param.data.zero_()
+        copy_checked(param.data[:n], loaded.narrow(0, self.start, n))
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, V] float32
+        return gather_vocab(F.linear(hidden, self.weight).float(), self.vocab_size, self.parallel)

@@ -1,7 +1,9 @@
 """Load a Hugging Face-format checkpoint directory (config.json + safetensors) into a CausalLM.
 
 Tensors are streamed one at a time from safetensors files straight into their (pre-allocated)
-parameters through each parameter's weight_loader, so the weights never exist twice in memory.
+parameters through each parameter's weight_loader, so the weights never exist twice in memory. Each
+tensor reaches its loader as a lazy ``CheckpointSlice`` (safetensors ``get_slice``): a tensor-parallel
+rank reads only the bytes of its own shard, and nothing of routed experts held by other ranks.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from specserve.target_service.models import weight_names
+from specserve.target_service.models.checkpoint_slice import CheckpointSlice
 from specserve.target_service.models.causal_lm import CausalLM, build_model
 from specserve.target_service.models.config import ModelConfig, ParallelConfig
 from specserve.target_service.models.errors import CheckpointError
@@ -98,13 +101,15 @@ def load_weights(model: CausalLM, files: list[str], progress: bool = True) -> No
                 if param is None:
                     raise CheckpointError(f"unexpected tensor {name} in {file}: the model has no parameter {target.param}")
                 try:
-                    tensor = f.get_tensor(name)
+                    tensor = CheckpointSlice.of(f.get_slice(name))
                 except Exception as e:
                     raise CheckpointError(f"cannot read tensor {name} from {file} (corrupt file?): {e}") from e
                 try:
-                    param.weight_loader(param, tensor.to(device=param.device, dtype=param.dtype), **target.kwargs)
+                    param.weight_loader(param, tensor, **target.kwargs)  # reads (its part of) the tensor
                 except WeightShapeError as e:
                     raise CheckpointError(f"tensor {name} in {file} does not fit {target.param}: {e}") from e
+                except Exception as e:
+                    raise CheckpointError(f"cannot read tensor {name} from {file} (corrupt file?): {e}") from e
                 needed[target.param].difference_update(target.pieces)
                 del tensor
     missing = [weight_names.checkpoint_name(p, piece) for p, pieces in needed.items() for piece in sorted(pieces, key=str)]

@@ -15,7 +15,15 @@ from torch import nn
 
 from specserve.kernels.moe_reference import moe_reference
 from specserve.target_service.models.config import MoEConfig, ParallelConfig
-from specserve.target_service.models.layers import GatedMLP, WeightShapeError, copy_checked, divide, new_param, shard
+from specserve.target_service.models.layers import (
+    GatedMLP,
+    WeightShapeError,
+    all_reduce,
+    copy_checked,
+    divide,
+    new_param,
+    shard,
+)
 
 # (hidden [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_ids [T, K], topk_weights [T, K]) -> [T, H]
 ExpertsFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -90,6 +98,19 @@ class StackedExperts(nn.Module):
         """Global ids of the experts stored here."""
         return range(self.first_expert, self.first_expert + self.num_local)
 
+    def localize(
+        self,
+        topk_ids: torch.Tensor,  # [T, K] global expert ids
+        topk_weights: torch.Tensor,  # [T, K]
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # ([T, K] local ids, [T, K] weights)
+        """EP: ids into this rank's expert stack; choices of other ranks' experts get weight 0 (and local
+        expert 0, so any experts_fn can run them), so summing every rank's output counts each choice once."""
+        if not self.parallel.ep or self.parallel.tp_size == 1:
+            return topk_ids, topk_weights
+        local = topk_ids - self.first_expert
+        here = (local >= 0) & (local < self.num_local)
+        return torch.where(here, local, 0), torch.where(here, topk_weights, 0.0)
+
     def _tp_slice(self, w: torch.Tensor, dim: int) -> torch.Tensor:
         return w if self.parallel.ep else shard(w, dim, self.parallel.tp_rank, self.parallel.tp_size)
 
@@ -128,17 +149,21 @@ class MoEBlock(nn.Module):
         self.gate = TopKRouter(cfg, hidden)
         self.experts = StackedExperts(cfg, hidden, parallel)
         self.shared_experts = (
-            GatedMLP(hidden, cfg.intermediate_size * cfg.n_shared_experts, parallel) if cfg.n_shared_experts else None
+            GatedMLP(hidden, cfg.intermediate_size * cfg.n_shared_experts, parallel, reduce_results=False)
+            if cfg.n_shared_experts
+            else None
         )
         self.experts_fn = experts_fn
         self.parallel = parallel
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [T, H] -> (out [T, H], topk_ids [T, K])."""
+        """x [T, H] -> (out [T, H], topk_ids [T, K]).
+
+        Under tp each rank's routed output is partial (TP: its I-slice of every expert; EP: its experts'
+        choices only), as is its shared-experts output (TP slice); one all-reduce sums both."""
         topk_ids, topk_weights = self.gate(x)
-        if self.parallel.tp_size > 1:
-            raise NotImplementedError("multi-rank MoE execution is not wired yet (weight sharding is)")
-        out = self.experts_fn(x, self.experts.w13, self.experts.w2, topk_ids, topk_weights)
+        ids, weights = self.experts.localize(topk_ids, topk_weights)
+        out = self.experts_fn(x, self.experts.w13, self.experts.w2, ids, weights)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
-        return out, topk_ids
+        return all_reduce(out, self.parallel), topk_ids
