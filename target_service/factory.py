@@ -1,5 +1,5 @@
-"""Build a TargetEngine from a checkpoint folder: the one place `generate`, `serve` and the target
-service turn flags into a running engine."""
+"""Build a TargetEngine from a checkpoint folder (or a synthetic preset): the one place `generate`, `serve`, the
+target service and the step benchmark turn flags into a running engine."""
 
 from __future__ import annotations
 
@@ -15,30 +15,85 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 @dataclass(frozen=True)
 class EngineConfig:
-    model: Path
+    model: Path | str  # checkpoint folder, or "synthetic:NAME[:LAYERS]" (models/presets.py: random weights)
     device: str = "cpu"
     dtype: str = "float32"
     num_kv_blocks: int = 4096
     kv_block_size: int = 16
     tensor_parallel_size: int = 1
     enable_expert_parallel: bool = False
+    attention_backend: str = "auto"  # auto | torch | flashinfer (models/backends.py picks for auto)
+    moe_backend: str = "auto"  # auto | torch | fused
+    cuda_graphs: bool | None = None  # None: on when the FlashInfer backend is chosen
+    graph_max_draft: int = 16  # graphs for decode and chain verify of 1..graph_max_draft drafted tokens
+    graph_tree_sizes: tuple[int, ...] = ()  # graphs for tree verify steps of these node counts
+    max_context: int | None = None  # cap below the model's max_position_embeddings
+    seed: int = 0  # synthetic weights
 
     def __post_init__(self) -> None:
+        from specserve.target_service.models.errors import ModelConfigError
+        from specserve.target_service.models.presets import is_synthetic, parse_spec
+
         if self.dtype not in DTYPES:
             raise SpecserveError(f"--dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
-        if not Path(self.model).is_dir():
+        if is_synthetic(self.model):
+            try:
+                parse_spec(str(self.model))
+            except ModelConfigError as e:
+                raise SpecserveError(str(e)) from e
+        elif not Path(self.model).is_dir():
             raise SpecserveError(f"model folder {self.model} does not exist")
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise SpecserveError("--device cuda was asked for but no CUDA GPU is visible")
+        if self.graph_max_draft < 0 or any(n < 1 for n in self.graph_tree_sizes):
+            raise SpecserveError(f"graph sizes must be positive, got max draft {self.graph_max_draft}, "
+                                 f"trees {self.graph_tree_sizes}")
+        if self.cuda_graphs and not self.device.startswith("cuda"):
+            raise SpecserveError("--cuda-graphs needs --device cuda")
+
+
+def build_model_for(cfg: EngineConfig):
+    """(model, ModelConfig, tokenizer or None) with the chosen MoE / attention backends installed."""
+    from specserve.target_service.models.backends import install_backends, select_backends
+    from specserve.target_service.models.loader import load_model, load_tokenizer
+    from specserve.target_service.models.presets import build_synthetic_model, is_synthetic
+
+    dtype = DTYPES[cfg.dtype]
+    if is_synthetic(cfg.model):
+        model, model_config = build_synthetic_model(str(cfg.model), device=cfg.device, dtype=dtype, seed=cfg.seed)
+        tokenizer = None
+    else:
+        model, model_config = load_model(cfg.model, device=cfg.device, dtype=dtype)
+        tokenizer = load_tokenizer(cfg.model)
+    choice = select_backends(model_config, cfg.device, dtype, cfg.attention_backend, cfg.moe_backend)
+    install_backends(model, choice, cfg.kv_block_size, cfg.device, dtype)
+    return model, model_config, tokenizer, choice
 
 
 def build_engine(cfg: EngineConfig):
-    """Load the checkpoint and wrap it in a TargetEngine with its paged KV cache."""
+    """Load the checkpoint (or build the synthetic model) and wrap it in a TargetEngine with its paged KV cache."""
     from specserve.target_service.engine.engine import TargetEngine
-    from specserve.target_service.models.loader import load_model, load_tokenizer
+    from specserve.target_service.engine.model_runner import GraphOptions
 
-    model, model_config = load_model(cfg.model, device=cfg.device, dtype=DTYPES[cfg.dtype])
-    tokenizer = load_tokenizer(cfg.model)
+    if cfg.tensor_parallel_size > 1:  # one process per rank; this one is rank 0 (same engine API)
+        from specserve.target_service.parallel.engine import ParallelTargetEngine
+
+        return ParallelTargetEngine(
+            cfg.model,
+            tensor_parallel_size=cfg.tensor_parallel_size,
+            expert_parallel=cfg.enable_expert_parallel,
+            device=cfg.device,
+            dtype=cfg.dtype,
+            num_blocks=cfg.num_kv_blocks,
+            block_size=cfg.kv_block_size,
+            max_context=cfg.max_context,
+        )
+
+    model, model_config, tokenizer, choice = build_model_for(cfg)
+    graphs = cfg.cuda_graphs if cfg.cuda_graphs is not None else choice.attention == "flashinfer"
+    options = None
+    if graphs:
+        options = GraphOptions(chain_sizes=tuple(range(1, cfg.graph_max_draft + 2)), tree_sizes=cfg.graph_tree_sizes)
     return TargetEngine(
         model,
         model_config,
@@ -46,4 +101,6 @@ def build_engine(cfg: EngineConfig):
         num_blocks=cfg.num_kv_blocks,
         block_size=cfg.kv_block_size,
         device=cfg.device,
+        max_context=cfg.max_context,
+        cuda_graphs=options,
     )

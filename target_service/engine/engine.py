@@ -25,6 +25,7 @@ from specserve.target_service.models.vocab import vocab_hash as checkpoint_vocab
 from .attn_metadata import AttentionBatch
 from .block_manager import BlockManager, KVUsage, OutOfBlocks
 from .kv_cache import PagedKVCache
+from .model_runner import GraphOptions, ModelRunner
 from .sampler import make_generator, target_probs, verify_step
 from .session import (
     ContextTooLong,
@@ -87,6 +88,7 @@ class TargetEngine:
         hidden_layers: tuple[int, ...] = (),  # default capture layers when prefill passes None
         max_context: int | None = None,  # cap below the model's max_position_embeddings
         vocab_hash: str | None = None,  # override the fingerprint computed from the tokenizer
+        cuda_graphs: GraphOptions | None = None,  # capture these verify/decode steps now (FlashInfer backend)
     ) -> None:
         self.model = model
         self.config = config
@@ -102,6 +104,10 @@ class TargetEngine:
             config.num_layers, num_blocks, block_size, model.kv_entry_shape(), param.dtype, self.device
         )
         self._sessions: dict[str, Session] = {}
+        self.runner = ModelRunner(model, self.kv_cache, block_size=block_size, max_context=self.max_context,
+                                  device=self.device)
+        if cuda_graphs is not None:
+            self.runner.capture(cuda_graphs)  # before any session: capture writes scratch K/V
         moe = getattr(config, "moe", None)
         self._num_experts = int(moe.num_experts) if moe is not None else 0
         self._info = EngineInfo(
@@ -308,14 +314,7 @@ class TargetEngine:
             tree_masks=tuple(masks),
         )
         capture = tuple(sorted({i for step in steps for i in step.session.hidden_layers}))
-        out = self.model(
-            torch.tensor(ids, dtype=torch.int64, device=self.device),
-            torch.tensor(pos, dtype=torch.int64, device=self.device),
-            attn,
-            self.kv_cache,
-            capture_layers=capture,
-        )
-        logits = self.model.compute_logits(out.hidden)  # [T, V]
+        out, logits = self.runner.run(ids, pos, attn, capture)  # logits [T, V]: CUDA-graph replay or eager
         self._sync()
         return (out, capture), logits
 
