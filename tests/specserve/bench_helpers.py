@@ -1,4 +1,4 @@
-"""Tiny checkpoints for the bench tests: a random DeepSeek-V3-architecture MoE target (the demo's
+"""Tiny checkpoints for the bench tests (fixtures in conftest.py): a random DeepSeek-V3-architecture MoE target (the demo's
 architecture) and a random Llama draft LM, both saved with transformers' save_pretrained, sharing a
 small byte-level BPE tokenizer.json trained on the bench prompts."""
 
@@ -7,13 +7,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import pytest
 import torch
 
 VOCAB = 320
 
 
-def _tokenizer(out: Path) -> None:
+def save_tokenizer(out: Path) -> None:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     from specserve.bench.prompts import load_prompt_set
@@ -28,14 +27,14 @@ def _tokenizer(out: Path) -> None:
     tok.save(str(out / "tokenizer.json"))
 
 
-def _save(model_type: str, kwargs: dict, out: Path) -> Path:
+def save_checkpoint(model_type: str, kwargs: dict, out: Path) -> Path:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(0)
     config = AutoConfig.for_model(model_type, **kwargs)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.save_pretrained(out)
-    _tokenizer(out)
+    save_tokenizer(out)
     return out
 
 
@@ -50,16 +49,6 @@ DRAFT_LM = dict(
     vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
     num_key_value_heads=2, max_position_embeddings=1024, eos_token_id=0, bos_token_id=0, pad_token_id=0,
 )
-
-
-@pytest.fixture(scope="session")
-def bench_target(tmp_path_factory) -> Path:
-    return _save("deepseek_v3", TARGET, tmp_path_factory.mktemp("bench") / "target")
-
-
-@pytest.fixture(scope="session")
-def bench_draft_lm(tmp_path_factory) -> Path:
-    return _save("llama", DRAFT_LM, tmp_path_factory.mktemp("bench") / "draft_lm")
 
 
 def read_jsonl(path: Path) -> list[dict]:

@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from conftest import DRAFT_LM, TARGET, read_jsonl
+from bench_helpers import TARGET, read_jsonl
 from specserve.bench.config import BenchConfig, BenchConfigError, MethodSpec, plan_methods
 from specserve.bench.floors import (
     FloorError,
