@@ -22,7 +22,7 @@ class EngineConfig:
     kv_block_size: int = 16
     tensor_parallel_size: int = 1
     enable_expert_parallel: bool = False
-    attention_backend: str = "auto"  # auto | torch | flashinfer (models/backends.py picks for auto)
+    attention_backend: str = "auto"  # auto | torch | flashinfer | reference (models/backends.py picks for auto)
     moe_backend: str = "auto"  # auto | torch | fused
     cuda_graphs: bool | None = None  # None: on when the FlashInfer backend is chosen
     graph_max_draft: int = 16  # graphs for decode and chain verify of 1..graph_max_draft drafted tokens

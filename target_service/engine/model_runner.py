@@ -61,6 +61,7 @@ class ModelRunner:
         self.device = torch.device(device)
         self._graphs: dict[tuple, _Graph] = {}
         self._pool = None
+        self.use_graphs = True  # False: every step eager (benchmarks compare the two on one engine)
         self.graph_steps = 0
         self.eager_steps = 0
 
@@ -77,10 +78,12 @@ class ModelRunner:
 
     # ---- one step --------------------------------------------------------------------------------
     def run(self, ids: Sequence[int], pos: Sequence[int], attn: AttentionBatch, capture: tuple[int, ...] = ()):
-        """(ModelOutput, logits [T, V] float32) of one forward over the T new tokens of `attn`."""
+        """(ModelOutput, logits [T, V] float32) of one forward over the T new tokens of `attn`. After a replay these
+        are the graph's static outputs: read (or copy) them before the next step."""
         tree = any(m is not None for m in attn.tree_masks)
         g = self._graphs.get(self._key(attn.query_lens, tree, capture))
-        if g is None or max(c + q for c, q in zip(attn.context_lens, attn.query_lens)) > self.max_context:
+        longest = max(c + q for c, q in zip(attn.context_lens, attn.query_lens))
+        if g is None or not self.use_graphs or longest > self.max_context:
             self.eager_steps += 1
             return self._eager(ids, pos, attn, capture)
         backend = self.model.attn_backend
@@ -97,6 +100,11 @@ class ModelRunner:
     @staticmethod
     def _key(query_lens: Sequence[int], tree: bool, capture: tuple[int, ...]) -> tuple:
         return (tuple(int(q) for q in query_lens), bool(tree), tuple(capture))
+
+    def graph_for(self, query_lens: Sequence[int], tree: bool = False, capture: tuple[int, ...] = ()):
+        """The captured torch.cuda.CUDAGraph for a step shape, or None."""
+        g = self._graphs.get(self._key(query_lens, tree, capture))
+        return None if g is None else g.graph
 
     # ---- capture ---------------------------------------------------------------------------------
     @property

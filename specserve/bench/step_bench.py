@@ -1,0 +1,214 @@
+"""GPU step benchmark: decode and chain-verify step times of a synthetic full-size model against bytes floors.
+
+    python3 -m specserve.bench.step_bench [--models qwen3-30b-a3b,kimi-k2-layer] [--contexts 128,4096]
+                                          [--max-k 16] [--reps 30] [--eager-reps 5] [--out DIR]
+
+For each model (models/presets.py, random bf16 weights built on the GPU, engine from target_service/factory.py
+with the fused MoE, FlashInfer attention and CUDA graphs captured for decode and chains of 1..max_k drafted tokens)
+and each context length: prefill a random prompt, then for k = 0..max_k time one step over [pending] + k drafted
+tokens (TargetEngine.score_block: metadata, plan, forward, logits, rollback; nothing committed), eager and with
+the CUDA graph, median of many; plus the graph replay alone (CUDA events). Bytes floor of a step = dense weights
+(everything but the routed experts and the embedding table) + the T embedding rows + every distinct
+(layer, routed expert) the step's tokens were routed to (VerifyResult.experts_touched of one committed verify of
+the same block) + the K/V entries the step reads, over the measured device-to-device copy bandwidth (read + write
+bytes). Targets reported (not asserted): Qwen3-30B-A3B decode within 1.15x of its floor, 4-token verify (k = 3)
+within 1.25x. Prints a short table last; writes step_bench.json to --out (default $OUT, else the current folder).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+TARGETS = {"qwen3-30b-a3b": {0: 1.15, 3: 1.25}}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", default="qwen3-30b-a3b,kimi-k2-layer", help="preset specs NAME[:LAYERS], comma-separated")
+    p.add_argument("--contexts", default="128,4096", help="cached tokens before the step, comma-separated")
+    p.add_argument("--max-k", type=int, default=16, help="largest number of drafted tokens")
+    p.add_argument("--reps", type=int, default=30, help="timed steps per point with CUDA graphs")
+    p.add_argument("--eager-reps", type=int, default=5, help="timed eager steps per point (0: skip eager)")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--no-graphs", action="store_true", help="eager only (CPU smoke runs)")
+    p.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = p.parse_args(argv)
+    args.models = [m for m in args.models.split(",") if m]
+    args.contexts = [int(c) for c in args.contexts.split(",") if c]
+    if args.max_k < 0 or args.reps < 1 or args.eager_reps < 0 or min(args.contexts) < 2:
+        p.error("need --max-k >= 0, --reps >= 1, --eager-reps >= 0 and every context >= 2")
+    return args
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _median_ms(fn, reps: int, device: torch.device) -> float:
+    times = []
+    for _ in range(reps):
+        _sync(device)
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def _replay_ms(graph, reps: int) -> float:
+    """Median device time of one replay (CUDA events around each)."""
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def step_floor_bytes(roles: dict, config, t: int, experts_touched: int, kv_tokens: int, kv_entry_bytes: int) -> dict:
+    """Bytes one step must read at least: dense weights, T embedding rows, touched experts, K/V read."""
+    dense = roles["dense"] + t * config.hidden_size * 2
+    experts = experts_touched * roles["expert"]
+    kv = kv_tokens * kv_entry_bytes * config.num_layers
+    return {"dense": dense, "experts": experts, "kv": kv, "total": dense + experts + kv}
+
+
+def bench_model(spec: str, args: argparse.Namespace, bandwidth: float, log) -> dict:
+    from specserve.target_service.engine.types import DraftBlock
+    from specserve.target_service.factory import EngineConfig, build_engine
+    from specserve.target_service.models.presets import parameter_bytes, synthetic_config
+
+    device = torch.device(args.device)
+    config = synthetic_config(spec)
+    roles = parameter_bytes(config)
+    max_ctx = max(args.contexts) + args.max_k + 8
+    blocks = -(-(max_ctx + 2 * args.max_k + 64) // args.block_size) + 4
+    t0 = time.perf_counter()
+    engine = build_engine(EngineConfig(
+        model=f"synthetic:{spec}", device=args.device, dtype=args.dtype, num_kv_blocks=blocks,
+        kv_block_size=args.block_size, cuda_graphs=False if args.no_graphs else None, graph_max_draft=args.max_k,
+        max_context=max_ctx + 2 * args.max_k + 32,
+    ))
+    build_s = time.perf_counter() - t0
+    runner = engine.runner
+    backend = type(engine.model.attn_backend).__name__ if engine.model.attn_backend is not None else "torch"
+    moe_fn = engine.model.model.layers[config.moe_layers[0]].mlp.experts_fn.__name__ if config.moe_layers else "-"
+    kv_entry_bytes = 2
+    for n in engine.model.kv_entry_shape():
+        kv_entry_bytes *= n
+    log(f"{spec}: built in {build_s:.1f}s (attention {backend}, experts {moe_fn}, graphs {len(runner.graph_keys)})")
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for ctx in args.contexts:
+        sid = f"bench-{ctx}"
+        prompt = torch.randint(0, config.vocab_size, (ctx - 1,), generator=gen).tolist()
+        engine.prefill(sid, prompt)
+        for k in range(args.max_k + 1):
+            block = DraftBlock(token_ids=tuple(torch.randint(0, config.vocab_size, (k,), generator=gen).tolist()))
+            cached = engine.session(sid).cached_len
+            row = {"model": spec, "context": cached, "k": k, "tokens": k + 1}
+            runner.use_graphs = True
+            graph_logits = engine.score_block(sid, block).clone()  # a replay's logits are the graph's buffer
+            graph_steps = runner.graph_steps
+            row["graph_ms"] = _median_ms(lambda: engine.score_block(sid, block), args.reps, device)
+            row["graph_used"] = runner.graph_steps > graph_steps
+            graph = runner.graph_for((k + 1,))
+            if graph is not None and row["graph_used"]:
+                engine.score_block(sid, block)  # leaves the graph planned for this step
+                row["replay_ms"] = _replay_ms(graph, args.reps)
+            if args.eager_reps:
+                runner.use_graphs = False
+                eager_logits = engine.score_block(sid, block)
+                row["eager_ms"] = _median_ms(lambda: engine.score_block(sid, block), args.eager_reps, device)
+                row["graph_vs_eager_max_abs"] = float((graph_logits - eager_logits).abs().max())
+                row["graph_argmax_equal"] = bool(torch.equal(graph_logits.argmax(-1), eager_logits.argmax(-1)))
+                runner.use_graphs = True
+            result = engine.verify(sid, block)
+            row["experts_touched"] = result.experts_touched
+            fb = step_floor_bytes(roles, config, k + 1, result.experts_touched, cached + k + 1, kv_entry_bytes)
+            row["floor_bytes"] = fb
+            row["floor_ms"] = fb["total"] / bandwidth * 1e3
+            best = row.get("replay_ms", row["graph_ms"])
+            row["x_floor"] = best / row["floor_ms"]
+            target = TARGETS.get(spec, {}).get(k)
+            if target is not None:
+                row["target_x_floor"] = target
+            rows.append(row)
+            log(f"  ctx {cached} k {k}: " + ", ".join(f"{key} {row[key]:.3f}" for key in
+                                                     ("floor_ms", "graph_ms", "replay_ms", "eager_ms") if key in row))
+        engine.release(sid)
+    info = {"model": spec, "attention": backend, "experts_fn": moe_fn, "build_s": build_s,
+            "graphs": len(runner.graph_keys), "weight_bytes": roles, "kv_entry_bytes": kv_entry_bytes, "rows": rows}
+    del engine, runner
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return info
+
+
+def format_table(results: list[dict], bandwidth: float) -> str:
+    lines = [f"copy bandwidth {bandwidth / 1e12:.2f} TB/s (read+write); times in ms; x floor uses replay (graph) time",
+             "| model | ctx | k | experts | floor | eager | graph step | replay | x floor | target | graph==eager |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for res in results:
+        if "error" in res:
+            lines.append(f"| {res['model']} | error: {res['error'][:120]} |")
+            continue
+        for r in res["rows"]:
+            def f(key: str, fmt: str = "{:.3f}") -> str:
+                return fmt.format(r[key]) if key in r else "-"
+            eq = "-" if "graph_argmax_equal" not in r else ("yes" if r["graph_argmax_equal"] else "NO")
+            lines.append(f"| {r['model']} | {r['context']} | {r['k']} | {r['experts_touched']} | {f('floor_ms')} | "
+                         f"{f('eager_ms')} | {f('graph_ms')} | {f('replay_ms')} | {f('x_floor', '{:.2f}')} | "
+                         f"{f('target_x_floor', '{:.2f}')} | {eq} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    from specserve.bench.bandwidth import measure_copy_bandwidth
+
+    def log(msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
+
+    bw = measure_copy_bandwidth(args.device, (1 << 30) if args.device.startswith("cuda") else (64 << 20), 20)
+    log(f"copy bandwidth {bw.bytes_per_s / 1e12:.3f} TB/s")
+    report = {"bandwidth": bw.as_dict(), "args": {k: v for k, v in vars(args).items()}, "results": []}
+    if torch.cuda.is_available() and args.device.startswith("cuda"):
+        report["device_name"] = torch.cuda.get_device_name()
+    for spec in args.models:
+        try:
+            report["results"].append(bench_model(spec, args, bw.bytes_per_s, log))
+        except Exception as e:  # keep the other models' numbers; the error goes in the report
+            log(traceback.format_exc())
+            report["results"].append({"model": spec, "error": f"{type(e).__name__}: {e}"})
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+        (out / "step_bench.json").write_text(json.dumps(report, indent=1, default=str))
+    table = format_table(report["results"], bw.bytes_per_s)
+    (out / "step_bench.md").write_text(table + "\n")
+    print(table)
+    return 0 if all("error" not in r for r in report["results"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
