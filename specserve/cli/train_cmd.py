@@ -95,7 +95,8 @@ def _run_tokenizer(args) -> int:
     tok = train_tokenizer(corpus.texts("train"), TokenizerSpec(vocab_size=args.vocab_size))
     save_tokenizer(tok, args.out)
     info = {"python": corpus.python_version, "train_files": len(corpus.train_files),
-            "heldout_files": len(corpus.heldout_files), "vocab_size": tok.get_vocab_size()}
+            "valid_files": len(corpus.valid_files), "heldout_files": len(corpus.heldout_files),
+            "vocab_size": tok.get_vocab_size()}
     write_json(args.out / "tokenizer_info.json", info)
     log("tokenizer", out=str(args.out), **info)
     return 0
@@ -123,9 +124,11 @@ def _run_target(args) -> int:
     tok = load_tokenizer(args.tokenizer)
     corpus = _corpus(args)
     train_stream = encode_stream(tok, corpus.texts("train"))
+    valid_stream = encode_stream(tok, corpus.texts("valid"))
     heldout_texts = corpus.texts("heldout")
     heldout_stream = encode_stream(tok, heldout_texts)
-    log("corpus", python=corpus.python_version, train_tokens=len(train_stream), heldout_tokens=len(heldout_stream))
+    log("corpus", python=corpus.python_version, train_tokens=len(train_stream), valid_tokens=len(valid_stream),
+        heldout_tokens=len(heldout_stream))
     spec = apply_arch(TargetSpec(vocab_size=tok.get_vocab_size()), parse_arch(args.arch))
     model = DeepseekV3ForCausalLM(spec.hf_config())
     n_params = sum(p.numel() for p in model.parameters())
@@ -133,10 +136,9 @@ def _run_target(args) -> int:
     tspec = LMTrainSpec(steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
                         eval_every=args.eval_every, eval_windows=args.eval_windows,
                         time_limit_s=args.time_limit_s, seed=args.seed)
-    summary = train_lm(model, train_stream, heldout_stream, tspec, device, log,
+    summary = train_lm(model, train_stream, valid_stream, tspec, device, log,
                        load_tracker_rate=tspec.bias_update_rate)
     uni = unigram_cross_entropy(train_stream, heldout_stream, spec.vocab_size)
-    final = summary["heldout_history"][-1]["heldout_loss"] if summary["heldout_history"] else None
     from specserve.train.data import eval_windows
     from specserve.train.target import heldout_loss
 
@@ -151,7 +153,8 @@ def _run_target(args) -> int:
     info = {
         **run_info(args),
         "corpus": {"python": corpus.python_version, "root": str(corpus.root), "train_files": len(corpus.train_files),
-                   "heldout_files": len(corpus.heldout_files), "train_tokens": int(len(train_stream)),
+                   "valid_files": len(corpus.valid_files), "heldout_files": len(corpus.heldout_files),
+                   "train_tokens": int(len(train_stream)), "valid_tokens": int(len(valid_stream)),
                    "heldout_tokens": int(len(heldout_stream))},
         "params": n_params,
         "arch": spec.__dict__,

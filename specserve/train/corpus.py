@@ -1,9 +1,10 @@
 """The training corpus: the Python standard library source of the interpreter that runs the command.
 
 Files are ``*.py`` under ``sysconfig.get_paths()["stdlib"]``, sorted by relative path, skipping the
-``test``/``tests`` packages and ``site-packages``. The held-out split is by file and does not depend
-on the file list: a file is held out when ``crc32(relative_path) % HELDOUT_MODULUS == 0`` (about one
-file in 20), so the same module names are held out on every interpreter version.
+``test``/``tests`` packages and ``site-packages``. The splits are by file and do not depend on the file
+list: with ``r = crc32(relative_path) % MODULUS`` a file is held out when r == 0 (about one file in 20;
+only for the final report and the acceptance prompts), used for validation (early stopping) when r == 1,
+and trained on otherwise, so the same module names are held out on every interpreter version.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from pathlib import Path
 
 from specserve.errors import SpecserveError
 
-HELDOUT_MODULUS = 20
+MODULUS = 20
 SKIP_DIRS = frozenset({"test", "tests", "site-packages", "__pycache__", "idle_test"})
 
 
@@ -43,6 +44,7 @@ class Corpus:
     root: Path
     python_version: str
     train_files: tuple[str, ...]  # relative paths, sorted
+    valid_files: tuple[str, ...]
     heldout_files: tuple[str, ...]
     spec: CorpusSpec
 
@@ -53,14 +55,15 @@ class Corpus:
         return text
 
     def texts(self, split: str) -> list[str]:
-        if split not in ("train", "heldout"):
-            raise CorpusError(f"split must be 'train' or 'heldout', got {split!r}")
-        files = self.train_files if split == "train" else self.heldout_files
+        files = {"train": self.train_files, "valid": self.valid_files, "heldout": self.heldout_files}.get(split)
+        if files is None:
+            raise CorpusError(f"split must be 'train', 'valid' or 'heldout', got {split!r}")
         return [self.read(rel) for rel in files]
 
 
-def is_heldout(rel_path: str) -> bool:
-    return zlib.crc32(rel_path.encode("utf-8")) % HELDOUT_MODULUS == 0
+def split_of(rel_path: str) -> str:
+    r = zlib.crc32(rel_path.encode("utf-8")) % MODULUS
+    return "heldout" if r == 0 else "valid" if r == 1 else "train"
 
 
 def stdlib_root() -> Path:
@@ -87,14 +90,14 @@ def list_files(root: Path) -> list[str]:
 def load_corpus(spec: CorpusSpec = CorpusSpec()) -> Corpus:
     root = spec.root if spec.root is not None else stdlib_root()
     files = list_files(root)
-    train = [f for f in files if not is_heldout(f)]
-    heldout = [f for f in files if is_heldout(f)]
+    parts = {name: [f for f in files if split_of(f) == name] for name in ("train", "valid", "heldout")}
     if spec.max_files is not None:
-        train, heldout = train[: spec.max_files], heldout[: spec.max_files]
-    if not train or not heldout:
-        raise CorpusError(f"split of {len(files)} files under {root} left an empty train or held-out part")
+        parts = {name: fs[: spec.max_files] for name, fs in parts.items()}
+    empty = [name for name, fs in parts.items() if not fs]
+    if empty:
+        raise CorpusError(f"split of {len(files)} files under {root} left empty part(s): {empty}")
     version = "%d.%d.%d" % sys.version_info[:3]
-    return Corpus(root, version, tuple(train), tuple(heldout), spec)
+    return Corpus(root, version, tuple(parts["train"]), tuple(parts["valid"]), tuple(parts["heldout"]), spec)
 
 
 _DEF_LINE = re.compile(r"^(?:    )?(?:def |class |async def )", re.MULTILINE)

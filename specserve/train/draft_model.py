@@ -107,11 +107,11 @@ def train_draft_model(draft, target, batches: MixedBatches, spec: DistillSpec, d
         step += 1
         if step % 50 == 0 or step == 1:
             agree = greedy_agreement(d_logits.detach(), t_logits)
-            log("train_draft_model", step=step, loss=float(loss), greedy_agreement=agree, lr=lr)
+            log("train_draft_model", step=step, loss=float(loss.detach()), greedy_agreement=agree, lr=lr)
     return {
         "steps_run": step,
         "stopped_by": "steps" if step >= spec.steps else "time_limit",
         "train_seconds": round(time.monotonic() - t0, 1),
-        "last_loss": float(loss),
+        "last_loss": float(loss.detach()),
         "last_greedy_agreement": agree,
     }

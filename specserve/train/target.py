@@ -201,19 +201,21 @@ class RouterLoadTracker:
             h.remove()
 
 
-def train_lm(model, train_stream, heldout_stream, spec: LMTrainSpec, device: torch.device, log: Logger,
+def train_lm(model, train_stream, valid_stream, spec: LMTrainSpec, device: torch.device, log: Logger,
              load_tracker_rate: float | None = None) -> dict:
-    """Plain next-token LM training on random windows; returns the run's summary."""
+    """Plain next-token LM training on random windows, early-stopped on the validation stream: the
+    weights of the best validation evaluation are restored at the end. Returns the run's summary."""
     model.to(device).train()
     pick_experts_implementation(model, device, log)
     sampler = WindowSampler(train_stream, spec.seq_len, spec.batch_size, spec.seed)
-    ev = eval_windows(heldout_stream, spec.seq_len, spec.eval_windows)
+    ev = eval_windows(valid_stream, spec.seq_len, spec.eval_windows)
     opt = make_optimizer(model.parameters(), spec.lr, spec.weight_decay, device)
     sched = spec.schedule()
     tracker = RouterLoadTracker(model, load_tracker_rate) if load_tracker_rate else None
     t0 = time.monotonic()
     step, loss_val, imbalance = 0, float("nan"), 1.0
     history = []
+    best = (float("inf"), 0, None)  # (valid loss, step, state on CPU)
     while True:
         progress = sched.progress(step, time.monotonic() - t0)
         if progress >= 1.0:
@@ -236,22 +238,32 @@ def train_lm(model, train_stream, heldout_stream, spec: LMTrainSpec, device: tor
             log("train", step=step, loss=loss_val, lr=lr, max_load_ratio=imbalance,
                 tok_per_s=round(step * spec.batch_size * spec.seq_len / (time.monotonic() - t0)))
         if step % spec.eval_every == 0:
-            h = heldout_loss(model, ev, device)
-            history.append({"step": step, "heldout_loss": h})
-            log("eval", step=step, heldout_loss=h)
+            best = _evaluate(model, ev, device, step, history, best, log)
     if tracker is not None:
         tracker.close()
-    final = heldout_loss(model, ev, device)
-    log("eval", step=step, heldout_loss=final)
+    best = _evaluate(model, ev, device, step, history, best, log)
+    model.load_state_dict(best[2])
+    log("restored_best", step=best[1], valid_loss=best[0])
     return {
+        "best_step": best[1],
+        "best_valid_loss": best[0],
         "steps_run": step,
         "stopped_by": "steps" if step >= spec.steps else "time_limit",
         "train_seconds": round(time.monotonic() - t0, 1),
         "last_train_loss": loss_val,
-        "heldout_loss_windows": int(len(ev)),
-        "heldout_history": history,
+        "valid_windows": int(len(ev)),
+        "valid_history": history,
         "final_max_load_ratio": imbalance,
     }
+
+
+def _evaluate(model, windows, device, step, history, best, log):
+    loss = heldout_loss(model, windows, device)
+    history.append({"step": step, "valid_loss": loss})
+    log("eval", step=step, valid_loss=loss)
+    if loss < best[0]:
+        best = (loss, step, {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()})
+    return best
 
 
 def save_bf16_pretrained(model, out_dir: Path, keep_fp32: tuple[str, ...] = ("e_score_correction_bias",)) -> None:

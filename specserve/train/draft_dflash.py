@@ -1,0 +1,187 @@
+"""Train a DFlash-style block drafter (helper C's ``DFlashModel``, draft_service/dflash.py).
+
+The proposer's alignment: for a pending token at position a, the context is the target's features of
+positions 0..a-1 (fused by ``fc``, one K/V per draft layer); the block's queries are
+[embed(t_a), mask, ..., mask] at positions a..a+b-1, non-causal inside the block, each seeing the whole
+context; output i predicts the token at position a+1+i, i.e. the target's next-token distribution at
+position a+i (teacher-forced soft labels, weighted ``decay**i``).
+
+Training runs many blocks (random anchors a) of several sequences in one pass. ``blocks_logits`` is the
+batched form of ``DFlashModel.block_logits`` — the same submodules and helpers applied to many blocks
+under one mask (context keys of the block's own sequence before its anchor + the block's own keys);
+tests/specserve/test_train.py checks it against ``block_logits`` block by block.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+
+from specserve.train.common import Schedule, TrainError, apply_arch, autocast, make_optimizer
+from specserve.train.distill import MixedBatches, target_outputs
+from specserve.train.draft_eagle3 import default_capture_layers
+
+
+@dataclass(frozen=True)
+class DFlashSpec:
+    hidden_size: int = 192
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 48
+    intermediate_size: int = 512
+    block_size: int = 5
+    anchors: int = 32  # random anchors per sequence per step
+    group: int = 8  # sequences per flattened pass
+    position_decay: float = 0.8
+
+    def __post_init__(self) -> None:
+        for name, value in asdict(self).items():
+            if not value > 0:
+                raise TrainError(f"DFlashSpec.{name} must be > 0, got {value}")
+        if self.block_size < 2:
+            raise TrainError("block_size must be >= 2")
+
+
+def build_dflash(target, spec: DFlashSpec, layers: tuple[int, ...]):
+    from specserve.draft_service.dflash import DFlashConfig, DFlashModel
+
+    cfg = DFlashConfig(
+        hidden_size=spec.hidden_size,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_kv_heads,
+        head_dim=spec.head_dim,
+        intermediate_size=spec.intermediate_size,
+        vocab_size=target.config.vocab_size,
+        block_size=spec.block_size,
+        target_hidden_size=target.config.hidden_size,
+        target_layer_ids=layers,
+    )
+    model = DFlashModel(cfg)
+    with torch.no_grad():
+        torch.nn.init.normal_(model.mask_embedding, std=0.02)
+    return model
+
+
+def blocks_logits(model, ids: torch.Tensor, feats: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
+    """ids [G, T], feats [G, T, F], anchors [G, A] (1 <= a <= T - b) -> logits [G, A, b, V] float32."""
+    from specserve.target_service.models.attention import attend
+    from specserve.target_service.models.rope import RotaryEmbedding
+
+    c, b = model.cfg, model.cfg.block_size
+    G, T = ids.shape
+    A = anchors.shape[1]
+    dev = ids.device
+    ctx_pos = torch.arange(T, device=dev).repeat(G)  # [G*T]
+    ctx_kv = model.context_kv(feats.reshape(G * T, -1), ctx_pos)
+    first = torch.gather(ids, 1, anchors).reshape(-1)  # [M] pending tokens, M = G * A
+    M = first.shape[0]
+    x = torch.cat([model.embed_tokens(first)[:, None], model.mask_embedding.expand(M, b - 1, -1)], dim=1)
+    x = x.reshape(M * b, -1)  # [Q, H]
+    q_pos = (anchors.reshape(-1, 1) + torch.arange(b, device=dev)).reshape(-1)  # [Q]
+    q_seq = torch.arange(G, device=dev).repeat_interleave(A * b)  # [Q]
+    q_anchor = anchors.reshape(-1).repeat_interleave(b)  # [Q]
+    q_block = torch.arange(M, device=dev).repeat_interleave(b)  # [Q]
+    k_seq = torch.arange(G, device=dev).repeat_interleave(T)  # [G*T]
+    ctx_mask = (q_seq[:, None] == k_seq[None, :]) & (ctx_pos[None, :] < q_anchor[:, None])
+    mask = torch.cat([ctx_mask, q_block[:, None] == q_block[None, :]], dim=1)  # [Q, G*T + Q]
+    cos, sin = model.rotary.cos_sin(q_pos, x.dtype)
+    nq = x.shape[0]
+    for layer, (ck, cv) in zip(model.layers, ctx_kv):
+        h = layer.input_layernorm(x)
+        q = RotaryEmbedding.apply(layer.q_proj(h).view(nq, c.num_attention_heads, c.head_dim), cos, sin, False)
+        k = RotaryEmbedding.apply(layer.k_proj(h).view(nq, c.num_key_value_heads, c.head_dim), cos, sin, False)
+        v = layer.v_proj(h).view(nq, c.num_key_value_heads, c.head_dim)
+        out = attend(q, torch.cat([ck, k]), torch.cat([cv, v]), mask, c.head_dim**-0.5)
+        x = x + layer.o_proj(out.reshape(nq, -1))
+        y = layer.post_attention_layernorm(x)
+        x = x + layer.down_proj(F.silu(layer.gate_proj(y)) * layer.up_proj(y))
+    return model.lm_head(model.norm(x)).float().view(G, A, b, -1)
+
+
+def block_loss(model, ids, feats, probs, anchors, decay: float):
+    """-> (weighted soft cross entropy, argmax agreement per block position)."""
+    b = model.cfg.block_size
+    logits = blocks_logits(model, ids, feats, anchors)  # [G, A, b, V]
+    idx = anchors[:, :, None] + torch.arange(b, device=ids.device)  # [G, A, b] label positions a + i
+    labels = torch.gather(probs, 1, idx.reshape(ids.shape[0], -1, 1).expand(-1, -1, probs.shape[-1]))
+    labels = labels.view_as(logits)
+    ce = -(labels * F.log_softmax(logits, dim=-1)).sum(-1).mean(dim=(0, 1))  # [b]
+    w = decay ** torch.arange(b, device=ids.device, dtype=ce.dtype)
+    with torch.no_grad():
+        agree = (logits.argmax(-1) == labels.argmax(-1)).float().mean(dim=(0, 1))
+    return (w * ce).sum() / w.sum(), [round(float(a), 3) for a in agree]
+
+
+def sample_anchors(gen: torch.Generator, groups: int, length: int, spec: DFlashSpec, device) -> torch.Tensor:
+    hi = length - spec.block_size  # a <= T - b so that labels a + b - 1 <= T - 1
+    if hi < 1:
+        raise TrainError(f"sequences of {length} tokens are too short for blocks of {spec.block_size}")
+    a = torch.randint(1, hi + 1, (groups, spec.anchors), generator=gen)
+    return a.to(device)
+
+
+def train_dflash_job(job) -> dict:
+    from specserve.draft_service.dflash import save_dflash
+
+    spec = apply_arch(DFlashSpec(), job.arch)
+    layers = default_capture_layers(job.target.config.num_hidden_layers)
+    torch.manual_seed(job.seed)
+    model = build_dflash(job.target, spec, layers).to(job.device).train()
+    batches = MixedBatches(job.sequences, job.train_stream, job.batch_size, 0.75, job.seed)
+    T = job.sequences.shape[1]
+    G = min(spec.group, job.batch_size)
+    gen = torch.Generator().manual_seed(job.seed)
+    opt = make_optimizer(model.parameters(), job.lr, 0.0, job.device)
+    sched = Schedule(job.lr, job.steps, min(100, job.steps // 10 + 1), time_limit_s=job.time_limit_s)
+    t0, step, agree = time.monotonic(), 0, []
+    while True:
+        progress = sched.progress(step, time.monotonic() - t0)
+        if progress >= 1.0:
+            break
+        lr = sched.lr_at(step, progress)
+        for g in opt.param_groups:
+            g["lr"] = lr
+        ids = batches.next().to(job.device)
+        logits, feats = target_outputs(job.target, ids, layers)
+        probs = logits.softmax(-1)
+        opt.zero_grad(set_to_none=True)
+        for i in range(0, len(ids) - G + 1, G):
+            anchors = sample_anchors(gen, G, T, spec, job.device)
+            with autocast(job.device):
+                loss, agree = block_loss(model, ids[i : i + G], feats[i : i + G], probs[i : i + G], anchors,
+                                         spec.position_decay)
+            (loss * G / len(ids)).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        step += 1
+        if step % 50 == 0 or step == 1:
+            job.log("train_dflash", step=step, loss=float(loss.detach()), lr=lr, agreement_by_position=agree)
+    heldout = heldout_agreement(model, job, layers, spec, G)
+    model.to("cpu").to(torch.bfloat16)
+    save_dflash(model, job.out_dir)
+    return {"steps_run": step, "stopped_by": "steps" if step >= job.steps else "time_limit",
+            "train_seconds": round(time.monotonic() - t0, 1), "target_layer_ids": list(layers),
+            "last_agreement_by_position": agree, "heldout_agreement_by_position": heldout, "arch": asdict(spec)}
+
+
+@torch.no_grad()
+def heldout_agreement(model, job, layers, spec: DFlashSpec, G: int) -> list[float]:
+    model.eval()
+    seqs = job.heldout_sequences
+    gen = torch.Generator().manual_seed(job.seed + 7)
+    sums, n = [0.0] * spec.block_size, 0
+    for i in range(0, len(seqs) - G + 1, G):
+        ids = seqs[i : i + G].to(job.device)
+        logits, feats = target_outputs(job.target, ids, layers)
+        anchors = sample_anchors(gen, G, ids.shape[1], spec, job.device)
+        with autocast(job.device):
+            _, agree = block_loss(model, ids, feats, logits.softmax(-1), anchors, spec.position_decay)
+        sums = [s + a for s, a in zip(sums, agree)]
+        n += 1
+    model.train()
+    return [round(s / max(n, 1), 4) for s in sums]

@@ -1,0 +1,200 @@
+"""Train an EAGLE-3 head (helper C's ``Eagle3Head``, published layout) against the frozen target.
+
+Alignment is the proposer's (draft_service/eagle3.py): the head's entry for sequence position j
+(1 <= j <= T-1) reads token t_j and fc(target features of position j-1) at draft position j-1, and its
+output predicts the target's next-token distribution at position j.
+
+Training-time test (EAGLE-3): pass 1 feeds target features; pass p >= 2 feeds, at entry j, the head's
+own pass-(p-1) output at entry j-1 — exactly what drafting token p-1 after a pending token at
+position j-p+1 sees. Its attention covers pass-1 entries up to j-p+1 (the confirmed context) and the
+pass-q entries at j-p+q for q = 2..p (the drafted chain so far). Labels are the target's soft
+distributions (teacher-forced), weighted 0.8^(p-1).
+
+Sequences are trained G at a time, flattened into one token axis with a block-diagonal mask (the head
+runs one sequence per call; the mask keeps sequences apart).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+
+from specserve.train.common import Logger, Schedule, TrainError, apply_arch, autocast, make_optimizer
+from specserve.train.distill import MixedBatches, target_outputs
+
+
+@dataclass(frozen=True)
+class Eagle3Spec:
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 64
+    intermediate_size: int = 640
+    ttt_steps: int = 4  # training-time-test passes
+    group: int = 8  # sequences per flattened head call
+    pass_decay: float = 0.8
+
+    def __post_init__(self) -> None:
+        for name, value in asdict(self).items():
+            if not value > 0:
+                raise TrainError(f"Eagle3Spec.{name} must be > 0, got {value}")
+
+
+def default_capture_layers(num_layers: int) -> tuple[int, ...]:
+    """Outputs of decoder layers (1, L//2, L-1) (low, middle, last before the final norm), distinct and
+    inside [0, L) for a small target (EAGLE-3's (2, L/2, L-3) layer inputs collapse for L < 8)."""
+    if num_layers < 3:
+        raise TrainError(f"EAGLE-3 fuses 3 distinct target layers; the target has {num_layers}")
+    layers = sorted({1, num_layers // 2, num_layers - 1})
+    while len(layers) < 3:
+        layers = sorted(set(layers) | {min(set(range(num_layers)) - set(layers))})
+    return tuple(layers)
+
+
+def head_config(target_config, spec: Eagle3Spec, layers: tuple[int, ...]) -> dict:
+    """config.json of the head: llama-style fields + draft_vocab_size, target_hidden_size and
+    eagle_aux_hidden_state_layer_ids (layer INPUTS, i.e. our capture layer + 1)."""
+    return {
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "model_type": "llama",
+        "hidden_size": target_config.hidden_size,
+        "intermediate_size": spec.intermediate_size,
+        "num_attention_heads": spec.num_heads,
+        "num_key_value_heads": spec.num_kv_heads,
+        "head_dim": spec.head_dim,
+        "num_hidden_layers": 1,
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": target_config.max_position_embeddings,
+        "rope_theta": 10000.0,
+        "vocab_size": target_config.vocab_size,
+        "draft_vocab_size": target_config.vocab_size,
+        "target_hidden_size": target_config.hidden_size,
+        "eagle_aux_hidden_state_layer_ids": [i + 1 for i in layers],
+        "tie_word_embeddings": False,
+        "bos_token_id": target_config.bos_token_id,
+        "eos_token_id": target_config.eos_token_id,
+        "torch_dtype": "bfloat16",
+    }
+
+
+def build_head(target, spec: Eagle3Spec, layers: tuple[int, ...]):
+    from specserve.draft_service.eagle3_head import Eagle3Config, Eagle3Head
+
+    cfg = Eagle3Config.from_dict(head_config(target.config, spec, layers))
+    head = Eagle3Head(cfg, with_embeddings=True)
+    with torch.no_grad():
+        head.embed_tokens.weight.copy_(target.model.embed_tokens.weight.float().cpu())
+        head.t2d.fill_(True)  # full draft vocabulary: draft id == target id (d2t = 0)
+    head.embed_tokens.weight.requires_grad_(False)
+    return head
+
+
+def ttt_masks(groups: int, length: int, passes: int, device) -> list[torch.Tensor]:
+    """Pass p's mask [N, p * N] over keys cat(K_1 .. K_p), N = groups * (length - 1) entries."""
+    n_ent = length - 1
+    g = torch.arange(groups, device=device).repeat_interleave(n_ent)  # [N]
+    j = torch.arange(1, length, device=device).repeat(groups)  # [N] sequence position of each entry
+    same = g[:, None] == g[None, :]
+    diff = j[:, None] - j[None, :]  # j_query - j_key
+    masks = []
+    for p in range(1, passes + 1):
+        blocks = [same & (diff >= p - 1)]
+        blocks += [same & (diff == p - q) for q in range(2, p + 1)]
+        masks.append(torch.cat(blocks, dim=1))
+    return masks
+
+
+def ttt_loss(head, ids: torch.Tensor, feats: torch.Tensor, probs: torch.Tensor, masks, spec: Eagle3Spec):
+    """ids [G, T], feats [G, T, 3Ht], probs [G, T, V] -> (weighted loss, per-pass argmax agreement)."""
+    G, T = ids.shape
+    n_ent = T - 1
+    tok = ids[:, 1:].reshape(-1)  # [N]
+    pos = torch.arange(n_ent, device=ids.device).repeat(G)  # [N] draft position j - 1
+    jpos = pos + 1
+    labels = probs[:, 1:].reshape(G * n_ent, -1)  # [N, V]
+    emb = head.embed(tok)
+    feat = head.fuse(feats[:, :-1].reshape(G * n_ent, -1))
+    ks, vs = [], []
+    total, agree = 0.0, []
+    for p in range(1, spec.ttt_steps + 1):
+        past_k = torch.cat(ks) if ks else emb.new_zeros(0, head.cfg.attention.num_kv_heads, head.cfg.attention.head_dim)
+        past_v = torch.cat(vs) if vs else past_k
+        out, k, v = head.step(emb, feat, pos, past_k, past_v, masks[p - 1])
+        ks.append(k)
+        vs.append(v)
+        logits = head.logits(out)  # [N, V]
+        valid = jpos >= p
+        logp = F.log_softmax(logits, dim=-1)
+        loss = -(labels * logp).sum(-1)[valid].mean()
+        total = total + spec.pass_decay ** (p - 1) * loss
+        with torch.no_grad():
+            agree.append(float((logits.argmax(-1) == labels.argmax(-1))[valid].float().mean()))
+        # next pass: entry j reads this pass's output at entry j - 1 (within the same sequence)
+        prev = out.view(G, n_ent, -1)
+        feat = torch.cat([prev[:, :1], prev[:, :-1]], dim=1).reshape(G * n_ent, -1)
+    return total, agree
+
+
+def train_eagle3_job(job) -> dict:
+    from specserve.draft_service.eagle3_head import save_eagle3_head
+
+    spec = apply_arch(Eagle3Spec(), job.arch)
+    layers = default_capture_layers(job.target.config.num_hidden_layers)
+    torch.manual_seed(job.seed)
+    head = build_head(job.target, spec, layers).to(job.device).train()
+    batches = MixedBatches(job.sequences, job.train_stream, job.batch_size, 0.75, job.seed)
+    T = job.sequences.shape[1]
+    G = min(spec.group, job.batch_size)
+    masks = ttt_masks(G, T, spec.ttt_steps, job.device)
+    opt = make_optimizer(head.parameters(), job.lr, 0.0, job.device)
+    sched = Schedule(job.lr, job.steps, min(100, job.steps // 10 + 1), time_limit_s=job.time_limit_s)
+    t0, step, agree = time.monotonic(), 0, []
+    while True:
+        progress = sched.progress(step, time.monotonic() - t0)
+        if progress >= 1.0:
+            break
+        lr = sched.lr_at(step, progress)
+        for g in opt.param_groups:
+            g["lr"] = lr
+        ids = batches.next().to(job.device)
+        logits, feats = target_outputs(job.target, ids, layers)
+        probs = logits.softmax(-1)
+        opt.zero_grad(set_to_none=True)
+        for i in range(0, len(ids) - G + 1, G):
+            with autocast(job.device):
+                loss, agree = ttt_loss(head, ids[i : i + G], feats[i : i + G], probs[i : i + G], masks, spec)
+            (loss * G / len(ids)).backward()
+        torch.nn.utils.clip_grad_norm_([p for p in head.parameters() if p.requires_grad], 1.0)
+        opt.step()
+        step += 1
+        if step % 50 == 0 or step == 1:
+            job.log("train_eagle3", step=step, loss=float(loss.detach()), lr=lr,
+                    agreement_by_pass=[round(a, 3) for a in agree])
+    heldout = heldout_agreement(head, job, layers, spec, G)
+    head.to("cpu").to(torch.bfloat16)
+    save_eagle3_head(head, job.out_dir, with_embeddings=False)
+    return {"steps_run": step, "stopped_by": "steps" if step >= job.steps else "time_limit",
+            "train_seconds": round(time.monotonic() - t0, 1), "capture_layers": list(layers),
+            "last_agreement_by_pass": agree, "heldout_agreement_by_pass": heldout, "arch": asdict(spec)}
+
+
+@torch.no_grad()
+def heldout_agreement(head, job, layers, spec: Eagle3Spec, G: int) -> list[float]:
+    """Per-pass argmax agreement with the target on held-out self-distilled sequences."""
+    head.eval()
+    seqs = job.heldout_sequences
+    masks = ttt_masks(G, seqs.shape[1], spec.ttt_steps, job.device)
+    sums = [0.0] * spec.ttt_steps
+    n = 0
+    for i in range(0, len(seqs) - G + 1, G):
+        ids = seqs[i : i + G].to(job.device)
+        logits, feats = target_outputs(job.target, ids, layers)
+        with autocast(job.device):
+            _, agree = ttt_loss(head, ids, feats, logits.softmax(-1), masks, spec)
+        sums = [s + a for s, a in zip(sums, agree)]
+        n += 1
+    head.train()
+    return [round(s / max(n, 1), 4) for s in sums]

@@ -1,0 +1,159 @@
+"""`specserve train ...` end to end on a tiny slice of this interpreter's stdlib (CPU, a few steps each):
+the outputs load in transformers and in our engine (same logits), every drafter family loads through
+the proposer registry and stays lossless in a speculative greedy run."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from specserve.cli.main import main
+from specserve.train.corpus import CorpusSpec, load_corpus, prompt_snippets, split_of
+
+CORPUS = ["--max-files", "3", "--max-chars-per-file", "1500"]
+TINY_TARGET = [
+    "--arch", "hidden_size=32", "--arch", "num_layers=3", "--arch", "num_heads=2", "--arch", "q_lora_rank=16",
+    "--arch", "kv_lora_rank=16", "--arch", "qk_nope_head_dim=8", "--arch", "qk_rope_head_dim=8",
+    "--arch", "v_head_dim=8", "--arch", "intermediate_size=48", "--arch", "moe_intermediate_size=16",
+    "--arch", "n_routed_experts=4", "--arch", "n_group=2", "--arch", "topk_group=1",
+    "--arch", "num_experts_per_tok=2",
+]
+DRAFT_ARCH = {
+    "model": ["--arch", "hidden_size=32", "--arch", "num_layers=1", "--arch", "intermediate_size=32"],
+    "eagle3": ["--arch", "num_heads=2", "--arch", "num_kv_heads=1", "--arch", "head_dim=16",
+               "--arch", "intermediate_size=32", "--arch", "ttt_steps=2", "--arch", "group=2"],
+    "dflash": ["--arch", "hidden_size=32", "--arch", "num_layers=1", "--arch", "num_heads=2",
+               "--arch", "num_kv_heads=1", "--arch", "head_dim=16", "--arch", "intermediate_size=32",
+               "--arch", "block_size=3", "--arch", "anchors=4", "--arch", "group=2"],
+}
+SD = ["--sd-prompts", "4", "--sd-prompt-len", "8", "--sd-new-tokens", "8", "--sd-batch-size", "4"]
+
+
+def test_splits_are_by_name_and_disjoint():
+    assert split_of("os.py") == split_of("os.py")
+    corpus = load_corpus(CorpusSpec(max_files=3))
+    parts = [set(corpus.train_files), set(corpus.valid_files), set(corpus.heldout_files)]
+    assert all(parts) and not (parts[0] & parts[1]) and not (parts[0] & parts[2]) and not (parts[1] & parts[2])
+    assert all(split_of(f) == "heldout" for f in corpus.heldout_files)
+    assert all("test/" not in f and "site-packages" not in f for f in corpus.train_files)
+
+
+def test_prompt_snippets_end_after_a_header():
+    text = "import os\n" * 30 + "class A:\n    x = 1\n\n    def f(self):\n        return 1\n"
+    (p,) = prompt_snippets([text], 1, min_chars=10)
+    assert p.endswith(("class A:\n", "    def f(self):\n")) and len(p) <= 600
+
+
+def test_bad_arch_override_is_a_clear_error(tmp_path, capsys):
+    rc = main(["train", "tokenizer", "--out", str(tmp_path / "tok"), "--vocab-size", "300", *CORPUS])
+    assert rc == 0
+    rc = main(["train", "target", "--tokenizer", str(tmp_path / "tok"), "--out", str(tmp_path / "t"),
+               "--steps", "1", "--arch", "no_such_field=3", *CORPUS])
+    assert rc == 2 and "no_such_field" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    root = tmp_path_factory.mktemp("demo")
+    assert main(["train", "tokenizer", "--out", str(root / "tok"), "--vocab-size", "300", *CORPUS]) == 0
+    assert main(["train", "target", "--tokenizer", str(root / "tok"), "--out", str(root / "target"), "--steps", "3",
+                 "--batch-size", "2", "--seq-len", "32", "--eval-every", "2", "--eval-windows", "2",
+                 "--num-prompts", "2", *TINY_TARGET, *CORPUS]) == 0
+    for family, arch in DRAFT_ARCH.items():
+        assert main(["train", "draft", "--family", family, "--target", str(root / "target"),
+                     "--out", str(root / family), "--steps", "2", "--batch-size", "4", *SD, *arch, *CORPUS]) == 0
+    return root
+
+
+def test_target_loads_in_transformers_and_engine_with_same_logits(demo):
+    from transformers import AutoModelForCausalLM
+
+    from specserve.target_service.models.loader import load_model
+
+    info = json.loads((demo / "target" / "train_info.json").read_text())
+    assert info["heldout"]["perplexity"] > 0 and info["heldout"]["unigram_perplexity"] > 0
+    assert json.loads((demo / "target" / "config.json").read_text())["model_type"] == "deepseek_v3"
+    hf = AutoModelForCausalLM.from_pretrained(str(demo / "target"), dtype=torch.float32).eval()
+    ours, config = load_model(demo / "target", dtype=torch.float32, progress=False)
+    from specserve.target_service.engine.engine import TargetEngine
+    from specserve.target_service.engine.types import DraftBlock
+
+    engine = TargetEngine(ours, config, None, num_blocks=8, block_size=16)
+    prompt = list(range(3, 13))
+    pending = engine.prefill("s", prompt).next_token
+    block = (5, 17, 29, 41)
+    scores = engine.score_block("s", DraftBlock(token_ids=block))  # [1 + 4, V] at pending + block
+    engine.release("s")
+    with torch.no_grad():
+        ref = hf(input_ids=torch.tensor([prompt + [pending, *block]])).logits[0]  # [15, V]
+    assert pending == int(ref[len(prompt) - 1].argmax())
+    torch.testing.assert_close(scores, ref[len(prompt):], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("family", ["ngram", "model", "eagle3", "dflash"])
+def test_each_drafter_loads_and_is_lossless(demo, family):
+    from specserve.train.acceptance import evaluate
+
+    report = evaluate(demo, [family], k=3, max_new=8, num_prompts=2, device="cpu", dtype="float32")
+    (r,) = report["results"]
+    assert r["lossless_prompts"] == r["prompts"] == 2
+    assert r["verify_steps"] >= 1 and 1.0 <= r["mean_accepted_length"] <= 4.0
+
+
+def test_batched_dflash_blocks_match_the_proposer_forward():
+    from specserve.train.draft_dflash import DFlashSpec, blocks_logits, build_dflash
+
+    class _T:  # the two target config fields build_dflash reads
+        class config:
+            vocab_size, hidden_size = 50, 8
+
+    spec = DFlashSpec(hidden_size=16, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=8,
+                      intermediate_size=24, block_size=3)
+    torch.manual_seed(0)
+    model = build_dflash(_T, spec, (0, 1)).eval()
+    ids = torch.randint(0, 50, (2, 12))
+    feats = torch.randn(2, 12, 16)
+    anchors = torch.tensor([[1, 5, 9], [2, 4, 8]])
+    with torch.no_grad():
+        batched = blocks_logits(model, ids, feats, anchors)  # [2, 3, b, V]
+        for g in range(2):
+            for j, a in enumerate(anchors[g].tolist()):
+                ctx = model.context_kv(feats[g, :a], torch.arange(a))
+                ref = model.block_logits(ids[g, a : a + 1], a, ctx)
+                torch.testing.assert_close(batched[g, j], ref, rtol=1e-4, atol=1e-4)
+
+
+def test_eagle3_ttt_pass_two_matches_drafting_from_the_head_output():
+    """Pass 2 of the training-time test at entry j equals the proposer's first drafting step after a
+    pending token at position j - 1 (its cache = pass-1 entries 1..j-1)."""
+    from specserve.train.draft_eagle3 import Eagle3Spec, build_head, ttt_masks
+
+    class _Cfg:
+        hidden_size, vocab_size, max_position_embeddings, bos_token_id, eos_token_id = 16, 40, 64, 0, 0
+
+    class _T:
+        config = _Cfg
+
+        class model:
+            embed_tokens = torch.nn.Embedding(40, 16)
+
+    spec = Eagle3Spec(num_heads=2, num_kv_heads=1, head_dim=8, intermediate_size=24, ttt_steps=2, group=1)
+    torch.manual_seed(0)
+    head = build_head(_T, spec, (0, 1, 2)).eval()
+    T = 9
+    ids = torch.randint(0, 40, (1, T))
+    feats = torch.randn(1, T, 48)
+    masks = ttt_masks(1, T, 2, "cpu")
+    with torch.no_grad():
+        tok, pos = ids[0, 1:], torch.arange(T - 1)
+        emb, f1 = head.embed(tok), head.fuse(feats[0, :-1])
+        out1, k1, v1 = head.step(emb, f1, pos, k1_empty := torch.zeros(0, 1, 8), k1_empty, masks[0])
+        f2 = torch.cat([out1[:1], out1[:-1]])
+        out2, _, _ = head.step(emb, f2, pos, k1, v1, masks[1])
+        j = 6  # entry for sequence position j (index j - 1); pending token at position j - 1
+        ctx_k, ctx_v = k1[: j - 1], v1[: j - 1]  # pass-1 entries of positions 1..j-1
+        ref, _, _ = head.step(emb[j - 1 : j], out1[j - 2 : j - 1], pos[j - 1 : j], ctx_k, ctx_v,
+                              torch.ones(1, j, dtype=torch.bool))
+    torch.testing.assert_close(out2[j - 1], ref[0], rtol=1e-4, atol=1e-5)
