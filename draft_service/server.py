@@ -53,14 +53,17 @@ class DrafterWorker:
             self.active.discard(session_id)
             raise
 
-    async def propose(self, session_id, prefix_len, append_ids, append_hidden, num_tokens, tree):
+    async def propose(self, session_id, prefix_len, append_ids, append_hidden, num_tokens, tree) -> common_pb2.DraftBlock:
         if session_id not in self.active:
             raise ProposerError(f"session_id {session_id!r} is not open (StartSession first)")
-        block = await self.call(
-            self.proposer.propose, session_id, prefix_len, append_ids, append_hidden, num_tokens, tree
-        )
+        msg = await self.call(self._propose_to_proto, session_id, prefix_len, append_ids, append_hidden, num_tokens, tree)
         self.proposals += 1
-        return block
+        return msg
+
+    def _propose_to_proto(self, *args) -> common_pb2.DraftBlock:
+        """On the drafter thread: propose and serialize (probs may be MBs and on the device; the copy
+        to host and the byte packing stay off the event loop)."""
+        return convert.draft_block_to_proto(self.proposer.propose(*args))
 
     async def release(self, session_id: str) -> bool:
         if session_id not in self.active:
@@ -139,11 +142,11 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             block = await self.worker.propose(
                 request.session_id, request.prefix_len, list(request.append_ids), hidden, request.num_tokens, tree
             )
-            span.set_attribute(tn.ATTR_TREE_SIZE, 0 if block.is_chain else len(block))
+            span.set_attribute(tn.ATTR_TREE_SIZE, len(block.token_ids) if block.is_tree else 0)
             total_ms = (time.perf_counter() - received) * 1e3
             return draft_pb2.ProposeResponse(
                 session_id=request.session_id,
-                draft=convert.draft_block_to_proto(block),
+                draft=block,
                 timings=common_pb2.StepTimings(forward_ms=total_ms, total_ms=total_ms),
             )
 

@@ -179,6 +179,10 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             await context.abort(exc.code, str(exc))
         except TargetUnavailable as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        except (grpc.aio.AbortError, asyncio.CancelledError):
+            raise
+        except Exception as exc:  # noqa: BLE001 - a bug: report it as INTERNAL, keep serving
+            await context.abort(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
         finally:
             otel_context.detach(token)
             if endpoint is not None:

@@ -8,12 +8,14 @@ requests are batched per step: whatever is queued when the engine thread becomes
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import grpc
+import torch
 from opentelemetry import trace
 
 from specserve.errors import SpecserveError
@@ -53,10 +55,10 @@ class EngineWorker:
     """Owns the engine on one thread. prefill/release/info run there one at a time; verify requests
     queue up and run as one batched ``verify_batch`` call whenever the thread is free."""
 
-    def __init__(self, engine, max_batch: int = 256) -> None:
+    def __init__(self, engine, max_batch: int = 256, pool: ThreadPoolExecutor | None = None) -> None:
         self.engine = engine
         self.max_batch = max_batch
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="target-engine")
+        self._pool = pool or ThreadPoolExecutor(max_workers=1, thread_name_prefix="target-engine")
         self._queue: list[_Queued] = []
         self._wake = asyncio.Event()
         self._engine_free = asyncio.Lock()  # held while a call runs on the engine thread (FIFO)
@@ -69,10 +71,7 @@ class EngineWorker:
         """Build the engine on the engine thread itself (model loading never blocks the loop)."""
         pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="target-engine")
         engine = await asyncio.get_running_loop().run_in_executor(pool, factory)
-        worker = cls(engine, **kw)
-        worker._pool.shutdown(wait=False)
-        worker._pool = pool
-        return worker
+        return cls(engine, pool=pool, **kw)
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._batch_loop(), name="target-batcher")
@@ -96,7 +95,7 @@ class EngineWorker:
             raise DuplicateSession(session_id)
         self.active[session_id] = -1  # reserved while the prefill runs
         try:
-            result = await self.call(self.engine.prefill, session_id, prompt_ids, sampling, hidden_layers)
+            result = await self.call(self._prefill_on_host, session_id, prompt_ids, sampling, hidden_layers)
         except asyncio.CancelledError:
             # the caller went away; the prefill itself still runs to its end on the engine thread
             self.active.pop(session_id, None)
@@ -163,21 +162,35 @@ class EngineWorker:
                 if not q.future.done():
                     q.future.set_result(VerifyOutcome(res, (started - q.enqueued) * 1e3, len(items)))
 
+    def _prefill_on_host(self, session_id, prompt_ids, sampling, hidden_layers):
+        """On the engine thread: prefill, with the hidden rows copied to host memory there (a device
+        copy synchronizes, and the event loop must never wait on the device)."""
+        res = self.engine.prefill(session_id, prompt_ids, sampling, hidden_layers)
+        return res if res.hidden is None else dataclasses.replace(res, hidden=_host(res.hidden))
+
     def _run_batch(self, pairs: list[tuple[str, DraftBlock]]) -> list:
         """On the engine thread: one batched forward; if the batch fails, each session alone, so one
         bad request cannot fail the others (the engine checks its input before it changes state)."""
         if len(pairs) == 1:
-            return [self.engine.verify(*pairs[0])]
+            return [_result_on_host(self.engine.verify(*pairs[0]))]
         try:
-            return list(self.engine.verify_batch(pairs))
+            return [_result_on_host(r) for r in self.engine.verify_batch(pairs)]
         except Exception:  # noqa: BLE001 - isolate the failing session below
             out = []
             for sid, block in pairs:
                 try:
-                    out.append(self.engine.verify(sid, block))
+                    out.append(_result_on_host(self.engine.verify(sid, block)))
                 except Exception as exc:  # noqa: BLE001 - returned to that session's caller
                     out.append(exc)
             return out
+
+
+def _host(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().to(device="cpu", dtype=torch.float32)
+
+
+def _result_on_host(res: VerifyResult) -> VerifyResult:
+    return res if res.hidden is None else dataclasses.replace(res, hidden=_host(res.hidden))
 
 
 def _status_for(exc: BaseException) -> grpc.StatusCode:
