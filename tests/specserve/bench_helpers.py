@@ -53,3 +53,23 @@ DRAFT_LM = dict(
 
 def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def save_eagle3(out: Path, seed: int = 0) -> Path:
+    """A random EAGLE-3 head for the TARGET above (published layout; embeddings come from the target)."""
+    from specserve.draft_service.eagle3_head import Eagle3Config, Eagle3Head, save_eagle3_head
+
+    h = TARGET["hidden_size"]
+    raw = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": h,
+           "intermediate_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 1,
+           "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "vocab_size": VOCAB, "draft_vocab_size": VOCAB,
+           "target_hidden_size": h, "hidden_act": "silu"}
+    torch.manual_seed(seed)
+    head = Eagle3Head(Eagle3Config.from_dict(raw))
+    with torch.no_grad():
+        for p in head.parameters():
+            p.copy_(torch.randn_like(p) * 0.3)
+        head.d2t.zero_()  # draft vocabulary = the target's
+        head.t2d.fill_(True)
+    save_eagle3_head(head, out)
+    return out

@@ -174,7 +174,7 @@ SPEC_KEYS = METHOD_KEYS | {"steps", "mean_accepted_length", "acceptance_by_posit
 
 
 @pytest.fixture(scope="module")
-def bench_run(bench_target, bench_draft_lm, tmp_path_factory):
+def bench_run(bench_target, bench_draft_lm, bench_eagle3, tmp_path_factory):
     """The whole command, through the CLI entry point, on tiny random checkpoints (CPU, seconds)."""
     from specserve.cli.main import main
 
@@ -182,8 +182,9 @@ def bench_run(bench_target, bench_draft_lm, tmp_path_factory):
     timings = ShapeTimings("test shape", "unit-test numbers, not a measurement", "none", {0: 10.0, 1: 11.0, 2: 12.0}, {})
     save_shape_timings(timings, out / "shape_timings.json")
     rc = main([
-        "bench", "--projection-timings", str(out / "shape_timings.json"), "--model", str(bench_target), "--draft-models", f"model={bench_draft_lm}",
-        "--drafters", "none,ngram,model,eagle3", "--max-new-tokens", "6", "--num-speculative-tokens", "2",
+        "bench", "--projection-timings", str(out / "shape_timings.json"), "--model", str(bench_target),
+        "--draft-models", f"model={bench_draft_lm},eagle3={bench_eagle3}",
+        "--drafters", "none,ngram,model,eagle3,dflash", "--max-new-tokens", "6", "--num-speculative-tokens", "2",
         "--prompts", "1", "--speculation", "both", "--draft-ahead", "both", "--k-sweep", "0,1,3",
         "--tax-context", "16", "--tax-repeats", "2", "--warmup", "0", "--bandwidth-mib", "1",
         "--num-kv-blocks", "64", "--kv-block-size", "8", "--out", str(out), "--quiet",
@@ -204,7 +205,7 @@ def test_artifacts_exist(bench_run):
     assert summary["copy_bandwidth"]["bytes_per_s"] > 0
     proj = summary["projection"]
     assert proj["included"] and proj["label"] == "projection" and "plots/projection.png" in summary["plots"]
-    assert set(proj["methods"]) == {"ngram/fixed", "model/fixed"}  # fixed-k, no draft-ahead methods
+    assert set(proj["methods"]) == {"ngram/fixed", "model/fixed", "eagle3/fixed"}  # fixed-k, no draft-ahead methods
 
 
 def test_no_projection_without_synthetic_timings(tmp_path):
@@ -233,7 +234,9 @@ def test_step_rows_and_method_summaries(bench_run):
     assert "hf/greedy" in methods and METHOD_KEYS <= methods["hf/greedy"].keys()
     assert "hf/assisted" in methods
     skipped = {s["method"] for s in summary["skipped"]}
-    assert "eagle3" in skipped  # no checkpoint was given
+    assert "dflash" in skipped  # no checkpoint was given
+    assert {"eagle3/fixed", "eagle3/adaptive"} <= methods.keys()  # reads target hidden states
+    assert {"eagle3/fixed/ahead", "eagle3/adaptive/ahead"} <= skipped  # draft-ahead does not apply
     requests = read_jsonl(out / "requests.jsonl")
     assert {r["method"] for r in requests} == methods.keys()
 
