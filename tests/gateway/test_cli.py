@@ -66,8 +66,22 @@ def test_client_admin_and_errors(served, capsys):
 
 
 def test_serve_prints_one_line_and_stops_all_three(served):
-    proc, _ = served
-    t0 = time.monotonic()
+    """SIGTERM while a request streams: it still completes (drain), then all three processes exit."""
+    import grpc
+
+    from specserve.protos.specserve.v1 import gateway_pb2, gateway_pb2_grpc
+
+    proc, address = served
+    with grpc.insecure_channel(address) as channel:
+        call = gateway_pb2_grpc.GatewayStub(channel).Generate(
+            gateway_pb2.GenerateRequest(prompt_ids=[1, 2, 3], max_new_tokens=200), timeout=60
+        )
+        first = next(call)
+        t0 = time.monotonic()
+        proc.popen.send_signal(signal.SIGTERM)
+        rest = list(call)
+    assert first.HasField("delta") and rest[-1].HasField("final")
+    assert sum(len(m.delta.token_ids) for m in [first, *rest[:-1]]) == 200
     assert proc.stop(signal.SIGTERM, timeout=60) == 0
     assert time.monotonic() - t0 < 60
     assert len(proc.lines) == 1 and proc.lines[0].startswith("gateway listening on 127.0.0.1:")  # stdout
