@@ -67,6 +67,15 @@ class BenchConfig:
         object.__setattr__(self, "k_sweep", tuple(sorted(set(self.k_sweep))))
         if self.bandwidth_bytes is not None and self.bandwidth_bytes < 1 << 20:
             raise BenchConfigError("bandwidth_bytes must be at least 1 MiB")
+        if self.dtype not in ("float32", "bfloat16"):
+            raise BenchConfigError(f"dtype must be float32 or bfloat16, got {self.dtype!r}")
+        if self.is_cuda:
+            import torch
+
+            if not torch.cuda.is_available():
+                raise BenchConfigError("--device cuda was asked for but no CUDA GPU is visible")
+        elif self.device != "cpu":
+            raise BenchConfigError(f"device must be cpu or cuda[:N], got {self.device!r}")
         if not Path(self.model).is_dir():
             raise BenchConfigError(f"model folder {self.model} does not exist")
 

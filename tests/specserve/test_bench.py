@@ -148,6 +148,10 @@ def test_plan_skips_draft_ahead_for_hidden_state_drafters(tmp_path):
     assert MethodSpec("model", adaptive=True).name == "model/adaptive"
     with pytest.raises(BenchConfigError):
         BenchConfig(model=tmp_path, out=tmp_path, drafters=("medusa",))
+    with pytest.raises(BenchConfigError):
+        BenchConfig(model=tmp_path / "absent", out=tmp_path)
+    with pytest.raises(BenchConfigError):
+        BenchConfig(model=tmp_path, out=tmp_path, device="tpu")
 
 
 def test_cli_flags_map_onto_the_config(bench_target, tmp_path):
