@@ -1,0 +1,162 @@
+"""The engine's GPU fast path (skipped without CUDA): GPU == CPU on the tiny checkpoints, FlashInfer attention ==
+torch attention, CUDA-graph replay == eager, and lossless greedy speculation through graphs.
+
+FlashInfer runs only at its head dims (GQA 128, MLA 512 + 64), so those checks use the mini presets of
+models/presets.py (two layers, real attention widths, few small experts, random bf16 weights).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specserve.target_service.engine.types import DraftBlock
+from specserve.target_service.factory import EngineConfig, build_engine
+from specserve.target_service.models.attn_backend import HAS_FLASHINFER
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+needs_flashinfer = pytest.mark.skipif(not HAS_FLASHINFER, reason="flashinfer is not installed")
+
+MINIS = ("mini-qwen3-moe", "mini-kimi-k2")
+TREE = DraftBlock(token_ids=(5, 6, 7, 8, 9), parents=(-1, 0, 0, 1, -1))
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, rel: float) -> None:
+    """Logits agree to `rel` of their spread (bf16 paths differ in rounding, not in function)."""
+    scale = float(b.float().std())
+    err = float((a.float() - b.float()).abs().max())
+    assert err <= rel * scale, f"max abs diff {err:.4g} > {rel} * logit std {scale:.4g}"
+
+
+def _prompt(n: int, vocab: int, seed: int = 0) -> list[int]:
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _clear(logits: torch.Tensor, rel: float = 0.05) -> torch.Tensor:  # [N, V] -> [N] bool
+    """Rows whose top-2 margin exceeds rel * logit std: there bf16 rounding cannot flip the greedy choice."""
+    top = logits.float().topk(2, dim=-1).values
+    return (top[:, 0] - top[:, 1]) > rel * float(logits.float().std())
+
+
+def _same_choices(a: torch.Tensor, b: torch.Tensor) -> None:
+    clear = _clear(b)
+    assert torch.equal(a.argmax(-1)[clear], b.argmax(-1)[clear])
+
+
+def _greedy_accept(block: DraftBlock, logits: torch.Tensor) -> tuple[tuple[int, ...], int, list[int]]:
+    """(accepted, next token, nodes visited) of greedy verification of `block` given its [n+1, V] logits."""
+    n = len(block)
+    parents = [-1] + (list(range(n)) if block.parents is None else [p + 1 for p in block.parents])
+    node, accepted, visited = 0, [], [0]
+    while True:
+        choice = int(logits[node].argmax())
+        kids = [j for j in range(1, n + 1) if parents[j] == node and block.token_ids[j - 1] == choice]
+        if not kids:
+            return tuple(accepted), choice, visited
+        node = kids[0]
+        accepted.append(choice)
+        visited.append(node)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3", "llama"])
+def test_gpu_matches_cpu_on_tiny_checkpoints(tiny_checkpoint, arch):
+    ckpt = tiny_checkpoint(arch)
+    cpu = build_engine(EngineConfig(model=ckpt, num_kv_blocks=128, kv_block_size=4))
+    gpu32 = build_engine(EngineConfig(model=ckpt, device="cuda", num_kv_blocks=128, kv_block_size=4))
+    gpu16 = build_engine(EngineConfig(model=ckpt, device="cuda", dtype="bfloat16", num_kv_blocks=128, kv_block_size=4))
+    assert next(gpu32.model.parameters()).is_cuda  # loaded straight onto the GPU
+    prompt = list(range(10, 40))
+    want = cpu.generate_greedy(prompt, 12)
+    assert gpu32.generate_greedy(prompt, 12) == want
+    chain = DraftBlock(token_ids=tuple(want[1:6]))
+    logits = {}
+    for name, e in (("cpu", cpu), ("gpu32", gpu32), ("gpu16", gpu16)):
+        e.prefill("s", prompt)
+        assert e.session("s").pending_token == want[0]
+        logits[name] = (e.score_block("s", chain).float().cpu(), e.score_block("s", TREE).float().cpu())
+    for i in range(2):
+        torch.testing.assert_close(logits["gpu32"][i], logits["cpu"][i], rtol=1e-4, atol=1e-4)
+        _close(logits["gpu16"][i], logits["cpu"][i], 0.1)
+    assert logits["gpu16"][0].argmax(-1)[:2].tolist() == logits["cpu"][0].argmax(-1)[:2].tolist()
+
+
+@needs_flashinfer
+@pytest.mark.parametrize("spec", MINIS)
+def test_flashinfer_matches_torch_attention(spec):
+    engines = {
+        kind: build_engine(EngineConfig(model=f"synthetic:{spec}", device="cuda", dtype="bfloat16", num_kv_blocks=64,
+                                        kv_block_size=16, attention_backend=kind, cuda_graphs=False))
+        for kind in ("torch", "flashinfer")
+    }
+    assert engines["flashinfer"].model.attn_backend is not None and engines["torch"].model.attn_backend is None
+    vocab = engines["torch"].info().vocab_size
+    prompt = _prompt(70, vocab)
+    chain = DraftBlock(token_ids=tuple(_prompt(6, vocab, 1)))
+    out = {}
+    for kind, e in engines.items():
+        first = e.prefill("s", prompt).next_token
+        out[kind] = (first, e.score_block("s", DraftBlock(token_ids=())), e.score_block("s", chain),
+                     e.score_block("s", TREE))
+    for a, b in zip(out["flashinfer"][1:], out["torch"][1:]):
+        _close(a, b, 0.1)
+
+
+@needs_flashinfer
+@pytest.mark.parametrize("spec", MINIS)
+def test_graph_replay_matches_eager(spec):
+    engine = build_engine(EngineConfig(model=f"synthetic:{spec}", device="cuda", dtype="bfloat16", num_kv_blocks=64,
+                                       kv_block_size=16, graph_max_draft=5, graph_tree_sizes=(6,), max_context=512))
+    runner = engine.runner
+    assert runner.graph_for((1,)) is not None and runner.graph_for((6,), tree=True) is not None
+    vocab = engine.info().vocab_size
+    engine.prefill("s", _prompt(40, vocab))
+    for block in [DraftBlock(token_ids=())] + [DraftBlock(token_ids=tuple(_prompt(k, vocab, k))) for k in (1, 3, 5)] + [TREE]:
+        runner.use_graphs = True
+        before = runner.graph_steps
+        graph = engine.score_block("s", block).clone()
+        assert runner.graph_steps == before + 1, f"no graph for {block}"
+        runner.use_graphs = False
+        eager = engine.score_block("s", block)
+        _close(graph, eager, 0.02)
+        _same_choices(graph, eager)
+    # 24 decode steps through the decode graph (crossing cache blocks): each step's graph logits == eager logits
+    engine.prefill("d", _prompt(30, vocab, 7))
+    for _ in range(24):
+        runner.use_graphs = False
+        eager = engine.score_block("d", DraftBlock(token_ids=())).clone()
+        runner.use_graphs = True
+        token = engine.decode("d").next_token
+        if bool(_clear(eager)[0]):
+            assert token == int(eager[0].argmax())
+
+
+@needs_flashinfer
+@pytest.mark.parametrize("spec", MINIS)
+def test_speculation_through_graphs_is_lossless(spec):
+    """Greedy verification through the graphs keeps exactly the drafted tokens the target itself would pick: the
+    target's own continuation, offered as a chain or inside a tree, is accepted in full (where no near-tie)."""
+    engine = build_engine(EngineConfig(model=f"synthetic:{spec}", device="cuda", dtype="bfloat16", num_kv_blocks=64,
+                                       kv_block_size=16, graph_max_draft=6, graph_tree_sizes=(7,), max_context=512))
+    vocab = engine.info().vocab_size
+    prompt = _prompt(50, vocab, 3)
+    want = engine.generate_greedy(prompt, 8)
+    wrong = (want[1] + 1) % vocab
+    blocks = {
+        "chain": DraftBlock(token_ids=tuple(want[1:7])),
+        "tree": DraftBlock(token_ids=(wrong, want[1], want[2], wrong, want[3], want[4]), parents=(-1, -1, 1, 2, 2, 4)),
+    }
+    for name, block in blocks.items():
+        engine.prefill(name, prompt)
+        logits = engine.score_block(name, block).clone()  # the same graph the verify replays
+        accepted, nxt, visited = _greedy_accept(block, logits)
+        res = engine.verify(name, block)
+        assert (res.accepted_ids, res.next_token) == (accepted, nxt)
+        if bool(_clear(logits)[visited].all()):
+            full = tuple(want[1:7]) if name == "chain" else tuple(want[1:5])
+            assert res.accepted_ids == full
+        if engine.config.moe is not None:
+            assert res.experts_touched > 0
+    assert engine.runner.graph_steps >= 4
