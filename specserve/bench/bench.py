@@ -169,36 +169,7 @@ def run_bench(config: BenchConfig, progress: bool = True) -> dict:
     b.bar = tqdm(total=total, desc="specserve bench", unit="run", file=sys.stderr, disable=not progress)
     runner = SpecRunner(engine, proposers, config, mb, bandwidth.bytes_per_s)
     try:
-        for spec in methods:
-            torch.manual_seed(config.seed)
-            chooser = runner.new_chooser(spec)
-            for w in range(config.warmup):
-                pid, ids = prompts[w % len(prompts)]
-                runner.run(spec, pid, ids, chooser, max_new_tokens=min(WARMUP_TOKENS, config.max_new_tokens))
-                b.tick(f"{spec.name} warm-up")
-            results = []
-            for pid, ids in prompts:
-                results.append(runner.run(spec, pid, ids, chooser))
-                b.tick(spec.name)
-            b.record(spec.name, results, {"kind": "specserve", "drafter": spec.drafter,
-                                          "speculation": spec.speculation, "draft_ahead": spec.draft_ahead})
-            if spec.drafter == "none":
-                b.reference = {r.prompt_id: r.token_ids for r in results}
-                b.methods[spec.name]["matches_target_only"] = 1.0
-        for method in hf_methods:
-            results = []
-            try:
-                for w in range(config.warmup):
-                    pid, ids = prompts[w % len(prompts)]
-                    hf.run(method, pid, ids, min(WARMUP_TOKENS, config.max_new_tokens), config.seed)
-                    b.tick(f"{method.name} warm-up")
-                for pid, ids in prompts:
-                    results.append(hf.run(method, pid, ids, config.max_new_tokens, config.seed))
-                    b.tick(method.name)
-            except BUILD_ERRORS as exc:
-                b.skipped.append(Skipped(method.name, f"transformers generate failed: {_reason(exc)}"))
-                continue
-            b.record(method.name, results, {"kind": "transformers", "drafter": method.name.split("/", 1)[1]})
+        _run_interleaved(b, _method_runs(config, runner, methods, hf, hf_methods), prompts)
         stream = token_stream([ids for _, ids in _all_prompt_ids(config, tokenizer)],
                               config.tax_context + max(config.k_sweep) + config.tax_repeats + 2)
         tax_path = b.out / "verify_tax.jsonl"
@@ -230,6 +201,61 @@ def run_bench(config: BenchConfig, progress: bool = True) -> dict:
         summary["plots"] = _plots(b, summary, env)
     (b.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
+
+
+def _method_runs(config: BenchConfig, runner, methods: list[MethodSpec], hf, hf_methods) -> list[tuple]:
+    """(name, meta, run(prompt_id, prompt_ids, max_new_tokens) -> RequestResult) per method, target-only first."""
+    runs = []
+    for spec in methods:
+        chooser = runner.new_chooser(spec)  # process-wide: kept across the method's warm-up and prompts
+        meta = {"kind": "specserve", "drafter": spec.drafter, "speculation": spec.speculation,
+                "draft_ahead": spec.draft_ahead}
+        runs.append((spec.name, meta, lambda pid, ids, n, spec=spec, c=chooser: runner.run(spec, pid, ids, c, n)))
+    for m in hf_methods:
+        meta = {"kind": "transformers", "drafter": m.name.split("/", 1)[1]}
+        runs.append((m.name, meta, lambda pid, ids, n, m=m: hf.run(m, pid, ids, n, config.seed)))
+    return runs
+
+
+def _run_interleaved(b: _Bench, runs: list[tuple], prompts: list[tuple[str, tuple[int, ...]]]) -> None:
+    """Warm every method up, then run prompt by prompt, every method on each prompt in turn: slow
+    drifts of a shared machine then hit all methods alike instead of whichever ran last."""
+    cfg = b.config
+    results: dict[str, list] = {name: [] for name, _, _ in runs}
+    failed: set[str] = set()
+
+    def attempt(name, meta, fn, pid, ids, n, label):
+        if name in failed:
+            b.tick(label)
+            return None
+        torch.manual_seed(cfg.seed)
+        try:
+            return fn(pid, ids, n)
+        except BUILD_ERRORS as exc:
+            if meta["kind"] != "transformers":
+                raise  # our own stack failing is a bug to surface, not a skipped baseline
+            failed.add(name)
+            b.skipped.append(Skipped(name, f"transformers generate failed: {_reason(exc)}"))
+            return None
+        finally:
+            b.tick(label)
+
+    for w in range(cfg.warmup):
+        pid, ids = prompts[w % len(prompts)]
+        for name, meta, fn in runs:
+            attempt(name, meta, fn, pid, ids, min(WARMUP_TOKENS, cfg.max_new_tokens), f"{name} warm-up")
+    for pid, ids in prompts:
+        for name, meta, fn in runs:
+            r = attempt(name, meta, fn, pid, ids, cfg.max_new_tokens, name)
+            if r is not None:
+                results[name].append(r)
+    for name, meta, _ in runs:
+        if name in failed:
+            continue
+        b.record(name, results[name], meta)
+        if meta.get("drafter") == "none":
+            b.reference = {r.prompt_id: r.token_ids for r in results[name]}
+            b.methods[name]["matches_target_only"] = 1.0
 
 
 def _all_prompt_ids(config: BenchConfig, tokenizer):
