@@ -48,6 +48,7 @@ def add_eval_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     p.add_argument("--out-json", type=Path, default=None)
+    p.add_argument("--from-json", type=Path, default=None, help="skip measuring: reuse a report written by --out-json")
     p.add_argument("--write-card", type=Path, default=None,
                    help=f"replace the table between {CARD_BEGIN} and {CARD_END} in this markdown file")
 
@@ -167,7 +168,10 @@ def run_eval(args: argparse.Namespace) -> int:
         raise AcceptanceError(f"--drafters must name families among {FAMILIES}, got {args.drafters!r}")
     if args.k < 1 or args.max_new_tokens < 1:
         raise AcceptanceError("--k and --max-new-tokens must be >= 1")
-    report = evaluate(demo, families, args.k, args.max_new_tokens, args.num_prompts, args.device, args.dtype)
+    if args.from_json is not None:
+        report = json.loads(args.from_json.read_text())
+    else:
+        report = evaluate(demo, families, args.k, args.max_new_tokens, args.num_prompts, args.device, args.dtype)
     print(card_table(report))
     if args.out_json is not None:
         args.out_json.write_text(json.dumps(report, indent=2) + "\n")

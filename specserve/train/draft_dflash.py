@@ -32,7 +32,7 @@ class DFlashSpec:
     num_heads: int = 4
     num_kv_heads: int = 2
     head_dim: int = 48
-    intermediate_size: int = 512
+    intermediate_size: int = 448
     block_size: int = 5
     anchors: int = 32  # random anchors per sequence per step
     group: int = 8  # sequences per flattened pass

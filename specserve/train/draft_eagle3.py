@@ -31,7 +31,7 @@ class Eagle3Spec:
     num_heads: int = 4
     num_kv_heads: int = 2
     head_dim: int = 64
-    intermediate_size: int = 640
+    intermediate_size: int = 512
     ttt_steps: int = 4  # training-time-test passes
     group: int = 8  # sequences per flattened head call
     pass_decay: float = 0.8

@@ -39,7 +39,7 @@ def _train_model(job: DraftJob) -> dict:
     from specserve.train.common import apply_arch
     from specserve.train.distill import MixedBatches
     from specserve.train.draft_model import DistillSpec, DraftModelSpec, train_draft_model
-    from specserve.train.target import copy_tokenizer, save_bf16_pretrained
+    from specserve.train.target import save_bf16_pretrained
     from transformers import LlamaForCausalLM
 
     spec = apply_arch(DraftModelSpec(vocab_size=job.target.config.vocab_size), job.arch)
@@ -51,7 +51,6 @@ def _train_model(job: DraftJob) -> dict:
     summary = train_draft_model(draft, job.target, batches, dspec, job.device, job.log)
     summary["heldout_greedy_agreement"] = heldout_agreement_lm(draft, job)
     save_bf16_pretrained(draft, job.out_dir, keep_fp32=())
-    copy_tokenizer(job.target_dir, job.out_dir)
     summary["arch"] = spec.__dict__
     return summary
 
