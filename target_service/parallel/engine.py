@@ -4,12 +4,16 @@ This process is rank 0. It runs the unchanged TargetEngine logic (sessions, bloc
 acceptance) around its own shard; the model and cache it drives are thin wrappers that first send each
 operation (forward, logits, slot copy) to ranks 1..N-1, which then run the same operation on their
 shards, meeting rank 0 in the model's all-reduces. Services and `generate` use it like a TargetEngine.
+
+One parallel engine per process at a time (it owns torch.distributed's default group). The ranks are
+started through multiprocessing (forkserver), so a script that builds one must guard its entry point
+with ``if __name__ == "__main__":``, as multiprocessing requires.
 """
 
 from __future__ import annotations
 
-import atexit
 import os
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -131,7 +135,6 @@ class ParallelTargetEngine(TargetEngine):
         )
         self.parallel_spec = spec
         self._group = RankGroup(spec, device)
-        self._closed = False
         try:
             model, error = None, None
             try:
@@ -153,21 +156,18 @@ class ParallelTargetEngine(TargetEngine):
             self.kv_cache = DrivenCache(self.kv_cache, self._driver)
         except BaseException:
             self._group.close()
-            self._closed = True
             raise
-        atexit.register(self.close)
+        # stop the ranks on close(), when the engine is garbage-collected, or at interpreter exit
+        self._finalizer = weakref.finalize(self, RankGroup.close, self._group)
 
     @property
     def tensor_parallel_size(self) -> int:
         return self.parallel_spec.tp_size
 
     def close(self) -> None:
-        """Stop the other ranks and leave the process groups (idempotent; also runs at exit)."""
-        if self._closed:
-            return
-        self._closed = True
-        atexit.unregister(self.close)
-        self._group.close()
+        """Stop the other ranks and leave the process groups (idempotent; also runs when the engine is
+        collected and at exit)."""
+        self._finalizer()
 
     def __enter__(self) -> ParallelTargetEngine:
         return self

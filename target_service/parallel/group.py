@@ -38,6 +38,7 @@ class RankGroup:
         self.spec = spec
         self.procs: list[multiprocessing.Process] = []
         self.channel: Channel | None = None
+        rv.ensure_no_group()
         rdv = rv.Rendezvous.from_env()
         requested = torch.device(device)
         try:

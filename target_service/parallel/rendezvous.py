@@ -10,6 +10,7 @@ Every process that takes part turns NVLink multicast off before NCCL starts (``d
 
 from __future__ import annotations
 
+import gc
 import os
 import pickle
 import time
@@ -116,10 +117,17 @@ def backend_for(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
+def ensure_no_group() -> None:
+    """One parallel target per process: it owns torch.distributed's default group."""
+    if dist.is_initialized():
+        gc.collect()  # a parallel engine nobody references any more leaves the groups when collected
+    if dist.is_initialized():
+        raise ParallelError("torch.distributed is already initialised in this process (close the other parallel target first)")
+
+
 def init_groups(store: dist.TCPStore, rdv: Rendezvous, device: torch.device) -> dist.ProcessGroup:
     """Create the default group (model collectives) and return the gloo control group."""
-    if dist.is_initialized():
-        raise ParallelError("torch.distributed is already initialised in this process (one parallel target per process)")
+    ensure_no_group()
     disable_multicast()
     if device.type == "cuda":
         torch.cuda.set_device(device)
