@@ -250,7 +250,9 @@ class FlashInferBackend:
         if not HAS_FLASHINFER:
             raise AttentionBackendError(f"flashinfer is not importable ({FLASHINFER_IMPORT_ERROR or 'not installed'})")
         dev = torch.device(device)
-        self.device = dev if dev.index is not None else torch.device("cuda", torch.cuda.current_device())
+        if dev.type == "cuda" and dev.index is None:  # 'cuda' -> 'cuda:N' so device checks compare equal
+            dev = torch.device("cuda", torch.cuda.current_device())
+        self.device = dev
         self.dims = AttnDims.of(attn_module, dtype)
         self.block_size = block_size
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
