@@ -38,9 +38,15 @@ from specserve.target_service.engine.types import DraftBlock
 
 
 def default_eagle3_layers(num_target_layers: int) -> tuple[int, ...]:
-    """Outputs of layers (1, L/2 - 1, L - 4) = inputs of (2, L/2, L - 3), clamped into [0, L)."""
+    """Outputs of layers (1, L/2 - 1, L - 4) = inputs of (2, L/2, L - 3); tiny targets where those
+    collide get (0, L/2, L - 1) (the engine refuses a repeated layer)."""
     n = num_target_layers
-    return tuple(min(max(i, 0), n - 1) for i in (1, n // 2 - 1, n - 4))
+    if n < 3:
+        raise DrafterConfigError(f"EAGLE-3 needs a target with >= 3 layers, got {n}")
+    layers = (1, n // 2 - 1, n - 4)
+    if len(set(layers)) < 3 or min(layers) < 0:
+        layers = (0, n // 2, n - 1)
+    return layers
 
 
 @dataclass

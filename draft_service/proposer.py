@@ -237,6 +237,15 @@ def check_same_vocab(draft_dir: Path, target_dir: Path) -> tuple[int, str]:
     return t_size, t_hash
 
 
+def draft_seed(request_seed: int | None) -> int:
+    """The drafter's RNG seed. A seeded request stays reproducible, but the drafter must NOT share the
+    target's random stream: the target seeds its generator with the same request seed, and equal
+    streams would correlate a drafted token's draw with its own acceptance test (not lossless)."""
+    if request_seed is None:
+        return int(torch.seed() % 2**63)
+    return (int(request_seed) * 6364136223846793005 + 1442695040888963407) % 2**63
+
+
 # Families drop hidden rows once they live in their own caches, but keep the rows of this many
 # positions before the pending token, so a caller may still roll S back by that many tokens.
 ROLLBACK_ROWS = 4
@@ -274,7 +283,7 @@ class Proposer(ABC):
             raise ProposerError("start needs at least one token (the pending token)")
         self._check_ids(token_ids)
         gen = torch.Generator(device=self._generator_device())
-        gen.manual_seed(sampling.seed if sampling.seed is not None else int(torch.seed() % 2**63))
+        gen.manual_seed(draft_seed(sampling.seed))
         state = SessionState(tokens=_TokenBuffer(token_ids), sampling=sampling, generator=gen)
         if self.info.needs_hidden_states:
             state.hidden = self._check_hidden(hidden, len(token_ids) - 1, "start hidden")

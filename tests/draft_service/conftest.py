@@ -1,8 +1,9 @@
-"""Fixtures for drafter tests: tiny random checkpoints written by transformers' save_pretrained.
+"""Fixtures for drafter tests: tiny random checkpoints written by transformers' save_pretrained; every
+test here runs torch on one thread.
 
-    tiny_ckpt(kind) -> Path   session-scoped; kind in {"target_moe", "draft_llama", "draft_moe",
-                              "draft_other_vocab"}; vocab 64 (other: 72), byte-ish tokenizer.json with
-                              64 tokens for all but "draft_other_vocab".
+    tiny_ckpt(kind) -> Path   session-scoped; kind in {"target_moe", "target_dense", "draft_llama",
+                              "draft_moe", "draft_other_vocab"}; hidden 32, vocab 64 (other: 72), a
+                              WordLevel tokenizer.json with 64 tokens for all but "draft_other_vocab".
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ _MOE = dict(moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2, norm
             decoder_sparse_step=1, mlp_only_layers=[])
 KINDS = {
     "target_moe": ("qwen3_moe", dict(_COMMON, **_MOE, vocab_size=64, num_hidden_layers=3), 0),
+    "target_dense": ("llama", dict(_COMMON, vocab_size=64, num_hidden_layers=3), 4),
     "draft_llama": ("llama", dict(_COMMON, vocab_size=64, num_hidden_layers=1), 1),
     "draft_moe": ("qwen3_moe", dict(_COMMON, **_MOE, vocab_size=64, num_hidden_layers=1), 2),
     "draft_other_vocab": ("llama", dict(_COMMON, vocab_size=72, num_hidden_layers=1), 3),
@@ -39,6 +41,15 @@ KINDS = {
 def _tokenizer_json(vocab: int) -> str:
     return json.dumps({"model": {"type": "WordLevel", "vocab": {f"t{i}": i for i in range(vocab)}, "unk_token": "t0"},
                        "added_tokens": []})
+
+
+@pytest.fixture(autouse=True)
+def _one_torch_thread():
+    """Tiny CPU ops are far faster on one thread (torch's pool spins on a loaded 2-core box)."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
 
 
 @pytest.fixture(scope="session")

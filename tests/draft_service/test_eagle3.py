@@ -88,7 +88,8 @@ def test_load_and_propose(saved):
     assert isinstance(p, Eagle3Proposer)
     info = p.info
     assert info.family == "eagle3" and info.needs_hidden_states and info.has_probs and info.supports_tree
-    assert info.hidden_layers == default_eagle3_layers(TARGET_LAYERS) == (1, 2, 2)
+    assert info.hidden_layers == default_eagle3_layers(TARGET_LAYERS) == (0, 3, 5)
+    assert default_eagle3_layers(32) == (1, 15, 28)  # inputs of layers 2, 16, 29 as published
     assert info.vocab_size == VOCAB and info.vocab_hash == f"size:{VOCAB}"
     for name, ref in head.state_dict().items():  # loaded weights are the saved ones
         torch.testing.assert_close(p.head.state_dict()[name].to(ref.dtype), ref)

@@ -1,0 +1,179 @@
+"""Full loop through the real proposers and B's TargetEngine: prefill -> start -> propose -> verify.
+
+- temperature 0: the output equals target-only greedy decoding, for chains and trees of every family;
+- a `model` drafter that IS the target is accepted in full (its positions line up with the target's);
+- temperature > 0: the first token emitted by a verify step follows the target's exact distribution
+  (chi-square against transformers' probabilities) for every family, chains and trees. That test runs
+  the loop's first step for many sessions with one batched verify, on a dense target (cheaper forwards;
+  the verify rule does not depend on the architecture).
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from specserve.draft_service.dflash import DFlashConfig, DFlashModel, save_dflash
+from specserve.draft_service.eagle3_head import Eagle3Config, Eagle3Head, save_eagle3_head
+from specserve.draft_service.proposer import DrafterConfig, TreeSpec
+from specserve.draft_service.registry import build_proposer
+from specserve.target_service.engine.engine import TargetEngine
+from specserve.target_service.engine.sampler import target_probs
+from specserve.target_service.engine.types import SamplingParams
+from specserve.target_service.models import load_model
+
+PROMPT = [3, 17, 42, 3, 17, 8, 3, 17]
+VOCAB = 64
+TREE = TreeSpec(num_nodes=8, top_k=2, depth=3)
+
+
+def _eagle3_dir(root, target_dir):
+    torch.manual_seed(5)
+    raw = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4,
+           "num_key_value_heads": 2, "rms_norm_eps": 1e-5, "vocab_size": VOCAB, "draft_vocab_size": 48,
+           "target_hidden_size": 32, "hidden_act": "silu"}
+    head = Eagle3Head(Eagle3Config.from_dict(raw))
+    with torch.no_grad():
+        for p in head.parameters():
+            p.copy_(torch.randn_like(p) * 0.3)
+        keep = torch.sort(torch.randperm(VOCAB)[:48]).values
+        head.d2t.copy_(keep - torch.arange(48))
+        head.t2d[keep] = True
+    save_eagle3_head(head, root / "eagle3")  # embeddings come from the target checkpoint
+    return root / "eagle3"
+
+
+def _dflash_dir(root, num_layers):
+    torch.manual_seed(6)
+    cfg = DFlashConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+                       intermediate_size=32, vocab_size=VOCAB, block_size=4, target_hidden_size=32,
+                       target_layer_ids=(0, num_layers - 1))
+    model = DFlashModel(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn_like(p) * 0.4)
+    save_dflash(model, root / "dflash")
+    return root / "dflash"
+
+
+@pytest.fixture(scope="module")
+def world(tiny_ckpt, tmp_path_factory):
+    """(engine factory, drafter configs by name, target dir) around a tiny target (MoE by default)."""
+    return _world(tiny_ckpt, tmp_path_factory, "target_moe")
+
+
+@pytest.fixture(scope="module")
+def dense_world(tiny_ckpt, tmp_path_factory):
+    """The same around a dense target: cheaper forwards for the many-sample distribution tests."""
+    return _world(tiny_ckpt, tmp_path_factory, "target_dense")
+
+
+def _world(tiny_ckpt, tmp_path_factory, kind):
+    target = tiny_ckpt(kind)
+    layers = json.loads((target / "config.json").read_text())["num_hidden_layers"]
+    root = tmp_path_factory.mktemp("drafters")
+    model, mcfg = load_model(target, progress=False)
+
+    def engine():
+        return TargetEngine(model, mcfg, num_blocks=8192, block_size=4)
+
+    base = dict(target_checkpoint=target, max_block_size=4, kv_block_size=4, kv_num_blocks=8192)
+    configs = {
+        "ngram": DrafterConfig(family="ngram", ngram_min_n=1, ngram_max_n=3, **base),
+        "model": DrafterConfig(family="model", checkpoint=tiny_ckpt("draft_llama"), **base),
+        "model_is_target": DrafterConfig(family="model", checkpoint=target, **base),
+        "eagle3": DrafterConfig(family="eagle3", checkpoint=_eagle3_dir(root, target), **base),
+        "dflash": DrafterConfig(family="dflash", checkpoint=_dflash_dir(root, layers), **base),
+    }
+    return engine, configs, target
+
+
+def run_loop(engine, proposer, sid, prompt, sampling, max_new, k=3, tree=None, steps=None):
+    """The simple synchronous loop; returns (emitted tokens, drafted count, accepted count)."""
+    layers = proposer.info.hidden_layers if proposer.info.needs_hidden_states else ()
+    pre = engine.prefill(sid, prompt, sampling, layers)
+    seq = list(prompt) + [pre.next_token]
+    proposer.start(sid, seq, pre.hidden, sampling)
+    out, known, hidden, drafted, accepted = [pre.next_token], len(seq), None, 0, 0
+    while len(out) < max_new and (steps is None or steps > 0):
+        block = proposer.propose(sid, known, seq[known:], hidden, k, tree)
+        known = len(seq)
+        res = engine.verify(sid, block)
+        drafted, accepted, hidden = drafted + len(block), accepted + len(res.accepted_ids), res.hidden
+        seq += res.emitted
+        out += res.emitted
+        steps = None if steps is None else steps - 1
+    engine.release(sid)
+    proposer.release(sid)
+    return out, drafted, accepted
+
+
+@pytest.mark.parametrize("name", ["ngram", "model", "eagle3", "dflash"])
+def test_greedy_output_equals_target_only(world, name):
+    engine_factory, configs, _ = world
+    engine, proposer = engine_factory(), build_proposer(configs[name])
+    want = engine.generate_greedy(PROMPT, 24)
+    trees = [None, TREE] if proposer.info.supports_tree else [None]
+    for tree in trees:
+        got, drafted, _ = run_loop(engine, proposer, f"g-{tree}", PROMPT, SamplingParams(), 24, tree=tree)
+        assert got[:24] == want, f"{name} tree={tree}"
+        assert drafted > 0 or name == "ngram"
+
+
+def test_target_as_its_own_draft_is_accepted_in_full(world):
+    engine_factory, configs, _ = world
+    engine, proposer = engine_factory(), build_proposer(configs["model_is_target"])
+    for tree in (None, TREE):
+        _, drafted, accepted = run_loop(engine, proposer, "self", PROMPT, SamplingParams(), 40, k=4, tree=tree)
+        depth = 3 if tree else None
+        assert drafted > 0 and (accepted == drafted if tree is None else accepted > 0)
+        if tree is not None:  # every step accepts a full-depth path
+            steps = -(-39 // (depth + 1))
+            assert accepted >= depth * (steps - 1)
+
+
+def _exact_second_token_dist(target_dir, sampling) -> torch.Tensor:  # [V]
+    """P(second emitted token) = sum_e1 p(e1 | prompt) p(e2 | prompt, e1), from transformers."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float64).eval()
+    with torch.no_grad():
+        p1 = target_probs(hf(torch.tensor([PROMPT])).logits[0, -1:], sampling)[0].double()
+        support = torch.nonzero(p1).flatten()
+        batch = torch.tensor([PROMPT + [int(e)] for e in support])
+        p2 = target_probs(hf(batch).logits[:, -1], sampling).double()
+    return (p1[support, None] * p2).sum(0)
+
+
+@pytest.mark.parametrize(
+    "name,tree", [("ngram", None), ("model", None), ("model", TREE), ("eagle3", None), ("eagle3", TREE), ("dflash", None)]
+)
+def test_sampled_first_verify_token_follows_target(dense_world, name, tree):
+    engine_factory, configs, target = dense_world
+    sampling = dict(temperature=1.0, top_k=8)
+    expected = _exact_second_token_dist(target, SamplingParams(**sampling))
+    engine, proposer = engine_factory(), build_proposer(configs[name])
+    layers = proposer.info.hidden_layers if proposer.info.needs_hidden_states else ()
+    counts, drafted, accepted, runs, items = np.zeros(VOCAB), 0, 0, 200, []
+    for i in range(runs):  # the loop's first step for many sessions; one batched verify forward
+        sid, s = f"c{i}", SamplingParams(seed=1000 + i, **sampling)
+        pre = engine.prefill(sid, PROMPT, s, layers)
+        proposer.start(sid, PROMPT + [pre.next_token], pre.hidden, s)
+        items.append((sid, proposer.propose(sid, len(PROMPT) + 1, [], None, 3, tree)))
+    for (sid, block), res in zip(items, engine.verify_batch(items)):
+        counts[res.emitted[0]] += 1
+        drafted, accepted = drafted + len(block), accepted + len(res.accepted_ids)
+        engine.release(sid), proposer.release(sid)
+    assert counts[(expected == 0).numpy()].sum() == 0, "emitted a token the target cannot sample"
+    exp = expected.numpy() * runs
+    big = exp >= 5
+    obs_cells = np.append(counts[big], counts[~big].sum())
+    exp_cells = np.append(exp[big], exp[~big].sum())
+    keep = exp_cells > 0
+    pval = chisquare(obs_cells[keep], exp_cells[keep] * obs_cells[keep].sum() / exp_cells[keep].sum()).pvalue
+    assert pval > 1e-3, f"{name} tree={tree}: p={pval:.2e}, drafted {drafted}, accepted {accepted}"
+    assert drafted > 0 and (name != "model" or accepted > 0)  # proposals were exercised
