@@ -57,7 +57,7 @@ class ServedTarget:
 
 @pytest.fixture(scope="module")
 def engine_config(tiny_checkpoint):
-    return EngineConfig(model=tiny_checkpoint("qwen3_moe"), num_kv_blocks=256, kv_block_size=4)
+    return EngineConfig(model=tiny_checkpoint("qwen3_moe"), num_kv_blocks=320, kv_block_size=4)
 
 
 @pytest.fixture(scope="module")
@@ -154,19 +154,20 @@ def test_concurrent_sessions_share_one_forward_losslessly(served, local):
         served.stub.Prefill(target_pb2.PrefillRequest(session_id=sid, prompt_ids=prompts[sid]), timeout=10)
         local.prefill(sid, prompts[sid], SamplingParams(), ())
     want = {sid: local.verify(sid, DraftBlock(token_ids=tuple(block[sid]))) for sid in sids}
-    with concurrent.futures.ThreadPoolExecutor(4) as pool:
-        busy = pool.submit(served.stub.Prefill, target_pb2.PrefillRequest(session_id="busy", prompt_ids=[5] * 500),
-                           timeout=60)
+    with concurrent.futures.ThreadPoolExecutor(5) as pool:
+        busy = [pool.submit(served.stub.Prefill, target_pb2.PrefillRequest(session_id=b, prompt_ids=[5] * 500),
+                            timeout=60) for b in ("busy1", "busy2")]  # keep the engine thread busy a while
         time.sleep(0.01)
         futs = {sid: pool.submit(served.stub.Verify, target_pb2.VerifyRequest(session_id=sid, draft=block_msg(block[sid])),
                                  timeout=60) for sid in sids}
         got = {sid: f.result() for sid, f in futs.items()}
-        busy.result()
+        [b.result() for b in busy]
     for sid in sids:
         assert (tuple(got[sid].accepted_ids), got[sid].next_token) == (want[sid].accepted_ids, want[sid].next_token)
         local.release(sid)
         served.stub.Release(target_pb2.ReleaseRequest(session_id=sid), timeout=10)
-    served.stub.Release(target_pb2.ReleaseRequest(session_id="busy"), timeout=10)
+    for b in ("busy1", "busy2"):
+        served.stub.Release(target_pb2.ReleaseRequest(session_id=b), timeout=10)
     assert max(r.batch_size for r in got.values()) == 3
     assert served.stats().active_sessions == 0 and served.stats().kv_blocks_used == 0
 
