@@ -59,7 +59,6 @@ ATTR_SAMPLE_MS = "specserve.target.sample_ms"
 ATTR_QUEUE_MS = "specserve.queue_ms"              # waiting for the engine / drafter thread
 ATTR_BATCH_SIZE = "specserve.target.batch_size"   # sessions verified in the same forward
 ATTR_EXPERTS_TOUCHED = "specserve.target.experts_touched"
-ATTR_PROMPT_TOKENS = "specserve.prompt_tokens"
 
 TRACES_ENV = ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
 METRICS_ENV = ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT")
