@@ -87,6 +87,8 @@ def build_engine(cfg: EngineConfig):
             num_blocks=cfg.num_kv_blocks,
             block_size=cfg.kv_block_size,
             max_context=cfg.max_context,
+            attention_backend=cfg.attention_backend,
+            moe_backend=cfg.moe_backend,
         )
 
     model, model_config, tokenizer, choice = build_model_for(cfg)

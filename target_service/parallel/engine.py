@@ -21,10 +21,12 @@ import torch.distributed as dist
 from specserve.target_service.engine.attn_metadata import AttentionBatch
 from specserve.target_service.engine.engine import TargetEngine
 from specserve.target_service.factory import DTYPES
-from specserve.target_service.models import ModelConfig, ParallelConfig, build_model, load_model, load_tokenizer
+from specserve.target_service.models import ModelConfig, ParallelConfig, build_model, load_tokenizer
+from specserve.target_service.models.backends import select_backends
 from specserve.target_service.parallel.group import RankGroup
 from specserve.target_service.parallel.protocol import CopySlots, Forward, Logits, ShardSpec
 from specserve.target_service.parallel.rendezvous import ParallelError
+from specserve.target_service.parallel.worker import load_shard
 
 
 class _Driver:
@@ -120,6 +122,8 @@ class ParallelTargetEngine(TargetEngine):
         num_blocks: int,
         block_size: int = 16,
         progress: bool = True,
+        attention_backend: str = "auto",  # models/backends.py: auto | torch | flashinfer | reference
+        moe_backend: str = "auto",  # auto | torch | fused
         **engine_kwargs,  # hidden_layers, max_context, vocab_hash
     ) -> None:
         if tensor_parallel_size < 2:
@@ -127,19 +131,21 @@ class ParallelTargetEngine(TargetEngine):
         if dtype not in DTYPES:
             raise ParallelError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
         checkpoint = os.fspath(checkpoint)
+        if not os.path.isdir(checkpoint):
+            raise ParallelError(f"a parallel target needs a checkpoint folder (each rank reads its shards), got {checkpoint}")
         config = ModelConfig.from_file(checkpoint)
         check_split(config, ParallelConfig(0, tensor_parallel_size, expert_parallel))
+        choice = select_backends(config, torch.device(device), DTYPES[dtype], attention_backend, moe_backend)
         spec = ShardSpec(
             os.path.abspath(checkpoint), dtype, torch.device(device).type, tensor_parallel_size,
-            expert_parallel, num_blocks, block_size,
+            expert_parallel, num_blocks, block_size, choice.attention, choice.moe,
         )
         self.parallel_spec = spec
         self._group = RankGroup(spec, device)
         try:
             model, error = None, None
             try:
-                parallel = ParallelConfig(0, tensor_parallel_size, expert_parallel)
-                model, config = load_model(checkpoint, self._group.device, DTYPES[dtype], parallel, progress=progress)
+                model, config = load_shard(spec, 0, self._group.device, progress)
             except Exception as e:  # every rank reports; the startup error names them all
                 error = f"rank 0: {type(e).__name__}: {e}"
             self._group.check_ready(error)

@@ -29,6 +29,8 @@ class ShardSpec:
     expert_parallel: bool
     num_blocks: int
     block_size: int
+    attention_backend: str = "torch"  # resolved by rank 0 (models/backends.py), the same on every rank
+    moe_backend: str = "torch"
 
 
 @dataclass(frozen=True)

@@ -29,13 +29,23 @@ from specserve.target_service.parallel.protocol import Channel, CopySlots, Forwa
 STORE_TIMEOUT = timedelta(minutes=10)
 
 
+def load_shard(spec: ShardSpec, rank: int, device: torch.device, progress: bool = False):
+    """(model, ModelConfig): this rank's slices of the checkpoint, with the spec's compute backends."""
+    from specserve.target_service.models.backends import BackendChoice, install_backends
+
+    parallel = ParallelConfig(tp_rank=rank, tp_size=spec.tp_size, ep=spec.expert_parallel)
+    dtype = DTYPES[spec.dtype]
+    model, config = load_model(spec.checkpoint, device, dtype, parallel, progress=progress)
+    install_backends(model, BackendChoice(spec.attention_backend, spec.moe_backend), spec.block_size, device, dtype)
+    return model, config
+
+
 class _Shard:
     """This rank's model shard and cache, driven by commands."""
 
     def __init__(self, spec: ShardSpec, rank: int, device: torch.device) -> None:
-        parallel = ParallelConfig(tp_rank=rank, tp_size=spec.tp_size, ep=spec.expert_parallel)
         self.device = device
-        self.model, self.config = load_model(spec.checkpoint, device, DTYPES[spec.dtype], parallel, progress=False)
+        self.model, self.config = load_shard(spec, rank, device)
         self.dtype = DTYPES[spec.dtype]
         self.cache = PagedKVCache(
             self.config.num_layers, spec.num_blocks, spec.block_size, self.model.kv_entry_shape(), self.dtype, device
