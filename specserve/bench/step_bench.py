@@ -37,8 +37,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--models", default="qwen3-30b-a3b,kimi-k2-layer", help="preset specs NAME[:LAYERS], comma-separated")
     p.add_argument("--contexts", default="128,4096", help="cached tokens before the step, comma-separated")
     p.add_argument("--max-k", type=int, default=16, help="largest number of drafted tokens")
-    p.add_argument("--reps", type=int, default=30, help="timed steps per point with CUDA graphs")
-    p.add_argument("--eager-reps", type=int, default=5, help="timed eager steps per point (0: skip eager)")
+    p.add_argument("--reps", type=int, default=20, help="timed steps per point with CUDA graphs")
+    p.add_argument("--eager-reps", type=int, default=3, help="timed eager steps per point (0: skip eager)")
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--block-size", type=int, default=16)
@@ -204,9 +204,8 @@ def main(argv: list[str] | None = None) -> int:
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
         (out / "step_bench.json").write_text(json.dumps(report, indent=1, default=str))
-    table = format_table(report["results"], bw.bytes_per_s)
-    (out / "step_bench.md").write_text(table + "\n")
-    print(table)
+        (out / "step_bench.md").write_text(format_table(report["results"], bw.bytes_per_s) + "\n")
+    print(format_table(report["results"], bw.bytes_per_s))
     return 0 if all("error" not in r for r in report["results"]) else 1
 
 
