@@ -117,8 +117,6 @@ class DrafterConfig:
     kv_num_blocks: int = 512
     # eagle3 / dflash: override the target layers to read (default: the checkpoint's or the family's)
     hidden_layers: tuple[int, ...] | None = None
-    # tree expansion for eagle3/model chains beyond the checkpoint's trained depth is allowed; cap it
-    max_tree_nodes: int = 64
 
     def __post_init__(self) -> None:
         if not isinstance(self.family, str) or not self.family:
@@ -140,8 +138,6 @@ class DrafterConfig:
             object.__setattr__(self, "hidden_layers", tuple(int(i) for i in self.hidden_layers))
             if not self.hidden_layers:
                 raise DrafterConfigError("hidden_layers, when given, must name at least one layer")
-        if self.max_tree_nodes < 1:
-            raise DrafterConfigError(f"max_tree_nodes must be >= 1, got {self.max_tree_nodes}")
 
 
 class _TokenBuffer:
@@ -305,10 +301,8 @@ class Proposer(ABC):
         if tree is not None:
             if not self.info.supports_tree:
                 raise ProposerError(f"drafter family {self.info.family!r} does not propose trees")
-            if tree.depth > self.info.max_block_size:
-                raise ProposerError(
-                    f"tree depth {tree.depth} exceeds max_block_size {self.info.max_block_size}"
-                )
+            if tree.depth > self.info.max_block_size:  # a tree is at most max_block_size deep
+                tree = TreeSpec(tree.num_nodes, tree.top_k, self.info.max_block_size)
             state.draft_tail = ()
             return self._draft_tree(state, tree)
         if num_tokens < 0:
@@ -358,38 +352,40 @@ class Proposer(ABC):
         append_ids: Sequence[int],
         append_hidden: torch.Tensor | None,
     ) -> None:
+        """Validate everything first, then mutate: a refused sync leaves the session unchanged."""
         n_old, tail = len(state), state.draft_tail
         if not 0 <= prefix_len <= n_old + len(tail):
             raise ProposerError(
                 f"prefix_len {prefix_len} out of range: session holds {n_old} tokens"
                 f" + {len(tail)} drafted"
             )
-        if prefix_len + len(append_ids) < 1:
+        new_len = prefix_len + len(append_ids)
+        if new_len < 1:
             raise ProposerError("the sequence would be empty after the sync")
         self._check_ids(append_ids)
+        new_rows, keep_end = None, 0
+        if self.info.needs_hidden_states:
+            m = 0 if append_hidden is None else int(append_hidden.shape[0])
+            keep_end = new_len - 1 - m  # rows [hidden_start, keep_end) come from the old rows
+            available = min(state.hidden_end, prefix_len)
+            if keep_end < state.hidden_start or keep_end > available:
+                raise ProposerError(
+                    f"append_hidden has {m} rows for a sequence of {new_len} tokens: the rows before"
+                    f" them would be positions [{state.hidden_start}, {keep_end}) but the session"
+                    f" keeps [{state.hidden_start}, {available}) after truncating to prefix_len"
+                    f" {prefix_len}"
+                )
+            if m:
+                new_rows = self._check_hidden(append_hidden, m, "append_hidden")
         if prefix_len > n_old:  # the caller counts accepted drafted tokens into the prefix
             state.tokens.extend(tail[: prefix_len - n_old])
         else:
             state.tokens.truncate(prefix_len)
         state.tokens.extend(append_ids)
         state.draft_tail = ()
-        if not self.info.needs_hidden_states:
-            return
-        m = 0 if append_hidden is None else int(append_hidden.shape[0])
-        keep_end = len(state) - 1 - m  # rows [hidden_start, keep_end) come from the old rows
-        available = min(state.hidden_end, prefix_len)
-        if keep_end < state.hidden_start or keep_end > available:
-            raise ProposerError(
-                f"append_hidden has {m} rows for a sequence of {len(state)} tokens: the rows before"
-                f" them would be positions [{state.hidden_start}, {keep_end}) but the session keeps"
-                f" [{state.hidden_start}, {available}) after truncating to prefix_len {prefix_len}"
-            )
-        old = state.hidden[: keep_end - state.hidden_start]
-        if m:
-            new = self._check_hidden(append_hidden, m, "append_hidden")
-            state.hidden = torch.cat([old, new], dim=0)
-        else:
-            state.hidden = old
+        if self.info.needs_hidden_states:
+            old = state.hidden[: keep_end - state.hidden_start]
+            state.hidden = old if new_rows is None else torch.cat([old, new_rows.to(old.device)], dim=0)
 
     def _check_ids(self, ids: Sequence[int]) -> None:
         arr = np.asarray(ids, dtype=np.int64).reshape(-1)

@@ -105,6 +105,10 @@ def test_load_and_propose(saved):
     assert all(block.probs[i, t] > 0 for i, t in enumerate(block.token_ids))
     with pytest.raises(ProposerError, match="feature width"):
         p.propose("s", 5, [1], torch.zeros(1, 7), 2)
+    with pytest.raises(ProposerError, match="append_hidden has 7 rows"):
+        p.propose("s", 5, [1], torch.zeros(7, 3 * TARGET_H), 2)
+    assert p.session("s").ids.tolist() == seq  # a refused sync leaves the session unchanged
+    assert len(p.propose("s", 5, [1], torch.zeros(1, 3 * TARGET_H), 2)) == 2
 
 
 def test_malformed_head_names_the_missing_tensor(saved, tmp_path):
