@@ -126,8 +126,8 @@ class ParallelTargetEngine(TargetEngine):
         moe_backend: str = "auto",  # auto | torch | fused
         **engine_kwargs,  # hidden_layers, max_context, vocab_hash
     ) -> None:
-        if tensor_parallel_size < 2:
-            raise ParallelError(f"ParallelTargetEngine needs tensor_parallel_size >= 2, got {tensor_parallel_size}")
+        if tensor_parallel_size < 1:  # 1 = the same machinery without workers (a process group of one)
+            raise ParallelError(f"tensor_parallel_size must be >= 1, got {tensor_parallel_size}")
         if dtype not in DTYPES:
             raise ParallelError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
         checkpoint = os.fspath(checkpoint)

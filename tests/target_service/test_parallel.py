@@ -17,11 +17,11 @@ from specserve.cli.main import main
 from specserve.target_service.engine.engine import TargetEngine
 from specserve.target_service.engine.types import DraftBlock, SamplingParams
 from specserve.target_service.models import load_model
-from specserve.target_service.parallel import ParallelError
+from specserve.target_service.parallel import MULTICAST_OFF, ParallelError
 from specserve.target_service.parallel.engine import ParallelTargetEngine
 
 ARCHS = ("deepseek_v3", "qwen3_moe", "mixtral")
-PLACEMENTS = ((2, False), (2, True), (4, False), (4, True))  # (ranks, expert parallel)
+PLACEMENTS = ((1, False), (2, False), (2, True), (4, False), (4, True))  # (ranks, expert parallel); 1: no workers
 PROMPT = [3, 17, 99, 5, 42, 7, 8, 250, 1, 64, 9]
 TREE = DraftBlock(token_ids=(11, 12, 13, 14, 15), parents=(-1, 0, 0, 1, -1))
 ATOL = RTOL = 1e-5
@@ -87,7 +87,10 @@ def test_engine_matches_one_process(arch, ranks, ep, tiny_checkpoint, reference)
         tiny_checkpoint(arch), tensor_parallel_size=ranks, expert_parallel=ep, progress=False, **ENGINE_KW
     ) as engine:
         assert engine.info() == ref.info()
-        assert engine.kv_cache.entry_shape != ref.kv_cache.entry_shape or arch == "deepseek_v3"  # heads sharded
+        if arch == "deepseek_v3" or ranks == 1:  # the MLA latent is shared by all heads: kept whole
+            assert engine.kv_cache.entry_shape == ref.kv_cache.entry_shape
+        else:  # 2 kv heads: one per rank at 2 ranks, each replicated on 2 ranks at 4
+            assert engine.kv_cache.entry_shape == (2, 1, ref.kv_cache.entry_shape[2])
         got = _exercise(engine, own)
         assert engine.kv_usage() == ref.kv_usage()
     _assert_same(got, want)
@@ -123,6 +126,9 @@ def test_a_worker_that_dies_fails_the_engine_with_a_clear_error(tiny_checkpoint)
     try:
         engine.prefill("a", PROMPT)
         proc = engine._group.procs[0]
+        with open(f"/proc/{proc.pid}/environ", "rb") as f:  # NVLink multicast off in every started rank
+            environ = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
+        assert all(environ.get(k.encode()) == v.encode() for k, v in MULTICAST_OFF.items())
         proc.kill()
         proc.join(10)
         with pytest.raises(Exception):
