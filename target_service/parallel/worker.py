@@ -123,9 +123,8 @@ def spawned_worker(rdv: rv.Rendezvous, device_index: int | None, threads: int) -
     except Exception:
         traceback.print_exc()
         code = 1
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    if code:
+        sys.exit(code)  # multiprocessing turns it into the exit code (and still runs its finalizers)
 
 
 def main(argv: list[str] | None = None) -> int:
