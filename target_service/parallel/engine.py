@@ -130,6 +130,8 @@ class ParallelTargetEngine(TargetEngine):
             raise ParallelError(f"tensor_parallel_size must be >= 1, got {tensor_parallel_size}")
         if dtype not in DTYPES:
             raise ParallelError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+        if engine_kwargs.get("cuda_graphs"):
+            raise ParallelError("CUDA graphs are not supported with tensor parallelism (the ranks run eagerly)")
         checkpoint = os.fspath(checkpoint)
         if not os.path.isdir(checkpoint):
             raise ParallelError(f"a parallel target needs a checkpoint folder (each rank reads its shards), got {checkpoint}")
