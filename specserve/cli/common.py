@@ -99,5 +99,6 @@ def drafter_config_from_args(args: argparse.Namespace, target_checkpoint: Path):
         target_checkpoint=target_checkpoint,
         device=args.device,
         dtype=args.dtype,
-        max_block_size=max(args.num_speculative_tokens, 1) if hasattr(args, "num_speculative_tokens") else 8,
+        # k + 1: draft-ahead asks for its guess of the bonus token plus a full next block
+        max_block_size=max(args.num_speculative_tokens, 1) + 1 if hasattr(args, "num_speculative_tokens") else 8,
     )
