@@ -104,7 +104,7 @@ def plot_phase_breakdown(methods: dict, path: Path, title: str) -> Path:
     return path
 
 
-def plot_phase_steps(step_rows: Sequence[dict], path: Path, title: str, max_panels: int = 12) -> Path:
+def plot_phase_steps(step_rows: Sequence[dict], path: Path, title: str, max_panels: int = 20) -> Path:
     """Per-step stacked draft / verify / overhead, first prompt of each method (small multiples)."""
     plt = _plt()
     by_method: dict[str, list[dict]] = {}
@@ -113,7 +113,7 @@ def plot_phase_steps(step_rows: Sequence[dict], path: Path, title: str, max_pane
         if not first or first[0]["prompt"] == s["prompt"]:
             first.append(s)
     names = list(by_method)[:max_panels]
-    cols = min(3, max(1, len(names)))
+    cols = min(3 if len(names) <= 9 else 4, max(1, len(names)))
     rows = max(1, math.ceil(len(names) / cols))
     fig, axes = plt.subplots(rows, cols, figsize=(4.5 * cols, 2.8 * rows), squeeze=False)
     for ax, name in zip(axes.flat, names):
