@@ -31,7 +31,9 @@ from specserve.target_service.models.config import GQAConfig, MLAConfig, ModelCo
 ATTENTION_BACKENDS = ("auto", "torch", "flashinfer")
 GQA_HEAD_DIMS = (64, 128, 256)  # FlashInfer fa2 head dims
 MLA_DIMS = ((512, 64),)  # (kv_lora_rank, rope dim) FlashInfer's MLA kernels support
-WORKSPACE_BYTES = 128 << 20
+# CUDA-graph-mode prefill plans size the split-kv temporaries for the padded grid: Qwen3-30B-A3B's 32 q heads x 128
+# at 17 tokens needed 132 MB on the H200 (128 MB overflowed), so one shared 512 MB float workspace.
+WORKSPACE_BYTES = 512 << 20
 
 
 class AttentionBackendError(ValueError):
