@@ -21,6 +21,13 @@ from specserve.protos.specserve.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 
 SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name
 
+DEFAULT_MAX_DRAFT_TOKENS = 256  # tokens (chain length or tree nodes) one proposal may ask for
+
+
+class LimitExceeded(SpecserveError):
+    """A request over one of the service's configured limits (the message names the flag)."""
+
+
 INPUT_ERRORS: tuple[type[BaseException], ...] = (ValueError, SpecserveError, ProposerError)
 
 
@@ -81,8 +88,11 @@ def _status_for(exc: BaseException) -> grpc.StatusCode:
 
 
 class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
-    def __init__(self, worker: DrafterWorker) -> None:
+    def __init__(self, worker: DrafterWorker, max_draft_tokens: int = DEFAULT_MAX_DRAFT_TOKENS) -> None:
+        if max_draft_tokens < 1:
+            raise ValueError(f"max_draft_tokens must be >= 1, got {max_draft_tokens}")
         self.worker = worker
+        self.max_draft_tokens = max_draft_tokens
         self.info = worker.proposer.info
         self._tracer = tn.tracer()
 
@@ -139,6 +149,12 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
                     raise convert.ConversionError(f"tree: {e}") from None
             if request.num_tokens < 0:
                 raise convert.ConversionError(f"num_tokens: {request.num_tokens} < 0")
+            asked = tree.num_nodes if tree is not None else request.num_tokens
+            if asked > self.max_draft_tokens:
+                raise LimitExceeded(
+                    f"{'tree.num_nodes' if tree is not None else 'num_tokens'}: {asked} exceeds the limit of "
+                    f"{self.max_draft_tokens} (--max-draft-tokens)"
+                )
             block = await self.worker.propose(
                 request.session_id, request.prefix_len, list(request.append_ids), hidden, request.num_tokens, tree
             )

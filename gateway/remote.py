@@ -23,13 +23,14 @@ import torch
 
 from specserve.gateway import tracing as tn
 from specserve.gateway.clients import DraftError, RequestRejected, TargetUnavailable
-from specserve.gateway.servers_common import aio_channel
+from specserve.gateway.servers_common import TlsFiles, aio_channel
 from specserve.gateway.spec_loop import MalformedDraft
 from specserve.protos import convert
 from specserve.protos.specserve.v1 import draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 from specserve.target_service.engine.types import DraftBlock, PrefillResult, SamplingParams, VerifyResult
 
 RELEASE_TIMEOUT_S = 2.0  # releases run even past the request's deadline, but never hang
+RESERVE_METADATA = "specserve-reserve-tokens"  # the target reserves KV blocks for this many tokens
 
 # target status codes that mean "your input was refused", not "the target is broken"
 _REJECTED = frozenset(
@@ -38,7 +39,6 @@ _REJECTED = frozenset(
         grpc.StatusCode.OUT_OF_RANGE,
         grpc.StatusCode.FAILED_PRECONDITION,
         grpc.StatusCode.ALREADY_EXISTS,
-        grpc.StatusCode.RESOURCE_EXHAUSTED,
     }
 )
 
@@ -56,7 +56,7 @@ def _target_error(exc: grpc.aio.AioRpcError) -> Exception:
     code, details = exc.code(), exc.details() or ""
     if code in _REJECTED:
         return RequestRejected(f"target refused the request: {details}")
-    if code not in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.INTERNAL):
+    if code not in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.INTERNAL, grpc.StatusCode.RESOURCE_EXHAUSTED):
         code = grpc.StatusCode.UNAVAILABLE
     return TargetCallError(code, f"target {exc.code().name}: {details}")
 
@@ -101,9 +101,9 @@ class _Stream:
 class RemoteTarget:
     """The target service at one address (one channel for every request)."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, tls: TlsFiles | None = None) -> None:
         self.address = address
-        self.channel = aio_channel(address)
+        self.channel = aio_channel(address, tls)
         self.stub = target_pb2_grpc.TargetServiceStub(self.channel)
         self.target_info: target_pb2.TargetInfo | None = None
 
@@ -113,8 +113,11 @@ class RemoteTarget:
         )
         return self.target_info
 
-    def session(self, deadline: float | None, metrics: tn.SpecMetrics | None = None) -> RemoteTargetSession:
-        return RemoteTargetSession(self, deadline, metrics)
+    def session(
+        self, deadline: float | None, metrics: tn.SpecMetrics | None = None, reserve_tokens: int | None = None
+    ) -> RemoteTargetSession:
+        """reserve_tokens: the most tokens the session may occupy (the target reserves KV blocks for them)."""
+        return RemoteTargetSession(self, deadline, metrics, reserve_tokens)
 
     async def close(self) -> None:
         await self.channel.close()
@@ -123,8 +126,11 @@ class RemoteTarget:
 class RemoteTargetSession:
     """TargetClient for one request: prefill (unary), verify steps (one VerifyStream), release."""
 
-    def __init__(self, target: RemoteTarget, deadline: float | None, metrics: tn.SpecMetrics | None) -> None:
+    def __init__(
+        self, target: RemoteTarget, deadline: float | None, metrics: tn.SpecMetrics | None, reserve_tokens: int | None = None
+    ) -> None:
         self._target = target
+        self._reserve = () if reserve_tokens is None else ((RESERVE_METADATA, str(int(reserve_tokens))),)
         self._deadline = _Deadline(deadline)
         self._metrics = metrics
         self._stream = _Stream(self._open_stream)
@@ -157,7 +163,9 @@ class RemoteTargetSession:
             hidden_layers=list(hidden_layers),
         )
         try:
-            resp = await self._target.stub.Prefill(req, timeout=self._timeout(), metadata=tn.outgoing_metadata())
+            resp = await self._target.stub.Prefill(
+                req, timeout=self._timeout(), metadata=tn.outgoing_metadata(self._reserve)
+            )
         except grpc.aio.AioRpcError as exc:
             raise _target_error(exc) from None
         self._last_step_end = time.perf_counter()
@@ -214,11 +222,19 @@ class RemoteTargetSession:
 class RemoteDraftEndpoint:
     """A draft service at one address (one channel for every request)."""
 
-    def __init__(self, name: str, address: str, step_timeout_s: float = 5.0) -> None:
+    def __init__(
+        self,
+        name: str,
+        address: str,
+        step_timeout_s: float = 5.0,
+        tls: TlsFiles | None = None,
+        target_info: target_pb2.TargetInfo | None = None,
+    ) -> None:
         self.name = name
         self.address = address
         self.step_timeout_s = step_timeout_s
-        self.channel = aio_channel(address)
+        self.target_info = target_info  # set: a drafter for another vocabulary is never used
+        self.channel = aio_channel(address, tls)
         self.stub = draft_pb2_grpc.DraftServiceStub(self.channel)
         self.last_info: draft_pb2.DraftInfo | None = None
 
@@ -261,6 +277,10 @@ class RemoteDraft:
     async def info(self):
         info = await self._unary(self._ep.stub.GetInfo, draft_pb2.DraftInfoRequest())
         self._ep.last_info = info
+        if self._ep.target_info is not None:
+            problem = incompatible(info, self._ep.target_info)
+            if problem:  # e.g. restarted with another model: this request goes on target-only
+                raise DraftError(f"draft {self._ep.name} at {self._ep.address}: {problem}")
         return info
 
     async def start(
@@ -316,3 +336,18 @@ class RemoteDraft:
             )
         except grpc.aio.AioRpcError:
             pass  # the draft also frees a session when its propose stream ends
+
+
+def incompatible(draft: draft_pb2.DraftInfo, target: target_pb2.TargetInfo) -> str:
+    """Why a drafter cannot serve this target ("" when it can). The vocabulary rule of
+    target_service/models/vocab.py: two tokenizer fingerprints must be equal, else the sizes
+    (a vocabulary-agnostic drafter, size 0 and no fingerprint, fits every target)."""
+    d_hash, t_hash = draft.vocab_hash, target.vocab_hash
+    if d_hash.startswith("sha256:") and t_hash.startswith("sha256:"):
+        if d_hash != t_hash:
+            return f"drafter vocabulary {d_hash[:20]} differs from the target's {t_hash[:20]}"
+    elif draft.vocab_size and target.vocab_size and draft.vocab_size != target.vocab_size:
+        return f"drafter vocab_size {draft.vocab_size} differs from the target's {target.vocab_size}"
+    if draft.needs_hidden_states and any(not 0 <= layer <= target.num_layers for layer in draft.hidden_layers):
+        return f"drafter reads target layers {list(draft.hidden_layers)} but the target has {target.num_layers}"
+    return ""

@@ -3,12 +3,18 @@
 Each request: validate -> the lead's spec loop (gateway/spec_loop.py) over the remote adapters
 (gateway/remote.py) -> token deltas, then one final message. The client's deadline is forwarded to
 both services; a client that cancels closes the loop, which releases the session on both services.
+
+Admission: at most ``max_sessions`` requests run; up to ``max_queued`` more wait (FIFO, within their
+deadline); more get RESOURCE_EXHAUSTED. With an ``auth_token`` every Gateway call must carry the
+metadata ``authorization: Bearer <token>`` (compared in constant time) or gets UNAUTHENTICATED; the
+health service stays open for probes.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -19,11 +25,18 @@ from opentelemetry import context as otel_context
 from specserve.errors import SpecserveError
 from specserve.gateway import tracing as tn
 from specserve.gateway.adaptive import AdaptiveConfig, AdaptiveSpeculation
+from specserve.gateway.admission import Admission, AdmissionConfig, AdmissionRefused
 from specserve.gateway.clients import RequestRejected, TargetUnavailable
-from specserve.gateway.remote import RemoteDraftEndpoint, RemoteTarget, TargetCallError
-from specserve.gateway.servers_common import check_address
+from specserve.gateway.remote import RemoteDraftEndpoint, RemoteTarget, TargetCallError, incompatible
+from specserve.gateway.servers_common import TlsFiles, check_address
 from specserve.gateway.spec_loop import FinalEvent, GenerationRequest, run_request
-from specserve.gateway.validation import MAX_SPECULATIVE_TOKENS, NO_DRAFT, InvalidRequest, validate_request
+from specserve.gateway.validation import (
+    MAX_SPECULATIVE_TOKENS,
+    NO_DRAFT,
+    InvalidRequest,
+    RequestLimits,
+    validate_request,
+)
 from specserve.protos.specserve.v1 import draft_pb2, gateway_pb2, gateway_pb2_grpc
 
 SERVICE_NAME = gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name
@@ -37,9 +50,17 @@ class GatewayConfig:
     default_draft: str | None = None  # None: the first of drafts (if any)
     draft_step_timeout_s: float = 5.0  # a propose slower than this drops the draft for the request
     set_draft_timeout_s: float = 10.0
+    max_sessions: int = 64  # requests running at once
+    max_queued: int = 64  # requests waiting for one of them; more get RESOURCE_EXHAUSTED
+    limits: RequestLimits = field(default_factory=RequestLimits)
+    auth_token: str | None = field(default=None, repr=False)  # None: no bearer token required
+    downstream_tls: TlsFiles | None = None  # TLS (and client certificate) for the target and draft channels
 
     def __post_init__(self) -> None:
         check_address(self.target_address)
+        if self.auth_token is not None and not self.auth_token.strip():
+            raise ValueError("the auth token is empty")
+        AdmissionConfig(self.max_sessions, self.max_queued)  # validates both
         for name, address in self.drafts.items():
             if not name or name == NO_DRAFT:
                 raise ValueError(f"draft name {name!r} is reserved or empty")
@@ -54,8 +75,10 @@ class DraftTable:
     """Draft name -> endpoint, swappable at run time. A replaced endpoint stays open until the
     requests that use it finish (counted), then its channel closes."""
 
-    def __init__(self, step_timeout_s: float) -> None:
+    def __init__(self, step_timeout_s: float, tls: TlsFiles | None = None, target_info=None) -> None:
         self.step_timeout_s = step_timeout_s
+        self.tls = tls
+        self.target_info = target_info
         self._by_name: dict[str, RemoteDraftEndpoint] = {}
         self._users: dict[int, int] = {}
         self._retired: dict[int, RemoteDraftEndpoint] = {}
@@ -67,7 +90,7 @@ class DraftTable:
         return {n: e.address for n, e in self._by_name.items()}
 
     def make(self, name: str, address: str) -> RemoteDraftEndpoint:
-        return RemoteDraftEndpoint(name, check_address(address), self.step_timeout_s)
+        return RemoteDraftEndpoint(name, check_address(address), self.step_timeout_s, self.tls, self.target_info)
 
     def put(self, endpoint: RemoteDraftEndpoint) -> None:
         old = self._by_name.get(endpoint.name)
@@ -112,12 +135,27 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self.config = config
         self.target = target
         self.tokenizer = tokenizer
-        self.drafts = DraftTable(config.draft_step_timeout_s)
+        self.drafts = DraftTable(config.draft_step_timeout_s, config.downstream_tls, target.target_info)
         for name, address in config.drafts.items():
             self.drafts.put(self.drafts.make(name, address))
         self.default_draft = config.default_draft or next(iter(config.drafts), None)
         self.metrics = tn.SpecMetrics()
         self._adaptive_by_draft: dict[str, AdaptiveSpeculation] = {}
+        self.admission = Admission(AdmissionConfig(config.max_sessions, config.max_queued, what="requests"))
+        self._token = None if config.auth_token is None else config.auth_token.encode()
+
+    async def _authorize(self, context) -> None:
+        """UNAUTHENTICATED unless the call carries ``authorization: Bearer <token>`` (when a token is set)."""
+        if self._token is None:
+            return
+        given = b""
+        for key, value in context.invocation_metadata() or ():
+            if key == "authorization":
+                raw = value if isinstance(value, bytes) else value.encode("utf-8", "replace")
+                given = raw[len(b"Bearer ") :] if raw[:7].lower() == b"bearer " else b""
+                break
+        if not hmac.compare_digest(given, self._token):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "authorization: missing or wrong bearer token")
 
     def _adaptive(self, draft_name: str) -> AdaptiveSpeculation:
         """The process-wide adaptive chooser of one draft (its cost model outlives requests)."""
@@ -132,11 +170,28 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     # ----------------------------------------------------------------------------- generate
     async def _events(self, request, context):
         """Validated request -> GenerateResponse messages (aborts the call with a status on failure)."""
+        await self._authorize(context)
         info = self.target.target_info
         try:
-            checked = validate_request(request, info, self.drafts, self.default_draft, self.tokenizer)
+            checked = validate_request(
+                request, info, self.drafts, self.default_draft, self.tokenizer, self.config.limits
+            )
         except InvalidRequest as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        try:
+            await self.admission.acquire()
+        except AdmissionRefused as exc:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"gateway {exc}")
+        try:
+            if checked.draft_name is not None and checked.draft_name not in self.drafts:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"draft: {checked.draft_name!r} was removed")
+            async with contextlib.aclosing(self._admitted(checked, info, context)) as messages:
+                async for msg in messages:
+                    yield msg
+        finally:
+            self.admission.release()
+
+    async def _admitted(self, checked, info, context):
         remaining = context.time_remaining()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + remaining if remaining is not None else None
@@ -156,9 +211,10 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         )
         token = otel_context.attach(tn.context_from_metadata(context.invocation_metadata()))
         try:
+            reserve = len(gen.prompt_ids) + gen.max_new_tokens + k + 1  # S at most, plus one draft block
             events = run_request(
                 gen,
-                self.target.session(deadline, self.metrics),
+                self.target.session(deadline, self.metrics, reserve_tokens=reserve),
                 endpoint.session(deadline) if endpoint is not None else None,
                 tokenizer=self.tokenizer,
                 target_info=info,
@@ -226,6 +282,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
 
     # -------------------------------------------------------------------------------- admin
     async def SetDraft(self, request, context):
+        await self._authorize(context)
         name, address = request.name, request.address
         if not name or name == NO_DRAFT:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"name: {name!r} is empty or reserved")
@@ -247,7 +304,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             await context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION, f"address: no draft service reachable at {address}: {exc.details()}"
             )
-        problem = _incompatible(info, self.target.target_info)
+        problem = incompatible(info, self.target.target_info)
         if problem:
             await ep.close()
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"address: {problem}")
@@ -258,13 +315,6 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         return gateway_pb2.SetDraftResponse(name=name, address=address)
 
     async def ListDrafts(self, request, context):
+        await self._authorize(context)
         return gateway_pb2.ListDraftsResponse(drafts=self.drafts.addresses())
 
-
-def _incompatible(draft: draft_pb2.DraftInfo, target) -> str:
-    """Why a drafter cannot serve this target ("" when it can)."""
-    if draft.vocab_hash and target.vocab_hash and draft.vocab_hash != target.vocab_hash:
-        return f"drafter vocabulary {draft.vocab_hash[:12]} differs from the target's {target.vocab_hash[:12]}"
-    if draft.needs_hidden_states and any(not 0 <= layer <= target.num_layers for layer in draft.hidden_layers):
-        return f"drafter reads target layers {list(draft.hidden_layers)} but the target has {target.num_layers}"
-    return ""

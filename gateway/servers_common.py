@@ -4,7 +4,10 @@
 - grpc.health.v1 health (SERVING once bound, NOT_SERVING while draining) and server reflection;
 - keepalive that keeps idle long-lived streams open, raised message-size limits (draft probs are MBs);
 - graceful SIGTERM/SIGINT: stop accepting, let in-flight calls finish within a grace period, then run
-  the service's own shutdown (engine thread, tracing flush).
+  the service's own shutdown (engine thread, tracing flush);
+- optional TLS on every listen address (``TlsFiles``): with a CA the server requires and checks the
+  client's certificate (mutual TLS); the same ``TlsFiles`` on the client side gives a secure channel
+  (CA = the roots to trust; cert + key = the client's certificate for mutual TLS).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import os
 import signal
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -32,6 +36,60 @@ _KEEPALIVE_TIMEOUT_MS = 10_000
 
 class AddressError(SpecserveError):
     """A listen or connect address that is neither HOST:PORT nor unix:/path."""
+
+
+class TlsError(SpecserveError):
+    """A TLS flag combination that cannot work, or a certificate / key file that cannot be read."""
+
+
+@dataclass(frozen=True)
+class TlsFiles:
+    """PEM files for one side of a TLS connection.
+
+    Server: cert + key (required); ca -> clients must present a certificate signed by it (mTLS).
+    Client: ca -> the roots that sign the server's certificate (None: the system roots);
+    cert + key -> the client's own certificate, for servers that require one.
+    """
+
+    cert: Path | None = None
+    key: Path | None = None
+    ca: Path | None = None
+
+    def __post_init__(self) -> None:
+        if (self.cert is None) != (self.key is None):
+            raise TlsError("give both a TLS certificate and its key, or neither")
+        for path in (self.cert, self.key, self.ca):
+            if path is not None and not Path(path).is_file():
+                raise TlsError(f"TLS file {path} does not exist")
+
+    @staticmethod
+    def _read(path: Path | None) -> bytes | None:
+        if path is None:
+            return None
+        try:
+            return Path(path).read_bytes()
+        except OSError as exc:
+            raise TlsError(f"cannot read TLS file {path}: {exc}") from None
+
+    def server_credentials(self) -> grpc.ServerCredentials:
+        if self.cert is None:
+            raise TlsError("a TLS server needs a certificate and key (--tls-cert, --tls-key)")
+        ca = self._read(self.ca)
+        return grpc.ssl_server_credentials(
+            [(self._read(self.key), self._read(self.cert))], root_certificates=ca, require_client_auth=ca is not None
+        )
+
+    def channel_credentials(self) -> grpc.ChannelCredentials:
+        return grpc.ssl_channel_credentials(
+            root_certificates=self._read(self.ca), private_key=self._read(self.key), certificate_chain=self._read(self.cert)
+        )
+
+
+def tls_or_none(cert=None, key=None, ca=None) -> TlsFiles | None:
+    """TlsFiles from optional flag values; None when none is set (plaintext)."""
+    if cert is None and key is None and ca is None:
+        return None
+    return TlsFiles(cert=cert, key=key, ca=ca)
 
 
 def check_address(address: str) -> str:
@@ -77,8 +135,16 @@ def channel_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[st
     ]
 
 
-def aio_channel(address: str) -> grpc.aio.Channel:
-    return grpc.aio.insecure_channel(check_address(address), options=channel_options())
+def aio_channel(address: str, tls: TlsFiles | None = None) -> grpc.aio.Channel:
+    if tls is None:
+        return grpc.aio.insecure_channel(check_address(address), options=channel_options())
+    return grpc.aio.secure_channel(check_address(address), tls.channel_credentials(), options=channel_options())
+
+
+def sync_channel(address: str, tls: TlsFiles | None = None) -> grpc.Channel:
+    if tls is None:
+        return grpc.insecure_channel(check_address(address), options=channel_options())
+    return grpc.secure_channel(check_address(address), tls.channel_credentials(), options=channel_options())
 
 
 @dataclass(frozen=True)
@@ -95,8 +161,13 @@ class ServerConfig:
     addresses: tuple[str, ...]
     grace_s: float = 10.0
     max_message_bytes: int = MAX_MESSAGE_BYTES
+    tls: TlsFiles | None = None  # None: plaintext
 
     def __post_init__(self) -> None:
+        if self.max_message_bytes < 1024:
+            raise ValueError(f"max_message_bytes must be >= 1024, got {self.max_message_bytes}")
+        if self.tls is not None and self.tls.cert is None:
+            raise TlsError("a TLS server needs a certificate and key (--tls-cert, --tls-key)")
         if not self.addresses:
             raise AddressError("no listen address given")
         for a in self.addresses:
@@ -136,13 +207,17 @@ async def start_server(config: ServerConfig, bindings: Sequence[ServiceBinding])
         (*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server
     )
     bound = []
+    credentials = config.tls.server_credentials() if config.tls is not None else None
     for address in config.addresses:
         if address.startswith("unix:"):
             path = address[len("unix:") :].removeprefix("//")
             if os.path.exists(path):
                 os.unlink(path)  # a stale socket left by a killed process
         try:
-            port = server.add_insecure_port(address)
+            if credentials is None:
+                port = server.add_insecure_port(address)
+            else:
+                port = server.add_secure_port(address, credentials)
         except RuntimeError as e:
             raise AddressError(f"cannot listen on {address}: {e}") from None
         if address.startswith("unix:"):
@@ -194,10 +269,10 @@ def run_async(main: Awaitable) -> None:
     uvloop.run(main)
 
 
-async def wait_healthy(address: str, timeout_s: float, service: str = "") -> None:
+async def wait_healthy(address: str, timeout_s: float, service: str = "", tls: TlsFiles | None = None) -> None:
     """Poll grpc.health.v1 at address until SERVING; raise TimeoutError after timeout_s."""
     deadline = asyncio.get_running_loop().time() + timeout_s
-    async with aio_channel(address) as channel:
+    async with aio_channel(address, tls) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while True:
             try:

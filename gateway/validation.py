@@ -14,6 +14,23 @@ MAX_SPECULATIVE_TOKENS = 64
 NO_DRAFT = "none"  # GenerateRequest.draft value that asks for target-only decoding
 
 
+@dataclass(frozen=True)
+class RequestLimits:
+    """The gateway's per-request limits (flags of `specserve gateway`); 0 = the model's context."""
+
+    max_prompt_tokens: int = 0
+    max_new_tokens: int = 4096
+    max_stop_strings: int = 16
+    max_stop_length: int = 256  # characters per stop string
+
+    def __post_init__(self) -> None:
+        for name in ("max_prompt_tokens", "max_new_tokens", "max_stop_strings", "max_stop_length"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.max_new_tokens == 0:
+            raise ValueError("max_new_tokens must be >= 1")
+
+
 class InvalidRequest(SpecserveError):
     """A request field is invalid; the message starts with the field name."""
 
@@ -40,8 +57,24 @@ def validate_request(
     drafts: Container[str],
     default_draft: str | None,
     tokenizer=None,
+    limits: RequestLimits | None = None,
 ) -> CheckedRequest:
     """Raise InvalidRequest for the first bad field; return the request in engine terms."""
+    limits = limits or RequestLimits()
+    if len(req.stop) > limits.max_stop_strings:
+        raise InvalidRequest(
+            "stop", f"{len(req.stop)} stop strings exceed the limit of {limits.max_stop_strings} (--max-stop-strings)"
+        )
+    for i, text in enumerate(req.stop):
+        if len(text) > limits.max_stop_length:
+            raise InvalidRequest(
+                f"stop[{i}]", f"{len(text)} characters exceed the limit of {limits.max_stop_length} (--max-stop-length)"
+            )
+    if limits.max_prompt_tokens and len(req.prompt_ids) > limits.max_prompt_tokens:
+        raise InvalidRequest(
+            "prompt_ids",
+            f"{len(req.prompt_ids)} tokens exceed the limit of {limits.max_prompt_tokens} (--max-prompt-tokens)",
+        )
     if req.prompt and req.prompt_ids:
         raise InvalidRequest("prompt", "give either prompt (text) or prompt_ids, not both")
     if req.prompt_ids:
@@ -57,11 +90,20 @@ def validate_request(
             raise InvalidRequest("prompt", "encodes to no tokens")
     else:
         raise InvalidRequest("prompt", "empty (set prompt or prompt_ids)")
+    if limits.max_prompt_tokens and len(ids) > limits.max_prompt_tokens:
+        raise InvalidRequest(
+            "prompt", f"{len(ids)} tokens exceed the limit of {limits.max_prompt_tokens} (--max-prompt-tokens)"
+        )
     if len(ids) >= target.max_context:
         raise InvalidRequest("prompt", f"{len(ids)} tokens leave no room in the context of {target.max_context}")
 
     if req.max_new_tokens <= 0:
         raise InvalidRequest("max_new_tokens", f"must be positive, got {req.max_new_tokens}")
+    if req.max_new_tokens > limits.max_new_tokens:
+        raise InvalidRequest(
+            "max_new_tokens",
+            f"{req.max_new_tokens} exceeds the limit of {limits.max_new_tokens} (--max-output-tokens)",
+        )
     if len(ids) + req.max_new_tokens > target.max_context:
         raise InvalidRequest(
             "max_new_tokens",
@@ -76,12 +118,15 @@ def validate_request(
         raise InvalidRequest("sampling.top_p", f"must be in (0, 1], got {s.top_p}")
     if s.top_k < 0:
         raise InvalidRequest("sampling.top_k", f"must be >= 0, got {s.top_k}")
-    sampling = SamplingParams(
-        temperature=s.temperature,
-        top_p=s.top_p if s.top_p > 0 else 1.0,
-        top_k=s.top_k,
-        seed=s.seed if s.HasField("seed") else None,
-    )
+    try:
+        sampling = SamplingParams(
+            temperature=s.temperature,
+            top_p=s.top_p if s.top_p > 0 else 1.0,
+            top_k=s.top_k,
+            seed=s.seed if s.HasField("seed") else None,
+        )
+    except ValueError as exc:
+        raise InvalidRequest("sampling", str(exc)) from None
 
     if req.draft == NO_DRAFT:
         draft_name = None

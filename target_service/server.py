@@ -3,12 +3,20 @@
 One engine thread owns the TargetEngine (a single-thread executor); servicers only await. Verify
 requests are batched per step: whatever is queued when the engine thread becomes free runs as ONE
 ``engine.verify_batch`` call, so N concurrent sessions share one forward.
+
+Admission (gateway/admission.py): a Prefill is admitted only while fewer than ``max_sessions`` sessions
+are open and the KV blocks its whole request may use fit beside those reserved by the open sessions;
+otherwise it queues (at most ``max_queued``), and beyond the queue it gets RESOURCE_EXHAUSTED. The
+caller states how many tokens the session may occupy in the ``specserve-reserve-tokens`` metadata
+(prompt + new tokens + one draft block); without it only what the prefill itself takes is reserved,
+and a session that outgrows its reservation may meet a full cache (RESOURCE_EXHAUSTED, never a crash).
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import math
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -20,6 +28,7 @@ from opentelemetry import trace
 
 from specserve.errors import SpecserveError
 from specserve.gateway import tracing as tn
+from specserve.gateway.admission import Admission, AdmissionConfig, AdmissionRefused
 from specserve.protos import convert
 from specserve.protos.specserve.v1 import target_pb2, target_pb2_grpc
 from specserve.target_service.engine.engine import (
@@ -31,6 +40,28 @@ from specserve.target_service.engine.engine import (
 from specserve.target_service.engine.types import DraftBlock, VerifyResult
 
 SERVICE_NAME = target_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name
+
+RESERVE_METADATA = "specserve-reserve-tokens"  # tokens a new session may occupy (prompt + new + draft block)
+DEFAULT_DRAFT_HEADROOM = 1  # tokens reserved beyond the prompt (the pending token) when the caller states none
+
+
+class LimitExceeded(SpecserveError):
+    """A request over one of the service's configured limits (the message names the flag)."""
+
+
+@dataclass(frozen=True)
+class TargetLimits:
+    max_sessions: int = 64  # open sessions; more queue
+    max_queued: int = 64  # waiting Prefills; more get RESOURCE_EXHAUSTED
+    max_draft_tokens: int = 256  # tokens (chain length or tree nodes) of one drafted block
+
+    def __post_init__(self) -> None:
+        for name in ("max_sessions", "max_draft_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_queued < 0:
+            raise ValueError(f"max_queued must be >= 0, got {self.max_queued}")
+
 
 # Errors caused by a request's content (not by the service): INVALID_ARGUMENT.
 INPUT_ERRORS: tuple[type[BaseException], ...] = (ValueError, SpecserveError, convert.ConversionError)
@@ -55,9 +86,19 @@ class EngineWorker:
     """Owns the engine on one thread. prefill/release/info run there one at a time; verify requests
     queue up and run as one batched ``verify_batch`` call whenever the thread is free."""
 
-    def __init__(self, engine, max_batch: int = 256, pool: ThreadPoolExecutor | None = None) -> None:
+    def __init__(
+        self, engine, max_batch: int = 256, pool: ThreadPoolExecutor | None = None, limits: TargetLimits | None = None
+    ) -> None:
         self.engine = engine
         self.max_batch = max_batch
+        self.limits = limits or TargetLimits()
+        usage = engine.kv_usage()  # before any engine call: the engine thread is idle
+        self.block_size = usage.block_size
+        self.max_context = engine.info().max_context
+        self.admission = Admission(
+            AdmissionConfig(self.limits.max_sessions, self.limits.max_queued, capacity=usage.num_blocks)
+        )
+        self.reserved: dict[str, int] = {}  # session id -> KV blocks reserved at admission
         self._pool = pool or ThreadPoolExecutor(max_workers=1, thread_name_prefix="target-engine")
         self._queue: list[_Queued] = []
         self._wake = asyncio.Event()
@@ -90,25 +131,65 @@ class EngineWorker:
         async with self._engine_free:
             return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
-    async def prefill(self, session_id: str, prompt_ids: list[int], sampling, hidden_layers: tuple[int, ...]):
+    def blocks_for(self, prompt_len: int, reserve_tokens: int | None) -> int:
+        """KV blocks to reserve for a session: what it may occupy, within the model's context."""
+        tokens = prompt_len + DEFAULT_DRAFT_HEADROOM if reserve_tokens is None else max(reserve_tokens, prompt_len + 1)
+        tokens = min(tokens, self.max_context + self.limits.max_draft_tokens + 1)
+        return math.ceil(tokens / self.block_size)
+
+    async def prefill(
+        self,
+        session_id: str,
+        prompt_ids: list[int],
+        sampling,
+        hidden_layers: tuple[int, ...],
+        reserve_tokens: int | None = None,
+    ):
         if session_id in self.active:
             raise DuplicateSession(session_id)
-        self.active[session_id] = -1  # reserved while the prefill runs
+        self.active[session_id] = -1  # reserved while admission and the prefill run
+        units = self.blocks_for(len(prompt_ids), reserve_tokens)
+        try:
+            await self.admission.acquire(units)
+        except BaseException:
+            self.active.pop(session_id, None)
+            raise
+        self.reserved[session_id] = units
+        if session_id not in self.active:  # released while it waited
+            self._unreserve(session_id)
+            raise UnknownSession(session_id)
         try:
             result = await self.call(self._prefill_on_host, session_id, prompt_ids, sampling, hidden_layers)
         except asyncio.CancelledError:
             # the caller went away; the prefill itself still runs to its end on the engine thread
             self.active.pop(session_id, None)
-            asyncio.get_running_loop().create_task(self.call(self.engine.release, session_id))
+            asyncio.get_running_loop().create_task(self._free(session_id))
             raise
         except BaseException:
             self.active.pop(session_id, None)  # the engine refused it and holds no session
+            self._unreserve(session_id)
             raise
         if session_id in self.active:  # not released meanwhile
             self.active[session_id] = len(prompt_ids) + 1
         return result
 
+    def _unreserve(self, session_id: str) -> None:
+        units = self.reserved.pop(session_id, None)
+        if units is not None:
+            self.admission.release(units)
+
+    async def _free(self, session_id: str) -> None:
+        """Free the engine's session, then its admission (the blocks are free before anyone is admitted)."""
+        try:
+            await self.call(self.engine.release, session_id)
+        finally:
+            self._unreserve(session_id)
+
     async def verify(self, session_id: str, block: DraftBlock) -> VerifyOutcome:
+        if len(block) > self.limits.max_draft_tokens:
+            raise LimitExceeded(
+                f"draft: {len(block)} drafted tokens exceed the limit of {self.limits.max_draft_tokens} (--max-draft-tokens)"
+            )
         if self.active.get(session_id, -1) < 0:
             raise UnknownSession(session_id)
         fut = asyncio.get_running_loop().create_future()
@@ -124,7 +205,8 @@ class EngineWorker:
             self._queue.remove(item)
             if not item.future.done():
                 item.future.set_exception(UnknownSession(session_id))
-        await self.call(self.engine.release, session_id)
+        if session_id in self.reserved:  # admitted (else it still waits in admission and gives up there)
+            await self._free(session_id)
         return True
 
     async def _batch_loop(self) -> None:
@@ -193,6 +275,16 @@ def _result_on_host(res: VerifyResult) -> VerifyResult:
     return res if res.hidden is None else dataclasses.replace(res, hidden=_host(res.hidden))
 
 
+def _reserve_tokens(metadata) -> int | None:
+    for key, value in metadata or ():
+        if key == RESERVE_METADATA:
+            try:
+                return max(0, int(value))
+            except ValueError:
+                raise convert.ConversionError(f"{RESERVE_METADATA} metadata: not an integer: {value[:20]!r}") from None
+    return None
+
+
 def _status_for(exc: BaseException) -> grpc.StatusCode:
     if isinstance(exc, UnknownSession):
         return grpc.StatusCode.NOT_FOUND
@@ -200,7 +292,7 @@ def _status_for(exc: BaseException) -> grpc.StatusCode:
         return grpc.StatusCode.ALREADY_EXISTS
     if isinstance(exc, ContextTooLong):
         return grpc.StatusCode.OUT_OF_RANGE
-    if isinstance(exc, OutOfBlocks):
+    if isinstance(exc, (OutOfBlocks, AdmissionRefused)):
         return grpc.StatusCode.RESOURCE_EXHAUSTED
     if isinstance(exc, INPUT_ERRORS):
         return grpc.StatusCode.INVALID_ARGUMENT
@@ -246,7 +338,9 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                 ids = list(request.prompt_ids)
                 layers = tuple(int(x) for x in request.hidden_layers)
                 sampling = convert.sampling_from_proto(request.sampling)
-                res = await self.worker.prefill(request.session_id, ids, sampling, layers)
+                res = await self.worker.prefill(
+                    request.session_id, ids, sampling, layers, _reserve_tokens(context.invocation_metadata())
+                )
             except Exception as exc:  # noqa: BLE001 - mapped to a status
                 span.record_exception(exc)
                 await self._abort(context, exc)
@@ -331,7 +425,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
     async def GetStats(self, request, context):
         usage = await self.worker.call(self.worker.engine.kv_usage)
         return target_pb2.TargetStats(
-            active_sessions=len(self.worker.active),
+            active_sessions=len(self.worker.reserved),
             kv_blocks_total=usage.num_blocks,
             kv_blocks_used=usage.used_blocks,
             steps=self.worker.steps,

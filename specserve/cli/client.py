@@ -33,6 +33,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--set-draft", type=_named_address, default=None, metavar="NAME=ADDRESS",
                         help="point draft NAME at a draft service address (empty address removes it)")
     parser.add_argument("--list-drafts", action="store_true", help="print the gateway's drafts as JSON")
+    from specserve.cli.target_cmd import add_tls_arguments
+
+    add_tls_arguments(parser, side="client")
+    parser.add_argument("--auth-token", default=None,
+                        help="bearer token the gateway requires (default: $SPECSERVE_AUTH_TOKEN)")
+
+
+def _metadata(args: argparse.Namespace) -> tuple[tuple[str, str], ...]:
+    import os
+
+    token = args.auth_token if args.auth_token is not None else os.environ.get("SPECSERVE_AUTH_TOKEN")
+    return (("authorization", f"Bearer {token}"),) if token else ()
 
 
 def _call(fn, *args, **kw):
@@ -47,20 +59,23 @@ def _call(fn, *args, **kw):
 def run(args: argparse.Namespace) -> int:
     import grpc
 
-    from specserve.gateway.servers_common import channel_options, check_address
+    from specserve.cli.target_cmd import tls_from_args
+    from specserve.gateway.servers_common import sync_channel
     from specserve.protos.specserve.v1 import gateway_pb2, gateway_pb2_grpc
 
     if args.timeout is not None and not args.timeout > 0:
         raise SpecserveError(f"--timeout must be > 0, got {args.timeout}")
-    with grpc.insecure_channel(check_address(args.gateway), options=channel_options()) as channel:
+    md = _metadata(args)
+    with sync_channel(args.gateway, tls_from_args(args)) as channel:
         stub = gateway_pb2_grpc.GatewayStub(channel)
         if args.set_draft is not None:
             name, address = args.set_draft
-            resp = _call(stub.SetDraft, gateway_pb2.SetDraftRequest(name=name, address=address), timeout=args.timeout)
+            resp = _call(stub.SetDraft, gateway_pb2.SetDraftRequest(name=name, address=address), timeout=args.timeout,
+                         metadata=md)
             print(json.dumps({"name": resp.name, "address": resp.address}))
             return 0
         if args.list_drafts:
-            resp = _call(stub.ListDrafts, gateway_pb2.ListDraftsRequest(), timeout=args.timeout)
+            resp = _call(stub.ListDrafts, gateway_pb2.ListDraftsRequest(), timeout=args.timeout, metadata=md)
             print(json.dumps(dict(resp.drafts), sort_keys=True))
             return 0
         if args.prompt is None and args.prompt_ids is None:
@@ -113,7 +128,7 @@ def _generate(stub, req, args: argparse.Namespace) -> int:
     ids: list[int] = []
     final = None
     try:
-        for msg in stub.Generate(req, timeout=args.timeout):
+        for msg in stub.Generate(req, timeout=args.timeout, metadata=_metadata(args)):
             if msg.HasField("final"):
                 final = msg.final
                 break

@@ -7,7 +7,12 @@ import dataclasses
 import sys
 from pathlib import Path
 
-from specserve.cli.target_cmd import _positive_int, add_listen_arguments
+from specserve.cli.target_cmd import (
+    _positive_int,
+    add_listen_arguments,
+    checkpoint_errors_as_user_errors,
+    server_config_from_args,
+)
 
 DEFAULT_LISTEN = "127.0.0.1:50053"
 FAMILIES = ("ngram", "model", "eagle3", "dflash")
@@ -26,6 +31,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     add_listen_arguments(parser, DEFAULT_LISTEN)
+    parser.add_argument("--max-draft-tokens", type=_positive_int, default=256,
+                        help="most tokens (chain length or tree nodes) one proposal may ask for")
 
 
 def drafter_config(args: argparse.Namespace):
@@ -38,16 +45,16 @@ def drafter_config(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
-    from specserve.gateway.servers_common import ServerConfig, exit_now, run_async
+    from specserve.gateway.servers_common import exit_now, run_async
 
     config = drafter_config(args)
-    server_config = ServerConfig(addresses=tuple(args.listen or [DEFAULT_LISTEN]), grace_s=args.grace_s)
-    run_async(_serve(config, server_config))
+    server_config = server_config_from_args(args, tuple(args.listen or [DEFAULT_LISTEN]))
+    checkpoint_errors_as_user_errors(run_async, _serve(config, server_config, args.max_draft_tokens))
     exit_now(0)
     return 0
 
 
-async def _serve(config, server_config) -> None:
+async def _serve(config, server_config, max_draft_tokens: int = 256) -> None:
     from specserve.draft_service.registry import build_proposer
     from specserve.draft_service.server import SERVICE_NAME, DraftServicer, DrafterWorker
     from specserve.gateway.servers_common import ServiceBinding, serve_until_signal
@@ -56,7 +63,7 @@ async def _serve(config, server_config) -> None:
 
     telemetry = setup_telemetry("specserve-draft")
     worker = await DrafterWorker.build(lambda: build_proposer(config))
-    servicer = DraftServicer(worker)
+    servicer = DraftServicer(worker, max_draft_tokens=max_draft_tokens)
 
     async def on_stop() -> None:
         await worker.close()

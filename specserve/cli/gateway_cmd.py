@@ -3,10 +3,21 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
+from specserve.cli.target_cmd import (
+    _positive_int,
+    add_tls_arguments,
+    checkpoint_errors_as_user_errors,
+    tls_from_args,
+)
 from specserve.errors import SpecserveError
+
+AUTH_ENV = "SPECSERVE_AUTH_TOKEN"
+DEFAULT_MAX_MESSAGE_BYTES = 4 * 1024 * 1024  # requests are prompts: a few MB is plenty
+DRAFT_CHECK_TIMEOUT_S = 5.0
 
 
 def _named_address(text: str) -> tuple[str, str]:
@@ -32,11 +43,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--connect-timeout-s", type=float, default=600.0,
                         help="seconds to wait for the target service at start")
     parser.add_argument("--grace-s", type=float, default=10.0, help="seconds in-flight calls get on SIGTERM")
+    limits = parser.add_argument_group("limits (beyond them: INVALID_ARGUMENT or RESOURCE_EXHAUSTED naming the limit)")
+    limits.add_argument("--max-sessions", type=_positive_int, default=64, help="requests running at once")
+    limits.add_argument("--max-queued", type=int, default=64,
+                        help="requests waiting for a running slot; more get RESOURCE_EXHAUSTED")
+    limits.add_argument("--max-prompt-tokens", type=int, default=0, help="prompt tokens (0 = the model's context)")
+    limits.add_argument("--max-output-tokens", type=_positive_int, default=4096, help="max_new_tokens of a request")
+    limits.add_argument("--max-stop-strings", type=int, default=16, help="stop strings per request")
+    limits.add_argument("--max-stop-length", type=int, default=256, help="characters per stop string")
+    limits.add_argument("--max-message-bytes", type=_positive_int, default=DEFAULT_MAX_MESSAGE_BYTES,
+                        help="largest request message (bigger: RESOURCE_EXHAUSTED from gRPC)")
+    security = parser.add_argument_group("security")
+    add_tls_arguments(security)
+    add_tls_arguments(security, prefix="downstream-tls", side="client")
+    security.add_argument("--auth-token", default=None,
+                          help=f"require 'authorization: Bearer TOKEN' on every call (default: ${AUTH_ENV})")
 
 
 def run(args: argparse.Namespace) -> int:
     from specserve.gateway.server import GatewayConfig
     from specserve.gateway.servers_common import ServerConfig, exit_now, run_async
+    from specserve.gateway.validation import RequestLimits
 
     names = [n for n, _ in args.draft_service]
     if len(set(names)) != len(names):
@@ -46,17 +73,32 @@ def run(args: argparse.Namespace) -> int:
         drafts=dict(args.draft_service),
         default_draft=args.default_draft,
         draft_step_timeout_s=args.draft_step_timeout_s,
+        max_sessions=args.max_sessions,
+        max_queued=args.max_queued,
+        limits=RequestLimits(
+            max_prompt_tokens=args.max_prompt_tokens,
+            max_new_tokens=args.max_output_tokens,
+            max_stop_strings=args.max_stop_strings,
+            max_stop_length=args.max_stop_length,
+        ),
+        auth_token=args.auth_token if args.auth_token is not None else os.environ.get(AUTH_ENV) or None,
+        downstream_tls=tls_from_args(args, "downstream-tls"),
     )
     if not 0 <= args.port <= 65535:
         raise SpecserveError(f"--port must be in [0, 65535], got {args.port}")
-    server_config = ServerConfig(addresses=(f"{args.host}:{args.port}", *args.listen), grace_s=args.grace_s)
+    server_config = ServerConfig(
+        addresses=(f"{args.host}:{args.port}", *args.listen),
+        grace_s=args.grace_s,
+        max_message_bytes=args.max_message_bytes,
+        tls=tls_from_args(args),
+    )
     tokenizer = None
     if args.model is not None:
         from specserve.target_service.models.loader import load_tokenizer
 
         if not args.model.is_dir():
             raise SpecserveError(f"--model {args.model} is not a folder")
-        tokenizer = load_tokenizer(args.model)
+        tokenizer = checkpoint_errors_as_user_errors(load_tokenizer, args.model)
     run_async(_serve(config, server_config, tokenizer, args.connect_timeout_s))
     exit_now(0)
     return 0
@@ -72,13 +114,20 @@ async def _serve(config, server_config, tokenizer, connect_timeout_s: float) -> 
     from specserve.protos.specserve.v1 import gateway_pb2_grpc
 
     telemetry = setup_telemetry("specserve-gateway")
-    target = RemoteTarget(config.target_address)
+    target = RemoteTarget(config.target_address, config.downstream_tls)
     try:
         await target.fetch_info(connect_timeout_s, wait_for_ready=True)
     except grpc.aio.AioRpcError as exc:
         await target.close()
-        raise SpecserveError(f"target service at {config.target_address} not reachable: {exc.code().name}") from None
+        raise SpecserveError(
+            f"target service at {config.target_address} not reachable: {exc.code().name}: {exc.details()}"
+        ) from None
     servicer = GatewayServicer(config, target, tokenizer)
+    try:
+        await _check_drafts(servicer)
+    except SpecserveError:
+        await servicer.close()
+        raise
 
     async def on_stop() -> None:
         await servicer.close()
@@ -94,3 +143,25 @@ async def _serve(config, server_config, tokenizer, connect_timeout_s: float) -> 
         on_stop=on_stop,
     )
     print("gateway stopped", file=sys.stderr, flush=True)
+
+
+async def _check_drafts(servicer) -> None:
+    """Refuse to start with a draft service built for another vocabulary; a draft that does not answer
+    yet is only reported (requests go target-only until it does)."""
+    import grpc
+
+    from specserve.gateway.remote import incompatible
+
+    for name in list(servicer.drafts.addresses()):
+        ep = servicer.drafts.acquire(name)
+        try:
+            info = await ep.fetch_info(DRAFT_CHECK_TIMEOUT_S, wait_for_ready=True)
+        except grpc.aio.AioRpcError as exc:
+            print(f"gateway: draft {name} at {ep.address} not reachable yet ({exc.code().name}); "
+                  "requests go target-only until it is", file=sys.stderr, flush=True)
+            continue
+        finally:
+            servicer.drafts.release(ep)
+        problem = incompatible(info, servicer.target.target_info)
+        if problem:
+            raise SpecserveError(f"--draft-service {name}={ep.address}: {problem}")
