@@ -154,7 +154,8 @@ def bench_model(spec: str, args: argparse.Namespace, bandwidth: float, log) -> d
                                                      ("floor_ms", "graph_ms", "replay_ms", "eager_ms") if key in row))
         engine.release(sid)
     info = {"model": spec, "attention": backend, "experts_fn": moe_fn, "build_s": build_s,
-            "graphs": len(runner.graph_keys), "weight_bytes": roles, "kv_entry_bytes": kv_entry_bytes, "rows": rows}
+            "graphs": len(runner.graph_keys), "capture_errors": {str(k): v for k, v in runner.capture_errors.items()},
+            "weight_bytes": roles, "kv_entry_bytes": kv_entry_bytes, "rows": rows}
     del engine, runner
     gc.collect()
     if device.type == "cuda":

@@ -13,6 +13,7 @@ capture layers) runs eagerly through the same model code.
 from __future__ import annotations
 
 from collections.abc import Sequence
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -61,6 +62,7 @@ class ModelRunner:
         self.device = torch.device(device)
         self._graphs: dict[tuple, _Graph] = {}
         self._pool = None
+        self.capture_errors: dict[tuple, str] = {}  # step shape -> why its graph could not be captured
         self.use_graphs = True  # False: every step eager (benchmarks compare the two on one engine)
         self.graph_steps = 0
         self.eager_steps = 0
@@ -125,8 +127,14 @@ class ModelRunner:
             if t + 1 > self.max_context:
                 raise GraphCaptureError(f"a graph of {t} new tokens does not fit max_context {self.max_context}")
             key = self._key((t,), tree, tuple(options.capture_layers))
-            if key not in self._graphs:
+            if key in self._graphs:
+                continue
+            try:
                 self._graphs[key] = self._capture_one(t, tree, tuple(options.capture_layers))
+            except Exception as e:  # that shape stays eager; the engine still serves it
+                self.capture_errors[key] = f"{type(e).__name__}: {e}"
+                warnings.warn(f"CUDA graph for {t} new tokens (tree {tree}) not captured, runs eager: {e}",
+                              RuntimeWarning, stacklevel=2)
         torch.cuda.synchronize(self.device)
 
     def _capture_one(self, t: int, tree: bool, capture: tuple[int, ...]) -> _Graph:
