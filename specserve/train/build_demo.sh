@@ -23,9 +23,9 @@ case "$STAGE" in
     ;;
   heads)
     $SPECSERVE train draft --family eagle3 --target "$OUT/target" --out "$OUT/eagle3" --device "$DEV" \
-      --steps 1500 --batch-size 64 --lr 2e-3 --time-limit-s 55 $SD
+      --steps 3000 --batch-size 64 --lr 2e-3 --time-limit-s "${HEADS_LIMIT_S:-55}" $SD
     $SPECSERVE train draft --family dflash --target "$OUT/target" --out "$OUT/dflash" --device "$DEV" \
-      --steps 1500 --batch-size 64 --lr 2e-3 --time-limit-s 55 $SD
+      --steps 3000 --batch-size 64 --lr 2e-3 --time-limit-s "${HEADS_LIMIT_S:-55}" $SD
     ;;
   eval)
     $SPECSERVE train eval-acceptance --demo-dir "$OUT" --device "$DEV" --k 4 --max-new-tokens 64 \

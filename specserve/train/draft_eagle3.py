@@ -10,8 +10,7 @@ position j-p+1 sees. Its attention covers pass-1 entries up to j-p+1 (the confir
 pass-q entries at j-p+q for q = 2..p (the drafted chain so far). Labels are the target's soft
 distributions (teacher-forced), weighted 0.8^(p-1).
 
-Sequences are trained G at a time, flattened into one token axis with a block-diagonal mask (the head
-runs one sequence per call; the mask keeps sequences apart).
+The head runs one sequence per ``step`` call; training vectorises it over G sequences (torch.func.vmap).
 """
 
 from __future__ import annotations
@@ -33,7 +32,7 @@ class Eagle3Spec:
     head_dim: int = 64
     intermediate_size: int = 512
     ttt_steps: int = 4  # training-time-test passes
-    group: int = 8  # sequences per flattened head call
+    group: int = 64  # sequences per vectorised head call
     pass_decay: float = 0.8
 
     def __post_init__(self) -> None:
@@ -88,53 +87,57 @@ def build_head(target, spec: Eagle3Spec, layers: tuple[int, ...]):
     with torch.no_grad():
         head.embed_tokens.weight.copy_(target.model.embed_tokens.weight.float().cpu())
         head.t2d.fill_(True)  # full draft vocabulary: draft id == target id (d2t = 0)
+        # start from the target's output head: the head's out lives in the target's residual space
+        if hasattr(target, "lm_head") and tuple(target.lm_head.weight.shape) == tuple(head.lm_head.weight.shape):
+            head.lm_head.weight.copy_(target.lm_head.weight.float().cpu())
+            head.norm.weight.copy_(target.model.norm.weight.float().cpu())
     head.embed_tokens.weight.requires_grad_(False)
     return head
 
 
-def ttt_masks(groups: int, length: int, passes: int, device) -> list[torch.Tensor]:
-    """Pass p's mask [N, p * N] over keys cat(K_1 .. K_p), N = groups * (length - 1) entries."""
-    n_ent = length - 1
-    g = torch.arange(groups, device=device).repeat_interleave(n_ent)  # [N]
-    j = torch.arange(1, length, device=device).repeat(groups)  # [N] sequence position of each entry
-    same = g[:, None] == g[None, :]
+def ttt_masks(length: int, passes: int, device) -> list[torch.Tensor]:
+    """Pass p's mask [n, p * n] over keys cat(K_1 .. K_p) of one sequence, n = length - 1 entries."""
+    j = torch.arange(1, length, device=device)  # [n] sequence position of each entry
     diff = j[:, None] - j[None, :]  # j_query - j_key
     masks = []
     for p in range(1, passes + 1):
-        blocks = [same & (diff >= p - 1)]
-        blocks += [same & (diff == p - q) for q in range(2, p + 1)]
+        blocks = [diff >= p - 1] + [diff == p - q for q in range(2, p + 1)]
         masks.append(torch.cat(blocks, dim=1))
     return masks
 
 
 def ttt_loss(head, ids: torch.Tensor, feats: torch.Tensor, probs: torch.Tensor, masks, spec: Eagle3Spec):
-    """ids [G, T], feats [G, T, 3Ht], probs [G, T, V] -> (weighted loss, per-pass argmax agreement)."""
+    """ids [G, T], feats [G, T, 3Ht], probs [G, T, V] -> (weighted loss, per-pass argmax agreement).
+
+    The head's ``step`` (one sequence per call) is vectorised over the G sequences with torch.func.vmap."""
+    from torch.func import vmap
+
     G, T = ids.shape
     n_ent = T - 1
-    tok = ids[:, 1:].reshape(-1)  # [N]
-    pos = torch.arange(n_ent, device=ids.device).repeat(G)  # [N] draft position j - 1
+    a = head.cfg.attention
+    pos = torch.arange(n_ent, device=ids.device)  # [n] draft position j - 1
     jpos = pos + 1
-    labels = probs[:, 1:].reshape(G * n_ent, -1)  # [N, V]
-    emb = head.embed(tok)
-    feat = head.fuse(feats[:, :-1].reshape(G * n_ent, -1))
+    labels = probs[:, 1:]  # [G, n, V]
+    emb = head.embed(ids[:, 1:])  # [G, n, H]
+    feat = head.fuse(feats[:, :-1])  # [G, n, H]
+    step = vmap(head.step, in_dims=(0, 0, None, 0, 0, None))
     ks, vs = [], []
     total, agree = 0.0, []
     for p in range(1, spec.ttt_steps + 1):
-        past_k = torch.cat(ks) if ks else emb.new_zeros(0, head.cfg.attention.num_kv_heads, head.cfg.attention.head_dim)
-        past_v = torch.cat(vs) if vs else past_k
-        out, k, v = head.step(emb, feat, pos, past_k, past_v, masks[p - 1])
+        past_k = torch.cat(ks, dim=1) if ks else emb.new_zeros(G, 0, a.num_kv_heads, a.head_dim)
+        past_v = torch.cat(vs, dim=1) if vs else past_k
+        out, k, v = step(emb, feat, pos, past_k, past_v, masks[p - 1])
         ks.append(k)
         vs.append(v)
-        logits = head.logits(out)  # [N, V]
-        valid = jpos >= p
+        logits = head.logits(out)  # [G, n, V]
+        valid = jpos >= p  # [n]
         logp = F.log_softmax(logits, dim=-1)
-        loss = -(labels * logp).sum(-1)[valid].mean()
+        loss = -(labels * logp).sum(-1)[:, valid].mean()
         total = total + spec.pass_decay ** (p - 1) * loss
         with torch.no_grad():
-            agree.append(float((logits.argmax(-1) == labels.argmax(-1))[valid].float().mean()))
-        # next pass: entry j reads this pass's output at entry j - 1 (within the same sequence)
-        prev = out.view(G, n_ent, -1)
-        feat = torch.cat([prev[:, :1], prev[:, :-1]], dim=1).reshape(G * n_ent, -1)
+            agree.append(float((logits.argmax(-1) == labels.argmax(-1))[:, valid].float().mean()))
+        # next pass: entry j reads this pass's output at entry j - 1 (of the same sequence)
+        feat = torch.cat([out[:, :1], out[:, :-1]], dim=1)
     return total, agree
 
 
@@ -148,9 +151,9 @@ def train_eagle3_job(job) -> dict:
     batches = MixedBatches(job.sequences, job.train_stream, job.batch_size, 0.75, job.seed)
     T = job.sequences.shape[1]
     G = min(spec.group, job.batch_size)
-    masks = ttt_masks(G, T, spec.ttt_steps, job.device)
+    masks = ttt_masks(T, spec.ttt_steps, job.device)
     opt = make_optimizer(head.parameters(), job.lr, 0.0, job.device)
-    sched = Schedule(job.lr, job.steps, min(100, job.steps // 10 + 1), time_limit_s=job.time_limit_s)
+    sched = Schedule(job.lr, job.steps, min(50, job.steps // 10 + 1), time_limit_s=job.time_limit_s)
     t0, step, agree = time.monotonic(), 0, []
     while True:
         progress = sched.progress(step, time.monotonic() - t0)
@@ -186,7 +189,7 @@ def heldout_agreement(head, job, layers, spec: Eagle3Spec, G: int) -> list[float
     """Per-pass argmax agreement with the target on held-out self-distilled sequences."""
     head.eval()
     seqs = job.heldout_sequences
-    masks = ttt_masks(G, seqs.shape[1], spec.ttt_steps, job.device)
+    masks = ttt_masks(seqs.shape[1], spec.ttt_steps, job.device)
     sums = [0.0] * spec.ttt_steps
     n = 0
     for i in range(0, len(seqs) - G + 1, G):

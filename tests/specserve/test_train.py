@@ -145,7 +145,7 @@ def test_eagle3_ttt_pass_two_matches_drafting_from_the_head_output():
     T = 9
     ids = torch.randint(0, 40, (1, T))
     feats = torch.randn(1, T, 48)
-    masks = ttt_masks(1, T, 2, "cpu")
+    masks = ttt_masks(T, 2, "cpu")
     with torch.no_grad():
         tok, pos = ids[0, 1:], torch.arange(T - 1)
         emb, f1 = head.embed(tok), head.fuse(feats[0, :-1])
@@ -157,3 +157,28 @@ def test_eagle3_ttt_pass_two_matches_drafting_from_the_head_output():
         ref, _, _ = head.step(emb[j - 1 : j], out1[j - 2 : j - 1], pos[j - 1 : j], ctx_k, ctx_v,
                               torch.ones(1, j, dtype=torch.bool))
     torch.testing.assert_close(out2[j - 1], ref[0], rtol=1e-4, atol=1e-5)
+
+
+def test_eagle3_batched_ttt_loss_equals_per_sequence_losses():
+    from specserve.train.draft_eagle3 import Eagle3Spec, build_head, ttt_loss, ttt_masks
+
+    class _Cfg:
+        hidden_size, vocab_size, max_position_embeddings, bos_token_id, eos_token_id = 16, 40, 64, 0, 0
+
+    class _T:
+        config = _Cfg
+
+        class model:
+            embed_tokens = torch.nn.Embedding(40, 16)
+
+    spec = Eagle3Spec(num_heads=2, num_kv_heads=1, head_dim=8, intermediate_size=24, ttt_steps=3)
+    torch.manual_seed(1)
+    head = build_head(_T, spec, (0, 1, 2))
+    ids, feats = torch.randint(0, 40, (3, 10)), torch.randn(3, 10, 48)
+    probs = torch.randn(3, 10, 40).softmax(-1)
+    masks = ttt_masks(10, 3, "cpu")
+    batched, _ = ttt_loss(head, ids, feats, probs, masks, spec)
+    singles = [ttt_loss(head, ids[i : i + 1], feats[i : i + 1], probs[i : i + 1], masks, spec)[0] for i in range(3)]
+    torch.testing.assert_close(batched, torch.stack(singles).mean(), rtol=1e-5, atol=1e-6)
+    batched.backward()
+    assert head.fc.weight.grad is not None and head.embed_tokens.weight.grad is None
