@@ -13,7 +13,6 @@ import threading
 import time
 from pathlib import Path
 
-import pytest
 
 from specserve.cli.main import main
 
