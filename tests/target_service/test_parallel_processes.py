@@ -13,7 +13,6 @@ import threading
 import time
 from pathlib import Path
 
-
 from specserve.cli.main import main
 
 REPO = Path(__file__).resolve().parents[2]
