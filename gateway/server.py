@@ -71,6 +71,45 @@ class GatewayConfig:
             raise ValueError(f"draft_step_timeout_s must be > 0, got {self.draft_step_timeout_s}")
 
 
+class MalformedMessage:
+    """A request whose bytes do not parse (the lenient deserializer's result; answered INVALID_ARGUMENT)."""
+
+    def __init__(self, type_name: str, error: Exception) -> None:
+        self.problem = f"request: not a valid {type_name} message ({type(error).__name__}: {str(error)[:200]})"
+
+
+def _lenient(message_cls):
+    def parse(data: bytes):
+        try:
+            return message_cls.FromString(data)
+        except Exception as exc:  # noqa: BLE001 - any decode failure: the handler answers INVALID_ARGUMENT
+            return MalformedMessage(message_cls.DESCRIPTOR.full_name, exc)
+
+    return parse
+
+
+def add_gateway_to_server(servicer, server) -> None:
+    """gateway_pb2_grpc.add_GatewayServicer_to_server, but bytes that do not parse reach the servicer as
+    a MalformedMessage (INVALID_ARGUMENT with a message) instead of gRPC's generic UNKNOWN."""
+    pb = gateway_pb2
+    handlers = {
+        "Generate": grpc.unary_stream_rpc_method_handler(
+            servicer.Generate, _lenient(pb.GenerateRequest), pb.GenerateResponse.SerializeToString
+        ),
+        "GenerateUnary": grpc.unary_unary_rpc_method_handler(
+            servicer.GenerateUnary, _lenient(pb.GenerateRequest), pb.GenerateResult.SerializeToString
+        ),
+        "SetDraft": grpc.unary_unary_rpc_method_handler(
+            servicer.SetDraft, _lenient(pb.SetDraftRequest), pb.SetDraftResponse.SerializeToString
+        ),
+        "ListDrafts": grpc.unary_unary_rpc_method_handler(
+            servicer.ListDrafts, _lenient(pb.ListDraftsRequest), pb.ListDraftsResponse.SerializeToString
+        ),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    server.add_registered_method_handlers(SERVICE_NAME, handlers)
+
+
 class DraftTable:
     """Draft name -> endpoint, swappable at run time. A replaced endpoint stays open until the
     requests that use it finish (counted), then its channel closes."""
@@ -144,8 +183,14 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self.admission = Admission(AdmissionConfig(config.max_sessions, config.max_queued, what="requests"))
         self._token = None if config.auth_token is None else config.auth_token.encode()
 
-    async def _authorize(self, context) -> None:
-        """UNAUTHENTICATED unless the call carries ``authorization: Bearer <token>`` (when a token is set)."""
+    async def _authorize(self, context, request=None) -> None:
+        """UNAUTHENTICATED unless the call carries ``authorization: Bearer <token>`` (when a token is set);
+        then INVALID_ARGUMENT for a request whose bytes did not parse."""
+        await self._check_token(context)
+        if isinstance(request, MalformedMessage):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.problem)
+
+    async def _check_token(self, context) -> None:
         if self._token is None:
             return
         given = b""
@@ -170,7 +215,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     # ----------------------------------------------------------------------------- generate
     async def _events(self, request, context):
         """Validated request -> GenerateResponse messages (aborts the call with a status on failure)."""
-        await self._authorize(context)
+        await self._authorize(context, request)
         info = self.target.target_info
         try:
             checked = validate_request(
@@ -282,7 +327,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
 
     # -------------------------------------------------------------------------------- admin
     async def SetDraft(self, request, context):
-        await self._authorize(context)
+        await self._authorize(context, request)
         name, address = request.name, request.address
         if not name or name == NO_DRAFT:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"name: {name!r} is empty or reserved")
@@ -315,6 +360,6 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         return gateway_pb2.SetDraftResponse(name=name, address=address)
 
     async def ListDrafts(self, request, context):
-        await self._authorize(context)
+        await self._authorize(context, request)
         return gateway_pb2.ListDraftsResponse(drafts=self.drafts.addresses())
 

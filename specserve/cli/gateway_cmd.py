@@ -108,10 +108,9 @@ async def _serve(config, server_config, tokenizer, connect_timeout_s: float) -> 
     import grpc
 
     from specserve.gateway.remote import RemoteTarget
-    from specserve.gateway.server import SERVICE_NAME, GatewayServicer
+    from specserve.gateway.server import SERVICE_NAME, GatewayServicer, add_gateway_to_server
     from specserve.gateway.servers_common import ServiceBinding, serve_until_signal
     from specserve.gateway.tracing import setup_telemetry
-    from specserve.protos.specserve.v1 import gateway_pb2_grpc
 
     telemetry = setup_telemetry("specserve-gateway")
     target = RemoteTarget(config.target_address, config.downstream_tls)
@@ -138,7 +137,7 @@ async def _serve(config, server_config, tokenizer, connect_timeout_s: float) -> 
 
     await serve_until_signal(
         server_config,
-        [ServiceBinding(gateway_pb2_grpc.add_GatewayServicer_to_server, servicer, SERVICE_NAME)],
+        [ServiceBinding(add_gateway_to_server, servicer, SERVICE_NAME)],
         on_ready=on_ready,
         on_stop=on_stop,
     )
