@@ -182,3 +182,30 @@ def test_eagle3_batched_ttt_loss_equals_per_sequence_losses():
     torch.testing.assert_close(batched, torch.stack(singles).mean(), rtol=1e-5, atol=1e-6)
     batched.backward()
     assert head.fc.weight.grad is not None and head.embed_tokens.weight.grad is None
+
+
+def test_shipped_demo_fits_the_budget_and_loads_in_engine_and_transformers():
+    """The shipped demo_model/: under 25 MiB, and the target's engine logits equal transformers'."""
+    from transformers import AutoModelForCausalLM
+
+    from specserve.paths import demo_dir
+    from specserve.target_service.engine.engine import TargetEngine
+    from specserve.target_service.engine.types import DraftBlock
+    from specserve.target_service.models.loader import load_model
+
+    root = demo_dir()
+    if not (root / "target" / "config.json").is_file():
+        pytest.skip("no shipped demo_model/ in this checkout")
+    assert sum(p.stat().st_size for p in root.rglob("*") if p.is_file()) <= 25 * 2**20
+    hf = AutoModelForCausalLM.from_pretrained(str(root / "target"), dtype=torch.float32).eval()
+    ours, config = load_model(root / "target", dtype=torch.float32, progress=False)
+    engine = TargetEngine(ours, config, None, num_blocks=4, block_size=16)
+    prompt = [451, 300, 12, 99, 1024, 7, 7, 3000]
+    pending = engine.prefill("s", prompt).next_token
+    block = (10, 200, 3000)
+    scores = engine.score_block("s", DraftBlock(token_ids=block))
+    engine.release("s")
+    with torch.no_grad():
+        ref = hf(input_ids=torch.tensor([prompt + [pending, *block]])).logits[0]
+    assert pending == int(ref[len(prompt) - 1].argmax())
+    torch.testing.assert_close(scores, ref[len(prompt):], rtol=1e-3, atol=1e-3)
