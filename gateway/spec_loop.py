@@ -199,7 +199,9 @@ class _Run:
         self.step_draft_ms = ms
         if self.adaptive is not None:
             self.adaptive.observe_draft(len(block), ms)
-            block = truncate_chain(block, self.adaptive.choose_k(len(block), drafted_confidence(block)))
+            # the block is paid for: verify at least one drafted token, so the acceptance
+            # estimate keeps learning even when the cost model says drafting does not pay
+            block = truncate_chain(block, max(1, self.adaptive.choose_k(len(block), drafted_confidence(block))))
         return block
 
     async def draft_next_ahead(self, block: DraftBlock) -> DraftBlock | None:
