@@ -135,16 +135,26 @@ def channel_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[st
     ]
 
 
+UNIX_TLS_SERVER_NAME = "localhost"  # a TLS service on a unix socket must present a certificate for this name
+
+
+def _secure_options(address: str) -> list:
+    options = channel_options()
+    if address.startswith("unix:"):  # the authority would be the socket path: check the certificate for localhost
+        options.append(("grpc.ssl_target_name_override", UNIX_TLS_SERVER_NAME))
+    return options
+
+
 def aio_channel(address: str, tls: TlsFiles | None = None) -> grpc.aio.Channel:
     if tls is None:
         return grpc.aio.insecure_channel(check_address(address), options=channel_options())
-    return grpc.aio.secure_channel(check_address(address), tls.channel_credentials(), options=channel_options())
+    return grpc.aio.secure_channel(check_address(address), tls.channel_credentials(), options=_secure_options(address))
 
 
 def sync_channel(address: str, tls: TlsFiles | None = None) -> grpc.Channel:
     if tls is None:
         return grpc.insecure_channel(check_address(address), options=channel_options())
-    return grpc.secure_channel(check_address(address), tls.channel_credentials(), options=channel_options())
+    return grpc.secure_channel(check_address(address), tls.channel_credentials(), options=_secure_options(address))
 
 
 @dataclass(frozen=True)
