@@ -298,7 +298,8 @@ def _projection(config: BenchConfig, methods: dict) -> dict:
                   if m.get("kind") == "specserve" and m.get("drafter") != "none" and m.get("speculation") == "fixed"
                   and not m.get("draft_ahead")
                   and "acceptance_by_position" in m}
-    out = project(load_shape_timings(config.projection_timings), acceptance)
+    timings = load_shape_timings(config.projection_timings, config.projection_model, config.projection_context)
+    out = project(timings, acceptance)
     out["included"] = True
     return out
 

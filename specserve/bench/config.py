@@ -43,6 +43,8 @@ class BenchConfig:
     num_kv_blocks: int = 4096
     kv_block_size: int = 16
     projection_timings: Path | None = None  # GPU synthetic-model timings (see specserve.bench.projection)
+    projection_model: str | None = None  # which model of a step_bench.json (default: the Qwen3-30B-A3B preset)
+    projection_context: int | None = None  # which context of a step_bench.json (default: its smallest)
     plots: bool = True
 
     def __post_init__(self) -> None:

@@ -4,7 +4,9 @@ Only used when a timings file from a GPU synthetic-model run is given (``--proje
 without one the summary says so and no projection is drawn. Everything this module outputs is
 labelled "projection": it combines two measurements, it is not a measurement of the larger model.
 
-Timings file (JSON), written by the synthetic-model timing run:
+Timings file (JSON): either the ``step_bench.json`` of ``python -m specserve.bench.step_bench`` (GPU,
+synthetic full-size model; the full step time with CUDA graphs, ``graph_ms``, of one model at one
+context is used), or this simpler format:
     {"shape": "Qwen3-30B-A3B", "source": "<how it was measured>", "device": "<GPU name>",
      "verify_ms_by_k": {"0": 4.1, "1": 4.3, ...},      # target step with k drafted tokens (k=0: decode)
      "draft_ms_by_k": {"1": 0.2, ...}}                 # optional drafter time per step
@@ -41,9 +43,41 @@ class ShapeTimings:
             raise ProjectionError("step times must be positive")
 
 
-def load_shape_timings(path: Path) -> ShapeTimings:
+PREFERRED_MODEL = "qwen3-30b-a3b"
+
+
+def timings_from_step_bench(report: dict, model: str | None = None, context: int | None = None) -> ShapeTimings:
+    """One (model, context) of a step_bench.json report: default the Qwen3-30B-A3B preset if present
+    (else the first model without an error) at its smallest context."""
+    results = [r for r in report.get("results", []) if "error" not in r and r.get("rows")]
+    if not results:
+        raise ProjectionError("step_bench report holds no successful model")
+    names = [r["model"] for r in results]
+    if model is None:
+        model = PREFERRED_MODEL if PREFERRED_MODEL in names else names[0]
+    if model not in names:
+        raise ProjectionError(f"step_bench report has no model {model!r}; it has {names}")
+    rows = next(r for r in results if r["model"] == model)["rows"]
+    contexts = sorted({row["context"] for row in rows})
+    if context is None:
+        context = contexts[0]
+    if context not in contexts:
+        raise ProjectionError(f"step_bench report has no context {context} for {model}; it has {contexts}")
+    verify = {int(row["k"]): float(row["graph_ms"]) for row in rows if row["context"] == context and "graph_ms" in row}
+    return ShapeTimings(
+        shape=f"{model} (synthetic weights), context {context}",
+        source="specserve.bench.step_bench graph_ms (full step: metadata, plan, forward, logits)",
+        device=str(report.get("device_name", "")),
+        verify_ms_by_k=verify,
+        draft_ms_by_k={},
+    )
+
+
+def load_shape_timings(path: Path, model: str | None = None, context: int | None = None) -> ShapeTimings:
     try:
         raw = json.loads(Path(path).read_text(encoding="utf-8"))
+        if "results" in raw:
+            return timings_from_step_bench(raw, model, context)
         return ShapeTimings(
             shape=str(raw["shape"]),
             source=str(raw.get("source", "")),

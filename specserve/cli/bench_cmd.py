@@ -68,7 +68,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-kv-blocks", type=_positive, default=4096)
     parser.add_argument("--kv-block-size", type=_positive, default=16)
     parser.add_argument("--projection-timings", type=Path, default=None,
-                        help="GPU synthetic-model step timings (JSON) for the labelled projection line")
+                        help="GPU synthetic-model step timings for the labelled projection line: the "
+                             "step_bench.json of `python -m specserve.bench.step_bench`, or the simple format "
+                             "of specserve/bench/projection.py")
+    parser.add_argument("--projection-model", default=None, help="model of a step_bench.json (default qwen3-30b-a3b)")
+    parser.add_argument("--projection-context", type=_positive, default=None,
+                        help="context of a step_bench.json (default: its smallest)")
     parser.add_argument("--no-plots", action="store_true")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     parser.add_argument("--json", action="store_true", help="print the summary JSON instead of the table")
@@ -106,6 +111,8 @@ def config_from_args(args: argparse.Namespace):
         num_kv_blocks=args.num_kv_blocks,
         kv_block_size=args.kv_block_size,
         projection_timings=args.projection_timings,
+        projection_model=args.projection_model,
+        projection_context=args.projection_context,
         plots=not args.no_plots,
     )
 

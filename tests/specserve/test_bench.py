@@ -123,6 +123,18 @@ def test_projection_timings_file_round_trip(tmp_path):
     assert load_shape_timings(tmp_path / "t.json") == timings
     with pytest.raises(ProjectionError):
         ShapeTimings("X", "", "", {1: 2.0}, {})  # no k=0 baseline
+    # the step_bench.json layout (GPU synthetic-model run); hand-made rows, not a measurement
+    report = {"device_name": "test", "results": [
+        {"model": "kimi-k2-layer", "error": "out of memory"},
+        {"model": "qwen3-30b-a3b", "rows": [
+            {"context": 127, "k": 0, "graph_ms": 2.0}, {"context": 127, "k": 1, "graph_ms": 2.5},
+            {"context": 4095, "k": 0, "graph_ms": 3.0}]}]}
+    (tmp_path / "step_bench.json").write_text(json.dumps(report))
+    got = load_shape_timings(tmp_path / "step_bench.json")
+    assert dict(got.verify_ms_by_k) == {0: 2.0, 1: 2.5} and "qwen3-30b-a3b" in got.shape
+    assert dict(load_shape_timings(tmp_path / "step_bench.json", context=4095).verify_ms_by_k) == {0: 3.0}
+    with pytest.raises(ProjectionError):
+        load_shape_timings(tmp_path / "step_bench.json", model="kimi-k2-layer")
     (tmp_path / "bad.json").write_text("{}")
     with pytest.raises(ProjectionError):
         load_shape_timings(tmp_path / "bad.json")
