@@ -92,6 +92,20 @@ def build_drafters(config: BenchConfig, engine, checkpoints: dict[str, Path], sk
     return proposers
 
 
+def engine_description(engine) -> dict:
+    """Which attention / MoE implementations and how many CUDA graphs the engine runs with."""
+    model = engine.model
+    backend = getattr(model, "attn_backend", None)
+    moe = [layer.mlp.experts_fn for layer in model.model.layers if getattr(layer, "is_moe", False)]
+    runner = getattr(engine, "runner", None)
+    return {
+        "attention": type(backend).__name__ if backend is not None else "torch",
+        "experts_fn": getattr(moe[0], "__name__", type(moe[0]).__name__) if moe else None,
+        "cuda_graphs": len(getattr(runner, "graph_keys", ()) or ()),
+        "kv_cache_dtype": str(getattr(getattr(engine, "kv_cache", None), "dtype", "")),
+    }
+
+
 def _model_bytes(engine):
     """Bytes by role of the engine's loaded model; KV entries in the cache's dtype."""
     cache = getattr(engine, "kv_cache", None)
@@ -190,6 +204,7 @@ def run_bench(config: BenchConfig, progress: bool = True) -> dict:
                        "prompts": [{"id": pid, "tokens": len(ids)} for pid, ids in prompts]},
         "environment": env,
         "copy_bandwidth": bandwidth.as_dict(),
+        "engine": engine_description(engine),
         "model_bytes": mb.as_dict(),
         "methods": b.methods,
         "skipped": [s.as_dict() for s in b.skipped],

@@ -219,6 +219,7 @@ def test_artifacts_exist(bench_run):
     env = summary["environment"]
     assert {"versions", "git", "gpu", "device", "cpu"} <= env.keys() and env["versions"]["torch"]
     assert summary["copy_bandwidth"]["bytes_per_s"] > 0
+    assert summary["engine"]["attention"] and summary["engine"]["experts_fn"]
     proj = summary["projection"]
     assert proj["included"] and proj["label"] == "projection" and "plots/projection.png" in summary["plots"]
     assert set(proj["methods"]) == {"ngram/fixed", "model/fixed", "eagle3/fixed"}  # fixed-k, no draft-ahead methods
