@@ -29,5 +29,11 @@ test-gpu: $(STAMP)
 protos: $(STAMP)
 	$(PY) -m specserve.protos.generate
 
+soak: $(STAMP)
+	$(PY) -m specserve.gateway.soak --seconds 60
+
+bench: $(STAMP)
+	$(VENV)/bin/specserve bench
+
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -84,12 +84,29 @@ class _Stream:
     async def exchange(self, request, timeout: float | None):
         if self._call is None:
             self._call = self._opener()
-        await self._call.write(request)
+        try:
+            await self._call.write(request)
+        except (asyncio.InvalidStateError, grpc.aio.UsageError) as exc:  # the peer ended the call meanwhile
+            status = await self._status()
+            if status is not None:
+                raise status from None
+            raise EOFError(f"the stream already ended: {exc}") from None
         read = self._call.read()
         resp = await (asyncio.wait_for(read, timeout) if timeout is not None else read)
         if resp is grpc.aio.EOF:
             raise EOFError("the stream ended without a response")
         return resp
+
+    async def _status(self) -> grpc.aio.AioRpcError | None:
+        """The ended call's status as an AioRpcError (None when it ended OK or cannot tell)."""
+        try:
+            code = await asyncio.wait_for(self._call.code(), 1.0)
+            details = await asyncio.wait_for(self._call.details(), 1.0)
+        except Exception:  # noqa: BLE001 - no status to report
+            return None
+        if code == grpc.StatusCode.OK:
+            return None
+        return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
 
     def close(self) -> None:
         if self._call is not None:
@@ -273,6 +290,10 @@ class RemoteDraft:
             return await method(request, timeout=self._timeout(), metadata=tn.outgoing_metadata())
         except grpc.aio.AioRpcError as exc:
             raise DraftError(f"draft {self._ep.name} at {self._ep.address}: {exc.code().name}: {exc.details()}") from None
+        except DraftError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - any failure of the draft only drops speculation
+            raise DraftError(f"draft {self._ep.name} at {self._ep.address}: {exc!r}") from None
 
     async def info(self):
         info = await self._unary(self._ep.stub.GetInfo, draft_pb2.DraftInfoRequest())
@@ -316,7 +337,9 @@ class RemoteDraft:
             req.tree.CopyFrom(convert.tree_spec_to_proto(tree.num_nodes, tree.top_k, tree.depth))
         try:
             resp = await self._stream.exchange(req, self._timeout())
-        except (grpc.aio.AioRpcError, EOFError, asyncio.TimeoutError) as exc:
+        except DraftError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - any failure of the draft only drops speculation
             self._stream.close()
             what = f"{exc.code().name}: {exc.details()}" if isinstance(exc, grpc.aio.AioRpcError) else repr(exc)
             raise DraftError(f"draft {self._ep.name} at {self._ep.address}: {what}") from None

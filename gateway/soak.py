@@ -1,0 +1,289 @@
+"""Soak: target, drafts and gateway on loopback under steady load and draft kills, for a set time.
+
+    python -m specserve.gateway.soak --seconds 60        (make soak)
+
+Starts `specserve target`, an ngram and a `model` draft service (the shipped demo drafter when it exists)
+and a gateway with small admission limits, all on 127.0.0.1. Worker threads send greedy requests with
+mixed drafters and lengths; every stream is checked token by token against a greedy reference made
+target-only at the start, and against its final usage. Every ``--kill-every-s`` seconds one draft
+service is SIGKILLed and restarted. At the end it prints requests served, errors by status, tokens
+lost (streams that differ from the reference or from their usage; must be 0) and the peak RSS of each
+service process, and exits 1 if any token was lost or any error other than RESOURCE_EXHAUSTED occurred.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+ALLOWED_ERRORS = ("RESOURCE_EXHAUSTED",)  # refusals past the admission queue are expected under load
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _peak_rss_kib(pid: int) -> int:
+    """VmHWM: the process's peak resident set size (KiB); 0 once it is gone."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1])
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
+class Service:
+    """One specserve subcommand as a child process (output to a log file), restartable."""
+
+    def __init__(self, role: str, argv: list[str], log_dir: Path, ready: str) -> None:
+        self.role, self.argv, self.ready = role, argv, ready
+        self.log_path = log_dir / f"{role}-{argv[1] if role == 'draft' else 'main'}.log"
+        self.peak_kib = 0
+        self.proc: subprocess.Popen | None = None
+        self.start()
+
+    def start(self) -> None:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+        env = {k: v for k, v in env.items() if not k.startswith("OTEL_")}
+        self.log = open(self.log_path, "a")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen([sys.executable, "-m", "specserve.cli.main", self.role, *self.argv],
+                                     stdout=self.log, stderr=subprocess.STDOUT, env=env)
+
+    def wait_ready(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.ready in self.log_path.read_text():
+                return
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.role} exited with {self.proc.returncode}; see {self.log_path}")
+            time.sleep(0.1)
+        raise RuntimeError(f"{self.role} not ready in {timeout_s} s; see {self.log_path}")
+
+    def sample(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.peak_kib = max(self.peak_kib, _peak_rss_kib(self.proc.pid))
+
+    def kill(self) -> None:
+        self.sample()
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait()
+        self.log.close()
+
+    def stop(self) -> None:
+        self.sample()
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+
+
+class Tally:
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.served = 0
+        self.tokens = 0
+        self.lost = 0
+        self.bad_streams = 0
+        self.errors: collections.Counter[str] = collections.Counter()
+        self.examples: dict[str, str] = {}  # status -> one message
+        self.by_draft: collections.Counter[str] = collections.Counter()
+        self.fallbacks = 0
+
+
+def _stream(stub, request, timeout_s: float):
+    import grpc
+
+    ids, final = [], None
+    try:
+        for msg in stub.Generate(request, timeout=timeout_s):
+            if msg.HasField("final"):
+                final = msg.final
+            else:
+                ids.extend(msg.delta.token_ids)
+    except grpc.RpcError as exc:
+        return ids, None, (exc.code().name, exc.details())
+    return ids, final, None
+
+
+def _lost(ids: list[int], ref: list[int], final) -> int:
+    """Tokens that differ from the reference (missing, extra, wrong or out of order) or from the usage."""
+    same = 0
+    for a, b in zip(ids, ref):
+        if a != b:
+            break
+        same += 1
+    return (len(ids) - same) + (len(ref) - same) + abs(final.usage.completion_tokens - len(ids))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m specserve.gateway.soak", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seconds", type=float, default=60.0, help="how long to run the load")
+    parser.add_argument("--model", type=Path, default=None, help="target checkpoint (default: the shipped demo)")
+    parser.add_argument("--draft-model", type=Path, default=None,
+                        help="`model` drafter checkpoint (default: the shipped demo drafter; none -> ngram only)")
+    parser.add_argument("--workers", type=int, default=12, help="client threads sending requests back to back")
+    parser.add_argument("--max-sessions", type=int, default=8, help="gateway sessions (more queue)")
+    parser.add_argument("--max-queued", type=int, default=2, help="gateway queue (more: RESOURCE_EXHAUSTED)")
+    parser.add_argument("--max-new-tokens", type=int, default=48)
+    parser.add_argument("--kill-every-s", type=float, default=12.0, help="SIGKILL a draft service this often")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+
+    import grpc
+
+    from specserve.gateway.servers_common import channel_options
+    from specserve.paths import demo_checkpoint
+    from specserve.protos.specserve.v1 import gateway_pb2, gateway_pb2_grpc
+
+    model = args.model or demo_checkpoint("target")
+    draft_model = args.draft_model
+    if draft_model is None and args.model is None:
+        draft_model = demo_checkpoint("model")
+    log_dir = Path(os.environ.get("TMPDIR", "/tmp")) / f"specserve-soak-{os.getpid()}"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    ports = {name: _free_port() for name in ("target", "ngram", "model", "gateway")}
+    addr = {name: f"127.0.0.1:{port}" for name, port in ports.items()}
+    services: dict[str, Service] = {
+        "target": Service("target", ["--model", str(model), "--listen", addr["target"], "--num-kv-blocks", "512"],
+                          log_dir, "target listening on "),
+        "ngram": Service("draft", ["--draft", "ngram", "--model", str(model), "--listen", addr["ngram"]],
+                         log_dir, "draft (ngram) listening on "),
+    }
+    drafts = ["ngram", "none"]
+    if draft_model is not None:
+        services["model"] = Service("draft", ["--draft", "model", "--draft-model", str(draft_model), "--model",
+                                              str(model), "--listen", addr["model"]], log_dir, "draft (model) listening on ")
+        drafts.append("model")
+    services["gateway"] = Service(
+        "gateway",
+        ["--target", addr["target"], "--model", str(model), "--host", "127.0.0.1", "--port", str(ports["gateway"]),
+         "--max-sessions", str(args.max_sessions), "--max-queued", str(args.max_queued),
+         *[a for d in drafts if d != "none" for a in ("--draft-service", f"{d}={addr[d]}")]],
+        log_dir, "gateway listening on ",
+    )
+    tally = Tally()
+    stop = threading.Event()
+    try:
+        for svc in services.values():
+            svc.wait_ready(600)
+        channel = grpc.insecure_channel(addr["gateway"], options=channel_options())
+        stub = gateway_pb2_grpc.GatewayStub(channel)
+        prompts = _prompts(model)
+        refs = []
+        for text in prompts:  # greedy references, target-only, one at a time
+            ids, final, err = _stream(stub, gateway_pb2.GenerateRequest(prompt=text, max_new_tokens=args.max_new_tokens,
+                                                                        draft="none"), 120)
+            if err is not None:
+                raise RuntimeError(f"reference request failed: {err}")
+            refs.append(ids)
+        print(f"soak: {len(services)} services up, {len(prompts)} references; load for {args.seconds:.0f} s "
+              f"with {args.workers} workers, drafts {drafts}, a draft SIGKILL every {args.kill_every_s:.0f} s",
+              flush=True)
+
+        def worker(seed: int) -> None:
+            rng = random.Random(seed)
+            while not stop.is_set():
+                i, n, draft = rng.randrange(len(prompts)), rng.randint(1, args.max_new_tokens), rng.choice(drafts)
+                req = gateway_pb2.GenerateRequest(prompt=prompts[i], max_new_tokens=n, draft=draft,
+                                                  num_speculative_tokens=rng.choice((2, 4, 6)))
+                ids, final, err = _stream(stub, req, 60)
+                with tally.lock:
+                    if err is not None:
+                        tally.errors[err[0]] += 1
+                        tally.examples.setdefault(err[0], err[1])
+                if err is not None:
+                    time.sleep(0.2 if err[0] in ALLOWED_ERRORS else 0.0)
+                    continue
+                with tally.lock:
+                    lost = _lost(ids, refs[i][:n], final)
+                    tally.served += 1
+                    tally.tokens += len(ids)
+                    tally.lost += lost
+                    tally.bad_streams += bool(lost)
+                    tally.by_draft[draft] += 1
+                    tally.fallbacks += final.stats.draft_fallback
+
+        def faults() -> None:
+            victims = [d for d in drafts if d != "none"]
+            k = 0
+            while not stop.wait(args.kill_every_s):
+                victim = services[victims[k % len(victims)]]
+                k += 1
+                victim.kill()
+                print(f"soak: t+{time.monotonic() - t0:.0f}s SIGKILL draft {victims[(k - 1) % len(victims)]}, "
+                      "restarting", flush=True)
+                if stop.wait(2.0):
+                    break
+                victim.start()
+
+        def sampler() -> None:
+            while not stop.wait(0.5):
+                for svc in services.values():
+                    svc.sample()
+
+        t0 = time.monotonic()
+        threads = [threading.Thread(target=worker, args=(args.seed * 1000 + w,), daemon=True) for w in range(args.workers)]
+        threads += [threading.Thread(target=faults, daemon=True), threading.Thread(target=sampler, daemon=True)]
+        for t in threads:
+            t.start()
+        time.sleep(args.seconds)
+        stop.set()
+        for t in threads:
+            t.join(90)
+        elapsed = time.monotonic() - t0
+        channel.close()
+    finally:
+        stop.set()
+        for name in ("gateway", "model", "ngram", "target"):
+            if name in services:
+                services[name].stop()
+    unexpected = {k: v for k, v in tally.errors.items() if k not in ALLOWED_ERRORS}
+    summary = {
+        "seconds": round(elapsed, 1),
+        "requests_served": tally.served,
+        "tokens_streamed": tally.tokens,
+        "served_by_draft": dict(tally.by_draft),
+        "draft_fallbacks": tally.fallbacks,
+        "errors_by_status": dict(tally.errors),
+        "error_examples": tally.examples,
+        "tokens_lost": tally.lost,
+        "streams_differing": tally.bad_streams,
+        "peak_rss_mib": {name: round(svc.peak_kib / 1024, 1) for name, svc in services.items()},
+    }
+    print(f"soak: {tally.served} requests served in {elapsed:.0f} s ({tally.tokens} tokens), "
+          f"errors by status {dict(tally.errors) or '{}'}, tokens lost {tally.lost}, "
+          f"peak RSS MiB {summary['peak_rss_mib']}")
+    print(json.dumps(summary, sort_keys=True))
+    print(f"soak: logs in {log_dir}")
+    return 1 if tally.lost or unexpected or not tally.served else 0
+
+
+def _prompts(model: Path) -> list[str]:
+    """Held-out prompts shipped with the demo checkpoint (cut short), else a few fixed ones."""
+    path = Path(model) / "heldout_prompts.json"
+    if path.is_file():
+        texts = json.loads(path.read_text())[:8]
+        return [t[:120] for t in texts]
+    return ["def main():\n    ", "import os\n", "class Queue:\n    def __init__(self", "for i in range(10):\n"]
+
+
+if __name__ == "__main__":
+    sys.exit(main())
