@@ -32,6 +32,7 @@ from specserve.gateway.stats import SpecStats
 from specserve.target_service.engine.types import DraftBlock, SamplingParams
 
 EMPTY_BLOCK = DraftBlock(token_ids=())
+PROBE_EVERY = 8  # adaptive: after this many skipped steps, draft one token to re-measure acceptance
 
 
 class MalformedDraft(DraftError):
@@ -158,6 +159,7 @@ class _Run:
         self.sync = _DraftSync(needs_hidden=False)
         self.ahead: DraftBlock | None = None  # a block drafted in advance for the current S
         self.last_ahead_ms = 0.0
+        self.skipped_drafts = 0  # steps in a row the adaptive chooser skipped drafting
         self.draft_session = draft  # released at the end even if the request fell back to target-only
 
     def fallback(self, span, exc: Exception) -> None:
@@ -177,7 +179,13 @@ class _Run:
         if self.ahead is not None:
             block, self.ahead = truncate_chain(self.ahead, limit), None
             return block
-        k = limit if self.adaptive is None else max(1, self.adaptive.choose_k(limit))
+        k = limit
+        if self.adaptive is not None:
+            k = self.adaptive.choose_k(limit)
+            if k == 0 and self.skipped_drafts < PROBE_EVERY:
+                self.skipped_drafts += 1  # drafting does not pay now; probe with one token now and then
+                return EMPTY_BLOCK
+            k, self.skipped_drafts = max(1, k), 0
         t0 = time.perf_counter()
         try:
             with self.tracer.start_as_current_span(names.SPAN_DRAFT_PROPOSE) as dspan:
