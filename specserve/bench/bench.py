@@ -196,6 +196,8 @@ def run_bench(config: BenchConfig, progress: bool = True) -> dict:
         b.bar.close()
     env["load_average_at_end"] = load_average()
     projection = _projection(config, b.methods)
+    from specserve.bench.cost_fit import cost_model_error
+
     summary = {
         "schema_version": SCHEMA_VERSION,
         "command": " ".join(sys.argv),
@@ -210,6 +212,7 @@ def run_bench(config: BenchConfig, progress: bool = True) -> dict:
         "skipped": [s.as_dict() for s in b.skipped],
         "verify_tax": {"context_len": config.tax_context + 1, "repeats": config.tax_repeats, "points": tax},
         "projection": projection,
+        "cost_model": cost_model_error(b.all_steps),
         "wall_s": round(time.perf_counter() - started, 3),
     }
     if config.plots:
@@ -307,12 +310,9 @@ def _projection(config: BenchConfig, methods: dict) -> dict:
     if config.projection_timings is None:
         return {"label": "projection", "included": False,
                 "reason": "no GPU synthetic-model timings given (--projection-timings FILE)"}
-    from specserve.bench.projection import load_shape_timings, project
+    from specserve.bench.projection import fixed_acceptance, load_shape_timings, project
 
-    acceptance = {name: m["acceptance_by_position"]["conditional"] for name, m in methods.items()
-                  if m.get("kind") == "specserve" and m.get("drafter") != "none" and m.get("speculation") == "fixed"
-                  and not m.get("draft_ahead")
-                  and "acceptance_by_position" in m}
+    acceptance = fixed_acceptance(methods)
     timings = load_shape_timings(config.projection_timings, config.projection_model, config.projection_context)
     out = project(timings, acceptance)
     out["included"] = True

@@ -58,12 +58,15 @@ def timings_from_step_bench(report: dict, model: str | None = None, context: int
     if model not in names:
         raise ProjectionError(f"step_bench report has no model {model!r}; it has {names}")
     rows = next(r for r in results if r["model"] == model)["rows"]
-    contexts = sorted({row["context"] for row in rows})
+    # a row's "context" counts the step's own tokens too (k drafted tokens after the pending one), so
+    # the rows of one sweep share context - k: group by that
+    base = lambda row: int(row["context"]) - int(row["k"])  # noqa: E731
+    contexts = sorted({base(row) for row in rows})
     if context is None:
         context = contexts[0]
     if context not in contexts:
         raise ProjectionError(f"step_bench report has no context {context} for {model}; it has {contexts}")
-    verify = {int(row["k"]): float(row["graph_ms"]) for row in rows if row["context"] == context and "graph_ms" in row}
+    verify = {int(row["k"]): float(row["graph_ms"]) for row in rows if base(row) == context and "graph_ms" in row}
     return ShapeTimings(
         shape=f"{model} (synthetic weights), context {context}",
         source="specserve.bench.step_bench graph_ms (full step: metadata, plan, forward, logits)",
@@ -89,6 +92,13 @@ def load_shape_timings(path: Path, model: str | None = None, context: int | None
         raise ProjectionError(f"projection timings file {path} does not exist") from None
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise ProjectionError(f"projection timings file {path} is malformed: {exc!r}") from None
+
+
+def fixed_acceptance(methods: Mapping[str, dict]) -> dict[str, Sequence[float | None]]:
+    """Conditional per-position acceptance of each fixed-k, no-draft-ahead drafter method of a run."""
+    return {name: m["acceptance_by_position"]["conditional"] for name, m in methods.items()
+            if m.get("kind") == "specserve" and m.get("drafter") != "none" and m.get("speculation") == "fixed"
+            and not m.get("draft_ahead") and "acceptance_by_position" in m}
 
 
 def expected_emitted(alpha: Sequence[float], k: int) -> float:
@@ -141,3 +151,32 @@ def save_shape_timings(timings: ShapeTimings, path: Path) -> None:
         "verify_ms_by_k": {str(k): v for k, v in sorted(timings.verify_ms_by_k.items())},
         "draft_ms_by_k": {str(k): v for k, v in sorted(timings.draft_ms_by_k.items())},
     }, indent=2) + "\n", encoding="utf-8")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Project from a finished bench run: python -m specserve.bench.projection SUMMARY STEP_BENCH [--context N]"""
+    import argparse
+    import sys
+
+    parser = argparse.ArgumentParser(prog="python -m specserve.bench.projection", description=main.__doc__)
+    parser.add_argument("summary", type=Path, help="summary.json of a specserve bench run (acceptance)")
+    parser.add_argument("timings", type=Path, help="step_bench.json (GPU step times of a larger shape)")
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--context", type=int, default=None)
+    args = parser.parse_args(argv)
+    try:
+        methods = json.loads(args.summary.read_text(encoding="utf-8"))["methods"]
+        out = project(load_shape_timings(args.timings, args.model, args.context), fixed_acceptance(methods))
+    except (OSError, ValueError, KeyError, ProjectionError) as exc:
+        print(f"projection: error: {exc}", file=sys.stderr)
+        return 2
+    for method, points in out["methods"].items():
+        if points:
+            best = max(points, key=lambda p: p["tokens_per_s"])
+            out.setdefault("best_fixed_k", {})[method] = {"k": best["k"], "tokens_per_s": best["tokens_per_s"]}
+    print(json.dumps(out, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

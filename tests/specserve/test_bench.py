@@ -127,7 +127,7 @@ def test_projection_timings_file_round_trip(tmp_path):
     report = {"device_name": "test", "results": [
         {"model": "kimi-k2-layer", "error": "out of memory"},
         {"model": "qwen3-30b-a3b", "rows": [
-            {"context": 127, "k": 0, "graph_ms": 2.0}, {"context": 127, "k": 1, "graph_ms": 2.5},
+            {"context": 127, "k": 0, "graph_ms": 2.0}, {"context": 128, "k": 1, "graph_ms": 2.5},
             {"context": 4095, "k": 0, "graph_ms": 3.0}]}]}
     (tmp_path / "step_bench.json").write_text(json.dumps(report))
     got = load_shape_timings(tmp_path / "step_bench.json")

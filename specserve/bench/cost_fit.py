@@ -1,0 +1,68 @@
+"""How well the adaptive chooser's verify cost model predicts steps it did not see.
+
+The model (gateway/adaptive.py, VerifyCostModel) is fitted on the first part of a run's verify steps
+(in the order they ran) and scored on the rest: median relative error |predicted - measured| /
+measured, overall and by the number of tokens in the verify forward. Run it on a bench's artifacts:
+
+    python -m specserve.bench.cost_fit OUT/steps.jsonl [--train-fraction 0.7]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from specserve.gateway.adaptive import VerifyCostModel
+
+
+def cost_model_error(steps: Sequence[dict], train_fraction: float = 0.7) -> dict:
+    """Fit on the first train_fraction of chain steps, report the held-out prediction error.
+
+    Each step row needs drafted, experts_touched and verify_ms (the schema of steps.jsonl).
+    """
+    rows = [(int(s["drafted"]) + 1, int(s["experts_touched"]), float(s["verify_ms"]))
+            for s in steps if not s.get("tree") and s.get("verify_ms", 0) > 0]
+    if len(rows) < 10:
+        return {"included": False, "reason": f"only {len(rows)} steps"}
+    cut = int(len(rows) * train_fraction)
+    model = VerifyCostModel(window=cut, refit_every=cut)
+    for n, e, ms in rows[:cut]:
+        model.observe(n, e, ms)
+    model.fit()
+    held = rows[cut:]
+    by_tokens = {}
+    for n in sorted({n for n, _, _ in held}):
+        part = [r for r in held if r[0] == n]
+        by_tokens[str(n)] = {"steps": len(part), "median_rel_error": round(model.heldout_error(part), 4)}
+    return {
+        "included": True,
+        "train_steps": cut,
+        "heldout_steps": len(held),
+        "coef_ms": {"a": round(float(model.coef[0]), 4), "per_token": round(float(model.coef[1]), 5),
+                    "per_expert": round(float(model.coef[2]), 6)},
+        "median_rel_error": round(model.heldout_error(held), 4),
+        "p90_rel_error": round(float(np.percentile([abs(model.predict(n, e) - ms) / ms for n, e, ms in held], 90)), 4),
+        "by_tokens": by_tokens,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m specserve.bench.cost_fit", description=__doc__.splitlines()[0])
+    parser.add_argument("steps", type=Path, help="steps.jsonl of a bench run")
+    parser.add_argument("--train-fraction", type=float, default=0.7)
+    args = parser.parse_args(argv)
+    if not args.steps.is_file():
+        print(f"cost_fit: error: {args.steps} does not exist", file=sys.stderr)
+        return 2
+    steps = [json.loads(line) for line in args.steps.read_text().splitlines() if line.strip()]
+    print(json.dumps(cost_model_error(steps, args.train_fraction), indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
