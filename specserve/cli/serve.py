@@ -32,6 +32,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--draft-step-timeout-s", type=float, default=5.0)
     parser.add_argument("--startup-timeout-s", type=float, default=600.0)
     parser.add_argument("--grace-s", type=float, default=10.0, help="seconds in-flight requests get on stop")
+    from specserve.cli.target_cmd import add_tls_arguments
+
+    add_tls_arguments(parser)  # the gateway's public port (the inner hops are unix sockets in a private folder)
+    parser.add_argument("--auth-token", default=None,
+                        help="bearer token the gateway requires (default: $SPECSERVE_AUTH_TOKEN)")
 
 
 class _Children:
@@ -40,9 +45,9 @@ class _Children:
     def __init__(self) -> None:
         self.procs: dict[str, subprocess.Popen] = {}
 
-    def start(self, role: str, argv: list[str], stdout=None) -> subprocess.Popen:
+    def start(self, role: str, argv: list[str], stdout=None, extra_env=None) -> subprocess.Popen:
         base = os.environ.get("OTEL_SERVICE_NAME") or "specserve"
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OTEL_SERVICE_NAME": f"{base}-{role}"}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OTEL_SERVICE_NAME": f"{base}-{role}", **(extra_env or {})}
         proc = subprocess.Popen(
             [sys.executable, "-m", "specserve.cli.main", role, *argv],
             stdout=stdout if stdout is not None else sys.stderr,
@@ -147,7 +152,10 @@ def run(args: argparse.Namespace) -> int:
             "--target", target_addr, *gateway_drafts, "--model", str(model),
             "--host", args.host, "--port", str(args.port),
             "--draft-step-timeout-s", str(args.draft_step_timeout_s), "--grace-s", str(args.grace_s),
-        ], stdout=subprocess.PIPE)
+            *[a for flag in ("cert", "key", "ca") if getattr(args, f"tls_{flag}") is not None
+              for a in (f"--tls-{flag}", str(getattr(args, f"tls_{flag}")))],
+        ], stdout=subprocess.PIPE,  # the token goes by environment, never on a command line
+            extra_env={"SPECSERVE_AUTH_TOKEN": args.auth_token} if args.auth_token else None)
         ready: list[str] = []
         seen = threading.Event()
         threading.Thread(target=_forward, args=(gateway.stdout, sys.stderr, ready, seen), daemon=True).start()
