@@ -198,6 +198,26 @@ def test_limits_name_the_flag(stack):
     wait_idle(stack)
 
 
+def test_target_reserves_kv_blocks_at_admission(stack):
+    """40 blocks of 16: a session reserving 500 tokens (32 blocks) leaves no room for one reserving 200
+    (13 blocks): that Prefill waits in the queue (here past its deadline), and runs once blocks free."""
+    reserve = lambda n: (("specserve-reserve-tokens", str(n)),)  # noqa: E731
+    with grpc.insecure_channel(stack.target_addr) as ch:
+        tgt = target_pb2_grpc.TargetServiceStub(ch)
+        tgt.Prefill(target_pb2.PrefillRequest(session_id="r1", prompt_ids=[1, 2]), timeout=10, metadata=reserve(500))
+        with pytest.raises(grpc.RpcError) as info:
+            tgt.Prefill(target_pb2.PrefillRequest(session_id="r2", prompt_ids=[1, 2]), timeout=1, metadata=reserve(200))
+        assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        waiting = tgt.Prefill.future(target_pb2.PrefillRequest(session_id="r3", prompt_ids=[3]), timeout=20,
+                                     metadata=reserve(200))
+        time.sleep(0.3)
+        assert not waiting.done()
+        tgt.Release(target_pb2.ReleaseRequest(session_id="r1"), timeout=10)
+        assert waiting.result().session_id == "r3"
+        tgt.Release(target_pb2.ReleaseRequest(session_id="r3"), timeout=10)
+    wait_idle(stack)
+
+
 # ------------------------------------------------------------------------------- malformed input
 _ints = st.one_of(st.integers(-3, 40), st.integers(-(2**31), 2**31 - 1))
 _floats = st.one_of(st.floats(allow_nan=True, allow_infinity=True, width=32), st.floats(0, 2, width=32))
