@@ -290,10 +290,11 @@ def test_target_killed_gives_unavailable_then_recovers(stack, refs):
         stack.target.stop(signal.SIGKILL)
 
     results = run_concurrently(stack, [req(p, n, d) for p, n, d in specs], timeout=deadline_s, during=kill_target)
-    for ids, final, code, seconds in results:
+    for (prompt, _, _), (ids, final, code, seconds) in zip(specs, results):
         # a request that had already finished before the kill is fine; every other one: UNAVAILABLE in time
         assert code == grpc.StatusCode.UNAVAILABLE or (code is None and final is not None), code
         assert seconds < deadline_s + 1
+        assert ids == refs[prompt][: len(ids)]  # what was streamed before the failure is still exact
     assert any(r[2] == grpc.StatusCode.UNAVAILABLE for r in results)
     assert stack.healthy(stack.gateway_addr)
     ids, final, code, _ = stream(stack, req(1, 8, "none"), timeout=5)
