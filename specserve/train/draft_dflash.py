@@ -14,15 +14,14 @@ tests/specserve/test_train.py checks it against ``block_logits`` block by block.
 
 from __future__ import annotations
 
-import time
 from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn.functional as F
 
-from specserve.train.common import Schedule, TrainError, apply_arch, autocast, make_optimizer
-from specserve.train.distill import MixedBatches, target_outputs
+from specserve.train.common import TrainError, apply_arch
 from specserve.train.draft_eagle3 import default_capture_layers
+from specserve.train.feature_distill import heldout_agreement, train_on_target_features
 
 
 @dataclass(frozen=True)
@@ -136,56 +135,20 @@ def train_dflash_job(job) -> dict:
     layers = default_capture_layers(job.target.config.num_hidden_layers)
     torch.manual_seed(job.seed)
     model = build_dflash(job.target, spec, layers).to(job.device).train()
-    batches = MixedBatches(job.sequences, job.train_stream, job.batch_size, 0.75, job.seed)
-    T = job.sequences.shape[1]
-    G = min(spec.group, job.batch_size)
-    gen = torch.Generator().manual_seed(job.seed)
-    opt = make_optimizer(model.parameters(), job.lr, 0.0, job.device)
-    sched = Schedule(job.lr, job.steps, min(50, job.steps // 10 + 1), time_limit_s=job.time_limit_s)
-    t0, step, agree = time.monotonic(), 0, []
-    while True:
-        progress = sched.progress(step, time.monotonic() - t0)
-        if progress >= 1.0:
-            break
-        lr = sched.lr_at(step, progress)
-        for g in opt.param_groups:
-            g["lr"] = lr
-        ids = batches.next().to(job.device)
-        logits, feats = target_outputs(job.target, ids, layers)
-        probs = logits.softmax(-1)
-        opt.zero_grad(set_to_none=True)
-        for i in range(0, len(ids) - G + 1, G):
-            anchors = sample_anchors(gen, G, T, spec, job.device)
-            with autocast(job.device):
-                loss, agree = block_loss(model, ids[i : i + G], feats[i : i + G], probs[i : i + G], anchors,
-                                         spec.position_decay)
-            (loss * G / len(ids)).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        step += 1
-        if step % 50 == 0 or step == 1:
-            job.log("train_dflash", step=step, loss=float(loss.detach()), lr=lr, agreement_by_position=agree)
-    heldout = heldout_agreement(model, job, layers, spec, G)
+    group = min(spec.group, job.batch_size)
+
+    def loss_with_anchors(gen: torch.Generator):
+        def loss_fn(ids, feats, probs):
+            anchors = sample_anchors(gen, len(ids), ids.shape[1], spec, job.device)
+            return block_loss(model, ids, feats, probs, anchors, spec.position_decay)
+
+        return loss_fn
+
+    run = train_on_target_features(job, model, layers, group, loss_with_anchors(torch.Generator().manual_seed(job.seed)),
+                                   "train_dflash")
+    heldout = heldout_agreement(job, model, layers, group, loss_with_anchors(torch.Generator().manual_seed(job.seed + 7)))
     model.to("cpu").to(torch.bfloat16)
     save_dflash(model, job.out_dir)
-    return {"steps_run": step, "stopped_by": "steps" if step >= job.steps else "time_limit",
-            "train_seconds": round(time.monotonic() - t0, 1), "target_layer_ids": list(layers),
-            "last_agreement_by_position": agree, "heldout_agreement_by_position": heldout, "arch": asdict(spec)}
-
-
-@torch.no_grad()
-def heldout_agreement(model, job, layers, spec: DFlashSpec, G: int) -> list[float]:
-    model.eval()
-    seqs = job.heldout_sequences
-    gen = torch.Generator().manual_seed(job.seed + 7)
-    sums, n = [0.0] * spec.block_size, 0
-    for i in range(0, len(seqs) - G + 1, G):
-        ids = seqs[i : i + G].to(job.device)
-        logits, feats = target_outputs(job.target, ids, layers)
-        anchors = sample_anchors(gen, G, ids.shape[1], spec, job.device)
-        with autocast(job.device):
-            _, agree = block_loss(model, ids, feats, logits.softmax(-1), anchors, spec.position_decay)
-        sums = [s + a for s, a in zip(sums, agree)]
-        n += 1
-    model.train()
-    return [round(s / max(n, 1), 4) for s in sums]
+    return {"steps_run": run["steps_run"], "stopped_by": run["stopped_by"], "train_seconds": run["train_seconds"],
+            "target_layer_ids": list(layers), "last_agreement_by_position": run["last_agreement"],
+            "heldout_agreement_by_position": heldout, "arch": asdict(spec)}

@@ -15,14 +15,13 @@ The head runs one sequence per ``step`` call; training vectorises it over G sequ
 
 from __future__ import annotations
 
-import time
 from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn.functional as F
 
-from specserve.train.common import Logger, Schedule, TrainError, apply_arch, autocast, make_optimizer
-from specserve.train.distill import MixedBatches, target_outputs
+from specserve.train.common import TrainError, apply_arch
+from specserve.train.feature_distill import heldout_agreement, train_on_target_features
 
 
 @dataclass(frozen=True)
@@ -148,56 +147,20 @@ def train_eagle3_job(job) -> dict:
     layers = default_capture_layers(job.target.config.num_hidden_layers)
     torch.manual_seed(job.seed)
     head = build_head(job.target, spec, layers).to(job.device).train()
-    batches = MixedBatches(job.sequences, job.train_stream, job.batch_size, 0.75, job.seed)
-    T = job.sequences.shape[1]
-    G = min(spec.group, job.batch_size)
-    masks = ttt_masks(T, spec.ttt_steps, job.device)
-    opt = make_optimizer(head.parameters(), job.lr, 0.0, job.device)
-    sched = Schedule(job.lr, job.steps, min(50, job.steps // 10 + 1), time_limit_s=job.time_limit_s)
-    t0, step, agree = time.monotonic(), 0, []
-    while True:
-        progress = sched.progress(step, time.monotonic() - t0)
-        if progress >= 1.0:
-            break
-        lr = sched.lr_at(step, progress)
-        for g in opt.param_groups:
-            g["lr"] = lr
-        ids = batches.next().to(job.device)
-        logits, feats = target_outputs(job.target, ids, layers)
-        probs = logits.softmax(-1)
-        opt.zero_grad(set_to_none=True)
-        for i in range(0, len(ids) - G + 1, G):
-            with autocast(job.device):
-                loss, agree = ttt_loss(head, ids[i : i + G], feats[i : i + G], probs[i : i + G], masks, spec)
-            (loss * G / len(ids)).backward()
-        torch.nn.utils.clip_grad_norm_([p for p in head.parameters() if p.requires_grad], 1.0)
-        opt.step()
-        step += 1
-        if step % 50 == 0 or step == 1:
-            job.log("train_eagle3", step=step, loss=float(loss.detach()), lr=lr,
-                    agreement_by_pass=[round(a, 3) for a in agree])
-    heldout = heldout_agreement(head, job, layers, spec, G)
+    group = min(spec.group, job.batch_size)
+
+    masks_by_len: dict[int, torch.Tensor] = {}
+
+    def loss_fn(ids, feats, probs):
+        length = ids.shape[1]
+        if length not in masks_by_len:
+            masks_by_len[length] = ttt_masks(length, spec.ttt_steps, job.device)
+        return ttt_loss(head, ids, feats, probs, masks_by_len[length], spec)
+
+    run = train_on_target_features(job, head, layers, group, loss_fn, "train_eagle3")
+    heldout = heldout_agreement(job, head, layers, group, loss_fn)
     head.to("cpu").to(torch.bfloat16)
     save_eagle3_head(head, job.out_dir, with_embeddings=False)
-    return {"steps_run": step, "stopped_by": "steps" if step >= job.steps else "time_limit",
-            "train_seconds": round(time.monotonic() - t0, 1), "capture_layers": list(layers),
-            "last_agreement_by_pass": agree, "heldout_agreement_by_pass": heldout, "arch": asdict(spec)}
-
-
-@torch.no_grad()
-def heldout_agreement(head, job, layers, spec: Eagle3Spec, G: int) -> list[float]:
-    """Per-pass argmax agreement with the target on held-out self-distilled sequences."""
-    head.eval()
-    seqs = job.heldout_sequences
-    masks = ttt_masks(seqs.shape[1], spec.ttt_steps, job.device)
-    sums = [0.0] * spec.ttt_steps
-    n = 0
-    for i in range(0, len(seqs) - G + 1, G):
-        ids = seqs[i : i + G].to(job.device)
-        logits, feats = target_outputs(job.target, ids, layers)
-        with autocast(job.device):
-            _, agree = ttt_loss(head, ids, feats, logits.softmax(-1), masks, spec)
-        sums = [s + a for s, a in zip(sums, agree)]
-        n += 1
-    head.train()
-    return [round(s / max(n, 1), 4) for s in sums]
+    return {"steps_run": run["steps_run"], "stopped_by": run["stopped_by"], "train_seconds": run["train_seconds"],
+            "capture_layers": list(layers), "last_agreement_by_pass": run["last_agreement"],
+            "heldout_agreement_by_pass": heldout, "arch": asdict(spec)}
