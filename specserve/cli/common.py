@@ -11,7 +11,7 @@ from specserve.errors import SpecserveError
 DRAFT_CHOICES = ("none", "ngram", "model", "eagle3", "dflash")
 
 
-def _positive_int(text: str) -> int:
+def positive_int(text: str) -> int:
     value = int(text)
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
@@ -37,8 +37,8 @@ def add_prompt_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--seed", type=int, default=None)
-    parser.add_argument("--max-new-tokens", type=_positive_int, default=64)
-    parser.add_argument("--num-speculative-tokens", type=_positive_int, default=4, help="draft block size k")
+    parser.add_argument("--max-new-tokens", type=positive_int, default=64)
+    parser.add_argument("--num-speculative-tokens", type=positive_int, default=4, help="draft block size k")
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     parser.add_argument(
         "--speculation", choices=("fixed", "adaptive"), default="fixed",
@@ -51,17 +51,38 @@ def add_prompt_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
-def add_model_arguments(parser: argparse.ArgumentParser) -> None:
-    """The model, drafter and placement flags of `generate` and `serve`."""
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """The target engine's flags (`generate`, `target`, and `serve`, which forwards them)."""
     parser.add_argument("--model", type=Path, default=None, help="target checkpoint folder (default: shipped demo)")
-    parser.add_argument("--draft", choices=DRAFT_CHOICES, default="none")
-    parser.add_argument("--draft-model", type=Path, default=None, help="drafter checkpoint folder")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
-    parser.add_argument("--tensor-parallel-size", type=_positive_int, default=1)
+    parser.add_argument("--tensor-parallel-size", type=positive_int, default=1)
     parser.add_argument("--enable-expert-parallel", action="store_true")
-    parser.add_argument("--num-kv-blocks", type=_positive_int, default=4096)
-    parser.add_argument("--kv-block-size", type=_positive_int, default=16)
+    parser.add_argument("--num-kv-blocks", type=positive_int, default=4096)
+    parser.add_argument("--kv-block-size", type=positive_int, default=16)
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """The model, drafter and placement flags of `generate` and `serve`."""
+    add_engine_arguments(parser)
+    parser.add_argument("--draft", choices=DRAFT_CHOICES, default="none")
+    parser.add_argument("--draft-model", type=Path, default=None, help="drafter checkpoint folder")
+
+
+def engine_config_from_args(args: argparse.Namespace):
+    """The EngineConfig of the engine flags; no --model means the shipped demo target."""
+    from specserve.paths import demo_checkpoint
+    from specserve.target_service.factory import EngineConfig
+
+    return EngineConfig(
+        model=args.model or demo_checkpoint("target"),
+        device=args.device,
+        dtype=args.dtype,
+        num_kv_blocks=args.num_kv_blocks,
+        kv_block_size=args.kv_block_size,
+        tensor_parallel_size=args.tensor_parallel_size,
+        enable_expert_parallel=args.enable_expert_parallel,
+    )
 
 
 def sampling_from_args(args: argparse.Namespace):

@@ -7,8 +7,8 @@ import dataclasses
 import sys
 from pathlib import Path
 
+from specserve.cli.common import positive_int
 from specserve.cli.target_cmd import (
-    _positive_int,
     add_listen_arguments,
     checkpoint_errors_as_user_errors,
     server_config_from_args,
@@ -22,7 +22,7 @@ def add_drafter_arguments(parser: argparse.ArgumentParser) -> None:
     """The drafter's flags (shared with `serve`, which forwards them)."""
     parser.add_argument("--draft", choices=FAMILIES, default="ngram", help="drafter family")
     parser.add_argument("--draft-model", type=Path, default=None, help="drafter checkpoint folder")
-    parser.add_argument("--max-block-size", type=_positive_int, default=8, help="most tokens one proposal may draft")
+    parser.add_argument("--max-block-size", type=positive_int, default=8, help="most tokens one proposal may draft")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -31,7 +31,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     add_listen_arguments(parser, DEFAULT_LISTEN)
-    parser.add_argument("--max-draft-tokens", type=_positive_int, default=256,
+    parser.add_argument("--max-draft-tokens", type=positive_int, default=256,
                         help="most tokens (chain length or tree nodes) one proposal may ask for")
 
 

@@ -7,8 +7,8 @@ import os
 import sys
 from pathlib import Path
 
+from specserve.cli.common import positive_int
 from specserve.cli.target_cmd import (
-    _positive_int,
     add_tls_arguments,
     checkpoint_errors_as_user_errors,
     tls_from_args,
@@ -44,14 +44,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds to wait for the target service at start")
     parser.add_argument("--grace-s", type=float, default=10.0, help="seconds in-flight calls get on SIGTERM")
     limits = parser.add_argument_group("limits (beyond them: INVALID_ARGUMENT or RESOURCE_EXHAUSTED naming the limit)")
-    limits.add_argument("--max-sessions", type=_positive_int, default=64, help="requests running at once")
+    limits.add_argument("--max-sessions", type=positive_int, default=64, help="requests running at once")
     limits.add_argument("--max-queued", type=int, default=64,
                         help="requests waiting for a running slot; more get RESOURCE_EXHAUSTED")
     limits.add_argument("--max-prompt-tokens", type=int, default=0, help="prompt tokens (0 = the model's context)")
-    limits.add_argument("--max-output-tokens", type=_positive_int, default=4096, help="max_new_tokens of a request")
+    limits.add_argument("--max-output-tokens", type=positive_int, default=4096, help="max_new_tokens of a request")
     limits.add_argument("--max-stop-strings", type=int, default=16, help="stop strings per request")
     limits.add_argument("--max-stop-length", type=int, default=256, help="characters per stop string")
-    limits.add_argument("--max-message-bytes", type=_positive_int, default=DEFAULT_MAX_MESSAGE_BYTES,
+    limits.add_argument("--max-message-bytes", type=positive_int, default=DEFAULT_MAX_MESSAGE_BYTES,
                         help="largest request message (bigger: RESOURCE_EXHAUSTED from gRPC)")
     security = parser.add_argument_group("security")
     add_tls_arguments(security)

@@ -28,23 +28,13 @@ def prompt_ids_from_args(args: argparse.Namespace, tokenizer) -> tuple[int, ...]
 
 def build_local(args: argparse.Namespace):
     """(engine, proposer or None) from the model flags."""
-    from specserve.cli.common import drafter_config_from_args
+    from specserve.cli.common import drafter_config_from_args, engine_config_from_args
     from specserve.draft_service.registry import build_proposer
-    from specserve.paths import demo_checkpoint
-    from specserve.target_service.factory import EngineConfig, build_engine
+    from specserve.target_service.factory import build_engine
 
-    model = args.model or demo_checkpoint("target")
-    engine = build_engine(
-        EngineConfig(
-            model=model,
-            device=args.device,
-            dtype=args.dtype,
-            num_kv_blocks=args.num_kv_blocks,
-            kv_block_size=args.kv_block_size,
-            tensor_parallel_size=args.tensor_parallel_size,
-            enable_expert_parallel=args.enable_expert_parallel,
-        )
-    )
+    engine_config = engine_config_from_args(args)
+    model = engine_config.model
+    engine = build_engine(engine_config)
     proposer = None
     if args.draft != "none":
         proposer = build_proposer(drafter_config_from_args(args, target_checkpoint=model))

@@ -6,25 +6,9 @@ import argparse
 import sys
 from pathlib import Path
 
+from specserve.cli.common import add_engine_arguments, engine_config_from_args, positive_int
+
 DEFAULT_LISTEN = "127.0.0.1:50052"
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-    return value
-
-
-def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
-    """The target engine's flags (shared with `serve`, which forwards them)."""
-    parser.add_argument("--model", type=Path, default=None, help="target checkpoint folder (default: shipped demo)")
-    parser.add_argument("--device", default="cpu", help="cpu or cuda")
-    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
-    parser.add_argument("--tensor-parallel-size", type=_positive_int, default=1)
-    parser.add_argument("--enable-expert-parallel", action="store_true")
-    parser.add_argument("--num-kv-blocks", type=_positive_int, default=4096)
-    parser.add_argument("--kv-block-size", type=_positive_int, default=16)
 
 
 def add_tls_arguments(parser: argparse.ArgumentParser, prefix: str = "tls", side: str = "server") -> None:
@@ -54,7 +38,7 @@ def add_listen_arguments(parser: argparse.ArgumentParser, default: str, max_mess
         help=f"HOST:PORT or unix:/path to listen on (repeatable; default {default}, loopback only)",
     )
     parser.add_argument("--grace-s", type=float, default=10.0, help="seconds in-flight calls get on SIGTERM")
-    parser.add_argument("--max-message-bytes", type=_positive_int, default=max_message_bytes or MAX_MESSAGE_BYTES,
+    parser.add_argument("--max-message-bytes", type=positive_int, default=max_message_bytes or MAX_MESSAGE_BYTES,
                         help="largest gRPC message received or sent (bigger: RESOURCE_EXHAUSTED)")
     add_tls_arguments(parser)
 
@@ -80,30 +64,19 @@ def checkpoint_errors_as_user_errors(fn, *args):
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_engine_arguments(parser)
     add_listen_arguments(parser, DEFAULT_LISTEN)
-    parser.add_argument("--max-sessions", type=_positive_int, default=64,
+    parser.add_argument("--max-sessions", type=positive_int, default=64,
                         help="open sessions; more Prefills wait in the admission queue")
     parser.add_argument("--max-queued", type=int, default=64,
                         help="Prefills waiting for a session or KV blocks; more get RESOURCE_EXHAUSTED")
-    parser.add_argument("--max-draft-tokens", type=_positive_int, default=256,
+    parser.add_argument("--max-draft-tokens", type=positive_int, default=256,
                         help="most tokens (chain or tree nodes) in one verified draft block")
 
 
 def run(args: argparse.Namespace) -> int:
     from specserve.gateway.servers_common import exit_now, run_async
-    from specserve.paths import demo_checkpoint
-    from specserve.target_service.factory import EngineConfig
     from specserve.target_service.server import TargetLimits
 
-    model = args.model or demo_checkpoint("target")
-    engine_config = EngineConfig(
-        model=model,
-        device=args.device,
-        dtype=args.dtype,
-        num_kv_blocks=args.num_kv_blocks,
-        kv_block_size=args.kv_block_size,
-        tensor_parallel_size=args.tensor_parallel_size,
-        enable_expert_parallel=args.enable_expert_parallel,
-    )
+    engine_config = engine_config_from_args(args)
     server_config = server_config_from_args(args, tuple(args.listen or [DEFAULT_LISTEN]))
     limits = TargetLimits(max_sessions=args.max_sessions, max_queued=args.max_queued,
                           max_draft_tokens=args.max_draft_tokens)
