@@ -74,6 +74,16 @@ class Schedule:
         cos = 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
         return self.lr * warm * (self.min_ratio + (1.0 - self.min_ratio) * cos)
 
+    def set_lr(self, opt: torch.optim.Optimizer, step: int, elapsed_s: float) -> float | None:
+        """Set this step's learning rate on every group of ``opt``; None once the run is over."""
+        progress = self.progress(step, elapsed_s)
+        if progress >= 1.0:
+            return None
+        lr = self.lr_at(step, progress)
+        for g in opt.param_groups:
+            g["lr"] = lr
+        return lr
+
 
 def make_optimizer(params, lr: float, weight_decay: float, device: torch.device) -> torch.optim.Optimizer:
     params = [p for p in params if p.requires_grad]

@@ -88,12 +88,9 @@ def train_draft_model(draft, target, batches: MixedBatches, spec: DistillSpec, d
     t0 = time.monotonic()
     step, agree = 0, float("nan")
     while True:
-        progress = sched.progress(step, time.monotonic() - t0)
-        if progress >= 1.0:
+        lr = sched.set_lr(opt, step, time.monotonic() - t0)
+        if lr is None:
             break
-        lr = sched.lr_at(step, progress)
-        for g in opt.param_groups:
-            g["lr"] = lr
         ids = batches.next().to(device)  # [B, T]
         t_logits, _ = target_outputs(target, ids)
         probs = t_logits.softmax(-1)

@@ -27,12 +27,9 @@ def train_on_target_features(job, module: torch.nn.Module, layers, group: int, l
     sched = Schedule(job.lr, job.steps, min(50, job.steps // 10 + 1), time_limit_s=job.time_limit_s)
     t0, step, agree = time.monotonic(), 0, []
     while True:
-        progress = sched.progress(step, time.monotonic() - t0)
-        if progress >= 1.0:
+        lr = sched.set_lr(opt, step, time.monotonic() - t0)
+        if lr is None:
             break
-        lr = sched.lr_at(step, progress)
-        for g in opt.param_groups:
-            g["lr"] = lr
         ids = batches.next().to(job.device)
         logits, feats = target_outputs(job.target, ids, layers)
         probs = logits.softmax(-1)

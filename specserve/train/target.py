@@ -217,12 +217,9 @@ def train_lm(model, train_stream, valid_stream, spec: LMTrainSpec, device: torch
     history = []
     best = (float("inf"), 0, None)  # (valid loss, step, state on CPU)
     while True:
-        progress = sched.progress(step, time.monotonic() - t0)
-        if progress >= 1.0:
+        lr = sched.set_lr(opt, step, time.monotonic() - t0)
+        if lr is None:
             break
-        lr = sched.lr_at(step, progress)
-        for g in opt.param_groups:
-            g["lr"] = lr
         batch = sampler.next().to(device, non_blocking=True)
         with autocast(device):
             loss = lm_loss(model, batch)
