@@ -1,5 +1,5 @@
 """Fixtures for drafter tests: tiny random checkpoints written by transformers' save_pretrained; every
-test here runs torch on one thread.
+test here runs torch on one thread (tests/conftest.py).
 
     tiny_ckpt(kind) -> Path   session-scoped; kind in {"target_moe", "target_dense", "draft_llama",
                               "draft_moe", "draft_other_vocab"}; hidden 32, vocab 64 (other: 72), a
@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
+from tiny_hf import save_tiny_hf
 
 _COMMON = dict(
     hidden_size=32,
@@ -43,27 +43,14 @@ def _tokenizer_json(vocab: int) -> str:
                        "added_tokens": []})
 
 
-@pytest.fixture(autouse=True)
-def _one_torch_thread():
-    """Tiny CPU ops are far faster on one thread (torch's pool spins on a loaded 2-core box)."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
-
-
 @pytest.fixture(scope="session")
 def tiny_ckpt(tmp_path_factory):
     built: dict[str, Path] = {}
 
     def make(kind: str) -> Path:
         if kind not in built:
-            from transformers import AutoConfig, AutoModelForCausalLM
-
             model_type, kw, seed = KINDS[kind]
-            out = tmp_path_factory.mktemp("draft_ckpt") / kind
-            torch.manual_seed(seed)
-            AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **kw), dtype=torch.float32).save_pretrained(out)
+            out = save_tiny_hf(model_type, kw, tmp_path_factory.mktemp("draft_ckpt") / kind, seed=seed)
             if kind != "draft_other_vocab":
                 (out / "tokenizer.json").write_text(_tokenizer_json(kw["vocab_size"]))
             built[kind] = out

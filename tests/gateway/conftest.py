@@ -9,8 +9,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 from service_helpers import OtlpReceiver
+from tiny_hf import save_tiny_hf
 
 
 def _byte_tokenizer():
@@ -26,12 +26,8 @@ def _byte_tokenizer():
 
 @pytest.fixture(scope="session")
 def tiny_target_dir(tmp_path_factory) -> Path:
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     out = tmp_path_factory.mktemp("gw_ckpt") / "target"
-    torch.manual_seed(0)
-    config = AutoConfig.for_model(
-        "qwen3_moe",
+    config = dict(
         vocab_size=256,
         hidden_size=64,
         intermediate_size=128,
@@ -52,7 +48,7 @@ def tiny_target_dir(tmp_path_factory) -> Path:
         pad_token_id=None,
         tie_word_embeddings=False,
     )
-    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(out)
+    save_tiny_hf("qwen3_moe", config, out)
     _byte_tokenizer().save(str(out / "tokenizer.json"))
     return out
 

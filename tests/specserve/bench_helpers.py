@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from tiny_hf import save_tiny_hf
+
 import torch
 
 VOCAB = 320
@@ -28,12 +30,7 @@ def save_tokenizer(out: Path) -> None:
 
 
 def save_checkpoint(model_type: str, kwargs: dict, out: Path) -> Path:
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    torch.manual_seed(0)
-    config = AutoConfig.for_model(model_type, **kwargs)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.save_pretrained(out)
+    save_tiny_hf(model_type, kwargs, out)
     save_tokenizer(out)
     return out
 

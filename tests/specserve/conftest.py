@@ -6,8 +6,6 @@ from pathlib import Path
 
 import pytest
 
-import torch
-
 from bench_helpers import DRAFT_LM, TARGET, save_checkpoint, save_eagle3
 
 
@@ -24,12 +22,3 @@ def bench_draft_lm(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def bench_eagle3(tmp_path_factory) -> Path:
     return save_eagle3(tmp_path_factory.mktemp("bench") / "eagle3")
-
-
-@pytest.fixture(autouse=True)
-def _one_torch_thread():
-    """Tiny CPU ops run faster on one thread (torch's pool spins on a loaded 2-core box)."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)

@@ -34,6 +34,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tiny_hf import save_tiny_hf
+
 from specserve.target_service.engine.attn_metadata import AttentionBatch
 from specserve.target_service.engine.kv_cache import PagedKVCache
 
@@ -138,28 +140,8 @@ DERIVED = {"kimi_k2": "deepseek_v3"}
 ALL_NAMES = (*TINY_ARCHS, *DERIVED)
 
 
-@pytest.fixture(autouse=True)
-def _single_torch_thread():
-    """Tiny-tensor tests run ~40x faster on one intra-op thread when the 2 CI cores are shared
-    (OpenMP threads spin against each other); restored after each test."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
-
-
 def _save_hf(model_type: str, kwargs: dict, out: Path, max_shard_size: str | None) -> None:
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    torch.manual_seed(0)
-    config = AutoConfig.for_model(model_type, **kwargs)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for name, buf in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                buf.normal_(0.0, 0.1)
-    save_kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
-    model.save_pretrained(out, **save_kwargs)
+    save_tiny_hf(model_type, kwargs, out, max_shard_size=max_shard_size)
 
 
 def _to_kimi(src: Path, out: Path) -> None:
