@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import grpc
 from opentelemetry import context as otel_context
 
+from specserve.draft_service.proposer import TreeSpec
 from specserve.errors import SpecserveError
 from specserve.gateway import tracing as tn
 from specserve.gateway.adaptive import AdaptiveConfig, AdaptiveSpeculation
@@ -244,11 +245,21 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         k = checked.num_speculative_tokens or DEFAULT_SPECULATIVE_TOKENS
         if endpoint is not None and endpoint.last_info is not None:
             k = min(k, endpoint.last_info.max_block_size)
+        tree = None
+        if checked.tree is not None and endpoint is not None:
+            if endpoint.last_info is not None and not endpoint.last_info.supports_tree:
+                self.drafts.release(endpoint)
+                await context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"tree_nodes: draft {checked.draft_name!r} ({endpoint.last_info.family}) drafts chains only",
+                )
+            tree = TreeSpec(*checked.tree)
         gen = GenerationRequest(
             prompt_ids=checked.prompt_ids,
             max_new_tokens=checked.max_new_tokens,
             sampling=checked.sampling,
             num_speculative_tokens=k,
+            tree=tree,
             stop=checked.stop,
             model_name=info.model_name or info.model_type,
             adaptive=checked.adaptive and endpoint is not None,
@@ -256,7 +267,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         )
         token = otel_context.attach(tn.context_from_metadata(context.invocation_metadata()))
         try:
-            reserve = len(gen.prompt_ids) + gen.max_new_tokens + k + 1  # S at most, plus one draft block
+            block = max(k, tree.num_nodes if tree is not None else 0)
+            reserve = len(gen.prompt_ids) + gen.max_new_tokens + block + 1  # S at most, plus one draft block
             events = run_request(
                 gen,
                 self.target.session(deadline, self.metrics, reserve_tokens=reserve),

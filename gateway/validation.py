@@ -11,6 +11,8 @@ from specserve.protos.specserve.v1 import gateway_pb2, target_pb2
 from specserve.target_service.engine.types import SamplingParams
 
 MAX_SPECULATIVE_TOKENS = 64
+DEFAULT_TREE_TOP_K = 2  # children expanded per node when a tree request leaves tree_top_k at 0
+DEFAULT_TREE_DEPTH = 4  # levels when a tree request leaves tree_depth at 0
 NO_DRAFT = "none"  # GenerateRequest.draft value that asks for target-only decoding
 
 
@@ -49,6 +51,23 @@ class CheckedRequest:
     stop: tuple[str, ...]
     adaptive: bool
     draft_ahead: bool
+    tree: tuple[int, int, int] | None = None  # (nodes, top_k, depth) of a tree request, None = chain
+
+
+def _tree(req: gateway_pb2.GenerateRequest, draft_name: str | None) -> tuple[int, int, int] | None:
+    """(nodes, top_k, depth) of a tree request, with defaults filled in; None for a chain."""
+    for field in ("tree_nodes", "tree_top_k", "tree_depth"):
+        if getattr(req, field) < 0:
+            raise InvalidRequest(field, f"must be >= 0, got {getattr(req, field)}")
+    if req.tree_nodes == 0:
+        if req.tree_top_k or req.tree_depth:
+            raise InvalidRequest("tree_nodes", "must be > 0 when tree_top_k or tree_depth is set")
+        return None
+    if req.tree_nodes > MAX_SPECULATIVE_TOKENS:
+        raise InvalidRequest("tree_nodes", f"must be in [0, {MAX_SPECULATIVE_TOKENS}], got {req.tree_nodes}")
+    if draft_name is None:
+        raise InvalidRequest("tree_nodes", "a tree needs a draft (draft is 'none')")
+    return (req.tree_nodes, req.tree_top_k or DEFAULT_TREE_TOP_K, req.tree_depth or DEFAULT_TREE_DEPTH)
 
 
 def validate_request(
@@ -150,4 +169,5 @@ def validate_request(
         stop=tuple(req.stop),
         adaptive=req.speculation == gateway_pb2.SPECULATION_ADAPTIVE,
         draft_ahead=req.draft_ahead,
+        tree=_tree(req, draft_name),
     )

@@ -96,6 +96,9 @@ def build_request(args: argparse.Namespace):
         stop=list(args.stop),
         speculation=gateway_pb2.SPECULATION_ADAPTIVE if args.speculation == "adaptive" else gateway_pb2.SPECULATION_FIXED,
         draft_ahead=args.draft_ahead == "on",
+        tree_nodes=args.tree_nodes,
+        tree_top_k=args.tree_top_k,
+        tree_depth=args.tree_depth,
     )
     if args.prompt_ids is not None:
         req.prompt_ids.extend(args.prompt_ids)

@@ -40,6 +40,10 @@ def add_prompt_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-new-tokens", type=positive_int, default=64)
     parser.add_argument("--num-speculative-tokens", type=positive_int, default=4, help="draft block size k")
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    parser.add_argument("--tree-nodes", type=int, default=0,
+                        help="draft a dynamic tree of this many nodes instead of a chain (model, eagle3)")
+    parser.add_argument("--tree-top-k", type=int, default=0, help="children expanded per tree node (default 2)")
+    parser.add_argument("--tree-depth", type=int, default=0, help="tree levels (default 4)")
     parser.add_argument(
         "--speculation", choices=("fixed", "adaptive"), default="fixed",
         help="fixed k, or choose k per step from the verify cost model and acceptance (k is then the cap)",
@@ -123,3 +127,16 @@ def drafter_config_from_args(args: argparse.Namespace, target_checkpoint: Path):
         # k + 1: draft-ahead asks for its guess of the bonus token plus a full next block
         max_block_size=max(args.num_speculative_tokens, 1) + 1 if hasattr(args, "num_speculative_tokens") else 8,
     )
+
+
+def tree_from_args(args: argparse.Namespace):
+    """The TreeSpec of --tree-nodes/--tree-top-k/--tree-depth (the gateway's defaults), or None for a chain."""
+    from specserve.gateway.validation import DEFAULT_TREE_DEPTH, DEFAULT_TREE_TOP_K
+
+    if args.tree_nodes == 0 and not (args.tree_top_k or args.tree_depth):
+        return None
+    if args.tree_nodes <= 0 or args.tree_top_k < 0 or args.tree_depth < 0:
+        raise SpecserveError("--tree-nodes must be > 0 (and --tree-top-k, --tree-depth >= 0) for a tree")
+    from specserve.draft_service.proposer import TreeSpec
+
+    return TreeSpec(args.tree_nodes, args.tree_top_k or DEFAULT_TREE_TOP_K, args.tree_depth or DEFAULT_TREE_DEPTH)

@@ -6,7 +6,13 @@ import argparse
 import asyncio
 import sys
 
-from specserve.cli.common import add_model_arguments, add_prompt_arguments, result_json, sampling_from_args
+from specserve.cli.common import (
+    add_model_arguments,
+    add_prompt_arguments,
+    result_json,
+    sampling_from_args,
+    tree_from_args,
+)
 from specserve.errors import SpecserveError
 
 
@@ -51,13 +57,17 @@ async def _generate(args: argparse.Namespace) -> dict:
     from specserve.gateway.local import LocalDraft, LocalTarget
     from specserve.gateway.spec_loop import FinalEvent, GenerationRequest, run_request
 
+    tree = tree_from_args(args)
     engine, proposer = build_local(args)
+    if tree is not None and (proposer is None or not proposer.info.supports_tree):
+        raise SpecserveError(f"--tree-nodes needs a drafter that drafts trees (model, eagle3), not --draft {args.draft}")
     tokenizer = getattr(engine, "tokenizer", None)
     request = GenerationRequest(
         prompt_ids=prompt_ids_from_args(args, tokenizer),
         max_new_tokens=args.max_new_tokens,
         sampling=sampling_from_args(args),
         num_speculative_tokens=args.num_speculative_tokens,
+        tree=tree,
         stop=tuple(args.stop),
         adaptive=args.speculation == "adaptive",
         draft_ahead=args.draft_ahead == "on",

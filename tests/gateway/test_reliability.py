@@ -156,6 +156,21 @@ def wait_idle(stack: Stack, timeout: float = 5.0) -> None:
 
 
 # --------------------------------------------------------------------------------------- tests
+def test_tree_requests_through_the_gateway_are_lossless_and_checked(stack, refs):
+    """A dynamic-tree request through gateway -> model draft -> target gives the target-only tokens;
+    a tree for a chain-only drafter, or with no drafter, is INVALID_ARGUMENT naming tree_nodes."""
+    tree = gateway_pb2.GenerateRequest(prompt_ids=PROMPTS[0], max_new_tokens=REF_LEN, draft="model",
+                                       tree_nodes=6, tree_top_k=2, tree_depth=3)
+    ids, final, code, _ = stream(stack, tree)
+    assert code is None and ids == refs[0]
+    assert final.stats.mean_accepted_length > 1.0  # the tiny target drafting for itself: trees get accepted
+    for draft in ("ngram", "none"):
+        bad = gateway_pb2.GenerateRequest(prompt_ids=PROMPTS[0], max_new_tokens=4, draft=draft, tree_nodes=6)
+        with pytest.raises(grpc.RpcError) as err:
+            list(stack.gw.Generate(bad, timeout=30))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "tree_nodes" in err.value.details()
+
+
 def test_load_32_streams_admission_and_lossless(stack, refs):
     specs = [(i % 8, 8 + (5 * i) % (REF_LEN - 8), DRAFTS[i % 3]) for i in range(32)]
     results = run_concurrently(stack, [req(p, n, d) for p, n, d in specs])

@@ -132,3 +132,21 @@ def test_sampled_output_follows_the_target_distribution_with_adaptive_speculatio
     pooled = (obs + exp) / 2
     stat = chisquare(obs[keep], pooled[keep] * obs[keep].sum() / pooled[keep].sum())
     assert stat.pvalue > 0.001, (dict(spec), dict(ref))
+
+
+def test_generate_cli_tree_flags(tiny_target_dir, capsys):
+    """`generate --tree-nodes` drafts trees with the model drafter (lossless); a chain-only drafter is refused."""
+    import json
+
+    from specserve.cli.main import main
+
+    flags = ["generate", "--model", str(tiny_target_dir), "--prompt-ids", ",".join(map(str, PROMPT)),
+             "--max-new-tokens", "16", "--json"]
+    assert main(flags) == 0
+    base = json.loads(capsys.readouterr().out)
+    tree = ["--draft", "model", "--draft-model", str(tiny_target_dir), "--tree-nodes", "6", "--tree-depth", "3"]
+    assert main(flags + tree) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["token_ids"] == base["token_ids"] and out["stats"]["mean_accepted_length"] > 1.0
+    assert main(flags + ["--draft", "ngram", "--tree-nodes", "6"]) == 2
+    assert "drafts trees" in capsys.readouterr().err

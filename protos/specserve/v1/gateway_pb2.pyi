@@ -16,7 +16,7 @@ SPECULATION_FIXED: Speculation
 SPECULATION_ADAPTIVE: Speculation
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "prompt_ids", "max_new_tokens", "sampling", "draft", "num_speculative_tokens", "stop", "speculation", "draft_ahead")
+    __slots__ = ("prompt", "prompt_ids", "max_new_tokens", "sampling", "draft", "num_speculative_tokens", "stop", "speculation", "draft_ahead", "tree_nodes", "tree_top_k", "tree_depth")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -26,6 +26,9 @@ class GenerateRequest(_message.Message):
     STOP_FIELD_NUMBER: _ClassVar[int]
     SPECULATION_FIELD_NUMBER: _ClassVar[int]
     DRAFT_AHEAD_FIELD_NUMBER: _ClassVar[int]
+    TREE_NODES_FIELD_NUMBER: _ClassVar[int]
+    TREE_TOP_K_FIELD_NUMBER: _ClassVar[int]
+    TREE_DEPTH_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
     max_new_tokens: int
@@ -35,7 +38,10 @@ class GenerateRequest(_message.Message):
     stop: _containers.RepeatedScalarFieldContainer[str]
     speculation: Speculation
     draft_ahead: bool
-    def __init__(self, prompt: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., draft: _Optional[str] = ..., num_speculative_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., speculation: _Optional[_Union[Speculation, str]] = ..., draft_ahead: _Optional[bool] = ...) -> None: ...
+    tree_nodes: int
+    tree_top_k: int
+    tree_depth: int
+    def __init__(self, prompt: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., draft: _Optional[str] = ..., num_speculative_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., speculation: _Optional[_Union[Speculation, str]] = ..., draft_ahead: _Optional[bool] = ..., tree_nodes: _Optional[int] = ..., tree_top_k: _Optional[int] = ..., tree_depth: _Optional[int] = ...) -> None: ...
 
 class TokenDelta(_message.Message):
     __slots__ = ("token_ids", "text")
