@@ -6,17 +6,8 @@ import argparse
 import json
 from pathlib import Path
 
+from specserve.cli.common import int_list
 from specserve.errors import SpecserveError
-
-
-def _int_list(text: str) -> tuple[int, ...]:
-    try:
-        values = tuple(int(t) for t in text.split(",") if t.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not values or min(values) < 0:
-        raise argparse.ArgumentTypeError("expected at least one non-negative integer")
-    return values
 
 
 def _draft_models(text: str) -> dict[str, Path]:
@@ -56,7 +47,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, default=Path("bench_out"), help="artifacts folder (default: bench_out)")
     parser.add_argument("--speculation", choices=("fixed", "adaptive", "both"), default="both")
     parser.add_argument("--draft-ahead", choices=("on", "off", "both"), default="both")
-    parser.add_argument("--k-sweep", type=_int_list, default=(0, 1, 2, 3, 4, 6, 8, 12, 16),
+    parser.add_argument("--k-sweep", type=int_list("integers", "integer"), default=(0, 1, 2, 3, 4, 6, 8, 12, 16),
                         help="drafted-token counts of the verify-tax curve (default 0,1,2,3,4,6,8,12,16)")
     parser.add_argument("--tax-context", type=_positive, default=256, help="cached tokens for the verify-tax curve")
     parser.add_argument("--tax-repeats", type=_positive, default=10, help="repeats per k (median reported)")

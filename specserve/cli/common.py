@@ -18,14 +18,22 @@ def positive_int(text: str) -> int:
     return value
 
 
-def _prompt_ids(text: str) -> tuple[int, ...]:
-    try:
-        ids = tuple(int(t) for t in text.split(",") if t.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated token ids, got {text!r}") from None
-    if not ids or min(ids) < 0:
-        raise argparse.ArgumentTypeError("expected at least one non-negative token id")
-    return ids
+def int_list(what: str, one: str):
+    """An argparse type: comma-separated non-negative integers (`what` names them, `one` names one)."""
+
+    def parse(text: str) -> tuple[int, ...]:
+        try:
+            values = tuple(int(t) for t in text.split(",") if t.strip())
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected comma-separated {what}, got {text!r}") from None
+        if not values or min(values) < 0:
+            raise argparse.ArgumentTypeError(f"expected at least one non-negative {one}")
+        return values
+
+    return parse
+
+
+_prompt_ids = int_list("token ids", "token id")
 
 
 def add_prompt_arguments(parser: argparse.ArgumentParser) -> None:
