@@ -1,9 +1,11 @@
 """`specserve bench`: one command that reproduces every number of BENCHMARKS.md.
 
 Order of a run: environment and copy bandwidth; target engine; each drafter whose checkpoint exists;
-target-only first (the greedy reference), then every drafter x speculation x draft-ahead method; the
-Hugging Face transformers baselines; the verify-tax sweep; the projection (only with GPU synthetic
-timings); then summary.json and the plots. Single stream, greedy, fixed seeds, pinned prompts.
+target-only first (the greedy reference), then every drafter x (each fixed k of --fixed-k, adaptive
+capped at the largest k) x draft-ahead method; the Hugging Face transformers baselines; the verify-tax
+sweep; the projection (only with GPU synthetic timings); then summary.json (with the per-drafter
+comparison: adaptive against the best fixed k, draft-ahead on against off) and the plots. Single
+stream, greedy, fixed seeds, pinned prompts.
 
 Artifacts under --out: steps.jsonl, requests.jsonl, verify_tax.jsonl, summary.json, plots/*.png.
 """
@@ -20,6 +22,7 @@ from tqdm import tqdm
 
 from specserve.bench import plots
 from specserve.bench.bandwidth import measure_copy_bandwidth
+from specserve.bench.compare import compare_methods
 from specserve.bench.config import BenchConfig, MethodSpec, Skipped, plan_methods
 from specserve.bench.environment import environment, load_average
 from specserve.bench.model_bytes import model_bytes
@@ -195,7 +198,7 @@ def run_bench(config: BenchConfig, progress: bool = True) -> dict:
         runner.close()
         b.bar.close()
     env["load_average_at_end"] = load_average()
-    projection = _projection(config, b.methods)
+    projection = _projection(config, b.methods, b.all_steps)
     from specserve.bench.cost_fit import cost_model_error
 
     summary = {
@@ -209,6 +212,7 @@ def run_bench(config: BenchConfig, progress: bool = True) -> dict:
         "engine": engine_description(engine),
         "model_bytes": mb.as_dict(),
         "methods": b.methods,
+        "comparison": compare_methods(b.methods),
         "skipped": [s.as_dict() for s in b.skipped],
         "verify_tax": {"context_len": config.tax_context + 1, "repeats": config.tax_repeats, "points": tax},
         "projection": projection,
@@ -227,7 +231,7 @@ def _method_runs(config: BenchConfig, runner, methods: list[MethodSpec], hf, hf_
     for spec in methods:
         chooser = runner.new_chooser(spec)  # process-wide: kept across the method's warm-up and prompts
         meta = {"kind": "specserve", "drafter": spec.drafter, "speculation": spec.speculation,
-                "draft_ahead": spec.draft_ahead}
+                "draft_ahead": spec.draft_ahead, "k": spec.k}
         runs.append((spec.name, meta, lambda pid, ids, n, spec=spec, c=chooser: runner.run(spec, pid, ids, c, n)))
     for m in hf_methods:
         meta = {"kind": "transformers", "drafter": m.name.split("/", 1)[1]}
@@ -306,15 +310,14 @@ def _build_hf(config: BenchConfig, engine, checkpoints: dict[str, Path], skipped
     return hf
 
 
-def _projection(config: BenchConfig, methods: dict) -> dict:
+def _projection(config: BenchConfig, methods: dict, steps: list[dict] = ()) -> dict:
     if config.projection_timings is None:
         return {"label": "projection", "included": False,
                 "reason": "no GPU synthetic-model timings given (--projection-timings FILE)"}
-    from specserve.bench.projection import fixed_acceptance, load_shape_timings, project
+    from specserve.bench.projection import load_shape_timings, project_run
 
-    acceptance = fixed_acceptance(methods)
     timings = load_shape_timings(config.projection_timings, config.projection_model, config.projection_context)
-    out = project(timings, acceptance)
+    out = project_run(timings, methods, steps)
     out["included"] = True
     return out
 
@@ -336,7 +339,8 @@ def _config_dict(config: BenchConfig) -> dict:
 def _plots(b: _Bench, summary: dict, env: dict) -> list[str]:
     where = env["gpu"]["name"] if env.get("gpu") else env["cpu"]
     cfg = b.config
-    tag = f"{Path(cfg.model).name}, {cfg.dtype}, {where}, k={cfg.num_speculative_tokens}"
+    ks = ",".join(map(str, cfg.fixed_ks))
+    tag = f"{Path(cfg.model).name}, {cfg.dtype}, {where}, fixed k={ks}, adaptive cap {cfg.max_k}"
     d = b.out / "plots"
     made = [
         plots.plot_tokens_per_s(b.methods, d / "tokens_per_s.png", f"decode tokens/s ({tag})"),

@@ -29,6 +29,7 @@ class BenchConfig:
     dtype: str = "float32"
     max_new_tokens: int = 128
     num_speculative_tokens: int = 4
+    fixed_ks: tuple[int, ...] = ()  # k of each fixed-k method; () = just num_speculative_tokens
     prompt_set: str = "v1"
     num_prompts: int | None = None  # None = the whole set
     speculation: tuple[str, ...] = ("fixed",)
@@ -62,6 +63,9 @@ class BenchConfig:
         for name in ("max_new_tokens", "num_speculative_tokens", "tax_context", "tax_repeats", "num_kv_blocks", "kv_block_size"):
             if getattr(self, name) <= 0:
                 raise BenchConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+        if not isinstance(self.fixed_ks, (tuple, list)) or any(isinstance(k, bool) or not isinstance(k, int) or k <= 0 for k in self.fixed_ks):
+            raise BenchConfigError(f"fixed_ks must be positive integers (drafted tokens per step), got {self.fixed_ks}")
+        object.__setattr__(self, "fixed_ks", tuple(sorted(set(self.fixed_ks))) or (self.num_speculative_tokens,))
         if self.warmup < 0:
             raise BenchConfigError(f"warmup must be >= 0, got {self.warmup}")
         if not self.k_sweep or min(self.k_sweep) < 0:
@@ -92,9 +96,14 @@ class BenchConfig:
         return (1 << 30) if self.is_cuda else (256 << 20)
 
     @property
+    def max_k(self) -> int:
+        """The largest k of the run: the adaptive methods' cap, and what the drafters must serve."""
+        return max(*self.fixed_ks, self.num_speculative_tokens)
+
+    @property
     def drafter_block_size(self) -> int:
         # draft-ahead asks for k + 1 tokens (its first token guesses the bonus token)
-        return self.num_speculative_tokens + 1
+        return self.max_k + 1
 
 
 @dataclass(frozen=True)
@@ -104,12 +113,21 @@ class MethodSpec:
     drafter: str  # a DRAFTERS entry
     adaptive: bool = False
     draft_ahead: bool = False
+    k: int = 0  # drafted tokens per step (fixed), the cap (adaptive); 0 for target-only
+
+    def __post_init__(self) -> None:
+        if self.drafter not in DRAFTERS:
+            raise BenchConfigError(f"unknown drafter {self.drafter!r}; known: {', '.join(DRAFTERS)}")
+        if (self.k == 0) != (self.drafter == "none") or self.k < 0:
+            raise BenchConfigError(f"a method drafts k >= 1 tokens (k = 0 only for target-only), got "
+                                   f"drafter {self.drafter!r} with k = {self.k}")
 
     @property
     def name(self) -> str:
+        """target-only, DRAFTER/fixed/kK[/ahead], DRAFTER/adaptive[/ahead] (its cap is in the summary)."""
         if self.drafter == "none":
             return "target-only"
-        parts = [self.drafter, "adaptive" if self.adaptive else "fixed"]
+        parts = [self.drafter, "adaptive"] if self.adaptive else [self.drafter, "fixed", f"k{self.k}"]
         if self.draft_ahead:
             parts.append("ahead")
         return "/".join(parts)
@@ -136,15 +154,17 @@ def plan_methods(
     methods, skipped = [], []
     for drafter in config.drafters:
         if drafter == "none":
-            methods.append(MethodSpec("none"))
+            methods.append(MethodSpec("none", k=0))
             continue
         if not ready.get(drafter, False):
             continue  # the builder already recorded why
         for mode in config.speculation:
-            for ahead in config.draft_ahead:
-                spec = MethodSpec(drafter, adaptive=mode == "adaptive", draft_ahead=ahead)
-                if ahead and needs_hidden.get(drafter, False):
-                    skipped.append(Skipped(spec.name, "draft-ahead does not apply to drafters that read target hidden states"))
-                    continue
-                methods.append(spec)
+            ks = (config.max_k,) if mode == "adaptive" else config.fixed_ks
+            for k in ks:
+                for ahead in config.draft_ahead:
+                    spec = MethodSpec(drafter, adaptive=mode == "adaptive", draft_ahead=ahead, k=k)
+                    if ahead and needs_hidden.get(drafter, False):
+                        skipped.append(Skipped(spec.name, "draft-ahead does not apply to drafters that read target hidden states"))
+                        continue
+                    methods.append(spec)
     return methods, skipped

@@ -145,6 +145,11 @@ def plot_projection(projection: dict, path: Path) -> Path:
     for method, points in projection["methods"].items():
         if points:
             ax.plot([p["k"] for p in points], [p["tokens_per_s"] for p in points], "o--", label=f"{method} (projection)")
+    for method, m in (projection.get("per_method") or {}).items():
+        hist = m.get("chosen_k") or {}
+        if m.get("speculation") == "adaptive" and m.get("tokens_per_s") and hist:
+            mean_k = sum(int(k) * n for k, n in hist.items()) / sum(hist.values())
+            ax.plot([mean_k], [m["tokens_per_s"]], "*", markersize=11, label=f"{method} at its mean k (projection)")
     ax.axhline(projection["baseline_tokens_per_s"], color="#999999", linestyle=":", label="target-only (measured step)")
     ax.set_xlabel("drafted tokens k")
     ax.set_ylabel("tokens/s (PROJECTION)")

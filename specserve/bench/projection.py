@@ -3,6 +3,9 @@
 Only used when a timings file from a GPU synthetic-model run is given (``--projection-timings``);
 without one the summary says so and no projection is drawn. Everything this module outputs is
 labelled "projection": it combines two measurements, it is not a measurement of the larger model.
+Two views: by-k curves from each drafter's per-position acceptance (``project``), and every method of
+the run replayed step by step at the larger shape's step times (``project_steps``: each fixed k, and
+adaptive with the k it chose), compared per drafter as in the measured run (``project_run``).
 
 Timings file (JSON): either the ``step_bench.json`` of ``python -m specserve.bench.step_bench`` (GPU,
 synthetic full-size model; the full step time with CUDA graphs, ``graph_ms``, of one model at one
@@ -95,10 +98,16 @@ def load_shape_timings(path: Path, model: str | None = None, context: int | None
 
 
 def fixed_acceptance(methods: Mapping[str, dict]) -> dict[str, Sequence[float | None]]:
-    """Conditional per-position acceptance of each fixed-k, no-draft-ahead drafter method of a run."""
-    return {name: m["acceptance_by_position"]["conditional"] for name, m in methods.items()
-            if m.get("kind") == "specserve" and m.get("drafter") != "none" and m.get("speculation") == "fixed"
-            and not m.get("draft_ahead") and "acceptance_by_position" in m}
+    """Conditional per-position acceptance of each drafter, from its fixed-k, no-draft-ahead method with
+    the largest k (the one that measured the most positions); keyed by that method's name."""
+    best: dict[str, tuple[int, str]] = {}
+    for name, m in methods.items():
+        if (m.get("kind") == "specserve" and m.get("drafter") != "none" and m.get("speculation") == "fixed"
+                and not m.get("draft_ahead") and "acceptance_by_position" in m):
+            k = int(m.get("k") or 0)
+            if m["drafter"] not in best or k > best[m["drafter"]][0]:
+                best[m["drafter"]] = (k, name)
+    return {name: methods[name]["acceptance_by_position"]["conditional"] for _, name in best.values()}
 
 
 def expected_emitted(alpha: Sequence[float], k: int) -> float:
@@ -138,6 +147,76 @@ def project(timings: ShapeTimings, acceptance: Mapping[str, Sequence[float | Non
     }
 
 
+def step_ms_at(timings: ShapeTimings, drafted: int) -> float | None:
+    """The shape's step time with ``drafted`` tokens (+ draft time when timed): measured, or linear
+    between the nearest measured k on either side; None beyond the largest measured k."""
+    def at(table: Mapping[int, float], k: int) -> float | None:
+        if k in table:
+            return table[k]
+        lo = max((x for x in table if x < k), default=None)
+        hi = min((x for x in table if x > k), default=None)
+        if lo is None or hi is None:
+            return None
+        return table[lo] + (table[hi] - table[lo]) * (k - lo) / (hi - lo)
+
+    verify = at(timings.verify_ms_by_k, drafted)
+    if verify is None:
+        return None
+    draft = at(timings.draft_ms_by_k, drafted) if drafted and timings.draft_ms_by_k else 0.0
+    return verify + (draft or 0.0)
+
+
+def project_steps(timings: ShapeTimings, methods: Mapping[str, dict], steps: Sequence[dict]) -> dict[str, dict]:
+    """Every method of a run (target-only, each fixed k, adaptive, with and without draft-ahead), from
+    its own measured step rows: projected time = sum over its steps of the shape's step time at that
+    step's drafted count; tokens = sum of (accepted + 1). Adaptive keeps the k it chose on the measured
+    model, step by step."""
+    by_method: dict[str, list[dict]] = {}
+    for row in steps:
+        by_method.setdefault(row["method"], []).append(row)
+    base = 1e3 / timings.verify_ms_by_k[0]
+    out = {}
+    for name, m in methods.items():
+        if m.get("kind") != "specserve":
+            continue
+        rows = by_method.get(name, [])
+        entry = {key: m.get(key) for key in ("kind", "drafter", "speculation", "draft_ahead", "k", "chosen_k")}
+        entry.update({"steps": len(rows), "tokens_per_s": None})
+        times = [step_ms_at(timings, int(r["drafted"])) for r in rows]
+        if not rows:
+            entry["reason"] = "no step rows"
+        elif None in times:
+            top = max(timings.verify_ms_by_k)
+            entry["reason"] = f"a step drafted more tokens than the largest timed k ({top})"
+        else:
+            tokens = sum(int(r["accepted"]) + 1 for r in rows)
+            total_ms = sum(times)
+            tps = tokens * 1e3 / total_ms
+            entry.update({"emitted": tokens, "projected_ms": round(total_ms, 3), "tokens_per_s": round(tps, 3),
+                          "vs_target_only": round(tps / base, 4)})
+        out[name] = entry
+    return out
+
+
+def project_run(timings: ShapeTimings, methods: Mapping[str, dict], steps: Sequence[dict]) -> dict:
+    """The whole labelled projection of a run: the by-k curves of each drafter's fixed-k acceptance,
+    every method from its own steps, and adaptive against the best fixed k per drafter."""
+    from specserve.bench.compare import compare_methods
+
+    out = project(timings, fixed_acceptance(methods))
+    out["per_method"] = project_steps(timings, methods, steps)
+    # without draft time, a draft-ahead method projects like its plain twin: compare the plain ones only
+    compared = {n: m for n, m in out["per_method"].items() if timings.draft_ms_by_k or not m.get("draft_ahead")}
+    out["comparison"] = compare_methods(compared, out["baseline_tokens_per_s"], draft_ahead=False)
+    out["notes"] = ("PROJECTION, not a measurement: the measured model's acceptance and chosen k, step by step, "
+                    "priced at the step times measured for " + timings.shape + ". Adaptive chose its k with "
+                    "the measured model's costs, not this shape's. "
+                    + ("Draft time included." if timings.draft_ms_by_k else
+                       "Draft time is not included (no drafter of this size was timed), so draft-ahead "
+                       "on/off is not compared here."))
+    return out
+
+
 def timings_from_verify_tax(points: Sequence[dict], shape: str, source: str, device: str) -> ShapeTimings:
     """ShapeTimings from measure_verify_tax() points: the hook a synthetic-model GPU run uses (build an
     engine with the larger shape, sweep it with specserve.bench.verify_tax, then save_shape_timings)."""
@@ -154,7 +233,8 @@ def save_shape_timings(timings: ShapeTimings, path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Project from a finished bench run: python -m specserve.bench.projection SUMMARY STEP_BENCH [--context N]"""
+    """Project from a finished bench run: python -m specserve.bench.projection SUMMARY STEP_BENCH [--context N]
+    (per-method projections need the run's steps.jsonl beside its summary.json)"""
     import argparse
     import sys
 
@@ -165,8 +245,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--context", type=int, default=None)
     args = parser.parse_args(argv)
     try:
-        methods = json.loads(args.summary.read_text(encoding="utf-8"))["methods"]
-        out = project(load_shape_timings(args.timings, args.model, args.context), fixed_acceptance(methods))
+        summary = json.loads(args.summary.read_text(encoding="utf-8"))
+        methods = summary["methods"]
+        k = summary.get("config", {}).get("num_speculative_tokens")
+        for m in methods.values():  # runs from before --fixed-k recorded no per-method k: it was this one
+            if m.get("kind") == "specserve" and "k" not in m:
+                m["k"] = 0 if m.get("drafter") == "none" else k
+        steps_path = args.summary.parent / "steps.jsonl"
+        steps = [json.loads(line) for line in steps_path.read_text(encoding="utf-8").splitlines()
+                 if line.strip()] if steps_path.exists() else []
+        out = project_run(load_shape_timings(args.timings, args.model, args.context), methods, steps)
     except (OSError, ValueError, KeyError, ProjectionError) as exc:
         print(f"projection: error: {exc}", file=sys.stderr)
         return 2

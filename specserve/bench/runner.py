@@ -70,7 +70,7 @@ class SpecRunner:
             return None
         from specserve.gateway.adaptive import AdaptiveConfig, AdaptiveSpeculation
 
-        return AdaptiveSpeculation(AdaptiveConfig(max_k=self.config.num_speculative_tokens))
+        return AdaptiveSpeculation(AdaptiveConfig(max_k=spec.k))
 
     def run(self, spec: MethodSpec, prompt_id: str, prompt_ids: Sequence[int], chooser, max_new_tokens: int | None = None) -> RequestResult:
         return self.loop.run_until_complete(self._run(spec, prompt_id, tuple(prompt_ids), chooser, max_new_tokens))
@@ -84,7 +84,7 @@ class SpecRunner:
             prompt_ids=prompt_ids,
             max_new_tokens=max_new_tokens or cfg.max_new_tokens,
             sampling=SamplingParams(temperature=0.0, seed=cfg.seed),
-            num_speculative_tokens=0 if spec.drafter == "none" else cfg.num_speculative_tokens,
+            num_speculative_tokens=spec.k,  # fixed: every step's k; adaptive: its cap
             adaptive=spec.adaptive,
             draft_ahead=spec.draft_ahead,
         )
@@ -136,6 +136,7 @@ class SpecRunner:
             "drafter": spec.drafter,
             "speculation": spec.speculation,
             "draft_ahead": spec.draft_ahead,
+            "k": spec.k,
             "prompt": prompt_id,
             "step": rec.step,
             "context_len": rec.context_len,

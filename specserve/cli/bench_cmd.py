@@ -29,6 +29,20 @@ def _positive(text: str) -> int:
     return value
 
 
+_ints = int_list("integers", "integer")
+
+
+def _fixed_ks(text: str) -> tuple[int, ...]:
+    try:
+        values = _ints(text)
+    except argparse.ArgumentTypeError:
+        values = ()
+    if not values or min(values) <= 0:
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers (drafted tokens per step), "
+                                         f"got {text!r}")
+    return values
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from specserve.bench.config import DRAFTERS
 
@@ -41,7 +55,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--max-new-tokens", type=_positive, default=128)
-    parser.add_argument("--num-speculative-tokens", type=_positive, default=4, help="draft block size k")
+    parser.add_argument("--num-speculative-tokens", type=_positive, default=4,
+                        help="draft block size k of the fixed methods when --fixed-k is not given (default 4)")
+    parser.add_argument("--fixed-k", type=_fixed_ks, default=None, metavar="K[,K...]",
+                        help="run each fixed-k method once per k, e.g. 1,2,3,4 (default: --num-speculative-tokens); "
+                             "adaptive caps k at the largest of these and --num-speculative-tokens")
     parser.add_argument("--prompts", type=_positive, default=None, help="first N prompts of the pinned set (default: all)")
     parser.add_argument("--prompt-set", default="v1", help="pinned prompt set name or a .json path")
     parser.add_argument("--out", type=Path, default=Path("bench_out"), help="artifacts folder (default: bench_out)")
@@ -88,6 +106,7 @@ def config_from_args(args: argparse.Namespace):
         dtype=args.dtype,
         max_new_tokens=args.max_new_tokens,
         num_speculative_tokens=args.num_speculative_tokens,
+        fixed_ks=args.fixed_k or (),
         prompt_set=args.prompt_set,
         num_prompts=args.prompts,
         speculation=("fixed", "adaptive") if args.speculation in both else (args.speculation,),
@@ -141,6 +160,7 @@ def format_table(summary: dict) -> str:
 
 def run(args: argparse.Namespace) -> int:
     from specserve.bench.bench import run_bench
+    from specserve.bench.compare import format_comparison
 
     if args.warmup < 0:
         raise SpecserveError(f"--warmup must be >= 0, got {args.warmup}")
@@ -149,8 +169,14 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(summary, indent=2))
         return 0
     table = format_table(summary)
-    (args.out / "table.md").write_text(table + "\n")
-    print(table)
+    blocks = [table, format_comparison(summary["comparison"], "Adaptive against the best fixed k (measured)")]
+    projection = summary.get("projection") or {}
+    if projection.get("included"):
+        blocks.append(format_comparison(
+            projection["comparison"], f"PROJECTION (not measured) for {projection['shape']}: adaptive against the "
+            "best fixed k", note=projection["notes"]))
+    (args.out / "table.md").write_text("\n\n".join(blocks) + "\n")
+    print("\n\n".join(blocks))
     for s in summary["skipped"]:
         print(f"skipped {s['method']}: {s['reason']}")
     print(f"artifacts: {args.out}/ (summary.json, steps.jsonl, requests.jsonl, verify_tax.jsonl, table.md, plots/)")

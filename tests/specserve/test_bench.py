@@ -155,9 +155,9 @@ def test_plan_skips_draft_ahead_for_hidden_state_drafters(tmp_path):
     methods, skipped = plan_methods(cfg, {"ngram": True, "eagle3": True}, {"eagle3": True})
     names = [m.name for m in methods]
     assert names[0] == "target-only" and "ngram/adaptive/ahead" in names
-    assert "eagle3/fixed" in names and "eagle3/fixed/ahead" not in names
-    assert {s.method for s in skipped} == {"eagle3/fixed/ahead", "eagle3/adaptive/ahead"}
-    assert MethodSpec("model", adaptive=True).name == "model/adaptive"
+    assert "eagle3/fixed/k4" in names and "eagle3/fixed/k4/ahead" not in names
+    assert {s.method for s in skipped} == {"eagle3/fixed/k4/ahead", "eagle3/adaptive/ahead"}
+    assert MethodSpec("model", adaptive=True, k=4).name == "model/adaptive"
     with pytest.raises(BenchConfigError):
         BenchConfig(model=tmp_path, out=tmp_path, drafters=("medusa",))
     with pytest.raises(BenchConfigError):
@@ -183,35 +183,16 @@ def test_cli_flags_map_onto_the_config(bench_target, tmp_path):
 # ---------------------------------------------------------------- a real run: the artifact schema
 STEP_KEYS = {"method", "drafter", "speculation", "draft_ahead", "prompt", "step", "context_len", "drafted",
              "accepted", "draft_ms", "verify_ms", "verify_wall_ms", "wall_ms", "overhead_ms", "experts_touched",
-             "floor_bytes", "floor_ms"}
+             "floor_bytes", "floor_ms", "k"}
 METHOD_KEYS = {"kind", "prompts", "completion_tokens", "tokens_per_s", "ttft_s_mean", "matches_target_only"}
 SPEC_KEYS = METHOD_KEYS | {"steps", "mean_accepted_length", "acceptance_by_position", "chosen_k", "per_step_ms",
                            "floor_fraction_of_step", "draft_ahead_stats", "experts_touched_mean"}
 
 
-@pytest.fixture(scope="module")
-def bench_run(bench_target, bench_draft_lm, bench_eagle3, tmp_path_factory):
-    """The whole command, through the CLI entry point, on tiny random checkpoints (CPU, seconds)."""
-    from specserve.cli.main import main
-
-    out = tmp_path_factory.mktemp("bench_out")
-    timings = ShapeTimings("test shape", "unit-test numbers, not a measurement", "none", {0: 10.0, 1: 11.0, 2: 12.0}, {})
-    save_shape_timings(timings, out / "shape_timings.json")
-    rc = main([
-        "bench", "--projection-timings", str(out / "shape_timings.json"), "--model", str(bench_target),
-        "--draft-models", f"model={bench_draft_lm},eagle3={bench_eagle3}",
-        "--drafters", "none,ngram,model,eagle3,dflash", "--max-new-tokens", "6", "--num-speculative-tokens", "2",
-        "--prompts", "1", "--speculation", "both", "--draft-ahead", "both", "--k-sweep", "0,1,3",
-        "--tax-context", "16", "--tax-repeats", "2", "--warmup", "0", "--bandwidth-mib", "1",
-        "--num-kv-blocks", "64", "--kv-block-size", "8", "--out", str(out), "--quiet",
-    ])
-    assert rc == 0
-    return out, json.loads((out / "summary.json").read_text())
-
-
 def test_artifacts_exist(bench_run):
     out, summary = bench_run
-    table = (out / "table.md").read_text().splitlines()
+    blocks = (out / "table.md").read_text().split("\n\n")
+    table = blocks[0].splitlines()
     assert len(table) == 2 + len(summary["methods"]) and table[2].startswith("| target-only | ")
     for rel in summary["plots"]:
         assert (out / rel).stat().st_size > 1000 and rel.endswith(".png")
@@ -222,7 +203,8 @@ def test_artifacts_exist(bench_run):
     assert summary["engine"]["attention"] and summary["engine"]["experts_fn"]
     proj = summary["projection"]
     assert proj["included"] and proj["label"] == "projection" and "plots/projection.png" in summary["plots"]
-    assert set(proj["methods"]) == {"ngram/fixed", "model/fixed", "eagle3/fixed"}  # fixed-k, no draft-ahead methods
+    # by-k curves: each drafter's fixed, no-draft-ahead method with the largest k
+    assert set(proj["methods"]) == {"ngram/fixed/k2", "model/fixed/k2", "eagle3/fixed/k2"}
 
 
 def test_no_projection_without_synthetic_timings(tmp_path):
@@ -237,23 +219,24 @@ def test_step_rows_and_method_summaries(bench_run):
     steps = read_jsonl(out / "steps.jsonl")
     assert steps and all(STEP_KEYS <= row.keys() for row in steps)
     for row in steps:
-        assert row["floor_ms"] > 0 and row["accepted"] <= row["drafted"] <= 2
+        assert row["floor_ms"] > 0 and row["accepted"] <= row["drafted"] <= row["k"] <= 2
         assert row["overhead_ms"] == pytest.approx(row["wall_ms"] - row["draft_ms"] - row["verify_ms"], abs=1e-3)
     methods = summary["methods"]
     ours = [m for m in methods.values() if m["kind"] == "specserve"]
-    assert {"target-only", "ngram/fixed", "ngram/adaptive/ahead", "model/fixed", "model/adaptive/ahead"} <= methods.keys()
+    assert {"target-only", "ngram/fixed/k1", "ngram/fixed/k2", "ngram/adaptive/ahead", "model/fixed/k1",
+            "model/fixed/k2/ahead", "model/adaptive/ahead"} <= methods.keys()
     for m in ours:
         assert SPEC_KEYS <= m.keys()
         assert m["matches_target_only"] == 1.0  # greedy speculative decoding is lossless
         assert m["completion_tokens"] == 6
     assert methods["target-only"]["mean_accepted_length"] == 1.0
-    assert methods["ngram/fixed/ahead"]["draft_ahead"] is True and methods["ngram/fixed"]["draft_ahead"] is False
+    assert methods["ngram/fixed/k2/ahead"]["draft_ahead"] is True and methods["ngram/fixed/k2"]["draft_ahead"] is False
     assert "hf/greedy" in methods and METHOD_KEYS <= methods["hf/greedy"].keys()
     assert "hf/assisted" in methods
     skipped = {s["method"] for s in summary["skipped"]}
     assert "dflash" in skipped  # no checkpoint was given
-    assert {"eagle3/fixed", "eagle3/adaptive"} <= methods.keys()  # reads target hidden states
-    assert {"eagle3/fixed/ahead", "eagle3/adaptive/ahead"} <= skipped  # draft-ahead does not apply
+    assert {"eagle3/fixed/k1", "eagle3/fixed/k2", "eagle3/adaptive"} <= methods.keys()  # reads target hidden states
+    assert {"eagle3/fixed/k1/ahead", "eagle3/fixed/k2/ahead", "eagle3/adaptive/ahead"} <= skipped  # no draft-ahead
     requests = read_jsonl(out / "requests.jsonl")
     assert {r["method"] for r in requests} == methods.keys()
 
