@@ -22,10 +22,19 @@ case "$STAGE" in
       --steps 1200 --batch-size 64 --lr 3e-3 --time-limit-s 50 $SD
     ;;
   heads)
+    # both heads train at once on one GPU (each is launch-bound: two processes share the device well);
+    # they read a larger self-distilled set (8192 prompts) than the draft LM
+    HSD="--sd-prompts 8192 --sd-prompt-len 64 --sd-new-tokens 128 --sd-batch-size 1024"
     $SPECSERVE train draft --family eagle3 --target "$OUT/target" --out "$OUT/eagle3" --device "$DEV" \
-      --steps 3000 --batch-size 64 --lr 2e-3 --time-limit-s "${HEADS_LIMIT_S:-55}" $SD
+      --steps 20000 --batch-size 64 --lr 2e-3 --time-limit-s "${HEADS_LIMIT_S:-300}" $HSD \
+      --sd-cache "${SD_CACHE:-/tmp/specserve_sd}_eagle3" &
+    EAGLE=$!
     $SPECSERVE train draft --family dflash --target "$OUT/target" --out "$OUT/dflash" --device "$DEV" \
-      --steps 3000 --batch-size 64 --lr 2e-3 --time-limit-s "${HEADS_LIMIT_S:-55}" $SD
+      --steps 20000 --batch-size 64 --lr 2e-3 --time-limit-s "${HEADS_LIMIT_S:-300}" $HSD \
+      --sd-cache "${SD_CACHE:-/tmp/specserve_sd}_dflash" &
+    DFLASH=$!
+    wait $EAGLE
+    wait $DFLASH
     ;;
   eval)
     $SPECSERVE train eval-acceptance --demo-dir "$OUT" --device "$DEV" --k 4 --max-new-tokens 64 \
