@@ -1,60 +1,120 @@
 """MoE-aware adaptive speculation: pick the block size that maximises emitted tokens per second.
 
 Verify cost on an MoE target grows with the distinct experts a step reads, not only with its token
-count, so the cost model is fitted on both:
+count, so the cost model is fitted on both (plus what drafting ahead concurrently adds):
 
-    verify_ms(n, e) ~= a + b * n + c * e        n = tokens in the forward (pending + drafted)
-                                               e = distinct (layer, expert) pairs the router chose
-    experts(n)      ~= running mean of e over past steps with n tokens (interpolated when unseen)
+    verify_ms(n, e, ahead) ~= a + b * n + c * e + d * ahead
+        n = tokens in the forward (pending + drafted, tree nodes for a tree)
+        e = distinct (layer, expert) pairs the router chose
+        ahead = 1 when the drafter was drafting the next block during this verify (contention)
+    experts(n) ~= running mean of e over past steps with n tokens (interpolated when unseen)
+    draft_ms(k) ~= d0 + d1 * k   (d0 = per-call part: a one-pass drafter is flat, an autoregressive
+                                  one is linear), fitted on the running mean ms of each k asked
+    Both fits are least squares with coefficients >= 0 (n and e move together; free signs would not).
 
 Expected emitted tokens of a chain of length k, with alpha_i the chance that drafted position i is
 accepted given positions < i were:
 
     E[emitted | k] = 1 + sum_{i=1..k} prod_{j<=i} alpha_j
 
-alpha_i comes from the drafter's own confidence when it sent probabilities (q of the drafted token),
-else from a running per-position acceptance estimate. The chosen k maximises
-E[emitted | k] / (draft_ms(k) + verify_ms(k + 1, experts(k + 1))). Only which tokens are verified
-changes; the acceptance rule does not, so the output distribution is untouched.
+alpha_i comes from the drafter's own confidence q of the drafted token, mapped through a running
+calibration (observed acceptance per q bin, starting at q itself), when the drafter sent
+probabilities; else from a running per-position acceptance estimate.
+
+Before drafting, k maximises E[emitted | k] / (draft_ms(k) + verify_ms(k + 1)). After a block is
+drafted its cost is sunk: the truncation maximises E[emitted | k] / (sunk_ms + verify_ms(k + 1)).
+Only which tokens are verified changes; the acceptance rule does not, so the output distribution is
+untouched.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from itertools import combinations
 
 import numpy as np
+
+AHEAD_PROBE_EVERY = 16  # every 16th step that could draft ahead does the opposite of the estimate
 
 
 @dataclass(frozen=True)
 class AdaptiveConfig:
     max_k: int = 8
-    window: int = 256  # steps the cost model is fitted on
+    window: int = 256  # steps the cost models are fitted on
     refit_every: int = 16
     prior_accept: float = 0.6  # acceptance estimate before any observation
-    ema: float = 0.1  # weight of the newest observation in the per-position estimate
+    ema: float = 0.1  # weight of the newest observation in the draft-cost and ahead-hit estimates
+    accept_memory: float = 64.0  # observations per position the acceptance estimate averages over
+    calibration_bins: int = 10  # q bins of the confidence calibration
+    calibration_prior: float = 4.0  # pseudo-observations at q itself in each bin
 
     def __post_init__(self) -> None:
         if self.max_k < 1:
             raise ValueError(f"max_k must be >= 1, got {self.max_k}")
+        if self.window < 1 or self.refit_every < 1:
+            raise ValueError(f"window and refit_every must be >= 1, got {self.window}, {self.refit_every}")
         if not 0.0 < self.ema <= 1.0:
             raise ValueError(f"ema must be in (0, 1], got {self.ema}")
+        if self.accept_memory < 1.0:
+            raise ValueError(f"accept_memory must be >= 1, got {self.accept_memory}")
+        if not 0.0 <= self.prior_accept <= 1.0:
+            raise ValueError(f"prior_accept must be in [0, 1], got {self.prior_accept}")
+        if self.calibration_bins < 1 or self.calibration_prior <= 0:
+            raise ValueError("calibration_bins must be >= 1 and calibration_prior > 0")
+
+
+def nonneg_lstsq(x: np.ndarray, y: np.ndarray, order: tuple[int, ...] | None = None) -> np.ndarray:
+    """min |x c - y| with every c >= 0 (x [N, P], y [N], small P).
+
+    The optimum is the unconstrained fit on some subset of columns; every well-conditioned subset
+    whose fit is non-negative is tried (from the normal equations, one pass over the rows), smaller
+    subsets first and in ``order`` within a size, and a later one wins only if it fits clearly
+    better. So collinear columns (tokens and experts move together) never give opposite-signed
+    coefficients, and a tie goes to the earlier column in ``order``.
+    """
+    p = x.shape[1]
+    order = tuple(range(p)) if order is None else order
+    scale = np.sqrt((x * x).sum(axis=0))
+    scale[scale == 0] = 1.0
+    xs = x / scale  # unit columns: the conditioning test below is scale-free
+    gram, xty, yty = xs.T @ xs, xs.T @ y, float(y @ y)
+    best, best_err = np.zeros(p), yty
+    for size in range(1, p + 1):
+        for cols in combinations(order, size):
+            idx = list(cols)
+            g = gram[np.ix_(idx, idx)]
+            if np.linalg.eigvalsh(g)[0] < 1e-9:  # (near-)collinear or empty columns: skip
+                continue
+            c = np.linalg.solve(g, xty[idx])
+            if (c < 0).any():
+                continue
+            err = yty - float(c @ xty[idx])  # residual of the least-squares fit on these columns
+            if err < best_err - 1e-9 * (1.0 + abs(best_err)):
+                best, best_err = np.zeros(p), err
+                best[idx] = c
+    return best / scale
 
 
 class VerifyCostModel:
-    """Least-squares fit of verify time on (tokens, distinct experts), refreshed as steps arrive."""
+    """Non-negative least-squares fit of verify time on (1, tokens, distinct experts, ahead)."""
+
+    # ties between collinear columns: intercept, then ahead contention, then tokens, then experts
+    _ORDER = (0, 3, 1, 2)
 
     def __init__(self, window: int = 256, refit_every: int = 16) -> None:
-        self._obs: deque[tuple[int, int, float]] = deque(maxlen=window)
+        self._obs: deque[tuple[int, int, float, bool]] = deque(maxlen=window)
         self._refit_every = refit_every
         self._since_fit = 0
-        self.coef = np.zeros(3)  # a, b, c
+        self.coef = np.zeros(4)  # a, b (per token), c (per expert), d (drafting ahead meanwhile)
         self._experts_by_n: dict[int, tuple[float, int]] = {}
+        self._experts_table: tuple[np.ndarray, np.ndarray] | None = None  # sorted n, mean e
 
-    def observe(self, n_tokens: int, experts: int, ms: float) -> None:
-        self._obs.append((n_tokens, experts, ms))
+    def observe(self, n_tokens: int, experts: int, ms: float, ahead: bool = False) -> None:
+        self._obs.append((n_tokens, experts, ms, bool(ahead)))
         mean, count = self._experts_by_n.get(n_tokens, (0.0, 0))
         self._experts_by_n[n_tokens] = ((mean * count + experts) / (count + 1), count + 1)
+        self._experts_table = None
         self._since_fit += 1
         if self._since_fit >= self._refit_every or len(self._obs) <= 4:
             self.fit()
@@ -63,41 +123,141 @@ class VerifyCostModel:
         self._since_fit = 0
         if not self._obs:
             return
-        x = np.array([(1.0, n, e) for n, e, _ in self._obs])
-        y = np.array([ms for _, _, ms in self._obs])
-        coef, *_ = np.linalg.lstsq(x, y, rcond=None)
-        self.coef = coef
+        x = np.array([(1.0, n, e, float(a)) for n, e, _, a in self._obs])
+        y = np.array([ms for _, _, ms, _ in self._obs])
+        self.coef = nonneg_lstsq(x, y, self._ORDER)
 
-    def expected_experts(self, n_tokens: int) -> float:
-        if n_tokens in self._experts_by_n:
-            return self._experts_by_n[n_tokens][0]
+    @property
+    def observed(self) -> int:
+        return len(self._obs)
+
+    def expected_experts(self, n_tokens):
+        """Mean distinct experts seen at n tokens (interpolated, clamped at the ends); n may be an array."""
         if not self._experts_by_n:
-            return 0.0
-        ns = sorted(self._experts_by_n)
-        return float(np.interp(n_tokens, ns, [self._experts_by_n[n][0] for n in ns]))
+            return np.zeros_like(np.asarray(n_tokens, dtype=float))
+        if self._experts_table is None:
+            ns = sorted(self._experts_by_n)
+            self._experts_table = (np.array(ns, dtype=float), np.array([self._experts_by_n[n][0] for n in ns]))
+        return np.interp(n_tokens, *self._experts_table)
 
-    def predict(self, n_tokens: int, experts: float | None = None) -> float:
-        e = self.expected_experts(n_tokens) if experts is None else experts
-        return max(float(self.coef @ np.array([1.0, n_tokens, e])), 1e-6)
+    def predict_many(self, n_tokens: np.ndarray, ahead: np.ndarray | bool = False) -> np.ndarray:
+        """Predicted ms for each n [K] (expected experts), ``ahead`` [K] or one flag for all."""
+        n = np.asarray(n_tokens, dtype=float)
+        x = np.stack([np.ones_like(n), n, self.expected_experts(n), np.broadcast_to(np.asarray(ahead, dtype=float), n.shape)], axis=-1)
+        return np.maximum(x @ self.coef, 1e-6)
 
-    def heldout_error(self, steps: list[tuple[int, int, float]]) -> float:
-        """Median relative error |predicted - measured| / measured over steps the fit did not see."""
-        errs = [abs(self.predict(n, e) - ms) / ms for n, e, ms in steps if ms > 0]
+    def predict(self, n_tokens: int, experts: float | None = None, ahead: bool = False) -> float:
+        e = float(self.expected_experts(n_tokens)) if experts is None else experts
+        return max(float(self.coef @ np.array([1.0, n_tokens, e, float(ahead)])), 1e-6)
+
+    def heldout_error(self, steps: list[tuple]) -> float:
+        """Median relative error |predicted - measured| / measured over steps the fit did not see.
+
+        Each step is (n, e, ms) or (n, e, ms, ahead)."""
+        errs = [abs(self.predict(s[0], s[1], bool(s[3]) if len(s) > 3 else False) - s[2]) / s[2] for s in steps if s[2] > 0]
         return float(np.median(errs)) if errs else float("nan")
 
 
-class AcceptanceEstimator:
-    """Running estimate of alpha_i = P(position i accepted | positions < i accepted)."""
+class DraftCostModel:
+    """draft_ms(k) = d0 + d1 * k, non-negative least squares on the running mean ms of each k asked.
 
-    def __init__(self, max_k: int, prior: float, ema: float) -> None:
-        self.alpha = np.full(max_k, prior)
+    Running means per k (not a window of calls) keep what was learnt about a k the chooser has not
+    asked for lately. With a single k seen the two parts cannot be told apart: the cost is charged
+    per token (d0 = 0), which is exact at that k; once another k is tried the fit separates them."""
+
+    def __init__(self, ema: float = 0.1) -> None:
         self._ema = ema
+        self._mean_by_k: dict[int, float] = {}
+        self.coef = np.zeros(2)  # d0 (per call), d1 (per drafted token)
+
+    def observe(self, k: int, ms: float) -> None:
+        if k <= 0:
+            return
+        old = self._mean_by_k.get(k)
+        self._mean_by_k[k] = ms if old is None else old + self._ema * (ms - old)
+        self.fit()
+
+    def fit(self) -> None:
+        if not self._mean_by_k:
+            return
+        ks = np.array(sorted(self._mean_by_k), dtype=float)
+        ms = np.array([self._mean_by_k[int(k)] for k in ks])
+        if len(ks) < 2:
+            self.coef = np.array([0.0, max(float(ms[0] / ks[0]), 0.0)])
+            return
+        # non-negative least squares on (1, k) in closed form: the line, else the better of its two
+        # one-column fits (through the origin, or flat)
+        d1 = float(np.cov(ks, ms, bias=True)[0, 1] / ks.var())
+        d0 = float(ms.mean() - d1 * ks.mean())
+        if d0 >= 0 and d1 >= 0:
+            self.coef = np.array([d0, d1])
+            return
+        per_token = max(float(ks @ ms / (ks @ ks)), 0.0)
+        flat = max(float(ms.mean()), 0.0)
+        err_token, err_flat = np.sum((per_token * ks - ms) ** 2), np.sum((flat - ms) ** 2)
+        self.coef = np.array([0.0, per_token]) if err_token < err_flat else np.array([flat, 0.0])
+
+    def predict_many(self, ks: np.ndarray) -> np.ndarray:
+        """ms of a draft call asking for each k [K]; 0 for k = 0 (no call)."""
+        ks = np.asarray(ks, dtype=float)
+        return np.where(ks > 0, self.coef[0] + self.coef[1] * ks, 0.0)
+
+
+class AcceptanceEstimator:
+    """Running estimate of alpha_i = P(position i accepted | positions < i accepted).
+
+    Per position: decayed counts of accepted / observed (each observation multiplies the old counts
+    by 1 - 1/memory), plus ``prior_weight`` pseudo-observations at ``prior``. A short run moves off
+    the prior after a few steps; a long one averages over about ``memory`` observations."""
+
+    def __init__(self, max_k: int, prior: float, memory: float, prior_weight: float = 2.0) -> None:
+        self.hits = np.zeros(max_k)
+        self.trials = np.zeros(max_k)
+        self._prior, self._keep, self._weight = prior, 1.0 - 1.0 / memory, prior_weight
+
+    @property
+    def alpha(self) -> np.ndarray:
+        return (self.hits + self._weight * self._prior) / (self.trials + self._weight)
 
     def observe(self, num_drafted: int, num_accepted: int) -> None:
         # positions 0..num_accepted-1 were accepted; position num_accepted (if drafted) was refused
-        for i in range(min(num_drafted, num_accepted + 1)):
-            hit = 1.0 if i < num_accepted else 0.0
-            self.alpha[i] += self._ema * (hit - self.alpha[i])
+        seen = min(num_drafted, num_accepted + 1, len(self.hits))
+        self.hits[:seen] *= self._keep
+        self.trials[:seen] *= self._keep
+        self.hits[: min(seen, num_accepted)] += 1.0
+        self.trials[:seen] += 1.0
+
+
+class ConfidenceCalibration:
+    """Map from the drafter's q of a drafted token to its observed acceptance rate (per q bin).
+
+    Each bin starts with ``prior`` pseudo-observations at q itself, so an unseen bin trusts q and a
+    drafter whose q overstates (or understates) acceptance is corrected as steps arrive. Counts are
+    halved when a bin passes ``window`` observations, so the map follows drift."""
+
+    def __init__(self, bins: int, prior: float, window: int) -> None:
+        self.hits = np.zeros(bins)
+        self.trials = np.zeros(bins)
+        self._prior, self._window = prior, window
+
+    def _bin(self, q: np.ndarray) -> np.ndarray:
+        return np.clip((np.asarray(q) * len(self.hits)).astype(int), 0, len(self.hits) - 1)
+
+    def observe(self, q: np.ndarray, num_accepted: int) -> None:
+        """q [k] of a verified chain; positions up to the first refusal were observed."""
+        seen = min(len(q), num_accepted + 1)
+        for i in range(seen):
+            b = int(self._bin(q[i]))
+            self.hits[b] += 1.0 if i < num_accepted else 0.0
+            self.trials[b] += 1.0
+            if self.trials[b] > self._window:
+                self.hits[b] /= 2
+                self.trials[b] /= 2
+
+    def __call__(self, q: np.ndarray) -> np.ndarray:
+        q = np.clip(np.asarray(q, dtype=float), 0.0, 1.0)
+        b = self._bin(q)
+        return (self.hits[b] + self._prior * q) / (self.trials[b] + self._prior)
 
 
 def expected_emitted(alpha: np.ndarray) -> np.ndarray:
@@ -106,35 +266,71 @@ def expected_emitted(alpha: np.ndarray) -> np.ndarray:
 
 
 class AdaptiveSpeculation:
-    """Chooses each step's chain length from the cost model and the acceptance estimate."""
+    """Chooses each step's chain length (and whether drafting ahead pays) from the cost models and
+    the acceptance estimates. One instance per drafter; it outlives requests."""
 
     def __init__(self, config: AdaptiveConfig) -> None:
         self.config = config
         self.cost = VerifyCostModel(config.window, config.refit_every)
-        self.accept = AcceptanceEstimator(config.max_k, config.prior_accept, config.ema)
-        self.draft_ms_per_token = 0.0
+        self.draft = DraftCostModel(config.ema)
+        self.accept = AcceptanceEstimator(config.max_k, config.prior_accept, config.accept_memory)
+        self.calibration = ConfidenceCalibration(config.calibration_bins, config.calibration_prior, config.window)
+        self.ahead_hit_rate = 0.5  # running share of ahead blocks that were used
+        self._ahead_steps = 0
 
     def observe_draft(self, k: int, ms: float) -> None:
-        """Running (EMA) estimate of the draft cost per drafted token."""
-        if k <= 0:
-            return
-        w = self.config.ema
-        per_token = ms / k
-        self.draft_ms_per_token += w * (per_token - self.draft_ms_per_token)
+        """A draft call asked for k tokens and took ms (drafting ahead is not observed: it overlaps)."""
+        self.draft.observe(k, ms)
 
-    def observe_verify(self, num_drafted: int, num_accepted: int, experts: int, ms: float) -> None:
-        self.cost.observe(num_drafted + 1, experts, ms)
+    def observe_verify(
+        self, num_drafted: int, num_accepted: int, experts: int, ms: float,
+        confidence: np.ndarray | None = None, ahead: bool = False,
+    ) -> None:
+        """One verified chain; ``confidence`` [num_drafted] is q of its tokens, ``ahead`` whether the
+        drafter drafted the next block meanwhile."""
+        self.cost.observe(num_drafted + 1, experts, ms, ahead)
         self.accept.observe(num_drafted, num_accepted)
+        if confidence is not None and len(confidence) == num_drafted:
+            self.calibration.observe(confidence, num_accepted)
 
-    def choose_k(self, limit: int, confidence: np.ndarray | None = None) -> int:
-        """Best k in [0, min(limit, max_k)]; confidence[i] (drafter's q of token i) replaces alpha_i."""
-        kmax = max(0, min(limit, self.config.max_k))
-        if kmax == 0:
-            return 0
+    def observe_ahead(self, hit: bool) -> None:
+        self.ahead_hit_rate += self.config.ema * (float(hit) - self.ahead_hit_rate)
+
+    def ahead_pays(self, k: int) -> bool:
+        """Draft ahead when the draft time it saves on a hit outweighs what it adds to the verify."""
+        saved = self.ahead_hit_rate * float(self.draft.predict_many(np.array([max(1, k)]))[0])
+        return saved >= self.cost.coef[3]
+
+    def plan_ahead(self, k: int) -> bool:
+        """Whether this step (verifying k >= 1 drafted tokens) drafts ahead: ``ahead_pays``, except on
+        every ``AHEAD_PROBE_EVERY``-th step, which does the opposite so that the verify time both with
+        and without drafting ahead stays measured (else the contention cannot be told from the
+        intercept, or the gate never reopens)."""
+        self._ahead_steps += 1
+        pays = self.ahead_pays(k)
+        return not pays if self._ahead_steps % AHEAD_PROBE_EVERY == 0 else pays
+
+    def alpha(self, kmax: int, confidence: np.ndarray | None = None) -> np.ndarray:
         alpha = self.accept.alpha[:kmax].copy()
         if confidence is not None:
             m = min(len(confidence), kmax)
-            alpha[:m] = np.clip(confidence[:m], 0.0, 1.0)
-        gain = expected_emitted(alpha)
-        cost = np.array([self.draft_ms_per_token * k + self.cost.predict(k + 1) for k in range(kmax + 1)])
-        return int(np.argmax(gain / cost))
+            alpha[:m] = self.calibration(confidence[:m])
+        return alpha
+
+    def choose_k(
+        self, limit: int, confidence: np.ndarray | None = None, sunk_ms: float | None = None, ahead: bool = False,
+    ) -> int:
+        """Best k in [0, min(limit, max_k)].
+
+        Before drafting (``sunk_ms`` None) a step costs draft_ms(k) + verify_ms(k + 1); to truncate a
+        block already drafted, it costs sunk_ms + verify_ms(k + 1). ``ahead``: a step with k >= 1
+        drafts the next block meanwhile (its verify pays the contention); ``confidence[i]`` is the
+        drafter's q of token i."""
+        kmax = max(0, min(limit, self.config.max_k))
+        if kmax == 0:
+            return 0
+        gain = expected_emitted(self.alpha(kmax, confidence))
+        ks = np.arange(kmax + 1)
+        verify = self.cost.predict_many(ks + 1, (ks > 0) & ahead)
+        draft = self.draft.predict_many(ks) if sunk_ms is None else np.full(kmax + 1, max(sunk_ms, 0.0))
+        return int(np.argmax(gain / (draft + verify)))

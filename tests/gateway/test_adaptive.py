@@ -1,8 +1,18 @@
-"""The adaptive block-size chooser: cost-model fit, acceptance estimates and the argmax."""
+"""The adaptive block-size chooser: cost-model fits, acceptance estimates, calibration and the argmax."""
 
 import numpy as np
+import pytest
 
-from specserve.gateway.adaptive import AdaptiveConfig, AdaptiveSpeculation, VerifyCostModel, expected_emitted
+from specserve.gateway.adaptive import (
+    AHEAD_PROBE_EVERY,
+    AdaptiveConfig,
+    AdaptiveSpeculation,
+    ConfidenceCalibration,
+    DraftCostModel,
+    VerifyCostModel,
+    expected_emitted,
+    nonneg_lstsq,
+)
 
 
 def test_cost_model_recovers_linear_costs_and_reports_heldout_error() -> None:
@@ -17,8 +27,76 @@ def test_cost_model_recovers_linear_costs_and_reports_heldout_error() -> None:
     for n, e, ms in steps[:250]:
         model.observe(n, e, ms)
     model.fit()
-    assert np.allclose(model.coef, [1.0, 0.05, 0.02], atol=0.02)
+    assert np.allclose(model.coef, [1.0, 0.05, 0.02, 0.0], atol=0.02)
     assert model.heldout_error(steps[250:]) < 0.02
+
+
+def test_nonneg_lstsq_matches_lstsq_when_feasible_and_clips_otherwise() -> None:
+    rng = np.random.default_rng(1)
+    x = np.column_stack([np.ones(50), rng.random(50), rng.random(50)])
+    y = x @ np.array([1.0, 2.0, 0.5]) + rng.normal(0, 0.01, 50)
+    assert np.allclose(nonneg_lstsq(x, y), np.linalg.lstsq(x, y, rcond=None)[0])
+    y_neg = x @ np.array([1.0, 2.0, -0.5])  # the best unconstrained fit has a negative coefficient
+    c = nonneg_lstsq(x, y_neg)
+    assert (c >= 0).all() and c[2] == 0.0
+    # brute-force check of optimality over a grid of non-negative coefficients
+    err = np.sum((x @ c - y_neg) ** 2)
+    grid = np.stack(np.meshgrid(*[np.linspace(0, 3, 31)] * 3), -1).reshape(-1, 3)
+    assert err <= np.min(np.sum((grid @ x.T - y_neg) ** 2, axis=1)) + 1e-9
+
+
+def test_one_token_count_seen_extrapolates_flat_not_through_the_expert_column() -> None:
+    """Only decode steps seen (n = 1, e = 16): plain min-norm lstsq puts most of the time on the
+    expert column and predicts a 5-token verify ~2x dearer; the fit must predict it flat."""
+    model = VerifyCostModel()
+    for _ in range(20):
+        model.observe(1, 16, 11.5)
+    assert model.predict(5, 36) == pytest.approx(11.5, rel=1e-6)
+
+
+def test_collinear_tokens_and_experts_give_non_negative_coefficients() -> None:
+    rng = np.random.default_rng(2)
+    model = VerifyCostModel(window=512)
+    for _ in range(300):
+        n = int(rng.integers(1, 6))
+        e = 8 * n + 8  # exactly collinear with n
+        model.observe(n, e, 10.0 + 0.3 * n + float(rng.normal(0, 0.5)))
+    model.fit()
+    assert (model.coef >= 0).all()
+    for n in range(1, 6):
+        assert model.predict(n) == pytest.approx(10.0 + 0.3 * n, abs=0.15)
+
+
+def test_drafting_ahead_contention_is_a_fixed_cost_not_a_per_token_cost() -> None:
+    """Steps that draft ahead meanwhile cost +9 ms, whatever their size; plain steps are flat in n."""
+    rng = np.random.default_rng(3)
+    model = VerifyCostModel(window=512)
+    for i in range(300):
+        n = int(rng.integers(1, 6))
+        ahead = n > 1 and i % 4 != 0
+        model.observe(n, 4 * n + 12, 11.0 + 0.1 * n + (9.0 if ahead else 0.0) + float(rng.normal(0, 0.2)), ahead)
+    model.fit()
+    assert model.coef[3] == pytest.approx(9.0, abs=0.3)
+    assert model.predict(5) == pytest.approx(11.5, abs=0.3)
+    assert model.predict(5, ahead=True) == pytest.approx(20.5, abs=0.3)
+
+
+@pytest.mark.parametrize("d0,d1", [(2.0, 3.0), (4.4, 0.1), (0.0, 2.5)])
+def test_draft_cost_model_fits_per_call_and_per_token_parts(d0, d1) -> None:
+    rng = np.random.default_rng(4)
+    model = DraftCostModel(ema=0.1)
+    for _ in range(400):
+        k = int(rng.integers(1, 5))
+        model.observe(k, d0 + d1 * k + float(rng.normal(0, 0.05)))
+    assert model.coef == pytest.approx([d0, d1], abs=0.1)
+    assert model.predict_many(np.array([0, 3])) == pytest.approx([0.0, d0 + 3 * d1], abs=0.2)
+
+
+def test_draft_cost_with_one_k_seen_is_charged_per_token() -> None:
+    model = DraftCostModel()
+    for _ in range(10):
+        model.observe(4, 8.0)
+    assert model.coef == pytest.approx([0.0, 2.0])
 
 
 def test_expected_emitted_matches_hand_computation() -> None:
@@ -26,22 +104,95 @@ def test_expected_emitted_matches_hand_computation() -> None:
     assert np.allclose(expected_emitted(alpha), [1.0, 1.5, 1.75])
 
 
+def _flat_verify(spec: AdaptiveSpeculation, ms: float = 12.0, per_token: float = 0.0) -> None:
+    for n in range(1, 10):
+        spec.cost.observe(n, 0, ms + per_token * n)
+    spec.cost.fit()
+
+
 def test_choose_k_grows_with_acceptance_and_shrinks_with_cost() -> None:
     spec = AdaptiveSpeculation(AdaptiveConfig(max_k=8))
-    for n in range(1, 10):  # verify costs 1 ms + 0.1 ms per token
-        spec.cost.observe(n, 0, 1.0 + 0.1 * n)
-    spec.cost.fit()
+    _flat_verify(spec, 1.0, 0.1)  # verify costs 1 ms + 0.1 ms per token
     high = spec.choose_k(8, confidence=np.full(8, 0.95))
     low = spec.choose_k(8, confidence=np.full(8, 0.05))
     assert high == 8 and low == 0
-    for n in range(1, 10):  # now every token costs a lot (many new experts)
-        spec.cost.observe(n, 0, 1.0 + 2.0 * n)
-    spec.cost.fit()
+    _flat_verify(spec, 1.0, 2.0)  # now every token costs a lot (many new experts)
     assert spec.choose_k(8, confidence=np.full(8, 0.8)) < high
 
 
+def test_sunk_draft_cost_is_not_charged_again_when_truncating() -> None:
+    """Verify flat (GPU demo: ~12 ms for 1..5 tokens), draft 3 ms per token, alpha 0.4: before
+    drafting a short block pays best, but a 4-token block already drafted is kept whole."""
+    spec = AdaptiveSpeculation(AdaptiveConfig(max_k=4, accept_memory=8))
+    _flat_verify(spec)
+    for k in (1, 2, 3, 4):
+        spec.observe_draft(k, 3.0 * k)
+    for _ in range(50):
+        spec.observe_verify(4, 0, 0, 12.0)
+        spec.observe_verify(4, 1, 0, 12.0)
+        spec.observe_verify(4, 2, 0, 12.0)
+    fresh = spec.choose_k(4)
+    assert 1 <= fresh < 4
+    assert spec.choose_k(4, sunk_ms=12.0) == 4
+
+
+def test_flat_drafter_drafts_the_full_block() -> None:
+    """A one-pass drafter (DFlash: same ms for any k) must not be charged per token."""
+    spec = AdaptiveSpeculation(AdaptiveConfig(max_k=4))
+    _flat_verify(spec)
+    for k in (1, 4, 2, 3):
+        spec.observe_draft(k, 4.4)
+    assert spec.draft.coef[1] == pytest.approx(0.0, abs=1e-9)
+    assert spec.choose_k(4, confidence=np.full(4, 0.5)) == 4
+
+
 def test_acceptance_estimator_learns_per_position_rates() -> None:
-    spec = AdaptiveSpeculation(AdaptiveConfig(max_k=4, ema=0.2))
+    spec = AdaptiveSpeculation(AdaptiveConfig(max_k=4, accept_memory=32))
+    assert spec.accept.alpha == pytest.approx([0.6] * 4)
     for _ in range(200):
         spec.observe_verify(num_drafted=4, num_accepted=1, experts=0, ms=1.0)
     assert spec.accept.alpha[0] > 0.95 and spec.accept.alpha[1] < 0.05
+    assert spec.accept.alpha[2] == pytest.approx(0.6)  # never observed: still the prior
+
+
+def test_calibration_maps_an_overconfident_drafter_to_its_acceptance() -> None:
+    rng = np.random.default_rng(5)
+    cal = ConfidenceCalibration(bins=10, prior=4.0, window=256)
+    assert cal(np.array([0.93]))[0] == pytest.approx(0.93)  # nothing seen: trust q
+    for _ in range(2000):  # q ~ 0.9 but only 30% of the tokens are accepted
+        q, hits = rng.uniform(0.9, 1.0, 4), rng.random(4) < 0.3
+        cal.observe(q, 4 if hits.all() else int(np.argmin(hits)))  # accepted up to the first refusal
+    assert cal(np.array([0.95]))[0] == pytest.approx(0.3, abs=0.05)
+    assert cal(np.array([0.35]))[0] == pytest.approx(0.35)  # an unseen bin keeps q
+
+
+def test_calibrated_confidence_changes_the_choice() -> None:
+    spec = AdaptiveSpeculation(AdaptiveConfig(max_k=4))
+    _flat_verify(spec, 3.0)
+    for k in (1, 4):
+        spec.observe_draft(k, 0.5 * k)
+    q = np.full(4, 0.95)
+    before = spec.choose_k(4, confidence=q)
+    for _ in range(300):
+        spec.observe_verify(4, 0, 0, 2.0, confidence=q)  # the drafter is always refused
+    assert before == 4 and spec.choose_k(4, confidence=q) < before
+
+
+def test_plan_ahead_follows_the_gate_and_probes_the_other_way() -> None:
+    spec = AdaptiveSpeculation(AdaptiveConfig(max_k=4))
+    for k in (1, 4):
+        spec.observe_draft(k, 3.0 * k)
+    plans = [spec.plan_ahead(4) for _ in range(2 * AHEAD_PROBE_EVERY)]
+    assert spec.ahead_pays(4) and plans.count(False) == 2  # no contention measured: ahead pays
+    for i in range(200):  # drafting ahead adds 20 ms; it is used half the time and saves 6 ms
+        spec.cost.observe(5, 0, 12.0 + (20.0 if i % 2 else 0.0), ahead=bool(i % 2))
+    spec.cost.fit()
+    assert not spec.ahead_pays(4)
+    plans = [spec.plan_ahead(4) for _ in range(2 * AHEAD_PROBE_EVERY)]
+    assert plans.count(True) == 2
+
+
+def test_config_is_validated() -> None:
+    for bad in (dict(max_k=0), dict(ema=0.0), dict(accept_memory=0.5), dict(prior_accept=1.5), dict(calibration_bins=0)):
+        with pytest.raises(ValueError):
+            AdaptiveConfig(**bad)

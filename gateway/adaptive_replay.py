@@ -1,0 +1,99 @@
+"""Offline replay of chain-length policies on a bench run's per-step rows (steps.jsonl).
+
+A greedy step that drafted K tokens and accepted a of them would have accepted min(a, k) of its first
+k, so the steps of one drafter's fixed run (no draft-ahead) give acceptance samples for every k <= K.
+Verify time by tokens in the forward comes from every chain step without draft-ahead (all methods
+share the target), draft time by requested k from a table (e.g. the per-step draft ms of k-sweep
+runs). ``replay`` then draws steps with common random numbers and scores a policy, fixed k or an
+AdaptiveSpeculation driven the way gateway/spec_loop.py drives it (skip and probe, then truncate the
+drafted block with its cost sunk). Sequences do not diverge with k here (steps are drawn
+independently), which is what makes policies comparable on one recorded run.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+from specserve.gateway.adaptive import AdaptiveSpeculation
+
+PROBE_EVERY = 8  # as gateway/spec_loop.py
+
+
+@dataclass(frozen=True)
+class StepModel:
+    blocks: tuple[tuple[int, int], ...]  # (drafted, accepted) of greedy steps asking for max_k tokens
+    max_k: int
+    verify_ms: Mapping[int, tuple[float, ...]]  # tokens in the forward -> measured ms
+    experts: Mapping[int, float]  # tokens in the forward -> mean distinct experts
+    draft_ms: Mapping[int, float]  # requested k -> mean ms of the draft call
+
+    def __post_init__(self) -> None:
+        if not self.blocks or not self.verify_ms:
+            raise ValueError("the step model needs acceptance samples and verify times")
+        missing = [k for k in range(1, self.max_k + 1) if k not in self.draft_ms]
+        if missing:
+            raise ValueError(f"draft_ms lacks k = {missing}")
+
+
+def step_model(rows: Iterable[dict], drafter: str, draft_ms: Mapping[int, float]) -> StepModel:
+    """The step model of ``drafter`` from steps.jsonl rows (its fixed, no-ahead method)."""
+    rows = [r for r in rows if not r.get("tree")]
+    verify, experts = defaultdict(list), defaultdict(list)
+    for r in rows:
+        if not r["draft_ahead"]:
+            verify[r["drafted"] + 1].append(float(r["verify_ms"]))
+            experts[r["drafted"] + 1].append(float(r["experts_touched"]))
+    own = [r for r in rows if r["drafter"] == drafter and r["speculation"] == "fixed" and not r["draft_ahead"]]
+    if not own:
+        raise ValueError(f"no fixed, no-ahead steps of drafter {drafter!r}")
+    max_k = max(r["drafted"] for r in own)
+    # a step that drafted fewer than max_k with draft time spent: the drafter proposed no more (ngram)
+    blocks = tuple((r["drafted"], r["accepted"]) for r in own if r["drafted"] == max_k or r["draft_ms"] > 0)
+    return StepModel(blocks, max_k, {n: tuple(v) for n, v in verify.items()},
+                     {n: float(np.mean(v)) for n, v in experts.items()}, dict(draft_ms))
+
+
+@dataclass(frozen=True)
+class ReplayResult:
+    tokens_per_s: float
+    mean_accepted_length: float
+    chosen_k: dict[int, int]
+
+
+def _verify_ms(model: StepModel, n: int, u: float) -> float:
+    near = min(model.verify_ms, key=lambda m: abs(m - n))
+    return float(np.quantile(model.verify_ms[near], u))
+
+
+def replay(model: StepModel, policy: int | AdaptiveSpeculation, steps: int = 5000, seed: int = 0) -> ReplayResult:
+    """Score a fixed k (an int) or an adaptive chooser on ``steps`` drawn steps."""
+    rng = np.random.default_rng(seed)
+    idx, us = rng.integers(0, len(model.blocks), steps), rng.random(steps)
+    emitted, total_ms, skipped, chosen = 0, 0.0, 0, Counter()
+    for i, u in zip(idx, us):
+        block_len, accepted = model.blocks[i]
+        draft_ms, k = 0.0, policy if isinstance(policy, int) else 0
+        if not isinstance(policy, int):
+            k = policy.choose_k(model.max_k)
+            if k == 0 and skipped < PROBE_EVERY:
+                skipped += 1
+            else:
+                k, skipped = max(1, k), 0
+        if k > 0:
+            draft_ms = model.draft_ms[k]
+            if not isinstance(policy, int):
+                policy.observe_draft(k, draft_ms)
+                k = max(1, policy.choose_k(min(k, block_len), sunk_ms=draft_ms)) if block_len else 0
+        drafted = min(k, block_len)
+        acc = min(accepted, drafted)
+        verify_ms = _verify_ms(model, drafted + 1, u)
+        if not isinstance(policy, int):
+            policy.observe_verify(drafted, acc, round(model.experts.get(drafted + 1, 0.0)), verify_ms)
+        chosen[drafted] += 1
+        emitted += acc + 1
+        total_ms += draft_ms + verify_ms
+    return ReplayResult(emitted / total_ms * 1e3, emitted / steps, dict(sorted(chosen.items())))
