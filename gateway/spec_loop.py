@@ -172,16 +172,35 @@ class _Run:
         remaining = self.request.max_new_tokens - len(self.emitted)
         return max(0, min(self.request.num_speculative_tokens, remaining - 1, self.info.max_context - len(self.seq) - 1))
 
+    def ahead_planned(self, k: int, decide: bool = False) -> bool:
+        """Whether a step verifying a chain of k >= 1 tokens drafts the next block meanwhile (adaptive:
+        when it pays; ``decide`` is the one call per step that commits, and may probe the other way)."""
+        if not self.request.draft_ahead or self.draft is None or self.sync.needs_hidden:
+            return False
+        if self.adaptive is None:
+            return True
+        return self.adaptive.plan_ahead(k) if decide else self.adaptive.ahead_pays(k)
+
+    def truncate(self, block: DraftBlock, sunk_ms: float) -> DraftBlock:
+        """Adaptive: the block is paid for (``sunk_ms``); keep the prefix that pays. At least one
+        drafted token is verified, so the acceptance estimates keep learning."""
+        if self.adaptive is None or not block.is_chain or not len(block):
+            return block
+        ahead = self.ahead_planned(len(block))
+        k = self.adaptive.choose_k(len(block), drafted_confidence(block), sunk_ms=sunk_ms, ahead=ahead)
+        return truncate_chain(block, max(1, k))
+
     async def propose(self, span) -> DraftBlock:
         limit = self.chain_limit()
         if self.draft is None or limit == 0:
+            self.ahead = None
             return EMPTY_BLOCK
         if self.ahead is not None:
             block, self.ahead = truncate_chain(self.ahead, limit), None
-            return block
+            return self.truncate(block, sunk_ms=0.0)  # drafted while the last block was verified
         k = limit
         if self.adaptive is not None:
-            k = self.adaptive.choose_k(limit)
+            k = self.adaptive.choose_k(limit, ahead=self.ahead_planned(limit))
             if k == 0 and self.skipped_drafts < PROBE_EVERY:
                 self.skipped_drafts += 1  # drafting does not pay now; probe with one token now and then
                 return EMPTY_BLOCK
@@ -205,16 +224,15 @@ class _Run:
         ms = (time.perf_counter() - t0) * 1e3
         self.stats.draft_ms += ms
         self.step_draft_ms = ms
-        if self.adaptive is not None:
-            self.adaptive.observe_draft(len(block), ms)
-            # the block is paid for: verify at least one drafted token, so the acceptance
-            # estimate keeps learning even when the cost model says drafting does not pay
-            block = truncate_chain(block, max(1, self.adaptive.choose_k(len(block), drafted_confidence(block))))
-        return block
+        if self.adaptive is not None and self.request.tree is None:
+            self.adaptive.observe_draft(k, ms)
+        return self.truncate(block, sunk_ms=ms)
 
     async def draft_next_ahead(self, block: DraftBlock) -> DraftBlock | None:
         """Draft block n+1 while block n is verified, assuming block n is accepted in full."""
         k = self.request.num_speculative_tokens
+        if self.adaptive is not None:
+            k = max(1, self.adaptive.choose_k(k, ahead=True))
         t0 = time.perf_counter()
         try:
             ahead = await self.draft.propose(
@@ -229,11 +247,11 @@ class _Run:
 
     async def verify(self, span, block: DraftBlock):
         ahead_task = None
-        if self.request.draft_ahead and self.draft is not None and block.is_chain and len(block) and not self.sync.needs_hidden:
+        t0 = time.perf_counter()
+        if block.is_chain and len(block) and self.ahead_planned(len(block), decide=True):
             ahead_task = asyncio.ensure_future(self.draft_next_ahead(block))
         try:
             with self.tracer.start_as_current_span(names.SPAN_TARGET_VERIFY) as vspan:
-                t0 = time.perf_counter()
                 res = await self.target.verify(self.sid, block)
                 verify_wall_ms = (time.perf_counter() - t0) * 1e3
                 vspan.set_attribute(names.ATTR_K, len(block))
@@ -244,14 +262,18 @@ class _Run:
                 vspan.set_attribute(names.ATTR_EXPERTS_TOUCHED, res.experts_touched)
         finally:
             ahead = await ahead_task if ahead_task is not None else None
+        step_ms = (time.perf_counter() - t0) * 1e3  # the verify, and waiting for the ahead draft if it ran
         if ahead is not None:
             # the drafter now holds S + block (+ its own tail); confirmed: S + the accepted prefix
             self.sync.known = len(self.seq) + len(res.accepted_ids)
-            if len(res.accepted_ids) == len(block) and ahead.token_ids[:1] == (res.next_token,):
+            hit = len(res.accepted_ids) == len(block) and ahead.token_ids[:1] == (res.next_token,)
+            if hit:
                 probs = None if ahead.probs is None else ahead.probs[1:]
                 self.ahead = DraftBlock(token_ids=ahead.token_ids[1:], probs=probs)
                 self.stats.draft_ahead_hits += 1
                 self.stats.draft_hidden_ms += min(self.last_ahead_ms, verify_wall_ms)
+            if self.adaptive is not None:
+                self.adaptive.observe_ahead(hit)
         self.stats.record_step(len(block), len(res.accepted_ids))
         if self.on_step is not None:
             self.on_step(
@@ -270,7 +292,10 @@ class _Run:
         self.step_draft_ms = 0.0
         self.stats.verify_ms += res.timings.forward_ms
         if self.adaptive is not None and block.is_chain:
-            self.adaptive.observe_verify(len(block), len(res.accepted_ids), res.experts_touched, verify_wall_ms)
+            self.adaptive.observe_verify(
+                len(block), len(res.accepted_ids), res.experts_touched, step_ms,
+                confidence=drafted_confidence(block), ahead=ahead_task is not None,
+            )
         self.sync.add_hidden(res.hidden)
         return res
 
