@@ -131,6 +131,11 @@ class VerifyCostModel:
     def observed(self) -> int:
         return len(self._obs)
 
+    @property
+    def observed_ahead(self) -> int:
+        """Steps in the window that drafted ahead while verifying."""
+        return sum(1 for *_, ahead in self._obs if ahead)
+
     def expected_experts(self, n_tokens):
         """Mean distinct experts seen at n tokens (interpolated, clamped at the ends); n may be an array."""
         if not self._experts_by_n:

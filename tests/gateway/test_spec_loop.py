@@ -56,6 +56,32 @@ def _ngram():
     return build_proposer(DrafterConfig(family="ngram", max_block_size=8))
 
 
+@pytest.fixture(scope="module")
+def other_model_dir(tmp_path_factory):
+    """A small dense draft LM with the target's vocabulary and random weights (its drafts are often refused)."""
+    from tiny_hf import save_tiny_hf
+
+    config = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, max_position_embeddings=512, initializer_range=0.2,
+                  tie_word_embeddings=False, eos_token_id=None, bos_token_id=None, pad_token_id=None)
+    return save_tiny_hf("llama", config, tmp_path_factory.mktemp("draft") / "llama", seed=1)
+
+
+def _model(checkpoint):
+    return build_proposer(DrafterConfig(family="model", checkpoint=checkpoint, max_block_size=8))
+
+
+def _cheap_drafting(max_k: int = 4) -> AdaptiveSpeculation:
+    """A chooser that has seen drafting cost nothing and verify cost 1 s whatever its size: it drafts
+    full blocks (real CPU timings, a few ms, then hardly move the fits)."""
+    spec = AdaptiveSpeculation(AdaptiveConfig(max_k=max_k))
+    for _ in range(40):
+        for n in range(1, max_k + 2):
+            spec.cost.observe(n, 0, 1000.0)
+    spec.cost.fit()
+    return spec
+
+
 @pytest.mark.parametrize("adaptive,draft_ahead", [(False, False), (True, False), (False, True), (True, True)])
 def test_greedy_output_is_target_only_output_under_every_policy(engine, adaptive, draft_ahead):
     base = _generate(engine, None, GenerationRequest(PROMPT, max_new_tokens=24))
@@ -65,6 +91,20 @@ def test_greedy_output_is_target_only_output_under_every_policy(engine, adaptive
     assert spec.token_ids == base.token_ids and len(base.token_ids) == 24
     assert spec.stats.steps == len(steps) and sum(s.drafted for s in steps) > 0
     assert engine.kv_usage().used_blocks == 0
+
+
+def test_adaptive_draft_ahead_drafts_and_reports_its_contention(engine, tiny_target_dir):
+    """Regression (H200 bench: adaptive + draft-ahead verified 0 tokens on every step). With drafting
+    worth it, adaptive + draft-ahead drafts, uses ahead blocks, and the verify steps that drafted
+    ahead meanwhile reach the cost model as such; greedy output stays the target's."""
+    base = _generate(engine, None, GenerationRequest(PROMPT, max_new_tokens=24))
+    spec = _cheap_drafting()
+    request = GenerationRequest(PROMPT, max_new_tokens=24, num_speculative_tokens=4, adaptive=True, draft_ahead=True)
+    steps = []
+    out = _generate(engine, _model(tiny_target_dir), request, spec, steps)
+    assert out.token_ids == base.token_ids
+    assert all(s.drafted > 0 for s in steps[:-1]) and out.stats.draft_ahead_hits > 0
+    assert spec.cost.observed_ahead > 0 and spec.ahead_hit_rate > 0.5
 
 
 class _Garbage:
@@ -129,6 +169,45 @@ def test_sampled_output_follows_the_target_distribution_with_adaptive_speculatio
     obs, exp = np.array(obs, dtype=float), np.array(exp, dtype=float)
     keep = exp > 0
     # two-sample comparison via the pooled frequencies
+    pooled = (obs + exp) / 2
+    stat = chisquare(obs[keep], pooled[keep] * obs[keep].sum() / pooled[keep].sum())
+    assert stat.pvalue > 0.001, (dict(spec), dict(ref))
+
+
+@pytest.mark.parametrize("drafter", ["other", "target"])
+def test_sampled_output_is_lossless_with_adaptive_draft_ahead_and_a_model_drafter(engine, other_model_dir, tiny_target_dir, drafter):
+    """Chi-square on the 5th emitted token: adaptive + draft-ahead with a model drafter that sends
+    probabilities (its q feeds the calibration; ahead blocks are truncated) vs target-only sampling.
+    "other" (random weights): drafts often refused; "target" (the target's own weights): drafts always
+    accepted, so ahead blocks are used whenever the bonus token matches the ahead guess."""
+    sampling = lambda seed: SamplingParams(temperature=1.2, top_k=6, seed=seed)  # noqa: E731
+    adaptive = _cheap_drafting()
+    n, pos = 150, 4
+
+    async def sample() -> tuple[Counter, Counter, int]:
+        checkpoint = other_model_dir if drafter == "other" else tiny_target_dir
+        target, draft = LocalTarget(engine), LocalDraft(_model(checkpoint))
+        ref, spec, hits = Counter(), Counter(), 0
+        try:
+            for i in range(n):
+                r = await _final(target, None, GenerationRequest(PROMPT, pos + 1, sampling(10_000 + i)))
+                req = GenerationRequest(PROMPT, pos + 1, sampling(i), adaptive=True, draft_ahead=True)
+                s = await _final(target, draft, req, adaptive)
+                ref[r.token_ids[pos]] += 1
+                spec[s.token_ids[pos]] += 1
+                hits += s.stats.draft_ahead_hits
+        finally:
+            target.close()
+            draft.close()
+        return ref, spec, hits
+
+    ref, spec, hits = asyncio.run(sample())
+    assert hits > 0 or drafter == "other"  # ahead blocks were used
+    assert adaptive.calibration.trials.sum() > 0  # q of verified blocks reached the calibration
+    common = [t for t, c in ref.items() if c >= 10]
+    obs = np.array([spec[t] for t in common] + [n - sum(spec[t] for t in common)], dtype=float)
+    exp = np.array([ref[t] for t in common] + [n - sum(ref[t] for t in common)], dtype=float)
+    keep = exp > 0
     pooled = (obs + exp) / 2
     stat = chisquare(obs[keep], pooled[keep] * obs[keep].sum() / pooled[keep].sum())
     assert stat.pvalue > 0.001, (dict(spec), dict(ref))
