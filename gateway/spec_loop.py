@@ -73,6 +73,7 @@ class StepRecord:
     verify_wall_ms: float  # verify call as the loop saw it (forward + sampling + transport)
     experts_touched: int
     tree: bool
+    ahead: bool = False  # the drafter drafted the next block during this verify (contends with it)
 
 
 @dataclass(frozen=True)
@@ -287,6 +288,7 @@ class _Run:
                     verify_wall_ms=verify_wall_ms,
                     experts_touched=res.experts_touched,
                     tree=not block.is_chain,
+                    ahead=ahead_task is not None,
                 )
             )
         self.step_draft_ms = 0.0

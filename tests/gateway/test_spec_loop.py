@@ -104,6 +104,7 @@ def test_adaptive_draft_ahead_drafts_and_reports_its_contention(engine, tiny_tar
     out = _generate(engine, _model(tiny_target_dir), request, spec, steps)
     assert out.token_ids == base.token_ids
     assert all(s.drafted > 0 for s in steps[:-1]) and out.stats.draft_ahead_hits > 0
+    assert any(s.ahead for s in steps) and not any(s.ahead for s in steps if s.drafted == 0)
     assert spec.cost.observed_ahead > 0 and spec.ahead_hit_rate > 0.5
 
 
