@@ -45,7 +45,8 @@ class AdaptiveConfig:
     refit_every: int = 16
     prior_accept: float = 0.6  # acceptance estimate before any observation
     ema: float = 0.1  # weight of the newest observation in the draft-cost and ahead-hit estimates
-    accept_memory: float = 64.0  # observations per position the acceptance estimate averages over
+    accept_memory: float = 64.0  # steps the acceptance estimate averages over
+    accept_prior_weight: float = 4.0  # pseudo-observations at the prior mean per position
     calibration_bins: int = 10  # q bins of the confidence calibration
     calibration_prior: float = 4.0  # pseudo-observations at q itself in each bin
 
@@ -56,8 +57,9 @@ class AdaptiveConfig:
             raise ValueError(f"window and refit_every must be >= 1, got {self.window}, {self.refit_every}")
         if not 0.0 < self.ema <= 1.0:
             raise ValueError(f"ema must be in (0, 1], got {self.ema}")
-        if self.accept_memory < 1.0:
-            raise ValueError(f"accept_memory must be >= 1, got {self.accept_memory}")
+        if self.accept_memory < 1.0 or self.accept_prior_weight <= 0.0:
+            raise ValueError(f"accept_memory must be >= 1 and accept_prior_weight > 0, got {self.accept_memory}, "
+                             f"{self.accept_prior_weight}")
         if not 0.0 <= self.prior_accept <= 1.0:
             raise ValueError(f"prior_accept must be in [0, 1], got {self.prior_accept}")
         if self.calibration_bins < 1 or self.calibration_prior <= 0:
@@ -211,24 +213,31 @@ class DraftCostModel:
 class AcceptanceEstimator:
     """Running estimate of alpha_i = P(position i accepted | positions < i accepted).
 
-    Per position: decayed counts of accepted / observed (each observation multiplies the old counts
-    by 1 - 1/memory), plus ``prior_weight`` pseudo-observations at ``prior``. A short run moves off
-    the prior after a few steps; a long one averages over about ``memory`` observations."""
+    Per position: decayed counts of accepted / observed, plus ``prior_weight`` pseudo-observations at
+    a prior mean: ``prior`` for position 0, the estimate of position i - 1 for position i (positions
+    of one drafter tend to be alike; a chain's tail is seen least). Every step decays the counts of
+    every position by 1 - 1/memory, so a position the chooser stopped drafting drifts back to its
+    prior and gets drafted again, instead of staying at one unlucky early observation."""
 
-    def __init__(self, max_k: int, prior: float, memory: float, prior_weight: float = 2.0) -> None:
+    def __init__(self, max_k: int, prior: float, memory: float, prior_weight: float = 4.0) -> None:
         self.hits = np.zeros(max_k)
         self.trials = np.zeros(max_k)
         self._prior, self._keep, self._weight = prior, 1.0 - 1.0 / memory, prior_weight
 
     @property
     def alpha(self) -> np.ndarray:
-        return (self.hits + self._weight * self._prior) / (self.trials + self._weight)
+        out, mean = np.empty(len(self.hits)), self._prior
+        for i in range(len(out)):
+            mean = out[i] = (self.hits[i] + self._weight * mean) / (self.trials[i] + self._weight)
+        return out
 
     def observe(self, num_drafted: int, num_accepted: int) -> None:
         # positions 0..num_accepted-1 were accepted; position num_accepted (if drafted) was refused
         seen = min(num_drafted, num_accepted + 1, len(self.hits))
-        self.hits[:seen] *= self._keep
-        self.trials[:seen] *= self._keep
+        if seen == 0:
+            return
+        self.hits *= self._keep
+        self.trials *= self._keep
         self.hits[: min(seen, num_accepted)] += 1.0
         self.trials[:seen] += 1.0
 
@@ -278,7 +287,7 @@ class AdaptiveSpeculation:
         self.config = config
         self.cost = VerifyCostModel(config.window, config.refit_every)
         self.draft = DraftCostModel(config.ema)
-        self.accept = AcceptanceEstimator(config.max_k, config.prior_accept, config.accept_memory)
+        self.accept = AcceptanceEstimator(config.max_k, config.prior_accept, config.accept_memory, config.accept_prior_weight)
         self.calibration = ConfidenceCalibration(config.calibration_bins, config.calibration_prior, config.window)
         self.ahead_hit_rate = 0.5  # running share of ahead blocks that were used
         self._ahead_steps = 0

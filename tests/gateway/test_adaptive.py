@@ -147,12 +147,22 @@ def test_flat_drafter_drafts_the_full_block() -> None:
 
 
 def test_acceptance_estimator_learns_per_position_rates() -> None:
-    spec = AdaptiveSpeculation(AdaptiveConfig(max_k=4, accept_memory=32))
+    spec = AdaptiveSpeculation(AdaptiveConfig(max_k=4, accept_memory=64))
     assert spec.accept.alpha == pytest.approx([0.6] * 4)
     for _ in range(200):
         spec.observe_verify(num_drafted=4, num_accepted=1, experts=0, ms=1.0)
-    assert spec.accept.alpha[0] > 0.95 and spec.accept.alpha[1] < 0.05
-    assert spec.accept.alpha[2] == pytest.approx(0.6)  # never observed: still the prior
+    assert spec.accept.alpha[0] > 0.9 and spec.accept.alpha[1] < 0.1
+    assert spec.accept.alpha[2] == pytest.approx(spec.accept.alpha[1])  # never observed: the position before
+
+
+def test_a_position_no_longer_drafted_drifts_back_to_its_prior() -> None:
+    """One unlucky refusal at position 1 must not freeze its estimate once only 1-token chains follow."""
+    spec = AdaptiveSpeculation(AdaptiveConfig(max_k=4, accept_memory=32))
+    spec.observe_verify(num_drafted=2, num_accepted=1, experts=0, ms=1.0)
+    low = spec.accept.alpha[1]
+    for _ in range(100):
+        spec.observe_verify(num_drafted=1, num_accepted=1, experts=0, ms=1.0)
+    assert spec.accept.alpha[0] > 0.9 and spec.accept.alpha[1] > max(low + 0.2, 0.8)
 
 
 def test_calibration_maps_an_overconfident_drafter_to_its_acceptance() -> None:
@@ -193,6 +203,6 @@ def test_plan_ahead_follows_the_gate_and_probes_the_other_way() -> None:
 
 
 def test_config_is_validated() -> None:
-    for bad in (dict(max_k=0), dict(ema=0.0), dict(accept_memory=0.5), dict(prior_accept=1.5), dict(calibration_bins=0)):
+    for bad in (dict(max_k=0), dict(ema=0.0), dict(accept_memory=0.5), dict(accept_prior_weight=0.0), dict(prior_accept=1.5), dict(calibration_bins=0)):
         with pytest.raises(ValueError):
             AdaptiveConfig(**bad)
