@@ -29,7 +29,6 @@ untouched.
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass
 from itertools import combinations
 
@@ -70,8 +69,8 @@ def nonneg_lstsq(x: np.ndarray, y: np.ndarray, order: tuple[int, ...] | None = N
     """min |x c - y| with every c >= 0 (x [N, P], y [N], small P).
 
     The optimum is the unconstrained fit on some subset of columns; every well-conditioned subset
-    whose fit is non-negative is tried (from the normal equations, one pass over the rows), smaller
-    subsets first and in ``order`` within a size, and a later one wins only if it fits clearly
+    whose fit is non-negative is tried (from the normal equations, all subsets in one batched solve),
+    smaller subsets first and in ``order`` within a size, and a later one wins only if it fits clearly
     better. So collinear columns (tokens and experts move together) never give opposite-signed
     coefficients, and a tie goes to the earlier column in ``order``.
     """
@@ -81,20 +80,21 @@ def nonneg_lstsq(x: np.ndarray, y: np.ndarray, order: tuple[int, ...] | None = N
     scale[scale == 0] = 1.0
     xs = x / scale  # unit columns: the conditioning test below is scale-free
     gram, xty, yty = xs.T @ xs, xs.T @ y, float(y @ y)
+    subsets = [cols for size in range(1, p + 1) for cols in combinations(order, size)]
+    mask = np.zeros((len(subsets), p), dtype=bool)  # [S, P]
+    for i, cols in enumerate(subsets):
+        mask[i, list(cols)] = True
+    both = mask[:, :, None] & mask[:, None, :]  # [S, P, P]
+    # each subset's normal equations, padded to P x P with the identity on the columns it leaves out
+    g = np.where(both, gram, 0.0) + np.where(mask, 0.0, 1.0)[:, :, None] * np.eye(p)
+    ok = np.linalg.eigvalsh(g)[:, 0] >= 1e-9  # (near-)collinear or empty columns: skip
+    c = np.zeros((len(subsets), p))
+    c[ok] = np.linalg.solve(g[ok], np.where(mask[ok], xty, 0.0)[..., None])[..., 0]
+    err = yty - c @ xty  # residual of each subset's least-squares fit
     best, best_err = np.zeros(p), yty
-    for size in range(1, p + 1):
-        for cols in combinations(order, size):
-            idx = list(cols)
-            g = gram[np.ix_(idx, idx)]
-            if np.linalg.eigvalsh(g)[0] < 1e-9:  # (near-)collinear or empty columns: skip
-                continue
-            c = np.linalg.solve(g, xty[idx])
-            if (c < 0).any():
-                continue
-            err = yty - float(c @ xty[idx])  # residual of the least-squares fit on these columns
-            if err < best_err - 1e-9 * (1.0 + abs(best_err)):
-                best, best_err = np.zeros(p), err
-                best[idx] = c
+    for i in np.flatnonzero(ok & (c >= 0).all(axis=1)):
+        if err[i] < best_err - 1e-9 * (1.0 + abs(best_err)):
+            best, best_err = c[i], float(err[i])
     return best / scale
 
 
@@ -105,38 +105,43 @@ class VerifyCostModel:
     _ORDER = (0, 3, 1, 2)
 
     def __init__(self, window: int = 256, refit_every: int = 16) -> None:
-        self._obs: deque[tuple[int, int, float, bool]] = deque(maxlen=window)
+        self._x = np.zeros((window, 4))  # ring of the last ``window`` steps: (1, n, e, ahead)
+        self._y = np.zeros(window)  # their ms
+        self._count = 0  # steps observed in all
         self._refit_every = refit_every
         self._since_fit = 0
         self.coef = np.zeros(4)  # a, b (per token), c (per expert), d (drafting ahead meanwhile)
         self._experts_by_n: dict[int, tuple[float, int]] = {}
-        self._experts_table: tuple[np.ndarray, np.ndarray] | None = None  # sorted n, mean e
+        self._experts_table: tuple[np.ndarray, np.ndarray] | None = None  # sorted n, mean e (as of the fit)
+        self.version = 0  # bumped by every fit: predictions only change then
 
     def observe(self, n_tokens: int, experts: int, ms: float, ahead: bool = False) -> None:
-        self._obs.append((n_tokens, experts, ms, bool(ahead)))
+        i = self._count % len(self._y)
+        self._x[i] = (1.0, n_tokens, experts, float(ahead))
+        self._y[i] = ms
+        self._count += 1
         mean, count = self._experts_by_n.get(n_tokens, (0.0, 0))
         self._experts_by_n[n_tokens] = ((mean * count + experts) / (count + 1), count + 1)
-        self._experts_table = None
         self._since_fit += 1
-        if self._since_fit >= self._refit_every or len(self._obs) <= 4:
+        if self._since_fit >= self._refit_every or self._count <= 4:
             self.fit()
 
     def fit(self) -> None:
         self._since_fit = 0
-        if not self._obs:
-            return
-        x = np.array([(1.0, n, e, float(a)) for n, e, _, a in self._obs])
-        y = np.array([ms for _, _, ms, _ in self._obs])
-        self.coef = nonneg_lstsq(x, y, self._ORDER)
+        self._experts_table = None
+        self.version += 1
+        m = self.observed
+        if m:
+            self.coef = nonneg_lstsq(self._x[:m], self._y[:m], self._ORDER)
 
     @property
     def observed(self) -> int:
-        return len(self._obs)
+        return min(self._count, len(self._y))
 
     @property
     def observed_ahead(self) -> int:
         """Steps in the window that drafted ahead while verifying."""
-        return sum(1 for *_, ahead in self._obs if ahead)
+        return int(self._x[: self.observed, 3].sum())
 
     def expected_experts(self, n_tokens):
         """Mean distinct experts seen at n tokens (interpolated, clamped at the ends); n may be an array."""
@@ -176,6 +181,7 @@ class DraftCostModel:
         self._ema = ema
         self._mean_by_k: dict[int, float] = {}
         self.coef = np.zeros(2)  # d0 (per call), d1 (per drafted token)
+        self.version = 0
 
     def observe(self, k: int, ms: float) -> None:
         if k <= 0:
@@ -185,23 +191,27 @@ class DraftCostModel:
         self.fit()
 
     def fit(self) -> None:
-        if not self._mean_by_k:
+        """Closed form (a handful of points): the line if both parts come out >= 0, else the better of
+        the two one-part fits (through the origin, or flat)."""
+        self.version += 1
+        pts = list(self._mean_by_k.items())
+        if not pts:
             return
-        ks = np.array(sorted(self._mean_by_k), dtype=float)
-        ms = np.array([self._mean_by_k[int(k)] for k in ks])
-        if len(ks) < 2:
-            self.coef = np.array([0.0, max(float(ms[0] / ks[0]), 0.0)])
+        if len(pts) == 1:
+            (k, ms), = pts
+            self.coef = np.array([0.0, max(ms / k, 0.0)])
             return
-        # non-negative least squares on (1, k) in closed form: the line, else the better of its two
-        # one-column fits (through the origin, or flat)
-        d1 = float(np.cov(ks, ms, bias=True)[0, 1] / ks.var())
-        d0 = float(ms.mean() - d1 * ks.mean())
+        m = len(pts)
+        kbar, ybar = sum(k for k, _ in pts) / m, sum(y for _, y in pts) / m
+        d1 = sum((k - kbar) * (y - ybar) for k, y in pts) / sum((k - kbar) ** 2 for k, _ in pts)
+        d0 = ybar - d1 * kbar
         if d0 >= 0 and d1 >= 0:
             self.coef = np.array([d0, d1])
             return
-        per_token = max(float(ks @ ms / (ks @ ks)), 0.0)
-        flat = max(float(ms.mean()), 0.0)
-        err_token, err_flat = np.sum((per_token * ks - ms) ** 2), np.sum((flat - ms) ** 2)
+        per_token = max(sum(k * y for k, y in pts) / sum(k * k for k, _ in pts), 0.0)
+        flat = max(ybar, 0.0)
+        err_token = sum((per_token * k - y) ** 2 for k, y in pts)
+        err_flat = sum((flat - y) ** 2 for _, y in pts)
         self.coef = np.array([0.0, per_token]) if err_token < err_flat else np.array([flat, 0.0])
 
     def predict_many(self, ks: np.ndarray) -> np.ndarray:
@@ -291,6 +301,7 @@ class AdaptiveSpeculation:
         self.calibration = ConfidenceCalibration(config.calibration_bins, config.calibration_prior, config.window)
         self.ahead_hit_rate = 0.5  # running share of ahead blocks that were used
         self._ahead_steps = 0
+        self._cost_cache: tuple | None = None
 
     def observe_draft(self, k: int, ms: float) -> None:
         """A draft call asked for k tokens and took ms (drafting ahead is not observed: it overlaps)."""
@@ -344,7 +355,15 @@ class AdaptiveSpeculation:
         if kmax == 0:
             return 0
         gain = expected_emitted(self.alpha(kmax, confidence))
-        ks = np.arange(kmax + 1)
-        verify = self.cost.predict_many(ks + 1, (ks > 0) & ahead)
-        draft = self.draft.predict_many(ks) if sunk_ms is None else np.full(kmax + 1, max(sunk_ms, 0.0))
+        verify, draft = self._costs(kmax, bool(ahead))
+        if sunk_ms is not None:
+            draft = max(sunk_ms, 0.0)
         return int(np.argmax(gain / (draft + verify)))
+
+    def _costs(self, kmax: int, ahead: bool) -> tuple[np.ndarray, np.ndarray]:
+        """(verify ms, draft ms) of k = 0..kmax [kmax + 1], cached until either model is refitted."""
+        key = (kmax, ahead, self.cost.version, self.draft.version)
+        if self._cost_cache is None or self._cost_cache[0] != key:
+            ks = np.arange(kmax + 1)
+            self._cost_cache = (key, self.cost.predict_many(ks + 1, (ks > 0) & ahead), self.draft.predict_many(ks))
+        return self._cost_cache[1], self._cost_cache[2]
