@@ -8,17 +8,23 @@ runs). ``replay`` then draws steps with common random numbers and scores a polic
 AdaptiveSpeculation driven the way gateway/spec_loop.py drives it (skip and probe, then truncate the
 drafted block with its cost sunk). Sequences do not diverge with k here (steps are drawn
 independently), which is what makes policies comparable on one recorded run.
+
+    python -m specserve.gateway.adaptive_replay OUT/steps.jsonl --drafter model \
+        --draft-ms 1=5.14,2=8.02,3=10.45,4=14.07 [--steps 250 --seeds 20]
 """
 
 from __future__ import annotations
 
+import argparse
+import json
+import sys
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
 
-from specserve.gateway.adaptive import AdaptiveSpeculation
+from specserve.gateway.adaptive import AdaptiveConfig, AdaptiveSpeculation
 
 PROBE_EVERY = 8  # as gateway/spec_loop.py
 
@@ -97,3 +103,45 @@ def replay(model: StepModel, policy: int | AdaptiveSpeculation, steps: int = 500
         emitted += acc + 1
         total_ms += draft_ms + verify_ms
     return ReplayResult(emitted / total_ms * 1e3, emitted / steps, dict(sorted(chosen.items())))
+
+
+def compare(model: StepModel, steps: int, seeds: int) -> dict[str, float]:
+    """Mean tokens/s ratio to target-only (k = 0) over ``seeds`` replays: every fixed k and adaptive."""
+    out: dict[str, list[float]] = defaultdict(list)
+    for seed in range(seeds):
+        base = replay(model, 0, steps, seed).tokens_per_s
+        for k in range(1, model.max_k + 1):
+            out[f"k={k}"].append(replay(model, k, steps, seed).tokens_per_s / base)
+        chooser = AdaptiveSpeculation(AdaptiveConfig(max_k=model.max_k))
+        out["adaptive"].append(replay(model, chooser, steps, seed).tokens_per_s / base)
+    return {name: round(float(np.mean(v)), 4) for name, v in out.items()}
+
+
+def _draft_ms(text: str) -> dict[int, float]:
+    try:
+        return {int(k): float(v) for k, v in (part.split("=") for part in text.split(","))}
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"expected K=MS,K=MS,..., got {text!r}") from e
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m specserve.gateway.adaptive_replay", description=__doc__.splitlines()[0])
+    parser.add_argument("steps_jsonl")
+    parser.add_argument("--drafter", required=True)
+    parser.add_argument("--draft-ms", type=_draft_ms, required=True, help="mean draft ms by k, e.g. 1=5.1,2=8.0")
+    parser.add_argument("--steps", type=int, default=250)
+    parser.add_argument("--seeds", type=int, default=20)
+    args = parser.parse_args(argv)
+    try:
+        with open(args.steps_jsonl) as f:
+            rows = [json.loads(line) for line in f if line.strip()]
+        model = step_model(rows, args.drafter, args.draft_ms)
+    except (OSError, ValueError, KeyError) as e:
+        print(f"adaptive_replay: error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(compare(model, args.steps, args.seeds)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

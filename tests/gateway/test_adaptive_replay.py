@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from specserve.gateway.adaptive import AdaptiveConfig, AdaptiveSpeculation
-from specserve.gateway.adaptive_replay import replay, step_model
+from specserve.gateway.adaptive_replay import main, replay, step_model
 
 
 def _row(drafter, drafted, accepted, verify_ms, draft_ms=0.0, speculation="fixed", ahead=False):
@@ -47,3 +47,15 @@ def test_step_model_refuses_missing_inputs() -> None:
         step_model(_rows([1, 2]), "y", {k: 1.0 for k in range(1, 5)})
     with pytest.raises(ValueError, match="draft_ms lacks"):
         step_model(_rows([1, 2]), "x", {1: 1.0})
+
+
+def test_command_line_compares_fixed_k_and_adaptive(tmp_path, capsys) -> None:
+    import json
+
+    path = tmp_path / "steps.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in _rows([4, 0, 2, 1] * 10)))
+    assert main([str(path), "--drafter", "x", "--draft-ms", "1=1,2=2,3=3,4=4", "--steps", "100", "--seeds", "2"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert set(out) == {"k=1", "k=2", "k=3", "k=4", "adaptive"} and all(v > 0 for v in out.values())
+    assert main([str(path), "--drafter", "nope", "--draft-ms", "1=1,2=2,3=3,4=4"]) == 2
+    assert "no fixed" in capsys.readouterr().err
