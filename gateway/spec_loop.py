@@ -7,7 +7,8 @@ drift from the target. A drafter failure only drops speculation: the loop goes o
 is still lossless, and the request is marked ``draft_fallback``.
 
 Two optional policies change only *which* tokens are verified, never the acceptance rule:
-- adaptive speculation (gateway/adaptive.py) picks each step's chain length;
+- adaptive speculation (gateway/adaptive.py) picks each step's chain length (and, with draft-ahead,
+  whether drafting ahead pays for its contention with the verify);
 - draft-ahead: while the target verifies block n, the drafter already drafts block n+1 assuming
   block n is accepted in full (its first token is its guess of the bonus token). When that guess
   holds, the next verify starts at once; otherwise the ahead block is dropped.
