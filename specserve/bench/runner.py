@@ -152,4 +152,5 @@ class SpecRunner:
             "floor_bytes": nbytes.total,
             "floor_ms": round(floor, 5),
             "tree": rec.tree,
+            "ahead": rec.ahead,
         }
