@@ -23,14 +23,16 @@ case "$STAGE" in
     ;;
   heads)
     # both heads train at once on one GPU (each is launch-bound: two processes share the device well);
-    # they read a larger self-distilled set (8192 prompts) than the draft LM
-    HSD="--sd-prompts 8192 --sd-prompt-len 64 --sd-new-tokens 128 --sd-batch-size 1024"
+    # they read a larger self-distilled set (8192 prompts) than the draft LM, with 256-token prompts:
+    # sequences of 384 tokens cover the positions the held-out prompts reach (prompt + 64 new tokens);
+    # heads trained on 192-token sequences lost agreement past position 192
+    HSD="--sd-prompts 8192 --sd-prompt-len 256 --sd-new-tokens 128 --sd-batch-size 1024"
     $SPECSERVE train draft --family eagle3 --target "$OUT/target" --out "$OUT/eagle3" --device "$DEV" \
-      --steps 20000 --batch-size 64 --lr 2e-3 --time-limit-s "${HEADS_LIMIT_S:-300}" $HSD \
+      --steps 20000 --batch-size 64 --lr 2e-3 --time-limit-s "${HEADS_LIMIT_S:-360}" $HSD \
       --sd-cache "${SD_CACHE:-/tmp/specserve_sd}_eagle3" &
     EAGLE=$!
     $SPECSERVE train draft --family dflash --target "$OUT/target" --out "$OUT/dflash" --device "$DEV" \
-      --steps 20000 --batch-size 64 --lr 2e-3 --time-limit-s "${HEADS_LIMIT_S:-300}" $HSD \
+      --steps 20000 --batch-size 64 --lr 2e-3 --time-limit-s "${HEADS_LIMIT_S:-360}" $HSD \
       --sd-cache "${SD_CACHE:-/tmp/specserve_sd}_dflash" &
     DFLASH=$!
     wait $EAGLE
