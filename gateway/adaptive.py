@@ -29,6 +29,7 @@ untouched.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import combinations
 
@@ -284,9 +285,14 @@ class ConfidenceCalibration:
         return (self.hits[b] + self._prior * q) / (self.trials[b] + self._prior)
 
 
-def expected_emitted(alpha: np.ndarray) -> np.ndarray:
-    """E[emitted | k] for k = 0..len(alpha): 1 + cumulative sum of cumulative products."""
-    return np.concatenate([[1.0], 1.0 + np.cumsum(np.cumprod(alpha))])
+def expected_emitted(alpha: Sequence[float]) -> list[float]:
+    """E[emitted | k] for k = 0..len(alpha): 1 + sum_{i<k} prod_{j<=i} alpha_j. Plain floats: with a
+    handful of positions numpy's per-call overhead would dominate the chooser's step."""
+    out, run = [1.0], 1.0
+    for a in alpha:
+        run *= float(a)
+        out.append(out[-1] + run)
+    return out
 
 
 class AdaptiveSpeculation:
@@ -354,16 +360,21 @@ class AdaptiveSpeculation:
         kmax = max(0, min(limit, self.config.max_k))
         if kmax == 0:
             return 0
-        gain = expected_emitted(self.alpha(kmax, confidence))
-        verify, draft = self._costs(kmax, bool(ahead))
-        if sunk_ms is not None:
-            draft = max(sunk_ms, 0.0)
-        return int(np.argmax(gain / (draft + verify)))
+        gain = expected_emitted(self.alpha(kmax, confidence).tolist())
+        verify = self._verify_costs(kmax, bool(ahead))
+        d0, d1 = float(self.draft.coef[0]), float(self.draft.coef[1])
+        best_k, best_rate = 0, -1.0
+        for k in range(kmax + 1):
+            draft = max(sunk_ms, 0.0) if sunk_ms is not None else (d0 + d1 * k if k else 0.0)
+            rate = gain[k] / (draft + verify[k])
+            if rate > best_rate:  # first best, like argmax
+                best_k, best_rate = k, rate
+        return best_k
 
-    def _costs(self, kmax: int, ahead: bool) -> tuple[np.ndarray, np.ndarray]:
-        """(verify ms, draft ms) of k = 0..kmax [kmax + 1], cached until either model is refitted."""
-        key = (kmax, ahead, self.cost.version, self.draft.version)
+    def _verify_costs(self, kmax: int, ahead: bool) -> list[float]:
+        """Predicted verify ms of k = 0..kmax [kmax + 1], cached until the verify model is refitted."""
+        key = (kmax, ahead, self.cost.version)
         if self._cost_cache is None or self._cost_cache[0] != key:
             ks = np.arange(kmax + 1)
-            self._cost_cache = (key, self.cost.predict_many(ks + 1, (ks > 0) & ahead), self.draft.predict_many(ks))
-        return self._cost_cache[1], self._cost_cache[2]
+            self._cost_cache = (key, self.cost.predict_many(ks + 1, (ks > 0) & ahead).tolist())
+        return self._cost_cache[1]

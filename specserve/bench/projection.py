@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specserve.errors import SpecserveError
+from specserve.gateway.adaptive import expected_emitted
 
 LABEL = "projection"
 
@@ -110,15 +111,6 @@ def fixed_acceptance(methods: Mapping[str, dict]) -> dict[str, Sequence[float | 
     return {name: methods[name]["acceptance_by_position"]["conditional"] for _, name in best.values()}
 
 
-def expected_emitted(alpha: Sequence[float], k: int) -> float:
-    """E[emitted | k] = 1 + sum_{i<k} prod_{j<=i} alpha_j (alpha = conditional per-position acceptance)."""
-    total, run = 1.0, 1.0
-    for a in alpha[:k]:
-        run *= a
-        total += run
-    return total
-
-
 def project(timings: ShapeTimings, acceptance: Mapping[str, Sequence[float | None]]) -> dict:
     """Per drafter (conditional acceptance per position), projected tokens/s for each k whose step time
     was measured and whose positions' acceptance is known."""
@@ -132,7 +124,7 @@ def project(timings: ShapeTimings, acceptance: Mapping[str, Sequence[float | Non
             if k > len(known):
                 continue
             step_ms = timings.verify_ms_by_k[k] + timings.draft_ms_by_k.get(k, 0.0)
-            emitted = expected_emitted(known, k)
+            emitted = expected_emitted(known[:k])[-1]
             points.append({"k": k, "expected_emitted": round(emitted, 4), "step_ms": step_ms,
                            "tokens_per_s": round(emitted * 1e3 / step_ms, 3)})
         lines[method] = points

@@ -24,7 +24,6 @@ from specserve.bench.floors import (
 from specserve.bench.projection import (
     ProjectionError,
     ShapeTimings,
-    expected_emitted,
     load_shape_timings,
     project,
     save_shape_timings,
@@ -107,7 +106,6 @@ def test_acceptance_by_position_hand_computed():
 
 
 def test_projection_combines_measured_step_times_with_acceptance():
-    assert expected_emitted([0.5, 0.5], 2) == pytest.approx(1.75)
     timings = ShapeTimings("X", "test", "gpu", {0: 10.0, 1: 11.0, 2: 12.0, 4: 14.0}, {})
     out = project(timings, {"m": [0.5, 0.5, None]})
     assert out["label"] == "projection"
