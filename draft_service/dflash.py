@@ -19,6 +19,12 @@ target_layer_ids (our capture convention: output of target decoder layer i); ``m
 ``layers.{i}.self_attn.{q,k,v,o}_proj.weight``, ``layers.{i}.post_attention_layernorm.weight``,
 ``layers.{i}.mlp.{gate,up,down}_proj.weight``, ``norm.weight``, ``lm_head.weight [V, H]``.
 
+Shared target head (``shared_target_head: true`` in config.json; absent = false, the original layout):
+as in the published DFlash design the drafter reads the TARGET's ``model.embed_tokens.weight`` and
+``lm_head.weight`` (its embeddings when the target ties them) instead of its own; hidden_size must then
+equal target_hidden_size. Those two tensors are frozen, not in model.safetensors, and are filled from
+the target checkpoint at load (which is then required). The final ``norm`` stays the drafter's own.
+
 Session cache: per layer the K/V of the context rows of CONFIRMED positions (tokens of S with target
 rows); rollback keeps the longest prefix whose tokens still match S.
 """
@@ -71,6 +77,7 @@ class DFlashConfig:
     target_layer_ids: tuple[int, ...]
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
+    shared_target_head: bool = False  # embed_tokens / lm_head are the target's (frozen, not saved)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "target_layer_ids", tuple(int(i) for i in self.target_layer_ids))
@@ -82,9 +89,18 @@ class DFlashConfig:
             raise DrafterConfigError("dflash config: num_attention_heads must be a multiple of num_key_value_heads")
         if not self.target_layer_ids or min(self.target_layer_ids) < 0:
             raise DrafterConfigError(f"dflash config: bad target_layer_ids {self.target_layer_ids}")
+        if not isinstance(self.shared_target_head, bool):
+            raise DrafterConfigError(f"dflash config: shared_target_head must be true or false, got {self.shared_target_head!r}")
+        if self.shared_target_head and self.hidden_size != self.target_hidden_size:
+            raise DrafterConfigError(
+                f"dflash config: shared_target_head needs hidden_size == target_hidden_size (the target's embeddings"
+                f" and lm_head are [V, {self.target_hidden_size}]), got hidden_size {self.hidden_size}"
+            )
 
     def to_dict(self) -> dict:
         d = {k: getattr(self, k) for k in self.__dataclass_fields__}
+        if not self.shared_target_head:  # the original layout, unchanged
+            del d["shared_target_head"]
         return dict(d, model_type="dflash", target_layer_ids=list(self.target_layer_ids))
 
     @staticmethod
@@ -120,7 +136,8 @@ class _Layer(nn.Module):
 
 
 class DFlashModel(nn.Module):
-    """Parameters are plain tensors with random init (a trainer calls ``requires_grad_()``)."""
+    """Parameters start random; with ``shared_target_head`` embed_tokens and lm_head are frozen
+    (requires_grad False) and hold the target's tensors once loaded or built by the trainer."""
 
     def __init__(self, cfg: DFlashConfig) -> None:
         super().__init__()
@@ -134,6 +151,9 @@ class DFlashModel(nn.Module):
         self.norm = _norm(h, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(h, cfg.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(RopeConfig(rope_type="default", theta=cfg.rope_theta, dim=cfg.head_dim))
+        if cfg.shared_target_head:  # the target's tensors (filled by the loader / trainer), never trained
+            self.embed_tokens.weight.requires_grad_(False)
+            self.lm_head.weight.requires_grad_(False)
 
     def _kv(self, layer: _Layer, x: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         c, t = self.cfg, x.shape[0]
@@ -175,11 +195,20 @@ class DFlashModel(nn.Module):
         return self.lm_head(self.norm(x)).float()
 
 
+SHARED_TENSORS = {"embed_tokens.weight": "model.embed_tokens.weight", "lm_head.weight": "lm_head.weight"}
+
+
+def _saved_names(cfg: DFlashConfig, state_names) -> list[str]:
+    """Module attribute paths that model.safetensors holds (all but the shared target head, if shared)."""
+    return [k for k in state_names if not (cfg.shared_target_head and k in SHARED_TENSORS)]
+
+
 def save_dflash(model: DFlashModel, out_dir: str | Path) -> None:
     """Write config.json + model.safetensors (the layout in the module docstring)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tensors = {_ckpt_name(k): v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    state = model.state_dict()
+    tensors = {_ckpt_name(k): state[k].detach().contiguous().cpu() for k in _saved_names(model.cfg, state)}
     save_file(tensors, str(out / WEIGHTS_FILE))
     (out / "config.json").write_text(json.dumps(model.cfg.to_dict(), indent=2))
 
@@ -194,7 +223,37 @@ def _ckpt_name(attr: str) -> str:
     return attr
 
 
-def load_dflash(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> DFlashModel:
+def read_target_head(target_dir: str | Path) -> dict[str, torch.Tensor]:
+    """The target checkpoint's token embeddings and output head: {"embed_tokens.weight": [V, Ht],
+    "lm_head.weight": [V, Ht]} (the embeddings again when the target ties them)."""
+    from specserve.target_service.models.config import ModelConfig
+    from specserve.target_service.models.loader import checkpoint_files
+
+    try:
+        tied = ModelConfig.from_file(str(target_dir)).tie_word_embeddings
+        files = checkpoint_files(str(target_dir))
+    except Exception as e:
+        raise DrafterConfigError(f"dflash shares the target's embeddings and lm_head, but the target {target_dir}: {e}") from e
+    found: dict[str, torch.Tensor] = {}
+    for file in files:
+        with safe_open(file, framework="pt", device="cpu") as f:
+            for ours, theirs in SHARED_TENSORS.items():
+                if theirs in f.keys():
+                    found[ours] = f.get_tensor(theirs)
+    if tied and "embed_tokens.weight" in found:
+        found["lm_head.weight"] = found["embed_tokens.weight"]
+    missing = [theirs for ours, theirs in SHARED_TENSORS.items() if ours not in found]
+    if missing:
+        raise DrafterConfigError(f"target checkpoint {target_dir} lacks {', '.join(missing)} (dflash shared_target_head)")
+    return found
+
+
+def load_dflash(
+    path: str | Path,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+    target_dir: str | Path | None = None,  # required when the checkpoint has shared_target_head
+) -> DFlashModel:
     path = Path(path)
     try:
         raw = json.loads((path / "config.json").read_text(encoding="utf-8"))
@@ -205,19 +264,33 @@ def load_dflash(path: str | Path, device: str | torch.device = "cpu", dtype: tor
     cfg = DFlashConfig.from_dict(raw)
     if not (path / WEIGHTS_FILE).is_file():
         raise DrafterConfigError(f"dflash: no {WEIGHTS_FILE} in {path}")
+    shared = {}
+    if cfg.shared_target_head:
+        if target_dir is None:
+            raise DrafterConfigError(
+                f"dflash checkpoint {path} has shared_target_head: it reads the target's embed_tokens and lm_head;"
+                " give the target checkpoint (target_checkpoint) to load it"
+            )
+        shared = read_target_head(target_dir)
     with torch.device(device):
         model = DFlashModel(cfg)
+    state = model.state_dict()
     with safe_open(str(path / WEIGHTS_FILE), framework="pt", device="cpu") as f:
         names = set(f.keys())
-        for attr, param in model.state_dict().items():
+        for attr in _saved_names(cfg, state):
             name = _ckpt_name(attr)
             if name not in names:
                 raise DrafterConfigError(f"dflash checkpoint {path} lacks tensor {name}")
-            src = f.get_tensor(name)
-            if tuple(src.shape) != tuple(param.shape):
-                raise DrafterConfigError(f"dflash tensor {name} has shape {tuple(src.shape)}, expected {tuple(param.shape)}")
-            param.copy_(src)
+            _copy_checked(state[attr], f.get_tensor(name), f"dflash tensor {name}")
+    for attr, src in shared.items():
+        _copy_checked(state[attr], src, f"target tensor {SHARED_TENSORS[attr]} (of {target_dir})")
     return model.to(dtype=dtype).eval()
+
+
+def _copy_checked(param: torch.Tensor, src: torch.Tensor, what: str) -> None:
+    if tuple(src.shape) != tuple(param.shape):
+        raise DrafterConfigError(f"{what} has shape {tuple(src.shape)}, expected {tuple(param.shape)}")
+    param.copy_(src)
 
 
 @dataclass
@@ -275,7 +348,7 @@ class DFlashProposer(Proposer):
 def build_dflash_proposer(config: DrafterConfig) -> DFlashProposer:
     if config.checkpoint is None:
         raise DrafterConfigError("dflash needs checkpoint = the DFlash drafter folder")
-    model = load_dflash(config.checkpoint, config.device, config.dtype)
+    model = load_dflash(config.checkpoint, config.device, config.dtype, config.target_checkpoint)
     vocab_hash = f"size:{model.cfg.vocab_size}"
     if config.target_checkpoint is not None:
         t_size, vocab_hash = checkpoint_vocab(config.target_checkpoint)

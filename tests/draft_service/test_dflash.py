@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -87,3 +89,93 @@ def test_rollback_matches_fresh_drafter(saved):
 
     rollback_matches_fresh(make, FakeFeatures(VOCAB, len(LAYERS) * TH), VOCAB, steps=10, sampled=True)
     rollback_matches_fresh(make, FakeFeatures(VOCAB, len(LAYERS) * TH), VOCAB, steps=6, sampled=False, seed=1)
+
+
+# ---------------------------------------------------------------- shared target head (embeddings + lm_head)
+TARGET_V, TARGET_H = 64, 32  # tiny_ckpt("target_moe"): qwen3_moe, hidden 32, vocab 64, untied
+
+
+def shared_dflash(seed=0, hidden=TARGET_H) -> DFlashModel:
+    torch.manual_seed(seed)
+    cfg = DFlashConfig(hidden_size=hidden, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                       head_dim=8, intermediate_size=48, vocab_size=TARGET_V, block_size=4,
+                       target_hidden_size=TARGET_H, target_layer_ids=(0, 2), shared_target_head=True)
+    model = DFlashModel(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn_like(p) * 0.4)
+    return model
+
+
+def test_old_checkpoint_layout_is_unchanged(saved):
+    _, path = saved
+    assert "shared_target_head" not in json.loads((path / "config.json").read_text())
+    names = load_file(str(path / "model.safetensors"))
+    assert "embed_tokens.weight" in names and "lm_head.weight" in names
+
+
+def test_shared_head_saves_without_it_and_loads_it_from_the_target(tiny_ckpt, tmp_path):
+    target = tiny_ckpt("target_moe")
+    t = load_file(str(target / "model.safetensors"))
+    model = shared_dflash()
+    assert not model.embed_tokens.weight.requires_grad and not model.lm_head.weight.requires_grad
+    with torch.no_grad():  # what the trainer does: the target's tensors
+        model.embed_tokens.weight.copy_(t["model.embed_tokens.weight"])
+        model.lm_head.weight.copy_(t["lm_head.weight"])
+    save_dflash(model, tmp_path / "d")
+    saved_names = set(load_file(str(tmp_path / "d" / "model.safetensors")))
+    assert "embed_tokens.weight" not in saved_names and "lm_head.weight" not in saved_names
+    assert "norm.weight" in saved_names and "layers.1.mlp.down_proj.weight" in saved_names
+    assert json.loads((tmp_path / "d" / "config.json").read_text())["shared_target_head"] is True
+
+    p = build_proposer(DrafterConfig(family="dflash", checkpoint=tmp_path / "d", target_checkpoint=target,
+                                     dtype="float32", max_block_size=4))
+    assert p.model.cfg.shared_target_head
+    torch.testing.assert_close(p.model.embed_tokens.weight, t["model.embed_tokens.weight"], rtol=0, atol=0)
+    torch.testing.assert_close(p.model.lm_head.weight, t["lm_head.weight"], rtol=0, atol=0)
+    feats = torch.randn(7, 2 * TARGET_H)
+    with torch.no_grad():
+        ref = model.eval().block_logits(torch.tensor([5]), 7, model.context_kv(feats, torch.arange(7)))
+        got = p.model.block_logits(torch.tensor([5]), 7, p.model.context_kv(feats, torch.arange(7)))
+    torch.testing.assert_close(got, ref, rtol=0, atol=0)
+
+
+def test_shared_head_without_the_target_is_a_clear_error(tmp_path):
+    save_dflash(shared_dflash(), tmp_path / "d")
+    with pytest.raises(DrafterConfigError, match="shared_target_head.*give the target checkpoint"):
+        build_proposer(DrafterConfig(family="dflash", checkpoint=tmp_path / "d"))
+
+
+def test_shared_head_config_errors(tiny_ckpt, tmp_path):
+    with pytest.raises(DrafterConfigError, match="hidden_size == target_hidden_size"):
+        shared_dflash(hidden=16)
+    raw = dict(random_dflash().cfg.to_dict(), shared_target_head="yes")
+    with pytest.raises(DrafterConfigError, match="shared_target_head must be true or false"):
+        DFlashConfig.from_dict(raw)
+    save_dflash(shared_dflash(), tmp_path / "d")  # vocab 64 against a target of vocab 72
+    with pytest.raises(DrafterConfigError, match=r"model.embed_tokens.weight .* shape \(72, 32\)"):
+        build_proposer(DrafterConfig(family="dflash", checkpoint=tmp_path / "d",
+                                     target_checkpoint=tiny_ckpt("draft_other_vocab")))
+
+
+def test_shared_head_of_a_tied_target_is_its_embeddings(tmp_path):
+    from tiny_hf import save_tiny_hf
+
+    from specserve.draft_service.dflash import read_target_head
+
+    kw = dict(hidden_size=32, intermediate_size=32, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+              num_hidden_layers=1, vocab_size=TARGET_V, tie_word_embeddings=True)
+    target = save_tiny_hf("llama", kw, tmp_path / "tied")
+    head = read_target_head(target)
+    assert head["lm_head.weight"] is head["embed_tokens.weight"]
+    assert tuple(head["embed_tokens.weight"].shape) == (TARGET_V, 32)
+
+
+def test_shipped_checkpoint_still_loads():
+    from specserve.paths import demo_dir
+
+    root = demo_dir()
+    if not (root / "dflash" / "config.json").is_file():
+        pytest.skip("no shipped demo_model/ in this checkout")
+    p = build_proposer(DrafterConfig(family="dflash", checkpoint=root / "dflash", target_checkpoint=root / "target"))
+    assert not p.model.cfg.shared_target_head and p.model.embed_tokens.weight.abs().sum() > 0
