@@ -6,6 +6,10 @@
 # Set SPECSERVE to the command (default: python3 -m specserve.cli.main; run it outside the repo root
 # when the package is installed elsewhere). Time limits only cap a slow machine: the LR schedule then
 # finishes its decay by the limit (train_info.json records whether steps or time stopped a run).
+# DFLASH_ARCH (empty by default = the shipped DFlash arch) adds --arch overrides to the DFlash run of
+# the heads stage, e.g. the shared-target-head mode (embeddings and lm_head read from the target, not
+# saved; hidden = the target's 256):
+#   DFLASH_ARCH="--arch shared_target_head=1 --arch num_layers=3 --arch head_dim=64 --arch intermediate_size=640"
 set -euo pipefail
 OUT=${1:?usage: build_demo.sh OUT base|heads|eval}
 STAGE=${2:?usage: build_demo.sh OUT base|heads|eval}
@@ -32,7 +36,7 @@ case "$STAGE" in
       --sd-cache "${SD_CACHE:-/tmp/specserve_sd}_eagle3" &
     EAGLE=$!
     $SPECSERVE train draft --family dflash --target "$OUT/target" --out "$OUT/dflash" --device "$DEV" \
-      --steps 20000 --batch-size 64 --lr 2e-3 --time-limit-s "${HEADS_LIMIT_S:-360}" $HSD \
+      --steps 20000 --batch-size 64 --lr 2e-3 --time-limit-s "${HEADS_LIMIT_S:-360}" $HSD ${DFLASH_ARCH:-} \
       --sd-cache "${SD_CACHE:-/tmp/specserve_sd}_dflash" &
     DFLASH=$!
     wait $EAGLE

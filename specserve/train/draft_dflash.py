@@ -10,11 +10,16 @@ Training runs many blocks (random anchors a) of many sequences in one pass. ``bl
 batched form of ``DFlashModel.block_logits`` — the same submodules and helpers applied to all blocks at
 once (each block: context keys of its own sequence before its anchor + its own keys);
 tests/specserve/test_train.py checks it against ``block_logits`` block by block.
+
+``--arch shared_target_head=1``: the drafter uses the target's token embeddings and lm_head (copied,
+frozen, not saved: the proposer reads them from the target checkpoint) and the target's hidden size
+(``hidden_size`` is then ignored); its own final norm starts from the target's. Default 0 = the
+shipped layout with the drafter's own embeddings and lm_head.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -36,18 +41,41 @@ class DFlashSpec:
     anchors: int = 64  # random anchors per sequence per step
     group: int = 64  # sequences per pass
     position_decay: float = 0.8
+    shared_target_head: bool = False  # 1 = read the target's embeddings + lm_head (see the module docstring)
 
     def __post_init__(self) -> None:
+        if self.shared_target_head not in (0, 1):  # apply_arch gives an int
+            raise TrainError(f"DFlashSpec.shared_target_head must be 0 or 1, got {self.shared_target_head!r}")
+        object.__setattr__(self, "shared_target_head", bool(self.shared_target_head))
         for name, value in asdict(self).items():
-            if not value > 0:
+            if name != "shared_target_head" and not value > 0:
                 raise TrainError(f"DFlashSpec.{name} must be > 0, got {value}")
         if self.block_size < 2:
             raise TrainError("block_size must be >= 2")
 
 
+def resolve_spec(spec: DFlashSpec, target_config) -> DFlashSpec:
+    """The spec actually built: with a shared target head the hidden size is the target's."""
+    if spec.shared_target_head and spec.hidden_size != target_config.hidden_size:
+        return replace(spec, hidden_size=target_config.hidden_size)
+    return spec
+
+
+def _target_head(target) -> tuple[torch.Tensor, torch.Tensor]:
+    """(embed_tokens [V, Ht], lm_head [V, Ht]) of the trainer's (transformers) target, float32 on CPU."""
+    embed = target.model.embed_tokens.weight
+    lm_head = embed if getattr(target, "lm_head", None) is None else target.lm_head.weight
+    shape = (target.config.vocab_size, target.config.hidden_size)
+    for name, w in (("embed_tokens", embed), ("lm_head", lm_head)):
+        if tuple(w.shape) != shape:
+            raise TrainError(f"shared_target_head: the target's {name} is {tuple(w.shape)}, expected {shape}")
+    return embed.detach().float().cpu(), lm_head.detach().float().cpu()
+
+
 def build_dflash(target, spec: DFlashSpec, layers: tuple[int, ...]):
     from specserve.draft_service.dflash import DFlashConfig, DFlashModel
 
+    spec = resolve_spec(spec, target.config)
     cfg = DFlashConfig(
         hidden_size=spec.hidden_size,
         num_hidden_layers=spec.num_layers,
@@ -59,10 +87,16 @@ def build_dflash(target, spec: DFlashSpec, layers: tuple[int, ...]):
         block_size=spec.block_size,
         target_hidden_size=target.config.hidden_size,
         target_layer_ids=layers,
+        shared_target_head=spec.shared_target_head,
     )
-    model = DFlashModel(cfg)
+    model = DFlashModel(cfg)  # shared: embed_tokens / lm_head already frozen
     with torch.no_grad():
         torch.nn.init.normal_(model.mask_embedding, std=0.02)
+        if spec.shared_target_head:
+            embed, lm_head = _target_head(target)
+            model.embed_tokens.weight.copy_(embed)
+            model.lm_head.weight.copy_(lm_head)
+            model.norm.weight.copy_(target.model.norm.weight.detach().float().cpu())
     return model
 
 
@@ -131,7 +165,7 @@ def sample_anchors(gen: torch.Generator, groups: int, length: int, spec: DFlashS
 def train_dflash_job(job) -> dict:
     from specserve.draft_service.dflash import save_dflash
 
-    spec = apply_arch(DFlashSpec(), job.arch)
+    spec = resolve_spec(apply_arch(DFlashSpec(), job.arch), job.target.config)
     layers = default_capture_layers(job.target.config.num_hidden_layers)
     torch.manual_seed(job.seed)
     model = build_dflash(job.target, spec, layers).to(job.device).train()

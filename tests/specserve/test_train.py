@@ -28,6 +28,7 @@ DRAFT_ARCH = {
                "--arch", "num_kv_heads=1", "--arch", "head_dim=16", "--arch", "intermediate_size=32",
                "--arch", "block_size=3", "--arch", "anchors=4", "--arch", "group=2"],
 }
+SHARED_DFLASH = [*DRAFT_ARCH["dflash"], "--arch", "shared_target_head=1", "--arch", "num_layers=2"]
 SD = ["--sd-prompts", "4", "--sd-prompt-len", "8", "--sd-new-tokens", "8", "--sd-batch-size", "4"]
 
 
@@ -64,6 +65,10 @@ def demo(tmp_path_factory):
     for family, arch in DRAFT_ARCH.items():
         assert main(["train", "draft", "--family", family, "--target", str(root / "target"),
                      "--out", str(root / family), "--steps", "2", "--batch-size", "4", *SD, *arch, *CORPUS]) == 0
+    assert main(["train", "draft", "--family", "dflash", "--target", str(root / "target"), "--out",
+                 str(root / "shared" / "dflash"), "--steps", "2", "--batch-size", "4", *SD, *SHARED_DFLASH,
+                 *CORPUS]) == 0
+    (root / "shared" / "target").symlink_to(root / "target")  # a demo dir whose dflash shares the target head
     return root
 
 
@@ -102,17 +107,27 @@ def test_each_drafter_loads_and_is_lossless(demo, family):
     assert r["verify_steps"] >= 1 and 1.0 <= r["mean_accepted_length"] <= 4.0
 
 
-def test_batched_dflash_blocks_match_the_proposer_forward():
+@pytest.mark.parametrize("shared", [False, True])
+def test_batched_dflash_blocks_match_the_proposer_forward(shared):
     from specserve.train.draft_dflash import DFlashSpec, blocks_logits, build_dflash
 
-    class _T:  # the two target config fields build_dflash reads
+    torch.manual_seed(0)
+
+    class _T:  # the target fields build_dflash reads (embeddings, lm_head and norm only when shared)
         class config:
             vocab_size, hidden_size = 50, 8
 
+        class model:
+            embed_tokens, norm = torch.nn.Embedding(50, 8), torch.nn.LayerNorm(8)
+
+        lm_head = torch.nn.Linear(8, 50, bias=False)
+
     spec = DFlashSpec(hidden_size=16, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=8,
-                      intermediate_size=24, block_size=3)
-    torch.manual_seed(0)
+                      intermediate_size=24, block_size=3, shared_target_head=shared)
     model = build_dflash(_T, spec, (0, 1)).eval()
+    assert model.cfg.hidden_size == (8 if shared else 16)
+    if shared:
+        assert torch.equal(model.lm_head.weight, _T.lm_head.weight) and not model.lm_head.weight.requires_grad
     ids = torch.randint(0, 50, (2, 12))
     feats = torch.randn(2, 12, 16)
     anchors = torch.tensor([[1, 5, 9], [2, 4, 8]])
@@ -209,3 +224,65 @@ def test_shipped_demo_fits_the_budget_and_loads_in_engine_and_transformers():
         ref = hf(input_ids=torch.tensor([prompt + [pending, *block]])).logits[0]
     assert pending == int(ref[len(prompt) - 1].argmax())
     torch.testing.assert_close(scores, ref[len(prompt):], rtol=1e-3, atol=1e-3)
+
+
+def test_shared_head_dflash_trained_by_the_cli_is_lossless_and_saves_no_head(demo):
+    from safetensors.torch import load_file
+
+    from specserve.train.acceptance import evaluate
+
+    out = demo / "shared" / "dflash"
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["shared_target_head"] is True and cfg["hidden_size"] == cfg["target_hidden_size"] == 32
+    names = set(load_file(str(out / "model.safetensors")))
+    assert "embed_tokens.weight" not in names and "lm_head.weight" not in names and "layers.1.self_attn.q_proj.weight" in names
+    assert json.loads((out / "train_info.json").read_text())["train"]["arch"]["hidden_size"] == 32
+    (r,) = evaluate(demo / "shared", ["dflash"], k=3, max_new=8, num_prompts=2, device="cpu", dtype="float32")["results"]
+    assert r["lossless_prompts"] == r["prompts"] == 2
+
+
+def test_shared_head_dflash_trains_frozen_head_and_reloads_with_the_same_logits(demo, tmp_path):
+    """A few CPU steps on the real (tiny) target's features: the shared embeddings / lm_head stay the
+    target's, the rest moves; saved (float32) and reloaded from the target checkpoint, the block logits
+    are the same."""
+    from specserve.draft_service.dflash import load_dflash, save_dflash
+    from specserve.train.common import make_optimizer
+    from specserve.train.distill import load_target, target_outputs
+    from specserve.train.draft_dflash import DFlashSpec, block_loss, build_dflash, sample_anchors
+
+    target = load_target(demo / "target", torch.device("cpu"))  # what the trainer reads
+    spec = DFlashSpec(num_layers=2, num_heads=2, num_kv_heads=1, head_dim=16, intermediate_size=32, block_size=3,
+                      anchors=4, shared_target_head=True)
+    torch.manual_seed(0)
+    layers = (0, 1, 2)
+    model = build_dflash(target, spec, layers).train()
+    embed0, fc0 = model.embed_tokens.weight.clone(), model.fc.weight.clone()
+    torch.testing.assert_close(model.lm_head.weight, target.lm_head.weight, rtol=0, atol=0)
+    opt = make_optimizer(model.parameters(), 1e-2, 0.0, torch.device("cpu"))
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, target.config.vocab_size, (2, 16), generator=gen)
+    logits, feats = target_outputs(target, ids, layers)
+    for _ in range(3):
+        loss, _ = block_loss(model, ids, feats, logits.softmax(-1), sample_anchors(gen, 2, 16, spec, "cpu"), 0.8)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert torch.equal(model.embed_tokens.weight, embed0) and not torch.equal(model.fc.weight, fc0)
+    torch.testing.assert_close(model.lm_head.weight, target.lm_head.weight, rtol=0, atol=0)
+    save_dflash(model.eval(), tmp_path / "d")
+    loaded = load_dflash(tmp_path / "d", target_dir=demo / "target")
+    with torch.no_grad():
+        ctx = feats[0, :9]
+        ref = model.block_logits(ids[0, 9:10], 9, model.context_kv(ctx, torch.arange(9)))
+        got = loaded.block_logits(ids[0, 9:10], 9, loaded.context_kv(ctx, torch.arange(9)))
+    torch.testing.assert_close(got, ref, rtol=0, atol=0)
+
+
+def test_dflash_shared_target_head_arch_flag():
+    from specserve.train.common import TrainError, apply_arch
+    from specserve.train.draft_dflash import DFlashSpec
+
+    assert DFlashSpec().shared_target_head is False  # the shipped arch
+    assert apply_arch(DFlashSpec(), {"shared_target_head": "1"}).shared_target_head is True
+    with pytest.raises(TrainError, match="shared_target_head must be 0 or 1"):
+        apply_arch(DFlashSpec(), {"shared_target_head": "2"})
