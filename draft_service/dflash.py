@@ -54,6 +54,7 @@ from specserve.draft_service.proposer import (
     checkpoint_vocab,
     common_prefix_len,
 )
+from specserve.draft_service.target_tensors import read_target_tensors
 from specserve.target_service.engine.types import DraftBlock
 from specserve.target_service.models.attention import attend
 from specserve.target_service.models.config import RopeConfig
@@ -227,24 +228,15 @@ def read_target_head(target_dir: str | Path) -> dict[str, torch.Tensor]:
     """The target checkpoint's token embeddings and output head: {"embed_tokens.weight": [V, Ht],
     "lm_head.weight": [V, Ht]} (the embeddings again when the target ties them)."""
     from specserve.target_service.models.config import ModelConfig
-    from specserve.target_service.models.loader import checkpoint_files
 
     try:
         tied = ModelConfig.from_file(str(target_dir)).tie_word_embeddings
-        files = checkpoint_files(str(target_dir))
     except Exception as e:
         raise DrafterConfigError(f"dflash shares the target's embeddings and lm_head, but the target {target_dir}: {e}") from e
-    found: dict[str, torch.Tensor] = {}
-    for file in files:
-        with safe_open(file, framework="pt", device="cpu") as f:
-            for ours, theirs in SHARED_TENSORS.items():
-                if theirs in f.keys():
-                    found[ours] = f.get_tensor(theirs)
-    if tied and "embed_tokens.weight" in found:
+    names = {k: v for k, v in SHARED_TENSORS.items() if not (tied and k == "lm_head.weight")}
+    found = read_target_tensors(target_dir, names, "dflash shared_target_head")
+    if tied:
         found["lm_head.weight"] = found["embed_tokens.weight"]
-    missing = [theirs for ours, theirs in SHARED_TENSORS.items() if ours not in found]
-    if missing:
-        raise DrafterConfigError(f"target checkpoint {target_dir} lacks {', '.join(missing)} (dflash shared_target_head)")
     return found
 
 

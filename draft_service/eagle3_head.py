@@ -35,6 +35,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from specserve.draft_service.proposer import DrafterConfigError
+from specserve.draft_service.target_tensors import read_target_tensors
 from specserve.target_service.models.attention import attend
 from specserve.target_service.models.config import GQAConfig, ModelConfig, RopeConfig
 from specserve.target_service.models.layers import RMSNorm
@@ -211,20 +212,6 @@ def save_eagle3_head(head: Eagle3Head, out_dir: str | Path, with_embeddings: boo
     (out / "config.json").write_text(json.dumps(head.cfg.raw, indent=2))
 
 
-def _read_target_embeddings(target_dir: Path) -> torch.Tensor:
-    from specserve.target_service.models.loader import checkpoint_files
-
-    try:
-        files = checkpoint_files(str(target_dir))
-    except Exception as e:
-        raise DrafterConfigError(f"EAGLE-3 head has no embed_tokens.weight and the target: {e}") from e
-    for file in files:
-        with safe_open(file, framework="pt", device="cpu") as f:
-            if "model.embed_tokens.weight" in f.keys():
-                return f.get_tensor("model.embed_tokens.weight")
-    raise DrafterConfigError(f"target checkpoint {target_dir} lacks model.embed_tokens.weight")
-
-
 def load_eagle3_head(
     head_dir: str | Path,
     target_dir: str | Path | None,
@@ -253,7 +240,7 @@ def load_eagle3_head(
             raise DrafterConfigError(
                 "EAGLE-3 head has no embed_tokens.weight; give the target checkpoint to read them from"
             )
-        tensors["embed_tokens.weight"] = _read_target_embeddings(Path(target_dir))
+        tensors.update(read_target_tensors(target_dir, {"embed_tokens.weight": "model.embed_tokens.weight"}, "EAGLE-3 head"))
     with torch.device(device):
         head = Eagle3Head(cfg, with_embeddings=True)
     params = dict(head.state_dict())
