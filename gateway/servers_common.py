@@ -104,16 +104,22 @@ def check_address(address: str) -> str:
     return address
 
 
-def server_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
+def _limits_and_keepalive(max_message_bytes: int) -> list[tuple[str, int]]:
+    """What server and client must agree on: message limits and keepalive pings."""
     return [
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.keepalive_time_ms", _KEEPALIVE_MS),
         ("grpc.keepalive_timeout_ms", _KEEPALIVE_TIMEOUT_MS),
         ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
+    ]
+
+
+def server_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
+    return _limits_and_keepalive(max_message_bytes) + [
         ("grpc.http2.min_recv_ping_interval_without_data_ms", _KEEPALIVE_MS // 2),
         ("grpc.http2.max_ping_strikes", 0),
-        ("grpc.http2.max_pings_without_data", 0),
         ("grpc.so_reuseport", 0),
     ]
 
@@ -121,13 +127,7 @@ def server_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str
 def channel_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
     """Client side: the same limits and keepalive, and a short reconnect backoff so that a restarted
     service is used again within about a second."""
-    return [
-        ("grpc.max_send_message_length", max_message_bytes),
-        ("grpc.max_receive_message_length", max_message_bytes),
-        ("grpc.keepalive_time_ms", _KEEPALIVE_MS),
-        ("grpc.keepalive_timeout_ms", _KEEPALIVE_TIMEOUT_MS),
-        ("grpc.keepalive_permit_without_calls", 1),
-        ("grpc.http2.max_pings_without_data", 0),
+    return _limits_and_keepalive(max_message_bytes) + [
         ("grpc.initial_reconnect_backoff_ms", 100),
         ("grpc.min_reconnect_backoff_ms", 100),
         ("grpc.max_reconnect_backoff_ms", 1000),
