@@ -3,8 +3,6 @@ second proposer driven directly with the same calls."""
 
 from __future__ import annotations
 
-import asyncio
-import threading
 import time
 
 import grpc
@@ -14,39 +12,26 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from specserve.draft_service.proposer import DrafterConfig
 from specserve.draft_service.registry import build_proposer
 from specserve.draft_service.server import SERVICE_NAME, DraftServicer, DrafterWorker
-from specserve.gateway.servers_common import ServerConfig, ServiceBinding, channel_options, start_server
+from specserve.gateway.servers_common import ServiceBinding
 from specserve.protos import convert
 from specserve.protos.specserve.v1 import draft_pb2, draft_pb2_grpc
 from specserve.target_service.engine.types import SamplingParams
+from served import InProcessServer
 
 CONFIG = DrafterConfig(family="ngram", max_block_size=6)
 SEQ = [4, 8, 15, 16, 23, 42, 4, 8, 15, 16, 23]
 
 
-class ServedDraft:
+class ServedDraft(InProcessServer):
     def __init__(self, address: str) -> None:
-        self.loop = asyncio.new_event_loop()
-        threading.Thread(target=self.loop.run_forever, daemon=True).start()
-        self.running = self._do(self._start(address))
-        self.channel = grpc.insecure_channel(address, options=channel_options())
-        self.stub = draft_pb2_grpc.DraftServiceStub(self.channel)
+        super().__init__(address, draft_pb2_grpc.DraftServiceStub)
 
-    def _do(self, coro, timeout=60):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    async def _start(self, address):
-        self.worker = await DrafterWorker.build(lambda: build_proposer(CONFIG))
-        binding = ServiceBinding(draft_pb2_grpc.add_DraftServiceServicer_to_server, DraftServicer(self.worker), SERVICE_NAME)
-        return await start_server(ServerConfig((address,)), [binding])
+    async def _build(self):
+        worker = await DrafterWorker.build(lambda: build_proposer(CONFIG))
+        return worker, ServiceBinding(draft_pb2_grpc.add_DraftServiceServicer_to_server, DraftServicer(worker), SERVICE_NAME)
 
     def stats(self) -> draft_pb2.DraftStats:
         return self.stub.GetStats(draft_pb2.DraftStatsRequest(), timeout=10)
-
-    def close(self) -> None:
-        self.channel.close()
-        self._do(self.running.stop(5))
-        self._do(self.worker.close())
-        self.loop.call_soon_threadsafe(self.loop.stop)
 
 
 @pytest.fixture(scope="module")

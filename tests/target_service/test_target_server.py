@@ -3,7 +3,6 @@ local engine built from the same checkpoint."""
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import threading
 import time
@@ -14,45 +13,34 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from specserve.gateway.servers_common import ServerConfig, ServiceBinding, channel_options, start_server
+from specserve.gateway.servers_common import ServiceBinding
 from specserve.protos import convert
 from specserve.protos.specserve.v1 import common_pb2, target_pb2, target_pb2_grpc
 from specserve.target_service.engine.types import DraftBlock, SamplingParams
 from specserve.target_service.factory import EngineConfig, build_engine
 from specserve.target_service.server import SERVICE_NAME, EngineWorker, TargetServicer
+from served import InProcessServer
 
 PROMPT = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38]
 
 
-class ServedTarget:
+class ServedTarget(InProcessServer):
     """A TargetServicer on its own event loop thread, as the `specserve target` process runs it."""
 
+    call_timeout_s = 30.0
+
     def __init__(self, cfg: EngineConfig, address: str) -> None:
-        self.address = address
-        self.loop = asyncio.new_event_loop()
-        threading.Thread(target=self.loop.run_forever, daemon=True).start()
-        self.running = self._do(self._start(cfg), 120)
-        self.channel = grpc.insecure_channel(address, options=channel_options())
-        self.stub = target_pb2_grpc.TargetServiceStub(self.channel)
+        self.cfg = cfg
+        super().__init__(address, target_pb2_grpc.TargetServiceStub, start_timeout_s=120)
 
-    def _do(self, coro, timeout=30):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    async def _start(self, cfg):
-        self.worker = await EngineWorker.build(lambda: build_engine(cfg))
-        self.worker.start()
-        servicer = TargetServicer(self.worker, model_name="tiny")
-        binding = ServiceBinding(target_pb2_grpc.add_TargetServiceServicer_to_server, servicer, SERVICE_NAME)
-        return await start_server(ServerConfig((self.address,)), [binding])
+    async def _build(self):
+        worker = await EngineWorker.build(lambda: build_engine(self.cfg))
+        worker.start()
+        servicer = TargetServicer(worker, model_name="tiny")
+        return worker, ServiceBinding(target_pb2_grpc.add_TargetServiceServicer_to_server, servicer, SERVICE_NAME)
 
     def stats(self) -> target_pb2.TargetStats:
         return self.stub.GetStats(target_pb2.TargetStatsRequest(), timeout=10)
-
-    def close(self) -> None:
-        self.channel.close()
-        self._do(self.running.stop(5))
-        self._do(self.worker.close())
-        self.loop.call_soon_threadsafe(self.loop.stop)
 
 
 @pytest.fixture(scope="module")
