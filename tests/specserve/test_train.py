@@ -140,10 +140,8 @@ def test_batched_dflash_blocks_match_the_proposer_forward(shared):
                 torch.testing.assert_close(batched[g, j], ref, rtol=1e-4, atol=1e-4)
 
 
-def test_eagle3_ttt_pass_two_matches_drafting_from_the_head_output():
-    """Pass 2 of the training-time test at entry j equals the proposer's first drafting step after a
-    pending token at position j - 1 (its cache = pass-1 entries 1..j-1)."""
-    from specserve.train.draft_eagle3 import Eagle3Spec, build_head, ttt_masks
+def _tiny_eagle3_target():
+    """The few target fields build_head reads: config sizes and token embeddings (hidden 16, vocab 40)."""
 
     class _Cfg:
         hidden_size, vocab_size, max_position_embeddings, bos_token_id, eos_token_id = 16, 40, 64, 0, 0
@@ -154,6 +152,15 @@ def test_eagle3_ttt_pass_two_matches_drafting_from_the_head_output():
         class model:
             embed_tokens = torch.nn.Embedding(40, 16)
 
+    return _T
+
+
+def test_eagle3_ttt_pass_two_matches_drafting_from_the_head_output():
+    """Pass 2 of the training-time test at entry j equals the proposer's first drafting step after a
+    pending token at position j - 1 (its cache = pass-1 entries 1..j-1)."""
+    from specserve.train.draft_eagle3 import Eagle3Spec, build_head, ttt_masks
+
+    _T = _tiny_eagle3_target()
     spec = Eagle3Spec(num_heads=2, num_kv_heads=1, head_dim=8, intermediate_size=24, ttt_steps=2, group=1)
     torch.manual_seed(0)
     head = build_head(_T, spec, (0, 1, 2)).eval()
@@ -177,15 +184,7 @@ def test_eagle3_ttt_pass_two_matches_drafting_from_the_head_output():
 def test_eagle3_batched_ttt_loss_equals_per_sequence_losses():
     from specserve.train.draft_eagle3 import Eagle3Spec, build_head, ttt_loss, ttt_masks
 
-    class _Cfg:
-        hidden_size, vocab_size, max_position_embeddings, bos_token_id, eos_token_id = 16, 40, 64, 0, 0
-
-    class _T:
-        config = _Cfg
-
-        class model:
-            embed_tokens = torch.nn.Embedding(40, 16)
-
+    _T = _tiny_eagle3_target()
     spec = Eagle3Spec(num_heads=2, num_kv_heads=1, head_dim=8, intermediate_size=24, ttt_steps=3)
     torch.manual_seed(1)
     head = build_head(_T, spec, (0, 1, 2))
