@@ -11,6 +11,15 @@ batched form of ``DFlashModel.block_logits`` — the same submodules and helpers
 once (each block: context keys of its own sequence before its anchor + its own keys);
 tests/specserve/test_train.py checks it against ``block_logits`` block by block.
 
+Greedy-chain labels (``--arch chain_labels=1``). At temperature 0, output i only counts when drafts
+0..i-1 were accepted, i.e. when tokens a+1..a+i are the target's own greedy tokens; its label should be
+the target's distribution at a+i given that chain. A training sequence gives it only where its tokens
+a+1..a+i happen to equal the target's argmax at the position before each; elsewhere (real text the
+target would not have written) the label is conditioned on tokens the drafter cannot see. With
+``chain_labels`` the loss of output i is taken only over blocks whose tokens a+1..a+i are on the
+greedy chain (output 0 always counts). The reported agreement of output i is always over those
+blocks: the chance that draft i is accepted given drafts 0..i-1 were.
+
 ``--arch shared_target_head=1``: the drafter uses the target's token embeddings and lm_head (copied,
 frozen, not saved: the proposer reads them from the target checkpoint) and the target's hidden size
 (``hidden_size`` is then ignored); its own final norm starts from the target's. Default 0 = the
@@ -29,6 +38,9 @@ from specserve.train.draft_eagle3 import default_capture_layers
 from specserve.train.feature_distill import heldout_agreement, train_on_target_features
 
 
+_FLAGS = ("shared_target_head", "chain_labels")  # the 0/1 fields of DFlashSpec
+
+
 @dataclass(frozen=True)
 class DFlashSpec:
     hidden_size: int = 192
@@ -42,13 +54,16 @@ class DFlashSpec:
     group: int = 64  # sequences per pass
     position_decay: float = 0.8
     shared_target_head: bool = False  # 1 = read the target's embeddings + lm_head (see the module docstring)
+    chain_labels: bool = False  # 1 = train output i only on greedy-chain blocks (see the module docstring)
 
     def __post_init__(self) -> None:
-        if self.shared_target_head not in (0, 1):  # apply_arch gives an int
-            raise TrainError(f"DFlashSpec.shared_target_head must be 0 or 1, got {self.shared_target_head!r}")
-        object.__setattr__(self, "shared_target_head", bool(self.shared_target_head))
+        for name in _FLAGS:
+            value = getattr(self, name)
+            if value not in (0, 1):  # apply_arch gives an int
+                raise TrainError(f"DFlashSpec.{name} must be 0 or 1, got {value!r}")
+            object.__setattr__(self, name, bool(value))
         for name, value in asdict(self).items():
-            if name != "shared_target_head" and not value > 0:
+            if name not in _FLAGS and not value > 0:
                 raise TrainError(f"DFlashSpec.{name} must be > 0, got {value}")
         if self.block_size < 2:
             raise TrainError("block_size must be >= 2")
@@ -140,17 +155,35 @@ def blocks_logits(model, ids: torch.Tensor, feats: torch.Tensor, anchors: torch.
     return model.lm_head(model.norm(x)).float().view(G, A, b, -1)
 
 
-def block_loss(model, ids, feats, probs, anchors, decay: float):
-    """-> (weighted soft cross entropy, argmax agreement per block position)."""
+def greedy_chain_mask(ids: torch.Tensor, probs: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """ids [G, T], probs [G, T, V] (the target's next-token distributions), idx [G, A, b] label positions
+    a + i -> [G, A, b] bool: tokens a+1..a+i all equal the target's argmax at the position before
+    (output 0 is always True)."""
+    greedy = probs.argmax(-1)  # [G, T] the target's next token after each position
+    follows = torch.ones_like(ids, dtype=torch.bool)
+    follows[:, 1:] = ids[:, 1:] == greedy[:, :-1]  # token t is the target's greedy pick after t-1
+    on_chain = torch.gather(follows, 1, idx.reshape(ids.shape[0], -1)).view_as(idx)
+    on_chain[..., 0] = True  # output 0 follows the pending token, which is given
+    return on_chain.cumprod(-1).bool()
+
+
+def block_loss(model, ids, feats, probs, anchors, decay: float, chain_labels: bool = False):
+    """-> (weighted soft cross entropy, agreement of each block position on greedy-chain blocks)."""
     b = model.cfg.block_size
     logits = blocks_logits(model, ids, feats, anchors)  # [G, A, b, V]
     idx = anchors[:, :, None] + torch.arange(b, device=ids.device)  # [G, A, b] label positions a + i
     labels = torch.gather(probs, 1, idx.reshape(ids.shape[0], -1, 1).expand(-1, -1, probs.shape[-1]))
     labels = labels.view_as(logits)
-    ce = -(labels * F.log_softmax(logits, dim=-1)).sum(-1).mean(dim=(0, 1))  # [b]
+    chain = greedy_chain_mask(ids, probs, idx).float()  # [G, A, b]
+    ce = -(labels * F.log_softmax(logits, dim=-1)).sum(-1)  # [G, A, b]
+    if chain_labels:
+        ce = (ce * chain).sum(dim=(0, 1)) / chain.sum(dim=(0, 1)).clamp_min(1.0)  # [b]
+    else:
+        ce = ce.mean(dim=(0, 1))
     w = decay ** torch.arange(b, device=ids.device, dtype=ce.dtype)
     with torch.no_grad():
-        agree = (logits.argmax(-1) == labels.argmax(-1)).float().mean(dim=(0, 1))
+        hits = (logits.argmax(-1) == labels.argmax(-1)).float() * chain
+        agree = hits.sum(dim=(0, 1)) / chain.sum(dim=(0, 1)).clamp_min(1.0)
     return (w * ce).sum() / w.sum(), [round(float(a), 3) for a in agree]
 
 
@@ -174,7 +207,7 @@ def train_dflash_job(job) -> dict:
     def loss_with_anchors(gen: torch.Generator):
         def loss_fn(ids, feats, probs):
             anchors = sample_anchors(gen, len(ids), ids.shape[1], spec, job.device)
-            return block_loss(model, ids, feats, probs, anchors, spec.position_decay)
+            return block_loss(model, ids, feats, probs, anchors, spec.position_decay, spec.chain_labels)
 
         return loss_fn
 

@@ -285,3 +285,70 @@ def test_dflash_shared_target_head_arch_flag():
     assert apply_arch(DFlashSpec(), {"shared_target_head": "1"}).shared_target_head is True
     with pytest.raises(TrainError, match="shared_target_head must be 0 or 1"):
         apply_arch(DFlashSpec(), {"shared_target_head": "2"})
+
+
+def test_dflash_chain_labels_arch_flag():
+    from specserve.train.common import TrainError, apply_arch
+    from specserve.train.draft_dflash import DFlashSpec
+
+    assert apply_arch(DFlashSpec(), {"chain_labels": "1"}).chain_labels is True
+    with pytest.raises(TrainError, match="chain_labels must be 0 or 1"):
+        apply_arch(DFlashSpec(), {"chain_labels": "3"})
+
+
+def test_greedy_chain_mask_follows_the_targets_argmax_chain():
+    """Output i of a block at anchor a is on the chain iff tokens a+1..a+i each equal the target's argmax
+    at the position before; checked against a plain loop on fresh random data."""
+    from specserve.train.draft_dflash import greedy_chain_mask
+
+    gen = torch.Generator().manual_seed(3)
+    G, T, V, A, b = 3, 40, 5, 7, 4  # a small vocabulary so that chains of several tokens occur
+    ids = torch.randint(0, V, (G, T), generator=gen)
+    probs = torch.rand(G, T, V, generator=gen).softmax(-1)
+    greedy = probs.argmax(-1)
+    ids[0, 11:16] = greedy[0, 10:15]  # one long chain from anchor 10
+    anchors = torch.randint(1, T - b + 1, (G, A), generator=gen)
+    anchors[0, 0] = 10
+    idx = anchors[:, :, None] + torch.arange(b)
+    got = greedy_chain_mask(ids, probs, idx)
+    assert got.dtype == torch.bool and got.shape == (G, A, b)
+    for g in range(G):
+        for j in range(A):
+            a = int(anchors[g, j])
+            for i in range(b):
+                want = all(int(ids[g, a + m]) == int(greedy[g, a + m - 1]) for m in range(1, i + 1))
+                assert bool(got[g, j, i]) == want, (g, a, i)
+    assert got[0, 0].all()  # the planted chain
+    assert got[..., 0].all() and not got.all()  # output 0 always counts; random tokens break chains
+
+
+def test_dflash_chain_labels_loss_ignores_off_chain_blocks():
+    """With chain_labels the loss does not depend on the labels of off-chain outputs; without, it does."""
+    from specserve.train.draft_dflash import DFlashSpec, block_loss, build_dflash, greedy_chain_mask
+
+    class _T:
+        class config:  # noqa: N801 - mimics a transformers config
+            hidden_size, vocab_size = 16, 11
+
+    spec = DFlashSpec(hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8,
+                      intermediate_size=24, block_size=3)
+    torch.manual_seed(0)
+    model = build_dflash(_T, spec, (0,)).eval()
+    gen = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, 11, (2, 20), generator=gen)
+    feats = torch.randn(2, 20, 16, generator=gen)
+    probs = torch.rand(2, 20, 11, generator=gen).softmax(-1)
+    anchors = torch.randint(1, 18, (2, 6), generator=gen)
+    idx = anchors[:, :, None] + torch.arange(3)
+    off = idx[~greedy_chain_mask(ids, probs, idx)]  # label positions used only by off-chain outputs
+    on = set(idx[greedy_chain_mask(ids, probs, idx)].tolist())
+    off = sorted(set(off.tolist()) - on)
+    assert off, "the random data should break some chains"
+    bumped = probs.clone()
+    bumped[:, off] = bumped[:, off].flip(-1)  # other labels there, same argmax chain elsewhere
+    assert greedy_chain_mask(ids, bumped, idx).equal(greedy_chain_mask(ids, probs, idx))  # same chains
+    with torch.no_grad():
+        masked = [block_loss(model, ids, feats, p, anchors, 0.8, chain_labels=True)[0] for p in (probs, bumped)]
+        plain = [block_loss(model, ids, feats, p, anchors, 0.8)[0] for p in (probs, bumped)]
+    torch.testing.assert_close(masked[0], masked[1])
+    assert not torch.allclose(plain[0], plain[1])
