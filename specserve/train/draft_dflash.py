@@ -7,8 +7,8 @@ context; output i predicts the token at position a+1+i, i.e. the target's next-t
 position a+i (teacher-forced soft labels, weighted ``decay**i``).
 
 Training runs many blocks (random anchors a) of many sequences in one pass. ``blocks_logits`` is the
-batched form of ``DFlashModel.block_logits`` — the same submodules and helpers applied to all blocks at
-once (each block: context keys of its own sequence before its anchor + its own keys);
+batched form of ``DFlashModel.block_logits`` — the same submodules applied to all blocks at once (each
+block: context keys of its own sequence before its anchor + its own keys);
 tests/specserve/test_train.py checks it against ``block_logits`` block by block.
 
 Greedy-chain labels (``--arch chain_labels=1``). At temperature 0, output i only counts when drafts
@@ -38,7 +38,7 @@ from specserve.train.draft_eagle3 import default_capture_layers
 from specserve.train.feature_distill import heldout_agreement, train_on_target_features
 
 
-_FLAGS = ("shared_target_head", "chain_labels")  # the 0/1 fields of DFlashSpec
+_FLAGS = ("shared_target_head", "chain_labels", "context_residual")  # the 0/1 fields of DFlashSpec
 
 
 @dataclass(frozen=True)
@@ -55,6 +55,7 @@ class DFlashSpec:
     position_decay: float = 0.8
     shared_target_head: bool = False  # 1 = read the target's embeddings + lm_head (see the module docstring)
     chain_labels: bool = False  # 1 = train output i only on greedy-chain blocks (see the module docstring)
+    context_residual: bool = False  # 1 = DFlashConfig.context_residual (block inputs + context row a-1)
 
     def __post_init__(self) -> None:
         for name in _FLAGS:
@@ -103,6 +104,7 @@ def build_dflash(target, spec: DFlashSpec, layers: tuple[int, ...]):
         target_hidden_size=target.config.hidden_size,
         target_layer_ids=layers,
         shared_target_head=spec.shared_target_head,
+        context_residual=spec.context_residual,
     )
     model = DFlashModel(cfg)  # shared: embed_tokens / lm_head already frozen
     with torch.no_grad():
@@ -118,41 +120,44 @@ def build_dflash(target, spec: DFlashSpec, layers: tuple[int, ...]):
 def blocks_logits(model, ids: torch.Tensor, feats: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
     """ids [G, T], feats [G, T, F], anchors [G, A] (1 <= a <= T - b) -> logits [G, A, b, V] float32.
 
-    Each block attends to its own sequence's context keys before its anchor plus its own b keys
-    (``attend`` vectorised over the G * A blocks with torch.func.vmap)."""
-    from torch.func import vmap
-
-    from specserve.target_service.models.attention import attend
+    Each block attends to its own sequence's context keys before its anchor plus its own b keys. The
+    context part is one batched matmul per sequence (all A * b queries against its T context keys,
+    masked at each block's anchor), so no per-block copy of the context K/V is made; the block part is
+    b x b per block; one softmax spans both."""
     from specserve.target_service.models.rope import RotaryEmbedding
 
     c, b = model.cfg, model.cfg.block_size
     G, T = ids.shape
     A = anchors.shape[1]
-    M = G * A
-    dev = ids.device
-    ctx_kv = model.context_kv(feats.reshape(G * T, -1), torch.arange(T, device=dev).repeat(G))
-    block_seq = torch.arange(G, device=dev).repeat_interleave(A)  # [M] sequence of each block
-    first = torch.gather(ids, 1, anchors).reshape(-1)  # [M] pending tokens
-    x = torch.cat([model.embed_tokens(first)[:, None], model.mask_embedding.expand(M, b - 1, -1)], dim=1)
-    x = x.reshape(M * b, -1)  # [M*b, H]
-    q_pos = (anchors.reshape(-1, 1) + torch.arange(b, device=dev)).reshape(-1)  # [M*b]
-    ctx_visible = torch.arange(T, device=dev)[None, :] < anchors.reshape(-1, 1)  # [M, T]
-    mask = torch.cat([ctx_visible, ctx_visible.new_ones(M, b)], dim=1)[:, None, :].expand(M, b, T + b)
-    cos, sin = model.rotary.cos_sin(q_pos, x.dtype)
-    attend_blocks = vmap(attend, in_dims=(0, 0, 0, 0, None))
     hq, hkv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+    r = hq // hkv  # query heads per key head
+    dev = ids.device
+    ctx = model.context(feats.reshape(G * T, -1))  # [G*T, H]
+    ctx_kv = model.kv_of_context(ctx, torch.arange(T, device=dev).repeat(G))
+    first = torch.gather(ids, 1, anchors)  # [G, A] pending tokens
+    x = torch.cat([model.embed_tokens(first)[:, :, None], model.mask_embedding.expand(G, A, b - 1, -1)], dim=2)
+    if c.context_residual:  # + the context vector of position a - 1
+        last = torch.gather(ctx.view(G, T, -1), 1, (anchors - 1)[:, :, None].expand(-1, -1, ctx.shape[-1]))
+        x = x + last[:, :, None]  # [G, A, b, H]
+    q_pos = (anchors[:, :, None] + torch.arange(b, device=dev)).reshape(-1)  # [G*A*b]
+    cos, sin = model.rotary.cos_sin(q_pos, x.dtype)
+    hidden = torch.arange(T, device=dev)[None, None, :] >= anchors[:, :, None]  # [G, A, T] not yet context
+    hidden = hidden[:, :, None, None, None, :]  # [G, A, 1, 1, 1, T]
+    n = G * A * b
     for layer, (ck, cv) in zip(model.layers, ctx_kv):
         h = layer.input_layernorm(x)
-        q = RotaryEmbedding.apply(layer.q_proj(h).view(M * b, hq, d), cos, sin, False)
-        k = RotaryEmbedding.apply(layer.k_proj(h).view(M * b, hkv, d), cos, sin, False)
-        v = layer.v_proj(h).view(M * b, hkv, d)
-        keys = torch.cat([ck.view(G, T, hkv, d)[block_seq], k.view(M, b, hkv, d)], dim=1)  # [M, T+b, hkv, d]
-        vals = torch.cat([cv.view(G, T, hkv, d)[block_seq], v.view(M, b, hkv, d)], dim=1)
-        out = attend_blocks(q.view(M, b, hq, d), keys, vals, mask, d**-0.5)  # [M, b, hq, d]
-        x = x + layer.o_proj(out.reshape(M * b, -1))
+        q = RotaryEmbedding.apply(layer.q_proj(h).view(n, hq, d), cos, sin, False).view(G, A, b, hkv, r, d)
+        k = RotaryEmbedding.apply(layer.k_proj(h).view(n, hkv, d), cos, sin, False).view(G, A, b, hkv, d)
+        v = layer.v_proj(h).view(G, A, b, hkv, d)
+        ck, cv = ck.view(G, T, hkv, d), cv.view(G, T, hkv, d)
+        s_ctx = torch.einsum("gaihrd,gthd->gaihrt", q, ck).masked_fill(hidden, float("-inf"))
+        s_blk = torch.einsum("gaihrd,gajhd->gaihrj", q, k)
+        p = torch.softmax(torch.cat([s_ctx, s_blk], dim=-1) * d**-0.5, dim=-1, dtype=torch.float32).to(q.dtype)
+        out = torch.einsum("gaihrt,gthd->gaihrd", p[..., :T], cv) + torch.einsum("gaihrj,gajhd->gaihrd", p[..., T:], v)
+        x = x + layer.o_proj(out.reshape(G, A, b, hq * d))
         y = layer.post_attention_layernorm(x)
         x = x + layer.down_proj(F.silu(layer.gate_proj(y)) * layer.up_proj(y))
-    return model.lm_head(model.norm(x)).float().view(G, A, b, -1)
+    return model.lm_head(model.norm(x)).float()  # [G, A, b, V]
 
 
 def greedy_chain_mask(ids: torch.Tensor, probs: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
