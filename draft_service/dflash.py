@@ -25,11 +25,6 @@ as in the published DFlash design the drafter reads the TARGET's ``model.embed_t
 equal target_hidden_size. Those two tensors are frozen, not in model.safetensors, and are filled from
 the target checkpoint at load (which is then required). The final ``norm`` stays the drafter's own.
 
-Context residual (``context_residual: true``; absent = false): every block query's input is its
-embedding plus the context vector of position L-2, the newest confirmed row, so the target's latest
-state reaches the block directly rather than only through attention (as EAGLE feeds its fused
-features in). No extra weights.
-
 Session cache: per layer the K/V of the context rows of CONFIRMED positions (tokens of S with target
 rows); rollback keeps the longest prefix whose tokens still match S.
 """
@@ -69,9 +64,6 @@ from specserve.target_service.models.rope import RotaryEmbedding
 WEIGHTS_FILE = "model.safetensors"
 
 
-_OPTIONAL_FLAGS = ("shared_target_head", "context_residual")  # absent from config.json = false
-
-
 @dataclass(frozen=True)
 class DFlashConfig:
     hidden_size: int
@@ -87,7 +79,6 @@ class DFlashConfig:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     shared_target_head: bool = False  # embed_tokens / lm_head are the target's (frozen, not saved)
-    context_residual: bool = False  # every block query's input also gets the context vector of position a-1
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "target_layer_ids", tuple(int(i) for i in self.target_layer_ids))
@@ -99,9 +90,8 @@ class DFlashConfig:
             raise DrafterConfigError("dflash config: num_attention_heads must be a multiple of num_key_value_heads")
         if not self.target_layer_ids or min(self.target_layer_ids) < 0:
             raise DrafterConfigError(f"dflash config: bad target_layer_ids {self.target_layer_ids}")
-        for flag in _OPTIONAL_FLAGS:
-            if not isinstance(getattr(self, flag), bool):
-                raise DrafterConfigError(f"dflash config: {flag} must be true or false, got {getattr(self, flag)!r}")
+        if not isinstance(self.shared_target_head, bool):
+            raise DrafterConfigError(f"dflash config: shared_target_head must be true or false, got {self.shared_target_head!r}")
         if self.shared_target_head and self.hidden_size != self.target_hidden_size:
             raise DrafterConfigError(
                 f"dflash config: shared_target_head needs hidden_size == target_hidden_size (the target's embeddings"
@@ -110,9 +100,8 @@ class DFlashConfig:
 
     def to_dict(self) -> dict:
         d = {k: getattr(self, k) for k in self.__dataclass_fields__}
-        for flag in _OPTIONAL_FLAGS:  # written only when on: the original layout stays unchanged
-            if not d[flag]:
-                del d[flag]
+        if not self.shared_target_head:  # the original layout, unchanged
+            del d["shared_target_head"]
         return dict(d, model_type="dflash", target_layer_ids=list(self.target_layer_ids))
 
     @staticmethod
@@ -175,17 +164,10 @@ class DFlashModel(nn.Module):
         cos, sin = self.rotary.cos_sin(pos, x.dtype)
         return RotaryEmbedding.apply(k, cos, sin, interleaved=False), v
 
-    def context(self, feats: torch.Tensor) -> torch.Tensor:
-        """feats [T, n_layers * Ht] -> context vectors [T, H]."""
-        return self.context_norm(self.fc(feats.to(self.fc.weight.dtype)))
-
-    def kv_of_context(self, ctx: torch.Tensor, pos: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """ctx [T, H], pos [T] -> per draft layer (k, v), each [T, Hkv, D]."""
-        return [self._kv(layer, ctx, pos) for layer in self.layers]
-
     def context_kv(self, feats: torch.Tensor, pos: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """feats [T, n_layers * Ht], pos [T] -> per draft layer (k, v), each [T, Hkv, D]."""
-        return self.kv_of_context(self.context(feats), pos)
+        ctx = self.context_norm(self.fc(feats.to(self.fc.weight.dtype)))
+        return [self._kv(layer, ctx, pos) for layer in self.layers]
 
     def block_logits(
         self,
@@ -193,14 +175,9 @@ class DFlashModel(nn.Module):
         first_pos: int,  # its position
         ctx_kv: list[tuple[torch.Tensor, torch.Tensor]],  # per layer ([P, Hkv, D], [P, Hkv, D])
         ctx_mask: torch.Tensor | None = None,  # [b, P] bool; None = every block query sees all context
-        last_context: torch.Tensor | None = None,  # [H] context vector of position first_pos - 1 (context_residual)
     ) -> torch.Tensor:  # [b, V] float32: logits of drafted tokens 1..b
         c, b = self.cfg, self.cfg.block_size
         x = torch.cat([self.embed_tokens(first_token), self.mask_embedding[None].expand(b - 1, -1)])  # [b, H]
-        if c.context_residual:
-            if last_context is None:
-                raise ValueError("this DFlash model has context_residual: pass last_context")
-            x = x + last_context
         pos = torch.arange(first_pos, first_pos + b, device=x.device)
         cos, sin = self.rotary.cos_sin(pos, x.dtype)
         p = ctx_kv[0][0].shape[0]
@@ -311,7 +288,6 @@ def _copy_checked(param: torch.Tensor, src: torch.Tensor, what: str) -> None:
 @dataclass
 class _DFlashSession:
     kv: list[tuple[torch.Tensor, torch.Tensor]]  # per layer context K/V of confirmed positions
-    ctx: torch.Tensor  # [P, H] their context vectors
     tokens: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # [P] their tokens
 
 
@@ -339,8 +315,7 @@ class DFlashProposer(Proposer):
     def _start_state(self, state: SessionState) -> None:
         c = self.model.cfg
         empty = torch.zeros(0, c.num_key_value_heads, c.head_dim, dtype=self.model.fc.weight.dtype, device=self.device)
-        ctx = torch.zeros(0, c.hidden_size, dtype=self.model.fc.weight.dtype, device=self.device)
-        state.family_state = _DFlashSession(kv=[(empty, empty) for _ in range(c.num_hidden_layers)], ctx=ctx)
+        state.family_state = _DFlashSession(kv=[(empty, empty) for _ in range(c.num_hidden_layers)])
 
     @torch.inference_mode()
     def _draft_chain(self, state: SessionState, num_tokens: int) -> DraftBlock:
@@ -348,18 +323,15 @@ class DFlashProposer(Proposer):
         ids, L = state.ids, len(state)
         keep = min(common_prefix_len(fs.tokens, ids), L - 1)
         if keep < L - 1:  # context rows for positions keep .. L-2
-            ctx = self.model.context(state.hidden_rows(keep, L - 1).to(self.device))
-            new = self.model.kv_of_context(ctx, torch.arange(keep, L - 1, device=self.device))
+            feats = state.hidden_rows(keep, L - 1).to(self.device)
+            new = self.model.context_kv(feats, torch.arange(keep, L - 1, device=self.device))
             fs.kv = [(torch.cat([k[:keep], nk]), torch.cat([v[:keep], nv])) for (k, v), (nk, nv) in zip(fs.kv, new)]
-            fs.ctx = torch.cat([fs.ctx[:keep], ctx])
         else:
             fs.kv = [(k[:keep], v[:keep]) for k, v in fs.kv]
-            fs.ctx = fs.ctx[:keep]
         fs.tokens = ids[: L - 1].copy()
         state.drop_hidden_before(L - 1 - ROLLBACK_ROWS)
         first = torch.as_tensor(ids[L - 1 : L], device=self.device)
-        last = fs.ctx[-1] if len(fs.ctx) else fs.ctx.new_zeros(fs.ctx.shape[1])  # position L - 2
-        logits = self.model.block_logits(first, L - 1, fs.kv, last_context=last)[:num_tokens]  # [k, V]
+        logits = self.model.block_logits(first, L - 1, fs.kv)[:num_tokens]  # [k, V]
         tokens, q = draw_tokens(logits, state.sampling, state.generator)
         probs = None if q is None else to_target_probs(q, self.vocab_size)
         return DraftBlock(token_ids=tuple(int(t) for t in tokens.tolist()), probs=probs)

@@ -1,22 +1,39 @@
 #!/usr/bin/env bash
 # Rebuild the shipped demo (demo_model/) from scratch on one GPU: the exact commands that made it.
 #   specserve/train/build_demo.sh OUT base    tokenizer, target, dense draft model
-#   specserve/train/build_demo.sh OUT heads   EAGLE-3 head and DFlash drafter (needs OUT/target)
+#   specserve/train/build_demo.sh OUT eagle3  EAGLE-3 head (needs OUT/target)
+#   specserve/train/build_demo.sh OUT dflash  DFlash drafter (needs OUT/target)
+#   specserve/train/build_demo.sh OUT heads   eagle3 and dflash at once (two processes on one GPU)
 #   specserve/train/build_demo.sh OUT eval    acceptance + lossless check -> OUT/acceptance.json
 # Set SPECSERVE to the command (default: python3 -m specserve.cli.main; run it outside the repo root
 # when the package is installed elsewhere). Time limits only cap a slow machine: the LR schedule then
 # finishes its decay by the limit (train_info.json records whether steps or time stopped a run).
-# DFLASH_ARCH (empty by default = the shipped DFlash arch) adds --arch overrides to the DFlash run of
-# the heads stage, e.g. the shared-target-head mode (embeddings and lm_head read from the target, not
-# saved; hidden = the target's 256):
-#   DFLASH_ARCH="--arch shared_target_head=1 --arch num_layers=3 --arch head_dim=64 --arch intermediate_size=640"
+# The DFlash arch reads the target's embeddings and lm_head (shared_target_head: not saved, hidden =
+# the target's 256) and trains each block output only on greedy-chain blocks (chain_labels); DFLASH_ARCH
+# adds more --arch overrides.
 set -euo pipefail
-OUT=${1:?usage: build_demo.sh OUT base|heads|eval}
-STAGE=${2:?usage: build_demo.sh OUT base|heads|eval}
+OUT=${1:?usage: build_demo.sh OUT base|eagle3|dflash|heads|eval}
+STAGE=${2:?usage: build_demo.sh OUT base|eagle3|dflash|heads|eval}
 DEV=${DEVICE:-cuda}
 SPECSERVE=${SPECSERVE:-python3 -m specserve.cli.main}
 SD="--sd-prompts 2048 --sd-prompt-len 64 --sd-new-tokens 128 --sd-batch-size 256 --sd-cache ${SD_CACHE:-/tmp/specserve_sd}"
 mkdir -p "$OUT"
+# heads read a larger self-distilled set than the draft LM, with 256-token prompts: sequences of 384
+# tokens cover the positions the held-out prompts reach (prompt + 64 new tokens); heads trained on
+# 192-token sequences lost agreement past position 192
+HSD="--sd-prompt-len 256 --sd-new-tokens 128 --sd-batch-size 1024"
+LIMIT=${HEADS_LIMIT_S:-360}
+eagle3() {
+  $SPECSERVE train draft --family eagle3 --target "$OUT/target" --out "$OUT/eagle3" --device "$DEV" \
+    --steps 20000 --batch-size 64 --lr 2e-3 --time-limit-s "$LIMIT" --sd-prompts 8192 $HSD \
+    --sd-cache "${SD_CACHE:-/tmp/specserve_sd}_eagle3"
+}
+dflash() {
+  $SPECSERVE train draft --family dflash --target "$OUT/target" --out "$OUT/dflash" --device "$DEV" \
+    --steps 20000 --batch-size 64 --lr 2e-3 --time-limit-s "$LIMIT" --sd-prompts 16384 $HSD \
+    --arch shared_target_head=1 --arch num_layers=3 --arch head_dim=64 --arch intermediate_size=640 \
+    --arch chain_labels=1 ${DFLASH_ARCH:-} --sd-cache "${SD_CACHE:-/tmp/specserve_sd}_dflash"
+}
 case "$STAGE" in
   base)
     $SPECSERVE train tokenizer --out "$OUT/tokenizer" --vocab-size 4096
@@ -25,20 +42,12 @@ case "$STAGE" in
     $SPECSERVE train draft --family model --target "$OUT/target" --out "$OUT/model" --device "$DEV" \
       --steps 1200 --batch-size 64 --lr 3e-3 --time-limit-s 50 $SD
     ;;
+  eagle3) eagle3 ;;
+  dflash) dflash ;;
   heads)
-    # both heads train at once on one GPU (each is launch-bound: two processes share the device well);
-    # they read a larger self-distilled set (8192 prompts) than the draft LM, with 256-token prompts:
-    # sequences of 384 tokens cover the positions the held-out prompts reach (prompt + 64 new tokens);
-    # heads trained on 192-token sequences lost agreement past position 192
-    HSD="--sd-prompts 8192 --sd-prompt-len 256 --sd-new-tokens 128 --sd-batch-size 1024"
-    $SPECSERVE train draft --family eagle3 --target "$OUT/target" --out "$OUT/eagle3" --device "$DEV" \
-      --steps 20000 --batch-size 64 --lr 2e-3 --time-limit-s "${HEADS_LIMIT_S:-360}" $HSD \
-      --sd-cache "${SD_CACHE:-/tmp/specserve_sd}_eagle3" &
-    EAGLE=$!
-    $SPECSERVE train draft --family dflash --target "$OUT/target" --out "$OUT/dflash" --device "$DEV" \
-      --steps 20000 --batch-size 64 --lr 2e-3 --time-limit-s "${HEADS_LIMIT_S:-360}" $HSD ${DFLASH_ARCH:-} \
-      --sd-cache "${SD_CACHE:-/tmp/specserve_sd}_dflash" &
-    DFLASH=$!
+    # each trainer is launch-bound: two processes share one GPU well
+    eagle3 & EAGLE=$!
+    dflash & DFLASH=$!
     wait $EAGLE
     wait $DFLASH
     ;;
@@ -46,5 +55,5 @@ case "$STAGE" in
     $SPECSERVE train eval-acceptance --demo-dir "$OUT" --device "$DEV" --k 4 --max-new-tokens 64 \
       --num-prompts "${NUM_PROMPTS:-16}" --out-json "$OUT/acceptance.json"
     ;;
-  *) echo "unknown stage $STAGE (base|heads|eval)" >&2; exit 2 ;;
+  *) echo "unknown stage $STAGE (base|eagle3|dflash|heads|eval)" >&2; exit 2 ;;
 esac

@@ -38,7 +38,7 @@ from specserve.train.draft_eagle3 import default_capture_layers
 from specserve.train.feature_distill import heldout_agreement, train_on_target_features
 
 
-_FLAGS = ("shared_target_head", "chain_labels", "context_residual")  # the 0/1 fields of DFlashSpec
+_FLAGS = ("shared_target_head", "chain_labels")  # the 0/1 fields of DFlashSpec
 
 
 @dataclass(frozen=True)
@@ -55,7 +55,6 @@ class DFlashSpec:
     position_decay: float = 0.8
     shared_target_head: bool = False  # 1 = read the target's embeddings + lm_head (see the module docstring)
     chain_labels: bool = False  # 1 = train output i only on greedy-chain blocks (see the module docstring)
-    context_residual: bool = False  # 1 = DFlashConfig.context_residual (block inputs + context row a-1)
 
     def __post_init__(self) -> None:
         for name in _FLAGS:
@@ -104,7 +103,6 @@ def build_dflash(target, spec: DFlashSpec, layers: tuple[int, ...]):
         target_hidden_size=target.config.hidden_size,
         target_layer_ids=layers,
         shared_target_head=spec.shared_target_head,
-        context_residual=spec.context_residual,
     )
     model = DFlashModel(cfg)  # shared: embed_tokens / lm_head already frozen
     with torch.no_grad():
@@ -132,13 +130,9 @@ def blocks_logits(model, ids: torch.Tensor, feats: torch.Tensor, anchors: torch.
     hq, hkv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
     r = hq // hkv  # query heads per key head
     dev = ids.device
-    ctx = model.context(feats.reshape(G * T, -1))  # [G*T, H]
-    ctx_kv = model.kv_of_context(ctx, torch.arange(T, device=dev).repeat(G))
+    ctx_kv = model.context_kv(feats.reshape(G * T, -1), torch.arange(T, device=dev).repeat(G))
     first = torch.gather(ids, 1, anchors)  # [G, A] pending tokens
     x = torch.cat([model.embed_tokens(first)[:, :, None], model.mask_embedding.expand(G, A, b - 1, -1)], dim=2)
-    if c.context_residual:  # + the context vector of position a - 1
-        last = torch.gather(ctx.view(G, T, -1), 1, (anchors - 1)[:, :, None].expand(-1, -1, ctx.shape[-1]))
-        x = x + last[:, :, None]  # [G, A, b, H]
     q_pos = (anchors[:, :, None] + torch.arange(b, device=dev)).reshape(-1)  # [G*A*b]
     cos, sin = model.rotary.cos_sin(q_pos, x.dtype)
     hidden = torch.arange(T, device=dev)[None, None, :] >= anchors[:, :, None]  # [G, A, T] not yet context

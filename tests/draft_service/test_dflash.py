@@ -17,11 +17,11 @@ from specserve.target_service.engine.types import SamplingParams
 VOCAB, TH, LAYERS = 40, 12, (0, 2)
 
 
-def random_dflash(seed=0, context_residual=False) -> DFlashModel:
+def random_dflash(seed=0) -> DFlashModel:
     torch.manual_seed(seed)
     cfg = DFlashConfig(hidden_size=16, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=4,
                        intermediate_size=32, vocab_size=VOCAB, block_size=5, target_hidden_size=TH,
-                       target_layer_ids=LAYERS, context_residual=context_residual)
+                       target_layer_ids=LAYERS)
     model = DFlashModel(cfg)
     with torch.no_grad():
         for p in model.parameters():
@@ -80,14 +80,8 @@ def test_block_is_one_forward_and_non_causal(saved):
     assert not torch.allclose(m.block_logits(first, 5, kv)[0], base[0])
 
 
-def test_rollback_matches_fresh_drafter(saved, tmp_path):
+def test_rollback_matches_fresh_drafter(saved):
     _, path = saved
-    save_dflash(random_dflash(context_residual=True), tmp_path / "residual")
-    for path in (path, tmp_path / "residual"):
-        _rollback_matches_fresh(path)
-
-
-def _rollback_matches_fresh(path):
     loaded = build_proposer(cfg_for(path))
 
     def make():
@@ -95,36 +89,6 @@ def _rollback_matches_fresh(path):
 
     rollback_matches_fresh(make, FakeFeatures(VOCAB, len(LAYERS) * TH), VOCAB, steps=10, sampled=True)
     rollback_matches_fresh(make, FakeFeatures(VOCAB, len(LAYERS) * TH), VOCAB, steps=6, sampled=False, seed=1)
-
-
-def test_context_residual_block_reads_the_newest_context_row(tmp_path):
-    """The proposer's q equals the model's block forward over context rows 0..L-2 with row L-2 added to
-    every block input, after a start and after an append; a checkpoint without the flag keeps the
-    original config.json."""
-    model = random_dflash(context_residual=True).double()
-    save_dflash(model, tmp_path / "d")
-    assert json.loads((tmp_path / "d" / "config.json").read_text())["context_residual"] is True
-    save_dflash(random_dflash(), tmp_path / "plain")
-    assert "context_residual" not in json.loads((tmp_path / "plain" / "config.json").read_text())
-    p = build_proposer(cfg_for(tmp_path / "d"))
-    assert p.model.cfg.context_residual
-    feats = FakeFeatures(VOCAB, len(LAYERS) * TH)
-    seq = [3, 1, 4, 1, 5, 9, 2]
-    p.start("s", seq, feats.rows(seq, 0, 6), SamplingParams(temperature=1.0, seed=0))
-    for step in range(2):
-        if step == 0:
-            block = p.propose("s", len(seq), [], None, 4)
-        else:  # the pending token 2 replaced, then one more: S = 3 1 4 1 5 9 6 5, rows 5 and 6 sent
-            seq = seq[:6] + [6, 5]
-            block = p.propose("s", 6, [6, 5], feats.rows(seq, 5, 7), 4)
-        rows = feats.rows(seq, 0, len(seq) - 1).double()
-        with torch.no_grad():
-            ref = model.block_logits(torch.tensor(seq[-1:]), len(seq) - 1,
-                                     model.context_kv(rows, torch.arange(len(seq) - 1)),
-                                     last_context=model.context(rows[-1:])[0])[:4]
-        torch.testing.assert_close(block.probs.double(), ref.double().softmax(-1), rtol=1e-5, atol=1e-7)
-    with pytest.raises(ValueError, match="pass last_context"):
-        model.block_logits(torch.tensor([1]), 1, model.context_kv(rows[:1], torch.arange(1)))
 
 
 # ---------------------------------------------------------------- shared target head (embeddings + lm_head)
@@ -208,10 +172,16 @@ def test_shared_head_of_a_tied_target_is_its_embeddings(tmp_path):
 
 
 def test_shipped_checkpoint_still_loads():
+    from specserve.draft_service.dflash import read_target_head
     from specserve.paths import demo_dir
 
     root = demo_dir()
     if not (root / "dflash" / "config.json").is_file():
         pytest.skip("no shipped demo_model/ in this checkout")
     p = build_proposer(DrafterConfig(family="dflash", checkpoint=root / "dflash", target_checkpoint=root / "target"))
-    assert not p.model.cfg.shared_target_head and p.model.embed_tokens.weight.abs().sum() > 0
+    assert p.model.cfg.shared_target_head  # the shipped drafter reads the target's embeddings and lm_head
+    head = read_target_head(root / "target")
+    assert torch.equal(p.model.embed_tokens.weight, head["embed_tokens.weight"].float())
+    assert torch.equal(p.model.lm_head.weight, head["lm_head.weight"].float())
+    with pytest.raises(DrafterConfigError, match="give the target checkpoint"):
+        build_proposer(DrafterConfig(family="dflash", checkpoint=root / "dflash"))
