@@ -59,6 +59,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--sd-new-tokens", type=int, default=128)
     p.add_argument("--sd-batch-size", type=int, default=256)
     p.add_argument("--sd-cache", type=Path, default=None, help="folder to cache self-distilled sequences in")
+    p.add_argument("--init-from", type=Path, default=None,
+                   help="continue from this saved drafter (same family and arch; dflash) instead of random weights")
     _add_run_args(p, steps=1500, batch=64, lr=3e-3)
     _add_corpus_args(p)
 
@@ -174,10 +176,11 @@ def _run_draft(args) -> int:
     from specserve.train.common import Logger, parse_arch, resolve_device, run_info, seed_everything, write_json
     from specserve.train.data import encode_stream
     from specserve.train.distill import SelfDistillSpec, load_target, self_distill_sequences
-    from specserve.train.drafters import DraftJob, train_drafter
+    from specserve.train.drafters import DraftJob, check_resumable, train_drafter
     from specserve.train.target import checkpoint_summary
     from specserve.train.tokenizer import load_tokenizer
 
+    check_resumable(args.family, args.init_from, args.out)  # before the slow part
     device = resolve_device(args.device)
     seed_everything(args.seed)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -199,7 +202,7 @@ def _run_draft(args) -> int:
     job = DraftJob(target=target, target_dir=args.target, train_stream=train_stream, sequences=seqs,
                    heldout_sequences=held, out_dir=args.out, device=device, log=log, steps=args.steps,
                    batch_size=args.batch_size, lr=args.lr, time_limit_s=args.time_limit_s, seed=args.seed,
-                   arch=parse_arch(args.arch))
+                   arch=parse_arch(args.arch), init_from=args.init_from)
     summary = train_drafter(args.family, job)
     info = {**run_info(args), "python": corpus.python_version, "family": args.family, "train": summary,
             "self_distill": sd.__dict__, "checkpoint": checkpoint_summary(args.out)}

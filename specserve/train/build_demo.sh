@@ -10,7 +10,7 @@
 # finishes its decay by the limit (train_info.json records whether steps or time stopped a run).
 # The DFlash arch reads the target's embeddings and lm_head (shared_target_head: not saved, hidden =
 # the target's 256) and trains each block output only on greedy-chain blocks (chain_labels); DFLASH_ARCH
-# adds more --arch overrides.
+# adds more --arch overrides; DFLASH_INIT=DIR continues training a saved DFlash of that arch (not OUT/dflash).
 set -euo pipefail
 OUT=${1:?usage: build_demo.sh OUT base|eagle3|dflash|heads|eval}
 STAGE=${2:?usage: build_demo.sh OUT base|eagle3|dflash|heads|eval}
@@ -32,7 +32,8 @@ dflash() {
   $SPECSERVE train draft --family dflash --target "$OUT/target" --out "$OUT/dflash" --device "$DEV" \
     --steps 20000 --batch-size 64 --lr 2e-3 --time-limit-s "$LIMIT" --sd-prompts 16384 $HSD \
     --arch shared_target_head=1 --arch num_layers=3 --arch head_dim=64 --arch intermediate_size=640 \
-    --arch chain_labels=1 ${DFLASH_ARCH:-} --sd-cache "${SD_CACHE:-/tmp/specserve_sd}_dflash"
+    --arch chain_labels=1 ${DFLASH_ARCH:-} --sd-cache "${SD_CACHE:-/tmp/specserve_sd}_dflash" \
+    ${DFLASH_INIT:+--init-from "$DFLASH_INIT"}
 }
 case "$STAGE" in
   base)

@@ -115,6 +115,25 @@ def build_dflash(target, spec: DFlashSpec, layers: tuple[int, ...]):
     return model
 
 
+def init_from_checkpoint(model, path, target_dir) -> None:
+    """Copy the weights of a saved DFlash drafter into ``model`` (continuing its training); the saved
+    config must equal the one being trained."""
+    from specserve.draft_service.dflash import load_dflash
+    from specserve.draft_service.proposer import DrafterConfigError
+
+    try:
+        saved = load_dflash(path, target_dir=target_dir)
+    except DrafterConfigError as e:
+        raise TrainError(f"--init-from {path}: {e}") from e
+    if saved.cfg != model.cfg:
+        diff = [f"{k} {getattr(saved.cfg, k)!r} (training {getattr(model.cfg, k)!r})"
+                for k in model.cfg.__dataclass_fields__ if getattr(saved.cfg, k) != getattr(model.cfg, k)]
+        raise TrainError(f"--init-from {path} has another DFlash config: {'; '.join(diff)}")
+    with torch.no_grad():
+        for name, value in saved.state_dict().items():
+            model.state_dict()[name].copy_(value)
+
+
 def blocks_logits(model, ids: torch.Tensor, feats: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
     """ids [G, T], feats [G, T, F], anchors [G, A] (1 <= a <= T - b) -> logits [G, A, b, V] float32.
 
@@ -200,7 +219,10 @@ def train_dflash_job(job) -> dict:
     spec = resolve_spec(apply_arch(DFlashSpec(), job.arch), job.target.config)
     layers = default_capture_layers(job.target.config.num_hidden_layers)
     torch.manual_seed(job.seed)
-    model = build_dflash(job.target, spec, layers).to(job.device).train()
+    model = build_dflash(job.target, spec, layers)
+    if job.init_from is not None:
+        init_from_checkpoint(model, job.init_from, job.target_dir)
+    model = model.to(job.device).train()
     group = min(spec.group, job.batch_size)
 
     def loss_with_anchors(gen: torch.Generator):

@@ -33,6 +33,7 @@ class DraftJob:
     time_limit_s: float | None
     seed: int
     arch: dict = field(default_factory=dict)  # family architecture overrides {KEY: VALUE string}
+    init_from: Path | None = None  # a saved drafter of this family and arch to continue training from
 
 
 def _train_model(job: DraftJob) -> dict:
@@ -86,10 +87,21 @@ def _train_dflash(job: DraftJob) -> dict:
 DRAFT_TRAINERS: Mapping[str, Callable[[DraftJob], dict]] = MappingProxyType(
     {"model": _train_model, "eagle3": _train_eagle3, "dflash": _train_dflash}
 )
+RESUMABLE = frozenset({"dflash"})  # families whose trainer honours DraftJob.init_from
+
+
+def check_resumable(family: str, init_from: Path | None, out_dir: Path | None = None) -> None:
+    if init_from is None:
+        return
+    if family not in RESUMABLE:
+        raise TrainError(f"--init-from is supported for {', '.join(sorted(RESUMABLE))}, not {family!r}")
+    if out_dir is not None and Path(init_from).resolve() == Path(out_dir).resolve():
+        raise TrainError(f"--init-from and --out are both {out_dir}: write the continued drafter elsewhere")
 
 
 def train_drafter(family: str, job: DraftJob) -> dict:
     trainer = DRAFT_TRAINERS.get(family)
     if trainer is None:
         raise TrainError(f"unknown drafter family {family!r}; known: {sorted(DRAFT_TRAINERS)}")
+    check_resumable(family, job.init_from)
     return trainer(job)

@@ -352,3 +352,35 @@ def test_dflash_chain_labels_loss_ignores_off_chain_blocks():
         plain = [block_loss(model, ids, feats, p, anchors, 0.8)[0] for p in (probs, bumped)]
     torch.testing.assert_close(masked[0], masked[1])
     assert not torch.allclose(plain[0], plain[1])
+
+
+def test_dflash_init_from_continues_a_saved_drafter(demo, tmp_path, capsys):
+    """--init-from starts from the saved weights (one small step stays close to them, a fresh start does
+    not); another arch, or a family without it, is a one-line error before any training."""
+    from safetensors.torch import load_file
+
+    base = [str(x) for x in ("train", "draft", "--family", "dflash", "--target", demo / "target", "--steps", "1",
+                             "--batch-size", "4", "--lr", "1e-4", *SD, *SHARED_DFLASH, *CORPUS)]
+    init = demo / "shared" / "dflash"
+    # seed 1: a fresh start differs from the saved drafter (trained from seed 0)
+    assert main([*base, "--out", str(tmp_path / "resumed"), "--seed", "1", "--init-from", str(init)]) == 0
+    assert main([*base, "--out", str(tmp_path / "fresh"), "--seed", "1"]) == 0
+    start = load_file(str(init / "model.safetensors"))
+    for run, close in (("resumed", True), ("fresh", False)):
+        got = load_file(str(tmp_path / run / "model.safetensors"))
+        assert set(got) == set(start)
+        drift = max(float((got[k].float() - start[k].float()).abs().max()) for k in start)
+        assert (drift < 0.01) is close, (run, drift)
+    info = json.loads((tmp_path / "resumed" / "train_info.json").read_text())
+    assert info["args"]["init_from"] == str(init)
+
+    capsys.readouterr()
+    assert main([*base, "--out", str(tmp_path / "x"), "--init-from", str(demo / "dflash")]) == 2
+    err = capsys.readouterr().err
+    assert "another DFlash config" in err and "shared_target_head" in err and "Traceback" not in err
+    assert main(["train", "draft", "--family", "eagle3", "--target", str(demo / "target"), "--out",
+                 str(tmp_path / "e"), "--init-from", str(demo / "eagle3")]) == 2
+    assert "--init-from is supported for dflash, not 'eagle3'" in capsys.readouterr().err
+    assert not (tmp_path / "e").exists()  # refused before anything was written
+    assert main([*base, "--out", str(tmp_path / "resumed"), "--init-from", str(tmp_path / "resumed")]) == 2
+    assert "write the continued drafter elsewhere" in capsys.readouterr().err
