@@ -129,9 +129,10 @@ def init_from_checkpoint(model, path, target_dir) -> None:
         diff = [f"{k} {getattr(saved.cfg, k)!r} (training {getattr(model.cfg, k)!r})"
                 for k in model.cfg.__dataclass_fields__ if getattr(saved.cfg, k) != getattr(model.cfg, k)]
         raise TrainError(f"--init-from {path} has another DFlash config: {'; '.join(diff)}")
+    state = model.state_dict()
     with torch.no_grad():
         for name, value in saved.state_dict().items():
-            model.state_dict()[name].copy_(value)
+            state[name].copy_(value)
 
 
 def blocks_logits(model, ids: torch.Tensor, feats: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
