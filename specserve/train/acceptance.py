@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from specserve.errors import SpecserveError
+from specserve.gateway.stats import SpecStats
 
 FAMILIES = ("ngram", "model", "eagle3", "dflash")
 CARD_BEGIN = "<!-- acceptance:begin -->"
@@ -37,6 +38,7 @@ class DrafterResult:
     acceptance_rate: float  # accepted / drafted
     lossless_prompts: int  # prompts whose output equals target-only greedy
     seconds: float
+    accepted_per_position: tuple[int, ...] = ()  # [i] = verify steps that accepted drafted token i + 1
 
 
 def add_eval_arguments(p: argparse.ArgumentParser) -> None:
@@ -67,8 +69,9 @@ def load_prompts(target_dir: Path, tokenizer, limit: int | None) -> list[list[in
     return prompts
 
 
-def speculative_greedy(engine, proposer, session_id: str, prompt: list[int], k: int, max_new: int):
-    """(emitted tokens [>= max_new], verify steps, drafted, accepted) of one greedy request."""
+def speculative_greedy(engine, proposer, session_id: str, prompt: list[int], k: int, max_new: int,
+                       stats: SpecStats) -> list[int]:
+    """Emitted tokens [>= max_new] of one greedy request; every verify step is recorded in ``stats``."""
     from specserve.target_service.engine.types import SamplingParams
 
     sampling = SamplingParams()
@@ -76,16 +79,13 @@ def speculative_greedy(engine, proposer, session_id: str, prompt: list[int], k: 
     pre = engine.prefill(session_id, prompt, sampling, layers)
     seq = list(prompt) + [pre.next_token]
     emitted = [pre.next_token]
-    steps = drafted = accepted = 0
     try:
         proposer.start(session_id, seq, pre.hidden, sampling)
         prefix_len, append_ids, append_hidden = len(seq), (), None
         while len(emitted) < max_new:
             block = proposer.propose(session_id, prefix_len, append_ids, append_hidden, k)
             res = engine.verify(session_id, block)
-            steps += 1
-            drafted += len(block)
-            accepted += len(res.accepted_ids)
+            stats.record_step(len(block), len(res.accepted_ids))
             prefix_len = len(seq)
             append_ids = tuple(res.accepted_ids) + (res.next_token,)
             append_hidden = res.hidden
@@ -94,7 +94,7 @@ def speculative_greedy(engine, proposer, session_id: str, prompt: list[int], k: 
     finally:
         engine.release(session_id)
         proposer.release(session_id)
-    return emitted, steps, drafted, accepted
+    return emitted
 
 
 def evaluate(demo: Path, families: list[str], k: int, max_new: int, num_prompts: int | None, device: str,
@@ -119,15 +119,15 @@ def evaluate(demo: Path, families: list[str], k: int, max_new: int, num_prompts:
         proposer = build_proposer(DrafterConfig(family=family, checkpoint=ckpt, target_checkpoint=target_dir,
                                                 device=device, dtype=dtype, max_block_size=k))
         t0 = time.monotonic()
-        steps = drafted = accepted = lossless = 0
+        stats, lossless = SpecStats(), 0
         for i, (prompt, ref) in enumerate(zip(prompts, reference)):
-            out, s, d, a = speculative_greedy(engine, proposer, f"{family}-{i}", prompt, k, max_new)
-            steps, drafted, accepted = steps + s, drafted + d, accepted + a
+            out = speculative_greedy(engine, proposer, f"{family}-{i}", prompt, k, max_new, stats)
             lossless += int(out[:max_new] == ref[:max_new])
         results.append(DrafterResult(
-            family=family, prompts=len(prompts), verify_steps=steps, drafted=drafted, accepted=accepted,
-            mean_accepted_length=(accepted + steps) / max(steps, 1), acceptance_rate=accepted / max(drafted, 1),
-            lossless_prompts=lossless, seconds=round(time.monotonic() - t0, 2),
+            family=family, prompts=len(prompts), verify_steps=stats.steps, drafted=stats.drafted,
+            accepted=stats.accepted, mean_accepted_length=stats.mean_accepted_length,
+            acceptance_rate=stats.acceptance_rate, lossless_prompts=lossless, seconds=round(time.monotonic() - t0, 2),
+            accepted_per_position=tuple(stats.accepted_per_position),
         ))
     return {
         "k": k, "max_new_tokens": max_new, "prompts": len(prompts), "device": device, "dtype": dtype,
@@ -140,13 +140,22 @@ def card_table(report: dict) -> str:
         f"k = {report['k']} drafted tokens per step, temperature 0, {report['prompts']} held-out prompts, "
         f"{report['max_new_tokens']} new tokens each ({report['device']}, {report['dtype']}).",
         "",
-        "| drafter | mean accepted length (accepted + 1) | acceptance rate | verify steps | lossless prompts |",
-        "| --- | --- | --- | --- | --- |",
+        "| drafter | mean accepted length (accepted + 1) | acceptance rate | steps accepting drafted token 1 / 2 / ... |"
+        " verify steps | lossless prompts |",
+        "| --- | --- | --- | --- | --- | --- |",
     ]
     for r in report["results"]:
         lines.append(f"| {r['family']} | {r['mean_accepted_length']:.2f} | {r['acceptance_rate']:.3f} | "
-                     f"{r['verify_steps']} | {r['lossless_prompts']}/{r['prompts']} |")
+                     f"{_position_shares(r)} | {r['verify_steps']} | {r['lossless_prompts']}/{r['prompts']} |")
     return "\n".join(lines)
+
+
+def _position_shares(result: dict) -> str:
+    """Share of verify steps that accepted drafted token i, i = 1..k (they add up to the mean accepted
+    length - 1); '-' for a report written before this was recorded."""
+    counts = result.get("accepted_per_position") or ()
+    steps = max(result["verify_steps"], 1)
+    return " / ".join(f"{c / steps:.2f}" for c in counts) or "-"
 
 
 def write_card(path: Path, report: dict) -> None:

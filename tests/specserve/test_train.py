@@ -105,6 +105,19 @@ def test_each_drafter_loads_and_is_lossless(demo, family):
     (r,) = report["results"]
     assert r["lossless_prompts"] == r["prompts"] == 2
     assert r["verify_steps"] >= 1 and 1.0 <= r["mean_accepted_length"] <= 4.0
+    per_pos = r["accepted_per_position"]  # steps that accepted drafted token i + 1
+    assert len(per_pos) <= 3 and sum(per_pos) == r["accepted"] and list(per_pos) == sorted(per_pos, reverse=True)
+
+
+def test_card_table_shows_per_position_acceptance_and_reads_older_reports():
+    from specserve.train.acceptance import card_table
+
+    row = {"family": "eagle3", "mean_accepted_length": 2.5, "acceptance_rate": 0.5, "verify_steps": 4,
+           "lossless_prompts": 1, "prompts": 1}
+    report = {"k": 3, "prompts": 1, "max_new_tokens": 8, "device": "cpu", "dtype": "float32"}
+    new = card_table({**report, "results": [{**row, "accepted_per_position": [4, 2, 0]}]})
+    assert "| eagle3 | 2.50 | 0.500 | 1.00 / 0.50 / 0.00 | 4 | 1/1 |" in new
+    assert "| eagle3 | 2.50 | 0.500 | - | 4 | 1/1 |" in card_table({**report, "results": [row]})
 
 
 @pytest.mark.parametrize("shared", [False, True])
