@@ -174,11 +174,10 @@ def blocks_logits(model, ids: torch.Tensor, feats: torch.Tensor, anchors: torch.
     return model.lm_head(model.norm(x)).float()  # [G, A, b, V]
 
 
-def greedy_chain_mask(ids: torch.Tensor, probs: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """ids [G, T], probs [G, T, V] (the target's next-token distributions), idx [G, A, b] label positions
-    a + i -> [G, A, b] bool: tokens a+1..a+i all equal the target's argmax at the position before
-    (output 0 is always True)."""
-    greedy = probs.argmax(-1)  # [G, T] the target's next token after each position
+def greedy_chain_mask(ids: torch.Tensor, greedy: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """ids [G, T], greedy [G, T] (the target's argmax next token after each position), idx [G, A, b]
+    label positions a + i -> [G, A, b] bool: tokens a+1..a+i all equal the target's argmax at the
+    position before (output 0 is always True)."""
     follows = torch.ones_like(ids, dtype=torch.bool)
     follows[:, 1:] = ids[:, 1:] == greedy[:, :-1]  # token t is the target's greedy pick after t-1
     on_chain = torch.gather(follows, 1, idx.reshape(ids.shape[0], -1)).view_as(idx)
@@ -193,7 +192,8 @@ def block_loss(model, ids, feats, probs, anchors, decay: float, chain_labels: bo
     idx = anchors[:, :, None] + torch.arange(b, device=ids.device)  # [G, A, b] label positions a + i
     labels = torch.gather(probs, 1, idx.reshape(ids.shape[0], -1, 1).expand(-1, -1, probs.shape[-1]))
     labels = labels.view_as(logits)
-    chain = greedy_chain_mask(ids, probs, idx).float()  # [G, A, b]
+    greedy = probs.argmax(-1)  # [G, T] the target's next token after each position
+    chain = greedy_chain_mask(ids, greedy, idx).float()  # [G, A, b]
     ce = -(labels * F.log_softmax(logits, dim=-1)).sum(-1)  # [G, A, b]
     if chain_labels:
         ce = (ce * chain).sum(dim=(0, 1)) / chain.sum(dim=(0, 1)).clamp_min(1.0)  # [b]
@@ -201,7 +201,8 @@ def block_loss(model, ids, feats, probs, anchors, decay: float, chain_labels: bo
         ce = ce.mean(dim=(0, 1))
     w = decay ** torch.arange(b, device=ids.device, dtype=ce.dtype)
     with torch.no_grad():
-        hits = (logits.argmax(-1) == labels.argmax(-1)).float() * chain
+        target_tokens = torch.gather(greedy, 1, idx.reshape(ids.shape[0], -1)).view_as(idx)  # argmax of labels
+        hits = (logits.argmax(-1) == target_tokens).float() * chain
         agree = hits.sum(dim=(0, 1)) / chain.sum(dim=(0, 1)).clamp_min(1.0)
     return (w * ce).sum() / w.sum(), [round(float(a), 3) for a in agree]
 

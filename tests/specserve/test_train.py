@@ -323,7 +323,7 @@ def test_greedy_chain_mask_follows_the_targets_argmax_chain():
     anchors = torch.randint(1, T - b + 1, (G, A), generator=gen)
     anchors[0, 0] = 10
     idx = anchors[:, :, None] + torch.arange(b)
-    got = greedy_chain_mask(ids, probs, idx)
+    got = greedy_chain_mask(ids, greedy, idx)
     assert got.dtype == torch.bool and got.shape == (G, A, b)
     for g in range(G):
         for j in range(A):
@@ -353,13 +353,14 @@ def test_dflash_chain_labels_loss_ignores_off_chain_blocks():
     probs = torch.rand(2, 20, 11, generator=gen).softmax(-1)
     anchors = torch.randint(1, 18, (2, 6), generator=gen)
     idx = anchors[:, :, None] + torch.arange(3)
-    off = idx[~greedy_chain_mask(ids, probs, idx)]  # label positions used only by off-chain outputs
-    on = set(idx[greedy_chain_mask(ids, probs, idx)].tolist())
+    chain = greedy_chain_mask(ids, probs.argmax(-1), idx)
+    off = idx[~chain]  # label positions used only by off-chain outputs
+    on = set(idx[chain].tolist())
     off = sorted(set(off.tolist()) - on)
     assert off, "the random data should break some chains"
     bumped = probs.clone()
     bumped[:, off] = bumped[:, off].flip(-1)  # other labels there, same argmax chain elsewhere
-    assert greedy_chain_mask(ids, bumped, idx).equal(greedy_chain_mask(ids, probs, idx))  # same chains
+    assert greedy_chain_mask(ids, bumped.argmax(-1), idx).equal(chain)  # same chains
     with torch.no_grad():
         masked = [block_loss(model, ids, feats, p, anchors, 0.8, chain_labels=True)[0] for p in (probs, bumped)]
         plain = [block_loss(model, ids, feats, p, anchors, 0.8)[0] for p in (probs, bumped)]
