@@ -1,4 +1,5 @@
-"""DFlash-style block drafter: fills a block of b positions in ONE forward pass.
+"""DFlash-style block drafter: fills a block of b positions in ONE forward pass (or a few, see
+"Denoising passes").
 
 Model. Target hidden rows (a few layers, concatenated) are fused by ``fc`` and normed into one context
 vector per position; every draft layer projects those context vectors to its own K/V (rope at their
@@ -6,9 +7,18 @@ positions). The block's queries are [embed(pending token), mask, mask, ...] at p
 inside the block attention is NON-causal, and every block query sees the whole context. Output i gives
 the logits of drafted token i + 1, so drafting k <= b tokens is one forward of b queries.
 
-Sampling. Each drafted token is drawn independently from its own q_i (the request's sampling transform
-of logits i); q_i does not depend on the tokens drawn before it, so q_i IS the distribution token i was
-drawn from given them, which is what the target's lossless rule needs.
+Denoising passes (``denoise_steps: S`` in config.json; absent = 1). A block can also take known tokens
+in place of masks: ``block_logits(..., given=[g_1..g_m])`` puts embed(g_j) at block position j (1 <= j
+<= m). With S > 1 the proposer drafts in min(S, k) passes over the same context: each pass but the
+last fixes the next drafted token (from that pass's logits, given the tokens fixed before it), the
+last pass fixes all the rest. Token 2 is then drafted knowing token 1, as in an autoregressive
+drafter, at the cost of one more pass over b queries. The trainer sets S = 1 + the most given tokens
+it trained with (``--arch given_tokens``).
+
+Sampling. Each drafted token is drawn from its own q_i (the request's sampling transform of logits i of
+the pass that fixed it); that pass saw exactly the tokens drawn before it that were fixed earlier, and
+q_i does not depend on the others, so q_i IS the distribution token i was drawn from given the tokens
+before it, which is what the target's lossless rule needs.
 
 Checkpoint layout (``save_dflash`` / ``load_dflash``): ``config.json`` with ``model_type: "dflash"``,
 hidden_size, num_hidden_layers, num_attention_heads, num_key_value_heads, head_dim, intermediate_size,
@@ -79,17 +89,23 @@ class DFlashConfig:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     shared_target_head: bool = False  # embed_tokens / lm_head are the target's (frozen, not saved)
+    denoise_steps: int = 1  # passes per drafted block (see "Denoising passes")
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "target_layer_ids", tuple(int(i) for i in self.target_layer_ids))
         for name in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-                     "head_dim", "intermediate_size", "vocab_size", "block_size", "target_hidden_size"):
+                     "head_dim", "intermediate_size", "vocab_size", "block_size", "target_hidden_size",
+                     "denoise_steps"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
                 raise DrafterConfigError(f"dflash config: {name} must be a positive int, got {getattr(self, name)!r}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise DrafterConfigError("dflash config: num_attention_heads must be a multiple of num_key_value_heads")
         if not self.target_layer_ids or min(self.target_layer_ids) < 0:
             raise DrafterConfigError(f"dflash config: bad target_layer_ids {self.target_layer_ids}")
+        if self.denoise_steps > self.block_size - 1:
+            raise DrafterConfigError(
+                f"dflash config: denoise_steps {self.denoise_steps} > block_size - 1 = {self.block_size - 1}"
+            )
         if not isinstance(self.shared_target_head, bool):
             raise DrafterConfigError(f"dflash config: shared_target_head must be true or false, got {self.shared_target_head!r}")
         if self.shared_target_head and self.hidden_size != self.target_hidden_size:
@@ -102,6 +118,8 @@ class DFlashConfig:
         d = {k: getattr(self, k) for k in self.__dataclass_fields__}
         if not self.shared_target_head:  # the original layout, unchanged
             del d["shared_target_head"]
+        if self.denoise_steps == 1:
+            del d["denoise_steps"]
         return dict(d, model_type="dflash", target_layer_ids=list(self.target_layer_ids))
 
     @staticmethod
@@ -175,9 +193,13 @@ class DFlashModel(nn.Module):
         first_pos: int,  # its position
         ctx_kv: list[tuple[torch.Tensor, torch.Tensor]],  # per layer ([P, Hkv, D], [P, Hkv, D])
         ctx_mask: torch.Tensor | None = None,  # [b, P] bool; None = every block query sees all context
+        given: torch.Tensor | None = None,  # [m] int64 known tokens at block positions 1..m (m <= b - 1)
     ) -> torch.Tensor:  # [b, V] float32: logits of drafted tokens 1..b
         c, b = self.cfg, self.cfg.block_size
-        x = torch.cat([self.embed_tokens(first_token), self.mask_embedding[None].expand(b - 1, -1)])  # [b, H]
+        known = first_token if given is None else torch.cat([first_token, given])  # [1 + m]
+        if len(known) > b:
+            raise ValueError(f"{len(known) - 1} given tokens do not fit a block of {b}")
+        x = torch.cat([self.embed_tokens(known), self.mask_embedding[None].expand(b - len(known), -1)])  # [b, H]
         pos = torch.arange(first_pos, first_pos + b, device=x.device)
         cos, sin = self.rotary.cos_sin(pos, x.dtype)
         p = ctx_kv[0][0].shape[0]
@@ -331,9 +353,15 @@ class DFlashProposer(Proposer):
         fs.tokens = ids[: L - 1].copy()
         state.drop_hidden_before(L - 1 - ROLLBACK_ROWS)
         first = torch.as_tensor(ids[L - 1 : L], device=self.device)
-        logits = self.model.block_logits(first, L - 1, fs.kv)[:num_tokens]  # [k, V]
-        tokens, q = draw_tokens(logits, state.sampling, state.generator)
-        probs = None if q is None else to_target_probs(q, self.vocab_size)
+        passes = min(self.model.cfg.denoise_steps, num_tokens)
+        tokens, qs = first.new_zeros(0), []
+        for step in range(passes):  # each pass but the last fixes one more token (module docstring)
+            logits = self.model.block_logits(first, L - 1, fs.kv, given=tokens)  # [b, V]
+            end = len(tokens) + 1 if step < passes - 1 else num_tokens
+            new, q = draw_tokens(logits[len(tokens) : end], state.sampling, state.generator)
+            tokens = torch.cat([tokens, new])
+            qs.append(q)
+        probs = None if qs[0] is None else to_target_probs(torch.cat(qs), self.vocab_size)
         return DraftBlock(token_ids=tuple(int(t) for t in tokens.tolist()), probs=probs)
 
 

@@ -83,14 +83,16 @@ def self_distill_sequences(model, train_stream: np.ndarray, spec: SelfDistillSpe
                            device: torch.device, cache: Path | None = None) -> torch.Tensor:
     """[N, prompt_len + new_tokens]: random training-text prompts continued greedily by the target
     (the distribution the drafters meet at temperature 0). ``cache``: a .pt file reused when it was
-    made with the same spec (several drafters trained in one session share it)."""
+    made with the same spec (several drafters trained in one session share it; stored as int16 when the
+    vocabulary fits, a quarter of the size, so a cache can travel with a GPU call)."""
     if cache is not None and Path(cache).is_file():
         saved = torch.load(cache)
         if saved.get("spec") == repr(spec):
-            return saved["sequences"]
+            return saved["sequences"].long()
     seqs = _self_distill(model, train_stream, spec, device)
     if cache is not None:
-        torch.save({"spec": repr(spec), "sequences": seqs}, cache)
+        small = torch.int16 if model.config.vocab_size <= torch.iinfo(torch.int16).max + 1 else torch.int32
+        torch.save({"spec": repr(spec), "sequences": seqs.to(small)}, cache)
     return seqs
 
 

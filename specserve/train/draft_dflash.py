@@ -20,6 +20,16 @@ target would not have written) the label is conditioned on tokens the drafter ca
 greedy chain (output 0 always counts). The reported agreement of output i is always over those
 blocks: the chance that draft i is accepted given drafts 0..i-1 were.
 
+Chain anchors (``--arch chain_anchors=F``). At temperature 0 every block the proposer meets is a
+greedy-chain block: its anchor sits in text the target wrote itself. A share F of each sequence's
+anchors is drawn among positions whose tokens a+1..a+b-1 are all on the greedy chain (the rest
+uniformly), so most of the compute goes to the blocks decoding meets. Default 0 = uniform anchors.
+
+Given tokens (``--arch given_tokens=g``). Each block draws m uniformly from 0..g and has its true
+tokens a+1..a+m in place of the first m masks; outputs 0..m-1 (whose answers are given) carry no loss,
+and output i >= m needs tokens a+m+1..a+i on the greedy chain under ``chain_labels``. The saved drafter
+then drafts in g + 1 passes (``denoise_steps``, draft_service/dflash.py). Default 0 = one pass.
+
 ``--arch shared_target_head=1``: the drafter uses the target's token embeddings and lm_head (copied,
 frozen, not saved: the proposer reads them from the target checkpoint) and the target's hidden size
 (``hidden_size`` is then ignored); its own final norm starts from the target's. Default 0 = the
@@ -39,6 +49,8 @@ from specserve.train.feature_distill import heldout_agreement, train_on_target_f
 
 
 _FLAGS = ("shared_target_head", "chain_labels")  # the 0/1 fields of DFlashSpec
+_SHARES = ("chain_anchors",)  # the fields in [0, 1]
+_COUNTS = ("given_tokens",)  # the fields >= 0
 
 
 @dataclass(frozen=True)
@@ -55,6 +67,8 @@ class DFlashSpec:
     position_decay: float = 0.8
     shared_target_head: bool = False  # 1 = read the target's embeddings + lm_head (see the module docstring)
     chain_labels: bool = False  # 1 = train output i only on greedy-chain blocks (see the module docstring)
+    chain_anchors: float = 0.0  # share of anchors drawn on greedy-chain blocks (see the module docstring)
+    given_tokens: int = 0  # most true tokens a block is given in training (see the module docstring)
 
     def __post_init__(self) -> None:
         for name in _FLAGS:
@@ -62,11 +76,17 @@ class DFlashSpec:
             if value not in (0, 1):  # apply_arch gives an int
                 raise TrainError(f"DFlashSpec.{name} must be 0 or 1, got {value!r}")
             object.__setattr__(self, name, bool(value))
+        for name in _SHARES:
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise TrainError(f"DFlashSpec.{name} must be in [0, 1], got {getattr(self, name)}")
         for name, value in asdict(self).items():
-            if name not in _FLAGS and not value > 0:
+            if name not in _FLAGS + _SHARES + _COUNTS and not value > 0:
                 raise TrainError(f"DFlashSpec.{name} must be > 0, got {value}")
         if self.block_size < 2:
             raise TrainError("block_size must be >= 2")
+        if not 0 <= self.given_tokens <= self.block_size - 2:
+            raise TrainError(f"DFlashSpec.given_tokens must be in 0..block_size - 2 = {self.block_size - 2}, "
+                             f"got {self.given_tokens}")
 
 
 def resolve_spec(spec: DFlashSpec, target_config) -> DFlashSpec:
@@ -103,6 +123,7 @@ def build_dflash(target, spec: DFlashSpec, layers: tuple[int, ...]):
         target_hidden_size=target.config.hidden_size,
         target_layer_ids=layers,
         shared_target_head=spec.shared_target_head,
+        denoise_steps=spec.given_tokens + 1,
     )
     model = DFlashModel(cfg)  # shared: embed_tokens / lm_head already frozen
     with torch.no_grad():
@@ -125,9 +146,10 @@ def init_from_checkpoint(model, path, target_dir) -> None:
         saved = load_dflash(path, target_dir=target_dir)
     except DrafterConfigError as e:
         raise TrainError(f"--init-from {path}: {e}") from e
-    if saved.cfg != model.cfg:
-        diff = [f"{k} {getattr(saved.cfg, k)!r} (training {getattr(model.cfg, k)!r})"
-                for k in model.cfg.__dataclass_fields__ if getattr(saved.cfg, k) != getattr(model.cfg, k)]
+    diff = [f"{k} {getattr(saved.cfg, k)!r} (training {getattr(model.cfg, k)!r})"
+            for k in model.cfg.__dataclass_fields__
+            if k != "denoise_steps" and getattr(saved.cfg, k) != getattr(model.cfg, k)]  # same weights either way
+    if diff:
         raise TrainError(f"--init-from {path} has another DFlash config: {'; '.join(diff)}")
     state = model.state_dict()
     with torch.no_grad():
@@ -135,8 +157,10 @@ def init_from_checkpoint(model, path, target_dir) -> None:
             state[name].copy_(value)
 
 
-def blocks_logits(model, ids: torch.Tensor, feats: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
-    """ids [G, T], feats [G, T, F], anchors [G, A] (1 <= a <= T - b) -> logits [G, A, b, V] float32.
+def blocks_logits(model, ids: torch.Tensor, feats: torch.Tensor, anchors: torch.Tensor,
+                  given: torch.Tensor | None = None) -> torch.Tensor:
+    """ids [G, T], feats [G, T, F], anchors [G, A] (1 <= a <= T - b), given [G, A] int (m: the block's
+    true tokens a+1..a+m replace its first m masks; None = 0) -> logits [G, A, b, V] float32.
 
     Each block attends to its own sequence's context keys before its anchor plus its own b keys. The
     context part is one batched matmul per sequence (all A * b queries against its T context keys,
@@ -151,9 +175,13 @@ def blocks_logits(model, ids: torch.Tensor, feats: torch.Tensor, anchors: torch.
     r = hq // hkv  # query heads per key head
     dev = ids.device
     ctx_kv = model.context_kv(feats.reshape(G * T, -1), torch.arange(T, device=dev).repeat(G))
-    first = torch.gather(ids, 1, anchors)  # [G, A] pending tokens
-    x = torch.cat([model.embed_tokens(first)[:, :, None], model.mask_embedding.expand(G, A, b - 1, -1)], dim=2)
-    q_pos = (anchors[:, :, None] + torch.arange(b, device=dev)).reshape(-1)  # [G*A*b]
+    pos = anchors[:, :, None] + torch.arange(b, device=dev)  # [G, A, b]
+    known = torch.gather(ids, 1, pos.reshape(G, -1)).view(G, A, b)  # tokens a .. a+b-1
+    shown = torch.arange(b, device=dev) == 0  # [b] the pending token
+    if given is not None:
+        shown = torch.arange(b, device=dev) <= given[:, :, None]  # [G, A, b]
+    x = torch.where(shown.expand(G, A, b)[..., None], model.embed_tokens(known), model.mask_embedding)
+    q_pos = pos.reshape(-1)  # [G*A*b]
     cos, sin = model.rotary.cos_sin(q_pos, x.dtype)
     hidden = torch.arange(T, device=dev)[None, None, :] >= anchors[:, :, None]  # [G, A, T] not yet context
     hidden = hidden[:, :, None, None, None, :]  # [G, A, 1, 1, 1, T]
@@ -174,45 +202,70 @@ def blocks_logits(model, ids: torch.Tensor, feats: torch.Tensor, anchors: torch.
     return model.lm_head(model.norm(x)).float()  # [G, A, b, V]
 
 
-def greedy_chain_mask(ids: torch.Tensor, greedy: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """ids [G, T], greedy [G, T] (the target's argmax next token after each position), idx [G, A, b]
-    label positions a + i -> [G, A, b] bool: tokens a+1..a+i all equal the target's argmax at the
-    position before (output 0 is always True)."""
+def chain_follows(ids: torch.Tensor, greedy: torch.Tensor) -> torch.Tensor:
+    """ids [G, T], greedy [G, T] (the target's argmax next token after each position) -> [G, T] bool:
+    token t is the target's greedy pick after token t - 1 (token 0 counts as True)."""
     follows = torch.ones_like(ids, dtype=torch.bool)
-    follows[:, 1:] = ids[:, 1:] == greedy[:, :-1]  # token t is the target's greedy pick after t-1
+    follows[:, 1:] = ids[:, 1:] == greedy[:, :-1]
+    return follows
+
+
+def greedy_chain_mask(ids: torch.Tensor, greedy: torch.Tensor, idx: torch.Tensor,
+                      given: torch.Tensor | None = None) -> torch.Tensor:
+    """ids [G, T], greedy [G, T], idx [G, A, b] label positions a + i, given [G, A] (m; None = 0) ->
+    [G, A, b] bool: the tokens output i does not see, a+m+1..a+i, all equal the target's argmax at the
+    position before (outputs 0..m are always True)."""
+    follows = chain_follows(ids, greedy)
     on_chain = torch.gather(follows, 1, idx.reshape(ids.shape[0], -1)).view_as(idx)
     on_chain[..., 0] = True  # output 0 follows the pending token, which is given
+    if given is not None:
+        on_chain |= torch.arange(idx.shape[-1], device=idx.device) <= given[:, :, None]
     return on_chain.cumprod(-1).bool()
 
 
-def block_loss(model, ids, feats, probs, anchors, decay: float, chain_labels: bool = False):
-    """-> (weighted soft cross entropy, agreement of each block position on greedy-chain blocks)."""
+def block_loss(model, ids, feats, probs, anchors, decay: float, chain_labels: bool = False,
+               given: torch.Tensor | None = None):
+    """ids [G, T], feats [G, T, F], probs [G, T, V], anchors [G, A], given [G, A] or None ->
+    (weighted soft cross entropy, agreement [b] of each block output on the greedy-chain blocks where
+    it counts, on the device). Outputs whose answer is given (i < m) count nowhere."""
     b = model.cfg.block_size
-    logits = blocks_logits(model, ids, feats, anchors)  # [G, A, b, V]
+    logits = blocks_logits(model, ids, feats, anchors, given)  # [G, A, b, V]
     idx = anchors[:, :, None] + torch.arange(b, device=ids.device)  # [G, A, b] label positions a + i
     labels = torch.gather(probs, 1, idx.reshape(ids.shape[0], -1, 1).expand(-1, -1, probs.shape[-1]))
     labels = labels.view_as(logits)
     greedy = probs.argmax(-1)  # [G, T] the target's next token after each position
-    chain = greedy_chain_mask(ids, greedy, idx).float()  # [G, A, b]
+    asked = torch.ones_like(idx, dtype=torch.bool)  # [G, A, b] outputs whose answer is not given
+    if given is not None:
+        asked = torch.arange(b, device=ids.device) >= given[:, :, None]
+    chain = (greedy_chain_mask(ids, greedy, idx, given) & asked).float()  # [G, A, b]
     ce = -(labels * F.log_softmax(logits, dim=-1)).sum(-1)  # [G, A, b]
-    if chain_labels:
-        ce = (ce * chain).sum(dim=(0, 1)) / chain.sum(dim=(0, 1)).clamp_min(1.0)  # [b]
-    else:
-        ce = ce.mean(dim=(0, 1))
+    counted = chain if chain_labels else asked.float()
+    ce = (ce * counted).sum(dim=(0, 1)) / counted.sum(dim=(0, 1)).clamp_min(1.0)  # [b]
     w = decay ** torch.arange(b, device=ids.device, dtype=ce.dtype)
     with torch.no_grad():
         target_tokens = torch.gather(greedy, 1, idx.reshape(ids.shape[0], -1)).view_as(idx)  # argmax of labels
         hits = (logits.argmax(-1) == target_tokens).float() * chain
         agree = hits.sum(dim=(0, 1)) / chain.sum(dim=(0, 1)).clamp_min(1.0)
-    return (w * ce).sum() / w.sum(), [round(float(a), 3) for a in agree]
+    return (w * ce).sum() / w.sum(), agree
 
 
-def sample_anchors(gen: torch.Generator, groups: int, length: int, spec: DFlashSpec, device) -> torch.Tensor:
-    hi = length - spec.block_size  # a <= T - b so that labels a + b - 1 <= T - 1
+def sample_anchors(gen: torch.Generator, ids: torch.Tensor, greedy: torch.Tensor, spec: DFlashSpec) -> torch.Tensor:
+    """ids [G, T], greedy [G, T] -> anchors [G, A] in 1..T-b on ids' device (``gen`` lives there too): a
+    share ``spec.chain_anchors`` drawn among full greedy-chain blocks (a sequence without one draws
+    those uniformly too), the rest uniform."""
+    G, T = ids.shape
+    b = spec.block_size
+    hi = T - b  # a <= T - b so that labels a + b - 1 <= T - 1
     if hi < 1:
-        raise TrainError(f"sequences of {length} tokens are too short for blocks of {spec.block_size}")
-    a = torch.randint(1, hi + 1, (groups, spec.anchors), generator=gen)
-    return a.to(device)
+        raise TrainError(f"sequences of {T} tokens are too short for blocks of {b}")
+    n_chain = round(spec.anchors * spec.chain_anchors)
+    anchors = [torch.randint(1, hi + 1, (G, spec.anchors - n_chain), generator=gen, device=ids.device)]
+    if n_chain:
+        follows = chain_follows(ids, greedy)[:, 2:]  # tokens 2..T-1 (those after anchors 1..)
+        full = follows.unfold(1, b - 1, 1).all(-1)[:, :hi]  # [G, hi]: tokens a+1..a+b-1, anchor a = 1..hi
+        weights = full.float() + 1e-6  # no chain block in a sequence: uniform
+        anchors.append(1 + torch.multinomial(weights, n_chain, replacement=True, generator=gen))
+    return torch.cat(anchors, dim=1)
 
 
 def train_dflash_job(job) -> dict:
@@ -227,16 +280,20 @@ def train_dflash_job(job) -> dict:
     model = model.to(job.device).train()
     group = min(spec.group, job.batch_size)
 
-    def loss_with_anchors(gen: torch.Generator):
+    def loss_with_anchors(seed: int):
+        gen = torch.Generator(device=job.device).manual_seed(seed)
+
         def loss_fn(ids, feats, probs):
-            anchors = sample_anchors(gen, len(ids), ids.shape[1], spec, job.device)
-            return block_loss(model, ids, feats, probs, anchors, spec.position_decay, spec.chain_labels)
+            anchors = sample_anchors(gen, ids, probs.argmax(-1), spec)
+            given = None
+            if spec.given_tokens:
+                given = torch.randint(0, spec.given_tokens + 1, anchors.shape, generator=gen, device=ids.device)
+            return block_loss(model, ids, feats, probs, anchors, spec.position_decay, spec.chain_labels, given)
 
         return loss_fn
 
-    run = train_on_target_features(job, model, layers, group, loss_with_anchors(torch.Generator().manual_seed(job.seed)),
-                                   "train_dflash")
-    heldout = heldout_agreement(job, model, layers, group, loss_with_anchors(torch.Generator().manual_seed(job.seed + 7)))
+    run = train_on_target_features(job, model, layers, group, loss_with_anchors(job.seed), "train_dflash")
+    heldout = heldout_agreement(job, model, layers, group, loss_with_anchors(job.seed + 7))
     model.to("cpu").to(torch.bfloat16)
     save_dflash(model, job.out_dir)
     return {"steps_run": run["steps_run"], "stopped_by": run["stopped_by"], "train_seconds": run["train_seconds"],

@@ -106,7 +106,7 @@ def ttt_masks(length: int, passes: int, device) -> list[torch.Tensor]:
 
 
 def ttt_loss(head, ids: torch.Tensor, feats: torch.Tensor, probs: torch.Tensor, masks, spec: Eagle3Spec):
-    """ids [G, T], feats [G, T, 3Ht], probs [G, T, V] -> (weighted loss, per-pass argmax agreement).
+    """ids [G, T], feats [G, T, 3Ht], probs [G, T, V] -> (weighted loss, per-pass argmax agreement [P]).
 
     The head's ``step`` (one sequence per call) is vectorised over the G sequences with torch.func.vmap."""
     from torch.func import vmap
@@ -134,10 +134,10 @@ def ttt_loss(head, ids: torch.Tensor, feats: torch.Tensor, probs: torch.Tensor, 
         loss = -(labels * logp).sum(-1)[:, valid].mean()
         total = total + spec.pass_decay ** (p - 1) * loss
         with torch.no_grad():
-            agree.append(float((logits.argmax(-1) == labels.argmax(-1))[:, valid].float().mean()))
+            agree.append((logits.argmax(-1) == labels.argmax(-1))[:, valid].float().mean())
         # next pass: entry j reads this pass's output at entry j - 1 (of the same sequence)
         feat = torch.cat([out[:, :1], out[:, :-1]], dim=1)
-    return total, agree
+    return total, torch.stack(agree)
 
 
 def train_eagle3_job(job) -> dict:

@@ -2,7 +2,9 @@
 
 Each step takes a batch of self-distilled and plain sequences, runs the target once for its soft
 next-token distributions and the features of the drafter's layers, and trains the drafter in groups of
-``group`` sequences on ``loss_fn(ids[G, T], feats[G, T, F], probs[G, T, V]) -> (loss, agreement)``.
+``group`` sequences on ``loss_fn(ids[G, T], feats[G, T, F], probs[G, T, V]) -> (loss, agreement [P])``.
+The agreement stays on the device and is read only when logged: a per-step read would make the host
+wait for the GPU every step.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import torch
 from specserve.train.common import Schedule, autocast, make_optimizer
 from specserve.train.distill import MixedBatches, target_outputs
 
-LossFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, list[float]]]
+LossFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
 def train_on_target_features(job, module: torch.nn.Module, layers, group: int, loss_fn: LossFn,
@@ -25,12 +27,13 @@ def train_on_target_features(job, module: torch.nn.Module, layers, group: int, l
     params = [p for p in module.parameters() if p.requires_grad]
     opt = make_optimizer(params, job.lr, 0.0, job.device)
     sched = Schedule(job.lr, job.steps, min(50, job.steps // 10 + 1), time_limit_s=job.time_limit_s)
-    t0, step, agree = time.monotonic(), 0, []
+    t0, step, agree = time.monotonic(), 0, None
     while True:
         lr = sched.set_lr(opt, step, time.monotonic() - t0)
         if lr is None:
             break
-        ids = batches.next().to(job.device)
+        ids = batches.next()
+        ids = (ids.pin_memory() if job.device.type == "cuda" else ids).to(job.device, non_blocking=True)
         logits, feats = target_outputs(job.target, ids, layers)
         probs = logits.softmax(-1)
         opt.zero_grad(set_to_none=True)
@@ -42,9 +45,13 @@ def train_on_target_features(job, module: torch.nn.Module, layers, group: int, l
         opt.step()
         step += 1
         if step % 50 == 0 or step == 1:
-            job.log(log_name, step=step, loss=float(loss.detach()), lr=lr, agreement=[round(a, 3) for a in agree])
+            job.log(log_name, step=step, loss=float(loss.detach()), lr=lr, agreement=_rounded(agree, 3))
     return {"steps_run": step, "stopped_by": "steps" if step >= job.steps else "time_limit",
-            "train_seconds": round(time.monotonic() - t0, 1), "last_agreement": agree}
+            "train_seconds": round(time.monotonic() - t0, 1), "last_agreement": _rounded(agree, 3)}
+
+
+def _rounded(agree: torch.Tensor | None, digits: int) -> list[float]:
+    return [] if agree is None else [round(a, digits) for a in agree.tolist()]
 
 
 @torch.no_grad()
@@ -58,7 +65,7 @@ def heldout_agreement(job, module: torch.nn.Module, layers, group: int, loss_fn:
         logits, feats = target_outputs(job.target, ids, layers)
         with autocast(job.device):
             _, agree = loss_fn(ids, feats, logits.softmax(-1))
-        sums = list(agree) if sums is None else [s + a for s, a in zip(sums, agree)]
+        sums = agree if sums is None else sums + agree
         n += 1
     module.train()
-    return [round(s / max(n, 1), 4) for s in (sums or [])]
+    return _rounded(None if sums is None else sums / n, 4)

@@ -185,3 +185,52 @@ def test_shipped_checkpoint_still_loads():
     assert torch.equal(p.model.lm_head.weight, head["lm_head.weight"].float())
     with pytest.raises(DrafterConfigError, match="give the target checkpoint"):
         build_proposer(DrafterConfig(family="dflash", checkpoint=root / "dflash"))
+
+
+# ---------------------------------------------------------------- denoising passes (denoise_steps)
+def test_denoise_steps_config_round_trip_and_errors(tmp_path):
+    from specserve.draft_service.dflash import load_dflash
+
+    model = random_dflash()
+    assert "denoise_steps" not in model.cfg.to_dict()  # the one-pass layout, unchanged
+    raw = dict(model.cfg.to_dict(), denoise_steps=3)
+    assert DFlashConfig.from_dict(raw).denoise_steps == 3
+    model.cfg = DFlashConfig.from_dict(raw)
+    save_dflash(model, tmp_path / "d")
+    assert json.loads((tmp_path / "d" / "config.json").read_text())["denoise_steps"] == 3
+    assert load_dflash(tmp_path / "d").cfg.denoise_steps == 3
+    with pytest.raises(DrafterConfigError, match="denoise_steps 5 > block_size - 1 = 4"):
+        DFlashConfig.from_dict(dict(raw, denoise_steps=5))
+    with pytest.raises(DrafterConfigError, match="denoise_steps must be a positive int"):
+        DFlashConfig.from_dict(dict(raw, denoise_steps=0))
+
+
+@pytest.mark.parametrize("sampled", [False, True])
+def test_denoise_passes_fix_one_token_each_then_the_rest(tmp_path, sampled):
+    """denoise_steps 3, k 4: pass 1 fixes token 1, pass 2 (given token 1) token 2, pass 3 (given 1, 2)
+    tokens 3 and 4; each token's q is its pass's row, recomputed here from block_logits(given=...)."""
+    model = random_dflash()
+    model.cfg = DFlashConfig.from_dict(dict(model.cfg.to_dict(), denoise_steps=3))
+    save_dflash(model, tmp_path / "d")
+    p = build_proposer(cfg_for(tmp_path / "d"))
+    calls = []
+    p.model.block_logits = (lambda f: (lambda *a, **k: calls.append(k["given"].tolist()) or f(*a, **k)))(
+        p.model.block_logits)
+    feats = FakeFeatures(VOCAB, len(LAYERS) * TH)
+    seq = [1, 2, 3, 4, 5, 6]
+    sampling = SamplingParams(temperature=1.0, seed=3) if sampled else SamplingParams()
+    p.start("s", seq, feats.rows(seq, 0, 5), sampling)
+    block = p.propose("s", 6, [], None, 4)
+    t = list(block.token_ids)
+    assert calls == [[], t[:1], t[:2]] and len(t) == 4
+    m, kv = p.model, p.session("s").family_state.kv
+    with torch.no_grad():
+        rows = [m.block_logits(torch.tensor([6]), 5, kv, given=torch.tensor(t[:n], dtype=torch.int64))
+                for n in range(3)]
+    want = torch.stack([rows[0][0], rows[1][1], rows[2][2], rows[2][3]])  # [4, V]
+    if sampled:
+        torch.testing.assert_close(block.probs, torch.softmax(want.double(), -1).float(), rtol=1e-5, atol=1e-6)
+    else:
+        assert t == want.argmax(-1).tolist() and block.probs is None
+    calls.clear()
+    assert len(p.propose("s", 6, [], None, 1)) == 1 and len(calls) == 1  # k = 1: one pass

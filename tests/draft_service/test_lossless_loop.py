@@ -47,17 +47,17 @@ def _eagle3_dir(root, target_dir):
     return root / "eagle3"
 
 
-def _dflash_dir(root, num_layers):
+def _dflash_dir(root, num_layers, denoise_steps=1):
     torch.manual_seed(6)
     cfg = DFlashConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=8,
                        intermediate_size=32, vocab_size=VOCAB, block_size=4, target_hidden_size=32,
-                       target_layer_ids=(0, num_layers - 1))
+                       target_layer_ids=(0, num_layers - 1), denoise_steps=denoise_steps)
     model = DFlashModel(cfg)
     with torch.no_grad():
         for p in model.parameters():
             p.copy_(torch.randn_like(p) * 0.4)
-    save_dflash(model, root / "dflash")
-    return root / "dflash"
+    save_dflash(model, root / f"dflash{denoise_steps}")
+    return root / f"dflash{denoise_steps}"
 
 
 @pytest.fixture(scope="module")
@@ -88,6 +88,7 @@ def _world(tiny_ckpt, tmp_path_factory, kind):
         "model_is_target": DrafterConfig(family="model", checkpoint=target, **base),
         "eagle3": DrafterConfig(family="eagle3", checkpoint=_eagle3_dir(root, target), **base),
         "dflash": DrafterConfig(family="dflash", checkpoint=_dflash_dir(root, layers), **base),
+        "dflash_denoise": DrafterConfig(family="dflash", checkpoint=_dflash_dir(root, layers, 2), **base),
     }
     return engine, configs, target
 
@@ -112,7 +113,7 @@ def run_loop(engine, proposer, sid, prompt, sampling, max_new, k=3, tree=None, s
     return out, drafted, accepted
 
 
-@pytest.mark.parametrize("name", ["ngram", "model", "eagle3", "dflash"])
+@pytest.mark.parametrize("name", ["ngram", "model", "eagle3", "dflash", "dflash_denoise"])
 def test_greedy_output_equals_target_only(world, name):
     engine_factory, configs, _ = world
     engine, proposer = engine_factory(), build_proposer(configs[name])
@@ -150,7 +151,8 @@ def _exact_second_token_dist(target_dir, sampling) -> torch.Tensor:  # [V]
 
 
 @pytest.mark.parametrize(
-    "name,tree", [("ngram", None), ("model", None), ("model", TREE), ("eagle3", None), ("eagle3", TREE), ("dflash", None)]
+    "name,tree", [("ngram", None), ("model", None), ("model", TREE), ("eagle3", None), ("eagle3", TREE), ("dflash", None),
+                 ("dflash_denoise", None)]
 )
 def test_sampled_first_verify_token_follows_target(dense_world, name, tree):
     engine_factory, configs, target = dense_world
