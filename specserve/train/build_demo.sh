@@ -9,8 +9,11 @@
 # when the package is installed elsewhere). Time limits only cap a slow machine: the LR schedule then
 # finishes its decay by the limit (train_info.json records whether steps or time stopped a run).
 # The DFlash arch reads the target's embeddings and lm_head (shared_target_head: not saved, hidden =
-# the target's 256) and trains each block output only on greedy-chain blocks (chain_labels); DFLASH_ARCH
-# adds more --arch overrides; DFLASH_INIT=DIR continues training a saved DFlash of that arch (not OUT/dflash).
+# the target's 256), trains each block output only on greedy-chain blocks (chain_labels) and draws most
+# anchors on such blocks (chain_anchors); DFLASH_ARCH
+# adds more --arch overrides (the shipped one: given_tokens=3 in its last stage, see demo_model/README.md);
+# DFLASH_LR sets its peak learning rate (default 2e-3); DFLASH_INIT=DIR continues training a saved DFlash
+# of that arch (not OUT/dflash).
 set -euo pipefail
 OUT=${1:?usage: build_demo.sh OUT base|eagle3|dflash|heads|eval}
 STAGE=${2:?usage: build_demo.sh OUT base|eagle3|dflash|heads|eval}
@@ -30,9 +33,9 @@ eagle3() {
 }
 dflash() {
   $SPECSERVE train draft --family dflash --target "$OUT/target" --out "$OUT/dflash" --device "$DEV" \
-    --steps 20000 --batch-size 64 --lr 2e-3 --time-limit-s "$LIMIT" --sd-prompts 16384 $HSD \
+    --steps 20000 --batch-size 64 --lr "${DFLASH_LR:-2e-3}" --time-limit-s "$LIMIT" --sd-prompts 32768 $HSD --sd-batch-size 4096 \
     --arch shared_target_head=1 --arch num_layers=3 --arch head_dim=64 --arch intermediate_size=640 \
-    --arch chain_labels=1 ${DFLASH_ARCH:-} --sd-cache "${SD_CACHE:-/tmp/specserve_sd}_dflash" \
+    --arch chain_labels=1 --arch chain_anchors=0.8 ${DFLASH_ARCH:-} --sd-cache "${SD_CACHE:-/tmp/specserve_sd}_dflash" \
     ${DFLASH_INIT:+--init-from "$DFLASH_INIT"}
 }
 case "$STAGE" in

@@ -180,6 +180,7 @@ def test_shipped_checkpoint_still_loads():
         pytest.skip("no shipped demo_model/ in this checkout")
     p = build_proposer(DrafterConfig(family="dflash", checkpoint=root / "dflash", target_checkpoint=root / "target"))
     assert p.model.cfg.shared_target_head  # the shipped drafter reads the target's embeddings and lm_head
+    assert p.model.cfg.denoise_steps == 4  # drafts k = 4 in four passes (demo_model/README.md)
     head = read_target_head(root / "target")
     assert torch.equal(p.model.embed_tokens.weight, head["embed_tokens.weight"].float())
     assert torch.equal(p.model.lm_head.weight, head["lm_head.weight"].float())
