@@ -9,7 +9,8 @@ the logits of drafted token i + 1, so drafting k <= b tokens is one forward of b
 
 Denoising passes (``denoise_steps: S`` in config.json; absent = 1). A block can also take known tokens
 in place of masks: ``block_logits(..., given=[g_1..g_m])`` puts embed(g_j) at block position j (1 <= j
-<= m). With S > 1 the proposer drafts in min(S, k) passes over the same context: each pass but the
+<= m). With S > 1 (or ``DrafterConfig.denoise_steps``, which overrides it at serve time) the
+proposer drafts in min(S, k) passes over the same context: each pass but the
 last fixes the next drafted token (from that pass's logits, given the tokens fixed before it), the
 last pass fixes all the rest. Token 2 is then drafted knowing token 1, as in an autoregressive
 drafter, at the cost of one more pass over b queries. The trainer sets S = 1 + the most given tokens
@@ -316,6 +317,11 @@ class _DFlashSession:
 class DFlashProposer(Proposer):
     def __init__(self, model: DFlashModel, config: DrafterConfig, hidden_layers: tuple[int, ...], vocab_hash: str) -> None:
         self.model = model
+        self.passes = config.denoise_steps or model.cfg.denoise_steps  # per block (module docstring)
+        if self.passes > model.cfg.block_size - 1:
+            raise DrafterConfigError(
+                f"dflash denoise_steps {self.passes} > block_size - 1 = {model.cfg.block_size - 1} of {config.checkpoint}"
+            )
         self.device = torch.device(config.device)
         self.vocab_size = model.cfg.vocab_size
         super().__init__(
@@ -353,7 +359,7 @@ class DFlashProposer(Proposer):
         fs.tokens = ids[: L - 1].copy()
         state.drop_hidden_before(L - 1 - ROLLBACK_ROWS)
         first = torch.as_tensor(ids[L - 1 : L], device=self.device)
-        passes = min(self.model.cfg.denoise_steps, num_tokens)
+        passes = min(self.passes, num_tokens)
         tokens, qs = first.new_zeros(0), []
         for step in range(passes):  # each pass but the last fixes one more token (module docstring)
             logits = self.model.block_logits(first, L - 1, fs.kv, given=tokens)  # [b, V]

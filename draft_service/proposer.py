@@ -117,6 +117,8 @@ class DrafterConfig:
     kv_num_blocks: int = 512
     # eagle3 / dflash: override the target layers to read (default: the checkpoint's or the family's)
     hidden_layers: tuple[int, ...] | None = None
+    # dflash: passes per drafted block (default: the checkpoint's denoise_steps)
+    denoise_steps: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.family, str) or not self.family:
@@ -134,6 +136,8 @@ class DrafterConfig:
             )
         if self.kv_block_size < 1 or self.kv_num_blocks < 1:
             raise DrafterConfigError("kv_block_size and kv_num_blocks must be >= 1")
+        if self.denoise_steps is not None and self.denoise_steps < 1:
+            raise DrafterConfigError(f"denoise_steps must be >= 1, got {self.denoise_steps}")
         if self.hidden_layers is not None:
             object.__setattr__(self, "hidden_layers", tuple(int(i) for i in self.hidden_layers))
             if not self.hidden_layers:

@@ -79,6 +79,12 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     add_engine_arguments(parser)
     parser.add_argument("--draft", choices=DRAFT_CHOICES, default="none")
     parser.add_argument("--draft-model", type=Path, default=None, help="drafter checkpoint folder")
+    add_denoise_argument(parser)
+
+
+def add_denoise_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--denoise-steps", type=positive_int, default=None,
+                        help="dflash: passes per drafted block (default: the checkpoint's denoise_steps)")
 
 
 def engine_config_from_args(args: argparse.Namespace):
@@ -134,6 +140,7 @@ def drafter_config_from_args(args: argparse.Namespace, target_checkpoint: Path):
         dtype=args.dtype,
         # k + 1: draft-ahead asks for its guess of the bonus token plus a full next block
         max_block_size=max(args.num_speculative_tokens, 1) + 1 if hasattr(args, "num_speculative_tokens") else 8,
+        denoise_steps=args.denoise_steps,
     )
 
 

@@ -7,7 +7,7 @@ import dataclasses
 import sys
 from pathlib import Path
 
-from specserve.cli.common import positive_int
+from specserve.cli.common import add_denoise_argument, positive_int
 from specserve.cli.target_cmd import (
     add_listen_arguments,
     checkpoint_errors_as_user_errors,
@@ -23,6 +23,7 @@ def add_drafter_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--draft", choices=FAMILIES, default="ngram", help="drafter family")
     parser.add_argument("--draft-model", type=Path, default=None, help="drafter checkpoint folder")
     parser.add_argument("--max-block-size", type=positive_int, default=8, help="most tokens one proposal may draft")
+    add_denoise_argument(parser)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -146,6 +146,7 @@ def run(args: argparse.Namespace) -> int:
                 "--draft", args.draft, *model_flag, *placement, "--listen", draft_addr,
                 "--max-block-size", str(args.max_block_size), "--grace-s", str(args.grace_s),
                 *(["--draft-model", str(args.draft_model)] if args.draft_model is not None else []),
+                *(["--denoise-steps", str(args.denoise_steps)] if args.denoise_steps is not None else []),
             ])
             gateway_drafts = ["--draft-service", f"{args.draft}={draft_addr}"]
         gateway = children.start("gateway", [

@@ -15,6 +15,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from specserve.cli.common import add_denoise_argument
 from specserve.errors import SpecserveError
 from specserve.gateway.stats import SpecStats
 
@@ -49,6 +50,7 @@ def add_eval_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-prompts", type=int, default=None, help="first N held-out prompts (default: all)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    add_denoise_argument(p)
     p.add_argument("--out-json", type=Path, default=None)
     p.add_argument("--from-json", type=Path, default=None, help="skip measuring: reuse a report written by --out-json")
     p.add_argument("--write-card", type=Path, default=None,
@@ -98,7 +100,7 @@ def speculative_greedy(engine, proposer, session_id: str, prompt: list[int], k: 
 
 
 def evaluate(demo: Path, families: list[str], k: int, max_new: int, num_prompts: int | None, device: str,
-             dtype: str) -> dict:
+             dtype: str, denoise_steps: int | None = None) -> dict:
     from specserve.draft_service.proposer import DrafterConfig
     from specserve.draft_service.registry import build_proposer
     from specserve.target_service.factory import EngineConfig, build_engine
@@ -117,7 +119,8 @@ def evaluate(demo: Path, families: list[str], k: int, max_new: int, num_prompts:
         if ckpt is not None and not (ckpt / "config.json").is_file():
             raise AcceptanceError(f"no {family} checkpoint at {ckpt}")
         proposer = build_proposer(DrafterConfig(family=family, checkpoint=ckpt, target_checkpoint=target_dir,
-                                                device=device, dtype=dtype, max_block_size=k))
+                                                device=device, dtype=dtype, max_block_size=k,
+                                                denoise_steps=denoise_steps))
         t0 = time.monotonic()
         stats, lossless = SpecStats(), 0
         for i, (prompt, ref) in enumerate(zip(prompts, reference)):
@@ -131,14 +134,16 @@ def evaluate(demo: Path, families: list[str], k: int, max_new: int, num_prompts:
         ))
     return {
         "k": k, "max_new_tokens": max_new, "prompts": len(prompts), "device": device, "dtype": dtype,
-        "target_only_seconds": round(ref_seconds, 2), "results": [asdict(r) for r in results],
+        "target_only_seconds": round(ref_seconds, 2), "denoise_steps": denoise_steps,
+        "results": [asdict(r) for r in results],
     }
 
 
 def card_table(report: dict) -> str:
     lines = [
         f"k = {report['k']} drafted tokens per step, temperature 0, {report['prompts']} held-out prompts, "
-        f"{report['max_new_tokens']} new tokens each ({report['device']}, {report['dtype']}).",
+        f"{report['max_new_tokens']} new tokens each ({report['device']}, {report['dtype']})"
+        + (f"; dflash with denoise_steps {report['denoise_steps']}." if report.get("denoise_steps") else "."),
         "",
         "| drafter | mean accepted length (accepted + 1) | acceptance rate | steps accepting drafted token 1 / 2 / ... |"
         " verify steps | lossless prompts |",
@@ -180,7 +185,8 @@ def run_eval(args: argparse.Namespace) -> int:
     if args.from_json is not None:
         report = json.loads(args.from_json.read_text())
     else:
-        report = evaluate(demo, families, args.k, args.max_new_tokens, args.num_prompts, args.device, args.dtype)
+        report = evaluate(demo, families, args.k, args.max_new_tokens, args.num_prompts, args.device, args.dtype,
+                          args.denoise_steps)
     print(card_table(report))
     if args.out_json is not None:
         args.out_json.write_text(json.dumps(report, indent=2) + "\n")

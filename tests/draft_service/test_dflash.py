@@ -235,3 +235,20 @@ def test_denoise_passes_fix_one_token_each_then_the_rest(tmp_path, sampled):
         assert t == want.argmax(-1).tolist() and block.probs is None
     calls.clear()
     assert len(p.propose("s", 6, [], None, 1)) == 1 and len(calls) == 1  # k = 1: one pass
+
+
+def test_serve_time_denoise_steps_override_the_checkpoint(saved):
+    """DrafterConfig.denoise_steps replaces the checkpoint's pass count; beyond block_size - 1 (or < 1)
+    it is a config error that names the problem."""
+    _, path = saved  # a one-pass checkpoint, block 5
+    p = build_proposer(cfg_for(path, denoise_steps=3))
+    calls = []
+    p.model.block_logits = (lambda f: (lambda *a, **k: calls.append(1) or f(*a, **k)))(p.model.block_logits)
+    feats = FakeFeatures(VOCAB, len(LAYERS) * TH)
+    seq = [1, 2, 3, 4, 5, 6]
+    p.start("s", seq, feats.rows(seq, 0, 5), SamplingParams())
+    assert len(p.propose("s", 6, [], None, 4)) == 4 and len(calls) == 3
+    with pytest.raises(DrafterConfigError, match="denoise_steps 5 > block_size - 1 = 4"):
+        build_proposer(cfg_for(path, denoise_steps=5))
+    with pytest.raises(DrafterConfigError, match="denoise_steps must be >= 1"):
+        cfg_for(path, denoise_steps=0)

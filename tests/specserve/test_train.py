@@ -505,3 +505,32 @@ def test_self_distill_cache_is_compact_and_reused(demo, tmp_path):
     other = replace(spec, seed=5)
     assert self_distill_sequences(target, stream, other, torch.device("cpu"), cache).equal(
         self_distill_sequences(target, stream, other, torch.device("cpu"), None))
+
+
+def test_given_tokens_dflash_drafts_in_passes_and_stays_lossless(demo, tmp_path, capsys):
+    """--arch given_tokens=1 (blocks of 3) saves denoise_steps 2, continuing a one-pass drafter of the
+    same arch is allowed; eval-acceptance drafts it in its passes or in --denoise-steps 1, lossless
+    both ways, and the report and card say which."""
+    import shutil
+
+    from specserve.train.acceptance import card_table
+
+    base = [str(x) for x in ("train", "draft", "--family", "dflash", "--target", demo / "target", "--steps", "1",
+                             "--batch-size", "4", "--lr", "1e-4", *SD, *SHARED_DFLASH, *CORPUS)]
+    root = tmp_path / "demo"
+    shutil.copytree(demo / "target", root / "target")
+    assert main([*base, "--arch", "given_tokens=1", "--out", str(root / "dflash"),
+                 "--init-from", str(demo / "shared" / "dflash")]) == 0
+    assert json.loads((root / "dflash" / "config.json").read_text())["denoise_steps"] == 2
+    for passes in (None, 1):
+        out = tmp_path / f"acc{passes}.json"
+        argv = ["train", "eval-acceptance", "--demo-dir", str(root), "--drafters", "dflash", "--k", "2",
+                "--max-new-tokens", "8", "--num-prompts", "2", "--out-json", str(out)]
+        assert main(argv + (["--denoise-steps", str(passes)] if passes else [])) == 0
+        report = json.loads(out.read_text())
+        assert report["denoise_steps"] == passes and report["results"][0]["lossless_prompts"] == 2
+        assert ("dflash with denoise_steps 1." in card_table(report)) is (passes == 1)
+    capsys.readouterr()
+    assert main([*argv, "--denoise-steps", "3"]) == 2  # blocks of 3 hold at most 2 passes
+    err = capsys.readouterr().err
+    assert "denoise_steps 3 > block_size - 1 = 2" in err and "Traceback" not in err
