@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -252,3 +253,39 @@ def test_serve_time_denoise_steps_override_the_checkpoint(saved):
         build_proposer(cfg_for(path, denoise_steps=5))
     with pytest.raises(DrafterConfigError, match="denoise_steps must be >= 1"):
         cfg_for(path, denoise_steps=0)
+
+
+def test_denoise_draws_follow_the_reported_q():
+    """Sampled with 2 passes, token 1 is drawn from q_1 and token 2 from q_2 given token 1 (the rows the
+    block reports): chi-square over 1500 sessions of one prompt, token 2 on the most common token 1."""
+    from scipy.stats import chisquare
+
+    model = random_dflash()
+    model.cfg = DFlashConfig.from_dict(dict(model.cfg.to_dict(), denoise_steps=2))
+    p = DFlashProposer(model.double(), cfg_for(None), LAYERS, f"size:{VOCAB}")
+    feats = FakeFeatures(VOCAB, len(LAYERS) * TH)
+    seq = [1, 2, 3, 4, 5, 6]
+    runs, firsts, seconds, q1, q2 = 1500, [], {}, None, {}
+    for i in range(runs):
+        p.start(f"s{i}", seq, feats.rows(seq, 0, 5), SamplingParams(temperature=1.0, seed=i))
+        block = p.propose(f"s{i}", 6, [], None, 2)
+        t1, t2 = block.token_ids
+        firsts.append(t1)
+        seconds.setdefault(t1, []).append(t2)
+        q1, q2[t1] = block.probs[0].double(), block.probs[1].double()  # q_1 is the same every time
+        p.release(f"s{i}")
+
+    def pvalue(draws, q):
+        exp = q.numpy() * len(draws)
+        obs = np.bincount(draws, minlength=VOCAB)
+        big = exp >= 5
+        obs_cells, exp_cells = np.append(obs[big], obs[~big].sum()), np.append(exp[big], exp[~big].sum())
+        keep = exp_cells > 0
+        return chisquare(obs_cells[keep], exp_cells[keep] * obs_cells[keep].sum() / exp_cells[keep].sum()).pvalue
+
+    assert pvalue(firsts, q1) > 1e-3
+    top = max(seconds, key=lambda t: len(seconds[t]))
+    assert len(seconds[top]) >= 100 and len(set(seconds[top])) > 5
+    assert pvalue(seconds[top], q2[top]) > 1e-3
+    other = max(q2, key=lambda t: float((q2[t] - q2[top]).abs().sum()))  # q_2 depends on token 1 ...
+    assert pvalue(seconds[top], q2[other]) < 1e-3  # ... and the test can tell the two apart

@@ -5,7 +5,11 @@
 - temperature > 0: the first token emitted by a verify step follows the target's exact distribution
   (chi-square against transformers' probabilities) for every family, chains and trees. That test runs
   the loop's first step for many sessions with one batched verify, on a dense target (cheaper forwards;
-  the verify rule does not depend on the architecture).
+  the verify rule does not depend on the architecture). A second test follows the token after it,
+  through a second step where the first one emitted only one token (session sync under sampling), and
+  through drafted token 2 and its q where the first accepted drafted token 1 (for these random
+  drafters, 1 to 40 of 300 sessions: little power there; tests/draft_service/test_dflash.py checks
+  DFlash's draws against its q directly).
 """
 
 from __future__ import annotations
@@ -137,6 +141,31 @@ def test_target_as_its_own_draft_is_accepted_in_full(world):
             assert accepted >= depth * (steps - 1)
 
 
+def _chisquare_pvalue(counts: np.ndarray, expected: torch.Tensor, runs: int) -> float:
+    """Cells with >= 5 expected draws, the rest pooled into one."""
+    exp = expected.numpy() * runs
+    big = exp >= 5
+    obs_cells = np.append(counts[big], counts[~big].sum())
+    exp_cells = np.append(exp[big], exp[~big].sum())
+    keep = exp_cells > 0
+    return chisquare(obs_cells[keep], exp_cells[keep] * obs_cells[keep].sum() / exp_cells[keep].sum()).pvalue
+
+
+def _exact_third_token_dist(target_dir, sampling) -> torch.Tensor:  # [V]
+    """P(third emitted token) = sum_{e1, e2} p(e1 | prompt) p(e2 | prompt, e1) p(e3 | prompt, e1, e2)."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float64).eval()
+    with torch.no_grad():
+        p1 = target_probs(hf(torch.tensor([PROMPT])).logits[0, -1:], sampling)[0].double()
+        s1 = torch.nonzero(p1).flatten().tolist()
+        p2 = target_probs(hf(torch.tensor([PROMPT + [e] for e in s1])).logits[:, -1], sampling).double()
+        pairs = [(e1, e2) for i, e1 in enumerate(s1) for e2 in torch.nonzero(p2[i]).flatten().tolist()]
+        weights = torch.tensor([float(p1[e1] * p2[s1.index(e1), e2]) for e1, e2 in pairs], dtype=torch.float64)
+        p3 = target_probs(hf(torch.tensor([PROMPT + [e1, e2] for e1, e2 in pairs])).logits[:, -1], sampling)
+    return (weights[:, None] * p3.double()).sum(0)
+
+
 def _exact_second_token_dist(target_dir, sampling) -> torch.Tensor:  # [V]
     """P(second emitted token) = sum_e1 p(e1 | prompt) p(e2 | prompt, e1), from transformers."""
     from transformers import AutoModelForCausalLM
@@ -171,11 +200,41 @@ def test_sampled_first_verify_token_follows_target(dense_world, name, tree):
         drafted, accepted = drafted + len(block), accepted + len(res.accepted_ids)
         engine.release(sid), proposer.release(sid)
     assert counts[(expected == 0).numpy()].sum() == 0, "emitted a token the target cannot sample"
-    exp = expected.numpy() * runs
-    big = exp >= 5
-    obs_cells = np.append(counts[big], counts[~big].sum())
-    exp_cells = np.append(exp[big], exp[~big].sum())
-    keep = exp_cells > 0
-    pval = chisquare(obs_cells[keep], exp_cells[keep] * obs_cells[keep].sum() / exp_cells[keep].sum()).pvalue
+    pval = _chisquare_pvalue(counts, expected, runs)
     assert pval > 1e-3, f"{name} tree={tree}: p={pval:.2e}, drafted {drafted}, accepted {accepted}"
     assert drafted > 0 and (name != "model" or accepted > 0)  # proposals were exercised
+
+
+@pytest.mark.parametrize("name", ["model", "eagle3", "dflash", "dflash_denoise"])
+def test_sampled_second_verified_token_follows_target(dense_world, name):
+    """The second token a session emits after prefill: from the first verify when it accepted drafted
+    token 1 (then drafted token 2 and its q were on trial), else from a second step."""
+    engine_factory, configs, target = dense_world
+    sampling = dict(temperature=1.0, top_k=8)
+    expected = _exact_third_token_dist(target, SamplingParams(**sampling))
+    engine, proposer = engine_factory(), build_proposer(configs[name])
+    layers = proposer.info.hidden_layers if proposer.info.needs_hidden_states else ()
+    counts, runs, items, seqs = np.zeros(VOCAB), 300, [], {}
+    for i in range(runs):
+        sid, s = f"t{i}", SamplingParams(seed=5000 + i, **sampling)
+        pre = engine.prefill(sid, PROMPT, s, layers)
+        seqs[sid] = PROMPT + [pre.next_token]
+        proposer.start(sid, seqs[sid], pre.hidden, s)
+        items.append((sid, proposer.propose(sid, len(seqs[sid]), [], None, 3)))
+    again, first_accepted = [], 0
+    for (sid, _), res in zip(items, engine.verify_batch(items)):
+        if len(res.emitted) >= 2:
+            counts[res.emitted[1]] += 1
+            first_accepted += 1
+            engine.release(sid), proposer.release(sid)
+            continue
+        known = len(seqs[sid])
+        seqs[sid] += list(res.emitted)
+        again.append((sid, proposer.propose(sid, known, seqs[sid][known:], res.hidden, 3)))
+    for (sid, _), res in zip(again, engine.verify_batch(again) if again else []):
+        counts[res.emitted[0]] += 1
+        engine.release(sid), proposer.release(sid)
+    assert counts[(expected == 0).numpy()].sum() == 0, "emitted a token the target cannot sample"
+    pval = _chisquare_pvalue(counts, expected, runs)
+    assert pval > 1e-3, f"{name}: p={pval:.2e}, first drafted token accepted in {first_accepted}/{runs}"
+    assert first_accepted > 0  # drafted token 2 was on trial
