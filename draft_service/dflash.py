@@ -43,7 +43,7 @@ rows); rollback keeps the longest prefix whose tokens still match S.
 from __future__ import annotations
 
 import json
-from dataclasses import MISSING, dataclass, field
+from dataclasses import MISSING, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -317,11 +317,8 @@ class _DFlashSession:
 class DFlashProposer(Proposer):
     def __init__(self, model: DFlashModel, config: DrafterConfig, hidden_layers: tuple[int, ...], vocab_hash: str) -> None:
         self.model = model
-        self.passes = config.denoise_steps or model.cfg.denoise_steps  # per block (module docstring)
-        if self.passes > model.cfg.block_size - 1:
-            raise DrafterConfigError(
-                f"dflash denoise_steps {self.passes} > block_size - 1 = {model.cfg.block_size - 1} of {config.checkpoint}"
-            )
+        # passes per block (module docstring); a serve-time override goes through DFlashConfig's checks
+        self.passes = replace(model.cfg, denoise_steps=config.denoise_steps or model.cfg.denoise_steps).denoise_steps
         self.device = torch.device(config.device)
         self.vocab_size = model.cfg.vocab_size
         super().__init__(
