@@ -223,9 +223,10 @@ def greedy_chain_mask(ids: torch.Tensor, greedy: torch.Tensor, idx: torch.Tensor
     return on_chain.cumprod(-1).bool()
 
 
-def block_loss(model, ids, feats, probs, anchors, decay: float, chain_labels: bool = False,
+def block_loss(model, ids, feats, probs, greedy, anchors, decay: float, chain_labels: bool = False,
                given: torch.Tensor | None = None):
-    """ids [G, T], feats [G, T, F], probs [G, T, V], anchors [G, A], given [G, A] or None ->
+    """ids [G, T], feats [G, T, F], probs [G, T, V], greedy [G, T] (probs' argmax: the target's next
+    token after each position), anchors [G, A], given [G, A] or None ->
     (weighted soft cross entropy, agreement [b] of each block output on the greedy-chain blocks where
     it counts, on the device). Outputs whose answer is given (i < m) count nowhere."""
     b = model.cfg.block_size
@@ -233,7 +234,6 @@ def block_loss(model, ids, feats, probs, anchors, decay: float, chain_labels: bo
     idx = anchors[:, :, None] + torch.arange(b, device=ids.device)  # [G, A, b] label positions a + i
     labels = torch.gather(probs, 1, idx.reshape(ids.shape[0], -1, 1).expand(-1, -1, probs.shape[-1]))
     labels = labels.view_as(logits)
-    greedy = probs.argmax(-1)  # [G, T] the target's next token after each position
     asked = torch.ones_like(idx, dtype=torch.bool)  # [G, A, b] outputs whose answer is not given
     if given is not None:
         asked = torch.arange(b, device=ids.device) >= given[:, :, None]
@@ -284,11 +284,13 @@ def train_dflash_job(job) -> dict:
         gen = torch.Generator(device=job.device).manual_seed(seed)
 
         def loss_fn(ids, feats, probs):
-            anchors = sample_anchors(gen, ids, probs.argmax(-1), spec)
+            greedy = probs.argmax(-1)  # [G, T]
+            anchors = sample_anchors(gen, ids, greedy, spec)
             given = None
             if spec.given_tokens:
                 given = torch.randint(0, spec.given_tokens + 1, anchors.shape, generator=gen, device=ids.device)
-            return block_loss(model, ids, feats, probs, anchors, spec.position_decay, spec.chain_labels, given)
+            return block_loss(model, ids, feats, probs, greedy, anchors, spec.position_decay, spec.chain_labels,
+                              given)
 
         return loss_fn
 

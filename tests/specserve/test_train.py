@@ -284,7 +284,8 @@ def test_shared_head_dflash_trains_frozen_head_and_reloads_with_the_same_logits(
     logits, feats = target_outputs(target, ids, layers)
     for _ in range(3):
         probs = logits.softmax(-1)
-        loss, _ = block_loss(model, ids, feats, probs, sample_anchors(gen, ids, probs.argmax(-1), spec), 0.8)
+        greedy = probs.argmax(-1)
+        loss, _ = block_loss(model, ids, feats, probs, greedy, sample_anchors(gen, ids, greedy, spec), 0.8)
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -416,7 +417,7 @@ def test_given_tokens_chain_mask_and_loss():
     sharper = 0.5 * probs + 0.5 * F.one_hot(greedy, V)  # other labels there, the same argmax
     bumped = torch.where(only_first[..., None], sharper, probs)
     with torch.no_grad():
-        losses = [block_loss(model, ids, feats, p, anchors, 0.8, True, all_given)[0] for p in (probs, bumped)]
+        losses = [block_loss(model, ids, feats, p, greedy, anchors, 0.8, True, all_given)[0] for p in (probs, bumped)]
     torch.testing.assert_close(losses[0], losses[1])
     with pytest.raises(TrainError, match="given_tokens must be in 0..block_size - 2"):
         DFlashSpec(block_size=4, given_tokens=3)
@@ -449,8 +450,9 @@ def test_dflash_chain_labels_loss_ignores_off_chain_blocks():
     bumped[:, off] = bumped[:, off].flip(-1)  # other labels there, same argmax chain elsewhere
     assert greedy_chain_mask(ids, bumped.argmax(-1), idx).equal(chain)  # same chains
     with torch.no_grad():
-        masked = [block_loss(model, ids, feats, p, anchors, 0.8, chain_labels=True)[0] for p in (probs, bumped)]
-        plain = [block_loss(model, ids, feats, p, anchors, 0.8)[0] for p in (probs, bumped)]
+        masked = [block_loss(model, ids, feats, p, p.argmax(-1), anchors, 0.8, chain_labels=True)[0]
+                  for p in (probs, bumped)]
+        plain = [block_loss(model, ids, feats, p, p.argmax(-1), anchors, 0.8)[0] for p in (probs, bumped)]
     torch.testing.assert_close(masked[0], masked[1])
     assert not torch.allclose(plain[0], plain[1])
 
