@@ -10,10 +10,9 @@
 # finishes its decay by the limit (train_info.json records whether steps or time stopped a run).
 # The DFlash arch reads the target's embeddings and lm_head (shared_target_head: not saved, hidden =
 # the target's 256), trains each block output only on greedy-chain blocks (chain_labels) and draws most
-# anchors on such blocks (chain_anchors); DFLASH_ARCH
-# adds more --arch overrides (the shipped one: given_tokens=3 in its last stage, see demo_model/README.md);
-# DFLASH_LR sets its peak learning rate (default 2e-3); DFLASH_INIT=DIR continues training a saved DFlash
-# of that arch (not OUT/dflash).
+# anchors on such blocks (chain_anchors). DFLASH_ARCH adds more --arch overrides (the shipped one:
+# given_tokens=3 in its last stage, see demo_model/README.md); DFLASH_LR sets its peak learning rate
+# (default 2e-3); DFLASH_INIT=DIR continues training a saved DFlash of that arch (not OUT/dflash).
 set -euo pipefail
 OUT=${1:?usage: build_demo.sh OUT base|eagle3|dflash|heads|eval}
 STAGE=${2:?usage: build_demo.sh OUT base|eagle3|dflash|heads|eval}
@@ -24,11 +23,11 @@ mkdir -p "$OUT"
 # heads read a larger self-distilled set than the draft LM, with 256-token prompts: sequences of 384
 # tokens cover the positions the held-out prompts reach (prompt + 64 new tokens); heads trained on
 # 192-token sequences lost agreement past position 192
-HSD="--sd-prompt-len 256 --sd-new-tokens 128 --sd-batch-size 1024"
+HSD="--sd-prompt-len 256 --sd-new-tokens 128"
 LIMIT=${HEADS_LIMIT_S:-360}
 eagle3() {
   $SPECSERVE train draft --family eagle3 --target "$OUT/target" --out "$OUT/eagle3" --device "$DEV" \
-    --steps 20000 --batch-size 64 --lr 2e-3 --time-limit-s "$LIMIT" --sd-prompts 8192 $HSD \
+    --steps 20000 --batch-size 64 --lr 2e-3 --time-limit-s "$LIMIT" --sd-prompts 8192 $HSD --sd-batch-size 1024 \
     --sd-cache "${SD_CACHE:-/tmp/specserve_sd}_eagle3"
 }
 dflash() {
