@@ -9,7 +9,7 @@ position a+i (teacher-forced soft labels, weighted ``decay**i``).
 Training runs many blocks (random anchors a) of many sequences in one pass. ``blocks_logits`` is the
 batched form of ``DFlashModel.block_logits`` — the same submodules applied to all blocks at once (each
 block: context keys of its own sequence before its anchor + its own keys);
-tests/specserve/test_train.py checks it against ``block_logits`` block by block.
+tests/specserve/test_train_dflash.py checks it against ``block_logits`` block by block.
 
 Greedy-chain labels (``--arch chain_labels=1``). At temperature 0, output i only counts when drafts
 0..i-1 were accepted, i.e. when tokens a+1..a+i are the target's own greedy tokens; its label should be
