@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test test-gpu protos soak bench clean
+.PHONY: install lint demo test test-gpu protos soak bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -20,7 +20,11 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/specserve demo
 
-test: $(STAMP)
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(PY) -m specserve.tools.lint_imports
+
+test: lint
 	$(PY) -m pytest -q -x tests
 
 test-gpu: $(STAMP)
@@ -30,7 +34,7 @@ protos: $(STAMP)
 	$(PY) -m specserve.protos.generate
 
 soak: $(STAMP)
-	$(PY) -m specserve.gateway.soak --seconds 60
+	$(PY) -m specserve.bench.soak --seconds 60
 
 bench: $(STAMP)
 	$(VENV)/bin/specserve bench

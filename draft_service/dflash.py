@@ -53,11 +53,12 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
+from specserve.contract.types import DraftBlock
 from specserve.draft_service.drafting import draw_tokens, to_target_probs
 from specserve.draft_service.proposer import (
+    ROLLBACK_ROWS,
     DrafterConfig,
     DrafterConfigError,
-    ROLLBACK_ROWS,
     DrafterInfo,
     Proposer,
     SessionState,
@@ -66,11 +67,10 @@ from specserve.draft_service.proposer import (
     common_prefix_len,
 )
 from specserve.draft_service.target_tensors import read_target_tensors
-from specserve.target_service.engine.types import DraftBlock
-from specserve.target_service.models.attention import attend
-from specserve.target_service.models.config import RopeConfig
-from specserve.target_service.models.layers import RMSNorm
-from specserve.target_service.models.rope import RotaryEmbedding
+from specserve.models.attention import attend
+from specserve.models.config import RopeConfig
+from specserve.models.layers import RMSNorm
+from specserve.models.rope import RotaryEmbedding
 
 WEIGHTS_FILE = "model.safetensors"
 
@@ -250,7 +250,7 @@ def _ckpt_name(attr: str) -> str:
 def read_target_head(target_dir: str | Path) -> dict[str, torch.Tensor]:
     """The target checkpoint's token embeddings and output head: {"embed_tokens.weight": [V, Ht],
     "lm_head.weight": [V, Ht]} (the embeddings again when the target ties them)."""
-    from specserve.target_service.models.config import ModelConfig
+    from specserve.models.config import ModelConfig
 
     try:
         tied = ModelConfig.from_file(str(target_dir)).tie_word_embeddings

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from specserve.target_service.engine.sampler import target_probs
-from specserve.target_service.engine.types import SamplingParams
+from specserve.contract.types import SamplingParams
+from specserve.models.probs import target_probs
 
 
 def sampling_probs(logits: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:  # [N, V] -> [N, V] f32

@@ -21,12 +21,13 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from specserve.contract.types import DraftBlock
 from specserve.draft_service.drafting import draw_tokens, to_target_probs
 from specserve.draft_service.eagle3_head import Eagle3Head, load_eagle3_head
 from specserve.draft_service.proposer import (
+    ROLLBACK_ROWS,
     DrafterConfig,
     DrafterConfigError,
-    ROLLBACK_ROWS,
     DrafterInfo,
     Proposer,
     SessionState,
@@ -34,7 +35,6 @@ from specserve.draft_service.proposer import (
     common_prefix_len,
 )
 from specserve.draft_service.tree import build_tree
-from specserve.target_service.engine.types import DraftBlock
 
 
 def default_eagle3_layers(num_target_layers: int) -> tuple[int, ...]:
@@ -209,7 +209,7 @@ class Eagle3Proposer(Proposer):
 def build_eagle3_proposer(config: DrafterConfig) -> Eagle3Proposer:
     """Registry factory: load the head, pick the target layers, check the vocabulary."""
     from specserve.draft_service.proposer import checkpoint_vocab
-    from specserve.target_service.models.config import ModelConfig
+    from specserve.models.config import ModelConfig
 
     if config.checkpoint is None:
         raise DrafterConfigError("eagle3 needs checkpoint = the EAGLE-3 head folder")

@@ -36,10 +36,10 @@ from torch import nn
 
 from specserve.draft_service.proposer import DrafterConfigError
 from specserve.draft_service.target_tensors import read_target_tensors
-from specserve.target_service.models.attention import attend
-from specserve.target_service.models.config import GQAConfig, ModelConfig, RopeConfig
-from specserve.target_service.models.layers import RMSNorm
-from specserve.target_service.models.rope import RotaryEmbedding
+from specserve.models.attention import attend
+from specserve.models.config import GQAConfig, ModelConfig, RopeConfig
+from specserve.models.layers import RMSNorm
+from specserve.models.rope import RotaryEmbedding
 
 HEAD_FILE = "model.safetensors"
 REQUIRED_TENSORS = (

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from specserve.contract.types import DraftBlock
 from specserve.draft_service.drafting import draw_tokens, to_target_probs
 from specserve.draft_service.proposer import (
     DrafterConfig,
@@ -34,10 +35,9 @@ from specserve.draft_service.proposer import (
     common_prefix_len,
 )
 from specserve.draft_service.tree import build_tree
-from specserve.target_service.engine.attn_metadata import AttentionBatch
-from specserve.target_service.engine.block_manager import BlockManager, OutOfBlocks
-from specserve.target_service.engine.kv_cache import PagedKVCache
-from specserve.target_service.engine.types import DraftBlock
+from specserve.models.attn_metadata import AttentionBatch
+from specserve.models.block_manager import BlockManager, OutOfBlocks
+from specserve.models.kv_cache import PagedKVCache
 
 
 @dataclass
@@ -168,7 +168,7 @@ class ModelProposer(Proposer):
 
 def build_model_proposer(config: DrafterConfig) -> ModelProposer:
     """Registry factory: load the draft LM; refuse it when its vocabulary differs from the target's."""
-    from specserve.target_service.models.loader import load_model
+    from specserve.models.loader import load_model
 
     if config.checkpoint is None:
         raise DrafterConfigError("model drafter needs checkpoint = the draft model folder")

@@ -23,14 +23,14 @@ from __future__ import annotations
 
 import numpy as np
 
+from specserve.contract.types import DraftBlock
 from specserve.draft_service.proposer import (
     DrafterConfig,
-    checkpoint_vocab,
     DrafterInfo,
     Proposer,
     SessionState,
+    checkpoint_vocab,
 )
-from specserve.target_service.engine.types import DraftBlock
 
 
 def find_ngram_continuation(

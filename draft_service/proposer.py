@@ -1,7 +1,7 @@
 """The proposer interface every drafter family implements, plus the per-session bookkeeping they share.
 
 Vocabulary (pending, drafted, accepted, ...) is the glossary of
-``specserve.target_service.engine.types``.
+``specserve.contract.types``.
 
 A session mirrors the target's sequence S = prompt + emitted tokens (its last token is the pending
 token). The target has hidden rows for every position of S but the last, and a family that needs
@@ -34,8 +34,9 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
+from specserve.contract.types import DraftBlock, SamplingParams, TreeSpec
 from specserve.errors import SpecserveError
-from specserve.target_service.engine.types import DraftBlock, SamplingParams
+from specserve.models.dtypes import DTYPES
 
 
 class ProposerError(SpecserveError):
@@ -50,15 +51,14 @@ class VocabMismatchError(DrafterConfigError):
     """The drafter's vocabulary differs from the target's."""
 
 
-_DTYPES = {"float64": torch.float64, "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
-    if dtype not in _DTYPES:
-        raise DrafterConfigError(f"unknown dtype {dtype!r}; expected one of {sorted(_DTYPES)}")
-    return _DTYPES[dtype]
+    if dtype not in DTYPES:
+        raise DrafterConfigError(f"unknown dtype {dtype!r}; expected one of {sorted(DTYPES)}")
+    return DTYPES[dtype]
 
 
 @dataclass(frozen=True)
@@ -79,24 +79,6 @@ class DrafterInfo:
             raise ValueError(f"max_block_size must be >= 1, got {self.max_block_size}")
         if self.needs_hidden_states and not self.hidden_layers:
             raise ValueError("a drafter that needs hidden states must name its hidden_layers")
-
-
-@dataclass(frozen=True)
-class TreeSpec:
-    """EAGLE-2 style dynamic tree: expand ``top_k`` children of the best nodes for ``depth`` levels,
-    keep the best ``num_nodes`` nodes by cumulative draft probability."""
-
-    num_nodes: int
-    top_k: int
-    depth: int
-
-    def __post_init__(self) -> None:
-        if self.num_nodes < 1:
-            raise ValueError(f"TreeSpec.num_nodes must be >= 1, got {self.num_nodes}")
-        if self.top_k < 1:
-            raise ValueError(f"TreeSpec.top_k must be >= 1, got {self.top_k}")
-        if self.depth < 1:
-            raise ValueError(f"TreeSpec.depth must be >= 1, got {self.depth}")
 
 
 @dataclass(frozen=True)
@@ -215,7 +197,7 @@ class SessionState:
 
 def checkpoint_vocab(checkpoint_dir: Path) -> tuple[int, str]:
     """(vocab_size from config.json, vocab_hash) of a checkpoint dir; errors become DrafterConfigError."""
-    from specserve.target_service.models.vocab import config_vocab_size, vocab_hash
+    from specserve.models.vocab import config_vocab_size, vocab_hash
 
     try:
         return config_vocab_size(checkpoint_dir), vocab_hash(checkpoint_dir)
@@ -225,7 +207,7 @@ def checkpoint_vocab(checkpoint_dir: Path) -> tuple[int, str]:
 
 def check_same_vocab(draft_dir: Path, target_dir: Path) -> tuple[int, str]:
     """Refuse a drafter whose vocabulary differs from the target's; returns the target's (size, hash)."""
-    from specserve.target_service.models.vocab import vocab_matches
+    from specserve.models.vocab import vocab_matches
 
     d_size, d_hash = checkpoint_vocab(draft_dir)
     t_size, t_hash = checkpoint_vocab(target_dir)

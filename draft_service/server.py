@@ -8,24 +8,22 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 from opentelemetry import trace
 
-from specserve.draft_service.proposer import ProposerError, TreeSpec
+from specserve.contract.types import TreeSpec
+from specserve.draft_service.proposer import ProposerError
 from specserve.errors import SpecserveError
-from specserve.gateway import tracing as tn
 from specserve.protos import convert
 from specserve.protos.specserve.v1 import common_pb2, draft_pb2, draft_pb2_grpc
+from specserve.runtime import tracing as tn
+from specserve.runtime.errors import LimitExceeded, status_for
+from specserve.runtime.worker import OneThread
 
 SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name
 
 DEFAULT_MAX_DRAFT_TOKENS = 256  # tokens (chain length or tree nodes) one proposal may ask for
-
-
-class LimitExceeded(SpecserveError):
-    """A request over one of the service's configured limits (the message names the flag)."""
 
 
 INPUT_ERRORS: tuple[type[BaseException], ...] = (ValueError, SpecserveError, ProposerError)
@@ -34,21 +32,21 @@ INPUT_ERRORS: tuple[type[BaseException], ...] = (ValueError, SpecserveError, Pro
 class DrafterWorker:
     """Owns the proposer on one thread; every proposer call runs there, one at a time."""
 
-    def __init__(self, proposer, pool: ThreadPoolExecutor | None = None) -> None:
+    def __init__(self, proposer, thread: OneThread | None = None) -> None:
         self.proposer = proposer
-        self._pool = pool or ThreadPoolExecutor(max_workers=1, thread_name_prefix="drafter")
+        self._thread = thread or OneThread("drafter")
         self.active: set[str] = set()
         self.proposals = 0
 
     @classmethod
     async def build(cls, factory: Callable[[], object]) -> DrafterWorker:
         """Build the proposer on the drafter thread itself (loading never blocks the event loop)."""
-        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="drafter")
-        proposer = await asyncio.get_running_loop().run_in_executor(pool, factory)
-        return cls(proposer, pool)
+        thread = OneThread("drafter")
+        proposer = await thread.call(factory)
+        return cls(proposer, thread)
 
     async def call(self, fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+        return await self._thread.call(fn, *args)
 
     async def start(self, session_id, token_ids, hidden, sampling) -> None:
         if session_id in self.active:  # a restarted request re-opens: drop the stale copy first
@@ -80,11 +78,11 @@ class DrafterWorker:
         return True
 
     async def close(self) -> None:
-        await asyncio.get_running_loop().run_in_executor(None, self._pool.shutdown, True)
+        await self._thread.aclose()
 
 
 def _status_for(exc: BaseException) -> grpc.StatusCode:
-    return grpc.StatusCode.INVALID_ARGUMENT if isinstance(exc, INPUT_ERRORS) else grpc.StatusCode.INTERNAL
+    return status_for(exc, INPUT_ERRORS)
 
 
 class DraftServicer(draft_pb2_grpc.DraftServiceServicer):

@@ -16,7 +16,7 @@ def read_target_tensors(target_dir: str | Path, names: Mapping[str, str], who: s
     """{our name: tensor} for each ``names`` entry (our name -> the target checkpoint's tensor name).
 
     A missing or unreadable target, or a tensor it lacks, raises DrafterConfigError naming ``who``."""
-    from specserve.target_service.models.loader import checkpoint_files
+    from specserve.models.loader import checkpoint_files
 
     try:
         files = checkpoint_files(str(target_dir))

@@ -28,9 +28,8 @@ from typing import Callable, Sequence
 
 import torch
 
+from specserve.contract.types import SamplingParams, TreeSpec
 from specserve.draft_service.drafting import sampling_probs
-from specserve.draft_service.proposer import TreeSpec
-from specserve.target_service.engine.types import SamplingParams
 
 # expand(tokens, parents, nodes) -> logits [len(nodes), Vd] at those nodes (the draft's next-token
 # logits after each node's root-to-node path); tokens/parents describe every node built so far.

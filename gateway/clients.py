@@ -11,8 +11,13 @@ from typing import Protocol
 
 import torch
 
+from specserve.contract.types import (
+    DraftBlock,
+    PrefillResult,
+    SamplingParams,
+    VerifyResult,
+)
 from specserve.errors import SpecserveError
-from specserve.target_service.engine.types import DraftBlock, PrefillResult, SamplingParams, VerifyResult
 
 
 class DraftError(Exception):

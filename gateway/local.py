@@ -6,28 +6,21 @@ the synchronous engine and proposer never see two calls at once).
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from specserve.contract.types import (
+    DraftBlock,
+    PrefillResult,
+    SamplingParams,
+    VerifyResult,
+)
 from specserve.gateway.clients import DraftError
-from specserve.target_service.engine.types import DraftBlock, PrefillResult, SamplingParams, VerifyResult
+from specserve.runtime.worker import OneThread
 
 
-class _OwnThread:
-    def __init__(self, name: str) -> None:
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
-
-    async def _call(self, fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
-
-    def close(self) -> None:
-        self._pool.shutdown(wait=True)
-
-
-class LocalTarget(_OwnThread):
+class LocalTarget(OneThread):
     def __init__(self, engine) -> None:
         super().__init__("target-engine")
         self.engine = engine
@@ -38,16 +31,16 @@ class LocalTarget(_OwnThread):
     async def prefill(
         self, session_id: str, prompt_ids: Sequence[int], sampling: SamplingParams, hidden_layers: tuple[int, ...]
     ) -> PrefillResult:
-        return await self._call(self.engine.prefill, session_id, list(prompt_ids), sampling, tuple(hidden_layers))
+        return await self.call(self.engine.prefill, session_id, list(prompt_ids), sampling, tuple(hidden_layers))
 
     async def verify(self, session_id: str, block: DraftBlock) -> VerifyResult:
-        return await self._call(self.engine.verify, session_id, block)
+        return await self.call(self.engine.verify, session_id, block)
 
     async def release(self, session_id: str) -> None:
-        await self._call(self.engine.release, session_id)
+        await self.call(self.engine.release, session_id)
 
 
-class LocalDraft(_OwnThread):
+class LocalDraft(OneThread):
     """A proposer in its own thread; any exception it raises becomes a DraftError (target-only fallback)."""
 
     def __init__(self, proposer) -> None:
@@ -56,7 +49,7 @@ class LocalDraft(_OwnThread):
 
     async def _guarded(self, fn, *args):
         try:
-            return await self._call(fn, *args)
+            return await self.call(fn, *args)
         except Exception as exc:  # the drafter's failure must never fail the request
             raise DraftError(f"{type(exc).__name__}: {exc}") from exc
 

@@ -21,13 +21,23 @@ from collections.abc import Sequence
 import grpc
 import torch
 
-from specserve.gateway import tracing as tn
+from specserve.contract.types import (
+    DraftBlock,
+    PrefillResult,
+    SamplingParams,
+    VerifyResult,
+)
 from specserve.gateway.clients import DraftError, RequestRejected, TargetUnavailable
-from specserve.gateway.servers_common import TlsFiles, aio_channel
 from specserve.gateway.spec_loop import MalformedDraft
 from specserve.protos import convert
-from specserve.protos.specserve.v1 import draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
-from specserve.target_service.engine.types import DraftBlock, PrefillResult, SamplingParams, VerifyResult
+from specserve.protos.specserve.v1 import (
+    draft_pb2,
+    draft_pb2_grpc,
+    target_pb2,
+    target_pb2_grpc,
+)
+from specserve.runtime import tracing as tn
+from specserve.runtime.servers_common import TlsFiles, aio_channel
 
 RELEASE_TIMEOUT_S = 2.0  # releases run even past the request's deadline, but never hang
 RESERVE_METADATA = "specserve-reserve-tokens"  # the target reserves KV blocks for this many tokens
@@ -363,7 +373,7 @@ class RemoteDraft:
 
 def incompatible(draft: draft_pb2.DraftInfo, target: target_pb2.TargetInfo) -> str:
     """Why a drafter cannot serve this target ("" when it can). The vocabulary rule of
-    target_service/models/vocab.py: two tokenizer fingerprints must be equal, else the sizes
+    specserve/models/vocab.py: two tokenizer fingerprints must be equal, else the sizes
     (a vocabulary-agnostic drafter, size 0 and no fingerprint, fits every target)."""
     d_hash, t_hash = draft.vocab_hash, target.vocab_hash
     if d_hash.startswith("sha256:") and t_hash.startswith("sha256:"):

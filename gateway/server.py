@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hmac
 import uuid
 from collections.abc import Mapping
@@ -22,15 +23,16 @@ from dataclasses import dataclass, field
 import grpc
 from opentelemetry import context as otel_context
 
-from specserve.draft_service.proposer import TreeSpec
 from specserve.errors import SpecserveError
-from specserve.gateway import tracing as tn
 from specserve.gateway.adaptive import AdaptiveConfig, AdaptiveSpeculation
-from specserve.gateway.admission import Admission, AdmissionConfig, AdmissionRefused
 from specserve.gateway.clients import RequestRejected, TargetUnavailable
-from specserve.gateway.remote import RemoteDraftEndpoint, RemoteTarget, TargetCallError, incompatible
-from specserve.gateway.servers_common import TlsFiles, check_address
-from specserve.gateway.spec_loop import FinalEvent, GenerationRequest, run_request
+from specserve.gateway.remote import (
+    RemoteDraftEndpoint,
+    RemoteTarget,
+    TargetCallError,
+    incompatible,
+)
+from specserve.gateway.spec_loop import FinalEvent, run_request
 from specserve.gateway.validation import (
     MAX_SPECULATIVE_TOKENS,
     NO_DRAFT,
@@ -38,7 +40,10 @@ from specserve.gateway.validation import (
     RequestLimits,
     validate_request,
 )
-from specserve.protos.specserve.v1 import draft_pb2, gateway_pb2, gateway_pb2_grpc
+from specserve.protos.specserve.v1 import gateway_pb2, gateway_pb2_grpc
+from specserve.runtime import tracing as tn
+from specserve.runtime.admission import Admission, AdmissionConfig, AdmissionRefused
+from specserve.runtime.servers_common import TlsFiles, check_address
 
 SERVICE_NAME = gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name
 DEFAULT_SPECULATIVE_TOKENS = 4
@@ -245,25 +250,19 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         k = checked.num_speculative_tokens or DEFAULT_SPECULATIVE_TOKENS
         if endpoint is not None and endpoint.last_info is not None:
             k = min(k, endpoint.last_info.max_block_size)
-        tree = None
-        if checked.tree is not None and endpoint is not None:
-            if endpoint.last_info is not None and not endpoint.last_info.supports_tree:
-                self.drafts.release(endpoint)
-                await context.abort(
-                    grpc.StatusCode.INVALID_ARGUMENT,
-                    f"tree_nodes: draft {checked.draft_name!r} ({endpoint.last_info.family}) drafts chains only",
-                )
-            tree = TreeSpec(*checked.tree)
-        gen = GenerationRequest(
-            prompt_ids=checked.prompt_ids,
-            max_new_tokens=checked.max_new_tokens,
-            sampling=checked.sampling,
+        tree = checked.tree if endpoint is not None else None
+        if tree is not None and endpoint.last_info is not None and not endpoint.last_info.supports_tree:
+            self.drafts.release(endpoint)
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"tree_nodes: draft {checked.draft_name!r} ({endpoint.last_info.family}) drafts chains only",
+            )
+        gen = dataclasses.replace(
+            checked,
             num_speculative_tokens=k,
             tree=tree,
-            stop=checked.stop,
             model_name=info.model_name or info.model_type,
             adaptive=checked.adaptive and endpoint is not None,
-            draft_ahead=checked.draft_ahead,
         )
         token = otel_context.attach(tn.context_from_metadata(context.invocation_metadata()))
         try:

@@ -1,7 +1,7 @@
 """The per-request loop: prefill, then propose -> verify -> stream, until a stop.
 
 One sequence S = prompt + emitted tokens; its last token is the pending token (glossary:
-target_service/engine/types.py). The drafter keeps its own copy of S; each propose call tells it how
+specserve/contract/types.py). The drafter keeps its own copy of S; each propose call tells it how
 much of its copy is still confirmed (``prefix_len``) and what to append, so a drafter can never
 drift from the target. A drafter failure only drops speculation: the loop goes on target-only, which
 is still lossless, and the request is marked ``draft_fallback``.
@@ -20,17 +20,22 @@ import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from specserve.gateway import tracing as names
+from specserve.contract.types import (
+    DraftBlock,
+    GenerationRequest,
+    InvalidBlock,
+)
+from specserve.contract.types import check_block as contract_check_block
 from specserve.gateway.adaptive import AdaptiveSpeculation
 from specserve.gateway.clients import DraftClient, DraftError, TargetClient
 from specserve.gateway.detok import IncrementalText
 from specserve.gateway.stats import SpecStats
-from specserve.target_service.engine.types import DraftBlock, SamplingParams
+from specserve.runtime import tracing as names
 
 EMPTY_BLOCK = DraftBlock(token_ids=())
 PROBE_EVERY = 8  # adaptive: after this many skipped steps, draft one token to re-measure acceptance
@@ -38,27 +43,6 @@ PROBE_EVERY = 8  # adaptive: after this many skipped steps, draft one token to r
 
 class MalformedDraft(DraftError):
     """One drafted block is unusable; that step runs target-only and the drafter is kept."""
-
-
-@dataclass(frozen=True)
-class GenerationRequest:
-    prompt_ids: tuple[int, ...]
-    max_new_tokens: int
-    sampling: SamplingParams = field(default_factory=SamplingParams)
-    num_speculative_tokens: int = 4
-    tree: object | None = None  # a TreeSpec for tree drafting
-    stop: tuple[str, ...] = ()
-    model_name: str = ""
-    adaptive: bool = False
-    draft_ahead: bool = False
-
-    def __post_init__(self) -> None:
-        if not self.prompt_ids:
-            raise ValueError("prompt is empty")
-        if self.max_new_tokens <= 0:
-            raise ValueError(f"max_new_tokens must be positive, got {self.max_new_tokens}")
-        if self.num_speculative_tokens < 0:
-            raise ValueError(f"num_speculative_tokens must be >= 0, got {self.num_speculative_tokens}")
 
 
 @dataclass(frozen=True)
@@ -95,17 +79,10 @@ class FinalEvent:
 
 def check_block(block: DraftBlock, max_nodes: int, vocab_size: int) -> None:
     """Refuse a malformed drafted block: the step then runs target-only."""
-    n = len(block.token_ids)
-    if n > max_nodes:
-        raise MalformedDraft(f"drafted {n} tokens, asked for at most {max_nodes}")
-    if any(not 0 <= t < vocab_size for t in block.token_ids):
-        raise MalformedDraft("drafted token id outside the vocabulary")
-    if block.probs is not None:
-        probs = block.probs
-        if tuple(probs.shape) != (n, vocab_size):
-            raise MalformedDraft(f"draft probs shape {tuple(probs.shape)}, expected {(n, vocab_size)}")
-        if not bool(torch.isfinite(probs).all()) or bool((probs < 0).any()):
-            raise MalformedDraft("draft probs are not a finite non-negative distribution")
+    try:
+        contract_check_block(block.token_ids, block.probs, vocab_size, max_nodes)
+    except InvalidBlock as exc:
+        raise MalformedDraft(str(exc)) from None
 
 
 def truncate_chain(block: DraftBlock, k: int) -> DraftBlock:

@@ -1,4 +1,4 @@
-"""Per-request speculative-decoding statistics (the glossary of target_service/engine/types.py)."""
+"""Per-request speculative-decoding statistics (the glossary of specserve/contract/types.py)."""
 
 from __future__ import annotations
 

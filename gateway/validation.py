@@ -6,9 +6,9 @@ import math
 from collections.abc import Container
 from dataclasses import dataclass
 
+from specserve.contract.types import GenerationRequest, SamplingParams, TreeSpec
 from specserve.errors import SpecserveError
 from specserve.protos.specserve.v1 import gateway_pb2, target_pb2
-from specserve.target_service.engine.types import SamplingParams
 
 MAX_SPECULATIVE_TOKENS = 64
 DEFAULT_TREE_TOP_K = 2  # children expanded per node when a tree request leaves tree_top_k at 0
@@ -41,21 +41,8 @@ class InvalidRequest(SpecserveError):
         self.field = field
 
 
-@dataclass(frozen=True)
-class CheckedRequest:
-    prompt_ids: tuple[int, ...]
-    max_new_tokens: int
-    sampling: SamplingParams
-    draft_name: str | None  # None = target-only
-    num_speculative_tokens: int  # 0 = the draft's default
-    stop: tuple[str, ...]
-    adaptive: bool
-    draft_ahead: bool
-    tree: tuple[int, int, int] | None = None  # (nodes, top_k, depth) of a tree request, None = chain
-
-
-def _tree(req: gateway_pb2.GenerateRequest, draft_name: str | None) -> tuple[int, int, int] | None:
-    """(nodes, top_k, depth) of a tree request, with defaults filled in; None for a chain."""
+def _tree(req: gateway_pb2.GenerateRequest, draft_name: str | None) -> TreeSpec | None:
+    """The TreeSpec of a tree request, with defaults filled in; None for a chain."""
     for field in ("tree_nodes", "tree_top_k", "tree_depth"):
         if getattr(req, field) < 0:
             raise InvalidRequest(field, f"must be >= 0, got {getattr(req, field)}")
@@ -67,7 +54,7 @@ def _tree(req: gateway_pb2.GenerateRequest, draft_name: str | None) -> tuple[int
         raise InvalidRequest("tree_nodes", f"must be in [0, {MAX_SPECULATIVE_TOKENS}], got {req.tree_nodes}")
     if draft_name is None:
         raise InvalidRequest("tree_nodes", "a tree needs a draft (draft is 'none')")
-    return (req.tree_nodes, req.tree_top_k or DEFAULT_TREE_TOP_K, req.tree_depth or DEFAULT_TREE_DEPTH)
+    return TreeSpec(req.tree_nodes, req.tree_top_k or DEFAULT_TREE_TOP_K, req.tree_depth or DEFAULT_TREE_DEPTH)
 
 
 def validate_request(
@@ -77,7 +64,7 @@ def validate_request(
     default_draft: str | None,
     tokenizer=None,
     limits: RequestLimits | None = None,
-) -> CheckedRequest:
+) -> GenerationRequest:
     """Raise InvalidRequest for the first bad field; return the request in engine terms."""
     limits = limits or RequestLimits()
     if len(req.stop) > limits.max_stop_strings:
@@ -160,7 +147,7 @@ def validate_request(
         raise InvalidRequest(
             "num_speculative_tokens", f"must be in [0, {MAX_SPECULATIVE_TOKENS}], got {req.num_speculative_tokens}"
         )
-    return CheckedRequest(
+    return GenerationRequest(
         prompt_ids=ids,
         max_new_tokens=req.max_new_tokens,
         sampling=sampling,

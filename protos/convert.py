@@ -1,4 +1,4 @@
-"""Conversions between engine data types (target_service/engine/types.py) and specserve.v1 messages.
+"""Conversions between the contract types (specserve/contract/types.py) and specserve.v1 messages.
 
 Every ``from_proto`` direction validates what arrived on the wire and raises ``ConversionError``
 (a ValueError) naming the field; servers map it to INVALID_ARGUMENT.
@@ -12,8 +12,14 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from specserve.contract.types import (
+    DraftBlock,
+    InvalidBlock,
+    SamplingParams,
+    StepTimings,
+    check_block,
+)
 from specserve.protos.specserve.v1 import common_pb2, draft_pb2
-from specserve.target_service.engine.types import DraftBlock, SamplingParams, StepTimings
 
 _F32_LE = np.dtype("<f4")
 
@@ -104,21 +110,11 @@ def draft_block_from_proto(
 def check_block_values(
     ids: Sequence[int], probs: torch.Tensor | None, vocab_size: int, field: str = "draft"
 ) -> None:
-    """Raise ConversionError unless every id is in [0, vocab_size) and probs (if any) is a finite,
-    non-negative [len(ids), vocab_size] tensor."""
-    bad = [t for t in ids if not 0 <= t < vocab_size]
-    if bad:
-        raise ConversionError(f"{field}.token_ids: {bad[:4]} outside the vocabulary [0, {vocab_size})")
-    if probs is None:
-        return
-    if probs.dim() != 2 or tuple(probs.shape) != (len(ids), vocab_size):
-        raise ConversionError(
-            f"{field}.probs: shape {tuple(probs.shape)}, expected ({len(ids)}, {vocab_size})"
-        )
-    if not bool(torch.isfinite(probs).all()):
-        raise ConversionError(f"{field}.probs: contains NaN or inf")
-    if bool((probs < 0).any()):
-        raise ConversionError(f"{field}.probs: contains negative entries")
+    """Raise ConversionError unless the block passes the contract's check_block."""
+    try:
+        check_block(ids, probs, vocab_size)
+    except InvalidBlock as exc:
+        raise ConversionError(f"{field}: {exc}") from None
 
 
 # ------------------------------------------------------------------------------------ timings

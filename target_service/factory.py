@@ -9,8 +9,7 @@ from pathlib import Path
 import torch
 
 from specserve.errors import SpecserveError
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+from specserve.models.dtypes import DTYPES, ENGINE_DTYPES
 
 
 @dataclass(frozen=True)
@@ -31,11 +30,11 @@ class EngineConfig:
     seed: int = 0  # synthetic weights
 
     def __post_init__(self) -> None:
-        from specserve.target_service.models.errors import ModelConfigError
-        from specserve.target_service.models.presets import is_synthetic, parse_spec
+        from specserve.models.errors import ModelConfigError
+        from specserve.models.presets import is_synthetic, parse_spec
 
-        if self.dtype not in DTYPES:
-            raise SpecserveError(f"--dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.dtype not in ENGINE_DTYPES:
+            raise SpecserveError(f"--dtype must be one of {sorted(ENGINE_DTYPES)}, got {self.dtype!r}")
         if is_synthetic(self.model):
             try:
                 parse_spec(str(self.model))
@@ -54,9 +53,9 @@ class EngineConfig:
 
 def build_model_for(cfg: EngineConfig):
     """(model, ModelConfig, tokenizer or None) with the chosen MoE / attention backends installed."""
-    from specserve.target_service.models.backends import install_backends, select_backends
-    from specserve.target_service.models.loader import load_model, load_tokenizer
-    from specserve.target_service.models.presets import build_synthetic_model, is_synthetic
+    from specserve.models.backends import install_backends, select_backends
+    from specserve.models.loader import load_model, load_tokenizer
+    from specserve.models.presets import build_synthetic_model, is_synthetic
 
     dtype = DTYPES[cfg.dtype]
     if is_synthetic(cfg.model):

@@ -4,7 +4,7 @@ One engine thread owns the TargetEngine (a single-thread executor); servicers on
 requests are batched per step: whatever is queued when the engine thread becomes free runs as ONE
 ``engine.verify_batch`` call, so N concurrent sessions share one forward.
 
-Admission (gateway/admission.py): a Prefill is admitted only while fewer than ``max_sessions`` sessions
+Admission (specserve/runtime/admission.py): a Prefill is admitted only while fewer than ``max_sessions`` sessions
 are open and the KV blocks its whole request may use fit beside those reserved by the open sessions;
 otherwise it queues (at most ``max_queued``), and beyond the queue it gets RESOURCE_EXHAUSTED. The
 caller states how many tokens the session may occupy in the ``specserve-reserve-tokens`` metadata
@@ -19,34 +19,31 @@ import dataclasses
 import math
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import grpc
 import torch
 from opentelemetry import trace
 
+from specserve.contract.types import DraftBlock, VerifyResult
 from specserve.errors import SpecserveError
-from specserve.gateway import tracing as tn
-from specserve.gateway.admission import Admission, AdmissionConfig, AdmissionRefused
 from specserve.protos import convert
 from specserve.protos.specserve.v1 import target_pb2, target_pb2_grpc
+from specserve.runtime import tracing as tn
+from specserve.runtime.admission import Admission, AdmissionConfig, AdmissionRefused
+from specserve.runtime.errors import LimitExceeded, status_for
+from specserve.runtime.worker import OneThread
 from specserve.target_service.engine.engine import (
     ContextTooLong,
     DuplicateSession,
     OutOfBlocks,
     UnknownSession,
 )
-from specserve.target_service.engine.types import DraftBlock, VerifyResult
 
 SERVICE_NAME = target_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name
 
 RESERVE_METADATA = "specserve-reserve-tokens"  # tokens a new session may occupy (prompt + new + draft block)
 DEFAULT_DRAFT_HEADROOM = 1  # tokens reserved beyond the prompt (the pending token) when the caller states none
-
-
-class LimitExceeded(SpecserveError):
-    """A request over one of the service's configured limits (the message names the flag)."""
 
 
 @dataclass(frozen=True)
@@ -87,7 +84,7 @@ class EngineWorker:
     queue up and run as one batched ``verify_batch`` call whenever the thread is free."""
 
     def __init__(
-        self, engine, max_batch: int = 256, pool: ThreadPoolExecutor | None = None, limits: TargetLimits | None = None
+        self, engine, max_batch: int = 256, thread: OneThread | None = None, limits: TargetLimits | None = None
     ) -> None:
         self.engine = engine
         self.max_batch = max_batch
@@ -99,7 +96,7 @@ class EngineWorker:
             AdmissionConfig(self.limits.max_sessions, self.limits.max_queued, capacity=usage.num_blocks)
         )
         self.reserved: dict[str, int] = {}  # session id -> KV blocks reserved at admission
-        self._pool = pool or ThreadPoolExecutor(max_workers=1, thread_name_prefix="target-engine")
+        self._thread = thread or OneThread("target-engine")
         self._queue: list[_Queued] = []
         self._wake = asyncio.Event()
         self._engine_free = asyncio.Lock()  # held while a call runs on the engine thread (FIFO)
@@ -110,9 +107,9 @@ class EngineWorker:
     @classmethod
     async def build(cls, factory: Callable[[], object], **kw) -> EngineWorker:
         """Build the engine on the engine thread itself (model loading never blocks the loop)."""
-        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="target-engine")
-        engine = await asyncio.get_running_loop().run_in_executor(pool, factory)
-        return cls(engine, pool=pool, **kw)
+        thread = OneThread("target-engine")
+        engine = await thread.call(factory)
+        return cls(engine, thread=thread, **kw)
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._batch_loop(), name="target-batcher")
@@ -124,12 +121,12 @@ class EngineWorker:
                 await self._task
             except asyncio.CancelledError:
                 pass
-        await asyncio.get_running_loop().run_in_executor(None, self._pool.shutdown, True)
+        await self._thread.aclose()
 
     async def call(self, fn, *args):
         """Run fn on the engine thread once it is free (calls run in arrival order)."""
         async with self._engine_free:
-            return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+            return await self._thread.call(fn, *args)
 
     def blocks_for(self, prompt_len: int, reserve_tokens: int | None) -> int:
         """KV blocks to reserve for a session: what it may occupy, within the model's context."""
@@ -210,7 +207,6 @@ class EngineWorker:
         return True
 
     async def _batch_loop(self) -> None:
-        loop = asyncio.get_running_loop()
         while True:
             await self._wake.wait()
             async with self._engine_free:  # collect only once the engine thread is free
@@ -225,7 +221,7 @@ class EngineWorker:
                 started = time.perf_counter()
                 pairs = [(q.session_id, q.block) for q in items]
                 try:
-                    results = await loop.run_in_executor(self._pool, self._run_batch, pairs)
+                    results = await self._thread.call(self._run_batch, pairs)
                 except BaseException as exc:  # noqa: BLE001 - every waiter must hear about it
                     for q in items:
                         if not q.future.done():
@@ -285,18 +281,16 @@ def _reserve_tokens(metadata) -> int | None:
     return None
 
 
+_SPECIFIC_STATUS = (
+    (UnknownSession, grpc.StatusCode.NOT_FOUND),
+    (DuplicateSession, grpc.StatusCode.ALREADY_EXISTS),
+    (ContextTooLong, grpc.StatusCode.OUT_OF_RANGE),
+    ((OutOfBlocks, AdmissionRefused), grpc.StatusCode.RESOURCE_EXHAUSTED),
+)
+
+
 def _status_for(exc: BaseException) -> grpc.StatusCode:
-    if isinstance(exc, UnknownSession):
-        return grpc.StatusCode.NOT_FOUND
-    if isinstance(exc, DuplicateSession):
-        return grpc.StatusCode.ALREADY_EXISTS
-    if isinstance(exc, ContextTooLong):
-        return grpc.StatusCode.OUT_OF_RANGE
-    if isinstance(exc, (OutOfBlocks, AdmissionRefused)):
-        return grpc.StatusCode.RESOURCE_EXHAUSTED
-    if isinstance(exc, INPUT_ERRORS):
-        return grpc.StatusCode.INVALID_ARGUMENT
-    return grpc.StatusCode.INTERNAL
+    return status_for(exc, INPUT_ERRORS, _SPECIFIC_STATUS)
 
 
 class TargetServicer(target_pb2_grpc.TargetServiceServicer):

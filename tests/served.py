@@ -8,7 +8,12 @@ import threading
 
 import grpc
 
-from specserve.gateway.servers_common import ServerConfig, ServiceBinding, channel_options, start_server
+from specserve.runtime.servers_common import (
+    ServerConfig,
+    ServiceBinding,
+    channel_options,
+    start_server,
+)
 
 
 class InProcessServer:

@@ -154,8 +154,8 @@ def run_bench(config: BenchConfig, progress: bool = True) -> dict:
     """Run everything, write the artifacts under config.out, return the summary."""
     from specserve.bench.runner import SpecRunner
     from specserve.bench.verify_tax import measure_verify_tax, token_stream
+    from specserve.models.loader import load_tokenizer
     from specserve.target_service.factory import EngineConfig, build_engine
-    from specserve.target_service.models.loader import load_tokenizer
 
     started = time.perf_counter()
     b = _Bench(config, progress)

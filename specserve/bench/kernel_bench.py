@@ -146,7 +146,10 @@ def bench_attention(bw: float) -> list[dict]:
     import triton.testing
 
     from specserve.kernels import attention as fa
-    from specserve.kernels.attention_reference import mla_attention_reference, paged_attention_reference
+    from specserve.kernels.attention_reference import (
+        mla_attention_reference,
+        paged_attention_reference,
+    )
     from specserve.kernels.paged_batch import PagedBatch
 
     if not fa.HAS_FLASHINFER:
@@ -171,18 +174,18 @@ def bench_attention(bw: float) -> list[dict]:
             hq, hkv, d = GQA_DIMS
             cache = torch.randn(b * per_req, block, 2, hkv, d, device="cuda", generator=gen).bfloat16()
             qt = torch.randn(b * q, hq, d, device="cuda", generator=gen).bfloat16()
-            att = (fa.PagedDecodeAttention if q == 1 else fa.PagedVerifyAttention)(hq, hkv, d, torch.bfloat16, "cuda")
+            att = fa.StepAttention(fa.AttnDims(False, hq, hkv, d, 0, d**-0.5, torch.bfloat16), block, "cuda")
             att.plan(batch)
-            fast, ref = (lambda: att.run(qt, cache)), (lambda: paged_attention_reference(qt, cache, batch))
+            fast, ref = (lambda: att.run_gqa(qt, cache)), (lambda: paged_attention_reference(qt, cache, batch))
             kv_bytes = b * (ctx + q) * 2 * hkv * d * 2
         else:
             h, r, p = MLA_DIMS
             cache = torch.randn(b * per_req, block, r + p, device="cuda", generator=gen).bfloat16()
             qn = torch.randn(b * q, h, r, device="cuda", generator=gen).bfloat16()
             qp = torch.randn(b * q, h, p, device="cuda", generator=gen).bfloat16()
-            att = fa.MLAPagedAttention(h, r, p, torch.bfloat16, "cuda")
-            att.plan(batch, sm_scale=192**-0.5)
-            fast = lambda: att.run(qn, qp, cache)  # noqa: E731
+            att = fa.StepAttention(fa.AttnDims(True, h, 1, r, p, 192**-0.5, torch.bfloat16), block, "cuda")
+            att.plan(batch)
+            fast = lambda: att.run_mla(qn, qp, cache)  # noqa: E731
             ref = lambda: mla_attention_reference(qn, qp, cache, batch, 192**-0.5)  # noqa: E731
             kv_bytes = b * (ctx + q) * (r + p) * 2
         out, expect = fast(), ref()

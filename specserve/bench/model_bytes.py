@@ -16,9 +16,9 @@ from specserve.bench.floors import DENSE_ROLES, FloorError, ModelBytes
 
 
 def _role_table():
-    from specserve.target_service.models.attention import ATTENTION_CLASSES
-    from specserve.target_service.models.layers import Embedding, GatedMLP, RMSNorm
-    from specserve.target_service.models.moe import MoEBlock, StackedExperts, TopKRouter
+    from specserve.models.attention import ATTENTION_CLASSES
+    from specserve.models.layers import Embedding, GatedMLP, RMSNorm
+    from specserve.models.moe import MoEBlock, StackedExperts, TopKRouter
 
     # module type -> role; order does not matter (deepest match wins)
     table = {RMSNorm: "norm", Embedding: "embedding", GatedMLP: "dense_mlp", TopKRouter: "router",

@@ -76,8 +76,12 @@ class SpecRunner:
         return self.loop.run_until_complete(self._run(spec, prompt_id, tuple(prompt_ids), chooser, max_new_tokens))
 
     async def _run(self, spec: MethodSpec, prompt_id: str, prompt_ids: tuple[int, ...], chooser, max_new_tokens) -> RequestResult:
-        from specserve.gateway.spec_loop import FinalEvent, GenerationRequest, run_request
-        from specserve.target_service.engine.types import SamplingParams
+        from specserve.contract.types import SamplingParams
+        from specserve.gateway.spec_loop import (
+            FinalEvent,
+            GenerationRequest,
+            run_request,
+        )
 
         cfg = self.config
         request = GenerationRequest(

@@ -18,6 +18,7 @@ within 1.25x. Prints a short table last; writes step_bench.json to --out (defaul
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import os
@@ -90,9 +91,9 @@ def step_floor_bytes(roles: dict, config, t: int, experts_touched: int, kv_token
 
 
 def bench_model(spec: str, args: argparse.Namespace, bandwidth: float, log) -> dict:
-    from specserve.target_service.engine.types import DraftBlock
+    from specserve.contract.types import DraftBlock
+    from specserve.models.presets import parameter_bytes, synthetic_config
     from specserve.target_service.factory import EngineConfig, build_engine
-    from specserve.target_service.models.presets import parameter_bytes, synthetic_config
 
     device = torch.device(args.device)
     config = synthetic_config(spec)
@@ -126,7 +127,7 @@ def bench_model(spec: str, args: argparse.Namespace, bandwidth: float, log) -> d
             runner.use_graphs = True
             graph_logits = engine.score_block(sid, block).clone()  # a replay's logits are the graph's buffer
             graph_steps = runner.graph_steps
-            row["graph_ms"] = _median_ms(lambda: engine.score_block(sid, block), args.reps, device)
+            row["graph_ms"] = _median_ms(functools.partial(engine.score_block, sid, block), args.reps, device)
             row["graph_used"] = runner.graph_steps > graph_steps
             graph = runner.graph_for((k + 1,))
             if graph is not None and row["graph_used"]:
@@ -135,7 +136,7 @@ def bench_model(spec: str, args: argparse.Namespace, bandwidth: float, log) -> d
             if args.eager_reps:
                 runner.use_graphs = False
                 eager_logits = engine.score_block(sid, block)
-                row["eager_ms"] = _median_ms(lambda: engine.score_block(sid, block), args.eager_reps, device)
+                row["eager_ms"] = _median_ms(functools.partial(engine.score_block, sid, block), args.eager_reps, device)
                 row["graph_vs_eager_max_abs"] = float((graph_logits - eager_logits).abs().max())
                 row["graph_argmax_equal"] = bool(torch.equal(graph_logits.argmax(-1), eager_logits.argmax(-1)))
                 runner.use_graphs = True

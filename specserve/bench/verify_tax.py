@@ -46,7 +46,7 @@ def measure_verify_tax(
     progress: Callable[[], None] | None = None,
 ) -> list[dict]:
     """One point per k: median verify ms (target-measured when reported, else synchronized wall)."""
-    from specserve.target_service.engine.types import DraftBlock, SamplingParams
+    from specserve.contract.types import DraftBlock, SamplingParams
 
     greedy = SamplingParams(temperature=0.0, seed=0)
     cuda = torch.device(device).type == "cuda"

@@ -33,7 +33,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--set-draft", type=_named_address, default=None, metavar="NAME=ADDRESS",
                         help="point draft NAME at a draft service address (empty address removes it)")
     parser.add_argument("--list-drafts", action="store_true", help="print the gateway's drafts as JSON")
-    from specserve.cli.target_cmd import add_tls_arguments
+    from specserve.cli.common import add_tls_arguments
 
     add_tls_arguments(parser, side="client")
     parser.add_argument("--auth-token", default=None,
@@ -57,11 +57,10 @@ def _call(fn, *args, **kw):
 
 
 def run(args: argparse.Namespace) -> int:
-    import grpc
 
-    from specserve.cli.target_cmd import tls_from_args
-    from specserve.gateway.servers_common import sync_channel
+    from specserve.cli.common import tls_from_args
     from specserve.protos.specserve.v1 import gateway_pb2, gateway_pb2_grpc
+    from specserve.runtime.servers_common import sync_channel
 
     if args.timeout is not None and not args.timeout > 0:
         raise SpecserveError(f"--timeout must be > 0, got {args.timeout}")

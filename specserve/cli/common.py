@@ -8,8 +8,6 @@ from pathlib import Path
 
 from specserve.errors import SpecserveError
 
-DRAFT_CHOICES = ("none", "ngram", "model", "eagle3", "dflash")
-
 
 def positive_int(text: str) -> int:
     value = int(text)
@@ -77,7 +75,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     """The model, drafter and placement flags of `generate` and `serve`."""
     add_engine_arguments(parser)
-    parser.add_argument("--draft", choices=DRAFT_CHOICES, default="none")
+    from specserve.draft_service.registry import PROPOSER_FACTORIES
+
+    parser.add_argument("--draft", choices=("none", *PROPOSER_FACTORIES), default="none")
     parser.add_argument("--draft-model", type=Path, default=None, help="drafter checkpoint folder")
     add_denoise_argument(parser)
 
@@ -104,7 +104,7 @@ def engine_config_from_args(args: argparse.Namespace):
 
 
 def sampling_from_args(args: argparse.Namespace):
-    from specserve.target_service.engine.types import SamplingParams
+    from specserve.contract.types import SamplingParams
 
     try:
         return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
@@ -152,6 +152,56 @@ def tree_from_args(args: argparse.Namespace):
         return None
     if args.tree_nodes <= 0 or args.tree_top_k < 0 or args.tree_depth < 0:
         raise SpecserveError("--tree-nodes must be > 0 (and --tree-top-k, --tree-depth >= 0) for a tree")
-    from specserve.draft_service.proposer import TreeSpec
+    from specserve.contract.types import TreeSpec
 
     return TreeSpec(args.tree_nodes, args.tree_top_k or DEFAULT_TREE_TOP_K, args.tree_depth or DEFAULT_TREE_DEPTH)
+
+
+def add_tls_arguments(parser: argparse.ArgumentParser, prefix: str = "tls", side: str = "server") -> None:
+    """--{prefix}-cert/-key/-ca. Server side: CA given = clients must present a certificate it signed."""
+    if side == "server":
+        helps = ("PEM certificate this service presents (enables TLS)", "PEM private key of --tls-cert",
+                 "PEM CA bundle: require and verify client certificates (mutual TLS)")
+    else:
+        helps = ("PEM client certificate (for servers that require one)", "PEM private key of the client certificate",
+                 "PEM CA bundle that signs the server's certificate (enables TLS)")
+    for part, text in zip(("cert", "key", "ca"), helps):
+        parser.add_argument(f"--{prefix}-{part}", type=Path, default=None, help=text)
+
+
+def tls_from_args(args: argparse.Namespace, prefix: str = "tls"):
+    from specserve.runtime.servers_common import tls_or_none
+
+    p = prefix.replace("-", "_")
+    return tls_or_none(getattr(args, f"{p}_cert"), getattr(args, f"{p}_key"), getattr(args, f"{p}_ca"))
+
+
+def add_listen_arguments(parser: argparse.ArgumentParser, default: str, max_message_bytes: int | None = None) -> None:
+    from specserve.runtime.servers_common import MAX_MESSAGE_BYTES
+
+    parser.add_argument(
+        "--listen", action="append", default=None,
+        help=f"HOST:PORT or unix:/path to listen on (repeatable; default {default}, loopback only)",
+    )
+    parser.add_argument("--grace-s", type=float, default=10.0, help="seconds in-flight calls get on SIGTERM")
+    parser.add_argument("--max-message-bytes", type=positive_int, default=max_message_bytes or MAX_MESSAGE_BYTES,
+                        help="largest gRPC message received or sent (bigger: RESOURCE_EXHAUSTED)")
+    add_tls_arguments(parser)
+
+
+def server_config_from_args(args: argparse.Namespace, addresses: tuple[str, ...]):
+    from specserve.runtime.servers_common import ServerConfig
+
+    return ServerConfig(addresses=addresses, grace_s=args.grace_s, max_message_bytes=args.max_message_bytes,
+                        tls=tls_from_args(args))
+
+
+def checkpoint_errors_as_user_errors(fn, *args):
+    """Run fn; a corrupt or unreadable checkpoint becomes one SpecserveError line naming the file."""
+    from specserve.errors import SpecserveError
+    from specserve.models.errors import CheckpointError
+
+    try:
+        return fn(*args)
+    except CheckpointError as exc:
+        raise SpecserveError(f"checkpoint: {exc}") from None

@@ -7,20 +7,22 @@ import dataclasses
 import sys
 from pathlib import Path
 
-from specserve.cli.common import add_denoise_argument, positive_int
-from specserve.cli.target_cmd import (
+from specserve.cli.common import (
+    add_denoise_argument,
     add_listen_arguments,
     checkpoint_errors_as_user_errors,
+    positive_int,
     server_config_from_args,
 )
 
 DEFAULT_LISTEN = "127.0.0.1:50053"
-FAMILIES = ("ngram", "model", "eagle3", "dflash")
 
 
 def add_drafter_arguments(parser: argparse.ArgumentParser) -> None:
     """The drafter's flags (shared with `serve`, which forwards them)."""
-    parser.add_argument("--draft", choices=FAMILIES, default="ngram", help="drafter family")
+    from specserve.draft_service.registry import PROPOSER_FACTORIES
+
+    parser.add_argument("--draft", choices=tuple(PROPOSER_FACTORIES), default="ngram", help="drafter family")
     parser.add_argument("--draft-model", type=Path, default=None, help="drafter checkpoint folder")
     parser.add_argument("--max-block-size", type=positive_int, default=8, help="most tokens one proposal may draft")
     add_denoise_argument(parser)
@@ -46,7 +48,7 @@ def drafter_config(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
-    from specserve.gateway.servers_common import exit_now, run_async
+    from specserve.runtime.servers_common import exit_now, run_async
 
     config = drafter_config(args)
     server_config = server_config_from_args(args, tuple(args.listen or [DEFAULT_LISTEN]))
@@ -57,10 +59,14 @@ def run(args: argparse.Namespace) -> int:
 
 async def _serve(config, server_config, max_draft_tokens: int = 256) -> None:
     from specserve.draft_service.registry import build_proposer
-    from specserve.draft_service.server import SERVICE_NAME, DraftServicer, DrafterWorker
-    from specserve.gateway.servers_common import ServiceBinding, serve_until_signal
-    from specserve.gateway.tracing import setup_telemetry
+    from specserve.draft_service.server import (
+        SERVICE_NAME,
+        DrafterWorker,
+        DraftServicer,
+    )
     from specserve.protos.specserve.v1 import draft_pb2_grpc
+    from specserve.runtime.servers_common import ServiceBinding, serve_until_signal
+    from specserve.runtime.tracing import setup_telemetry
 
     telemetry = setup_telemetry("specserve-draft")
     worker = await DrafterWorker.build(lambda: build_proposer(config))

@@ -7,10 +7,10 @@ import os
 import sys
 from pathlib import Path
 
-from specserve.cli.common import positive_int
-from specserve.cli.target_cmd import (
+from specserve.cli.common import (
     add_tls_arguments,
     checkpoint_errors_as_user_errors,
+    positive_int,
     tls_from_args,
 )
 from specserve.errors import SpecserveError
@@ -62,8 +62,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from specserve.gateway.server import GatewayConfig
-    from specserve.gateway.servers_common import ServerConfig, exit_now, run_async
     from specserve.gateway.validation import RequestLimits
+    from specserve.runtime.servers_common import ServerConfig, exit_now, run_async
 
     names = [n for n, _ in args.draft_service]
     if len(set(names)) != len(names):
@@ -94,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
     )
     tokenizer = None
     if args.model is not None:
-        from specserve.target_service.models.loader import load_tokenizer
+        from specserve.models.loader import load_tokenizer
 
         if not args.model.is_dir():
             raise SpecserveError(f"--model {args.model} is not a folder")
@@ -108,9 +108,13 @@ async def _serve(config, server_config, tokenizer, connect_timeout_s: float) -> 
     import grpc
 
     from specserve.gateway.remote import RemoteTarget
-    from specserve.gateway.server import SERVICE_NAME, GatewayServicer, add_gateway_to_server
-    from specserve.gateway.servers_common import ServiceBinding, serve_until_signal
-    from specserve.gateway.tracing import setup_telemetry
+    from specserve.gateway.server import (
+        SERVICE_NAME,
+        GatewayServicer,
+        add_gateway_to_server,
+    )
+    from specserve.runtime.servers_common import ServiceBinding, serve_until_signal
+    from specserve.runtime.tracing import setup_telemetry
 
     telemetry = setup_telemetry("specserve-gateway")
     target = RemoteTarget(config.target_address, config.downstream_tls)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import sys
 
 from specserve.cli.common import (
@@ -53,9 +52,10 @@ def build_local(args: argparse.Namespace):
 
 
 async def _generate(args: argparse.Namespace) -> dict:
+    from specserve.contract.types import GenerationRequest
     from specserve.gateway.adaptive import AdaptiveConfig, AdaptiveSpeculation
     from specserve.gateway.local import LocalDraft, LocalTarget
-    from specserve.gateway.spec_loop import FinalEvent, GenerationRequest, run_request
+    from specserve.gateway.spec_loop import FinalEvent, run_request
 
     tree = tree_from_args(args)
     engine, proposer = build_local(args)

@@ -32,7 +32,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--draft-step-timeout-s", type=float, default=5.0)
     parser.add_argument("--startup-timeout-s", type=float, default=600.0)
     parser.add_argument("--grace-s", type=float, default=10.0, help="seconds in-flight requests get on stop")
-    from specserve.cli.target_cmd import add_tls_arguments
+    from specserve.cli.common import add_tls_arguments
 
     add_tls_arguments(parser)  # the gateway's public port (the inner hops are unix sockets in a private folder)
     parser.add_argument("--auth-token", default=None,
@@ -78,27 +78,19 @@ class _Stopped(Exception):
 
 
 def _wait_healthy(address: str, deadline: float, children: _Children, stop: threading.Event) -> None:
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from specserve.runtime.healthcheck import wait_serving
 
-    from specserve.gateway.servers_common import channel_options
+    def check_abort() -> None:
+        if stop.is_set():
+            raise _Stopped
+        dead = children.dead()
+        if dead:
+            raise SpecserveError(f"the {dead[0]} process exited with {children.procs[dead[0]].returncode} at start")
 
-    with grpc.insecure_channel(address, options=channel_options()) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        while True:
-            if stop.is_set():
-                raise _Stopped
-            dead = children.dead()
-            if dead:
-                raise SpecserveError(f"the {dead[0]} process exited with {children.procs[dead[0]].returncode} at start")
-            try:
-                if stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0).status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-            except grpc.RpcError:
-                pass
-            if time.monotonic() > deadline:
-                raise SpecserveError(f"{address} did not become healthy in time")
-            time.sleep(0.2)
+    try:
+        wait_serving(address, deadline, check_abort)
+    except TimeoutError as exc:
+        raise SpecserveError(str(exc)) from None
 
 
 def _forward(stream, sink, ready: list[str], seen: threading.Event) -> None:

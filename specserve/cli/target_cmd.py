@@ -6,59 +6,16 @@ import argparse
 import sys
 from pathlib import Path
 
-from specserve.cli.common import add_engine_arguments, engine_config_from_args, positive_int
+from specserve.cli.common import (
+    add_engine_arguments,
+    add_listen_arguments,
+    checkpoint_errors_as_user_errors,
+    engine_config_from_args,
+    positive_int,
+    server_config_from_args,
+)
 
 DEFAULT_LISTEN = "127.0.0.1:50052"
-
-
-def add_tls_arguments(parser: argparse.ArgumentParser, prefix: str = "tls", side: str = "server") -> None:
-    """--{prefix}-cert/-key/-ca. Server side: CA given = clients must present a certificate it signed."""
-    if side == "server":
-        helps = ("PEM certificate this service presents (enables TLS)", "PEM private key of --tls-cert",
-                 "PEM CA bundle: require and verify client certificates (mutual TLS)")
-    else:
-        helps = ("PEM client certificate (for servers that require one)", "PEM private key of the client certificate",
-                 "PEM CA bundle that signs the server's certificate (enables TLS)")
-    for part, text in zip(("cert", "key", "ca"), helps):
-        parser.add_argument(f"--{prefix}-{part}", type=Path, default=None, help=text)
-
-
-def tls_from_args(args: argparse.Namespace, prefix: str = "tls"):
-    from specserve.gateway.servers_common import tls_or_none
-
-    p = prefix.replace("-", "_")
-    return tls_or_none(getattr(args, f"{p}_cert"), getattr(args, f"{p}_key"), getattr(args, f"{p}_ca"))
-
-
-def add_listen_arguments(parser: argparse.ArgumentParser, default: str, max_message_bytes: int | None = None) -> None:
-    from specserve.gateway.servers_common import MAX_MESSAGE_BYTES
-
-    parser.add_argument(
-        "--listen", action="append", default=None,
-        help=f"HOST:PORT or unix:/path to listen on (repeatable; default {default}, loopback only)",
-    )
-    parser.add_argument("--grace-s", type=float, default=10.0, help="seconds in-flight calls get on SIGTERM")
-    parser.add_argument("--max-message-bytes", type=positive_int, default=max_message_bytes or MAX_MESSAGE_BYTES,
-                        help="largest gRPC message received or sent (bigger: RESOURCE_EXHAUSTED)")
-    add_tls_arguments(parser)
-
-
-def server_config_from_args(args: argparse.Namespace, addresses: tuple[str, ...]):
-    from specserve.gateway.servers_common import ServerConfig
-
-    return ServerConfig(addresses=addresses, grace_s=args.grace_s, max_message_bytes=args.max_message_bytes,
-                        tls=tls_from_args(args))
-
-
-def checkpoint_errors_as_user_errors(fn, *args):
-    """Run fn; a corrupt or unreadable checkpoint becomes one SpecserveError line naming the file."""
-    from specserve.errors import SpecserveError
-    from specserve.target_service.models.errors import CheckpointError
-
-    try:
-        return fn(*args)
-    except CheckpointError as exc:
-        raise SpecserveError(f"checkpoint: {exc}") from None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -73,7 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from specserve.gateway.servers_common import exit_now, run_async
+    from specserve.runtime.servers_common import exit_now, run_async
     from specserve.target_service.server import TargetLimits
 
     engine_config = engine_config_from_args(args)
@@ -86,11 +43,15 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def _serve(engine_config, server_config, tensor_parallel_size: int, limits=None) -> None:
-    from specserve.gateway.servers_common import ServiceBinding, serve_until_signal
-    from specserve.gateway.tracing import setup_telemetry
     from specserve.protos.specserve.v1 import target_pb2_grpc
+    from specserve.runtime.servers_common import ServiceBinding, serve_until_signal
+    from specserve.runtime.tracing import setup_telemetry
     from specserve.target_service.factory import build_engine
-    from specserve.target_service.server import SERVICE_NAME, EngineWorker, TargetServicer
+    from specserve.target_service.server import (
+        SERVICE_NAME,
+        EngineWorker,
+        TargetServicer,
+    )
 
     telemetry = setup_telemetry("specserve-target")
     worker = await EngineWorker.build(lambda: build_engine(engine_config), limits=limits)

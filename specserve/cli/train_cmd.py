@@ -12,6 +12,8 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
+from specserve.cli.common import add_denoise_argument
+
 ARCH_HELP = "architecture override KEY=VALUE (repeatable), e.g. --arch hidden_size=64"
 
 
@@ -65,9 +67,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     _add_corpus_args(p)
 
     p = sub.add_parser("eval-acceptance", help="measure acceptance and check losslessness on held-out prompts")
-    from specserve.train.acceptance import add_eval_arguments
-
-    add_eval_arguments(p)
+    _add_eval_arguments(p)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -109,12 +109,23 @@ def _run_target(args) -> int:
     from transformers import DeepseekV3ForCausalLM
 
     from specserve.train.common import (
-        Logger, apply_arch, parse_arch, resolve_device, run_info, seed_everything, write_json,
+        Logger,
+        apply_arch,
+        parse_arch,
+        resolve_device,
+        run_info,
+        seed_everything,
+        write_json,
     )
     from specserve.train.corpus import prompt_snippets
     from specserve.train.data import encode_stream, unigram_cross_entropy
     from specserve.train.target import (
-        LMTrainSpec, TargetSpec, checkpoint_summary, copy_tokenizer, save_bf16_pretrained, train_lm,
+        LMTrainSpec,
+        TargetSpec,
+        checkpoint_summary,
+        copy_tokenizer,
+        save_bf16_pretrained,
+        train_lm,
     )
     from specserve.train.tokenizer import load_tokenizer
 
@@ -173,9 +184,20 @@ def _run_target(args) -> int:
 
 
 def _run_draft(args) -> int:
-    from specserve.train.common import Logger, parse_arch, resolve_device, run_info, seed_everything, write_json
+    from specserve.train.common import (
+        Logger,
+        parse_arch,
+        resolve_device,
+        run_info,
+        seed_everything,
+        write_json,
+    )
     from specserve.train.data import encode_stream
-    from specserve.train.distill import SelfDistillSpec, load_target, self_distill_sequences
+    from specserve.train.distill import (
+        SelfDistillSpec,
+        load_target,
+        self_distill_sequences,
+    )
     from specserve.train.drafters import DraftJob, check_resumable, train_drafter
     from specserve.train.target import checkpoint_summary
     from specserve.train.tokenizer import load_tokenizer
@@ -210,3 +232,19 @@ def _run_draft(args) -> int:
     log("done", family=args.family, mib=info["checkpoint"]["mib"])
     return 0
 
+
+def _add_eval_arguments(p: argparse.ArgumentParser) -> None:
+    from specserve.train import acceptance
+
+    p.add_argument("--demo-dir", type=Path, default=None, help="folder with target/ and drafter folders (default: shipped)")
+    p.add_argument("--drafters", default=",".join(acceptance.FAMILIES), help="comma-separated families to measure")
+    p.add_argument("--k", type=int, default=4, help="drafted tokens per step")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--num-prompts", type=int, default=None, help="first N held-out prompts (default: all)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    add_denoise_argument(p)
+    p.add_argument("--out-json", type=Path, default=None)
+    p.add_argument("--from-json", type=Path, default=None, help="skip measuring: reuse a report written by --out-json")
+    p.add_argument("--write-card", type=Path, default=None,
+                   help=f"replace the table between {acceptance.CARD_BEGIN} and {acceptance.CARD_END} in this markdown file")

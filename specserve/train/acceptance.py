@@ -15,7 +15,6 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from specserve.cli.common import add_denoise_argument
 from specserve.errors import SpecserveError
 from specserve.gateway.stats import SpecStats
 
@@ -42,21 +41,6 @@ class DrafterResult:
     accepted_per_position: tuple[int, ...] = ()  # [i] = verify steps that accepted drafted token i + 1
 
 
-def add_eval_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--demo-dir", type=Path, default=None, help="folder with target/ and drafter folders (default: shipped)")
-    p.add_argument("--drafters", default=",".join(FAMILIES), help="comma-separated families to measure")
-    p.add_argument("--k", type=int, default=4, help="drafted tokens per step")
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--num-prompts", type=int, default=None, help="first N held-out prompts (default: all)")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
-    add_denoise_argument(p)
-    p.add_argument("--out-json", type=Path, default=None)
-    p.add_argument("--from-json", type=Path, default=None, help="skip measuring: reuse a report written by --out-json")
-    p.add_argument("--write-card", type=Path, default=None,
-                   help=f"replace the table between {CARD_BEGIN} and {CARD_END} in this markdown file")
-
-
 def load_prompts(target_dir: Path, tokenizer, limit: int | None) -> list[list[int]]:
     path = target_dir / "heldout_prompts.json"
     if not path.is_file():
@@ -74,7 +58,7 @@ def load_prompts(target_dir: Path, tokenizer, limit: int | None) -> list[list[in
 def speculative_greedy(engine, proposer, session_id: str, prompt: list[int], k: int, max_new: int,
                        stats: SpecStats) -> list[int]:
     """Emitted tokens [>= max_new] of one greedy request; every verify step is recorded in ``stats``."""
-    from specserve.target_service.engine.types import SamplingParams
+    from specserve.contract.types import SamplingParams
 
     sampling = SamplingParams()
     layers = proposer.info.hidden_layers if proposer.info.needs_hidden_states else ()

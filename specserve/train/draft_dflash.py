@@ -47,7 +47,6 @@ from specserve.train.common import TrainError, apply_arch
 from specserve.train.draft_eagle3 import default_capture_layers
 from specserve.train.feature_distill import heldout_agreement, train_on_target_features
 
-
 _FLAGS = ("shared_target_head", "chain_labels")  # the 0/1 fields of DFlashSpec
 _SHARES = ("chain_anchors",)  # the fields in [0, 1]
 _COUNTS = ("given_tokens",)  # the fields >= 0
@@ -166,7 +165,7 @@ def blocks_logits(model, ids: torch.Tensor, feats: torch.Tensor, anchors: torch.
     context part is one batched matmul per sequence (all A * b queries against its T context keys,
     masked at each block's anchor), so no per-block copy of the context K/V is made; the block part is
     b x b per block; one softmax spans both."""
-    from specserve.target_service.models.rope import RotaryEmbedding
+    from specserve.models.rope import RotaryEmbedding
 
     c, b = model.cfg, model.cfg.block_size
     G, T = ids.shape

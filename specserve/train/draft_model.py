@@ -9,7 +9,13 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 
-from specserve.train.common import Logger, Schedule, TrainError, autocast, make_optimizer
+from specserve.train.common import (
+    Logger,
+    Schedule,
+    TrainError,
+    autocast,
+    make_optimizer,
+)
 from specserve.train.distill import MixedBatches, target_outputs
 from specserve.train.tokenizer import EOS_ID
 

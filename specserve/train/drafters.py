@@ -37,11 +37,16 @@ class DraftJob:
 
 
 def _train_model(job: DraftJob) -> dict:
+    from transformers import LlamaForCausalLM
+
     from specserve.train.common import apply_arch
     from specserve.train.distill import MixedBatches
-    from specserve.train.draft_model import DistillSpec, DraftModelSpec, train_draft_model
+    from specserve.train.draft_model import (
+        DistillSpec,
+        DraftModelSpec,
+        train_draft_model,
+    )
     from specserve.train.target import save_bf16_pretrained
-    from transformers import LlamaForCausalLM
 
     spec = apply_arch(DraftModelSpec(vocab_size=job.target.config.vocab_size), job.arch)
     torch.manual_seed(job.seed)

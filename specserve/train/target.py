@@ -23,7 +23,6 @@ from specserve.train.common import (
     autocast,
     folder_size_bytes,
     make_optimizer,
-    write_json,
 )
 from specserve.train.data import WindowSampler, eval_windows
 from specserve.train.tokenizer import EOS_ID
@@ -172,7 +171,9 @@ class RouterLoadTracker:
     auxiliary-loss-free bias update after each optimizer step."""
 
     def __init__(self, model, rate: float) -> None:
-        from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+        from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
+            DeepseekV3TopkRouter,
+        )
 
         self.rate = rate
         self.routers = [m for m in model.modules() if isinstance(m, DeepseekV3TopkRouter)]

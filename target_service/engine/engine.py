@@ -20,13 +20,23 @@ from collections.abc import Sequence
 
 import torch
 
-from specserve.target_service.models.vocab import vocab_hash as checkpoint_vocab_hash
+from specserve.contract.types import (
+    DraftBlock,
+    InvalidBlock,
+    PrefillResult,
+    SamplingParams,
+    StepTimings,
+    VerifyResult,
+    check_block,
+)
+from specserve.models.attn_metadata import AttentionBatch
+from specserve.models.block_manager import BlockManager, KVUsage, OutOfBlocks
+from specserve.models.kv_cache import PagedKVCache
+from specserve.models.probs import make_generator, target_probs
+from specserve.models.vocab import vocab_hash as checkpoint_vocab_hash
 
-from .attn_metadata import AttentionBatch
-from .block_manager import BlockManager, KVUsage, OutOfBlocks
-from .kv_cache import PagedKVCache
 from .model_runner import GraphOptions, ModelRunner
-from .sampler import make_generator, target_probs, verify_step
+from .sampler import verify_step
 from .session import (
     ContextTooLong,
     DuplicateSession,
@@ -37,7 +47,6 @@ from .session import (
     UnknownSession,
 )
 from .tree import StepLayout, compaction_moves, layout_of
-from .types import DraftBlock, PrefillResult, SamplingParams, StepTimings, VerifyResult
 
 __all__ = [
     "ContextTooLong",
@@ -160,7 +169,10 @@ class TargetEngine:
     def _check_block(self, session: Session, block: DraftBlock) -> None:
         if not isinstance(block, DraftBlock):
             raise InvalidInput(f"expected a DraftBlock, got {type(block).__name__}")
-        self._check_ids(block.token_ids, f"draft for {session.session_id!r}")
+        try:
+            check_block(block.token_ids, None, self.config.vocab_size)
+        except InvalidBlock as exc:
+            raise InvalidInput(f"draft for {session.session_id!r}: {exc}") from None
         if block.probs is not None:
             if block.probs.dim() != 2:
                 raise InvalidInput(f"draft probs must be [n, vocab], got {tuple(block.probs.shape)}")

@@ -12,14 +12,14 @@ capture layers) runs eagerly through the same model code.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from specserve.target_service.engine.attn_metadata import AttentionBatch
-from specserve.target_service.engine.kv_cache import PagedKVCache
+from specserve.models.attn_metadata import AttentionBatch
+from specserve.models.kv_cache import PagedKVCache
 
 
 class GraphCaptureError(RuntimeError):
@@ -138,7 +138,7 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
 
     def _capture_one(self, t: int, tree: bool, capture: tuple[int, ...]) -> _Graph:
-        from specserve.target_service.models.attn_backend import GraphShape
+        from specserve.kernels.attention import GraphShape
 
         dev = self.device
         ids = torch.zeros(t, dtype=torch.int64, device=dev)

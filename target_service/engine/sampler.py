@@ -1,7 +1,7 @@
 """Lossless verification of drafted tokens (chains and trees) by the target's sampling rule.
 
 Terms (pending, drafted, accepted, rejected, recovered, bonus, emitted) are the glossary in
-``specserve.target_service.engine.types``; nodes are indexed as in ``engine/tree.py`` (node 0 = the
+``specserve.contract.types``; nodes are indexed as in ``engine/tree.py`` (node 0 = the
 pending token, node j = drafted token j - 1).
 
 Rules:
@@ -31,41 +31,12 @@ from __future__ import annotations
 
 import torch
 
+from specserve.contract.types import SamplingParams
+from specserve.models.probs import target_probs
+
 from .tree import StepLayout
-from .types import SamplingParams
 
 _TINY = 1e-30
-
-
-def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:
-    """Per-request generator: seeded for reproducible output, else seeded from OS entropy."""
-    gen = torch.Generator(device=device)
-    if seed is None:
-        gen.seed()
-    else:
-        gen.manual_seed(int(seed))
-    return gen
-
-
-def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:  # [N, V] -> [N, V] f32
-    """Target distribution p from logits: temperature, then top-k, then top-p (greedy gives one-hot)."""
-    logits = logits.float()
-    vocab = logits.shape[-1]
-    if params.greedy:
-        return torch.nn.functional.one_hot(logits.argmax(-1), vocab).float()
-    x = logits / params.temperature
-    if 0 < params.top_k < vocab:
-        kth = torch.topk(x, params.top_k, dim=-1).values[..., -1:]
-        x = x.masked_fill(x < kth, float("-inf"))
-    probs = torch.softmax(x, dim=-1)
-    if params.top_p < 1.0:
-        sorted_p, order = probs.sort(dim=-1, descending=True)
-        # drop a token when the mass strictly before it already reaches top_p (the first one stays)
-        drop = (sorted_p.cumsum(-1) - sorted_p) >= params.top_p
-        sorted_p = sorted_p.masked_fill(drop, 0.0)
-        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
-        probs = probs / probs.sum(-1, keepdim=True)
-    return probs
 
 
 def align_draft_probs(q: torch.Tensor, vocab: int) -> torch.Tensor:  # [..., Vd] -> [..., vocab] f32

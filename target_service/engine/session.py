@@ -6,10 +6,9 @@ from dataclasses import dataclass
 
 import torch
 
+from specserve.contract.types import SamplingParams
 from specserve.errors import SpecserveError
-
-from .block_manager import OutOfBlocks  # noqa: F401  (re-exported: the engine raises it unchanged)
-from .types import SamplingParams
+from specserve.models.block_manager import OutOfBlocks  # noqa: F401  (re-exported: the engine raises it unchanged)
 
 
 class EngineError(SpecserveError):

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .types import DraftBlock
+from specserve.contract.types import DraftBlock
 
 
 @dataclass(frozen=True)

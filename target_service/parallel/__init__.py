@@ -1,6 +1,10 @@
 """Tensor / expert parallel target: one process per device, rank 0 drives the others."""
 
-from specserve.target_service.parallel.rendezvous import MULTICAST_OFF, ParallelError, Rendezvous
+from specserve.target_service.parallel.rendezvous import (
+    MULTICAST_OFF,
+    ParallelError,
+    Rendezvous,
+)
 
 __all__ = ["MULTICAST_OFF", "ParallelError", "ParallelTargetEngine", "Rendezvous"]
 

@@ -18,13 +18,20 @@ import weakref
 import torch
 import torch.distributed as dist
 
-from specserve.target_service.engine.attn_metadata import AttentionBatch
+from specserve.models.attn_metadata import AttentionBatch
+from specserve.models.backends import select_backends
+from specserve.models.causal_lm import build_model
+from specserve.models.config import ModelConfig, ParallelConfig
+from specserve.models.dtypes import DTYPES, ENGINE_DTYPES
+from specserve.models.loader import load_tokenizer
 from specserve.target_service.engine.engine import TargetEngine
-from specserve.target_service.factory import DTYPES
-from specserve.target_service.models import ModelConfig, ParallelConfig, build_model, load_tokenizer
-from specserve.target_service.models.backends import select_backends
 from specserve.target_service.parallel.group import RankGroup
-from specserve.target_service.parallel.protocol import CopySlots, Forward, Logits, ShardSpec
+from specserve.target_service.parallel.protocol import (
+    CopySlots,
+    Forward,
+    Logits,
+    ShardSpec,
+)
 from specserve.target_service.parallel.rendezvous import ParallelError
 from specserve.target_service.parallel.worker import load_shard
 
@@ -128,8 +135,8 @@ class ParallelTargetEngine(TargetEngine):
     ) -> None:
         if tensor_parallel_size < 1:  # 1 = the same machinery without workers (a process group of one)
             raise ParallelError(f"tensor_parallel_size must be >= 1, got {tensor_parallel_size}")
-        if dtype not in DTYPES:
-            raise ParallelError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+        if dtype not in ENGINE_DTYPES:
+            raise ParallelError(f"dtype must be one of {sorted(ENGINE_DTYPES)}, got {dtype!r}")
         if engine_kwargs.get("cuda_graphs"):
             raise ParallelError("CUDA graphs are not supported with tensor parallelism (the ranks run eagerly)")
         checkpoint = os.fspath(checkpoint)

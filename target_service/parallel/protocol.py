@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from specserve.target_service.engine.attn_metadata import AttentionBatch
+from specserve.models.attn_metadata import AttentionBatch
 
 
 @dataclass(frozen=True)

@@ -20,18 +20,26 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from specserve.target_service.engine.kv_cache import PagedKVCache
-from specserve.target_service.factory import DTYPES
-from specserve.target_service.models import ParallelConfig, load_model
+from specserve.models.config import ParallelConfig
+from specserve.models.dtypes import DTYPES
+from specserve.models.kv_cache import PagedKVCache
+from specserve.models.loader import load_model
 from specserve.target_service.parallel import rendezvous as rv
-from specserve.target_service.parallel.protocol import Channel, CopySlots, Forward, Logits, ShardSpec, Stop
+from specserve.target_service.parallel.protocol import (
+    Channel,
+    CopySlots,
+    Forward,
+    Logits,
+    ShardSpec,
+    Stop,
+)
 
 STORE_TIMEOUT = timedelta(minutes=10)
 
 
 def load_shard(spec: ShardSpec, rank: int, device: torch.device, progress: bool = False):
     """(model, ModelConfig): this rank's slices of the checkpoint, with the spec's compute backends."""
-    from specserve.target_service.models.backends import BackendChoice, install_backends
+    from specserve.models.backends import BackendChoice, install_backends
 
     parallel = ParallelConfig(tp_rank=rank, tp_size=spec.tp_size, ep=spec.expert_parallel)
     dtype = DTYPES[spec.dtype]

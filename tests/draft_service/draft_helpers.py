@@ -6,7 +6,7 @@ import random
 
 import torch
 
-from specserve.target_service.engine.types import DraftBlock, SamplingParams
+from specserve.contract.types import DraftBlock, SamplingParams
 
 
 class FakeFeatures:

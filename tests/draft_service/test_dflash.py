@@ -7,13 +7,18 @@ import json
 import numpy as np
 import pytest
 import torch
+from draft_helpers import FakeFeatures, rollback_matches_fresh
 from safetensors.torch import load_file, save_file
 
-from draft_helpers import FakeFeatures, rollback_matches_fresh
-from specserve.draft_service.dflash import DFlashConfig, DFlashModel, DFlashProposer, save_dflash
+from specserve.contract.types import SamplingParams
+from specserve.draft_service.dflash import (
+    DFlashConfig,
+    DFlashModel,
+    DFlashProposer,
+    save_dflash,
+)
 from specserve.draft_service.proposer import DrafterConfig, DrafterConfigError
 from specserve.draft_service.registry import build_proposer
-from specserve.target_service.engine.types import SamplingParams
 
 VOCAB, TH, LAYERS = 40, 12, (0, 2)
 

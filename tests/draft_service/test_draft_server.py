@@ -8,15 +8,15 @@ import time
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from served import InProcessServer
 
+from specserve.contract.types import SamplingParams
 from specserve.draft_service.proposer import DrafterConfig
 from specserve.draft_service.registry import build_proposer
-from specserve.draft_service.server import SERVICE_NAME, DraftServicer, DrafterWorker
-from specserve.gateway.servers_common import ServiceBinding
+from specserve.draft_service.server import SERVICE_NAME, DrafterWorker, DraftServicer
 from specserve.protos import convert
 from specserve.protos.specserve.v1 import draft_pb2, draft_pb2_grpc
-from specserve.target_service.engine.types import SamplingParams
-from served import InProcessServer
+from specserve.runtime.servers_common import ServiceBinding
 
 CONFIG = DrafterConfig(family="ngram", max_block_size=6)
 SEQ = [4, 8, 15, 16, 23, 42, 4, 8, 15, 16, 23]

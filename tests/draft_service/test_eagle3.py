@@ -6,15 +6,24 @@ import json
 
 import pytest
 import torch
+from draft_helpers import FakeFeatures, rollback_matches_fresh
 from safetensors.torch import load_file, save_file
 
+from specserve.contract.types import SamplingParams
 from specserve.draft_service.eagle3 import Eagle3Proposer, default_eagle3_layers
-from specserve.draft_service.eagle3_head import REQUIRED_TENSORS, Eagle3Config, Eagle3Head, save_eagle3_head
-from specserve.draft_service.proposer import DrafterConfig, DrafterConfigError, ProposerError, TreeSpec
+from specserve.draft_service.eagle3_head import (
+    REQUIRED_TENSORS,
+    Eagle3Config,
+    Eagle3Head,
+    save_eagle3_head,
+)
+from specserve.draft_service.proposer import (
+    DrafterConfig,
+    DrafterConfigError,
+    ProposerError,
+    TreeSpec,
+)
 from specserve.draft_service.registry import build_proposer
-from specserve.target_service.engine.types import SamplingParams
-
-from draft_helpers import FakeFeatures, rollback_matches_fresh
 
 VOCAB, DRAFT_VOCAB, H, TARGET_H, TARGET_LAYERS = 48, 32, 16, 12, 6
 

@@ -21,14 +21,18 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
+from specserve.contract.types import SamplingParams
 from specserve.draft_service.dflash import DFlashConfig, DFlashModel, save_dflash
-from specserve.draft_service.eagle3_head import Eagle3Config, Eagle3Head, save_eagle3_head
+from specserve.draft_service.eagle3_head import (
+    Eagle3Config,
+    Eagle3Head,
+    save_eagle3_head,
+)
 from specserve.draft_service.proposer import DrafterConfig, TreeSpec
 from specserve.draft_service.registry import build_proposer
+from specserve.models.loader import load_model
+from specserve.models.probs import target_probs
 from specserve.target_service.engine.engine import TargetEngine
-from specserve.target_service.engine.sampler import target_probs
-from specserve.target_service.engine.types import SamplingParams
-from specserve.target_service.models import load_model
 
 PROMPT = [3, 17, 42, 3, 17, 8, 3, 17]
 VOCAB = 64

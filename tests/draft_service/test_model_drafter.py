@@ -4,13 +4,18 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from draft_helpers import FakeFeatures, rollback_matches_fresh
+
+from specserve.contract.types import SamplingParams
 from specserve.draft_service.model_drafter import ModelProposer
-from specserve.draft_service.proposer import DrafterConfig, ProposerError, TreeSpec, VocabMismatchError
+from specserve.draft_service.proposer import (
+    DrafterConfig,
+    ProposerError,
+    TreeSpec,
+    VocabMismatchError,
+)
 from specserve.draft_service.registry import build_proposer
-from specserve.target_service.engine.sampler import target_probs
-from specserve.target_service.engine.types import SamplingParams
+from specserve.models.probs import target_probs
 
 
 def config(tiny_ckpt, draft="draft_llama", **kw):
@@ -62,7 +67,7 @@ def test_sampled_probs_are_the_distribution_drawn_from(tiny_ckpt):
     ],
 )
 def test_rollback_matches_fresh_drafter(tiny_ckpt, draft, tree, sampled, steps):
-    from specserve.target_service.models.loader import load_model
+    from specserve.models.loader import load_model
 
     cfg = config(tiny_ckpt, draft=draft)
     model, mcfg = load_model(cfg.checkpoint, dtype=torch.float64, progress=False)

@@ -7,10 +7,14 @@ import json
 import numpy as np
 import pytest
 
+from specserve.contract.types import SamplingParams
 from specserve.draft_service.ngram import NgramProposer, find_ngram_continuation
-from specserve.draft_service.proposer import DrafterConfig, DrafterConfigError, ProposerError
+from specserve.draft_service.proposer import (
+    DrafterConfig,
+    DrafterConfigError,
+    ProposerError,
+)
 from specserve.draft_service.registry import PROPOSER_FACTORIES, build_proposer
-from specserve.target_service.engine.types import SamplingParams
 
 
 def cont(ids, min_n=1, max_n=4, k=4):

@@ -6,10 +6,10 @@ import numpy as np
 import torch
 from scipy.stats import chisquare
 
+from specserve.contract.types import SamplingParams
 from specserve.draft_service.proposer import TreeSpec
 from specserve.draft_service.tree import build_tree
-from specserve.target_service.engine.sampler import target_probs
-from specserve.target_service.engine.types import SamplingParams
+from specserve.models.probs import target_probs
 
 V = 12
 TABLE = torch.randn(V, V, generator=torch.Generator().manual_seed(0)) * 2  # next-token logits per token

@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
+from specserve.bench.adaptive_replay import main, replay, step_model
 from specserve.gateway.adaptive import AdaptiveConfig, AdaptiveSpeculation
-from specserve.gateway.adaptive_replay import main, replay, step_model
 
 
 def _row(drafter, drafted, accepted, verify_ms, draft_ms=0.0, speculation="fixed", ahead=False):

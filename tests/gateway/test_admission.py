@@ -1,4 +1,4 @@
-"""Admission (gateway/admission.py): limits, FIFO queue, refusal past the queue, cancellation, KV units."""
+"""Admission (specserve/runtime/admission.py): limits, FIFO queue, refusal past the queue, cancellation, KV units."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from specserve.gateway.admission import Admission, AdmissionConfig, AdmissionRefused
+from specserve.runtime.admission import Admission, AdmissionConfig, AdmissionRefused
 
 
 def run(coro):

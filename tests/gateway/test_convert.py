@@ -5,9 +5,9 @@ import math
 import pytest
 import torch
 
+from specserve.contract.types import DraftBlock, SamplingParams, StepTimings
 from specserve.protos import convert
 from specserve.protos.specserve.v1 import common_pb2
-from specserve.target_service.engine.types import DraftBlock, SamplingParams, StepTimings
 
 
 def test_tensor_roundtrip_any_dtype():

@@ -19,9 +19,16 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from service_helpers import Proc, base_env
 
-from specserve.gateway.servers_common import channel_options
-from specserve.protos.specserve.v1 import common_pb2, draft_pb2, draft_pb2_grpc, gateway_pb2, gateway_pb2_grpc
-from specserve.protos.specserve.v1 import target_pb2, target_pb2_grpc
+from specserve.protos.specserve.v1 import (
+    common_pb2,
+    draft_pb2,
+    draft_pb2_grpc,
+    gateway_pb2,
+    gateway_pb2_grpc,
+    target_pb2,
+    target_pb2_grpc,
+)
+from specserve.runtime.servers_common import channel_options
 
 MAX_SESSIONS, MAX_QUEUED = 16, 4
 PROMPTS = [[(7 * i + 3 * j) % 256 for j in range(6 + 3 * i)] for i in range(8)]

@@ -19,9 +19,15 @@ from service_helpers import Proc, base_env
 from tls_helpers import TestCA
 
 from specserve.cli.main import main
-from specserve.gateway.servers_common import TlsFiles, channel_options, sync_channel
-from specserve.protos.specserve.v1 import draft_pb2, draft_pb2_grpc, gateway_pb2, gateway_pb2_grpc
-from specserve.protos.specserve.v1 import target_pb2, target_pb2_grpc
+from specserve.protos.specserve.v1 import (
+    draft_pb2,
+    draft_pb2_grpc,
+    gateway_pb2,
+    gateway_pb2_grpc,
+    target_pb2,
+    target_pb2_grpc,
+)
+from specserve.runtime.servers_common import TlsFiles, sync_channel
 
 TOKEN = "s3cret-token-for-tests"
 PROMPT = [5, 17, 99, 5, 17, 3, 42, 7, 5, 17]

@@ -15,9 +15,19 @@ import time
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from service_helpers import BackgroundServer, Proc, base_env
 
-from specserve.gateway.servers_common import channel_options
-from specserve.gateway.tracing import (
+from specserve.protos.specserve.v1 import (
+    common_pb2,
+    draft_pb2,
+    draft_pb2_grpc,
+    gateway_pb2,
+    gateway_pb2_grpc,
+    target_pb2,
+    target_pb2_grpc,
+)
+from specserve.runtime.servers_common import channel_options
+from specserve.runtime.tracing import (
     ATTR_ACCEPTED,
     ATTR_BATCH_SIZE,
     ATTR_FORWARD_MS,
@@ -32,17 +42,6 @@ from specserve.gateway.tracing import (
     SPAN_REQUEST,
     SPAN_TARGET_VERIFY,
 )
-from specserve.protos.specserve.v1 import (
-    common_pb2,
-    draft_pb2,
-    draft_pb2_grpc,
-    gateway_pb2,
-    gateway_pb2_grpc,
-    target_pb2,
-    target_pb2_grpc,
-)
-
-from service_helpers import BackgroundServer, Proc, base_env
 
 PROMPT = [5, 17, 99, 5, 17, 3, 42, 7, 5, 17]
 SERVER_KIND = 2  # opentelemetry.proto.trace.v1.Span.SPAN_KIND_SERVER

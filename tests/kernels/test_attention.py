@@ -1,18 +1,23 @@
-"""GPU checks of the FlashInfer paged-attention wrappers against the pure-torch references."""
+"""GPU checks of the FlashInfer paged attention (kernels/attention.py StepAttention, the one integration serving
+uses) against the pure-torch references."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from kernel_test_utils import HAS_CUDA, poison_cuda_allocator, random_block_tables, random_tree_mask, rel_err
-
-from specserve.kernels.attention import (
-    HAS_FLASHINFER,
-    MLAPagedAttention,
-    PagedDecodeAttention,
-    PagedVerifyAttention,
+from kernel_test_utils import (
+    HAS_CUDA,
+    poison_cuda_allocator,
+    random_block_tables,
+    random_tree_mask,
+    rel_err,
 )
-from specserve.kernels.attention_reference import mla_attention_reference, paged_attention_reference
+
+from specserve.kernels.attention import HAS_FLASHINFER, AttnDims, StepAttention
+from specserve.kernels.attention_reference import (
+    mla_attention_reference,
+    paged_attention_reference,
+)
 from specserve.kernels.checks import KernelArgumentError
 from specserve.kernels.paged_batch import PagedBatch
 
@@ -24,6 +29,10 @@ TOL = 1e-2
 BLOCK = 16
 HQ, HKV, D = 32, 4, 128  # Qwen3-30B-A3B attention
 MLA_H, MLA_R, MLA_P = 16, 512, 64  # DeepSeek-V3 / Kimi-K2 latent sizes, 16 heads per GPU
+
+
+def _gqa(sm_scale: float = D**-0.5) -> StepAttention:
+    return StepAttention(AttnDims(False, HQ, HKV, D, 0, sm_scale, torch.bfloat16), BLOCK, "cuda")
 
 
 def _batch(q_lens, ctx_lens, tree: bool, gen, num_blocks: int) -> PagedBatch:
@@ -44,10 +53,10 @@ def test_decode_matches_reference(ctx) -> None:
     batch = _batch([1] * len(ctx), ctx, False, gen, nb)
     cache = _gqa_cache(nb, gen)
     q = torch.randn(len(ctx), HQ, D, generator=gen).to("cuda", torch.bfloat16)
-    att = PagedDecodeAttention(HQ, HKV, D, torch.bfloat16, "cuda")
+    att = _gqa()
     att.plan(batch)
     poison_cuda_allocator()
-    out = att.run(q, cache)
+    out = att.run_gqa(q, cache)
     torch.cuda.synchronize()
     assert rel_err(out, paged_attention_reference(q, cache, batch)) < TOL
 
@@ -60,10 +69,10 @@ def test_verify_matches_reference(tree: bool, q_lens, ctx) -> None:
     batch = _batch(q_lens, ctx, tree, gen, nb)
     cache = _gqa_cache(nb, gen)
     q = torch.randn(sum(q_lens), HQ, D, generator=gen).to("cuda", torch.bfloat16)
-    att = PagedVerifyAttention(HQ, HKV, D, torch.bfloat16, "cuda")
-    att.plan(batch, sm_scale=0.1)
+    att = _gqa(sm_scale=0.1)
+    att.plan(batch)
     poison_cuda_allocator()
-    out = att.run(q, cache)
+    out = att.run_gqa(q, cache)
     torch.cuda.synchronize()
     assert rel_err(out, paged_attention_reference(q, cache, batch, sm_scale=0.1)) < TOL
 
@@ -80,9 +89,9 @@ def test_tree_mask_changes_verify_output() -> None:
     outs = []
     for mask in (None, star):
         batch = PagedBatch.build([q_len], [ctx], tables, BLOCK, [mask])
-        att = PagedVerifyAttention(HQ, HKV, D, torch.bfloat16, "cuda")
+        att = _gqa()
         att.plan(batch)
-        outs.append(att.run(q, cache))
+        outs.append(att.run_gqa(q, cache))
         assert rel_err(outs[-1], paged_attention_reference(q, cache, batch)) < TOL
     assert rel_err(outs[0], outs[1]) > 1e-2
 
@@ -98,10 +107,10 @@ def test_mla_matches_reference(tree: bool, q_lens, ctx) -> None:
     q_nope = torch.randn(n, MLA_H, MLA_R, generator=gen).to("cuda", torch.bfloat16)
     q_pe = torch.randn(n, MLA_H, MLA_P, generator=gen).to("cuda", torch.bfloat16)
     scale = (128 + 64) ** -0.5
-    att = MLAPagedAttention(MLA_H, MLA_R, MLA_P, torch.bfloat16, "cuda")
-    att.plan(batch, sm_scale=scale)
+    att = StepAttention(AttnDims(True, MLA_H, 1, MLA_R, MLA_P, scale, torch.bfloat16), BLOCK, "cuda")
+    att.plan(batch)
     poison_cuda_allocator()
-    out = att.run(q_nope, q_pe, cache)
+    out = att.run_mla(q_nope, q_pe, cache)
     torch.cuda.synchronize()
     assert rel_err(out, mla_attention_reference(q_nope, q_pe, cache, batch, scale)) < TOL
 
@@ -110,19 +119,19 @@ def test_wrappers_reject_bad_arguments() -> None:
     gen = torch.Generator().manual_seed(0)
     batch = _batch([1, 1], [5, 9], False, gen, 8)
     cache = _gqa_cache(8, gen)
-    att = PagedDecodeAttention(HQ, HKV, D, torch.bfloat16, "cuda")
+    att = _gqa()
     q = torch.randn(2, HQ, D, generator=gen).to("cuda", torch.bfloat16)
     with pytest.raises(KernelArgumentError, match="before plan"):
-        att.run(q, cache)
+        att.run_gqa(q, cache)
     att.plan(batch)
     with pytest.raises(KernelArgumentError, match="q.shape"):
-        att.run(q[:1], cache)
+        att.run_gqa(q[:1], cache)
     with pytest.raises(KernelArgumentError, match="kv_cache"):
-        att.run(q, cache[:, :8].contiguous())
+        att.run_gqa(q, cache[:, :8].contiguous())
     att.plan(PagedBatch.build([1, 1], [5, 9], [[7], [6]], BLOCK))
     with pytest.raises(KernelArgumentError, match="out of range"):
-        att.run(q, cache[:2].contiguous())
-    with pytest.raises(KernelArgumentError, match="one new token"):
-        att.plan(_batch([2], [5], False, gen, 8))
+        att.run_gqa(q, cache[:2].contiguous())
+    with pytest.raises(KernelArgumentError, match="block_size"):
+        att.plan(PagedBatch.build([1], [5], [[0]], 8))
     with pytest.raises(KernelArgumentError, match="dtype"):
-        att.run(q.half(), cache)
+        att.run_gqa(q.half(), cache)

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_test_utils import HAS_CUDA, poison_cuda_allocator, random_moe_weights, random_routing, rel_err
+from kernel_test_utils import (
+    HAS_CUDA,
+    poison_cuda_allocator,
+    random_moe_weights,
+    random_routing,
+    rel_err,
+)
 
 from specserve.kernels.fused_moe import (
     HAS_TRITON,

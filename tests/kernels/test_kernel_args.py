@@ -5,10 +5,19 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from kernel_test_utils import random_block_tables, random_moe_weights, random_routing, random_tree_mask, rel_err
+from kernel_test_utils import (
+    random_block_tables,
+    random_moe_weights,
+    random_routing,
+    random_tree_mask,
+    rel_err,
+)
 
 from specserve.kernels import attention
-from specserve.kernels.attention_reference import mla_attention_reference, paged_attention_reference
+from specserve.kernels.attention_reference import (
+    mla_attention_reference,
+    paged_attention_reference,
+)
 from specserve.kernels.checks import KernelArgumentError
 from specserve.kernels.fused_moe import (
     HAS_TRITON,
@@ -195,6 +204,6 @@ def test_mla_reference_matches_expanded_sdpa() -> None:
 @pytest.mark.skipif(attention.HAS_FLASHINFER, reason="checks the no-flashinfer path")
 def test_wrappers_say_flashinfer_is_missing() -> None:
     with pytest.raises(KernelArgumentError, match="flashinfer is not importable"):
-        attention.PagedDecodeAttention(8, 2, 64, torch.bfloat16, "cpu")
+        attention.StepAttention(attention.AttnDims(False, 8, 2, 64, 0, 0.125, torch.bfloat16), 16, "cpu")
     with pytest.raises(KernelArgumentError, match="flashinfer is not importable"):
-        attention.MLAPagedAttention(8, 64, 16, torch.bfloat16, "cpu")
+        attention.StepAttention(attention.AttnDims(True, 8, 1, 64, 16, 0.125, torch.bfloat16), 16, "cpu")

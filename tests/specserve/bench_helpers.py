@@ -7,9 +7,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tiny_hf import save_tiny_hf
-
 import torch
+from tiny_hf import save_tiny_hf
 
 VOCAB = 320
 
@@ -54,7 +53,11 @@ def read_jsonl(path: Path) -> list[dict]:
 
 def save_eagle3(out: Path, seed: int = 0) -> Path:
     """A random EAGLE-3 head for the TARGET above (published layout; embeddings come from the target)."""
-    from specserve.draft_service.eagle3_head import Eagle3Config, Eagle3Head, save_eagle3_head
+    from specserve.draft_service.eagle3_head import (
+        Eagle3Config,
+        Eagle3Head,
+        save_eagle3_head,
+    )
 
     h = TARGET["hidden_size"]
     raw = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": h,

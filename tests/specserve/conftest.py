@@ -6,7 +6,6 @@ import json
 from pathlib import Path
 
 import pytest
-
 from bench_helpers import DRAFT_LM, TARGET, save_checkpoint, save_eagle3
 
 

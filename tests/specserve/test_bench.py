@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 
 import pytest
-import torch
-
 from bench_helpers import TARGET, read_jsonl
-from specserve.bench.config import BenchConfig, BenchConfigError, MethodSpec, plan_methods
+
+from specserve.bench.config import (
+    BenchConfig,
+    BenchConfigError,
+    MethodSpec,
+    plan_methods,
+)
 from specserve.bench.floors import (
     FloorError,
     ModelBytes,
@@ -69,7 +72,7 @@ def test_floor_refuses_impossible_steps():
 
 def test_model_bytes_counts_the_loaded_model_by_role(bench_target):
     from specserve.bench.model_bytes import model_bytes
-    from specserve.target_service.models.loader import load_model
+    from specserve.models.loader import load_model
 
     model, config = load_model(bench_target, progress=False)
     mb = model_bytes(model, config)

@@ -5,10 +5,15 @@ projected."""
 from __future__ import annotations
 
 import pytest
-
 from bench_helpers import read_jsonl
+
 from specserve.bench.compare import compare_methods, format_comparison
-from specserve.bench.config import BenchConfig, BenchConfigError, MethodSpec, plan_methods
+from specserve.bench.config import (
+    BenchConfig,
+    BenchConfigError,
+    MethodSpec,
+    plan_methods,
+)
 from specserve.bench.projection import ShapeTimings, project_steps, step_ms_at
 
 

@@ -77,15 +77,15 @@ def demo(tmp_path_factory):
 def test_target_loads_in_transformers_and_engine_with_same_logits(demo):
     from transformers import AutoModelForCausalLM
 
-    from specserve.target_service.models.loader import load_model
+    from specserve.models.loader import load_model
 
     info = json.loads((demo / "target" / "train_info.json").read_text())
     assert info["heldout"]["perplexity"] > 0 and info["heldout"]["unigram_perplexity"] > 0
     assert json.loads((demo / "target" / "config.json").read_text())["model_type"] == "deepseek_v3"
     hf = AutoModelForCausalLM.from_pretrained(str(demo / "target"), dtype=torch.float32).eval()
     ours, config = load_model(demo / "target", dtype=torch.float32, progress=False)
+    from specserve.contract.types import DraftBlock
     from specserve.target_service.engine.engine import TargetEngine
-    from specserve.target_service.engine.types import DraftBlock
 
     engine = TargetEngine(ours, config, None, num_blocks=8, block_size=16)
     prompt = list(range(3, 13))
@@ -184,10 +184,10 @@ def test_shipped_demo_fits_the_budget_and_loads_in_engine_and_transformers():
     """The shipped demo_model/: under 25 MiB, and the target's engine logits equal transformers'."""
     from transformers import AutoModelForCausalLM
 
+    from specserve.contract.types import DraftBlock
+    from specserve.models.loader import load_model
     from specserve.paths import demo_dir
     from specserve.target_service.engine.engine import TargetEngine
-    from specserve.target_service.engine.types import DraftBlock
-    from specserve.target_service.models.loader import load_model
 
     root = demo_dir()
     if not (root / "target" / "config.json").is_file():
@@ -229,7 +229,12 @@ def test_shared_head_dflash_trains_frozen_head_and_reloads_with_the_same_logits(
     from specserve.draft_service.dflash import load_dflash, save_dflash
     from specserve.train.common import make_optimizer
     from specserve.train.distill import load_target, target_outputs
-    from specserve.train.draft_dflash import DFlashSpec, block_loss, build_dflash, sample_anchors
+    from specserve.train.draft_dflash import (
+        DFlashSpec,
+        block_loss,
+        build_dflash,
+        sample_anchors,
+    )
 
     target = load_target(demo / "target", torch.device("cpu"))  # what the trainer reads
     spec = DFlashSpec(num_layers=2, num_heads=2, num_kv_heads=1, head_dim=16, intermediate_size=32, block_size=3,
@@ -296,7 +301,11 @@ def test_dflash_init_from_continues_a_saved_drafter(demo, tmp_path, capsys):
 def test_self_distill_cache_is_compact_and_reused(demo, tmp_path):
     """The cache stores the continuations as int16 (vocabulary 300) and a second call returns the same
     int64 sequences from it; another spec regenerates."""
-    from specserve.train.distill import SelfDistillSpec, load_target, self_distill_sequences
+    from specserve.train.distill import (
+        SelfDistillSpec,
+        load_target,
+        self_distill_sequences,
+    )
 
     target = load_target(demo / "target", torch.device("cpu"))
     stream = np.arange(200) % target.config.vocab_size

@@ -130,7 +130,12 @@ def test_given_tokens_chain_mask_and_loss():
     import torch.nn.functional as F
 
     from specserve.train.common import TrainError
-    from specserve.train.draft_dflash import DFlashSpec, block_loss, build_dflash, greedy_chain_mask
+    from specserve.train.draft_dflash import (
+        DFlashSpec,
+        block_loss,
+        build_dflash,
+        greedy_chain_mask,
+    )
 
     gen = torch.Generator().manual_seed(6)
     G, T, V, A, b = 2, 30, 4, 9, 4
@@ -172,7 +177,12 @@ def test_given_tokens_chain_mask_and_loss():
 
 def test_dflash_chain_labels_loss_ignores_off_chain_blocks():
     """With chain_labels the loss does not depend on the labels of off-chain outputs; without, it does."""
-    from specserve.train.draft_dflash import DFlashSpec, block_loss, build_dflash, greedy_chain_mask
+    from specserve.train.draft_dflash import (
+        DFlashSpec,
+        block_loss,
+        build_dflash,
+        greedy_chain_mask,
+    )
 
     class _T:
         class config:  # noqa: N801 - mimics a transformers config

@@ -33,11 +33,10 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from tiny_hf import save_tiny_hf
 
-from specserve.target_service.engine.attn_metadata import AttentionBatch
-from specserve.target_service.engine.kv_cache import PagedKVCache
+from specserve.models.attn_metadata import AttentionBatch
+from specserve.models.kv_cache import PagedKVCache
 
 _BASE = dict(
     vocab_size=256,

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from specserve.target_service.engine.block_manager import (
+from specserve.models.block_manager import (
     BlockManager,
     DuplicateSequence,
     OutOfBlocks,
@@ -131,5 +131,5 @@ def test_block_manager_does_not_import_torch():
     import subprocess
     import sys
 
-    code = "import sys, specserve.target_service.engine.block_manager; assert 'torch' not in sys.modules"
+    code = "import sys, specserve.models.block_manager; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -9,6 +9,8 @@ import random
 import pytest
 import torch
 
+from specserve.contract.types import DraftBlock, SamplingParams
+from specserve.models.loader import load_model
 from specserve.target_service.engine.engine import (
     ContextTooLong,
     DuplicateSession,
@@ -18,8 +20,6 @@ from specserve.target_service.engine.engine import (
     UnknownSession,
 )
 from specserve.target_service.engine.tree import layout_of
-from specserve.target_service.engine.types import DraftBlock, SamplingParams
-from specserve.target_service.models import load_model
 
 ARCHS = ["qwen3_moe", "deepseek_v3"]  # GQA + MoE with a dense layer; MLA + grouped MoE + YaRN
 PROMPT = [5, 17, 99, 3, 250, 42, 7]
@@ -266,8 +266,8 @@ def test_errors_are_clear_and_leave_state_unchanged(load):
 def test_info(load, tmp_path):
     from tokenizers import Tokenizer, models
 
-    from specserve.target_service.models.loader import load_tokenizer
-    from specserve.target_service.models.vocab import vocab_hash
+    from specserve.models.loader import load_tokenizer
+    from specserve.models.vocab import vocab_hash
 
     eng = _engine(load, "deepseek_v3")
     info = eng.info()

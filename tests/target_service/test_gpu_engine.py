@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specserve.target_service.engine.types import DraftBlock
+from specserve.contract.types import DraftBlock
+from specserve.models.attn_backend import HAS_FLASHINFER
 from specserve.target_service.factory import EngineConfig, build_engine
-from specserve.target_service.models.attn_backend import HAS_FLASHINFER
 
 pytestmark = [
     pytest.mark.gpu,

@@ -5,12 +5,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specserve.target_service.engine.attn_metadata import AttentionBatch, AttentionBatchError, logical_to_slots
-from specserve.target_service.engine.kv_cache import KVCacheError, PagedKVCache
-from specserve.target_service.models import ModelInputError, ParallelConfig, load_model
-from specserve.target_service.models.config import MoEConfig
-from specserve.target_service.models.layers import ColumnParallelLinear, RowParallelLinear
-from specserve.target_service.models.moe import StackedExperts
+from specserve.models.attn_metadata import (
+    AttentionBatch,
+    AttentionBatchError,
+    logical_to_slots,
+)
+from specserve.models.causal_lm import ModelInputError
+from specserve.models.config import MoEConfig, ParallelConfig
+from specserve.models.kv_cache import KVCacheError, PagedKVCache
+from specserve.models.layers import ColumnParallelLinear, RowParallelLinear
+from specserve.models.loader import load_model
+from specserve.models.moe import StackedExperts
 
 
 def test_write_gather_skip_and_copy():

@@ -9,15 +9,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from specserve.target_service.models import (
-    SUPPORTED_MODEL_TYPES,
-    CheckpointError,
-    ModelConfig,
-    ModelConfigError,
-    UnsupportedModelError,
-    load_model,
-    load_tokenizer,
-)
+from specserve.models.config import SUPPORTED_MODEL_TYPES, ModelConfig
+from specserve.models.errors import CheckpointError, ModelConfigError, UnsupportedModelError
+from specserve.models.loader import load_model, load_tokenizer
 
 
 def copy_ckpt(tiny_checkpoint, name, tmp_path, **kw):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specserve.target_service.models import load_model
+from specserve.models.loader import load_model
 
 NAMES = ("deepseek_v3", "deepseek_v3_plain", "kimi_k2", "qwen3_moe", "mixtral", "llama", "qwen3")
 RTOL = 1e-4

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from specserve.cli.main import main
+from specserve.contract.types import DraftBlock, SamplingParams
+from specserve.models.loader import load_model
 from specserve.target_service.engine.engine import TargetEngine
-from specserve.target_service.engine.types import DraftBlock, SamplingParams
-from specserve.target_service.models import load_model
 from specserve.target_service.parallel import MULTICAST_OFF, ParallelError
 from specserve.target_service.parallel.engine import ParallelTargetEngine
 

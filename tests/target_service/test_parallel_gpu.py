@@ -8,9 +8,9 @@ import os
 import pytest
 import torch
 
+from specserve.contract.types import DraftBlock
+from specserve.models.loader import load_model
 from specserve.target_service.engine.engine import TargetEngine
-from specserve.target_service.engine.types import DraftBlock
-from specserve.target_service.models import load_model
 from specserve.target_service.parallel import MULTICAST_OFF
 from specserve.target_service.parallel.engine import ParallelTargetEngine
 

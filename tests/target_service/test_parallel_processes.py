@@ -52,7 +52,7 @@ def test_env_rendezvous_start_on_loopback(tiny_checkpoint, capsys):
     want = _generate_json(capsys, ckpt, "--draft", "ngram")["token_ids"]
     port = str(_free_port())
     common = dict(WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
-    argv = [sys.executable, "-m", "specserve.target_service.parallel.launch", "generate", "--model", str(ckpt),
+    argv = [sys.executable, "-m", "specserve.cli.parallel_launch", "generate", "--model", str(ckpt),
             "--num-kv-blocks", "64", "--tensor-parallel-size", "2", "--enable-expert-parallel", "--draft", "ngram", *FLAGS]
     worker = subprocess.Popen(argv, env=_env(RANK="1", LOCAL_RANK="1", **common), cwd=REPO,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

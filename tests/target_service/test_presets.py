@@ -7,22 +7,23 @@ import numpy as np
 import pytest
 import torch
 
+from specserve.contract.types import DraftBlock
 from specserve.errors import SpecserveError
+from specserve.kernels.attention import pack_tree_mask
 from specserve.kernels.paged_batch import PagedBatch
-from specserve.target_service.engine.model_runner import GraphCaptureError, GraphOptions
-from specserve.target_service.engine.types import DraftBlock
-from specserve.target_service.factory import EngineConfig, build_engine
-from specserve.target_service.models.attn_backend import AttentionBackendError, pack_tree_mask
-from specserve.target_service.models.backends import select_backends
-from specserve.target_service.models.config import GQAConfig, MLAConfig
-from specserve.target_service.models.errors import ModelConfigError
-from specserve.target_service.models.presets import (
+from specserve.models.attn_backend import AttentionBackendError
+from specserve.models.backends import select_backends
+from specserve.models.config import GQAConfig, MLAConfig
+from specserve.models.errors import ModelConfigError
+from specserve.models.presets import (
     PRESETS,
     build_synthetic_model,
     parameter_bytes,
     parse_spec,
     synthetic_config,
 )
+from specserve.target_service.engine.model_runner import GraphCaptureError, GraphOptions
+from specserve.target_service.factory import EngineConfig, build_engine
 
 
 def test_qwen3_30b_a3b_preset_matches_the_public_config():

@@ -12,16 +12,15 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
+from specserve.contract.types import DraftBlock, SamplingParams
+from specserve.models.probs import make_generator, target_probs
 from specserve.target_service.engine.sampler import (
     align_draft_probs,
-    make_generator,
-    target_probs,
     verify_greedy,
     verify_sampled,
     verify_step,
 )
 from specserve.target_service.engine.tree import StepLayout, layout_of
-from specserve.target_service.engine.types import DraftBlock, SamplingParams
 
 V = 8
 S0 = 3  # pending token

@@ -12,14 +12,14 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from served import InProcessServer
 
-from specserve.gateway.servers_common import ServiceBinding
+from specserve.contract.types import DraftBlock, SamplingParams
 from specserve.protos import convert
 from specserve.protos.specserve.v1 import common_pb2, target_pb2, target_pb2_grpc
-from specserve.target_service.engine.types import DraftBlock, SamplingParams
+from specserve.runtime.servers_common import ServiceBinding
 from specserve.target_service.factory import EngineConfig, build_engine
 from specserve.target_service.server import SERVICE_NAME, EngineWorker, TargetServicer
-from served import InProcessServer
 
 PROMPT = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38]
 

@@ -7,8 +7,8 @@ import random
 import pytest
 import torch
 
+from specserve.contract.types import DraftBlock
 from specserve.target_service.engine.tree import StepLayout, compaction_moves, layout_of
-from specserve.target_service.engine.types import DraftBlock
 
 
 def test_chain_layout_is_causal():

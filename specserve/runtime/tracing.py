@@ -7,7 +7,7 @@ provider is installed: the API's no-op tracer costs a function call per span. Me
 rule with OTEL_METRICS_EXPORTER / OTEL_EXPORTER_OTLP_METRICS_ENDPOINT. The service name is
 OTEL_SERVICE_NAME, else the service's default (specserve-target, specserve-draft, specserve-gateway).
 
-The glossary words (drafted, accepted, ...) are the ones of target_service/engine/types.py.
+The glossary words (drafted, accepted, ...) are the ones of specserve/contract/types.py.
 """
 
 from __future__ import annotations
@@ -124,7 +124,9 @@ def setup_telemetry(default_service_name: str) -> Telemetry:
 
 def _span_exporter(kind: str):
     if kind == "otlp":
-        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import (
+            OTLPSpanExporter,
+        )
 
         return OTLPSpanExporter()
     if kind == "console":
@@ -136,7 +138,9 @@ def _span_exporter(kind: str):
 
 def _metric_exporter(kind: str):
     if kind == "otlp":
-        from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter
+        from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import (
+            OTLPMetricExporter,
+        )
 
         return OTLPMetricExporter()
     if kind == "console":

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import torch
 
-from specserve.target_service.engine.attn_metadata import logical_to_slots
+from specserve.models.attn_metadata import logical_to_slots
 
 
 class KVCacheError(ValueError):

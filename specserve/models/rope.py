@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from specserve.target_service.models.config import RopeConfig
+from specserve.models.config import RopeConfig
 
 
 def yarn_mscale(scale: float, mscale: float = 1.0) -> float:

@@ -14,8 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from specserve.kernels.moe_reference import moe_reference
-from specserve.target_service.models.config import MoEConfig, ParallelConfig
-from specserve.target_service.models.layers import (
+from specserve.models.config import MoEConfig, ParallelConfig
+from specserve.models.layers import (
     GatedMLP,
     WeightShapeError,
     all_reduce,

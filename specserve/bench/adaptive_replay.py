@@ -9,7 +9,7 @@ AdaptiveSpeculation driven the way gateway/spec_loop.py drives it (skip and prob
 drafted block with its cost sunk). Sequences do not diverge with k here (steps are drawn
 independently), which is what makes policies comparable on one recorded run.
 
-    python -m specserve.gateway.adaptive_replay OUT/steps.jsonl --drafter model \
+    python -m specserve.bench.adaptive_replay OUT/steps.jsonl --drafter model \
         --draft-ms 1=5.14,2=8.02,3=10.45,4=14.07 [--steps 250 --seeds 20]
 """
 
@@ -125,7 +125,7 @@ def _draft_ms(text: str) -> dict[int, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m specserve.gateway.adaptive_replay", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m specserve.bench.adaptive_replay", description=__doc__.splitlines()[0])
     parser.add_argument("steps_jsonl")
     parser.add_argument("--drafter", required=True)
     parser.add_argument("--draft-ms", type=_draft_ms, required=True, help="mean draft ms by k, e.g. 1=5.1,2=8.0")

@@ -12,12 +12,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specserve.target_service.engine.attn_metadata import AttentionBatch
-from specserve.target_service.engine.kv_cache import PagedKVCache
-from specserve.target_service.models.attention import ATTENTION_CLASSES, kv_head_shards
-from specserve.target_service.models.config import ModelConfig, ParallelConfig
-from specserve.target_service.models.layers import Embedding, GatedMLP, ParallelLMHead, RMSNorm, gather_vocab, vocab_range
-from specserve.target_service.models.moe import ExpertsFn, MoEBlock, moe_reference
+from specserve.models.attention import ATTENTION_CLASSES, kv_head_shards
+from specserve.models.attn_metadata import AttentionBatch
+from specserve.models.config import ModelConfig, ParallelConfig
+from specserve.models.kv_cache import PagedKVCache
+from specserve.models.layers import (
+    Embedding,
+    GatedMLP,
+    ParallelLMHead,
+    RMSNorm,
+    gather_vocab,
+    vocab_range,
+)
+from specserve.models.moe import ExpertsFn, MoEBlock, moe_reference
 
 
 class ModelInputError(ValueError):

@@ -277,20 +277,3 @@ def run_async(main: Awaitable) -> None:
     import uvloop
 
     uvloop.run(main)
-
-
-async def wait_healthy(address: str, timeout_s: float, service: str = "", tls: TlsFiles | None = None) -> None:
-    """Poll grpc.health.v1 at address until SERVING; raise TimeoutError after timeout_s."""
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    async with aio_channel(address, tls) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        while True:
-            try:
-                resp = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=1.0)
-                if resp.status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-            except grpc.aio.AioRpcError:
-                pass
-            if asyncio.get_running_loop().time() > deadline:
-                raise TimeoutError(f"{address} not healthy after {timeout_s} s")
-            await asyncio.sleep(0.1)

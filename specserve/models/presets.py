@@ -26,10 +26,17 @@ from types import MappingProxyType
 
 import torch
 
-from specserve.target_service.models.causal_lm import CausalLM, build_model
-from specserve.target_service.models.config import GQAConfig, MLAConfig, ModelConfig, MoEConfig, ParallelConfig, RopeConfig
-from specserve.target_service.models.errors import ModelConfigError
-from specserve.target_service.models.moe import ExpertsFn, moe_reference
+from specserve.models.causal_lm import CausalLM, build_model
+from specserve.models.config import (
+    GQAConfig,
+    MLAConfig,
+    ModelConfig,
+    MoEConfig,
+    ParallelConfig,
+    RopeConfig,
+)
+from specserve.models.errors import ModelConfigError
+from specserve.models.moe import ExpertsFn, moe_reference
 
 SYNTHETIC_PREFIX = "synthetic:"
 DEFAULT_STD = 0.02

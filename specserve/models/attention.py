@@ -9,18 +9,18 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from specserve.target_service.engine.attn_metadata import AttentionBatch
-from specserve.target_service.engine.kv_cache import PagedKVCache
-from specserve.target_service.models.config import GQAConfig, MLAConfig, ParallelConfig, RopeConfig
-from specserve.target_service.models.layers import (
+from specserve.models.attn_metadata import AttentionBatch
+from specserve.models.config import GQAConfig, MLAConfig, ParallelConfig, RopeConfig
+from specserve.models.kv_cache import PagedKVCache
+from specserve.models.layers import (
     ColumnParallelLinear,
-    RMSNorm,
     ReplicatedLinear,
+    RMSNorm,
     RowParallelLinear,
     WeightShapeError,
     divide,
 )
-from specserve.target_service.models.rope import RotaryEmbedding, softmax_scale_multiplier
+from specserve.models.rope import RotaryEmbedding, softmax_scale_multiplier
 
 
 def new_token_mask(attn: AttentionBatch, b: int, device: torch.device) -> torch.Tensor:

@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specserve.target_service.models.checkpoint_slice import CheckpointSlice, materialize
-from specserve.target_service.models.config import ParallelConfig
+from specserve.models.checkpoint_slice import CheckpointSlice, materialize
+from specserve.models.config import ParallelConfig
 
 
 class WeightShapeError(ValueError):

@@ -1,6 +1,6 @@
 """Soak: target, drafts and gateway on loopback under steady load and draft kills, for a set time.
 
-    python -m specserve.gateway.soak --seconds 60        (make soak)
+    python -m specserve.bench.soak --seconds 60        (make soak)
 
 Starts `specserve target`, an ngram and a `model` draft service (the shipped demo drafter when it exists)
 and a gateway with small admission limits, all on 127.0.0.1. Worker threads send greedy requests with
@@ -134,7 +134,7 @@ def _lost(ids: list[int], ref: list[int], final) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m specserve.gateway.soak", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m specserve.bench.soak", description=__doc__.split("\n\n")[0])
     parser.add_argument("--seconds", type=float, default=60.0, help="how long to run the load")
     parser.add_argument("--model", type=Path, default=None, help="target checkpoint (default: the shipped demo)")
     parser.add_argument("--draft-model", type=Path, default=None,
@@ -149,9 +149,9 @@ def main(argv: list[str] | None = None) -> int:
 
     import grpc
 
-    from specserve.gateway.servers_common import channel_options
     from specserve.paths import demo_checkpoint
     from specserve.protos.specserve.v1 import gateway_pb2, gateway_pb2_grpc
+    from specserve.runtime.servers_common import channel_options
 
     model = args.model or demo_checkpoint("target")
     draft_model = args.draft_model

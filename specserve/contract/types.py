@@ -19,6 +19,7 @@ Speculative-decoding glossary, used unchanged in code, protos, metric names and 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -106,3 +107,73 @@ class VerifyResult:
     @property
     def emitted(self) -> tuple[int, ...]:
         return self.accepted_ids + (self.next_token,)
+
+
+@dataclass(frozen=True)
+class TreeSpec:
+    """EAGLE-2 style dynamic tree: expand ``top_k`` children of the best nodes for ``depth`` levels,
+    keep the best ``num_nodes`` nodes by cumulative draft probability."""
+
+    num_nodes: int
+    top_k: int
+    depth: int
+
+    def __post_init__(self) -> None:
+        if self.num_nodes < 1:
+            raise ValueError(f"TreeSpec.num_nodes must be >= 1, got {self.num_nodes}")
+        if self.top_k < 1:
+            raise ValueError(f"TreeSpec.top_k must be >= 1, got {self.top_k}")
+        if self.depth < 1:
+            raise ValueError(f"TreeSpec.depth must be >= 1, got {self.depth}")
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """One generation request as every part speaks it, from the gateway's validation to the spec loop."""
+
+    prompt_ids: tuple[int, ...]
+    max_new_tokens: int
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    num_speculative_tokens: int = 4  # 0 = the draft's default (at the gateway, before a draft is chosen)
+    tree: TreeSpec | None = None  # a tree request; None = chain
+    stop: tuple[str, ...] = ()
+    model_name: str = ""
+    adaptive: bool = False
+    draft_ahead: bool = False
+    draft_name: str | None = None  # the gateway's draft for this request; None = target-only
+
+    def __post_init__(self) -> None:
+        if not self.prompt_ids:
+            raise ValueError("prompt is empty")
+        if self.max_new_tokens <= 0:
+            raise ValueError(f"max_new_tokens must be positive, got {self.max_new_tokens}")
+        if self.num_speculative_tokens < 0:
+            raise ValueError(f"num_speculative_tokens must be >= 0, got {self.num_speculative_tokens}")
+
+
+class InvalidBlock(ValueError):
+    """A drafted block that no verifier may use (the caller maps it to its own error)."""
+
+
+def check_block(
+    token_ids: Sequence[int],  # [n]
+    probs: torch.Tensor | None,  # [n, vocab] or None
+    vocab_size: int,
+    max_nodes: int | None = None,
+) -> None:
+    """The one draft-block check: at most max_nodes tokens, every id in [0, vocab_size), and probs (when given) a
+    finite, non-negative [n, vocab_size] tensor. Raises InvalidBlock naming the problem."""
+    n = len(token_ids)
+    if max_nodes is not None and n > max_nodes:
+        raise InvalidBlock(f"drafted {n} tokens, asked for at most {max_nodes}")
+    bad = [int(t) for t in token_ids if not 0 <= int(t) < vocab_size]
+    if bad:
+        raise InvalidBlock(f"token ids {bad[:4]} outside the vocabulary [0, {vocab_size})")
+    if probs is None:
+        return
+    if probs.dim() != 2 or tuple(probs.shape) != (n, vocab_size):
+        raise InvalidBlock(f"probs: shape {tuple(probs.shape)}, expected ({n}, {vocab_size})")
+    if not bool(torch.isfinite(probs).all()):
+        raise InvalidBlock("probs: contains NaN or inf")
+    if bool((probs < 0).any()):
+        raise InvalidBlock("probs: contains negative entries")

@@ -12,7 +12,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from specserve.target_service.models.errors import ModelConfigError, UnsupportedModelError
+from specserve.models.errors import ModelConfigError, UnsupportedModelError
 
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 SCORING_FUNCS = ("softmax", "sigmoid")

@@ -18,13 +18,13 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
-from specserve.target_service.models import weight_names
-from specserve.target_service.models.checkpoint_slice import CheckpointSlice
-from specserve.target_service.models.causal_lm import CausalLM, build_model
-from specserve.target_service.models.config import ModelConfig, ParallelConfig
-from specserve.target_service.models.errors import CheckpointError
-from specserve.target_service.models.layers import WeightShapeError
-from specserve.target_service.models.moe import ExpertsFn, StackedExperts, moe_reference
+from specserve.models import weight_names
+from specserve.models.causal_lm import CausalLM, build_model
+from specserve.models.checkpoint_slice import CheckpointSlice
+from specserve.models.config import ModelConfig, ParallelConfig
+from specserve.models.errors import CheckpointError
+from specserve.models.layers import WeightShapeError
+from specserve.models.moe import ExpertsFn, StackedExperts, moe_reference
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"

@@ -11,13 +11,13 @@ from dataclasses import dataclass
 
 import torch
 
-from specserve.target_service.models.attn_backend import (
+from specserve.models.attn_backend import (
     ATTENTION_BACKENDS,
     AttentionBackendError,
     make_attention_backend,
     select_attention_backend,
 )
-from specserve.target_service.models.moe import moe_reference
+from specserve.models.moe import moe_reference
 
 MOE_BACKENDS = ("auto", "torch", "fused")
 

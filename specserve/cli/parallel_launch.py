@@ -1,6 +1,6 @@
 """One command line for every rank of a parallel target (torchrun, or by hand on each host).
 
-    python -m specserve.target_service.parallel.launch target --model DIR --device cuda \\
+    python -m specserve.cli.parallel_launch target --model DIR --device cuda \\
         --tensor-parallel-size 16 --listen 0.0.0.0:50052
 
 Rank 0 (RANK unset or 0) runs that `specserve` command and serves callers; ranks >= 1 ignore it and

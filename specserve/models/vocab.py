@@ -18,7 +18,7 @@ import json
 import os
 from pathlib import Path
 
-from specserve.target_service.models.errors import CheckpointError, ModelConfigError
+from specserve.models.errors import CheckpointError, ModelConfigError
 
 
 def config_vocab_size(checkpoint_dir: str | os.PathLike[str]) -> int:

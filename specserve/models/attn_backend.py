@@ -1,0 +1,192 @@
+"""Attention backend selection and the model side of FlashInfer (plan once per step, run once per layer).
+
+`select_attention_backend` is the one place that decides between the plain-torch attention in models/attention.py
+and FlashInfer. The FlashInfer kernels and their wrappers live in specserve.kernels.attention (`StepAttention`:
+the wrappers of one step shape, eager or CUDA-graph mode). Here:
+
+- `FlashInferBackend`: owned by the model (`CausalLM.set_attention_backend`); `prepare(attn)` plans a step (eager:
+  its own StepAttention; a graph runner passes the graph's), then each attention layer calls `gqa` / `mla`, which
+  write this step's cache entries (no checks, no host syncs) and run the planned wrapper.
+- `ReferencePagedBackend`: the same plumbing over the pure-torch paged references, for CPU tests.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specserve.kernels.attention import (
+    FLASHINFER_IMPORT_ERROR,
+    GQA_HEAD_DIMS,
+    HAS_FLASHINFER,
+    MLA_DIMS,
+    AttnDims,
+    GraphShape,
+    StepAttention,
+    new_workspace,
+)
+from specserve.kernels.paged_batch import PagedBatch
+from specserve.models.attn_metadata import AttentionBatch
+from specserve.models.config import GQAConfig, MLAConfig, ModelConfig
+from specserve.models.kv_cache import PagedKVCache
+
+ATTENTION_BACKENDS = ("auto", "torch", "flashinfer")
+
+
+class AttentionBackendError(ValueError):
+    """An attention backend was asked for where it cannot run, or used out of order."""
+
+
+def flashinfer_unsupported(config: ModelConfig, device: torch.device | str, dtype: torch.dtype) -> str:
+    """Why FlashInfer cannot run this model here ('' when it can)."""
+    if torch.device(device).type != "cuda":
+        return f"device {device} is not CUDA"
+    if not HAS_FLASHINFER:
+        return f"flashinfer is not importable ({FLASHINFER_IMPORT_ERROR or 'not installed'})"
+    if dtype not in (torch.bfloat16, torch.float16):
+        return f"dtype {dtype} (FlashInfer needs bf16 or fp16)"
+    att = config.attention
+    if isinstance(att, GQAConfig):
+        if att.head_dim not in GQA_HEAD_DIMS:
+            return f"head_dim {att.head_dim} not in {GQA_HEAD_DIMS}"
+        if att.sliding_window is not None:
+            return "sliding-window attention (tree positions differ from cache order)"
+        return ""
+    if isinstance(att, MLAConfig):
+        if (att.kv_lora_rank, att.qk_rope_head_dim) not in MLA_DIMS:
+            return f"MLA dims (kv_lora_rank, rope) = {(att.kv_lora_rank, att.qk_rope_head_dim)} not in {MLA_DIMS}"
+        return ""
+    return f"attention kind {type(att).__name__}"
+
+
+def select_attention_backend(config: ModelConfig, device: torch.device | str, dtype: torch.dtype,
+                             requested: str = "auto") -> str:
+    """'torch' or 'flashinfer'. 'auto' takes FlashInfer where it can run; asking for it where it cannot is an error."""
+    if requested not in ATTENTION_BACKENDS:
+        raise AttentionBackendError(f"attention backend must be one of {ATTENTION_BACKENDS}, got {requested!r}")
+    if requested == "torch":
+        return "torch"
+    why = flashinfer_unsupported(config, device, dtype)
+    if requested == "flashinfer" and why:
+        raise AttentionBackendError(f"FlashInfer attention cannot run here: {why}")
+    return "torch" if why else "flashinfer"
+
+
+def attn_dims_of(attn_module: torch.nn.Module, dtype: torch.dtype) -> AttnDims:
+    """The kernels' per-rank attention sizes of one of the model's attention layers."""
+    cfg = attn_module.cfg
+    if isinstance(cfg, MLAConfig):
+        return AttnDims(True, attn_module.num_heads, 1, cfg.kv_lora_rank, cfg.qk_rope_head_dim,
+                        float(attn_module.scale), dtype)
+    return AttnDims(False, attn_module.num_heads, attn_module.num_kv_heads, cfg.head_dim, 0,
+                    float(attn_module.scale), dtype)
+
+
+def paged_batch_of(attn: AttentionBatch, block_size: int) -> PagedBatch:
+    """The kernels' CSR metadata of an AttentionBatch (host only)."""
+    return PagedBatch.build(attn.query_lens, attn.context_lens, attn.block_tables, block_size, attn.tree_masks)
+
+
+class FlashInferBackend:
+    """The model's FlashInfer attention: plans one StepAttention per step and serves every layer from it."""
+
+    def __init__(self, attn_module: torch.nn.Module, block_size: int, device: torch.device | str,
+                 dtype: torch.dtype) -> None:
+        if not HAS_FLASHINFER:
+            raise AttentionBackendError(f"flashinfer is not importable ({FLASHINFER_IMPORT_ERROR or 'not installed'})")
+        dev = torch.device(device)
+        if dev.type == "cuda" and dev.index is None:  # 'cuda' -> 'cuda:N' so device checks compare equal
+            dev = torch.device("cuda", torch.cuda.current_device())
+        self.device = dev
+        self.dims = attn_dims_of(attn_module, dtype)
+        self.block_size = block_size
+        self.workspace = new_workspace(self.device)
+        self._eager = StepAttention(self.dims, block_size, self.device, self.workspace)
+        self._step: StepAttention | None = None
+        self._prepared_for: AttentionBatch | None = None
+
+    def new_graph_step(self, shape: GraphShape) -> StepAttention:
+        return StepAttention(self.dims, self.block_size, self.device, self.workspace, shape)
+
+    def prepare(self, attn: AttentionBatch, step: StepAttention | None = None) -> None:
+        """Plan this step (once; later calls with the same batch object are no-ops unless a step is given)."""
+        if step is None and self._prepared_for is attn:
+            return
+        step = step or self._eager
+        step.plan(paged_batch_of(attn, self.block_size))
+        self._step, self._prepared_for = step, attn
+
+    def _planned(self, attn: AttentionBatch) -> StepAttention:
+        if self._step is None or self._prepared_for is not attn:
+            raise AttentionBackendError("FlashInfer attention ran on a batch it was not prepared for")
+        return self._step
+
+    def gqa(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn: AttentionBatch,
+            kv_cache: PagedKVCache) -> torch.Tensor:
+        """Write k, v [T, Hkv, D] at attn.slot_mapping (every slot >= 0), then attend: q [T, Hq, D] -> [T, Hq, D]."""
+        step = self._planned(attn)
+        cache = kv_cache.layers[layer]  # [NB, BS, 2, Hkv, D]
+        flat = cache.view(-1, *cache.shape[2:])
+        flat.index_copy_(0, attn.slot_mapping, torch.stack([k, v], dim=1).to(cache.dtype))
+        return step.run_gqa(q.contiguous(), cache)
+
+    def mla(self, layer: int, q_nope: torch.Tensor, q_pe: torch.Tensor, entries: torch.Tensor,
+            attn: AttentionBatch, kv_cache: PagedKVCache) -> torch.Tensor:
+        """Write entries [T, R + P] at attn.slot_mapping, then absorbed MLA: q_nope [T, H, R], q_pe [T, H, P] -> [T, H, R]."""
+        step = self._planned(attn)
+        cache = kv_cache.layers[layer]  # [NB, BS, R + P]
+        cache.view(-1, cache.shape[-1]).index_copy_(0, attn.slot_mapping, entries.to(cache.dtype))
+        return step.run_mla(q_nope.contiguous(), q_pe.contiguous(), cache)
+
+
+class ReferencePagedBackend:
+    """The fast path's plumbing (prepare per step, cache writes by slot, absorbed MLA) over the pure-torch paged
+    references of specserve.kernels.attention_reference: runs anywhere, so CPU tests check that plumbing
+    against the plain-torch attention of models/attention.py."""
+
+    def __init__(self, attn_module: torch.nn.Module, block_size: int) -> None:
+        self.scale = float(attn_module.scale)
+        self.block_size = block_size
+        self._batch: PagedBatch | None = None
+        self._prepared_for: AttentionBatch | None = None
+
+    def prepare(self, attn: AttentionBatch, step: object = None) -> None:
+        if step is not None:
+            raise AttentionBackendError("the reference backend has no CUDA-graph steps")
+        if self._prepared_for is not attn:
+            self._batch, self._prepared_for = paged_batch_of(attn, self.block_size), attn
+
+    def _planned(self, attn: AttentionBatch) -> PagedBatch:
+        if self._batch is None or self._prepared_for is not attn:
+            raise AttentionBackendError("reference attention ran on a batch it was not prepared for")
+        return self._batch
+
+    def gqa(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn: AttentionBatch,
+            kv_cache: PagedKVCache) -> torch.Tensor:
+        from specserve.kernels.attention_reference import paged_attention_reference
+
+        batch = self._planned(attn)
+        cache = kv_cache.layers[layer]
+        cache.view(-1, *cache.shape[2:]).index_copy_(0, attn.slot_mapping, torch.stack([k, v], dim=1).to(cache.dtype))
+        return paged_attention_reference(q, cache, batch, self.scale)
+
+    def mla(self, layer: int, q_nope: torch.Tensor, q_pe: torch.Tensor, entries: torch.Tensor,
+            attn: AttentionBatch, kv_cache: PagedKVCache) -> torch.Tensor:
+        from specserve.kernels.attention_reference import mla_attention_reference
+
+        batch = self._planned(attn)
+        cache = kv_cache.layers[layer]
+        cache.view(-1, cache.shape[-1]).index_copy_(0, attn.slot_mapping, entries.to(cache.dtype))
+        return mla_attention_reference(q_nope, q_pe, cache, batch, self.scale)
+
+
+def make_attention_backend(model: torch.nn.Module, kind: str, block_size: int, device: torch.device | str,
+                           dtype: torch.dtype):
+    """The backend object for a kind from select_attention_backend ('torch' -> None) or 'reference'."""
+    attn_module = model.model.layers[0].self_attn
+    if kind == "torch":
+        return None
+    if kind == "flashinfer":
+        return FlashInferBackend(attn_module, block_size, device, dtype)
+    if kind == "reference":
+        return ReferencePagedBackend(attn_module, block_size)
+    raise AttentionBackendError(f"unknown attention backend kind {kind!r}")
