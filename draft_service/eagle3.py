@@ -142,23 +142,24 @@ class Eagle3Proposer(Proposer):
         ctx, base = fs.kv_len, len(state) - 2  # draft position of the pending token
         spec_k, spec_v = fs.k[:ctx], fs.v[:ctx]
         logits = self.head.logits(out[None])  # [1, Vd]
-        drafted, qs = [], []
+        positions = torch.arange(base + 1, base + num_tokens, device=self.device)  # [k - 1], made once
+        drafted, qs = [], []  # device tensors: the chain is read back once, at the end
         for i in range(num_tokens):
             tok, q = draw_tokens(logits, state.sampling, state.generator)
             target_id = self.d2t_ids[tok]  # [1]
-            drafted.append(int(target_id))
+            drafted.append(target_id)
             if q is not None:
                 qs.append(q)
             if i == num_tokens - 1:
                 break
-            pos = torch.tensor([base + 1 + i], device=self.device)
             mask = torch.ones(1, spec_k.shape[0] + 1, dtype=torch.bool, device=self.device)
-            out, k, v = self.head.step(self.head.embed(target_id), out[None], pos, spec_k, spec_v, mask)
+            out, k, v = self.head.step(self.head.embed(target_id), out[None], positions[i : i + 1], spec_k, spec_v,
+                                       mask)
             out = out[0]
             spec_k, spec_v = torch.cat([spec_k, k]), torch.cat([spec_v, v])
             logits = self.head.logits(out[None])
         probs = None if not qs else to_target_probs(torch.cat(qs), self.vocab_size, self.d2t_ids)
-        return DraftBlock(token_ids=tuple(drafted), probs=probs)
+        return DraftBlock(token_ids=tuple(torch.cat(drafted).tolist()), probs=probs)
 
     @torch.inference_mode()
     def _draft_tree(self, state: SessionState, spec: TreeSpec) -> DraftBlock:

@@ -11,6 +11,8 @@ import torch
 from specserve.errors import SpecserveError
 from specserve.models.dtypes import DTYPES, ENGINE_DTYPES
 
+GRAPH_ATTENTION = ("flashinfer", "paged_torch")  # attention backends that read no lengths on the host
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -23,7 +25,7 @@ class EngineConfig:
     enable_expert_parallel: bool = False
     attention_backend: str = "auto"  # auto | torch | flashinfer | reference (models/backends.py picks for auto)
     moe_backend: str = "auto"  # auto | torch | fused
-    cuda_graphs: bool | None = None  # None: on when the FlashInfer backend is chosen
+    cuda_graphs: bool | None = None  # None: on when the chosen attention backend is graph-safe (GRAPH_ATTENTION)
     graph_max_draft: int = 16  # graphs for decode and chain verify of 1..graph_max_draft drafted tokens
     graph_tree_sizes: tuple[int, ...] = ()  # graphs for tree verify steps of these node counts
     max_context: int | None = None  # cap below the model's max_position_embeddings
@@ -91,7 +93,10 @@ def build_engine(cfg: EngineConfig):
         )
 
     model, model_config, tokenizer, choice = build_model_for(cfg)
-    graphs = cfg.cuda_graphs if cfg.cuda_graphs is not None else choice.attention == "flashinfer"
+    graphs = cfg.cuda_graphs
+    if graphs is None:  # on where every step is capturable: graph-safe attention and (if any) the fused MoE
+        graphs = (cfg.device.startswith("cuda") and choice.attention in GRAPH_ATTENTION
+                  and (model_config.moe is None or choice.moe == "fused"))
     options = None
     if graphs:
         options = GraphOptions(chain_sizes=tuple(range(1, cfg.graph_max_draft + 2)), tree_sizes=cfg.graph_tree_sizes)

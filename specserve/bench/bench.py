@@ -171,6 +171,8 @@ def run_bench(config: BenchConfig, progress: bool = True) -> dict:
     mb = _model_bytes(engine)
     checkpoints = resolve_drafter_checkpoints(config, b.skipped)
     proposers = build_drafters(config, engine, checkpoints, b.skipped)
+    engine.add_graph_layers(sorted({i for p in proposers.values() if p.info.needs_hidden_states
+                                    for i in p.info.hidden_layers}))
     methods, more_skipped = plan_methods(
         config, {f: True for f in proposers}, {f: p.info.needs_hidden_states for f, p in proposers.items()}
     )

@@ -48,6 +48,8 @@ def build_local(args: argparse.Namespace):
             raise SpecserveError(
                 f"drafter vocabulary {draft_hash[:12]} does not match the target's {target_hash[:12]}"
             )
+        if proposer.info.needs_hidden_states:
+            engine.add_graph_layers(proposer.info.hidden_layers)
     return engine, proposer
 
 

@@ -29,7 +29,7 @@ from specserve.models.attn_metadata import AttentionBatch
 from specserve.models.config import GQAConfig, MLAConfig, ModelConfig
 from specserve.models.kv_cache import PagedKVCache
 
-ATTENTION_BACKENDS = ("auto", "torch", "flashinfer")
+ATTENTION_BACKENDS = ("auto", "torch", "flashinfer", "paged_torch")
 
 
 class AttentionBackendError(ValueError):
@@ -58,9 +58,21 @@ def flashinfer_unsupported(config: ModelConfig, device: torch.device | str, dtyp
     return f"attention kind {type(att).__name__}"
 
 
+def paged_torch_unsupported(config: ModelConfig) -> str:
+    """Why the graph-safe torch paged attention cannot run this model ('' when it can; it runs on any device)."""
+    att = config.attention
+    if isinstance(att, GQAConfig) and att.sliding_window is not None:
+        return "sliding-window attention"
+    if not isinstance(att, (GQAConfig, MLAConfig)):
+        return f"attention kind {type(att).__name__}"
+    return ""
+
+
 def select_attention_backend(config: ModelConfig, device: torch.device | str, dtype: torch.dtype,
                              requested: str = "auto") -> str:
-    """'torch' or 'flashinfer'. 'auto' takes FlashInfer where it can run; asking for it where it cannot is an error."""
+    """'torch', 'flashinfer' or 'paged_torch'. 'auto' takes FlashInfer where it can run, else on CUDA the graph-safe
+    torch paged attention (specserve/models/paged_torch_attention.py), else the per-sequence torch path; asking for
+    one where it cannot run is an error."""
     if requested not in ATTENTION_BACKENDS:
         raise AttentionBackendError(f"attention backend must be one of {ATTENTION_BACKENDS}, got {requested!r}")
     if requested == "torch":
@@ -68,7 +80,15 @@ def select_attention_backend(config: ModelConfig, device: torch.device | str, dt
     why = flashinfer_unsupported(config, device, dtype)
     if requested == "flashinfer" and why:
         raise AttentionBackendError(f"FlashInfer attention cannot run here: {why}")
-    return "torch" if why else "flashinfer"
+    why_paged = paged_torch_unsupported(config)
+    if requested == "paged_torch":
+        if why_paged:
+            raise AttentionBackendError(f"paged torch attention cannot run here: {why_paged}")
+        return "paged_torch"
+    if not why:
+        return "flashinfer"
+    on_cuda = torch.device(device).type == "cuda"  # the CPU keeps the per-sequence torch path it always had
+    return "paged_torch" if on_cuda and not why_paged else "torch"
 
 
 def attn_dims_of(attn_module: torch.nn.Module, dtype: torch.dtype) -> AttnDims:
@@ -189,4 +209,8 @@ def make_attention_backend(model: torch.nn.Module, kind: str, block_size: int, d
         return FlashInferBackend(attn_module, block_size, device, dtype)
     if kind == "reference":
         return ReferencePagedBackend(attn_module, block_size)
+    if kind == "paged_torch":
+        from specserve.models.paged_torch_attention import PagedTorchBackend
+
+        return PagedTorchBackend(attn_module, block_size, device)
     raise AttentionBackendError(f"unknown attention backend kind {kind!r}")

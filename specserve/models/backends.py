@@ -24,11 +24,11 @@ MOE_BACKENDS = ("auto", "torch", "fused")
 
 @dataclass(frozen=True)
 class BackendChoice:
-    attention: str  # "torch" | "flashinfer" | "reference"
+    attention: str  # "torch" | "flashinfer" | "paged_torch" | "reference"
     moe: str  # "torch" | "fused"
 
     def __post_init__(self) -> None:
-        if self.attention not in ("torch", "flashinfer", "reference"):
+        if self.attention not in ("torch", "flashinfer", "paged_torch", "reference"):
             raise AttentionBackendError(f"unknown attention backend {self.attention!r}")
         if self.moe not in ("torch", "fused"):
             raise AttentionBackendError(f"unknown MoE backend {self.moe!r}")

@@ -13,6 +13,7 @@ its input before it changes any state, so a refused call leaves the engine as it
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import tempfile
 import time
@@ -36,7 +37,7 @@ from specserve.models.probs import make_generator, target_probs
 from specserve.models.vocab import vocab_hash as checkpoint_vocab_hash
 
 from .model_runner import GraphOptions, ModelRunner
-from .sampler import verify_step
+from .sampler import verify_step_device
 from .session import (
     ContextTooLong,
     DuplicateSession,
@@ -115,6 +116,7 @@ class TargetEngine:
         self._sessions: dict[str, Session] = {}
         self.runner = ModelRunner(model, self.kv_cache, block_size=block_size, max_context=self.max_context,
                                   device=self.device)
+        self._graph_options = cuda_graphs
         if cuda_graphs is not None:
             self.runner.capture(cuda_graphs)  # before any session: capture writes scratch K/V
         moe = getattr(config, "moe", None)
@@ -130,6 +132,16 @@ class TargetEngine:
             kv_block_size=block_size,
             kv_num_blocks=num_blocks,
         )
+
+    def add_graph_layers(self, layers: Sequence[int]) -> None:
+        """Also capture this engine's CUDA graphs returning these hidden layers, so the steps of drafters that read
+        them (EAGLE-3, DFlash) replay graphs too. No-op without graphs; only before any session opens."""
+        if self._graph_options is None or not layers:
+            return
+        if self._sessions:
+            raise InvalidInput("graphs are captured before any session opens")
+        wanted = self._check_layers(tuple(sorted(set(int(i) for i in layers))))
+        self.runner.capture(dataclasses.replace(self._graph_options, capture_layers=wanted))
 
     # ---- queries ---------------------------------------------------------------------------------
     def info(self) -> EngineInfo:
@@ -247,17 +259,17 @@ class TargetEngine:
     def verify_batch(self, items: Sequence[tuple[str, DraftBlock]]) -> list[VerifyResult]:
         """Verify several sessions' blocks in ONE forward; results in the order of ``items``."""
         steps = self._prepare(items)
-        t0 = time.perf_counter()
+        timer = _StepTimer(self.device)
         try:
             out, logits = self._forward(steps)
         except BaseException:
             self._rollback(steps)
             raise
-        forward_ms = (time.perf_counter() - t0) * 1e3
+        timer.stop()
         results: list[VerifyResult] = []
         try:
             for step in steps:
-                results.append(self._accept(step, out, logits, forward_ms))
+                results.append(self._accept(step, out, logits, timer))
         except BaseException:
             self._rollback(steps[len(results) :])  # sessions not accepted yet keep their old state
             raise
@@ -304,7 +316,14 @@ class TargetEngine:
             self.blocks.truncate(step.session.session_id, step.session.cached_len)
 
     def _slots(self, session_id: str, start: int, end: int) -> torch.Tensor:  # [end - start] int64
-        return torch.tensor(self.blocks.slots(session_id, start, end), dtype=torch.int64, device=self.device)
+        return self._to_device(self.blocks.slots(session_id, start, end))
+
+    def _to_device(self, values: Sequence[int]) -> torch.Tensor:  # [n] int64 on the engine's device
+        """A small index list on the device without blocking the host (pinned staging, asynchronous copy)."""
+        host = torch.tensor(values, dtype=torch.int64)
+        if self.device.type != "cuda":
+            return host
+        return host.pin_memory().to(self.device, non_blocking=True)
 
     def _forward(self, steps: Sequence[_Step]):
         ids: list[int] = []
@@ -322,36 +341,38 @@ class TargetEngine:
             query_lens=tuple(step.layout.num_nodes for step in steps),
             context_lens=tuple(step.session.cached_len for step in steps),
             block_tables=tuple(self.blocks.block_table(step.session.session_id) for step in steps),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=self.device),
+            slot_mapping=self._to_device(slots),
             tree_masks=tuple(masks),
         )
         capture = tuple(sorted({i for step in steps for i in step.session.hidden_layers}))
-        out, logits = self.runner.run(ids, pos, attn, capture)  # logits [T, V]: CUDA-graph replay or eager
-        self._sync()
-        return (out, capture), logits
+        out, logits, used = self.runner.run(ids, pos, attn, capture)  # logits [T, V]: graph replay or eager
+        return (out, used), logits
 
-    def _accept(self, step: _Step, out_capture, logits: torch.Tensor, forward_ms: float) -> VerifyResult:
+    def _accept(self, step: _Step, out_capture, logits: torch.Tensor, timer: _StepTimer) -> VerifyResult:
         out, capture = out_capture
         s, block, layout = step.session, step.block, step.layout
         t0 = time.perf_counter()
-        tokens = torch.tensor(block.token_ids, dtype=torch.int64, device=logits.device)
-        path, nxt = verify_step(layout, tokens, logits[step.start : step.end], block.probs, s.sampling, s.generator)
+        tokens = self._to_device(block.token_ids)
+        last, nxt_t = verify_step_device(layout, tokens, logits[step.start : step.end], block.probs, s.sampling,
+                                         s.generator)
+        experts_t = last.new_zeros(())
+        if out.routed_experts is not None:
+            experts_t = _distinct_experts(out.routed_experts[:, step.start : step.end], self._num_experts)
+        last_node, nxt, experts = torch.stack([last, nxt_t, experts_t]).tolist()  # the step's one device read
+        path = layout.path_to(last_node)[1:]
         t1 = time.perf_counter()
         committed = (0,) + path
         hidden = None
         if s.hidden_layers:
-            rows = torch.tensor([step.start + j for j in committed], device=out.captured.device)
+            rows = self._to_device([step.start + j for j in committed])
             hidden = self._select_layers(out.captured.index_select(0, rows), capture, s.hidden_layers)
-        experts = 0
-        if out.routed_experts is not None:
-            experts = _distinct_experts(out.routed_experts[:, step.start : step.end], self._num_experts)
         # commit: accepted path to contiguous slots, drop the rest (nothing above may change state)
         src, dst = compaction_moves(committed)
         if src:
             slots = self.blocks.slots(s.session_id, s.cached_len, s.cached_len + layout.num_nodes)
             self.kv_cache.copy_slots(
-                torch.tensor([slots[j] for j in src], dtype=torch.int64, device=self.device),
-                torch.tensor([slots[j] for j in dst], dtype=torch.int64, device=self.device),
+                self._to_device([slots[j] for j in src]),
+                self._to_device([slots[j] for j in dst]),
             )
         new_len = s.cached_len + len(committed)
         self.blocks.truncate(s.session_id, new_len)
@@ -364,7 +385,7 @@ class TargetEngine:
             hidden=hidden,
             num_drafted=len(block),
             experts_touched=experts,
-            timings=StepTimings(forward_ms=forward_ms, sample_ms=(t1 - t0) * 1e3),
+            timings=StepTimings(forward_ms=timer.ms(), sample_ms=(t1 - t0) * 1e3),
         )
 
     def _select_layers(
@@ -404,11 +425,37 @@ class TargetEngine:
             torch.cuda.synchronize(self.device)
 
 
-def _distinct_experts(routed: torch.Tensor, num_experts: int) -> int:  # [n_moe_layers, T, top_k] -> count
-    """Distinct (MoE layer, expert) pairs the tokens were routed to."""
-    if routed.numel() == 0:
-        return 0
+def _distinct_experts(routed: torch.Tensor, num_experts: int) -> torch.Tensor:  # [n_moe_layers, T, top_k] -> [] int64
+    """Distinct (MoE layer, expert) pairs the tokens were routed to, counted on the device (no host read)."""
     layers = routed.shape[0]
+    if routed.numel() == 0:
+        return torch.zeros((), dtype=torch.int64, device=routed.device)
     span = num_experts if num_experts > 0 else int(routed.max()) + 1
     keys = routed.reshape(layers, -1) + torch.arange(layers, device=routed.device)[:, None] * span
-    return int(torch.unique(keys).numel())
+    seen = torch.zeros(layers * span, dtype=torch.bool, device=routed.device)
+    seen.index_fill_(0, keys.reshape(-1), True)  # (not seen[keys] = True: that copies True to the device, a sync)
+    return seen.sum()
+
+
+class _StepTimer:
+    """A step's forward time: CUDA events on the GPU (read after the step's result read, so they never wait on
+    their own), the host clock elsewhere."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._events = None
+        if device.type == "cuda":
+            self._events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            self._events[0].record()
+        self._t0 = time.perf_counter()
+        self._ms = 0.0
+
+    def stop(self) -> None:
+        if self._events is not None:
+            self._events[1].record()
+        else:
+            self._ms = (time.perf_counter() - self._t0) * 1e3
+
+    def ms(self) -> float:
+        if self._events is not None:
+            return float(self._events[0].elapsed_time(self._events[1]))
+        return self._ms

@@ -61,6 +61,7 @@ class ModelRunner:
         self.max_context = max_context
         self.device = torch.device(device)
         self._graphs: dict[tuple, _Graph] = {}
+        self._capture_sets: list[tuple[int, ...]] = []  # hidden-layer sets some graphs were captured for
         self._pool = None
         self.capture_errors: dict[tuple, str] = {}  # step shape -> why its graph could not be captured
         self.use_graphs = True  # False: every step eager (benchmarks compare the two on one engine)
@@ -80,14 +81,16 @@ class ModelRunner:
 
     # ---- one step --------------------------------------------------------------------------------
     def run(self, ids: Sequence[int], pos: Sequence[int], attn: AttentionBatch, capture: tuple[int, ...] = ()):
-        """(ModelOutput, logits [T, V] float32) of one forward over the T new tokens of `attn`. After a replay these
-        are the graph's static outputs: read (or copy) them before the next step."""
+        """(ModelOutput, logits [T, V] float32, captured layers) of one forward over the T new tokens of `attn`. A
+        graph serves the step when it was captured for the step's shape and returns at least the hidden layers
+        asked for; the third item says which layers `ModelOutput.captured` holds. After a replay these are the
+        graph's static outputs: read (or copy) them before the next step."""
         tree = any(m is not None for m in attn.tree_masks)
-        g = self._graphs.get(self._key(attn.query_lens, tree, capture))
+        g, used = self._graph_serving(attn.query_lens, tree, capture)
         longest = max(c + q for c, q in zip(attn.context_lens, attn.query_lens))
         if g is None or not self.use_graphs or longest > self.max_context:
             self.eager_steps += 1
-            return self._eager(ids, pos, attn, capture)
+            return (*self._eager(ids, pos, attn, capture), capture)
         backend = self.model.attn_backend
         if backend is not None:
             backend.prepare(attn, g.step)  # host-side plan into the graph's fixed buffers
@@ -97,7 +100,21 @@ class ModelRunner:
         g.slots.copy_(attn.slot_mapping[:t], non_blocking=True)
         g.graph.replay()
         self.graph_steps += 1
-        return g.out, g.logits
+        return g.out, g.logits, used
+
+    def _graph_serving(self, query_lens: Sequence[int], tree: bool, capture: tuple[int, ...]):
+        """The graph of this step shape whose captured layers include `capture` (fewest extra first), and those
+        layers; (None, capture) when there is none."""
+        wanted = set(capture)
+        best = None
+        for layers in self._capture_sets:
+            if wanted <= set(layers) and (best is None or len(layers) < len(best)):
+                g = self._graphs.get(self._key(query_lens, tree, layers))
+                if g is not None:
+                    best = layers
+        if best is None:
+            return None, capture
+        return self._graphs[self._key(query_lens, tree, best)], best
 
     @staticmethod
     def _key(query_lens: Sequence[int], tree: bool, capture: tuple[int, ...]) -> tuple:
@@ -118,10 +135,12 @@ class ModelRunner:
         if self.device.type != "cuda":
             raise GraphCaptureError(f"CUDA graphs need a CUDA device, the engine runs on {self.device}")
         if getattr(self.model, "attn_backend", None) is None or not hasattr(self.model.attn_backend, "new_graph_step"):
-            raise GraphCaptureError("CUDA graphs need the FlashInfer attention backend (the torch attention path "
-                                    "reads lengths on the host)")
+            raise GraphCaptureError("CUDA graphs need a graph-safe attention backend (flashinfer or paged_torch; the "
+                                    "per-sequence torch attention reads lengths on the host)")
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
+        if tuple(options.capture_layers) not in self._capture_sets:
+            self._capture_sets.append(tuple(options.capture_layers))
         shapes = [(int(n), False) for n in options.chain_sizes] + [(int(n), True) for n in options.tree_sizes]
         for t, tree in sorted(set(shapes), reverse=True):
             if t + 1 > self.max_context:

@@ -128,15 +128,15 @@ def verify_sampled(
     return last, nxt
 
 
-def verify_step(
+def verify_step_device(
     layout: StepLayout,
     draft_tokens: torch.Tensor,  # [n] int64
     logits: torch.Tensor,  # [n+1, V] target logits at each node
     draft_probs: torch.Tensor | None,  # [n, Vd] or None (one-hot)
     params: SamplingParams,
     generator: torch.Generator | None,
-) -> tuple[tuple[int, ...], int]:
-    """One sequence's verify: returns (accepted root-to-node path without node 0, next token)."""
+) -> tuple[torch.Tensor, torch.Tensor]:  # last accepted node [] int64, next token [] int64, on logits' device
+    """One sequence's verify, left on the device: nothing here reads a value on the host."""
     vocab = logits.shape[-1]
     if params.greedy:
         last, nxt = verify_greedy(layout, draft_tokens[None], logits.argmax(-1)[None])
@@ -146,4 +146,18 @@ def verify_step(
         p = target_probs(logits, params)[None]
         q = None if draft_probs is None else align_draft_probs(draft_probs.to(logits.device), vocab)[None]
         last, nxt = verify_sampled(layout, draft_tokens[None], p, q, generator)
-    return layout.path_to(int(last[0]))[1:], int(nxt[0])
+    return last[0], nxt[0]
+
+
+def verify_step(
+    layout: StepLayout,
+    draft_tokens: torch.Tensor,  # [n] int64
+    logits: torch.Tensor,  # [n+1, V] target logits at each node
+    draft_probs: torch.Tensor | None,  # [n, Vd] or None (one-hot)
+    params: SamplingParams,
+    generator: torch.Generator | None,
+) -> tuple[tuple[int, ...], int]:
+    """One sequence's verify: returns (accepted root-to-node path without node 0, next token)."""
+    last, nxt = verify_step_device(layout, draft_tokens, logits, draft_probs, params, generator)
+    last_node, token = torch.stack([last, nxt]).tolist()
+    return layout.path_to(last_node)[1:], token

@@ -1,5 +1,6 @@
 """The engine's GPU fast path (skipped without CUDA): GPU == CPU on the tiny checkpoints, FlashInfer attention ==
-torch attention, CUDA-graph replay == eager, and lossless greedy speculation through graphs.
+torch attention, CUDA-graph replay == eager, and lossless greedy speculation through graphs, on FlashInfer and on
+the paged torch attention (the shipped demo and the tiny presets, whose sizes FlashInfer does not serve).
 
 FlashInfer runs only at its head dims (GQA 128, MLA 512 + 64), so those checks use the mini presets of
 models/presets.py (two layers, real attention widths, few small experts, random bf16 weights).
@@ -12,6 +13,8 @@ import torch
 
 from specserve.contract.types import DraftBlock
 from specserve.models.attn_backend import HAS_FLASHINFER
+from specserve.models.paged_torch_attention import PagedTorchBackend
+from specserve.paths import demo_checkpoint
 from specserve.target_service.factory import EngineConfig, build_engine
 
 pytestmark = [
@@ -21,6 +24,11 @@ pytestmark = [
 needs_flashinfer = pytest.mark.skipif(not HAS_FLASHINFER, reason="flashinfer is not installed")
 
 MINIS = ("mini-qwen3-moe", "mini-kimi-k2")
+PAGED = ("demo", "synthetic:tiny-qwen3-moe", "synthetic:tiny-kimi-k2")  # off FlashInfer's sizes: paged torch
+
+
+def _model(spec: str):
+    return demo_checkpoint("target") if spec == "demo" else spec
 TREE = DraftBlock(token_ids=(5, 6, 7, 8, 9), parents=(-1, 0, 0, 1, -1))
 
 
@@ -109,11 +117,7 @@ def test_flashinfer_matches_torch_attention(spec):
         _close(a, b, 0.1)
 
 
-@needs_flashinfer
-@pytest.mark.parametrize("spec", MINIS)
-def test_graph_replay_matches_eager(spec):
-    engine = build_engine(EngineConfig(model=f"synthetic:{spec}", device="cuda", dtype="bfloat16", num_kv_blocks=64,
-                                       kv_block_size=16, graph_max_draft=5, graph_tree_sizes=(6,), max_context=512))
+def _check_graph_replay(engine) -> None:
     runner = engine.runner
     assert runner.graph_for((1,)) is not None and runner.graph_for((6,), tree=True) is not None
     vocab = engine.info().vocab_size
@@ -138,13 +142,30 @@ def test_graph_replay_matches_eager(spec):
             assert token == int(eager[0].argmax())
 
 
+def _graph_engine(model, graph_max_draft: int, tree_size: int):
+    return build_engine(EngineConfig(model=model, device="cuda", dtype="bfloat16", num_kv_blocks=64,
+                                     kv_block_size=16, graph_max_draft=graph_max_draft, graph_tree_sizes=(tree_size,),
+                                     max_context=512))
+
+
 @needs_flashinfer
 @pytest.mark.parametrize("spec", MINIS)
-def test_speculation_through_graphs_is_lossless(spec):
+def test_graph_replay_matches_eager(spec):
+    _check_graph_replay(_graph_engine(f"synthetic:{spec}", 5, 6))
+
+
+@pytest.mark.parametrize("spec", PAGED)
+def test_paged_torch_graph_replay_matches_eager(spec):
+    """Models off FlashInfer's sizes (the demo's MLA 64 / 16, tiny presets) run in graphs over the paged torch
+    attention: replay == eager."""
+    engine = _graph_engine(_model(spec), 5, 6)
+    assert isinstance(engine.model.attn_backend, PagedTorchBackend)
+    _check_graph_replay(engine)
+
+
+def _check_lossless_through_graphs(engine) -> None:
     """Greedy verification through the graphs keeps exactly the drafted tokens the target itself would pick: the
     target's own continuation, offered as a chain or inside a tree, is accepted in full (where no near-tie)."""
-    engine = build_engine(EngineConfig(model=f"synthetic:{spec}", device="cuda", dtype="bfloat16", num_kv_blocks=64,
-                                       kv_block_size=16, graph_max_draft=6, graph_tree_sizes=(7,), max_context=512))
     vocab = engine.info().vocab_size
     prompt = _prompt(50, vocab, 3)
     want = engine.generate_greedy(prompt, 8)
@@ -165,3 +186,15 @@ def test_speculation_through_graphs_is_lossless(spec):
         if engine.config.moe is not None:
             assert res.experts_touched > 0
     assert engine.runner.graph_steps >= 4
+
+
+
+@needs_flashinfer
+@pytest.mark.parametrize("spec", MINIS)
+def test_speculation_through_graphs_is_lossless(spec):
+    _check_lossless_through_graphs(_graph_engine(f"synthetic:{spec}", 6, 7))
+
+
+@pytest.mark.parametrize("spec", PAGED)
+def test_speculation_through_paged_torch_graphs_is_lossless(spec):
+    _check_lossless_through_graphs(_graph_engine(_model(spec), 6, 7))

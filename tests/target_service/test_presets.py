@@ -131,15 +131,19 @@ def test_packed_tree_mask_segments_start_at_their_bit_offsets():
         start += want.size  # FlashInfer's mask_indptr: bit offsets used as byte offsets
 
 
+@pytest.mark.parametrize("backend", ["reference", "paged_torch"])
 @pytest.mark.parametrize("spec", ["tiny-qwen3-moe", "tiny-kimi-k2"])
-def test_fast_path_plumbing_matches_torch_attention(spec):
-    """Reference backend (per-step prepare, slot writes, absorbed MLA) == plain-torch attention: prefill, chain
-    verify, tree verify, greedy decode."""
+def test_fast_path_plumbing_matches_torch_attention(spec, backend):
+    """The reference backend (per-step prepare, slot writes, absorbed MLA) and the graph-safe paged torch backend
+    (static-shape windows through the block table) == plain-torch attention: prefill, chain verify, tree verify,
+    greedy decode."""
     engines = [
         build_engine(EngineConfig(model=f"synthetic:{spec}", num_kv_blocks=64, kv_block_size=4, seed=1,
                                   attention_backend=kind))
-        for kind in ("torch", "reference")
+        for kind in ("torch", backend)
     ]
+    assert type(engines[1].model.attn_backend).__name__ == {"reference": "ReferencePagedBackend",
+                                                          "paged_torch": "PagedTorchBackend"}[backend]
     assert engines[0].kv_cache.dtype == torch.float32  # EngineConfig's default dtype: a tight comparison
     prompt = list(range(3, 21))
     chain = DraftBlock(token_ids=(7, 8, 9))

@@ -1,0 +1,197 @@
+"""Kernel census of one target step: `python -m specserve.bench.step_profile`.
+
+For each model (the shipped demo target, synthetic presets such as `synthetic:qwen3-30b-a3b`) and each drafted
+block size k, it runs real `TargetEngine.verify` steps (CUDA-graph replays where the engine has a graph for the
+shape, eager steps elsewhere; drafted tokens random, so most are rejected and the context grows by about one token
+a step) and reports, per step:
+
+- wall time (host clock around verify, the step's own result read included), median over --steps;
+- kernels launched, per step and per decoder layer, and their summed device time (torch profiler);
+- device-to-host copies (each one is a host synchronisation);
+- the bytes floor (dense weights + the routed experts the step touched + K/V read) at the measured copy
+  bandwidth, and wall / floor;
+- the top kernels by time.
+
+It prints a table last and writes everything to --out (JSON). GPU only: on a CPU it says so and exits 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+from types import MappingProxyType
+
+import torch
+
+DEFAULT_MODELS = ("demo", "synthetic:qwen3-30b-a3b")
+
+
+def _kernel_events(prof) -> list:
+    """Device kernels of a profile (memcpy / memset excluded)."""
+    out = []
+    for e in prof.events():
+        if e.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        name = e.name
+        if name.startswith(("Memcpy", "Memset")):
+            continue
+        out.append(e)
+    return out
+
+
+def _dtoh_copies(prof) -> int:
+    return sum(1 for e in prof.events() if "DtoH" in e.name and e.device_type == torch.autograd.DeviceType.CUDA)
+
+
+def _event_us(e) -> float:
+    return float(e.time_range.elapsed_us())
+
+
+def host_profile(engine, session_id: str, block, steps: int, top: int = 20) -> list[dict]:
+    """cProfile of `steps` verify steps: where the host's share of a step goes (functions by own time)."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        engine.verify(session_id, block)
+    prof.disable()
+    stats = pstats.Stats(prof).stats  # {(file, line, name): (calls, primitive calls, own s, cumulative s, callers)}
+    rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
+    return [{"function": f"{Path(f).name}:{line}({name})", "calls_per_step": c / steps,
+             "own_us_per_step": own / steps * 1e6, "cum_us_per_step": cum / steps * 1e6}
+            for (f, line, name), (_, c, own, cum, _) in rows]
+
+
+def census(engine, session_id: str, block, steps: int) -> dict:
+    """Profile `steps` verify steps of one block size; returns per-step figures (device times in ms)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    walls = []
+    for _ in range(steps):  # unprofiled: wall per step
+        t0 = time.perf_counter()
+        res = engine.verify(session_id, block)
+        walls.append((time.perf_counter() - t0) * 1e3)
+    experts = res.experts_touched
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            engine.verify(session_id, block)
+        torch.cuda.synchronize()
+    kernels = _kernel_events(prof)
+    by_name: dict[str, list[float]] = defaultdict(list)
+    for e in kernels:
+        by_name[e.name].append(_event_us(e))
+    top = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:12]
+    return {
+        "wall_ms": statistics.median(walls),
+        "kernels_per_step": len(kernels) / steps,
+        "kernel_ms_per_step": sum(_event_us(e) for e in kernels) / steps / 1e3,
+        "dtoh_copies_per_step": _dtoh_copies(prof) / steps,
+        "experts_touched": experts,
+        "top_kernels": [
+            {"name": name[:120], "per_step": len(ts) / steps, "ms_per_step": sum(ts) / steps / 1e3}
+            for name, ts in top
+        ],
+    }
+
+
+MODES = MappingProxyType({  # name -> EngineConfig overrides
+    "auto": MappingProxyType({}),  # the engine as it serves: FlashInfer or paged torch attention, CUDA graphs
+    "eager": MappingProxyType({"attention_backend": "torch", "cuda_graphs": False}),  # per-sequence torch, no graphs
+})
+
+
+def profile_model(spec: str, mode: str, args: argparse.Namespace, bandwidth: float) -> list[dict]:
+    from specserve.bench.floors import floor_ms, step_bytes
+    from specserve.bench.model_bytes import model_bytes
+    from specserve.contract.types import DraftBlock
+    from specserve.paths import demo_checkpoint
+    from specserve.target_service.factory import EngineConfig, build_engine
+
+    model = demo_checkpoint("target") if spec == "demo" else spec
+    ctx = args.context
+    blocks = -(-(ctx + args.steps * 2 * (max(args.k) + 1) + 64) // 16) + 8
+    engine = build_engine(EngineConfig(model=model, device="cuda", dtype="bfloat16", num_kv_blocks=blocks,
+                                       graph_max_draft=max(args.k), **MODES[mode]))
+    cfg = engine.config
+    mb = model_bytes(engine.model, cfg)
+    runner = engine.runner
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for k in args.k:
+        sid = f"census-{k}"
+        prompt = torch.randint(1, cfg.vocab_size, (ctx,), generator=gen).tolist()
+        engine.prefill(sid, prompt)
+        block = DraftBlock(token_ids=tuple(torch.randint(1, cfg.vocab_size, (k,), generator=gen).tolist()))
+        for _ in range(3):  # warm-up (JIT, autotuning, allocator)
+            engine.verify(sid, block)
+        graphs_before = runner.graph_steps
+        row = census(engine, sid, block, args.steps)
+        if args.host_profile:
+            row["host_profile"] = host_profile(engine, sid, block, args.steps)
+        row.update(model=spec, mode=mode, k=k, tokens=k + 1, context=engine.session(sid).cached_len,
+                   graph_replay=runner.graph_steps > graphs_before, num_layers=cfg.num_layers)
+        row["kernels_per_layer"] = row["kernels_per_step"] / cfg.num_layers
+        sb = step_bytes(mb, k + 1, min(row["experts_touched"], mb.max_experts), row["context"])
+        row["floor_bytes"] = sb.total
+        row["floor_ms"] = floor_ms(sb.total, bandwidth)
+        row["wall_over_floor"] = row["wall_ms"] / row["floor_ms"]
+        rows.append(row)
+        engine.release(sid)
+    del engine
+    torch.cuda.empty_cache()
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m specserve.bench.step_profile", description=__doc__.split("\n")[0])
+    p.add_argument("--models", default=",".join(DEFAULT_MODELS), help="comma-separated: demo, synthetic:NAME")
+    p.add_argument("--k", default="0,3", help="comma-separated drafted tokens per step (0 = decode)")
+    p.add_argument("--modes", default="auto", help=f"comma-separated engine modes: {', '.join(MODES)}")
+    p.add_argument("--context", type=int, default=512, help="prompt tokens before the profiled steps")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--out", type=Path, default=None, help="write the rows here (JSON)")
+    p.add_argument("--host-profile", action="store_true", help="also cProfile the host side of the steps")
+    args = p.parse_args(argv)
+    try:
+        args.k = tuple(int(x) for x in args.k.split(","))
+    except ValueError:
+        p.error(f"--k: comma-separated integers, got {args.k!r}")
+    modes = args.modes.split(",")
+    if any(m not in MODES for m in modes):
+        p.error(f"--modes: choose from {', '.join(MODES)}, got {args.modes!r}")
+    if not torch.cuda.is_available():
+        print("step_profile: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    from specserve.bench.bandwidth import measure_copy_bandwidth
+
+    bw = measure_copy_bandwidth("cuda", 1 << 30).bytes_per_s
+    rows = []
+    for spec in args.models.split(","):
+        for mode in modes:
+            rows.extend(profile_model(spec, mode, args, bw))
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"copy_bandwidth_bytes_per_s": bw, "rows": rows}, indent=1))
+    print(f"copy bandwidth {bw / 1e12:.2f} TB/s")
+    for r in rows:
+        print(f"\n{r['model']} [{r['mode']}] k={r['k']} ctx={r['context']} graph={r['graph_replay']}: wall {r['wall_ms']:.3f} ms, "
+              f"{r['kernels_per_step']:.0f} kernels ({r['kernels_per_layer']:.1f}/layer) "
+              f"{r['kernel_ms_per_step']:.3f} ms, {r['dtoh_copies_per_step']:.1f} DtoH, floor {r['floor_ms']:.3f} ms "
+              f"({r['wall_over_floor']:.1f}x)")
+        for t in r["top_kernels"][:6]:
+            print(f"    {t['ms_per_step']:.4f} ms  x{t['per_step']:.0f}  {t['name'][:90]}")
+        for h in r.get("host_profile", [])[:12]:
+            print(f"    host {h['own_us_per_step']:7.1f} us own {h['cum_us_per_step']:8.1f} us cum "
+                  f"x{h['calls_per_step']:.0f}  {h['function'][:70]}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
