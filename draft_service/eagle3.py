@@ -75,6 +75,13 @@ class Eagle3Proposer(Proposer):
         self.dtype = config.dtype
         self.d2t_ids = head.draft_to_target()  # [Vd]
         self.vocab_size = head.cfg.vocab_size
+        self.chain_graphs = None  # greedy chains as CUDA graphs (eagle3_graph.py), on CUDA
+        if self.device.type == "cuda" and config.graph_window > 0:
+            from specserve.draft_service.eagle3_graph import Eagle3ChainGraphs
+
+            self.chain_graphs = Eagle3ChainGraphs(head, self.d2t_ids.to(self.device), config.graph_window,
+                                                  config.max_block_size)
+            self.chain_graphs.capture()
         super().__init__(
             DrafterInfo(
                 family="eagle3",
@@ -141,6 +148,9 @@ class Eagle3Proposer(Proposer):
         out = self._catch_up(state)
         ctx, base = fs.kv_len, len(state) - 2  # draft position of the pending token
         spec_k, spec_v = fs.k[:ctx], fs.v[:ctx]
+        graphs = self.chain_graphs
+        if state.sampling.greedy and graphs is not None and graphs.fits(ctx, num_tokens):
+            return DraftBlock(token_ids=tuple(graphs.draft(out, spec_k, spec_v, base, num_tokens)))
         logits = self.head.logits(out[None])  # [1, Vd]
         positions = torch.arange(base + 1, base + num_tokens, device=self.device)  # [k - 1], made once
         drafted, qs = [], []  # device tensors: the chain is read back once, at the end

@@ -51,8 +51,6 @@ class VocabMismatchError(DrafterConfigError):
     """The drafter's vocabulary differs from the target's."""
 
 
-
-
 def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
@@ -101,6 +99,8 @@ class DrafterConfig:
     hidden_layers: tuple[int, ...] | None = None
     # dflash: passes per drafted block (default: the checkpoint's denoise_steps)
     denoise_steps: int | None = None
+    # eagle3 on CUDA: greedy chains as CUDA graphs over a window of this many confirmed entries (0 = eager only)
+    graph_window: int = 2048
 
     def __post_init__(self) -> None:
         if not isinstance(self.family, str) or not self.family:
@@ -112,6 +112,8 @@ class DrafterConfig:
         object.__setattr__(self, "dtype", parse_dtype(self.dtype))
         if self.max_block_size < 1:
             raise DrafterConfigError(f"max_block_size must be >= 1, got {self.max_block_size}")
+        if self.graph_window < 0:
+            raise DrafterConfigError(f"graph_window must be >= 0, got {self.graph_window}")
         if not 1 <= self.ngram_min_n <= self.ngram_max_n:
             raise DrafterConfigError(
                 f"need 1 <= ngram_min_n <= ngram_max_n, got {self.ngram_min_n}, {self.ngram_max_n}"
