@@ -49,7 +49,6 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
-from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
@@ -66,7 +65,7 @@ from specserve.draft_service.proposer import (
     checkpoint_vocab,
     common_prefix_len,
 )
-from specserve.draft_service.target_tensors import read_target_tensors
+from specserve.draft_service.target_tensors import read_target_tensors, read_tensors
 from specserve.models.attention import attend
 from specserve.models.config import RopeConfig
 from specserve.models.layers import RMSNorm
@@ -290,13 +289,12 @@ def load_dflash(
     with torch.device(device):
         model = DFlashModel(cfg)
     state = model.state_dict()
-    with safe_open(str(path / WEIGHTS_FILE), framework="pt", device="cpu") as f:
-        names = set(f.keys())
-        for attr in _saved_names(cfg, state):
-            name = _ckpt_name(attr)
-            if name not in names:
-                raise DrafterConfigError(f"dflash checkpoint {path} lacks tensor {name}")
-            _copy_checked(state[attr], f.get_tensor(name), f"dflash tensor {name}")
+    saved = {attr: _ckpt_name(attr) for attr in _saved_names(cfg, state)}
+    tensors = read_tensors(path / WEIGHTS_FILE, "dflash", saved.values())
+    for attr, name in saved.items():
+        if name not in tensors:
+            raise DrafterConfigError(f"dflash checkpoint {path} lacks tensor {name}")
+        _copy_checked(state[attr], tensors[name], f"dflash tensor {name}")
     for attr, src in shared.items():
         _copy_checked(state[attr], src, f"target tensor {SHARED_TENSORS[attr]} (of {target_dir})")
     return model.to(dtype=dtype).eval()

@@ -30,12 +30,11 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
 from specserve.draft_service.proposer import DrafterConfigError
-from specserve.draft_service.target_tensors import read_target_tensors
+from specserve.draft_service.target_tensors import read_target_tensors, read_tensors
 from specserve.models.attention import attend
 from specserve.models.config import GQAConfig, ModelConfig, RopeConfig
 from specserve.models.layers import RMSNorm
@@ -230,8 +229,7 @@ def load_eagle3_head(
     cfg = Eagle3Config.from_dict(raw)
     if not weights.is_file():
         raise DrafterConfigError(f"EAGLE-3 head: no {HEAD_FILE} in {head_dir}")
-    with safe_open(str(weights), framework="pt", device="cpu") as f:
-        tensors = {name: f.get_tensor(name) for name in f.keys()}
+    tensors = read_tensors(weights, "EAGLE-3 head")
     missing = [name for name in REQUIRED_TENSORS if name not in tensors]
     if missing:
         raise DrafterConfigError(f"EAGLE-3 head {weights} lacks tensor(s): {', '.join(missing)}")

@@ -185,7 +185,8 @@ def run_bench(config: BenchConfig, progress: bool = True) -> dict:
     hf_methods = hf.methods() if hf is not None else []
     n_runs = len(methods) + len(hf_methods)
     total = n_runs * (len(prompts) + config.warmup) + len(config.k_sweep) * config.tax_repeats
-    b.bar = tqdm(total=total, desc="specserve bench", unit="run", file=sys.stderr, disable=not progress)
+    b.bar = tqdm(total=total, desc="specserve bench", unit="run", file=sys.stderr,
+                 disable=None if progress else True)  # None: no bar when stderr is not a terminal
     runner = SpecRunner(engine, proposers, config, mb, bandwidth.bytes_per_s)
     try:
         _run_interleaved(b, _method_runs(config, runner, methods, hf, hf_methods), prompts)

@@ -20,12 +20,15 @@ def int_list(what: str, one: str):
     """An argparse type: comma-separated non-negative integers (`what` names them, `one` names one)."""
 
     def parse(text: str) -> tuple[int, ...]:
+        items = [t.strip() for t in text.split(",")]
+        if "" in items:  # "1,,2" or "1,2," is a typo, not [1, 2]
+            raise argparse.ArgumentTypeError(f"expected comma-separated {what}, got {text!r} (an empty item)")
         try:
-            values = tuple(int(t) for t in text.split(",") if t.strip())
+            values = tuple(int(t) for t in items)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected comma-separated {what}, got {text!r}") from None
-        if not values or min(values) < 0:
-            raise argparse.ArgumentTypeError(f"expected at least one non-negative {one}")
+        if min(values) < 0:
+            raise argparse.ArgumentTypeError(f"each {one} must be >= 0, got {text!r}")
         return values
 
     return parse

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import re
 import sys
 from types import MappingProxyType
+from typing import NoReturn
 
 # subcommand -> (module, one-line help)
 SUBCOMMANDS = MappingProxyType(
@@ -39,10 +41,23 @@ def _available() -> dict[str, str]:
     return found
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    modules = _available()
-    parser = argparse.ArgumentParser(prog="specserve", description="Lossless speculative decoding for MoE LLMs.")
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, but a bad flag prints one line, not the whole usage:
+    ``specserve generate: error: --draft: invalid choice: 'foo' (...) (see --help)``, exit code 2.
+    Subparsers (``specserve train target``) are of this class too."""
+
+    def error(self, message: str) -> NoReturn:
+        match = re.fullmatch(r"argument ([^:]+): (.*)", message, flags=re.DOTALL)
+        if match:  # "argument --draft: invalid choice ..." -> "--draft: invalid choice ..."
+            message = f"{match.group(1)}: {match.group(2)}"
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def build_parser(argv: list[str], modules: dict[str, str] | None = None) -> tuple[argparse.ArgumentParser, object]:
+    """(the `specserve` parser, the chosen subcommand's module or None); only the subcommand that argv
+    names gets its flags (its module imported), so other subcommands cost nothing."""
+    modules = _available() if modules is None else modules
+    parser = OneLineParser(prog="specserve", description="Lossless speculative decoding for MoE LLMs.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     chosen = argv[0] if argv and argv[0] in modules else None
     mod = None
@@ -51,6 +66,12 @@ def main(argv: list[str] | None = None) -> int:
         if name == chosen:
             mod = importlib.import_module(module)
             mod.add_arguments(p)
+    return parser, mod
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser, mod = build_parser(argv)
     args = parser.parse_args(argv)
     from specserve.errors import SpecserveError
 
@@ -61,7 +82,6 @@ def main(argv: list[str] | None = None) -> int:
     except (SpecserveError, *USER_ERRORS) as exc:
         print(f"specserve {args.command}: error: {exc}", file=sys.stderr)
         return 2
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from specserve.errors import SpecserveError
+
 
 class ModelConfigError(ValueError):
     """config.json is missing a field or holds an invalid / unsupported value."""
@@ -16,5 +18,6 @@ class UnsupportedModelError(ModelConfigError):
         super().__init__(f"unsupported model_type {model_type!r}; supported: {', '.join(supported)}")
 
 
-class CheckpointError(RuntimeError):
-    """A checkpoint file is missing, corrupt, or holds a tensor that does not fit the model."""
+class CheckpointError(SpecserveError, RuntimeError):
+    """A checkpoint file is missing, corrupt, or holds a tensor that does not fit the model (a user error:
+    the CLI prints it as one line naming the file)."""

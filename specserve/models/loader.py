@@ -87,7 +87,9 @@ def load_weights(model: CausalLM, files: list[str], progress: bool = True) -> No
     }
     needed = {name: weight_names.required_pieces(name, local.get(name)) for name in params}
     num_experts = config.moe.num_experts if config.moe else 0
-    for file in tqdm(files, desc="loading checkpoint shards", unit="file", file=sys.stderr, disable=not progress):
+    # disable=None: no bar when stderr is not a terminal (a log file, or `specserve serve`'s pipe)
+    bar = tqdm(files, desc="loading checkpoint shards", unit="file", file=sys.stderr, disable=None if progress else True)
+    for file in bar:
         try:
             handle = safe_open(file, framework="pt", device="cpu")
         except Exception as e:  # safetensors raises its own error types for bad headers / short files

@@ -1,0 +1,90 @@
+"""What a user sees on bad input: one line on stderr naming the flag or the file, exit code 2, never a
+traceback or argparse's whole usage (the CLI entry point, in process)."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from specserve.cli.main import main
+
+
+def _one_line_error(capsys, argv: list[str], prefix: str) -> str:
+    try:
+        rc = main(argv)
+    except SystemExit as exc:  # argparse exits
+        rc = exc.code
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(prefix), err
+    return lines[0]
+
+
+@pytest.mark.parametrize(
+    "argv, flag",
+    [
+        (["generate", "--prompt-ids", "1", "--draft", "foo"], "--draft"),
+        (["generate", "--prompt-ids", "1", "--num-speculative-tokens", "-1"], "--num-speculative-tokens"),
+        (["generate", "--prompt-ids", "abc,1"], "--prompt-ids"),
+        (["generate", "--prompt-ids", "1,,2"], "--prompt-ids"),  # was read as [1, 2]
+        (["generate", "--prompt-ids", "1,2,"], "--prompt-ids"),
+        (["client", "--prompt-ids", "1", "--max-new-tokens", "x"], "--max-new-tokens"),
+        (["draft", "--draft", "nope"], "--draft"),
+    ],
+)
+def test_a_bad_flag_value_is_one_line_naming_the_flag(capsys, argv, flag):
+    line = _one_line_error(capsys, argv, f"specserve {argv[0]}: error: {flag}: ")
+    assert line.endswith("(see --help)")
+
+
+def test_a_missing_flag_of_a_nested_command_is_one_line(capsys):
+    line = _one_line_error(capsys, ["train", "target", "--out", "x"], "specserve train target: error: ")
+    assert "--tokenizer" in line and line.endswith("(see --help)")
+
+
+def _truncated(src, dst, file="model.safetensors"):
+    """A copy of checkpoint folder src whose weights file is cut to half its size."""
+    shutil.copytree(src, dst)
+    data = (dst / file).read_bytes()
+    (dst / file).write_bytes(data[: len(data) // 2])
+    return dst / file
+
+
+def test_a_truncated_target_checkpoint_under_generate_is_one_line(bench_target, tmp_path, capsys):
+    cut = _truncated(bench_target, tmp_path / "target")
+    line = _one_line_error(capsys, ["generate", "--model", str(cut.parent), "--prompt-ids", "1,2"],
+                           "specserve generate: error: ")
+    assert str(cut) in line
+
+
+@pytest.fixture(scope="module")
+def bench_dflash(bench_target, tmp_path_factory):
+    """A random DFlash drafter whose shapes fit bench_target (hidden 64, 3 layers, vocab 320)."""
+    import torch
+    from bench_helpers import TARGET
+
+    from specserve.draft_service.dflash import DFlashConfig, DFlashModel, save_dflash
+
+    torch.manual_seed(0)
+    cfg = DFlashConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                       head_dim=8, intermediate_size=32, vocab_size=TARGET["vocab_size"], block_size=5,
+                       target_hidden_size=TARGET["hidden_size"], target_layer_ids=(0, 2))
+    out = tmp_path_factory.mktemp("dflash") / "dflash"
+    save_dflash(DFlashModel(cfg), out)
+    return out
+
+
+@pytest.mark.parametrize("family", ["eagle3", "dflash"])
+@pytest.mark.parametrize("command", ["generate", "draft"])
+def test_a_truncated_drafter_checkpoint_is_one_line(bench_target, bench_eagle3, bench_dflash, tmp_path, capsys,
+                                                    family, command):
+    cut = _truncated({"eagle3": bench_eagle3, "dflash": bench_dflash}[family], tmp_path / family)
+    argv = [command, "--model", str(bench_target), "--draft", family, "--draft-model", str(cut.parent)]
+    if command == "generate":
+        argv += ["--prompt-ids", "1,2"]
+    else:
+        argv += ["--listen", f"unix:{tmp_path}/draft.sock"]
+    line = _one_line_error(capsys, argv, f"specserve {command}: error: ")
+    assert str(cut) in line
