@@ -5,13 +5,16 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# The torch requirement pip resolves with this machine's configuration (README: which build that is);
+# e.g. make install TORCH="torch==2.13.0 --index-url URL" for a build from another wheel index.
+TORCH ?= torch==2.13.0
 
 .PHONY: install lint demo test test-gpu protos soak bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q $(TORCH)
 	$(PY) -m pip install -q -e '.[test,bench]'
 	touch $(STAMP)
 
@@ -25,7 +28,7 @@ lint: $(STAMP)
 	$(PY) -m specserve.tools.lint_imports
 
 test: lint
-	$(PY) -m pytest -q -x tests
+	$(PY) -m pytest -q -x -rs --durations=15 tests
 
 test-gpu: $(STAMP)
 	$(PY) -m pytest -q -m gpu tests
