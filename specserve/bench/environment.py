@@ -1,9 +1,14 @@
-"""What the numbers were measured on: device, driver, library versions, git commit."""
+"""What the numbers were measured on: device, driver, library versions, and which code: the project's
+version, a hash of its own source files, and its git commit when the source folder is a git checkout's
+top level ("unknown" otherwise: a copy of the tree without .git must not record the commit of whatever
+repository happens to enclose it)."""
 
 from __future__ import annotations
 
 import datetime
+import hashlib
 import importlib.metadata
+import importlib.util
 import os
 import platform
 import subprocess
@@ -13,6 +18,11 @@ import torch
 
 PACKAGES = ("torch", "triton", "flashinfer-python", "transformers", "numpy", "specserve")
 REPO_ROOT = Path(__file__).resolve().parents[2]
+# The project's packages (pyproject's package-dir roots); their *.py and *.proto files are its source.
+SOURCE_PACKAGES = ("specserve", "specserve.gateway", "specserve.draft_service", "specserve.target_service",
+                   "specserve.kernels", "specserve.protos")
+SOURCE_SUFFIXES = (".py", ".proto")
+UNKNOWN = "unknown"
 
 
 def _version(package: str) -> str | None:
@@ -48,10 +58,42 @@ def load_average() -> list[float] | None:
         return None
 
 
-def git_state() -> dict:
-    commit = _run(["git", "rev-parse", "HEAD"], REPO_ROOT)
-    dirty = _run(["git", "status", "--porcelain", "--untracked-files=no"], REPO_ROOT)
-    return {"commit": commit, "dirty": bool(dirty) if commit else None}
+def git_state(root: Path = REPO_ROOT) -> dict:
+    """{commit, dirty} of the git checkout whose top level is ``root``; commit "unknown" (dirty None) when
+    root is not one (no .git of its own, even inside another repository, or no git)."""
+    top = _run(["git", "rev-parse", "--show-toplevel"], root) if (root / ".git").exists() else None
+    if top is None or Path(top).resolve() != root.resolve():
+        return {"commit": UNKNOWN, "dirty": None}
+    commit = _run(["git", "rev-parse", "HEAD"], root)
+    dirty = _run(["git", "status", "--porcelain", "--untracked-files=no"], root)
+    return {"commit": commit or UNKNOWN, "dirty": bool(dirty) if commit else None}
+
+
+def source_folders() -> list[Path]:
+    """The folders of the project's packages as imported (an editable checkout or an installed copy)."""
+    folders = []
+    for name in SOURCE_PACKAGES:
+        spec = importlib.util.find_spec(name)
+        if spec is not None and spec.submodule_search_locations:
+            folders.extend(Path(p).resolve() for p in spec.submodule_search_locations)
+    return sorted(set(folders))
+
+
+def source_sha256(folders: list[Path]) -> str:
+    """sha256 over (path relative to its folder's parent, contents) of every source file, in path order: the
+    same tree gives the same hash wherever it lies, with or without .git; one edited byte changes it."""
+    digest = hashlib.sha256()
+    files = sorted(
+        (f.relative_to(folder.parent).as_posix(), f)
+        for folder in folders
+        for f in folder.rglob("*")
+        if f.suffix in SOURCE_SUFFIXES and f.is_file() and "__pycache__" not in f.parts
+    )
+    for rel, f in files:
+        data = f.read_bytes()
+        digest.update(f"{rel}\0{len(data)}\0".encode())
+        digest.update(data)
+    return digest.hexdigest()
 
 
 def environment(device: str) -> dict:
@@ -64,6 +106,7 @@ def environment(device: str) -> dict:
         "torch_threads": torch.get_num_threads(),
         "load_average_at_start": load_average(),
         "versions": {p: _version(p) for p in PACKAGES},
+        "specserve": {"version": _version("specserve") or UNKNOWN, "source_sha256": source_sha256(source_folders())},
         "git": git_state(),
         "device": device,
         "gpu": None,
