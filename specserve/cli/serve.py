@@ -1,8 +1,9 @@
 """`specserve serve`: target, draft and gateway as three local processes, wired by Unix sockets.
 
 Prints exactly one line on stdout, ``gateway listening on HOST:PORT``, once the gateway accepts
-requests (the services' own output goes to stderr). SIGINT/SIGTERM stop all three. A draft process
-that dies is not fatal (requests go on target-only); a target or gateway that dies stops the rest.
+requests (the services' own output goes to stderr, each line prefixed with its role). SIGINT/SIGTERM
+stop all three. A draft process that dies is not fatal (requests go on target-only); a target or
+gateway that dies stops the rest.
 """
 
 from __future__ import annotations
@@ -40,23 +41,46 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 class _Children:
-    """The started processes, stopped in reverse dependency order (gateway, draft, target)."""
+    """The started processes, stopped in reverse dependency order (gateway, draft, target).
+
+    Each child's stdout and stderr come back through pipes and go out on this process's stderr one
+    whole line at a time, prefixed with the child's role (``[draft] draft (ngram) listening on ...``), so
+    three services never interleave mid-line. Piped, the children see no terminal and draw no progress bars.
+    """
 
     def __init__(self) -> None:
         self.procs: dict[str, subprocess.Popen] = {}
+        self._write = threading.Lock()  # one line at a time on stderr
+        self._readers: list[threading.Thread] = []
 
-    def start(self, role: str, argv: list[str], stdout=None, extra_env=None) -> subprocess.Popen:
+    def start(self, role: str, argv: list[str], on_stdout=None, extra_env=None) -> subprocess.Popen:
+        """Start ``specserve ROLE argv``; on_stdout(line) -> True keeps a stdout line from being forwarded."""
         base = os.environ.get("OTEL_SERVICE_NAME") or "specserve"
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "OTEL_SERVICE_NAME": f"{base}-{role}", **(extra_env or {})}
         proc = subprocess.Popen(
             [sys.executable, "-m", "specserve.cli.main", role, *argv],
-            stdout=stdout if stdout is not None else sys.stderr,
-            stderr=sys.stderr,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
             env=env,
-            text=True,
+            text=True,  # universal newlines: a stray carriage return ends a line too
         )
         self.procs[role] = proc
+        for stream, keep in ((proc.stdout, on_stdout), (proc.stderr, None)):
+            reader = threading.Thread(target=self._forward, args=(role, stream, keep), daemon=True)
+            reader.start()
+            self._readers.append(reader)
         return proc
+
+    def say(self, line: str) -> None:
+        """A line of serve's own on stderr (never inside a child's line)."""
+        with self._write:
+            print(line, file=sys.stderr, flush=True)
+
+    def _forward(self, role: str, stream, keep) -> None:
+        for line in stream:
+            if keep is not None and keep(line):
+                continue
+            self.say(f"[{role}] {line.rstrip()}")
 
     def dead(self) -> list[str]:
         return [r for r, p in self.procs.items() if p.poll() is not None]
@@ -71,6 +95,8 @@ class _Children:
                 except subprocess.TimeoutExpired:
                     proc.kill()
                     proc.wait()
+        for reader in self._readers:  # the children's last lines ("target stopped") reach stderr
+            reader.join(timeout=5)
 
 
 class _Stopped(Exception):
@@ -91,17 +117,6 @@ def _wait_healthy(address: str, deadline: float, children: _Children, stop: thre
         wait_serving(address, deadline, check_abort)
     except TimeoutError as exc:
         raise SpecserveError(str(exc)) from None
-
-
-def _forward(stream, sink, ready: list[str], seen: threading.Event) -> None:
-    """Copy the gateway's stdout to sink, except its ready line, which is kept in ready."""
-    for line in stream:
-        if not seen.is_set() and line.startswith(READY):
-            ready.append(line.strip())
-            seen.set()
-            continue
-        sink.write(line)
-        sink.flush()
 
 
 def run(args: argparse.Namespace) -> int:
@@ -141,17 +156,25 @@ def run(args: argparse.Namespace) -> int:
                 *(["--denoise-steps", str(args.denoise_steps)] if args.denoise_steps is not None else []),
             ])
             gateway_drafts = ["--draft-service", f"{args.draft}={draft_addr}"]
-        gateway = children.start("gateway", [
+        ready: list[str] = []
+        seen = threading.Event()
+
+        def ready_line(line: str) -> bool:
+            """The gateway's ready line is kept for our stdout, not forwarded."""
+            if not seen.is_set() and line.startswith(READY):
+                ready.append(line.strip())
+                seen.set()
+                return True
+            return False
+
+        children.start("gateway", [
             "--target", target_addr, *gateway_drafts, "--model", str(model),
             "--host", args.host, "--port", str(args.port),
             "--draft-step-timeout-s", str(args.draft_step_timeout_s), "--grace-s", str(args.grace_s),
             *[a for flag in ("cert", "key", "ca") if getattr(args, f"tls_{flag}") is not None
               for a in (f"--tls-{flag}", str(getattr(args, f"tls_{flag}")))],
-        ], stdout=subprocess.PIPE,  # the token goes by environment, never on a command line
+        ], on_stdout=ready_line,  # the token goes by environment, never on a command line
             extra_env={"SPECSERVE_AUTH_TOKEN": args.auth_token} if args.auth_token else None)
-        ready: list[str] = []
-        seen = threading.Event()
-        threading.Thread(target=_forward, args=(gateway.stdout, sys.stderr, ready, seen), daemon=True).start()
         deadline = time.monotonic() + args.startup_timeout_s
         _wait_healthy(target_addr, deadline, children, stop)
         if args.draft != "none":
@@ -170,12 +193,12 @@ def run(args: argparse.Namespace) -> int:
             dead = set(children.dead()) - reported
             if "target" in dead or "gateway" in dead:
                 role = "target" if "target" in dead else "gateway"
-                print(f"specserve serve: the {role} process exited with {children.procs[role].returncode}; "
-                      "stopping", file=sys.stderr, flush=True)
+                children.say(f"specserve serve: the {role} process exited with {children.procs[role].returncode}; "
+                             "stopping")
                 return 1
             for role in dead:
-                print(f"specserve serve: the {role} process exited with {children.procs[role].returncode}; "
-                      "going on target-only", file=sys.stderr, flush=True)
+                children.say(f"specserve serve: the {role} process exited with {children.procs[role].returncode}; "
+                             "going on target-only")
                 reported.add(role)
         return 0
     except _Stopped:

@@ -86,4 +86,9 @@ def test_serve_prints_one_line_and_stops_all_three(served):
     assert time.monotonic() - t0 < 60
     assert len(proc.lines) == 1 and proc.lines[0].startswith("gateway listening on 127.0.0.1:")  # stdout
     for role in ("target", "draft", "gateway"):  # each child drained and exited on its own
-        assert f"{role} stopped" in proc.err_lines
+        assert f"[{role}] {role} stopped" in proc.err_lines
+    # stderr: whole lines, each named by the child it came from (a draft's ready line was glued onto a bar)
+    assert any(line.startswith("[draft] draft (ngram) listening on unix:") for line in proc.err_lines)
+    assert all(line.startswith(("[target] ", "[draft] ", "[gateway] ", "specserve serve: "))
+               for line in proc.err_lines), proc.err_lines
+    assert not any("\r" in line or "%|" in line for line in proc.err_lines)  # no progress bars
