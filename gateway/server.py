@@ -49,6 +49,15 @@ SERVICE_NAME = gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name
 DEFAULT_SPECULATIVE_TOKENS = 4
 
 
+def too_long_block(checked, draft_info) -> str:
+    """The INVALID_ARGUMENT message of a request for more drafted tokens than its draft drafts per block."""
+    limit = "its --max-block-size (serve and draft)"
+    if draft_info.family == "dflash":
+        limit += " or its checkpoint's block_size"
+    return (f"num_speculative_tokens: {checked.num_speculative_tokens} exceeds the {draft_info.max_block_size} "
+            f"tokens draft {checked.draft_name!r} ({draft_info.family}) drafts per block; {limit} sets that")
+
+
 @dataclass(frozen=True)
 class GatewayConfig:
     target_address: str
@@ -249,7 +258,11 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         endpoint = self.drafts.acquire(checked.draft_name) if checked.draft_name else None
         k = checked.num_speculative_tokens or DEFAULT_SPECULATIVE_TOKENS
         if endpoint is not None and endpoint.last_info is not None:
-            k = min(k, endpoint.last_info.max_block_size)
+            most = endpoint.last_info.max_block_size
+            if checked.num_speculative_tokens > most:  # refused, never silently drafted shorter
+                self.drafts.release(endpoint)
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, too_long_block(checked, endpoint.last_info))
+            k = min(k, most)  # the default k on a draft that drafts fewer
         tree = checked.tree if endpoint is not None else None
         if tree is not None and endpoint.last_info is not None and not endpoint.last_info.supports_tree:
             self.drafts.release(endpoint)

@@ -64,8 +64,13 @@ async def _generate(args: argparse.Namespace) -> dict:
     if tree is not None and (proposer is None or not proposer.info.supports_tree):
         raise SpecserveError(f"--tree-nodes needs a drafter that drafts trees (model, eagle3), not --draft {args.draft}")
     tokenizer = getattr(engine, "tokenizer", None)
+    prompt_ids = prompt_ids_from_args(args, tokenizer)
+    context = engine.info().max_context
+    if len(prompt_ids) + args.max_new_tokens > context:  # refused up front, as the gateway refuses it
+        raise SpecserveError(f"--max-new-tokens: {args.max_new_tokens} new tokens after a {len(prompt_ids)}-token "
+                             f"prompt exceed the model's context of {context}")
     request = GenerationRequest(
-        prompt_ids=prompt_ids_from_args(args, tokenizer),
+        prompt_ids=prompt_ids,
         max_new_tokens=args.max_new_tokens,
         sampling=sampling_from_args(args),
         num_speculative_tokens=args.num_speculative_tokens,

@@ -65,6 +65,18 @@ def test_client_admin_and_errors(served, capsys):
     assert code != 0 and err.count("\n") == 1 and "Traceback" not in err
 
 
+def test_serve_refuses_more_drafted_tokens_than_its_draft_drafts(served, capsys):
+    """serve's draft drafts at most --max-block-size (8) per block: k = 16 is refused naming that flag
+    (it was silently drafted as 8); k = 8 is served as asked."""
+    _, address = served
+    flags = ["--prompt-ids", PROMPT_IDS, "--max-new-tokens", "12", "--json"]
+    code, _, err = run_cli(capsys, "client", "--gateway", address, *flags, "--num-speculative-tokens", "16")
+    assert code == 2 and err.count("\n") == 1 and "INVALID_ARGUMENT: num_speculative_tokens: 16" in err
+    assert "--max-block-size" in err
+    code, out, _ = run_cli(capsys, "client", "--gateway", address, *flags, "--num-speculative-tokens", "8")
+    assert code == 0 and len(json.loads(out)["token_ids"]) == 12
+
+
 def test_serve_prints_one_line_and_stops_all_three(served):
     """SIGTERM while a request streams: it still completes (drain), then all three processes exit."""
     import grpc

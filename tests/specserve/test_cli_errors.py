@@ -88,3 +88,10 @@ def test_a_truncated_drafter_checkpoint_is_one_line(bench_target, bench_eagle3, 
         argv += ["--listen", f"unix:{tmp_path}/draft.sock"]
     line = _one_line_error(capsys, argv, f"specserve {command}: error: ")
     assert str(cut) in line
+
+
+def test_generate_refuses_more_new_tokens_than_the_context_holds(bench_target, capsys):
+    """As the gateway refuses it (client): up front, one line (generate ran to the context's end, exit 0)."""
+    line = _one_line_error(capsys, ["generate", "--model", str(bench_target), "--prompt-ids", "1,2",
+                                    "--max-new-tokens", "100000000"], "specserve generate: error: --max-new-tokens: ")
+    assert "context of 1024" in line
