@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -20,17 +21,17 @@ ARCH_HELP = "architecture override KEY=VALUE (repeatable), e.g. --arch hidden_si
 def _add_corpus_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--corpus-root", type=Path, default=None, help="corpus folder (default: this Python's stdlib)")
     p.add_argument("--max-files", type=int, default=None, help="use only the first N files of each split")
-    p.add_argument("--max-chars-per-file", type=int, default=None)
+    p.add_argument("--max-chars-per-file", type=int, default=None, help="cut each corpus file to N characters")
 
 
-def _add_run_args(p: argparse.ArgumentParser, steps: int, batch: int, lr: float) -> None:
+def _add_run_args(p: argparse.ArgumentParser, steps: int, batch: int, lr: float, time_limit_help: str) -> None:
     p.add_argument("--out", type=Path, required=True, help="output checkpoint folder")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--steps", type=int, default=steps)
-    p.add_argument("--batch-size", type=int, default=batch)
-    p.add_argument("--lr", type=float, default=lr)
-    p.add_argument("--time-limit-s", type=float, default=None, help="finish the LR decay and stop by then")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    p.add_argument("--steps", type=int, default=steps, help=f"optimizer steps (default {steps})")
+    p.add_argument("--batch-size", type=int, default=batch, help=f"sequences per step (default {batch})")
+    p.add_argument("--lr", type=float, default=lr, help=f"peak learning rate, then cosine decay (default {lr})")
+    p.add_argument("--time-limit-s", type=float, default=None, help=time_limit_help)
+    p.add_argument("--seed", type=int, default=0, help="seed of the weights, data order and sampling")
     p.add_argument("--arch", action="append", default=[], help=ARCH_HELP)
 
 
@@ -38,32 +39,37 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="train_command", required=True, metavar="WHAT")
 
     p = sub.add_parser("tokenizer", help="train the byte-level BPE tokenizer")
-    p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--vocab-size", type=int, default=4096)
+    p.add_argument("--out", type=Path, required=True, help="output folder (tokenizer.json)")
+    p.add_argument("--vocab-size", type=int, default=4096, help="tokens in the vocabulary (default 4096)")
     _add_corpus_args(p)
 
     p = sub.add_parser("target", help="train the DeepSeek-V3-architecture MoE target")
     p.add_argument("--tokenizer", type=Path, required=True, help="tokenizer.json or its folder")
-    p.add_argument("--seq-len", type=int, default=512)
-    p.add_argument("--eval-every", type=int, default=500)
-    p.add_argument("--eval-windows", type=int, default=256)
+    p.add_argument("--seq-len", type=int, default=512, help="tokens per training window (default 512)")
+    p.add_argument("--eval-every", type=int, default=500,
+                   help="steps between validation passes; the best pass's weights are kept (default 500)")
+    p.add_argument("--eval-windows", type=int, default=256, help="validation windows per pass (default 256)")
     p.add_argument("--num-prompts", type=int, default=32, help="held-out code prompts to store")
-    _add_run_args(p, steps=2000, batch=64, lr=3e-3)
+    _add_run_args(p, steps=2000, batch=64, lr=3e-3,
+                  time_limit_help="the whole command ends by then: training stops early enough for the final "
+                                  "evaluations and saving (its LR decay finishes in the time it gets)")
     _add_corpus_args(p)
 
     p = sub.add_parser("draft", help="train a drafter against a trained target")
     from specserve.train.drafters import DRAFT_TRAINERS
 
-    p.add_argument("--family", choices=sorted(DRAFT_TRAINERS), required=True)
+    p.add_argument("--family", choices=sorted(DRAFT_TRAINERS), required=True, help="drafter family to train")
     p.add_argument("--target", type=Path, required=True, help="trained target checkpoint folder")
     p.add_argument("--sd-prompts", type=int, default=2048, help="self-distillation prompts")
-    p.add_argument("--sd-prompt-len", type=int, default=64)
-    p.add_argument("--sd-new-tokens", type=int, default=128)
-    p.add_argument("--sd-batch-size", type=int, default=256)
+    p.add_argument("--sd-prompt-len", type=int, default=64, help="tokens of each self-distillation prompt")
+    p.add_argument("--sd-new-tokens", type=int, default=128, help="tokens the target generates per prompt")
+    p.add_argument("--sd-batch-size", type=int, default=256, help="prompts generated at once")
     p.add_argument("--sd-cache", type=Path, default=None, help="folder to cache self-distilled sequences in")
     p.add_argument("--init-from", type=Path, default=None,
                    help="continue from this saved drafter (same family and arch; dflash) instead of random weights")
-    _add_run_args(p, steps=1500, batch=64, lr=3e-3)
+    _add_run_args(p, steps=1500, batch=64, lr=3e-3,
+                  time_limit_help="the training loop finishes its LR decay and stops by then (self-distillation "
+                                  "before it and the held-out measurement after it are not counted)")
     _add_corpus_args(p)
 
     p = sub.add_parser("eval-acceptance", help="measure acceptance and check losslessness on held-out prompts")
@@ -129,6 +135,7 @@ def _run_target(args) -> int:
     )
     from specserve.train.tokenizer import load_tokenizer
 
+    started = time.monotonic()  # --time-limit-s bounds the whole command, from here
     device = resolve_device(args.device)
     seed_everything(args.seed)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -149,13 +156,14 @@ def _run_target(args) -> int:
     tspec = LMTrainSpec(steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
                         eval_every=args.eval_every, eval_windows=args.eval_windows,
                         time_limit_s=args.time_limit_s, seed=args.seed)
-    summary = train_lm(model, train_stream, valid_stream, tspec, device, log,
-                       load_tracker_rate=tspec.bias_update_rate)
-    uni = unigram_cross_entropy(train_stream, heldout_stream, spec.vocab_size)
     from specserve.train.data import eval_windows
     from specserve.train.target import heldout_loss
 
     full_windows = eval_windows(heldout_stream, tspec.seq_len)
+    deadline = started + args.time_limit_s if args.time_limit_s is not None else None
+    summary = train_lm(model, train_stream, valid_stream, tspec, device, log,
+                       load_tracker_rate=tspec.bias_update_rate, deadline=deadline, after_windows=len(full_windows))
+    uni = unigram_cross_entropy(train_stream, heldout_stream, spec.vocab_size)
     final = heldout_loss(model, full_windows, device)
     save_bf16_pretrained(model, args.out)
     copy_tokenizer(args.tokenizer, args.out)

@@ -94,18 +94,52 @@ def make_optimizer(params, lr: float, weight_decay: float, device: torch.device)
 
 
 class Logger:
-    """Prints to stdout and appends JSON lines to ``log_path`` (when given)."""
+    """Prints to stdout and appends JSON lines to ``log_path`` (when given). Lines go through tqdm.write,
+    so a progress bar on the same terminal is redrawn below them instead of being cut."""
 
     def __init__(self, log_path: Path | None = None) -> None:
         self.log_path = log_path
         self.t0 = time.monotonic()
 
     def __call__(self, event: str, **fields) -> None:
+        from tqdm import tqdm
+
         fields = {"event": event, "t": round(time.monotonic() - self.t0, 2), **fields}
-        print(" ".join(f"{k}={_fmt(v)}" for k, v in fields.items()), flush=True)
+        tqdm.write(" ".join(f"{k}={_fmt(v)}" for k, v in fields.items()), file=sys.stdout)
+        sys.stdout.flush()
         if self.log_path is not None:
             with open(self.log_path, "a") as f:
                 f.write(json.dumps(fields) + "\n")
+
+
+class Progress:
+    """A training loop's progress bar on stderr: steps, loss, tokens/s and ETA (the sooner of the steps
+    left at the current pace and the time limit). No bar when stderr is not a terminal (a log file)."""
+
+    def __init__(self, desc: str, steps: int, tokens_per_step: int, time_limit_s: float | None = None) -> None:
+        from tqdm import tqdm
+
+        self.steps, self.tokens_per_step, self.time_limit_s = steps, tokens_per_step, time_limit_s
+        self.t0, self.loss = time.monotonic(), float("nan")
+        self.bar = tqdm(total=steps, desc=desc, unit="step", file=sys.stderr, disable=None,
+                        bar_format="{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} [{elapsed}{postfix}]")
+
+    def step(self, step: int, loss: float | None = None) -> None:
+        """Step ``step`` is done; ``loss`` when the loop has read one (a read is a host sync on a GPU)."""
+        if self.bar.disable:
+            return
+        if loss is not None:
+            self.loss = loss
+        elapsed = time.monotonic() - self.t0
+        eta = (self.steps - step) * elapsed / max(step, 1)
+        if self.time_limit_s is not None:
+            eta = min(eta, max(0.0, self.time_limit_s - elapsed))
+        self.bar.set_postfix_str(f"loss {self.loss:.3f}, {step * self.tokens_per_step / elapsed:,.0f} tok/s, "
+                                 f"eta {int(eta) // 60}:{int(eta) % 60:02d}", refresh=False)
+        self.bar.update(1)
+
+    def close(self) -> None:
+        self.bar.close()
 
 
 def _fmt(v) -> str:

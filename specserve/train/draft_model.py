@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from specserve.train.common import (
     Logger,
+    Progress,
     Schedule,
     TrainError,
     autocast,
@@ -91,6 +92,7 @@ def train_draft_model(draft, target, batches: MixedBatches, spec: DistillSpec, d
     draft.to(device).train()
     opt = make_optimizer(draft.parameters(), spec.lr, spec.weight_decay, device)
     sched = spec.schedule()
+    progress = Progress("train draft_model", spec.steps, 0, spec.time_limit_s)
     t0 = time.monotonic()
     step, agree = 0, float("nan")
     while True:
@@ -108,9 +110,14 @@ def train_draft_model(draft, target, batches: MixedBatches, spec: DistillSpec, d
         torch.nn.utils.clip_grad_norm_(draft.parameters(), spec.grad_clip)
         opt.step()
         step += 1
+        progress.tokens_per_step = ids.numel()
         if step % 50 == 0 or step == 1:
             agree = greedy_agreement(d_logits.detach(), t_logits)
             log("train_draft_model", step=step, loss=float(loss.detach()), greedy_agreement=agree, lr=lr)
+            progress.step(step, float(loss.detach()))
+        else:
+            progress.step(step)
+    progress.close()
     return {
         "steps_run": step,
         "stopped_by": "steps" if step >= spec.steps else "time_limit",

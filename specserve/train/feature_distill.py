@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import torch
 
-from specserve.train.common import Schedule, autocast, make_optimizer
+from specserve.train.common import Progress, Schedule, autocast, make_optimizer
 from specserve.train.distill import MixedBatches, target_outputs
 
 LossFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
@@ -27,6 +27,7 @@ def train_on_target_features(job, module: torch.nn.Module, layers, group: int, l
     params = [p for p in module.parameters() if p.requires_grad]
     opt = make_optimizer(params, job.lr, 0.0, job.device)
     sched = Schedule(job.lr, job.steps, min(50, job.steps // 10 + 1), time_limit_s=job.time_limit_s)
+    progress = Progress(log_name.replace("_", " "), job.steps, 0, job.time_limit_s)
     t0, step, agree = time.monotonic(), 0, None
     while True:
         lr = sched.set_lr(opt, step, time.monotonic() - t0)
@@ -44,8 +45,14 @@ def train_on_target_features(job, module: torch.nn.Module, layers, group: int, l
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         step += 1
-        if step % 50 == 0 or step == 1:
-            job.log(log_name, step=step, loss=float(loss.detach()), lr=lr, agreement=_rounded(agree, 3))
+        if step % 50 == 0 or step == 1:  # the only host reads of the loss (a GPU sync)
+            loss_val = float(loss.detach())
+            job.log(log_name, step=step, loss=loss_val, lr=lr, agreement=_rounded(agree, 3))
+            progress.tokens_per_step = ids.numel()
+            progress.step(step, loss_val)
+        else:
+            progress.step(step)
+    progress.close()
     return {"steps_run": step, "stopped_by": "steps" if step >= job.steps else "time_limit",
             "train_seconds": round(time.monotonic() - t0, 1), "last_agreement": _rounded(agree, 3)}
 

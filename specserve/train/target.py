@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import shutil
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from specserve.train.common import (
     Logger,
+    Progress,
     Schedule,
     TrainError,
     autocast,
@@ -203,24 +204,35 @@ class RouterLoadTracker:
 
 
 def train_lm(model, train_stream, valid_stream, spec: LMTrainSpec, device: torch.device, log: Logger,
-             load_tracker_rate: float | None = None) -> dict:
+             load_tracker_rate: float | None = None, deadline: float | None = None, after_windows: int = 0) -> dict:
     """Plain next-token LM training on random windows, early-stopped on the validation stream: the
-    weights of the best validation evaluation are restored at the end. Returns the run's summary."""
+    weights of the best validation evaluation are restored at the end. Returns the run's summary.
+
+    With ``deadline`` (time.monotonic(); the command's start + its --time-limit-s), the run ends by then
+    with its final evaluations: one validation batch is timed first, and the loop's time limit leaves
+    room for the final validation pass plus ``after_windows`` windows the caller evaluates afterwards.
+    Without it, ``spec.time_limit_s`` bounds the loop alone."""
     model.to(device).train()
     pick_experts_implementation(model, device, log)
     sampler = WindowSampler(train_stream, spec.seq_len, spec.batch_size, spec.seed)
     ev = eval_windows(valid_stream, spec.seq_len, spec.eval_windows)
     opt = make_optimizer(model.parameters(), spec.lr, spec.weight_decay, device)
-    sched = spec.schedule()
+    time_limit_s = spec.time_limit_s
+    if deadline is not None:
+        time_limit_s = _loop_time_limit(model, ev, device, deadline, after_windows, log)
+    sched = replace(spec.schedule(), time_limit_s=time_limit_s)
     tracker = RouterLoadTracker(model, load_tracker_rate) if load_tracker_rate else None
+    progress = Progress("train target", spec.steps, spec.batch_size * spec.seq_len, time_limit_s)
     t0 = time.monotonic()
-    step, loss_val, imbalance = 0, float("nan"), 1.0
+    step, loss_val, imbalance, step_s = 0, float("nan"), 1.0, 0.0
     history = []
     best = (float("inf"), 0, None)  # (valid loss, step, state on CPU)
     while True:
-        lr = sched.set_lr(opt, step, time.monotonic() - t0)
+        # the time a step would end at: a slow step (seconds on CPU) may not start just before the limit
+        lr = sched.set_lr(opt, step, time.monotonic() - t0 + (step_s if deadline is not None else 0.0))
         if lr is None:
             break
+        t_step = time.monotonic()
         batch = sampler.next().to(device, non_blocking=True)
         with autocast(device):
             loss = lm_loss(model, batch)
@@ -231,15 +243,20 @@ def train_lm(model, train_stream, valid_stream, spec: LMTrainSpec, device: torch
         if tracker is not None:
             imbalance = tracker.update()
         step += 1
-        if step % 50 == 0 or step == 1:
+        logged = step % 50 == 0 or step == 1
+        if logged:
             loss_val = float(loss.detach())
             log("train", step=step, loss=loss_val, lr=lr, max_load_ratio=imbalance,
                 tok_per_s=round(step * spec.batch_size * spec.seq_len / (time.monotonic() - t0)))
+        progress.step(step, loss_val if logged else None)
         if step % spec.eval_every == 0:
             best = _evaluate(model, ev, device, step, history, best, log)
+        step_s = time.monotonic() - t_step if step_s == 0.0 else 0.8 * step_s + 0.2 * (time.monotonic() - t_step)
+    progress.close()
     if tracker is not None:
         tracker.close()
-    best = _evaluate(model, ev, device, step, history, best, log)
+    if not history or history[-1]["step"] != step:  # the last step's weights were not evaluated yet
+        best = _evaluate(model, ev, device, step, history, best, log)
     model.load_state_dict(best[2])
     log("restored_best", step=best[1], valid_loss=best[0])
     return {
@@ -248,11 +265,28 @@ def train_lm(model, train_stream, valid_stream, spec: LMTrainSpec, device: torch
         "steps_run": step,
         "stopped_by": "steps" if step >= spec.steps else "time_limit",
         "train_seconds": round(time.monotonic() - t0, 1),
+        "loop_time_limit_s": None if time_limit_s is None else round(time_limit_s, 1),
         "last_train_loss": loss_val,
         "valid_windows": int(len(ev)),
         "valid_history": history,
         "final_max_load_ratio": imbalance,
     }
+
+
+def _loop_time_limit(model, windows, device, deadline: float, after_windows: int, log: Logger) -> float:
+    """Seconds the training loop may run so that the final validation pass over ``windows`` and
+    ``after_windows`` more windows still end by ``deadline`` (timed on one evaluation batch, plus 20%)."""
+    n = min(len(windows), 16)
+    t = time.monotonic()
+    heldout_loss(model, windows[:n], device)
+    per_window = (time.monotonic() - t) / n
+    reserve = 1.2 * per_window * (len(windows) + after_windows) + 1.0  # + 1 s to save the checkpoint
+    remaining = deadline - time.monotonic()
+    log("time_budget", seconds_left=round(remaining, 1), final_eval_reserve_s=round(reserve, 1))
+    if remaining <= reserve:
+        raise TrainError(f"--time-limit-s leaves no time to train: {max(remaining, 0):.0f} s are left after loading, "
+                         f"and the final evaluations need about {reserve:.0f} s")
+    return remaining - reserve
 
 
 def _evaluate(model, windows, device, step, history, best, log):

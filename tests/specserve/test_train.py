@@ -4,7 +4,10 @@ the proposer registry and stays lossless in a speculative greedy run."""
 
 from __future__ import annotations
 
+import io
 import json
+import sys
+import time
 from dataclasses import replace
 
 import numpy as np
@@ -349,3 +352,36 @@ def test_given_tokens_dflash_drafts_in_passes_and_stays_lossless(demo, tmp_path,
     assert main([*argv, "--denoise-steps", "3"]) == 2  # blocks of 3 hold at most 2 passes
     err = capsys.readouterr().err
     assert "denoise_steps 3 > block_size - 1 = 2" in err and "Traceback" not in err
+
+
+class _Terminal(io.StringIO):
+    """stderr as a terminal (tqdm draws its bar only there)."""
+
+    def isatty(self) -> bool:
+        return True
+
+
+def test_train_target_ends_by_its_time_limit_with_a_progress_bar(demo, tmp_path, monkeypatch, capsys):
+    """--time-limit-s bounds the whole command (loading, training, final evaluations, saving), which
+    ran ~40% past it; on a terminal a bar shows steps, loss, tokens/s and ETA."""
+    monkeypatch.setattr(sys, "stderr", _Terminal())
+    limit = 6.0
+    t0 = time.monotonic()
+    assert main(["train", "target", "--tokenizer", str(demo / "tok"), "--out", str(tmp_path / "t"), "--steps",
+                 "1000000", "--batch-size", "2", "--seq-len", "32", "--eval-every", "1000000", "--eval-windows", "2",
+                 "--num-prompts", "2", "--time-limit-s", str(limit), *TINY_TARGET, *CORPUS]) == 0
+    elapsed = time.monotonic() - t0
+    info = json.loads((tmp_path / "t" / "train_info.json").read_text())
+    assert info["train"]["stopped_by"] == "time_limit" and info["train"]["steps_run"] > 1
+    assert elapsed < limit + 3.0, elapsed  # a few seconds: one step, one batch of the final evaluations
+    bar = sys.stderr.getvalue()
+    assert "train target:" in bar and "tok/s" in bar and "eta 0:0" in bar and "loss " in bar
+    capsys.readouterr()
+
+
+def test_train_target_refuses_a_time_limit_the_final_evaluations_do_not_fit(demo, tmp_path, capsys):
+    rc = main(["train", "target", "--tokenizer", str(demo / "tok"), "--out", str(tmp_path / "t"), "--steps", "5",
+               "--batch-size", "2", "--seq-len", "32", "--eval-windows", "2", "--num-prompts", "2",
+               "--time-limit-s", "0.5", *TINY_TARGET, *CORPUS])
+    err = capsys.readouterr().err
+    assert rc == 2 and "--time-limit-s leaves no time to train" in err and err.count("\n") == 1  # it trained past it
