@@ -16,6 +16,8 @@ from pathlib import Path
 from specserve.cli.common import add_denoise_argument
 
 ARCH_HELP = "architecture override KEY=VALUE (repeatable), e.g. --arch hidden_size=64"
+# train target on CPU: 8 x 512 tokens per forward keep activations near 1 GB (a whole batch of 64: ~7 GB)
+CPU_MICRO_BATCH = 8
 
 
 def _add_corpus_args(p: argparse.ArgumentParser) -> None:
@@ -50,6 +52,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="steps between validation passes; the best pass's weights are kept (default 500)")
     p.add_argument("--eval-windows", type=int, default=256, help="validation windows per pass (default 256)")
     p.add_argument("--num-prompts", type=int, default=32, help="held-out code prompts to store")
+    p.add_argument("--micro-batch-size", type=int, default=None,
+                   help="sequences per forward/backward, gradients accumulated to the same step: memory follows "
+                        f"this, not --batch-size (default: the whole batch on cuda, {CPU_MICRO_BATCH} on cpu)")
     _add_run_args(p, steps=2000, batch=64, lr=3e-3,
                   time_limit_help="the whole command ends by then: training stops early enough for the final "
                                   "evaluations and saving (its LR decay finishes in the time it gets)")
@@ -153,7 +158,11 @@ def _run_target(args) -> int:
     model = DeepseekV3ForCausalLM(spec.hf_config())
     n_params = sum(p.numel() for p in model.parameters())
     log("model", params=n_params)
-    tspec = LMTrainSpec(steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
+    micro = args.micro_batch_size
+    if micro is None and device.type == "cpu":
+        micro = min(CPU_MICRO_BATCH, args.batch_size)
+    tspec = LMTrainSpec(steps=args.steps, batch_size=args.batch_size, micro_batch_size=micro,
+                        seq_len=args.seq_len, lr=args.lr,
                         eval_every=args.eval_every, eval_windows=args.eval_windows,
                         time_limit_s=args.time_limit_s, seed=args.seed)
     from specserve.train.data import eval_windows

@@ -385,3 +385,27 @@ def test_train_target_refuses_a_time_limit_the_final_evaluations_do_not_fit(demo
                "--time-limit-s", "0.5", *TINY_TARGET, *CORPUS])
     err = capsys.readouterr().err
     assert rc == 2 and "--time-limit-s leaves no time to train" in err and err.count("\n") == 1  # it trained past it
+
+
+def test_micro_batches_give_the_whole_batch_step():
+    """train target on CPU runs 8 sequences per forward (a whole batch of 64 x 512 peaked near 7 GB): the
+    accumulated loss and gradients are the whole batch's."""
+    from transformers import DeepseekV3ForCausalLM
+
+    from specserve.train.common import apply_arch, parse_arch
+    from specserve.train.target import TargetSpec, accumulate_lm_loss
+
+    spec = apply_arch(TargetSpec(vocab_size=64), parse_arch(TINY_TARGET[1::2]))
+    torch.manual_seed(0)
+    model = DeepseekV3ForCausalLM(spec.hf_config()).train()
+    batch = torch.randint(0, 64, (6, 17))
+    runs = []
+    for micro in (6, 2, 4):  # 4: a last micro-batch of 2
+        model.zero_grad(set_to_none=True)
+        loss = accumulate_lm_loss(model, batch, micro, torch.device("cpu"))
+        runs.append((loss, [p.grad.clone() for p in model.parameters() if p.grad is not None]))
+    for loss, grads in runs[1:]:
+        torch.testing.assert_close(loss, runs[0][0], rtol=1e-5, atol=1e-6)
+        assert len(grads) == len(runs[0][1])
+        for g, want in zip(grads, runs[0][1]):
+            torch.testing.assert_close(g, want, rtol=1e-4, atol=1e-6)
