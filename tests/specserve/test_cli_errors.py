@@ -76,11 +76,11 @@ def bench_dflash(bench_target, tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("family", ["eagle3", "dflash"])
+@pytest.mark.parametrize("family", ["eagle3", "dflash", "model"])
 @pytest.mark.parametrize("command", ["generate", "draft"])
-def test_a_truncated_drafter_checkpoint_is_one_line(bench_target, bench_eagle3, bench_dflash, tmp_path, capsys,
-                                                    family, command):
-    cut = _truncated({"eagle3": bench_eagle3, "dflash": bench_dflash}[family], tmp_path / family)
+def test_a_truncated_drafter_checkpoint_is_one_line(bench_target, bench_eagle3, bench_dflash, bench_draft_lm, tmp_path,
+                                                    capsys, family, command):
+    cut = _truncated({"eagle3": bench_eagle3, "dflash": bench_dflash, "model": bench_draft_lm}[family], tmp_path / family)
     argv = [command, "--model", str(bench_target), "--draft", family, "--draft-model", str(cut.parent)]
     if command == "generate":
         argv += ["--prompt-ids", "1,2"]
