@@ -12,19 +12,19 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 
-from specserve.cli.draft_cmd import FAMILIES  # specserve draft --draft
-
 GPU_OVERRIDE = "docker-compose.draft-gpu.yml"
 
 
 def problem(env: Mapping[str, str], models: Path = Path("/models")) -> str | None:
     """The first problem of the compose environment ``env`` (one line), or None when it can start."""
+    from specserve.draft_service.registry import PROPOSER_FACTORIES  # specserve draft --draft's choices
+
     if not (models / "target" / "config.json").is_file():
         return (f"no target checkpoint at {models / 'target'} (SPECSERVE_MODELS names the host folder "
                 f"mounted at {models}; it must hold target/config.json)")
     family = env.get("SPECSERVE_DRAFT") or "ngram"
-    if family not in FAMILIES:
-        return f"SPECSERVE_DRAFT={family}: expected one of {', '.join(FAMILIES)}"
+    if family not in PROPOSER_FACTORIES:
+        return f"SPECSERVE_DRAFT={family}: expected one of {', '.join(PROPOSER_FACTORIES)}"
     draft_model = env.get("SPECSERVE_DRAFT_MODEL") or ""
     if family != "ngram" and not draft_model:
         return (f"SPECSERVE_DRAFT={family} needs SPECSERVE_DRAFT_MODEL, its checkpoint folder as the container "
