@@ -81,6 +81,14 @@ class DrafterWorker:
         await self._thread.aclose()
 
 
+def observe_worker(worker: DrafterWorker) -> None:
+    """The draft service's own metrics (sessions, proposals), read at export or scrape."""
+    tn.observe_service(
+        gauges={tn.DRAFT_SESSIONS: lambda: len(worker.active)},
+        counters={tn.DRAFT_PROPOSALS: lambda: worker.proposals},
+    )
+
+
 def _status_for(exc: BaseException) -> grpc.StatusCode:
     return status_for(exc, INPUT_ERRORS)
 

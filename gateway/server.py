@@ -3,6 +3,8 @@
 Each request: validate -> the lead's spec loop (gateway/spec_loop.py) over the remote adapters
 (gateway/remote.py) -> token deltas, then one final message. The client's deadline is forwarded to
 both services; a client that cancels closes the loop, which releases the session on both services.
+``GatewayServicer.generate`` is that path for every front end: gRPC here, the OpenAI HTTP API in
+gateway/http_api.py; its failures are a GatewayError (status + one line) that each maps to its own status.
 
 Admission: at most ``max_sessions`` requests run; up to ``max_queued`` more wait (FIFO, within their
 deadline); more get RESOURCE_EXHAUSTED. With an ``auth_token`` every Gateway call must carry the
@@ -17,7 +19,7 @@ import contextlib
 import dataclasses
 import hmac
 import uuid
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 
 import grpc
@@ -84,6 +86,19 @@ class GatewayConfig:
             raise ValueError(f"default draft {self.default_draft!r} is not among the drafts {sorted(self.drafts)}")
         if not self.draft_step_timeout_s > 0:
             raise ValueError(f"draft_step_timeout_s must be > 0, got {self.draft_step_timeout_s}")
+
+
+UNAUTHENTICATED_MESSAGE = "authorization: missing or wrong bearer token"
+
+
+class GatewayError(SpecserveError):
+    """A request ends with this status and one-line message (the transport maps ``code`` to its own
+    status: a gRPC status, or an HTTP status). ``field``: the request field at fault, if one is."""
+
+    def __init__(self, code: grpc.StatusCode, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.field = field
 
 
 class MalformedMessage:
@@ -198,6 +213,22 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self.admission = Admission(AdmissionConfig(config.max_sessions, config.max_queued, what="requests"))
         self._token = None if config.auth_token is None else config.auth_token.encode()
 
+    def observe(self) -> None:
+        """Export the admission state (running and queued requests) as observable gauges."""
+        tn.observe_service(gauges={
+            tn.GATEWAY_REQUESTS_RUNNING: lambda: self.admission.active,
+            tn.GATEWAY_REQUESTS_QUEUED: lambda: self.admission.queued,
+        })
+
+    def token_ok(self, authorization: str | bytes | None) -> bool:
+        """Whether an ``authorization`` value (``Bearer <token>``) carries the token (always, with none set)."""
+        if self._token is None:
+            return True
+        raw = authorization or b""
+        raw = raw if isinstance(raw, bytes) else raw.encode("utf-8", "replace")
+        given = raw[len(b"Bearer ") :] if raw[:7].lower() == b"bearer " else b""
+        return hmac.compare_digest(given, self._token)
+
     async def _authorize(self, context, request=None) -> None:
         """UNAUTHENTICATED unless the call carries ``authorization: Bearer <token>`` (when a token is set);
         then INVALID_ARGUMENT for a request whose bytes did not parse."""
@@ -206,16 +237,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.problem)
 
     async def _check_token(self, context) -> None:
-        if self._token is None:
-            return
-        given = b""
-        for key, value in context.invocation_metadata() or ():
-            if key == "authorization":
-                raw = value if isinstance(value, bytes) else value.encode("utf-8", "replace")
-                given = raw[len(b"Bearer ") :] if raw[:7].lower() == b"bearer " else b""
-                break
-        if not hmac.compare_digest(given, self._token):
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "authorization: missing or wrong bearer token")
+        given = next((v for k, v in context.invocation_metadata() or () if k == "authorization"), None)
+        if not self.token_ok(given):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, UNAUTHENTICATED_MESSAGE)
 
     def _adaptive(self, draft_name: str) -> AdaptiveSpeculation:
         """The process-wide adaptive chooser of one draft (its cost model outlives requests)."""
@@ -228,33 +252,55 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         await self.target.close()
 
     # ----------------------------------------------------------------------------- generate
-    async def _events(self, request, context):
-        """Validated request -> GenerateResponse messages (aborts the call with a status on failure)."""
-        await self._authorize(context, request)
+    @property
+    def model_name(self) -> str:
+        """The served model's name (what responses and the HTTP API's ``model`` field carry)."""
         info = self.target.target_info
+        return info.model_name or info.model_type
+
+    async def generate(
+        self, request, trace_context: otel_context.Context, time_remaining: float | None = None
+    ) -> AsyncIterator[gateway_pb2.GenerateResponse]:
+        """The per-request path of every front end (gRPC Generate, the HTTP API): validate, admit, run
+        the spec loop; yields token deltas then one final message. Raises GatewayError (a status and
+        one line) for anything the caller did wrong or that stops the request. The caller checked the
+        bearer token. ``time_remaining``: seconds to the caller's deadline (None = none)."""
+        info = self.target.target_info
+        now = asyncio.get_running_loop().time()
+        deadline = now + time_remaining if time_remaining is not None else None  # admission waits count too
         try:
             checked = validate_request(
                 request, info, self.drafts, self.default_draft, self.tokenizer, self.config.limits
             )
         except InvalidRequest as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            raise GatewayError(grpc.StatusCode.INVALID_ARGUMENT, str(exc), exc.field) from None
         try:
             await self.admission.acquire()
         except AdmissionRefused as exc:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"gateway {exc}")
+            raise GatewayError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"gateway {exc}") from None
         try:
             if checked.draft_name is not None and checked.draft_name not in self.drafts:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"draft: {checked.draft_name!r} was removed")
-            async with contextlib.aclosing(self._admitted(checked, info, context)) as messages:
+                raise GatewayError(
+                    grpc.StatusCode.INVALID_ARGUMENT, f"draft: {checked.draft_name!r} was removed", "draft"
+                )
+            async with contextlib.aclosing(self._admitted(checked, info, trace_context, deadline)) as messages:
                 async for msg in messages:
                     yield msg
         finally:
             self.admission.release()
 
-    async def _admitted(self, checked, info, context):
-        remaining = context.time_remaining()
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + remaining if remaining is not None else None
+    async def _events(self, request, context):
+        """gRPC: the checked call's GenerateResponse messages (aborts the call with a status on failure)."""
+        await self._authorize(context, request)
+        parent = tn.context_from_metadata(context.invocation_metadata())
+        try:
+            async with contextlib.aclosing(self.generate(request, parent, context.time_remaining())) as messages:
+                async for msg in messages:
+                    yield msg
+        except GatewayError as exc:
+            await context.abort(exc.code, str(exc))
+
+    async def _admitted(self, checked, info, trace_context, deadline: float | None):
         endpoint = self.drafts.acquire(checked.draft_name) if checked.draft_name else None
         k = checked.num_speculative_tokens or DEFAULT_SPECULATIVE_TOKENS
         if endpoint is not None and endpoint.last_info is not None:
@@ -266,9 +312,10 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         tree = checked.tree if endpoint is not None else None
         if tree is not None and endpoint.last_info is not None and not endpoint.last_info.supports_tree:
             self.drafts.release(endpoint)
-            await context.abort(
+            raise GatewayError(
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"tree_nodes: draft {checked.draft_name!r} ({endpoint.last_info.family}) drafts chains only",
+                "tree_nodes",
             )
         gen = dataclasses.replace(
             checked,
@@ -277,7 +324,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             model_name=info.model_name or info.model_type,
             adaptive=checked.adaptive and endpoint is not None,
         )
-        token = otel_context.attach(tn.context_from_metadata(context.invocation_metadata()))
+        token = otel_context.attach(trace_context)
         try:
             block = max(k, tree.num_nodes if tree is not None else 0)
             reserve = len(gen.prompt_ids) + gen.max_new_tokens + block + 1  # S at most, plus one draft block
@@ -299,15 +346,15 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                             delta=gateway_pb2.TokenDelta(token_ids=list(event.token_ids), text=event.text)
                         )
         except RequestRejected as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            raise GatewayError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
         except TargetCallError as exc:
-            await context.abort(exc.code, str(exc))
+            raise GatewayError(exc.code, str(exc)) from None
         except TargetUnavailable as exc:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
-        except (grpc.aio.AbortError, asyncio.CancelledError):
+            raise GatewayError(grpc.StatusCode.UNAVAILABLE, str(exc)) from None
+        except (GatewayError, grpc.aio.AbortError, asyncio.CancelledError):
             raise
         except Exception as exc:  # noqa: BLE001 - a bug: report it as INTERNAL, keep serving
-            await context.abort(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+            raise GatewayError(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}") from None
         finally:
             otel_context.detach(token)
             if endpoint is not None:
@@ -315,7 +362,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
 
     def _final(self, event: FinalEvent, draft_name: str | None) -> gateway_pb2.GenerateResponse:
         stats = event.stats.as_dict()
-        self.metrics.record_request(stats, event.finish_reason, draft_name or NO_DRAFT)
+        self.metrics.record_request(
+            stats, event.finish_reason, draft_name or NO_DRAFT, event.prompt_tokens, event.completion_tokens
+        )
         return gateway_pb2.GenerateResponse(
             final=gateway_pb2.FinalMessage(
                 finish_reason=event.finish_reason,

@@ -263,6 +263,18 @@ class EngineWorker:
             return out
 
 
+def observe_worker(worker: EngineWorker) -> None:
+    """The target's own metrics (sessions, reserved KV blocks, verify steps), read at export or scrape."""
+    tn.observe_service(
+        gauges={
+            tn.TARGET_SESSIONS: lambda: len(worker.reserved),
+            tn.TARGET_KV_BLOCKS_RESERVED: lambda: worker.admission.units_held,
+            tn.TARGET_KV_BLOCKS_TOTAL: lambda: worker.admission.config.capacity,
+        },
+        counters={tn.TARGET_VERIFY_STEPS: lambda: worker.steps},
+    )
+
+
 def _host(t: torch.Tensor) -> torch.Tensor:
     return t.detach().to(device="cpu", dtype=torch.float32)
 

@@ -190,6 +190,31 @@ def add_listen_arguments(parser: argparse.ArgumentParser, default: str, max_mess
     parser.add_argument("--max-message-bytes", type=positive_int, default=max_message_bytes or MAX_MESSAGE_BYTES,
                         help="largest gRPC message received or sent (bigger: RESOURCE_EXHAUSTED)")
     add_tls_arguments(parser)
+    parser.add_argument("--metrics-port", type=int, default=None,
+                        help="serve GET /metrics (Prometheus text) on 127.0.0.1 at this port (0 = any; default: off)")
+
+
+def metrics_http_from_args(args: argparse.Namespace):
+    """The HttpConfig of --metrics-port (loopback), or None when it is off."""
+    if args.metrics_port is None:
+        return None
+    from specserve.runtime.http_serving import HttpConfig
+
+    if not 0 <= args.metrics_port <= 65535:
+        raise SpecserveError(f"--metrics-port must be in [0, 65535], got {args.metrics_port}")
+    return HttpConfig(host="127.0.0.1", port=args.metrics_port, grace_s=0.0)
+
+
+async def start_metrics_server(http, telemetry, role: str) -> list:
+    """Start the /metrics server of a target or draft service (none without --metrics-port); returns
+    the companions list for serve_until_signal."""
+    if http is None:
+        return []
+    from specserve.runtime.http_serving import HttpServer, metrics_app
+
+    server = HttpServer(metrics_app(telemetry), http)
+    print(f"{role} metrics on {await server.start()}/metrics", flush=True)
+    return [server]
 
 
 def server_config_from_args(args: argparse.Namespace, addresses: tuple[str, ...]):

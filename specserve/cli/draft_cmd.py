@@ -11,8 +11,10 @@ from specserve.cli.common import (
     add_denoise_argument,
     add_listen_arguments,
     checkpoint_errors_as_user_errors,
+    metrics_http_from_args,
     positive_int,
     server_config_from_args,
+    start_metrics_server,
 )
 
 DEFAULT_LISTEN = "127.0.0.1:50053"
@@ -52,24 +54,29 @@ def run(args: argparse.Namespace) -> int:
 
     config = drafter_config(args)
     server_config = server_config_from_args(args, tuple(args.listen or [DEFAULT_LISTEN]))
-    checkpoint_errors_as_user_errors(run_async, _serve(config, server_config, args.max_draft_tokens))
+    checkpoint_errors_as_user_errors(
+        run_async, _serve(config, server_config, args.max_draft_tokens, metrics_http_from_args(args))
+    )
     exit_now(0)
     return 0
 
 
-async def _serve(config, server_config, max_draft_tokens: int = 256) -> None:
+async def _serve(config, server_config, max_draft_tokens: int = 256, metrics_http=None) -> None:
     from specserve.draft_service.registry import build_proposer
     from specserve.draft_service.server import (
         SERVICE_NAME,
         DrafterWorker,
         DraftServicer,
+        observe_worker,
     )
     from specserve.protos.specserve.v1 import draft_pb2_grpc
     from specserve.runtime.servers_common import ServiceBinding, serve_until_signal
     from specserve.runtime.tracing import setup_telemetry
 
-    telemetry = setup_telemetry("specserve-draft")
+    telemetry = setup_telemetry("specserve-draft", prometheus=metrics_http is not None)
     worker = await DrafterWorker.build(lambda: build_proposer(config))
+    observe_worker(worker)
+    companions = await start_metrics_server(metrics_http, telemetry, "draft")
     servicer = DraftServicer(worker, max_draft_tokens=max_draft_tokens)
 
     async def on_stop() -> None:
@@ -84,5 +91,6 @@ async def _serve(config, server_config, max_draft_tokens: int = 256) -> None:
         [ServiceBinding(draft_pb2_grpc.add_DraftServiceServicer_to_server, servicer, SERVICE_NAME)],
         on_ready=on_ready,
         on_stop=on_stop,
+        companions=companions,
     )
     print("draft stopped", file=sys.stderr, flush=True)

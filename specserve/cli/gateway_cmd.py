@@ -18,6 +18,7 @@ from specserve.errors import SpecserveError
 AUTH_ENV = "SPECSERVE_AUTH_TOKEN"
 DEFAULT_MAX_MESSAGE_BYTES = 4 * 1024 * 1024  # requests are prompts: a few MB is plenty
 DRAFT_CHECK_TIMEOUT_S = 5.0
+HTTP_READY = "gateway http listening on "  # printed (with the URL) just before the gRPC ready line
 
 
 def _named_address(text: str) -> tuple[str, str]:
@@ -38,6 +39,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=50051)
     parser.add_argument("--listen", action="append", default=[], help="extra HOST:PORT or unix:/path to listen on")
+    parser.add_argument("--http-port", type=int, default=None,
+                        help="also serve the OpenAI-compatible HTTP API and /metrics on --host at this port "
+                             "(0 = any free port; default: off)")
     parser.add_argument("--draft-step-timeout-s", type=float, default=5.0,
                         help="a proposal slower than this drops the draft for that request")
     parser.add_argument("--connect-timeout-s", type=float, default=600.0,
@@ -84,27 +88,34 @@ def run(args: argparse.Namespace) -> int:
         auth_token=args.auth_token if args.auth_token is not None else os.environ.get(AUTH_ENV) or None,
         downstream_tls=tls_from_args(args, "downstream-tls"),
     )
-    if not 0 <= args.port <= 65535:
-        raise SpecserveError(f"--port must be in [0, 65535], got {args.port}")
+    for flag, port in (("--port", args.port), ("--http-port", args.http_port)):
+        if port is not None and not 0 <= port <= 65535:
+            raise SpecserveError(f"{flag} must be in [0, 65535], got {port}")
     server_config = ServerConfig(
         addresses=(f"{args.host}:{args.port}", *args.listen),
         grace_s=args.grace_s,
         max_message_bytes=args.max_message_bytes,
         tls=tls_from_args(args),
     )
-    tokenizer = None
+    tokenizer = chat_template = http = None
     if args.model is not None:
+        from specserve.gateway.chat_template import load_chat_template
         from specserve.models.loader import load_tokenizer
 
         if not args.model.is_dir():
             raise SpecserveError(f"--model {args.model} is not a folder")
         tokenizer = checkpoint_errors_as_user_errors(load_tokenizer, args.model)
-    run_async(_serve(config, server_config, tokenizer, args.connect_timeout_s))
+        chat_template = load_chat_template(args.model)
+    if args.http_port is not None:
+        from specserve.runtime.http_serving import HttpConfig
+
+        http = HttpConfig(host=args.host, port=args.http_port, grace_s=args.grace_s)
+    run_async(_serve(config, server_config, tokenizer, args.connect_timeout_s, http, chat_template))
     exit_now(0)
     return 0
 
 
-async def _serve(config, server_config, tokenizer, connect_timeout_s: float) -> None:
+async def _serve(config, server_config, tokenizer, connect_timeout_s: float, http=None, chat_template=None) -> None:
     import grpc
 
     from specserve.gateway.remote import RemoteTarget
@@ -116,7 +127,7 @@ async def _serve(config, server_config, tokenizer, connect_timeout_s: float) -> 
     from specserve.runtime.servers_common import ServiceBinding, serve_until_signal
     from specserve.runtime.tracing import setup_telemetry
 
-    telemetry = setup_telemetry("specserve-gateway")
+    telemetry = setup_telemetry("specserve-gateway", prometheus=http is not None)
     target = RemoteTarget(config.target_address, config.downstream_tls)
     try:
         await target.fetch_info(connect_timeout_s, wait_for_ready=True)
@@ -126,17 +137,34 @@ async def _serve(config, server_config, tokenizer, connect_timeout_s: float) -> 
             f"target service at {config.target_address} not reachable: {exc.code().name}: {exc.details()}"
         ) from None
     servicer = GatewayServicer(config, target, tokenizer)
+    servicer.observe()
     try:
         await _check_drafts(servicer)
     except SpecserveError:
         await servicer.close()
         raise
 
+    companions = []
+    if http is not None:  # the HTTP API, on this event loop, over the same servicer
+        from specserve.gateway.http_api import HttpApi
+        from specserve.runtime.http_serving import HttpServer
+
+        api = HttpApi(servicer, telemetry, chat_template, server_config.max_message_bytes)
+        http_server = HttpServer(api.app(), http)
+        try:
+            await http_server.start()
+        except SpecserveError:
+            await servicer.close()
+            raise
+        companions.append(http_server)
+
     async def on_stop() -> None:
         await servicer.close()
         telemetry.shutdown()
 
     def on_ready(running) -> None:
+        for server in companions:
+            print(f"{HTTP_READY}{server.url}", flush=True)
         print(f"gateway listening on {running.bound[0]}", flush=True)
 
     await serve_until_signal(
@@ -144,6 +172,7 @@ async def _serve(config, server_config, tokenizer, connect_timeout_s: float) -> 
         [ServiceBinding(add_gateway_to_server, servicer, SERVICE_NAME)],
         on_ready=on_ready,
         on_stop=on_stop,
+        companions=companions,
     )
     print("gateway stopped", file=sys.stderr, flush=True)
 

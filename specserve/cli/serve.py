@@ -1,9 +1,9 @@
 """`specserve serve`: target, draft and gateway as three local processes, wired by Unix sockets.
 
 Prints exactly one line on stdout, ``gateway listening on HOST:PORT``, once the gateway accepts
-requests (the services' own output goes to stderr, each line prefixed with its role). SIGINT/SIGTERM
-stop all three. A draft process that dies is not fatal (requests go on target-only); a target or
-gateway that dies stops the rest.
+requests (with ``--http-port``, ``gateway http listening on http://HOST:PORT`` just before it); the services' own
+output goes to stderr, each line prefixed with its role. SIGINT/SIGTERM stop all three. A draft process that dies
+is not fatal (requests go on target-only); a target or gateway that dies stops the rest.
 """
 
 from __future__ import annotations
@@ -23,12 +23,15 @@ from specserve.cli.common import add_model_arguments
 from specserve.errors import SpecserveError
 
 READY = "gateway listening on "
+HTTP_READY = "gateway http listening on "  # gateway_cmd.HTTP_READY
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser)
     parser.add_argument("--host", default="127.0.0.1", help="gateway host")
     parser.add_argument("--port", type=int, default=50051, help="gateway port (0 = any free port)")
+    parser.add_argument("--http-port", type=int, default=None,
+                        help="gateway's OpenAI-compatible HTTP API and /metrics port (0 = any free port; default: off)")
     parser.add_argument("--max-block-size", type=int, default=8, help="most tokens one proposal may draft")
     parser.add_argument("--draft-step-timeout-s", type=float, default=5.0)
     parser.add_argument("--startup-timeout-s", type=float, default=600.0)
@@ -128,8 +131,9 @@ def run(args: argparse.Namespace) -> int:
         raise SpecserveError(f"model folder {model} does not exist")
     if args.draft != "none":
         drafter_config_from_args(args, target_checkpoint=model)  # flag errors now, not in a child
-    if not 0 <= args.port <= 65535:
-        raise SpecserveError(f"--port must be in [0, 65535], got {args.port}")
+    for flag, port in (("--port", args.port), ("--http-port", args.http_port)):
+        if port is not None and not 0 <= port <= 65535:
+            raise SpecserveError(f"{flag} must be in [0, 65535], got {port}")
 
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -160,16 +164,18 @@ def run(args: argparse.Namespace) -> int:
         seen = threading.Event()
 
         def ready_line(line: str) -> bool:
-            """The gateway's ready line is kept for our stdout, not forwarded."""
-            if not seen.is_set() and line.startswith(READY):
+            """The gateway's ready lines (HTTP, then gRPC) are kept for our stdout, not forwarded."""
+            if not seen.is_set() and line.startswith((READY, HTTP_READY)):
                 ready.append(line.strip())
-                seen.set()
+                if line.startswith(READY):
+                    seen.set()
                 return True
             return False
 
         children.start("gateway", [
             "--target", target_addr, *gateway_drafts, "--model", str(model),
             "--host", args.host, "--port", str(args.port),
+            *(["--http-port", str(args.http_port)] if args.http_port is not None else []),
             "--draft-step-timeout-s", str(args.draft_step_timeout_s), "--grace-s", str(args.grace_s),
             *[a for flag in ("cert", "key", "ca") if getattr(args, f"tls_{flag}") is not None
               for a in (f"--tls-{flag}", str(getattr(args, f"tls_{flag}")))],
@@ -187,7 +193,8 @@ def run(args: argparse.Namespace) -> int:
                 raise SpecserveError(f"the {dead[0]} process exited with {children.procs[dead[0]].returncode} at start")
             if time.monotonic() > deadline:
                 raise SpecserveError("the gateway did not become ready in time")
-        print(ready[0], flush=True)
+        for line in ready:
+            print(line, flush=True)
         reported: set[str] = set()
         while not stop.wait(0.2):
             dead = set(children.dead()) - reported

@@ -11,8 +11,10 @@ from specserve.cli.common import (
     add_listen_arguments,
     checkpoint_errors_as_user_errors,
     engine_config_from_args,
+    metrics_http_from_args,
     positive_int,
     server_config_from_args,
+    start_metrics_server,
 )
 
 DEFAULT_LISTEN = "127.0.0.1:50052"
@@ -37,12 +39,15 @@ def run(args: argparse.Namespace) -> int:
     server_config = server_config_from_args(args, tuple(args.listen or [DEFAULT_LISTEN]))
     limits = TargetLimits(max_sessions=args.max_sessions, max_queued=args.max_queued,
                           max_draft_tokens=args.max_draft_tokens)
-    checkpoint_errors_as_user_errors(run_async, _serve(engine_config, server_config, args.tensor_parallel_size, limits))
+    metrics_http = metrics_http_from_args(args)
+    checkpoint_errors_as_user_errors(
+        run_async, _serve(engine_config, server_config, args.tensor_parallel_size, limits, metrics_http)
+    )
     exit_now(0)
     return 0
 
 
-async def _serve(engine_config, server_config, tensor_parallel_size: int, limits=None) -> None:
+async def _serve(engine_config, server_config, tensor_parallel_size: int, limits=None, metrics_http=None) -> None:
     from specserve.protos.specserve.v1 import target_pb2_grpc
     from specserve.runtime.servers_common import ServiceBinding, serve_until_signal
     from specserve.runtime.tracing import setup_telemetry
@@ -51,11 +56,14 @@ async def _serve(engine_config, server_config, tensor_parallel_size: int, limits
         SERVICE_NAME,
         EngineWorker,
         TargetServicer,
+        observe_worker,
     )
 
-    telemetry = setup_telemetry("specserve-target")
+    telemetry = setup_telemetry("specserve-target", prometheus=metrics_http is not None)
     worker = await EngineWorker.build(lambda: build_engine(engine_config), limits=limits)
     worker.start()
+    observe_worker(worker)
+    companions = await start_metrics_server(metrics_http, telemetry, "target")
     servicer = TargetServicer(worker, model_name=Path(engine_config.model).name, tensor_parallel_size=tensor_parallel_size)
 
     async def on_stop() -> None:
@@ -70,5 +78,6 @@ async def _serve(engine_config, server_config, tensor_parallel_size: int, limits
         [ServiceBinding(target_pb2_grpc.add_TargetServiceServicer_to_server, servicer, SERVICE_NAME)],
         on_ready=on_ready,
         on_stop=on_stop,
+        companions=companions,
     )
     print("target stopped", file=sys.stderr, flush=True)

@@ -245,8 +245,12 @@ async def serve_until_signal(
     bindings: Sequence[ServiceBinding],
     on_ready: Callable[[RunningServer], None] | None = None,
     on_stop: Callable[[], Awaitable[None]] | None = None,
+    companions: Sequence = (),
 ) -> None:
-    """Run a server until SIGTERM/SIGINT, then drain in-flight calls for grace_s and run on_stop."""
+    """Run a server until SIGTERM/SIGINT, then drain in-flight calls for grace_s and run on_stop.
+
+    ``companions``: started servers beside it on the same loop (an HTTP server: ``stop(grace_s)``), stopped
+    together with the gRPC server, before on_stop."""
     running = await start_server(config, bindings)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -257,7 +261,7 @@ async def serve_until_signal(
             on_ready(running)
         await stop.wait()
     finally:
-        await running.stop(config.grace_s)
+        await asyncio.gather(running.stop(config.grace_s), *(c.stop(config.grace_s) for c in companions))
         if on_stop is not None:
             await on_stop()
 

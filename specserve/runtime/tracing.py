@@ -13,7 +13,7 @@ The glossary words (drafted, accepted, ...) are the ones of specserve/contract/t
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 from opentelemetry import context as otel_context
@@ -79,6 +79,15 @@ class Telemetry:
     service_name: str
     tracer_provider: object | None = None
     meter_provider: object | None = None
+    prometheus_registry: object | None = None  # a prometheus_client CollectorRegistry when asked for
+
+    def prometheus_text(self) -> bytes:
+        """The metrics in Prometheus text format (the same instruments OTLP exports)."""
+        from prometheus_client import generate_latest
+
+        if self.prometheus_registry is None:
+            raise RuntimeError("setup_telemetry was not asked for Prometheus metrics")
+        return generate_latest(self.prometheus_registry)
 
     @property
     def tracing(self) -> bool:
@@ -92,13 +101,16 @@ class Telemetry:
             self.meter_provider.shutdown(timeout_millis=5_000)
 
 
-def setup_telemetry(default_service_name: str) -> Telemetry:
-    """Install the global tracer/meter providers the env vars ask for (none when nothing is set)."""
+def setup_telemetry(default_service_name: str, prometheus: bool = False) -> Telemetry:
+    """Install the global tracer/meter providers the env vars ask for (none when nothing is set).
+
+    ``prometheus``: also read the metrics for a Prometheus scrape (``Telemetry.prometheus_text``), through
+    the OpenTelemetry Prometheus reader, into a registry of this Telemetry's own."""
     name = os.environ.get("OTEL_SERVICE_NAME") or default_service_name
     tel = Telemetry(service_name=name)
     traces = _exporter_choice("OTEL_TRACES_EXPORTER", TRACES_ENV)
     metric_kind = _exporter_choice("OTEL_METRICS_EXPORTER", METRICS_ENV)
-    if traces == "none" and metric_kind == "none":
+    if traces == "none" and metric_kind == "none" and not prometheus:
         return tel
     from opentelemetry.sdk.resources import SERVICE_NAME, Resource
 
@@ -111,12 +123,21 @@ def setup_telemetry(default_service_name: str) -> Telemetry:
         provider.add_span_processor(BatchSpanProcessor(_span_exporter(traces)))
         trace.set_tracer_provider(provider)
         tel.tracer_provider = provider
+    readers = []
     if metric_kind != "none":
-        from opentelemetry.sdk.metrics import MeterProvider
         from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
 
-        reader = PeriodicExportingMetricReader(_metric_exporter(metric_kind))
-        meter_provider = MeterProvider(resource=resource, metric_readers=[reader])
+        readers.append(PeriodicExportingMetricReader(_metric_exporter(metric_kind)))
+    if prometheus:
+        from opentelemetry.exporter.prometheus import PrometheusMetricReader
+        from prometheus_client import CollectorRegistry
+
+        tel.prometheus_registry = CollectorRegistry(auto_describe=True)
+        readers.append(PrometheusMetricReader(registry=tel.prometheus_registry))
+    if readers:
+        from opentelemetry.sdk.metrics import MeterProvider
+
+        meter_provider = MeterProvider(resource=resource, metric_readers=readers)
         metrics.set_meter_provider(meter_provider)
         tel.meter_provider = meter_provider
     return tel
@@ -189,6 +210,8 @@ class SpecMetrics:
     acceptance rate = specserve.spec.accepted / specserve.spec.drafted (two counters); accepted length
     per step and step latency are histograms; accepted-per-position is a counter with a position
     attribute; tokens/s and TTFT are per-request histograms.
+    The target and draft services add their own state through ``observe_service`` (TARGET_METRICS,
+    DRAFT_METRICS below).
     """
 
     def __init__(self) -> None:
@@ -201,6 +224,8 @@ class SpecMetrics:
         self.tokens_per_s = meter.create_histogram("specserve.request.tokens_per_s", unit="{token}/s")
         self.ttft = meter.create_histogram("specserve.request.ttft", unit="s")
         self.requests = meter.create_counter("specserve.requests", unit="{request}")
+        self.prompt_tokens = meter.create_counter("specserve.request.prompt_tokens", unit="{token}")
+        self.completion_tokens = meter.create_counter("specserve.request.completion_tokens", unit="{token}")
 
     def record_step(self, num_drafted: int, num_accepted: int, latency_ms: float) -> None:
         self.drafted.add(num_drafted)
@@ -208,10 +233,14 @@ class SpecMetrics:
         self.accepted_length.record(num_accepted + 1)
         self.step_latency.record(latency_ms)
 
-    def record_request(self, stats: Mapping, finish_reason: str, draft_name: str) -> None:
-        """stats: the JSON stats dict (steps, accepted_per_position, tokens_per_s, ttft_s)."""
+    def record_request(
+        self, stats: Mapping, finish_reason: str, draft_name: str, prompt_tokens: int = 0, completion_tokens: int = 0
+    ) -> None:
+        """A finished request. stats: the JSON stats dict (steps, accepted_per_position, tokens_per_s, ttft_s)."""
         attrs = {ATTR_FINISH_REASON: finish_reason, ATTR_DRAFT_NAME: draft_name}
         self.requests.add(1, attrs)
+        self.prompt_tokens.add(prompt_tokens)
+        self.completion_tokens.add(completion_tokens)
         for i, n in enumerate(stats.get("accepted_per_position", ())):
             if n:
                 self.accepted_per_position.add(int(n), {"position": i})
@@ -219,3 +248,32 @@ class SpecMetrics:
             self.tokens_per_s.record(float(stats["tokens_per_s"]))
         if stats.get("ttft_s") is not None:
             self.ttft.record(float(stats["ttft_s"]))
+
+
+# observable instruments of the gateway, target and draft services (names; the readings are theirs)
+GATEWAY_REQUESTS_RUNNING = "specserve.gateway.requests_running"  # admitted requests (gauge)
+GATEWAY_REQUESTS_QUEUED = "specserve.gateway.requests_queued"    # requests waiting for admission (gauge)
+TARGET_SESSIONS = "specserve.target.sessions"              # open sessions (gauge)
+TARGET_KV_BLOCKS_RESERVED = "specserve.target.kv_blocks_reserved"  # KV blocks reserved by them (gauge)
+TARGET_KV_BLOCKS_TOTAL = "specserve.target.kv_blocks_total"  # KV blocks of the cache (gauge)
+TARGET_VERIFY_STEPS = "specserve.target.verify_steps"      # verify steps served (counter)
+DRAFT_SESSIONS = "specserve.draft.sessions"                # open sessions (gauge)
+DRAFT_PROPOSALS = "specserve.draft.proposals"              # proposals served (counter)
+
+
+def observe_service(
+    gauges: Mapping[str, Callable[[], float]] | None = None, counters: Mapping[str, Callable[[], float]] | None = None
+) -> None:
+    """Observable instruments of a service's own state (name -> a reading of a plain number), read at
+    each export or scrape from the exporting thread; the readings must not touch the model."""
+    from opentelemetry.metrics import Observation
+
+    meter = metrics.get_meter(TRACER_NAME)
+
+    def callback(read: Callable[[], float]):
+        return lambda _options: [Observation(read())]
+
+    for name, read in (gauges or {}).items():
+        meter.create_observable_gauge(name, callbacks=[callback(read)])
+    for name, read in (counters or {}).items():
+        meter.create_observable_counter(name, callbacks=[callback(read)])

@@ -1,0 +1,324 @@
+"""The gateway's OpenAI-compatible HTTP API (Starlette, served by uvicorn on the gateway's event loop).
+
+    POST /v1/completions, POST /v1/chat/completions   (stream: server-sent events, then ``data: [DONE]``)
+    GET  /v1/models                                    the served model and its drafts
+    GET  /health                                       200 while the target answers its health check
+    GET  /metrics                                      Prometheus text of the gateway's OpenTelemetry metrics
+
+Every generation goes through ``GatewayServicer.generate``, the per-request path of gRPC Generate
+(validation, admission, spec loop, spans, metrics); this module only translates bodies
+(gateway/openai_schema.py), renders chat prompts (gateway/chat_template.py) and maps a GatewayError
+to the API's error shape and HTTP status. A client that disconnects cancels its request (both
+services release its session), streamed or not. The W3C trace context of the HTTP headers is the
+parent of the request's spans, so an HTTP request is one trace across gateway, draft and target.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+import uuid
+
+import grpc
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from specserve.gateway.chat_template import ChatTemplate, ChatTemplateError
+from specserve.gateway.openai_schema import (
+    EXTENSION,
+    FINISH_REASONS,
+    ApiError,
+    ApiRequest,
+    ResponseHead,
+    StopHoldback,
+    from_gateway_error,
+    parse_request,
+    stats_extension,
+)
+from specserve.gateway.server import UNAUTHENTICATED_MESSAGE, GatewayError, GatewayServicer
+from specserve.runtime import tracing as tn
+from specserve.runtime.http_serving import metrics_response
+
+HEALTH_TIMEOUT_S = 1.0
+
+
+def _error(exc: ApiError) -> JSONResponse:
+    headers = {"www-authenticate": "Bearer"} if exc.status == 401 else None
+    return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+
+
+def _sse(body: dict | str) -> bytes:
+    return f"data: {body if isinstance(body, str) else json.dumps(body, ensure_ascii=False)}\n\n".encode()
+
+
+async def _disconnected(receive) -> None:
+    """Return once the client has gone (the request body was read already)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _until_disconnect(receive, coro):
+    """coro's result, or None (coro cancelled) when the client goes first."""
+    work = asyncio.ensure_future(coro)
+    gone = asyncio.ensure_future(_disconnected(receive))
+    try:
+        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in (work, gone):
+            if not task.done():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+    return None if work.cancelled() else work.result()
+
+
+_END = object()
+
+
+class _Generation:
+    """One request's GatewayServicer.generate, iterated by a task of its own (its spans and the OTel
+    context they attach stay in one task, as under gRPC); messages reach the HTTP handler through a
+    small queue (backpressure). ``close()`` waits for a request whose final message was taken to end
+    (it releases its sessions), and cancels one that has not got there (which releases them too)."""
+
+    def __init__(self, messages) -> None:
+        self._final_taken = False
+        self._queue: asyncio.Queue = asyncio.Queue(maxsize=64)
+        self._task = asyncio.get_running_loop().create_task(self._run(messages), name="http-generation")
+
+    async def _run(self, messages) -> None:
+        try:
+            async with contextlib.aclosing(messages):
+                async for msg in messages:
+                    await self._queue.put(msg)
+            await self._queue.put(_END)
+        except GatewayError as exc:
+            await self._queue.put(exc)
+        except Exception as exc:  # noqa: BLE001 - a bug: the handler answers INTERNAL instead of waiting forever
+            await self._queue.put(GatewayError(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}"))
+
+    async def next(self):
+        """The next GenerateResponse; raises the request's GatewayError."""
+        item = await self._queue.get()
+        if isinstance(item, GatewayError):
+            raise item
+        if item is _END:
+            raise GatewayError(grpc.StatusCode.INTERNAL, "the request ended without a final message")
+        self._final_taken = item.HasField("final")
+        return item
+
+    async def close(self) -> None:
+        if not self._task.done() and not self._final_taken:
+            self._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task
+
+
+class _EventStream(Response):
+    """A server-sent-event response from an async iterator of bytes; a client that disconnects
+    cancels it (and with it the request)."""
+
+    def __init__(self, events, generation: _Generation) -> None:  # no body, no content-length: chunked
+        self.status_code, self.background = 200, None
+        self.raw_headers = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")]
+        self.events = events
+        self.generation = generation
+
+    async def __call__(self, scope, receive, send) -> None:
+        async def stream() -> None:
+            await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+            async for chunk in self.events:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+        try:
+            with contextlib.suppress(OSError):  # the client went away while a chunk was sent
+                await _until_disconnect(receive, stream())
+        finally:
+            await self.events.aclose()
+            await self.generation.close()
+
+
+class HttpApi:
+    """The routes, over one GatewayServicer."""
+
+    def __init__(
+        self, servicer: GatewayServicer, telemetry, chat_template: ChatTemplate | None, max_body_bytes: int = 4 << 20
+    ) -> None:
+        self.servicer = servicer
+        self.max_body_bytes = max_body_bytes  # the gateway's --max-message-bytes
+        self.telemetry = telemetry
+        self.chat_template = chat_template
+        self.started = int(time.time())
+
+    def app(self) -> Starlette:
+        async def http_error(_request, exc: HTTPException):
+            message = {404: "no such route", 405: "method not allowed"}.get(exc.status_code, str(exc.detail))
+            routes = "/v1/models, /v1/completions, /v1/chat/completions"
+            return _error(ApiError(exc.status_code, f"{message}: see {routes}"))
+
+        return Starlette(
+            routes=[
+                Route("/v1/completions", self.completions, methods=["POST"]),
+                Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+                Route("/v1/models", self.models, methods=["GET"]),
+                Route("/health", self.health, methods=["GET"]),
+                Route("/metrics", self.metrics, methods=["GET"]),
+            ],
+            exception_handlers={HTTPException: http_error},
+        )
+
+    # ------------------------------------------------------------------------------- routes
+    async def completions(self, request: Request) -> Response:
+        return await self._generate(request, chat=False)
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._generate(request, chat=True)
+
+    async def models(self, request: Request) -> Response:
+        try:
+            self._authorize(request)
+        except ApiError as exc:
+            return _error(exc)
+        drafts = self.servicer.drafts.addresses()
+        return JSONResponse({"object": "list", "data": [{
+            "id": self.servicer.model_name, "object": "model", "created": self.started, "owned_by": "specserve",
+            "specserve": {"drafts": sorted(drafts), "default_draft": self.servicer.default_draft},
+        }]})
+
+    async def health(self, _request: Request) -> Response:
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        stub = health_pb2_grpc.HealthStub(self.servicer.target.channel)
+        try:
+            resp = await stub.Check(health_pb2.HealthCheckRequest(), timeout=HEALTH_TIMEOUT_S)
+            serving = resp.status == health_pb2.HealthCheckResponse.SERVING
+        except Exception:  # noqa: BLE001 - any failure to answer: not healthy
+            serving = False
+        if not serving:
+            return _error(ApiError(503, f"the target service at {self.servicer.target.address} is not serving"))
+        return JSONResponse({"status": "ok"})
+
+    async def metrics(self, _request: Request) -> Response:
+        return metrics_response(self.telemetry)
+
+    # ---------------------------------------------------------------------------- generation
+    def _authorize(self, request: Request) -> None:
+        if not self.servicer.token_ok(request.headers.get("authorization")):
+            raise ApiError(401, UNAUTHENTICATED_MESSAGE, code="invalid_api_key")
+
+    async def _parse(self, request: Request, chat: bool) -> ApiRequest:
+        self._authorize(request)
+        raw = bytearray()
+        async for part in request.stream():
+            raw += part
+            if len(raw) > self.max_body_bytes:
+                raise ApiError(413, f"request body: more than the limit of {self.max_body_bytes} bytes "
+                                    "(--max-message-bytes)")
+        try:
+            body = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise ApiError(400, f"request body: not valid JSON ({exc})") from None
+        api = parse_request(body, chat)
+        if api.model != self.servicer.model_name:
+            raise ApiError(
+                404, f"model: {api.model!r} does not exist (this gateway serves {self.servicer.model_name!r})",
+                "model", "model_not_found",
+            )
+        if chat:
+            self._render_chat(api)
+        return api
+
+    def _render_chat(self, api: ApiRequest) -> None:
+        """Chat: the prompt is the conversation rendered by the checkpoint's chat template, tokenized as
+        transformers' apply_chat_template does (the template writes any special tokens itself)."""
+        name = self.servicer.model_name
+        if self.chat_template is None:
+            raise ApiError(400, f"messages: the model {name!r} has no chat template (tokenizer_config.json "
+                                "chat_template); use /v1/completions", "messages")
+        tokenizer = self.servicer.tokenizer
+        if tokenizer is None:
+            raise ApiError(400, "messages: this gateway has no tokenizer (start it with --model)", "messages")
+        try:
+            text = self.chat_template.render(list(api.messages))
+        except ChatTemplateError as exc:
+            raise ApiError(400, str(exc), "messages") from None
+        ids = tokenizer.encode(text, add_special_tokens=False).ids
+        api.request.prompt_ids.extend(ids)
+        if api.fill_max_tokens:
+            info, limit = self.servicer.target.target_info, self.servicer.config.limits.max_new_tokens
+            api.request.max_new_tokens = max(1, min(limit, info.max_context - len(ids)))
+
+    async def _generate(self, request: Request, chat: bool) -> Response:
+        try:
+            api = await self._parse(request, chat)
+        except ApiError as exc:
+            return _error(exc)
+        head = ResponseHead(chat, f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", int(time.time()),
+                            self.servicer.model_name)
+        parent = tn.context_from_metadata(request.headers.items())
+        generation = _Generation(self.servicer.generate(api.request, parent))
+        streaming = False
+        try:
+            # the first message decides between an error status and a 200: validation, admission and
+            # the prefill all come before it
+            try:
+                first = await _until_disconnect(request.receive, generation.next())
+            except GatewayError as exc:
+                return _error(from_gateway_error(exc.code, str(exc), exc.field, chat))
+            if first is None:
+                return Response(status_code=499)  # the client went away (nobody reads this)
+            if api.stream:
+                streaming = True
+                return _EventStream(self._events(api, head, first, generation), generation)
+            whole = await _until_disconnect(request.receive, self._whole(api, head, first, generation))
+            return whole if whole is not None else Response(status_code=499)
+        finally:
+            if not streaming:
+                await generation.close()
+
+    async def _whole(self, api: ApiRequest, head: ResponseHead, first, generation: _Generation) -> Response:
+        ids: list[int] = []
+        msg = first
+        try:
+            while not msg.HasField("final"):
+                ids.extend(msg.delta.token_ids)
+                msg = await generation.next()
+        except GatewayError as exc:
+            return _error(from_gateway_error(exc.code, str(exc), exc.field, api.chat))
+        return JSONResponse(head.whole(msg.final.text, msg.final, ids))
+
+    async def _events(self, api: ApiRequest, head: ResponseHead, first, generation: _Generation):
+        """The SSE chunks of one request: text deltas (stop-string starts held back), a chunk with the
+        finish reason and the speculation statistics, the usage chunk if asked for, then [DONE]. An
+        error after the first token is one ``data: {"error": ...}`` event (the status was sent)."""
+        text = StopHoldback(api.request.stop)
+        usage = api.include_usage
+        ids: list[int] = []
+        if api.chat:
+            yield _sse(head.chunk("", first=True, usage=usage))
+        msg = first
+        try:
+            while not msg.HasField("final"):
+                ids.extend(msg.delta.token_ids)
+                piece = text.push(msg.delta.text)
+                if piece:
+                    yield _sse(head.chunk(piece, usage=usage))
+                msg = await generation.next()
+        except GatewayError as exc:
+            yield _sse(from_gateway_error(exc.code, str(exc), exc.field, api.chat).body())
+            return
+        final = msg.final
+        rest = text.finish(final.text)
+        last = head.chunk(rest or None if api.chat else rest, FINISH_REASONS.get(final.finish_reason, "stop"),
+                          usage=usage)
+        last[EXTENSION] = stats_extension(final, ids)
+        yield _sse(last)
+        if usage:
+            yield _sse(head.usage_chunk(final))
+        yield _sse("[DONE]")
