@@ -1,0 +1,389 @@
+"""The gateway's OpenAI-compatible HTTP API and /metrics, driven with the official `openai` client.
+
+Two stacks of real processes:
+- `specserve serve --http-port 0 --auth-token ...` on the shipped demo model (a copy of its folder whose
+  tokenizer_config.json gains a chat template), ngram draft, exporting traces to an in-test OTLP receiver;
+- `specserve target/draft --metrics-port 0` and `specserve gateway --http-port 0 --max-sessions 1
+  --max-queued 0` on the tiny test checkpoint (no chat template), for admission, disconnects, the
+  services' own metrics, and the target going down (last).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import grpc
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from service_helpers import REPO, Proc, base_env
+
+from specserve.paths import demo_checkpoint
+from specserve.protos.specserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+
+TOKEN = "test-token-123"
+HTTP_READY = "gateway http listening on "
+READY = "gateway listening on "
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{% if m['role'] not in ['system', 'user', 'assistant'] %}"
+    "{{ raise_exception('unknown role ' + m['role']) }}{% endif %}"
+    "<|{{ m['role'] }}|>\n{{ m['content'] | trim }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+PROMPT = "def parse(line):\n    "
+MESSAGES = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "import os"}]
+
+
+def wait_until(cond, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = cond()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"not within {timeout} s: {what}")
+
+
+def scrape(url: str) -> dict[str, float]:
+    """/metrics parsed by prometheus_client: sample name (+ sorted labels but otel_scope_*) -> value."""
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = {k: v for k, v in sample.labels.items() if not k.startswith("otel_scope")}
+            key = sample.name + (json.dumps(labels, sort_keys=True) if labels else "")
+            out[key] = out.get(key, 0.0) + sample.value
+    return out
+
+
+def total(metrics: dict[str, float], name: str) -> float:
+    return sum(v for k, v in metrics.items() if k == name or k.startswith(name + "{"))
+
+
+# ------------------------------------------------------------------------------ demo model stack
+class Served:
+    def __init__(self, model_dir, otlp) -> None:
+        env = base_env(OTEL_EXPORTER_OTLP_ENDPOINT=otlp.endpoint, OTEL_BSP_SCHEDULE_DELAY="100",
+                       OTEL_METRICS_EXPORTER="none")
+        self.proc = Proc("serve", ["--model", str(model_dir), "--draft", "ngram", "--port", "0", "--http-port", "0",
+                                   "--auth-token", TOKEN], env, merge_stderr=False)
+        self.model = model_dir.name
+
+    def ready(self) -> Served:
+        self.url = self.proc.wait_line(HTTP_READY, timeout=240).split()[-1]
+        self.grpc_addr = self.proc.wait_line(READY, timeout=60).split()[-1]
+        self.client = openai.OpenAI(base_url=f"{self.url}/v1", api_key=TOKEN, max_retries=0, timeout=120)
+        return self
+
+    def specserve_client(self, *args: str) -> dict:
+        out = subprocess.run(
+            [sys.executable, "-m", "specserve.cli.main", "client", "--gateway", self.grpc_addr, "--json", *args],
+            capture_output=True, text=True, timeout=120, cwd=REPO, env=base_env(SPECSERVE_AUTH_TOKEN=TOKEN),
+        )
+        assert out.returncode == 0, out.stderr
+        return json.loads(out.stdout)
+
+    def grpc_unary(self, req: gateway_pb2.GenerateRequest) -> gateway_pb2.GenerateResult:
+        with grpc.insecure_channel(self.grpc_addr) as channel:
+            return gateway_pb2_grpc.GatewayStub(channel).GenerateUnary(
+                req, metadata=(("authorization", f"Bearer {TOKEN}"),), timeout=60
+            )
+
+    def grpc_error(self, req: gateway_pb2.GenerateRequest) -> str:
+        with grpc.insecure_channel(self.grpc_addr) as channel:
+            with pytest.raises(grpc.RpcError) as info:
+                gateway_pb2_grpc.GatewayStub(channel).GenerateUnary(
+                    req, metadata=(("authorization", f"Bearer {TOKEN}"),), timeout=30
+                )
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        return info.value.details()
+
+
+@pytest.fixture(scope="module")
+def chat_model_dir(tmp_path_factory):
+    """The shipped demo target, with a chat template in its tokenizer_config.json (weights linked)."""
+    src = demo_checkpoint("target")
+    out = tmp_path_factory.mktemp("chat") / "demo-chat"
+    out.mkdir()
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "generation_config.json"):
+        os.symlink(src / name, out / name)
+    config = json.loads((src / "tokenizer_config.json").read_text())
+    (out / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": CHAT_TEMPLATE}))
+    return out
+
+
+@pytest.fixture(scope="module")
+def stacks(chat_model_dir, otlp_receiver, tiny_target_dir, tmp_path_factory):
+    """Both stacks, started together (their processes load at the same time)."""
+    served = Served(chat_model_dir, otlp_receiver)
+    tiny = TinyStack(tiny_target_dir, tmp_path_factory.mktemp("http_socks"))
+    try:
+        yield served.ready(), tiny.ready()
+    finally:
+        served.proc.stop()
+        tiny.close()
+
+
+@pytest.fixture(scope="module")
+def served(stacks):
+    return stacks[0]
+
+
+@pytest.fixture(scope="module")
+def tiny(stacks):
+    return stacks[1]
+
+
+def stream_text(stream) -> tuple[str, list, object]:
+    """(concatenated text, the chunks, the usage of the last chunk) of a streamed completion."""
+    chunks = list(stream)
+    parts = []
+    for c in chunks:
+        for choice in c.choices:
+            parts.append(choice.delta.content or "" if hasattr(choice, "delta") else choice.text)
+    return "".join(parts), chunks, chunks[-1].usage
+
+
+def test_completion_equals_client_and_streams_the_same_text(served):
+    expected = served.specserve_client("--prompt", PROMPT, "--max-new-tokens", "12")
+    whole = served.client.completions.create(model=served.model, prompt=PROMPT, max_tokens=12, temperature=0)
+    assert whole.choices[0].text == expected["text"] and expected["text"]
+    assert whole.choices[0].finish_reason == "length"
+    from tokenizers import Tokenizer
+
+    prompt_tokens = len(Tokenizer.from_file(str(demo_checkpoint("target") / "tokenizer.json")).encode(PROMPT).ids)
+    assert (whole.usage.prompt_tokens, whole.usage.completion_tokens) == (prompt_tokens, 12)
+    assert whole.usage.total_tokens == prompt_tokens + 12
+    ext = whole.model_extra["specserve"]
+    assert ext["token_ids"] == expected["token_ids"] and ext["mean_accepted_length"] >= 1.0
+    assert isinstance(ext["accepted_per_position"], list) and ext["draft_fallback"] is False
+
+    text, chunks, usage = stream_text(served.client.completions.create(
+        model=served.model, prompt=PROMPT, max_tokens=12, temperature=0, stream=True,
+        stream_options={"include_usage": True},
+    ))
+    assert text == expected["text"]
+    assert chunks[-1].choices == [] and (usage.prompt_tokens, usage.completion_tokens) == (prompt_tokens, 12)
+    assert [c.choices[0].finish_reason for c in chunks[:-1]][-1] == "length"
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_chat_uses_the_checkpoints_template_as_transformers_renders_it(served, chat_model_dir):
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    rendered = PreTrainedTokenizerFast.from_pretrained(str(chat_model_dir)).apply_chat_template(
+        MESSAGES, tokenize=False, add_generation_prompt=True
+    )
+    ids = Tokenizer.from_file(str(chat_model_dir / "tokenizer.json")).encode(rendered, add_special_tokens=False).ids
+    expected = served.specserve_client("--prompt-ids", ",".join(map(str, ids)), "--max-new-tokens", "10")
+    whole = served.client.chat.completions.create(model=served.model, messages=MESSAGES, max_tokens=10, temperature=0)
+    msg = whole.choices[0].message
+    assert msg.role == "assistant" and msg.content == expected["text"] and expected["text"]
+    assert (whole.usage.prompt_tokens, whole.usage.completion_tokens) == (len(ids), 10)
+
+    text, chunks, _ = stream_text(served.client.chat.completions.create(
+        model=served.model, messages=MESSAGES, max_tokens=10, temperature=0, stream=True
+    ))
+    assert text == expected["text"]
+    assert chunks[0].choices[0].delta.role == "assistant" and chunks[-1].choices[0].finish_reason == "length"
+    with pytest.raises(openai.BadRequestError, match="unknown role tool"):
+        served.client.chat.completions.create(model=served.model, messages=[{"role": "tool", "content": "x"}])
+
+
+def test_stop_strings_and_max_tokens_behave_as_the_api_says(served):
+    long = served.client.completions.create(model=served.model, prompt=PROMPT, max_tokens=24, temperature=0)
+    full = long.choices[0].text
+    stop = full[6:9]  # three characters from inside the greedy completion
+    cut = full[: full.find(stop)]
+    whole = served.client.completions.create(model=served.model, prompt=PROMPT, max_tokens=24, temperature=0,
+                                             stop=[stop, "never-seen"])
+    assert whole.choices[0].text == cut and whole.choices[0].finish_reason == "stop"
+    assert whole.model_extra["specserve"]["finish_reason"] == "stop"
+    assert whole.usage.completion_tokens < 24
+    text, chunks, _ = stream_text(served.client.completions.create(
+        model=served.model, prompt=PROMPT, max_tokens=24, temperature=0, stop=stop, stream=True
+    ))
+    assert text == cut and chunks[-1].choices[0].finish_reason == "stop"
+    short = served.client.completions.create(model=served.model, prompt=PROMPT, max_tokens=3, temperature=0)
+    assert short.usage.completion_tokens == 3 and short.choices[0].finish_reason == "length"
+    assert full.startswith(short.choices[0].text)
+
+
+def test_bad_requests_wrong_token_and_unknown_model_get_the_api_statuses(served):
+    c, m = served.client, served.model
+    with pytest.raises(openai.BadRequestError) as info:
+        c.completions.create(model=m, prompt=PROMPT, max_tokens=5000)
+    grpc_message = served.grpc_error(gateway_pb2.GenerateRequest(prompt=PROMPT, max_new_tokens=5000))
+    assert info.value.body["message"] == grpc_message == (
+        "max_new_tokens: 5000 exceeds the limit of 4096 (--max-output-tokens)"
+    )
+    assert info.value.body["param"] == "max_tokens"
+    with pytest.raises(openai.BadRequestError) as info:
+        c.completions.create(model=m, prompt=PROMPT, temperature=-1)
+    assert info.value.body["message"] == served.grpc_error(gateway_pb2.GenerateRequest(
+        prompt=PROMPT, max_new_tokens=16, sampling=common_pb2.SamplingParams(temperature=-1)))
+    with pytest.raises(openai.BadRequestError, match="draft: unknown draft 'eagle9'"):
+        c.completions.create(model=m, prompt=PROMPT, extra_body={"draft": "eagle9"})
+    with pytest.raises(openai.BadRequestError, match="only n = 1"):
+        c.completions.create(model=m, prompt=PROMPT, n=2)
+    with pytest.raises(openai.BadRequestError, match="prompt: empty"):
+        c.completions.create(model=m, prompt="")
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{served.url}/v1", api_key="wrong", max_retries=0).completions.create(
+            model=m, prompt=PROMPT)
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{served.url}/v1", api_key="wrong", max_retries=0).models.list()
+    with pytest.raises(openai.NotFoundError, match="'gpt-4' does not exist"):
+        c.chat.completions.create(model="gpt-4", messages=MESSAGES)
+    raw = httpx.post(f"{served.url}/v1/completions", content=b"{not json", headers={"authorization": f"Bearer {TOKEN}"})
+    assert raw.status_code == 400 and raw.json()["error"]["message"].startswith("request body: not valid JSON")
+    big = httpx.post(f"{served.url}/v1/completions", content=b" " * (5 << 20),
+                     headers={"authorization": f"Bearer {TOKEN}"})
+    assert big.status_code == 413 and "(--max-message-bytes)" in big.json()["error"]["message"]
+    assert httpx.get(f"{served.url}/v1/nothing").json()["error"]["message"].startswith("no such route")
+
+
+def test_speculation_settings_ride_as_extra_fields(served):
+    base = served.client.completions.create(model=served.model, prompt=PROMPT, max_tokens=10, temperature=0,
+                                            extra_body={"draft": "none"})
+    assert base.model_extra["specserve"]["accepted_per_position"] == []
+    spec = served.client.completions.create(
+        model=served.model, prompt=PROMPT, max_tokens=10, temperature=0,
+        extra_body={"num_speculative_tokens": 2, "speculation": "adaptive"},
+    )
+    assert spec.choices[0].text == base.choices[0].text  # lossless
+    assert len(spec.model_extra["specserve"]["accepted_per_position"]) <= 2
+    with pytest.raises(openai.BadRequestError, match="tree_nodes: draft 'ngram' \\(ngram\\) drafts chains only"):
+        served.client.completions.create(model=served.model, prompt=PROMPT, extra_body={"tree_nodes": 8})
+
+
+def test_seeded_sampling_is_the_grpc_apis(served):
+    kw = dict(model=served.model, prompt=PROMPT, max_tokens=10, temperature=0.9, top_p=0.8, seed=7)
+    one, two = served.client.completions.create(**kw), served.client.completions.create(**kw)
+    sampled = served.grpc_unary(gateway_pb2.GenerateRequest(
+        prompt=PROMPT, max_new_tokens=10, sampling=common_pb2.SamplingParams(temperature=0.9, top_p=0.8, seed=7)))
+    assert one.choices[0].text == two.choices[0].text == sampled.text
+    assert one.model_extra["specserve"]["token_ids"] == list(sampled.token_ids)
+
+
+def test_models_and_health(served):
+    models = served.client.models.list().data
+    assert [m.id for m in models] == [served.model]
+    assert models[0].model_extra["specserve"] == {"drafts": ["ngram"], "default_draft": "ngram"}
+    assert httpx.get(f"{served.url}/health").json() == {"status": "ok"}  # open for probes, like gRPC health
+
+
+def test_metrics_scrape_moves_with_a_request(served):
+    before = scrape(served.url)
+    repetitive = "x = 1\ny = 2\nx = 1\ny = 2\nx = 1\ny = 2\nx = 1\n"
+    resp = served.client.completions.create(model=served.model, prompt=repetitive, max_tokens=16, temperature=0)
+    ext = resp.model_extra["specserve"]
+    after = wait_until(lambda: (m := scrape(served.url)) and total(m, "specserve_requests_total")
+                       > total(before, "specserve_requests_total") and m, 10, "the request counted")
+    assert total(after, "specserve_requests_total") - total(before, "specserve_requests_total") == 1
+    moved = {n: total(after, n) - total(before, n) for n in (
+        "specserve_request_completion_tokens_total", "specserve_request_prompt_tokens_total",
+        "specserve_spec_accepted_total", "specserve_spec_drafted_total")}
+    assert moved["specserve_request_completion_tokens_total"] == resp.usage.completion_tokens == 16
+    assert moved["specserve_request_prompt_tokens_total"] == resp.usage.prompt_tokens
+    assert moved["specserve_spec_accepted_total"] == sum(ext["accepted_per_position"]) > 0
+    assert moved["specserve_spec_drafted_total"] >= moved["specserve_spec_accepted_total"]
+    assert total(after, "specserve_gateway_requests_running") == 0
+
+
+def test_an_http_request_is_one_trace_across_the_three_services(served, otlp_receiver):
+    trace_id = "4bf92f3577b34da6a3ce929d0e0e4736"
+    headers = {"authorization": f"Bearer {TOKEN}", "traceparent": f"00-{trace_id}-00f067aa0ba902b7-01"}
+    r = httpx.post(f"{served.url}/v1/completions", headers=headers, timeout=60,
+                   json={"model": served.model, "prompt": "x = 1\nx = 1\nx =", "max_tokens": 6, "temperature": 0})
+    assert r.status_code == 200
+
+    def services():
+        spans = [s for s in otlp_receiver.snapshot() if s.trace_id == trace_id]
+        found = {(s.service, s.name) for s in spans}
+        need = {("specserve-gateway", "gateway.request"), ("specserve-target", "target.prefill"),
+                ("specserve-draft", "draft.propose")}
+        return need <= found and spans
+
+    spans = wait_until(services, 15, "gateway, target and draft spans in the caller's trace")
+    root = next(s for s in spans if s.name == "gateway.request")
+    assert root.parent_span_id == "00f067aa0ba902b7"
+
+
+# ------------------------------------------------------------------------------ tiny model stack
+class TinyStack:
+    def __init__(self, ckpt, sockets) -> None:
+        env = base_env()
+        t_addr, d_addr = f"unix:{sockets}/t.sock", f"unix:{sockets}/d.sock"
+        self.target = Proc("target", ["--model", str(ckpt), "--listen", t_addr, "--num-kv-blocks", "256",
+                                      "--metrics-port", "0"], env)
+        self.draft = Proc("draft", ["--draft", "ngram", "--model", str(ckpt), "--listen", d_addr,
+                                    "--metrics-port", "0"], env)
+        # the gateway waits for the target itself (--connect-timeout-s)
+        self.gateway = Proc("gateway", ["--target", t_addr, "--draft-service", f"ngram={d_addr}", "--model", str(ckpt),
+                                        "--port", "0", "--http-port", "0", "--max-sessions", "1", "--max-queued", "0"],
+                            env)
+        self.model = ckpt.name
+
+    def ready(self) -> TinyStack:
+        self.target_metrics = self.target.wait_line("target metrics on ", 180).split()[-1].removesuffix("/metrics")
+        self.draft_metrics = self.draft.wait_line("draft metrics on ", 180).split()[-1].removesuffix("/metrics")
+        self.url = self.gateway.wait_line(HTTP_READY, 180).split()[-1]
+        self.gateway.wait_line(READY, 60)
+        self.client = openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0, timeout=60)
+        return self
+
+    def close(self) -> None:
+        for p in (self.gateway, self.draft, self.target):
+            p.stop()
+
+
+def test_chat_without_a_template_is_a_400_that_says_so(tiny):
+    with pytest.raises(openai.BadRequestError, match="has no chat template"):
+        tiny.client.chat.completions.create(model=tiny.model, messages=MESSAGES)
+    ok = tiny.client.completions.create(model=tiny.model, prompt="abc", max_tokens=4, temperature=0)
+    assert ok.usage.completion_tokens == 4
+
+
+def test_admission_429_and_a_disconnect_cancels_and_releases(tiny):
+    before = scrape(tiny.url)
+    held = tiny.client.completions.create(model=tiny.model, prompt=[5, 17, 99, 5, 17, 3], max_tokens=480,
+                                          temperature=0, stream=True)
+    first = next(iter(held))  # admitted and prefilled: the gateway's one running slot is taken
+    assert first.choices[0].text is not None
+    with pytest.raises(openai.RateLimitError, match="busy: 1 requests running"):
+        tiny.client.completions.create(model=tiny.model, prompt="abc", max_tokens=4)
+    assert scrape(tiny.target_metrics)["specserve_target_sessions"] == 1
+    held.close()  # the client disconnects mid-stream
+
+    def released():
+        gw, tg, dr = scrape(tiny.url), scrape(tiny.target_metrics), scrape(tiny.draft_metrics)
+        return (gw["specserve_gateway_requests_running"] == 0 and tg["specserve_target_sessions"] == 0
+                and dr["specserve_draft_sessions"] == 0)
+
+    wait_until(released, 10, "the gateway slot and both services' sessions released")
+    after = scrape(tiny.url)
+    # cancelled, not finished: no final message was counted for it
+    assert total(after, "specserve_requests_total") == total(before, "specserve_requests_total")
+    assert tiny.client.completions.create(model=tiny.model, prompt="abc", max_tokens=2).usage.completion_tokens == 2
+
+
+def test_target_and_draft_serve_their_own_metrics(tiny):
+    tiny.client.completions.create(model=tiny.model, prompt=[1, 2, 3, 1, 2, 3, 1, 2], max_tokens=8, temperature=0)
+    target, draft = scrape(tiny.target_metrics), scrape(tiny.draft_metrics)
+    assert target["specserve_target_verify_steps_total"] >= 1 and target["specserve_target_kv_blocks_total"] == 256
+    assert draft["specserve_draft_proposals_total"] >= 1
+
+
+def test_target_down_is_a_503(tiny):  # last: breaks the stack
+    tiny.target.stop()
+    with pytest.raises(openai.InternalServerError) as info:
+        tiny.client.completions.create(model=tiny.model, prompt="abc", max_tokens=4)
+    assert info.value.status_code == 503 and "target" in info.value.message
+    assert httpx.get(f"{tiny.url}/health").status_code == 503
