@@ -307,7 +307,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             most = endpoint.last_info.max_block_size
             if checked.num_speculative_tokens > most:  # refused, never silently drafted shorter
                 self.drafts.release(endpoint)
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, too_long_block(checked, endpoint.last_info))
+                raise GatewayError(grpc.StatusCode.INVALID_ARGUMENT, too_long_block(checked, endpoint.last_info),
+                                   "num_speculative_tokens")
             k = min(k, most)  # the default k on a draft that drafts fewer
         tree = checked.tree if endpoint is not None else None
         if tree is not None and endpoint.last_info is not None and not endpoint.last_info.supports_tree:
