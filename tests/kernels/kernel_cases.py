@@ -109,3 +109,22 @@ def run_mla_case(device, shape, q_lens, ctx, block_size, tree, dtype, num_splits
     assert torch.equal(out[n:], torch.zeros_like(out[n:])), "padding rows must be zeros"
 
 
+
+
+ULP = {torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10, torch.float32: 2.0**-20}
+
+
+def assert_close_ulps(out: torch.Tensor, ref: torch.Tensor, ulps: float = 2.0, exact_share: float = 0.98) -> None:
+    """Within `ulps` units in the last place of the io dtype everywhere, and bit-equal in most elements
+    (bf16/fp16: the kernels round the same fp32 values as torch; only rsqrt and sum order differ). NaN fails."""
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    o, r = out.double(), ref.double()
+    bound = ulps * ULP[ref.dtype] * (r.abs() + 1e-3)
+    assert bool(((o - r).abs() <= bound).all()), f"max diff {float((o - r).abs().max())}"
+    if ref.dtype != torch.float32:
+        share = float((o == r).double().mean())
+        assert share >= exact_share, f"only {share:.4f} of elements bit-equal"
+
+
+def norm_weight(h: int, gen: torch.Generator, device: str, dtype: torch.dtype) -> torch.Tensor:
+    return (1.0 + 0.3 * torch.randn(h, generator=gen)).to(device=device, dtype=dtype)
