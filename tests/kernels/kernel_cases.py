@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from types import MappingProxyType
 
 import torch
 from kernel_test_utils import poison_cuda_allocator, random_block_tables, random_tree_mask, rel_err
@@ -12,6 +13,7 @@ from specserve.kernels.paged_attention import paged_gqa_attention, paged_mla_att
 from specserve.kernels.paged_attention_reference import gqa_rows_reference, mla_rows_reference
 from specserve.kernels.paged_batch import PagedBatch
 from specserve.kernels.paged_rows import PagedRows
+from specserve.kernels.router_reference import RouterConfig
 
 
 def paged_case(
@@ -128,3 +130,56 @@ def assert_close_ulps(out: torch.Tensor, ref: torch.Tensor, ulps: float = 2.0, e
 
 def norm_weight(h: int, gen: torch.Generator, device: str, dtype: torch.dtype) -> torch.Tensor:
     return (1.0 + 0.3 * torch.randn(h, generator=gen)).to(device=device, dtype=dtype)
+
+
+def _router_margins_ok(logits: torch.Tensor, bias: torch.Tensor | None, cfg, rel: float = 1e-4) -> torch.Tensor:
+    """[T] bool: the row's selection has no near-tie (group cut, top-k cut, order of the top k), in fp64."""
+    x = logits.double()
+    s = x.sigmoid() if cfg.scoring == "sigmoid" else torch.softmax(x, dim=-1)
+    c = s + bias.double() if bias is not None else s
+    gap = rel * c.abs().amax(dim=-1)  # [T]
+    ok = torch.ones(x.shape[0], dtype=torch.bool)
+    if cfg.n_group > 1:
+        per = cfg.num_experts // cfg.n_group
+        gs = c.view(-1, cfg.n_group, per).topk(min(2, per), dim=-1)[0].sum(-1).sort(dim=-1, descending=True)[0]
+        if cfg.topk_group < cfg.n_group:
+            ok &= (gs[:, cfg.topk_group - 1] - gs[:, cfg.topk_group]) > gap
+        best = c.view(-1, cfg.n_group, per).topk(min(2, per), dim=-1)[0].sum(-1).topk(cfg.topk_group, dim=-1)[1]
+        keep = torch.zeros(x.shape[0], cfg.n_group, dtype=torch.bool).scatter_(1, best, True)
+        c = c.masked_fill(~keep.repeat_interleave(per, dim=1), float("-inf"))
+    top = c.sort(dim=-1, descending=True)[0][:, : cfg.top_k + 1]
+    diffs = top[:, :-1] - top[:, 1:]
+    return ok & (torch.nan_to_num(diffs, posinf=1e9) > gap[:, None]).all(dim=-1)
+
+
+def router_case(t: int, cfg, with_bias: bool, dtype: torch.dtype, gen: torch.Generator, device: str,
+                scale: float = 2.0, bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(logits [T, E] in dtype, bias [E] fp32 or None) with no near-tie in any row (rows redrawn until so);
+    `bias` reuses a given correction bias."""
+    if bias is None and with_bias:
+        bias = 0.05 * torch.randn(cfg.num_experts, generator=gen)
+    bias = None if bias is None else bias.float().cpu()
+    logits = (scale * torch.randn(t, cfg.num_experts, generator=gen)).to(dtype)
+    for _ in range(100):
+        bad = ~_router_margins_ok(logits.float(), bias, cfg)
+        if not bool(bad.any()):
+            break
+        logits[bad] = (scale * torch.randn(int(bad.sum()), cfg.num_experts, generator=gen)).to(dtype)
+    else:
+        raise AssertionError("could not draw tie-free router logits")
+    return logits.to(device), None if bias is None else bias.to(device)
+
+
+# The routers of public MoE models and odd sizes: name -> (config, with a correction bias).
+ROUTERS = MappingProxyType({  # name: (config, with correction bias)
+    "qwen3_30b_a3b": (RouterConfig(128, 8, "softmax", norm_topk_prob=True), False),
+    "qwen3_moe_no_renorm": (RouterConfig(128, 8, "softmax", norm_topk_prob=False), False),
+    "mixtral": (RouterConfig(8, 2, "softmax"), False),
+    "qwen2_moe_60": (RouterConfig(60, 6, "softmax", norm_topk_prob=False), False),
+    "deepseek_v3": (RouterConfig(256, 8, "sigmoid", 8, 4, True, 2.5), True),
+    "kimi_k2": (RouterConfig(384, 8, "sigmoid", 1, 1, True, 2.827), True),
+    "demo": (RouterConfig(16, 4, "sigmoid", 4, 2, True, 1.0), True),
+    "odd_groups": (RouterConfig(72, 5, "sigmoid", 3, 2, True, 1.5), True),
+    "one_expert_groups": (RouterConfig(8, 3, "sigmoid", 8, 4, False, 1.0), False),
+    "sigmoid_no_bias": (RouterConfig(64, 6, "sigmoid", 4, 3, True, 1.0), False),
+})
