@@ -116,12 +116,15 @@ def run_mla_case(device, shape, q_lens, ctx, block_size, tree, dtype, num_splits
 ULP = {torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10, torch.float32: 2.0**-20}
 
 
-def assert_close_ulps(out: torch.Tensor, ref: torch.Tensor, ulps: float = 2.0, exact_share: float = 0.98) -> None:
+def assert_close_ulps(out: torch.Tensor, ref: torch.Tensor, ulps: float = 2.0, exact_share: float = 0.98,
+                      row_scale: bool = False) -> None:
     """Within `ulps` units in the last place of the io dtype everywhere, and bit-equal in most elements
-    (bf16/fp16: the kernels round the same fp32 values as torch; only rsqrt and sum order differ). NaN fails."""
+    (bf16/fp16: the kernels round the same fp32 values as torch; only rsqrt and sum order differ). NaN fails.
+    row_scale: ulps of the row's largest element (an input ulp carried through a difference, as in RoPE)."""
     assert out.shape == ref.shape and out.dtype == ref.dtype
     o, r = out.double(), ref.double()
-    bound = ulps * ULP[ref.dtype] * (r.abs() + 1e-3)
+    scale = r.abs().amax(dim=-1, keepdim=True) if row_scale else 0.0
+    bound = ulps * ULP[ref.dtype] * (r.abs() + scale + 1e-3)
     assert bool(((o - r).abs() <= bound).all()), f"max diff {float((o - r).abs().max())}"
     if ref.dtype != torch.float32:
         share = float((o == r).double().mean())
@@ -183,3 +186,96 @@ ROUTERS = MappingProxyType({  # name: (config, with correction bias)
     "one_expert_groups": (RouterConfig(8, 3, "sigmoid", 8, 4, False, 1.0), False),
     "sigmoid_no_bias": (RouterConfig(64, 6, "sigmoid", 4, 3, True, 1.0), False),
 })
+
+
+def rope_tables(max_pos: int, dim: int, dtype: torch.dtype, device: str,
+                theta: float = 10000.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [max_pos, dim / 2] in dtype, computed as RotaryEmbedding.cos_sin computes them (default rope)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    freqs = torch.arange(max_pos).float()[:, None] * inv_freq[None, :]
+    return freqs.cos().to(device=device, dtype=dtype), freqs.sin().to(device=device, dtype=dtype)
+
+
+def slots_and_positions(t: int, num_slots: int, max_pos: int, gen: torch.Generator,
+                        device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Distinct random cache slots (every fourth token -1: not written) and random positions, [T] int64 each."""
+    slots = torch.randperm(num_slots, generator=gen)[:t]
+    slots[torch.arange(t) % 4 == 3] = -1
+    positions = torch.randint(0, max_pos, (t,), generator=gen)
+    return slots.to(device), positions.to(device)
+
+
+def poison_slots(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """A copy of cache whose entries at the written slots are NaN (so an unwritten element shows)."""
+    out = cache.clone()
+    flat = out.view(cache.shape[0] * cache.shape[1], -1)
+    flat[slots[slots >= 0]] = float("nan")
+    return out
+
+
+def _compare(out: torch.Tensor, ref: torch.Tensor, exact: bool, loose: bool) -> None:
+    """Kernel vs reference. exact: bit-equal (bf16/fp16 RoPE without a norm: the same roundings as torch);
+    else within ulps of the row and mostly bit-equal; `loose`: bf16 under the interpreter (truncating casts)."""
+    if loose:
+        assert_close_ulps(out, ref, ulps=8.0, exact_share=0.0, row_scale=True)
+    elif exact:
+        assert torch.equal(out, ref)
+    else:
+        assert_close_ulps(out, ref, row_scale=True)
+
+
+def run_rope_gqa_case(device, shape, t, dtype, interleaved, qk_norm, seed, loose=False):
+    """rope_cache_gqa on strided q/k/v views of one qkv output, NaN q_out and NaN target cache slots."""
+    from specserve.kernels.rope_cache import rope_cache_gqa
+    from specserve.kernels.rope_cache_reference import rope_cache_gqa_reference
+
+    hq, hkv, d = shape
+    gen = torch.Generator().manual_seed(seed)
+    qkv = randn((t, (hq + 2 * hkv) * d), gen, device, dtype, scale=2.0)
+    q = qkv[:, : hq * d].view(t, hq, d)
+    k = qkv[:, hq * d: (hq + hkv) * d].view(t, hkv, d)
+    v = qkv[:, (hq + hkv) * d:].view(t, hkv, d)
+    cos, sin = rope_tables(4096, d, dtype, device)
+    nb, bs = -(-2 * t // 16) + 1, 16
+    slots, positions = slots_and_positions(t, nb * bs, 4096, gen, device)
+    qw, kw = (norm_weight(d, gen, device, dtype), norm_weight(d, gen, device, dtype)) if qk_norm else (None, None)
+    cache = poison_slots(randn((nb, bs, 2, hkv, d), gen, device, dtype), slots)
+    ref_cache = cache.clone()
+    ref_q = rope_cache_gqa_reference(q, k, v, positions, cos, sin, ref_cache, slots, interleaved, qw, kw)
+    q_out = nan_like((t, hq, d), device, dtype)
+    poison_cuda_allocator()
+    rope_cache_gqa(q, k, v, positions, cos, sin, cache, slots, interleaved=interleaved, q_norm_weight=qw,
+                   k_norm_weight=kw, q_out=q_out, validate=True)
+    sync(device)
+    exact = not qk_norm and dtype != torch.float32
+    _compare(q_out, ref_q, exact, loose)
+    assert torch.equal(cache.isnan(), ref_cache.isnan()), "written slots must be written, the rest untouched"
+    _compare(torch.nan_to_num(cache), torch.nan_to_num(ref_cache), exact, loose)
+    assert torch.equal(cache[:, :, 1], ref_cache[:, :, 1]), "v is copied exactly"
+
+
+def run_rope_mla_case(device, shape, t, dtype, interleaved, latent_norm, seed, loose=False):
+    """rope_cache_mla on latent / k_pe views of one kv_a output, NaN q_pe_out and NaN target cache slots."""
+    from specserve.kernels.rope_cache import rope_cache_mla
+    from specserve.kernels.rope_cache_reference import rope_cache_mla_reference
+
+    h, r, p = shape
+    gen = torch.Generator().manual_seed(seed)
+    q_pe = randn((t, h, p), gen, device, dtype, scale=2.0)
+    kv_a = randn((t, r + p), gen, device, dtype, scale=2.0)
+    latent, k_pe = kv_a[:, :r], kv_a[:, r:]
+    cos, sin = rope_tables(4096, p, dtype, device)
+    nb, bs = -(-2 * t // 16) + 1, 16
+    slots, positions = slots_and_positions(t, nb * bs, 4096, gen, device)
+    lw = norm_weight(r, gen, device, dtype) if latent_norm else None
+    cache = poison_slots(randn((nb, bs, r + p), gen, device, dtype), slots)
+    ref_cache = cache.clone()
+    ref_q = rope_cache_mla_reference(q_pe, k_pe, latent, positions, cos, sin, ref_cache, slots, interleaved, lw)
+    q_out = nan_like((t, h, p), device, dtype)
+    poison_cuda_allocator()
+    rope_cache_mla(q_pe, k_pe, latent, positions, cos, sin, cache, slots, interleaved=interleaved,
+                   latent_norm_weight=lw, q_pe_out=q_out, validate=True)
+    sync(device)
+    _compare(q_out, ref_q, dtype != torch.float32, loose)  # no norm on q_pe
+    assert torch.equal(cache.isnan(), ref_cache.isnan()), "written slots must be written, the rest untouched"
+    _compare(torch.nan_to_num(cache), torch.nan_to_num(ref_cache), not latent_norm and dtype != torch.float32, loose)
