@@ -165,6 +165,34 @@ class PagedRows:
                    None if mask is None else mask.to(dev))
 
 
+def allocate_rows(num_requests: int, num_rows: int, max_blocks: int, max_new: int | None,
+                  device: torch.device | str) -> PagedRows:
+    """Static buffers for a captured step: every row padding (-1), every request empty; max_new=None: causal."""
+    require(min(num_requests, num_rows, max_blocks) >= 1 and (max_new is None or max_new >= 1),
+            f"sizes must be >= 1, got {num_requests}, {num_rows}, {max_blocks}, {max_new}")
+
+    def i32(*shape: int) -> torch.Tensor:
+        return torch.zeros(shape, dtype=torch.int32, device=device)
+
+    mask = None if max_new is None else torch.zeros(num_rows, max_new, dtype=torch.bool, device=device)
+    return PagedRows(i32(num_requests, max_blocks), i32(num_requests), i32(num_requests),
+                     torch.full((num_rows,), -1, dtype=torch.int32, device=device), i32(num_rows), mask)
+
+
+def write_rows_(rows: PagedRows, batch: PagedBatch) -> None:
+    """Fill static buffers (from allocate_rows) with a host batch: one host build, one copy per field, no
+    allocation on the device; the batch must fit the buffers' sizes (KernelArgumentError otherwise)."""
+    require(rows.tree_mask is not None or not batch.has_tree, "the batch has a tree mask but the buffers are causal")
+    src = PagedRows.from_batch(batch, "cpu", num_rows=rows.num_rows, num_requests=rows.num_requests,
+                               max_blocks=rows.max_blocks,
+                               max_new=rows.tree_mask.shape[1] if rows.tree_mask is not None else None,
+                               tree=rows.tree_mask is not None)
+    for name in ("block_tables", "kv_lens", "new_starts", "row_request", "row_index", "tree_mask"):
+        dst = getattr(rows, name)
+        if dst is not None:
+            dst.copy_(getattr(src, name), non_blocking=True)
+
+
 def check_rows_match(rows: PagedRows, name: str, t: torch.Tensor) -> None:
     """t must have one entry per row on the rows' device."""
     check_dim(name, t, 0, rows.num_rows, "the number of rows N = row_request.shape[0]")

@@ -16,7 +16,7 @@ from specserve.kernels.attention_reference import mla_attention_reference, paged
 from specserve.kernels.checks import KernelArgumentError, triton_interpreting
 from specserve.kernels.paged_attention import HAS_TRITON, num_splits_for, paged_gqa_attention, paged_mla_attention
 from specserve.kernels.paged_attention_reference import gqa_rows_reference, mla_rows_reference
-from specserve.kernels.paged_rows import PagedRows
+from specserve.kernels.paged_rows import PagedRows, allocate_rows, write_rows_
 
 interpreted = pytest.mark.skipif(not (HAS_TRITON and triton_interpreting()),
                                  reason="needs triton and TRITON_INTERPRET=1 (runs the kernels on the CPU)")
@@ -179,6 +179,27 @@ def test_wrappers_reject_bad_arguments() -> None:
     else:
         with pytest.raises(KernelArgumentError, match="triton" if not HAS_TRITON else "CUDA tensors"):
             paged_gqa_attention(q, cache, rows)
+
+
+def test_static_buffers_take_successive_batches() -> None:
+    """write_rows_ refills buffers from allocate_rows in place; the rows then describe exactly the new batch."""
+    gen = torch.Generator().manual_seed(8)
+    rows = allocate_rows(num_requests=3, num_rows=9, max_blocks=6, max_new=5, device="cpu")
+    ptrs = [t.data_ptr() for t in (rows.block_tables, rows.row_request, rows.tree_mask)]
+    cache = randn((40, 4, 2, 2, 8), gen, "cpu", torch.float32)
+    for q_lens, ctx, tree in (([2, 5], [3, 10], True), ([1, 1, 1], [0, 7, 19], False), ([4], [16], True)):
+        batch, _, _ = paged_case(q_lens, ctx, 4, tree, gen, "cpu")
+        write_rows_(rows, batch)
+        assert [t.data_ptr() for t in (rows.block_tables, rows.row_request, rows.tree_mask)] == ptrs
+        n = batch.num_tokens
+        assert rows.row_request[n:].eq(-1).all()
+        q = randn((9, 4, 8), gen, "cpu", torch.float32)
+        assert rel_err(gqa_rows_reference(q, cache, rows)[:n], paged_attention_reference(q[:n], cache, batch)) < 1e-6
+    causal = allocate_rows(2, 4, 4, None, "cpu")
+    with pytest.raises(KernelArgumentError, match="buffers are causal"):
+        write_rows_(causal, paged_case([2], [3], 4, True, gen, "cpu")[0])
+    with pytest.raises(KernelArgumentError, match="below the batch"):
+        write_rows_(causal, paged_case([5], [3], 4, False, gen, "cpu")[0])
 
 
 def test_num_splits_for_static_grids() -> None:
