@@ -26,6 +26,7 @@ MOE_BACKENDS = ("auto", "torch", "fused")
 class BackendChoice:
     attention: str  # "torch" | "flashinfer" | "paged_torch" | "reference"
     moe: str  # "torch" | "fused"
+    fused_layers: bool = False  # RMSNorm and the MoE router as Triton kernels (on with the fused MoE)
 
     def __post_init__(self) -> None:
         if self.attention not in ("torch", "flashinfer", "paged_torch", "reference"):
@@ -58,7 +59,7 @@ def select_backends(config, device: torch.device | str, dtype: torch.dtype, atte
     why = fused_moe_unsupported(device, dtype) if moe != "torch" else "asked for torch"
     if moe == "fused" and why:
         raise AttentionBackendError(f"the fused MoE cannot run here: {why}")
-    return BackendChoice(attention=att, moe="torch" if why else "fused")
+    return BackendChoice(attention=att, moe="torch" if why else "fused", fused_layers=not why)
 
 
 def install_backends(model, choice: BackendChoice, block_size: int, device: torch.device | str,
@@ -70,4 +71,5 @@ def install_backends(model, choice: BackendChoice, block_size: int, device: torc
         model.set_experts_fn(fused_moe)
     else:
         model.set_experts_fn(moe_reference)
+    model.set_fused_layers(choice.fused_layers)
     model.set_attention_backend(make_attention_backend(model, choice.attention, block_size, device, dtype))

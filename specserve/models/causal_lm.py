@@ -106,6 +106,16 @@ class CausalLM(nn.Module):
             if layer.is_moe:
                 layer.mlp.experts_fn = experts_fn
 
+    def set_fused_layers(self, enabled: bool) -> None:
+        """RMSNorm and the MoE router through their one-launch Triton kernels (kernels/norm.py, kernels/router.py),
+        or the plain-torch code."""
+        from specserve.models.layers import RMSNorm
+        from specserve.models.moe import TopKRouter
+
+        for module in self.modules():
+            if isinstance(module, (RMSNorm, TopKRouter)):
+                module.use_kernel = enabled
+
     def set_attention_backend(self, backend) -> None:
         """Route every attention layer through `backend` (models/attn_backend.py: FlashInferBackend or
         ReferencePagedBackend), or back to the plain-torch path with None. forward() prepares it once per step."""

@@ -62,8 +62,13 @@ class RMSNorm(nn.Module):
         self.weight = new_param((size,))
         self.weight.weight_loader = default_weight_loader
         self.eps = eps
+        self.use_kernel = False  # CausalLM.set_fused_layers: one Triton launch (kernels/norm.py) on CUDA
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., size]
+        if self.use_kernel and x.dim() in (2, 3):
+            from specserve.kernels.norm import head_rms_norm, rms_norm
+
+            return rms_norm(x, self.weight, self.eps) if x.dim() == 2 else head_rms_norm(x, self.weight, self.eps)
         dtype = x.dtype
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)

@@ -42,12 +42,29 @@ class TopKRouter(nn.Module):
         if cfg.correction_bias:
             self.e_score_correction_bias = new_param((cfg.num_experts,), dtype=torch.float32)
             self.e_score_correction_bias.weight_loader = lambda p, w: copy_checked(p.data, w)
+        self.use_kernel = False  # CausalLM.set_fused_layers: the rule after the gate GEMM in one Triton launch
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [T, H] -> (topk_ids [T, K] int64, topk_weights [T, K] float32)."""
+        """x [T, H] -> (topk_ids [T, K] int64 (int32 from the kernel), topk_weights [T, K] float32)."""
+        if self.use_kernel:
+            return self._kernel(x)
         if self.cfg.scoring == "sigmoid":
             return self._sigmoid_grouped(x)
         return self._softmax(x)
+
+    def _kernel(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        from specserve.kernels.router import RouterConfig, route
+
+        cfg = self.cfg
+        sigmoid = cfg.scoring == "sigmoid"
+        rule = RouterConfig(  # the softmax rule ignores groups and bias, as _softmax does
+            num_experts=cfg.num_experts, top_k=cfg.top_k, scoring=cfg.scoring,
+            n_group=cfg.n_group if sigmoid else 1, topk_group=cfg.topk_group if sigmoid else 1,
+            norm_topk_prob=cfg.norm_topk_prob, routed_scaling_factor=cfg.routed_scaling_factor,
+        )
+        logits = F.linear(x.float(), self.weight.float()) if sigmoid else F.linear(x, self.weight)  # as the torch rules
+        bias = self.e_score_correction_bias if sigmoid and cfg.correction_bias else None
+        return route(logits, rule, bias)
 
     def _softmax(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         probs = torch.softmax(F.linear(x, self.weight).float(), dim=-1)  # [T, E]

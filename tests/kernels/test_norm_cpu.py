@@ -14,7 +14,7 @@ from kernel_cases import assert_close_ulps, nan_like, norm_weight, randn
 from specserve.kernels.checks import KernelArgumentError, triton_interpreting
 from specserve.kernels.norm import HAS_TRITON, fused_add_rms_norm, head_rms_norm, rms_norm
 from specserve.kernels.norm_reference import fused_add_rms_norm_reference, rms_norm_reference
-from specserve.target_service.models.layers import RMSNorm
+from specserve.models.layers import RMSNorm
 
 
 def _same(out: torch.Tensor, ref: torch.Tensor) -> None:

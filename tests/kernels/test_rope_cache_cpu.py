@@ -17,10 +17,10 @@ from specserve.kernels.rope_cache_reference import (
     rope_cache_mla_reference,
     rope_reference,
 )
-from specserve.target_service.engine.kv_cache import PagedKVCache
-from specserve.target_service.models.config import RopeConfig
-from specserve.target_service.models.layers import RMSNorm
-from specserve.target_service.models.rope import RotaryEmbedding
+from specserve.models.config import RopeConfig
+from specserve.models.kv_cache import PagedKVCache
+from specserve.models.layers import RMSNorm
+from specserve.models.rope import RotaryEmbedding
 
 interpreted = pytest.mark.skipif(not (HAS_TRITON and triton_interpreting()),
                                  reason="needs triton and TRITON_INTERPRET=1 (runs the kernels on the CPU)")

@@ -12,8 +12,8 @@ from kernel_cases import ROUTERS, router_case
 from specserve.kernels.checks import KernelArgumentError, triton_interpreting
 from specserve.kernels.router import HAS_TRITON, route
 from specserve.kernels.router_reference import RouterConfig, router_reference
-from specserve.target_service.models.config import MoEConfig
-from specserve.target_service.models.moe import TopKRouter
+from specserve.models.config import MoEConfig
+from specserve.models.moe import TopKRouter
 
 interpreted = pytest.mark.skipif(not (HAS_TRITON and triton_interpreting()),
                                  reason="needs triton and TRITON_INTERPRET=1 (runs the kernels on the CPU)")
