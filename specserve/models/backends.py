@@ -26,7 +26,7 @@ MOE_BACKENDS = ("auto", "torch", "fused")
 class BackendChoice:
     attention: str  # "torch" | "flashinfer" | "paged_torch" | "reference"
     moe: str  # "torch" | "fused"
-    fused_layers: bool = False  # RMSNorm and the MoE router as Triton kernels (on with the fused MoE)
+    fused_layers: bool = False  # RMSNorm as a Triton kernel (on with the fused MoE)
 
     def __post_init__(self) -> None:
         if self.attention not in ("torch", "flashinfer", "paged_torch", "reference"):
