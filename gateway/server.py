@@ -388,15 +388,20 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         )
 
     async def Generate(self, request, context):
-        async for msg in self._events(request, context):
-            yield msg
+        """A coroutine that writes (not an async generator handed to gRPC): when the client hangs up,
+        the cancellation lands here, and ``aclosing`` ends the request's generators in this task, so
+        their release runs now (a generator gRPC drops is only closed whenever it is collected)."""
+        async with contextlib.aclosing(self._events(request, context)) as messages:
+            async for msg in messages:
+                await context.write(msg)
 
     async def GenerateUnary(self, request, context):
         ids: list[int] = []
-        async for msg in self._events(request, context):
-            if msg.HasField("final"):
-                return gateway_pb2.GenerateResult(token_ids=ids, text=msg.final.text, final=msg.final)
-            ids.extend(msg.delta.token_ids)
+        async with contextlib.aclosing(self._events(request, context)) as messages:
+            async for msg in messages:
+                if msg.HasField("final"):
+                    return gateway_pb2.GenerateResult(token_ids=ids, text=msg.final.text, final=msg.final)
+                ids.extend(msg.delta.token_ids)
         await context.abort(grpc.StatusCode.INTERNAL, "the request ended without a final message")
 
     # -------------------------------------------------------------------------------- admin

@@ -375,11 +375,18 @@ async def run_request(
 
 
 async def _release(sid: str, target: TargetClient, draft: DraftClient | None) -> None:
-    """Free both sessions; a failure to release must not mask the request's own outcome."""
-    for part in (draft, target):
-        if part is None:
-            continue
-        try:
-            await part.release(sid)
-        except Exception:  # noqa: BLE001 - best effort; the services also free sessions when a stream ends
-            pass
+    """Free both sessions in a task of their own, shielded: the request may end by cancellation
+    (a client that hangs up; CancelledError and GeneratorExit are not Exceptions), and a second
+    cancellation while releasing must not skip the target's release either. A failure to release
+    must not mask the request's own outcome; the services also expire idle sessions."""
+
+    async def both() -> None:
+        for part in (draft, target):
+            if part is None:
+                continue
+            try:
+                await part.release(sid)
+            except Exception:  # noqa: BLE001 - best effort
+                pass
+
+    await asyncio.shield(asyncio.ensure_future(both()))  # cancelled: the release task goes on
