@@ -396,6 +396,8 @@ class Proposer(ABC):
                 f"{what}: expected feature width {width} ({len(self.info.hidden_layers)} layers x"
                 f" hidden size), got {hidden.shape[1]}"
             )
+        if not bool(torch.isfinite(hidden).all()):
+            raise ProposerError(f"{what}: hidden rows contain NaN or inf")
         return hidden
 
     def _hidden_width(self) -> int | None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import grpc
 from opentelemetry import trace
@@ -26,44 +27,133 @@ SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name
 DEFAULT_MAX_DRAFT_TOKENS = 256  # tokens (chain length or tree nodes) one proposal may ask for
 
 
+class DrafterFull(SpecserveError):
+    """No room for another session or more tokens (RESOURCE_EXHAUSTED; the gateway goes target-only)."""
+
+
 INPUT_ERRORS: tuple[type[BaseException], ...] = (ValueError, SpecserveError, ProposerError)
 
 
-class DrafterWorker:
-    """Owns the proposer on one thread; every proposer call runs there, one at a time."""
+@dataclass(frozen=True)
+class DraftLimits:
+    """What one draft service holds at most, and what one proposal may ask (flags of `specserve draft`)."""
 
-    def __init__(self, proposer, thread: OneThread | None = None) -> None:
+    max_sessions: int = 64  # open sessions; StartSession beyond: RESOURCE_EXHAUSTED
+    max_total_tokens: int = 262144  # tokens of S held over all sessions (bounds the drafter's memory)
+    session_idle_timeout_s: float = 300.0  # a session no call touched for this long is released
+    max_draft_tokens: int = DEFAULT_MAX_DRAFT_TOKENS  # chain length or tree nodes of one proposal
+    max_tree_top_k: int = 16  # children expanded per tree node
+    max_tree_depth: int = 64  # tree levels (the drafter also caps them at its max_block_size)
+
+    def __post_init__(self) -> None:
+        for name in ("max_sessions", "max_total_tokens", "max_draft_tokens", "max_tree_top_k", "max_tree_depth"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not self.session_idle_timeout_s > 0:
+            raise ValueError(f"session_idle_timeout_s must be > 0, got {self.session_idle_timeout_s}")
+
+
+class DrafterWorker:
+    """Owns the proposer on one thread; every proposer call runs there, one at a time. Counts the
+    tokens each session holds (refusing sessions and growth beyond ``limits``) and releases sessions
+    that no call touched for ``limits.session_idle_timeout_s``."""
+
+    def __init__(self, proposer, thread: OneThread | None = None, limits: DraftLimits | None = None) -> None:
         self.proposer = proposer
+        self.limits = limits or DraftLimits()
         self._thread = thread or OneThread("drafter")
         self.active: set[str] = set()
+        self.tokens: dict[str, int] = {}  # session id -> len(S) it holds
+        self.last_used: dict[str, float] = {}  # session id -> loop time of its last call
+        self.busy: dict[str, int] = {}  # session id -> calls in flight
         self.proposals = 0
+        self.expired = 0
+        self._reaper: asyncio.Task | None = None
+        self._closed = False
 
     @classmethod
-    async def build(cls, factory: Callable[[], object]) -> DrafterWorker:
+    async def build(cls, factory: Callable[[], object], limits: DraftLimits | None = None) -> DrafterWorker:
         """Build the proposer on the drafter thread itself (loading never blocks the event loop)."""
         thread = OneThread("drafter")
         proposer = await thread.call(factory)
-        return cls(proposer, thread)
+        return cls(proposer, thread, limits)
+
+    def start_expiry(self) -> None:
+        self._reaper = asyncio.get_running_loop().create_task(self._expire_idle(), name="draft-idle-sessions")
 
     async def call(self, fn, *args):
         return await self._thread.call(fn, *args)
 
+    def _touch(self, session_id: str) -> None:
+        self.last_used[session_id] = asyncio.get_running_loop().time()
+
+    def _check_room(self, session_id: str, new_len: int) -> None:
+        held = sum(self.tokens.values()) - self.tokens.get(session_id, 0)
+        if held + new_len > self.limits.max_total_tokens:
+            raise DrafterFull(
+                f"{new_len} tokens for session {session_id[:40]!r} beside the {held} held would exceed the "
+                f"limit of {self.limits.max_total_tokens} (--max-total-tokens)"
+            )
+
     async def start(self, session_id, token_ids, hidden, sampling) -> None:
         if session_id in self.active:  # a restarted request re-opens: drop the stale copy first
-            await self.call(self.proposer.release, session_id)
+            await self.release(session_id)
+        if len(self.active) >= self.limits.max_sessions:
+            raise DrafterFull(f"{len(self.active)} sessions open, the limit is {self.limits.max_sessions} (--max-sessions)")
+        self._check_room(session_id, len(token_ids))
         self.active.add(session_id)
+        self.tokens[session_id] = len(token_ids)
+        self._touch(session_id)
+        self.busy[session_id] = self.busy.get(session_id, 0) + 1
         try:
             await self.call(self.proposer.start, session_id, token_ids, hidden, sampling)
         except BaseException:
-            self.active.discard(session_id)
+            self._forget(session_id)
             raise
+        finally:
+            self._done(session_id)
 
     async def propose(self, session_id, prefix_len, append_ids, append_hidden, num_tokens, tree) -> common_pb2.DraftBlock:
         if session_id not in self.active:
             raise ProposerError(f"session_id {session_id!r} is not open (StartSession first)")
-        msg = await self.call(self._propose_to_proto, session_id, prefix_len, append_ids, append_hidden, num_tokens, tree)
+        new_len = max(0, prefix_len) + len(append_ids)
+        self._check_room(session_id, new_len)
+        self._touch(session_id)
+        self.busy[session_id] = self.busy.get(session_id, 0) + 1
+        try:
+            msg = await self.call(self._propose_to_proto, session_id, prefix_len, append_ids, append_hidden, num_tokens, tree)
+        finally:
+            self._done(session_id)
+        if session_id in self.active:
+            self.tokens[session_id] = new_len
         self.proposals += 1
         return msg
+
+    def _done(self, session_id: str) -> None:
+        left = self.busy.get(session_id, 1) - 1
+        if left > 0:
+            self.busy[session_id] = left
+        else:
+            self.busy.pop(session_id, None)
+        if session_id in self.active:
+            self._touch(session_id)
+
+    def _forget(self, session_id: str) -> None:
+        self.active.discard(session_id)
+        self.tokens.pop(session_id, None)
+        self.last_used.pop(session_id, None)
+
+    async def _expire_idle(self) -> None:
+        timeout = self.limits.session_idle_timeout_s
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(min(max(timeout / 4, 0.05), 10.0))
+            now = loop.time()
+            for sid, used in list(self.last_used.items()):
+                if now - used > timeout and sid not in self.busy:
+                    self.expired += 1
+                    print(f"draft: session {sid[:40]} released after {now - used:.0f} s idle", flush=True)
+                    await self.release(sid)
 
     def _propose_to_proto(self, *args) -> common_pb2.DraftBlock:
         """On the drafter thread: propose and serialize (probs may be MBs and on the device; the copy
@@ -71,13 +161,24 @@ class DrafterWorker:
         return convert.draft_block_to_proto(self.proposer.propose(*args))
 
     async def release(self, session_id: str) -> bool:
-        if session_id not in self.active:
+        if session_id not in self.active or self._closed:
             return False
-        self.active.discard(session_id)
-        await self.call(self.proposer.release, session_id)
+        self._forget(session_id)
+        try:
+            await self.call(self.proposer.release, session_id)
+        except RuntimeError:  # the drafter thread shut down meanwhile: the process is ending
+            if not self._closed:
+                raise
         return True
 
     async def close(self) -> None:
+        self._closed = True
+        if self._reaper is not None:
+            self._reaper.cancel()
+            try:
+                await self._reaper
+            except asyncio.CancelledError:
+                pass
         await self._thread.aclose()
 
 
@@ -90,15 +191,13 @@ def observe_worker(worker: DrafterWorker) -> None:
 
 
 def _status_for(exc: BaseException) -> grpc.StatusCode:
-    return status_for(exc, INPUT_ERRORS)
+    return status_for(exc, INPUT_ERRORS, ((DrafterFull, grpc.StatusCode.RESOURCE_EXHAUSTED),))
 
 
 class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
-    def __init__(self, worker: DrafterWorker, max_draft_tokens: int = DEFAULT_MAX_DRAFT_TOKENS) -> None:
-        if max_draft_tokens < 1:
-            raise ValueError(f"max_draft_tokens must be >= 1, got {max_draft_tokens}")
+    def __init__(self, worker: DrafterWorker) -> None:
         self.worker = worker
-        self.max_draft_tokens = max_draft_tokens
+        self.limits = worker.limits
         self.info = worker.proposer.info
         self._tracer = tn.tracer()
 
@@ -153,13 +252,21 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
                     tree = TreeSpec(num_nodes=t.num_nodes, top_k=t.top_k, depth=t.depth)
                 except ValueError as e:
                     raise convert.ConversionError(f"tree: {e}") from None
+                if tree.top_k > self.limits.max_tree_top_k:
+                    raise LimitExceeded(
+                        f"tree.top_k: {tree.top_k} exceeds the limit of {self.limits.max_tree_top_k} (--max-tree-top-k)"
+                    )
+                if tree.depth > self.limits.max_tree_depth:
+                    raise LimitExceeded(
+                        f"tree.depth: {tree.depth} exceeds the limit of {self.limits.max_tree_depth} (--max-tree-depth)"
+                    )
             if request.num_tokens < 0:
                 raise convert.ConversionError(f"num_tokens: {request.num_tokens} < 0")
             asked = tree.num_nodes if tree is not None else request.num_tokens
-            if asked > self.max_draft_tokens:
+            if asked > self.limits.max_draft_tokens:
                 raise LimitExceeded(
                     f"{'tree.num_nodes' if tree is not None else 'num_tokens'}: {asked} exceeds the limit of "
-                    f"{self.max_draft_tokens} (--max-draft-tokens)"
+                    f"{self.limits.max_draft_tokens} (--max-draft-tokens)"
                 )
             block = await self.worker.propose(
                 request.session_id, request.prefix_len, list(request.append_ids), hidden, request.num_tokens, tree

@@ -256,9 +256,11 @@ class RemoteDraftEndpoint:
         step_timeout_s: float = 5.0,
         tls: TlsFiles | None = None,
         target_info: target_pb2.TargetInfo | None = None,
+        trusted: bool = False,
     ) -> None:
         self.name = name
         self.address = address
+        self.trusted = trusted  # the operator trusts its q: verified with it (else proposal-only)
         self.step_timeout_s = step_timeout_s
         self.target_info = target_info  # set: a drafter for another vocabulary is never used
         self.channel = aio_channel(address, tls)

@@ -72,6 +72,8 @@ class GatewayConfig:
     limits: RequestLimits = field(default_factory=RequestLimits)
     auth_token: str | None = field(default=None, repr=False)  # None: no bearer token required
     downstream_tls: TlsFiles | None = None  # TLS (and client certificate) for the target and draft channels
+    # drafts (of ``drafts``) whose q the target may use; the others are verified proposal-only
+    trusted_drafts: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
         check_address(self.target_address)
@@ -86,6 +88,10 @@ class GatewayConfig:
             raise ValueError(f"default draft {self.default_draft!r} is not among the drafts {sorted(self.drafts)}")
         if not self.draft_step_timeout_s > 0:
             raise ValueError(f"draft_step_timeout_s must be > 0, got {self.draft_step_timeout_s}")
+        object.__setattr__(self, "trusted_drafts", frozenset(self.trusted_drafts))
+        unknown = sorted(self.trusted_drafts - set(self.drafts))
+        if unknown:
+            raise ValueError(f"trusted drafts {unknown} are not among the drafts {sorted(self.drafts)}")
 
 
 UNAUTHENTICATED_MESSAGE = "authorization: missing or wrong bearer token"
@@ -158,8 +164,10 @@ class DraftTable:
     def addresses(self) -> dict[str, str]:
         return {n: e.address for n, e in self._by_name.items()}
 
-    def make(self, name: str, address: str) -> RemoteDraftEndpoint:
-        return RemoteDraftEndpoint(name, check_address(address), self.step_timeout_s, self.tls, self.target_info)
+    def make(self, name: str, address: str, trusted: bool = False) -> RemoteDraftEndpoint:
+        return RemoteDraftEndpoint(
+            name, check_address(address), self.step_timeout_s, self.tls, self.target_info, trusted=trusted
+        )
 
     def put(self, endpoint: RemoteDraftEndpoint) -> None:
         old = self._by_name.get(endpoint.name)
@@ -206,7 +214,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self.tokenizer = tokenizer
         self.drafts = DraftTable(config.draft_step_timeout_s, config.downstream_tls, target.target_info)
         for name, address in config.drafts.items():
-            self.drafts.put(self.drafts.make(name, address))
+            self.drafts.put(self.drafts.make(name, address, trusted=name in config.trusted_drafts))
         self.default_draft = config.default_draft or next(iter(config.drafts), None)
         self.metrics = tn.SpecMetrics()
         self._adaptive_by_draft: dict[str, AdaptiveSpeculation] = {}
@@ -324,6 +332,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             tree=tree,
             model_name=info.model_name or info.model_type,
             adaptive=checked.adaptive and endpoint is not None,
+            trust_draft_probs=endpoint is not None and endpoint.trusted,
         )
         token = otel_context.attach(trace_context)
         try:

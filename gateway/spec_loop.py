@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from specserve.contract.types import (
+    BadProbs,
     DraftBlock,
     GenerationRequest,
     InvalidBlock,
@@ -77,10 +78,18 @@ class FinalEvent:
     stats: SpecStats
 
 
+class UntrustworthyDraft(DraftError):
+    """A block whose q is no distribution (rows not summing to 1, q(x) = 0 for a drafted token): the
+    drafter is dropped for the rest of the request."""
+
+
 def check_block(block: DraftBlock, max_nodes: int, vocab_size: int) -> None:
-    """Refuse a malformed drafted block: the step then runs target-only."""
+    """Refuse a malformed drafted block (the step then runs target-only) or one whose q could force
+    tokens (UntrustworthyDraft: the request goes on target-only). The rules are the target's own."""
     try:
         contract_check_block(block.token_ids, block.probs, vocab_size, max_nodes)
+    except BadProbs as exc:
+        raise UntrustworthyDraft(str(exc)) from None
     except InvalidBlock as exc:
         raise MalformedDraft(str(exc)) from None
 
@@ -231,7 +240,10 @@ class _Run:
             ahead_task = asyncio.ensure_future(self.draft_next_ahead(block))
         try:
             with self.tracer.start_as_current_span(names.SPAN_TARGET_VERIFY) as vspan:
-                res = await self.target.verify(self.sid, block)
+                sent = block
+                if not self.request.trust_draft_probs and block.probs is not None:
+                    sent = DraftBlock(token_ids=block.token_ids, parents=block.parents)  # proposal-only
+                res = await self.target.verify(self.sid, sent)
                 verify_wall_ms = (time.perf_counter() - t0) * 1e3
                 vspan.set_attribute(names.ATTR_K, len(block))
                 vspan.set_attribute(names.ATTR_TREE_SIZE, 0 if block.is_chain else len(block))

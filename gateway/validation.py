@@ -11,6 +11,8 @@ from specserve.errors import SpecserveError
 from specserve.protos.specserve.v1 import gateway_pb2, target_pb2
 
 MAX_SPECULATIVE_TOKENS = 64
+MAX_TREE_TOP_K = 16  # children per tree node (the draft service has its own --max-tree-top-k)
+MAX_TREE_DEPTH = MAX_SPECULATIVE_TOKENS
 DEFAULT_TREE_TOP_K = 2  # children expanded per node when a tree request leaves tree_top_k at 0
 DEFAULT_TREE_DEPTH = 4  # levels when a tree request leaves tree_depth at 0
 NO_DRAFT = "none"  # GenerateRequest.draft value that asks for target-only decoding
@@ -50,8 +52,10 @@ def _tree(req: gateway_pb2.GenerateRequest, draft_name: str | None) -> TreeSpec 
         if req.tree_top_k or req.tree_depth:
             raise InvalidRequest("tree_nodes", "must be > 0 when tree_top_k or tree_depth is set")
         return None
-    if req.tree_nodes > MAX_SPECULATIVE_TOKENS:
-        raise InvalidRequest("tree_nodes", f"must be in [0, {MAX_SPECULATIVE_TOKENS}], got {req.tree_nodes}")
+    for field, most in (("tree_nodes", MAX_SPECULATIVE_TOKENS), ("tree_top_k", MAX_TREE_TOP_K),
+                        ("tree_depth", MAX_TREE_DEPTH)):
+        if getattr(req, field) > most:
+            raise InvalidRequest(field, f"must be in [0, {most}], got {getattr(req, field)}")
     if draft_name is None:
         raise InvalidRequest("tree_nodes", "a tree needs a draft (draft is 'none')")
     return TreeSpec(req.tree_nodes, req.tree_top_k or DEFAULT_TREE_TOP_K, req.tree_depth or DEFAULT_TREE_DEPTH)
@@ -143,6 +147,8 @@ def validate_request(
     else:
         draft_name = default_draft if default_draft in drafts else None
 
+    if req.speculation not in gateway_pb2.Speculation.values():
+        raise InvalidRequest("speculation", f"unknown value {req.speculation}")
     if not 0 <= req.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
         raise InvalidRequest(
             "num_speculative_tokens", f"must be in [0, {MAX_SPECULATIVE_TOKENS}], got {req.num_speculative_tokens}"

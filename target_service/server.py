@@ -51,6 +51,7 @@ class TargetLimits:
     max_sessions: int = 64  # open sessions; more queue
     max_queued: int = 64  # waiting Prefills; more get RESOURCE_EXHAUSTED
     max_draft_tokens: int = 256  # tokens (chain length or tree nodes) of one drafted block
+    session_idle_timeout_s: float = 300.0  # a session no call touched for this long is released
 
     def __post_init__(self) -> None:
         for name in ("max_sessions", "max_draft_tokens"):
@@ -58,6 +59,8 @@ class TargetLimits:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_queued < 0:
             raise ValueError(f"max_queued must be >= 0, got {self.max_queued}")
+        if not self.session_idle_timeout_s > 0:
+            raise ValueError(f"session_idle_timeout_s must be > 0, got {self.session_idle_timeout_s}")
 
 
 # Errors caused by a request's content (not by the service): INVALID_ARGUMENT.
@@ -101,7 +104,11 @@ class EngineWorker:
         self._wake = asyncio.Event()
         self._engine_free = asyncio.Lock()  # held while a call runs on the engine thread (FIFO)
         self._task: asyncio.Task | None = None
+        self._reaper: asyncio.Task | None = None
+        self._closed = False
         self.active: dict[str, int] = {}  # session id -> len(S)
+        self.last_used: dict[str, float] = {}  # session id -> loop time of its last call
+        self.expired = 0  # sessions released by the idle timeout
         self.steps = 0
 
     @classmethod
@@ -112,16 +119,38 @@ class EngineWorker:
         return cls(engine, thread=thread, **kw)
 
     def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._batch_loop(), name="target-batcher")
+        loop = asyncio.get_running_loop()
+        self._task = loop.create_task(self._batch_loop(), name="target-batcher")
+        self._reaper = loop.create_task(self._expire_idle(), name="target-idle-sessions")
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+        self._closed = True  # releases asked for from now on are dropped (the process is ending)
+        for task in (self._task, self._reaper):
+            if task is not None:
+                task.cancel()
+                try:
+                    await task
+                except asyncio.CancelledError:
+                    pass
         await self._thread.aclose()
+
+    def _touch(self, session_id: str) -> None:
+        self.last_used[session_id] = asyncio.get_running_loop().time()
+
+    async def _expire_idle(self) -> None:
+        """Release sessions no call touched for ``session_idle_timeout_s`` (a client or gateway that
+        went away without releasing cannot hold KV blocks for ever)."""
+        timeout = self.limits.session_idle_timeout_s
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(min(max(timeout / 4, 0.05), 10.0))
+            now = loop.time()
+            queued = {q.session_id for q in self._queue}
+            for sid, used in list(self.last_used.items()):
+                if now - used > timeout and self.active.get(sid, -1) >= 0 and sid not in queued:
+                    self.expired += 1
+                    print(f"target: session {sid[:40]} released after {now - used:.0f} s idle", flush=True)
+                    await self.release(sid)
 
     async def call(self, fn, *args):
         """Run fn on the engine thread once it is free (calls run in arrival order)."""
@@ -168,6 +197,7 @@ class EngineWorker:
             raise
         if session_id in self.active:  # not released meanwhile
             self.active[session_id] = len(prompt_ids) + 1
+            self._touch(session_id)
         return result
 
     def _unreserve(self, session_id: str) -> None:
@@ -178,7 +208,11 @@ class EngineWorker:
     async def _free(self, session_id: str) -> None:
         """Free the engine's session, then its admission (the blocks are free before anyone is admitted)."""
         try:
-            await self.call(self.engine.release, session_id)
+            if not self._closed:
+                await self.call(self.engine.release, session_id)
+        except RuntimeError:  # the engine thread shut down meanwhile: the process is ending
+            if not self._closed:
+                raise
         finally:
             self._unreserve(session_id)
 
@@ -189,15 +223,17 @@ class EngineWorker:
             )
         if self.active.get(session_id, -1) < 0:
             raise UnknownSession(session_id)
+        self._touch(session_id)
         fut = asyncio.get_running_loop().create_future()
         self._queue.append(_Queued(session_id, block, fut))
         self._wake.set()
         return await fut
 
     async def release(self, session_id: str) -> bool:
-        if session_id not in self.active:
+        if session_id not in self.active or self._closed:
             return False
         del self.active[session_id]
+        self.last_used.pop(session_id, None)
         for item in [q for q in self._queue if q.session_id == session_id]:
             self._queue.remove(item)
             if not item.future.done():
@@ -237,6 +273,7 @@ class EngineWorker:
                     continue
                 if q.session_id in self.active:
                     self.active[q.session_id] += len(res.emitted)
+                    self._touch(q.session_id)
                 if not q.future.done():
                     q.future.set_result(VerifyOutcome(res, (started - q.enqueued) * 1e3, len(items)))
 

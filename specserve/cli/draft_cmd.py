@@ -38,6 +38,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_listen_arguments(parser, DEFAULT_LISTEN)
     parser.add_argument("--max-draft-tokens", type=positive_int, default=256,
                         help="most tokens (chain length or tree nodes) one proposal may ask for")
+    parser.add_argument("--max-tree-top-k", type=positive_int, default=16, help="most children per tree node")
+    parser.add_argument("--max-sessions", type=positive_int, default=64,
+                        help="open sessions; more StartSessions get RESOURCE_EXHAUSTED")
+    parser.add_argument("--max-total-tokens", type=positive_int, default=262144,
+                        help="tokens held over all sessions (bounds the drafter's memory)")
+    parser.add_argument("--session-idle-timeout-s", type=float, default=300.0,
+                        help="release a session no call touched for this long")
 
 
 def drafter_config(args: argparse.Namespace):
@@ -54,14 +61,27 @@ def run(args: argparse.Namespace) -> int:
 
     config = drafter_config(args)
     server_config = server_config_from_args(args, tuple(args.listen or [DEFAULT_LISTEN]))
+    limits = draft_limits(args)
     checkpoint_errors_as_user_errors(
-        run_async, _serve(config, server_config, args.max_draft_tokens, metrics_http_from_args(args))
+        run_async, _serve(config, server_config, limits, metrics_http_from_args(args))
     )
     exit_now(0)
     return 0
 
 
-async def _serve(config, server_config, max_draft_tokens: int = 256, metrics_http=None) -> None:
+def draft_limits(args: argparse.Namespace):
+    from specserve.draft_service.server import DraftLimits
+    from specserve.errors import SpecserveError
+
+    try:
+        return DraftLimits(max_sessions=args.max_sessions, max_total_tokens=args.max_total_tokens,
+                           session_idle_timeout_s=args.session_idle_timeout_s,
+                           max_draft_tokens=args.max_draft_tokens, max_tree_top_k=args.max_tree_top_k)
+    except ValueError as exc:
+        raise SpecserveError(f"draft limits: {exc}") from None
+
+
+async def _serve(config, server_config, limits=None, metrics_http=None) -> None:
     from specserve.draft_service.registry import build_proposer
     from specserve.draft_service.server import (
         SERVICE_NAME,
@@ -74,10 +94,11 @@ async def _serve(config, server_config, max_draft_tokens: int = 256, metrics_htt
     from specserve.runtime.tracing import setup_telemetry
 
     telemetry = setup_telemetry("specserve-draft", prometheus=metrics_http is not None)
-    worker = await DrafterWorker.build(lambda: build_proposer(config))
+    worker = await DrafterWorker.build(lambda: build_proposer(config), limits=limits)
+    worker.start_expiry()
     observe_worker(worker)
     companions = await start_metrics_server(metrics_http, telemetry, "draft")
-    servicer = DraftServicer(worker, max_draft_tokens=max_draft_tokens)
+    servicer = DraftServicer(worker)
 
     async def on_stop() -> None:
         await worker.close()

@@ -62,6 +62,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_tls_arguments(security, prefix="downstream-tls", side="client")
     security.add_argument("--auth-token", default=None,
                           help=f"require 'authorization: Bearer TOKEN' on every call (default: ${AUTH_ENV})")
+    security.add_argument("--trust-draft-probs", action="append", default=[], metavar="NAME",
+                          help="verify this --draft-service with its probabilities q (more accepted tokens under "
+                               "sampling; lossless only if the drafter is honest). Others: proposal-only (repeatable)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -87,6 +90,7 @@ def run(args: argparse.Namespace) -> int:
         ),
         auth_token=args.auth_token if args.auth_token is not None else os.environ.get(AUTH_ENV) or None,
         downstream_tls=tls_from_args(args, "downstream-tls"),
+        trusted_drafts=frozenset(args.trust_draft_probs),
     )
     for flag, port in (("--port", args.port), ("--http-port", args.http_port)):
         if port is not None and not 0 <= port <= 65535:

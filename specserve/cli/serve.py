@@ -34,6 +34,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="gateway's OpenAI-compatible HTTP API and /metrics port (0 = any free port; default: off)")
     parser.add_argument("--max-block-size", type=int, default=8, help="most tokens one proposal may draft")
     parser.add_argument("--draft-step-timeout-s", type=float, default=5.0)
+    parser.add_argument("--trust-draft-probs", action="store_true",
+                        help="verify with the drafter's probabilities q (default: proposal-only, see README)")
     parser.add_argument("--startup-timeout-s", type=float, default=600.0)
     parser.add_argument("--grace-s", type=float, default=10.0, help="seconds in-flight requests get on stop")
     from specserve.cli.common import add_tls_arguments
@@ -160,6 +162,8 @@ def run(args: argparse.Namespace) -> int:
                 *(["--denoise-steps", str(args.denoise_steps)] if args.denoise_steps is not None else []),
             ])
             gateway_drafts = ["--draft-service", f"{args.draft}={draft_addr}"]
+            if args.trust_draft_probs:
+                gateway_drafts += ["--trust-draft-probs", args.draft]
         ready: list[str] = []
         seen = threading.Event()
 

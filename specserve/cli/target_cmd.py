@@ -29,6 +29,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="Prefills waiting for a session or KV blocks; more get RESOURCE_EXHAUSTED")
     parser.add_argument("--max-draft-tokens", type=positive_int, default=256,
                         help="most tokens (chain or tree nodes) in one verified draft block")
+    parser.add_argument("--session-idle-timeout-s", type=float, default=300.0,
+                        help="release a session no call touched for this long")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -37,8 +39,13 @@ def run(args: argparse.Namespace) -> int:
 
     engine_config = engine_config_from_args(args)
     server_config = server_config_from_args(args, tuple(args.listen or [DEFAULT_LISTEN]))
-    limits = TargetLimits(max_sessions=args.max_sessions, max_queued=args.max_queued,
-                          max_draft_tokens=args.max_draft_tokens)
+    from specserve.errors import SpecserveError
+
+    try:
+        limits = TargetLimits(max_sessions=args.max_sessions, max_queued=args.max_queued,
+                              max_draft_tokens=args.max_draft_tokens, session_idle_timeout_s=args.session_idle_timeout_s)
+    except ValueError as exc:
+        raise SpecserveError(f"target limits: {exc}") from None
     metrics_http = metrics_http_from_args(args)
     checkpoint_errors_as_user_errors(
         run_async, _serve(engine_config, server_config, args.tensor_parallel_size, limits, metrics_http)

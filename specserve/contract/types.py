@@ -24,10 +24,14 @@ from dataclasses import dataclass, field
 
 import torch
 
+# Temperatures below the smallest normal float32 cannot scale float32 logits (the quotient overflows
+# and the distribution becomes NaN); such a request decodes as greedy, the limit of sampling as T -> 0.
+MIN_SAMPLED_TEMPERATURE = 1.1754943508222875e-38
+
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """Per-request sampling settings; temperature 0 means greedy."""
+    """Per-request sampling settings; temperature 0 (or below MIN_SAMPLED_TEMPERATURE) means greedy."""
 
     temperature: float = 0.0
     top_p: float = 1.0
@@ -44,7 +48,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < MIN_SAMPLED_TEMPERATURE
 
 
 @dataclass(frozen=True)
@@ -141,6 +145,11 @@ class GenerationRequest:
     adaptive: bool = False
     draft_ahead: bool = False
     draft_name: str | None = None  # the gateway's draft for this request; None = target-only
+    # False: proposal-only verification. The drafter's q is not sent to the target; each drafted token
+    # is verified as a deterministic proposal (accepted with probability p(x), recovered from p with x
+    # removed), which is lossless whatever the drafter sends. True: q is used (min(1, p/q), recovery
+    # from norm(max(0, p - q))), which accepts more but is lossless only if q is what x was drawn from.
+    trust_draft_probs: bool = True
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:
@@ -155,6 +164,13 @@ class InvalidBlock(ValueError):
     """A drafted block that no verifier may use (the caller maps it to its own error)."""
 
 
+class BadProbs(InvalidBlock):
+    """A drafted block whose q is no distribution the acceptance rule can use (it could force tokens)."""
+
+
+PROB_SUM_TOLERANCE = 1e-3  # |sum(q row) - 1| allowed in a drafted block (float32 sums over a vocabulary)
+
+
 def check_block(
     token_ids: Sequence[int],  # [n]
     probs: torch.Tensor | None,  # [n, vocab] or None
@@ -162,7 +178,9 @@ def check_block(
     max_nodes: int | None = None,
 ) -> None:
     """The one draft-block check: at most max_nodes tokens, every id in [0, vocab_size), and probs (when given) a
-    finite, non-negative [n, vocab_size] tensor. Raises InvalidBlock naming the problem."""
+    finite, non-negative [n, vocab_size] tensor whose rows each sum to 1 (within PROB_SUM_TOLERANCE) and give
+    each drafted token q(x) > 0 (a q(x) of 0 would make min(1, p/q) accept x whatever p says). Raises
+    InvalidBlock naming the problem (BadProbs for a problem of probs)."""
     n = len(token_ids)
     if max_nodes is not None and n > max_nodes:
         raise InvalidBlock(f"drafted {n} tokens, asked for at most {max_nodes}")
@@ -174,6 +192,16 @@ def check_block(
     if probs.dim() != 2 or tuple(probs.shape) != (n, vocab_size):
         raise InvalidBlock(f"probs: shape {tuple(probs.shape)}, expected ({n}, {vocab_size})")
     if not bool(torch.isfinite(probs).all()):
-        raise InvalidBlock("probs: contains NaN or inf")
+        raise BadProbs("probs: contains NaN or inf")
     if bool((probs < 0).any()):
-        raise InvalidBlock("probs: contains negative entries")
+        raise BadProbs("probs: contains negative entries")
+    if not n:
+        return
+    sums = probs.double().sum(-1)
+    off = int((sums - 1).abs().argmax())
+    if abs(float(sums[off]) - 1) > PROB_SUM_TOLERANCE:
+        raise BadProbs(f"probs: row {off} sums to {float(sums[off]):.6g}, not 1")
+    qx = probs[torch.arange(n), torch.tensor([int(t) for t in token_ids], dtype=torch.long)]
+    if bool((qx <= 0).any()):
+        i = int(torch.nonzero(qx <= 0)[0, 0])
+        raise BadProbs(f"probs: q of drafted token {i} (id {int(token_ids[i])}) is 0")

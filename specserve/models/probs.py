@@ -26,7 +26,9 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor: 
     vocab = logits.shape[-1]
     if params.greedy:
         return torch.nn.functional.one_hot(logits.argmax(-1), vocab).float()
-    x = logits / params.temperature
+    # shifted by the row max first: a tiny temperature then sends the other logits to -inf (weight 0)
+    # instead of overflowing the largest to +inf (NaN after softmax)
+    x = (logits - logits.max(dim=-1, keepdim=True).values) / params.temperature
     if 0 < params.top_k < vocab:
         kth = torch.topk(x, params.top_k, dim=-1).values[..., -1:]
         x = x.masked_fill(x < kth, float("-inf"))

@@ -120,6 +120,21 @@ def test_load_and_propose(saved):
     assert len(p.propose("s", 5, [1], torch.zeros(1, 3 * TARGET_H), 2)) == 2
 
 
+def test_non_finite_hidden_states_are_refused(saved):
+    """NaN or inf target rows (a broken or hostile caller) are refused, at start and at propose;
+    the session is left as it was."""
+    _, hdir, tdir = saved
+    p = build_proposer(make_config(hdir, tdir))
+    seq = [3, 5, 7, 9, 11]
+    nan_rows = torch.full((4, 3 * TARGET_H), float("nan"))
+    with pytest.raises(ProposerError, match="NaN or inf"):
+        p.start("s", seq, nan_rows, SamplingParams())
+    p.start("s", seq, torch.zeros(4, 3 * TARGET_H), SamplingParams())
+    with pytest.raises(ProposerError, match="NaN or inf"):
+        p.propose("s", 5, [1], torch.full((1, 3 * TARGET_H), float("inf")), 2)
+    assert p.session("s").ids.tolist() == seq
+
+
 def test_malformed_head_names_the_missing_tensor(saved, tmp_path):
     _, hdir, tdir = saved
     tensors = load_file(str(hdir / "model.safetensors"))

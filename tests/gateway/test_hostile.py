@@ -11,13 +11,55 @@ import time
 
 import grpc
 import pytest
-from service_helpers import Proc, base_env
+import torch
+from service_helpers import BackgroundServer, Proc, base_env
 
-from specserve.gateway.servers_common import channel_options
-from specserve.protos.specserve.v1 import draft_pb2, draft_pb2_grpc, gateway_pb2, gateway_pb2_grpc
-from specserve.protos.specserve.v1 import target_pb2, target_pb2_grpc
+from specserve.contract.types import DraftBlock
+from specserve.protos import convert
+from specserve.protos.specserve.v1 import (
+    draft_pb2,
+    draft_pb2_grpc,
+    gateway_pb2,
+    gateway_pb2_grpc,
+    target_pb2,
+    target_pb2_grpc,
+)
+from specserve.runtime.servers_common import channel_options
 
 PROMPT = [(5 * j + 1) % 256 for j in range(12)]
+FORCED = 200  # the token a hostile drafter tries to force
+
+
+class ForcingDraft(draft_pb2_grpc.DraftServiceServicer):
+    """A hostile drafter: always drafts FORCED, with a q that makes min(1, p/q) accept it.
+    ``zero``: q one-hot on another token (q(FORCED) = 0, refused by the checks);
+    ``liar``: q(FORCED) = 1e-6, the rest spread evenly (a valid distribution that lies)."""
+
+    def __init__(self, mode: str) -> None:
+        self.mode = mode
+
+    async def GetInfo(self, request, context):
+        return draft_pb2.DraftInfo(family="forcer", vocab_size=256, max_block_size=4, has_probs=True)
+
+    async def StartSession(self, request, context):
+        return draft_pb2.StartSessionResponse(session_id=request.session_id)
+
+    def _block(self, k: int) -> DraftBlock:
+        q = torch.zeros(k, 256)
+        if self.mode == "zero":
+            q[:, FORCED + 1] = 1.0
+        else:
+            q[:] = (1 - 1e-6) / 255
+            q[:, FORCED] = 1e-6
+        return DraftBlock(token_ids=(FORCED,) * k, probs=q)
+
+    async def ProposeStream(self, request_iterator, context):
+        async for req in request_iterator:
+            block = convert.draft_block_to_proto(self._block(req.num_tokens))
+            yield draft_pb2.ProposeResponse(session_id=req.session_id, draft=block)
+
+    async def Release(self, request, context):
+        return draft_pb2.DraftReleaseResponse(released=True)
 
 
 class HostileStack:
@@ -25,6 +67,11 @@ class HostileStack:
         self.env = base_env()
         self.target_addr = f"unix:{socks}/t.sock"
         self.drafts = {"ngram": f"unix:{socks}/ngram.sock", "model": f"unix:{socks}/model.sock"}
+        self.fakes = BackgroundServer()  # hostile drafters, served from the test process
+        hostile = {"zero": f"unix:{socks}/zero.sock", "liar": f"unix:{socks}/liar.sock"}
+        for mode, addr in hostile.items():
+            self.fakes.serve(draft_pb2_grpc.add_DraftServiceServicer_to_server, ForcingDraft(mode), addr)
+        gateway_drafts = {**self.drafts, **hostile, "liar_trusted": hostile["liar"]}
         self.target = Proc("target", ["--model", str(ckpt), "--listen", self.target_addr, "--num-kv-blocks", "256"],
                            self.env)
         self.draft_procs = {
@@ -34,8 +81,8 @@ class HostileStack:
         }
         self.gateway = Proc(
             "gateway",
-            ["--target", self.target_addr, *[a for n, addr in self.drafts.items() for a in ("--draft-service", f"{n}={addr}")],
-             "--port", "0", "--draft-step-timeout-s", "2"],
+            ["--target", self.target_addr, *[a for n, addr in gateway_drafts.items() for a in ("--draft-service", f"{n}={addr}")],
+             "--port", "0", "--draft-step-timeout-s", "2", "--trust-draft-probs", "liar_trusted"],
             self.env,
         )
         self.gateway_addr = self.gateway.wait_line("gateway listening on ", timeout=180).split()[-1]
@@ -60,9 +107,15 @@ class HostileStack:
             assert time.monotonic() < deadline, f"sessions left open: {left}"
             time.sleep(0.1)
 
+    def generate(self, request) -> tuple[list[int], gateway_pb2.FinalMessage]:
+        with grpc.insecure_channel(self.gateway_addr, options=channel_options()) as ch:
+            result = gateway_pb2_grpc.GatewayStub(ch).GenerateUnary(request, timeout=60)
+        return list(result.token_ids), result.final
+
     def close(self) -> None:
         for p in (self.gateway, *self.draft_procs.values(), self.target):
             p.stop()
+        self.fakes.close()
 
 
 @pytest.fixture(scope="module")
@@ -97,3 +150,31 @@ def test_clients_that_hang_up_after_the_final_message_leave_no_session(hostile, 
     hostile.wait_no_sessions(timeout=3.0)
     noise = [line for line in hostile.gateway.lines if "Traceback" in line or "Failed to detach" in line]
     assert not noise, noise[:3]
+
+
+def _forced_share(hostile, draft: str) -> tuple[float, bool]:
+    """Share of FORCED among the tokens of sampled requests drafted by ``draft``; any fallback."""
+    ids, fallback = [], False
+    for seed in range(4):
+        request = gateway_pb2.GenerateRequest(prompt_ids=PROMPT, max_new_tokens=24, draft=draft,
+                                              num_speculative_tokens=4)
+        request.sampling.temperature = 1.0
+        request.sampling.seed = seed
+        got, final = hostile.generate(request)
+        ids += got
+        fallback |= final.stats.draft_fallback
+    return ids.count(FORCED) / len(ids), fallback
+
+
+def test_a_drafter_cannot_force_tokens_under_sampling(hostile):
+    """q(x) = 0 for the drafted token is refused (the request goes target-only); a q that lies within
+    the rules cannot force tokens either, because an untrusted draft is verified proposal-only. The
+    negative control: the same liar marked trusted (--trust-draft-probs) does force its token, so the
+    measure can tell."""
+    share, fallback = _forced_share(hostile, "zero")
+    assert share < 0.2 and fallback
+    share, fallback = _forced_share(hostile, "liar")
+    assert share < 0.2 and not fallback
+    share, _ = _forced_share(hostile, "liar_trusted")
+    assert share > 0.5
+    hostile.wait_no_sessions()

@@ -200,3 +200,88 @@ def test_seed_reproduces_and_greedy_needs_no_generator():
     assert nxt == int(logits[lay.path_to(path[-1] if path else 0)[-1]].argmax())
     with pytest.raises(ValueError, match="generator"):
         verify_step(lay, tokens, logits, q, params, None)
+
+
+# ------------------------------------------------------------------------ the bonus token (issue #19)
+CHAIN1 = layout_of(DraftBlock(token_ids=(0,)))
+
+
+def _bonus_from_q(layout, tokens, p, q, gen):
+    """Deliberate bug: a fully accepted chain's bonus drawn from the last drafted position's q."""
+    last, nxt = verify_sampled(layout, tokens, p, q, gen)
+    n = tokens.shape[1]
+    wrong = torch.multinomial(q[:, n - 1], 1, generator=gen).squeeze(1)
+    return last, torch.where(last == n, wrong, nxt)
+
+
+def _bonus_one_node_early(layout, tokens, p, q, gen):
+    """Deliberate bug: a fully accepted chain's bonus drawn from p one node early."""
+    last, nxt = verify_sampled(layout, tokens, p, q, gen)
+    n = tokens.shape[1]
+    wrong = torch.multinomial(p[:, n - 1], 1, generator=gen).squeeze(1)
+    return last, torch.where(last == n, wrong, nxt)
+
+
+def _chain_emitted(n: int, target_logits, draft_p, params, verifier, seed: int, count: int) -> torch.Tensor:
+    """The first ``count`` emitted tokens of N independent runs drafting n-token chains (iid q), steps
+    repeated until each run emitted ``count``: [N, count]."""
+    layout = layout_of(DraftBlock(token_ids=(0,) * n))
+    gen = torch.Generator().manual_seed(seed)
+    out = torch.full((N, count), -1, dtype=torch.long)
+    filled = torch.zeros(N, dtype=torch.long)
+    prev = torch.full((N,), S0, dtype=torch.long)
+    while bool((filled < count).any()):
+        act = torch.nonzero(filled < count).squeeze(1)
+        all_tok, last, nxt = _step(layout, prev[act], target_logits, draft_p, params, "iid", verifier, gen)
+        for j in range(n + 1):  # j-th token this step emitted: drafted j (accepted) or the next token
+            tok = torch.where(j < last, all_tok[:, min(j + 1, n)], nxt)
+            pos = filled[act] + j
+            ok = (j <= last) & (pos < count)
+            out[act[ok], pos[ok]] = tok[ok]
+        filled[act] += last + 1
+        prev[act] = nxt
+    return out
+
+
+def _pair_pvalue(a: torch.Tensor, b: torch.Tensor, first: torch.Tensor, trans: torch.Tensor) -> float:
+    """Chi-square of the observed pairs (a, b) against the law first(a) trans(a, b)."""
+    expected = (first[:, None] * trans).reshape(-1) * len(a)
+    observed = torch.bincount(a * V + b, minlength=V * V).double()
+    if observed[expected == 0].sum() > 0:
+        return 0.0
+    small = expected < 5
+    obs = torch.cat([observed[~small], observed[small].sum()[None]])
+    exp = torch.cat([expected[~small], expected[small].sum()[None]])
+    keep = exp > 0
+    return float(chisquare(obs[keep].numpy(), exp[keep].numpy() * obs.sum().item() / exp.sum().item()).pvalue)
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_bonus_of_a_fully_accepted_chain_follows_the_target(n):
+    """The token after a fully accepted chain (1 token, and a 3-token chain read to its end) follows
+    p at the last drafted token: the pair (emitted n, emitted n + 1) has the law
+    (P^n)[s0](a) p(b | a). Both deliberate bugs (bonus from the last q, bonus from p one node early)
+    are rejected by the same test."""
+    target_logits, draft_logits = _world(7)
+    draft_p = torch.softmax(draft_logits, dim=-1)
+    trans = target_probs(target_logits, SAMPLED).double()  # [prev, next]
+    first = torch.linalg.matrix_power(trans, n)[S0]  # law of emitted token n
+    out = _chain_emitted(n, target_logits, draft_p, SAMPLED, verify_sampled, 5, n + 1)
+    assert _pair_pvalue(out[:, n - 1], out[:, n], first, trans) > 1e-3
+    for bug in (_bonus_from_q, _bonus_one_node_early):
+        bad = _chain_emitted(n, target_logits, draft_p, SAMPLED, bug, 5, n + 1)
+        assert _pair_pvalue(bad[:, n - 1], bad[:, n], first, trans) < 1e-3, bug.__name__
+
+
+def test_tiny_temperatures_decode_and_never_give_nan():
+    """Temperatures that overflow float32 logits (1e-37) still give a distribution (one-hot at the
+    argmax); below the smallest normal float32 (1e-40, 1e-45) the request decodes as greedy."""
+    logits = torch.tensor([[50.0, 49.0, -3.0, 0.0]])
+    for t in (1e-30, 1e-37):
+        p = target_probs(logits, SamplingParams(temperature=t))
+        assert torch.isfinite(p).all() and torch.equal(p[0], torch.tensor([1.0, 0, 0, 0]))
+    for t in (1e-40, 1e-45):
+        params = SamplingParams(temperature=t)
+        assert params.greedy
+        layout = layout_of(DraftBlock(token_ids=(0,)))
+        assert verify_step(layout, torch.tensor([0]), logits.repeat(2, 1), None, params, None) == ((1,), 0)  # node 1 accepted
