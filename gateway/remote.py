@@ -10,13 +10,20 @@ Failure contract (what the loop relies on):
   (a TargetUnavailable carrying the gRPC status code to return to the client);
 - draft: anything at all (down, slower than its step timeout, stream broken) -> DraftError, and a block
   that does not even decode -> MalformedDraft. The loop then goes on target-only.
+
+Circuit breaker (per draft endpoint): after ``breaker_failures`` timeouts / UNAVAILABLE in a row the
+draft is not asked any more (every request goes target-only at once, releases are skipped: the draft
+expires idle sessions itself) while a background probe calls its GetInfo every ``probe_every_s``
+until it answers; then requests use it again.
 """
 
 from __future__ import annotations
 
 import asyncio
+import sys
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import grpc
 import torch
@@ -246,6 +253,67 @@ class RemoteTargetSession:
 
 
 # ------------------------------------------------------------------------------------- draft
+_DOWN = frozenset({grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE})
+
+
+@dataclass(frozen=True)
+class BreakerConfig:
+    failures: int = 3  # timeouts / UNAVAILABLE in a row that open the breaker
+    probe_every_s: float = 1.0  # while open: one GetInfo this often (and with this timeout)
+
+    def __post_init__(self) -> None:
+        if self.failures < 1:
+            raise ValueError(f"breaker failures must be >= 1, got {self.failures}")
+        if not self.probe_every_s > 0:
+            raise ValueError(f"probe_every_s must be > 0, got {self.probe_every_s}")
+
+
+class _Breaker:
+    """Consecutive failures of one draft endpoint; open = do not ask it, probe it in the background."""
+
+    def __init__(self, endpoint: RemoteDraftEndpoint, config: BreakerConfig) -> None:
+        self.endpoint, self.config = endpoint, config
+        self.consecutive = 0
+        self.is_open = False
+        self.opened = 0  # times it opened (for tests and logs)
+        self._probe: asyncio.Task | None = None
+
+    def succeeded(self) -> None:
+        if not self.is_open:
+            self.consecutive = 0
+
+    def failed(self) -> None:
+        self.consecutive += 1
+        if self.is_open or self.consecutive < self.config.failures:
+            return
+        self.is_open = True
+        self.opened += 1
+        ep = self.endpoint
+        print(f"gateway: draft {ep.name} at {ep.address} failed {self.consecutive} times in a row; requests go "
+              "target-only until it answers again", file=sys.stderr, flush=True)
+        self._probe = asyncio.get_running_loop().create_task(self._probe_until_up(), name=f"probe-{ep.name}")
+
+    async def _probe_until_up(self) -> None:
+        every = self.config.probe_every_s
+        while True:
+            await asyncio.sleep(every)
+            try:
+                await self.endpoint.stub.GetInfo(draft_pb2.DraftInfoRequest(), timeout=every)
+            except grpc.aio.AioRpcError:
+                continue
+            self.is_open, self.consecutive = False, 0
+            print(f"gateway: draft {self.endpoint.name} answers again", file=sys.stderr, flush=True)
+            return
+
+    async def close(self) -> None:
+        if self._probe is not None:
+            self._probe.cancel()
+            try:
+                await self._probe
+            except asyncio.CancelledError:
+                pass
+
+
 class RemoteDraftEndpoint:
     """A draft service at one address (one channel for every request)."""
 
@@ -257,10 +325,12 @@ class RemoteDraftEndpoint:
         tls: TlsFiles | None = None,
         target_info: target_pb2.TargetInfo | None = None,
         trusted: bool = False,
+        breaker: BreakerConfig | None = None,
     ) -> None:
         self.name = name
         self.address = address
         self.trusted = trusted  # the operator trusts its q: verified with it (else proposal-only)
+        self.breaker = _Breaker(self, breaker or BreakerConfig())
         self.step_timeout_s = step_timeout_s
         self.target_info = target_info  # set: a drafter for another vocabulary is never used
         self.channel = aio_channel(address, tls)
@@ -277,6 +347,7 @@ class RemoteDraftEndpoint:
         return RemoteDraft(self, deadline)
 
     async def close(self) -> None:
+        await self.breaker.close()
         await self.channel.close()
 
 
@@ -289,6 +360,8 @@ class RemoteDraft:
         self._stream = _Stream(self._open_stream)
 
     def _timeout(self) -> float:
+        if self._ep.breaker.is_open:
+            raise DraftError(f"draft {self._ep.name} at {self._ep.address}: not answering (circuit open)")
         left = self._deadline.remaining(self._ep.step_timeout_s)
         if left <= 0:
             raise DraftError("no time left before the request's deadline")
@@ -299,13 +372,17 @@ class RemoteDraft:
 
     async def _unary(self, method, request):
         try:
-            return await method(request, timeout=self._timeout(), metadata=tn.outgoing_metadata())
+            resp = await method(request, timeout=self._timeout(), metadata=tn.outgoing_metadata())
         except grpc.aio.AioRpcError as exc:
+            if exc.code() in _DOWN:
+                self._ep.breaker.failed()
             raise DraftError(f"draft {self._ep.name} at {self._ep.address}: {exc.code().name}: {exc.details()}") from None
         except DraftError:
             raise
         except Exception as exc:  # noqa: BLE001 - any failure of the draft only drops speculation
             raise DraftError(f"draft {self._ep.name} at {self._ep.address}: {exc!r}") from None
+        self._ep.breaker.succeeded()
+        return resp
 
     async def info(self):
         info = await self._unary(self._ep.stub.GetInfo, draft_pb2.DraftInfoRequest())
@@ -353,8 +430,12 @@ class RemoteDraft:
             raise
         except Exception as exc:  # noqa: BLE001 - any failure of the draft only drops speculation
             self._stream.close()
-            what = f"{exc.code().name}: {exc.details()}" if isinstance(exc, grpc.aio.AioRpcError) else repr(exc)
+            is_rpc = isinstance(exc, grpc.aio.AioRpcError)
+            if isinstance(exc, asyncio.TimeoutError) or (is_rpc and exc.code() in _DOWN):
+                self._ep.breaker.failed()
+            what = f"{exc.code().name}: {exc.details()}" if is_rpc else repr(exc)
             raise DraftError(f"draft {self._ep.name} at {self._ep.address}: {what}") from None
+        self._ep.breaker.succeeded()
         try:
             return convert.draft_block_from_proto(resp.draft)
         except convert.ConversionError as exc:
@@ -362,6 +443,8 @@ class RemoteDraft:
 
     async def release(self, session_id: str) -> None:
         self._stream.close()
+        if self._ep.breaker.is_open:
+            return  # not answering: it frees the session when the stream ends or the session idles out
         await asyncio.shield(self._release(session_id))
 
     async def _release(self, session_id: str) -> None:
@@ -369,8 +452,10 @@ class RemoteDraft:
             await self._ep.stub.Release(
                 draft_pb2.DraftReleaseRequest(session_id=session_id), timeout=RELEASE_TIMEOUT_S
             )
-        except grpc.aio.AioRpcError:
-            pass  # the draft also frees a session when its propose stream ends
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() in _DOWN:
+                self._ep.breaker.failed()
+            # the draft also frees a session when its propose stream ends
 
 
 def incompatible(draft: draft_pb2.DraftInfo, target: target_pb2.TargetInfo) -> str:

@@ -29,6 +29,7 @@ from specserve.errors import SpecserveError
 from specserve.gateway.adaptive import AdaptiveConfig, AdaptiveSpeculation
 from specserve.gateway.clients import RequestRejected, TargetUnavailable
 from specserve.gateway.remote import (
+    BreakerConfig,
     RemoteDraftEndpoint,
     RemoteTarget,
     TargetCallError,
@@ -74,6 +75,7 @@ class GatewayConfig:
     downstream_tls: TlsFiles | None = None  # TLS (and client certificate) for the target and draft channels
     # drafts (of ``drafts``) whose q the target may use; the others are verified proposal-only
     trusted_drafts: frozenset[str] = frozenset()
+    draft_breaker: BreakerConfig = field(default_factory=BreakerConfig)
 
     def __post_init__(self) -> None:
         check_address(self.target_address)
@@ -150,8 +152,11 @@ class DraftTable:
     """Draft name -> endpoint, swappable at run time. A replaced endpoint stays open until the
     requests that use it finish (counted), then its channel closes."""
 
-    def __init__(self, step_timeout_s: float, tls: TlsFiles | None = None, target_info=None) -> None:
+    def __init__(
+        self, step_timeout_s: float, tls: TlsFiles | None = None, target_info=None, breaker: BreakerConfig | None = None
+    ) -> None:
         self.step_timeout_s = step_timeout_s
+        self.breaker = breaker
         self.tls = tls
         self.target_info = target_info
         self._by_name: dict[str, RemoteDraftEndpoint] = {}
@@ -166,7 +171,8 @@ class DraftTable:
 
     def make(self, name: str, address: str, trusted: bool = False) -> RemoteDraftEndpoint:
         return RemoteDraftEndpoint(
-            name, check_address(address), self.step_timeout_s, self.tls, self.target_info, trusted=trusted
+            name, check_address(address), self.step_timeout_s, self.tls, self.target_info, trusted=trusted,
+            breaker=self.breaker,
         )
 
     def put(self, endpoint: RemoteDraftEndpoint) -> None:
@@ -212,7 +218,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self.config = config
         self.target = target
         self.tokenizer = tokenizer
-        self.drafts = DraftTable(config.draft_step_timeout_s, config.downstream_tls, target.target_info)
+        self.drafts = DraftTable(
+            config.draft_step_timeout_s, config.downstream_tls, target.target_info, config.draft_breaker
+        )
         for name, address in config.drafts.items():
             self.drafts.put(self.drafts.make(name, address, trusted=name in config.trusted_drafts))
         self.default_draft = config.default_draft or next(iter(config.drafts), None)

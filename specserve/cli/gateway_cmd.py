@@ -44,6 +44,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(0 = any free port; default: off)")
     parser.add_argument("--draft-step-timeout-s", type=float, default=5.0,
                         help="a proposal slower than this drops the draft for that request")
+    parser.add_argument("--draft-breaker-failures", type=positive_int, default=3,
+                        help="draft timeouts in a row after which a draft is not asked (probed each second) until it answers")
     parser.add_argument("--connect-timeout-s", type=float, default=600.0,
                         help="seconds to wait for the target service at start")
     parser.add_argument("--grace-s", type=float, default=10.0, help="seconds in-flight calls get on SIGTERM")
@@ -68,6 +70,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from specserve.gateway.remote import BreakerConfig
     from specserve.gateway.server import GatewayConfig
     from specserve.gateway.validation import RequestLimits
     from specserve.runtime.servers_common import ServerConfig, exit_now, run_async
@@ -91,6 +94,7 @@ def run(args: argparse.Namespace) -> int:
         auth_token=args.auth_token if args.auth_token is not None else os.environ.get(AUTH_ENV) or None,
         downstream_tls=tls_from_args(args, "downstream-tls"),
         trusted_drafts=frozenset(args.trust_draft_probs),
+        draft_breaker=BreakerConfig(failures=args.draft_breaker_failures),
     )
     for flag, port in (("--port", args.port), ("--http-port", args.http_port)):
         if port is not None and not 0 <= port <= 65535:

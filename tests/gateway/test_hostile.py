@@ -7,6 +7,8 @@ as its LM) and a gateway. Every test ends by checking that no session is left op
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import time
 
 import grpc
@@ -82,7 +84,8 @@ class HostileStack:
         self.gateway = Proc(
             "gateway",
             ["--target", self.target_addr, *[a for n, addr in gateway_drafts.items() for a in ("--draft-service", f"{n}={addr}")],
-             "--port", "0", "--draft-step-timeout-s", "2", "--trust-draft-probs", "liar_trusted"],
+             "--port", "0", "--draft-step-timeout-s", "1", "--trust-draft-probs", "liar_trusted",
+             "--draft-breaker-failures", "2"],
             self.env,
         )
         self.gateway_addr = self.gateway.wait_line("gateway listening on ", timeout=180).split()[-1]
@@ -177,4 +180,33 @@ def test_a_drafter_cannot_force_tokens_under_sampling(hostile):
     assert share < 0.2 and not fallback
     share, _ = _forced_share(hostile, "liar_trusted")
     assert share > 0.5
+    hostile.wait_no_sessions()
+
+
+def test_a_frozen_draft_trips_the_breaker_then_is_used_again(hostile):
+    """A frozen draft (SIGSTOP) costs the first request its step and release timeouts; after two
+    timeouts in a row the gateway stops asking it (requests go target-only at once) and probes it;
+    once it runs again (SIGCONT), requests use it again."""
+    request = gateway_pb2.GenerateRequest(prompt_ids=PROMPT, max_new_tokens=8, draft="ngram", num_speculative_tokens=4)
+    base, _ = hostile.generate(gateway_pb2.GenerateRequest(prompt_ids=PROMPT, max_new_tokens=8, draft="none"))
+    pid = hostile.draft_procs["ngram"].popen.pid
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        took = []
+        for _ in range(3):
+            t0 = time.monotonic()
+            ids, final = hostile.generate(request)
+            took.append(time.monotonic() - t0)
+            assert ids == base and final.stats.draft_fallback
+        assert took[0] > 0.9 and max(took[1:]) < 0.5, took
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    deadline = time.monotonic() + 10
+    while True:
+        ids, final = hostile.generate(request)
+        assert ids == base
+        if not final.stats.draft_fallback:
+            break
+        assert time.monotonic() < deadline, "the draft was not used again after it came back"
+        time.sleep(0.2)
     hostile.wait_no_sessions()
