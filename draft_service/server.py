@@ -20,9 +20,12 @@ from specserve.protos import convert
 from specserve.protos.specserve.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 from specserve.runtime import tracing as tn
 from specserve.runtime.errors import LimitExceeded, status_for
+from specserve.runtime.servers_common import lenient_adder, short
 from specserve.runtime.worker import OneThread
 
 SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name
+# registers the servicer; request bytes that do not parse get INVALID_ARGUMENT (not gRPC's UNKNOWN)
+add_draft_to_server = lenient_adder(draft_pb2.DESCRIPTOR.services_by_name["DraftService"])
 
 DEFAULT_MAX_DRAFT_TOKENS = 256  # tokens (chain length or tree nodes) one proposal may ask for
 
@@ -202,7 +205,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         self._tracer = tn.tracer()
 
     async def _abort(self, context, exc: BaseException):
-        await context.abort(_status_for(exc), f"{type(exc).__name__}: {exc}")
+        await context.abort(_status_for(exc), short(f"{type(exc).__name__}: {exc}"))
 
     async def GetInfo(self, request, context):
         i = self.info

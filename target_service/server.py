@@ -32,6 +32,7 @@ from specserve.protos.specserve.v1 import target_pb2, target_pb2_grpc
 from specserve.runtime import tracing as tn
 from specserve.runtime.admission import Admission, AdmissionConfig, AdmissionRefused
 from specserve.runtime.errors import LimitExceeded, status_for
+from specserve.runtime.servers_common import lenient_adder, short
 from specserve.runtime.worker import OneThread
 from specserve.target_service.engine.engine import (
     ContextTooLong,
@@ -41,6 +42,8 @@ from specserve.target_service.engine.engine import (
 )
 
 SERVICE_NAME = target_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name
+# registers the servicer; request bytes that do not parse get INVALID_ARGUMENT (not gRPC's UNKNOWN)
+add_target_to_server = lenient_adder(target_pb2.DESCRIPTOR.services_by_name["TargetService"])
 
 RESERVE_METADATA = "specserve-reserve-tokens"  # tokens a new session may occupy (prompt + new + draft block)
 DEFAULT_DRAFT_HEADROOM = 1  # tokens reserved beyond the prompt (the pending token) when the caller states none
@@ -352,7 +355,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
 
     # ------------------------------------------------------------------------------ helpers
     async def _abort(self, context, exc: BaseException):
-        await context.abort(_status_for(exc), f"{type(exc).__name__}: {exc}")
+        await context.abort(_status_for(exc), short(f"{type(exc).__name__}: {exc}"))
 
     # -------------------------------------------------------------------------------- RPCs
     async def GetInfo(self, request, context):

@@ -87,9 +87,9 @@ async def _serve(config, server_config, limits=None, metrics_http=None) -> None:
         SERVICE_NAME,
         DrafterWorker,
         DraftServicer,
+        add_draft_to_server,
         observe_worker,
     )
-    from specserve.protos.specserve.v1 import draft_pb2_grpc
     from specserve.runtime.servers_common import ServiceBinding, serve_until_signal
     from specserve.runtime.tracing import setup_telemetry
 
@@ -109,7 +109,7 @@ async def _serve(config, server_config, limits=None, metrics_http=None) -> None:
 
     await serve_until_signal(
         server_config,
-        [ServiceBinding(draft_pb2_grpc.add_DraftServiceServicer_to_server, servicer, SERVICE_NAME)],
+        [ServiceBinding(add_draft_to_server, servicer, SERVICE_NAME)],
         on_ready=on_ready,
         on_stop=on_stop,
         companions=companions,

@@ -55,7 +55,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def _serve(engine_config, server_config, tensor_parallel_size: int, limits=None, metrics_http=None) -> None:
-    from specserve.protos.specserve.v1 import target_pb2_grpc
     from specserve.runtime.servers_common import ServiceBinding, serve_until_signal
     from specserve.runtime.tracing import setup_telemetry
     from specserve.target_service.factory import build_engine
@@ -63,6 +62,7 @@ async def _serve(engine_config, server_config, tensor_parallel_size: int, limits
         SERVICE_NAME,
         EngineWorker,
         TargetServicer,
+        add_target_to_server,
         observe_worker,
     )
 
@@ -82,7 +82,7 @@ async def _serve(engine_config, server_config, tensor_parallel_size: int, limits
 
     await serve_until_signal(
         server_config,
-        [ServiceBinding(target_pb2_grpc.add_TargetServiceServicer_to_server, servicer, SERVICE_NAME)],
+        [ServiceBinding(add_target_to_server, servicer, SERVICE_NAME)],
         on_ready=on_ready,
         on_stop=on_stop,
         companions=companions,

@@ -7,12 +7,16 @@
   the service's own shutdown (engine thread, tracing flush);
 - optional TLS on every listen address (``TlsFiles``): with a CA the server requires and checks the
   client's certificate (mutual TLS); the same ``TlsFiles`` on the client side gives a secure channel
-  (CA = the roots to trust; cert + key = the client's certificate for mutual TLS).
+  (CA = the roots to trust; cert + key = the client's certificate for mutual TLS);
+- ``lenient_adder``: a servicer registration under which bytes that do not parse reach no handler
+  and get INVALID_ARGUMENT (gRPC alone answers UNKNOWN); ``short`` cuts echoed input in messages
+  (status details travel in metadata, limited to 16 KB).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 from collections.abc import Awaitable, Callable, Sequence
@@ -20,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
+from google.protobuf import message_factory
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
@@ -83,6 +88,85 @@ class TlsFiles:
         return grpc.ssl_channel_credentials(
             root_certificates=self._read(self.ca), private_key=self._read(self.key), certificate_chain=self._read(self.cert)
         )
+
+
+MAX_DETAILS_CHARS = 1000  # of a status message: echoed input is cut to this
+
+
+def short(text: str, limit: int = MAX_DETAILS_CHARS) -> str:
+    """``text`` cut to ``limit`` characters (with the full length said), for messages that echo input."""
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
+class MalformedMessage:
+    """Request bytes that do not parse (what the lenient deserializer hands on instead of a message)."""
+
+    def __init__(self, type_name: str, error: Exception) -> None:
+        self.problem = f"request: not a valid {type_name} message ({type(error).__name__}: {str(error)[:200]})"
+
+
+def _lenient_parse(message_cls):
+    def parse(data: bytes):
+        try:
+            return message_cls.FromString(data)
+        except Exception as exc:  # noqa: BLE001 - any decode failure: answered INVALID_ARGUMENT
+            return MalformedMessage(message_cls.DESCRIPTOR.full_name, exc)
+
+    return parse
+
+
+def _checked_unary(fn, streaming_reply: bool):
+    if streaming_reply:
+        async def handler(request, context):
+            if isinstance(request, MalformedMessage):
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.problem)
+            async with contextlib.aclosing(fn(request, context)) as replies:  # closed here when the call ends
+                async for reply in replies:
+                    yield reply
+    else:
+        async def handler(request, context):
+            if isinstance(request, MalformedMessage):
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.problem)
+            return await fn(request, context)
+    return handler
+
+
+def _checked_stream(fn):
+    async def handler(request_iterator, context):
+        async def requests():
+            async for request in request_iterator:
+                if isinstance(request, MalformedMessage):
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.problem)
+                yield request
+
+        async with contextlib.aclosing(fn(requests(), context)) as replies:  # closed here when the call ends
+            async for reply in replies:
+                yield reply
+    return handler
+
+
+def lenient_adder(service) -> Callable:
+    """An ``add_XServicer_to_server(servicer, server)`` for a service descriptor (unary and
+    bidi-streaming methods) under which unparseable request bytes get INVALID_ARGUMENT."""
+
+    def add(servicer, server) -> None:
+        handlers = {}
+        for method in service.methods:
+            parse = _lenient_parse(message_factory.GetMessageClass(method.input_type))
+            out = message_factory.GetMessageClass(method.output_type).SerializeToString
+            fn = getattr(servicer, method.name)
+            if method.client_streaming and method.server_streaming:
+                handlers[method.name] = grpc.stream_stream_rpc_method_handler(_checked_stream(fn), parse, out)
+            elif not method.client_streaming and method.server_streaming:
+                handlers[method.name] = grpc.unary_stream_rpc_method_handler(_checked_unary(fn, True), parse, out)
+            elif not method.client_streaming:
+                handlers[method.name] = grpc.unary_unary_rpc_method_handler(_checked_unary(fn, False), parse, out)
+            else:
+                raise ValueError(f"{method.full_name}: client-streaming methods are not supported")
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
+        server.add_registered_method_handlers(service.full_name, handlers)
+
+    return add
 
 
 def tls_or_none(cert=None, key=None, ca=None) -> TlsFiles | None:

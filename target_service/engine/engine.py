@@ -167,9 +167,9 @@ class TargetEngine:
     def _check_layers(self, layers: tuple[int, ...]) -> tuple[int, ...]:
         bad = [i for i in layers if not 0 <= int(i) < self.config.num_layers]
         if bad:
-            raise InvalidInput(f"hidden_layers {bad} outside [0, {self.config.num_layers})")
+            raise InvalidInput(f"hidden_layers {bad[:4]} outside [0, {self.config.num_layers}) ({len(bad)} in all)")
         if len(set(layers)) != len(layers):
-            raise InvalidInput(f"hidden_layers {layers} repeat a layer")
+            raise InvalidInput(f"hidden_layers {layers[:8]} repeat a layer")
         return tuple(int(i) for i in layers)
 
     def _check_ids(self, ids: Sequence[int], what: str) -> None:

@@ -11,7 +11,7 @@ from served import InProcessServer
 
 from specserve.draft_service.proposer import DrafterConfig
 from specserve.draft_service.registry import build_proposer
-from specserve.draft_service.server import SERVICE_NAME, DrafterWorker, DraftLimits, DraftServicer
+from specserve.draft_service.server import SERVICE_NAME, DrafterWorker, DraftLimits, DraftServicer, add_draft_to_server
 from specserve.protos.specserve.v1 import draft_pb2, draft_pb2_grpc
 from specserve.runtime.servers_common import ServiceBinding
 
@@ -27,7 +27,7 @@ class HostileDraft(InProcessServer):
     async def _build(self):
         worker = await DrafterWorker.build(lambda: build_proposer(self.config), limits=LIMITS)
         worker.start_expiry()
-        return worker, ServiceBinding(draft_pb2_grpc.add_DraftServiceServicer_to_server, DraftServicer(worker), SERVICE_NAME)
+        return worker, ServiceBinding(add_draft_to_server, DraftServicer(worker), SERVICE_NAME)
 
     def active(self) -> int:
         return self.stub.GetStats(draft_pb2.DraftStatsRequest(), timeout=10).active_sessions
@@ -106,3 +106,19 @@ def test_an_idle_session_expires_and_a_busy_one_stays(served):
     assert code_of(lambda: served.stub.Propose(stale, timeout=10)) == grpc.StatusCode.INVALID_ARGUMENT
     served.release_all(["busy"])
     assert served.active() == 0
+
+
+def test_unparseable_bytes_get_invalid_argument(served):
+    for method in ("StartSession", "Propose", "Release"):
+        call = served.channel.unary_unary(f"/specserve.v1.DraftService/{method}")
+        with pytest.raises(grpc.RpcError) as info:
+            call(b"\xff\xff\xff", timeout=10)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (method, info.value.details())
+    stream = served.channel.stream_stream("/specserve.v1.DraftService/ProposeStream")
+    with pytest.raises(grpc.RpcError) as info:
+        list(stream(iter([b"\xff\xff\xff"]), timeout=10))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    huge = draft_pb2.ProposeRequest(session_id="x" * 20_000, num_tokens=2)  # echoed in "not open"
+    with pytest.raises(grpc.RpcError) as info:
+        served.stub.Propose(huge, timeout=10)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and len(info.value.details()) < 1200

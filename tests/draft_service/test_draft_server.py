@@ -13,7 +13,7 @@ from served import InProcessServer
 from specserve.contract.types import SamplingParams
 from specserve.draft_service.proposer import DrafterConfig
 from specserve.draft_service.registry import build_proposer
-from specserve.draft_service.server import SERVICE_NAME, DrafterWorker, DraftServicer
+from specserve.draft_service.server import SERVICE_NAME, DrafterWorker, DraftServicer, add_draft_to_server
 from specserve.protos import convert
 from specserve.protos.specserve.v1 import draft_pb2, draft_pb2_grpc
 from specserve.runtime.servers_common import ServiceBinding
@@ -28,7 +28,7 @@ class ServedDraft(InProcessServer):
 
     async def _build(self):
         worker = await DrafterWorker.build(lambda: build_proposer(CONFIG))
-        return worker, ServiceBinding(draft_pb2_grpc.add_DraftServiceServicer_to_server, DraftServicer(worker), SERVICE_NAME)
+        return worker, ServiceBinding(add_draft_to_server, DraftServicer(worker), SERVICE_NAME)
 
     def stats(self) -> draft_pb2.DraftStats:
         return self.stub.GetStats(draft_pb2.DraftStatsRequest(), timeout=10)

@@ -16,7 +16,13 @@ from specserve.protos import convert
 from specserve.protos.specserve.v1 import target_pb2, target_pb2_grpc
 from specserve.runtime.servers_common import ServiceBinding
 from specserve.target_service.factory import EngineConfig, build_engine
-from specserve.target_service.server import SERVICE_NAME, EngineWorker, TargetLimits, TargetServicer
+from specserve.target_service.server import (
+    SERVICE_NAME,
+    EngineWorker,
+    TargetLimits,
+    TargetServicer,
+    add_target_to_server,
+)
 
 PROMPT = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38]
 IDLE_S = 0.6
@@ -33,7 +39,7 @@ class HostileTarget(InProcessServer):
         worker = await EngineWorker.build(lambda: build_engine(self.cfg), limits=self.limits)
         worker.start()
         servicer = TargetServicer(worker, model_name="tiny")
-        return worker, ServiceBinding(target_pb2_grpc.add_TargetServiceServicer_to_server, servicer, SERVICE_NAME)
+        return worker, ServiceBinding(add_target_to_server, servicer, SERVICE_NAME)
 
     def active(self) -> int:
         return self.stub.GetStats(target_pb2.TargetStatsRequest(), timeout=10).active_sessions
@@ -100,3 +106,23 @@ def test_tiny_temperatures_decode_as_greedy(served, t):
     assert verify(served, "t", [1, 2]).num_drafted == 2
     for sid in ("g", "t"):
         served.stub.Release(target_pb2.ReleaseRequest(session_id=sid), timeout=10)
+
+
+def test_unparseable_bytes_and_huge_inputs_get_short_invalid_argument(served):
+    """Bytes that are no request get INVALID_ARGUMENT (gRPC alone says UNKNOWN), on unary and stream
+    methods; a Prefill naming 10,000 hidden layers gets INVALID_ARGUMENT with a short message (an echo
+    of the whole input would pass the 16 KB metadata limit and turn into RESOURCE_EXHAUSTED)."""
+    for method in ("Prefill", "Verify", "Release"):
+        call = served.channel.unary_unary(f"/specserve.v1.TargetService/{method}")
+        with pytest.raises(grpc.RpcError) as info:
+            call(b"\xff\xff\xff", timeout=10)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (method, info.value.details())
+    stream = served.channel.stream_stream("/specserve.v1.TargetService/VerifyStream")
+    with pytest.raises(grpc.RpcError) as info:
+        list(stream(iter([b"\xff\xff\xff"]), timeout=10))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    req = target_pb2.PrefillRequest(session_id="h", prompt_ids=PROMPT, hidden_layers=list(range(100, 10_100)))
+    with pytest.raises(grpc.RpcError) as info:
+        served.stub.Prefill(req, timeout=10)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and len(info.value.details()) < 1200
+    assert served.active() == 0

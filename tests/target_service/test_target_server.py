@@ -19,7 +19,7 @@ from specserve.protos import convert
 from specserve.protos.specserve.v1 import common_pb2, target_pb2, target_pb2_grpc
 from specserve.runtime.servers_common import ServiceBinding
 from specserve.target_service.factory import EngineConfig, build_engine
-from specserve.target_service.server import SERVICE_NAME, EngineWorker, TargetServicer
+from specserve.target_service.server import SERVICE_NAME, EngineWorker, TargetServicer, add_target_to_server
 
 PROMPT = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38]
 
@@ -37,7 +37,7 @@ class ServedTarget(InProcessServer):
         worker = await EngineWorker.build(lambda: build_engine(self.cfg))
         worker.start()
         servicer = TargetServicer(worker, model_name="tiny")
-        return worker, ServiceBinding(target_pb2_grpc.add_TargetServiceServicer_to_server, servicer, SERVICE_NAME)
+        return worker, ServiceBinding(add_target_to_server, servicer, SERVICE_NAME)
 
     def stats(self) -> target_pb2.TargetStats:
         return self.stub.GetStats(target_pb2.TargetStatsRequest(), timeout=10)
