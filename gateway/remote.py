@@ -44,7 +44,7 @@ from specserve.protos.specserve.v1 import (
     target_pb2_grpc,
 )
 from specserve.runtime import tracing as tn
-from specserve.runtime.servers_common import TlsFiles, aio_channel
+from specserve.runtime.servers_common import TlsFiles, aio_channel, bearer_metadata
 
 RELEASE_TIMEOUT_S = 2.0  # releases run even past the request's deadline, but never hang
 RESERVE_METADATA = "specserve-reserve-tokens"  # the target reserves KV blocks for this many tokens
@@ -135,15 +135,16 @@ class _Stream:
 class RemoteTarget:
     """The target service at one address (one channel for every request)."""
 
-    def __init__(self, address: str, tls: TlsFiles | None = None) -> None:
+    def __init__(self, address: str, tls: TlsFiles | None = None, token: str | None = None) -> None:
         self.address = address
         self.channel = aio_channel(address, tls)
         self.stub = target_pb2_grpc.TargetServiceStub(self.channel)
         self.target_info: target_pb2.TargetInfo | None = None
+        self.auth = bearer_metadata(token)  # sent on every call (the target's --auth-token)
 
     async def fetch_info(self, timeout_s: float, wait_for_ready: bool = True) -> target_pb2.TargetInfo:
         self.target_info = await self.stub.GetInfo(
-            target_pb2.TargetInfoRequest(), timeout=timeout_s, wait_for_ready=wait_for_ready
+            target_pb2.TargetInfoRequest(), timeout=timeout_s, wait_for_ready=wait_for_ready, metadata=self.auth
         )
         return self.target_info
 
@@ -164,7 +165,8 @@ class RemoteTargetSession:
         self, target: RemoteTarget, deadline: float | None, metrics: tn.SpecMetrics | None, reserve_tokens: int | None = None
     ) -> None:
         self._target = target
-        self._reserve = () if reserve_tokens is None else ((RESERVE_METADATA, str(int(reserve_tokens))),)
+        reserve = () if reserve_tokens is None else ((RESERVE_METADATA, str(int(reserve_tokens))),)
+        self._reserve = (*target.auth, *reserve)
         self._deadline = _Deadline(deadline)
         self._metrics = metrics
         self._stream = _Stream(self._open_stream)
@@ -177,7 +179,7 @@ class RemoteTargetSession:
         return left
 
     def _open_stream(self):
-        return self._target.stub.VerifyStream(timeout=self._timeout(), metadata=tn.outgoing_metadata())
+        return self._target.stub.VerifyStream(timeout=self._timeout(), metadata=tn.outgoing_metadata(self._target.auth))
 
     async def info(self):
         if self._target.target_info is None:
@@ -246,7 +248,7 @@ class RemoteTargetSession:
             await self._target.stub.Release(
                 target_pb2.ReleaseRequest(session_id=session_id),
                 timeout=RELEASE_TIMEOUT_S,
-                metadata=tn.outgoing_metadata(),
+                metadata=tn.outgoing_metadata(self._target.auth),
             )
         except grpc.aio.AioRpcError:
             pass  # the target also frees a session when its verify stream ends
@@ -298,7 +300,7 @@ class _Breaker:
         while True:
             await asyncio.sleep(every)
             try:
-                await self.endpoint.stub.GetInfo(draft_pb2.DraftInfoRequest(), timeout=every)
+                await self.endpoint.stub.GetInfo(draft_pb2.DraftInfoRequest(), timeout=every, metadata=self.endpoint.auth)
             except grpc.aio.AioRpcError:
                 continue
             self.is_open, self.consecutive = False, 0
@@ -326,7 +328,9 @@ class RemoteDraftEndpoint:
         target_info: target_pb2.TargetInfo | None = None,
         trusted: bool = False,
         breaker: BreakerConfig | None = None,
+        token: str | None = None,
     ) -> None:
+        self.auth = bearer_metadata(token)  # sent on every call (the draft's --auth-token)
         self.name = name
         self.address = address
         self.trusted = trusted  # the operator trusts its q: verified with it (else proposal-only)
@@ -339,7 +343,7 @@ class RemoteDraftEndpoint:
 
     async def fetch_info(self, timeout_s: float, wait_for_ready: bool = False) -> draft_pb2.DraftInfo:
         self.last_info = await self.stub.GetInfo(
-            draft_pb2.DraftInfoRequest(), timeout=timeout_s, wait_for_ready=wait_for_ready
+            draft_pb2.DraftInfoRequest(), timeout=timeout_s, wait_for_ready=wait_for_ready, metadata=self.auth
         )
         return self.last_info
 
@@ -368,11 +372,11 @@ class RemoteDraft:
         return left
 
     def _open_stream(self):
-        return self._ep.stub.ProposeStream(metadata=tn.outgoing_metadata())
+        return self._ep.stub.ProposeStream(metadata=tn.outgoing_metadata(self._ep.auth))
 
     async def _unary(self, method, request):
         try:
-            resp = await method(request, timeout=self._timeout(), metadata=tn.outgoing_metadata())
+            resp = await method(request, timeout=self._timeout(), metadata=tn.outgoing_metadata(self._ep.auth))
         except grpc.aio.AioRpcError as exc:
             if exc.code() in _DOWN:
                 self._ep.breaker.failed()
@@ -450,7 +454,7 @@ class RemoteDraft:
     async def _release(self, session_id: str) -> None:
         try:
             await self._ep.stub.Release(
-                draft_pb2.DraftReleaseRequest(session_id=session_id), timeout=RELEASE_TIMEOUT_S
+                draft_pb2.DraftReleaseRequest(session_id=session_id), timeout=RELEASE_TIMEOUT_S, metadata=self._ep.auth
             )
         except grpc.aio.AioRpcError as exc:
             if exc.code() in _DOWN:

@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import dataclasses
 import hmac
+import sys
 import uuid
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
@@ -46,9 +47,10 @@ from specserve.gateway.validation import (
 from specserve.protos.specserve.v1 import gateway_pb2, gateway_pb2_grpc
 from specserve.runtime import tracing as tn
 from specserve.runtime.admission import Admission, AdmissionConfig, AdmissionRefused
-from specserve.runtime.servers_common import TlsFiles, check_address
+from specserve.runtime.servers_common import TlsFiles, check_address, short
 
 SERVICE_NAME = gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name
+ADMIN_METADATA = "specserve-admin-token"  # SetDraft's credential, separate from the clients' bearer token
 DEFAULT_SPECULATIVE_TOKENS = 4
 
 
@@ -76,11 +78,18 @@ class GatewayConfig:
     # drafts (of ``drafts``) whose q the target may use; the others are verified proposal-only
     trusted_drafts: frozenset[str] = frozenset()
     draft_breaker: BreakerConfig = field(default_factory=BreakerConfig)
+    downstream_token: str | None = field(default=None, repr=False)  # bearer token for target and drafts
+    # SetDraft needs the metadata `specserve-admin-token: <admin_token>`; None: SetDraft is off
+    admin_token: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         check_address(self.target_address)
-        if self.auth_token is not None and not self.auth_token.strip():
-            raise ValueError("the auth token is empty")
+        for name in ("auth_token", "downstream_token", "admin_token"):
+            value = getattr(self, name)
+            if value is not None and not value.strip():
+                raise ValueError(f"{name} is empty")
+        if self.admin_token is not None and self.admin_token == self.auth_token:
+            raise ValueError("the admin token must differ from the clients' auth token")
         AdmissionConfig(self.max_sessions, self.max_queued)  # validates both
         for name, address in self.drafts.items():
             if not name or name == NO_DRAFT:
@@ -153,10 +162,16 @@ class DraftTable:
     requests that use it finish (counted), then its channel closes."""
 
     def __init__(
-        self, step_timeout_s: float, tls: TlsFiles | None = None, target_info=None, breaker: BreakerConfig | None = None
+        self,
+        step_timeout_s: float,
+        tls: TlsFiles | None = None,
+        target_info=None,
+        breaker: BreakerConfig | None = None,
+        token: str | None = None,
     ) -> None:
         self.step_timeout_s = step_timeout_s
         self.breaker = breaker
+        self.token = token
         self.tls = tls
         self.target_info = target_info
         self._by_name: dict[str, RemoteDraftEndpoint] = {}
@@ -172,7 +187,7 @@ class DraftTable:
     def make(self, name: str, address: str, trusted: bool = False) -> RemoteDraftEndpoint:
         return RemoteDraftEndpoint(
             name, check_address(address), self.step_timeout_s, self.tls, self.target_info, trusted=trusted,
-            breaker=self.breaker,
+            breaker=self.breaker, token=self.token,
         )
 
     def put(self, endpoint: RemoteDraftEndpoint) -> None:
@@ -219,7 +234,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self.target = target
         self.tokenizer = tokenizer
         self.drafts = DraftTable(
-            config.draft_step_timeout_s, config.downstream_tls, target.target_info, config.draft_breaker
+            config.draft_step_timeout_s, config.downstream_tls, target.target_info, config.draft_breaker,
+            config.downstream_token,
         )
         for name, address in config.drafts.items():
             self.drafts.put(self.drafts.make(name, address, trusted=name in config.trusted_drafts))
@@ -228,6 +244,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self._adaptive_by_draft: dict[str, AdaptiveSpeculation] = {}
         self.admission = Admission(AdmissionConfig(config.max_sessions, config.max_queued, what="requests"))
         self._token = None if config.auth_token is None else config.auth_token.encode()
+        self._admin_token = None if config.admin_token is None else config.admin_token.encode()
 
     def observe(self) -> None:
         """Export the admission state (running and queued requests) as observable gauges."""
@@ -422,9 +439,24 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         await context.abort(grpc.StatusCode.INTERNAL, "the request ended without a final message")
 
     # -------------------------------------------------------------------------------- admin
+    async def _check_admin(self, context) -> None:
+        if self._admin_token is None:
+            await context.abort(
+                grpc.StatusCode.PERMISSION_DENIED, "SetDraft is off: start the gateway with --admin-token to allow it"
+            )
+        given = b""
+        for key, value in context.invocation_metadata() or ():
+            if key == ADMIN_METADATA:
+                given = value if isinstance(value, bytes) else value.encode("utf-8", "replace")
+        if not hmac.compare_digest(given, self._admin_token):
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, f"{ADMIN_METADATA}: missing or wrong admin token")
+
     async def SetDraft(self, request, context):
         await self._authorize(context, request)
+        await self._check_admin(context)
         name, address = request.name, request.address
+        print(f"gateway: SetDraft {short(name, 64)!r} -> {short(address, 200)!r} from {context.peer()}",
+              file=sys.stderr, flush=True)
         if not name or name == NO_DRAFT:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"name: {name!r} is empty or reserved")
         if not address:

@@ -38,6 +38,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_tls_arguments(parser, side="client")
     parser.add_argument("--auth-token", default=None,
                         help="bearer token the gateway requires (default: $SPECSERVE_AUTH_TOKEN)")
+    parser.add_argument("--admin-token", default=None,
+                        help="the gateway's --admin-token, for --set-draft (default: $SPECSERVE_ADMIN_TOKEN)")
 
 
 def _metadata(args: argparse.Namespace) -> tuple[tuple[str, str], ...]:
@@ -69,8 +71,12 @@ def run(args: argparse.Namespace) -> int:
         stub = gateway_pb2_grpc.GatewayStub(channel)
         if args.set_draft is not None:
             name, address = args.set_draft
+            import os
+
+            admin = args.admin_token if args.admin_token is not None else os.environ.get("SPECSERVE_ADMIN_TOKEN")
+            admin_md = (("specserve-admin-token", admin),) if admin else ()
             resp = _call(stub.SetDraft, gateway_pb2.SetDraftRequest(name=name, address=address), timeout=args.timeout,
-                         metadata=md)
+                         metadata=md + admin_md)
             print(json.dumps({"name": resp.name, "address": resp.address}))
             return 0
         if args.list_drafts:

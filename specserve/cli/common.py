@@ -190,8 +190,14 @@ def add_listen_arguments(parser: argparse.ArgumentParser, default: str, max_mess
     parser.add_argument("--max-message-bytes", type=positive_int, default=max_message_bytes or MAX_MESSAGE_BYTES,
                         help="largest gRPC message received or sent (bigger: RESOURCE_EXHAUSTED)")
     add_tls_arguments(parser)
+    parser.add_argument("--auth-token", default=None,
+                        help=f"require 'authorization: Bearer TOKEN' on every call but health (default: ${SERVICE_TOKEN_ENV}; "
+                             "the gateway sends it with --downstream-auth-token)")
     parser.add_argument("--metrics-port", type=int, default=None,
                         help="serve GET /metrics (Prometheus text) on 127.0.0.1 at this port (0 = any; default: off)")
+
+
+SERVICE_TOKEN_ENV = "SPECSERVE_SERVICE_TOKEN"
 
 
 def metrics_http_from_args(args: argparse.Namespace):
@@ -218,10 +224,13 @@ async def start_metrics_server(http, telemetry, role: str) -> list:
 
 
 def server_config_from_args(args: argparse.Namespace, addresses: tuple[str, ...]):
+    import os
+
     from specserve.runtime.servers_common import ServerConfig
 
+    token = args.auth_token if args.auth_token is not None else os.environ.get(SERVICE_TOKEN_ENV) or None
     return ServerConfig(addresses=addresses, grace_s=args.grace_s, max_message_bytes=args.max_message_bytes,
-                        tls=tls_from_args(args))
+                        tls=tls_from_args(args), auth_token=token)
 
 
 def checkpoint_errors_as_user_errors(fn, *args):

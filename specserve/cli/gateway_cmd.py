@@ -64,9 +64,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_tls_arguments(security, prefix="downstream-tls", side="client")
     security.add_argument("--auth-token", default=None,
                           help=f"require 'authorization: Bearer TOKEN' on every call (default: ${AUTH_ENV})")
+    security.add_argument("--downstream-auth-token", default=None,
+                          help="bearer token sent to the target and draft services (their --auth-token; "
+                               "default: $SPECSERVE_DOWNSTREAM_TOKEN)")
+    security.add_argument("--admin-token", default=None,
+                          help="allow SetDraft for calls carrying the metadata 'specserve-admin-token: TOKEN' (a "
+                               "credential apart from --auth-token; default: $SPECSERVE_ADMIN_TOKEN; unset: SetDraft off)")
     security.add_argument("--trust-draft-probs", action="append", default=[], metavar="NAME",
                           help="verify this --draft-service with its probabilities q (more accepted tokens under "
                                "sampling; lossless only if the drafter is honest). Others: proposal-only (repeatable)")
+
+
+def _flag_or_env(value: str | None, env: str) -> str | None:
+    return value if value is not None else os.environ.get(env) or None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -95,6 +105,8 @@ def run(args: argparse.Namespace) -> int:
         downstream_tls=tls_from_args(args, "downstream-tls"),
         trusted_drafts=frozenset(args.trust_draft_probs),
         draft_breaker=BreakerConfig(failures=args.draft_breaker_failures),
+        downstream_token=_flag_or_env(args.downstream_auth_token, "SPECSERVE_DOWNSTREAM_TOKEN"),
+        admin_token=_flag_or_env(args.admin_token, "SPECSERVE_ADMIN_TOKEN"),
     )
     for flag, port in (("--port", args.port), ("--http-port", args.http_port)):
         if port is not None and not 0 <= port <= 65535:
@@ -136,7 +148,7 @@ async def _serve(config, server_config, tokenizer, connect_timeout_s: float, htt
     from specserve.runtime.tracing import setup_telemetry
 
     telemetry = setup_telemetry("specserve-gateway", prometheus=http is not None)
-    target = RemoteTarget(config.target_address, config.downstream_tls)
+    target = RemoteTarget(config.target_address, config.downstream_tls, config.downstream_token)
     try:
         await target.fetch_info(connect_timeout_s, wait_for_ready=True)
     except grpc.aio.AioRpcError as exc:

@@ -17,10 +17,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import os
 import signal
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
@@ -169,6 +170,50 @@ def lenient_adder(service) -> Callable:
     return add
 
 
+OPEN_SERVICES = ("grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection")  # no token needed
+
+
+def bearer_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
+    """The metadata a client sends for a service started with ``--auth-token token`` (none: ())."""
+    return (("authorization", f"Bearer {token}"),) if token else ()
+
+
+def bearer_matches(metadata, token: bytes) -> bool:
+    """Whether the call's metadata carries ``authorization: Bearer <token>`` (constant-time compare)."""
+    given = b""
+    for key, value in metadata or ():
+        if key == "authorization":
+            raw = value if isinstance(value, bytes) else value.encode("utf-8", "replace")
+            given = raw[len(b"Bearer ") :] if raw[:7].lower() == b"bearer " else b""
+            break
+    return hmac.compare_digest(given, token)
+
+
+class BearerAuth(grpc.aio.ServerInterceptor):
+    """Every call but health and reflection must carry the bearer token, or gets UNAUTHENTICATED."""
+
+    def __init__(self, token: str) -> None:
+        self._token = token.encode()
+
+    async def intercept_service(self, continuation, details):
+        handler = await continuation(details)
+        if handler is None or details.method.lstrip("/").startswith(OPEN_SERVICES):
+            return handler
+        if bearer_matches(details.invocation_metadata, self._token):
+            return handler
+
+        async def deny(request, context):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "authorization: missing or wrong bearer token")
+
+        kind = {
+            (False, False): grpc.unary_unary_rpc_method_handler,
+            (False, True): grpc.unary_stream_rpc_method_handler,
+            (True, False): grpc.stream_unary_rpc_method_handler,
+            (True, True): grpc.stream_stream_rpc_method_handler,
+        }[(handler.request_streaming, handler.response_streaming)]
+        return kind(deny, handler.request_deserializer, handler.response_serializer)
+
+
 def tls_or_none(cert=None, key=None, ca=None) -> TlsFiles | None:
     """TlsFiles from optional flag values; None when none is set (plaintext)."""
     if cert is None and key is None and ca is None:
@@ -256,8 +301,11 @@ class ServerConfig:
     grace_s: float = 10.0
     max_message_bytes: int = MAX_MESSAGE_BYTES
     tls: TlsFiles | None = None  # None: plaintext
+    auth_token: str | None = field(default=None, repr=False)  # None: no bearer token required
 
     def __post_init__(self) -> None:
+        if self.auth_token is not None and not self.auth_token.strip():
+            raise ValueError("the auth token is empty")
         if self.max_message_bytes < 1024:
             raise ValueError(f"max_message_bytes must be >= 1024, got {self.max_message_bytes}")
         if self.tls is not None and self.tls.cert is None:
@@ -291,7 +339,8 @@ class RunningServer:
 
 async def start_server(config: ServerConfig, bindings: Sequence[ServiceBinding]) -> RunningServer:
     """Register bindings + health + reflection, bind every address, start, and mark SERVING."""
-    server = grpc.aio.server(options=server_options(config.max_message_bytes))
+    interceptors = [BearerAuth(config.auth_token)] if config.auth_token is not None else []
+    server = grpc.aio.server(options=server_options(config.max_message_bytes), interceptors=interceptors)
     health = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     names = [b.full_name for b in bindings]

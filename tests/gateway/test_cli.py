@@ -53,10 +53,10 @@ def test_client_admin_and_errors(served, capsys):
     _, address = served
     code, out, _ = run_cli(capsys, "client", "--gateway", address, "--list-drafts")
     assert code == 0 and list(json.loads(out)) == ["ngram"]
-    # an address nothing listens on: refused, one line, no traceback
+    # SetDraft is off unless the gateway has an --admin-token: refused, one line, no traceback
     code, out, err = run_cli(capsys, "client", "--gateway", address, "--set-draft", "x=unix:/nonexistent/d.sock",
                              "--timeout", "3")
-    assert code != 0 and err.count("\n") == 1 and "FAILED_PRECONDITION" in err and "Traceback" not in err
+    assert code != 0 and err.count("\n") == 1 and "PERMISSION_DENIED" in err and "Traceback" not in err
     code, _, err = run_cli(capsys, "client", "--gateway", address, "--prompt-ids", "1,2", "--draft", "nosuch")
     assert code != 0 and err.count("\n") == 1 and "INVALID_ARGUMENT: draft:" in err
     code, _, err = run_cli(capsys, "client", "--gateway", address, "--max-new-tokens", "3")

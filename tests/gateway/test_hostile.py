@@ -29,6 +29,8 @@ from specserve.protos.specserve.v1 import (
 from specserve.runtime.servers_common import channel_options
 
 PROMPT = [(5 * j + 1) % 256 for j in range(12)]
+TOKEN = "services-secret"  # the target's and drafts' --auth-token; the gateway sends it downstream
+AUTH = (("authorization", f"Bearer {TOKEN}"),)
 FORCED = 200  # the token a hostile drafter tries to force
 
 
@@ -74,18 +76,20 @@ class HostileStack:
         for mode, addr in hostile.items():
             self.fakes.serve(draft_pb2_grpc.add_DraftServiceServicer_to_server, ForcingDraft(mode), addr)
         gateway_drafts = {**self.drafts, **hostile, "liar_trusted": hostile["liar"]}
-        self.target = Proc("target", ["--model", str(ckpt), "--listen", self.target_addr, "--num-kv-blocks", "256"],
-                           self.env)
+        auth = ["--auth-token", TOKEN]
+        self.target = Proc("target", ["--model", str(ckpt), "--listen", self.target_addr, "--num-kv-blocks", "256",
+                                      *auth], self.env)
         self.draft_procs = {
-            "ngram": Proc("draft", ["--draft", "ngram", "--model", str(ckpt), "--listen", self.drafts["ngram"]], self.env),
+            "ngram": Proc("draft", ["--draft", "ngram", "--model", str(ckpt), "--listen", self.drafts["ngram"], *auth],
+                          self.env),
             "model": Proc("draft", ["--draft", "model", "--draft-model", str(ckpt), "--model", str(ckpt),
-                                    "--listen", self.drafts["model"]], self.env),
+                                    "--listen", self.drafts["model"], *auth], self.env),
         }
         self.gateway = Proc(
             "gateway",
             ["--target", self.target_addr, *[a for n, addr in gateway_drafts.items() for a in ("--draft-service", f"{n}={addr}")],
              "--port", "0", "--draft-step-timeout-s", "1", "--trust-draft-probs", "liar_trusted",
-             "--draft-breaker-failures", "2"],
+             "--draft-breaker-failures", "2", "--downstream-auth-token", TOKEN],
             self.env,
         )
         self.gateway_addr = self.gateway.wait_line("gateway listening on ", timeout=180).split()[-1]
@@ -95,10 +99,12 @@ class HostileStack:
     def open_sessions(self) -> dict[str, int]:
         out = {}
         with grpc.insecure_channel(self.target_addr) as ch:
-            out["target"] = target_pb2_grpc.TargetServiceStub(ch).GetStats(target_pb2.TargetStatsRequest(), timeout=5).active_sessions
+            out["target"] = target_pb2_grpc.TargetServiceStub(ch).GetStats(
+                target_pb2.TargetStatsRequest(), timeout=5, metadata=AUTH).active_sessions
         for name, addr in self.drafts.items():
             with grpc.insecure_channel(addr) as ch:
-                out[name] = draft_pb2_grpc.DraftServiceStub(ch).GetStats(draft_pb2.DraftStatsRequest(), timeout=5).active_sessions
+                out[name] = draft_pb2_grpc.DraftServiceStub(ch).GetStats(
+                    draft_pb2.DraftStatsRequest(), timeout=5, metadata=AUTH).active_sessions
         return out
 
     def wait_no_sessions(self, timeout: float = 5.0) -> None:
@@ -153,6 +159,33 @@ def test_clients_that_hang_up_after_the_final_message_leave_no_session(hostile, 
     hostile.wait_no_sessions(timeout=3.0)
     noise = [line for line in hostile.gateway.lines if "Traceback" in line or "Failed to detach" in line]
     assert not noise, noise[:3]
+
+
+def test_target_and_drafts_refuse_calls_without_the_token(hostile):
+    """With --auth-token, a client without it cannot drive the target or a draft directly (health
+    stays open); the gateway's --downstream-auth-token gets requests served, drafted."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    calls = [
+        (hostile.target_addr, lambda ch, md: target_pb2_grpc.TargetServiceStub(ch).Prefill(
+            target_pb2.PrefillRequest(session_id="intruder", prompt_ids=[1, 2]), timeout=5, metadata=md)),
+        (hostile.drafts["ngram"], lambda ch, md: draft_pb2_grpc.DraftServiceStub(ch).StartSession(
+            draft_pb2.StartSessionRequest(session_id="intruder", token_ids=[1, 2]), timeout=5, metadata=md)),
+        (hostile.drafts["model"], lambda ch, md: next(iter(draft_pb2_grpc.DraftServiceStub(ch).ProposeStream(
+            iter([draft_pb2.ProposeRequest(session_id="intruder", num_tokens=2)]), timeout=5, metadata=md)))),
+    ]
+    for address, call in calls:
+        with grpc.insecure_channel(address) as ch:
+            for md in ((), (("authorization", "Bearer wrong"),)):
+                with pytest.raises(grpc.RpcError) as info:
+                    call(ch, md)
+                assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            ok = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5)
+            assert ok.status == health_pb2.HealthCheckResponse.SERVING
+    for draft in ("ngram", "model"):
+        ids, final = hostile.generate(gateway_pb2.GenerateRequest(prompt_ids=PROMPT, max_new_tokens=8, draft=draft))
+        assert len(ids) == 8 and not final.stats.draft_fallback
+    hostile.wait_no_sessions()
 
 
 def _forced_share(hostile, draft: str) -> tuple[float, bool]:

@@ -47,6 +47,10 @@ PROMPT = [5, 17, 99, 5, 17, 3, 42, 7, 5, 17]
 SERVER_KIND = 2  # opentelemetry.proto.trace.v1.Span.SPAN_KIND_SERVER
 
 
+ADMIN_TOKEN = "operator-secret"
+ADMIN = (("specserve-admin-token", ADMIN_TOKEN),)
+
+
 class Stack:
     def __init__(self, ckpt, sockets, otlp) -> None:
         self.ckpt = ckpt
@@ -62,7 +66,7 @@ class Stack:
         self.gateway = Proc(
             "gateway",
             ["--target", self.target_addr, "--draft-service", f"ngram={self.draft_addr}", "--model", str(ckpt),
-             "--port", "0", "--draft-step-timeout-s", "2"],
+             "--port", "0", "--draft-step-timeout-s", "2", "--admin-token", ADMIN_TOKEN],
             dict(self.env, OTEL_SERVICE_NAME="specserve-gateway"),
         )
         line = self.gateway.wait_line("gateway listening on ", timeout=180)
@@ -325,10 +329,25 @@ def broken_drafts(tmp_path_factory):
     server.close()
 
 
+def test_set_draft_needs_the_operator_credential(stack, broken_drafts):
+    """SetDraft is refused (PERMISSION_DENIED) without the admin token or with a wrong one; a granted
+    change is logged."""
+    req = gateway_pb2.SetDraftRequest(name="junk", address=broken_drafts["junk"])
+    for metadata in ((), (("specserve-admin-token", "guess"),), (("authorization", f"Bearer {ADMIN_TOKEN}"),)):
+        with pytest.raises(grpc.RpcError) as info:
+            stack.gw.SetDraft(req, timeout=10, metadata=metadata)
+        assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert set(stack.gw.ListDrafts(gateway_pb2.ListDraftsRequest()).drafts) == {"ngram"}
+    stack.gw.SetDraft(req, timeout=10, metadata=ADMIN)
+    stack.gw.SetDraft(gateway_pb2.SetDraftRequest(name="junk", address=""), timeout=10, metadata=ADMIN)
+    assert sum("gateway: SetDraft 'junk'" in line for line in stack.gateway.lines) == 2
+
+
 def test_set_draft_and_broken_drafts_stay_lossless(stack, broken_drafts):
     base, _ = generate(stack, request(draft="none", n=16))
     for name in ("junk", "slow"):
-        resp = stack.gw.SetDraft(gateway_pb2.SetDraftRequest(name=name, address=broken_drafts[name]), timeout=10)
+        resp = stack.gw.SetDraft(gateway_pb2.SetDraftRequest(name=name, address=broken_drafts[name]), timeout=10,
+                                 metadata=ADMIN)
         assert resp.address == broken_drafts[name]
     assert set(stack.gw.ListDrafts(gateway_pb2.ListDraftsRequest()).drafts) == {"ngram", "junk", "slow"}
     ids, final = generate(stack, request(draft="junk", n=16), timeout=60)
@@ -337,10 +356,11 @@ def test_set_draft_and_broken_drafts_stay_lossless(stack, broken_drafts):
     ids, final = generate(stack, request(draft="slow", n=16), timeout=60)
     assert ids == base and final.stats.draft_fallback and time.monotonic() - t0 < 10
     with pytest.raises(grpc.RpcError) as info:
-        stack.gw.SetDraft(gateway_pb2.SetDraftRequest(name="alien", address=broken_drafts["alien"]), timeout=10)
+        stack.gw.SetDraft(gateway_pb2.SetDraftRequest(name="alien", address=broken_drafts["alien"]), timeout=10,
+                          metadata=ADMIN)
     assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "vocabulary" in info.value.details()
     for name in ("junk", "slow"):
-        stack.gw.SetDraft(gateway_pb2.SetDraftRequest(name=name, address=""), timeout=10)
+        stack.gw.SetDraft(gateway_pb2.SetDraftRequest(name=name, address=""), timeout=10, metadata=ADMIN)
     assert set(stack.gw.ListDrafts(gateway_pb2.ListDraftsRequest()).drafts) == {"ngram"}
     with pytest.raises(grpc.RpcError) as info:
         generate(stack, request(draft="junk", n=4), timeout=10)
