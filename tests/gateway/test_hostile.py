@@ -69,6 +69,7 @@ class ForcingDraft(draft_pb2_grpc.DraftServiceServicer):
 class HostileStack:
     def __init__(self, ckpt, socks) -> None:
         self.env = base_env()
+        self.closed = False
         self.target_addr = f"unix:{socks}/t.sock"
         self.drafts = {"ngram": f"unix:{socks}/ngram.sock", "model": f"unix:{socks}/model.sock"}
         self.fakes = BackgroundServer()  # hostile drafters, served from the test process
@@ -76,7 +77,7 @@ class HostileStack:
         for mode, addr in hostile.items():
             self.fakes.serve(draft_pb2_grpc.add_DraftServiceServicer_to_server, ForcingDraft(mode), addr)
         gateway_drafts = {**self.drafts, **hostile, "liar_trusted": hostile["liar"]}
-        auth = ["--auth-token", TOKEN]
+        auth = ["--auth-token", TOKEN, "--grace-s", "1"]
         self.target = Proc("target", ["--model", str(ckpt), "--listen", self.target_addr, "--num-kv-blocks", "256",
                                       *auth], self.env)
         self.draft_procs = {
@@ -89,7 +90,7 @@ class HostileStack:
             "gateway",
             ["--target", self.target_addr, *[a for n, addr in gateway_drafts.items() for a in ("--draft-service", f"{n}={addr}")],
              "--port", "0", "--draft-step-timeout-s", "1", "--trust-draft-probs", "liar_trusted",
-             "--draft-breaker-failures", "2", "--downstream-auth-token", TOKEN],
+             "--draft-breaker-failures", "2", "--downstream-auth-token", TOKEN, "--grace-s", "1"],
             self.env,
         )
         self.gateway_addr = self.gateway.wait_line("gateway listening on ", timeout=180).split()[-1]
@@ -122,6 +123,9 @@ class HostileStack:
         return list(result.token_ids), result.final
 
     def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
         for p in (self.gateway, *self.draft_procs.values(), self.target):
             p.stop()
         self.fakes.close()
@@ -243,3 +247,41 @@ def test_a_frozen_draft_trips_the_breaker_then_is_used_again(hostile):
         assert time.monotonic() < deadline, "the draft was not used again after it came back"
         time.sleep(0.2)
     hostile.wait_no_sessions()
+
+
+def test_a_stop_with_sessions_open_is_quiet(hostile):
+    """Last (it stops the stack): SIGTERM with a target session whose verify stream is still open, a
+    draft session and a request streaming through the gateway. Every process ends cleanly and prints
+    no traceback, no "Task exception was never retrieved", no "Failed to detach context"."""
+    import threading
+
+    target_ch = grpc.insecure_channel(hostile.target_addr)
+    target = target_pb2_grpc.TargetServiceStub(target_ch)
+    target.Prefill(target_pb2.PrefillRequest(session_id="left", prompt_ids=PROMPT), timeout=10, metadata=AUTH)
+    hold = threading.Event()
+
+    def one_verify_then_wait():
+        yield target_pb2.VerifyRequest(session_id="left")
+        hold.wait(30)
+
+    stream = target.VerifyStream(one_verify_then_wait(), metadata=AUTH)
+    next(stream)
+    with grpc.insecure_channel(hostile.drafts["model"]) as ch:
+        draft_pb2_grpc.DraftServiceStub(ch).StartSession(
+            draft_pb2.StartSessionRequest(session_id="left", token_ids=PROMPT), timeout=10, metadata=AUTH)
+    gw_ch = grpc.insecure_channel(hostile.gateway_addr)
+    call = gateway_pb2_grpc.GatewayStub(gw_ch).Generate(
+        gateway_pb2.GenerateRequest(prompt_ids=PROMPT, max_new_tokens=150, draft="model"), timeout=60)
+    next(call)
+    assert hostile.open_sessions()["target"] == 2
+    try:
+        hostile.close()
+    finally:
+        hold.set()
+        target_ch.close()
+        gw_ch.close()
+    for proc in (hostile.gateway, *hostile.draft_procs.values(), hostile.target):
+        assert proc.popen.returncode == 0, (proc.role, proc.lines[-20:])
+        noise = [line for line in proc.lines
+                 if any(word in line for word in ("Traceback", "never retrieved", "Failed to detach", "Error"))]
+        assert not noise, (proc.role, noise[:5])
