@@ -34,6 +34,11 @@ class DrafterFull(SpecserveError):
     """No room for another session or more tokens (RESOURCE_EXHAUSTED; the gateway goes target-only)."""
 
 
+class ProposeExpired(SpecserveError):
+    """A proposal that waited for the drafter thread past its time budget (DEADLINE_EXCEEDED): its
+    caller has given up on it, so it is not drafted at all."""
+
+
 INPUT_ERRORS: tuple[type[BaseException], ...] = (ValueError, SpecserveError, ProposerError)
 
 
@@ -47,13 +52,15 @@ class DraftLimits:
     max_draft_tokens: int = DEFAULT_MAX_DRAFT_TOKENS  # chain length or tree nodes of one proposal
     max_tree_top_k: int = 16  # children expanded per tree node
     max_tree_depth: int = 64  # tree levels (the drafter also caps them at its max_block_size)
+    propose_budget_s: float = 5.0  # a proposal still waiting for the drafter thread after this is dropped
 
     def __post_init__(self) -> None:
         for name in ("max_sessions", "max_total_tokens", "max_draft_tokens", "max_tree_top_k", "max_tree_depth"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if not self.session_idle_timeout_s > 0:
-            raise ValueError(f"session_idle_timeout_s must be > 0, got {self.session_idle_timeout_s}")
+        for name in ("session_idle_timeout_s", "propose_budget_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
 
 
 class DrafterWorker:
@@ -124,7 +131,8 @@ class DrafterWorker:
         self._touch(session_id)
         self.busy[session_id] = self.busy.get(session_id, 0) + 1
         try:
-            msg = await self.call(self._propose_to_proto, session_id, prefix_len, append_ids, append_hidden, num_tokens, tree)
+            msg = await self.call(self._propose_to_proto, time.monotonic(), session_id, prefix_len, append_ids,
+                                  append_hidden, num_tokens, tree)
         finally:
             self._done(session_id)
         if session_id in self.active:
@@ -158,9 +166,16 @@ class DrafterWorker:
                     print(f"draft: session {sid[:40]} released after {now - used:.0f} s idle", flush=True)
                     await self.release(sid)
 
-    def _propose_to_proto(self, *args) -> common_pb2.DraftBlock:
+    def _propose_to_proto(self, asked_at: float, *args) -> common_pb2.DraftBlock:
         """On the drafter thread: propose and serialize (probs may be MBs and on the device; the copy
-        to host and the byte packing stay off the event loop)."""
+        to host and the byte packing stay off the event loop). A proposal that waited here past the
+        time budget (the thread was busy with others) is dropped: the work queue cannot pile up."""
+        waited = time.monotonic() - asked_at
+        if waited > self.limits.propose_budget_s:
+            raise ProposeExpired(
+                f"waited {waited:.1f} s for the drafter, over the budget of {self.limits.propose_budget_s} s "
+                "(--propose-budget-s)"
+            )
         return convert.draft_block_to_proto(self.proposer.propose(*args))
 
     async def release(self, session_id: str) -> bool:
@@ -194,7 +209,8 @@ def observe_worker(worker: DrafterWorker) -> None:
 
 
 def _status_for(exc: BaseException) -> grpc.StatusCode:
-    return status_for(exc, INPUT_ERRORS, ((DrafterFull, grpc.StatusCode.RESOURCE_EXHAUSTED),))
+    return status_for(exc, INPUT_ERRORS, ((DrafterFull, grpc.StatusCode.RESOURCE_EXHAUSTED),
+                                          (ProposeExpired, grpc.StatusCode.DEADLINE_EXCEEDED)))
 
 
 class DraftServicer(draft_pb2_grpc.DraftServiceServicer):

@@ -6,9 +6,15 @@ Starts `specserve target`, an ngram and a `model` draft service (the shipped dem
 and a gateway with small admission limits, all on 127.0.0.1. Worker threads send greedy requests with
 mixed drafters and lengths; every stream is checked token by token against a greedy reference made
 target-only at the start, and against its final usage. Every ``--kill-every-s`` seconds one draft
-service is SIGKILLed and restarted. At the end it prints requests served, errors by status, tokens
-lost (streams that differ from the reference or from their usage; must be 0) and the peak RSS of each
-service process, and exits 1 if any token was lost or any error other than RESOURCE_EXHAUSTED occurred.
+service is SIGKILLed and restarted, or (every other time) frozen with SIGSTOP for ``--freeze-s`` seconds.
+``--hostile-workers`` threads meanwhile send the hostile mix: clients that hang up right after the final
+message, cancels mid-stream, and garbage bytes to the gateway, the target and a draft. At the end it
+prints requests served, errors by status, tokens lost (streams that differ from the reference or from
+their usage; must be 0), what the hostile clients got, the sessions still open on the target and each
+draft once the load stopped (must be 0) and the peak RSS of each service process, and exits 1 if any
+token was lost, any session was left open, a garbage payload got anything but INVALID_ARGUMENT (or, from a
+draft being killed or frozen, UNAVAILABLE / DEADLINE_EXCEEDED), or any
+error other than RESOURCE_EXHAUSTED occurred.
 """
 
 from __future__ import annotations
@@ -27,6 +33,10 @@ import time
 from pathlib import Path
 
 ALLOWED_ERRORS = ("RESOURCE_EXHAUSTED",)  # refusals past the admission queue are expected under load
+# a frozen draft's sessions whose release the gateway skipped (its breaker was open) expire this soon
+DRAFT_IDLE = ["--session-idle-timeout-s", "10"]
+GARBAGE_OUTCOMES = ("INVALID_ARGUMENT", "UNAVAILABLE", "DEADLINE_EXCEEDED")
+SESSIONS_SETTLE_S = 20.0  # after the load: how long open sessions may take to be released or expire
 
 
 def _free_port() -> int:
@@ -106,6 +116,7 @@ class Tally:
         self.examples: dict[str, str] = {}  # status -> one message
         self.by_draft: collections.Counter[str] = collections.Counter()
         self.fallbacks = 0
+        self.hostile: collections.Counter[str] = collections.Counter()  # "kind: outcome" -> count
 
 
 def _stream(stub, request, timeout_s: float):
@@ -143,7 +154,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-sessions", type=int, default=8, help="gateway sessions (more queue)")
     parser.add_argument("--max-queued", type=int, default=2, help="gateway queue (more: RESOURCE_EXHAUSTED)")
     parser.add_argument("--max-new-tokens", type=int, default=48)
-    parser.add_argument("--kill-every-s", type=float, default=12.0, help="SIGKILL a draft service this often")
+    parser.add_argument("--kill-every-s", type=float, default=12.0,
+                        help="SIGKILL (or, every other time, SIGSTOP) a draft service this often")
+    parser.add_argument("--freeze-s", type=float, default=4.0, help="how long a frozen draft stays stopped")
+    parser.add_argument("--hostile-workers", type=int, default=3,
+                        help="threads sending hang-ups, cancels and garbage bytes")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
 
@@ -164,13 +179,14 @@ def main(argv: list[str] | None = None) -> int:
     services: dict[str, Service] = {
         "target": Service("target", ["--model", str(model), "--listen", addr["target"], "--num-kv-blocks", "512"],
                           log_dir, "target listening on "),
-        "ngram": Service("draft", ["--draft", "ngram", "--model", str(model), "--listen", addr["ngram"]],
-                         log_dir, "draft (ngram) listening on "),
+        "ngram": Service("draft", ["--draft", "ngram", "--model", str(model), "--listen", addr["ngram"],
+                                   *DRAFT_IDLE], log_dir, "draft (ngram) listening on "),
     }
     drafts = ["ngram", "none"]
     if draft_model is not None:
         services["model"] = Service("draft", ["--draft", "model", "--draft-model", str(draft_model), "--model",
-                                              str(model), "--listen", addr["model"]], log_dir, "draft (model) listening on ")
+                                              str(model), "--listen", addr["model"], *DRAFT_IDLE], log_dir,
+                                    "draft (model) listening on ")
         drafts.append("model")
     services["gateway"] = Service(
         "gateway",
@@ -225,14 +241,35 @@ def main(argv: list[str] | None = None) -> int:
             victims = [d for d in drafts if d != "none"]
             k = 0
             while not stop.wait(args.kill_every_s):
-                victim = services[victims[k % len(victims)]]
+                name = victims[k % len(victims)]
+                victim = services[name]
                 k += 1
+                if k % 2 == 0:  # a frozen draft: the gateway's breaker must stop waiting for it
+                    print(f"soak: t+{time.monotonic() - t0:.0f}s SIGSTOP draft {name} for {args.freeze_s:.0f} s",
+                          flush=True)
+                    victim.proc.send_signal(signal.SIGSTOP)
+                    stop.wait(args.freeze_s)
+                    victim.proc.send_signal(signal.SIGCONT)
+                    continue
                 victim.kill()
-                print(f"soak: t+{time.monotonic() - t0:.0f}s SIGKILL draft {victims[(k - 1) % len(victims)]}, "
-                      "restarting", flush=True)
+                print(f"soak: t+{time.monotonic() - t0:.0f}s SIGKILL draft {name}, restarting", flush=True)
                 if stop.wait(2.0):
                     break
                 victim.start()
+
+        def hostile(seed: int) -> None:
+            rng = random.Random(seed)
+            garbage_to = [(addr["gateway"], "/specserve.v1.Gateway/GenerateUnary"),
+                          (addr["target"], "/specserve.v1.TargetService/Prefill"),
+                          (addr["ngram"], "/specserve.v1.DraftService/StartSession")]
+            while not stop.is_set():
+                kind = rng.choice(("hang_up", "cancel", "garbage"))
+                draft = rng.choice(drafts)
+                req = gateway_pb2.GenerateRequest(prompt=rng.choice(prompts), max_new_tokens=rng.randint(4, 32),
+                                                  draft=draft)
+                outcome = _hostile_call(kind, addr["gateway"], req, rng, garbage_to)
+                with tally.lock:
+                    tally.hostile[f"{kind}: {outcome}"] += 1
 
         def sampler() -> None:
             while not stop.wait(0.5):
@@ -241,6 +278,8 @@ def main(argv: list[str] | None = None) -> int:
 
         t0 = time.monotonic()
         threads = [threading.Thread(target=worker, args=(args.seed * 1000 + w,), daemon=True) for w in range(args.workers)]
+        threads += [threading.Thread(target=hostile, args=(args.seed * 1000 + 500 + w,), daemon=True)
+                    for w in range(args.hostile_workers)]
         threads += [threading.Thread(target=faults, daemon=True), threading.Thread(target=sampler, daemon=True)]
         for t in threads:
             t.start()
@@ -250,12 +289,16 @@ def main(argv: list[str] | None = None) -> int:
             t.join(90)
         elapsed = time.monotonic() - t0
         channel.close()
+        left = _open_sessions(addr, [d for d in drafts if d != "none"], SESSIONS_SETTLE_S)
     finally:
         stop.set()
         for name in ("gateway", "model", "ngram", "target"):
             if name in services:
                 services[name].stop()
     unexpected = {k: v for k, v in tally.errors.items() if k not in ALLOWED_ERRORS}
+    # garbage must get INVALID_ARGUMENT; UNAVAILABLE / DEADLINE_EXCEEDED: it hit a draft being killed or frozen
+    bad_garbage = {k: v for k, v in tally.hostile.items()
+                   if k.startswith("garbage") and k.split(": ")[1] not in GARBAGE_OUTCOMES}
     summary = {
         "seconds": round(elapsed, 1),
         "requests_served": tally.served,
@@ -267,13 +310,71 @@ def main(argv: list[str] | None = None) -> int:
         "tokens_lost": tally.lost,
         "streams_differing": tally.bad_streams,
         "peak_rss_mib": {name: round(svc.peak_kib / 1024, 1) for name, svc in services.items()},
+        "hostile": dict(tally.hostile),
+        "sessions_left_open": left,
     }
     print(f"soak: {tally.served} requests served in {elapsed:.0f} s ({tally.tokens} tokens), "
           f"errors by status {dict(tally.errors) or '{}'}, tokens lost {tally.lost}, "
           f"peak RSS MiB {summary['peak_rss_mib']}")
+    print(f"soak: hostile clients {dict(tally.hostile)}; sessions left open at the end {left}")
     print(json.dumps(summary, sort_keys=True))
     print(f"soak: logs in {log_dir}")
-    return 1 if tally.lost or unexpected or not tally.served else 0
+    return 1 if tally.lost or unexpected or not tally.served or any(left.values()) or bad_garbage else 0
+
+
+def _hostile_call(kind: str, gateway: str, req, rng: random.Random, garbage_to) -> str:
+    """One hostile client; returns what it got ("ok" or a status name)."""
+    import grpc
+
+    from specserve.protos.specserve.v1 import gateway_pb2_grpc
+
+    if kind == "garbage":
+        address, method = rng.choice(garbage_to)
+        with grpc.insecure_channel(address) as ch:
+            try:
+                ch.unary_unary(method)(rng.randbytes(rng.randint(1, 64)) + b"\xff\xff", timeout=10)
+            except grpc.RpcError as exc:
+                return exc.code().name
+        return "ok"
+    channel = grpc.insecure_channel(gateway)
+    try:
+        call = gateway_pb2_grpc.GatewayStub(channel).Generate(req, timeout=60)
+        if kind == "cancel":  # cancel after the first delta
+            next(call, None)
+            call.cancel()
+            return "cancelled"
+        for msg in call:  # hang up right after the final message: the channel closes at once
+            if msg.HasField("final"):
+                break
+        return "ok"
+    except grpc.RpcError as exc:
+        return exc.code().name
+    finally:
+        channel.close()
+
+
+def _open_sessions(addr: dict[str, str], drafts: list[str], settle_s: float) -> dict[str, int]:
+    """Sessions still open on the target and each draft, polled until all are 0 or ``settle_s`` passed."""
+    import grpc
+
+    from specserve.protos.specserve.v1 import draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
+
+    deadline = time.monotonic() + settle_s
+    while True:
+        left = {}
+        with grpc.insecure_channel(addr["target"]) as ch:
+            stats = target_pb2_grpc.TargetServiceStub(ch).GetStats(target_pb2.TargetStatsRequest(), timeout=10)
+            left["target"] = stats.active_sessions
+        for name in drafts:
+            with grpc.insecure_channel(addr[name]) as ch:
+                try:
+                    stats = draft_pb2_grpc.DraftServiceStub(ch).GetStats(draft_pb2.DraftStatsRequest(), timeout=10)
+                    left[name] = stats.active_sessions
+                except grpc.RpcError:
+                    left[name] = -1  # not answering: cannot tell
+        if not any(left.values()) or time.monotonic() > deadline:
+            return left
+        time.sleep(0.5)
 
 
 def _prompts(model: Path) -> list[str]:

@@ -45,6 +45,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="tokens held over all sessions (bounds the drafter's memory)")
     parser.add_argument("--session-idle-timeout-s", type=float, default=300.0,
                         help="release a session no call touched for this long")
+    parser.add_argument("--propose-budget-s", type=float, default=5.0,
+                        help="a proposal still waiting for the drafter after this long is dropped (DEADLINE_EXCEEDED)")
 
 
 def drafter_config(args: argparse.Namespace):
@@ -76,7 +78,8 @@ def draft_limits(args: argparse.Namespace):
     try:
         return DraftLimits(max_sessions=args.max_sessions, max_total_tokens=args.max_total_tokens,
                            session_idle_timeout_s=args.session_idle_timeout_s,
-                           max_draft_tokens=args.max_draft_tokens, max_tree_top_k=args.max_tree_top_k)
+                           max_draft_tokens=args.max_draft_tokens, max_tree_top_k=args.max_tree_top_k,
+                           propose_budget_s=args.propose_budget_s)
     except ValueError as exc:
         raise SpecserveError(f"draft limits: {exc}") from None
 

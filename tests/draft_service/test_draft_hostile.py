@@ -16,7 +16,8 @@ from specserve.protos.specserve.v1 import draft_pb2, draft_pb2_grpc
 from specserve.runtime.servers_common import ServiceBinding
 
 IDLE_S = 0.6
-LIMITS = DraftLimits(max_sessions=3, max_total_tokens=60, session_idle_timeout_s=IDLE_S, max_tree_top_k=4)
+LIMITS = DraftLimits(max_sessions=3, max_total_tokens=60, session_idle_timeout_s=IDLE_S, max_tree_top_k=4,
+                     propose_budget_s=0.5)
 
 
 class HostileDraft(InProcessServer):
@@ -122,3 +123,18 @@ def test_unparseable_bytes_get_invalid_argument(served):
     with pytest.raises(grpc.RpcError) as info:
         served.stub.Propose(huge, timeout=10)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and len(info.value.details()) < 1200
+
+
+def test_a_proposal_that_waited_past_its_budget_is_dropped(served):
+    """While the drafter thread is busy (1.5 s of other work), a proposal waiting longer than the
+    0.5 s budget gets DEADLINE_EXCEEDED instead of running late; the next one is served."""
+    import asyncio
+
+    served.start("late", 5)
+    busy = asyncio.run_coroutine_threadsafe(served.worker.call(time.sleep, 1.5), served.loop)
+    time.sleep(0.1)
+    req = draft_pb2.ProposeRequest(session_id="late", prefix_len=5, num_tokens=2)
+    assert code_of(lambda: served.stub.Propose(req, timeout=10)) == grpc.StatusCode.DEADLINE_EXCEEDED
+    busy.result(10)
+    assert len(served.stub.Propose(req, timeout=10).draft.token_ids) == 2
+    served.release_all(["late"])
