@@ -1,8 +1,8 @@
 """Sampled decoding through real `specserve serve` processes (target + `model` draft + gateway) is
 lossless: the 4th emitted token of speculative requests (a model draft with the target's own weights,
-so chains are accepted in full and the bonus token is reached; verified proposal-only, the default for
-a draft not marked trusted) has the law of target-only sampling. Negative control: target-only at
-another temperature is told apart by the same two-sample test at the same sample size."""
+verified proposal-only, the default for a draft not marked trusted) has the law of target-only
+sampling. Negative control: target-only at another temperature is told apart by the same two-sample
+test at the same sample size."""
 
 from __future__ import annotations
 
@@ -53,6 +53,6 @@ def test_sampled_requests_through_serve_follow_the_target(serve):
     spec, accepted = sample(serve, "model", 1.5, 0)
     ref, _ = sample(serve, "none", 1.5, 10_000)
     control, _ = sample(serve, "none", 0.4, 20_000)
-    assert accepted > N  # the drafts were used (and accepted) on the way
+    assert accepted > N // 5  # the drafts were used (and some accepted) on the way
     assert two_sample_pvalue(spec, ref) > 1e-3, (dict(spec), dict(ref))
     assert two_sample_pvalue(control, ref) < 1e-3, (dict(control), dict(ref))
