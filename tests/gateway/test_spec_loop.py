@@ -250,3 +250,18 @@ def test_generate_cli_tree_flags(tiny_target_dir, capsys):
     assert out["token_ids"] == base["token_ids"] and out["stats"]["mean_accepted_length"] > 1.0
     assert main(flags + ["--draft", "ngram", "--tree-nodes", "6"]) == 2
     assert "drafts trees" in capsys.readouterr().err
+
+
+def test_generate_cli_tiny_temperature_decodes_as_greedy(tiny_target_dir, capsys):
+    """`generate --temperature 1e-40` (valid, below float32's normal range) gives the greedy tokens,
+    with a drafter that sends q too; it printed a NaN traceback before."""
+    import json
+
+    from specserve.cli.main import main
+
+    flags = ["generate", "--model", str(tiny_target_dir), "--prompt-ids", ",".join(map(str, PROMPT)),
+             "--max-new-tokens", "8", "--json", "--draft", "model", "--draft-model", str(tiny_target_dir)]
+    assert main(flags) == 0
+    greedy = json.loads(capsys.readouterr().out)["token_ids"]
+    assert main(flags + ["--temperature", "1e-40"]) == 0
+    assert json.loads(capsys.readouterr().out)["token_ids"] == greedy
