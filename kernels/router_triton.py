@@ -3,6 +3,11 @@
 One program per token. Its E logits are held as a [G_PAD, PG_PAD] tile, row g = expert group g (expert
 g * PER_GROUP + p), so group scores are row reductions. Selection is K rounds of "take the largest remaining
 choice score" (ties: the lowest expert id), which yields the ids in descending order of the choice score.
+Each pick is a max, then a min over the tile positions holding that max: plain max/min reductions on the 2-D
+tile. v1 flattened the tile with tl.reshape and took tl.argmax; the sm_90 build marks that reshape
+`allow_reorder` (TTGIR), so the argmax index no longer named the element it found and the same expert was
+picked again (seen on the H200: repeated experts for 128-expert softmax top-8). The interpreter keeps the order,
+so only the compiled kernel showed it.
 """
 
 from __future__ import annotations
@@ -11,13 +16,14 @@ import triton
 import triton.language as tl
 
 NEG_INF = tl.constexpr(float("-inf"))
+BIG = tl.constexpr(1 << 30)
 
 
 @triton.jit
-def _flat_argmax(x, G_PAD: tl.constexpr, PG_PAD: tl.constexpr):
-    """Flat index (g * PG_PAD + p) of the largest element of x [G_PAD, PG_PAD], the first one on ties."""
-    flat = tl.reshape(x, [G_PAD * PG_PAD])
-    return tl.argmax(flat, 0, tie_break_left=True)
+def _first_max(x, idx):
+    """Smallest idx among the largest elements of x (x, idx [G_PAD, PG_PAD])."""
+    m = tl.max(tl.max(x, 1), 0)
+    return tl.min(tl.min(tl.where(x == m, idx, BIG), 1), 0)
 
 
 @triton.jit
@@ -62,25 +68,27 @@ def router_kernel(
     if N_GROUP > 1:
         # group score: sum of the group's top two choice scores (one when a group holds one expert)
         top1 = tl.max(choice, 1)  # [G_PAD]
-        first = tl.argmax(choice, 1, tie_break_left=True)
         group_score = top1
         if PER_GROUP > 1:
+            first = tl.min(tl.where(choice == top1[:, None], p, BIG), 1)  # [G_PAD] position of the top one
             rest = tl.where(p == first[:, None], NEG_INF, choice)
             group_score = top1 + tl.max(rest, 1)
-        group_score = tl.where(tl.arange(0, G_PAD) < N_GROUP, group_score, NEG_INF)
+        gidx = tl.arange(0, G_PAD)
+        group_score = tl.where(gidx < N_GROUP, group_score, NEG_INF)
         keep = tl.zeros([G_PAD], dtype=tl.int1)
         for _ in tl.static_range(TOPK_GROUP):
-            best = tl.argmax(group_score, 0, tie_break_left=True)
-            hit = tl.arange(0, G_PAD) == best
+            best_score = tl.max(group_score, 0)
+            best = tl.min(tl.where(group_score == best_score, gidx, BIG), 0)
+            hit = gidx == best
             keep = keep | hit
             group_score = tl.where(hit, NEG_INF, group_score)
         choice = tl.where(keep[:, None], choice, NEG_INF)
-    flat_idx = g * PG_PAD + p  # [G_PAD, PG_PAD] position in the flattened tile
+    flat_idx = g * PG_PAD + p  # [G_PAD, PG_PAD] position in the tile, row-major
     offs_k = tl.arange(0, K_PAD)
     sel_ids = tl.zeros([K_PAD], dtype=tl.int32)
     sel_w = tl.zeros([K_PAD], dtype=tl.float32)
     for k in tl.static_range(K):
-        f = _flat_argmax(choice, G_PAD, PG_PAD)
+        f = _first_max(choice, flat_idx)
         hit = flat_idx == f
         w = tl.sum(tl.sum(tl.where(hit, scores, 0.0), 1), 0)
         sel_ids = tl.where(offs_k == k, (f // PG_PAD) * PER_GROUP + f % PG_PAD, sel_ids)
