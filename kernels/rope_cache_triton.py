@@ -4,7 +4,9 @@ rope_cache.py for the wrappers). One program per token, all its heads.
 A head is handled as its two rotation halves x1, x2 [heads, HALF] (neox: elements i and HALF + i; interleaved:
 2i and 2i + 1); both layouts write o1 to [0, HALF) and o2 to [HALF, D) (transformers' interleaved output layout).
 Every product, sum and difference is rounded to the io dtype as the torch ops of the model round them, so the
-results match the eager model bit for bit up to the fp32 rsqrt of the norms.
+results match the eager model bit for bit up to the fp32 rsqrt of the norms, provided the launch turns FMA
+contraction off (enable_fp_fusion=False, as rope_cache.py does: with it on, a product and the following
+difference become one fma.rn.bf16 and lose the product's rounding).
 """
 
 from __future__ import annotations
