@@ -6,7 +6,8 @@ A decode/verify step of an MoE target is bound by the bytes it must read:
              shared experts, lm_head (the whole matrix: every forward computes logits)
     embedding  one row per token in the forward (pending + drafted)
     experts  the routed experts actually used: distinct (layer, expert) pairs the step's tokens
-             routed to (VerifyResult.experts_touched) * bytes of one expert (3 * H * I * dtype bytes)
+             routed to (VerifyResult.experts_touched) * bytes of one expert (3 * H * I * dtype bytes;
+             int4 / fp8 checkpoints: the packed weights plus their scales, as stored)
     kv       the cached context: context_len * (one token's cache entry bytes) * layers
 
 floor_ms = bytes / measured copy bandwidth. A measured step time divided into the floor gives the
@@ -93,6 +94,20 @@ def expert_bytes(hidden_size: int, intermediate_size: int, dtype_bytes: int) -> 
     if min(hidden_size, intermediate_size, dtype_bytes) <= 0:
         raise FloorError("hidden_size, intermediate_size and dtype_bytes must be > 0")
     return 3 * hidden_size * intermediate_size * dtype_bytes
+
+
+def int4_linear_bytes(out_features: int, in_features: int, group_size: int, scale_bytes: int = 2) -> int:
+    """An int4 pack-quantized [out, in] weight: int32 words of 8 values + one (bf16) scale per group."""
+    if min(out_features, in_features, group_size, scale_bytes) <= 0:
+        raise FloorError("out_features, in_features, group_size and scale_bytes must be > 0")
+    return out_features * (-(-in_features // 8) * 4 + -(-in_features // group_size) * scale_bytes)
+
+
+def fp8_linear_bytes(out_features: int, in_features: int, block: tuple[int, int], scale_bytes: int = 4) -> int:
+    """An fp8 block-scaled [out, in] weight: one byte per value + one (float32) scale per [bo, bi] block."""
+    if min(out_features, in_features, *block, scale_bytes) <= 0:
+        raise FloorError("out_features, in_features, block and scale_bytes must be > 0")
+    return out_features * in_features + -(-out_features // block[0]) * -(-in_features // block[1]) * scale_bytes
 
 
 def kv_bytes(context_len: int, kv_entry_bytes: int, num_layers: int) -> int:

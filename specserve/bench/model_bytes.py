@@ -3,6 +3,10 @@
 Roles come from module types, not from parameter-name guesses: the deepest typed ancestor of a
 parameter decides (an RMSNorm inside an attention block is a norm; a GatedMLP inside an MoE block is
 a shared expert; routed experts are the StackedExperts tensors, counted per expert).
+
+A quantized checkpoint (config.quantization) loads dequantized, but a step of the int4 / fp8 kernels reads
+what the checkpoint stores: its quantized Linears count packed words / fp8 bytes plus their scales
+(int4: bf16 group scales; fp8: float32 block scales, as DeepSeek-V3 ships them).
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ import math
 import torch
 from torch import nn
 
-from specserve.bench.floors import DENSE_ROLES, FloorError, ModelBytes
+from specserve.bench.floors import DENSE_ROLES, FloorError, ModelBytes, fp8_linear_bytes, int4_linear_bytes
 
 
 def _role_table():
@@ -48,6 +52,27 @@ def parameter_roles(model: nn.Module) -> dict[str, str]:
     return roles
 
 
+def param_bytes(name: str, p: torch.Tensor, quant=None) -> int:  # quant: models.quant.QuantConfig | None
+    """Bytes a step reads of parameter `name`: as loaded, or as stored when its Linear is quantized."""
+    from specserve.models.quant import Int4PackConfig
+
+    plain = p.numel() * p.element_size()
+    if quant is None or p.dim() < 2 or not name.endswith((".weight", ".w13", ".w2")):
+        return plain
+    count, prefix = 1, name.rsplit(".", 1)[0]
+    if name.endswith(".w13"):  # stacked [E, 2I, H]: gate and up, each its own [I, H] Linear in the checkpoint
+        count, module, shapes = p.shape[0], f"{prefix}.0.gate_proj", [(p.shape[1] // 2, p.shape[2])] * 2
+    elif name.endswith(".w2"):  # stacked [E, H, I]
+        count, module, shapes = p.shape[0], f"{prefix}.0.down_proj", [tuple(p.shape[1:])]
+    else:
+        module, shapes = prefix, [tuple(p.shape)]
+    if not quant.quantizes(module):
+        return plain
+    if isinstance(quant, Int4PackConfig):
+        return count * sum(int4_linear_bytes(o, i, quant.group_size) for o, i in shapes)
+    return count * sum(fp8_linear_bytes(o, i, quant.block) for o, i in shapes)
+
+
 def model_bytes(model: nn.Module, config, kv_dtype: torch.dtype | None = None) -> ModelBytes:
     """Bytes of the loaded CausalLM by role; ``config`` is its ModelConfig (kv entry shape, layers)."""
     _, _, _, experts_cls = _role_table()
@@ -55,8 +80,9 @@ def model_bytes(model: nn.Module, config, kv_dtype: torch.dtype | None = None) -
     params = dict(model.named_parameters())
     dense = {r: 0 for r in DENSE_ROLES}
     embedding_bytes, embedding_rows, total = 0, 0, 0
+    quant = getattr(config, "quantization", None)
     for name, p in params.items():
-        nbytes = p.numel() * p.element_size()
+        nbytes = param_bytes(name, p, quant)
         total += nbytes
         role = roles[name]
         if role == "routed_experts":
@@ -76,10 +102,10 @@ def model_bytes(model: nn.Module, config, kv_dtype: torch.dtype | None = None) -
     else:
         row_bytes = embedding_bytes // embedding_rows if embedding_rows else 0
     per_expert, moe_layers, num_experts = [], 0, 0
-    for module in model.modules():
+    for name, module in model.named_modules():
         if isinstance(module, experts_cls):
             local = len(module.local_experts())
-            nbytes = sum(p.numel() * p.element_size() for p in module.parameters(recurse=False))
+            nbytes = sum(param_bytes(f"{name}.{n}", p, quant) for n, p in module.named_parameters(recurse=False))
             per_expert.append(nbytes / local)
             moe_layers += 1
             num_experts = max(num_experts, local)

@@ -6,6 +6,7 @@ model code is built from the parsed features (MLA vs GQA attention, router kind,
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from collections.abc import Callable, Mapping
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from specserve.models.errors import ModelConfigError, UnsupportedModelError
+from specserve.models.quant import QuantConfig, parse_quantization
 
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 SCORING_FUNCS = ("softmax", "sigmoid")
@@ -163,6 +165,8 @@ class ModelConfig:
     max_position_embeddings: int = 4096
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    quantization: QuantConfig | None = None  # the checkpoint's int4 / fp8 format (weights load dequantized)
+    checkpoint_prefix: str = ""  # tensor names of the text model start with this (multimodal wrappers)
 
     def __post_init__(self) -> None:
         _positive(self, "vocab_size", "hidden_size", "num_layers", "intermediate_size", "rms_norm_eps")
@@ -183,12 +187,13 @@ class ModelConfig:
         parser = CONFIG_PARSERS.get(model_type)  # type: ignore[arg-type]
         if parser is None:
             raise UnsupportedModelError(model_type, tuple(sorted(CONFIG_PARSERS)))
-        if raw.get("quantization_config"):
-            method = raw["quantization_config"].get("quant_method", "?")
-            raise ModelConfigError(f"quantized checkpoints are not supported (quant_method {method!r}); dequantize first")
+        quantization = parse_quantization(raw.get("quantization_config"))
         if raw.get("hidden_act", "silu") != "silu":
             raise ModelConfigError(f"unsupported hidden_act {raw.get('hidden_act')!r}; only silu")
-        return parser(raw)
+        config = parser(raw)
+        if quantization is not None:
+            config = dataclasses.replace(config, quantization=quantization)
+        return config
 
     @staticmethod
     def from_file(path: str | os.PathLike[str]) -> ModelConfig:
@@ -370,10 +375,22 @@ def _parse_qwen3(raw: Mapping[str, Any]) -> ModelConfig:
     return _common(raw, attention, _rope(raw, attention.head_dim, 10000.0), None)
 
 
+def _parse_kimi_k25(raw: Mapping[str, Any]) -> ModelConfig:
+    """Kimi-K2.5 / K2.6: a multimodal wrapper whose text_config is a deepseek_v3 (tensors under
+    language_model.; the vision tower is not loaded). Its quantization_config may sit in text_config."""
+    text = raw.get("text_config")
+    if not isinstance(text, Mapping) or text.get("model_type") not in ("deepseek_v3", "kimi_k2"):
+        raise ModelConfigError("kimi_k25 config.json needs a text_config with model_type deepseek_v3")
+    quantization = raw.get("quantization_config") or text.get("quantization_config")
+    config = ModelConfig.from_dict({**text, "quantization_config": quantization})
+    return dataclasses.replace(config, checkpoint_prefix="language_model.")
+
+
 # The one registry keyed on model_type (Kimi-K2 ships the DeepSeek-V3 architecture).
 CONFIG_PARSERS: dict[str, Callable[[Mapping[str, Any]], ModelConfig]] = {
     "deepseek_v3": _parse_deepseek_v3,
     "kimi_k2": _parse_deepseek_v3,
+    "kimi_k25": _parse_kimi_k25,
     "qwen3_moe": _parse_qwen3_moe,
     "mixtral": _parse_mixtral,
     "llama": _parse_llama,

@@ -4,6 +4,8 @@ Tensors are streamed one at a time from safetensors files straight into their (p
 parameters through each parameter's weight_loader, so the weights never exist twice in memory. Each
 tensor reaches its loader as a lazy ``CheckpointSlice`` (safetensors ``get_slice``): a tensor-parallel
 rank reads only the bytes of its own shard, and nothing of routed experts held by other ranks.
+Quantized checkpoints (int4 pack-quantized, fp8 block; models/quant.py) load the same way: each
+quantized Linear reaches its loader as one lazy tensor that dequantizes just the view it is asked for.
 """
 
 from __future__ import annotations
@@ -18,9 +20,8 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
-from specserve.models import weight_names
+from specserve.models import quant_sources, weight_names
 from specserve.models.causal_lm import CausalLM, build_model
-from specserve.models.checkpoint_slice import CheckpointSlice
 from specserve.models.config import ModelConfig, ParallelConfig
 from specserve.models.errors import CheckpointError
 from specserve.models.layers import WeightShapeError
@@ -77,7 +78,10 @@ def load_model(
 
 
 def load_weights(model: CausalLM, files: list[str], progress: bool = True) -> None:
+    """Stream every tensor into its parameter; a quantized Linear (config.quantization) arrives as one
+    lazy dequantizing tensor (quant_sources.open_tensor), its scales possibly in another shard."""
     config = model.config
+    quant, prefix = config.quantization, config.checkpoint_prefix
     params = dict(model.named_parameters())
     local = {
         f"{name}.{p}": module.local_experts()
@@ -87,31 +91,40 @@ def load_weights(model: CausalLM, files: list[str], progress: bool = True) -> No
     }
     needed = {name: weight_names.required_pieces(name, local.get(name)) for name in params}
     num_experts = config.moe.num_experts if config.moe else 0
-    # disable=None: no bar when stderr is not a terminal (a log file, or `specserve serve`'s pipe)
-    bar = tqdm(files, desc="loading checkpoint shards", unit="file", file=sys.stderr, disable=None if progress else True)
-    for file in bar:
-        try:
-            handle = safe_open(file, framework="pt", device="cpu")
-        except Exception as e:  # safetensors raises its own error types for bad headers / short files
-            raise CheckpointError(f"corrupt or unreadable safetensors file {file}: {e}") from e
-        with handle as f:
-            for name in f.keys():
+    with contextlib.ExitStack() as stack:
+        handles, names_of = {}, {}  # stored name -> open file (every shard: scales may sit elsewhere)
+        for file in files:
+            try:
+                handle = stack.enter_context(safe_open(file, framework="pt", device="cpu"))
+            except Exception as e:  # safetensors raises its own error types for bad headers / short files
+                raise CheckpointError(f"corrupt or unreadable safetensors file {file}: {e}") from e
+            names_of[file] = list(handle.keys())
+            handles.update(dict.fromkeys(names_of[file], handle))
+        # disable=None: no bar when stderr is not a terminal (a log file, or `specserve serve`'s pipe)
+        bar = tqdm(files, desc="loading checkpoint shards", unit="file", file=sys.stderr, disable=None if progress else True)
+        for file in bar:
+            for stored in names_of[file]:
+                if not stored.startswith(prefix) or quant_sources.is_companion(stored, quant):
+                    continue  # a multimodal wrapper's vision tower; scales are read with their weight
+                try:
+                    name, tensor = quant_sources.open_tensor(stored, handles, quant)
+                except CheckpointError:
+                    raise
+                except Exception as e:
+                    raise CheckpointError(f"cannot read tensor {stored} from {file} (corrupt file?): {e}") from e
+                name = name[len(prefix) :]
                 target = weight_names.resolve(name, config.num_layers, config.tie_word_embeddings, num_experts)
                 if target is None:
                     continue
                 param = params.get(target.param)
                 if param is None:
-                    raise CheckpointError(f"unexpected tensor {name} in {file}: the model has no parameter {target.param}")
-                try:
-                    tensor = CheckpointSlice.of(f.get_slice(name))
-                except Exception as e:
-                    raise CheckpointError(f"cannot read tensor {name} from {file} (corrupt file?): {e}") from e
+                    raise CheckpointError(f"unexpected tensor {stored} in {file}: the model has no parameter {target.param}")
                 try:
                     param.weight_loader(param, tensor, **target.kwargs)  # reads (its part of) the tensor
                 except WeightShapeError as e:
-                    raise CheckpointError(f"tensor {name} in {file} does not fit {target.param}: {e}") from e
+                    raise CheckpointError(f"tensor {stored} in {file} does not fit {target.param}: {e}") from e
                 except Exception as e:
-                    raise CheckpointError(f"cannot read tensor {name} from {file} (corrupt file?): {e}") from e
+                    raise CheckpointError(f"cannot read tensor {stored} from {file} (corrupt file?): {e}") from e
                 needed[target.param].difference_update(target.pieces)
                 del tensor
     missing = [weight_names.checkpoint_name(p, piece) for p, pieces in needed.items() for piece in sorted(pieces, key=str)]
