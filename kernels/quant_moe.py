@@ -1,0 +1,212 @@
+"""Quantized-weight kernels: checked wrappers around quant_moe_triton (references in quant_reference.py).
+
+- ``w4a16_moe``: routed-experts MoE on int4 pack-quantized experts (Kimi-K2), bf16 activations;
+- ``fp8_moe``: the same on FP8 block-scaled experts (DeepSeek-V3, Qwen3 FP8);
+- ``fp8_linear``: y = x W^T for an FP8 block-scaled dense weight (attention, shared experts).
+
+Same launch plan as fused_moe (align, gate+up with SiLU, down times routing weight, fixed-order top-k sum);
+only the weight tiles differ: read packed and dequantized in registers, so every touched expert's packed
+weights and scales are read once per call when BM covers its rows (T <= 64). Activations are not quantized.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specserve.kernels.checks import check_dim, check_same_device, check_tensor, require, triton_interpreting
+from specserve.kernels.fused_moe import (
+    ALIGN_IN_TRITON_MAX_SLOTS,
+    HAS_TRITON,
+    MoETileConfig,
+    align_torch,
+    align_triton,
+    default_tile_config,
+    triton_next_pow2,
+)
+
+if HAS_TRITON:
+    import triton
+
+    from specserve.kernels import moe_triton, quant_moe_triton
+
+_ACT_DTYPES = (torch.bfloat16, torch.float16)
+_SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_ID_DTYPES = (torch.int32, torch.int64)
+_FP8 = (torch.float8_e4m3fn,)
+
+
+def _ceil(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _check_routing(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> None:
+    check_tensor("topk_ids", topk_ids, 2, _ID_DTYPES)
+    check_tensor("topk_weights", topk_weights, 2, _SCALE_DTYPES)
+    check_dim("topk_ids", topk_ids, 0, hidden.shape[0], "number of tokens T = hidden.shape[0]")
+    require(topk_weights.shape == topk_ids.shape,
+            f"topk_weights shape {tuple(topk_weights.shape)} must equal topk_ids shape {tuple(topk_ids.shape)}")
+
+
+def _require_triton(hidden: torch.Tensor) -> None:
+    require(HAS_TRITON, "the quantized kernels need the triton package, which is not installed")
+    require(hidden.is_cuda or triton_interpreting(), f"the quantized kernels need CUDA tensors, got {hidden.device}")
+
+
+def check_w4a16_args(
+    hidden: torch.Tensor,  # [T, H]
+    w13_packed: torch.Tensor,  # [E, 2I, H / 8] int32
+    w13_scale: torch.Tensor,  # [E, 2I, H / G]
+    w2_packed: torch.Tensor,  # [E, H, I / 8] int32
+    w2_scale: torch.Tensor,  # [E, H, I / G]
+    topk_ids: torch.Tensor,  # [T, K]
+    topk_weights: torch.Tensor,  # [T, K]
+    group_size: int,
+) -> tuple[int, int, int, int]:
+    """Validate; return (T, H, E, I). H and I must be multiples of group_size (whole words and groups)."""
+    check_tensor("hidden", hidden, 2, _ACT_DTYPES)
+    for name, t in (("w13_packed", w13_packed), ("w2_packed", w2_packed)):
+        check_tensor(name, t, 3, (torch.int32,))
+    for name, t in (("w13_scale", w13_scale), ("w2_scale", w2_scale)):
+        check_tensor(name, t, 3, _SCALE_DTYPES)
+    require(group_size > 0 and group_size % 8 == 0, f"group_size must be a positive multiple of 8, got {group_size}")
+    t, h = hidden.shape
+    e, two_i, _ = w13_packed.shape
+    inter = two_i // 2
+    require(t >= 1 and two_i % 2 == 0 and two_i > 0, f"need T >= 1 and w13 rows 2*I, got {tuple(hidden.shape)}, {two_i}")
+    require(h % group_size == 0 and inter % group_size == 0,
+            f"H = {h} and I = {inter} must be multiples of group_size {group_size}")
+    check_dim("w13_packed", w13_packed, 2, h // 8, "H / 8 words")
+    require(tuple(w13_scale.shape) == (e, two_i, h // group_size),
+            f"w13_scale shape {tuple(w13_scale.shape)} must be {(e, two_i, h // group_size)}")
+    require(tuple(w2_packed.shape) == (e, h, inter // 8), f"w2_packed shape {tuple(w2_packed.shape)} must be {(e, h, inter // 8)}")
+    require(tuple(w2_scale.shape) == (e, h, inter // group_size),
+            f"w2_scale shape {tuple(w2_scale.shape)} must be {(e, h, inter // group_size)}")
+    _check_routing(hidden, topk_ids, topk_weights)
+    check_same_device([("hidden", hidden), ("w13_packed", w13_packed), ("w13_scale", w13_scale), ("w2_packed", w2_packed),
+                       ("w2_scale", w2_scale), ("topk_ids", topk_ids), ("topk_weights", topk_weights)])
+    return t, h, e, inter
+
+
+def check_fp8_moe_args(
+    hidden: torch.Tensor,  # [T, H]
+    w13: torch.Tensor,  # [E, 2I, H] e4m3
+    w13_scale_inv: torch.Tensor,  # [E, ceil(2I / BO), ceil(H / BI)]
+    w2: torch.Tensor,  # [E, H, I] e4m3
+    w2_scale_inv: torch.Tensor,  # [E, ceil(H / BO), ceil(I / BI)]
+    topk_ids: torch.Tensor,  # [T, K]
+    topk_weights: torch.Tensor,  # [T, K]
+    block: tuple[int, int],
+) -> tuple[int, int, int, int]:
+    """Validate; return (T, H, E, I)."""
+    check_tensor("hidden", hidden, 2, _ACT_DTYPES)
+    check_tensor("w13", w13, 3, _FP8)
+    check_tensor("w2", w2, 3, _FP8)
+    check_tensor("w13_scale_inv", w13_scale_inv, 3, _SCALE_DTYPES)
+    check_tensor("w2_scale_inv", w2_scale_inv, 3, _SCALE_DTYPES)
+    require(len(block) == 2 and min(block) > 0, f"block must be two positive ints, got {block}")
+    bo, bi = block
+    t, h = hidden.shape
+    e, two_i, _ = w13.shape
+    inter = two_i // 2
+    require(t >= 1 and two_i % 2 == 0 and two_i > 0, f"need T >= 1 and w13 rows 2*I, got {tuple(hidden.shape)}, {two_i}")
+    check_dim("w13", w13, 2, h, "hidden size H = hidden.shape[1]")
+    require(tuple(w2.shape) == (e, h, inter), f"w2 shape {tuple(w2.shape)} must be {(e, h, inter)}")
+    for name, s, rows, cols in (("w13_scale_inv", w13_scale_inv, two_i, h), ("w2_scale_inv", w2_scale_inv, h, inter)):
+        want = (e, _ceil(rows, bo), _ceil(cols, bi))
+        require(tuple(s.shape) == want, f"{name} shape {tuple(s.shape)} must be {want} (blocks of {list(block)})")
+    _check_routing(hidden, topk_ids, topk_weights)
+    check_same_device([("hidden", hidden), ("w13", w13), ("w13_scale_inv", w13_scale_inv), ("w2", w2),
+                       ("w2_scale_inv", w2_scale_inv), ("topk_ids", topk_ids), ("topk_weights", topk_weights)])
+    return t, h, e, inter
+
+
+def _moe(hidden, w13, s13, w2, s2, topk_ids, topk_weights, e, inter, config, int4, group, block):
+    t, h = hidden.shape
+    k = topk_ids.shape[1]
+    n = t * k
+    cfg = config or default_tile_config(t, h, inter)
+    align = align_triton if n <= ALIGN_IN_TRITON_MAX_SLOTS else align_torch
+    sorted_slot, block_expert, num_blocks = align(topk_ids, e, cfg.bm)
+    maxb = block_expert.numel()
+    consts = dict(INT4=int4, G=group, BO=block[0], BI=block[1], BM=cfg.bm)
+    act = torch.empty(maxb * cfg.bm, inter, dtype=hidden.dtype, device=hidden.device)  # [MAXP, I]
+    quant_moe_triton.quant_moe_gate_up_kernel[(maxb, triton.cdiv(inter, cfg.gu_bn))](
+        hidden, w13, s13, act, sorted_slot, block_expert, num_blocks, n, k, h, inter,
+        hidden.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1), act.stride(0),
+        BN=cfg.gu_bn, BK=cfg.gu_bk, num_warps=cfg.gu_warps, num_stages=cfg.gu_stages, **consts,
+    )
+    per_slot = torch.empty(n, h, dtype=torch.float32, device=hidden.device)  # [T*K, H]
+    quant_moe_triton.quant_moe_down_kernel[(maxb, triton.cdiv(h, cfg.dn_bn))](
+        act, w2, s2, topk_weights.reshape(-1), per_slot, sorted_slot, block_expert, num_blocks, n, h, inter,
+        act.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), per_slot.stride(0),
+        BN=cfg.dn_bn, BK=cfg.dn_bk, num_warps=cfg.dn_warps, num_stages=cfg.dn_stages, **consts,
+    )
+    out = torch.empty_like(hidden)
+    bh = min(1024, triton_next_pow2(h))
+    moe_triton.sum_topk_kernel[(t, triton.cdiv(h, bh))](per_slot, out, h, TOPK=k, BH=bh, num_warps=4)
+    return out
+
+
+def w4a16_moe(
+    hidden: torch.Tensor,  # [T, H] bf16 / f16
+    w13_packed: torch.Tensor,  # [E, 2I, H / 8] int32 (gate rows then up rows)
+    w13_scale: torch.Tensor,  # [E, 2I, H / G]
+    w2_packed: torch.Tensor,  # [E, H, I / 8] int32
+    w2_scale: torch.Tensor,  # [E, H, I / G]
+    topk_ids: torch.Tensor,  # [T, K]
+    topk_weights: torch.Tensor,  # [T, K]
+    group_size: int = 32,
+    config: MoETileConfig | None = None,
+) -> torch.Tensor:  # [T, H]
+    """Same function as quant_reference.w4a16_moe_reference (Triton on CUDA or under TRITON_INTERPRET)."""
+    _, _, e, inter = check_w4a16_args(hidden, w13_packed, w13_scale, w2_packed, w2_scale, topk_ids, topk_weights, group_size)
+    _require_triton(hidden)
+    return _moe(hidden, w13_packed, w13_scale, w2_packed, w2_scale, topk_ids, topk_weights, e, inter, config,
+                True, group_size, (1, 1))
+
+
+def fp8_moe(
+    hidden: torch.Tensor,  # [T, H] bf16 / f16
+    w13: torch.Tensor,  # [E, 2I, H] e4m3
+    w13_scale_inv: torch.Tensor,  # [E, ceil(2I / BO), ceil(H / BI)]
+    w2: torch.Tensor,  # [E, H, I] e4m3
+    w2_scale_inv: torch.Tensor,  # [E, ceil(H / BO), ceil(I / BI)]
+    topk_ids: torch.Tensor,  # [T, K]
+    topk_weights: torch.Tensor,  # [T, K]
+    block: tuple[int, int] = (128, 128),
+    config: MoETileConfig | None = None,
+) -> torch.Tensor:  # [T, H]
+    """Same function as quant_reference.fp8_moe_reference."""
+    _, _, e, inter = check_fp8_moe_args(hidden, w13, w13_scale_inv, w2, w2_scale_inv, topk_ids, topk_weights, block)
+    _require_triton(hidden)
+    return _moe(hidden, w13, w13_scale_inv, w2, w2_scale_inv, topk_ids, topk_weights, e, inter, config,
+                False, 8, tuple(block))
+
+
+def fp8_linear(
+    x: torch.Tensor,  # [T, in] bf16 / f16
+    weight: torch.Tensor,  # [out, in] e4m3
+    scale_inv: torch.Tensor,  # [ceil(out / BO), ceil(in / BI)]
+    block: tuple[int, int] = (128, 128),
+) -> torch.Tensor:  # [T, out]
+    """Same function as quant_reference.fp8_linear_reference (a GEMV for decode sizes, a GEMM beyond)."""
+    check_tensor("x", x, 2, _ACT_DTYPES)
+    check_tensor("weight", weight, 2, _FP8)
+    check_tensor("scale_inv", scale_inv, 2, _SCALE_DTYPES)
+    require(len(block) == 2 and min(block) > 0, f"block must be two positive ints, got {block}")
+    t, k = x.shape
+    n = weight.shape[0]
+    require(t >= 1, "x must hold at least one row")
+    check_dim("weight", weight, 1, k, "input features = x.shape[1]")
+    want = (_ceil(n, block[0]), _ceil(k, block[1]))
+    require(tuple(scale_inv.shape) == want, f"scale_inv shape {tuple(scale_inv.shape)} must be {want} (blocks of {list(block)})")
+    check_same_device([("x", x), ("weight", weight), ("scale_inv", scale_inv)])
+    _require_triton(x)
+    bm = max(16, min(64, triton_next_pow2(t)))
+    bn, bk = (32, 128) if t <= 16 else (64, 64)
+    y = torch.empty(t, n, dtype=x.dtype, device=x.device)
+    quant_moe_triton.fp8_linear_kernel[(triton.cdiv(t, bm), triton.cdiv(n, bn))](
+        x, weight, scale_inv, y, t, n, k, x.stride(0), weight.stride(0), scale_inv.stride(0), y.stride(0),
+        BO=block[0], BI=block[1], BM=bm, BN=bn, BK=bk, num_warps=4, num_stages=3,
+    )
+    return y

@@ -1,0 +1,130 @@
+"""GPU checks of the W4A16 and FP8 kernels against their dequantizing torch references (fresh random inputs,
+poisoned allocator first). Also runs on CPU under TRITON_INTERPRET=1 (tiny shapes only, float16: the
+interpreter mishandles bf16 dots, the bf16 fused MoE included)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kernel_test_utils import HAS_CUDA, poison_cuda_allocator, random_routing, rel_err
+
+from specserve.kernels.checks import triton_interpreting
+from specserve.kernels.fused_moe import HAS_TRITON, MoETileConfig
+from specserve.kernels.quant_moe import fp8_linear, fp8_moe, w4a16_moe
+from specserve.kernels.quant_reference import (
+    fp8_linear_reference,
+    fp8_moe_reference,
+    pack_int4,
+    w4a16_moe_reference,
+)
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not (HAS_TRITON and (HAS_CUDA or triton_interpreting())), reason="needs a CUDA GPU and triton"),
+]
+DEV = "cuda" if HAS_CUDA else "cpu"
+ACT = torch.bfloat16 if HAS_CUDA else torch.float16
+TOL = 1e-2
+TINY_ONLY = not HAS_CUDA  # the interpreter runs the tiny shapes
+
+# (E, H, I, K): Kimi-K2 widths with few experts; Qwen3-30B-A3B; a tiny shape (odd expert count, partial blocks)
+MOE_SHAPES = {"kimi_k2_width": (12, 7168, 2048, 8), "qwen3_30b_a3b": (128, 2048, 768, 8), "tiny": (5, 96, 64, 3)}
+TOKENS = (1, 2, 4, 8, 16, 64, 257)
+# (out, in): DeepSeek-V3 kv_a (576 x 7168: a 5 x 56 scale with partial edge blocks), q_b, o_proj; tiny
+LINEAR_SHAPES = {"kv_a": (576, 7168), "q_b": (24576, 1536), "o_proj": (7168, 16384), "tiny": (40, 72)}
+
+
+def _shapes(table: dict) -> list[str]:
+    return ["tiny"] if TINY_ONLY else list(table)
+
+
+def _tokens() -> tuple[int, ...]:
+    return (1, 3, 17) if TINY_ONLY else TOKENS
+
+
+def _int4_case(shape: str, t: int, seed: int, group: int = 32):
+    e, h, i, k = MOE_SHAPES[shape]
+    gen = torch.Generator().manual_seed(seed)
+    q13 = torch.randint(-8, 8, (e, 2 * i, h), generator=gen, dtype=torch.int8)
+    q2 = torch.randint(-8, 8, (e, h, i), generator=gen, dtype=torch.int8)
+    w13 = torch.stack([pack_int4(q) for q in q13]).to(DEV)
+    w2 = torch.stack([pack_int4(q) for q in q2]).to(DEV)
+    s13 = (torch.rand(e, 2 * i, h // group, generator=gen) / (4 * h**0.5)).to(DEV, torch.bfloat16)
+    s2 = (torch.rand(e, h, i // group, generator=gen) / (4 * i**0.5)).to(DEV, torch.bfloat16)
+    x = torch.randn(t, h, generator=gen).to(DEV, ACT)
+    ids, weights = random_routing(t, e, k, gen, DEV)
+    return x, w13, s13, w2, s2, ids, weights
+
+
+def _fp8_case(shape: str, t: int, seed: int, block: tuple[int, int], scale_dtype=torch.float32):
+    e, h, i, k = MOE_SHAPES[shape]
+    bo, bi = block
+    gen = torch.Generator().manual_seed(seed)
+    w13 = torch.randn(e, 2 * i, h, generator=gen).clamp(-4, 4).to(DEV, torch.float8_e4m3fn)
+    w2 = torch.randn(e, h, i, generator=gen).clamp(-4, 4).to(DEV, torch.float8_e4m3fn)
+    s13 = (torch.rand(e, -(-2 * i // bo), -(-h // bi), generator=gen) / h**0.5).to(DEV, scale_dtype)
+    s2 = (torch.rand(e, -(-h // bo), -(-i // bi), generator=gen) / i**0.5).to(DEV, scale_dtype)
+    x = torch.randn(t, h, generator=gen).to(DEV, ACT)
+    ids, weights = random_routing(t, e, k, gen, DEV)
+    return x, w13, s13, w2, s2, ids, weights
+
+
+def _sync() -> None:
+    if HAS_CUDA:
+        torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize("shape", _shapes(MOE_SHAPES))
+@pytest.mark.parametrize("t", _tokens())
+def test_w4a16_moe_matches_reference(shape: str, t: int) -> None:
+    args = _int4_case(shape, t, seed=100 + t)
+    ref = w4a16_moe_reference(*args, group_size=32)
+    poison_cuda_allocator()
+    out = w4a16_moe(*args, group_size=32)
+    _sync()
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    assert rel_err(out, ref) < TOL
+
+
+def test_w4a16_group_128_and_explicit_tiles() -> None:
+    cfg = MoETileConfig(16, 16, 16, 4, 1, 16, 16, 4, 1) if TINY_ONLY else MoETileConfig(32, 32, 128, 4, 4, 128, 64, 8, 3)
+    shape = "tiny" if TINY_ONLY else "qwen3_30b_a3b"
+    for group, config in ((32, cfg), (32 if TINY_ONLY else 128, None)):
+        args = _int4_case(shape, 5, seed=7, group=group)
+        assert rel_err(w4a16_moe(*args, group_size=group, config=config), w4a16_moe_reference(*args, group_size=group)) < TOL
+
+
+@pytest.mark.parametrize("shape", _shapes(MOE_SHAPES))
+@pytest.mark.parametrize("t", _tokens())
+def test_fp8_moe_matches_reference(shape: str, t: int) -> None:
+    block = (16, 24) if shape == "tiny" else (128, 128)
+    args = _fp8_case(shape, t, seed=200 + t, block=block)
+    ref = fp8_moe_reference(*args, block=block)
+    poison_cuda_allocator()
+    out = fp8_moe(*args, block=block)
+    _sync()
+    assert rel_err(out, ref) < TOL
+
+
+@pytest.mark.parametrize("scale_dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["f32", "bf16", "f16"])
+def test_fp8_moe_scale_dtypes(scale_dtype) -> None:
+    block = (16, 24) if TINY_ONLY else (128, 128)
+    args = _fp8_case("tiny", 6, seed=3, block=block, scale_dtype=scale_dtype)
+    assert rel_err(fp8_moe(*args, block=block), fp8_moe_reference(*args, block=block)) < TOL
+
+
+@pytest.mark.parametrize("shape", _shapes(LINEAR_SHAPES))
+@pytest.mark.parametrize("t", _tokens())
+@pytest.mark.parametrize("scale_dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_fp8_linear_matches_reference(shape: str, t: int, scale_dtype) -> None:
+    n, k = LINEAR_SHAPES[shape]
+    block = (16, 24) if shape == "tiny" else (128, 128)
+    gen = torch.Generator().manual_seed(300 + t)
+    w = torch.randn(n, k, generator=gen).clamp(-4, 4).to(DEV, torch.float8_e4m3fn)
+    s = (torch.rand(-(-n // block[0]), -(-k // block[1]), generator=gen) / k**0.5).to(DEV, scale_dtype)
+    x = torch.randn(t, k, generator=gen).to(DEV, ACT)
+    ref = fp8_linear_reference(x, w, s, block)
+    poison_cuda_allocator()
+    out = fp8_linear(x, w, s, block)
+    _sync()
+    assert out.shape == (t, n) and rel_err(out, ref) < TOL
