@@ -78,7 +78,8 @@ def check_w4a16_args(
     check_dim("w13_packed", w13_packed, 2, h // 8, "H / 8 words")
     require(tuple(w13_scale.shape) == (e, two_i, h // group_size),
             f"w13_scale shape {tuple(w13_scale.shape)} must be {(e, two_i, h // group_size)}")
-    require(tuple(w2_packed.shape) == (e, h, inter // 8), f"w2_packed shape {tuple(w2_packed.shape)} must be {(e, h, inter // 8)}")
+    require(tuple(w2_packed.shape) == (e, h, inter // 8),
+            f"w2_packed shape {tuple(w2_packed.shape)} must be {(e, h, inter // 8)}")
     require(tuple(w2_scale.shape) == (e, h, inter // group_size),
             f"w2_scale shape {tuple(w2_scale.shape)} must be {(e, h, inter // group_size)}")
     _check_routing(hidden, topk_ids, topk_weights)

@@ -21,6 +21,8 @@ from specserve.bench.floors import (
     achieved_fraction,
     expert_bytes,
     floor_ms,
+    fp8_linear_bytes,
+    int4_linear_bytes,
     kv_bytes,
     step_bytes,
 )
@@ -48,6 +50,17 @@ def test_expert_and_kv_bytes_hand_computed():
     assert expert_bytes(hidden_size=64, intermediate_size=32, dtype_bytes=2) == 3 * 64 * 32 * 2 == 12288
     assert expert_bytes(2048, 768, 2) == 9_437_184  # a Qwen3-30B-A3B expert in bf16
     assert kv_bytes(context_len=100, kv_entry_bytes=10, num_layers=3) == 3000
+
+
+def test_quantized_weight_bytes_hand_computed():
+    # a Kimi-K2 expert's gate [2048, 7168] in int4 groups of 32: 896 int32 words + 224 bf16 scales per row
+    assert int4_linear_bytes(2048, 7168, 32) == 2048 * (896 * 4 + 224 * 2) == 8_257_536
+    assert int4_linear_bytes(3, 40, 32) == 3 * (5 * 4 + 2 * 2)  # a partial last word and group
+    # DeepSeek-V3 kv_a [576, 7168] in fp8 blocks of 128: a 5 x 56 float32 scale (the last row block partial)
+    assert fp8_linear_bytes(576, 7168, (128, 128)) == 576 * 7168 + 5 * 56 * 4
+    assert fp8_linear_bytes(576, 7168, (128, 128), scale_bytes=2) == 576 * 7168 + 5 * 56 * 2
+    with pytest.raises(FloorError):
+        int4_linear_bytes(0, 7168, 32)
 
 
 def test_step_bytes_and_floor_hand_computed():
