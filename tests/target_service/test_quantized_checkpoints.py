@@ -114,6 +114,19 @@ def test_parallel_ranks_match_one_process(kind, ranks, ep, quantized):
         assert engine.generate_greedy(PROMPT, 12) == want
 
 
+@pytest.mark.parametrize("kind", ["int4", "fp8"])
+def test_generate_serves_the_quantized_checkpoint(kind, quantized, capsys):
+    """`specserve generate` (was: "quantized checkpoints are not supported") decodes what one engine does."""
+    ckpt, _ = quantized(kind, **({"block": (20, 24), "scale_dtype": torch.bfloat16} if kind == "fp8" else {}))
+    model, config = load_model(ckpt, progress=False)
+    want = TargetEngine(model, config, **ENGINE_KW).generate_greedy(PROMPT, 10)
+    capsys.readouterr()
+    argv = ["generate", "--model", str(ckpt), "--prompt-ids", ",".join(map(str, PROMPT)), "--max-new-tokens", "10",
+            "--draft", "ngram", "--num-speculative-tokens", "3", "--num-kv-blocks", "64", "--json"]
+    assert main(argv) == 0
+    assert json.loads(capsys.readouterr().out)["token_ids"] == want
+
+
 class _Recorder:
     """A safetensors file handle that records which [rows, cols] ranges of each tensor are read."""
 
