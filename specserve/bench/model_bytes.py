@@ -23,10 +23,11 @@ def _role_table():
     from specserve.models.attention import ATTENTION_CLASSES
     from specserve.models.layers import Embedding, GatedMLP, RMSNorm
     from specserve.models.moe import MoEBlock, StackedExperts, TopKRouter
+    from specserve.models.quant_experts import Int4StackedExperts
 
     # module type -> role; order does not matter (deepest match wins)
     table = {RMSNorm: "norm", Embedding: "embedding", GatedMLP: "dense_mlp", TopKRouter: "router",
-             StackedExperts: "routed_experts", MoEBlock: "other"}
+             StackedExperts: "routed_experts", Int4StackedExperts: "routed_experts", MoEBlock: "other"}
     table.update({cls: "attention" for cls in ATTENTION_CLASSES.values()})
     return table, MoEBlock, GatedMLP, StackedExperts
 
@@ -57,8 +58,8 @@ def param_bytes(name: str, p: torch.Tensor, quant=None) -> int:  # quant: models
     from specserve.models.quant import Int4PackConfig
 
     plain = p.numel() * p.element_size()
-    if quant is None or p.dim() < 2 or not name.endswith((".weight", ".w13", ".w2")):
-        return plain
+    if quant is None or p.dim() < 2 or not p.is_floating_point() or not name.endswith((".weight", ".w13", ".w2")):
+        return plain  # int4 experts kept packed (int32 words; their scales are parameters of their own) count as held
     count, prefix = 1, name.rsplit(".", 1)[0]
     if name.endswith(".w13"):  # stacked [E, 2I, H]: gate and up, each its own [I, H] Linear in the checkpoint
         count, module, shapes = p.shape[0], f"{prefix}.0.gate_proj", [(p.shape[1] // 2, p.shape[2])] * 2

@@ -12,19 +12,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specserve.models.attention import ATTENTION_CLASSES, kv_head_shards
 from specserve.models.attn_metadata import AttentionBatch
-from specserve.models.config import ModelConfig, ParallelConfig
 from specserve.models.kv_cache import PagedKVCache
-from specserve.models.layers import (
-    Embedding,
-    GatedMLP,
-    ParallelLMHead,
-    RMSNorm,
-    gather_vocab,
-    vocab_range,
-)
+from specserve.models.attention import ATTENTION_CLASSES, kv_head_shards
+from specserve.models.config import ModelConfig, ParallelConfig
+from specserve.models.layers import Embedding, GatedMLP, ParallelLMHead, RMSNorm, gather_vocab, vocab_range
 from specserve.models.moe import ExpertsFn, MoEBlock, moe_reference
+from specserve.models.quant_experts import packed_experts
 
 
 class ModelInputError(ValueError):
@@ -46,7 +40,8 @@ class DecoderLayer(nn.Module):
         self.self_attn = attn_cls(config.attention, config.rope, config.hidden_size, config.rms_norm_eps, layer, parallel)
         self.is_moe = layer in config.moe_layers
         if self.is_moe:
-            self.mlp: nn.Module = MoEBlock(config.moe, config.hidden_size, parallel, experts_fn)
+            experts = packed_experts(config, parallel)  # None: float experts (int4 ones load dequantized)
+            self.mlp: nn.Module = MoEBlock(config.moe, config.hidden_size, parallel, experts_fn, experts)
         else:
             self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, parallel, config.mlp_bias)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)

@@ -82,12 +82,19 @@ class CheckpointSlice:
                 raise CheckpointSliceError(f"unsupported index {k!r}")
         return view
 
+    @property
+    def source(self) -> Any:
+        return self._source
+
+    def key(self) -> Any:
+        """The viewed part as a key of the source (ints and unit-step slices; ... for a 0-d tensor)."""
+        if not self._index:
+            return ...
+        return tuple(i if isinstance(i, int) else slice(*i) for i in self._index)
+
     def materialize(self) -> torch.Tensor:
         """Read the viewed part (only it) from the source."""
-        if not self._index:
-            return self._source[...]
-        key = tuple(i if isinstance(i, int) else slice(*i) for i in self._index)
-        return self._source[key]
+        return self._source[self.key()]
 
 
 def materialize(t: torch.Tensor | CheckpointSlice) -> torch.Tensor:

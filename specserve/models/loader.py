@@ -89,7 +89,9 @@ def load_weights(model: CausalLM, files: list[str], progress: bool = True) -> No
         if isinstance(module, StackedExperts)
         for p in ("w13", "w2")
     }
-    needed = {name: weight_names.required_pieces(name, local.get(name)) for name in params}
+    needed = {  # a parameter `loaded_with` another (int4 experts' scales) has no checkpoint tensor of its own
+        name: weight_names.required_pieces(name, local.get(name)) for name, p in params.items() if not hasattr(p, "loaded_with")
+    }
     num_experts = config.moe.num_experts if config.moe else 0
     with contextlib.ExitStack() as stack:
         handles, names_of = {}, {}  # stored name -> open file (every shard: scales may sit elsewhere)

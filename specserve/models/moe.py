@@ -106,10 +106,17 @@ class StackedExperts(nn.Module):
         else:
             self.num_local, self.first_expert = cfg.num_experts, 0
             self.inter = divide(cfg.intermediate_size, parallel.tp_size, "moe_intermediate_size")
+        self._make_params(hidden)
+
+    def _make_params(self, hidden: int) -> None:
         self.w13 = new_param((self.num_local, 2 * self.inter, hidden))
         self.w2 = new_param((self.num_local, hidden, self.inter))
         self.w13.weight_loader = self.weight_loader
         self.w2.weight_loader = self.weight_loader
+
+    def run(self, experts_fn: ExpertsFn, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """x [T, H], ids / weights [T, K] (local) -> [T, H] through the block's experts_fn."""
+        return experts_fn(x, self.w13, self.w2, ids, weights)
 
     def local_experts(self) -> range:
         """Global ids of the experts stored here."""
@@ -160,11 +167,18 @@ class StackedExperts(nn.Module):
 class MoEBlock(nn.Module):
     """Routed experts + optional shared experts; returns the routing for the verify-tax accounting."""
 
-    def __init__(self, cfg: MoEConfig, hidden: int, parallel: ParallelConfig, experts_fn: ExpertsFn = moe_reference) -> None:
+    def __init__(
+        self,
+        cfg: MoEConfig,
+        hidden: int,
+        parallel: ParallelConfig,
+        experts_fn: ExpertsFn = moe_reference,
+        experts: StackedExperts | None = None,  # e.g. int4 experts kept packed (models/quant_experts.py)
+    ) -> None:
         super().__init__()
         self.cfg = cfg
         self.gate = TopKRouter(cfg, hidden)
-        self.experts = StackedExperts(cfg, hidden, parallel)
+        self.experts = experts if experts is not None else StackedExperts(cfg, hidden, parallel)
         self.shared_experts = (
             GatedMLP(hidden, cfg.intermediate_size * cfg.n_shared_experts, parallel, reduce_results=False)
             if cfg.n_shared_experts
@@ -180,7 +194,7 @@ class MoEBlock(nn.Module):
         choices only), as is its shared-experts output (TP slice); one all-reduce sums both."""
         topk_ids, topk_weights = self.gate(x)
         ids, weights = self.experts.localize(topk_ids, topk_weights)
-        out = self.experts_fn(x, self.experts.w13, self.experts.w2, ids, weights)
+        out = self.experts.run(self.experts_fn, x, ids, weights)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return all_reduce(out, self.parallel), topk_ids

@@ -19,6 +19,7 @@ import torch
 from specserve.kernels.quant_reference import dequant_fp8_block, dequant_int4
 from specserve.models.checkpoint_slice import CheckpointSlice
 from specserve.models.errors import CheckpointError
+from specserve.models.layers import WeightShapeError
 from specserve.models.quant import Fp8BlockConfig, Int4PackConfig, QuantConfig
 
 INT4_COMPANIONS = (".weight_scale", ".weight_shape")
@@ -58,7 +59,7 @@ class Int4Source:
     """Logical [out, in] float32 weight of a pack-quantized Linear (reads only what a view covers)."""
 
     def __init__(self, packed: Any, scale: Any, shape: tuple[int, int], group_size: int) -> None:
-        self.packed, self.scale, self.shape, self.group_size = packed, scale, shape, group_size
+        self.packed_words, self.scale, self.shape, self.group_size = packed, scale, shape, group_size
 
     def get_shape(self) -> tuple[int, int]:
         return self.shape
@@ -68,10 +69,27 @@ class Int4Source:
         (r0, r1, _), (c0, c1, _) = spans
         g = self.group_size
         g0 = c0 // g  # first group read; its first column is word-aligned (g % 8 == 0)
-        packed = self.packed[r0:r1, g0 * g // 8 : _ceil(c1, 8)]  # [rows, words] int32
+        packed = self.packed_words[r0:r1, g0 * g // 8 : _ceil(c1, 8)]  # [rows, words] int32
         scale = self.scale[r0:r1, g0 : _ceil(c1, g)]  # [rows, groups]
         w = dequant_int4(packed, scale, g, c1 - g0 * g)[:, c0 - g0 * g :]
         return _drop(w, spans)
+
+
+    def packed(self, key: Any) -> tuple[torch.Tensor, torch.Tensor]:  # ([rows, cols / 8] int32, [rows, cols / G])
+        """The stored words and scales of a 2-d view whose columns start and end on group boundaries."""
+        spans = _spans(key, self.shape)
+        (r0, r1, dropped_r), (c0, c1, dropped_c) = spans
+        g = self.group_size
+        if dropped_r or dropped_c or c0 % g or (c1 % g and c1 != self.shape[1]):
+            raise WeightShapeError(f"int4 columns {c0}..{c1} of {list(self.shape)} do not start and end on groups of {g}")
+        return self.packed_words[r0:r1, c0 // 8 : _ceil(c1, 8)], self.scale[r0:r1, c0 // g : _ceil(c1, g)]
+
+
+def int4_packed(view: CheckpointSlice) -> tuple[torch.Tensor, torch.Tensor]:
+    """(packed words, scales) of a view of an int4 pack-quantized tensor, read as stored."""
+    if not isinstance(view.source, Int4Source):
+        raise WeightShapeError("expected an int4 pack-quantized tensor (weight_packed + weight_scale)")
+    return view.source.packed(view.key())
 
 
 class Fp8Source:

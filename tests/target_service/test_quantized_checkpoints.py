@@ -14,15 +14,17 @@ import pytest
 import torch
 from quant_checkpoints import fp8_quantize, int4_config, write_fp8, write_int4
 from safetensors.torch import save_file
+from tiny_hf import save_tiny_hf
 
 from specserve.bench.model_bytes import model_bytes
 from specserve.cli.main import main
 from specserve.target_service.engine.engine import TargetEngine
 from specserve.contract.types import DraftBlock
 from specserve.models.loader import load_model
-from specserve.models.config import ModelConfig
+from specserve.models.config import ModelConfig, ParallelConfig
 from specserve.models.errors import CheckpointError, ModelConfigError
 from specserve.models.quant import Fp8BlockConfig, Int4PackConfig
+from specserve.models.quant_experts import Int4StackedExperts
 from specserve.models.quant_sources import open_tensor
 from specserve.target_service.parallel.engine import ParallelTargetEngine
 
@@ -46,10 +48,24 @@ def quantized(tiny_checkpoint, tmp_path_factory):
         if key not in built:
             out = tmp_path_factory.mktemp(f"{kind}_{arch}")
             writer = write_int4 if kind == "int4" else write_fp8
-            built[key] = writer(tiny_checkpoint(arch), out, **kw)
+            src = _wide_experts(tiny_checkpoint("deepseek_v3"), out / "src") if arch == WIDE else tiny_checkpoint(arch)
+            built[key] = writer(src, out / "ckpt", **kw)
         return built[key]
 
     return get
+
+
+WIDE = "deepseek_v3_wide_experts"  # moe_intermediate_size 64: two int4 groups, so TP = 2 keeps experts packed
+
+
+def _wide_experts(src: Path, out: Path) -> Path:
+    raw = json.loads((src / "config.json").read_text())
+    skip = ("model_type", "architectures", "transformers_version", "dtype", "torch_dtype")
+    return save_tiny_hf("deepseek_v3", {**{k: v for k, v in raw.items() if k not in skip}, "moe_intermediate_size": 64}, out)
+
+
+def _experts(model) -> list:
+    return [layer.mlp.experts for layer in model.model.layers if layer.is_moe]
 
 
 def _matches_transformers(ckpt: Path, ref: Path, paged_runner) -> None:
@@ -78,7 +94,21 @@ def test_int4_pack_quantized_matches_transformers(layout, shape_dtype, quantized
     config = ModelConfig.from_file(ckpt)
     assert config.quantization == Int4PackConfig(group_size=32, ignore=tuple(int4_config()["ignore"]))
     assert config.checkpoint_prefix == ("language_model." if layout == "kimi_k25_wrapper" else "")
+    experts = _experts(load_model(ckpt, progress=False)[0])
+    assert all(isinstance(e, Int4StackedExperts) and e.w13.dtype == torch.int32 for e in experts)  # kept packed
     _matches_transformers(ckpt, ref, paged_runner)
+
+
+def test_int4_experts_split_into_groups_stay_packed_else_load_dequantized(quantized, paged_runner):
+    ckpt, ref = quantized("int4", WIDE)
+    model, config = load_model(ckpt, progress=False)
+    assert config.moe.intermediate_size == 64 and all(isinstance(e, Int4StackedExperts) for e in _experts(model))
+    _matches_transformers(ckpt, ref, paged_runner)
+    narrow, _ = quantized("int4")  # I = 32 over 2 ranks: 16 columns, not a whole group of 32
+    half = load_model(narrow, progress=False, parallel=ParallelConfig(tp_rank=1, tp_size=2))[0]
+    assert not any(isinstance(e, Int4StackedExperts) for e in _experts(half))
+    assert all(isinstance(e, Int4StackedExperts) for e in _experts(load_model(
+        narrow, progress=False, parallel=ParallelConfig(tp_rank=1, tp_size=2, ep=True))[0]))
 
 
 @pytest.mark.parametrize("scale", list(SCALE_DTYPES))
@@ -98,10 +128,12 @@ def test_fp8_published_block_size_matches_transformers(quantized, paged_runner):
 
 
 @pytest.mark.parametrize("ranks,ep", [(2, False), (2, True)], ids=["tp2", "tp2_ep"])
-@pytest.mark.parametrize("kind", ["int4", "fp8"])
+@pytest.mark.parametrize("kind", ["int4", "int4_wide", "fp8"])
 def test_parallel_ranks_match_one_process(kind, ranks, ep, quantized):
+    """int4: TP = 2 loads the 32-wide experts dequantized, EP keeps them packed; int4_wide: each TP rank keeps
+    its 32-column half of every expert packed (the down projection split between groups)."""
     kw = {"block": (20, 24), "scale_dtype": torch.bfloat16} if kind == "fp8" else {}
-    ckpt, _ = quantized(kind, **kw)
+    ckpt, _ = quantized(kind[:4], WIDE if kind == "int4_wide" else "deepseek_v3", **kw)
     model, config = load_model(ckpt, progress=False)
     ref = TargetEngine(model, config, **ENGINE_KW)
     tree = DraftBlock(token_ids=(11, 12, 13, 14, 15), parents=(-1, 0, 0, 1, -1))
