@@ -16,6 +16,8 @@ Presets:
   mini-kimi-k2     2 layers with Kimi-K2's MLA latent dims (512 + 64), few small experts, first layer dense.
   tiny-qwen3-moe   CPU-sized (hidden 64, head_dim 16): tests of the table and of the random init.
   tiny-kimi-k2     CPU-sized MLA + shared expert + sigmoid/noaux routing.
+  NAME-int4        kimi-k2-layer / mini-kimi-k2 / tiny-kimi-k2 with routed experts in int4 pack-quantized
+                   groups of 32 as Kimi-K2-Thinking / K2.6 ship them (kept packed: random words, small scales).
 """
 
 from __future__ import annotations
@@ -27,16 +29,10 @@ from types import MappingProxyType
 import torch
 
 from specserve.models.causal_lm import CausalLM, build_model
-from specserve.models.config import (
-    GQAConfig,
-    MLAConfig,
-    ModelConfig,
-    MoEConfig,
-    ParallelConfig,
-    RopeConfig,
-)
+from specserve.models.config import GQAConfig, MLAConfig, ModelConfig, MoEConfig, ParallelConfig, RopeConfig
 from specserve.models.errors import ModelConfigError
 from specserve.models.moe import ExpertsFn, moe_reference
+from specserve.models.quant import Int4PackConfig
 
 SYNTHETIC_PREFIX = "synthetic:"
 DEFAULT_STD = 0.02
@@ -79,14 +75,24 @@ def _kimi_k2(layers: int, hidden: int, heads: int, q_lora: int, kv_lora: int, ro
     )
 
 
+# Kimi-K2-Thinking's quantization_config: int4 routed experts, everything else bf16.
+KIMI_INT4 = Int4PackConfig(group_size=32, ignore=("lm_head", "re:.*self_attn.*", "re:.*shared_experts.*",
+                                                  r"re:.*mlp\.(gate|up|gate_up|down)_proj.*"))
+_KIMI = {
+    "kimi-k2-layer": _kimi_k2(1, 7168, 64, 1536, 512, 64, 128, 128, 384, 8, 2048, 163840, first_dense=0),
+    "mini-kimi-k2": _kimi_k2(2, 1024, 16, 256, 512, 64, 128, 128, 16, 4, 256, 4096, first_dense=1),
+    "tiny-kimi-k2": _kimi_k2(2, 64, 4, 24, 16, 8, 16, 16, 8, 2, 32, 256, first_dense=1),
+}
+
 # The frozen preset table: name -> full-depth config (cut by NAME:LAYERS).
 PRESETS: Mapping[str, ModelConfig] = MappingProxyType({
     "qwen3-30b-a3b": _qwen3_moe(48, 2048, 32, 4, 128, 128, 8, 768, 151936),
-    "kimi-k2-layer": _kimi_k2(1, 7168, 64, 1536, 512, 64, 128, 128, 384, 8, 2048, 163840, first_dense=0),
+    "kimi-k2-layer": _KIMI["kimi-k2-layer"],
     "mini-qwen3-moe": _qwen3_moe(2, 1024, 16, 4, 128, 16, 4, 256, 4096),
-    "mini-kimi-k2": _kimi_k2(2, 1024, 16, 256, 512, 64, 128, 128, 16, 4, 256, 4096, first_dense=1),
+    "mini-kimi-k2": _KIMI["mini-kimi-k2"],
     "tiny-qwen3-moe": _qwen3_moe(2, 64, 4, 2, 16, 8, 2, 32, 256),
-    "tiny-kimi-k2": _kimi_k2(2, 64, 4, 24, 16, 8, 16, 16, 8, 2, 32, 256, first_dense=1),
+    "tiny-kimi-k2": _KIMI["tiny-kimi-k2"],
+    **{f"{name}-int4": dataclasses.replace(_KIMI[name], quantization=KIMI_INT4) for name in _KIMI},
 })
 
 
@@ -133,6 +139,10 @@ def init_random_(model: CausalLM, seed: int = 0, std: float = DEFAULT_STD) -> Ca
     for name, p in model.named_parameters():
         if name.endswith("norm.weight"):
             p.normal_(1.0, std, generator=gen)
+        elif not p.is_floating_point():  # int4 experts' packed words: random nibbles
+            p.random_(-(2**31), 2**31 - 1, generator=gen)
+        elif name.endswith("_scale"):  # their group scales: weights (q in [-8, 7]) of about std
+            p.normal_(0.0, std / 4.6, generator=gen)
         else:
             p.normal_(0.0, std, generator=gen)
     return model
@@ -174,7 +184,7 @@ def parameter_bytes(config: ModelConfig, dtype: torch.dtype = torch.bfloat16) ->
     dense = embed = experts = 0
     for name, p in model.named_parameters():
         size = p.numel() * p.element_size()
-        if name.endswith("experts.w13") or name.endswith("experts.w2"):
+        if name.endswith(("experts.w13", "experts.w2", "experts.w13_scale", "experts.w2_scale")):  # int4: + scales
             experts += size
         elif name == "model.embed_tokens.weight" and not config.tie_word_embeddings:
             embed += size

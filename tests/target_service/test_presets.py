@@ -87,6 +87,21 @@ def test_random_weights_are_nonzero_seeded_and_bf16():
             assert float(p.float().mean()) == pytest.approx(1.0, abs=0.05)
 
 
+def test_int4_presets_keep_kimi_experts_packed():
+    b, full = parameter_bytes(synthetic_config("kimi-k2-layer-int4")), parameter_bytes(synthetic_config("kimi-k2-layer"))
+    # per expert: gate + up [2048, 7168] and down [7168, 2048] as int32 words (8 values) + bf16 scales per 32
+    assert b["expert"] == 2 * 2048 * (7168 // 8 * 4 + 7168 // 32 * 2) + 7168 * (2048 // 8 * 4 + 2048 // 32 * 2)
+    assert (b["dense"], b["embed"]) == (full["dense"], full["embed"]) and full["expert"] == 3 * 2048 * 7168 * 2
+    model, _ = build_synthetic_model("tiny-kimi-k2-int4", seed=3)
+    other, _ = build_synthetic_model("tiny-kimi-k2-int4", seed=4)
+    experts = model.model.layers[1].mlp.experts
+    assert experts.w13.dtype == torch.int32 and experts.w13_scale.dtype == torch.bfloat16
+    for p, q in zip(experts.parameters(), other.model.layers[1].mlp.experts.parameters(), strict=True):
+        assert bool((p != 0).any()) and not torch.equal(p, q)
+    engine = build_engine(EngineConfig(model="synthetic:tiny-kimi-k2-int4", num_kv_blocks=64, kv_block_size=4))
+    assert len(engine.generate_greedy([1, 2, 3, 4, 5], 6)) == 6
+
+
 def test_synthetic_engine_on_cpu_generates():
     engine = build_engine(EngineConfig(model="synthetic:tiny-qwen3-moe", num_kv_blocks=64, kv_block_size=4))
     out = engine.generate_greedy([1, 2, 3, 4, 5], 6)
