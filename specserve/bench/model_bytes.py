@@ -4,9 +4,11 @@ Roles come from module types, not from parameter-name guesses: the deepest typed
 parameter decides (an RMSNorm inside an attention block is a norm; a GatedMLP inside an MoE block is
 a shared expert; routed experts are the StackedExperts tensors, counted per expert).
 
-A quantized checkpoint (config.quantization) loads dequantized, but a step of the int4 / fp8 kernels reads
-what the checkpoint stores: its quantized Linears count packed words / fp8 bytes plus their scales
-(int4: bf16 group scales; fp8: float32 block scales, as DeepSeek-V3 ships them).
+A quantized checkpoint (config.quantization) counts what its format stores: routed experts held packed
+count their words / e4m3 bytes and scale parameters; its other quantized Linears, which load dequantized,
+count packed bytes plus scales as well (int4: bf16 group scales; fp8: float32 block scales, as DeepSeek-V3
+ships them): the floor of the format, which the fp8 dense kernel reads (the model reads the dequantized copy
+until that kernel is wired in).
 """
 
 from __future__ import annotations
@@ -23,11 +25,12 @@ def _role_table():
     from specserve.models.attention import ATTENTION_CLASSES
     from specserve.models.layers import Embedding, GatedMLP, RMSNorm
     from specserve.models.moe import MoEBlock, StackedExperts, TopKRouter
-    from specserve.models.quant_experts import Int4StackedExperts
+    from specserve.models.quant_experts import Fp8StackedExperts, Int4StackedExperts
 
     # module type -> role; order does not matter (deepest match wins)
     table = {RMSNorm: "norm", Embedding: "embedding", GatedMLP: "dense_mlp", TopKRouter: "router",
-             StackedExperts: "routed_experts", Int4StackedExperts: "routed_experts", MoEBlock: "other"}
+             StackedExperts: "routed_experts", Int4StackedExperts: "routed_experts", Fp8StackedExperts: "routed_experts",
+             MoEBlock: "other"}
     table.update({cls: "attention" for cls in ATTENTION_CLASSES.values()})
     return table, MoEBlock, GatedMLP, StackedExperts
 
@@ -58,8 +61,9 @@ def param_bytes(name: str, p: torch.Tensor, quant=None) -> int:  # quant: models
     from specserve.models.quant import Int4PackConfig
 
     plain = p.numel() * p.element_size()
-    if quant is None or p.dim() < 2 or not p.is_floating_point() or not name.endswith((".weight", ".w13", ".w2")):
-        return plain  # int4 experts kept packed (int32 words; their scales are parameters of their own) count as held
+    held_quantized = not p.is_floating_point() or p.element_size() == 1  # experts kept packed (int32 words / e4m3)
+    if quant is None or p.dim() < 2 or held_quantized or not name.endswith((".weight", ".w13", ".w2")):
+        return plain  # (the scales of experts kept packed are parameters of their own)
     count, prefix = 1, name.rsplit(".", 1)[0]
     if name.endswith(".w13"):  # stacked [E, 2I, H]: gate and up, each its own [I, H] Linear in the checkpoint
         count, module, shapes = p.shape[0], f"{prefix}.0.gate_proj", [(p.shape[1] // 2, p.shape[2])] * 2

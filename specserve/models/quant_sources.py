@@ -113,6 +113,22 @@ class Fp8Source:
         return _drop(w, spans)
 
 
+def fp8_packed(view: CheckpointSlice) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 weight, scale_inv) of a 2-d view of an fp8 block tensor whose rows and columns start and end on
+    block boundaries (or the tensor's end), read as stored."""
+    if not isinstance(view.source, Fp8Source):
+        raise WeightShapeError("expected an fp8 block-scaled tensor (weight + weight_scale_inv)")
+    src = view.source
+    spans = _spans(view.key(), src.shape)
+    if len(spans) != 2 or any(d for _, _, d in spans):
+        raise WeightShapeError("an fp8 view must keep both dims")
+    (r0, r1, _), (c0, c1, _) = spans
+    (bo, bi), (rows, cols) = src.block, src.shape
+    if r0 % bo or c0 % bi or (r1 % bo and r1 != rows) or (c1 % bi and c1 != cols):
+        raise WeightShapeError(f"fp8 view rows {r0}..{r1}, columns {c0}..{c1} of {list(src.shape)} cut blocks of {list(src.block)}")
+    return src.weight[r0:r1, c0:c1], src.scale_inv[r0 // bo : _ceil(r1, bo), c0 // bi : _ceil(c1, bi)]
+
+
 def is_companion(name: str, quant: QuantConfig | None) -> bool:
     """Scales and shapes are read through the tensor they belong to, never on their own."""
     if isinstance(quant, Int4PackConfig):

@@ -24,7 +24,7 @@ from specserve.models.loader import load_model
 from specserve.models.config import ModelConfig, ParallelConfig
 from specserve.models.errors import CheckpointError, ModelConfigError
 from specserve.models.quant import Fp8BlockConfig, Int4PackConfig
-from specserve.models.quant_experts import Int4StackedExperts
+from specserve.models.quant_experts import Fp8StackedExperts, Int4StackedExperts
 from specserve.models.quant_sources import open_tensor
 from specserve.target_service.parallel.engine import ParallelTargetEngine
 
@@ -122,18 +122,37 @@ def test_fp8_block_matches_transformers(arch, scale, quantized, paged_runner):
     _matches_transformers(ckpt, ref, paged_runner)
 
 
+@pytest.mark.parametrize("scale", ["f32", "bf16"])
+@pytest.mark.parametrize("arch", ["deepseek_v3", "qwen3_moe"])
+def test_fp8_experts_on_whole_blocks_stay_packed(arch, scale, quantized, paged_runner):
+    """Blocks of 16 x 24: I = 32 is two row blocks, so the experts are held in e4m3 with their scales (blocks
+    of 20 rows above cut gate from up: those load dequantized); the rest of the model loads dequantized."""
+    ckpt, ref = quantized("fp8", arch, block=(16, 24), scale_dtype=SCALE_DTYPES[scale])
+    experts = _experts(load_model(ckpt, progress=False)[0])
+    assert experts and all(isinstance(e, Fp8StackedExperts) and e.w13.dtype == torch.float8_e4m3fn for e in experts)
+    _matches_transformers(ckpt, ref, paged_runner)
+    blocks20, _ = quantized("fp8", arch, block=(20, 24), scale_dtype=SCALE_DTYPES[scale])
+    assert not any(isinstance(e, Fp8StackedExperts) for e in _experts(load_model(blocks20, progress=False)[0]))
+
+
 def test_fp8_published_block_size_matches_transformers(quantized, paged_runner):
     ckpt, ref = quantized("fp8", block=(128, 128))  # DeepSeek-V3's [128, 128]: every tiny weight is one partial block
     _matches_transformers(ckpt, ref, paged_runner)
 
 
 @pytest.mark.parametrize("ranks,ep", [(2, False), (2, True)], ids=["tp2", "tp2_ep"])
-@pytest.mark.parametrize("kind", ["int4", "int4_wide", "fp8"])
+@pytest.mark.parametrize("kind", ["int4", "int4_wide", "fp8", "fp8_packed"])
 def test_parallel_ranks_match_one_process(kind, ranks, ep, quantized):
     """int4: TP = 2 loads the 32-wide experts dequantized, EP keeps them packed; int4_wide: each TP rank keeps
-    its 32-column half of every expert packed (the down projection split between groups)."""
-    kw = {"block": (20, 24), "scale_dtype": torch.bfloat16} if kind == "fp8" else {}
-    ckpt, _ = quantized(kind[:4], WIDE if kind == "int4_wide" else "deepseek_v3", **kw)
+    its 32-column half of every expert packed (the down projection split between groups); fp8: blocks of
+    20 x 24, experts dequantized, attention split mid-block; fp8_packed: blocks of 16, experts held in e4m3
+    with each TP rank's 16 rows / columns of every expert."""
+    kw = {"int4": {}, "int4_wide": {}, "fp8": {"block": (20, 24), "scale_dtype": torch.bfloat16},
+          "fp8_packed": {"block": (16, 16), "scale_dtype": torch.float32}}[kind]
+    ckpt, _ = quantized(kind[:4].rstrip("_"), WIDE if kind == "int4_wide" else "deepseek_v3", **kw)
+    if kind == "fp8_packed":
+        half = load_model(ckpt, progress=False, parallel=ParallelConfig(tp_rank=1, tp_size=2, ep=ep))[0]
+        assert all(isinstance(e, Fp8StackedExperts) for e in _experts(half))
     model, config = load_model(ckpt, progress=False)
     ref = TargetEngine(model, config, **ENGINE_KW)
     tree = DraftBlock(token_ids=(11, 12, 13, 14, 15), parents=(-1, 0, 0, 1, -1))
@@ -282,7 +301,9 @@ def test_broken_quantized_tensors_are_named(quantized, tmp_path):
 def test_bytes_floor_counts_packed_weights_and_scales(quantized, tiny_checkpoint):
     """One routed expert costs what the checkpoint stores for it (packed words + bf16 group scales;
     fp8 bytes + float32 block scales), and fp8 attention likewise, not the dequantized floats."""
-    for kind, kw in (("int4", {}), ("fp8", {"block": (20, 24), "scale_dtype": torch.float32})):
+    cases = (("int4", {}), ("fp8", {"block": (20, 24), "scale_dtype": torch.float32}),  # experts packed; dequantized
+             ("fp8", {"block": (16, 24), "scale_dtype": torch.float32}))  # fp8 experts held packed
+    for kind, kw in cases:
         ckpt, _ = quantized(kind, **kw)
         stored = _stored(ckpt)
 
