@@ -18,6 +18,8 @@ Presets:
   tiny-kimi-k2     CPU-sized MLA + shared expert + sigmoid/noaux routing.
   NAME-int4        kimi-k2-layer / mini-kimi-k2 / tiny-kimi-k2 with routed experts in int4 pack-quantized
                    groups of 32 as Kimi-K2-Thinking / K2.6 ship them (kept packed: random words, small scales).
+  NAME-fp8         qwen3-30b-a3b / kimi-k2-layer (Qwen3-30B-A3B-FP8, Kimi-K2-Instruct) and tiny-qwen3-moe
+                   with routed experts in e4m3, float32 scales per 128 x 128 block (16 x 16 for tiny-).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from specserve.models.causal_lm import CausalLM, build_model
 from specserve.models.config import GQAConfig, MLAConfig, ModelConfig, MoEConfig, ParallelConfig, RopeConfig
 from specserve.models.errors import ModelConfigError
 from specserve.models.moe import ExpertsFn, moe_reference
-from specserve.models.quant import Int4PackConfig
+from specserve.models.quant import Fp8BlockConfig, Int4PackConfig
 
 SYNTHETIC_PREFIX = "synthetic:"
 DEFAULT_STD = 0.02
@@ -84,15 +86,21 @@ _KIMI = {
     "tiny-kimi-k2": _kimi_k2(2, 64, 4, 24, 16, 8, 16, 16, 8, 2, 32, 256, first_dense=1),
 }
 
+_QWEN3_30B = _qwen3_moe(48, 2048, 32, 4, 128, 128, 8, 768, 151936)
+_TINY_QWEN = _qwen3_moe(2, 64, 4, 2, 16, 8, 2, 32, 256)
+
 # The frozen preset table: name -> full-depth config (cut by NAME:LAYERS).
 PRESETS: Mapping[str, ModelConfig] = MappingProxyType({
-    "qwen3-30b-a3b": _qwen3_moe(48, 2048, 32, 4, 128, 128, 8, 768, 151936),
+    "qwen3-30b-a3b": _QWEN3_30B,
     "kimi-k2-layer": _KIMI["kimi-k2-layer"],
     "mini-qwen3-moe": _qwen3_moe(2, 1024, 16, 4, 128, 16, 4, 256, 4096),
     "mini-kimi-k2": _KIMI["mini-kimi-k2"],
-    "tiny-qwen3-moe": _qwen3_moe(2, 64, 4, 2, 16, 8, 2, 32, 256),
+    "tiny-qwen3-moe": _TINY_QWEN,
     "tiny-kimi-k2": _KIMI["tiny-kimi-k2"],
     **{f"{name}-int4": dataclasses.replace(_KIMI[name], quantization=KIMI_INT4) for name in _KIMI},
+    "qwen3-30b-a3b-fp8": dataclasses.replace(_QWEN3_30B, quantization=Fp8BlockConfig()),
+    "kimi-k2-layer-fp8": dataclasses.replace(_KIMI["kimi-k2-layer"], quantization=Fp8BlockConfig()),
+    "tiny-qwen3-moe-fp8": dataclasses.replace(_TINY_QWEN, quantization=Fp8BlockConfig(block=(16, 16))),
 })
 
 
@@ -141,8 +149,12 @@ def init_random_(model: CausalLM, seed: int = 0, std: float = DEFAULT_STD) -> Ca
             p.normal_(1.0, std, generator=gen)
         elif not p.is_floating_point():  # int4 experts' packed words: random nibbles
             p.random_(-(2**31), 2**31 - 1, generator=gen)
-        elif name.endswith("_scale"):  # their group scales: weights (q in [-8, 7]) of about std
-            p.normal_(0.0, std / 4.6, generator=gen)
+        elif p.element_size() == 1:  # e4m3 experts: random finite values (|v| <= 1.875), scales below
+            p.view(torch.uint8).random_(0, 0x40, generator=gen).bitwise_or_(
+                torch.randint(0, 2, p.shape, generator=gen, device=device, dtype=torch.uint8) << 7)
+        elif name.endswith("_scale"):  # quantized experts' scales, so that weights come out at about std
+            spread = 4.6 if isinstance(model.config.quantization, Int4PackConfig) else 1.0  # int4 q in [-8, 7]
+            p.normal_(0.0, std / spread, generator=gen)
         else:
             p.normal_(0.0, std, generator=gen)
     return model

@@ -102,6 +102,18 @@ def test_int4_presets_keep_kimi_experts_packed():
     assert len(engine.generate_greedy([1, 2, 3, 4, 5], 6)) == 6
 
 
+def test_fp8_presets_keep_experts_in_e4m3():
+    b, full = parameter_bytes(synthetic_config("qwen3-30b-a3b-fp8")), parameter_bytes(synthetic_config("qwen3-30b-a3b"))
+    # per expert: gate + up [768, 2048] and down [2048, 768] in e4m3 + a float32 scale per 128 x 128 block
+    assert b["expert"] == 3 * 768 * 2048 + (2 * 6 * 16 + 16 * 6) * 4 and full["expert"] == 2 * 3 * 768 * 2048
+    model, _ = build_synthetic_model("tiny-qwen3-moe-fp8", seed=3)
+    experts = model.model.layers[0].mlp.experts
+    assert experts.w13.dtype == torch.float8_e4m3fn and experts.w13_scale.shape == (8, 4, 4)
+    assert all(bool(torch.isfinite(p.float()).all() and (p.float() != 0).any()) for p in experts.parameters())
+    engine = build_engine(EngineConfig(model="synthetic:tiny-qwen3-moe-fp8", num_kv_blocks=64, kv_block_size=4))
+    assert len(engine.generate_greedy([1, 2, 3, 4, 5], 6)) == 6
+
+
 def test_synthetic_engine_on_cpu_generates():
     engine = build_engine(EngineConfig(model="synthetic:tiny-qwen3-moe", num_kv_blocks=64, kv_block_size=4))
     out = engine.generate_greedy([1, 2, 3, 4, 5], 6)
