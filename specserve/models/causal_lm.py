@@ -12,10 +12,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specserve.models.attn_metadata import AttentionBatch
-from specserve.models.kv_cache import PagedKVCache
 from specserve.models.attention import ATTENTION_CLASSES, kv_head_shards
+from specserve.models.attn_metadata import AttentionBatch
 from specserve.models.config import ModelConfig, ParallelConfig
+from specserve.models.kv_cache import PagedKVCache
 from specserve.models.layers import Embedding, GatedMLP, ParallelLMHead, RMSNorm, gather_vocab, vocab_range
 from specserve.models.moe import ExpertsFn, MoEBlock, moe_reference
 from specserve.models.quant_experts import packed_experts

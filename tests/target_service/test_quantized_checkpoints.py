@@ -18,14 +18,14 @@ from tiny_hf import save_tiny_hf
 
 from specserve.bench.model_bytes import model_bytes
 from specserve.cli.main import main
-from specserve.target_service.engine.engine import TargetEngine
 from specserve.contract.types import DraftBlock
-from specserve.models.loader import load_model
 from specserve.models.config import ModelConfig, ParallelConfig
 from specserve.models.errors import CheckpointError, ModelConfigError
+from specserve.models.loader import load_model
 from specserve.models.quant import Fp8BlockConfig, Int4PackConfig
 from specserve.models.quant_experts import Fp8StackedExperts, Int4StackedExperts
 from specserve.models.quant_sources import open_tensor
+from specserve.target_service.engine.engine import TargetEngine
 from specserve.target_service.parallel.engine import ParallelTargetEngine
 
 RTOL = 1e-4
