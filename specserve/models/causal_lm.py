@@ -104,9 +104,10 @@ class CausalLM(nn.Module):
     def set_fused_layers(self, enabled: bool) -> None:
         """RMSNorm through its one-launch Triton kernel (kernels/norm.py), or the plain-torch code.
 
-        The router kernel (kernels/router.py, TopKRouter.use_kernel) stays off: on the H200 (2026-12-01) it chose
-        repeated experts for Qwen3-30B-A3B's 128-expert softmax top-8 (50 distinct (layer, expert) pairs per decode
-        step instead of 384), so it waits for its GPU test."""
+        The router kernel (kernels/router.py, TopKRouter.use_kernel) stays off for now: its first version chose
+        repeated experts on the H200 (2026-12-01, 50 distinct (layer, expert) pairs per Qwen3-30B-A3B decode step
+        instead of 384); the fixed version passes its GPU tests (BENCHMARKS.md), and turning it on here waits for a
+        census and engine GPU run with it."""
         from specserve.models.layers import RMSNorm
 
         for module in self.modules():
