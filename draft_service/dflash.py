@@ -36,6 +36,18 @@ as in the published DFlash design the drafter reads the TARGET's ``model.embed_t
 equal target_hidden_size. Those two tensors are frozen, not in model.safetensors, and are filled from
 the target checkpoint at load (which is then required). The final ``norm`` stays the drafter's own.
 
+z-lab's published layout (``architectures: ["DFlashDraftModel"]``, ``model_type: qwen3``; read by
+``zlab_config``, never written): ``block_size``, ``dflash_config: {mask_token_id, target_layer_ids}``
+(target layer outputs, our capture convention; ``num_target_layers`` spreads them when the ids are
+absent) and Qwen3 layer fields; tensors ``fc.weight [H, taps * H]``, ``hidden_norm.weight`` (our
+``context_norm``), ``norm.weight`` and per layer the Qwen3 names including
+``self_attn.{q_norm,k_norm}.weight``; no embed_tokens, mask_embedding or lm_head (the target's are
+used). It differs from ours in four features of DFlashConfig: ``qk_norm`` (per-head RMSNorm of q and
+k), ``mask_token_id`` (mask positions hold that token's embedding), ``context_layernorm`` False (the
+context rows T = hidden_norm(fc(...)) go to k/v_proj as they are, without the layer's input_layernorm)
+and ``anchor_predicts_next`` False (the output at block position i gives drafted token i, so a block
+drafts block_size - 1 tokens). The proposer is the same for both.
+
 Session cache: per layer the K/V of the context rows of CONFIRMED positions (tokens of S with target
 rows); rollback keeps the longest prefix whose tokens still match S.
 """
@@ -90,6 +102,11 @@ class DFlashConfig:
     rope_theta: float = 10000.0
     shared_target_head: bool = False  # embed_tokens / lm_head are the target's (frozen, not saved)
     denoise_steps: int = 1  # passes per drafted block (see "Denoising passes")
+    # features of z-lab's layout (module docstring); the defaults are our own layout
+    qk_norm: bool = False  # per-head RMSNorm of q and k before RoPE
+    mask_token_id: int | None = None  # None: a learned mask_embedding; else that token's embedding
+    context_layernorm: bool = True  # context rows pass each layer's input_layernorm before k/v_proj
+    anchor_predicts_next: bool = True  # output at block position 0 gives drafted token 1 (else position 1)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "target_layer_ids", tuple(int(i) for i in self.target_layer_ids))
@@ -102,6 +119,12 @@ class DFlashConfig:
             raise DrafterConfigError("dflash config: num_attention_heads must be a multiple of num_key_value_heads")
         if not self.target_layer_ids or min(self.target_layer_ids) < 0:
             raise DrafterConfigError(f"dflash config: bad target_layer_ids {self.target_layer_ids}")
+        if self.mask_token_id is not None and not 0 <= self.mask_token_id < self.vocab_size:
+            raise DrafterConfigError(f"dflash config: mask_token_id {self.mask_token_id} outside [0, {self.vocab_size})")
+        if self.mask_token_id is not None and not self.shared_target_head:
+            raise DrafterConfigError("dflash config: mask_token_id needs the target's embeddings (shared_target_head)")
+        if self.drafts_per_block < 1:
+            raise DrafterConfigError(f"dflash config: block_size {self.block_size} drafts no token")
         if self.denoise_steps > self.block_size - 1:
             raise DrafterConfigError(
                 f"dflash config: denoise_steps {self.denoise_steps} > block_size - 1 = {self.block_size - 1}"
@@ -114,23 +137,86 @@ class DFlashConfig:
                 f" and lm_head are [V, {self.target_hidden_size}]), got hidden_size {self.hidden_size}"
             )
 
+    @property
+    def drafts_per_block(self) -> int:
+        """Drafted tokens one block gives: block_size, or block_size - 1 when position 0 is only the anchor."""
+        return self.block_size if self.anchor_predicts_next else self.block_size - 1
+
     def to_dict(self) -> dict:
-        d = {k: getattr(self, k) for k in self.__dataclass_fields__}
-        if not self.shared_target_head:  # the original layout, unchanged
-            del d["shared_target_head"]
-        if self.denoise_steps == 1:
-            del d["denoise_steps"]
+        """Our layout's config.json; fields at their defaults are left out (older files stay byte-equal)."""
+        fields = self.__dataclass_fields__
+        optional = ("shared_target_head", "denoise_steps", "qk_norm", "mask_token_id", "context_layernorm",
+                    "anchor_predicts_next")
+        d = {k: getattr(self, k) for k in fields if k not in optional or getattr(self, k) != fields[k].default}
         return dict(d, model_type="dflash", target_layer_ids=list(self.target_layer_ids))
 
     @staticmethod
     def from_dict(raw: dict) -> DFlashConfig:
+        """Our layout's config.json (``model_type: dflash``); ``read_config`` also takes z-lab's."""
         if raw.get("model_type") != "dflash":
-            raise DrafterConfigError(f"dflash config.json must say model_type 'dflash', got {raw.get('model_type')!r}")
+            raise DrafterConfigError(
+                "dflash config.json must say model_type 'dflash' (our layout) or architectures ['DFlashDraftModel']"
+                f" (z-lab's), got model_type {raw.get('model_type')!r}"
+            )
         fields = DFlashConfig.__dataclass_fields__
         missing = [k for k in fields if k not in raw and fields[k].default is MISSING]
         if missing:
             raise DrafterConfigError(f"dflash config.json lacks {', '.join(missing)}")
         return DFlashConfig(**{k: raw[k] for k in fields if k in raw})
+
+
+ZLAB_ARCHITECTURE = "DFlashDraftModel"
+ZLAB_RENAMES = {"context_norm.weight": "hidden_norm.weight"}  # module attribute -> z-lab tensor name
+
+
+def spread_target_layers(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:
+    """z-lab's taps when a config names none: one per draft layer, evenly from layer 1 to layer L - 3
+    (rounded); a one-layer drafter taps the middle layer L // 2."""
+    if num_draft_layers == 1:
+        return (num_target_layers // 2,)
+    first, last = 1, num_target_layers - 3
+    return tuple(int(round(first + i * (last - first) / (num_draft_layers - 1))) for i in range(num_draft_layers))
+
+
+def zlab_config(raw: dict) -> DFlashConfig:
+    """DFlashConfig of a config.json in z-lab's layout (module docstring); one line naming what is missing."""
+    extra = raw.get("dflash_config")
+    if not isinstance(extra, dict):
+        raise DrafterConfigError("dflash (z-lab layout) config.json lacks dflash_config {mask_token_id, target_layer_ids}")
+    need = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size",
+            "vocab_size", "block_size")
+    missing = [k for k in need if k not in raw] + [f"dflash_config.{k}" for k in ("mask_token_id",) if k not in extra]
+    ids = extra.get("target_layer_ids")
+    num_target = extra.get("num_target_layers", raw.get("num_target_layers"))
+    if ids is None and num_target is None:
+        missing.append("dflash_config.target_layer_ids (or num_target_layers)")
+    if missing:
+        raise DrafterConfigError(f"dflash (z-lab layout) config.json lacks {', '.join(missing)}")
+    kinds = set(raw.get("layer_types") or ["full_attention"])
+    if kinds != {"full_attention"}:
+        raise DrafterConfigError(f"dflash (z-lab layout): only full_attention layers are supported, got layer_types {sorted(kinds)}")
+    for key, ok in (("rope_scaling", None), ("attention_bias", False), ("hidden_act", "silu")):
+        if raw.get(key, ok) not in (ok, None):
+            raise DrafterConfigError(f"dflash (z-lab layout): {key} {raw[key]!r} is not supported (only {ok!r})")
+    h = raw["hidden_size"]
+    if ids is None:
+        ids = spread_target_layers(num_target, raw["num_hidden_layers"])
+    return DFlashConfig(
+        hidden_size=h, num_hidden_layers=raw["num_hidden_layers"], num_attention_heads=raw["num_attention_heads"],
+        num_key_value_heads=raw["num_key_value_heads"], head_dim=raw.get("head_dim") or h // raw["num_attention_heads"],
+        intermediate_size=raw["intermediate_size"], vocab_size=raw["vocab_size"], block_size=raw["block_size"],
+        target_hidden_size=h,  # fc reads taps x hidden_size: the drafter is as wide as its target
+        target_layer_ids=tuple(ids), rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        rope_theta=float(raw.get("rope_theta", 10000.0)), shared_target_head=True, qk_norm=True,
+        mask_token_id=int(extra["mask_token_id"]), context_layernorm=False, anchor_predicts_next=False,
+    )
+
+
+def read_config(raw: dict) -> tuple[DFlashConfig, dict[str, str]]:
+    """(config, tensor renames) of either layout's config.json: z-lab's when its architectures say so."""
+    if ZLAB_ARCHITECTURE in (raw.get("architectures") or ()):
+        return zlab_config(raw), ZLAB_RENAMES
+    return DFlashConfig.from_dict(raw), {}
 
 
 def _norm(size: int, eps: float) -> RMSNorm:
@@ -149,6 +235,9 @@ class _Layer(nn.Module):
         self.k_proj = nn.Linear(h, c.num_key_value_heads * d, bias=False)
         self.v_proj = nn.Linear(h, c.num_key_value_heads * d, bias=False)
         self.o_proj = nn.Linear(c.num_attention_heads * d, h, bias=False)
+        if c.qk_norm:
+            self.q_norm = _norm(d, c.rms_norm_eps)
+            self.k_norm = _norm(d, c.rms_norm_eps)
         self.gate_proj = nn.Linear(h, c.intermediate_size, bias=False)
         self.up_proj = nn.Linear(h, c.intermediate_size, bias=False)
         self.down_proj = nn.Linear(c.intermediate_size, h, bias=False)
@@ -163,7 +252,8 @@ class DFlashModel(nn.Module):
         self.cfg = cfg
         h = cfg.hidden_size
         self.embed_tokens = nn.Embedding(cfg.vocab_size, h)
-        self.mask_embedding = nn.Parameter(torch.zeros(h))
+        if cfg.mask_token_id is None:  # else the mask is the (target's) embedding of mask_token_id
+            self.mask_embedding = nn.Parameter(torch.zeros(h))
         self.fc = nn.Linear(len(cfg.target_layer_ids) * cfg.target_hidden_size, h, bias=False)
         self.context_norm = _norm(h, cfg.rms_norm_eps)
         self.layers = nn.ModuleList(_Layer(cfg) for _ in range(cfg.num_hidden_layers))
@@ -176,11 +266,19 @@ class DFlashModel(nn.Module):
 
     def _kv(self, layer: _Layer, x: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         c, t = self.cfg, x.shape[0]
-        h = layer.input_layernorm(x)
+        h = layer.input_layernorm(x) if c.context_layernorm else x
         k = layer.k_proj(h).view(t, c.num_key_value_heads, c.head_dim)
         v = layer.v_proj(h).view(t, c.num_key_value_heads, c.head_dim)
+        if c.qk_norm:
+            k = layer.k_norm(k)
         cos, sin = self.rotary.cos_sin(pos, x.dtype)
         return RotaryEmbedding.apply(k, cos, sin, interleaved=False), v
+
+    def _block_input(self, known: torch.Tensor) -> torch.Tensor:  # [1 + m] known tokens -> [b, H]
+        b = self.cfg.block_size
+        if self.cfg.mask_token_id is not None:
+            return self.embed_tokens(F.pad(known, (0, b - len(known)), value=self.cfg.mask_token_id))
+        return torch.cat([self.embed_tokens(known), self.mask_embedding[None].expand(b - len(known), -1)])
 
     def context_kv(self, feats: torch.Tensor, pos: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """feats [T, n_layers * Ht], pos [T] -> per draft layer (k, v), each [T, Hkv, D]."""
@@ -194,12 +292,12 @@ class DFlashModel(nn.Module):
         ctx_kv: list[tuple[torch.Tensor, torch.Tensor]],  # per layer ([P, Hkv, D], [P, Hkv, D])
         ctx_mask: torch.Tensor | None = None,  # [b, P] bool; None = every block query sees all context
         given: torch.Tensor | None = None,  # [m] int64 known tokens at block positions 1..m (m <= b - 1)
-    ) -> torch.Tensor:  # [b, V] float32: logits of drafted tokens 1..b
+    ) -> torch.Tensor:  # [cfg.drafts_per_block, V] float32: logits of drafted tokens 1, 2, ...
         c, b = self.cfg, self.cfg.block_size
         known = first_token if given is None else torch.cat([first_token, given])  # [1 + m]
         if len(known) > b:
             raise ValueError(f"{len(known) - 1} given tokens do not fit a block of {b}")
-        x = torch.cat([self.embed_tokens(known), self.mask_embedding[None].expand(b - len(known), -1)])  # [b, H]
+        x = self._block_input(known)  # [b, H]
         pos = torch.arange(first_pos, first_pos + b, device=x.device)
         cos, sin = self.rotary.cos_sin(pos, x.dtype)
         p = ctx_kv[0][0].shape[0]
@@ -208,14 +306,18 @@ class DFlashModel(nn.Module):
             mask[:, :p] = ctx_mask
         for layer, (ck, cv) in zip(self.layers, ctx_kv):
             h = layer.input_layernorm(x)
-            q = RotaryEmbedding.apply(layer.q_proj(h).view(b, c.num_attention_heads, c.head_dim), cos, sin, False)
-            k = RotaryEmbedding.apply(layer.k_proj(h).view(b, c.num_key_value_heads, c.head_dim), cos, sin, False)
+            q = layer.q_proj(h).view(b, c.num_attention_heads, c.head_dim)
+            k = layer.k_proj(h).view(b, c.num_key_value_heads, c.head_dim)
+            if c.qk_norm:
+                q, k = layer.q_norm(q), layer.k_norm(k)
+            q, k = RotaryEmbedding.apply(q, cos, sin, False), RotaryEmbedding.apply(k, cos, sin, False)
             v = layer.v_proj(h).view(b, c.num_key_value_heads, c.head_dim)
             out = attend(q, torch.cat([ck, k]), torch.cat([cv, v]), mask, c.head_dim**-0.5)
             x = x + layer.o_proj(out.reshape(b, -1))
             y = layer.post_attention_layernorm(x)
             x = x + layer.down_proj(F.silu(layer.gate_proj(y)) * layer.up_proj(y))
-        return self.lm_head(self.norm(x)).float()
+        logits = self.lm_head(self.norm(x)).float()  # [b, V]
+        return logits if c.anchor_predicts_next else logits[1:]
 
 
 SHARED_TENSORS = {"embed_tokens.weight": "model.embed_tokens.weight", "lm_head.weight": "lm_head.weight"}
@@ -236,10 +338,13 @@ def save_dflash(model: DFlashModel, out_dir: str | Path) -> None:
     (out / "config.json").write_text(json.dumps(model.cfg.to_dict(), indent=2))
 
 
-def _ckpt_name(attr: str) -> str:
-    """Module attribute path -> checkpoint name (attention / MLP projections get HF-style groups)."""
+def _ckpt_name(attr: str, renames: dict[str, str] | None = None) -> str:
+    """Module attribute path -> checkpoint name (attention / MLP projections get HF-style groups;
+    ``renames`` are the layout's own names, e.g. ZLAB_RENAMES)."""
+    if renames and attr in renames:
+        return renames[attr]
     parts = attr.split(".")
-    if parts[0] == "layers" and parts[2] in ("q_proj", "k_proj", "v_proj", "o_proj"):
+    if parts[0] == "layers" and parts[2] in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm"):
         return ".".join(parts[:2] + ["self_attn"] + parts[2:])
     if parts[0] == "layers" and parts[2] in ("gate_proj", "up_proj", "down_proj"):
         return ".".join(parts[:2] + ["mlp"] + parts[2:])
@@ -275,21 +380,21 @@ def load_dflash(
         raise DrafterConfigError(f"dflash: no config.json in {path}") from e
     except json.JSONDecodeError as e:
         raise DrafterConfigError(f"dflash: {path / 'config.json'} is not valid JSON: {e}") from e
-    cfg = DFlashConfig.from_dict(raw)
+    cfg, renames = read_config(raw)
     if not (path / WEIGHTS_FILE).is_file():
         raise DrafterConfigError(f"dflash: no {WEIGHTS_FILE} in {path}")
     shared = {}
     if cfg.shared_target_head:
         if target_dir is None:
             raise DrafterConfigError(
-                f"dflash checkpoint {path} has shared_target_head: it reads the target's embed_tokens and lm_head;"
-                " give the target checkpoint (target_checkpoint) to load it"
+                f"dflash checkpoint {path} has shared_target_head (as z-lab's layout does): it reads the target's"
+                " embed_tokens and lm_head; give the target checkpoint (target_checkpoint) to load it"
             )
         shared = read_target_head(target_dir)
     with torch.device(device):
         model = DFlashModel(cfg)
     state = model.state_dict()
-    saved = {attr: _ckpt_name(attr) for attr in _saved_names(cfg, state)}
+    saved = {attr: _ckpt_name(attr, renames) for attr in _saved_names(cfg, state)}
     tensors = read_tensors(path / WEIGHTS_FILE, "dflash", saved.values())
     for attr, name in saved.items():
         if name not in tensors:
@@ -324,7 +429,7 @@ class DFlashProposer(Proposer):
                 family="dflash",
                 vocab_size=self.vocab_size,
                 vocab_hash=vocab_hash,
-                max_block_size=min(config.max_block_size, model.cfg.block_size),
+                max_block_size=min(config.max_block_size, model.cfg.drafts_per_block),
                 needs_hidden_states=True,
                 hidden_layers=hidden_layers,
                 has_probs=True,
