@@ -37,8 +37,14 @@ def _dflash(config: DrafterConfig) -> Proposer:
     return build_dflash_proposer(config)
 
 
+def _mtp(config: DrafterConfig) -> Proposer:
+    from specserve.draft_service.mtp import build_mtp_proposer
+
+    return build_mtp_proposer(config)
+
+
 PROPOSER_FACTORIES: Mapping[str, ProposerFactory] = MappingProxyType(
-    {"ngram": _ngram, "model": _model, "eagle3": _eagle3, "dflash": _dflash}
+    {"ngram": _ngram, "model": _model, "eagle3": _eagle3, "dflash": _dflash, "mtp": _mtp}
 )
 
 

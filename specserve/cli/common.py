@@ -8,6 +8,7 @@ from pathlib import Path
 
 from specserve.errors import SpecserveError
 
+NO_DRAFT_FOLDER = ("ngram", "mtp")  # families that need no --draft-model (mtp reads the target's own layer)
 
 def positive_int(text: str) -> int:
     value = int(text)
@@ -131,9 +132,9 @@ def drafter_config_from_args(args: argparse.Namespace, target_checkpoint: Path):
     from specserve.paths import demo_checkpoint
 
     checkpoint = args.draft_model
-    if checkpoint is None and args.draft != "ngram" and args.model is None:
+    if checkpoint is None and args.draft not in NO_DRAFT_FOLDER and args.model is None:
         checkpoint = demo_checkpoint(args.draft)
-    if checkpoint is None and args.draft != "ngram":
+    if checkpoint is None and args.draft not in NO_DRAFT_FOLDER:
         raise SpecserveError(f"--draft {args.draft} needs --draft-model DIR")
     return DrafterConfig(
         family=args.draft,

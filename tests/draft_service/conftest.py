@@ -2,8 +2,10 @@
 test here runs torch on one thread (tests/conftest.py).
 
     tiny_ckpt(kind) -> Path   session-scoped; kind in {"target_moe", "target_dense", "draft_llama",
-                              "draft_moe", "draft_other_vocab"}; hidden 32, vocab 64 (other: 72), a
-                              WordLevel tokenizer.json with 64 tokens for all but "draft_other_vocab".
+                              "draft_moe", "draft_other_vocab", "target_mtp"}; hidden 32, vocab 64 (other:
+                              72), a WordLevel tokenizer.json with 64 tokens for all but "draft_other_vocab".
+                              "target_mtp": DeepSeek-V3 (MLA, YaRN rope, sigmoid grouped routing, 1 dense +
+                              1 MoE layer) with one multi-token-prediction layer 2 (tiny_hf.save_tiny_deepseek_mtp).
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import json
 from pathlib import Path
 
 import pytest
-from tiny_hf import save_tiny_hf
+from tiny_hf import TINY_DEEPSEEK_MTP, save_tiny_deepseek_mtp, save_tiny_hf
 
 _COMMON = dict(
     hidden_size=32,
@@ -49,8 +51,13 @@ def tiny_ckpt(tmp_path_factory):
 
     def make(kind: str) -> Path:
         if kind not in built:
-            model_type, kw, seed = KINDS[kind]
-            out = save_tiny_hf(model_type, kw, tmp_path_factory.mktemp("draft_ckpt") / kind, seed=seed)
+            out = tmp_path_factory.mktemp("draft_ckpt") / kind
+            if kind == "target_mtp":
+                kw = TINY_DEEPSEEK_MTP
+                save_tiny_deepseek_mtp(kw, out, seed=5)
+            else:
+                model_type, kw, seed = KINDS[kind]
+                save_tiny_hf(model_type, kw, out, seed=seed)
             if kind != "draft_other_vocab":
                 (out / "tokenizer.json").write_text(_tokenizer_json(kw["vocab_size"]))
             built[kind] = out

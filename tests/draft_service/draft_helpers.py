@@ -72,3 +72,36 @@ def rollback_matches_fresh(make, feats, vocab, tree=None, steps=12, k=4, seed=0,
         seq = seq + accepted + [nxt]
     live.release("s")
     assert live.active_sessions == 0
+
+
+def draws_pvalue(draws, q: torch.Tensor) -> float:
+    """Chi-square p-value of token draws against q [V] (cells of < 5 expected draws pooled into one)."""
+    import numpy as np
+    from scipy.stats import chisquare
+
+    exp, obs = q.double().numpy() * len(draws), np.bincount(draws, minlength=q.shape[0])
+    big = exp >= 5
+    obs_c, exp_c = np.append(obs[big], obs[~big].sum()), np.append(exp[big], exp[~big].sum())
+    keep = exp_c > 0
+    return chisquare(obs_c[keep], exp_c[keep] * obs_c[keep].sum() / exp_c[keep].sum()).pvalue
+
+
+def check_two_draws_follow_q(proposer, seq, rows, runs: int) -> None:
+    """Sampled 2-token blocks of ``runs`` sessions on one S: token 1 follows the reported q_1, token 2 on
+    the most common token 1 follows the reported q_2 given it, and q_2 of another token 1 is told apart
+    (the negative control: the test has the power to fail)."""
+    firsts, seconds, q1, q2 = [], {}, None, {}
+    for i in range(runs):
+        proposer.start(f"q{i}", seq, rows, SamplingParams(temperature=1.0, seed=i))
+        block = proposer.propose(f"q{i}", len(seq), [], None, 2)
+        t1, t2 = block.token_ids
+        firsts.append(t1)
+        seconds.setdefault(t1, []).append(t2)
+        q1, q2[t1] = block.probs[0].double(), block.probs[1].double()  # q_1 is the same every time
+        proposer.release(f"q{i}")
+    assert draws_pvalue(firsts, q1) > 1e-3
+    top = max(seconds, key=lambda t: len(seconds[t]))
+    assert len(seconds[top]) >= 100 and len(set(seconds[top])) > 3
+    assert draws_pvalue(seconds[top], q2[top]) > 1e-3
+    other = max(q2, key=lambda t: float((q2[t] - q2[top]).abs().sum()))  # q_2 depends on token 1 ...
+    assert draws_pvalue(seconds[top], q2[other]) < 1e-3  # ... and the test tells the two apart

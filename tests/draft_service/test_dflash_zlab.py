@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from draft_helpers import FakeFeatures, rollback_matches_fresh
+from draft_helpers import FakeFeatures, check_two_draws_follow_q, rollback_matches_fresh
 from tiny_hf import save_zlab_dflash as write_zlab_dflash
 from specserve.draft_service.dflash import DFlashProposer, spread_target_layers
 from specserve.draft_service.proposer import DrafterConfig, DrafterConfigError
@@ -107,6 +107,15 @@ def test_rollback_matches_fresh_drafter(zlab):
         return DFlashProposer(loaded.model, cfg_for(ckpt, target), loaded.info.hidden_layers, loaded.info.vocab_hash)
 
     rollback_matches_fresh(make, FakeFeatures(V, 2 * H), V, steps=8, sampled=True)
+
+
+def test_two_pass_draws_follow_the_reported_q(zlab):
+    """With 2 passes (serve-time --denoise-steps 2) token 2 is drawn given token 1 from the q the block
+    reports, over 1500 sessions (one pass would draw both tokens from rows that ignore each other)."""
+    ckpt, target, _, _ = zlab
+    p = build_proposer(cfg_for(ckpt, target, denoise_steps=2))
+    seq = [1, 2, 3, 4, 5, 6]
+    check_two_draws_follow_q(p, seq, FakeFeatures(V, 2 * H).rows(seq, 0, 5), 1500)
 
 
 def test_a_wrong_layout_names_what_is_missing(zlab, tiny_ckpt, tmp_path):

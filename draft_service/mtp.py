@@ -1,0 +1,287 @@
+"""``mtp`` drafter: DeepSeek-V3's multi-token-prediction layer, read from the TARGET checkpoint itself.
+
+A checkpoint with ``num_nextn_predict_layers >= 1`` holds, past its N = ``num_hidden_layers`` decoder
+layers, layer N: ``eh_proj.weight [H, 2H]``, ``enorm.weight``, ``hnorm.weight``,
+``shared_head.norm.weight``, ``shared_head.head.weight [V, H]``, ``embed_tokens.weight [V, H]`` (copies
+of the main embedding and head) and a full decoder block (MLA attention + MoE: the model library's own
+``DecoderLayer``, loaded through the same weight names and loaders as the target). One step:
+
+    x = eh_proj(concat(enorm(embed(token)), hnorm(previous hidden)))      [T, H]
+    h = block(x)                                                            over the drafter's own cache
+    logits = shared_head.head(shared_head.norm(h))                          [T, V]
+
+Alignment (as EAGLE-3): S = t_0 .. t_{L-1} (t_{L-1} the pending token) and the target gave rows h_0 ..
+h_{L-2}. Entry j (0 <= j <= L-2) at position j reads token t_{j+1} and the target's final hidden state at
+position j; its output at the pending token (entry L-2) gives drafted token 1. Drafted token i + 1 reads
+(embed(d_i), the block's own output h at d_i) at position L-2+i: k > 1 by chaining.
+
+The target's final hidden state is the main model's output, after its final norm (what its head
+reads). The target hands out decoder-layer outputs before that norm, so the drafter asks for layer N - 1
+and applies the target's ``model.norm.weight`` (read from the checkpoint) itself.
+
+Cache: one paged cache (``PagedKVCache`` of one layer: the block's MLA latent entries, ``BlockManager``)
+shared by the sessions. A session's entries are those of CONFIRMED positions (tokens of S with target
+rows), then while drafting the drafted entries after them; each sync keeps the longest prefix of
+confirmed entries whose tokens still match S and cuts the rest (the drafted ones always: their
+previous hidden was the drafter's own, not the target's).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from specserve.draft_service.drafting import draw_tokens, to_target_probs
+from specserve.draft_service.proposer import (
+    ROLLBACK_ROWS,
+    DrafterConfig,
+    DrafterConfigError,
+    DrafterInfo,
+    Proposer,
+    ProposerError,
+    SessionState,
+    checkpoint_vocab,
+    common_prefix_len,
+)
+from specserve.target_service.engine.attn_metadata import AttentionBatch
+from specserve.target_service.engine.block_manager import BlockManager, OutOfBlocks
+from specserve.target_service.engine.kv_cache import PagedKVCache
+from specserve.target_service.engine.types import DraftBlock
+from specserve.target_service.models import weight_names
+from specserve.target_service.models.causal_lm import DecoderLayer
+from specserve.target_service.models.checkpoint_slice import CheckpointSlice
+from specserve.target_service.models.config import ModelConfig, ParallelConfig
+from specserve.target_service.models.layers import Embedding, ParallelLMHead, ReplicatedLinear, RMSNorm
+from specserve.target_service.models.moe import StackedExperts, moe_reference
+
+_OWN = ("embed_tokens", "enorm", "hnorm", "eh_proj", "shared_head")  # layer N's tensors outside the block
+_TARGET_NORM = "model.norm.weight"
+
+
+@dataclass(frozen=True)
+class MTPSpec:
+    """Where the MTP layer is: the target's layer count N (the MTP layer is layer N) and the block's
+    config (a one-layer ModelConfig whose layer 0 is layer N: MoE when layer N would be)."""
+
+    num_target_layers: int
+    block: ModelConfig
+
+    @property
+    def prefix(self) -> str:  # checkpoint name prefix of layer N
+        return f"model.layers.{self.num_target_layers}."
+
+
+def read_mtp_spec(target_dir: str | Path) -> MTPSpec:
+    """The MTP layer of a target checkpoint; one line naming the problem when it has none."""
+    path = Path(target_dir) / "config.json"
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise DrafterConfigError(f"mtp reads the target's config.json: {path}: {e}") from e
+    if not raw.get("num_nextn_predict_layers"):
+        raise DrafterConfigError(
+            f"target checkpoint {target_dir} has no multi-token-prediction layer (config.json num_nextn_predict_layers"
+            f" is {raw.get('num_nextn_predict_layers')!r}); mtp needs one (DeepSeek-V3 / R1 checkpoints carry it)"
+        )
+    n = raw.get("num_hidden_layers")
+    try:  # layer N's features (MoE or dense, attention kind) by the same rule as the target's layers
+        full = ModelConfig.from_dict(dict(raw, num_hidden_layers=int(n) + 1))
+    except Exception as e:
+        raise DrafterConfigError(f"mtp: cannot read the target config {path}: {e}") from e
+    moe = full.moe if full.moe is None else replace(full.moe, layers=(0,) if n in full.moe_layers else ())
+    return MTPSpec(num_target_layers=n, block=replace(full, num_layers=1, moe=moe))
+
+
+class MTPLayer(nn.Module):
+    """Layer N's modules; parameter names are its checkpoint names less the ``model.layers.N.`` prefix
+    (the block's under ``block.``), plus ``target_norm`` = the target's final norm."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        h, v, eps, parallel = cfg.hidden_size, cfg.vocab_size, cfg.rms_norm_eps, ParallelConfig()
+        self.embed_tokens = Embedding(v, h)
+        self.enorm, self.hnorm = RMSNorm(h, eps), RMSNorm(h, eps)
+        self.eh_proj = ReplicatedLinear(2 * h, h)
+        self.block = DecoderLayer(cfg, 0, parallel, moe_reference)
+        self.shared_head = nn.ModuleDict({"norm": RMSNorm(h, eps), "head": ParallelLMHead(h, v, parallel)})
+        self.target_norm = RMSNorm(h, eps)
+
+    def step(
+        self,
+        tokens: torch.Tensor,  # [T] int64: the token each entry reads
+        previous: torch.Tensor,  # [T, H]: the hidden state before it (the target's final, or the block's own)
+        positions: torch.Tensor,  # [T] int64
+        attn: AttentionBatch,
+        cache: PagedKVCache,
+    ) -> torch.Tensor:  # [T, H] the block's output (chained into the next step; logits() of it)
+        x = self.eh_proj(torch.cat([self.enorm(self.embed_tokens(tokens)), self.hnorm(previous)], dim=-1))
+        return self.block(x, positions, attn, cache)[0]
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, V] float32
+        return self.shared_head["head"](self.shared_head["norm"](h))
+
+
+def _param_for(name: str, spec: MTPSpec) -> weight_names.Target | None:
+    """A checkpoint tensor -> the MTPLayer parameter it fills (None: not the MTP layer's)."""
+    if name == _TARGET_NORM:
+        return weight_names.Target("target_norm.weight")
+    if not name.startswith(spec.prefix):
+        return None
+    rest = name[len(spec.prefix):]
+    if rest.split(".")[0] in _OWN:
+        return weight_names.Target(rest)
+    num_experts = spec.block.moe.num_experts if spec.block.moe else 0
+    t = weight_names.resolve(f"model.layers.0.{rest}", 1, False, num_experts)  # the block as a layer 0
+    return None if t is None else replace(t, param="block." + t.param[len("model.layers.0."):])
+
+
+def _checkpoint_name(param: str, piece, spec: MTPSpec) -> str:
+    if param == "target_norm.weight":
+        return _TARGET_NORM
+    if param.startswith("block."):
+        return weight_names.checkpoint_name(spec.prefix + param[len("block."):], piece)
+    return spec.prefix + param
+
+
+def load_mtp_layer(
+    target_dir: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
+) -> tuple[MTPLayer, MTPSpec]:
+    """Layer N of the target checkpoint (and the target's final norm), read tensor by tensor through the
+    parameters' weight loaders; a missing or misshapen tensor is one DrafterConfigError naming it."""
+    from specserve.target_service.models.loader import checkpoint_files
+
+    spec = read_mtp_spec(target_dir)
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # parameters start in dtype (the router's correction bias stays float32)
+    try:
+        with torch.device(device):
+            layer = MTPLayer(spec.block)
+    finally:
+        torch.set_default_dtype(old)
+    params = dict(layer.named_parameters())
+    local = {f"{n}.{p}": m.local_experts() for n, m in layer.named_modules() if isinstance(m, StackedExperts)
+             for p in ("w13", "w2")}
+    needed = {n: weight_names.required_pieces(n, local.get(n)) for n in params}
+    try:
+        files = checkpoint_files(str(target_dir))
+    except Exception as e:
+        raise DrafterConfigError(f"mtp reads the target checkpoint {target_dir}: {e}") from e
+    for file in files:
+        with safe_open(file, framework="pt", device="cpu") as f:
+            for name in f.keys():
+                target = _param_for(name, spec)
+                if target is None:
+                    continue
+                param = params.get(target.param)
+                if param is None:
+                    raise DrafterConfigError(f"mtp: unexpected tensor {name} in {file} (no parameter {target.param})")
+                try:
+                    param.weight_loader(param, CheckpointSlice.of(f.get_slice(name)), **target.kwargs)
+                except Exception as e:
+                    raise DrafterConfigError(f"mtp: tensor {name} in {file} does not fit: {e}") from e
+                needed[target.param].difference_update(target.pieces)
+    missing = [_checkpoint_name(p, piece, spec) for p, pieces in needed.items() for piece in sorted(pieces, key=str)]
+    if missing:
+        shown = ", ".join(missing[:4]) + (f" (+{len(missing) - 4} more)" if len(missing) > 4 else "")
+        raise DrafterConfigError(f"target checkpoint {target_dir} lacks MTP tensor(s): {shown}")
+    return layer.eval(), spec
+
+
+@dataclass
+class _MTPSession:
+    key: object  # block-manager sequence id
+    tokens: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # S when last synced
+
+
+class MTPProposer(Proposer):
+    def __init__(self, layer: MTPLayer, spec: MTPSpec, config: DrafterConfig, vocab_hash: str) -> None:
+        self.layer, self.spec = layer, spec
+        self.device, self.dtype = torch.device(config.device), config.dtype
+        self.blocks = BlockManager(config.kv_num_blocks, config.kv_block_size)
+        self.cache = PagedKVCache(1, config.kv_num_blocks, config.kv_block_size, spec.block.kv_entry_shape,
+                                  config.dtype, self.device)
+        super().__init__(
+            DrafterInfo(
+                family="mtp",
+                vocab_size=spec.block.vocab_size,
+                vocab_hash=vocab_hash,
+                max_block_size=config.max_block_size,
+                needs_hidden_states=True,
+                hidden_layers=(spec.num_target_layers - 1,),  # the last layer; target_norm makes it final
+                has_probs=True,
+                supports_tree=False,
+            )
+        )
+
+    def _hidden_width(self) -> int:
+        return self.spec.block.hidden_size
+
+    def _start_state(self, state: SessionState) -> None:
+        fs = _MTPSession(key=object())
+        self.blocks.add(fs.key, 0)
+        state.family_state = fs
+
+    def _release_state(self, state: SessionState) -> None:
+        self.blocks.free(state.family_state.key)
+
+    def _run(self, fs: _MTPSession, tokens: torch.Tensor, previous: torch.Tensor, start: int) -> torch.Tensor:
+        """Entries start .. start + T - 1 (causal, after the session's first ``start``) -> [T, H]."""
+        n = len(tokens)
+        try:
+            table = self.blocks.grow(fs.key, start + n)
+        except OutOfBlocks as e:
+            self.blocks.truncate(fs.key, start)
+            raise ProposerError(f"mtp drafter KV cache is full: {e}") from e
+        attn = AttentionBatch.contiguous([n], [start], [table], self.blocks.block_size)
+        pos = torch.arange(start, start + n, device=self.device)
+        return self.layer.step(tokens.to(self.device), previous, pos, attn, self.cache)
+
+    def _catch_up(self, state: SessionState) -> torch.Tensor:
+        """Sync the session's entries to S; returns the block's output at the pending token [H]."""
+        fs: _MTPSession = state.family_state
+        ids, L = state.ids, len(state)
+        keep = max(0, min(common_prefix_len(fs.tokens, ids) - 1, L - 2))  # entry j needs t_0 .. t_{j+1}
+        self.blocks.truncate(fs.key, keep)
+        rows = state.hidden_rows(keep, L - 1).to(self.device, self.dtype)  # [L - 1 - keep, H]
+        out = self._run(fs, torch.as_tensor(ids[keep + 1 : L]), self.layer.target_norm(rows), keep)
+        fs.tokens = ids[:L].copy()
+        state.drop_hidden_before(L - 1 - ROLLBACK_ROWS)
+        return out[-1]
+
+    @torch.inference_mode()
+    def _draft_chain(self, state: SessionState, num_tokens: int) -> DraftBlock:
+        if len(state) < 2:  # no target row yet
+            return DraftBlock(token_ids=())
+        fs: _MTPSession = state.family_state
+        h = self._catch_up(state)
+        base = len(state) - 2  # the pending token's entry
+        drafted, qs = [], []
+        for i in range(num_tokens):
+            tok, q = draw_tokens(self.layer.logits(h[None]), state.sampling, state.generator)  # [1], [1, V]
+            drafted.append(int(tok[0]))
+            if q is not None:
+                qs.append(q)
+            if i < num_tokens - 1:  # drafted token i + 2 reads (embed(d_{i+1}), the block's output h)
+                h = self._run(fs, tok, h[None], base + 1 + i)[0]
+        probs = None if not qs else to_target_probs(torch.cat(qs), self.spec.block.vocab_size)
+        return DraftBlock(token_ids=tuple(drafted), probs=probs)
+
+
+def build_mtp_proposer(config: DrafterConfig) -> MTPProposer:
+    """Registry factory: the MTP layer of ``config.target_checkpoint`` (no drafter folder of its own)."""
+    target = config.target_checkpoint
+    if target is None:
+        raise DrafterConfigError("mtp reads the multi-token-prediction layer of the target: give the target checkpoint")
+    if config.checkpoint is not None and Path(config.checkpoint).resolve() != Path(target).resolve():
+        raise DrafterConfigError(
+            f"mtp reads its layer from the target checkpoint {target} itself; drop the drafter folder {config.checkpoint}"
+        )
+    layer, spec = load_mtp_layer(target, config.device, config.dtype)
+    _, vocab_hash = checkpoint_vocab(target)
+    return MTPProposer(layer, spec, config, vocab_hash)

@@ -1,0 +1,131 @@
+"""``mtp``: DeepSeek-V3's multi-token-prediction layer read from a tiny target checkpoint that carries one
+(tiny_hf.save_tiny_deepseek_mtp: random weights, transformers' format).
+
+The reference chain below is written from the layer's description (issue #23), independent of ours:
+transformers' DeepSeek-V3 gives the main model's final hidden states and, loaded as N + 1 layers, layer
+N's decoder block; the MTP step around it (eh_proj over concat(enorm(embed(token)), hnorm(hidden)), the
+shared head, chaining by feeding the block's own output) is plain float64 torch here, recomputed from
+scratch for every drafted token (no cache).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from draft_helpers import FakeFeatures, check_two_draws_follow_q, rollback_matches_fresh
+from specserve.draft_service.mtp import MTPProposer
+from specserve.draft_service.proposer import DrafterConfig, DrafterConfigError
+from specserve.draft_service.registry import build_proposer
+from specserve.target_service.engine.engine import TargetEngine
+from specserve.target_service.engine.types import SamplingParams
+from specserve.target_service.models import load_model
+
+PROMPT = [3, 17, 42, 3, 17, 8, 3, 17]
+V, H, N = 64, 32, 2
+
+
+def cfg_for(target, **kw):
+    return DrafterConfig(family="mtp", target_checkpoint=target, max_block_size=4, kv_block_size=4, kv_num_blocks=256,
+                         **kw)
+
+
+def _rms(x, w, eps=1e-6):
+    return w * (x / torch.sqrt((x * x).mean(-1, keepdim=True) + eps))
+
+
+def reference_chain(target, seq, k, forced=None):  # -> (drafted [k], logits [k, V] float64)
+    """Entries t_1.., target final hidden h_0..; drafted token i+1 reads (d_i, the block's output at d_i).
+    Greedy, or the drafted tokens ``forced`` (to score a sampled chain)."""
+    from transformers import AutoModelForCausalLM
+
+    main = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float64, experts_implementation="eager").eval()
+    big = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float64, num_hidden_layers=N + 1,
+                                               experts_implementation="eager").eval()
+    block, rotary = big.model.layers[N], big.model.rotary_emb  # layer N's decoder block, as transformers runs it
+    w = {k[len(f"model.layers.{N}."):]: v.double() for k, v in load_file(str(target / "model.safetensors")).items()
+         if k.startswith(f"model.layers.{N}.")}
+    with torch.no_grad():
+        hidden = main.model(torch.tensor([seq[:-1]])).last_hidden_state[0]  # [L-1, H]: final, after the norm
+        tokens, previous, drafted, rows = list(seq[1:]), hidden, [], []
+        for _ in range(k):
+            n = len(tokens)
+            x = torch.cat([_rms(w["embed_tokens.weight"][tokens], w["enorm.weight"]),
+                           _rms(previous, w["hnorm.weight"])], -1) @ w["eh_proj.weight"].T  # [n, H]
+            pos = torch.arange(n)[None]
+            causal = torch.full((n, n), float("-inf"), dtype=torch.float64).triu(1)[None, None]
+            out = block(x[None], attention_mask=causal, position_ids=pos,
+                        position_embeddings=rotary(x[None], pos))[0]  # [n, H]
+            logits = _rms(out[-1], w["shared_head.norm.weight"]) @ w["shared_head.head.weight"].T
+            drafted.append(int(logits.argmax()) if forced is None else forced[len(drafted)])
+            rows.append(logits)
+            tokens, previous = tokens + [drafted[-1]], torch.cat([previous, out[-1:]])
+    return drafted, torch.stack(rows)
+
+
+def test_reference_step_matches_an_independent_implementation(tiny_ckpt):
+    target = tiny_ckpt("target_mtp")
+    model, mcfg = load_model(target, dtype=torch.float64, progress=False)
+    engine = TargetEngine(model, mcfg, num_blocks=256, block_size=4)
+    p = build_proposer(cfg_for(target, dtype="float64"))
+    assert isinstance(p, MTPProposer)
+    assert (p.info.family, p.info.hidden_layers, p.info.needs_hidden_states, p.info.has_probs) == ("mtp", (N - 1,), True, True)
+    assert p.spec.block.moe_layers == (0,)  # layer N is MoE (first_k_dense_replace 1), as in DeepSeek-V3
+    pre = engine.prefill("s", PROMPT, SamplingParams(), p.info.hidden_layers)
+    seq = PROMPT + [pre.next_token]
+    want_tokens, want_logits = reference_chain(target, seq, 4)
+    p.start("g", seq, pre.hidden, SamplingParams())
+    assert list(p.propose("g", len(seq), [], None, 4).token_ids) == want_tokens
+    # sampled: each q_i is the softmax of the reference's logits i given the tokens drawn before it
+    p.start("q", seq, pre.hidden, SamplingParams(temperature=1.0, seed=3))
+    block = p.propose("q", len(seq), [], None, 4)
+    _, logits = reference_chain(target, seq, 4, forced=block.token_ids)
+    torch.testing.assert_close(block.probs.double(), torch.softmax(logits, -1), rtol=1e-6, atol=1e-9)
+
+
+def test_rollback_matches_fresh_drafter(tiny_ckpt):
+    target = tiny_ckpt("target_mtp")
+    loaded = build_proposer(cfg_for(target, dtype="float64"))
+
+    def make():
+        return MTPProposer(loaded.layer, loaded.spec, cfg_for(target, dtype="float64"), loaded.info.vocab_hash)
+
+    rollback_matches_fresh(make, FakeFeatures(V, H), V, steps=10, sampled=True)
+    rollback_matches_fresh(make, FakeFeatures(V, H), V, steps=6, sampled=False, seed=1)
+
+
+def test_draws_follow_the_reported_q(tiny_ckpt):
+    """Sampled, token 1 is drawn from q_1 and token 2 (chained) from q_2 given token 1, over 1200 sessions."""
+    p = build_proposer(cfg_for(tiny_ckpt("target_mtp"), dtype="float64"))
+    check_two_draws_follow_q(p, PROMPT, FakeFeatures(V, H).rows(PROMPT, 0, len(PROMPT) - 1), 1200)
+
+
+def test_a_wrong_layout_names_what_is_missing(tiny_ckpt, tmp_path):
+    with pytest.raises(DrafterConfigError, match=r"has no multi-token-prediction layer \(config.json num_nextn_predict"):
+        build_proposer(cfg_for(tiny_ckpt("target_moe")))
+    with pytest.raises(DrafterConfigError, match="give the target checkpoint"):
+        build_proposer(DrafterConfig(family="mtp"))
+    with pytest.raises(DrafterConfigError, match="reads its layer from the target checkpoint .* itself"):
+        build_proposer(cfg_for(tiny_ckpt("target_mtp"), checkpoint=tiny_ckpt("draft_llama")))
+    for name in (f"model.layers.{N}.eh_proj.weight", f"model.layers.{N}.self_attn.kv_b_proj.weight",
+                 f"model.layers.{N}.mlp.experts.3.up_proj.weight", "model.norm.weight"):
+        broken = tmp_path / name
+        shutil.copytree(tiny_ckpt("target_mtp"), broken)
+        tensors = load_file(str(broken / "model.safetensors"))
+        del tensors[name]
+        save_file(tensors, str(broken / "model.safetensors"))
+        with pytest.raises(DrafterConfigError) as e:
+            build_proposer(cfg_for(broken))
+        assert f"lacks MTP tensor(s): {name}" in str(e.value) and "\n" not in str(e.value)
+    shutil.copytree(tiny_ckpt("target_mtp"), tmp_path / "shape")
+    tensors = load_file(str(tmp_path / "shape" / "model.safetensors"))
+    tensors[f"model.layers.{N}.eh_proj.weight"] = torch.zeros(H, H)
+    save_file(tensors, str(tmp_path / "shape" / "model.safetensors"))
+    with pytest.raises(DrafterConfigError, match=rf"tensor model.layers.{N}.eh_proj.weight .* does not fit"):
+        build_proposer(cfg_for(tmp_path / "shape"))
+    cfg = json.loads((tiny_ckpt("target_mtp") / "config.json").read_text())
+    assert cfg["num_nextn_predict_layers"] == 1 and cfg["num_hidden_layers"] == N
