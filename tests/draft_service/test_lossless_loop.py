@@ -12,6 +12,9 @@
   through drafted token 2 and its q where the first accepted drafted token 1 (for these random
   drafters, 1 to 40 of 300 sessions: little power there; tests/draft_service/test_dflash.py checks
   DFlash's draws against its q directly).
+- the published layouts (z-lab's DFlash, DeepSeek-V3's MTP layer, on a tiny DeepSeek-V3 target that
+  carries one): greedy equality for k = 1..4 and both sampled tests (test_dflash_zlab.py and
+  test_mtp.py check their draws against their q, with a control that the check can fail).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import numpy as np
 import pytest
 import torch
 from scipy.stats import chisquare
+from tiny_hf import save_zlab_dflash
 
 from specserve.contract.types import SamplingParams
 from specserve.draft_service.dflash import DFlashConfig, DFlashModel, save_dflash
@@ -80,6 +84,12 @@ def world(tiny_ckpt, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def mtp_world(tiny_ckpt, tmp_path_factory):
+    """The same around a tiny DeepSeek-V3 target (MLA + MoE) that carries a multi-token-prediction layer."""
+    return _world(tiny_ckpt, tmp_path_factory, "target_mtp")
+
+
+@pytest.fixture(scope="module")
 def dense_world(tiny_ckpt, tmp_path_factory):
     """The same around a dense target: cheaper forwards for the many-sample distribution tests."""
     return _world(tiny_ckpt, tmp_path_factory, "target_dense")
@@ -102,6 +112,8 @@ def _world(tiny_ckpt, tmp_path_factory, kind):
         "eagle3": DrafterConfig(family="eagle3", checkpoint=_eagle3_dir(root, target), **base),
         "dflash": DrafterConfig(family="dflash", checkpoint=_dflash_dir(root, layers), **base),
         "dflash_denoise": DrafterConfig(family="dflash", checkpoint=_dflash_dir(root, layers, 2), **base),
+        "dflash_zlab": DrafterConfig(family="dflash", checkpoint=save_zlab_dflash(root / "zlab", (0, layers - 1)), **base),
+        "mtp": DrafterConfig(family="mtp", **base),  # the target's own layer (only mtp_world's target has one)
     }
     return engine, configs, target
 
@@ -138,6 +150,19 @@ def test_greedy_output_equals_target_only(world, name):
         assert drafted > 0 or name == "ngram"
 
 
+@pytest.mark.parametrize("world_name,name", [("world", "dflash_zlab"), ("mtp_world", "dflash_zlab"),
+                                             ("mtp_world", "mtp")])
+def test_published_layouts_greedy_output_equals_target_only_for_k_1_to_4(request, world_name, name):
+    engine_factory, configs, _ = request.getfixturevalue(world_name)
+    engine, proposer = engine_factory(), build_proposer(configs[name])
+    want = engine.generate_greedy(PROMPT, 24)
+    for k in (1, 2, 3, 4):
+        got, drafted, _ = run_loop(engine, proposer, f"g{k}", PROMPT, SamplingParams(), 24, k=k)
+        assert got[:24] == want, f"{name} k={k}"
+        assert drafted >= 23 * k // (k + 1)  # every step drafted k tokens
+    assert proposer.active_sessions == 0
+
+
 def test_target_as_its_own_draft_is_accepted_in_full(world):
     engine_factory, configs, _ = world
     engine, proposer = engine_factory(), build_proposer(configs["model_is_target"])
@@ -160,11 +185,16 @@ def _chisquare_pvalue(counts: np.ndarray, expected: torch.Tensor, runs: int) -> 
     return chisquare(obs_cells[keep], exp_cells[keep] * obs_cells[keep].sum() / exp_cells[keep].sum()).pvalue
 
 
-def _exact_third_token_dist(target_dir, sampling) -> torch.Tensor:  # [V]
-    """P(third emitted token) = sum_{e1, e2} p(e1 | prompt) p(e2 | prompt, e1) p(e3 | prompt, e1, e2)."""
+def _hf_float64(target_dir):
+    """transformers' model of the target in float64 (its grouped-GEMM experts take no float64: eager)."""
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float64).eval()
+    return AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float64, experts_implementation="eager").eval()
+
+
+def _exact_third_token_dist(target_dir, sampling) -> torch.Tensor:  # [V]
+    """P(third emitted token) = sum_{e1, e2} p(e1 | prompt) p(e2 | prompt, e1) p(e3 | prompt, e1, e2)."""
+    hf = _hf_float64(target_dir)
     with torch.no_grad():
         p1 = target_probs(hf(torch.tensor([PROMPT])).logits[0, -1:], sampling)[0].double()
         s1 = torch.nonzero(p1).flatten().tolist()
@@ -177,9 +207,7 @@ def _exact_third_token_dist(target_dir, sampling) -> torch.Tensor:  # [V]
 
 def _exact_second_token_dist(target_dir, sampling) -> torch.Tensor:  # [V]
     """P(second emitted token) = sum_e1 p(e1 | prompt) p(e2 | prompt, e1), from transformers."""
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float64).eval()
+    hf = _hf_float64(target_dir)
     with torch.no_grad():
         p1 = target_probs(hf(torch.tensor([PROMPT])).logits[0, -1:], sampling)[0].double()
         support = torch.nonzero(p1).flatten()
@@ -189,11 +217,14 @@ def _exact_second_token_dist(target_dir, sampling) -> torch.Tensor:  # [V]
 
 
 @pytest.mark.parametrize(
-    "name,tree", [("ngram", None), ("model", None), ("model", TREE), ("model", CUT_TREE), ("eagle3", None),
-                 ("eagle3", TREE), ("dflash", None), ("dflash_denoise", None)]
+    "world_name,name,tree",
+    [("dense_world", n, t) for n, t in [("ngram", None), ("model", None), ("model", TREE), ("model", CUT_TREE),
+                                        ("eagle3", None), ("eagle3", TREE), ("dflash", None),
+                                        ("dflash_denoise", None), ("dflash_zlab", None)]]
+    + [("mtp_world", "mtp", None)],
 )
-def test_sampled_first_verify_token_follows_target(dense_world, name, tree):
-    engine_factory, configs, target = dense_world
+def test_sampled_first_verify_token_follows_target(request, world_name, name, tree):
+    engine_factory, configs, target = request.getfixturevalue(world_name)
     sampling = dict(temperature=1.0, top_k=8)
     expected = _exact_second_token_dist(target, SamplingParams(**sampling))
     engine, proposer = engine_factory(), build_proposer(configs[name])
@@ -215,11 +246,14 @@ def test_sampled_first_verify_token_follows_target(dense_world, name, tree):
     assert drafted > 0 and (name != "model" or accepted > 0)  # proposals were exercised
 
 
-@pytest.mark.parametrize("name", ["model", "eagle3", "dflash", "dflash_denoise"])
-def test_sampled_second_verified_token_follows_target(dense_world, name):
+@pytest.mark.parametrize(
+    "world_name,name",
+    [("dense_world", n) for n in ["model", "eagle3", "dflash", "dflash_denoise", "dflash_zlab"]] + [("mtp_world", "mtp")],
+)
+def test_sampled_second_verified_token_follows_target(request, world_name, name):
     """The second token a session emits after prefill: from the first verify when it accepted drafted
     token 1 (then drafted token 2 and its q were on trial), else from a second step."""
-    engine_factory, configs, target = dense_world
+    engine_factory, configs, target = request.getfixturevalue(world_name)
     sampling = dict(temperature=1.0, top_k=8)
     expected = _exact_third_token_dist(target, SamplingParams(**sampling))
     engine, proposer = engine_factory(), build_proposer(configs[name])
