@@ -198,6 +198,10 @@ def zlab_config(raw: dict) -> DFlashConfig:
     for key, ok in (("rope_scaling", None), ("attention_bias", False), ("hidden_act", "silu")):
         if raw.get(key, ok) not in (ok, None):
             raise DrafterConfigError(f"dflash (z-lab layout): {key} {raw[key]!r} is not supported (only {ok!r})")
+    rope = raw.get("rope_parameters") or {}  # transformers 5 writes rope_theta there
+    if rope.get("rope_type", "default") != "default":
+        raise DrafterConfigError(f"dflash (z-lab layout): rope_type {rope['rope_type']!r} is not supported (only 'default')")
+    theta = raw.get("rope_theta", rope.get("rope_theta", 10000.0))
     h = raw["hidden_size"]
     if ids is None:
         ids = spread_target_layers(num_target, raw["num_hidden_layers"])
@@ -207,7 +211,7 @@ def zlab_config(raw: dict) -> DFlashConfig:
         intermediate_size=raw["intermediate_size"], vocab_size=raw["vocab_size"], block_size=raw["block_size"],
         target_hidden_size=h,  # fc reads taps x hidden_size: the drafter is as wide as its target
         target_layer_ids=tuple(ids), rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-        rope_theta=float(raw.get("rope_theta", 10000.0)), shared_target_head=True, qk_norm=True,
+        rope_theta=float(theta), shared_target_head=True, qk_norm=True,
         mask_token_id=int(extra["mask_token_id"]), context_layernorm=False, anchor_predicts_next=False,
     )
 

@@ -141,6 +141,7 @@ def test_a_wrong_layout_names_what_is_missing(zlab, tiny_ckpt, tmp_path):
     assert "lacks block_size" in config_error(lambda r: r.pop("block_size"))
     assert "lacks dflash_config" in config_error(lambda r: r.pop("dflash_config"))
     assert "only full_attention" in config_error(lambda r: r.update(layer_types=["sliding_attention"] * 2))
+    assert "rope_type 'yarn' is not supported" in config_error(lambda r: r.update(rope_parameters={"rope_type": "yarn"}))
     assert "mask_token_id 64 outside [0, 64)" in config_error(lambda r: r["dflash_config"].update(mask_token_id=64))
     # what the loader said before it knew this layout, now with the layout it expected
     assert "or architectures ['DFlashDraftModel'] (z-lab's), got model_type 'qwen3'" in config_error(
@@ -161,3 +162,7 @@ def test_taps_spread_over_the_target_when_the_config_names_none(zlab, tmp_path):
     raw["dflash_config"] = {"mask_token_id": 63, "num_target_layers": 3}
     (out / "config.json").write_text(json.dumps(raw))
     assert build_proposer(cfg_for(out, target)).info.hidden_layers == (1, 0)  # 3 layers: 1 .. 0, rounded
+    raw.pop("rope_theta")  # transformers 5 configs keep it in rope_parameters
+    raw["rope_parameters"] = {"rope_type": "default", "rope_theta": 500.0}
+    (out / "config.json").write_text(json.dumps(raw))
+    assert build_proposer(cfg_for(out, target)).model.cfg.rope_theta == 500.0
