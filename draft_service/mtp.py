@@ -172,9 +172,11 @@ def load_mtp_layer(
         files = checkpoint_files(str(target_dir))
     except Exception as e:
         raise DrafterConfigError(f"mtp reads the target checkpoint {target_dir}: {e}") from e
+    any_of_layer = False
     for file in files:
         with safe_open(file, framework="pt", device="cpu") as f:
             for name in f.keys():
+                any_of_layer = any_of_layer or name.startswith(spec.prefix)
                 target = _param_for(name, spec)
                 if target is None:
                     continue
@@ -187,6 +189,11 @@ def load_mtp_layer(
                     raise DrafterConfigError(f"mtp: tensor {name} in {file} does not fit: {e}") from e
                 needed[target.param].difference_update(target.pieces)
     missing = [_checkpoint_name(p, piece, spec) for p, pieces in needed.items() for piece in sorted(pieces, key=str)]
+    if not any_of_layer:
+        raise DrafterConfigError(  # config.json names the layer but no tensor of it is there (stripped)
+            f"target checkpoint {target_dir} says num_nextn_predict_layers but holds no tensor of its"
+            f" multi-token-prediction layer ({spec.prefix}*); mtp needs a checkpoint that keeps that layer"
+        )
     if missing:
         shown = ", ".join(missing[:4]) + (f" (+{len(missing) - 4} more)" if len(missing) > 4 else "")
         raise DrafterConfigError(f"target checkpoint {target_dir} lacks MTP tensor(s): {shown}")

@@ -23,7 +23,7 @@ from tqdm import tqdm
 from specserve.bench import plots
 from specserve.bench.bandwidth import measure_copy_bandwidth
 from specserve.bench.compare import compare_methods
-from specserve.bench.config import BenchConfig, MethodSpec, Skipped, plan_methods
+from specserve.bench.config import CHECKPOINT_FREE, BenchConfig, MethodSpec, Skipped, plan_methods
 from specserve.bench.environment import environment, load_average
 from specserve.bench.model_bytes import model_bytes
 from specserve.bench.prompts import load_prompt_set
@@ -56,7 +56,7 @@ def resolve_drafter_checkpoints(config: BenchConfig, skipped: list[Skipped]) -> 
 
     found = {}
     for family in config.drafters:
-        if family in ("none", "ngram"):
+        if family in CHECKPOINT_FREE:
             continue
         if family in config.draft_models:
             found[family] = config.draft_models[family]
@@ -77,7 +77,7 @@ def build_drafters(config: BenchConfig, engine, checkpoints: dict[str, Path], sk
     proposers = {}
     target_hash = engine.info().vocab_hash
     for family in config.drafters:
-        if family == "none" or (family != "ngram" and family not in checkpoints):
+        if family == "none" or (family not in CHECKPOINT_FREE and family not in checkpoints):
             continue
         try:
             proposer = build_proposer(DrafterConfig(

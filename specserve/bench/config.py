@@ -9,8 +9,8 @@ from types import MappingProxyType
 
 from specserve.errors import SpecserveError
 
-DRAFTERS = ("none", "ngram", "model", "eagle3", "dflash")  # the order methods run in
-CHECKPOINT_FREE = frozenset({"none", "ngram"})  # drafters that need no checkpoint of their own
+DRAFTERS = ("none", "ngram", "model", "eagle3", "dflash", "mtp")  # the order methods run in
+CHECKPOINT_FREE = frozenset({"none", "ngram", "mtp"})  # drafters that need no checkpoint of their own (mtp: the target's layer)
 SPECULATION_MODES = ("fixed", "adaptive")
 
 

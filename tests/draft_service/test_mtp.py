@@ -121,6 +121,12 @@ def test_a_wrong_layout_names_what_is_missing(tiny_ckpt, tmp_path):
         with pytest.raises(DrafterConfigError) as e:
             build_proposer(cfg_for(broken))
         assert f"lacks MTP tensor(s): {name}" in str(e.value) and "\n" not in str(e.value)
+    shutil.copytree(tiny_ckpt("target_mtp"), tmp_path / "stripped")  # config names the layer, no tensor of it
+    tensors = load_file(str(tmp_path / "stripped" / "model.safetensors"))
+    save_file({k: v for k, v in tensors.items() if not k.startswith(f"model.layers.{N}.")},
+              str(tmp_path / "stripped" / "model.safetensors"))
+    with pytest.raises(DrafterConfigError, match=rf"holds no tensor of its multi-token-prediction layer \(model.layers.{N}.\*\)"):
+        build_proposer(cfg_for(tmp_path / "stripped"))
     shutil.copytree(tiny_ckpt("target_mtp"), tmp_path / "shape")
     tensors = load_file(str(tmp_path / "shape" / "model.safetensors"))
     tensors[f"model.layers.{N}.eh_proj.weight"] = torch.zeros(H, H)

@@ -37,7 +37,7 @@ def bench_run(bench_target, bench_draft_lm, bench_eagle3, tmp_path_factory):
     rc = main([
         "bench", "--projection-timings", str(out / "shape_timings.json"), "--model", str(bench_target),
         "--draft-models", f"model={bench_draft_lm},eagle3={bench_eagle3}",
-        "--drafters", "none,ngram,model,eagle3,dflash", "--max-new-tokens", "6", "--num-speculative-tokens", "2",
+        "--drafters", "none,ngram,model,eagle3,dflash,mtp", "--max-new-tokens", "6", "--num-speculative-tokens", "2",
         "--fixed-k", "2,1",
         "--prompts", "1", "--speculation", "both", "--draft-ahead", "both", "--k-sweep", "0,1,3",
         "--tax-context", "16", "--tax-repeats", "2", "--warmup", "0", "--bandwidth-mib", "1",

@@ -249,6 +249,9 @@ def test_step_rows_and_method_summaries(bench_run):
     assert "hf/assisted" in methods
     skipped = {s["method"] for s in summary["skipped"]}
     assert "dflash" in skipped  # no checkpoint was given
+    reasons = {s["method"]: s["reason"] for s in summary["skipped"]}
+    # mtp needs no folder, but this target's config names an MTP layer (transformers' default) it does not hold
+    assert "holds no tensor of its multi-token-prediction layer (model.layers.3.*)" in reasons["mtp"]
     assert {"eagle3/fixed/k1", "eagle3/fixed/k2", "eagle3/adaptive"} <= methods.keys()  # reads target hidden states
     assert {"eagle3/fixed/k1/ahead", "eagle3/fixed/k2/ahead", "eagle3/adaptive/ahead"} <= skipped  # no draft-ahead
     requests = read_jsonl(out / "requests.jsonl")
