@@ -285,6 +285,8 @@ def build_mtp_proposer(config: DrafterConfig) -> MTPProposer:
     target = config.target_checkpoint
     if target is None:
         raise DrafterConfigError("mtp reads the multi-token-prediction layer of the target: give the target checkpoint")
+    if config.hidden_layers is not None:
+        raise DrafterConfigError("mtp reads the target's last layer (through its final norm); hidden_layers cannot be set")
     if config.checkpoint is not None and Path(config.checkpoint).resolve() != Path(target).resolve():
         raise DrafterConfigError(
             f"mtp reads its layer from the target checkpoint {target} itself; drop the drafter folder {config.checkpoint}"

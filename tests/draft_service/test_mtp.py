@@ -111,6 +111,8 @@ def test_a_wrong_layout_names_what_is_missing(tiny_ckpt, tmp_path):
         build_proposer(DrafterConfig(family="mtp"))
     with pytest.raises(DrafterConfigError, match="reads its layer from the target checkpoint .* itself"):
         build_proposer(cfg_for(tiny_ckpt("target_mtp"), checkpoint=tiny_ckpt("draft_llama")))
+    with pytest.raises(DrafterConfigError, match="hidden_layers cannot be set"):
+        build_proposer(cfg_for(tiny_ckpt("target_mtp"), hidden_layers=(0,)))
     for name in (f"model.layers.{N}.eh_proj.weight", f"model.layers.{N}.self_attn.kv_b_proj.weight",
                  f"model.layers.{N}.mlp.experts.3.up_proj.weight", "model.norm.weight"):
         broken = tmp_path / name
@@ -135,3 +137,20 @@ def test_a_wrong_layout_names_what_is_missing(tiny_ckpt, tmp_path):
         build_proposer(cfg_for(tmp_path / "shape"))
     cfg = json.loads((tiny_ckpt("target_mtp") / "config.json").read_text())
     assert cfg["num_nextn_predict_layers"] == 1 and cfg["num_hidden_layers"] == N
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_drafts_what_the_cpu_drafts(tiny_ckpt):
+    """The same MTP layer on the GPU (float32: plain-torch MLA and MoE there too) drafts the CPU's chain."""
+    target = tiny_ckpt("target_mtp")
+    rows = FakeFeatures(V, H).rows(PROMPT, 0, len(PROMPT) - 1)
+    greedy, sampled = [], []
+    for device in ("cpu", "cuda"):
+        p = build_proposer(cfg_for(target, device=device))
+        p.start("g", PROMPT, rows.to(device), SamplingParams())
+        greedy.append(p.propose("g", len(PROMPT), [], None, 4).token_ids)
+        p.start("s", PROMPT, rows.to(device), SamplingParams(temperature=1.0, seed=0))
+        sampled.append(p.propose("s", len(PROMPT), [], None, 1).probs)
+    assert greedy[0] == greedy[1]
+    torch.testing.assert_close(sampled[1], sampled[0], rtol=1e-4, atol=1e-5)
