@@ -37,6 +37,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from specserve.contract.types import DraftBlock
 from specserve.draft_service.drafting import draw_tokens, to_target_probs
 from specserve.draft_service.proposer import (
     ROLLBACK_ROWS,
@@ -49,16 +50,15 @@ from specserve.draft_service.proposer import (
     checkpoint_vocab,
     common_prefix_len,
 )
-from specserve.target_service.engine.attn_metadata import AttentionBatch
-from specserve.target_service.engine.block_manager import BlockManager, OutOfBlocks
-from specserve.target_service.engine.kv_cache import PagedKVCache
-from specserve.target_service.engine.types import DraftBlock
-from specserve.target_service.models import weight_names
-from specserve.target_service.models.causal_lm import DecoderLayer
-from specserve.target_service.models.checkpoint_slice import CheckpointSlice
-from specserve.target_service.models.config import ModelConfig, ParallelConfig
-from specserve.target_service.models.layers import Embedding, ParallelLMHead, ReplicatedLinear, RMSNorm
-from specserve.target_service.models.moe import StackedExperts, moe_reference
+from specserve.models import weight_names
+from specserve.models.attn_metadata import AttentionBatch
+from specserve.models.block_manager import BlockManager, OutOfBlocks
+from specserve.models.causal_lm import DecoderLayer
+from specserve.models.checkpoint_slice import CheckpointSlice
+from specserve.models.config import ModelConfig, ParallelConfig
+from specserve.models.kv_cache import PagedKVCache
+from specserve.models.layers import Embedding, ParallelLMHead, ReplicatedLinear, RMSNorm
+from specserve.models.moe import StackedExperts, moe_reference
 
 _OWN = ("embed_tokens", "enorm", "hnorm", "eh_proj", "shared_head")  # layer N's tensors outside the block
 _TARGET_NORM = "model.norm.weight"
@@ -154,7 +154,7 @@ def load_mtp_layer(
 ) -> tuple[MTPLayer, MTPSpec]:
     """Layer N of the target checkpoint (and the target's final norm), read tensor by tensor through the
     parameters' weight loaders; a missing or misshapen tensor is one DrafterConfigError naming it."""
-    from specserve.target_service.models.loader import checkpoint_files
+    from specserve.models.loader import checkpoint_files
 
     spec = read_mtp_spec(target_dir)
     old = torch.get_default_dtype()

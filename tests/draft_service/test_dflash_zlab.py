@@ -14,15 +14,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
-
 from draft_helpers import FakeFeatures, check_two_draws_follow_q, rollback_matches_fresh
+from safetensors.torch import load_file, save_file
 from tiny_hf import save_zlab_dflash as write_zlab_dflash
+
+from specserve.contract.types import SamplingParams
 from specserve.draft_service.dflash import DFlashProposer
 from specserve.draft_service.dflash_config import spread_target_layers
 from specserve.draft_service.proposer import DrafterConfig, DrafterConfigError
 from specserve.draft_service.registry import build_proposer
-from specserve.target_service.engine.types import SamplingParams
 
 V, H = 64, 32  # tiny_ckpt("target_moe"): hidden 32, vocab 64, 3 layers, untied
 

@@ -15,15 +15,15 @@ import shutil
 
 import pytest
 import torch
+from draft_helpers import FakeFeatures, check_two_draws_follow_q, rollback_matches_fresh
 from safetensors.torch import load_file, save_file
 
-from draft_helpers import FakeFeatures, check_two_draws_follow_q, rollback_matches_fresh
+from specserve.contract.types import SamplingParams
 from specserve.draft_service.mtp import MTPProposer
 from specserve.draft_service.proposer import DrafterConfig, DrafterConfigError
 from specserve.draft_service.registry import build_proposer
+from specserve.models.loader import load_model
 from specserve.target_service.engine.engine import TargetEngine
-from specserve.target_service.engine.types import SamplingParams
-from specserve.target_service.models import load_model
 
 PROMPT = [3, 17, 42, 3, 17, 8, 3, 17]
 V, H, N = 64, 32, 2

@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import grpc
 import pytest
+from service_helpers import Proc, base_env
 from tiny_hf import TINY_DEEPSEEK_MTP, save_tiny_deepseek_mtp, save_zlab_dflash
 
-from specserve.gateway.servers_common import channel_options
 from specserve.protos.specserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
-
-from service_helpers import Proc, base_env
+from specserve.runtime.servers_common import channel_options
 
 PROMPT = [5, 17, 40, 5, 17, 3, 42, 7, 5, 17]
 
