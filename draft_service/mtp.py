@@ -174,7 +174,11 @@ def load_mtp_layer(
         raise DrafterConfigError(f"mtp reads the target checkpoint {target_dir}: {e}") from e
     any_of_layer = False
     for file in files:
-        with safe_open(file, framework="pt", device="cpu") as f:
+        try:
+            handle = safe_open(file, framework="pt", device="cpu")
+        except Exception as e:  # safetensors raises its own error types for bad headers / short files
+            raise DrafterConfigError(f"mtp: corrupt or unreadable safetensors file {file}: {e}") from e
+        with handle as f:
             for name in f.keys():
                 any_of_layer = any_of_layer or name.startswith(spec.prefix)
                 target = _param_for(name, spec)
@@ -185,8 +189,8 @@ def load_mtp_layer(
                     raise DrafterConfigError(f"mtp: unexpected tensor {name} in {file} (no parameter {target.param})")
                 try:
                     param.weight_loader(param, CheckpointSlice.of(f.get_slice(name)), **target.kwargs)
-                except Exception as e:
-                    raise DrafterConfigError(f"mtp: tensor {name} in {file} does not fit: {e}") from e
+                except Exception as e:  # a shape that does not fit, or bytes that cannot be read
+                    raise DrafterConfigError(f"mtp: tensor {name} in {file} does not fit or cannot be read: {e}") from e
                 needed[target.param].difference_update(target.pieces)
     missing = [_checkpoint_name(p, piece, spec) for p, pieces in needed.items() for piece in sorted(pieces, key=str)]
     if not any_of_layer:

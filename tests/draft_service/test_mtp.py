@@ -135,6 +135,12 @@ def test_a_wrong_layout_names_what_is_missing(tiny_ckpt, tmp_path):
     save_file(tensors, str(tmp_path / "shape" / "model.safetensors"))
     with pytest.raises(DrafterConfigError, match=rf"tensor model.layers.{N}.eh_proj.weight .* does not fit"):
         build_proposer(cfg_for(tmp_path / "shape"))
+    shutil.copytree(tiny_ckpt("target_mtp"), tmp_path / "short")  # a truncated download
+    data = (tmp_path / "short" / "model.safetensors").read_bytes()
+    (tmp_path / "short" / "model.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(DrafterConfigError) as e:
+        build_proposer(cfg_for(tmp_path / "short"))
+    assert "model.safetensors" in str(e.value) and "\n" not in str(e.value)
     cfg = json.loads((tiny_ckpt("target_mtp") / "config.json").read_text())
     assert cfg["num_nextn_predict_layers"] == 1 and cfg["num_hidden_layers"] == N
 
