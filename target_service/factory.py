@@ -11,7 +11,7 @@ import torch
 from specserve.errors import SpecserveError
 from specserve.models.dtypes import DTYPES, ENGINE_DTYPES
 
-GRAPH_ATTENTION = ("flashinfer", "paged_torch")  # attention backends that read no lengths on the host
+GRAPH_ATTENTION = ("flashinfer", "triton_paged", "paged_torch")  # attention backends that read no lengths on the host
 
 
 @dataclass(frozen=True)
@@ -23,8 +23,9 @@ class EngineConfig:
     kv_block_size: int = 16
     tensor_parallel_size: int = 1
     enable_expert_parallel: bool = False
-    attention_backend: str = "auto"  # auto | torch | flashinfer | reference (models/backends.py picks for auto)
+    attention_backend: str = "auto"  # auto | torch | flashinfer | triton_paged | paged_torch | reference (models/backends.py picks for auto)
     moe_backend: str = "auto"  # auto | torch | fused
+    fused_layers: bool | None = None  # None: on with the fused MoE (models/backends.select_backends)
     cuda_graphs: bool | None = None  # None: on when the chosen attention backend is graph-safe (GRAPH_ATTENTION)
     graph_max_draft: int = 16  # graphs for decode and chain verify of 1..graph_max_draft drafted tokens
     graph_tree_sizes: tuple[int, ...] = ()  # graphs for tree verify steps of these node counts
@@ -66,7 +67,8 @@ def build_model_for(cfg: EngineConfig):
     else:
         model, model_config = load_model(cfg.model, device=cfg.device, dtype=dtype)
         tokenizer = load_tokenizer(cfg.model)
-    choice = select_backends(model_config, cfg.device, dtype, cfg.attention_backend, cfg.moe_backend)
+    choice = select_backends(model_config, cfg.device, dtype, cfg.attention_backend, cfg.moe_backend,
+                             cfg.fused_layers)
     install_backends(model, choice, cfg.kv_block_size, cfg.device, dtype)
     return model, model_config, tokenizer, choice
 

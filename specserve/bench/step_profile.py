@@ -102,7 +102,9 @@ def census(engine, session_id: str, block, steps: int) -> dict:
 
 
 MODES = MappingProxyType({  # name -> EngineConfig overrides
-    "auto": MappingProxyType({}),  # the engine as it serves: FlashInfer or paged torch attention, CUDA graphs
+    "auto": MappingProxyType({}),  # the engine as it serves: FlashInfer or Triton paged attention, CUDA graphs
+    "triton": MappingProxyType({"attention_backend": "triton_paged"}),  # Triton paged attention at any size
+    "unfused": MappingProxyType({"fused_layers": False}),  # the graphs without the fused layers
     "eager": MappingProxyType({"attention_backend": "torch", "cuda_graphs": False}),  # per-sequence torch, no graphs
 })
 

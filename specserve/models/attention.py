@@ -7,6 +7,7 @@ Both write this step's cache entries first, then for each sequence attend over i
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from specserve.models.attn_metadata import AttentionBatch
@@ -19,6 +20,7 @@ from specserve.models.layers import (
     RowParallelLinear,
     WeightShapeError,
     divide,
+    merge_linears,
 )
 from specserve.models.rope import RotaryEmbedding, softmax_scale_multiplier
 
@@ -101,6 +103,15 @@ class GQAAttention(nn.Module):
         self.rotary = RotaryEmbedding(rope)
         self.scale = d**-0.5
         self.attn_backend = None  # FlashInferBackend when CausalLM.set_attention_backend installed one
+        self.fused = None  # FusedRope: one q/k/v GEMM and the fused QK-norm + RoPE + cache-write kernel
+
+    def fuse(self, rope_table: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+        """Fused layers on (the model's shared cos / sin tables [P, D/2]) or off (None)."""
+        if rope_table is None:
+            self.fused = None
+            return
+        weight, bias = merge_linears([self.q_proj, self.k_proj, self.v_proj])
+        self.fused = FusedRope(weight, bias, *rope_table)
 
     def forward(
         self,
@@ -110,6 +121,8 @@ class GQAAttention(nn.Module):
         kv_cache: PagedKVCache,
     ) -> torch.Tensor:  # [T, H]
         t, d = x.shape[0], self.cfg.head_dim
+        if self.fused is not None and self.attn_backend is not None and kv_cache.dtype == x.dtype:
+            return self._forward_fused(x, positions, attn, kv_cache)
         q = self.q_proj(x).view(t, self.num_heads, d)
         k = self.k_proj(x).view(t, self.num_kv_heads, d)
         v = self.v_proj(x).view(t, self.num_kv_heads, d)
@@ -134,6 +147,40 @@ class GQAAttention(nn.Module):
             mask = sliding_window_mask(mask, positions[s:e], key_positions(ctx, positions[s:e]), self.cfg.sliding_window)
             out[s:e] = attend(q[s:e], keys, values, mask, self.scale)
         return self.o_proj(out.view(t, -1))
+
+
+    def _forward_fused(
+        self,
+        x: torch.Tensor,  # [T, H]
+        positions: torch.Tensor,  # [T]
+        attn: AttentionBatch,
+        kv_cache: PagedKVCache,
+    ) -> torch.Tensor:  # [T, H]
+        """One q/k/v GEMM, one kernel for QK-norm + RoPE + the cache write, then attention over the cache."""
+        from specserve.kernels.rope_cache import rope_cache_gqa
+
+        t, d, f = x.shape[0], self.cfg.head_dim, self.fused
+        nq, nkv = self.num_heads * d, self.num_kv_heads * d
+        qkv = F.linear(x, f.weight, f.bias)  # [T, (Hq + 2 Hkv) D]
+        q = qkv[:, :nq].view(t, self.num_heads, d)
+        k = qkv[:, nq: nq + nkv].view(t, self.num_kv_heads, d)
+        v = qkv[:, nq + nkv:].view(t, self.num_kv_heads, d)
+        norm = self.cfg.qk_norm
+        q = rope_cache_gqa(q, k, v, positions, f.cos, f.sin, kv_cache.layers[self.layer], attn.slot_mapping,
+                           q_norm_weight=self.q_norm.weight if norm else None,
+                           k_norm_weight=self.k_norm.weight if norm else None,
+                           eps=self.q_norm.eps if norm else 1e-6)  # [T, Hq, D] roped (and normed)
+        return self.o_proj(self.attn_backend.gqa_cached(self.layer, q, attn, kv_cache).reshape(t, -1))
+
+
+class FusedRope:
+    """What a fused attention layer holds: the merged input projection and the model's cos / sin tables."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        self.weight = weight  # [sum of the merged projections' outputs, H]
+        self.bias = bias  # [same] or None
+        self.cos = cos  # [max_positions, rope_dim / 2], the io dtype
+        self.sin = sin
 
 
 class MLAAttention(nn.Module):
@@ -163,6 +210,16 @@ class MLAAttention(nn.Module):
         self.rotary = RotaryEmbedding(rope)
         self.scale = qk**-0.5 * softmax_scale_multiplier(rope)
         self.attn_backend = None  # FlashInferBackend when CausalLM.set_attention_backend installed one
+        self.fused = None  # FusedRope: q_a (or q) and kv_a in one GEMM, kv_a norm + RoPE + cache write in one kernel
+
+    def fuse(self, rope_table: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+        """Fused layers on (the model's shared cos / sin tables [P, Dr/2]) or off (None)."""
+        if rope_table is None:
+            self.fused = None
+            return
+        first = self.q_proj if self.cfg.q_lora_rank is None else self.q_a_proj
+        weight, bias = merge_linears([first, self.kv_a_proj_with_mqa])
+        self.fused = FusedRope(weight, bias, *rope_table)
 
     def forward(
         self,
@@ -172,6 +229,8 @@ class MLAAttention(nn.Module):
         kv_cache: PagedKVCache,
     ) -> torch.Tensor:  # [T, H]
         cfg, t = self.cfg, x.shape[0]
+        if self.fused is not None and self.attn_backend is not None and kv_cache.dtype == x.dtype:
+            return self._forward_fused(x, positions, attn, kv_cache)
         if cfg.q_lora_rank is None:
             q = self.q_proj(x)
         else:
@@ -196,6 +255,33 @@ class MLAAttention(nn.Module):
             cached = kv_cache.gather(self.layer, attn.block_tables[b], attn.context_lens[b]).to(x.dtype)
             out[s:e] = self._attend_sequence(q[s:e], torch.cat([cached, entries[s:e]]), new_token_mask(attn, b, x.device))
         return self.o_proj(out.view(t, -1))
+
+    def _forward_fused(
+        self,
+        x: torch.Tensor,  # [T, H]
+        positions: torch.Tensor,  # [T]
+        attn: AttentionBatch,
+        kv_cache: PagedKVCache,
+    ) -> torch.Tensor:  # [T, H]
+        """One GEMM for q_a (or q) and kv_a, one kernel for the kv_a norm + RoPE + cache write, absorbed attention."""
+        from specserve.kernels.rope_cache import rope_cache_mla
+
+        cfg, t, f = self.cfg, x.shape[0], self.fused
+        a = F.linear(x, f.weight, f.bias)  # [T, Q + R + Dr]
+        width = a.shape[1] - cfg.kv_lora_rank - cfg.qk_rope_head_dim
+        q = a[:, :width] if cfg.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(a[:, :width]))
+        q = q.view(t, self.num_heads, cfg.qk_head_dim)
+        q_nope, q_rot = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
+        latent = a[:, width: width + cfg.kv_lora_rank]  # [T, R] before kv_a_layernorm
+        k_rot = a[:, width + cfg.kv_lora_rank:]  # [T, Dr]
+        q_pe = rope_cache_mla(q_rot, k_rot, latent, positions, f.cos, f.sin, kv_cache.layers[self.layer],
+                              attn.slot_mapping, interleaved=cfg.rope_interleave,
+                              latent_norm_weight=self.kv_a_layernorm.weight, eps=self.kv_a_layernorm.eps)
+        w = self.kv_b_proj.weight.view(self.num_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
+        w_uk, w_uv = w.split([cfg.qk_nope_head_dim, cfg.v_head_dim], dim=1)  # [Hq, Dn, R], [Hq, Dv, R]
+        q_latent = torch.einsum("thn,hnr->thr", q_nope, w_uk)  # [T, Hq, R]
+        out_latent = self.attn_backend.mla_cached(self.layer, q_latent, q_pe, attn, kv_cache)  # [T, Hq, R]
+        return self.o_proj(torch.einsum("thr,hvr->thv", out_latent, w_uv).reshape(t, -1))
 
     def _attend_absorbed(
         self,

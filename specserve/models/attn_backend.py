@@ -29,7 +29,7 @@ from specserve.models.attn_metadata import AttentionBatch
 from specserve.models.config import GQAConfig, MLAConfig, ModelConfig
 from specserve.models.kv_cache import PagedKVCache
 
-ATTENTION_BACKENDS = ("auto", "torch", "flashinfer", "paged_torch")
+ATTENTION_BACKENDS = ("auto", "torch", "flashinfer", "triton_paged", "paged_torch")
 
 
 class AttentionBackendError(ValueError):
@@ -68,11 +68,23 @@ def paged_torch_unsupported(config: ModelConfig) -> str:
     return ""
 
 
+def triton_paged_unsupported(config: ModelConfig, device: torch.device | str) -> str:
+    """Why the Triton paged attention of any head size cannot run this model here ('' when it can)."""
+    from specserve.kernels.paged_attention import HAS_TRITON
+
+    if torch.device(device).type != "cuda":
+        return f"device {device} is not CUDA"
+    if not HAS_TRITON:
+        return "triton is not installed"
+    return paged_torch_unsupported(config)  # same coverage: GQA without a sliding window, and MLA
+
+
 def select_attention_backend(config: ModelConfig, device: torch.device | str, dtype: torch.dtype,
                              requested: str = "auto") -> str:
-    """'torch', 'flashinfer' or 'paged_torch'. 'auto' takes FlashInfer where it can run, else on CUDA the graph-safe
-    torch paged attention (specserve/models/paged_torch_attention.py), else the per-sequence torch path; asking for
-    one where it cannot run is an error."""
+    """'torch', 'flashinfer', 'triton_paged' or 'paged_torch'. 'auto' takes FlashInfer where it can run, else on CUDA
+    the Triton paged attention of any head size (specserve/models/triton_paged_attention.py), else the graph-safe
+    torch paged attention (paged_torch_attention.py), else the per-sequence torch path; asking for one where it
+    cannot run is an error."""
     if requested not in ATTENTION_BACKENDS:
         raise AttentionBackendError(f"attention backend must be one of {ATTENTION_BACKENDS}, got {requested!r}")
     if requested == "torch":
@@ -81,12 +93,19 @@ def select_attention_backend(config: ModelConfig, device: torch.device | str, dt
     if requested == "flashinfer" and why:
         raise AttentionBackendError(f"FlashInfer attention cannot run here: {why}")
     why_paged = paged_torch_unsupported(config)
+    why_triton = triton_paged_unsupported(config, device)
+    if requested == "triton_paged":
+        if why_triton:
+            raise AttentionBackendError(f"Triton paged attention cannot run here: {why_triton}")
+        return "triton_paged"
     if requested == "paged_torch":
         if why_paged:
             raise AttentionBackendError(f"paged torch attention cannot run here: {why_paged}")
         return "paged_torch"
     if not why:
         return "flashinfer"
+    if not why_triton:
+        return "triton_paged"
     on_cuda = torch.device(device).type == "cuda"  # the CPU keeps the per-sequence torch path it always had
     return "paged_torch" if on_cuda and not why_paged else "torch"
 
@@ -143,19 +162,26 @@ class FlashInferBackend:
     def gqa(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn: AttentionBatch,
             kv_cache: PagedKVCache) -> torch.Tensor:
         """Write k, v [T, Hkv, D] at attn.slot_mapping (every slot >= 0), then attend: q [T, Hq, D] -> [T, Hq, D]."""
-        step = self._planned(attn)
         cache = kv_cache.layers[layer]  # [NB, BS, 2, Hkv, D]
         flat = cache.view(-1, *cache.shape[2:])
         flat.index_copy_(0, attn.slot_mapping, torch.stack([k, v], dim=1).to(cache.dtype))
-        return step.run_gqa(q.contiguous(), cache)
+        return self.gqa_cached(layer, q, attn, kv_cache)
+
+    def gqa_cached(self, layer: int, q: torch.Tensor, attn: AttentionBatch, kv_cache: PagedKVCache) -> torch.Tensor:
+        """q [T, Hq, D] over a cache that already holds this step's K/V -> [T, Hq, D]."""
+        return self._planned(attn).run_gqa(q.contiguous(), kv_cache.layers[layer])
 
     def mla(self, layer: int, q_nope: torch.Tensor, q_pe: torch.Tensor, entries: torch.Tensor,
             attn: AttentionBatch, kv_cache: PagedKVCache) -> torch.Tensor:
         """Write entries [T, R + P] at attn.slot_mapping, then absorbed MLA: q_nope [T, H, R], q_pe [T, H, P] -> [T, H, R]."""
-        step = self._planned(attn)
         cache = kv_cache.layers[layer]  # [NB, BS, R + P]
         cache.view(-1, cache.shape[-1]).index_copy_(0, attn.slot_mapping, entries.to(cache.dtype))
-        return step.run_mla(q_nope.contiguous(), q_pe.contiguous(), cache)
+        return self.mla_cached(layer, q_nope, q_pe, attn, kv_cache)
+
+    def mla_cached(self, layer: int, q_nope: torch.Tensor, q_pe: torch.Tensor, attn: AttentionBatch,
+                   kv_cache: PagedKVCache) -> torch.Tensor:
+        """Absorbed MLA over a cache that already holds this step's entries -> [T, H, R]."""
+        return self._planned(attn).run_mla(q_nope.contiguous(), q_pe.contiguous(), kv_cache.layers[layer])
 
 
 class ReferencePagedBackend:
@@ -182,21 +208,26 @@ class ReferencePagedBackend:
 
     def gqa(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn: AttentionBatch,
             kv_cache: PagedKVCache) -> torch.Tensor:
-        from specserve.kernels.attention_reference import paged_attention_reference
-
-        batch = self._planned(attn)
         cache = kv_cache.layers[layer]
         cache.view(-1, *cache.shape[2:]).index_copy_(0, attn.slot_mapping, torch.stack([k, v], dim=1).to(cache.dtype))
-        return paged_attention_reference(q, cache, batch, self.scale)
+        return self.gqa_cached(layer, q, attn, kv_cache)
+
+    def gqa_cached(self, layer: int, q: torch.Tensor, attn: AttentionBatch, kv_cache: PagedKVCache) -> torch.Tensor:
+        from specserve.kernels.attention_reference import paged_attention_reference
+
+        return paged_attention_reference(q, kv_cache.layers[layer], self._planned(attn), self.scale)
 
     def mla(self, layer: int, q_nope: torch.Tensor, q_pe: torch.Tensor, entries: torch.Tensor,
             attn: AttentionBatch, kv_cache: PagedKVCache) -> torch.Tensor:
-        from specserve.kernels.attention_reference import mla_attention_reference
-
-        batch = self._planned(attn)
         cache = kv_cache.layers[layer]
         cache.view(-1, cache.shape[-1]).index_copy_(0, attn.slot_mapping, entries.to(cache.dtype))
-        return mla_attention_reference(q_nope, q_pe, cache, batch, self.scale)
+        return self.mla_cached(layer, q_nope, q_pe, attn, kv_cache)
+
+    def mla_cached(self, layer: int, q_nope: torch.Tensor, q_pe: torch.Tensor, attn: AttentionBatch,
+                   kv_cache: PagedKVCache) -> torch.Tensor:
+        from specserve.kernels.attention_reference import mla_attention_reference
+
+        return mla_attention_reference(q_nope, q_pe, kv_cache.layers[layer], self._planned(attn), self.scale)
 
 
 def make_attention_backend(model: torch.nn.Module, kind: str, block_size: int, device: torch.device | str,
@@ -209,6 +240,10 @@ def make_attention_backend(model: torch.nn.Module, kind: str, block_size: int, d
         return FlashInferBackend(attn_module, block_size, device, dtype)
     if kind == "reference":
         return ReferencePagedBackend(attn_module, block_size)
+    if kind == "triton_paged":
+        from specserve.models.triton_paged_attention import TritonPagedBackend
+
+        return TritonPagedBackend(attn_module, block_size, device)
     if kind == "paged_torch":
         from specserve.models.paged_torch_attention import PagedTorchBackend
 

@@ -24,12 +24,12 @@ MOE_BACKENDS = ("auto", "torch", "fused")
 
 @dataclass(frozen=True)
 class BackendChoice:
-    attention: str  # "torch" | "flashinfer" | "paged_torch" | "reference"
+    attention: str  # "torch" | "flashinfer" | "triton_paged" | "paged_torch" | "reference"
     moe: str  # "torch" | "fused"
-    fused_layers: bool = False  # RMSNorm as a Triton kernel (on with the fused MoE)
+    fused_layers: bool = False  # CausalLM.set_fused_layers: Triton norm / RoPE + cache write / router kernels
 
     def __post_init__(self) -> None:
-        if self.attention not in ("torch", "flashinfer", "paged_torch", "reference"):
+        if self.attention not in ("torch", "flashinfer", "triton_paged", "paged_torch", "reference"):
             raise AttentionBackendError(f"unknown attention backend {self.attention!r}")
         if self.moe not in ("torch", "fused"):
             raise AttentionBackendError(f"unknown MoE backend {self.moe!r}")
@@ -48,9 +48,19 @@ def fused_moe_unsupported(device: torch.device | str, dtype: torch.dtype) -> str
     return ""
 
 
+def fused_layers_unsupported(device: torch.device | str) -> str:
+    """Why the fused layers' Triton kernels cannot run here ('' when they can)."""
+    from specserve.kernels.norm import HAS_TRITON
+
+    if torch.device(device).type != "cuda":
+        return f"device {device} is not CUDA"
+    return "" if HAS_TRITON else "triton is not installed"
+
+
 def select_backends(config, device: torch.device | str, dtype: torch.dtype, attention: str = "auto",
-                    moe: str = "auto") -> BackendChoice:
-    """'auto' takes the fast backend where it can run; asking for a fast backend where it cannot is an error."""
+                    moe: str = "auto", fused_layers: bool | None = None) -> BackendChoice:
+    """'auto' takes the fast backend where it can run; asking for a fast backend where it cannot is an error.
+    fused_layers None: on with the fused MoE (bf16 / fp16 on CUDA); True: on (CUDA, any dtype); False: off."""
     if moe not in MOE_BACKENDS:
         raise AttentionBackendError(f"MoE backend must be one of {MOE_BACKENDS}, got {moe!r}")
     if attention not in ATTENTION_BACKENDS + ("reference",):
@@ -59,7 +69,11 @@ def select_backends(config, device: torch.device | str, dtype: torch.dtype, atte
     why = fused_moe_unsupported(device, dtype) if moe != "torch" else "asked for torch"
     if moe == "fused" and why:
         raise AttentionBackendError(f"the fused MoE cannot run here: {why}")
-    return BackendChoice(attention=att, moe="torch" if why else "fused", fused_layers=not why)
+    why_layers = fused_layers_unsupported(device)
+    if fused_layers and why_layers:
+        raise AttentionBackendError(f"the fused layers cannot run here: {why_layers}")
+    fused = (not why) if fused_layers is None else fused_layers
+    return BackendChoice(attention=att, moe="torch" if why else "fused", fused_layers=fused)
 
 
 def install_backends(model, choice: BackendChoice, block_size: int, device: torch.device | str,

@@ -62,6 +62,31 @@ class DecoderLayer(nn.Module):
             mlp_out = self.mlp(self.post_attention_layernorm(h))
         return h + mlp_out, ids
 
+    def forward_fused(
+        self,
+        x: torch.Tensor,  # [T, H] the previous layer's output before its residual add (the embeddings at layer 0)
+        residual: torch.Tensor | None,  # [T, H] the residual stream before that add; None at layer 0
+        positions: torch.Tensor,  # [T]
+        attn: AttentionBatch,
+        kv_cache: PagedKVCache,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:  # (mlp out [T, H], residual [T, H], topk_ids)
+        """The same layer with each residual add fused into the RMSNorm after it (one kernel for both): returns the
+        MLP output and the residual stream it is to be added to (by the next layer's fused norm, or the caller)."""
+        from specserve.kernels.norm import fused_add_rms_norm
+
+        norm = self.input_layernorm
+        if residual is None:
+            h, residual = norm(x), x
+        else:
+            h, residual = fused_add_rms_norm(x, residual, norm.weight, norm.eps)
+        a = self.self_attn(h, positions, attn, kv_cache)
+        post = self.post_attention_layernorm
+        h, residual = fused_add_rms_norm(a, residual, post.weight, post.eps)
+        if self.is_moe:
+            mlp_out, ids = self.mlp(h)
+            return mlp_out, residual, ids
+        return self.mlp(h), residual, None
+
 
 class DecoderModel(nn.Module):
     def __init__(self, config: ModelConfig, parallel: ParallelConfig, experts_fn: ExpertsFn) -> None:
@@ -83,6 +108,7 @@ class CausalLM(nn.Module):
         self.parallel = parallel or ParallelConfig()
         self.model = DecoderModel(config, self.parallel, experts_fn)
         self.attn_backend = None  # None: plain-torch attention; else see set_attention_backend
+        self.fused_layers = False  # set_fused_layers
         self.lm_head = None if config.tie_word_embeddings else ParallelLMHead(
             config.hidden_size, config.vocab_size, self.parallel
         )
@@ -102,17 +128,27 @@ class CausalLM(nn.Module):
                 layer.mlp.experts_fn = experts_fn
 
     def set_fused_layers(self, enabled: bool) -> None:
-        """RMSNorm through its one-launch Triton kernel (kernels/norm.py), or the plain-torch code.
+        """The decode graph's fused layers (Triton kernels, CUDA only), or the plain-torch code everywhere:
 
-        The router kernel (kernels/router.py, TopKRouter.use_kernel) stays off for now: its first version chose
-        repeated experts on the H200 (2026-12-01, 50 distinct (layer, expert) pairs per Qwen3-30B-A3B decode step
-        instead of 384); the fixed version passes its GPU tests (BENCHMARKS.md), and turning it on here waits for a
-        census and engine GPU run with it."""
+        - every RMSNorm one launch, each residual add fused into the norm after it (kernels/norm.py);
+        - one GEMM for q / k / v (MLA: q_a or q, and kv_a), their weights merged in place (layers.merge_linears);
+        - QK-norm (MLA: the kv_a norm) + RoPE + the paged-cache write in one kernel (kernels/rope_cache.py), when
+          the attention backend attends over a cache written beforehand (every paged backend does);
+        - the router after its gate GEMM in one kernel (kernels/router.py)."""
         from specserve.models.layers import RMSNorm
+        from specserve.models.moe import TopKRouter
 
+        self.fused_layers = enabled
         for module in self.modules():
-            if isinstance(module, RMSNorm):
+            if isinstance(module, (RMSNorm, TopKRouter)):
                 module.use_kernel = enabled
+        table = None
+        if enabled:
+            weight = self.model.embed_tokens.weight
+            rotary = self.model.layers[0].self_attn.rotary
+            table = rotary.table(self.config.max_position_embeddings, weight.dtype, weight.device)
+        for layer in self.model.layers:
+            layer.self_attn.fuse(table)
 
     def set_attention_backend(self, backend) -> None:
         """Route every attention layer through `backend` (models/attn_backend.py: FlashInferBackend or
@@ -150,17 +186,37 @@ class CausalLM(nn.Module):
         x = self.embed(input_ids)
         captured: dict[int, torch.Tensor] = {}
         routed = []
+        if self.fused_layers:
+            hidden = self._layers_fused(x, positions, attn, kv_cache, capture_layers, captured, routed)
+        else:
+            for i, layer in enumerate(self.model.layers):
+                x, ids = layer(x, positions, attn, kv_cache)
+                if ids is not None:
+                    routed.append(ids)
+                if i in capture_layers:
+                    captured[i] = x
+            hidden = self.model.norm(x)
+        experts = torch.stack(routed) if routed else None
+        return ModelOutput(
+            hidden=hidden,
+            captured=torch.cat([captured[i] for i in capture_layers], dim=-1) if capture_layers else None,
+            routed_experts=experts if experts is None or experts.dtype == torch.int64 else experts.long(),
+        )
+
+    def _layers_fused(self, x: torch.Tensor, positions: torch.Tensor, attn: AttentionBatch, kv_cache: PagedKVCache,
+                      capture_layers: tuple[int, ...], captured: dict[int, torch.Tensor],
+                      routed: list[torch.Tensor]) -> torch.Tensor:  # x [T, H] embeddings -> [T, H] final-normed
+        from specserve.kernels.norm import fused_add_rms_norm
+
+        residual = None
         for i, layer in enumerate(self.model.layers):
-            x, ids = layer(x, positions, attn, kv_cache)
+            x, residual, ids = layer.forward_fused(x, residual, positions, attn, kv_cache)
             if ids is not None:
                 routed.append(ids)
             if i in capture_layers:
-                captured[i] = x
-        return ModelOutput(
-            hidden=self.model.norm(x),
-            captured=torch.cat([captured[i] for i in capture_layers], dim=-1) if capture_layers else None,
-            routed_experts=torch.stack(routed) if routed else None,
-        )
+                captured[i] = x + residual
+        norm = self.model.norm
+        return fused_add_rms_norm(x, residual, norm.weight, norm.eps)[0]
 
     def _check_inputs(
         self,

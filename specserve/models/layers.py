@@ -56,6 +56,27 @@ def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor) -> None:
     copy_checked(param.data, loaded)
 
 
+@torch.no_grad()
+def merge_linears(linears: list[nn.Module]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One [sum(out), in] weight (and bias) for linears that read the same input, so one GEMM computes all of them.
+
+    Each linear's weight (and bias) becomes a view into the merged tensor: no memory is duplicated, and loading a
+    checkpoint into a linear afterwards still lands in the merged weight. Biases: all or none."""
+    with_bias = [m.bias is not None for m in linears]
+    if any(with_bias) and not all(with_bias):
+        raise WeightShapeError("merge_linears needs a bias on all of the linears or on none")
+    weight = torch.cat([m.weight.data for m in linears])
+    bias = torch.cat([m.bias.data for m in linears]) if all(with_bias) else None
+    start = 0
+    for m in linears:
+        rows = m.weight.shape[0]
+        m.weight.data = weight[start: start + rows]
+        if bias is not None:
+            m.bias.data = bias[start: start + rows]
+        start += rows
+    return weight, bias
+
+
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()

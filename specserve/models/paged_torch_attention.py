@@ -147,10 +147,14 @@ class PagedTorchBackend:
     def gqa(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn: AttentionBatch,
             kv_cache: PagedKVCache) -> torch.Tensor:
         """Write k, v [T, Hkv, D] at attn.slot_mapping, then attend: q [T, Hq, D] -> [T, Hq, D]."""
-        step = self._planned(attn)
         cache = kv_cache.layers[layer]  # [NB, BS, 2, Hkv, D]
         cache.view(-1, *cache.shape[2:]).index_copy_(0, attn.slot_mapping, torch.stack([k, v], dim=1).to(cache.dtype))
-        kv = _window(cache, step)[step.row_request]  # [T, W, 2, Hkv, D]
+        return self.gqa_cached(layer, q, attn, kv_cache)
+
+    def gqa_cached(self, layer: int, q: torch.Tensor, attn: AttentionBatch, kv_cache: PagedKVCache) -> torch.Tensor:
+        """q [T, Hq, D] over a cache that already holds this step's K/V -> [T, Hq, D]."""
+        step = self._planned(attn)
+        kv = _window(kv_cache.layers[layer], step)[step.row_request]  # [T, W, 2, Hkv, D]
         t, hq, d = q.shape
         hkv = kv.shape[3]
         qg = q.float().view(t, hkv, hq // hkv, d)  # [T, Hkv, G, D]
@@ -162,11 +166,16 @@ class PagedTorchBackend:
     def mla(self, layer: int, q_nope: torch.Tensor, q_pe: torch.Tensor, entries: torch.Tensor,
             attn: AttentionBatch, kv_cache: PagedKVCache) -> torch.Tensor:
         """Write entries [T, R + P] at attn.slot_mapping, then absorbed MLA: q_nope [T, H, R], q_pe [T, H, P] -> [T, H, R]."""
-        step = self._planned(attn)
         cache = kv_cache.layers[layer]  # [NB, BS, R + P]
         cache.view(-1, cache.shape[-1]).index_copy_(0, attn.slot_mapping, entries.to(cache.dtype))
+        return self.mla_cached(layer, q_nope, q_pe, attn, kv_cache)
+
+    def mla_cached(self, layer: int, q_nope: torch.Tensor, q_pe: torch.Tensor, attn: AttentionBatch,
+                   kv_cache: PagedKVCache) -> torch.Tensor:
+        """Absorbed MLA over a cache that already holds this step's entries -> [T, H, R]."""
+        step = self._planned(attn)
         r = q_nope.shape[-1]
-        win = _window(cache, step)[step.row_request].float()  # [T, W, R + P]
+        win = _window(kv_cache.layers[layer], step)[step.row_request].float()  # [T, W, R + P]
         latent, k_pe = win[..., :r], win[..., r:]
         scores = (torch.einsum("thr,twr->thw", q_nope.float(), latent)
                   + torch.einsum("thp,twp->thw", q_pe.float(), k_pe)) * self.scale

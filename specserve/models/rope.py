@@ -90,6 +90,11 @@ class RotaryEmbedding(torch.nn.Module):
         freqs = positions.float()[:, None] * inv_freq[None, :]  # [T, dim/2]
         return (freqs.cos() * self.scale).to(dtype), (freqs.sin() * self.scale).to(dtype)
 
+    def table(self, num_positions: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [num_positions, dim // 2] for positions 0..num_positions-1: row p is cos_sin's row for p (the
+        fused RoPE kernels look tokens' rows up by position)."""
+        return self.cos_sin(torch.arange(num_positions, device=device), dtype)
+
     @staticmethod
     def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
         """x [T, heads, dim]; cos/sin [T, dim/2]. Interleaved output is laid out [even pairs', odd pairs']

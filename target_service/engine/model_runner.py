@@ -135,7 +135,7 @@ class ModelRunner:
         if self.device.type != "cuda":
             raise GraphCaptureError(f"CUDA graphs need a CUDA device, the engine runs on {self.device}")
         if getattr(self.model, "attn_backend", None) is None or not hasattr(self.model.attn_backend, "new_graph_step"):
-            raise GraphCaptureError("CUDA graphs need a graph-safe attention backend (flashinfer or paged_torch; the "
+            raise GraphCaptureError("CUDA graphs need a graph-safe attention backend (flashinfer, triton_paged or paged_torch; the "
                                     "per-sequence torch attention reads lengths on the host)")
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()

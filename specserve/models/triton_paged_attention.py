@@ -1,0 +1,183 @@
+"""Paged attention through the Triton kernels of any head size (specserve.kernels.paged_attention): the model side.
+
+FlashInfer serves GQA head dims 64/128/256 and MLA (512, 64). Every other size (the shipped demo's MLA latent 64 /
+rope 16, the tiny presets) runs here on CUDA: one kernel launch per layer (two with split-kv), against the dozens
+of small torch ops of the graph-safe torch path (paged_torch_attention.py), which stays the fallback.
+
+A step's metadata is a `RowsStep`: the kernels' `PagedRows` as views into ONE int32 device buffer (block tables,
+kv lengths, new-token starts, row -> request, row -> index) plus a bool tree mask, and a pinned host copy of
+each. `fill` writes the host copies with numpy (no torch ops per request) and issues one asynchronous copy per
+buffer, so refilling a captured graph's step costs a few microseconds and never synchronises.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from specserve.kernels.paged_attention import num_splits_for, paged_gqa_attention, paged_mla_attention
+from specserve.kernels.paged_rows import PagedRows
+from specserve.models.attn_metadata import AttentionBatch
+from specserve.models.config import MLAConfig
+from specserve.models.kv_cache import PagedKVCache
+
+
+class TritonPagedError(ValueError):
+    """A step that does not fit the static shape it was prepared into, or a backend used out of order."""
+
+
+@dataclass(frozen=True)
+class RowsShape:
+    """The fixed sizes of one step's metadata."""
+
+    num_requests: int  # B
+    num_rows: int  # N new tokens over the batch
+    max_blocks: int  # block-table entries per request
+    max_new: int | None  # tree-mask columns; None = causal (no mask)
+    num_splits: int  # split-kv chunks per row (1 = one launch per layer)
+
+
+class RowsStep:
+    """Device metadata of one step shape (PagedRows views of one int32 buffer) and its pinned host staging."""
+
+    def __init__(self, shape: RowsShape, device: torch.device, heads: int, width: int) -> None:
+        b, n, nb = shape.num_requests, shape.num_rows, shape.max_blocks
+        self.shape = shape
+        self._sizes = (b * nb, b, b, n, n)  # block tables, kv lens, new starts, row request, row index
+        pinned = device.type == "cuda"
+        self._ints = torch.zeros(sum(self._sizes), dtype=torch.int32, device=device)
+        self._ints_host = torch.zeros(sum(self._sizes), dtype=torch.int32, pin_memory=pinned)
+        self._mask = self._mask_host = None
+        if shape.max_new is not None:
+            self._mask = torch.zeros(n, shape.max_new, dtype=torch.bool, device=device)
+            self._mask_host = torch.zeros(n, shape.max_new, dtype=torch.bool, pin_memory=pinned)
+        tables, kv_lens, starts, row_req, row_idx = self._ints.split(self._sizes)
+        self.rows = PagedRows(tables.view(b, nb), kv_lens, starts, row_req, row_idx, self._mask)
+        view = self._ints_host.numpy()  # numpy views of the pinned staging, one per field
+        offsets = np.cumsum((0,) + self._sizes)
+        self._h = [view[offsets[i]: offsets[i + 1]] for i in range(5)]
+        self._h[0] = self._h[0].reshape(b, nb)
+        self._h_mask = None if self._mask_host is None else self._mask_host.numpy()
+        # split-kv partial results: [N * heads * splits * (width + 2)] fp32, allocated once per step shape
+        self.workspace = None
+        if shape.num_splits > 1:
+            self.workspace = torch.empty(n * heads * shape.num_splits * (width + 2), dtype=torch.float32,
+                                         device=device)
+        # the last copies out of the staging buffers: refilling them first waits for it (never in practice: a step
+        # ends with a device-to-host read of its results, long after its metadata copies ran)
+        self._copied = torch.cuda.Event() if pinned else None
+
+    def fill(self, attn: AttentionBatch, block_size: int) -> None:
+        """Write attn's metadata into the host staging, then copy it to the device buffers (asynchronously)."""
+        s = self.shape
+        if attn.num_seqs > s.num_requests or attn.num_tokens > s.num_rows or max(attn.query_lens) > (s.max_new or 1 << 30):
+            raise TritonPagedError(f"step {attn.query_lens} does not fit the step shape {s}")
+        if s.max_new is None and any(m is not None for m in attn.tree_masks):
+            raise TritonPagedError("a tree step in a causal (mask-free) step shape")
+        if self._copied is not None:
+            self._copied.synchronize()
+        tables, kv_lens, starts, row_req, row_idx = self._h
+        kv_lens[:] = 0
+        starts[:] = 0
+        row_req[:] = -1
+        row_idx[:] = 0
+        mask = self._h_mask
+        if mask is not None:
+            mask[:] = False
+        for b, ((first, end), ctx, table, tree) in enumerate(
+            zip(attn.token_ranges(), attn.context_lens, attn.block_tables, attn.tree_masks)
+        ):
+            q = end - first
+            need = -(-(ctx + q) // block_size)
+            if need > s.max_blocks:
+                raise TritonPagedError(f"request {b} needs {need} blocks, the step holds {s.max_blocks}")
+            tables[b, :need] = table[:need]
+            kv_lens[b] = ctx + q
+            starts[b] = ctx
+            row_req[first:end] = b
+            row_idx[first:end] = np.arange(q)
+            if mask is not None:
+                mask[first:end, :q] = np.tri(q, dtype=bool) if tree is None else tree.cpu().numpy()
+        self._ints.copy_(self._ints_host, non_blocking=True)
+        if mask is not None:
+            self._mask.copy_(self._mask_host, non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()
+
+
+def _write(cache: torch.Tensor, slots: torch.Tensor, entries: torch.Tensor) -> None:
+    """Scatter this step's entries [T, ...] into a layer's cache [NB, BS, ...] at slots [T] (all >= 0)."""
+    cache.view(-1, *cache.shape[2:]).index_copy_(0, slots, entries.to(cache.dtype))
+
+
+class TritonPagedBackend:
+    """The model's Triton paged attention: `prepare` per step, then every layer's `gqa` / `mla`.
+
+    `gqa_cached` / `mla_cached` attend over a cache this step's entries were already written to (by the fused
+    RoPE + cache-write kernel); `gqa` / `mla` write them first."""
+
+    def __init__(self, attn_module: torch.nn.Module, block_size: int, device: torch.device | str) -> None:
+        cfg = attn_module.cfg
+        self.scale = float(attn_module.scale)
+        self.mla_dims = (cfg.kv_lora_rank, cfg.qk_rope_head_dim) if isinstance(cfg, MLAConfig) else None
+        self.num_heads = attn_module.num_heads
+        self.num_kv_heads = 1 if self.mla_dims else attn_module.num_kv_heads
+        self.width = cfg.kv_lora_rank if self.mla_dims else cfg.head_dim  # the output row width per head
+        self.block_size = block_size
+        self.device = torch.device(device)
+        self._step: RowsStep | None = None
+        self._prepared_for: AttentionBatch | None = None
+
+    def _new_step(self, num_requests: int, num_rows: int, max_kv: int, max_new: int | None) -> RowsStep:
+        programs = num_rows * self.num_kv_heads
+        splits = num_splits_for(max_kv, programs)
+        shape = RowsShape(num_requests, num_rows, -(-max_kv // self.block_size), max_new, splits)
+        return RowsStep(shape, self.device, self.num_heads, self.width)
+
+    def new_graph_step(self, shape) -> RowsStep:
+        """The buffers of a CUDA-graph step (shape: kernels.attention.GraphShape)."""
+        max_new = max(shape.query_lens) if shape.tree else None
+        return self._new_step(len(shape.query_lens), sum(shape.query_lens), shape.max_kv_len, max_new)
+
+    def prepare(self, attn: AttentionBatch, step: RowsStep | None = None) -> None:
+        """Fill this step's buffers (once per batch object; a graph runner passes its own step)."""
+        if step is None and self._prepared_for is attn:
+            return
+        if step is None:
+            kv = max(c + q for c, q in zip(attn.context_lens, attn.query_lens))
+            tree = any(m is not None for m in attn.tree_masks)
+            step = self._new_step(attn.num_seqs, attn.num_tokens, kv, max(attn.query_lens) if tree else None)
+        step.fill(attn, self.block_size)
+        self._step, self._prepared_for = step, attn
+
+    def _planned(self, attn: AttentionBatch) -> RowsStep:
+        if self._step is None or self._prepared_for is not attn:
+            raise TritonPagedError("Triton paged attention ran on a batch it was not prepared for")
+        return self._step
+
+    def gqa(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn: AttentionBatch,
+            kv_cache: PagedKVCache) -> torch.Tensor:
+        """Write k, v [T, Hkv, D] at attn.slot_mapping, then attend: q [T, Hq, D] -> [T, Hq, D]."""
+        _write(kv_cache.layers[layer], attn.slot_mapping, torch.stack([k, v], dim=1))
+        return self.gqa_cached(layer, q, attn, kv_cache)
+
+    def gqa_cached(self, layer: int, q: torch.Tensor, attn: AttentionBatch, kv_cache: PagedKVCache) -> torch.Tensor:
+        """q [T, Hq, D] over a cache that already holds this step's K/V -> [T, Hq, D]."""
+        step = self._planned(attn)
+        return paged_gqa_attention(q, kv_cache.layers[layer], step.rows, self.scale,
+                                   num_splits=step.shape.num_splits, workspace=step.workspace)
+
+    def mla(self, layer: int, q_nope: torch.Tensor, q_pe: torch.Tensor, entries: torch.Tensor,
+            attn: AttentionBatch, kv_cache: PagedKVCache) -> torch.Tensor:
+        """Write entries [T, R + P] at attn.slot_mapping, then absorbed MLA: q_nope [T, H, R], q_pe [T, H, P] -> [T, H, R]."""
+        _write(kv_cache.layers[layer], attn.slot_mapping, entries)
+        return self.mla_cached(layer, q_nope, q_pe, attn, kv_cache)
+
+    def mla_cached(self, layer: int, q_nope: torch.Tensor, q_pe: torch.Tensor, attn: AttentionBatch,
+                   kv_cache: PagedKVCache) -> torch.Tensor:
+        """Absorbed MLA over a cache that already holds this step's entries -> [T, H, R]."""
+        step = self._planned(attn)
+        return paged_mla_attention(q_nope, q_pe, kv_cache.layers[layer], step.rows, self.scale,
+                                   num_splits=step.shape.num_splits, workspace=step.workspace)
