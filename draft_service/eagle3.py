@@ -126,6 +126,16 @@ class Eagle3Proposer(Proposer):
         keep = min(common_prefix_len(fs.tokens, ids[1:]), L - 2)
         n_new = L - 1 - keep  # entries for sequence positions keep+1 .. L-1
         feats = state.hidden_rows(keep, L - 1).to(self.device)  # [n_new, 3 * Ht]
+        graphs = self.chain_graphs
+        if graphs is not None and graphs.catch_up_fits(keep, n_new):  # one replay (eagle3_graph.py)
+            out, k, v = graphs.catch_up(fs, fs.k, fs.v, keep, ids[keep + 1 : L], feats)
+            self._ensure_capacity(fs, L - 1)
+            fs.k[keep : L - 1], fs.v[keep : L - 1] = k, v
+            fs.tokens = ids[1:L].copy()
+            state.drop_hidden_before(L - 1 - ROLLBACK_ROWS)
+            return out
+        if graphs is not None:
+            graphs.owner = None  # the window does not hold what this eager catch-up computes
         tok = torch.as_tensor(ids[keep + 1 : L], device=self.device)
         pos = torch.arange(keep, L - 1, device=self.device)
         mask = torch.ones(n_new, keep + n_new, dtype=torch.bool, device=self.device)
@@ -150,6 +160,8 @@ class Eagle3Proposer(Proposer):
         spec_k, spec_v = fs.k[:ctx], fs.v[:ctx]
         graphs = self.chain_graphs
         if state.sampling.greedy and graphs is not None and graphs.fits(ctx, num_tokens):
+            if graphs.owner is fs:  # the catch-up left this session's window, ctx and out0 in place
+                return DraftBlock(token_ids=tuple(graphs.draft_from_window(base, num_tokens)))
             return DraftBlock(token_ids=tuple(graphs.draft(out, spec_k, spec_v, base, num_tokens)))
         logits = self.head.logits(out[None])  # [1, Vd]
         positions = torch.arange(base + 1, base + num_tokens, device=self.device)  # [k - 1], made once

@@ -127,18 +127,22 @@ class TritonPagedBackend:
         self.width = cfg.kv_lora_rank if self.mla_dims else cfg.head_dim  # the output row width per head
         self.block_size = block_size
         self.device = torch.device(device)
+        # the longest window a graph step was made for: eager steps within it use the same split-kv count, so an
+        # eager step computes bit for bit what the graph of its shape computes
+        self._split_window = 0
         self._step: RowsStep | None = None
         self._prepared_for: AttentionBatch | None = None
 
     def _new_step(self, num_requests: int, num_rows: int, max_kv: int, max_new: int | None) -> RowsStep:
         programs = num_rows * self.num_kv_heads
-        splits = num_splits_for(max_kv, programs)
+        splits = num_splits_for(max(max_kv, self._split_window), programs)
         shape = RowsShape(num_requests, num_rows, -(-max_kv // self.block_size), max_new, splits)
         return RowsStep(shape, self.device, self.num_heads, self.width)
 
     def new_graph_step(self, shape) -> RowsStep:
         """The buffers of a CUDA-graph step (shape: kernels.attention.GraphShape)."""
         max_new = max(shape.query_lens) if shape.tree else None
+        self._split_window = max(self._split_window, shape.max_kv_len)
         return self._new_step(len(shape.query_lens), sum(shape.query_lens), shape.max_kv_len, max_new)
 
     def prepare(self, attn: AttentionBatch, step: RowsStep | None = None) -> None:

@@ -36,7 +36,7 @@ from specserve.models.kv_cache import PagedKVCache
 from specserve.models.probs import make_generator, target_probs
 from specserve.models.vocab import vocab_hash as checkpoint_vocab_hash
 
-from .model_runner import GraphOptions, ModelRunner
+from .model_runner import GraphOptions, ModelRunner, RunOutput, distinct_experts
 from .sampler import verify_step_device
 from .session import (
     ContextTooLong,
@@ -121,6 +121,9 @@ class TargetEngine:
             self.runner.capture(cuda_graphs)  # before any session: capture writes scratch K/V
         moe = getattr(config, "moe", None)
         self._num_experts = int(moe.num_experts) if moe is not None else 0
+        on_cuda = self.device.type == "cuda"
+        self._summary_host = torch.zeros(3, dtype=torch.int64, pin_memory=on_cuda)  # a graph step's one read
+        self._summary_read = torch.cuda.Event() if on_cuda else None
         self._info = EngineInfo(
             model_type=config.model_type,
             vocab_size=config.vocab_size,
@@ -261,7 +264,7 @@ class TargetEngine:
         steps = self._prepare(items)
         timer = _StepTimer(self.device)
         try:
-            out, logits = self._forward(steps)
+            run = self._forward(steps)
         except BaseException:
             self._rollback(steps)
             raise
@@ -269,7 +272,7 @@ class TargetEngine:
         results: list[VerifyResult] = []
         try:
             for step in steps:
-                results.append(self._accept(step, out, logits, timer))
+                results.append(self._accept(step, run, timer))
         except BaseException:
             self._rollback(steps[len(results) :])  # sessions not accepted yet keep their old state
             raise
@@ -279,7 +282,7 @@ class TargetEngine:
         """Target logits at every node of ``[pending] + block`` without committing anything."""
         steps = self._prepare([(session_id, block)])
         try:
-            _, logits = self._forward(steps)
+            logits = self._forward(steps).logits
         finally:
             self._rollback(steps)
         return logits
@@ -341,24 +344,35 @@ class TargetEngine:
             query_lens=tuple(step.layout.num_nodes for step in steps),
             context_lens=tuple(step.session.cached_len for step in steps),
             block_tables=tuple(self.blocks.block_table(step.session.session_id) for step in steps),
-            slot_mapping=self._to_device(slots),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64),  # on the host: the runner stages it
             tree_masks=tuple(masks),
         )
         capture = tuple(sorted({i for step in steps for i in step.session.hidden_layers}))
-        out, logits, used = self.runner.run(ids, pos, attn, capture)  # logits [T, V]: graph replay or eager
-        return (out, used), logits
+        return self.runner.run(ids, pos, attn, capture)  # logits [T, V]: graph replay or eager
 
-    def _accept(self, step: _Step, out_capture, logits: torch.Tensor, timer: _StepTimer) -> VerifyResult:
-        out, capture = out_capture
+    def _read_summary(self, step: _Step, run: RunOutput) -> tuple[int, int, int]:
+        """(last accepted node, next token, distinct experts): the step's one device read."""
+        s, block, layout = step.session, step.block, step.layout
+        if run.summary is not None and s.sampling.greedy and layout.is_chain:  # the graph computed all three
+            self._summary_host.copy_(run.summary, non_blocking=True)
+            self._summary_read.record()
+            self._summary_read.synchronize()
+            last, nxt, experts = self._summary_host.tolist()
+            return last, nxt, experts
+        tokens = self._to_device(block.token_ids)
+        last, nxt_t = verify_step_device(layout, tokens, run.logits[step.start : step.end], block.probs, s.sampling,
+                                         s.generator)
+        routed = run.out.routed_experts
+        experts_t = distinct_experts(None if routed is None else routed[:, step.start : step.end],
+                                     self._num_experts, last.device)
+        last, nxt, experts = torch.stack([last, nxt_t, experts_t]).tolist()
+        return last, nxt, experts
+
+    def _accept(self, step: _Step, run: RunOutput, timer: _StepTimer) -> VerifyResult:
+        out, capture = run.out, run.captured_layers
         s, block, layout = step.session, step.block, step.layout
         t0 = time.perf_counter()
-        tokens = self._to_device(block.token_ids)
-        last, nxt_t = verify_step_device(layout, tokens, logits[step.start : step.end], block.probs, s.sampling,
-                                         s.generator)
-        experts_t = last.new_zeros(())
-        if out.routed_experts is not None:
-            experts_t = _distinct_experts(out.routed_experts[:, step.start : step.end], self._num_experts)
-        last_node, nxt, experts = torch.stack([last, nxt_t, experts_t]).tolist()  # the step's one device read
+        last_node, nxt, experts = self._read_summary(step, run)
         path = layout.path_to(last_node)[1:]
         t1 = time.perf_counter()
         committed = (0,) + path
@@ -423,18 +437,6 @@ class TargetEngine:
     def _sync(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-
-
-def _distinct_experts(routed: torch.Tensor, num_experts: int) -> torch.Tensor:  # [n_moe_layers, T, top_k] -> [] int64
-    """Distinct (MoE layer, expert) pairs the tokens were routed to, counted on the device (no host read)."""
-    layers = routed.shape[0]
-    if routed.numel() == 0:
-        return torch.zeros((), dtype=torch.int64, device=routed.device)
-    span = num_experts if num_experts > 0 else int(routed.max()) + 1
-    keys = routed.reshape(layers, -1) + torch.arange(layers, device=routed.device)[:, None] * span
-    seen = torch.zeros(layers * span, dtype=torch.bool, device=routed.device)
-    seen.index_fill_(0, keys.reshape(-1), True)  # (not seen[keys] = True: that copies True to the device, a sync)
-    return seen.sum()
 
 
 class _StepTimer:

@@ -3,15 +3,21 @@
 Graphs are captured at start-up (before any session holds cache blocks: capture writes scratch K/V into the
 first blocks) for single-session steps of the configured sizes: T new tokens as a chain (T = 1 is plain decode,
 T = k + 1 verifies k drafted tokens) and, optionally, T-node trees. Each graph owns static input buffers (token
-ids, positions, cache slots) and, on the FlashInfer path, its own CUDA-graph-mode wrappers whose index buffers
-(block tables, lengths, tree mask) are refilled by a host-side plan before every replay. A step with a graph is:
-plan, copy ids / positions / slots into the static buffers, replay, read the outputs (which stay valid until the
-next step). Any other step (prefill, batches of several sessions, contexts past the captured maximum, other
-capture layers) runs eagerly through the same model code.
+ids, positions, cache slots: one [3, T] device tensor filled by one copy from pinned staging) and its attention
+backend's step buffers (block tables, lengths, tree mask), refilled by a host-side plan before every replay. A step
+with a graph is: plan, stage ids / positions / slots, replay, read the outputs (which stay valid until the next
+step). Any other step (prefill, batches of several sessions, contexts past the captured maximum, other capture
+layers) runs eagerly through the same model code.
+
+Each graph also ends with the step's summary on the device (`_Graph.summary`, int64 [3]): the last accepted node of
+greedy verification when the step is a chain (the drafted tokens are ids[1:]), the target's argmax there (the next
+token) and the distinct (MoE layer, expert) pairs the step touched. The engine reads those three numbers with one
+copy instead of running acceptance as separate eager ops (`RunOutput.summary`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -41,21 +47,56 @@ class GraphOptions:
                 raise GraphCaptureError(f"{name} must all be >= 1, got {sizes}")
 
 
+def distinct_experts(routed: torch.Tensor | None, num_experts: int, device: torch.device) -> torch.Tensor:  # [] int64
+    """Distinct (MoE layer, expert) pairs in routed [n_moe_layers, T, top_k], counted on the device (no host read)."""
+    if routed is None or routed.numel() == 0:
+        return torch.zeros((), dtype=torch.int64, device=device)
+    layers = routed.shape[0]
+    span = num_experts if num_experts > 0 else int(routed.max()) + 1
+    keys = routed.reshape(layers, -1) + torch.arange(layers, device=routed.device)[:, None] * span
+    seen = torch.zeros(layers * span, dtype=torch.bool, device=routed.device)
+    seen.index_fill_(0, keys.reshape(-1), True)  # (not seen[keys] = True: that copies True to the device, a sync)
+    return seen.sum()
+
+
+def chain_summary(ids: torch.Tensor, logits: torch.Tensor, routed: torch.Tensor | None,
+                  num_experts: int) -> torch.Tensor:  # [3] int64
+    """(last accepted node, next token, distinct experts) of greedy verification of the chain ids [T] = pending
+    token + drafted tokens, given its logits [T, V]: device ops only, so a graph can end with it."""
+    top = logits.argmax(-1)  # [T]
+    last = (ids[1:] == top[:-1]).long().cumprod(0).sum()  # accepted count == last node of a chain
+    nxt = top.index_select(0, last.view(1))[0]  # (not top[last]: a 0-dim index tensor is read on the host)
+    return torch.stack([last, nxt, distinct_experts(routed, num_experts, ids.device)])
+
+
+@dataclass(frozen=True)
+class RunOutput:
+    """One forward step: after a graph replay these are the graph's static buffers (read them before the next step)."""
+
+    out: object  # ModelOutput
+    logits: torch.Tensor  # [T, V] float32
+    captured_layers: tuple[int, ...]  # which hidden layers out.captured holds
+    summary: torch.Tensor | None  # [3] int64 on the device (chain_summary) when a graph ran; None for eager steps
+
+
 @dataclass
 class _Graph:
     graph: torch.cuda.CUDAGraph
-    ids: torch.Tensor  # [T] int64
-    pos: torch.Tensor  # [T] int64
-    slots: torch.Tensor  # [T] int64
-    step: object  # StepAttention or None (plain-torch attention)
+    inputs: torch.Tensor  # [3, T] int64 on the device: ids, positions, slots
+    staging: torch.Tensor  # [3, T] int64 pinned host copy the inputs are filled from
+    step: object  # the attention backend's step buffers
     out: object  # ModelOutput of the captured forward
     logits: torch.Tensor  # [T, V] float32
+    summary: torch.Tensor  # [3] int64 (chain_summary)
+    copied: torch.cuda.Event  # the last copy out of `staging` (refilling it first waits for that)
 
 
 class ModelRunner:
     def __init__(self, model, kv_cache: PagedKVCache, *, block_size: int, max_context: int,
                  device: torch.device | str) -> None:
         self.model = model
+        moe = getattr(getattr(model, "config", None), "moe", None)
+        self.num_experts = int(moe.num_experts) if moe is not None else 0
         self.kv_cache = kv_cache
         self.block_size = block_size
         self.max_context = max_context
@@ -70,6 +111,8 @@ class ModelRunner:
 
     # ---- eager -----------------------------------------------------------------------------------
     def _eager(self, ids: Sequence[int], pos: Sequence[int], attn: AttentionBatch, capture: tuple[int, ...]):
+        if attn.slot_mapping.device != self.device:
+            attn = dataclasses.replace(attn, slot_mapping=attn.slot_mapping.to(self.device))
         out = self.model(
             torch.tensor(list(ids), dtype=torch.int64, device=self.device),
             torch.tensor(list(pos), dtype=torch.int64, device=self.device),
@@ -77,30 +120,36 @@ class ModelRunner:
             self.kv_cache,
             capture_layers=capture,
         )
-        return out, self.model.compute_logits(out.hidden)
+        return RunOutput(out, self.model.compute_logits(out.hidden), capture, None)
 
     # ---- one step --------------------------------------------------------------------------------
-    def run(self, ids: Sequence[int], pos: Sequence[int], attn: AttentionBatch, capture: tuple[int, ...] = ()):
-        """(ModelOutput, logits [T, V] float32, captured layers) of one forward over the T new tokens of `attn`. A
-        graph serves the step when it was captured for the step's shape and returns at least the hidden layers
-        asked for; the third item says which layers `ModelOutput.captured` holds. After a replay these are the
-        graph's static outputs: read (or copy) them before the next step."""
+    def run(self, ids: Sequence[int], pos: Sequence[int], attn: AttentionBatch,
+            capture: tuple[int, ...] = ()) -> RunOutput:
+        """One forward over the T new tokens of `attn` (its slot_mapping may be on the host). A graph serves the step
+        when it was captured for the step's shape and returns at least the hidden layers asked for."""
         tree = any(m is not None for m in attn.tree_masks)
         g, used = self._graph_serving(attn.query_lens, tree, capture)
         longest = max(c + q for c, q in zip(attn.context_lens, attn.query_lens))
         if g is None or not self.use_graphs or longest > self.max_context:
             self.eager_steps += 1
-            return (*self._eager(ids, pos, attn, capture), capture)
+            return self._eager(ids, pos, attn, capture)
         backend = self.model.attn_backend
         if backend is not None:
             backend.prepare(attn, g.step)  # host-side plan into the graph's fixed buffers
-        t = len(ids)
-        g.ids.copy_(torch.tensor(list(ids), dtype=torch.int64), non_blocking=True)
-        g.pos.copy_(torch.tensor(list(pos), dtype=torch.int64), non_blocking=True)
-        g.slots.copy_(attn.slot_mapping[:t], non_blocking=True)
+        g.copied.synchronize()  # never waits in practice: the previous step's results were read since
+        host = g.staging.numpy()
+        host[0] = ids
+        host[1] = pos
+        slots_on_device = attn.slot_mapping.is_cuda
+        if not slots_on_device:
+            host[2] = attn.slot_mapping.numpy()
+        g.inputs.copy_(g.staging, non_blocking=True)
+        if slots_on_device:  # a caller that staged its own slots
+            g.inputs[2].copy_(attn.slot_mapping, non_blocking=True)
+        g.copied.record()
         g.graph.replay()
         self.graph_steps += 1
-        return g.out, g.logits, used
+        return RunOutput(g.out, g.logits, used, g.summary)
 
     def _graph_serving(self, query_lens: Sequence[int], tree: bool, capture: tuple[int, ...]):
         """The graph of this step shape whose captured layers include `capture` (fewest extra first), and those
@@ -160,9 +209,9 @@ class ModelRunner:
         from specserve.kernels.attention import GraphShape
 
         dev = self.device
-        ids = torch.zeros(t, dtype=torch.int64, device=dev)
-        pos = torch.arange(t, dtype=torch.int64, device=dev)
-        slots = torch.arange(t, dtype=torch.int64, device=dev)  # scratch: no session holds blocks yet
+        # [3, T]: the graph reads its ids, positions and cache slots (scratch: no session holds blocks yet) from here
+        inputs = torch.stack([torch.zeros(t, dtype=torch.int64), torch.arange(t), torch.arange(t)]).to(dev)
+        ids, pos, slots = inputs[0], inputs[1], inputs[2]
         table = tuple(range(-(-t // self.block_size)))
         mask = torch.ones(t, t, dtype=torch.bool).tril() if tree else None
         attn = AttentionBatch(query_lens=(t,), context_lens=(0,), block_tables=(table,), slot_mapping=slots,
@@ -172,15 +221,20 @@ class ModelRunner:
         if backend is not None:
             step = backend.new_graph_step(GraphShape((t,), tree, self.max_context))
             backend.prepare(attn, step)
+
+        def forward():
+            out = self.model(ids, pos, attn, self.kv_cache, capture_layers=capture)
+            logits = self.model.compute_logits(out.hidden)
+            return out, logits, chain_summary(ids, logits, out.routed_experts, self.num_experts)
+
         stream = torch.cuda.Stream(dev)
         stream.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(stream):
             for _ in range(2):  # warm-up: Triton / FlashInfer JIT and autotuning happen outside the capture
-                out = self.model(ids, pos, attn, self.kv_cache, capture_layers=capture)
-                self.model.compute_logits(out.hidden)
+                forward()
         torch.cuda.current_stream(dev).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            out = self.model(ids, pos, attn, self.kv_cache, capture_layers=capture)
-            logits = self.model.compute_logits(out.hidden)
-        return _Graph(graph, ids, pos, slots, step, out, logits)
+            out, logits, summary = forward()
+        staging = torch.zeros(3, t, dtype=torch.int64, pin_memory=True)
+        return _Graph(graph, inputs, staging, step, out, logits, summary, torch.cuda.Event())
