@@ -285,3 +285,37 @@ def test_tiny_temperatures_decode_and_never_give_nan():
         assert params.greedy
         layout = layout_of(DraftBlock(token_ids=(0,)))
         assert verify_step(layout, torch.tensor([0]), logits.repeat(2, 1), None, params, None) == ((1,), 0)  # node 1 accepted
+
+
+def _on_cuda(verifier):
+    """The verifier run on the GPU (the engine's device-side rule): rows, p and q moved to CUDA, draws from a CUDA
+    generator seeded from the CPU one, results back on the CPU for the same chi-square."""
+    def run(layout, tokens, p, q, gen):
+        cuda_gen = torch.Generator(device="cuda").manual_seed(int(torch.randint(0, 2**62, (1,), generator=gen)))
+        last, nxt = verifier(layout, tokens.cuda(), p.cuda(), None if q is None else q.cuda(), cuda_gen)
+        return last.cpu(), nxt.cpu()
+
+    return run
+
+
+def _biased_5pct_any_device(layout, tokens, p, q, gen):
+    """_biased_5pct with its own draws on the rows' device."""
+    last, nxt = verify_sampled(layout, tokens, p, q, gen)
+    skip = torch.rand(tokens.shape[0], generator=gen, device=tokens.device) < 0.05
+    leaf = tokens.shape[1]
+    bonus = torch.multinomial(p[:, leaf], 1, generator=gen).squeeze(1)
+    return torch.where(skip, leaf, last), torch.where(skip, bonus, nxt)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("name,layout,params,mode", CASES, ids=[c[0] for c in CASES])
+def test_rejection_sampling_on_the_gpu_is_lossless(name, layout, params, mode):
+    """The same chi-square and negative control with acceptance, residual and bonus drawn on the GPU."""
+    target_logits, draft_logits = _world(7)
+    draft_p = torch.softmax(draft_logits / max(params.temperature, 1e-6), dim=-1)
+    e1, e2, _ = _first_two_emitted(layout, target_logits, draft_p, params, mode, _on_cuda(verify_sampled), 13)
+    assert _chisquare_pvalue(e1, e2, target_logits, params) > 1e-3
+    e1b, e2b, _ = _first_two_emitted(layout, target_logits, draft_p, params, mode,
+                                     _on_cuda(_biased_5pct_any_device), 13)
+    assert _chisquare_pvalue(e1b, e2b, target_logits, params) < 1e-3
