@@ -131,17 +131,20 @@ class CausalLM(nn.Module):
         """The decode graph's fused layers (Triton kernels, CUDA only), or the plain-torch code everywhere:
 
         - every RMSNorm one launch, each residual add fused into the norm after it (kernels/norm.py);
-        - one GEMM for q / k / v (MLA: q_a or q, and kv_a), their weights merged in place (layers.merge_linears);
+        - one GEMM for q / k / v (MLA: q_a or q, and kv_a) and one for an MLP's gate and up (dense layers, shared
+          experts), their weights merged in place (layers.merge_linears);
         - QK-norm (MLA: the kv_a norm) + RoPE + the paged-cache write in one kernel (kernels/rope_cache.py), when
           the attention backend attends over a cache written beforehand (every paged backend does);
         - the router after its gate GEMM in one kernel (kernels/router.py)."""
-        from specserve.models.layers import RMSNorm
+        from specserve.models.layers import GatedMLP, RMSNorm
         from specserve.models.moe import TopKRouter
 
         self.fused_layers = enabled
         for module in self.modules():
             if isinstance(module, (RMSNorm, TopKRouter)):
                 module.use_kernel = enabled
+            elif isinstance(module, GatedMLP):
+                module.fuse(enabled)
         table = None
         if enabled:
             weight = self.model.embed_tokens.weight

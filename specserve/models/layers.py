@@ -200,8 +200,17 @@ class GatedMLP(nn.Module):
         self.gate_proj = ColumnParallelLinear(hidden, intermediate, parallel, bias)
         self.up_proj = ColumnParallelLinear(hidden, intermediate, parallel, bias)
         self.down_proj = RowParallelLinear(intermediate, hidden, parallel, bias, reduce_results)
+        self.gate_up = None  # fuse(): one [2I, H] weight (and bias) for gate and up, so one GEMM computes both
+
+    def fuse(self, enabled: bool) -> None:
+        """gate and up in one GEMM over their weights merged in place (merge_linears), or two GEMMs."""
+        self.gate_up = merge_linears([self.gate_proj, self.up_proj]) if enabled else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H]
+        if self.gate_up is not None:
+            gu = F.linear(x, *self.gate_up)  # [T, 2I]
+            inter = gu.shape[1] // 2
+            return self.down_proj(F.silu(gu[:, :inter]) * gu[:, inter:])
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 

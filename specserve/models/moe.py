@@ -62,9 +62,18 @@ class TopKRouter(nn.Module):
             n_group=cfg.n_group if sigmoid else 1, topk_group=cfg.topk_group if sigmoid else 1,
             norm_topk_prob=cfg.norm_topk_prob, routed_scaling_factor=cfg.routed_scaling_factor,
         )
-        logits = F.linear(x.float(), self.weight.float()) if sigmoid else F.linear(x, self.weight)  # as the torch rules
+        logits = F.linear(x.float(), self._weight_f32()) if sigmoid else F.linear(x, self.weight)  # as the torch rules
         bias = self.e_score_correction_bias if sigmoid and cfg.correction_bias else None
         return route(logits, rule, bias)
+
+    def _weight_f32(self) -> torch.Tensor:  # [E, H] float32
+        """The gate weight in float32 for the sigmoid rule, converted once (again only if the weight changes: the key
+        is its storage and in-place version), not on every step."""
+        w = self.weight
+        key = (w.data_ptr(), w._version, w.dtype)
+        if getattr(self, "_f32_key", None) != key:
+            self._f32, self._f32_key = w.detach().float(), key
+        return self._f32
 
     def _softmax(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         probs = torch.softmax(F.linear(x, self.weight).float(), dim=-1)  # [T, E]
