@@ -31,6 +31,10 @@ class EngineConfig:
     graph_tree_sizes: tuple[int, ...] = ()  # graphs for tree verify steps of these node counts
     max_context: int | None = None  # cap below the model's max_position_embeddings
     seed: int = 0  # synthetic weights
+    # Benchmark only (specserve.bench.step_bench --shard R/N): build rank R of an N-way tensor-parallel shard
+    # (routed experts expert-parallel when enable_expert_parallel) in this one process, without torch.distributed;
+    # its collectives are skipped (ParallelConfig.collectives=False), so its outputs are not the model's.
+    bench_shard: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         from specserve.models.errors import ModelConfigError
@@ -52,6 +56,13 @@ class EngineConfig:
                                  f"trees {self.graph_tree_sizes}")
         if self.cuda_graphs and not self.device.startswith("cuda"):
             raise SpecserveError("--cuda-graphs needs --device cuda")
+        if self.bench_shard is not None:
+            rank, size = self.bench_shard
+            if not 0 <= rank < size or size < 2:
+                raise SpecserveError(f"--shard R/N needs N >= 2 and 0 <= R < N, got {rank}/{size}")
+            if not is_synthetic(self.model) or self.tensor_parallel_size != 1:
+                raise SpecserveError("--shard is for synthetic presets in one process (benchmarks only), "
+                                     f"not with {self.model} at --tensor-parallel-size {self.tensor_parallel_size}")
 
 
 def build_model_for(cfg: EngineConfig):
@@ -62,7 +73,14 @@ def build_model_for(cfg: EngineConfig):
 
     dtype = DTYPES[cfg.dtype]
     if is_synthetic(cfg.model):
-        model, model_config = build_synthetic_model(str(cfg.model), device=cfg.device, dtype=dtype, seed=cfg.seed)
+        parallel = None
+        if cfg.bench_shard is not None:  # one rank's shard alone: collectives off (benchmarks only)
+            from specserve.models.config import ParallelConfig
+
+            parallel = ParallelConfig(tp_rank=cfg.bench_shard[0], tp_size=cfg.bench_shard[1],
+                                      ep=cfg.enable_expert_parallel, collectives=False)
+        model, model_config = build_synthetic_model(str(cfg.model), device=cfg.device, dtype=dtype,
+                                                    parallel=parallel, seed=cfg.seed)
         tokenizer = None
     else:
         model, model_config = load_model(cfg.model, device=cfg.device, dtype=dtype)

@@ -1,7 +1,7 @@
 """GPU step benchmark: decode and chain-verify step times of a synthetic full-size model against bytes floors.
 
     python3 -m specserve.bench.step_bench [--models qwen3-30b-a3b,kimi-k2-layer] [--contexts 128,4096]
-                                          [--max-k 16] [--reps 30] [--eager-reps 5] [--out DIR]
+                                          [--max-k 16] [--reps 30] [--eager-reps 5] [--shard R/N] [--out DIR]
 
 For each model (models/presets.py, random bf16 weights built on the GPU, engine from target_service/factory.py
 with the fused MoE, FlashInfer attention and CUDA graphs captured for decode and chains of 1..max_k drafted tokens)
@@ -13,6 +13,15 @@ the CUDA graph, median of many; plus the graph replay alone (CUDA events). Bytes
 the same block) + the K/V entries the step reads, over the measured device-to-device copy bandwidth (read + write
 bytes). Targets reported (not asserted): Qwen3-30B-A3B decode within 1.15x of its floor, 4-token verify (k = 3)
 within 1.25x. Prints a short table last; writes step_bench.json to --out (default $OUT, else the current folder).
+
+--shard R/N builds only rank R's shard of an N-way tensor-parallel model in this one process (attention heads,
+shared experts, dense MLPs and lm_head rows TP-split as the model code splits them; routed experts expert-parallel:
+this rank holds E / N whole experts), without torch.distributed: its all-reduces are skipped and its logits gather
+fills the other ranks' columns with zeros (ParallelConfig.collectives=False, a benchmark-only mode), so the rows
+time one rank's compute and memory traffic, not the collectives (specserve.bench.allreduce_bench times those;
+specserve.bench.k2_projection adds them). The floor then counts this rank's bytes: its dense shard, and only the
+distinct (layer, expert) pairs the step routed to among this rank's experts (experts_local). The model's EP gives
+the other ranks' choices weight 0 on local expert 0, so it also reads that expert (experts_computed counts it).
 """
 
 from __future__ import annotations
@@ -44,10 +53,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--no-graphs", action="store_true", help="eager only (CPU smoke runs)")
+    p.add_argument("--shard", default=None, metavar="R/N",
+                   help="time only rank R of an N-way TP shard (routed experts EP), collectives skipped")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     args = p.parse_args(argv)
     args.models = [m for m in args.models.split(",") if m]
     args.contexts = [int(c) for c in args.contexts.split(",") if c]
+    if args.shard is not None:
+        rank, sep, size = args.shard.partition("/")
+        if not (sep and rank.isdigit() and size.isdigit() and int(size) >= 2 and int(rank) < int(size)):
+            p.error(f"--shard: expected R/N with N >= 2 and 0 <= R < N, got {args.shard!r}")
+        args.shard = (int(rank), int(size))
     if args.max_k < 0 or args.reps < 1 or args.eager_reps < 0 or min(args.contexts) < 2:
         p.error("need --max-k >= 0, --reps >= 1, --eager-reps >= 0 and every context >= 2")
     return args
@@ -90,21 +106,54 @@ def step_floor_bytes(roles: dict, config, t: int, experts_touched: int, kv_token
     return {"dense": dense, "experts": experts, "kv": kv, "total": dense + experts + kv}
 
 
+class LocalRouting:
+    """Which routed experts one eager forward of a shard chose, by forward hooks on its routers (graph replays
+    run no hooks: use it around an eager step)."""
+
+    def __init__(self, model, first_expert: int, num_local: int) -> None:
+        self.first, self.num_local = first_expert, num_local
+        self.ids: list[torch.Tensor] = []  # one [T, K] global expert ids per MoE layer
+        self._handles = [layer.mlp.gate.register_forward_hook(self._hook)
+                         for layer in model.model.layers if layer.is_moe]
+
+    def _hook(self, module, inputs, output) -> None:
+        self.ids.append(output[0].detach().to("cpu", torch.int64))
+
+    def counts(self) -> tuple[int, int]:
+        """(experts_local: distinct (layer, expert) pairs among this rank's experts, experts_computed: those plus
+        local expert 0 in each layer where another rank's expert was chosen and expert 0 was not)."""
+        local = computed = 0
+        for ids in self.ids:
+            here = (ids >= self.first) & (ids < self.first + self.num_local)
+            chosen = set(ids[here].tolist())
+            local += len(chosen)
+            computed += len(chosen) + int(bool((~here).any()) and self.first not in chosen)
+        return local, computed
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()
+
+
 def bench_model(spec: str, args: argparse.Namespace, bandwidth: float, log) -> dict:
     from specserve.contract.types import DraftBlock
+    from specserve.models.config import ParallelConfig
     from specserve.models.presets import parameter_bytes, synthetic_config
     from specserve.target_service.factory import EngineConfig, build_engine
 
     device = torch.device(args.device)
     config = synthetic_config(spec)
-    roles = parameter_bytes(config)
+    parallel = None
+    if args.shard is not None:
+        parallel = ParallelConfig(tp_rank=args.shard[0], tp_size=args.shard[1], ep=True, collectives=False)
+    roles = parameter_bytes(config, parallel=parallel)
     max_ctx = max(args.contexts) + args.max_k + 8
     blocks = -(-(max_ctx + 2 * args.max_k + 64) // args.block_size) + 4
     t0 = time.perf_counter()
     engine = build_engine(EngineConfig(
         model=f"synthetic:{spec}", device=args.device, dtype=args.dtype, num_kv_blocks=blocks,
         kv_block_size=args.block_size, cuda_graphs=False if args.no_graphs else None, graph_max_draft=args.max_k,
-        max_context=max_ctx + 2 * args.max_k + 32,
+        max_context=max_ctx + 2 * args.max_k + 32, bench_shard=args.shard, enable_expert_parallel=parallel is not None,
     ))
     build_s = time.perf_counter() - t0
     runner = engine.runner
@@ -113,7 +162,8 @@ def bench_model(spec: str, args: argparse.Namespace, bandwidth: float, log) -> d
     kv_entry_bytes = 2
     for n in engine.model.kv_entry_shape():
         kv_entry_bytes *= n
-    log(f"{spec}: built in {build_s:.1f}s (attention {backend}, experts {moe_fn}, graphs {len(runner.graph_keys)})")
+    label = spec if parallel is None else f"{spec} [shard {parallel.tp_rank}/{parallel.tp_size}]"
+    log(f"{label}: built in {build_s:.1f}s (attention {backend}, experts {moe_fn}, graphs {len(runner.graph_keys)})")
     gen = torch.Generator().manual_seed(0)
     rows = []
     for ctx in args.contexts:
@@ -140,9 +190,25 @@ def bench_model(spec: str, args: argparse.Namespace, bandwidth: float, log) -> d
                 row["graph_vs_eager_max_abs"] = float((graph_logits - eager_logits).abs().max())
                 row["graph_argmax_equal"] = bool(torch.equal(graph_logits.argmax(-1), eager_logits.argmax(-1)))
                 runner.use_graphs = True
+            floor_experts = None
+            if parallel is not None and config.moe_layers:  # this rank's experts, from one eager step's routing
+                routing = LocalRouting(engine.model, parallel.tp_rank * roles["local_experts"], roles["local_experts"])
+                runner.use_graphs = False
+                try:
+                    engine.score_block(sid, block)
+                finally:
+                    runner.use_graphs = True
+                    routing.close()
+                floor_experts, row["experts_computed"] = routing.counts()
+                row["experts_local"] = floor_experts
             result = engine.verify(sid, block)
             row["experts_touched"] = result.experts_touched
-            fb = step_floor_bytes(roles, config, k + 1, result.experts_touched, cached + k + 1, kv_entry_bytes)
+            if floor_experts is None:
+                floor_experts = result.experts_touched
+            fb = step_floor_bytes(roles, config, k + 1, floor_experts, cached + k + 1, kv_entry_bytes)
+            if "experts_computed" in row:
+                computed = fb["total"] + (row["experts_computed"] - floor_experts) * roles["expert"]
+                row["floor_computed_ms"] = computed / bandwidth * 1e3
             row["floor_bytes"] = fb
             row["floor_ms"] = fb["total"] / bandwidth * 1e3
             best = row.get("replay_ms", row["graph_ms"])
@@ -154,9 +220,13 @@ def bench_model(spec: str, args: argparse.Namespace, bandwidth: float, log) -> d
             log(f"  ctx {cached} k {k}: " + ", ".join(f"{key} {row[key]:.3f}" for key in
                                                      ("floor_ms", "graph_ms", "replay_ms", "eager_ms") if key in row))
         engine.release(sid)
-    info = {"model": spec, "attention": backend, "experts_fn": moe_fn, "build_s": build_s,
+    info = {"model": spec, "layers": config.num_layers, "attention": backend, "experts_fn": moe_fn, "build_s": build_s,
             "graphs": len(runner.graph_keys), "capture_errors": {str(k): v for k, v in runner.capture_errors.items()},
             "weight_bytes": roles, "kv_entry_bytes": kv_entry_bytes, "rows": rows}
+    if parallel is not None:
+        info["shard"] = {"rank": parallel.tp_rank, "size": parallel.tp_size, "ep": True, "collectives": False}
+        info["lm_head_bytes"] = sum(p.numel() * p.element_size() for p in engine.model.lm_head.parameters()) \
+            if engine.model.lm_head is not None else 0
     del engine, runner
     gc.collect()
     if device.type == "cuda":
@@ -172,11 +242,13 @@ def format_table(results: list[dict], bandwidth: float) -> str:
         if "error" in res:
             lines.append(f"| {res['model']} | error: {res['error'][:120]} |")
             continue
+        name = res["model"] if "shard" not in res else f"{res['model']} [shard {res['shard']['rank']}/{res['shard']['size']}]"
         for r in res["rows"]:
             def f(key: str, fmt: str = "{:.3f}") -> str:
                 return fmt.format(r[key]) if key in r else "-"
             eq = "-" if "graph_argmax_equal" not in r else ("yes" if r["graph_argmax_equal"] else "NO")
-            lines.append(f"| {r['model']} | {r['context']} | {r['k']} | {r['experts_touched']} | {f('floor_ms')} | "
+            experts = r["experts_touched"] if "experts_local" not in r else f"{r['experts_local']} here"
+            lines.append(f"| {name} | {r['context']} | {r['k']} | {experts} | {f('floor_ms')} | "
                          f"{f('eager_ms')} | {f('graph_ms')} | {f('replay_ms')} | {f('x_floor', '{:.2f}')} | "
                          f"{f('target_x_floor', '{:.2f}')} | {eq} |")
     return "\n".join(lines)

@@ -30,8 +30,9 @@ def copy_checked(dst: torch.Tensor, src: torch.Tensor | CheckpointSlice) -> None
 
 
 def all_reduce(x: torch.Tensor, parallel: ParallelConfig) -> torch.Tensor:
-    """Sum x over the tp ranks (in place; the default process group holds exactly the tp ranks)."""
-    if parallel.tp_size > 1:
+    """Sum x over the tp ranks (in place; the default process group holds exactly the tp ranks).
+    A no-op only for a benchmark shard running alone (ParallelConfig.collectives=False)."""
+    if parallel.tp_size > 1 and parallel.collectives:
         torch.distributed.all_reduce(x)
     return x
 
@@ -225,6 +226,8 @@ def gather_vocab(local: torch.Tensor, vocab_size: int, parallel: ParallelConfig)
     """[N, ceil(V/tp)] logits of this rank's vocab rows (short rank zero-padded) -> [N, V] on every rank."""
     if parallel.tp_size == 1:
         return local
+    if not parallel.collectives:  # benchmark shard alone: the other ranks' columns are zeros (same cat, no gather)
+        return torch.cat([local] + [torch.zeros_like(local)] * (parallel.tp_size - 1), dim=-1)[:, :vocab_size]
     parts = [torch.empty_like(local) for _ in range(parallel.tp_size)]
     torch.distributed.all_gather(parts, local.contiguous())
     return torch.cat(parts, dim=-1)[:, :vocab_size]

@@ -182,15 +182,19 @@ def build_synthetic_model(
     return model.eval(), config
 
 
-def parameter_bytes(config: ModelConfig, dtype: torch.dtype = torch.bfloat16) -> dict[str, int]:
+def parameter_bytes(config: ModelConfig, dtype: torch.dtype = torch.bfloat16,
+                    parallel: ParallelConfig | None = None) -> dict[str, int]:
     """Weight bytes by role: 'dense' (read in full every step: attention, norms, routers, dense and shared MLPs,
     lm_head), 'embed' (the input table: a step reads only its tokens' rows), 'expert' (one routed expert of one
-    layer), and 'moe_layers' (how many layers have routed experts)."""
+    layer), 'moe_layers' (how many layers have routed experts) and 'local_experts' (routed experts per layer held
+    here). With `parallel`, the bytes of that rank's shard (TP-split dense weights and lm_head rows; EP: whole
+    experts, of which this rank holds E / N)."""
+    parallel = parallel or ParallelConfig()
     old = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device("meta"):
-            model = build_model(config)
+            model = build_model(config, parallel)
     finally:
         torch.set_default_dtype(old)
     dense = embed = experts = 0
@@ -203,5 +207,8 @@ def parameter_bytes(config: ModelConfig, dtype: torch.dtype = torch.bfloat16) ->
         else:
             dense += size
     n_moe = len(config.moe_layers)
-    per_expert = experts // (n_moe * config.moe.num_experts) if n_moe else 0
-    return {"dense": dense, "embed": embed, "expert": per_expert, "moe_layers": n_moe}
+    local = 0
+    if n_moe:
+        local = config.moe.num_experts // parallel.tp_size if parallel.ep else config.moe.num_experts
+    per_expert = experts // (n_moe * local) if n_moe else 0
+    return {"dense": dense, "embed": embed, "expert": per_expert, "moe_layers": n_moe, "local_experts": local}

@@ -1,0 +1,85 @@
+"""step_bench --shard R/N: one rank's shard of a tensor-parallel model (routed experts expert-parallel) built and
+timed alone, without torch.distributed, and the bytes floor of that rank (hand-computed)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from specserve.bench import step_bench
+from specserve.errors import SpecserveError
+from specserve.models.config import ParallelConfig
+from specserve.models.presets import parameter_bytes, synthetic_config
+from target_service.factory import EngineConfig
+
+
+def _int4(out_features: int, in_features: int) -> int:  # int32 words of 8 values + a bf16 scale per 32
+    return out_features * (in_features // 8 * 4 + in_features // 32 * 2)
+
+
+def test_kimi_k2_int4_shard_bytes_hand_computed():
+    rank0 = ParallelConfig(tp_rank=0, tp_size=4, ep=True, collectives=False)
+    b = parameter_bytes(synthetic_config("kimi-k2-layer-int4"), parallel=rank0)
+    h, heads = 7168, 64 // 4  # MLA heads split 4 ways
+    attention = (h * 1536 + 1536 + heads * 192 * 1536 + h * 576 + 512 + heads * 256 * 512 + h * heads * 128) * 2
+    norms = 3 * h * 2  # input, post-attention, final
+    router = 384 * h * 2 + 384 * 4  # bf16 gate + float32 correction bias (replicated)
+    shared = 3 * (2048 // 4) * h * 2  # shared expert TP-split
+    lm_head = 163840 // 4 * h * 2
+    assert b["dense"] == attention + norms + router + shared + lm_head
+    assert b["local_experts"] == 96 and b["expert"] == 2 * _int4(2048, h) + _int4(h, 2048)  # whole int4 experts
+    assert b["embed"] == 163840 * h * 2  # replicated table (a step reads only its rows)
+    full = parameter_bytes(synthetic_config("kimi-k2-layer-int4"))
+    assert full["local_experts"] == 384 and full["expert"] == b["expert"] and full["dense"] > b["dense"]
+
+
+def test_shard_runs_alone_on_cpu_and_counts_its_own_experts(tmp_path):
+    # tiny-kimi-k2-int4: 2 layers (dense, then MoE with 8 experts top-2 + a shared expert), 4 MLA heads
+    argv = ["--models", "tiny-kimi-k2-int4", "--contexts", "8", "--max-k", "2", "--reps", "1", "--eager-reps", "1",
+            "--device", "cpu", "--dtype", "float32", "--no-graphs", "--shard", "1/4", "--out", str(tmp_path)]
+    assert step_bench.main(argv) == 0
+    report = json.loads((tmp_path / "step_bench.json").read_text())
+    (res,) = report["results"]
+    assert "error" not in res, res
+    assert res["shard"] == {"rank": 1, "size": 4, "ep": True, "collectives": False} and res["layers"] == 2
+    assert res["weight_bytes"]["local_experts"] == 2 and res["lm_head_bytes"] == 256 // 4 * 64 * 4  # float32 run
+    assert [r["k"] for r in res["rows"]] == [0, 1, 2]
+    for r in res["rows"]:
+        # this rank holds experts 2 and 3 of one MoE layer: at most 2 distinct, plus expert 2 for others' choices
+        assert 0 <= r["experts_local"] <= min(2, 2 * r["tokens"]) and r["experts_local"] <= r["experts_computed"]
+        assert r["experts_computed"] <= 2 and r["experts_touched"] <= 8
+        assert r["floor_bytes"]["experts"] == r["experts_local"] * res["weight_bytes"]["expert"]
+        assert r["floor_bytes"]["dense"] == res["weight_bytes"]["dense"] + r["tokens"] * 64 * 2
+        assert r["graph_ms"] > 0 and r["floor_computed_ms"] >= r["floor_ms"]
+    assert "[shard 1/4]" in (tmp_path / "step_bench.md").read_text()
+
+
+def test_shard_flag_and_engine_config_refusals(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exc:
+        step_bench.parse_args(["--shard", "4/4"])
+    assert exc.value.code == 2 and "--shard: expected R/N" in capsys.readouterr().err
+    with pytest.raises(SpecserveError, match="synthetic presets in one process"):
+        EngineConfig(model=str(tmp_path), bench_shard=(0, 4))  # never a checkpoint a service would serve
+    with pytest.raises(SpecserveError, match="synthetic presets in one process"):
+        EngineConfig(model="synthetic:tiny-kimi-k2", bench_shard=(0, 2), tensor_parallel_size=2)
+    with pytest.raises(SpecserveError, match="N >= 2"):
+        EngineConfig(model="synthetic:tiny-kimi-k2", bench_shard=(0, 1))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_shard_rows_replay_cuda_graphs_on_gpu(tmp_path):
+    # mini-kimi-k2-int4: Kimi-K2's MLA latent dims, a dense layer then an int4 MoE layer; rank 0 of 4 holds 4 of its
+    # 16 experts and 4 of its 16 heads
+    argv = ["--models", "mini-kimi-k2-int4", "--contexts", "64", "--max-k", "3", "--reps", "3",
+            "--eager-reps", "1", "--shard", "0/4", "--out", str(tmp_path)]
+    assert step_bench.main(argv) == 0
+    results = json.loads((tmp_path / "step_bench.json").read_text())["results"]
+    assert [r["layers"] for r in results] == [2]
+    for res in results:
+        assert "error" not in res, res
+        assert res["weight_bytes"]["local_experts"] == 4 and res["graphs"] > 0, res
+        for r in res["rows"]:
+            assert r["graph_used"] and r["replay_ms"] > 0 and r["experts_local"] <= r["experts_computed"], r
