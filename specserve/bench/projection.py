@@ -224,6 +224,21 @@ def save_shape_timings(timings: ShapeTimings, path: Path) -> None:
     }, indent=2) + "\n", encoding="utf-8")
 
 
+def load_run(summary_path: Path) -> tuple[dict, list[dict]]:
+    """(methods, steps) of a finished bench run: its summary.json's methods (each with its k) and the steps.jsonl
+    beside it ([] when absent). Raises OSError / ValueError / KeyError on a missing or malformed file."""
+    summary = json.loads(Path(summary_path).read_text(encoding="utf-8"))
+    methods = summary["methods"]
+    k = summary.get("config", {}).get("num_speculative_tokens")
+    for m in methods.values():  # runs from before --fixed-k recorded no per-method k: it was this one
+        if m.get("kind") == "specserve" and "k" not in m:
+            m["k"] = 0 if m.get("drafter") == "none" else k
+    steps_path = Path(summary_path).parent / "steps.jsonl"
+    steps = [json.loads(line) for line in steps_path.read_text(encoding="utf-8").splitlines()
+             if line.strip()] if steps_path.exists() else []
+    return methods, steps
+
+
 def main(argv: list[str] | None = None) -> int:
     """Project from a finished bench run: python -m specserve.bench.projection SUMMARY STEP_BENCH [--context N]
     (per-method projections need the run's steps.jsonl beside its summary.json)"""
@@ -237,15 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--context", type=int, default=None)
     args = parser.parse_args(argv)
     try:
-        summary = json.loads(args.summary.read_text(encoding="utf-8"))
-        methods = summary["methods"]
-        k = summary.get("config", {}).get("num_speculative_tokens")
-        for m in methods.values():  # runs from before --fixed-k recorded no per-method k: it was this one
-            if m.get("kind") == "specserve" and "k" not in m:
-                m["k"] = 0 if m.get("drafter") == "none" else k
-        steps_path = args.summary.parent / "steps.jsonl"
-        steps = [json.loads(line) for line in steps_path.read_text(encoding="utf-8").splitlines()
-                 if line.strip()] if steps_path.exists() else []
+        methods, steps = load_run(args.summary)
         out = project_run(load_shape_timings(args.timings, args.model, args.context), methods, steps)
     except (OSError, ValueError, KeyError, ProjectionError) as exc:
         print(f"projection: error: {exc}", file=sys.stderr)
