@@ -138,7 +138,7 @@ def _rank_main(rank: int, args: argparse.Namespace, port: int, out_path: str) ->
         torch.set_num_threads(1)
         device = torch.device("cpu")
     dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=args.world_size)
+                            world_size=args.world_size, device_id=device if cuda else None)
     try:
         reduce_points, gather_points = [], []
         gen = torch.Generator(device=device).manual_seed(rank)
