@@ -83,6 +83,9 @@ NOTES = (
     "experts_computed), so the shard reads that expert too; the real rank 0 would do the same under this code.",
     "Every layer is priced as the measured MoE layer; Kimi-K2.6's layer 0 has a dense MLP instead.",
     "Collectives are added, not overlapped: the all-reduces sit between dependent kernels of one step.",
+    "The step is priced as one CUDA-graph replay per rank with the collectives inside (the shard's graph step, "
+    "host work included); today's ParallelTargetEngine runs eager and sends each step's command to the workers "
+    "over gloo, so it would be slower than this.",
     "Ranks 1-3 are assumed as fast as rank 0 (the slowest rank sets the step; expert load differs per rank).",
     "Draft time is not included: no drafter of this size was timed.",
     "The acceptance is that of the given bench run's drafters on their own target (e.g. the shipped demo model), "
