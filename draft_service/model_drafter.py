@@ -11,10 +11,15 @@ its logits), truncates the block table there and feeds the rest.
 
 Tree levels are fed WITHOUT writing the cache (slot -1): the nodes to expand and their ancestors go in
 as new tokens under a tree mask, on top of S's cached context.
+
+On CUDA (``DrafterConfig.graph_window`` > 0, a dense draft LM the paged torch attention serves) chains run as CUDA
+graphs (model_graph.py): the catch-up feed of up to max_block_size + 1 tokens and the k drafted tokens in two replays,
+greedy or sampled; longer feeds (a prompt) run eagerly first. Trees, and chains past the window, stay eager.
 """
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -35,6 +40,7 @@ from specserve.draft_service.proposer import (
     common_prefix_len,
 )
 from specserve.draft_service.tree import build_tree
+from specserve.models.attn_backend import paged_torch_unsupported
 from specserve.models.attn_metadata import AttentionBatch
 from specserve.models.block_manager import BlockManager, OutOfBlocks
 from specserve.models.kv_cache import PagedKVCache
@@ -58,6 +64,12 @@ class ModelProposer(Proposer):
             model_config.num_layers, config.kv_num_blocks, config.kv_block_size,
             model.kv_entry_shape(), dtype, self.device,
         )
+        self.chain_graphs = None  # chains as CUDA graphs (model_graph.py), on CUDA
+        why = self._graphs_unsupported(model_config, config)
+        if not why:
+            self.chain_graphs = self._capture_graphs(config)
+        elif self.device.type == "cuda" and config.graph_window > 0:
+            warnings.warn(f"model drafter chains run eager: {why}", RuntimeWarning, stacklevel=2)
         super().__init__(
             DrafterInfo(
                 family="model",
@@ -70,6 +82,35 @@ class ModelProposer(Proposer):
                 supports_tree=True,
             )
         )
+
+    def _graphs_unsupported(self, model_config, config: DrafterConfig) -> str:
+        """Why chains cannot run as CUDA graphs here ('' when they can)."""
+        if self.device.type != "cuda":
+            return f"device {self.device} is not CUDA"
+        if config.graph_window <= 0:
+            return "graph_window is 0"
+        if model_config.moe_layers:
+            return "a MoE draft LM (the torch MoE reference reads expert choices on the host)"
+        return paged_torch_unsupported(model_config)
+
+    def build_chain_graphs(self, window: int, k_max: int):
+        """The chain graphs' buffers over this drafter's model and cache, not captured yet (model_graph.py; on a
+        CPU their bodies run eagerly: tests check them there)."""
+        from specserve.draft_service.model_graph import ModelChainGraphs
+
+        width = min(self.mcfg.vocab_size, self.vocab_size)  # the logits _forward returns
+        window = min(window, self.kv.num_blocks * self.blocks.block_size)
+        return ModelChainGraphs(self.model, self.kv, self.blocks.block_size, window, width, k_max, k_max + 1)
+
+    def _capture_graphs(self, config: DrafterConfig):
+        graphs = self.build_chain_graphs(config.graph_window, config.max_block_size)
+        try:
+            graphs.capture()
+        except Exception as e:  # chains then run eager; the drafter still serves
+            warnings.warn(f"model drafter CUDA graphs not captured, chains run eager: {type(e).__name__}: {e}",
+                          RuntimeWarning, stacklevel=3)
+            return None
+        return graphs
 
     # ------------------------------------------------------------------ session state
     def _start_state(self, state: SessionState) -> None:
@@ -114,6 +155,9 @@ class ModelProposer(Proposer):
     @torch.inference_mode()
     def _draft_chain(self, state: SessionState, num_tokens: int) -> DraftBlock:
         fs: _ModelSession = state.family_state
+        graphs = self.chain_graphs
+        if graphs is not None and graphs.fits(len(state), num_tokens):
+            return self._draft_chain_graphs(state, num_tokens)
         logits = self._catch_up(state)
         drafted, qs = [], []
         for i in range(num_tokens):
@@ -124,6 +168,31 @@ class ModelProposer(Proposer):
             if i < num_tokens - 1:
                 logits = self._feed(fs, np.array([drafted[-1]], dtype=np.int64))
         probs = None if not qs else to_target_probs(torch.cat(qs), self.vocab_size)
+        return DraftBlock(token_ids=tuple(drafted), probs=probs)
+
+    def _draft_chain_graphs(self, state: SessionState, num_tokens: int) -> DraftBlock:
+        """The same chain through model_graph.py: feed (graph, or eager for a long feed), then the k draws in one
+        replay; the cache then holds S + the first k - 1 drafted tokens, as after the eager chain."""
+        fs: _ModelSession = state.family_state
+        graphs = self.chain_graphs
+        ids, L = state.ids, len(state)
+        keep = min(common_prefix_len(fs.kv_tokens, ids), L - 1)
+        feed, logits0 = None, None
+        if graphs.feeds(L - keep):
+            self.blocks.truncate(fs.key, keep)
+            fs.kv_tokens = fs.kv_tokens[:keep]
+            feed = (ids[keep:L].copy(), keep)
+        else:
+            logits0 = self._catch_up(state)
+        try:
+            table = self.blocks.grow(fs.key, L + num_tokens - 1)
+        except OutOfBlocks as e:
+            self.blocks.truncate(fs.key, keep)
+            fs.kv_tokens = fs.kv_tokens[:keep]
+            raise ProposerError(f"model drafter KV cache is full: {e}") from e
+        drafted, q = graphs.draft(table, L, num_tokens, state.sampling, state.generator, feed, logits0)
+        fs.kv_tokens = np.concatenate([ids[:L], np.asarray(drafted[:-1], dtype=np.int64)])
+        probs = None if q is None else to_target_probs(q, self.vocab_size)
         return DraftBlock(token_ids=tuple(drafted), probs=probs)
 
     @torch.inference_mode()

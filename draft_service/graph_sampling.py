@@ -1,0 +1,79 @@
+"""Sampled drafts inside a CUDA graph: q from sampling parameters held on the device, drawn with noise made before the
+replay (used by model_graph.py and dflash_graph.py).
+
+The eager drafters (drafting.draw_tokens) draw with torch.multinomial from q = target_probs(logits, params), the
+parameters baked in as host numbers. A captured graph cannot take new host numbers per request, nor read the device
+from the host. Here:
+
+- temperature, top_p and top_k live in one small device buffer, refilled before each replay (one host-to-device copy
+  from pinned memory), so one graph serves every sampled request;
+- q is specserve.models.probs.target_probs' transform (temperature, then top-k, then top-p), its Python branches
+  turned into device-side conditions (`device_target_probs`; tests compare the two on the CPU);
+- the drafted token is argmax(q / E) with E ~ Exp(1) drawn per vocabulary entry before the replay: P(argmax = x) =
+  q(x), so the token is a draw from q, and q goes back for the target's verify. The noise comes from a generator on
+  the graph's device, reseeded for every replay from the session's own generator (a seeded request stays
+  reproducible, and a session's draws depend only on its generator, as the eager chain's do).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specserve.contract.types import SamplingParams
+
+_TINY = 1e-30  # Exp(1) noise is clamped above 0: q(x) = 0 then scores 0, never 0 / 0
+
+
+def device_target_probs(
+    logits: torch.Tensor,  # [N, V]
+    temperature: torch.Tensor,  # 0-dim float32, > 0
+    top_k: torch.Tensor,  # 0-dim float32 holding an integer; 0 (or >= V) = off
+    top_p: torch.Tensor,  # 0-dim float32; 1.0 = off
+) -> torch.Tensor:  # [N, V] float32
+    """target_probs for a sampled request, with no host branch and no host read."""
+    x = logits.float()
+    n, vocab = x.shape
+    x = (x - x.max(dim=-1, keepdim=True).values) / temperature
+    k = top_k.long()
+    kth = x.sort(dim=-1, descending=True).values.gather(-1, (k - 1).clamp(0, vocab - 1).expand(n, 1))  # [N, 1]
+    x = x.masked_fill(((k > 0) & (k < vocab)) & (x < kth), float("-inf"))
+    probs = torch.softmax(x, dim=-1)
+    sorted_p, order = probs.sort(dim=-1, descending=True)
+    # drop a token when the mass strictly before it already reaches top_p (the first one stays); off at top_p = 1
+    drop = ((sorted_p.cumsum(-1) - sorted_p) >= top_p) & (top_p < 1.0)
+    nucleus = torch.zeros_like(probs).scatter_(-1, order, sorted_p.masked_fill(drop, 0.0))
+    nucleus = nucleus / nucleus.sum(-1, keepdim=True)
+    return torch.where(top_p < 1.0, nucleus, probs)
+
+
+class GraphSampler:
+    """The static buffers of sampled draws: parameters, noise, and the q of each drawn row."""
+
+    def __init__(self, rows: int, vocab: int, device: torch.device) -> None:
+        self.params = torch.tensor([1.0, 0.0, 1.0], device=device)  # [3] temperature, top_k, top_p
+        self.noise = torch.ones(rows, vocab, device=device)  # [R, V] Exp(1) draws of the next replay
+        self.q = torch.zeros(rows, vocab, device=device)  # [R, V] float32: q of every drawn row
+        self.generator = torch.Generator(device=device)  # reseeded from the session's generator by set()
+        self._host = torch.zeros(3, pin_memory=device.type == "cuda")
+        self._copied = torch.cuda.Event() if device.type == "cuda" else None
+
+    def set(self, sampling: SamplingParams, session_generator: torch.Generator, rows: int) -> None:
+        """Before a replay: this request's parameters, and fresh noise for its first `rows` draws (the session's
+        generator advances by one draw)."""
+        if self._copied is not None:
+            self._copied.synchronize()  # the last copy out of the staging buffer has run (long ago, in practice)
+        self._host.copy_(torch.tensor([sampling.temperature, float(sampling.top_k), sampling.top_p]))
+        self.params.copy_(self._host, non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()
+        self.generator.manual_seed(int(torch.randint(0, 2**62, (1,), generator=session_generator)))
+        self.noise[:rows].exponential_(generator=self.generator).clamp_min_(_TINY)
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:  # [N, V] -> [N, V] float32
+        return device_target_probs(logits, self.params[0], self.params[1], self.params[2])
+
+    def draw(self, logits: torch.Tensor, start: int, end: int) -> torch.Tensor:  # [end - start, V] -> [end - start]
+        """Draw rows start..end-1 of this replay: q into self.q, the tokens returned (device ops only)."""
+        q = self.probs(logits)
+        self.q[start:end].copy_(q)
+        return (q / self.noise[start:end]).argmax(dim=-1)

@@ -1,0 +1,201 @@
+"""The draft LM's steps as CUDA graphs (the `model` drafter, model_drafter.py): the catch-up feed and the whole chain.
+
+Eager, a propose is one forward per token, each of a new shape, through the per-sequence torch attention (which reads
+lengths on the host). Here every forward runs on fixed buffers over the drafter's own paged cache, through the
+graph-safe paged torch attention (specserve/models/paged_torch_attention.py: a fixed window of NB blocks, the lengths
+in device tensors), bound to buffers this module fills on the device:
+
+- feed graph n (n = 1..feed_max): feeds the n tokens the session's cache lacks (accepted tokens + the pending token)
+  at cache positions start..start+n-1, causally, and keeps the last row's logits in `logits0` [V];
+- chain graph (k, greedy | sampled), k = 1..k_max: draws drafted token 0 from `logits0`, then k - 1 times writes the
+  last drawn token in place as the next input at position ctx + i (its cache slot read from the block table on the
+  device), runs one forward, and draws the next token from its logits. Greedy: the argmax, as the eager chain.
+  Sampled: a draw from the request's q (graph_sampling.py), q kept for the target's verify.
+
+Before the replays, one host-to-device copy (pinned) brings the two start positions, the feed's token ids and the
+session's block table (grown first to cover every position the chain writes); after them the chain's tokens (and q)
+are read once. A feed too long for the feed graphs (a prompt) runs eagerly and its logits are copied into `logits0`.
+Not captured (a CPU, or before capture()), the same bodies run eagerly over the same buffers: CPU tests check them.
+Graphs are captured before any session holds blocks: warm-up and capture write scratch K/V into block 0.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from specserve.contract.types import SamplingParams
+from specserve.draft_service.graph_sampling import GraphSampler
+from specserve.models.attn_metadata import AttentionBatch
+from specserve.models.kv_cache import PagedKVCache
+from specserve.models.paged_torch_attention import PagedStep, PagedTorchBackend, StepShape
+
+
+@dataclass(frozen=True)
+class _Forward:
+    """The static state of a T-token forward: attention buffers, positions and cache slots (filled on the device)."""
+
+    step: PagedStep  # block table [1, NB], cached length [1], causal mask [T, T]
+    attn: AttentionBatch  # its slot_mapping is `slots`; its host lengths are unused (the backend is bound to step)
+    pos: torch.Tensor  # [T] int64
+    slots: torch.Tensor  # [T] int64
+
+
+class ModelChainGraphs:
+    """Feed graphs for 1..feed_max tokens and chain graphs for 1..k_max drafted tokens, greedy and sampled, sharing one
+    set of static buffers and one memory pool."""
+
+    def __init__(self, model, kv: PagedKVCache, block_size: int, window: int, vocab: int, k_max: int,
+                 feed_max: int) -> None:
+        dev = kv.device
+        self.model, self.kv, self.block_size, self.vocab = model, kv, block_size, vocab
+        self.k_max, self.feed_max = k_max, feed_max
+        self.num_blocks = max(1, window // block_size)  # NB: the attention window in blocks
+        self.window = self.num_blocks * block_size  # positions a chain may reach
+        self.device = dev
+        self.backend = PagedTorchBackend(model.model.layers[0].self_attn, block_size, dev)
+        n_args = 2 + feed_max + self.num_blocks
+        self.args = torch.zeros(n_args, dtype=torch.int64, device=dev)  # [2 + feed_max + NB]
+        self.feed_start = self.args[0]  # 0-dim: cache position of the feed's first token
+        self.chain_start = self.args[1]  # 0-dim: cache position of drafted token 0 (= len(S))
+        self.feed_ids = self.args[2 : 2 + feed_max]  # [feed_max]
+        self.table = self.args[2 + feed_max :]  # [NB] the session's block table, zero-padded
+        self._host = torch.zeros(n_args, dtype=torch.int64, pin_memory=dev.type == "cuda")
+        self._copied = torch.cuda.Event() if dev.type == "cuda" else None
+        self.logits0 = torch.zeros(vocab, dtype=torch.float32, device=dev)  # [V] logits after the pending token
+        self.tokens = torch.zeros(k_max, dtype=torch.int64, device=dev)  # [k_max] drafted ids
+        self.sampler = GraphSampler(k_max, vocab, dev)
+        self._arange = torch.arange(max(feed_max, 1), dtype=torch.int64, device=dev)
+        self._forwards = {t: self._new_forward(t) for t in range(1, max(feed_max, 1) + 1)}
+        self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}  # empty until capture(): bodies then run eagerly
+
+    def _new_forward(self, t: int) -> _Forward:
+        step = PagedStep(StepShape(1, t, t, self.num_blocks), self.device, pinned=False)
+        step.new_mask.copy_(torch.ones(t, t, dtype=torch.bool).tril())  # row_request stays 0 (one request)
+        slots = torch.zeros(t, dtype=torch.int64, device=self.device)
+        attn = AttentionBatch(query_lens=(t,), context_lens=(0,), block_tables=((0,),), slot_mapping=slots,
+                              tree_masks=(None,))
+        return _Forward(step, attn, torch.zeros(t, dtype=torch.int64, device=self.device), slots)
+
+    # ---- what the graphs record ------------------------------------------------------------------
+    def _forward(self, ids: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
+        """ids [T] at cache positions start..start+T-1 (start: 0-dim) -> logits [T, V] float32 (device ops only)."""
+        f = self._forwards[ids.shape[0]]
+        pos = start + self._arange[: ids.shape[0]]  # [T]
+        f.step.block_tables[0].copy_(self.table)
+        f.step.context_lens.copy_(start.reshape(1))
+        f.pos.copy_(pos)
+        f.slots.copy_(self.table.gather(0, pos // self.block_size) * self.block_size + pos % self.block_size)
+        self.backend.bind(f.attn, f.step)
+        out = self.model(ids, f.pos, f.attn, self.kv)
+        return self.model.compute_logits(out.hidden)[:, : self.vocab]
+
+    def _feed_body(self, n: int) -> None:
+        self.logits0.copy_(self._forward(self.feed_ids[:n], self.feed_start)[-1])
+
+    def _chain_body(self, k: int, sampled: bool) -> None:
+        logits = self.logits0[None]  # [1, V]
+        for i in range(k):
+            tok = self.sampler.draw(logits, i, i + 1) if sampled else logits.argmax(dim=-1)  # [1]
+            self.tokens[i : i + 1].copy_(tok)
+            if i == k - 1:
+                break
+            logits = self._forward(tok, self.chain_start + i)
+
+    def _body(self, key: tuple) -> None:
+        if key[0] == "feed":
+            self._feed_body(key[1])
+        else:
+            self._chain_body(key[1], key[2])
+
+    @contextlib.contextmanager
+    def _paged(self):
+        """The model's attention through this module's paged backend (the eager drafter keeps its own attention)."""
+        previous = self.model.attn_backend
+        self.model.set_attention_backend(self.backend)
+        try:
+            yield
+        finally:
+            self.model.set_attention_backend(previous)
+
+    def _keys(self) -> list[tuple]:
+        feeds = [("feed", n) for n in range(self.feed_max, 0, -1)]
+        return feeds + [("chain", k, s) for k in range(self.k_max, 0, -1) for s in (True, False)]
+
+    # ---- capture and replay ----------------------------------------------------------------------
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Capture every feed and chain graph (before any session holds blocks; the weights must not move after)."""
+        dev = self.device
+        stream = torch.cuda.Stream(dev)
+        stream.wait_stream(torch.cuda.current_stream(dev))
+        with self._paged(), torch.cuda.stream(stream):
+            for key in self._keys():  # warm-up outside the capture (cuBLAS handles, allocator)
+                self._body(key)
+        torch.cuda.current_stream(dev).wait_stream(stream)
+        pool = torch.cuda.graph_pool_handle()
+        with self._paged():
+            for key in self._keys():
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+                    self._body(key)
+                self._graphs[key] = graph
+        torch.cuda.synchronize(dev)
+
+    @property
+    def captured(self) -> int:
+        return len(self._graphs)
+
+    def fits(self, seq_len: int, k: int) -> bool:
+        """Whether a chain of k after a sequence of seq_len tokens stays inside the window."""
+        return 1 <= k <= self.k_max and seq_len + k - 1 <= self.window
+
+    def feeds(self, n: int) -> bool:
+        return 1 <= n <= self.feed_max
+
+    def _run(self, key: tuple) -> None:
+        graph = self._graphs.get(key)
+        if graph is not None:
+            graph.replay()
+        else:
+            with self._paged():
+                self._body(key)
+
+    @torch.inference_mode()
+    def draft(
+        self,
+        table: Sequence[int],  # the session's block table, covering positions < chain_start + k - 1
+        chain_start: int,  # len(S): cache position of drafted token 0
+        k: int,
+        sampling: SamplingParams,
+        generator: torch.Generator,  # the session's (sampled requests: seeds the replay's noise)
+        feed: tuple[np.ndarray, int] | None = None,  # (ids [n], start): tokens the cache lacks, fed by a feed graph
+        logits0: torch.Tensor | None = None,  # [V] logits after the pending token, when the feed ran eagerly
+    ) -> tuple[list[int], torch.Tensor | None]:  # k drafted ids, q [k, V] float32 (sampled) or None
+        if self._copied is not None:
+            self._copied.synchronize()  # the previous copy out of the staging buffer has run
+        h = self._host
+        h.zero_()
+        h[1] = chain_start
+        if feed is not None:
+            ids, start = feed
+            h[0] = start
+            h[2 : 2 + len(ids)] = torch.from_numpy(np.ascontiguousarray(ids, dtype=np.int64))
+        h[2 + self.feed_max : 2 + self.feed_max + len(table)] = torch.tensor(table, dtype=torch.int64)
+        self.args.copy_(h, non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()
+        sampled = not sampling.greedy
+        if sampled:
+            self.sampler.set(sampling, generator, k)
+        if feed is not None:
+            self._run(("feed", len(feed[0])))
+        else:
+            self.logits0.copy_(logits0)
+        self._run(("chain", k, sampled))
+        tokens = self.tokens[:k].tolist()  # the propose's one device read (q follows it)
+        return tokens, (self.sampler.q[:k].clone() if sampled else None)

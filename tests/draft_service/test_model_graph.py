@@ -1,0 +1,170 @@
+"""The draft LM's chains as CUDA graphs (draft_service/model_graph.py).
+
+On the CPU the graphs' bodies run eagerly over the same static buffers (block table, lengths and slots set on the
+device, the paged torch attention over a fixed window, tokens written in place): a session driven through random
+accept patterns and rollbacks drafts what a fresh eager drafter drafts, greedy; sampled, q is the target sampler's
+transform of the draft model's own logits and the tokens follow it. On a GPU (marked gpu): captured graphs draft what
+the eager chain drafts on the shipped demo, the speculative output equals target-only, and a sampled chain replayed
+from its graphs equals the same chain run through the bodies eagerly, seed for seed.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from draft_helpers import check_two_draws_follow_q, rollback_matches_fresh
+
+from specserve.contract.types import SamplingParams
+from specserve.draft_service.model_drafter import ModelProposer
+from specserve.draft_service.proposer import DrafterConfig
+from specserve.draft_service.registry import build_proposer
+from specserve.models.probs import target_probs
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def config(tiny_ckpt, **kw):
+    kw = dict(dict(dtype="float64", kv_num_blocks=64, max_block_size=6, kv_block_size=4), **kw)
+    return DrafterConfig(family="model", checkpoint=tiny_ckpt("draft_llama"), target_checkpoint=tiny_ckpt("target_moe"),
+                         **kw)
+
+
+def with_graph_bodies(proposer: ModelProposer, window: int = 256) -> ModelProposer:
+    """The proposer drafting chains through the (uncaptured) graph bodies."""
+    proposer.chain_graphs = proposer.build_chain_graphs(window, proposer.info.max_block_size)
+    return proposer
+
+
+def test_cpu_drafter_has_no_graphs_unless_given(tiny_ckpt):
+    p = build_proposer(config(tiny_ckpt))
+    assert p.chain_graphs is None and p.model.attn_backend is None
+    g = with_graph_bodies(build_proposer(config(tiny_ckpt)))
+    assert g.chain_graphs.captured == 0 and g.chain_graphs.window == 256
+
+
+@pytest.mark.parametrize("live", ["graphs", "eager"])
+def test_graph_bodies_draft_what_the_eager_chain_drafts(tiny_ckpt, live):
+    """Greedy: a long-lived session on one path, after every random accept / rollback step, drafts the block a fresh
+    session on the other path drafts (feed graph for short catch-ups, eager feed for the prompt)."""
+    from specserve.models.loader import load_model
+
+    cfg = config(tiny_ckpt)
+    model, mcfg = load_model(cfg.checkpoint, dtype=torch.float64, progress=False)
+    info = build_proposer(cfg).info
+    made = []
+
+    def make():
+        p = ModelProposer(model, mcfg, cfg, info.vocab_size, info.vocab_hash)
+        first = not made
+        made.append(p)
+        return with_graph_bodies(p) if first == (live == "graphs") else p
+
+    rollback_matches_fresh(make, None, 64, steps=14, k=5, sampled=False)
+
+
+def test_sampled_graph_chains_sync_like_fresh_ones(tiny_ckpt):
+    """Sampled: the noise follows the session's generator, so a live session's blocks (tokens and q) equal a fresh
+    session's reseeded alike, through rollbacks."""
+    from specserve.models.loader import load_model
+
+    cfg = config(tiny_ckpt)
+    model, mcfg = load_model(cfg.checkpoint, dtype=torch.float64, progress=False)
+    info = build_proposer(cfg).info
+    rollback_matches_fresh(lambda: with_graph_bodies(ModelProposer(model, mcfg, cfg, info.vocab_size, info.vocab_hash)),
+                           None, 64, steps=10, k=4, sampled=True)
+
+
+def test_sampled_graph_q_is_the_sampling_transform_of_the_draft_logits(tiny_ckpt):
+    sampling = SamplingParams(temperature=0.7, top_k=5, top_p=0.9, seed=0)
+    p = with_graph_bodies(build_proposer(config(tiny_ckpt)))
+    seq = [5, 9, 2, 33, 7]
+    p.start("s", seq, None, sampling)
+    block = p.propose("s", len(seq), [], None, 3)
+    assert block.probs.shape == (3, 64) and block.probs.dtype == torch.float32
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny_ckpt("draft_llama"), dtype=torch.float64)
+    with torch.no_grad():
+        logits = hf(torch.tensor([seq + list(block.token_ids[:2])])).logits[0, len(seq) - 1 :]
+    torch.testing.assert_close(block.probs, target_probs(logits, sampling).float(), atol=1e-5, rtol=1e-4)
+    assert all(block.probs[i, t] > 0 for i, t in enumerate(block.token_ids))
+
+
+def test_sampled_graph_draws_follow_their_q(tiny_ckpt):
+    p = with_graph_bodies(build_proposer(config(tiny_ckpt, kv_num_blocks=16)))
+    check_two_draws_follow_q(p, [5, 9, 2, 33, 7], None, runs=1500)
+
+
+def test_chain_past_the_window_drafts_eagerly(tiny_ckpt):
+    """A chain that would reach past the window takes the eager path (and still drafts what it drafts)."""
+    eager, graphs = build_proposer(config(tiny_ckpt)), with_graph_bodies(build_proposer(config(tiny_ckpt)), window=8)
+    seq = [1, 2, 3, 4, 5, 6]
+    assert graphs.chain_graphs.fits(len(seq), 3) and not graphs.chain_graphs.fits(len(seq), 4)
+    for p in (eager, graphs):
+        p.start("s", seq, None, SamplingParams())
+    assert graphs.propose("s", len(seq), [], None, 4) == eager.propose("s", len(seq), [], None, 4)
+
+
+# ---------------------------------------------------------------- GPU: captured graphs
+def _demo_engine(dtype):
+    from specserve.paths import demo_checkpoint
+    from specserve.target_service.factory import EngineConfig, build_engine
+
+    return build_engine(EngineConfig(model=demo_checkpoint("target"), device="cuda", dtype=dtype))
+
+
+def _demo_proposer(dtype, window):
+    from specserve.paths import demo_checkpoint
+
+    return build_proposer(DrafterConfig("model", checkpoint=demo_checkpoint("model"),
+                                        target_checkpoint=demo_checkpoint("target"), device="cuda", dtype=dtype,
+                                        max_block_size=4, graph_window=window))
+
+
+PROMPTS = ("def parse_args(argv):\n", "class Stack:\n    def push(self, x):", "import os\n")
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_captured_chains_on_the_demo_equal_target_only_and_the_eager_chain(dtype):
+    """float32: the same drafted blocks as the eager chain, step for step; both dtypes: output = target-only."""
+    from specserve.gateway.stats import SpecStats
+    from specserve.train.acceptance import speculative_greedy
+
+    engine = _demo_engine(dtype)
+    proposers = {window: _demo_proposer(dtype, window) for window in (0, 1024)}
+    assert proposers[0].chain_graphs is None and proposers[1024].chain_graphs.captured == 4 * 2 + 5
+    for i, text in enumerate(PROMPTS):
+        prompt = engine.tokenizer.encode(text).ids
+        want = engine.generate_greedy(prompt, 40)
+        per_step = {}
+        for window, proposer in proposers.items():
+            stats = SpecStats()
+            got = speculative_greedy(engine, proposer, f"p{i}-{window}", prompt, 4, 40, stats)
+            assert got[:40] == want, f"window {window}: speculative output differs from target-only"
+            per_step[window] = {k: v for k, v in stats.as_dict().items() if not k.endswith("_s")}
+        if dtype == "float32":
+            assert per_step[1024] == per_step[0]
+        assert per_step[1024]["mean_accepted_length"] > 1.0
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_captured_sampled_chain_equals_its_bodies_run_eagerly():
+    """The same sessions (same seeds, same rollbacks) through replays and through the bodies: tokens equal, q close."""
+    replayed = _demo_proposer("float32", 1024)
+    eager_bodies = _demo_proposer("float32", 1024)
+    eager_bodies.chain_graphs._graphs.clear()  # the bodies then run eagerly over the same buffers
+    seq = list(range(20, 60))
+    sampling = SamplingParams(temperature=0.8, top_p=0.95, top_k=50, seed=3)
+    blocks = {}
+    for name, p in (("replayed", replayed), ("eager", eager_bodies)):
+        p.start("s", seq, None, sampling)
+        got = [p.propose("s", len(seq), [], None, 4)]
+        got.append(p.propose("s", len(seq) + 2, [7], None, 3))  # two drafted tokens accepted, then a feed of 1
+        got.append(p.propose("s", len(seq) + 1, [9, 11], None, 4))  # a rollback: feed of 2 after a kept prefix
+        blocks[name] = got
+    for a, b in zip(blocks["replayed"], blocks["eager"]):
+        assert a.token_ids == b.token_ids
+        torch.testing.assert_close(a.probs, b.probs, atol=1e-5, rtol=1e-4)
