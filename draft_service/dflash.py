@@ -41,11 +41,16 @@ says how it maps onto DFlashConfig's features; the model and the proposer are th
 
 Session cache: per layer the K/V of the context rows of CONFIRMED positions (tokens of S with target
 rows); rollback keeps the longest prefix whose tokens still match S.
+
+On CUDA (``DrafterConfig.graph_window`` > 0) a block's passes run as one CUDA graph per block length, greedy or
+sampled (dflash_graph.py), over a window of that many context rows; the context K/V are still computed eagerly, and
+a longer context drafts eagerly.
 """
 
 from __future__ import annotations
 
 import json
+import warnings
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -147,7 +152,7 @@ class DFlashModel(nn.Module):
     def block_logits(
         self,
         first_token: torch.Tensor,  # [1] int64, the pending token
-        first_pos: int,  # its position
+        first_pos: int | torch.Tensor,  # its position (an int, or a 0-dim int64 device tensor inside a CUDA graph)
         ctx_kv: list[tuple[torch.Tensor, torch.Tensor]],  # per layer ([P, Hkv, D], [P, Hkv, D])
         ctx_mask: torch.Tensor | None = None,  # [b, P] bool; None = every block query sees all context
         given: torch.Tensor | None = None,  # [m] int64 known tokens at block positions 1..m (m <= b - 1)
@@ -157,7 +162,7 @@ class DFlashModel(nn.Module):
         if len(known) > b:
             raise ValueError(f"{len(known) - 1} given tokens do not fit a block of {b}")
         x = self._block_input(known)  # [b, H]
-        pos = torch.arange(first_pos, first_pos + b, device=x.device)
+        pos = first_pos + torch.arange(b, device=x.device)  # [b]
         cos, sin = self.rotary.cos_sin(pos, x.dtype)
         p = ctx_kv[0][0].shape[0]
         mask = torch.ones(b, p + b, dtype=torch.bool, device=x.device)
@@ -274,6 +279,7 @@ def _copy_checked(param: torch.Tensor, src: torch.Tensor, what: str) -> None:
 class _DFlashSession:
     kv: list[tuple[torch.Tensor, torch.Tensor]]  # per layer context K/V of confirmed positions
     tokens: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # [P] their tokens
+    window_rows: int = 0  # rows of kv unchanged since the graph window last copied them (dflash_graph.py)
 
 
 class DFlashProposer(Proposer):
@@ -283,6 +289,9 @@ class DFlashProposer(Proposer):
         self.passes = replace(model.cfg, denoise_steps=config.denoise_steps or model.cfg.denoise_steps).denoise_steps
         self.device = torch.device(config.device)
         self.vocab_size = model.cfg.vocab_size
+        self.block_graphs = None  # a block's passes as CUDA graphs (dflash_graph.py), on CUDA
+        if self.device.type == "cuda" and config.graph_window > 0:
+            self.block_graphs = self._capture_graphs(config)
         super().__init__(
             DrafterInfo(
                 family="dflash",
@@ -295,6 +304,23 @@ class DFlashProposer(Proposer):
                 supports_tree=False,
             )
         )
+
+    def build_block_graphs(self, window: int, k_max: int):
+        """The block graphs' buffers over this drafter's model, not captured yet (dflash_graph.py; on a CPU their
+        passes run eagerly: tests check them there)."""
+        from specserve.draft_service.dflash_graph import DFlashBlockGraphs
+
+        return DFlashBlockGraphs(self.model, window, min(k_max, self.model.cfg.drafts_per_block), self.passes)
+
+    def _capture_graphs(self, config: DrafterConfig):
+        graphs = self.build_block_graphs(config.graph_window, config.max_block_size)
+        try:
+            graphs.capture()
+        except Exception as e:  # blocks then run eager; the drafter still serves
+            warnings.warn(f"dflash CUDA graphs not captured, blocks run eager: {type(e).__name__}: {e}",
+                          RuntimeWarning, stacklevel=3)
+            return None
+        return graphs
 
     def _hidden_width(self) -> int:
         return len(self.model.cfg.target_layer_ids) * self.model.cfg.target_hidden_size
@@ -316,7 +342,15 @@ class DFlashProposer(Proposer):
         else:
             fs.kv = [(k[:keep], v[:keep]) for k, v in fs.kv]
         fs.tokens = ids[: L - 1].copy()
+        fs.window_rows = min(fs.window_rows, keep)
         state.drop_hidden_before(L - 1 - ROLLBACK_ROWS)
+        graphs = self.block_graphs
+        if graphs is not None and graphs.fits(L - 1, num_tokens):
+            drafted, q = graphs.draft(fs, fs.kv, fs.window_rows, int(ids[L - 1]), L - 1, num_tokens, state.sampling,
+                                      state.generator)
+            fs.window_rows = L - 1
+            probs = None if q is None else to_target_probs(q, self.vocab_size)
+            return DraftBlock(token_ids=tuple(drafted), probs=probs)
         first = torch.as_tensor(ids[L - 1 : L], device=self.device)
         passes = min(self.passes, num_tokens)
         tokens, qs = first.new_zeros(0), []

@@ -1,0 +1,174 @@
+"""DFlash blocks as CUDA graphs (draft_service/dflash_graph.py).
+
+On the CPU the graphs' passes run eagerly over the same static buffers (a fixed window of context rows with a
+device-side length mask, the pending token and its position in device scalars, fixed tokens read in place): a
+session driven through random accept patterns and rollbacks drafts what a fresh eager drafter drafts (greedy, one
+pass and several); sampled, q is each pass's row and the tokens follow it. On a GPU (marked gpu): captured graphs
+draft what the eager proposer drafts on the shipped demo, the speculative output equals target-only, and a sampled
+block replayed from its graph equals the same block run through the passes eagerly, seed for seed.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from draft_helpers import FakeFeatures, check_two_draws_follow_q, rollback_matches_fresh
+
+from specserve.contract.types import SamplingParams
+from specserve.draft_service.dflash import DFlashConfig, DFlashModel, DFlashProposer, save_dflash
+from specserve.draft_service.proposer import DrafterConfig
+from specserve.draft_service.registry import build_proposer
+
+VOCAB, TH, LAYERS = 40, 12, (0, 2)
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.fixture(scope="module", params=[1, 3], ids=["one_pass", "three_passes"])
+def ckpt(request, tmp_path_factory):
+    torch.manual_seed(0)
+    cfg = DFlashConfig(hidden_size=16, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=4,
+                       intermediate_size=32, vocab_size=VOCAB, block_size=5, target_hidden_size=TH,
+                       target_layer_ids=LAYERS, denoise_steps=request.param)
+    model = DFlashModel(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn_like(p) * 0.4)
+    out = tmp_path_factory.mktemp("dflash_graph") / "d"
+    save_dflash(model, out)
+    return out
+
+
+def proposer(path, graphs: bool, window: int = 64) -> DFlashProposer:
+    p = build_proposer(DrafterConfig(family="dflash", checkpoint=path, dtype="float64", max_block_size=4))
+    assert p.block_graphs is None  # CPU: no graphs unless given
+    if graphs:
+        p.block_graphs = p.build_block_graphs(window, p.info.max_block_size)
+    return p
+
+
+@pytest.mark.parametrize("live", ["graphs", "eager"])
+def test_graph_passes_draft_what_the_eager_proposer_drafts(ckpt, live):
+    made = []
+
+    def make():
+        first = not made
+        made.append(1)
+        return proposer(ckpt, graphs=first == (live == "graphs"))
+
+    rollback_matches_fresh(make, FakeFeatures(VOCAB, len(LAYERS) * TH), VOCAB, steps=12, sampled=False)
+
+
+def test_sampled_graph_blocks_sync_like_fresh_ones(ckpt):
+    rollback_matches_fresh(lambda: proposer(ckpt, graphs=True), FakeFeatures(VOCAB, len(LAYERS) * TH), VOCAB,
+                           steps=8, sampled=True)
+
+
+def test_window_rows_follow_the_session_that_drafts(ckpt):
+    """Two sessions take turns on one window (each draft must copy its own rows in), greedy, against eager."""
+    feats = FakeFeatures(VOCAB, len(LAYERS) * TH)
+    eager, graphs = proposer(ckpt, graphs=False), proposer(ckpt, graphs=True)
+    seqs = {"a": [1, 2, 3, 4, 5, 6, 7], "b": [9, 8, 7, 6, 5]}
+    for p in (eager, graphs):
+        for sid, seq in seqs.items():
+            p.start(sid, seq, feats.rows(seq, 0, len(seq) - 1), SamplingParams())
+    for step in range(4):
+        for sid, seq in seqs.items():
+            want = eager.propose(sid, len(seq), [], None, 4)
+            assert graphs.propose(sid, len(seq), [], None, 4) == want, f"step {step} session {sid}"
+            nxt = (step * 7 + len(seq)) % VOCAB
+            for p in (eager, graphs):  # the first drafted token accepted, then one more
+                p.propose(sid, len(seq), [want.token_ids[0], nxt], feats.rows(seq + [want.token_ids[0]], len(seq) - 1,
+                                                                                 len(seq) + 1), 0)
+            seq += [want.token_ids[0], nxt]
+
+
+def test_sampled_graph_q_is_each_pass_row(ckpt):
+    p = proposer(ckpt, graphs=True)
+    feats = FakeFeatures(VOCAB, len(LAYERS) * TH)
+    seq = [1, 2, 3, 4, 5, 6]
+    p.start("s", seq, feats.rows(seq, 0, 5), SamplingParams(temperature=1.0, seed=3))
+    block = p.propose("s", 6, [], None, 4)
+    t, m, kv = list(block.token_ids), p.model, p.session("s").family_state.kv
+    passes = p.passes
+    with torch.no_grad():
+        rows = [m.block_logits(torch.tensor([6]), 5, kv, given=torch.tensor(t[:n], dtype=torch.int64))
+                for n in range(passes)]
+    want = torch.stack([rows[min(i, passes - 1)][i] for i in range(4)])  # token i: the row of the pass that fixed it
+    torch.testing.assert_close(block.probs, torch.softmax(want.double(), -1).float(), rtol=1e-5, atol=1e-6)
+
+
+def test_sampled_graph_draws_follow_their_q(ckpt):
+    """Token 2 drawn given token 1 (several passes: its q depends on token 1, which the helper's control needs)."""
+    p = proposer(ckpt, graphs=True)
+    if p.passes == 1:
+        pytest.skip("one pass: q_2 does not depend on token 1 (test_sampled_graph_q_is_each_pass_row covers q)")
+    feats = FakeFeatures(VOCAB, len(LAYERS) * TH)
+    seq = [1, 2, 3, 4, 5, 6]
+    check_two_draws_follow_q(p, seq, feats.rows(seq, 0, 5), runs=1500)
+
+
+def test_context_past_the_window_drafts_eagerly(ckpt):
+    feats = FakeFeatures(VOCAB, len(LAYERS) * TH)
+    eager, graphs = proposer(ckpt, graphs=False), proposer(ckpt, graphs=True, window=4)
+    seq = [1, 2, 3, 4, 5, 6]  # 5 context rows > the window's 4
+    assert not graphs.block_graphs.fits(len(seq) - 1, 4) and graphs.block_graphs.fits(4, 4)
+    for p in (eager, graphs):
+        p.start("s", seq, feats.rows(seq, 0, 5), SamplingParams())
+    assert graphs.propose("s", 6, [], None, 4) == eager.propose("s", 6, [], None, 4)
+
+
+# ---------------------------------------------------------------- GPU: captured graphs
+def _demo_proposer(dtype, window):
+    from specserve.paths import demo_checkpoint
+
+    return build_proposer(DrafterConfig("dflash", checkpoint=demo_checkpoint("dflash"),
+                                        target_checkpoint=demo_checkpoint("target"), device="cuda", dtype=dtype,
+                                        max_block_size=4, graph_window=window))
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_captured_blocks_on_the_demo_equal_target_only_and_the_eager_proposer(dtype):
+    """float32: the same drafted blocks as the eager proposer, step for step; both dtypes: output = target-only."""
+    from specserve.gateway.stats import SpecStats
+    from specserve.paths import demo_checkpoint
+    from specserve.target_service.factory import EngineConfig, build_engine
+    from specserve.train.acceptance import speculative_greedy
+
+    engine = build_engine(EngineConfig(model=demo_checkpoint("target"), device="cuda", dtype=dtype))
+    proposers = {window: _demo_proposer(dtype, window) for window in (0, 1024)}
+    assert proposers[0].block_graphs is None and proposers[1024].block_graphs.captured == 4 * 2
+    for i, text in enumerate(("def parse_args(argv):\n", "class Stack:\n    def push(self, x):", "import os\n")):
+        prompt = engine.tokenizer.encode(text).ids
+        want = engine.generate_greedy(prompt, 40)
+        per_step = {}
+        for window, p in proposers.items():
+            stats = SpecStats()
+            got = speculative_greedy(engine, p, f"p{i}-{window}", prompt, 4, 40, stats)
+            assert got[:40] == want, f"window {window}: speculative output differs from target-only"
+            per_step[window] = {k: v for k, v in stats.as_dict().items() if not k.endswith("_s")}
+        if dtype == "float32":
+            assert per_step[1024] == per_step[0]
+        assert per_step[1024]["mean_accepted_length"] > 1.0
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_captured_sampled_block_equals_its_passes_run_eagerly():
+    replayed, eager_passes = _demo_proposer("float32", 1024), _demo_proposer("float32", 1024)
+    eager_passes.block_graphs._graphs.clear()  # the passes then run eagerly over the same buffers
+    width = len(replayed.info.hidden_layers) * replayed.model.cfg.target_hidden_size
+    feats = torch.randn(64, width, generator=torch.Generator().manual_seed(0))
+    seq = list(range(20, 60))
+    sampling = SamplingParams(temperature=0.8, top_p=0.95, top_k=50, seed=3)
+    blocks = {}
+    for name, p in (("replayed", replayed), ("eager", eager_passes)):
+        p.start("s", seq, feats[: len(seq) - 1], sampling)
+        got = [p.propose("s", len(seq), [], None, 4)]
+        got.append(p.propose("s", len(seq), [7], feats[len(seq) - 1 : len(seq)], 3))
+        got.append(p.propose("s", len(seq) - 1, [9, 11], feats[len(seq) - 2 : len(seq)], 4))  # a rollback
+        blocks[name] = got
+    for a, b in zip(blocks["replayed"], blocks["eager"]):
+        assert a.token_ids == b.token_ids
+        torch.testing.assert_close(a.probs, b.probs, atol=1e-5, rtol=1e-4)
