@@ -30,8 +30,14 @@ def config(tiny_ckpt, **kw):
 
 
 def with_graph_bodies(proposer: ModelProposer, window: int = 256) -> ModelProposer:
-    """The proposer drafting chains through the (uncaptured) graph bodies."""
+    """The proposer drafting chains through the (uncaptured) graph bodies, its free blocks shuffled first so that a
+    session's block table is not the identity (slots must come from the table, not from the positions)."""
     proposer.chain_graphs = proposer.build_chain_graphs(window, proposer.info.max_block_size)
+    holders = [object() for _ in range(4)]
+    for h in holders:
+        proposer.blocks.add(h, proposer.blocks.block_size)  # blocks 0, 1, 2, 3
+    for i in (1, 3, 0):
+        proposer.blocks.free(holders[i])  # the next sessions take 0, 3, 1, then 4, 5, ...
     return proposer
 
 
