@@ -82,6 +82,23 @@ def test_window_rows_follow_the_session_that_drafts(ckpt):
             seq += [want.token_ids[0], nxt]
 
 
+def test_a_rollback_recopies_the_window_rows_it_replaced(ckpt):
+    """Context rows 8..10 replaced after a draft: the window must copy them again (q equal to a fresh session's)."""
+    feats = FakeFeatures(VOCAB, len(LAYERS) * TH)
+    sampling = SamplingParams(temperature=1.0, seed=0)
+    seq, new = list(range(1, 13)), list(range(1, 9)) + [30, 31, 32, 33]
+    live, fresh = proposer(ckpt, graphs=True), proposer(ckpt, graphs=True)
+    live.start("s", seq, feats.rows(seq, 0, 11), sampling)
+    live.propose("s", 12, [], None, 4)
+    live.session("s").generator.manual_seed(1)
+    got = live.propose("s", 8, new[8:], feats.rows(new, 8, 11), 4)
+    fresh.start("f", new, feats.rows(new, 0, 11), sampling)
+    fresh.session("f").generator.manual_seed(1)
+    want = fresh.propose("f", 12, [], None, 4)
+    assert got.token_ids == want.token_ids
+    torch.testing.assert_close(got.probs, want.probs, atol=1e-6, rtol=1e-5)
+
+
 def test_sampled_graph_q_is_each_pass_row(ckpt):
     p = proposer(ckpt, graphs=True)
     feats = FakeFeatures(VOCAB, len(LAYERS) * TH)
