@@ -17,6 +17,7 @@ Not captured (a CPU, or before capture()), the same passes run eagerly over the 
 
 from __future__ import annotations
 
+import warnings
 import weakref
 
 import torch
@@ -47,6 +48,7 @@ class DFlashBlockGraphs:
         self._rows = torch.arange(window, device=dev)  # [W]
         self._owner = None  # weak reference to the session state whose rows the window holds
         self._graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
+        self.capture_errors: dict[tuple, str] = {}  # graph key -> why it was not captured
 
     def _passes(self, k: int, sampled: bool) -> None:
         """The passes of one k-token block over the static buffers (what a graph records)."""
@@ -78,11 +80,21 @@ class DFlashBlockGraphs:
         torch.cuda.current_stream(dev).wait_stream(stream)
         pool = torch.cuda.graph_pool_handle()
         for key in self._keys():
-            graph = torch.cuda.CUDAGraph()
+            self._capture_one(key, pool)
+        torch.cuda.synchronize(dev)
+
+    def _capture_one(self, key: tuple, pool) -> None:
+        """One graph; a shape that fails to capture runs its body eagerly (over the same buffers) and says why."""
+        graph = torch.cuda.CUDAGraph()
+        try:
             with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
                 self._passes(*key)
-            self._graphs[key] = graph
-        torch.cuda.synchronize(dev)
+        except Exception as e:
+            self.capture_errors[key] = f"{type(e).__name__}: {e}"
+            warnings.warn(f"{type(self).__name__}: graph {key} not captured, runs eager: {e}", RuntimeWarning,
+                          stacklevel=3)
+            return
+        self._graphs[key] = graph
 
     @property
     def captured(self) -> int:

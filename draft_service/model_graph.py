@@ -22,6 +22,7 @@ Graphs are captured before any session holds blocks: warm-up and capture write s
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -72,6 +73,7 @@ class ModelChainGraphs:
         self._arange = torch.arange(max(feed_max, 1), dtype=torch.int64, device=dev)
         self._forwards = {t: self._new_forward(t) for t in range(1, max(feed_max, 1) + 1)}
         self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}  # empty until capture(): bodies then run eagerly
+        self.capture_errors: dict[tuple, str] = {}  # graph key -> why it was not captured
 
     def _new_forward(self, t: int) -> _Forward:
         step = PagedStep(StepShape(1, t, t, self.num_blocks), self.device, pinned=False)
@@ -140,11 +142,21 @@ class ModelChainGraphs:
         pool = torch.cuda.graph_pool_handle()
         with self._paged():
             for key in self._keys():
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-                    self._body(key)
-                self._graphs[key] = graph
+                self._capture_one(key, pool)
         torch.cuda.synchronize(dev)
+
+    def _capture_one(self, key: tuple, pool) -> None:
+        """One graph; a shape that fails to capture runs its body eagerly (over the same buffers) and says why."""
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+                self._body(key)
+        except Exception as e:
+            self.capture_errors[key] = f"{type(e).__name__}: {e}"
+            warnings.warn(f"{type(self).__name__}: graph {key} not captured, runs eager: {e}", RuntimeWarning,
+                          stacklevel=3)
+            return
+        self._graphs[key] = graph
 
     @property
     def captured(self) -> int:

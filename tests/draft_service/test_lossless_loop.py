@@ -15,10 +15,14 @@
 - the published layouts (z-lab's DFlash, DeepSeek-V3's MTP layer, on a tiny DeepSeek-V3 target that
   carries one): greedy equality for k = 1..4 and both sampled tests (test_dflash_zlab.py and
   test_mtp.py check their draws against their q, with a control that the check can fail).
+- the CUDA-graph drafters (model_graph.py, dflash_graph.py): `*_graphs` names run the graphs' bodies eagerly on the
+  CPU; `*_cuda` names (marked gpu, skipped without CUDA) run the drafter on the GPU with its captured graphs against
+  the CPU target. Both go through the greedy-equality and both sampled tests.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -115,7 +119,35 @@ def _world(tiny_ckpt, tmp_path_factory, kind):
         "dflash_zlab": DrafterConfig(family="dflash", checkpoint=save_zlab_dflash(root / "zlab", (0, layers - 1)), **base),
         "mtp": DrafterConfig(family="mtp", **base),  # the target's own layer (only mtp_world's target has one)
     }
+    for name in GRAPH_DRAFTERS:  # on the GPU, with their captured graphs (built only by the tests that run there)
+        configs[f"{name}_cuda"] = dataclasses.replace(configs[name], device="cuda")
     return engine, configs, target
+
+
+GRAPH_DRAFTERS = ("model", "dflash", "dflash_denoise")
+GPU = (pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"))
+
+
+def make_proposer(configs, name):
+    """build_proposer; a `NAME_graphs` name: drafter NAME drafting through its CUDA graphs' bodies, run eagerly on the
+    CPU (model_graph.py / dflash_graph.py)."""
+    if not name.endswith("_graphs"):
+        return build_proposer(configs[name])
+    proposer = build_proposer(configs[name.removesuffix("_graphs")])
+    if proposer.info.family == "model":
+        proposer.chain_graphs = proposer.build_chain_graphs(1024, proposer.info.max_block_size)
+    else:
+        proposer.block_graphs = proposer.build_block_graphs(1024, proposer.info.max_block_size)
+    return proposer
+
+
+def _graph_variants(world_name=None):
+    """(world_name, name) or name params of the graph drafters: CPU bodies, and captured graphs on a GPU."""
+    names = [f"{n}_graphs" for n in GRAPH_DRAFTERS] + [pytest.param(f"{n}_cuda", marks=GPU) for n in GRAPH_DRAFTERS]
+    if world_name is None:
+        return names
+    return [pytest.param(world_name, n.values[0], marks=n.marks) if hasattr(n, "values") else (world_name, n)
+            for n in names]
 
 
 def run_loop(engine, proposer, sid, prompt, sampling, max_new, k=3, tree=None, steps=None):
@@ -138,10 +170,10 @@ def run_loop(engine, proposer, sid, prompt, sampling, max_new, k=3, tree=None, s
     return out, drafted, accepted
 
 
-@pytest.mark.parametrize("name", ["ngram", "model", "eagle3", "dflash", "dflash_denoise"])
+@pytest.mark.parametrize("name", ["ngram", "model", "eagle3", "dflash", "dflash_denoise"] + _graph_variants())
 def test_greedy_output_equals_target_only(world, name):
     engine_factory, configs, _ = world
-    engine, proposer = engine_factory(), build_proposer(configs[name])
+    engine, proposer = engine_factory(), make_proposer(configs, name)
     want = engine.generate_greedy(PROMPT, 24)
     trees = [None, TREE] if proposer.info.supports_tree else [None]
     for tree in trees:
@@ -163,9 +195,10 @@ def test_published_layouts_greedy_output_equals_target_only_for_k_1_to_4(request
     assert proposer.active_sessions == 0
 
 
-def test_target_as_its_own_draft_is_accepted_in_full(world):
+@pytest.mark.parametrize("name", ["model_is_target", "model_is_target_graphs"])
+def test_target_as_its_own_draft_is_accepted_in_full(world, name):
     engine_factory, configs, _ = world
-    engine, proposer = engine_factory(), build_proposer(configs["model_is_target"])
+    engine, proposer = engine_factory(), make_proposer(configs, name)
     for tree in (None, TREE):
         _, drafted, accepted = run_loop(engine, proposer, "self", PROMPT, SamplingParams(), 40, k=4, tree=tree)
         depth = 3 if tree else None
@@ -221,13 +254,15 @@ def _exact_second_token_dist(target_dir, sampling) -> torch.Tensor:  # [V]
     [("dense_world", n, t) for n, t in [("ngram", None), ("model", None), ("model", TREE), ("model", CUT_TREE),
                                         ("eagle3", None), ("eagle3", TREE), ("dflash", None),
                                         ("dflash_denoise", None), ("dflash_zlab", None)]]
-    + [("mtp_world", "mtp", None)],
+    + [("mtp_world", "mtp", None)]
+    + [pytest.param(*p.values, None, marks=p.marks) if hasattr(p, "values") else (*p, None)
+       for p in _graph_variants("dense_world")],
 )
 def test_sampled_first_verify_token_follows_target(request, world_name, name, tree):
     engine_factory, configs, target = request.getfixturevalue(world_name)
     sampling = dict(temperature=1.0, top_k=8)
     expected = _exact_second_token_dist(target, SamplingParams(**sampling))
-    engine, proposer = engine_factory(), build_proposer(configs[name])
+    engine, proposer = engine_factory(), make_proposer(configs, name)
     layers = proposer.info.hidden_layers if proposer.info.needs_hidden_states else ()
     counts, drafted, accepted, items = np.zeros(VOCAB), 0, 0, []
     runs = 1500 if tree is CUT_TREE else 200  # the cut's bias is small: it needs the sample size
@@ -248,7 +283,8 @@ def test_sampled_first_verify_token_follows_target(request, world_name, name, tr
 
 @pytest.mark.parametrize(
     "world_name,name",
-    [("dense_world", n) for n in ["model", "eagle3", "dflash", "dflash_denoise", "dflash_zlab"]] + [("mtp_world", "mtp")],
+    [("dense_world", n) for n in ["model", "eagle3", "dflash", "dflash_denoise", "dflash_zlab"]] + [("mtp_world", "mtp")]
+    + _graph_variants("dense_world"),
 )
 def test_sampled_second_verified_token_follows_target(request, world_name, name):
     """The second token a session emits after prefill: from the first verify when it accepted drafted
@@ -256,7 +292,7 @@ def test_sampled_second_verified_token_follows_target(request, world_name, name)
     engine_factory, configs, target = request.getfixturevalue(world_name)
     sampling = dict(temperature=1.0, top_k=8)
     expected = _exact_third_token_dist(target, SamplingParams(**sampling))
-    engine, proposer = engine_factory(), build_proposer(configs[name])
+    engine, proposer = engine_factory(), make_proposer(configs, name)
     layers = proposer.info.hidden_layers if proposer.info.needs_hidden_states else ()
     counts, runs, items, seqs = np.zeros(VOCAB), 300, [], {}
     for i in range(runs):
