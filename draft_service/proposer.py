@@ -99,7 +99,8 @@ class DrafterConfig:
     hidden_layers: tuple[int, ...] | None = None
     # dflash: passes per drafted block (default: the checkpoint's denoise_steps)
     denoise_steps: int | None = None
-    # eagle3 on CUDA: greedy chains as CUDA graphs over a window of this many confirmed entries (0 = eager only)
+    # on CUDA, drafts as CUDA graphs over a window of this many positions (0 = eager only): eagle3 greedy chains
+    # (eagle3_graph.py), model chains (model_graph.py), dflash blocks (dflash_graph.py); longer contexts draft eagerly
     graph_window: int = 2048
 
     def __post_init__(self) -> None:

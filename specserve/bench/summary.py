@@ -77,6 +77,8 @@ def summarize_method(results: Sequence[RequestResult], reference: dict[str, tupl
         "steps": n,
         "mean_accepted_length": round((accepted + n) / n, 4),
         "acceptance_rate": round(accepted / drafted, 4) if drafted else None,
+        # the drafter's cost per token it drafted (draft ms of all steps over their drafted tokens)
+        "draft_ms_per_drafted_token": round(sum(s["draft_ms"] for s in steps) / drafted, 4) if drafted else None,
         "acceptance_by_position": acceptance_by_position(steps),
         "chosen_k": _histogram(s["drafted"] for s in steps),
         "per_step_ms": {

@@ -136,8 +136,8 @@ def format_table(summary: dict) -> str:
     base = summary["methods"].get("target-only", {}).get("tokens_per_s")
     lines = [
         "| method | tok/s | vs target-only | mean accepted length | TTFT ms | step ms: wall (draft / verify / overhead)"
-        " | floor ms | floor fraction | same output as target-only |",
-        "|---|---:|---:|---:|---:|---|---:|---:|---:|",
+        " | draft ms / drafted token | floor ms | floor fraction | same output as target-only |",
+        "|---|---:|---:|---:|---:|---|---:|---:|---:|---:|",
     ]
     for name, m in summary["methods"].items():
         tps = m.get("tokens_per_s")
@@ -150,6 +150,7 @@ def format_table(summary: dict) -> str:
             _fmt(m.get("mean_accepted_length"), ".2f"),
             _fmt(m.get("ttft_s_mean"), ".1f", 1e3),
             phases,
+            _fmt(m.get("draft_ms_per_drafted_token"), ".3f"),
             _fmt(ph["floor"] if ph else None, ".3f"),
             _fmt(m.get("floor_fraction_of_step"), ".3f"),
             _fmt(m.get("matches_target_only"), ".2f"),

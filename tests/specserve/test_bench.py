@@ -200,7 +200,8 @@ STEP_KEYS = {"method", "drafter", "speculation", "draft_ahead", "prompt", "step"
              "floor_bytes", "floor_ms", "k"}
 METHOD_KEYS = {"kind", "prompts", "completion_tokens", "tokens_per_s", "ttft_s_mean", "matches_target_only"}
 SPEC_KEYS = METHOD_KEYS | {"steps", "mean_accepted_length", "acceptance_by_position", "chosen_k", "per_step_ms",
-                           "floor_fraction_of_step", "draft_ahead_stats", "experts_touched_mean"}
+                           "floor_fraction_of_step", "draft_ahead_stats", "experts_touched_mean",
+                           "draft_ms_per_drafted_token"}
 
 
 def test_artifacts_exist(bench_run):
@@ -236,6 +237,10 @@ def test_step_rows_and_method_summaries(bench_run):
         assert row["floor_ms"] > 0 and row["accepted"] <= row["drafted"] <= row["k"] <= 2
         assert row["overhead_ms"] == pytest.approx(row["wall_ms"] - row["draft_ms"] - row["verify_ms"], abs=1e-3)
     methods = summary["methods"]
+    model_steps = [row for row in steps if row["method"] == "model/fixed/k2"]
+    per_token = sum(r["draft_ms"] for r in model_steps) / sum(r["drafted"] for r in model_steps)
+    assert methods["model/fixed/k2"]["draft_ms_per_drafted_token"] == pytest.approx(per_token, abs=1e-3)
+    assert methods["target-only"]["draft_ms_per_drafted_token"] is None  # drafted nothing
     ours = [m for m in methods.values() if m["kind"] == "specserve"]
     assert {"target-only", "ngram/fixed/k1", "ngram/fixed/k2", "ngram/adaptive/ahead", "model/fixed/k1",
             "model/fixed/k2/ahead", "model/adaptive/ahead"} <= methods.keys()
