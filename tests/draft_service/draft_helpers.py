@@ -105,3 +105,27 @@ def check_two_draws_follow_q(proposer, seq, rows, runs: int) -> None:
     assert draws_pvalue(seconds[top], q2[top]) > 1e-3
     other = max(q2, key=lambda t: float((q2[t] - q2[top]).abs().sum()))  # q_2 depends on token 1 ...
     assert draws_pvalue(seconds[top], q2[other]) < 1e-3  # ... and the test tells the two apart
+
+
+def paired_greedy(engine, verified, shadow, sid: str, prompt, k: int, max_new: int) -> tuple[list[int], int, int]:
+    """A greedy loop that verifies `verified`'s blocks while `shadow` gets the same syncs and drafts on the same
+    sequence each step: (emitted tokens, steps whose two blocks were equal, steps)."""
+    sampling = SamplingParams()
+    layers = verified.info.hidden_layers if verified.info.needs_hidden_states else ()
+    pre = engine.prefill(sid, prompt, sampling, layers)
+    seq, emitted = list(prompt) + [pre.next_token], [pre.next_token]
+    for p in (verified, shadow):
+        p.start(sid, seq, pre.hidden, sampling)
+    prefix, append, hidden, same, steps = len(seq), (), None, 0, 0
+    while len(emitted) < max_new:
+        block = verified.propose(sid, prefix, append, hidden, k)
+        same += shadow.propose(sid, prefix, append, hidden, k).token_ids == block.token_ids
+        steps += 1
+        res = engine.verify(sid, block)
+        prefix, append, hidden = len(seq), tuple(res.accepted_ids) + (res.next_token,), res.hidden
+        seq.extend(append)
+        emitted.extend(append)
+    engine.release(sid)
+    verified.release(sid)
+    shadow.release(sid)
+    return emitted, same, steps

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from draft_helpers import FakeFeatures, check_two_draws_follow_q, rollback_matches_fresh
+from draft_helpers import FakeFeatures, check_two_draws_follow_q, paired_greedy, rollback_matches_fresh
 
 from specserve.contract.types import SamplingParams
 from specserve.draft_service.dflash import DFlashConfig, DFlashModel, DFlashProposer, save_dflash
@@ -135,6 +135,9 @@ def test_context_past_the_window_drafts_eagerly(ckpt):
 
 
 # ---------------------------------------------------------------- GPU: captured graphs
+PROMPTS = ("def parse_args(argv):\n", "class Stack:\n    def push(self, x):", "import os\n")
+
+
 def _demo_proposer(dtype, window):
     from specserve.paths import demo_checkpoint
 
@@ -146,29 +149,26 @@ def _demo_proposer(dtype, window):
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_captured_blocks_on_the_demo_equal_target_only_and_the_eager_proposer(dtype):
-    """float32: the same drafted blocks as the eager proposer, step for step; both dtypes: output = target-only."""
-    from specserve.gateway.stats import SpecStats
+def test_captured_blocks_on_the_demo_draft_what_the_eager_path_drafts(dtype):
+    """Both drafters get the same syncs; each step both draft on the same sequence and the captured graphs' blocks are
+    verified. float32: every block equal and the output = target-only; bf16 (the graphs attend over the whole masked
+    window, so their sums round differently and near-ties may split): at least 90 % of the blocks equal."""
     from specserve.paths import demo_checkpoint
     from specserve.target_service.factory import EngineConfig, build_engine
-    from specserve.train.acceptance import speculative_greedy
 
     engine = build_engine(EngineConfig(model=demo_checkpoint("target"), device="cuda", dtype=dtype))
-    proposers = {window: _demo_proposer(dtype, window) for window in (0, 1024)}
-    assert proposers[0].block_graphs is None and proposers[1024].block_graphs.capture_errors == {}
-    assert proposers[1024].block_graphs.captured == 4 * 2  # blocks of 1..4, greedy and sampled
-    for i, text in enumerate(("def parse_args(argv):\n", "class Stack:\n    def push(self, x):", "import os\n")):
+    graphs, eager = _demo_proposer(dtype, 1024), _demo_proposer(dtype, 0)
+    assert eager.block_graphs is None and graphs.block_graphs.capture_errors == {}
+    assert graphs.block_graphs.captured == 4 * 2  # blocks of 1..4, greedy and sampled
+    same = steps = 0
+    for i, text in enumerate(PROMPTS):
         prompt = engine.tokenizer.encode(text).ids
-        want = engine.generate_greedy(prompt, 40)
-        per_step = {}
-        for window, p in proposers.items():
-            stats = SpecStats()
-            got = speculative_greedy(engine, p, f"p{i}-{window}", prompt, 4, 40, stats)
-            assert got[:40] == want, f"window {window}: speculative output differs from target-only"
-            per_step[window] = {k: v for k, v in stats.as_dict().items() if not k.endswith("_s")}
+        emitted, s, n = paired_greedy(engine, graphs, eager, f"p{i}", prompt, 4, 40)
+        same, steps = same + s, steps + n
         if dtype == "float32":
-            assert per_step[1024] == per_step[0]
-        assert per_step[1024]["mean_accepted_length"] > 1.0
+            assert emitted[:40] == engine.generate_greedy(prompt, 40), f"prompt {i}: output differs from target-only"
+    assert same >= (steps if dtype == "float32" else 0.9 * steps), f"{same} of {steps} blocks equal"
+    assert steps < 3 * 39  # the drafts were accepted: fewer steps than tokens
 
 
 @pytest.mark.gpu
