@@ -313,6 +313,12 @@ class DFlashProposer(Proposer):
         return DFlashBlockGraphs(self.model, window, min(k_max, self.model.cfg.drafts_per_block), self.passes)
 
     def _capture_graphs(self, config: DrafterConfig):
+        from specserve.kernels.norm import HAS_TRITON
+
+        if HAS_TRITON:  # RMSNorm as one Triton launch (kernels/norm.py) instead of ~6 kernels, eager and graphs alike
+            for module in self.model.modules():
+                if isinstance(module, RMSNorm):
+                    module.use_kernel = True
         graphs = self.build_block_graphs(config.graph_window, config.max_block_size)
         try:
             graphs.capture()

@@ -103,6 +103,10 @@ class ModelProposer(Proposer):
         return ModelChainGraphs(self.model, self.kv, self.blocks.block_size, window, width, k_max, k_max + 1)
 
     def _capture_graphs(self, config: DrafterConfig):
+        from specserve.kernels.norm import HAS_TRITON
+
+        if HAS_TRITON:  # RMSNorm as one Triton launch (kernels/norm.py) instead of ~6 kernels, eager and graphs alike
+            self.model.set_fused_layers(True)
         graphs = self.build_chain_graphs(config.graph_window, config.max_block_size)
         try:
             graphs.capture()
