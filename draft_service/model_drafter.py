@@ -93,21 +93,28 @@ class ModelProposer(Proposer):
             return "a MoE draft LM (the torch MoE reference reads expert choices on the host)"
         return paged_torch_unsupported(model_config)
 
-    def build_chain_graphs(self, window: int, k_max: int):
+    def build_chain_graphs(self, window: int, k_max: int, attention: str = "paged_torch"):
         """The chain graphs' buffers over this drafter's model and cache, not captured yet (model_graph.py; on a
         CPU their bodies run eagerly: tests check them there)."""
         from specserve.draft_service.model_graph import ModelChainGraphs
 
         width = min(self.mcfg.vocab_size, self.vocab_size)  # the logits _forward returns
         window = min(window, self.kv.num_blocks * self.blocks.block_size)
-        return ModelChainGraphs(self.model, self.kv, self.blocks.block_size, window, width, k_max, k_max + 1)
+        if self.model.fused_layers:  # the fused RoPE kernel reads cos / sin tables of max_position_embeddings rows
+            window = min(window, self.mcfg.max_position_embeddings)
+        return ModelChainGraphs(self.model, self.kv, self.blocks.block_size, window, width, k_max, k_max + 1,
+                                attention)
 
     def _capture_graphs(self, config: DrafterConfig):
-        from specserve.kernels.norm import HAS_TRITON
+        from specserve.models.attn_backend import triton_paged_unsupported
 
-        if HAS_TRITON:  # RMSNorm as one Triton launch (kernels/norm.py) instead of ~6 kernels, eager and graphs alike
+        attention = "paged_torch"
+        if not triton_paged_unsupported(self.mcfg, self.device):
+            # the Triton paged attention (one launch per layer) and the fused layers the target's graphs run:
+            # residual add + RMSNorm, one q/k/v GEMM, QK-norm + RoPE + cache write (the eager path gets the norms)
+            attention = "triton_paged"
             self.model.set_fused_layers(True)
-        graphs = self.build_chain_graphs(config.graph_window, config.max_block_size)
+        graphs = self.build_chain_graphs(config.graph_window, config.max_block_size, attention)
         try:
             graphs.capture()
         except Exception as e:  # chains then run eager; the drafter still serves

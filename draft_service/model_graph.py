@@ -1,9 +1,10 @@
 """The draft LM's steps as CUDA graphs (the `model` drafter, model_drafter.py): the catch-up feed and the whole chain.
 
 Eager, a propose is one forward per token, each of a new shape, through the per-sequence torch attention (which reads
-lengths on the host). Here every forward runs on fixed buffers over the drafter's own paged cache, through the
-graph-safe paged torch attention (specserve/models/paged_torch_attention.py: a fixed window of NB blocks, the lengths
-in device tensors), bound to buffers this module fills on the device:
+lengths on the host). Here every forward runs on fixed buffers over the drafter's own paged cache, through a
+graph-safe paged attention over a fixed window of NB blocks whose metadata (block table, lengths) lives in device
+tensors that this module fills on the device: on CUDA the Triton paged attention (models/triton_paged_attention.py:
+one launch per layer), elsewhere the paged torch attention (models/paged_torch_attention.py; CPU tests run it):
 
 - feed graph n (n = 1..feed_max): feeds the n tokens the session's cache lacks (accepted tokens + the pending token)
   at cache positions start..start+n-1, causally, and keeps the last row's logits in `logits0` [V];
@@ -31,16 +32,16 @@ import torch
 
 from specserve.contract.types import SamplingParams
 from specserve.draft_service.graph_sampling import GraphSampler
+from specserve.models.attn_backend import make_attention_backend
 from specserve.models.attn_metadata import AttentionBatch
 from specserve.models.kv_cache import PagedKVCache
-from specserve.models.paged_torch_attention import PagedStep, PagedTorchBackend, StepShape
 
 
 @dataclass(frozen=True)
 class _Forward:
     """The static state of a T-token forward: attention buffers, positions and cache slots (filled on the device)."""
 
-    step: PagedStep  # block table [1, NB], cached length [1], causal mask [T, T]
+    step: object  # the backend's graph step (PagedStep or RowsStep): block table [1, NB], lengths, causal rows
     attn: AttentionBatch  # its slot_mapping is `slots`; its host lengths are unused (the backend is bound to step)
     pos: torch.Tensor  # [T] int64
     slots: torch.Tensor  # [T] int64
@@ -51,14 +52,15 @@ class ModelChainGraphs:
     set of static buffers and one memory pool."""
 
     def __init__(self, model, kv: PagedKVCache, block_size: int, window: int, vocab: int, k_max: int,
-                 feed_max: int) -> None:
+                 feed_max: int, attention: str = "paged_torch") -> None:  # attention: "triton_paged" | "paged_torch"
         dev = kv.device
         self.model, self.kv, self.block_size, self.vocab = model, kv, block_size, vocab
         self.k_max, self.feed_max = k_max, feed_max
         self.num_blocks = max(1, window // block_size)  # NB: the attention window in blocks
         self.window = self.num_blocks * block_size  # positions a chain may reach
         self.device = dev
-        self.backend = PagedTorchBackend(model.model.layers[0].self_attn, block_size, dev)
+        self.attention = attention
+        self.backend = make_attention_backend(model, attention, block_size, dev, kv.dtype)
         n_args = 2 + feed_max + self.num_blocks
         self.args = torch.zeros(n_args, dtype=torch.int64, device=dev)  # [2 + feed_max + NB]
         self.feed_start = self.args[0]  # 0-dim: cache position of the feed's first token
@@ -76,8 +78,13 @@ class ModelChainGraphs:
         self.capture_errors: dict[tuple, str] = {}  # graph key -> why it was not captured
 
     def _new_forward(self, t: int) -> _Forward:
-        step = PagedStep(StepShape(1, t, t, self.num_blocks), self.device, pinned=False)
-        step.new_mask.copy_(torch.ones(t, t, dtype=torch.bool).tril())  # row_request stays 0 (one request)
+        from specserve.kernels.attention import GraphShape
+
+        step = self.backend.new_graph_step(GraphShape((t,), False, self.window))
+        if self.attention == "triton_paged":  # rows 0..t-1 of request 0, causal among themselves
+            step.rows.row_index.copy_(torch.arange(t))
+        else:
+            step.new_mask.copy_(torch.ones(t, t, dtype=torch.bool).tril())  # row_request stays 0 (one request)
         slots = torch.zeros(t, dtype=torch.int64, device=self.device)
         attn = AttentionBatch(query_lens=(t,), context_lens=(0,), block_tables=((0,),), slot_mapping=slots,
                               tree_masks=(None,))
@@ -86,10 +93,17 @@ class ModelChainGraphs:
     # ---- what the graphs record ------------------------------------------------------------------
     def _forward(self, ids: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
         """ids [T] at cache positions start..start+T-1 (start: 0-dim) -> logits [T, V] float32 (device ops only)."""
-        f = self._forwards[ids.shape[0]]
-        pos = start + self._arange[: ids.shape[0]]  # [T]
-        f.step.block_tables[0].copy_(self.table)
-        f.step.context_lens.copy_(start.reshape(1))
+        t = ids.shape[0]
+        f = self._forwards[t]
+        pos = start + self._arange[:t]  # [T]
+        if self.attention == "triton_paged":
+            rows = f.step.rows  # int32 fields
+            rows.block_tables[0].copy_(self.table)
+            rows.kv_lens.copy_((start + t).reshape(1))  # cached + new
+            rows.new_starts.copy_(start.reshape(1))
+        else:
+            f.step.block_tables[0].copy_(self.table)
+            f.step.context_lens.copy_(start.reshape(1))
         f.pos.copy_(pos)
         f.slots.copy_(self.table.gather(0, pos // self.block_size) * self.block_size + pos % self.block_size)
         self.backend.bind(f.attn, f.step)

@@ -156,6 +156,11 @@ class TritonPagedBackend:
         step.fill(attn, self.block_size)
         self._step, self._prepared_for = step, attn
 
+    def bind(self, attn: AttentionBatch, step: RowsStep) -> None:
+        """Serve `attn` from `step`'s buffers as they are, without filling them: for a CUDA graph that sets the lengths
+        and block table on the device itself (draft_service/model_graph.py); forward's prepare is then a no-op."""
+        self._step, self._prepared_for = step, attn
+
     def _planned(self, attn: AttentionBatch) -> RowsStep:
         if self._step is None or self._prepared_for is not attn:
             raise TritonPagedError("Triton paged attention ran on a batch it was not prepared for")

@@ -111,6 +111,38 @@ def test_chain_past_the_window_drafts_eagerly(tiny_ckpt):
     assert graphs.propose("s", len(seq), [], None, 4) == eager.propose("s", len(seq), [], None, 4)
 
 
+def _interpreting() -> bool:
+    from specserve.kernels.checks import triton_interpreting
+    from specserve.kernels.paged_attention import HAS_TRITON
+
+    return HAS_TRITON and triton_interpreting()
+
+
+@pytest.mark.skipif(not _interpreting(), reason="needs triton and TRITON_INTERPRET=1 (runs the kernels on the CPU)")
+@pytest.mark.parametrize("sampled", [False, True])
+def test_triton_paged_graph_bodies_under_the_interpreter(tiny_ckpt, sampled):
+    """The CUDA default: the Triton paged attention with its row metadata (int32 block table, kv lengths, new-token
+    starts) set on the device, run through triton's interpreter. Greedy: a live session drafts what a fresh eager one
+    does; sampled: what a fresh one reseeded alike does. (The fused RoPE + cache-write kernel is left off: triton's
+    interpreter refuses its masks, tests/kernels/test_rope_cache_cpu.py; the GPU tests run it.)"""
+    from specserve.models.loader import load_model
+
+    cfg = config(tiny_ckpt, dtype="float32")
+    model, mcfg = load_model(cfg.checkpoint, dtype=torch.float32, progress=False)
+    info = build_proposer(cfg).info
+    made = []
+
+    def make():
+        p = ModelProposer(model, mcfg, cfg, info.vocab_size, info.vocab_hash)
+        if sampled or not made:
+            with_graph_bodies(p)
+            p.chain_graphs = p.build_chain_graphs(256, p.info.max_block_size, attention="triton_paged")
+        made.append(p)
+        return p
+
+    rollback_matches_fresh(make, None, 64, steps=8, k=5, sampled=sampled)
+
+
 # ---------------------------------------------------------------- GPU: captured graphs
 def _demo_engine(dtype):
     from specserve.paths import demo_checkpoint
