@@ -116,7 +116,7 @@ def test_sampled_graph_q_is_each_pass_row(ckpt):
 
 def test_sampled_graph_draws_follow_their_q(ckpt):
     """Token 2 drawn given token 1 (several passes: its q depends on token 1, which the helper's control needs)."""
-    p = proposer(ckpt, graphs=True)
+    p = proposer(ckpt, graphs=True, window=8)  # small window: fast
     if p.passes == 1:
         pytest.skip("one pass: q_2 does not depend on token 1 (test_sampled_graph_q_is_each_pass_row covers q)")
     feats = FakeFeatures(VOCAB, len(LAYERS) * TH)
