@@ -102,6 +102,8 @@ class ModelProposer(Proposer):
         window = min(window, self.kv.num_blocks * self.blocks.block_size)
         if self.model.fused_layers:  # the fused RoPE kernel reads cos / sin tables of max_position_embeddings rows
             window = min(window, self.mcfg.max_position_embeddings)
+        bs = self.blocks.block_size
+        window = max(window // bs * bs, -(-(k_max + 1) // bs) * bs)  # whole blocks; a feed holds up to k_max + 1 tokens
         return ModelChainGraphs(self.model, self.kv, self.blocks.block_size, window, width, k_max, k_max + 1,
                                 attention)
 

@@ -98,7 +98,7 @@ def test_sampled_graph_q_is_the_sampling_transform_of_the_draft_logits(tiny_ckpt
 
 def test_sampled_graph_draws_follow_their_q(tiny_ckpt):
     p = with_graph_bodies(build_proposer(config(tiny_ckpt, kv_num_blocks=16)), window=8)  # small window: fast
-    check_two_draws_follow_q(p, [5, 9, 2, 33, 7], None, runs=1500)
+    check_two_draws_follow_q(p, [5, 9, 2, 33, 7], None, runs=1200)
 
 
 def test_chain_past_the_window_drafts_eagerly(tiny_ckpt):
