@@ -25,7 +25,6 @@ from __future__ import annotations
 import contextlib
 import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -35,16 +34,6 @@ from specserve.draft_service.graph_sampling import GraphSampler
 from specserve.models.attn_backend import make_attention_backend
 from specserve.models.attn_metadata import AttentionBatch
 from specserve.models.kv_cache import PagedKVCache
-
-
-@dataclass(frozen=True)
-class _Forward:
-    """The static state of a T-token forward: attention buffers, positions and cache slots (filled on the device)."""
-
-    step: object  # the backend's graph step (PagedStep or RowsStep): block table [1, NB], lengths, causal rows
-    attn: AttentionBatch  # its slot_mapping is `slots`; its host lengths are unused (the backend is bound to step)
-    pos: torch.Tensor  # [T] int64
-    slots: torch.Tensor  # [T] int64
 
 
 class ModelChainGraphs:
@@ -72,12 +61,13 @@ class ModelChainGraphs:
         self.logits0 = torch.zeros(vocab, dtype=torch.float32, device=dev)  # [V] logits after the pending token
         self.tokens = torch.zeros(k_max, dtype=torch.int64, device=dev)  # [k_max] drafted ids
         self.sampler = GraphSampler(k_max, vocab, dev)
-        self._arange = torch.arange(max(feed_max, 1), dtype=torch.int64, device=dev)
-        self._forwards = {t: self._new_forward(t) for t in range(1, max(feed_max, 1) + 1)}
+        self._arange = torch.arange(max(feed_max, k_max, 1), dtype=torch.int64, device=dev)
+        # the backend's step of each forward size (PagedStep or RowsStep): block table [1, NB], lengths, causal rows
+        self._steps = {t: self._new_step(t) for t in range(1, max(feed_max, 1) + 1)}
         self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}  # empty until capture(): bodies then run eagerly
         self.capture_errors: dict[tuple, str] = {}  # graph key -> why it was not captured
 
-    def _new_forward(self, t: int) -> _Forward:
+    def _new_step(self, t: int):
         from specserve.kernels.attention import GraphShape
 
         step = self.backend.new_graph_step(GraphShape((t,), False, self.window))
@@ -85,42 +75,52 @@ class ModelChainGraphs:
             step.rows.row_index.copy_(torch.arange(t))
         else:
             step.new_mask.copy_(torch.ones(t, t, dtype=torch.bool).tril())  # row_request stays 0 (one request)
-        slots = torch.zeros(t, dtype=torch.int64, device=self.device)
+        return step
+
+    # ---- what the graphs record (device ops only) ------------------------------------------------
+    def _placed(self, start: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Cache positions start..start+n-1 (start: 0-dim): (positions [n], their slots [n], kv lengths [n] = pos + 1)."""
+        pos = start + self._arange[:n]
+        slots = self.table.gather(0, pos // self.block_size) * self.block_size + pos % self.block_size
+        return pos, slots, pos + 1
+
+    def _bind_table(self, t: int) -> None:
+        """The session's block table into the step of T-token forwards (once per graph: it does not change within)."""
+        step = self._steps[t]
+        (step.rows.block_tables if self.attention == "triton_paged" else step.block_tables)[0].copy_(self.table)
+
+    def _forward(self, ids: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, kv_len: torch.Tensor) -> torch.Tensor:
+        """ids [T] at consecutive cache positions pos [T] (slots [T]; kv_len [1] = pos[-1] + 1) -> logits [T, V]."""
+        t = ids.shape[0]
+        step = self._steps[t]
+        if self.attention == "triton_paged":
+            step.rows.kv_lens.copy_(kv_len)  # cached + new (int32)
+            step.rows.new_starts.copy_(pos[:1])
+        else:
+            step.context_lens.copy_(pos[:1])
+        # a fresh batch object per forward: its slot_mapping is this forward's slots; its host lengths are unused
         attn = AttentionBatch(query_lens=(t,), context_lens=(0,), block_tables=((0,),), slot_mapping=slots,
                               tree_masks=(None,))
-        return _Forward(step, attn, torch.zeros(t, dtype=torch.int64, device=self.device), slots)
-
-    # ---- what the graphs record ------------------------------------------------------------------
-    def _forward(self, ids: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
-        """ids [T] at cache positions start..start+T-1 (start: 0-dim) -> logits [T, V] float32 (device ops only)."""
-        t = ids.shape[0]
-        f = self._forwards[t]
-        pos = start + self._arange[:t]  # [T]
-        if self.attention == "triton_paged":
-            rows = f.step.rows  # int32 fields
-            rows.block_tables[0].copy_(self.table)
-            rows.kv_lens.copy_((start + t).reshape(1))  # cached + new
-            rows.new_starts.copy_(start.reshape(1))
-        else:
-            f.step.block_tables[0].copy_(self.table)
-            f.step.context_lens.copy_(start.reshape(1))
-        f.pos.copy_(pos)
-        f.slots.copy_(self.table.gather(0, pos // self.block_size) * self.block_size + pos % self.block_size)
-        self.backend.bind(f.attn, f.step)
-        out = self.model(ids, f.pos, f.attn, self.kv)
+        self.backend.bind(attn, step)
+        out = self.model(ids, pos, attn, self.kv)
         return self.model.compute_logits(out.hidden)[:, : self.vocab]
 
     def _feed_body(self, n: int) -> None:
-        self.logits0.copy_(self._forward(self.feed_ids[:n], self.feed_start)[-1])
+        self._bind_table(n)
+        pos, slots, kv_lens = self._placed(self.feed_start, n)
+        self.logits0.copy_(self._forward(self.feed_ids[:n], pos, slots, kv_lens[-1:])[-1])
 
     def _chain_body(self, k: int, sampled: bool) -> None:
+        if k > 1:  # the k - 1 fed tokens' positions, slots and lengths, computed once
+            self._bind_table(1)
+            pos, slots, kv_lens = self._placed(self.chain_start, k - 1)
         logits = self.logits0[None]  # [1, V]
         for i in range(k):
             tok = self.sampler.draw(logits, i, i + 1) if sampled else logits.argmax(dim=-1)  # [1]
             self.tokens[i : i + 1].copy_(tok)
             if i == k - 1:
                 break
-            logits = self._forward(tok, self.chain_start + i)
+            logits = self._forward(tok, pos[i : i + 1], slots[i : i + 1], kv_lens[i : i + 1])
 
     def _body(self, key: tuple) -> None:
         if key[0] == "feed":

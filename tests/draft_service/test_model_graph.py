@@ -23,10 +23,12 @@ from specserve.models.probs import target_probs
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
+DRAFT = "target_dense"  # a 3-layer llama: later layers' K/V depend on the causal mask among a feed's rows
+
+
 def config(tiny_ckpt, **kw):
     kw = dict(dict(dtype="float64", kv_num_blocks=64, max_block_size=6, kv_block_size=4), **kw)
-    return DrafterConfig(family="model", checkpoint=tiny_ckpt("draft_llama"), target_checkpoint=tiny_ckpt("target_moe"),
-                         **kw)
+    return DrafterConfig(family="model", checkpoint=tiny_ckpt(DRAFT), target_checkpoint=tiny_ckpt("target_moe"), **kw)
 
 
 def with_graph_bodies(proposer: ModelProposer, window: int = 256) -> ModelProposer:
@@ -89,7 +91,7 @@ def test_sampled_graph_q_is_the_sampling_transform_of_the_draft_logits(tiny_ckpt
     assert block.probs.shape == (3, 64) and block.probs.dtype == torch.float32
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(tiny_ckpt("draft_llama"), dtype=torch.float64)
+    hf = AutoModelForCausalLM.from_pretrained(tiny_ckpt(DRAFT), dtype=torch.float64)
     with torch.no_grad():
         logits = hf(torch.tensor([seq + list(block.token_ids[:2])])).logits[0, len(seq) - 1 :]
     torch.testing.assert_close(block.probs, target_probs(logits, sampling).float(), atol=1e-5, rtol=1e-4)
