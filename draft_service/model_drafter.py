@@ -12,9 +12,10 @@ its logits), truncates the block table there and feeds the rest.
 Tree levels are fed WITHOUT writing the cache (slot -1): the nodes to expand and their ancestors go in
 as new tokens under a tree mask, on top of S's cached context.
 
-On CUDA (``DrafterConfig.graph_window`` > 0, a dense draft LM the paged torch attention serves) chains run as CUDA
-graphs (model_graph.py): the catch-up feed of up to max_block_size + 1 tokens and the k drafted tokens in two replays,
-greedy or sampled; longer feeds (a prompt) run eagerly first. Trees, and chains past the window, stay eager.
+On CUDA (``DrafterConfig.graph_window`` > 0, a dense draft LM without sliding-window attention) chains run as CUDA
+graphs (model_graph.py: the Triton paged attention and the fused layers where triton is installed, else the paged
+torch attention): the catch-up feed of up to max_block_size + 1 tokens and the k drafted tokens in two replays, greedy
+or sampled; longer feeds (a prompt) run eagerly first. Trees, and chains past the window, stay eager.
 """
 
 from __future__ import annotations
