@@ -1,0 +1,473 @@
+"""A duplex shared-memory channel between two processes of one host: two single-producer /
+single-consumer rings of length-prefixed messages in one ``multiprocessing.shared_memory`` segment,
+and a doorbell per side.
+
+Layout of the segment (``RingConfig.capacity`` = C bytes per direction)::
+
+    [0, 512)          control: per ring a head (bytes written, u64) and a tail (bytes read, u64), each on
+                      its own cache line, and a "writer waits for room" flag
+    [512, 512 + C)    ring 0: creator -> attacher
+    [512 + C, 512+2C) ring 1: attacher -> creator
+
+A message is a u32 length and its bytes, written as a byte stream modulo C (it may wrap); one larger
+than C goes through in pieces while the reader drains it (back-pressure: the writer waits for room).
+Head and tail only grow; the writer stores the bytes before it publishes the head, the reader
+reads the bytes before it publishes the tail (aligned 8-byte stores are atomic and stay in order on
+x86-64; other CPUs are not claimed).
+
+Doorbell: each side owns a FIFO (``mkfifo``, opened by name) that its peer writes one byte to after
+publishing data (or room its writer waits for). A reader first spins on the head for
+``RingConfig.spin_us`` (the answer is often already there), then blocks on its FIFO: ``select`` in
+the blocking API, the event loop's reader callback in the asyncio API. The FIFO doubles as the peer's
+pulse: when the peer process ends, however it ends (SIGKILL included), the kernel closes its write
+end, the reader sees end-of-file and gets ``PeerGone`` at once; writing to a peer whose read end is
+gone also gives ``PeerGone``.
+
+Names and leaks: the segment and both FIFOs are named ``specserve-<random token>`` in /dev/shm. The
+creator makes them and opens its FIFO; the attacher opens all three and unlinks them at once, so
+once both sides hold them nothing is left by name and a SIGKILL of either side leaves nothing in
+/dev/shm. A creator whose peer never attaches unlinks them itself (``close``; the service does this
+after its attach timeout); until then the multiprocessing resource tracker would unlink the segment
+if the creator were killed.
+
+The blocking API (``send`` / ``recv``) and the asyncio API (``asend`` / ``arecv``) may not be mixed on
+one channel end; each end is used by one thread (or one event loop) at a time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import secrets
+import select
+import stat
+import struct
+import time
+from dataclasses import dataclass
+from multiprocessing import resource_tracker
+from multiprocessing.shared_memory import SharedMemory
+from pathlib import Path
+
+SHM_DIR = Path("/dev/shm")
+NAME_PREFIX = "specserve-"
+_CONTROL = 512
+_RING_CTRL = (0, 256)  # control block offset of ring 0, ring 1
+_HEAD, _TAIL, _WAITING = 0, 64, 128  # offsets inside a ring's control block
+_U64 = struct.Struct("<Q")
+_U32 = struct.Struct("<I")
+_LEN = 4
+_MAX_MESSAGE = 1 << 31  # a length above this is a corrupt segment, never a message
+
+
+class RingError(ConnectionError):
+    """The channel cannot be used (closed, or a length that no peer of ours writes)."""
+
+
+class PeerGone(RingError):
+    """The peer process ended or closed its end of the channel."""
+
+
+class RingTimeout(TimeoutError):
+    """No message (or no room) within the timeout."""
+
+
+@dataclass(frozen=True)
+class RingConfig:
+    capacity: int = 1 << 20  # bytes per direction; larger messages stream through in pieces
+    spin_us: float = 20.0  # spin on the ring this long before blocking on the doorbell
+
+    def __post_init__(self) -> None:
+        if self.capacity < 64 or self.capacity % 8:
+            raise ValueError(f"capacity must be a multiple of 8 and >= 64, got {self.capacity}")
+        if self.spin_us < 0:
+            raise ValueError(f"spin_us must be >= 0, got {self.spin_us}")
+
+
+def _fifo_path(name: str, side: str) -> Path:
+    return SHM_DIR / f"{name}.{side}"
+
+
+def _unlink_names(name: str) -> None:
+    """Remove the segment and both FIFOs by name (whatever is still there)."""
+    for path in (SHM_DIR / name, _fifo_path(name, "c"), _fifo_path(name, "a")):
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+
+
+def leftover_names() -> list[str]:
+    """What this module left in /dev/shm (tests assert it is nothing)."""
+    if not SHM_DIR.is_dir():
+        return []
+    return sorted(p.name for p in SHM_DIR.iterdir() if p.name.startswith(NAME_PREFIX))
+
+
+class ShmChannel:
+    """One end of a duplex channel. ``create`` on one side (it gets a ``name`` to hand over),
+    ``attach(name)`` on the other."""
+
+    def __init__(self, shm: SharedMemory, name: str, creator: bool, capacity: int, spin_us: float) -> None:
+        self.name = name
+        self.creator = creator
+        self.capacity = capacity
+        self._spin_s = spin_us * 1e-6
+        self._shm = shm
+        self._buf = shm.buf
+        self._out_ctrl, self._in_ctrl = (_RING_CTRL[0], _RING_CTRL[1]) if creator else (_RING_CTRL[1], _RING_CTRL[0])
+        self._out_data = _CONTROL + (0 if creator else capacity)
+        self._in_data = _CONTROL + (capacity if creator else 0)
+        self._my_fd = -1  # my doorbell (read end)
+        self._peer_fd = -1  # the peer's doorbell (write end)
+        self._attached = False
+        self._linked = creator  # the names still exist (the creator unlinks them if nobody attaches)
+        self._closed = False
+        self._peer_gone = False
+        self._partial: bytearray | None = None  # a message being read
+        self._partial_len = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._waiter: asyncio.Future | None = None
+
+    # ------------------------------------------------------------------------------ set-up
+    @classmethod
+    def create(cls, config: RingConfig | None = None) -> ShmChannel:
+        cfg = config or RingConfig()
+        name = NAME_PREFIX + secrets.token_hex(12)
+        shm = SharedMemory(name=name, create=True, size=_CONTROL + 2 * cfg.capacity)
+        try:
+            shm.buf[:_CONTROL] = bytes(_CONTROL)
+            for side in ("c", "a"):
+                os.mkfifo(_fifo_path(name, side), 0o600)
+            ch = cls(shm, name, True, cfg.capacity, cfg.spin_us)
+            ch._my_fd = os.open(_fifo_path(name, "c"), os.O_RDONLY | os.O_NONBLOCK)
+            # read-write: opening a FIFO's write end alone needs a reader there, and the attacher
+            # unlinks the name as soon as it has opened it; what is written before it reads waits
+            ch._peer_fd = os.open(_fifo_path(name, "a"), os.O_RDWR | os.O_NONBLOCK)
+        except BaseException:
+            shm.close()
+            shm.unlink()
+            _unlink_names(name)
+            raise
+        return ch
+
+    @classmethod
+    def attach(cls, name: str, config: RingConfig | None = None) -> ShmChannel:
+        """Open the peer's channel and unlink its names (raises OSError when it is not on this host,
+        or its creator is gone)."""
+        cfg = config or RingConfig()
+        if not name.startswith(NAME_PREFIX) or "/" in name or len(name) > 64:
+            raise RingError(f"not a specserve channel name: {name[:70]!r}")
+        fifo = _fifo_path(name, "c")
+        if not stat.S_ISFIFO(os.stat(fifo).st_mode):
+            raise RingError(f"{fifo} is not a FIFO")
+        shm = SharedMemory(name=name, create=False)
+        resource_tracker.unregister(shm._name, "shared_memory")  # the creator's, not ours to unlink at exit
+        try:
+            capacity = (shm.size - _CONTROL) // 2
+            if capacity < cfg.capacity:
+                raise RingError(f"segment {name} holds {capacity} bytes per ring, fewer than {cfg.capacity}")
+            ch = cls(shm, name, False, cfg.capacity, cfg.spin_us)
+            ch._my_fd = os.open(_fifo_path(name, "a"), os.O_RDONLY | os.O_NONBLOCK)
+            ch._peer_fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)  # ENXIO: the creator closed its end
+        except BaseException:
+            if "ch" in locals():
+                ch._close_fds()
+            shm.close()
+            _unlink_names(name)
+            raise
+        _unlink_names(name)  # both sides hold everything now: nothing stays in /dev/shm
+        ch._attached = True
+        ch._ring_peer()  # tells the creator we are here
+        return ch
+
+    def _on_attached(self) -> None:
+        """Creator: the peer rang for the first time (it has unlinked the names)."""
+        self._attached = True
+        if self._linked:
+            self._linked = False
+            resource_tracker.unregister(self._shm._name, "shared_memory")  # unlinked by the attacher
+            _unlink_names(self.name)
+
+    @property
+    def attached(self) -> bool:
+        return self._attached
+
+    # ---------------------------------------------------------------------------- ring words
+    def _get(self, off: int) -> int:
+        return _U64.unpack_from(self._buf, off)[0]
+
+    def _put(self, off: int, value: int) -> None:
+        _U64.pack_into(self._buf, off, value)
+
+    def _readable(self) -> int:
+        return self._get(self._in_ctrl + _HEAD) - self._get(self._in_ctrl + _TAIL)
+
+    def _room(self) -> int:
+        return self.capacity - (self._get(self._out_ctrl + _HEAD) - self._get(self._out_ctrl + _TAIL))
+
+    # ----------------------------------------------------------------------------- doorbell
+    def _ring_peer(self) -> None:
+        try:
+            os.write(self._peer_fd, b"\x01")
+        except BlockingIOError:
+            pass  # the FIFO is full of unread rings: the peer wakes anyway
+        except (BrokenPipeError, OSError) as exc:
+            self._peer_gone = True
+            raise PeerGone(f"shared-memory peer went away: {exc}") from None
+
+    def _drain_doorbell(self) -> None:
+        """Consume my doorbell's bytes; end-of-file means the peer is gone."""
+        while True:
+            try:
+                data = os.read(self._my_fd, 4096)
+            except BlockingIOError:
+                return
+            if not data:  # every writer closed: the peer came (select saw it) and went
+                self._peer_gone = True
+                return
+            if not self.attached:
+                self._on_attached()
+            if len(data) < 4096:
+                return
+
+    def _check_usable(self) -> None:
+        if self._closed:
+            raise RingError("the channel is closed")
+        if self._peer_gone:
+            raise PeerGone("shared-memory peer went away")
+
+    # ------------------------------------------------------------------------ non-blocking
+    def _write_some(self, parts: list[memoryview], done: int) -> int:
+        """Copy what fits of the concatenated parts from byte ``done`` on; publish; return bytes written."""
+        room = self._room()
+        if room <= 0:
+            return 0
+        head = self._get(self._out_ctrl + _HEAD)
+        wrote, skip = 0, done
+        for part in parts:
+            if skip >= len(part):
+                skip -= len(part)
+                continue
+            chunk = part[skip : skip + (room - wrote)]
+            skip = 0
+            pos = (head + wrote) % self.capacity
+            first = min(len(chunk), self.capacity - pos)
+            base = self._out_data
+            self._buf[base + pos : base + pos + first] = chunk[:first]
+            if first < len(chunk):
+                self._buf[base : base + len(chunk) - first] = chunk[first:]
+            wrote += len(chunk)
+            if wrote >= room:
+                break
+        self._put(self._out_ctrl + _HEAD, head + wrote)
+        return wrote
+
+    def _read_into(self, dst: memoryview, n: int) -> None:
+        tail = self._get(self._in_ctrl + _TAIL)
+        pos = tail % self.capacity
+        first = min(n, self.capacity - pos)
+        base = self._in_data
+        dst[:first] = self._buf[base + pos : base + pos + first]
+        if first < n:
+            dst[first:n] = self._buf[base : base + n - first]
+        self._put(self._in_ctrl + _TAIL, tail + n)
+
+    def _try_read(self) -> bytes | None:
+        """A whole message if one is there (consumes what is there of a longer one)."""
+        freed = False
+        while True:
+            avail = self._readable()
+            if self._partial is None:
+                if avail < _LEN:
+                    break
+                hdr = bytearray(_LEN)
+                self._read_into(memoryview(hdr), _LEN)
+                freed = True
+                (length,) = _U32.unpack(hdr)
+                if length > _MAX_MESSAGE:
+                    self._peer_gone = True
+                    raise RingError(f"corrupt message length {length}")
+                self._partial, self._partial_len = bytearray(length), 0
+                avail -= _LEN
+            need = len(self._partial) - self._partial_len
+            n = min(need, avail)
+            if n:
+                self._read_into(memoryview(self._partial)[self._partial_len :], n)
+                self._partial_len += n
+                freed = True
+            if self._partial_len == len(self._partial):
+                msg, self._partial = bytes(self._partial), None
+                self._wake_waiting_writer(freed)
+                return msg
+            if not n:
+                break
+        self._wake_waiting_writer(freed)
+        return None
+
+    def _can_read(self) -> bool:
+        """A read would make progress (a length prefix is read whole)."""
+        return self._readable() >= (_LEN if self._partial is None else 1)
+
+    def _try_read_usable(self) -> bytes | None:
+        """A whole message if one is there; a message the peer wrote before it went is still read."""
+        if self._closed:
+            raise RingError("the channel is closed")
+        msg = self._try_read()
+        if msg is None:
+            self._check_usable()
+        return msg
+
+    def _wake_waiting_writer(self, freed: bool) -> None:
+        if freed and self._get(self._in_ctrl + _WAITING) and self.attached:
+            self._put(self._in_ctrl + _WAITING, 0)
+            with contextlib.suppress(PeerGone):  # a writer that went: the next call says so
+                self._ring_peer()
+
+    def _spin(self, ready) -> bool:
+        if self._spin_s <= 0:
+            return ready()
+        end = time.perf_counter() + self._spin_s
+        while True:
+            if ready():
+                return True
+            if time.perf_counter() >= end:
+                return False
+
+    @staticmethod
+    def _left(deadline: float | None) -> float | None:
+        if deadline is None:
+            return None
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise RingTimeout("no message within the timeout")
+        return left
+
+    @staticmethod
+    def _frame(payload: bytes | bytearray | memoryview) -> list[memoryview]:
+        view = memoryview(payload).cast("B")
+        if len(view) > _MAX_MESSAGE:
+            raise ValueError(f"message of {len(view)} bytes exceeds {_MAX_MESSAGE}")
+        return [memoryview(_U32.pack(len(view))), view]
+
+    # ------------------------------------------------------------------------------ blocking
+    def _block(self, deadline: float | None) -> None:
+        left = self._left(deadline)
+        readable, _, _ = select.select([self._my_fd], [], [], left)
+        if readable:
+            self._drain_doorbell()
+
+    def send(self, payload: bytes | bytearray | memoryview, timeout: float | None = None) -> None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        self._check_usable()
+        parts = self._frame(payload)
+        total, done = sum(len(p) for p in parts), 0
+        while True:
+            done += self._write_some(parts, done)
+            self._ring_peer()
+            if done == total:
+                return
+            self._put(self._out_ctrl + _WAITING, 1)
+            if not self._spin(lambda: self._room() > 0):
+                self._block(deadline)
+                self._check_usable()
+
+    def recv(self, timeout: float | None = None) -> bytes:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            msg = self._try_read_usable()
+            if msg is not None:
+                return msg
+            if self._spin(self._can_read):
+                continue
+            self._block(deadline)
+
+    # ------------------------------------------------------------------------------- asyncio
+    def _on_doorbell(self) -> None:
+        self._drain_doorbell()
+        if self._peer_gone and self._loop is not None:
+            self._loop.remove_reader(self._my_fd)
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    async def _await_doorbell(self, deadline: float | None) -> None:
+        loop = asyncio.get_running_loop()
+        if self._loop is not loop:
+            if self._loop is not None and not self._loop.is_closed():
+                self._loop.remove_reader(self._my_fd)
+            self._loop = loop
+            loop.add_reader(self._my_fd, self._on_doorbell)
+        self._waiter = loop.create_future()
+        try:
+            await asyncio.wait_for(self._waiter, self._left(deadline))
+        except asyncio.TimeoutError:
+            raise RingTimeout("no message within the timeout") from None
+        finally:
+            self._waiter = None
+
+    async def wait_attached(self, timeout: float | None = None) -> None:
+        """Creator: until the peer attaches (RingTimeout when it does not in time)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self.attached:
+            self._check_usable()
+            await self._await_doorbell(deadline)
+        self._check_usable()
+
+    async def asend(self, payload: bytes | bytearray | memoryview, timeout: float | None = None) -> None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        self._check_usable()
+        parts = self._frame(payload)
+        total, done = sum(len(p) for p in parts), 0
+        while True:
+            done += self._write_some(parts, done)
+            self._ring_peer()
+            if done == total:
+                return
+            self._put(self._out_ctrl + _WAITING, 1)
+            if not self._spin(lambda: self._room() > 0):
+                # the flag and the reader's check can cross (no store-load fence from Python): the
+                # doorbell wait is capped, so a missed ring costs at most that, never a hang
+                with contextlib.suppress(RingTimeout):
+                    await self._await_doorbell(min(deadline or float("inf"), time.monotonic() + 1e-3))
+                self._left(deadline)
+                self._check_usable()
+
+    async def arecv(self, timeout: float | None = None) -> bytes:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            msg = self._try_read_usable()
+            if msg is not None:
+                return msg
+            if self._spin(self._can_read):
+                continue
+            await self._await_doorbell(deadline)
+
+    # ------------------------------------------------------------------------------- closing
+    def _close_fds(self) -> None:
+        if self._loop is not None and self._my_fd >= 0 and not self._loop.is_closed():
+            with contextlib.suppress(Exception):
+                self._loop.remove_reader(self._my_fd)
+        for fd in (self._my_fd, self._peer_fd):
+            if fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        self._my_fd = self._peer_fd = -1
+
+    def close(self) -> None:
+        """Close this end (the peer sees PeerGone); unlink the names if nobody attached."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_exception(RingError("the channel is closed"))
+        self._close_fds()
+        self._buf = None
+        with contextlib.suppress(BufferError):
+            self._shm.close()
+        if self._linked:
+            self._linked = False
+            with contextlib.suppress(FileNotFoundError):
+                self._shm.unlink()
+            _unlink_names(self.name)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed

@@ -1,0 +1,243 @@
+"""The shared-memory channel (specserve/runtime/shm_ring.py): round trips, wraparound, back-pressure,
+timeouts, a peer process killed with SIGKILL, and nothing left in /dev/shm."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+
+from specserve.runtime.shm_ring import (
+    SHM_DIR,
+    PeerGone,
+    RingConfig,
+    RingError,
+    RingTimeout,
+    ShmChannel,
+    leftover_names,
+)
+
+pytestmark = pytest.mark.skipif(not SHM_DIR.is_dir(), reason="no /dev/shm on this host")
+
+
+@pytest.fixture(autouse=True)
+def nothing_left():
+    before = set(leftover_names())
+    yield
+    assert set(leftover_names()) - before == set(), "a segment or FIFO left in /dev/shm"
+
+
+def pair(config: RingConfig | None = None) -> tuple[ShmChannel, ShmChannel]:
+    a = ShmChannel.create(config)
+    b = ShmChannel.attach(a.name, config)
+    return a, b
+
+
+def test_round_trip_both_ways_and_names_gone_once_attached():
+    a = ShmChannel.create()
+    assert a.name in leftover_names()  # offered, not yet attached
+    b = ShmChannel.attach(a.name)
+    assert not [n for n in leftover_names() if n.startswith(a.name)]  # the attacher unlinked all three
+    b.send(b"hello" * 40)
+    assert a.recv(timeout=2) == b"hello" * 40
+    a.send(b"")  # an empty message is a message
+    assert b.recv(timeout=2) == b""
+    a.send(b"x" * 200)
+    assert b.recv(timeout=2) == b"x" * 200
+    a.close()
+    b.close()
+
+
+def test_wraparound_keeps_every_byte():
+    a, b = pair(RingConfig(capacity=64))
+    for i in range(200):  # lengths that do not divide 64: messages straddle the end of the ring
+        msg = bytes((i + j) % 256 for j in range(1 + i % 37))
+        a.send(msg, timeout=2)
+        assert b.recv(timeout=2) == msg
+    a.close()
+    b.close()
+
+
+def test_message_larger_than_the_ring_streams_through_with_back_pressure():
+    a, b = pair(RingConfig(capacity=64))
+    big = os.urandom(10_000)  # 156 ring-fulls: the writer must wait for the reader again and again
+    got = []
+    reader = threading.Thread(target=lambda: got.append(b.recv(timeout=10)))
+    reader.start()
+    a.send(big, timeout=10)
+    reader.join(10)
+    assert got == [big]
+    a.close()
+    b.close()
+
+
+def test_full_ring_blocks_the_writer_until_the_reader_drains():
+    a, b = pair(RingConfig(capacity=64))
+    msgs = [bytes([i]) * 50 for i in range(3)]  # 54 bytes each in a 64-byte ring
+    writer = threading.Thread(target=lambda: [a.send(m, timeout=10) for m in msgs])
+    writer.start()
+    time.sleep(0.3)
+    assert writer.is_alive()  # the second message does not fit: the writer waits for room
+    got = [b.recv(timeout=5) for _ in msgs]
+    writer.join(5)
+    assert not writer.is_alive() and got == msgs
+    a.send(b"1" * 50)
+    with pytest.raises(RingTimeout):
+        a.send(b"2" * 50, timeout=0.2)  # nobody reads: the wait for room ends at the timeout
+    a.close()
+    b.close()
+
+
+def test_async_back_pressure_many_small_messages():
+    async def main():
+        a, b = pair(RingConfig(capacity=128))
+        msgs = [bytes([i % 256]) * (i % 50) for i in range(300)]
+
+        async def produce():
+            for m in msgs:
+                await a.asend(m, timeout=5)
+
+        task = asyncio.ensure_future(produce())
+        got = [await b.arecv(timeout=5) for _ in msgs]
+        await task
+        a.close()
+        b.close()
+        return got, msgs
+
+    got, msgs = asyncio.run(main())
+    assert got == msgs
+
+
+def test_recv_times_out_and_the_channel_still_works():
+    a, b = pair()
+    t0 = time.monotonic()
+    with pytest.raises(RingTimeout):
+        b.recv(timeout=0.1)
+    assert 0.09 < time.monotonic() - t0 < 1.0
+
+    async def main():
+        with pytest.raises(RingTimeout):
+            await b.arecv(timeout=0.05)
+        a.send(b"late")
+        return await b.arecv(timeout=1)
+
+    assert asyncio.run(main()) == b"late"
+    a.close()
+    b.close()
+
+
+def test_closing_one_end_gives_peer_gone_and_a_closed_end_refuses():
+    a, b = pair()
+    a.send(b"last words")
+    a.close()
+    assert b.recv(timeout=1) == b"last words"  # written before the close: still delivered
+    with pytest.raises(PeerGone):
+        b.recv(timeout=1)
+    with pytest.raises(RingError):
+        a.recv(timeout=1)
+    b.close()
+
+
+def test_creator_closing_before_anyone_attached_unlinks_everything():
+    a = ShmChannel.create()
+    name = a.name
+    a.close()
+    assert not [n for n in leftover_names() if n.startswith(name)]
+    with pytest.raises(OSError):
+        ShmChannel.attach(name)
+
+
+def test_attach_refuses_names_that_are_not_ours():
+    with pytest.raises(RingError):
+        ShmChannel.attach("../etc/passwd")
+    with pytest.raises(OSError):
+        ShmChannel.attach("specserve-" + "0" * 24)  # nobody offered it
+
+
+def test_wait_attached_times_out_when_nobody_comes():
+    a = ShmChannel.create()
+    with pytest.raises(RingTimeout):
+        asyncio.run(a.wait_attached(timeout=0.1))
+    a.close()
+
+
+PEER = textwrap.dedent(
+    """
+    import sys, time
+    from specserve.runtime.shm_ring import ShmChannel
+    ch = ShmChannel.attach(sys.argv[1])
+    while True:
+        msg = ch.recv()
+        if msg == b"stall":
+            time.sleep(3600)
+        ch.send(msg[::-1])
+    """
+)
+
+
+def start_peer(name: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", PEER, name])
+
+
+def test_peer_killed_mid_step_is_seen_at_once_and_leaves_nothing():
+    a = ShmChannel.create()
+    peer = start_peer(a.name)
+    try:
+        asyncio.run(a.wait_attached(timeout=30))
+        a.send(b"abc" * 70)
+        assert a.recv(timeout=10) == (b"abc" * 70)[::-1]
+        a.send(b"stall")  # the peer is now inside a step and never answers
+        time.sleep(0.2)
+        peer.send_signal(signal.SIGKILL)
+        t0 = time.monotonic()
+
+        async def wait():
+            return await a.arecv(timeout=10)
+
+        with pytest.raises(PeerGone):
+            asyncio.run(wait())
+        assert time.monotonic() - t0 < 2.0  # the doorbell's end-of-file, not the timeout
+    finally:
+        peer.kill()
+        peer.wait()
+        a.close()
+    assert not [n for n in leftover_names() if n.startswith(a.name)]
+
+
+CREATOR = textwrap.dedent(
+    """
+    import sys, time
+    from specserve.runtime.shm_ring import ShmChannel
+    ch = ShmChannel.create()
+    print(ch.name, flush=True)
+    ch.send(ch.recv())
+    time.sleep(3600)
+    """
+)
+
+
+def test_creator_killed_gives_peer_gone_and_leaves_nothing():
+    proc = subprocess.Popen([sys.executable, "-c", CREATOR], stdout=subprocess.PIPE, text=True)
+    try:
+        name = proc.stdout.readline().strip()
+        b = ShmChannel.attach(name)
+        b.send(b"ping")
+        assert b.recv(timeout=10) == b"ping"
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        with pytest.raises(PeerGone):
+            b.recv(timeout=5)
+        with pytest.raises(PeerGone):
+            b.send(b"anyone?")
+        b.close()
+    finally:
+        proc.kill()
+        proc.wait()
+    assert not [n for n in leftover_names() if n.startswith(name)]
