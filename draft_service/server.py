@@ -19,6 +19,7 @@ from specserve.errors import SpecserveError
 from specserve.protos import convert
 from specserve.protos.specserve.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 from specserve.runtime import tracing as tn
+from specserve.runtime.data_plane import ShmOffer, ShmSessions
 from specserve.runtime.errors import LimitExceeded, status_for
 from specserve.runtime.servers_common import lenient_adder, short
 from specserve.runtime.worker import OneThread
@@ -214,11 +215,15 @@ def _status_for(exc: BaseException) -> grpc.StatusCode:
 
 
 class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
-    def __init__(self, worker: DrafterWorker) -> None:
+    def __init__(self, worker: DrafterWorker, shm: ShmOffer | None = None) -> None:
         self.worker = worker
         self.limits = worker.limits
         self.info = worker.proposer.info
         self._tracer = tn.tracer()
+        # sessions whose caller shares the host: their proposals over shared memory (same messages)
+        self.shm = ShmSessions(
+            "draft", shm or ShmOffer(), draft_pb2.ProposeRequest, self._propose_over_shm, _status_for, self.worker.release
+        )
 
     async def _abort(self, context, exc: BaseException):
         await context.abort(_status_for(exc), short(f"{type(exc).__name__}: {exc}"))
@@ -252,7 +257,8 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             except Exception as exc:  # noqa: BLE001 - mapped to a status
                 span.record_exception(exc)
                 await self._abort(context, exc)
-            return draft_pb2.StartSessionResponse(session_id=request.session_id)
+            channel = self.shm.offer(request.session_id, None) if request.want_shm else ""
+            return draft_pb2.StartSessionResponse(session_id=request.session_id, shm_channel=channel)
 
     async def _propose_one(self, request, call_ctx) -> draft_pb2.ProposeResponse:
         received = time.perf_counter()
@@ -298,6 +304,11 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
                 timings=common_pb2.StepTimings(forward_ms=total_ms, total_ms=total_ms),
             )
 
+    async def _propose_over_shm(self, session_id: str, request) -> draft_pb2.ProposeResponse:
+        if request.session_id != session_id:
+            raise convert.ConversionError(f"session_id: {request.session_id[:40]!r} is not this channel's session")
+        return await self._propose_one(request, None)
+
     async def Propose(self, request, context):
         call_ctx = tn.context_from_metadata(context.invocation_metadata())
         try:
@@ -322,6 +333,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
                 asyncio.get_running_loop().create_task(self.worker.release(sid))
 
     async def Release(self, request, context):
+        self.shm.close_session(request.session_id)
         try:
             released = await self.worker.release(request.session_id)
         except Exception as exc:  # noqa: BLE001 - mapped to a status
@@ -329,4 +341,5 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         return draft_pb2.DraftReleaseResponse(released=released)
 
     async def GetStats(self, request, context):
-        return draft_pb2.DraftStats(active_sessions=len(self.worker.active), proposals=self.worker.proposals)
+        return draft_pb2.DraftStats(active_sessions=len(self.worker.active), proposals=self.worker.proposals,
+                                    shm_proposals=self.shm.served, shm_channels=self.shm.attached)

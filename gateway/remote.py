@@ -11,6 +11,12 @@ Failure contract (what the loop relies on):
 - draft: anything at all (down, slower than its step timeout, stream broken) -> DraftError, and a block
   that does not even decode -> MalformedDraft. The loop then goes on target-only.
 
+Data plane: with ``shm`` (the default) a session asks at its start (Prefill, StartSession) for a
+shared-memory channel; when the service offers one and it opens here (same host), that session's
+verify / propose steps go through it (specserve/runtime/data_plane.py: the same messages, the same
+failure contract: a status frame is mapped like the stream's status, a peer that goes away is
+UNAVAILABLE / DraftError at once, a slow one times out as on the stream). Else they use the stream.
+
 Circuit breaker (per draft endpoint): after ``breaker_failures`` timeouts / UNAVAILABLE in a row the
 draft is not asked any more (every request goes target-only at once, releases are skipped: the draft
 expires idle sessions itself) while a background probe calls its GetInfo every ``probe_every_s``
@@ -27,6 +33,7 @@ from dataclasses import dataclass
 
 import grpc
 import torch
+from google.protobuf.message import DecodeError
 
 from specserve.contract.types import (
     DraftBlock,
@@ -44,7 +51,9 @@ from specserve.protos.specserve.v1 import (
     target_pb2_grpc,
 )
 from specserve.runtime import tracing as tn
+from specserve.runtime.data_plane import ShmClient, StatusFrame
 from specserve.runtime.servers_common import TlsFiles, aio_channel, bearer_metadata
+from specserve.runtime.shm_ring import PeerGone, RingError, RingTimeout
 
 RELEASE_TIMEOUT_S = 2.0  # releases run even past the request's deadline, but never hang
 RESERVE_METADATA = "specserve-reserve-tokens"  # the target reserves KV blocks for this many tokens
@@ -135,8 +144,9 @@ class _Stream:
 class RemoteTarget:
     """The target service at one address (one channel for every request)."""
 
-    def __init__(self, address: str, tls: TlsFiles | None = None, token: str | None = None) -> None:
+    def __init__(self, address: str, tls: TlsFiles | None = None, token: str | None = None, shm: bool = True) -> None:
         self.address = address
+        self.shm = shm  # ask for the shared-memory data plane per session (used when it opens here)
         self.channel = aio_channel(address, tls)
         self.stub = target_pb2_grpc.TargetServiceStub(self.channel)
         self.target_info: target_pb2.TargetInfo | None = None
@@ -170,7 +180,13 @@ class RemoteTargetSession:
         self._deadline = _Deadline(deadline)
         self._metrics = metrics
         self._stream = _Stream(self._open_stream)
+        self._shm: ShmClient | None = None  # this session's shared-memory channel, when it has one
         self._last_step_end = time.perf_counter()
+
+    @property
+    def transport(self) -> str:
+        """How this session's verify steps travel: "shm" or "grpc"."""
+        return "shm" if self._shm is not None else "grpc"
 
     def _timeout(self) -> float | None:
         left = self._deadline.remaining()
@@ -197,6 +213,7 @@ class RemoteTargetSession:
             prompt_ids=list(prompt_ids),
             sampling=convert.sampling_to_proto(sampling),
             hidden_layers=list(hidden_layers),
+            want_shm=self._target.shm,
         )
         try:
             resp = await self._target.stub.Prefill(
@@ -204,6 +221,7 @@ class RemoteTargetSession:
             )
         except grpc.aio.AioRpcError as exc:
             raise _target_error(exc) from None
+        self._shm = ShmClient.attach(resp.shm_channel)
         self._last_step_end = time.perf_counter()
         return PrefillResult(
             next_token=resp.next_token,
@@ -217,14 +235,7 @@ class RemoteTargetSession:
             draft=convert.draft_block_to_proto(block),
             trace_context=tn.current_trace_context(),
         )
-        try:
-            resp = await self._stream.exchange(req, self._timeout())
-        except grpc.aio.AioRpcError as exc:
-            self._stream.close()
-            raise _target_error(exc) from None
-        except (EOFError, asyncio.TimeoutError) as exc:
-            self._stream.close()
-            raise TargetCallError(grpc.StatusCode.UNAVAILABLE, f"target verify stream: {exc!r}") from None
+        resp = await (self._verify_shm(req) if self._shm is not None else self._verify_stream(req))
         result = VerifyResult(
             accepted_ids=tuple(resp.accepted_ids),
             next_token=resp.next_token,
@@ -239,8 +250,33 @@ class RemoteTargetSession:
         self._last_step_end = now
         return result
 
+    async def _verify_stream(self, req):
+        try:
+            return await self._stream.exchange(req, self._timeout())
+        except grpc.aio.AioRpcError as exc:
+            self._stream.close()
+            raise _target_error(exc) from None
+        except (EOFError, asyncio.TimeoutError) as exc:
+            self._stream.close()
+            raise TargetCallError(grpc.StatusCode.UNAVAILABLE, f"target verify stream: {exc!r}") from None
+
+    async def _verify_shm(self, req):
+        timeout = self._timeout()
+        try:
+            return await self._shm.exchange(req, target_pb2.VerifyResponse, timeout)
+        except StatusFrame as exc:
+            raise _target_error(exc.as_rpc_error()) from None
+        except RingTimeout:
+            left = self._deadline.remaining()
+            code = grpc.StatusCode.DEADLINE_EXCEEDED if left is not None and left <= 0 else grpc.StatusCode.UNAVAILABLE
+            raise TargetCallError(code, "target verify over shared memory: no answer in time") from None
+        except (RingError, DecodeError) as exc:
+            raise TargetCallError(grpc.StatusCode.UNAVAILABLE, f"target verify over shared memory: {exc}") from None
+
     async def release(self, session_id: str) -> None:
         self._stream.close()
+        if self._shm is not None:
+            self._shm.close()  # the target sees the channel end (and releases); the unary Release below too
         await asyncio.shield(self._release(session_id))
 
     async def _release(self, session_id: str) -> None:
@@ -329,8 +365,10 @@ class RemoteDraftEndpoint:
         trusted: bool = False,
         breaker: BreakerConfig | None = None,
         token: str | None = None,
+        shm: bool = True,
     ) -> None:
         self.auth = bearer_metadata(token)  # sent on every call (the draft's --auth-token)
+        self.shm = shm  # ask for the shared-memory data plane per session (used when it opens here)
         self.name = name
         self.address = address
         self.trusted = trusted  # the operator trusts its q: verified with it (else proposal-only)
@@ -362,6 +400,13 @@ class RemoteDraft:
         self._ep = endpoint
         self._deadline = _Deadline(deadline)
         self._stream = _Stream(self._open_stream)
+        self._shm: ShmClient | None = None  # this session's shared-memory channel, when it has one
+        self._shm_broken = False  # the channel ended: proposals fail (as on a stream the draft ended)
+
+    @property
+    def transport(self) -> str:
+        """How this session's proposals travel: "shm" or "grpc"."""
+        return "shm" if self._shm is not None else "grpc"
 
     def _timeout(self) -> float:
         if self._ep.breaker.is_open:
@@ -401,11 +446,13 @@ class RemoteDraft:
         self, session_id: str, token_ids: Sequence[int], hidden: torch.Tensor | None, sampling: SamplingParams
     ) -> None:
         req = draft_pb2.StartSessionRequest(
-            session_id=session_id, token_ids=list(token_ids), sampling=convert.sampling_to_proto(sampling)
+            session_id=session_id, token_ids=list(token_ids), sampling=convert.sampling_to_proto(sampling),
+            want_shm=self._ep.shm,
         )
         if hidden is not None:
             req.hidden.CopyFrom(convert.tensor_to_proto(hidden))
-        await self._unary(self._ep.stub.StartSession, req)
+        resp = await self._unary(self._ep.stub.StartSession, req)
+        self._shm = ShmClient.attach(resp.shm_channel)
 
     async def propose(
         self,
@@ -428,8 +475,42 @@ class RemoteDraft:
         if tree is not None:
             req.is_tree = True
             req.tree.CopyFrom(convert.tree_spec_to_proto(tree.num_nodes, tree.top_k, tree.depth))
+        if self._shm is not None or self._shm_broken:
+            resp = await self._propose_shm(req)
+        else:
+            resp = await self._propose_stream(req)
+        self._ep.breaker.succeeded()
         try:
-            resp = await self._stream.exchange(req, self._timeout())
+            return convert.draft_block_from_proto(resp.draft)
+        except convert.ConversionError as exc:
+            raise MalformedDraft(f"draft {self._ep.name}: {exc}") from None
+
+    async def _propose_shm(self, req):
+        where = f"draft {self._ep.name} over shared memory"
+        if self._shm is None:
+            raise DraftError(f"{where}: the channel already ended")
+        timeout = self._timeout()
+        try:
+            return await self._shm.exchange(req, draft_pb2.ProposeResponse, timeout)
+        except StatusFrame as exc:
+            if exc.code in _DOWN:
+                self._ep.breaker.failed()
+            raise DraftError(f"{where}: {exc.code.name}: {exc.details}") from None
+        except RingTimeout:
+            self._ep.breaker.failed()
+            raise DraftError(f"{where}: no answer within {timeout:.3g} s") from None
+        except PeerGone as exc:
+            self._ep.breaker.failed()
+            raise DraftError(f"{where}: {exc}") from None
+        except Exception as exc:  # noqa: BLE001 - any failure of the draft only drops speculation
+            raise DraftError(f"{where}: {exc!r}") from None
+        finally:
+            if self._shm is not None and self._shm.channel.closed:
+                self._shm, self._shm_broken = None, True
+
+    async def _propose_stream(self, req):
+        try:
+            return await self._stream.exchange(req, self._timeout())
         except DraftError:
             raise
         except Exception as exc:  # noqa: BLE001 - any failure of the draft only drops speculation
@@ -439,14 +520,11 @@ class RemoteDraft:
                 self._ep.breaker.failed()
             what = f"{exc.code().name}: {exc.details()}" if is_rpc else repr(exc)
             raise DraftError(f"draft {self._ep.name} at {self._ep.address}: {what}") from None
-        self._ep.breaker.succeeded()
-        try:
-            return convert.draft_block_from_proto(resp.draft)
-        except convert.ConversionError as exc:
-            raise MalformedDraft(f"draft {self._ep.name}: {exc}") from None
 
     async def release(self, session_id: str) -> None:
         self._stream.close()
+        if self._shm is not None:
+            self._shm.close()  # the draft sees the channel end and releases the session
         if self._ep.breaker.is_open:
             return  # not answering: it frees the session when the stream ends or the session idles out
         await asyncio.shield(self._release(session_id))

@@ -81,6 +81,8 @@ class GatewayConfig:
     downstream_token: str | None = field(default=None, repr=False)  # bearer token for target and drafts
     # SetDraft needs the metadata `specserve-admin-token: <admin_token>`; None: SetDraft is off
     admin_token: str | None = field(default=None, repr=False)
+    # ask target and drafts for the shared-memory data plane (used per session where it opens: same host)
+    shm: bool = True
 
     def __post_init__(self) -> None:
         check_address(self.target_address)
@@ -168,8 +170,10 @@ class DraftTable:
         target_info=None,
         breaker: BreakerConfig | None = None,
         token: str | None = None,
+        shm: bool = True,
     ) -> None:
         self.step_timeout_s = step_timeout_s
+        self.shm = shm
         self.breaker = breaker
         self.token = token
         self.tls = tls
@@ -187,7 +191,7 @@ class DraftTable:
     def make(self, name: str, address: str, trusted: bool = False) -> RemoteDraftEndpoint:
         return RemoteDraftEndpoint(
             name, check_address(address), self.step_timeout_s, self.tls, self.target_info, trusted=trusted,
-            breaker=self.breaker, token=self.token,
+            breaker=self.breaker, token=self.token, shm=self.shm,
         )
 
     def put(self, endpoint: RemoteDraftEndpoint) -> None:
@@ -235,7 +239,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self.tokenizer = tokenizer
         self.drafts = DraftTable(
             config.draft_step_timeout_s, config.downstream_tls, target.target_info, config.draft_breaker,
-            config.downstream_token,
+            config.downstream_token, config.shm,
         )
         for name, address in config.drafts.items():
             self.drafts.put(self.drafts.make(name, address, trusted=name in config.trusted_drafts))

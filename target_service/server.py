@@ -31,6 +31,7 @@ from specserve.protos import convert
 from specserve.protos.specserve.v1 import target_pb2, target_pb2_grpc
 from specserve.runtime import tracing as tn
 from specserve.runtime.admission import Admission, AdmissionConfig, AdmissionRefused
+from specserve.runtime.data_plane import ShmOffer, ShmSessions
 from specserve.runtime.errors import LimitExceeded, status_for
 from specserve.runtime.servers_common import lenient_adder, short
 from specserve.runtime.worker import OneThread
@@ -346,12 +347,18 @@ def _status_for(exc: BaseException) -> grpc.StatusCode:
 
 
 class TargetServicer(target_pb2_grpc.TargetServiceServicer):
-    def __init__(self, worker: EngineWorker, model_name: str = "", tensor_parallel_size: int = 1) -> None:
+    def __init__(
+        self, worker: EngineWorker, model_name: str = "", tensor_parallel_size: int = 1, shm: ShmOffer | None = None
+    ) -> None:
         self.worker = worker
         self.info = worker.engine.info()
         self.model_name = model_name
         self.tensor_parallel_size = tensor_parallel_size
         self._tracer = tn.tracer()
+        # sessions whose caller shares the host: their verify steps over shared memory (same messages)
+        self.shm = ShmSessions(
+            "target", shm or ShmOffer(), target_pb2.VerifyRequest, self._verify_over_shm, _status_for, self.worker.release
+        )
 
     # ------------------------------------------------------------------------------ helpers
     async def _abort(self, context, exc: BaseException):
@@ -398,6 +405,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             )
             if res.hidden is not None:
                 out.hidden.CopyFrom(convert.tensor_to_proto(res.hidden))
+            if request.want_shm:
+                out.shm_channel = self.shm.offer(request.session_id, context.time_remaining())
             return out
 
     async def _verify_one(self, request, call_ctx) -> target_pb2.VerifyResponse:
@@ -433,6 +442,11 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                 resp.hidden.CopyFrom(convert.tensor_to_proto(res.hidden))
             return resp
 
+    async def _verify_over_shm(self, session_id: str, request) -> target_pb2.VerifyResponse:
+        if request.session_id != session_id:
+            raise convert.ConversionError(f"session_id: {request.session_id[:40]!r} is not this channel's session")
+        return await self._verify_one(request, None)
+
     async def Verify(self, request, context):
         call_ctx = tn.context_from_metadata(context.invocation_metadata())
         try:
@@ -462,6 +476,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         parent = tn.context_from_metadata(context.invocation_metadata())
         with self._tracer.start_as_current_span(tn.SPAN_RELEASE, context=parent, kind=trace.SpanKind.SERVER) as span:
             span.set_attribute(tn.ATTR_SESSION, request.session_id)
+            self.shm.close_session(request.session_id)
             try:
                 released = await self.worker.release(request.session_id)
             except Exception as exc:  # noqa: BLE001 - mapped to a status
@@ -475,4 +490,6 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             kv_blocks_total=usage.num_blocks,
             kv_blocks_used=usage.used_blocks,
             steps=self.worker.steps,
+            shm_steps=self.shm.served,
+            shm_channels=self.shm.attached,
         )

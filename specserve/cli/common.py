@@ -196,6 +196,9 @@ def add_listen_arguments(parser: argparse.ArgumentParser, default: str, max_mess
                              "the gateway sends it with --downstream-auth-token)")
     parser.add_argument("--metrics-port", type=int, default=None,
                         help="serve GET /metrics (Prometheus text) on 127.0.0.1 at this port (0 = any; default: off)")
+    parser.add_argument("--no-shm", action="store_true",
+                        help="never offer a caller on this host the shared-memory data plane: every step over gRPC "
+                             "(also SPECSERVE_SHM=0)")
 
 
 SERVICE_TOKEN_ENV = "SPECSERVE_SERVICE_TOKEN"
@@ -243,3 +246,12 @@ def checkpoint_errors_as_user_errors(fn, *args):
         return fn(*args)
     except CheckpointError as exc:
         raise SpecserveError(f"checkpoint: {exc}") from None
+
+
+def shm_offer_from_args(args: argparse.Namespace):
+    """The service's shared-memory offer (--no-shm / SPECSERVE_SHM=0: none)."""
+    import os
+
+    from specserve.runtime.data_plane import ShmOffer, shm_allowed
+
+    return ShmOffer(enabled=shm_allowed(args.no_shm, os.environ))

@@ -14,6 +14,7 @@ from specserve.cli.common import (
     metrics_http_from_args,
     positive_int,
     server_config_from_args,
+    shm_offer_from_args,
     start_metrics_server,
 )
 
@@ -65,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
     server_config = server_config_from_args(args, tuple(args.listen or [DEFAULT_LISTEN]))
     limits = draft_limits(args)
     checkpoint_errors_as_user_errors(
-        run_async, _serve(config, server_config, limits, metrics_http_from_args(args))
+        run_async, _serve(config, server_config, limits, metrics_http_from_args(args), shm_offer_from_args(args))
     )
     exit_now(0)
     return 0
@@ -84,7 +85,7 @@ def draft_limits(args: argparse.Namespace):
         raise SpecserveError(f"draft limits: {exc}") from None
 
 
-async def _serve(config, server_config, limits=None, metrics_http=None) -> None:
+async def _serve(config, server_config, limits=None, metrics_http=None, shm=None) -> None:
     from specserve.draft_service.registry import build_proposer
     from specserve.draft_service.server import (
         SERVICE_NAME,
@@ -101,9 +102,10 @@ async def _serve(config, server_config, limits=None, metrics_http=None) -> None:
     worker.start_expiry()
     observe_worker(worker)
     companions = await start_metrics_server(metrics_http, telemetry, "draft")
-    servicer = DraftServicer(worker)
+    servicer = DraftServicer(worker, shm=shm)
 
     async def on_stop() -> None:
+        await servicer.shm.close()
         await worker.close()
         telemetry.shutdown()
 

@@ -49,6 +49,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--connect-timeout-s", type=float, default=600.0,
                         help="seconds to wait for the target service at start")
     parser.add_argument("--grace-s", type=float, default=10.0, help="seconds in-flight calls get on SIGTERM")
+    parser.add_argument("--no-shm", action="store_true",
+                        help="every verify / propose step over gRPC, never the shared-memory data plane with services "
+                             "on this host (also SPECSERVE_SHM=0)")
     limits = parser.add_argument_group("limits (beyond them: INVALID_ARGUMENT or RESOURCE_EXHAUSTED naming the limit)")
     limits.add_argument("--max-sessions", type=positive_int, default=64, help="requests running at once")
     limits.add_argument("--max-queued", type=int, default=64,
@@ -83,6 +86,7 @@ def run(args: argparse.Namespace) -> int:
     from specserve.gateway.remote import BreakerConfig
     from specserve.gateway.server import GatewayConfig
     from specserve.gateway.validation import RequestLimits
+    from specserve.runtime.data_plane import shm_allowed
     from specserve.runtime.servers_common import ServerConfig, exit_now, run_async
 
     names = [n for n, _ in args.draft_service]
@@ -107,6 +111,7 @@ def run(args: argparse.Namespace) -> int:
         draft_breaker=BreakerConfig(failures=args.draft_breaker_failures),
         downstream_token=_flag_or_env(args.downstream_auth_token, "SPECSERVE_DOWNSTREAM_TOKEN"),
         admin_token=_flag_or_env(args.admin_token, "SPECSERVE_ADMIN_TOKEN"),
+        shm=shm_allowed(args.no_shm, os.environ),
     )
     for flag, port in (("--port", args.port), ("--http-port", args.http_port)):
         if port is not None and not 0 <= port <= 65535:
@@ -148,7 +153,7 @@ async def _serve(config, server_config, tokenizer, connect_timeout_s: float, htt
     from specserve.runtime.tracing import setup_telemetry
 
     telemetry = setup_telemetry("specserve-gateway", prometheus=http is not None)
-    target = RemoteTarget(config.target_address, config.downstream_tls, config.downstream_token)
+    target = RemoteTarget(config.target_address, config.downstream_tls, config.downstream_token, shm=config.shm)
     try:
         await target.fetch_info(connect_timeout_s, wait_for_ready=True)
     except grpc.aio.AioRpcError as exc:

@@ -38,6 +38,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="verify with the drafter's probabilities q (default: proposal-only, see README)")
     parser.add_argument("--startup-timeout-s", type=float, default=600.0)
     parser.add_argument("--grace-s", type=float, default=10.0, help="seconds in-flight requests get on stop")
+    parser.add_argument("--no-shm", action="store_true",
+                        help="every step over gRPC: no shared-memory data plane between the three (also SPECSERVE_SHM=0)")
     from specserve.cli.common import add_tls_arguments
 
     add_tls_arguments(parser)  # the gateway's public port (the inner hops are unix sockets in a private folder)
@@ -145,19 +147,20 @@ def run(args: argparse.Namespace) -> int:
     children = _Children()
     model_flag = ["--model", str(args.model)] if args.model is not None else []
     placement = ["--device", args.device, "--dtype", args.dtype]
+    no_shm = ["--no-shm"] if args.no_shm else []
     try:
         children.start("target", [
             *model_flag, *placement, "--listen", target_addr,
             "--tensor-parallel-size", str(args.tensor_parallel_size),
             "--num-kv-blocks", str(args.num_kv_blocks), "--kv-block-size", str(args.kv_block_size),
             *(["--enable-expert-parallel"] if args.enable_expert_parallel else []),
-            "--grace-s", str(args.grace_s),
+            "--grace-s", str(args.grace_s), *no_shm,
         ])
         gateway_drafts: list[str] = []
         if args.draft != "none":
             children.start("draft", [
                 "--draft", args.draft, *model_flag, *placement, "--listen", draft_addr,
-                "--max-block-size", str(args.max_block_size), "--grace-s", str(args.grace_s),
+                "--max-block-size", str(args.max_block_size), "--grace-s", str(args.grace_s), *no_shm,
                 *(["--draft-model", str(args.draft_model)] if args.draft_model is not None else []),
                 *(["--denoise-steps", str(args.denoise_steps)] if args.denoise_steps is not None else []),
             ])
@@ -180,7 +183,7 @@ def run(args: argparse.Namespace) -> int:
             "--target", target_addr, *gateway_drafts, "--model", str(model),
             "--host", args.host, "--port", str(args.port),
             *(["--http-port", str(args.http_port)] if args.http_port is not None else []),
-            "--draft-step-timeout-s", str(args.draft_step_timeout_s), "--grace-s", str(args.grace_s),
+            "--draft-step-timeout-s", str(args.draft_step_timeout_s), "--grace-s", str(args.grace_s), *no_shm,
             *[a for flag in ("cert", "key", "ca") if getattr(args, f"tls_{flag}") is not None
               for a in (f"--tls-{flag}", str(getattr(args, f"tls_{flag}")))],
         ], on_stdout=ready_line,  # the token goes by environment, never on a command line

@@ -14,6 +14,7 @@ from specserve.cli.common import (
     metrics_http_from_args,
     positive_int,
     server_config_from_args,
+    shm_offer_from_args,
     start_metrics_server,
 )
 
@@ -48,13 +49,16 @@ def run(args: argparse.Namespace) -> int:
         raise SpecserveError(f"target limits: {exc}") from None
     metrics_http = metrics_http_from_args(args)
     checkpoint_errors_as_user_errors(
-        run_async, _serve(engine_config, server_config, args.tensor_parallel_size, limits, metrics_http)
+        run_async, _serve(engine_config, server_config, args.tensor_parallel_size, limits, metrics_http,
+                          shm_offer_from_args(args))
     )
     exit_now(0)
     return 0
 
 
-async def _serve(engine_config, server_config, tensor_parallel_size: int, limits=None, metrics_http=None) -> None:
+async def _serve(
+    engine_config, server_config, tensor_parallel_size: int, limits=None, metrics_http=None, shm=None
+) -> None:
     from specserve.runtime.servers_common import ServiceBinding, serve_until_signal
     from specserve.runtime.tracing import setup_telemetry
     from specserve.target_service.factory import build_engine
@@ -71,9 +75,11 @@ async def _serve(engine_config, server_config, tensor_parallel_size: int, limits
     worker.start()
     observe_worker(worker)
     companions = await start_metrics_server(metrics_http, telemetry, "target")
-    servicer = TargetServicer(worker, model_name=Path(engine_config.model).name, tensor_parallel_size=tensor_parallel_size)
+    servicer = TargetServicer(worker, model_name=Path(engine_config.model).name, tensor_parallel_size=tensor_parallel_size,
+                               shm=shm)
 
     async def on_stop() -> None:
+        await servicer.shm.close()
         await worker.close()
         telemetry.shutdown()
 

@@ -32,22 +32,26 @@ class DraftInfo(_message.Message):
     def __init__(self, family: _Optional[str] = ..., vocab_size: _Optional[int] = ..., vocab_hash: _Optional[str] = ..., max_block_size: _Optional[int] = ..., needs_hidden_states: _Optional[bool] = ..., hidden_layers: _Optional[_Iterable[int]] = ..., has_probs: _Optional[bool] = ..., supports_tree: _Optional[bool] = ...) -> None: ...
 
 class StartSessionRequest(_message.Message):
-    __slots__ = ("session_id", "token_ids", "hidden", "sampling")
+    __slots__ = ("session_id", "token_ids", "hidden", "sampling", "want_shm")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    WANT_SHM_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     hidden: _common_pb2.Tensor
     sampling: _common_pb2.SamplingParams
-    def __init__(self, session_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., hidden: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
+    want_shm: bool
+    def __init__(self, session_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., hidden: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., want_shm: _Optional[bool] = ...) -> None: ...
 
 class StartSessionResponse(_message.Message):
-    __slots__ = ("session_id",)
+    __slots__ = ("session_id", "shm_channel")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    SHM_CHANNEL_FIELD_NUMBER: _ClassVar[int]
     session_id: str
-    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+    shm_channel: str
+    def __init__(self, session_id: _Optional[str] = ..., shm_channel: _Optional[str] = ...) -> None: ...
 
 class TreeSpec(_message.Message):
     __slots__ = ("num_nodes", "top_k", "depth")
@@ -113,9 +117,13 @@ class DraftStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DraftStats(_message.Message):
-    __slots__ = ("active_sessions", "proposals")
+    __slots__ = ("active_sessions", "proposals", "shm_proposals", "shm_channels")
     ACTIVE_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     PROPOSALS_FIELD_NUMBER: _ClassVar[int]
+    SHM_PROPOSALS_FIELD_NUMBER: _ClassVar[int]
+    SHM_CHANNELS_FIELD_NUMBER: _ClassVar[int]
     active_sessions: int
     proposals: int
-    def __init__(self, active_sessions: _Optional[int] = ..., proposals: _Optional[int] = ...) -> None: ...
+    shm_proposals: int
+    shm_channels: int
+    def __init__(self, active_sessions: _Optional[int] = ..., proposals: _Optional[int] = ..., shm_proposals: _Optional[int] = ..., shm_channels: _Optional[int] = ...) -> None: ...

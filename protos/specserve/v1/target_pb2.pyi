@@ -34,28 +34,32 @@ class TargetInfo(_message.Message):
     def __init__(self, model_type: _Optional[str] = ..., vocab_size: _Optional[int] = ..., vocab_hash: _Optional[str] = ..., max_context: _Optional[int] = ..., num_layers: _Optional[int] = ..., hidden_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., tensor_parallel_size: _Optional[int] = ..., model_name: _Optional[str] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("session_id", "prompt_ids", "sampling", "hidden_layers")
+    __slots__ = ("session_id", "prompt_ids", "sampling", "hidden_layers", "want_shm")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    WANT_SHM_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
     hidden_layers: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, session_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., hidden_layers: _Optional[_Iterable[int]] = ...) -> None: ...
+    want_shm: bool
+    def __init__(self, session_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., hidden_layers: _Optional[_Iterable[int]] = ..., want_shm: _Optional[bool] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("session_id", "next_token", "hidden", "timings")
+    __slots__ = ("session_id", "next_token", "hidden", "timings", "shm_channel")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    SHM_CHANNEL_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     next_token: int
     hidden: _common_pb2.Tensor
     timings: _common_pb2.StepTimings
-    def __init__(self, session_id: _Optional[str] = ..., next_token: _Optional[int] = ..., hidden: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., timings: _Optional[_Union[_common_pb2.StepTimings, _Mapping]] = ...) -> None: ...
+    shm_channel: str
+    def __init__(self, session_id: _Optional[str] = ..., next_token: _Optional[int] = ..., hidden: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., timings: _Optional[_Union[_common_pb2.StepTimings, _Mapping]] = ..., shm_channel: _Optional[str] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
     __slots__ = ("session_id", "draft", "trace_context")
@@ -111,13 +115,17 @@ class TargetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class TargetStats(_message.Message):
-    __slots__ = ("active_sessions", "kv_blocks_total", "kv_blocks_used", "steps")
+    __slots__ = ("active_sessions", "kv_blocks_total", "kv_blocks_used", "steps", "shm_steps", "shm_channels")
     ACTIVE_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_USED_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
+    SHM_STEPS_FIELD_NUMBER: _ClassVar[int]
+    SHM_CHANNELS_FIELD_NUMBER: _ClassVar[int]
     active_sessions: int
     kv_blocks_total: int
     kv_blocks_used: int
     steps: int
-    def __init__(self, active_sessions: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., steps: _Optional[int] = ...) -> None: ...
+    shm_steps: int
+    shm_channels: int
+    def __init__(self, active_sessions: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., steps: _Optional[int] = ..., shm_steps: _Optional[int] = ..., shm_channels: _Optional[int] = ...) -> None: ...

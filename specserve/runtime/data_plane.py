@@ -1,0 +1,219 @@
+"""The shared-memory data plane of one session: its per-step messages over a ``ShmChannel``
+(specserve/runtime/shm_ring.py) instead of a gRPC stream, when the caller shares the host.
+
+Control stays gRPC (sessions, admission, health, deadlines, cancellation, auth, errors, trace
+context): the caller asks with ``want_shm`` in the session-start call (Prefill, StartSession), the
+service offers a channel name in its reply, and the caller attaches (it can only when it sees the
+service's /dev/shm, that is, on the same host); otherwise the session's steps use the gRPC stream as
+before. The messages are the gRPC stream's protobuf messages, so the services check them exactly as
+they do on the stream (nothing a peer sends can change the output distribution), and they carry
+their trace context in the same field.
+
+A frame is one byte of kind and then either a serialized message (``OK``) or, as a gRPC stream ends
+with a status, a u32 status code and its UTF-8 details (``STATUS``). Like a stream, a session's
+channel ends at the first error, when either side closes it or goes away (the doorbell FIFO's
+end-of-file), or at the session's deadline; the service then releases the session as it does when
+a stream ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import grpc
+from google.protobuf.message import DecodeError
+
+from specserve.runtime.shm_ring import RingConfig, RingError, RingTimeout, ShmChannel
+
+SHM_ENV = "SPECSERVE_SHM"  # "0": no shared-memory data plane (flag: --no-shm)
+OK, STATUS = 0, 1
+_CODE = struct.Struct("<I")
+_CODES = {c.value[0]: c for c in grpc.StatusCode}
+
+
+def shm_allowed(no_shm_flag: bool, environ) -> bool:
+    """The data plane is on unless --no-shm or SPECSERVE_SHM=0 says otherwise."""
+    return not no_shm_flag and environ.get(SHM_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+class FrameError(RingError):
+    """A frame that is neither a message nor a status (the channel is dropped)."""
+
+
+class StatusFrame(Exception):
+    """The peer ended the session's channel with a gRPC status (as a stream's abort)."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(f"{code.name}: {details}")
+        self.code, self.details = code, details
+
+    def as_rpc_error(self) -> grpc.aio.AioRpcError:
+        return grpc.aio.AioRpcError(self.code, grpc.aio.Metadata(), grpc.aio.Metadata(), self.details)
+
+
+def encode_message(message) -> bytes:
+    return bytes((OK,)) + message.SerializeToString()
+
+
+def encode_status(code: grpc.StatusCode, details: str) -> bytes:
+    return bytes((STATUS,)) + _CODE.pack(code.value[0]) + details.encode("utf-8", "replace")
+
+
+def decode(frame: bytes, message_cls):
+    """The message of an OK frame (protobuf's own parse errors propagate), or raise StatusFrame."""
+    if not frame:
+        raise FrameError("an empty frame")
+    if frame[0] == OK:
+        msg = message_cls()
+        msg.ParseFromString(frame[1:])
+        return msg
+    if frame[0] == STATUS and len(frame) >= 1 + _CODE.size:
+        (code,) = _CODE.unpack_from(frame, 1)
+        raise StatusFrame(_CODES.get(code, grpc.StatusCode.UNKNOWN), frame[1 + _CODE.size :].decode("utf-8", "replace"))
+    raise FrameError(f"a frame of kind {frame[0]}")
+
+
+@dataclass(frozen=True)
+class ShmOffer:
+    """How a service offers channels."""
+
+    enabled: bool = True
+    attach_timeout_s: float = 10.0  # a caller that has not attached by then uses gRPC; the names go
+    ring: RingConfig = RingConfig()
+
+    def __post_init__(self) -> None:
+        if not self.attach_timeout_s > 0:
+            raise ValueError(f"attach_timeout_s must be > 0, got {self.attach_timeout_s}")
+
+
+class ShmSessions:
+    """A service's channels, one per session that asked for one (instance state, one per servicer).
+
+    ``offer`` makes a channel and starts its serving task: requests are parsed with ``request_cls``
+    and answered by ``handle(session_id, request)`` (the same step the gRPC stream runs); an exception becomes a
+    status frame (``status_for`` + one line) and ends the channel. When an attached channel ends,
+    ``on_end(session_id)`` runs (the service releases the session, as when its stream ends)."""
+
+    def __init__(
+        self,
+        role: str,
+        offer: ShmOffer,
+        request_cls,
+        handle: Callable[[str, object], Awaitable[object]],
+        status_for: Callable[[BaseException], grpc.StatusCode],
+        on_end: Callable[[str], Awaitable[object]],
+    ) -> None:
+        self.role, self.config = role, offer
+        self._request_cls, self._handle, self._status_for, self._on_end = request_cls, handle, status_for, on_end
+        self._tasks: dict[str, asyncio.Task] = {}
+        self.served = 0  # messages answered over shared memory (GetStats / tests)
+        self.attached = 0  # channels a caller attached to
+
+    def offer(self, session_id: str, deadline_s: float | None) -> str:
+        """A channel name for this session ("" when none can be made: the session stays on gRPC)."""
+        if not self.config.enabled:
+            return ""
+        self.close_session(session_id)
+        try:
+            channel = ShmChannel.create(self.config.ring)
+        except OSError as exc:
+            print(f"{self.role}: no shared-memory channel ({exc}); session {session_id[:40]} uses gRPC",
+                  file=sys.stderr, flush=True)
+            return ""
+        deadline = None if deadline_s is None else time.monotonic() + deadline_s
+        task = asyncio.get_running_loop().create_task(
+            self._serve(session_id, channel, deadline), name=f"{self.role}-shm-{session_id[:16]}"
+        )
+        self._tasks[session_id] = task
+        task.add_done_callback(lambda t, sid=session_id: self._tasks.pop(sid, None) if self._tasks.get(sid) is t else None)
+        return channel.name
+
+    def close_session(self, session_id: str) -> None:
+        """The session was released: end its channel (the caller sees PeerGone)."""
+        task = self._tasks.pop(session_id, None)
+        if task is not None:
+            task.cancel()
+
+    async def close(self) -> None:
+        tasks = list(self._tasks.values())
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _serve(self, session_id: str, channel: ShmChannel, deadline: float | None) -> None:
+        attached = False
+        try:
+            try:
+                await channel.wait_attached(self.config.attach_timeout_s)
+            except RingTimeout:
+                return  # the caller went on over gRPC (another host, or it could not open the names)
+            attached = True
+            self.attached += 1
+            while True:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    await channel.asend(encode_status(grpc.StatusCode.DEADLINE_EXCEEDED, "the session's deadline passed"))
+                    return
+                try:
+                    frame = await channel.arecv(left)
+                except RingTimeout:
+                    continue  # the deadline check above ends it
+                try:
+                    request = decode(frame, self._request_cls)
+                except (DecodeError, FrameError) as exc:  # as lenient_adder answers bytes that do not parse
+                    await channel.asend(encode_status(grpc.StatusCode.INVALID_ARGUMENT, _one_line(exc)))
+                    return
+                try:
+                    response = await self._handle(session_id, request)
+                except Exception as exc:  # noqa: BLE001 - mapped to a status, as the stream's abort
+                    await channel.asend(encode_status(self._status_for(exc), _one_line(exc)))
+                    return
+                await channel.asend(encode_message(response))
+                self.served += 1
+        except RingError:
+            return  # the caller closed its end or went away
+        finally:
+            channel.close()
+            if attached:
+                asyncio.get_running_loop().create_task(self._on_end(session_id))
+
+
+def _one_line(exc: BaseException, limit: int = 2000) -> str:
+    text = f"{type(exc).__name__}: {exc}".replace("\n", " ")
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+class ShmClient:
+    """The caller's end of one session's channel: one request, then its response (the stream's
+    ``exchange``). Any failure closes it; the caller maps it like the stream's."""
+
+    def __init__(self, channel: ShmChannel) -> None:
+        self.channel = channel
+
+    @classmethod
+    def attach(cls, name: str) -> ShmClient | None:
+        """None when the channel cannot be opened here (another host, or its service went)."""
+        if not name:
+            return None
+        try:
+            return cls(ShmChannel.attach(name))
+        except (OSError, RingError):
+            return None
+
+    async def exchange(self, request, response_cls, timeout: float | None):
+        """Raises StatusFrame (the service's status), RingTimeout, or RingError / PeerGone."""
+        try:
+            await self.channel.asend(encode_message(request), timeout)
+            frame = await self.channel.arecv(timeout)
+            return decode(frame, response_cls)
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        self.channel.close()
