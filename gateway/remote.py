@@ -402,6 +402,7 @@ class RemoteDraft:
         self._stream = _Stream(self._open_stream)
         self._shm: ShmClient | None = None  # this session's shared-memory channel, when it has one
         self._shm_broken = False  # the channel ended: proposals fail (as on a stream the draft ended)
+        self.service_ms = 0.0  # draft time the draft service measured, summed over this session's proposals
 
     @property
     def transport(self) -> str:
@@ -480,6 +481,7 @@ class RemoteDraft:
         else:
             resp = await self._propose_stream(req)
         self._ep.breaker.succeeded()
+        self.service_ms += resp.timings.total_ms
         try:
             return convert.draft_block_from_proto(resp.draft)
         except convert.ConversionError as exc:

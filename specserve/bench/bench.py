@@ -187,7 +187,17 @@ def run_bench(config: BenchConfig, progress: bool = True) -> dict:
     total = n_runs * (len(prompts) + config.warmup) + len(config.k_sweep) * config.tax_repeats
     b.bar = tqdm(total=total, desc="specserve bench", unit="run", file=sys.stderr,
                  disable=None if progress else True)  # None: no bar when stderr is not a terminal
-    runner = SpecRunner(engine, proposers, config, mb, bandwidth.bytes_per_s)
+    served = None
+    if any(v != "process" for v in config.via):
+        from specserve.bench.served import ServedStack
+
+        served = ServedStack(config, checkpoints, sorted(proposers))
+    try:
+        runner = SpecRunner(engine, proposers, config, mb, bandwidth.bytes_per_s, served)
+    except BaseException:
+        if served is not None:
+            served.close()
+        raise
     try:
         _run_interleaved(b, _method_runs(config, runner, methods, hf, hf_methods), prompts)
         stream = token_stream([ids for _, ids in _all_prompt_ids(config, tokenizer)],
@@ -199,6 +209,8 @@ def run_bench(config: BenchConfig, progress: bool = True) -> dict:
         )
     finally:
         runner.close()
+        if served is not None:
+            served.close()
         b.bar.close()
     env["load_average_at_end"] = load_average()
     projection = _projection(config, b.methods, b.all_steps)
@@ -215,7 +227,8 @@ def run_bench(config: BenchConfig, progress: bool = True) -> dict:
         "engine": engine_description(engine),
         "model_bytes": mb.as_dict(),
         "methods": b.methods,
-        "comparison": compare_methods(b.methods),
+        "comparison": compare_methods({k: v for k, v in b.methods.items() if v.get("via", "process") == "process"}),
+        "via": via_comparison(b.methods),
         "skipped": [s.as_dict() for s in b.skipped],
         "verify_tax": {"context_len": config.tax_context + 1, "repeats": config.tax_repeats, "points": tax},
         "projection": projection,
@@ -232,10 +245,12 @@ def _method_runs(config: BenchConfig, runner, methods: list[MethodSpec], hf, hf_
     """(name, meta, run(prompt_id, prompt_ids, max_new_tokens) -> RequestResult) per method, target-only first."""
     runs = []
     for spec in methods:
-        chooser = runner.new_chooser(spec)  # process-wide: kept across the method's warm-up and prompts
-        meta = {"kind": "specserve", "drafter": spec.drafter, "speculation": spec.speculation,
-                "draft_ahead": spec.draft_ahead, "k": spec.k}
-        runs.append((spec.name, meta, lambda pid, ids, n, spec=spec, c=chooser: runner.run(spec, pid, ids, c, n)))
+        for via in config.via:
+            chooser = runner.new_chooser(spec)  # process-wide: kept across the method's warm-up and prompts
+            meta = {"kind": "specserve", "drafter": spec.drafter, "speculation": spec.speculation,
+                    "draft_ahead": spec.draft_ahead, "k": spec.k, "via": via, "base_method": spec.name}
+            name = spec.name if via == "process" else f"{spec.name}@{via}"
+            runs.append((name, meta, lambda pid, ids, n, spec=spec, c=chooser, via=via: runner.run(spec, pid, ids, c, n, via)))
     for m in hf_methods:
         meta = {"kind": "transformers", "drafter": m.name.split("/", 1)[1]}
         runs.append((m.name, meta, lambda pid, ids, n, m=m: hf.run(m, pid, ids, n, config.seed)))
@@ -278,9 +293,27 @@ def _run_interleaved(b: _Bench, runs: list[tuple], prompts: list[tuple[str, tupl
         if name in failed:
             continue
         b.record(name, results[name], meta)
-        if meta.get("drafter") == "none":
+        if meta.get("drafter") == "none" and meta.get("via", "process") == "process":
             b.reference = {r.prompt_id: r.token_ids for r in results[name]}
             b.methods[name]["matches_target_only"] = 1.0
+
+
+def via_comparison(methods: dict) -> dict:
+    """Per method run more than one way: tokens/s and the per-step phases of each via, and the
+    served tokens/s as a fraction of in-process (the issue's 95 % target)."""
+    out: dict[str, dict] = {}
+    for m in methods.values():
+        if m.get("kind") != "specserve" or "base_method" not in m:
+            continue
+        row = out.setdefault(m["base_method"], {})
+        row[m["via"]] = {"tokens_per_s": m.get("tokens_per_s"), "per_step_ms": m.get("per_step_ms"),
+                         "matches_target_only": m.get("matches_target_only")}
+    for row in out.values():
+        base = (row.get("process") or {}).get("tokens_per_s")
+        for via, r in row.items():
+            if via != "process" and base and r["tokens_per_s"]:
+                r["fraction_of_process"] = round(r["tokens_per_s"] / base, 4)
+    return {k: v for k, v in out.items() if len(v) > 1}
 
 
 def _all_prompt_ids(config: BenchConfig, tokenizer):

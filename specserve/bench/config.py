@@ -47,12 +47,18 @@ class BenchConfig:
     projection_model: str | None = None  # which model of a step_bench.json (default: the Qwen3-30B-A3B preset)
     projection_context: int | None = None  # which context of a step_bench.json (default: its smallest)
     plots: bool = True
+    # where each method runs: "process" (in this process), "serve-shm" / "serve-grpc" (service processes,
+    # shared-memory data plane or gRPC only: specserve/bench/served.py)
+    via: tuple[str, ...] = ("process",)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "draft_models", MappingProxyType({k: Path(v) for k, v in self.draft_models.items()}))
         unknown = [d for d in (*self.drafters, *self.draft_models) if d not in DRAFTERS]
         if unknown:
             raise BenchConfigError(f"unknown drafter(s) {unknown}; known: {', '.join(DRAFTERS)}")
+        bad_vias = [v for v in self.via if v not in ("process", "serve-shm", "serve-grpc")]
+        if bad_vias or not self.via:
+            raise BenchConfigError(f"via must be among process, serve-shm, serve-grpc, got {self.via}")
         if not self.drafters:
             raise BenchConfigError("at least one drafter (or 'none') must be benchmarked")
         bad_modes = [m for m in self.speculation if m not in SPECULATION_MODES]

@@ -3,6 +3,10 @@
 Per step: the loop's StepRecord (draft ms, verify ms as the target measured it, experts touched,
 context length) plus the step's wall time as seen here (from the previous step, or from the first
 token for step 1), overhead = wall - draft - verify, and the byte floor of the step.
+
+``via``: "process" runs engine and drafters in this process (one thread each); "serve-shm" and
+"serve-grpc" run the same loop over the service processes of a ``ServedStack`` (specserve/bench/
+served.py), with the draft time the draft service measured (so transport is overhead, not draft).
 """
 
 from __future__ import annotations
@@ -45,7 +49,9 @@ def _new_loop() -> asyncio.AbstractEventLoop:
 class SpecRunner:
     """Holds the engine, the drafters (each in its own thread, as in `generate`) and one event loop."""
 
-    def __init__(self, engine, proposers: dict, config: BenchConfig, model_bytes: ModelBytes, bandwidth: float) -> None:
+    def __init__(
+        self, engine, proposers: dict, config: BenchConfig, model_bytes: ModelBytes, bandwidth: float, served=None
+    ) -> None:
         from specserve.gateway.local import LocalDraft, LocalTarget
 
         self.config = config
@@ -57,8 +63,13 @@ class SpecRunner:
         self.bandwidth = bandwidth
         self.loop = _new_loop()
         self._counter = 0
+        self.served = served  # a ServedStack (or None: in-process only)
+        if served is not None:
+            self.loop.run_until_complete(served.connect())
 
     def close(self) -> None:
+        if self.served is not None:
+            self.loop.run_until_complete(self.served.disconnect())
         self.target.close()
         for d in self.drafts.values():
             d.close()
@@ -72,10 +83,23 @@ class SpecRunner:
 
         return AdaptiveSpeculation(AdaptiveConfig(max_k=spec.k))
 
-    def run(self, spec: MethodSpec, prompt_id: str, prompt_ids: Sequence[int], chooser, max_new_tokens: int | None = None) -> RequestResult:
-        return self.loop.run_until_complete(self._run(spec, prompt_id, tuple(prompt_ids), chooser, max_new_tokens))
+    def run(
+        self, spec: MethodSpec, prompt_id: str, prompt_ids: Sequence[int], chooser, max_new_tokens: int | None = None,
+        via: str = "process",
+    ) -> RequestResult:
+        return self.loop.run_until_complete(self._run(spec, prompt_id, tuple(prompt_ids), chooser, max_new_tokens, via))
 
-    async def _run(self, spec: MethodSpec, prompt_id: str, prompt_ids: tuple[int, ...], chooser, max_new_tokens) -> RequestResult:
+    def _clients(self, spec: MethodSpec, via: str):
+        """(target client, draft client or None) of one request."""
+        if via == "process":
+            return self.target, None if spec.drafter == "none" else self.drafts[spec.drafter]
+        target = self.served.targets[via].session(None)
+        draft = None if spec.drafter == "none" else self.served.drafts[via][spec.drafter].session(None)
+        return target, draft
+
+    async def _run(
+        self, spec: MethodSpec, prompt_id: str, prompt_ids: tuple[int, ...], chooser, max_new_tokens, via: str = "process"
+    ) -> RequestResult:
         from specserve.contract.types import SamplingParams
         from specserve.gateway.spec_loop import (
             FinalEvent,
@@ -92,21 +116,26 @@ class SpecRunner:
             adaptive=spec.adaptive,
             draft_ahead=spec.draft_ahead,
         )
-        draft = None if spec.drafter == "none" else self.drafts[spec.drafter]
+        target, draft = self._clients(spec, via)
         self._counter += 1
         steps: list[dict] = []
         mark = [0.0]
+        served_ms = [0.0]  # the draft service's own draft time so far (served vias)
 
         def on_step(rec) -> None:
             now = time.perf_counter()
-            steps.append(self._step_row(spec, prompt_id, rec, (now - mark[0]) * 1e3))
+            draft_ms = None
+            if via != "process" and draft is not None:
+                draft_ms, served_ms[0] = draft.service_ms - served_ms[0], draft.service_ms
+                draft_ms = draft_ms if rec.draft_ms > 0 else 0.0  # drafted ahead: hidden, as in-process
+            steps.append(self._step_row(spec, prompt_id, rec, (now - mark[0]) * 1e3, via, draft_ms))
             mark[0] = now
 
         t0 = time.perf_counter()
         t_first = None
         final = None
         async for event in run_request(
-            request, self.target, draft, target_info=self.info, adaptive=chooser,
+            request, target, draft, target_info=self.info, adaptive=chooser,
             session_id=f"bench-{self._counter}", on_step=on_step,
         ):
             if t_first is None:
@@ -120,7 +149,7 @@ class SpecRunner:
         stats["draft_ahead_ms"] = round(final.stats.draft_ahead_ms, 3)
         stats["verify_ms"] = round(final.stats.verify_ms, 3)
         return RequestResult(
-            method=spec.name,
+            method=spec.name if via == "process" else f"{spec.name}@{via}",
             prompt_id=prompt_id,
             prompt_tokens=len(prompt_ids),
             token_ids=final.token_ids,
@@ -131,12 +160,16 @@ class SpecRunner:
             steps=steps,
         )
 
-    def _step_row(self, spec: MethodSpec, prompt_id: str, rec, wall_ms: float) -> dict:
+    def _step_row(
+        self, spec: MethodSpec, prompt_id: str, rec, wall_ms: float, via: str = "process", draft_ms: float | None = None
+    ) -> dict:
         verify_ms = rec.verify_ms if rec.verify_ms > 0 else rec.verify_wall_ms
+        draft_ms = rec.draft_ms if draft_ms is None else draft_ms
         nbytes = step_bytes(self.model_bytes, rec.drafted + 1, rec.experts_touched, rec.context_len)
         floor = floor_ms(nbytes.total, self.bandwidth)
         return {
-            "method": spec.name,
+            "method": spec.name if via == "process" else f"{spec.name}@{via}",
+            "via": via,
             "drafter": spec.drafter,
             "speculation": spec.speculation,
             "draft_ahead": spec.draft_ahead,
@@ -146,12 +179,13 @@ class SpecRunner:
             "context_len": rec.context_len,
             "drafted": rec.drafted,
             "accepted": rec.accepted,
-            "draft_ms": round(rec.draft_ms, 4),
+            "draft_ms": round(draft_ms, 4),
+            "draft_wall_ms": round(rec.draft_ms, 4),
             "verify_ms": round(verify_ms, 4),
             "verify_ms_source": "target" if rec.verify_ms > 0 else "loop_wall",
             "verify_wall_ms": round(rec.verify_wall_ms, 4),
             "wall_ms": round(wall_ms, 4),
-            "overhead_ms": round(wall_ms - rec.draft_ms - verify_ms, 4),
+            "overhead_ms": round(wall_ms - draft_ms - verify_ms, 4),
             "experts_touched": rec.experts_touched,
             "floor_bytes": nbytes.total,
             "floor_ms": round(floor, 5),

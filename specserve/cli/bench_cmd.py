@@ -83,6 +83,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--projection-model", default=None, help="model of a step_bench.json (default qwen3-30b-a3b)")
     parser.add_argument("--projection-context", type=_positive, default=None,
                         help="context of a step_bench.json (default: its smallest)")
+    parser.add_argument("--via", choices=("process", "serve"), default="process",
+                        help="serve: every method also through service processes (target + draft), once over the "
+                             "shared-memory data plane and once gRPC-only, beside the in-process run "
+                             "(per-step overhead of each in summary.json 'via' and the printed table)")
     parser.add_argument("--no-plots", action="store_true")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     parser.add_argument("--json", action="store_true", help="print the summary JSON instead of the table")
@@ -124,6 +128,7 @@ def config_from_args(args: argparse.Namespace):
         projection_model=args.projection_model,
         projection_context=args.projection_context,
         plots=not args.no_plots,
+        via=("process", "serve-shm", "serve-grpc") if args.via == "serve" else ("process",),
     )
 
 
@@ -159,6 +164,22 @@ def format_table(summary: dict) -> str:
     return "\n".join(lines)
 
 
+def format_via(via: dict) -> str:
+    """In one process against the service processes (shared memory, gRPC only), per method."""
+    lines = ["In one process against the service processes: tok/s and per-step overhead "
+             "(step wall - draft - verify, ms)", "",
+             "| method | via | tok/s | vs in-process | step ms: wall (draft / verify / overhead) | same output |",
+             "|---|---|---:|---:|---|---:|"]
+    for name, row in via.items():
+        for where, r in row.items():
+            ph = r.get("per_step_ms")
+            phases = f"{ph['wall']:.3f} ({ph['draft']:.3f} / {ph['verify']:.3f} / {ph['overhead']:.3f})" if ph else "-"
+            frac = r.get("fraction_of_process")
+            lines.append(f"| {name} | {where} | {_fmt(r.get('tokens_per_s'), '.1f')} | "
+                         f"{'-' if frac is None else f'{frac:.3f}'} | {phases} | {_fmt(r.get('matches_target_only'), '.2f')} |")
+    return "\n".join(lines)
+
+
 def run(args: argparse.Namespace) -> int:
     from specserve.bench.bench import run_bench
     from specserve.bench.compare import format_comparison
@@ -171,6 +192,8 @@ def run(args: argparse.Namespace) -> int:
         return 0
     table = format_table(summary)
     blocks = [table, format_comparison(summary["comparison"], "Adaptive against the best fixed k (measured)")]
+    if summary.get("via"):
+        blocks.append(format_via(summary["via"]))
     projection = summary.get("projection") or {}
     if projection.get("included"):
         blocks.append(format_comparison(

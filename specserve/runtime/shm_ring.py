@@ -44,7 +44,7 @@ import select
 import stat
 import struct
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing import resource_tracker
 from multiprocessing.shared_memory import SharedMemory
 from pathlib import Path
@@ -72,10 +72,16 @@ class RingTimeout(TimeoutError):
     """No message (or no room) within the timeout."""
 
 
+def default_spin_us() -> float:
+    """Spin only where cores are plenty: on a 2-core machine the spinning reader takes the core its
+    peer needs (specserve/bench/ring_rtt.py measured the doorbell alone faster there, BENCHMARKS.md)."""
+    return 20.0 if (os.cpu_count() or 1) >= 8 else 0.0
+
+
 @dataclass(frozen=True)
 class RingConfig:
     capacity: int = 1 << 20  # bytes per direction; larger messages stream through in pieces
-    spin_us: float = 20.0  # spin on the ring this long before blocking on the doorbell
+    spin_us: float = field(default_factory=default_spin_us)  # spin on the ring before blocking on the doorbell
 
     def __post_init__(self) -> None:
         if self.capacity < 64 or self.capacity % 8:

@@ -1,0 +1,111 @@
+"""`specserve bench --via serve`: the same methods through real service processes.
+
+A ``ServedStack`` starts one `specserve target` and one `specserve draft` per drafter family (the
+same checkpoints, device and dtype as the in-process run) on unix sockets in a private folder. The
+bench process then plays the gateway: the same spec loop (gateway/spec_loop.py) over the gateway's
+own remote adapters (gateway/remote.py), once with the shared-memory data plane (``serve-shm``) and
+once with every step over gRPC (``serve-grpc``, as a peer on another host would be served). Each
+step's overhead is its wall time minus the draft time the draft service measured minus the verify
+time the target measured: what orchestration (transport, encoding, the event loops) costs per step.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+VIAS = ("process", "serve-shm", "serve-grpc")
+SERVED_VIAS = VIAS[1:]
+
+
+class ServedStackError(RuntimeError):
+    """A service process did not start."""
+
+
+class ServedStack:
+    """The service processes of a bench run, and per via the gateway's remote adapters to them."""
+
+    def __init__(self, config, checkpoints: dict[str, Path], families: list[str], start_timeout_s: float = 600.0) -> None:
+        self.config = config
+        self.folder = Path(tempfile.mkdtemp(prefix="specserve-bench-"))
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.target_address = f"unix:{self.folder}/target.sock"
+        self.draft_addresses: dict[str, str] = {}
+        model = ["--model", str(config.model), "--device", config.device, "--dtype", config.dtype]
+        try:
+            self._start("target", ["target", *model, "--listen", self.target_address,
+                                   "--num-kv-blocks", str(config.num_kv_blocks),
+                                   "--kv-block-size", str(config.kv_block_size)])
+            for family in families:
+                address = f"unix:{self.folder}/{family}.sock"
+                ckpt = ["--draft-model", str(checkpoints[family])] if family in checkpoints else []
+                self._start(f"draft-{family}", ["draft", "--draft", family, *ckpt, *model, "--listen", address,
+                                                "--max-block-size", str(config.drafter_block_size)])
+                self.draft_addresses[family] = address
+            self._wait_serving(start_timeout_s)
+        except BaseException:
+            self.close()
+            raise
+        self.targets: dict[str, object] = {}
+        self.drafts: dict[str, dict[str, object]] = {}
+
+    def _start(self, role: str, argv: list[str]) -> None:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env.pop("SPECSERVE_SHM", None)  # the services offer; each via decides on the caller's side
+        self.procs[role] = subprocess.Popen(
+            [sys.executable, "-m", "specserve.cli.main", *argv], stdout=subprocess.DEVNULL,
+            stderr=open(self.folder / f"{role}.log", "w"), env=env,  # noqa: SIM115 - closed with the process
+        )
+
+    def _wait_serving(self, timeout_s: float) -> None:
+        from specserve.runtime.healthcheck import wait_serving
+
+        deadline = time.monotonic() + timeout_s
+
+        def check_abort() -> None:
+            for role, proc in self.procs.items():
+                if proc.poll() is not None:
+                    log = (self.folder / f"{role}.log").read_text()[-2000:]
+                    raise ServedStackError(f"the bench's {role} process exited with {proc.returncode}:\n{log}")
+
+        for address in (self.target_address, *self.draft_addresses.values()):
+            wait_serving(address, deadline, check_abort)
+
+    async def connect(self) -> None:
+        """Make the remote adapters (on the running loop: grpc.aio channels belong to their loop)."""
+        from specserve.gateway.remote import RemoteDraftEndpoint, RemoteTarget
+
+        for via in SERVED_VIAS:
+            shm = via == "serve-shm"
+            target = RemoteTarget(self.target_address, shm=shm)
+            await target.fetch_info(60.0)
+            self.targets[via] = target
+            self.drafts[via] = {
+                family: RemoteDraftEndpoint(family, address, step_timeout_s=60.0, target_info=target.target_info,
+                                            shm=shm)
+                for family, address in self.draft_addresses.items()
+            }
+
+    async def disconnect(self) -> None:
+        for target in self.targets.values():
+            await target.close()
+        for endpoints in self.drafts.values():
+            for ep in endpoints.values():
+                await ep.close()
+
+    def close(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in self.procs.values():
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        shutil.rmtree(self.folder, ignore_errors=True)
