@@ -461,6 +461,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         sessions: set[str] = set()
         try:
             async for request in request_iterator:
+                if request.session_id not in sessions:
+                    self.shm.drop_offer(request.session_id)  # its caller could not attach (another host)
                 sessions.add(request.session_id)
                 try:
                     resp = await self._verify_one(request, call_ctx)

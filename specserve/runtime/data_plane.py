@@ -83,7 +83,7 @@ class ShmOffer:
     """How a service offers channels."""
 
     enabled: bool = True
-    attach_timeout_s: float = 10.0  # a caller that has not attached by then uses gRPC; the names go
+    attach_timeout_s: float = 5.0  # a caller that has not attached by then uses gRPC; the names go
     ring: RingConfig = RingConfig()
 
     def __post_init__(self) -> None:
@@ -111,6 +111,7 @@ class ShmSessions:
         self.role, self.config = role, offer
         self._request_cls, self._handle, self._status_for, self._on_end = request_cls, handle, status_for, on_end
         self._tasks: dict[str, asyncio.Task] = {}
+        self._attached_sessions: set[str] = set()
         self.served = 0  # messages answered over shared memory (GetStats / tests)
         self.attached = 0  # channels a caller attached to
 
@@ -133,6 +134,13 @@ class ShmSessions:
         task.add_done_callback(lambda t, sid=session_id: self._tasks.pop(sid, None) if self._tasks.get(sid) is t else None)
         return channel.name
 
+    def drop_offer(self, session_id: str) -> None:
+        """The session's steps came over gRPC (its caller could not attach): withdraw a pending offer
+        now rather than at the attach timeout. An attached channel is left alone."""
+        task = self._tasks.get(session_id)
+        if task is not None and session_id not in self._attached_sessions:
+            self.close_session(session_id)
+
     def close_session(self, session_id: str) -> None:
         """The session was released: end its channel (the caller sees PeerGone)."""
         task = self._tasks.pop(session_id, None)
@@ -154,6 +162,7 @@ class ShmSessions:
                 return  # the caller went on over gRPC (another host, or it could not open the names)
             attached = True
             self.attached += 1
+            self._attached_sessions.add(session_id)
             while True:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
@@ -179,6 +188,7 @@ class ShmSessions:
             return  # the caller closed its end or went away
         finally:
             channel.close()
+            self._attached_sessions.discard(session_id)
             if attached:
                 asyncio.get_running_loop().create_task(self._on_end(session_id))
 

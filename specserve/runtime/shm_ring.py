@@ -26,9 +26,11 @@ gone also gives ``PeerGone``.
 Names and leaks: the segment and both FIFOs are named ``specserve-<random token>`` in /dev/shm. The
 creator makes them and opens its FIFO; the attacher opens all three and unlinks them at once, so
 once both sides hold them nothing is left by name and a SIGKILL of either side leaves nothing in
-/dev/shm. A creator whose peer never attaches unlinks them itself (``close``; the service does this
-after its attach timeout); until then the multiprocessing resource tracker would unlink the segment
-if the creator were killed.
+/dev/shm. A creator whose peer never attaches unlinks them itself (``close``: the service does at its
+attach timeout, or as soon as the session's steps come over gRPC instead); an attacher that finds the
+creator gone unlinks them too. Only a creator killed while its offer waits for an attacher that never
+comes leaves them (the multiprocessing resource tracker is not used: it would unlink by process, not
+by channel, and it cannot remove FIFOs).
 
 The blocking API (``send`` / ``recv``) and the asyncio API (``asend`` / ``arecv``) may not be mixed on
 one channel end; each end is used by one thread (or one event loop) at a time.
@@ -139,6 +141,8 @@ class ShmChannel:
         cfg = config or RingConfig()
         name = NAME_PREFIX + secrets.token_hex(12)
         shm = SharedMemory(name=name, create=True, size=_CONTROL + 2 * cfg.capacity)
+        # the names' lifetime is the channel's (the attacher unlinks them, or close does), not the process's
+        resource_tracker.unregister(shm._name, "shared_memory")
         try:
             shm.buf[:_CONTROL] = bytes(_CONTROL)
             for side in ("c", "a"):
@@ -150,7 +154,6 @@ class ShmChannel:
             ch._peer_fd = os.open(_fifo_path(name, "a"), os.O_RDWR | os.O_NONBLOCK)
         except BaseException:
             shm.close()
-            shm.unlink()
             _unlink_names(name)
             raise
         return ch
@@ -190,8 +193,7 @@ class ShmChannel:
         self._attached = True
         if self._linked:
             self._linked = False
-            resource_tracker.unregister(self._shm._name, "shared_memory")  # unlinked by the attacher
-            _unlink_names(self.name)
+            _unlink_names(self.name)  # the attacher did; this only makes sure
 
     @property
     def attached(self) -> bool:
@@ -470,8 +472,6 @@ class ShmChannel:
             self._shm.close()
         if self._linked:
             self._linked = False
-            with contextlib.suppress(FileNotFoundError):
-                self._shm.unlink()
             _unlink_names(self.name)
 
     @property
