@@ -207,6 +207,7 @@ def run_bench(config: BenchConfig, progress: bool = True) -> dict:
             engine, stream, config.k_sweep, config.tax_context, config.tax_repeats, mb, bandwidth.bytes_per_s,
             config.device, on_sample=lambda row: _write_jsonl(tax_path, [row]), progress=lambda: b.tick("verify tax"),
         )
+        served_stats = served.service_stats() if served is not None else None
     finally:
         runner.close()
         if served is not None:
@@ -229,6 +230,7 @@ def run_bench(config: BenchConfig, progress: bool = True) -> dict:
         "methods": b.methods,
         "comparison": compare_methods({k: v for k, v in b.methods.items() if v.get("via", "process") == "process"}),
         "via": via_comparison(b.methods),
+        "served_stats": served_stats,
         "skipped": [s.as_dict() for s in b.skipped],
         "verify_tax": {"context_len": config.tax_context + 1, "repeats": config.tax_repeats, "points": tax},
         "projection": projection,

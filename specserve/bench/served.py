@@ -98,6 +98,22 @@ class ServedStack:
             for ep in endpoints.values():
                 await ep.close()
 
+    def service_stats(self) -> dict:
+        """What the services counted: verify steps / proposals, and how many went over shared memory."""
+        import grpc
+
+        from specserve.protos.specserve.v1 import draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
+
+        with grpc.insecure_channel(self.target_address) as ch:
+            t = target_pb2_grpc.TargetServiceStub(ch).GetStats(target_pb2.TargetStatsRequest(), timeout=10)
+        out = {"target": {"steps": t.steps, "shm_steps": t.shm_steps, "shm_channels": t.shm_channels}}
+        for family, address in self.draft_addresses.items():
+            with grpc.insecure_channel(address) as ch:
+                d = draft_pb2_grpc.DraftServiceStub(ch).GetStats(draft_pb2.DraftStatsRequest(), timeout=10)
+            out[f"draft-{family}"] = {"proposals": d.proposals, "shm_proposals": d.shm_proposals,
+                                      "shm_channels": d.shm_channels}
+        return out
+
     def close(self) -> None:
         for proc in self.procs.values():
             if proc.poll() is None:
