@@ -55,7 +55,10 @@ class ServedStack:
         self.drafts: dict[str, dict[str, object]] = {}
 
     def _start(self, role: str, argv: list[str]) -> None:
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        import torch
+
+        # the services compute with as many threads as the in-process run does (unless the caller says)
+        env = {"OMP_NUM_THREADS": str(torch.get_num_threads()), **os.environ, "PYTHONUNBUFFERED": "1"}
         env.pop("SPECSERVE_SHM", None)  # the services offer; each via decides on the caller's side
         self.procs[role] = subprocess.Popen(
             [sys.executable, "-m", "specserve.cli.main", *argv], stdout=subprocess.DEVNULL,
