@@ -163,6 +163,32 @@ def test_an_offer_nobody_attaches_to_leaves_the_session_on_grpc_and_nothing_behi
         stub.Release(target_pb2.ReleaseRequest(session_id="far-away"), timeout=10)
 
 
+def wait_until(cond, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.02)
+
+
+def test_cancel_and_deadline_reach_both_services_over_shm(stack):
+    t0, d0 = stack.target_stats(), stack.draft_stats("ngram")
+    call = stack.gw["shm"].Generate(req(PROMPTS[1], N_LONG, "ngram"), timeout=60)
+    next(call), next(call)
+    t1, d1 = stack.target_stats(), stack.draft_stats("ngram")
+    assert (t1.shm_channels, d1.shm_channels) == (t0.shm_channels + 1, d0.shm_channels + 1)  # on shared memory
+    assert t1.active_sessions == 1 and d1.active_sessions == 1
+    started = time.monotonic()
+    call.cancel()
+    wait_until(lambda: stack.target_stats().active_sessions == 0 and stack.draft_stats("ngram").active_sessions == 0,
+               1.0, "both services freed the cancelled session")
+    assert time.monotonic() - started < 1.0
+    _, _, code, _ = generate(stack, "shm", req(PROMPTS[2], N_LONG, "ngram"), timeout=0.3)
+    assert code == grpc.StatusCode.DEADLINE_EXCEEDED
+    wait_until(lambda: stack.target_stats().active_sessions == 0 and stack.draft_stats("ngram").active_sessions == 0,
+               2.0, "both services freed the session after its deadline")
+    wait_no_names(stack)
+
+
 SAMPLE_PROMPT = [5, 17, 99, 5, 17, 3, 42, 7, 5, 17]
 N_SAMPLES, POS = 300, 3
 
