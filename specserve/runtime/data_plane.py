@@ -78,13 +78,19 @@ def decode(frame: bytes, message_cls):
     raise FrameError(f"a frame of kind {frame[0]}")
 
 
+# No spin on either end of a session's channel: a service's next request comes a whole step after its
+# answer, and the gateway's answer a whole verify / propose after its request, so a spin would only
+# burn the event loop (per waiting session) before the doorbell wakes it anyway.
+SESSION_RING = RingConfig(spin_us=0.0)
+
+
 @dataclass(frozen=True)
 class ShmOffer:
     """How a service offers channels."""
 
     enabled: bool = True
     attach_timeout_s: float = 5.0  # a caller that has not attached by then uses gRPC; the names go
-    ring: RingConfig = RingConfig()
+    ring: RingConfig = SESSION_RING
 
     def __post_init__(self) -> None:
         if not self.attach_timeout_s > 0:
@@ -211,7 +217,7 @@ class ShmClient:
         if not name:
             return None
         try:
-            return cls(ShmChannel.attach(name))
+            return cls(ShmChannel.attach(name, SESSION_RING))
         except (OSError, RingError):
             return None
 

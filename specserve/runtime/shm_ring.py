@@ -171,10 +171,10 @@ class ShmChannel:
         shm = SharedMemory(name=name, create=False)
         resource_tracker.unregister(shm._name, "shared_memory")  # the creator's, not ours to unlink at exit
         try:
-            capacity = (shm.size - _CONTROL) // 2
-            if capacity < cfg.capacity:
-                raise RingError(f"segment {name} holds {capacity} bytes per ring, fewer than {cfg.capacity}")
-            ch = cls(shm, name, False, cfg.capacity, cfg.spin_us)
+            capacity = (shm.size - _CONTROL) // 2  # the creator's (the attacher's config sets only the spin)
+            if capacity < 64 or capacity % 8 or shm.size != _CONTROL + 2 * capacity:
+                raise RingError(f"segment {name} of {shm.size} bytes is not a channel")
+            ch = cls(shm, name, False, capacity, cfg.spin_us)
             ch._my_fd = os.open(_fifo_path(name, "a"), os.O_RDONLY | os.O_NONBLOCK)
             ch._peer_fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)  # ENXIO: the creator closed its end
         except BaseException:

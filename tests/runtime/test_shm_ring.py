@@ -154,6 +154,17 @@ def test_creator_closing_before_anyone_attached_unlinks_everything():
         ShmChannel.attach(name)
 
 
+def test_the_attacher_takes_the_creators_ring_size():
+    a = ShmChannel.create(RingConfig(capacity=64))
+    b = ShmChannel.attach(a.name)  # its own config says 1 MiB: the segment's 64 bytes win
+    assert b.capacity == 64
+    for i in range(20):
+        a.send(bytes([i]) * 40, timeout=2)
+        assert b.recv(timeout=2) == bytes([i]) * 40
+    a.close()
+    b.close()
+
+
 def test_attach_refuses_names_that_are_not_ours():
     with pytest.raises(RingError):
         ShmChannel.attach("../etc/passwd")
