@@ -60,6 +60,7 @@ class StepRecord:
     experts_touched: int
     tree: bool
     ahead: bool = False  # the drafter drafted the next block during this verify (contends with it)
+    verify_service_ms: float = 0.0  # the target service's own handling of the verify (0 in process)
 
 
 @dataclass(frozen=True)
@@ -279,6 +280,7 @@ class _Run:
                     experts_touched=res.experts_touched,
                     tree=not block.is_chain,
                     ahead=ahead_task is not None,
+                    verify_service_ms=res.timings.total_ms,
                 )
             )
         self.step_draft_ms = 0.0

@@ -160,6 +160,14 @@ class SpecRunner:
             steps=steps,
         )
 
+    @staticmethod
+    def _transport_ms(via: str, rec, draft_service_ms: float) -> float:
+        if via == "process":
+            return 0.0
+        verify = max(0.0, rec.verify_wall_ms - rec.verify_service_ms) if rec.verify_service_ms > 0 else 0.0
+        draft = max(0.0, rec.draft_ms - draft_service_ms) if rec.draft_ms > 0 else 0.0
+        return verify + draft
+
     def _step_row(
         self, spec: MethodSpec, prompt_id: str, rec, wall_ms: float, via: str = "process", draft_ms: float | None = None
     ) -> dict:
@@ -186,6 +194,8 @@ class SpecRunner:
             "verify_wall_ms": round(rec.verify_wall_ms, 4),
             "wall_ms": round(wall_ms, 4),
             "overhead_ms": round(wall_ms - draft_ms - verify_ms, 4),
+            # served: the time outside both services (wire, encoding, the loops' wakes); in process: 0
+            "transport_ms": round(self._transport_ms(via, rec, draft_ms), 4),
             "experts_touched": rec.experts_touched,
             "floor_bytes": nbytes.total,
             "floor_ms": round(floor, 5),

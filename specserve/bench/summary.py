@@ -86,6 +86,7 @@ def summarize_method(results: Sequence[RequestResult], reference: dict[str, tupl
             "draft": round(sum(s["draft_ms"] for s in steps) / n, 4),
             "verify": round(verify / n, 4),
             "overhead": round(sum(s["overhead_ms"] for s in steps) / n, 4),
+            "transport": round(sum(s.get("transport_ms", 0.0) for s in steps) / n, 4),
             "floor": round(floor / n, 5),
         },
         "verify_ms_source": "+".join(sorted({s["verify_ms_source"] for s in steps})),

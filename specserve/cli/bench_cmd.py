@@ -168,15 +168,18 @@ def format_via(via: dict) -> str:
     """In one process against the service processes (shared memory, gRPC only), per method."""
     lines = ["In one process against the service processes: tok/s and per-step overhead "
              "(step wall - draft - verify, ms)", "",
-             "| method | via | tok/s | vs in-process | step ms: wall (draft / verify / overhead) | same output |",
-             "|---|---|---:|---:|---|---:|"]
+             "| method | via | tok/s | vs in-process | step ms: wall (draft / verify / overhead) | of which transport |"
+             " same output |",
+             "|---|---|---:|---:|---|---:|---:|"]
     for name, row in via.items():
         for where, r in row.items():
             ph = r.get("per_step_ms")
             phases = f"{ph['wall']:.3f} ({ph['draft']:.3f} / {ph['verify']:.3f} / {ph['overhead']:.3f})" if ph else "-"
             frac = r.get("fraction_of_process")
+            transport = "-" if where == "process" or not ph else f"{ph.get('transport', 0.0):.3f}"
             lines.append(f"| {name} | {where} | {_fmt(r.get('tokens_per_s'), '.1f')} | "
-                         f"{'-' if frac is None else f'{frac:.3f}'} | {phases} | {_fmt(r.get('matches_target_only'), '.2f')} |")
+                         f"{'-' if frac is None else f'{frac:.3f}'} | {phases} | {transport} | "
+                         f"{_fmt(r.get('matches_target_only'), '.2f')} |")
     return "\n".join(lines)
 
 

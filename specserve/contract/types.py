@@ -88,6 +88,7 @@ class StepTimings:
     queue_ms: float = 0.0
     forward_ms: float = 0.0
     sample_ms: float = 0.0
+    total_ms: float = 0.0  # a service's whole handling of the call, receipt to reply (0 when in process)
 
 
 @dataclass(frozen=True)

@@ -72,3 +72,4 @@ def test_timings():
     msg = convert.timings_to_proto(t, total_ms=7.0, queue_ms=0.5)
     assert (msg.queue_ms, msg.forward_ms, msg.sample_ms, msg.total_ms) == (0.5, 2.0, 3.0, 7.0)
     assert convert.timings_from_proto(convert.timings_to_proto(t)) == t
+    assert convert.timings_from_proto(msg).total_ms == 7.0

@@ -28,6 +28,10 @@ def test_bench_via_serve_measures_each_method_three_ways(bench_target, bench_dra
             assert r["matches_target_only"] == 1.0, where  # the same greedy tokens every way
             ph = r["per_step_ms"]
             assert abs(ph["wall"] - ph["draft"] - ph["verify"] - ph["overhead"]) < 1e-3
+            if where == "process":
+                assert ph["transport"] == 0.0
+            else:  # the time outside both services: part of the overhead, never more
+                assert 0.0 < ph["transport"] <= ph["overhead"] + 1e-3, where
         assert row["serve-shm"]["fraction_of_process"] > 0
     steps = [json.loads(line) for line in (out / "steps.jsonl").read_text().splitlines()]
     by_via = {v: [s for s in steps if s["via"] == v] for v in ("process", "serve-shm", "serve-grpc")}
