@@ -6,9 +6,10 @@ used for every step before the data plane).
 
 Each transport echoes ``--bytes`` bytes from a peer process ``--n`` times (after a warm-up) and
 reports the median, p90 and p99 in microseconds:
-- ``shm-async``: both ends on a uvloop event loop (``asend`` / ``arecv``), as the services use it;
-- ``shm-blocking``: both ends blocking (``send`` / ``recv``: spin, then ``select`` on the doorbell);
-- ``shm-async-nospin``: the asyncio ends without the spin (straight to the doorbell);
+- ``shm-async``: both ends on a uvloop event loop (``asend`` / ``arecv``) waking on the doorbell, as a
+  session's channel runs in the services (no spin);
+- ``shm-blocking``: both ends blocking (``send`` / ``recv``: ``select`` on the doorbell);
+- ``...-spinN``: the same, each reader spinning N us on the ring first (``--spin-us``, 20);
 - ``grpc-uds``: grpc.aio on uvloop, one bidi stream, request -> response, as ``_Stream.exchange``.
 """
 
@@ -167,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bytes", type=int, default=200)
     parser.add_argument("--n", type=int, default=3000)
     parser.add_argument("--warmup", type=int, default=300)
-    parser.add_argument("--spin-us", type=float, default=RingConfig().spin_us)
+    parser.add_argument("--spin-us", type=float, default=20.0, help="the spinning variants' spin (us)")
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
     parser.add_argument("--shm-peer", nargs=3, help=argparse.SUPPRESS)  # NAME MODE SPIN_US (internal)
     parser.add_argument("--grpc-peer", help=argparse.SUPPRESS)  # ADDRESS (internal)
@@ -180,11 +181,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.bytes < 1 or args.n < 1:
         parser.error("--bytes and --n must be >= 1")
+    spin = f"spin{args.spin_us:g}"
     results = {
-        "shm-async": bench_shm("async", args.bytes, args.n, args.warmup, args.spin_us),
-        "shm-async-nospin": bench_shm("async", args.bytes, args.n, args.warmup, 0.0),
-        "shm-async-spin5": bench_shm("async", args.bytes, args.n, args.warmup, 5.0),
-        "shm-blocking": bench_shm("blocking", args.bytes, args.n, args.warmup, args.spin_us),
+        "shm-async": bench_shm("async", args.bytes, args.n, args.warmup, 0.0),
+        f"shm-async-{spin}": bench_shm("async", args.bytes, args.n, args.warmup, args.spin_us),
+        "shm-blocking": bench_shm("blocking", args.bytes, args.n, args.warmup, 0.0),
+        f"shm-blocking-{spin}": bench_shm("blocking", args.bytes, args.n, args.warmup, args.spin_us),
         "grpc-uds": bench_grpc(args.bytes, args.n, args.warmup),
     }
     env = {"host": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version(),
