@@ -103,6 +103,17 @@ def _unlink_names(name: str) -> None:
             path.unlink()
 
 
+def _reserve(name: str, size: int) -> None:
+    """Allocate the segment's pages now: a /dev/shm too small for it (a container's default 64 MiB)
+    is an OSError here, and the session stays on gRPC, instead of a SIGBUS at the first write
+    into a page the filesystem cannot back."""
+    fd = os.open(SHM_DIR / name, os.O_RDWR)
+    try:
+        os.posix_fallocate(fd, 0, size)
+    finally:
+        os.close(fd)
+
+
 def leftover_names() -> list[str]:
     """What this module left in /dev/shm (tests assert it is nothing)."""
     if not SHM_DIR.is_dir():
@@ -144,6 +155,7 @@ class ShmChannel:
         # the names' lifetime is the channel's (the attacher unlinks them, or close does), not the process's
         resource_tracker.unregister(shm._name, "shared_memory")
         try:
+            _reserve(name, shm.size)
             shm.buf[:_CONTROL] = bytes(_CONTROL)
             for side in ("c", "a"):
                 os.mkfifo(_fifo_path(name, side), 0o600)
