@@ -171,8 +171,9 @@ def run_bench(config: BenchConfig, progress: bool = True) -> dict:
     mb = _model_bytes(engine)
     checkpoints = resolve_drafter_checkpoints(config, b.skipped)
     proposers = build_drafters(config, engine, checkpoints, b.skipped)
-    engine.add_graph_layers(sorted({i for p in proposers.values() if p.info.needs_hidden_states
-                                    for i in p.info.hidden_layers}))
+    graph_layers = tuple(sorted({i for p in proposers.values() if p.info.needs_hidden_states
+                                 for i in p.info.hidden_layers}))
+    engine.add_graph_layers(graph_layers)  # (and the served target's: ServedStack passes them on)
     methods, more_skipped = plan_methods(
         config, {f: True for f in proposers}, {f: p.info.needs_hidden_states for f, p in proposers.items()}
     )
@@ -191,7 +192,7 @@ def run_bench(config: BenchConfig, progress: bool = True) -> dict:
     if any(v != "process" for v in config.via):
         from specserve.bench.served import ServedStack
 
-        served = ServedStack(config, checkpoints, sorted(proposers))
+        served = ServedStack(config, checkpoints, sorted(proposers), graph_layers=graph_layers)
     try:
         runner = SpecRunner(engine, proposers, config, mb, bandwidth.bytes_per_s, served)
     except BaseException:

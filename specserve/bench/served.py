@@ -30,7 +30,8 @@ class ServedStackError(RuntimeError):
 class ServedStack:
     """The service processes of a bench run, and per via the gateway's remote adapters to them."""
 
-    def __init__(self, config, checkpoints: dict[str, Path], families: list[str], start_timeout_s: float = 600.0) -> None:
+    def __init__(self, config, checkpoints: dict[str, Path], families: list[str], start_timeout_s: float = 600.0,
+                 graph_layers: tuple[int, ...] = ()) -> None:
         self.config = config
         self.folder = Path(tempfile.mkdtemp(prefix="specserve-bench-"))
         self.procs: dict[str, subprocess.Popen] = {}
@@ -38,9 +39,10 @@ class ServedStack:
         self.draft_addresses: dict[str, str] = {}
         model = ["--model", str(config.model), "--device", config.device, "--dtype", config.dtype]
         try:
+            layers = ["--graph-hidden-layers", ",".join(map(str, graph_layers))] if graph_layers else []
             self._start("target", ["target", *model, "--listen", self.target_address,
                                    "--num-kv-blocks", str(config.num_kv_blocks),
-                                   "--kv-block-size", str(config.kv_block_size)])
+                                   "--kv-block-size", str(config.kv_block_size), *layers])
             for family in families:
                 address = f"unix:{self.folder}/{family}.sock"
                 ckpt = ["--draft-model", str(checkpoints[family])] if family in checkpoints else []

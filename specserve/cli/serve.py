@@ -40,6 +40,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--grace-s", type=float, default=10.0, help="seconds in-flight requests get on stop")
     parser.add_argument("--no-shm", action="store_true",
                         help="every step over gRPC: no shared-memory data plane between the three (also SPECSERVE_SHM=0)")
+    parser.add_argument("--graph-hidden-layers", default=None,
+                        help="passed to the target: layers whose hidden rows the drafter reads (EAGLE-3, DFlash), so "
+                             "its steps replay CUDA graphs too")
     from specserve.cli.common import add_tls_arguments
 
     add_tls_arguments(parser)  # the gateway's public port (the inner hops are unix sockets in a private folder)
@@ -155,6 +158,7 @@ def run(args: argparse.Namespace) -> int:
             "--num-kv-blocks", str(args.num_kv_blocks), "--kv-block-size", str(args.kv_block_size),
             *(["--enable-expert-parallel"] if args.enable_expert_parallel else []),
             "--grace-s", str(args.grace_s), *no_shm,
+            *(["--graph-hidden-layers", args.graph_hidden_layers] if args.graph_hidden_layers else []),
         ])
         gateway_drafts: list[str] = []
         if args.draft != "none":

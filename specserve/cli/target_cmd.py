@@ -32,6 +32,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="most tokens (chain or tree nodes) in one verified draft block")
     parser.add_argument("--session-idle-timeout-s", type=float, default=300.0,
                         help="release a session no call touched for this long")
+    parser.add_argument("--graph-hidden-layers", type=_layer_list, default=(),
+                        help="comma-separated target layers whose hidden rows drafters read (EAGLE-3, DFlash): CUDA "
+                             "graphs are also captured returning them, so those sessions' steps replay graphs too")
+
+
+def _layer_list(text: str) -> tuple[int, ...]:
+    try:
+        layers = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"comma-separated layer numbers, got {text!r}") from None
+    if any(i < 0 for i in layers):
+        raise argparse.ArgumentTypeError(f"layer numbers must be >= 0, got {text!r}")
+    return layers
 
 
 def run(args: argparse.Namespace) -> int:
@@ -50,18 +63,32 @@ def run(args: argparse.Namespace) -> int:
     metrics_http = metrics_http_from_args(args)
     checkpoint_errors_as_user_errors(
         run_async, _serve(engine_config, server_config, args.tensor_parallel_size, limits, metrics_http,
-                          shm_offer_from_args(args))
+                          shm_offer_from_args(args), args.graph_hidden_layers)
     )
     exit_now(0)
     return 0
 
 
+def _engine_with_graph_layers(engine_config, graph_layers: tuple[int, ...]):
+    """The engine, with CUDA graphs that also return `graph_layers` (no-op without graphs)."""
+    from specserve.errors import SpecserveError
+    from specserve.target_service.engine.session import InvalidInput
+    from specserve.target_service.factory import build_engine
+
+    engine = build_engine(engine_config)
+    try:
+        engine.add_graph_layers(graph_layers)
+    except InvalidInput as exc:
+        raise SpecserveError(f"--graph-hidden-layers: {exc}") from None
+    return engine
+
+
 async def _serve(
-    engine_config, server_config, tensor_parallel_size: int, limits=None, metrics_http=None, shm=None
+    engine_config, server_config, tensor_parallel_size: int, limits=None, metrics_http=None, shm=None,
+    graph_layers: tuple[int, ...] = (),
 ) -> None:
     from specserve.runtime.servers_common import ServiceBinding, serve_until_signal
     from specserve.runtime.tracing import setup_telemetry
-    from specserve.target_service.factory import build_engine
     from specserve.target_service.server import (
         SERVICE_NAME,
         EngineWorker,
@@ -71,7 +98,7 @@ async def _serve(
     )
 
     telemetry = setup_telemetry("specserve-target", prometheus=metrics_http is not None)
-    worker = await EngineWorker.build(lambda: build_engine(engine_config), limits=limits)
+    worker = await EngineWorker.build(lambda: _engine_with_graph_layers(engine_config, graph_layers), limits=limits)
     worker.start()
     observe_worker(worker)
     companions = await start_metrics_server(metrics_http, telemetry, "target")

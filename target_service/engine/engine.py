@@ -139,11 +139,13 @@ class TargetEngine:
     def add_graph_layers(self, layers: Sequence[int]) -> None:
         """Also capture this engine's CUDA graphs returning these hidden layers, so the steps of drafters that read
         them (EAGLE-3, DFlash) replay graphs too. No-op without graphs; only before any session opens."""
-        if self._graph_options is None or not layers:
+        if not layers:
+            return
+        wanted = self._check_layers(tuple(sorted(set(int(i) for i in layers))))  # checked with or without graphs
+        if self._graph_options is None:
             return
         if self._sessions:
             raise InvalidInput("graphs are captured before any session opens")
-        wanted = self._check_layers(tuple(sorted(set(int(i) for i in layers))))
         self.runner.capture(dataclasses.replace(self._graph_options, capture_layers=wanted))
 
     # ---- queries ---------------------------------------------------------------------------------

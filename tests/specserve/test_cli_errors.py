@@ -32,6 +32,8 @@ def _one_line_error(capsys, argv: list[str], prefix: str) -> str:
         (["generate", "--prompt-ids", "1,2,"], "--prompt-ids"),
         (["client", "--prompt-ids", "1", "--max-new-tokens", "x"], "--max-new-tokens"),
         (["draft", "--draft", "nope"], "--draft"),
+        (["target", "--graph-hidden-layers", "1,x"], "--graph-hidden-layers"),
+        (["target", "--graph-hidden-layers", "-1"], "--graph-hidden-layers"),
     ],
 )
 def test_a_bad_flag_value_is_one_line_naming_the_flag(capsys, argv, flag):

@@ -71,15 +71,16 @@ def test_shard_flag_and_engine_config_refusals(tmp_path, capsys):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_shard_rows_replay_cuda_graphs_on_gpu(tmp_path):
-    # mini-kimi-k2-int4: Kimi-K2's MLA latent dims, a dense layer then an int4 MoE layer; rank 0 of 4 holds 4 of its
-    # 16 experts and 4 of its 16 heads
-    argv = ["--models", "mini-kimi-k2-int4", "--contexts", "64", "--max-k", "3", "--reps", "3",
+    # tiny-kimi-k2-int4: a dense layer then an int4 MoE layer of 8 experts; rank 0 of 4 holds 2 of them and 1 of its
+    # 4 MLA heads (mini-kimi-k2-int4 cannot be split 4 ways: its dense MLP is 2633 wide; the H200 run of 12:44 UTC
+    # failed on that, before this preset was chosen)
+    argv = ["--models", "tiny-kimi-k2-int4", "--contexts", "64", "--max-k", "3", "--reps", "3",
             "--eager-reps", "1", "--shard", "0/4", "--out", str(tmp_path)]
     assert step_bench.main(argv) == 0
     results = json.loads((tmp_path / "step_bench.json").read_text())["results"]
     assert [r["layers"] for r in results] == [2]
     for res in results:
         assert "error" not in res, res
-        assert res["weight_bytes"]["local_experts"] == 4 and res["graphs"] > 0, res
+        assert res["weight_bytes"]["local_experts"] == 2 and res["graphs"] > 0, res
         for r in res["rows"]:
             assert r["graph_used"] and r["replay_ms"] > 0 and r["experts_local"] <= r["experts_computed"], r
