@@ -126,7 +126,9 @@ class _DraftSync:
     def take_hidden(self) -> torch.Tensor | None:
         if not self.needs_hidden or not self.unsent_hidden:
             return None
-        rows = torch.cat(self.unsent_hidden, dim=0)
+        # one step's rows (the usual case) go as they are: concatenating device rows here would be GPU work on the
+        # event loop; several (steps without a propose in between) are joined once
+        rows = self.unsent_hidden[0] if len(self.unsent_hidden) == 1 else torch.cat(self.unsent_hidden, dim=0)
         self.unsent_hidden = []
         return rows
 
