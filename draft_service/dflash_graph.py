@@ -17,12 +17,12 @@ Not captured (a CPU, or before capture()), the same passes run eagerly over the 
 
 from __future__ import annotations
 
-import warnings
 import weakref
 
 import torch
 
 from specserve.contract.types import SamplingParams
+from specserve.draft_service.graph_capture import capture_or_record
 from specserve.draft_service.graph_sampling import GraphSampler
 
 
@@ -85,16 +85,7 @@ class DFlashBlockGraphs:
 
     def _capture_one(self, key: tuple, pool) -> None:
         """One graph; a shape that fails to capture runs its body eagerly (over the same buffers) and says why."""
-        graph = torch.cuda.CUDAGraph()
-        try:
-            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-                self._passes(*key)
-        except Exception as e:
-            self.capture_errors[key] = f"{type(e).__name__}: {e}"
-            warnings.warn(f"{type(self).__name__}: graph {key} not captured, runs eager: {e}", RuntimeWarning,
-                          stacklevel=3)
-            return
-        self._graphs[key] = graph
+        capture_or_record(type(self).__name__, key, lambda: self._passes(*key), pool, self._graphs, self.capture_errors)
 
     @property
     def captured(self) -> int:

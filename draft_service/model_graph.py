@@ -23,13 +23,13 @@ Graphs are captured before any session holds blocks: warm-up and capture write s
 from __future__ import annotations
 
 import contextlib
-import warnings
 from collections.abc import Sequence
 
 import numpy as np
 import torch
 
 from specserve.contract.types import SamplingParams
+from specserve.draft_service.graph_capture import capture_or_record
 from specserve.draft_service.graph_sampling import GraphSampler
 from specserve.models.attn_backend import make_attention_backend
 from specserve.models.attn_metadata import AttentionBatch
@@ -161,16 +161,7 @@ class ModelChainGraphs:
 
     def _capture_one(self, key: tuple, pool) -> None:
         """One graph; a shape that fails to capture runs its body eagerly (over the same buffers) and says why."""
-        graph = torch.cuda.CUDAGraph()
-        try:
-            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-                self._body(key)
-        except Exception as e:
-            self.capture_errors[key] = f"{type(e).__name__}: {e}"
-            warnings.warn(f"{type(self).__name__}: graph {key} not captured, runs eager: {e}", RuntimeWarning,
-                          stacklevel=3)
-            return
-        self._graphs[key] = graph
+        capture_or_record(type(self).__name__, key, lambda: self._body(key), pool, self._graphs, self.capture_errors)
 
     @property
     def captured(self) -> int:

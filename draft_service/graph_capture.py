@@ -1,0 +1,27 @@
+"""Capturing one drafter CUDA graph, shared by the graph drafters (model_graph.py, dflash_graph.py)."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+
+import torch
+
+
+def capture_or_record(
+    owner: str,  # the graphs' class name, for the warning
+    key: tuple,  # the graph's shape
+    body: Callable[[], None],  # what the graph records
+    pool,  # torch.cuda.graph_pool_handle() shared by the owner's graphs
+    graphs: dict,  # key -> torch.cuda.CUDAGraph: the captured graph lands here
+    errors: dict,  # key -> why it could not be captured: a failed shape lands here (and runs eagerly)
+) -> None:
+    try:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+            body()
+    except Exception as e:
+        errors[key] = f"{type(e).__name__}: {e}"
+        warnings.warn(f"{owner}: graph {key} not captured, runs eager: {e}", RuntimeWarning, stacklevel=4)
+        return
+    graphs[key] = graph
