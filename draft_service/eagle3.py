@@ -129,25 +129,22 @@ class Eagle3Proposer(Proposer):
         graphs = self.chain_graphs
         if graphs is not None and graphs.catch_up_fits(keep, n_new):  # one replay (eagle3_graph.py)
             out, k, v = graphs.catch_up(fs, fs.k, fs.v, keep, ids[keep + 1 : L], feats)
-            self._ensure_capacity(fs, L - 1)
-            fs.k[keep : L - 1], fs.v[keep : L - 1] = k, v
-            fs.tokens = ids[1:L].copy()
-            state.drop_hidden_before(L - 1 - ROLLBACK_ROWS)
-            return out
-        if graphs is not None:
-            graphs.owner = None  # the window does not hold what this eager catch-up computes
-        tok = torch.as_tensor(ids[keep + 1 : L], device=self.device)
-        pos = torch.arange(keep, L - 1, device=self.device)
-        mask = torch.ones(n_new, keep + n_new, dtype=torch.bool, device=self.device)
-        mask[:, keep:] = torch.ones(n_new, n_new, dtype=torch.bool, device=self.device).tril()
-        out, k, v = self.head.step(
-            self.head.embed(tok), self.head.fuse(feats), pos, fs.k[:keep], fs.v[:keep], mask
-        )
+        else:
+            if graphs is not None:
+                graphs.owner = None  # the window does not hold what this eager catch-up computes
+            tok = torch.as_tensor(ids[keep + 1 : L], device=self.device)
+            pos = torch.arange(keep, L - 1, device=self.device)
+            mask = torch.ones(n_new, keep + n_new, dtype=torch.bool, device=self.device)
+            mask[:, keep:] = torch.ones(n_new, n_new, dtype=torch.bool, device=self.device).tril()
+            outs, k, v = self.head.step(
+                self.head.embed(tok), self.head.fuse(feats), pos, fs.k[:keep], fs.v[:keep], mask
+            )
+            out = outs[-1]
         self._ensure_capacity(fs, L - 1)
         fs.k[keep : L - 1], fs.v[keep : L - 1] = k, v
         fs.tokens = ids[1:L].copy()
         state.drop_hidden_before(L - 1 - ROLLBACK_ROWS)
-        return out[-1]
+        return out
 
     # ------------------------------------------------------------------ drafting
     @torch.inference_mode()

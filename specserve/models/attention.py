@@ -148,7 +148,6 @@ class GQAAttention(nn.Module):
             out[s:e] = attend(q[s:e], keys, values, mask, self.scale)
         return self.o_proj(out.view(t, -1))
 
-
     def _forward_fused(
         self,
         x: torch.Tensor,  # [T, H]
@@ -277,26 +276,25 @@ class MLAAttention(nn.Module):
         q_pe = rope_cache_mla(q_rot, k_rot, latent, positions, f.cos, f.sin, kv_cache.layers[self.layer],
                               attn.slot_mapping, interleaved=cfg.rope_interleave,
                               latent_norm_weight=self.kv_a_layernorm.weight, eps=self.kv_a_layernorm.eps)
-        w = self.kv_b_proj.weight.view(self.num_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
-        w_uk, w_uv = w.split([cfg.qk_nope_head_dim, cfg.v_head_dim], dim=1)  # [Hq, Dn, R], [Hq, Dv, R]
-        q_latent = torch.einsum("thn,hnr->thr", q_nope, w_uk)  # [T, Hq, R]
-        out_latent = self.attn_backend.mla_cached(self.layer, q_latent, q_pe, attn, kv_cache)  # [T, Hq, R]
-        return self.o_proj(torch.einsum("thr,hvr->thv", out_latent, w_uv).reshape(t, -1))
+        return self.o_proj(self._attend_absorbed(q_nope, q_pe, None, attn, kv_cache).reshape(t, -1))
 
     def _attend_absorbed(
         self,
         q_nope: torch.Tensor,  # [T, Hq, Dn]
         q_rot: torch.Tensor,  # [T, Hq, Dr]
-        entries: torch.Tensor,  # [T, R + Dr]
+        entries: torch.Tensor | None,  # [T, R + Dr] to write first; None: the cache already holds them
         attn: AttentionBatch,
         kv_cache: PagedKVCache,
     ) -> torch.Tensor:  # [T, Hq, Dv]
         """q_nope . (W_UK latent) = (W_UK^T q_nope) . latent; output W_UV (sum p * latent): same function."""
-        cfg = self.cfg
+        cfg, backend = self.cfg, self.attn_backend
         w = self.kv_b_proj.weight.view(self.num_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
         w_uk, w_uv = w.split([cfg.qk_nope_head_dim, cfg.v_head_dim], dim=1)  # [Hq, Dn, R], [Hq, Dv, R]
         q_latent = torch.einsum("thn,hnr->thr", q_nope, w_uk)  # [T, Hq, R]
-        out_latent = self.attn_backend.mla(self.layer, q_latent, q_rot, entries, attn, kv_cache)  # [T, Hq, R]
+        if entries is None:
+            out_latent = backend.mla_cached(self.layer, q_latent, q_rot, attn, kv_cache)  # [T, Hq, R]
+        else:
+            out_latent = backend.mla(self.layer, q_latent, q_rot, entries, attn, kv_cache)
         return torch.einsum("thr,hvr->thv", out_latent, w_uv)
 
     def _attend_sequence(
