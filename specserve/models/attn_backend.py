@@ -162,9 +162,7 @@ class FlashInferBackend:
     def gqa(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn: AttentionBatch,
             kv_cache: PagedKVCache) -> torch.Tensor:
         """Write k, v [T, Hkv, D] at attn.slot_mapping (every slot >= 0), then attend: q [T, Hq, D] -> [T, Hq, D]."""
-        cache = kv_cache.layers[layer]  # [NB, BS, 2, Hkv, D]
-        flat = cache.view(-1, *cache.shape[2:])
-        flat.index_copy_(0, attn.slot_mapping, torch.stack([k, v], dim=1).to(cache.dtype))
+        kv_cache.write_step(layer, attn.slot_mapping, torch.stack([k, v], dim=1))  # [T, 2, Hkv, D]
         return self.gqa_cached(layer, q, attn, kv_cache)
 
     def gqa_cached(self, layer: int, q: torch.Tensor, attn: AttentionBatch, kv_cache: PagedKVCache) -> torch.Tensor:
@@ -174,8 +172,7 @@ class FlashInferBackend:
     def mla(self, layer: int, q_nope: torch.Tensor, q_pe: torch.Tensor, entries: torch.Tensor,
             attn: AttentionBatch, kv_cache: PagedKVCache) -> torch.Tensor:
         """Write entries [T, R + P] at attn.slot_mapping, then absorbed MLA: q_nope [T, H, R], q_pe [T, H, P] -> [T, H, R]."""
-        cache = kv_cache.layers[layer]  # [NB, BS, R + P]
-        cache.view(-1, cache.shape[-1]).index_copy_(0, attn.slot_mapping, entries.to(cache.dtype))
+        kv_cache.write_step(layer, attn.slot_mapping, entries)  # [T, R + P]
         return self.mla_cached(layer, q_nope, q_pe, attn, kv_cache)
 
     def mla_cached(self, layer: int, q_nope: torch.Tensor, q_pe: torch.Tensor, attn: AttentionBatch,
@@ -208,8 +205,7 @@ class ReferencePagedBackend:
 
     def gqa(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn: AttentionBatch,
             kv_cache: PagedKVCache) -> torch.Tensor:
-        cache = kv_cache.layers[layer]
-        cache.view(-1, *cache.shape[2:]).index_copy_(0, attn.slot_mapping, torch.stack([k, v], dim=1).to(cache.dtype))
+        kv_cache.write_step(layer, attn.slot_mapping, torch.stack([k, v], dim=1))  # [T, 2, Hkv, D]
         return self.gqa_cached(layer, q, attn, kv_cache)
 
     def gqa_cached(self, layer: int, q: torch.Tensor, attn: AttentionBatch, kv_cache: PagedKVCache) -> torch.Tensor:
@@ -219,8 +215,7 @@ class ReferencePagedBackend:
 
     def mla(self, layer: int, q_nope: torch.Tensor, q_pe: torch.Tensor, entries: torch.Tensor,
             attn: AttentionBatch, kv_cache: PagedKVCache) -> torch.Tensor:
-        cache = kv_cache.layers[layer]
-        cache.view(-1, cache.shape[-1]).index_copy_(0, attn.slot_mapping, entries.to(cache.dtype))
+        kv_cache.write_step(layer, attn.slot_mapping, entries)  # [T, R + P]
         return self.mla_cached(layer, q_nope, q_pe, attn, kv_cache)
 
     def mla_cached(self, layer: int, q_nope: torch.Tensor, q_pe: torch.Tensor, attn: AttentionBatch,

@@ -78,6 +78,11 @@ class PagedKVCache:
             slots, entries = slots[keep], entries[keep]
         self._flat(layer).index_copy_(0, slots, entries.to(self.dtype))
 
+    def write_step(self, layer: int, slots: torch.Tensor, entries: torch.Tensor) -> None:
+        """The attention backends' write inside a step: slots [T] int64 on the device, every one >= 0, entries
+        [T, *entry_shape]; no checks and no host reads, so a CUDA graph can capture it (`write` checks)."""
+        self.layers[layer].view(self.num_slots, *self.entry_shape).index_copy_(0, slots, entries.to(self.dtype))
+
     def gather(self, layer: int, block_table: Sequence[int], length: int) -> torch.Tensor:
         """The first `length` tokens of a sequence: [length, *entry_shape]."""
         slots = torch.tensor(logical_to_slots(block_table, self._block_size, 0, length), dtype=torch.int64)

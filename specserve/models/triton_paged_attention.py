@@ -107,11 +107,6 @@ class RowsStep:
             self._copied.record()
 
 
-def _write(cache: torch.Tensor, slots: torch.Tensor, entries: torch.Tensor) -> None:
-    """Scatter this step's entries [T, ...] into a layer's cache [NB, BS, ...] at slots [T] (all >= 0)."""
-    cache.view(-1, *cache.shape[2:]).index_copy_(0, slots, entries.to(cache.dtype))
-
-
 class TritonPagedBackend:
     """The model's Triton paged attention: `prepare` per step, then every layer's `gqa` / `mla`.
 
@@ -169,7 +164,7 @@ class TritonPagedBackend:
     def gqa(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn: AttentionBatch,
             kv_cache: PagedKVCache) -> torch.Tensor:
         """Write k, v [T, Hkv, D] at attn.slot_mapping, then attend: q [T, Hq, D] -> [T, Hq, D]."""
-        _write(kv_cache.layers[layer], attn.slot_mapping, torch.stack([k, v], dim=1))
+        kv_cache.write_step(layer, attn.slot_mapping, torch.stack([k, v], dim=1))  # [T, 2, Hkv, D]
         return self.gqa_cached(layer, q, attn, kv_cache)
 
     def gqa_cached(self, layer: int, q: torch.Tensor, attn: AttentionBatch, kv_cache: PagedKVCache) -> torch.Tensor:
@@ -181,7 +176,7 @@ class TritonPagedBackend:
     def mla(self, layer: int, q_nope: torch.Tensor, q_pe: torch.Tensor, entries: torch.Tensor,
             attn: AttentionBatch, kv_cache: PagedKVCache) -> torch.Tensor:
         """Write entries [T, R + P] at attn.slot_mapping, then absorbed MLA: q_nope [T, H, R], q_pe [T, H, P] -> [T, H, R]."""
-        _write(kv_cache.layers[layer], attn.slot_mapping, entries)
+        kv_cache.write_step(layer, attn.slot_mapping, entries)  # [T, R + P]
         return self.mla_cached(layer, q_nope, q_pe, attn, kv_cache)
 
     def mla_cached(self, layer: int, q_nope: torch.Tensor, q_pe: torch.Tensor, attn: AttentionBatch,
