@@ -1,4 +1,5 @@
-"""Remote adapters: the TargetClient / DraftClient protocols of gateway/clients.py over gRPC.
+"""Remote adapters: the TargetClient protocol of gateway/clients.py over gRPC, and the bidi-stream plumbing the
+draft's adapter (gateway/remote_draft.py) shares.
 
 One ``RemoteTarget`` / ``RemoteDraftEndpoint`` per service address (one channel, shared by all
 requests); ``.session(deadline)`` gives the per-request adapter the spec loop drives. Verify and
@@ -17,22 +18,16 @@ verify / propose steps go through it (specserve/runtime/data_plane.py: the same 
 failure contract: a status frame is mapped like the stream's status, a peer that goes away is
 UNAVAILABLE / DraftError at once, a slow one times out as on the stream). Else they use the stream.
 
-Circuit breaker (per draft endpoint): after ``breaker_failures`` timeouts / UNAVAILABLE in a row the
-draft is not asked any more (every request goes target-only at once, releases are skipped: the draft
-expires idle sessions itself) while a background probe calls its GetInfo every ``probe_every_s``
-until it answers; then requests use it again.
+The draft endpoint's circuit breaker is described in gateway/remote_draft.py.
 """
 
 from __future__ import annotations
 
 import asyncio
-import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import grpc
-import torch
 from google.protobuf.message import DecodeError
 
 from specserve.contract.types import (
@@ -41,19 +36,16 @@ from specserve.contract.types import (
     SamplingParams,
     VerifyResult,
 )
-from specserve.gateway.clients import DraftError, RequestRejected, TargetUnavailable
-from specserve.gateway.spec_loop import MalformedDraft
+from specserve.gateway.clients import RequestRejected, TargetUnavailable
 from specserve.protos import convert
 from specserve.protos.specserve.v1 import (
-    draft_pb2,
-    draft_pb2_grpc,
     target_pb2,
     target_pb2_grpc,
 )
 from specserve.runtime import tracing as tn
 from specserve.runtime.data_plane import ShmClient, StatusFrame
 from specserve.runtime.servers_common import TlsFiles, aio_channel, bearer_metadata
-from specserve.runtime.shm_ring import PeerGone, RingError, RingTimeout
+from specserve.runtime.shm_ring import RingError, RingTimeout
 
 RELEASE_TIMEOUT_S = 2.0  # releases run even past the request's deadline, but never hang
 RESERVE_METADATA = "specserve-reserve-tokens"  # the target reserves KV blocks for this many tokens
@@ -87,7 +79,7 @@ def _target_error(exc: grpc.aio.AioRpcError) -> Exception:
     return TargetCallError(code, f"target {exc.code().name}: {details}")
 
 
-class _Deadline:
+class Deadline:
     """A request's absolute deadline on the event loop's clock (None = no deadline)."""
 
     def __init__(self, deadline: float | None) -> None:
@@ -100,7 +92,7 @@ class _Deadline:
         return left if cap is None else min(left, cap)
 
 
-class _Stream:
+class BidiStream:
     """A bidi stream used strictly request -> response, opened on first use."""
 
     def __init__(self, opener) -> None:
@@ -177,9 +169,9 @@ class RemoteTargetSession:
         self._target = target
         reserve = () if reserve_tokens is None else ((RESERVE_METADATA, str(int(reserve_tokens))),)
         self._reserve = (*target.auth, *reserve)
-        self._deadline = _Deadline(deadline)
+        self._deadline = Deadline(deadline)
         self._metrics = metrics
-        self._stream = _Stream(self._open_stream)
+        self._stream = BidiStream(self._open_stream)
         self._shm: ShmClient | None = None  # this session's shared-memory channel, when it has one
         self._last_step_end = time.perf_counter()
 
@@ -288,270 +280,3 @@ class RemoteTargetSession:
             )
         except grpc.aio.AioRpcError:
             pass  # the target also frees a session when its verify stream ends
-
-
-# ------------------------------------------------------------------------------------- draft
-_DOWN = frozenset({grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE})
-
-
-@dataclass(frozen=True)
-class BreakerConfig:
-    failures: int = 3  # timeouts / UNAVAILABLE in a row that open the breaker
-    probe_every_s: float = 1.0  # while open: one GetInfo this often (and with this timeout)
-
-    def __post_init__(self) -> None:
-        if self.failures < 1:
-            raise ValueError(f"breaker failures must be >= 1, got {self.failures}")
-        if not self.probe_every_s > 0:
-            raise ValueError(f"probe_every_s must be > 0, got {self.probe_every_s}")
-
-
-class _Breaker:
-    """Consecutive failures of one draft endpoint; open = do not ask it, probe it in the background."""
-
-    def __init__(self, endpoint: RemoteDraftEndpoint, config: BreakerConfig) -> None:
-        self.endpoint, self.config = endpoint, config
-        self.consecutive = 0
-        self.is_open = False
-        self.opened = 0  # times it opened (for tests and logs)
-        self._probe: asyncio.Task | None = None
-
-    def succeeded(self) -> None:
-        if not self.is_open:
-            self.consecutive = 0
-
-    def failed(self) -> None:
-        self.consecutive += 1
-        if self.is_open or self.consecutive < self.config.failures:
-            return
-        self.is_open = True
-        self.opened += 1
-        ep = self.endpoint
-        print(f"gateway: draft {ep.name} at {ep.address} failed {self.consecutive} times in a row; requests go "
-              "target-only until it answers again", file=sys.stderr, flush=True)
-        self._probe = asyncio.get_running_loop().create_task(self._probe_until_up(), name=f"probe-{ep.name}")
-
-    async def _probe_until_up(self) -> None:
-        every = self.config.probe_every_s
-        while True:
-            await asyncio.sleep(every)
-            try:
-                await self.endpoint.stub.GetInfo(draft_pb2.DraftInfoRequest(), timeout=every, metadata=self.endpoint.auth)
-            except grpc.aio.AioRpcError:
-                continue
-            self.is_open, self.consecutive = False, 0
-            print(f"gateway: draft {self.endpoint.name} answers again", file=sys.stderr, flush=True)
-            return
-
-    async def close(self) -> None:
-        if self._probe is not None:
-            self._probe.cancel()
-            try:
-                await self._probe
-            except asyncio.CancelledError:
-                pass
-
-
-class RemoteDraftEndpoint:
-    """A draft service at one address (one channel for every request)."""
-
-    def __init__(
-        self,
-        name: str,
-        address: str,
-        step_timeout_s: float = 5.0,
-        tls: TlsFiles | None = None,
-        target_info: target_pb2.TargetInfo | None = None,
-        trusted: bool = False,
-        breaker: BreakerConfig | None = None,
-        token: str | None = None,
-        shm: bool = True,
-    ) -> None:
-        self.auth = bearer_metadata(token)  # sent on every call (the draft's --auth-token)
-        self.shm = shm  # ask for the shared-memory data plane per session (used when it opens here)
-        self.name = name
-        self.address = address
-        self.trusted = trusted  # the operator trusts its q: verified with it (else proposal-only)
-        self.breaker = _Breaker(self, breaker or BreakerConfig())
-        self.step_timeout_s = step_timeout_s
-        self.target_info = target_info  # set: a drafter for another vocabulary is never used
-        self.channel = aio_channel(address, tls)
-        self.stub = draft_pb2_grpc.DraftServiceStub(self.channel)
-        self.last_info: draft_pb2.DraftInfo | None = None
-
-    async def fetch_info(self, timeout_s: float, wait_for_ready: bool = False) -> draft_pb2.DraftInfo:
-        self.last_info = await self.stub.GetInfo(
-            draft_pb2.DraftInfoRequest(), timeout=timeout_s, wait_for_ready=wait_for_ready, metadata=self.auth
-        )
-        return self.last_info
-
-    def session(self, deadline: float | None) -> RemoteDraft:
-        return RemoteDraft(self, deadline)
-
-    async def close(self) -> None:
-        await self.breaker.close()
-        await self.channel.close()
-
-
-class RemoteDraft:
-    """DraftClient for one request. Every failure is a DraftError: a draft never fails a request."""
-
-    def __init__(self, endpoint: RemoteDraftEndpoint, deadline: float | None) -> None:
-        self._ep = endpoint
-        self._deadline = _Deadline(deadline)
-        self._stream = _Stream(self._open_stream)
-        self._shm: ShmClient | None = None  # this session's shared-memory channel, when it has one
-        self._shm_broken = False  # the channel ended: proposals fail (as on a stream the draft ended)
-        self.service_ms = 0.0  # draft time the draft service measured, summed over this session's proposals
-
-    @property
-    def transport(self) -> str:
-        """How this session's proposals travel: "shm" or "grpc"."""
-        return "shm" if self._shm is not None else "grpc"
-
-    def _timeout(self) -> float:
-        if self._ep.breaker.is_open:
-            raise DraftError(f"draft {self._ep.name} at {self._ep.address}: not answering (circuit open)")
-        left = self._deadline.remaining(self._ep.step_timeout_s)
-        if left <= 0:
-            raise DraftError("no time left before the request's deadline")
-        return left
-
-    def _open_stream(self):
-        return self._ep.stub.ProposeStream(metadata=tn.outgoing_metadata(self._ep.auth))
-
-    async def _unary(self, method, request):
-        try:
-            resp = await method(request, timeout=self._timeout(), metadata=tn.outgoing_metadata(self._ep.auth))
-        except grpc.aio.AioRpcError as exc:
-            if exc.code() in _DOWN:
-                self._ep.breaker.failed()
-            raise DraftError(f"draft {self._ep.name} at {self._ep.address}: {exc.code().name}: {exc.details()}") from None
-        except DraftError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - any failure of the draft only drops speculation
-            raise DraftError(f"draft {self._ep.name} at {self._ep.address}: {exc!r}") from None
-        self._ep.breaker.succeeded()
-        return resp
-
-    async def info(self):
-        info = await self._unary(self._ep.stub.GetInfo, draft_pb2.DraftInfoRequest())
-        self._ep.last_info = info
-        if self._ep.target_info is not None:
-            problem = incompatible(info, self._ep.target_info)
-            if problem:  # e.g. restarted with another model: this request goes on target-only
-                raise DraftError(f"draft {self._ep.name} at {self._ep.address}: {problem}")
-        return info
-
-    async def start(
-        self, session_id: str, token_ids: Sequence[int], hidden: torch.Tensor | None, sampling: SamplingParams
-    ) -> None:
-        req = draft_pb2.StartSessionRequest(
-            session_id=session_id, token_ids=list(token_ids), sampling=convert.sampling_to_proto(sampling),
-            want_shm=self._ep.shm,
-        )
-        if hidden is not None:
-            req.hidden.CopyFrom(convert.tensor_to_proto(hidden))
-        resp = await self._unary(self._ep.stub.StartSession, req)
-        self._shm = ShmClient.attach(resp.shm_channel)
-
-    async def propose(
-        self,
-        session_id: str,
-        prefix_len: int,
-        append_ids: Sequence[int],
-        append_hidden: torch.Tensor | None,
-        num_tokens: int,
-        tree=None,
-    ) -> DraftBlock:
-        req = draft_pb2.ProposeRequest(
-            session_id=session_id,
-            prefix_len=prefix_len,
-            append_ids=list(append_ids),
-            num_tokens=num_tokens,
-            trace_context=tn.current_trace_context(),
-        )
-        if append_hidden is not None:
-            req.append_hidden.CopyFrom(convert.tensor_to_proto(append_hidden))
-        if tree is not None:
-            req.is_tree = True
-            req.tree.CopyFrom(convert.tree_spec_to_proto(tree.num_nodes, tree.top_k, tree.depth))
-        if self._shm is not None or self._shm_broken:
-            resp = await self._propose_shm(req)
-        else:
-            resp = await self._propose_stream(req)
-        self._ep.breaker.succeeded()
-        self.service_ms += resp.timings.total_ms
-        try:
-            return convert.draft_block_from_proto(resp.draft)
-        except convert.ConversionError as exc:
-            raise MalformedDraft(f"draft {self._ep.name}: {exc}") from None
-
-    async def _propose_shm(self, req):
-        where = f"draft {self._ep.name} over shared memory"
-        if self._shm is None:
-            raise DraftError(f"{where}: the channel already ended")
-        timeout = self._timeout()
-        try:
-            return await self._shm.exchange(req, draft_pb2.ProposeResponse, timeout)
-        except StatusFrame as exc:
-            if exc.code in _DOWN:
-                self._ep.breaker.failed()
-            raise DraftError(f"{where}: {exc.code.name}: {exc.details}") from None
-        except RingTimeout:
-            self._ep.breaker.failed()
-            raise DraftError(f"{where}: no answer within {timeout:.3g} s") from None
-        except PeerGone as exc:
-            self._ep.breaker.failed()
-            raise DraftError(f"{where}: {exc}") from None
-        except Exception as exc:  # noqa: BLE001 - any failure of the draft only drops speculation
-            raise DraftError(f"{where}: {exc!r}") from None
-        finally:
-            if self._shm is not None and self._shm.channel.closed:
-                self._shm, self._shm_broken = None, True
-
-    async def _propose_stream(self, req):
-        try:
-            return await self._stream.exchange(req, self._timeout())
-        except DraftError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - any failure of the draft only drops speculation
-            self._stream.close()
-            is_rpc = isinstance(exc, grpc.aio.AioRpcError)
-            if isinstance(exc, asyncio.TimeoutError) or (is_rpc and exc.code() in _DOWN):
-                self._ep.breaker.failed()
-            what = f"{exc.code().name}: {exc.details()}" if is_rpc else repr(exc)
-            raise DraftError(f"draft {self._ep.name} at {self._ep.address}: {what}") from None
-
-    async def release(self, session_id: str) -> None:
-        self._stream.close()
-        if self._shm is not None:
-            self._shm.close()  # the draft sees the channel end and releases the session
-        if self._ep.breaker.is_open:
-            return  # not answering: it frees the session when the stream ends or the session idles out
-        await asyncio.shield(self._release(session_id))
-
-    async def _release(self, session_id: str) -> None:
-        try:
-            await self._ep.stub.Release(
-                draft_pb2.DraftReleaseRequest(session_id=session_id), timeout=RELEASE_TIMEOUT_S, metadata=self._ep.auth
-            )
-        except grpc.aio.AioRpcError as exc:
-            if exc.code() in _DOWN:
-                self._ep.breaker.failed()
-            # the draft also frees a session when its propose stream ends
-
-
-def incompatible(draft: draft_pb2.DraftInfo, target: target_pb2.TargetInfo) -> str:
-    """Why a drafter cannot serve this target ("" when it can). The vocabulary rule of
-    specserve/models/vocab.py: two tokenizer fingerprints must be equal, else the sizes
-    (a vocabulary-agnostic drafter, size 0 and no fingerprint, fits every target)."""
-    d_hash, t_hash = draft.vocab_hash, target.vocab_hash
-    if d_hash.startswith("sha256:") and t_hash.startswith("sha256:"):
-        if d_hash != t_hash:
-            return f"drafter vocabulary {d_hash[:20]} differs from the target's {t_hash[:20]}"
-    elif draft.vocab_size and target.vocab_size and draft.vocab_size != target.vocab_size:
-        return f"drafter vocab_size {draft.vocab_size} differs from the target's {target.vocab_size}"
-    if draft.needs_hidden_states and any(not 0 <= layer <= target.num_layers for layer in draft.hidden_layers):
-        return f"drafter reads target layers {list(draft.hidden_layers)} but the target has {target.num_layers}"
-    return ""

@@ -29,13 +29,8 @@ from opentelemetry import context as otel_context
 from specserve.errors import SpecserveError
 from specserve.gateway.adaptive import AdaptiveConfig, AdaptiveSpeculation
 from specserve.gateway.clients import RequestRejected, TargetUnavailable
-from specserve.gateway.remote import (
-    BreakerConfig,
-    RemoteDraftEndpoint,
-    RemoteTarget,
-    TargetCallError,
-    incompatible,
-)
+from specserve.gateway.remote import RemoteTarget, TargetCallError
+from specserve.gateway.remote_draft import BreakerConfig, RemoteDraftEndpoint, incompatible
 from specserve.gateway.spec_loop import FinalEvent, run_request
 from specserve.gateway.validation import (
     MAX_SPECULATIVE_TOKENS,

@@ -83,7 +83,7 @@ def _flag_or_env(value: str | None, env: str) -> str | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from specserve.gateway.remote import BreakerConfig
+    from specserve.gateway.remote_draft import BreakerConfig
     from specserve.gateway.server import GatewayConfig
     from specserve.gateway.validation import RequestLimits
     from specserve.runtime.data_plane import shm_allowed
@@ -207,7 +207,7 @@ async def _check_drafts(servicer) -> None:
     yet is only reported (requests go target-only until it does)."""
     import grpc
 
-    from specserve.gateway.remote import incompatible
+    from specserve.gateway.remote_draft import incompatible
 
     for name in list(servicer.drafts.addresses()):
         ep = servicer.drafts.acquire(name)
