@@ -20,7 +20,6 @@ from specserve.kernels.fused_moe import (
     MoETileConfig,
     align_torch,
     align_triton,
-    default_tile_config,
     triton_next_pow2,
 )
 
@@ -121,11 +120,27 @@ def check_fp8_moe_args(
     return t, h, e, inter
 
 
+def quant_tile_config(num_tokens: int, int4: bool) -> MoETileConfig:
+    """Decode / verify sizes (T <= 64): one BM block per expert, narrow N tiles, long K tiles (INT4: 32 words a
+    row); larger T: wide tiles. FP8 K tiles stay at 128 so a tile lies in one 128-wide scale block."""
+    if num_tokens <= 64:  # measured on the H200 (BENCHMARKS.md): INT4 runs best unpipelined, FP8 with 3 stages
+        bm = max(16, triton_next_pow2(num_tokens))
+        bk, stages = (256, 1) if int4 else (128, 3)
+        return MoETileConfig(bm, 32, bk, 4, stages, 64, bk, 4, stages)
+    return MoETileConfig(64, 64, 128, 8, 3, 64, 128, 8, 3)
+
+
+def _int4_bk(bk: int) -> int:
+    """INT4 K tiles hold whole words and each nibble's dot needs K >= 16: at least 128 columns."""
+    return max(128, bk)
+
+
 def _moe(hidden, w13, s13, w2, s2, topk_ids, topk_weights, e, inter, config, int4, group, block):
     t, h = hidden.shape
     k = topk_ids.shape[1]
     n = t * k
-    cfg = config or default_tile_config(t, h, inter)
+    cfg = config or quant_tile_config(t, int4)
+    gu_bk, dn_bk = (_int4_bk(cfg.gu_bk), _int4_bk(cfg.dn_bk)) if int4 else (cfg.gu_bk, cfg.dn_bk)
     align = align_triton if n <= ALIGN_IN_TRITON_MAX_SLOTS else align_torch
     sorted_slot, block_expert, num_blocks = align(topk_ids, e, cfg.bm)
     maxb = block_expert.numel()
@@ -134,17 +149,23 @@ def _moe(hidden, w13, s13, w2, s2, topk_ids, topk_weights, e, inter, config, int
     quant_moe_triton.quant_moe_gate_up_kernel[(maxb, triton.cdiv(inter, cfg.gu_bn))](
         hidden, w13, s13, act, sorted_slot, block_expert, num_blocks, n, k, h, inter,
         hidden.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1), act.stride(0),
-        BN=cfg.gu_bn, BK=cfg.gu_bk, num_warps=cfg.gu_warps, num_stages=cfg.gu_stages, **consts,
+        BN=cfg.gu_bn, BK=gu_bk, num_warps=cfg.gu_warps, num_stages=cfg.gu_stages, **consts,
     )
     per_slot = torch.empty(n, h, dtype=torch.float32, device=hidden.device)  # [T*K, H]
     quant_moe_triton.quant_moe_down_kernel[(maxb, triton.cdiv(h, cfg.dn_bn))](
         act, w2, s2, topk_weights.reshape(-1), per_slot, sorted_slot, block_expert, num_blocks, n, h, inter,
         act.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), per_slot.stride(0),
-        BN=cfg.dn_bn, BK=cfg.dn_bk, num_warps=cfg.dn_warps, num_stages=cfg.dn_stages, **consts,
+        BN=cfg.dn_bn, BK=dn_bk, num_warps=cfg.dn_warps, num_stages=cfg.dn_stages, **consts,
     )
-    out = torch.empty_like(hidden)
+    return _sum_rows(per_slot.view(t, k, h), hidden.dtype)
+
+
+def _sum_rows(parts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:  # [T, S, H] fp32 -> [T, H]
+    """Sum over S in a fixed order (deterministic), cast to dtype."""
+    t, s, h = parts.shape
+    out = torch.empty(t, h, dtype=dtype, device=parts.device)
     bh = min(1024, triton_next_pow2(h))
-    moe_triton.sum_topk_kernel[(t, triton.cdiv(h, bh))](per_slot, out, h, TOPK=k, BH=bh, num_warps=4)
+    moe_triton.sum_topk_kernel[(t, triton.cdiv(h, bh))](parts, out, h, TOPK=s, BH=bh, num_warps=4)
     return out
 
 
@@ -205,9 +226,23 @@ def fp8_linear(
     _require_triton(x)
     bm = max(16, min(64, triton_next_pow2(t)))
     bn, bk = (32, 128) if t <= 16 else (64, 64)
+    split, k_chunk = _split_k(x, t, n, k, bm, bn, bk)
     y = torch.empty(t, n, dtype=x.dtype, device=x.device)
-    quant_moe_triton.fp8_linear_kernel[(triton.cdiv(t, bm), triton.cdiv(n, bn))](
-        x, weight, scale_inv, y, t, n, k, x.stride(0), weight.stride(0), scale_inv.stride(0), y.stride(0),
-        BO=block[0], BI=block[1], BM=bm, BN=bn, BK=bk, num_warps=4, num_stages=3,
+    # [T, SPLIT, N] fp32 partials when K is split, summed below
+    dst = y if split == 1 else torch.empty(t, split, n, dtype=torch.float32, device=x.device)
+    quant_moe_triton.fp8_linear_kernel[(triton.cdiv(t, bm), triton.cdiv(n, bn), split)](
+        x, weight, scale_inv, dst, t, n, k, k_chunk, x.stride(0), weight.stride(0), scale_inv.stride(0), y.stride(0),
+        BO=block[0], BI=block[1], BM=bm, BN=bn, BK=bk, SPLIT=split, num_warps=4, num_stages=2,
     )
-    return y
+    return y if split == 1 else _sum_rows(dst, x.dtype)
+
+
+def _split_k(x: torch.Tensor, t: int, n: int, k: int, bm: int, bn: int, bk: int) -> tuple[int, int]:
+    """(splits, columns per split): at decode sizes (T <= 16), enough programs for about two per SM, each
+    with at least two K tiles; otherwise no split."""
+    k_tiles = triton.cdiv(k, bk)
+    programs = triton.cdiv(t, bm) * triton.cdiv(n, bn)
+    sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 4
+    split = 1 if t > 16 else max(1, min(k_tiles // 2, triton.cdiv(2 * sms, programs)))
+    k_chunk = triton.cdiv(k_tiles, split) * bk
+    return triton.cdiv(k, k_chunk), k_chunk

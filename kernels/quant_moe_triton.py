@@ -1,7 +1,16 @@
 """Triton kernels for quantized weights (imported only where triton is installed; wrappers in quant_moe.py).
 
-Weights stay packed in memory and are dequantized in registers, one [BN, BK] tile at a time, then fed to
+Weights stay packed in memory, are read once with coalesced loads and dequantized in registers, then fed to
 tl.dot in the activations' dtype (bf16 / f16) with fp32 accumulation. Formats: kernels/quant_reference.py.
+
+- INT4: a tile is BKW = BK / 8 packed words per weight row. Nibble j of word w is input column 8w + j, so the
+  tile's dot is split into 8 dots, one per nibble position j, each against the activation columns
+  k0 + 8w + j (a strided load of the small, cache-resident activations). No unpacking shuffle, and the group
+  scale of column 8w + j depends on w only (group sizes are multiples of 8).
+- FP8: when a K-tile lies inside one scale block (BK divides BI), the e4m3 tile is converted exactly to the
+  activations' dtype, multiplied by the activations, and the [BN] row scales are applied to that partial dot;
+  otherwise each weight is scaled before the dot (any block shape, slower).
+
 The MoE kernels use moe_triton's row space: the T*K (token, k) slots sorted by expert, each expert's run
 padded to BM rows (`sorted_slot`, `block_expert`, `num_blocks`), so one M-block reads one expert's weights.
 """
@@ -13,18 +22,24 @@ import triton.language as tl
 
 
 @triton.jit
-def _int4_tile(wp_ptr, ws_ptr, offs_n, nvalid, cols, K, stride_pn, stride_sn, G: tl.constexpr):
-    """[BN, BK] fp32 weight rows offs_n, columns cols: nibble cols % 8 of word cols // 8, times its group scale."""
-    m = nvalid[:, None] & (cols < K)[None, :]
+def _int4_load(wp_ptr, ws_ptr, offs_n, nvalid, wcols, K, stride_pn, stride_sn, G: tl.constexpr):
+    """Packed words [BN, BKW] int32 of rows offs_n at word columns wcols, and their scales [BN, BKW] fp32."""
+    m = nvalid[:, None] & (wcols * 8 < K)[None, :]
     rows = offs_n.to(tl.int64)[:, None]
-    words = tl.load(wp_ptr + rows * stride_pn + (cols // 8)[None, :], mask=m, other=0)
-    q = ((words >> ((cols % 8) * 4)[None, :]) & 0xF) - 8
-    s = tl.load(ws_ptr + rows * stride_sn + (cols // G)[None, :], mask=m, other=0.0)
-    return q.to(tl.float32) * s.to(tl.float32)
+    words = tl.load(wp_ptr + rows * stride_pn + wcols[None, :], mask=m, other=0)
+    s = tl.load(ws_ptr + rows * stride_sn + (wcols * 8 // G)[None, :], mask=m, other=0.0)
+    return words, s.to(tl.float32)
 
 
 @triton.jit
-def _fp8_tile(w_ptr, s_ptr, offs_n, nvalid, cols, K, stride_wn, stride_sn, BO: tl.constexpr, BI: tl.constexpr):
+def _int4_nibble(words, s, j: tl.constexpr, dtype: tl.constexpr):
+    """[BN, BKW] weights of input columns 8w + j: (nibble j - 8) * scale, in `dtype`."""
+    q = ((words >> (4 * j)) & 0xF) - 8
+    return (q.to(tl.float32) * s).to(dtype)
+
+
+@triton.jit
+def _fp8_scaled_tile(w_ptr, s_ptr, offs_n, nvalid, cols, K, stride_wn, stride_sn, BO: tl.constexpr, BI: tl.constexpr):
     """[BN, BK] fp32 weight rows offs_n, columns cols: e4m3 value times its [BO, BI] block's scale_inv."""
     m = nvalid[:, None] & (cols < K)[None, :]
     rows = offs_n.to(tl.int64)[:, None]
@@ -34,13 +49,18 @@ def _fp8_tile(w_ptr, s_ptr, offs_n, nvalid, cols, K, stride_wn, stride_sn, BO: t
 
 
 @triton.jit
-def _tile(w_ptr, s_ptr, offs_n, nvalid, cols, K, stride_wn, stride_sn,
-          INT4: tl.constexpr, G: tl.constexpr, BO: tl.constexpr, BI: tl.constexpr):
-    if INT4:
-        w = _int4_tile(w_ptr, s_ptr, offs_n, nvalid, cols, K, stride_wn, stride_sn, G)
+def _fp8_dot(acc, x, w_ptr, s_ptr, offs_n, nvalid, k0, cols, K, stride_wn, stride_sn,
+             BO: tl.constexpr, BI: tl.constexpr, BK: tl.constexpr):
+    """acc [BM, BN] += x [BM, BK] @ W[offs_n, cols]^T for an FP8 block-scaled W."""
+    if BI % BK == 0:  # the tile lies in one scale block column: scale the partial dot per output row
+        m = nvalid[:, None] & (cols < K)[None, :]
+        w = tl.load(w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + cols[None, :], mask=m, other=0.0)
+        s = tl.load(s_ptr + (offs_n // BO).to(tl.int64) * stride_sn + k0 // BI, mask=nvalid, other=0.0)
+        acc += tl.dot(x, tl.trans(w.to(x.dtype))) * s.to(tl.float32)[None, :]
     else:
-        w = _fp8_tile(w_ptr, s_ptr, offs_n, nvalid, cols, K, stride_wn, stride_sn, BO, BI)
-    return w
+        w = _fp8_scaled_tile(w_ptr, s_ptr, offs_n, nvalid, cols, K, stride_wn, stride_sn, BO, BI)
+        acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc)
+    return acc
 
 
 @triton.jit
@@ -78,21 +98,29 @@ def quant_moe_gate_up_kernel(
     rows = pid_m * BM + tl.arange(0, BM)
     slot = tl.load(sorted_slot_ptr + rows)
     rvalid = slot < N
-    tok = (slot // TOPK).to(tl.int64)
+    x_rows = x_ptr + (slot // TOPK).to(tl.int64)[:, None] * stride_xt  # [BM, 1]
     offs_n = pid_n * BN + tl.arange(0, BN)
     nvalid = offs_n < I
-    offs_k = tl.arange(0, BK)
     w_e = w_ptr + e * stride_we
     s_e = s_ptr + e * stride_se
     acc_g = tl.zeros([BM, BN], dtype=tl.float32)
     acc_u = tl.zeros([BM, BN], dtype=tl.float32)
     for k0 in range(0, H, BK):
-        cols = k0 + offs_k
-        x = tl.load(x_ptr + tok[:, None] * stride_xt + cols[None, :], mask=rvalid[:, None] & (cols < H)[None, :], other=0.0)
-        wg = _tile(w_e, s_e, offs_n, nvalid, cols, H, stride_wn, stride_sn, INT4, G, BO, BI)
-        wu = _tile(w_e, s_e, offs_n + I, nvalid, cols, H, stride_wn, stride_sn, INT4, G, BO, BI)
-        acc_g = tl.dot(x, tl.trans(wg.to(x.dtype)), acc_g)
-        acc_u = tl.dot(x, tl.trans(wu.to(x.dtype)), acc_u)
+        if INT4:
+            offs_w = tl.arange(0, BK // 8)
+            wcols = k0 // 8 + offs_w
+            words_g, s_g = _int4_load(w_e, s_e, offs_n, nvalid, wcols, H, stride_wn, stride_sn, G)
+            words_u, s_u = _int4_load(w_e, s_e, offs_n + I, nvalid, wcols, H, stride_wn, stride_sn, G)
+            for j in tl.static_range(8):
+                cols = k0 + offs_w * 8 + j
+                x = tl.load(x_rows + cols[None, :], mask=rvalid[:, None] & (cols < H)[None, :], other=0.0)
+                acc_g = tl.dot(x, tl.trans(_int4_nibble(words_g, s_g, j, x.dtype)), acc_g)
+                acc_u = tl.dot(x, tl.trans(_int4_nibble(words_u, s_u, j, x.dtype)), acc_u)
+        else:
+            cols = k0 + tl.arange(0, BK)
+            x = tl.load(x_rows + cols[None, :], mask=rvalid[:, None] & (cols < H)[None, :], other=0.0)
+            acc_g = _fp8_dot(acc_g, x, w_e, s_e, offs_n, nvalid, k0, cols, H, stride_wn, stride_sn, BO, BI, BK)
+            acc_u = _fp8_dot(acc_u, x, w_e, s_e, offs_n + I, nvalid, k0, cols, H, stride_wn, stride_sn, BO, BI, BK)
     act = acc_g * tl.sigmoid(acc_g) * acc_u
     a_ptrs = act_ptr + rows[:, None].to(tl.int64) * stride_am + offs_n[None, :]
     tl.store(a_ptrs, act.to(act_ptr.dtype.element_ty), mask=nvalid[None, :])
@@ -133,17 +161,24 @@ def quant_moe_down_kernel(
     rows = pid_m * BM + tl.arange(0, BM)
     slot = tl.load(sorted_slot_ptr + rows)
     rvalid = slot < N
+    a_rows = act_ptr + rows.to(tl.int64)[:, None] * stride_am  # [BM, 1]
     offs_n = pid_n * BN + tl.arange(0, BN)
     nvalid = offs_n < H
-    offs_k = tl.arange(0, BK)
     w_e = w_ptr + e * stride_we
     s_e = s_ptr + e * stride_se
     acc = tl.zeros([BM, BN], dtype=tl.float32)
     for k0 in range(0, I, BK):
-        cols = k0 + offs_k
-        a = tl.load(act_ptr + rows[:, None].to(tl.int64) * stride_am + cols[None, :], mask=(cols < I)[None, :], other=0.0)
-        w = _tile(w_e, s_e, offs_n, nvalid, cols, I, stride_wn, stride_sn, INT4, G, BO, BI)
-        acc = tl.dot(a, tl.trans(w.to(a.dtype)), acc)
+        if INT4:
+            offs_w = tl.arange(0, BK // 8)
+            words, s = _int4_load(w_e, s_e, offs_n, nvalid, k0 // 8 + offs_w, I, stride_wn, stride_sn, G)
+            for j in tl.static_range(8):
+                cols = k0 + offs_w * 8 + j
+                a = tl.load(a_rows + cols[None, :], mask=(cols < I)[None, :], other=0.0)
+                acc = tl.dot(a, tl.trans(_int4_nibble(words, s, j, a.dtype)), acc)
+        else:
+            cols = k0 + tl.arange(0, BK)
+            a = tl.load(a_rows + cols[None, :], mask=(cols < I)[None, :], other=0.0)
+            acc = _fp8_dot(acc, a, w_e, s_e, offs_n, nvalid, k0, cols, I, stride_wn, stride_sn, BO, BI, BK)
     tw = tl.load(tw_ptr + slot, mask=rvalid, other=0.0).to(tl.float32)
     acc = acc * tw[:, None]
     o_ptrs = out_ptr + slot[:, None].to(tl.int64) * stride_on + offs_n[None, :]
@@ -155,10 +190,11 @@ def fp8_linear_kernel(
     x_ptr,  # [T, K]
     w_ptr,  # [N, K] e4m3
     s_ptr,  # [ceil(N / BO), ceil(K / BI)]
-    y_ptr,  # [T, N] out
+    y_ptr,  # [T, N] out, or [T, SPLIT, N] fp32 partial sums when SPLIT > 1
     T,
     N,
     K,
+    k_chunk,  # input columns per split (a multiple of BK)
     stride_xt,
     stride_wn,
     stride_sn,
@@ -168,21 +204,27 @@ def fp8_linear_kernel(
     BM: tl.constexpr,
     BN: tl.constexpr,
     BK: tl.constexpr,
+    SPLIT: tl.constexpr,
 ):
-    """y = x W^T, W dequantized tile by tile (decode T = 1..16: one M-block, W read once)."""
+    """y = x W^T, W dequantized tile by tile. Decode sizes split K over SPLIT programs (moe_triton's
+    sum_topk_kernel then adds the partials in a fixed order), so a small N still fills the GPU."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
     offs_m = pid_m * BM + tl.arange(0, BM)
     mvalid = offs_m < T
     offs_n = pid_n * BN + tl.arange(0, BN)
     nvalid = offs_n < N
-    offs_k = tl.arange(0, BK)
+    x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xt
     acc = tl.zeros([BM, BN], dtype=tl.float32)
-    for k0 in range(0, K, BK):
-        cols = k0 + offs_k
-        x = tl.load(x_ptr + offs_m.to(tl.int64)[:, None] * stride_xt + cols[None, :],
-                    mask=mvalid[:, None] & (cols < K)[None, :], other=0.0)
-        w = _fp8_tile(w_ptr, s_ptr, offs_n, nvalid, cols, K, stride_wn, stride_sn, BO, BI)
-        acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc)
-    y_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_yt + offs_n[None, :]
-    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mvalid[:, None] & nvalid[None, :])
+    k_start = pid_k * k_chunk
+    for k0 in range(k_start, tl.minimum(k_start + k_chunk, K), BK):
+        cols = k0 + tl.arange(0, BK)
+        x = tl.load(x_rows + cols[None, :], mask=mvalid[:, None] & (cols < K)[None, :], other=0.0)
+        acc = _fp8_dot(acc, x, w_ptr, s_ptr, offs_n, nvalid, k0, cols, K, stride_wn, stride_sn, BO, BI, BK)
+    if SPLIT == 1:
+        y_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_yt + offs_n[None, :]
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mvalid[:, None] & nvalid[None, :])
+    else:
+        y_ptrs = y_ptr + (offs_m.to(tl.int64)[:, None] * SPLIT + pid_k) * N + offs_n[None, :]
+        tl.store(y_ptrs, acc, mask=mvalid[:, None] & nvalid[None, :])

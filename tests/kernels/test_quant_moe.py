@@ -44,28 +44,28 @@ def _tokens() -> tuple[int, ...]:
 
 def _int4_case(shape: str, t: int, seed: int, group: int = 32):
     e, h, i, k = MOE_SHAPES[shape]
-    gen = torch.Generator().manual_seed(seed)
-    q13 = torch.randint(-8, 8, (e, 2 * i, h), generator=gen, dtype=torch.int8)
-    q2 = torch.randint(-8, 8, (e, h, i), generator=gen, dtype=torch.int8)
-    w13 = torch.stack([pack_int4(q) for q in q13]).to(DEV)
-    w2 = torch.stack([pack_int4(q) for q in q2]).to(DEV)
-    s13 = (torch.rand(e, 2 * i, h // group, generator=gen) / (4 * h**0.5)).to(DEV, torch.bfloat16)
-    s2 = (torch.rand(e, h, i // group, generator=gen) / (4 * i**0.5)).to(DEV, torch.bfloat16)
-    x = torch.randn(t, h, generator=gen).to(DEV, ACT)
-    ids, weights = random_routing(t, e, k, gen, DEV)
+    gen = torch.Generator(device=DEV).manual_seed(seed)  # made on the device: Kimi-width experts are large
+    q13 = torch.randint(-8, 8, (e, 2 * i, h), generator=gen, dtype=torch.int8, device=DEV)
+    q2 = torch.randint(-8, 8, (e, h, i), generator=gen, dtype=torch.int8, device=DEV)
+    w13 = torch.stack([pack_int4(q) for q in q13])
+    w2 = torch.stack([pack_int4(q) for q in q2])
+    s13 = (torch.rand(e, 2 * i, h // group, generator=gen, device=DEV) / (4 * h**0.5)).to(torch.bfloat16)
+    s2 = (torch.rand(e, h, i // group, generator=gen, device=DEV) / (4 * i**0.5)).to(torch.bfloat16)
+    x = torch.randn(t, h, generator=gen, device=DEV).to(ACT)
+    ids, weights = random_routing(t, e, k, torch.Generator().manual_seed(seed), DEV)
     return x, w13, s13, w2, s2, ids, weights
 
 
 def _fp8_case(shape: str, t: int, seed: int, block: tuple[int, int], scale_dtype=torch.float32):
     e, h, i, k = MOE_SHAPES[shape]
     bo, bi = block
-    gen = torch.Generator().manual_seed(seed)
-    w13 = torch.randn(e, 2 * i, h, generator=gen).clamp(-4, 4).to(DEV, torch.float8_e4m3fn)
-    w2 = torch.randn(e, h, i, generator=gen).clamp(-4, 4).to(DEV, torch.float8_e4m3fn)
-    s13 = (torch.rand(e, -(-2 * i // bo), -(-h // bi), generator=gen) / h**0.5).to(DEV, scale_dtype)
-    s2 = (torch.rand(e, -(-h // bo), -(-i // bi), generator=gen) / i**0.5).to(DEV, scale_dtype)
-    x = torch.randn(t, h, generator=gen).to(DEV, ACT)
-    ids, weights = random_routing(t, e, k, gen, DEV)
+    gen = torch.Generator(device=DEV).manual_seed(seed)
+    w13 = torch.randn(e, 2 * i, h, generator=gen, device=DEV).clamp(-4, 4).to(torch.float8_e4m3fn)
+    w2 = torch.randn(e, h, i, generator=gen, device=DEV).clamp(-4, 4).to(torch.float8_e4m3fn)
+    s13 = (torch.rand(e, -(-2 * i // bo), -(-h // bi), generator=gen, device=DEV) / h**0.5).to(scale_dtype)
+    s2 = (torch.rand(e, -(-h // bo), -(-i // bi), generator=gen, device=DEV) / i**0.5).to(scale_dtype)
+    x = torch.randn(t, h, generator=gen, device=DEV).to(ACT)
+    ids, weights = random_routing(t, e, k, torch.Generator().manual_seed(seed), DEV)
     return x, w13, s13, w2, s2, ids, weights
 
 
