@@ -120,6 +120,10 @@ def check_fp8_moe_args(
     return t, h, e, inter
 
 
+W4A16_GEMV_MAX_TOKENS = 4  # up to here the W4A16 MoE runs as per-slot GEMVs (no tensor cores): BENCHMARKS.md
+GEMV_TILE = (32, 32)  # (output rows, packed words) of one GEMV program's tile
+
+
 def quant_tile_config(num_tokens: int, int4: bool) -> MoETileConfig:
     """Decode / verify sizes (T <= 64): one BM block per expert, narrow N tiles, long K tiles (INT4: 32 words a
     row); larger T: wide tiles. FP8 K tiles stay at 128 so a tile lies in one 128-wide scale block."""
@@ -160,6 +164,26 @@ def _moe(hidden, w13, s13, w2, s2, topk_ids, topk_weights, e, inter, config, int
     return _sum_rows(per_slot.view(t, k, h), hidden.dtype)
 
 
+def _w4a16_gemv(hidden, w13, s13, w2, s2, topk_ids, topk_weights, inter, group):
+    """One program row per (token, k) slot, no expert sort: for T <= W4A16_GEMV_MAX_TOKENS."""
+    t, h = hidden.shape
+    k = topk_ids.shape[1]
+    n = t * k
+    ids = topk_ids.reshape(-1)  # [T*K]
+    act = torch.empty(n, inter, dtype=hidden.dtype, device=hidden.device)  # [T*K, I]
+    bn, bkw = GEMV_TILE
+    quant_moe_triton.w4a16_gemv_gate_up_kernel[(n, triton.cdiv(inter, bn))](
+        hidden, w13, s13, ids, act, k, h, inter, hidden.stride(0), w13.stride(0), w13.stride(1), s13.stride(0),
+        s13.stride(1), act.stride(0), G=group, BN=bn, BKW=bkw, num_warps=4, num_stages=1,
+    )
+    per_slot = torch.empty(n, h, dtype=torch.float32, device=hidden.device)  # [T*K, H]
+    quant_moe_triton.w4a16_gemv_down_kernel[(n, triton.cdiv(h, bn))](
+        act, w2, s2, ids, topk_weights.reshape(-1), per_slot, h, inter, act.stride(0), w2.stride(0), w2.stride(1),
+        s2.stride(0), s2.stride(1), per_slot.stride(0), G=group, BN=bn, BKW=bkw, num_warps=4, num_stages=1,
+    )
+    return _sum_rows(per_slot.view(t, k, h), hidden.dtype)
+
+
 def _sum_rows(parts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:  # [T, S, H] fp32 -> [T, H]
     """Sum over S in a fixed order (deterministic), cast to dtype."""
     t, s, h = parts.shape
@@ -181,8 +205,10 @@ def w4a16_moe(
     config: MoETileConfig | None = None,
 ) -> torch.Tensor:  # [T, H]
     """Same function as quant_reference.w4a16_moe_reference (Triton on CUDA or under TRITON_INTERPRET)."""
-    _, _, e, inter = check_w4a16_args(hidden, w13_packed, w13_scale, w2_packed, w2_scale, topk_ids, topk_weights, group_size)
+    t, _, e, inter = check_w4a16_args(hidden, w13_packed, w13_scale, w2_packed, w2_scale, topk_ids, topk_weights, group_size)
     _require_triton(hidden)
+    if config is None and t <= W4A16_GEMV_MAX_TOKENS:
+        return _w4a16_gemv(hidden, w13_packed, w13_scale, w2_packed, w2_scale, topk_ids, topk_weights, inter, group_size)
     return _moe(hidden, w13_packed, w13_scale, w2_packed, w2_scale, topk_ids, topk_weights, e, inter, config,
                 True, group_size, (1, 1))
 

@@ -228,3 +228,103 @@ def fp8_linear_kernel(
     else:
         y_ptrs = y_ptr + (offs_m.to(tl.int64)[:, None] * SPLIT + pid_k) * N + offs_n[None, :]
         tl.store(y_ptrs, acc, mask=mvalid[:, None] & nvalid[None, :])
+
+
+@triton.jit
+def _int4_gemv_part(words, x_row, wcols, K):
+    """sum_j nibble_j(words) * x[8w + j] and sum_j x[8w + j]: [BN, BKW] and [BKW] fp32 (nibbles as stored, 0..15)."""
+    part = tl.zeros(words.shape, dtype=tl.float32)
+    xs = tl.zeros(wcols.shape, dtype=tl.float32)
+    for j in tl.static_range(8):
+        cols = wcols * 8 + j
+        xj = tl.load(x_row + cols, mask=cols < K, other=0.0).to(tl.float32)
+        part += ((words >> (4 * j)) & 0xF).to(tl.float32) * xj[None, :]
+        xs += xj
+    return part, xs
+
+
+@triton.jit
+def w4a16_gemv_gate_up_kernel(
+    x_ptr,  # [T, H]
+    wp_ptr,  # [E, 2I, H / 8] int32
+    ws_ptr,  # [E, 2I, H / G]
+    ids_ptr,  # [N] expert of each flat (token, k) slot
+    act_ptr,  # [N, I] out: silu(gate) * up per slot
+    TOPK,
+    H,
+    I,
+    stride_xt,
+    stride_we,
+    stride_wn,
+    stride_se,
+    stride_sn,
+    stride_an,
+    G: tl.constexpr,
+    BN: tl.constexpr,
+    BKW: tl.constexpr,
+):
+    """Few tokens (T * K slots, one program row each): no tensor cores, the nibbles are multiplied by the
+    activations in registers; a group's scale is applied once to its words' partial sums (sum (q - 8) x s =
+    (sum q x - 8 sum x) s)."""
+    slot = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    e = tl.load(ids_ptr + slot).to(tl.int64)
+    x_row = x_ptr + (slot // TOPK).to(tl.int64) * stride_xt
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    nvalid = offs_n < I
+    offs_w = tl.arange(0, BKW)
+    wp_e = wp_ptr + e * stride_we
+    ws_e = ws_ptr + e * stride_se
+    acc_g = tl.zeros([BN, BKW], dtype=tl.float32)
+    acc_u = tl.zeros([BN, BKW], dtype=tl.float32)
+    for w0 in range(0, tl.cdiv(H, 8), BKW):
+        wcols = w0 + offs_w
+        words_g, s_g = _int4_load(wp_e, ws_e, offs_n, nvalid, wcols, H, stride_wn, stride_sn, G)
+        words_u, s_u = _int4_load(wp_e, ws_e, offs_n + I, nvalid, wcols, H, stride_wn, stride_sn, G)
+        part_g, xs = _int4_gemv_part(words_g, x_row, wcols, H)
+        part_u, xs = _int4_gemv_part(words_u, x_row, wcols, H)
+        acc_g += (part_g - 8.0 * xs[None, :]) * s_g
+        acc_u += (part_u - 8.0 * xs[None, :]) * s_u
+    g = tl.sum(acc_g, axis=1)
+    u = tl.sum(acc_u, axis=1)
+    act = g * tl.sigmoid(g) * u
+    tl.store(act_ptr + slot.to(tl.int64) * stride_an + offs_n, act.to(act_ptr.dtype.element_ty), mask=nvalid)
+
+
+@triton.jit
+def w4a16_gemv_down_kernel(
+    act_ptr,  # [N, I]
+    wp_ptr,  # [E, H, I / 8] int32
+    ws_ptr,  # [E, H, I / G]
+    ids_ptr,  # [N]
+    tw_ptr,  # [N] routing weight of each flat slot
+    out_ptr,  # [N, H] fp32 out: weighted expert output per flat slot
+    H,
+    I,
+    stride_an,
+    stride_we,
+    stride_wn,
+    stride_se,
+    stride_sn,
+    stride_on,
+    G: tl.constexpr,
+    BN: tl.constexpr,
+    BKW: tl.constexpr,
+):
+    slot = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    e = tl.load(ids_ptr + slot).to(tl.int64)
+    a_row = act_ptr + slot.to(tl.int64) * stride_an
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    nvalid = offs_n < H
+    offs_w = tl.arange(0, BKW)
+    wp_e = wp_ptr + e * stride_we
+    ws_e = ws_ptr + e * stride_se
+    acc = tl.zeros([BN, BKW], dtype=tl.float32)
+    for w0 in range(0, tl.cdiv(I, 8), BKW):
+        wcols = w0 + offs_w
+        words, s = _int4_load(wp_e, ws_e, offs_n, nvalid, wcols, I, stride_wn, stride_sn, G)
+        part, xs = _int4_gemv_part(words, a_row, wcols, I)
+        acc += (part - 8.0 * xs[None, :]) * s
+    out = tl.sum(acc, axis=1) * tl.load(tw_ptr + slot).to(tl.float32)
+    tl.store(out_ptr + slot.to(tl.int64) * stride_on + offs_n, out, mask=nvalid)

@@ -1,6 +1,7 @@
 """GPU checks of the W4A16 and FP8 kernels against their dequantizing torch references (fresh random inputs,
 poisoned allocator first). Also runs on CPU under TRITON_INTERPRET=1 (tiny shapes only, float16: the
-interpreter mishandles bf16 dots, the bf16 fused MoE included)."""
+interpreter mishandles bf16 dots, the bf16 fused MoE included; Triton 3.6's interpreter needs numpy < 2.4).
+T <= 4 runs the W4A16 MoE's per-slot GEMV path, larger T and explicit tiles its dot path."""
 
 from __future__ import annotations
 
