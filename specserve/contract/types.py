@@ -92,9 +92,58 @@ class StepTimings:
 
 
 @dataclass(frozen=True)
+class SharedRows:
+    """Hidden rows [start, stop) of S's positions that the target wrote into the session's shared buffer
+    (specserve/runtime/hidden_share.py), carried instead of the rows themselves: the gateway relays them,
+    the drafter reads them there. ``handle`` is the buffer's opaque handle (the wire message), set on
+    the first range of a session (its prefill); ``tail`` [m, F] holds rows after ``stop`` that came as
+    bytes (a session that outgrew its buffer)."""
+
+    start: int
+    stop: int
+    handle: object | None = None
+    tail: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.start <= self.stop:
+            raise ValueError(f"SharedRows: [{self.start}, {self.stop}) is not a row range")
+
+    @property
+    def num_rows(self) -> int:
+        return self.stop - self.start + (0 if self.tail is None else int(self.tail.shape[0]))
+
+
+Hidden = torch.Tensor | SharedRows  # a step's hidden rows: the rows, or where they are
+
+
+def join_hidden(parts: Sequence[Hidden]) -> Hidden:
+    """Consecutive steps' hidden rows as one: tensors are concatenated, contiguous ranges merged, and
+    rows that came as bytes after a range become its tail (a range after bytes cannot be: a session
+    whose buffer overflowed sends bytes from then on)."""
+    if all(isinstance(p, torch.Tensor) for p in parts):
+        return parts[0] if len(parts) == 1 else torch.cat(list(parts), dim=0)
+    first = parts[0]
+    if not isinstance(first, SharedRows):
+        raise ValueError("hidden rows: a shared range after rows sent as bytes")
+    stop, handle, tails = first.stop, first.handle, [] if first.tail is None else [first.tail]
+    for p in parts[1:]:
+        if isinstance(p, torch.Tensor):
+            tails.append(p)
+            continue
+        if tails or p.start != stop:
+            raise ValueError(f"hidden rows: range [{p.start}, {p.stop}) does not follow the rows before it (to {stop})")
+        stop = p.stop
+        if p.tail is not None:
+            tails.append(p.tail)
+    tail = None if not tails else tails[0] if len(tails) == 1 else torch.cat(tails, dim=0)
+    return SharedRows(first.start, stop, handle, tail)
+
+
+@dataclass(frozen=True)
 class PrefillResult:
     next_token: int  # the first pending token, sampled from the prompt's last position
-    hidden: torch.Tensor | None  # [prompt_len, len(hidden_layers) * hidden_size] or None
+    # [prompt_len, len(hidden_layers) * hidden_size], its SharedRows (a service's shared buffer), or None
+    hidden: Hidden | None
     timings: StepTimings = field(default_factory=StepTimings)
 
 
@@ -103,8 +152,8 @@ class VerifyResult:
     accepted_ids: tuple[int, ...]  # accepted drafted tokens, in sequence order
     next_token: int  # recovered or bonus token: the new pending token
     # [1 + len(accepted_ids), len(hidden_layers) * hidden_size]: features of the old pending token
-    # and the accepted tokens (the positions whose K/V this step committed), or None
-    hidden: torch.Tensor | None
+    # and the accepted tokens (the positions whose K/V this step committed), their SharedRows, or None
+    hidden: Hidden | None
     num_drafted: int = 0
     experts_touched: int = 0  # distinct routed experts the verify forward read (summed over MoE layers)
     timings: StepTimings = field(default_factory=StepTimings)

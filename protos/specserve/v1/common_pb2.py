@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19specserve/v1/common.proto\x12\x0cspecserve.v1\"_\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x42\x07\n\x05_seed\"%\n\x06Tensor\x12\r\n\x05shape\x18\x01 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"y\n\nDraftBlock\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0f\n\x07parents\x18\x02 \x03(\x05\x12\x0f\n\x07is_tree\x18\x03 \x01(\x08\x12#\n\x05probs\x18\x04 \x01(\x0b\x32\x14.specserve.v1.Tensor\x12\x11\n\thas_probs\x18\x05 \x01(\x08\"X\n\x0bStepTimings\x12\x10\n\x08queue_ms\x18\x01 \x01(\x01\x12\x12\n\nforward_ms\x18\x02 \x01(\x01\x12\x11\n\tsample_ms\x18\x03 \x01(\x01\x12\x10\n\x08total_ms\x18\x04 \x01(\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19specserve/v1/common.proto\x12\x0cspecserve.v1\"_\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x42\x07\n\x05_seed\"%\n\x06Tensor\x12\r\n\x05shape\x18\x01 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"I\n\x0bHiddenShare\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x0e\n\x06handle\x18\x04 \x01(\x0c\")\n\nHiddenRows\x12\r\n\x05start\x18\x01 \x01(\x03\x12\x0c\n\x04stop\x18\x02 \x01(\x03\"y\n\nDraftBlock\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0f\n\x07parents\x18\x02 \x03(\x05\x12\x0f\n\x07is_tree\x18\x03 \x01(\x08\x12#\n\x05probs\x18\x04 \x01(\x0b\x32\x14.specserve.v1.Tensor\x12\x11\n\thas_probs\x18\x05 \x01(\x08\"X\n\x0bStepTimings\x12\x10\n\x08queue_ms\x18\x01 \x01(\x01\x12\x12\n\nforward_ms\x18\x02 \x01(\x01\x12\x11\n\tsample_ms\x18\x03 \x01(\x01\x12\x10\n\x08total_ms\x18\x04 \x01(\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,8 +35,12 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLINGPARAMS']._serialized_end=138
   _globals['_TENSOR']._serialized_start=140
   _globals['_TENSOR']._serialized_end=177
-  _globals['_DRAFTBLOCK']._serialized_start=179
-  _globals['_DRAFTBLOCK']._serialized_end=300
-  _globals['_STEPTIMINGS']._serialized_start=302
-  _globals['_STEPTIMINGS']._serialized_end=390
+  _globals['_HIDDENSHARE']._serialized_start=179
+  _globals['_HIDDENSHARE']._serialized_end=252
+  _globals['_HIDDENROWS']._serialized_start=254
+  _globals['_HIDDENROWS']._serialized_end=295
+  _globals['_DRAFTBLOCK']._serialized_start=297
+  _globals['_DRAFTBLOCK']._serialized_end=418
+  _globals['_STEPTIMINGS']._serialized_start=420
+  _globals['_STEPTIMINGS']._serialized_end=508
 # @@protoc_insertion_point(module_scope)

@@ -26,6 +26,26 @@ class Tensor(_message.Message):
     data: bytes
     def __init__(self, shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
+class HiddenShare(_message.Message):
+    __slots__ = ("kind", "shape", "dtype", "handle")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    dtype: str
+    handle: bytes
+    def __init__(self, kind: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., handle: _Optional[bytes] = ...) -> None: ...
+
+class HiddenRows(_message.Message):
+    __slots__ = ("start", "stop")
+    START_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    start: int
+    stop: int
+    def __init__(self, start: _Optional[int] = ..., stop: _Optional[int] = ...) -> None: ...
+
 class DraftBlock(_message.Message):
     __slots__ = ("token_ids", "parents", "is_tree", "probs", "has_probs")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from . import common_pb2 as specserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18specserve/v1/draft.proto\x12\x0cspecserve.v1\x1a\x19specserve/v1/common.proto\"\x12\n\x10\x44raftInfoRequest\"\xb9\x01\n\tDraftInfo\x12\x0e\n\x06\x66\x61mily\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\x05\x12\x12\n\nvocab_hash\x18\x03 \x01(\t\x12\x16\n\x0emax_block_size\x18\x04 \x01(\x05\x12\x1b\n\x13needs_hidden_states\x18\x05 \x01(\x08\x12\x15\n\rhidden_layers\x18\x06 \x03(\x05\x12\x11\n\thas_probs\x18\x07 \x01(\x08\x12\x15\n\rsupports_tree\x18\x08 \x01(\x08\"\xa4\x01\n\x13StartSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12$\n\x06hidden\x18\x03 \x01(\x0b\x32\x14.specserve.v1.Tensor\x12.\n\x08sampling\x18\x04 \x01(\x0b\x32\x1c.specserve.v1.SamplingParams\x12\x10\n\x08want_shm\x18\x05 \x01(\x08\"?\n\x14StartSessionResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x13\n\x0bshm_channel\x18\x02 \x01(\t\";\n\x08TreeSpec\x12\x11\n\tnum_nodes\x18\x01 \x01(\x05\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\r\n\x05\x64\x65pth\x18\x03 \x01(\x05\"\xc0\x02\n\x0eProposeRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x12\n\nprefix_len\x18\x02 \x01(\x05\x12\x12\n\nappend_ids\x18\x03 \x03(\x05\x12+\n\rappend_hidden\x18\x04 \x01(\x0b\x32\x14.specserve.v1.Tensor\x12\x12\n\nnum_tokens\x18\x05 \x01(\x05\x12$\n\x04tree\x18\x06 \x01(\x0b\x32\x16.specserve.v1.TreeSpec\x12\x0f\n\x07is_tree\x18\x07 \x01(\x08\x12\x45\n\rtrace_context\x18\x08 \x03(\x0b\x32..specserve.v1.ProposeRequest.TraceContextEntry\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"z\n\x0fProposeResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\'\n\x05\x64raft\x18\x02 \x01(\x0b\x32\x18.specserve.v1.DraftBlock\x12*\n\x07timings\x18\x03 \x01(\x0b\x32\x19.specserve.v1.StepTimings\")\n\x13\x44raftReleaseRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"(\n\x14\x44raftReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"\x13\n\x11\x44raftStatsRequest\"e\n\nDraftStats\x12\x17\n\x0f\x61\x63tive_sessions\x18\x01 \x01(\x05\x12\x11\n\tproposals\x18\x02 \x01(\x03\x12\x15\n\rshm_proposals\x18\x03 \x01(\x03\x12\x14\n\x0cshm_channels\x18\x04 \x01(\x05\x32\xdc\x03\n\x0c\x44raftService\x12\x42\n\x07GetInfo\x12\x1e.specserve.v1.DraftInfoRequest\x1a\x17.specserve.v1.DraftInfo\x12U\n\x0cStartSession\x12!.specserve.v1.StartSessionRequest\x1a\".specserve.v1.StartSessionResponse\x12\x46\n\x07Propose\x12\x1c.specserve.v1.ProposeRequest\x1a\x1d.specserve.v1.ProposeResponse\x12P\n\rProposeStream\x12\x1c.specserve.v1.ProposeRequest\x1a\x1d.specserve.v1.ProposeResponse(\x01\x30\x01\x12P\n\x07Release\x12!.specserve.v1.DraftReleaseRequest\x1a\".specserve.v1.DraftReleaseResponse\x12\x45\n\x08GetStats\x12\x1f.specserve.v1.DraftStatsRequest\x1a\x18.specserve.v1.DraftStatsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18specserve/v1/draft.proto\x12\x0cspecserve.v1\x1a\x19specserve/v1/common.proto\"\x12\n\x10\x44raftInfoRequest\"\xe6\x01\n\tDraftInfo\x12\x0e\n\x06\x66\x61mily\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\x05\x12\x12\n\nvocab_hash\x18\x03 \x01(\t\x12\x16\n\x0emax_block_size\x18\x04 \x01(\x05\x12\x1b\n\x13needs_hidden_states\x18\x05 \x01(\x08\x12\x15\n\rhidden_layers\x18\x06 \x03(\x05\x12\x11\n\thas_probs\x18\x07 \x01(\x08\x12\x15\n\rsupports_tree\x18\x08 \x01(\x08\x12\x1a\n\x12hidden_share_kinds\x18\t \x03(\t\x12\x0f\n\x07host_id\x18\n \x01(\t\"\x84\x02\n\x13StartSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12$\n\x06hidden\x18\x03 \x01(\x0b\x32\x14.specserve.v1.Tensor\x12.\n\x08sampling\x18\x04 \x01(\x0b\x32\x1c.specserve.v1.SamplingParams\x12\x10\n\x08want_shm\x18\x05 \x01(\x08\x12/\n\x0chidden_share\x18\x06 \x01(\x0b\x32\x19.specserve.v1.HiddenShare\x12-\n\x0bhidden_rows\x18\x07 \x01(\x0b\x32\x18.specserve.v1.HiddenRows\"?\n\x14StartSessionResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x13\n\x0bshm_channel\x18\x02 \x01(\t\";\n\x08TreeSpec\x12\x11\n\tnum_nodes\x18\x01 \x01(\x05\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\r\n\x05\x64\x65pth\x18\x03 \x01(\x05\"\xef\x02\n\x0eProposeRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x12\n\nprefix_len\x18\x02 \x01(\x05\x12\x12\n\nappend_ids\x18\x03 \x03(\x05\x12+\n\rappend_hidden\x18\x04 \x01(\x0b\x32\x14.specserve.v1.Tensor\x12\x12\n\nnum_tokens\x18\x05 \x01(\x05\x12$\n\x04tree\x18\x06 \x01(\x0b\x32\x16.specserve.v1.TreeSpec\x12\x0f\n\x07is_tree\x18\x07 \x01(\x08\x12\x45\n\rtrace_context\x18\x08 \x03(\x0b\x32..specserve.v1.ProposeRequest.TraceContextEntry\x12-\n\x0b\x61ppend_rows\x18\t \x01(\x0b\x32\x18.specserve.v1.HiddenRows\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"z\n\x0fProposeResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\'\n\x05\x64raft\x18\x02 \x01(\x0b\x32\x18.specserve.v1.DraftBlock\x12*\n\x07timings\x18\x03 \x01(\x0b\x32\x19.specserve.v1.StepTimings\")\n\x13\x44raftReleaseRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"(\n\x14\x44raftReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"\x13\n\x11\x44raftStatsRequest\"\x9f\x01\n\nDraftStats\x12\x17\n\x0f\x61\x63tive_sessions\x18\x01 \x01(\x05\x12\x11\n\tproposals\x18\x02 \x01(\x03\x12\x15\n\rshm_proposals\x18\x03 \x01(\x03\x12\x14\n\x0cshm_channels\x18\x04 \x01(\x05\x12\x1a\n\x12hidden_rows_shared\x18\x05 \x01(\x03\x12\x1c\n\x14hidden_rows_as_bytes\x18\x06 \x01(\x03\x32\xdc\x03\n\x0c\x44raftService\x12\x42\n\x07GetInfo\x12\x1e.specserve.v1.DraftInfoRequest\x1a\x17.specserve.v1.DraftInfo\x12U\n\x0cStartSession\x12!.specserve.v1.StartSessionRequest\x1a\".specserve.v1.StartSessionResponse\x12\x46\n\x07Propose\x12\x1c.specserve.v1.ProposeRequest\x1a\x1d.specserve.v1.ProposeResponse\x12P\n\rProposeStream\x12\x1c.specserve.v1.ProposeRequest\x1a\x1d.specserve.v1.ProposeResponse(\x01\x30\x01\x12P\n\x07Release\x12!.specserve.v1.DraftReleaseRequest\x1a\".specserve.v1.DraftReleaseResponse\x12\x45\n\x08GetStats\x12\x1f.specserve.v1.DraftStatsRequest\x1a\x18.specserve.v1.DraftStatsb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,27 +37,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DRAFTINFOREQUEST']._serialized_start=69
   _globals['_DRAFTINFOREQUEST']._serialized_end=87
   _globals['_DRAFTINFO']._serialized_start=90
-  _globals['_DRAFTINFO']._serialized_end=275
-  _globals['_STARTSESSIONREQUEST']._serialized_start=278
-  _globals['_STARTSESSIONREQUEST']._serialized_end=442
-  _globals['_STARTSESSIONRESPONSE']._serialized_start=444
-  _globals['_STARTSESSIONRESPONSE']._serialized_end=507
-  _globals['_TREESPEC']._serialized_start=509
-  _globals['_TREESPEC']._serialized_end=568
-  _globals['_PROPOSEREQUEST']._serialized_start=571
-  _globals['_PROPOSEREQUEST']._serialized_end=891
-  _globals['_PROPOSEREQUEST_TRACECONTEXTENTRY']._serialized_start=840
-  _globals['_PROPOSEREQUEST_TRACECONTEXTENTRY']._serialized_end=891
-  _globals['_PROPOSERESPONSE']._serialized_start=893
-  _globals['_PROPOSERESPONSE']._serialized_end=1015
-  _globals['_DRAFTRELEASEREQUEST']._serialized_start=1017
-  _globals['_DRAFTRELEASEREQUEST']._serialized_end=1058
-  _globals['_DRAFTRELEASERESPONSE']._serialized_start=1060
-  _globals['_DRAFTRELEASERESPONSE']._serialized_end=1100
-  _globals['_DRAFTSTATSREQUEST']._serialized_start=1102
-  _globals['_DRAFTSTATSREQUEST']._serialized_end=1121
-  _globals['_DRAFTSTATS']._serialized_start=1123
-  _globals['_DRAFTSTATS']._serialized_end=1224
-  _globals['_DRAFTSERVICE']._serialized_start=1227
-  _globals['_DRAFTSERVICE']._serialized_end=1703
+  _globals['_DRAFTINFO']._serialized_end=320
+  _globals['_STARTSESSIONREQUEST']._serialized_start=323
+  _globals['_STARTSESSIONREQUEST']._serialized_end=583
+  _globals['_STARTSESSIONRESPONSE']._serialized_start=585
+  _globals['_STARTSESSIONRESPONSE']._serialized_end=648
+  _globals['_TREESPEC']._serialized_start=650
+  _globals['_TREESPEC']._serialized_end=709
+  _globals['_PROPOSEREQUEST']._serialized_start=712
+  _globals['_PROPOSEREQUEST']._serialized_end=1079
+  _globals['_PROPOSEREQUEST_TRACECONTEXTENTRY']._serialized_start=1028
+  _globals['_PROPOSEREQUEST_TRACECONTEXTENTRY']._serialized_end=1079
+  _globals['_PROPOSERESPONSE']._serialized_start=1081
+  _globals['_PROPOSERESPONSE']._serialized_end=1203
+  _globals['_DRAFTRELEASEREQUEST']._serialized_start=1205
+  _globals['_DRAFTRELEASEREQUEST']._serialized_end=1246
+  _globals['_DRAFTRELEASERESPONSE']._serialized_start=1248
+  _globals['_DRAFTRELEASERESPONSE']._serialized_end=1288
+  _globals['_DRAFTSTATSREQUEST']._serialized_start=1290
+  _globals['_DRAFTSTATSREQUEST']._serialized_end=1309
+  _globals['_DRAFTSTATS']._serialized_start=1312
+  _globals['_DRAFTSTATS']._serialized_end=1471
+  _globals['_DRAFTSERVICE']._serialized_start=1474
+  _globals['_DRAFTSERVICE']._serialized_end=1950
 # @@protoc_insertion_point(module_scope)

@@ -12,7 +12,7 @@ class DraftInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DraftInfo(_message.Message):
-    __slots__ = ("family", "vocab_size", "vocab_hash", "max_block_size", "needs_hidden_states", "hidden_layers", "has_probs", "supports_tree")
+    __slots__ = ("family", "vocab_size", "vocab_hash", "max_block_size", "needs_hidden_states", "hidden_layers", "has_probs", "supports_tree", "hidden_share_kinds", "host_id")
     FAMILY_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_HASH_FIELD_NUMBER: _ClassVar[int]
@@ -21,6 +21,8 @@ class DraftInfo(_message.Message):
     HIDDEN_LAYERS_FIELD_NUMBER: _ClassVar[int]
     HAS_PROBS_FIELD_NUMBER: _ClassVar[int]
     SUPPORTS_TREE_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_SHARE_KINDS_FIELD_NUMBER: _ClassVar[int]
+    HOST_ID_FIELD_NUMBER: _ClassVar[int]
     family: str
     vocab_size: int
     vocab_hash: str
@@ -29,21 +31,27 @@ class DraftInfo(_message.Message):
     hidden_layers: _containers.RepeatedScalarFieldContainer[int]
     has_probs: bool
     supports_tree: bool
-    def __init__(self, family: _Optional[str] = ..., vocab_size: _Optional[int] = ..., vocab_hash: _Optional[str] = ..., max_block_size: _Optional[int] = ..., needs_hidden_states: _Optional[bool] = ..., hidden_layers: _Optional[_Iterable[int]] = ..., has_probs: _Optional[bool] = ..., supports_tree: _Optional[bool] = ...) -> None: ...
+    hidden_share_kinds: _containers.RepeatedScalarFieldContainer[str]
+    host_id: str
+    def __init__(self, family: _Optional[str] = ..., vocab_size: _Optional[int] = ..., vocab_hash: _Optional[str] = ..., max_block_size: _Optional[int] = ..., needs_hidden_states: _Optional[bool] = ..., hidden_layers: _Optional[_Iterable[int]] = ..., has_probs: _Optional[bool] = ..., supports_tree: _Optional[bool] = ..., hidden_share_kinds: _Optional[_Iterable[str]] = ..., host_id: _Optional[str] = ...) -> None: ...
 
 class StartSessionRequest(_message.Message):
-    __slots__ = ("session_id", "token_ids", "hidden", "sampling", "want_shm")
+    __slots__ = ("session_id", "token_ids", "hidden", "sampling", "want_shm", "hidden_share", "hidden_rows")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     WANT_SHM_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_SHARE_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_ROWS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     hidden: _common_pb2.Tensor
     sampling: _common_pb2.SamplingParams
     want_shm: bool
-    def __init__(self, session_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., hidden: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., want_shm: _Optional[bool] = ...) -> None: ...
+    hidden_share: _common_pb2.HiddenShare
+    hidden_rows: _common_pb2.HiddenRows
+    def __init__(self, session_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., hidden: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., want_shm: _Optional[bool] = ..., hidden_share: _Optional[_Union[_common_pb2.HiddenShare, _Mapping]] = ..., hidden_rows: _Optional[_Union[_common_pb2.HiddenRows, _Mapping]] = ...) -> None: ...
 
 class StartSessionResponse(_message.Message):
     __slots__ = ("session_id", "shm_channel")
@@ -64,7 +72,7 @@ class TreeSpec(_message.Message):
     def __init__(self, num_nodes: _Optional[int] = ..., top_k: _Optional[int] = ..., depth: _Optional[int] = ...) -> None: ...
 
 class ProposeRequest(_message.Message):
-    __slots__ = ("session_id", "prefix_len", "append_ids", "append_hidden", "num_tokens", "tree", "is_tree", "trace_context")
+    __slots__ = ("session_id", "prefix_len", "append_ids", "append_hidden", "num_tokens", "tree", "is_tree", "trace_context", "append_rows")
     class TraceContextEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -80,6 +88,7 @@ class ProposeRequest(_message.Message):
     TREE_FIELD_NUMBER: _ClassVar[int]
     IS_TREE_FIELD_NUMBER: _ClassVar[int]
     TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    APPEND_ROWS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     prefix_len: int
     append_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -88,7 +97,8 @@ class ProposeRequest(_message.Message):
     tree: TreeSpec
     is_tree: bool
     trace_context: _containers.ScalarMap[str, str]
-    def __init__(self, session_id: _Optional[str] = ..., prefix_len: _Optional[int] = ..., append_ids: _Optional[_Iterable[int]] = ..., append_hidden: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., num_tokens: _Optional[int] = ..., tree: _Optional[_Union[TreeSpec, _Mapping]] = ..., is_tree: _Optional[bool] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    append_rows: _common_pb2.HiddenRows
+    def __init__(self, session_id: _Optional[str] = ..., prefix_len: _Optional[int] = ..., append_ids: _Optional[_Iterable[int]] = ..., append_hidden: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., num_tokens: _Optional[int] = ..., tree: _Optional[_Union[TreeSpec, _Mapping]] = ..., is_tree: _Optional[bool] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., append_rows: _Optional[_Union[_common_pb2.HiddenRows, _Mapping]] = ...) -> None: ...
 
 class ProposeResponse(_message.Message):
     __slots__ = ("session_id", "draft", "timings")
@@ -117,13 +127,17 @@ class DraftStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DraftStats(_message.Message):
-    __slots__ = ("active_sessions", "proposals", "shm_proposals", "shm_channels")
+    __slots__ = ("active_sessions", "proposals", "shm_proposals", "shm_channels", "hidden_rows_shared", "hidden_rows_as_bytes")
     ACTIVE_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     PROPOSALS_FIELD_NUMBER: _ClassVar[int]
     SHM_PROPOSALS_FIELD_NUMBER: _ClassVar[int]
     SHM_CHANNELS_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_ROWS_SHARED_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_ROWS_AS_BYTES_FIELD_NUMBER: _ClassVar[int]
     active_sessions: int
     proposals: int
     shm_proposals: int
     shm_channels: int
-    def __init__(self, active_sessions: _Optional[int] = ..., proposals: _Optional[int] = ..., shm_proposals: _Optional[int] = ..., shm_channels: _Optional[int] = ...) -> None: ...
+    hidden_rows_shared: int
+    hidden_rows_as_bytes: int
+    def __init__(self, active_sessions: _Optional[int] = ..., proposals: _Optional[int] = ..., shm_proposals: _Optional[int] = ..., shm_channels: _Optional[int] = ..., hidden_rows_shared: _Optional[int] = ..., hidden_rows_as_bytes: _Optional[int] = ...) -> None: ...

@@ -12,7 +12,7 @@ class TargetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class TargetInfo(_message.Message):
-    __slots__ = ("model_type", "vocab_size", "vocab_hash", "max_context", "num_layers", "hidden_size", "eos_token_ids", "tensor_parallel_size", "model_name")
+    __slots__ = ("model_type", "vocab_size", "vocab_hash", "max_context", "num_layers", "hidden_size", "eos_token_ids", "tensor_parallel_size", "model_name", "hidden_share_kind", "host_id")
     MODEL_TYPE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_HASH_FIELD_NUMBER: _ClassVar[int]
@@ -22,6 +22,8 @@ class TargetInfo(_message.Message):
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_SHARE_KIND_FIELD_NUMBER: _ClassVar[int]
+    HOST_ID_FIELD_NUMBER: _ClassVar[int]
     model_type: str
     vocab_size: int
     vocab_hash: str
@@ -31,35 +33,43 @@ class TargetInfo(_message.Message):
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
     tensor_parallel_size: int
     model_name: str
-    def __init__(self, model_type: _Optional[str] = ..., vocab_size: _Optional[int] = ..., vocab_hash: _Optional[str] = ..., max_context: _Optional[int] = ..., num_layers: _Optional[int] = ..., hidden_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., tensor_parallel_size: _Optional[int] = ..., model_name: _Optional[str] = ...) -> None: ...
+    hidden_share_kind: str
+    host_id: str
+    def __init__(self, model_type: _Optional[str] = ..., vocab_size: _Optional[int] = ..., vocab_hash: _Optional[str] = ..., max_context: _Optional[int] = ..., num_layers: _Optional[int] = ..., hidden_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., tensor_parallel_size: _Optional[int] = ..., model_name: _Optional[str] = ..., hidden_share_kind: _Optional[str] = ..., host_id: _Optional[str] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("session_id", "prompt_ids", "sampling", "hidden_layers", "want_shm")
+    __slots__ = ("session_id", "prompt_ids", "sampling", "hidden_layers", "want_shm", "want_hidden_share")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_LAYERS_FIELD_NUMBER: _ClassVar[int]
     WANT_SHM_FIELD_NUMBER: _ClassVar[int]
+    WANT_HIDDEN_SHARE_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
     hidden_layers: _containers.RepeatedScalarFieldContainer[int]
     want_shm: bool
-    def __init__(self, session_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., hidden_layers: _Optional[_Iterable[int]] = ..., want_shm: _Optional[bool] = ...) -> None: ...
+    want_hidden_share: bool
+    def __init__(self, session_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., hidden_layers: _Optional[_Iterable[int]] = ..., want_shm: _Optional[bool] = ..., want_hidden_share: _Optional[bool] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("session_id", "next_token", "hidden", "timings", "shm_channel")
+    __slots__ = ("session_id", "next_token", "hidden", "timings", "shm_channel", "hidden_share", "hidden_rows")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
     SHM_CHANNEL_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_SHARE_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_ROWS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     next_token: int
     hidden: _common_pb2.Tensor
     timings: _common_pb2.StepTimings
     shm_channel: str
-    def __init__(self, session_id: _Optional[str] = ..., next_token: _Optional[int] = ..., hidden: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., timings: _Optional[_Union[_common_pb2.StepTimings, _Mapping]] = ..., shm_channel: _Optional[str] = ...) -> None: ...
+    hidden_share: _common_pb2.HiddenShare
+    hidden_rows: _common_pb2.HiddenRows
+    def __init__(self, session_id: _Optional[str] = ..., next_token: _Optional[int] = ..., hidden: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., timings: _Optional[_Union[_common_pb2.StepTimings, _Mapping]] = ..., shm_channel: _Optional[str] = ..., hidden_share: _Optional[_Union[_common_pb2.HiddenShare, _Mapping]] = ..., hidden_rows: _Optional[_Union[_common_pb2.HiddenRows, _Mapping]] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
     __slots__ = ("session_id", "draft", "trace_context")
@@ -79,7 +89,7 @@ class VerifyRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., draft: _Optional[_Union[_common_pb2.DraftBlock, _Mapping]] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
-    __slots__ = ("session_id", "accepted_ids", "next_token", "hidden", "num_drafted", "experts_touched", "timings", "batch_size")
+    __slots__ = ("session_id", "accepted_ids", "next_token", "hidden", "num_drafted", "experts_touched", "timings", "batch_size", "hidden_rows")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_IDS_FIELD_NUMBER: _ClassVar[int]
     NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
@@ -88,6 +98,7 @@ class VerifyResponse(_message.Message):
     EXPERTS_TOUCHED_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_ROWS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     accepted_ids: _containers.RepeatedScalarFieldContainer[int]
     next_token: int
@@ -96,7 +107,8 @@ class VerifyResponse(_message.Message):
     experts_touched: int
     timings: _common_pb2.StepTimings
     batch_size: int
-    def __init__(self, session_id: _Optional[str] = ..., accepted_ids: _Optional[_Iterable[int]] = ..., next_token: _Optional[int] = ..., hidden: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., num_drafted: _Optional[int] = ..., experts_touched: _Optional[int] = ..., timings: _Optional[_Union[_common_pb2.StepTimings, _Mapping]] = ..., batch_size: _Optional[int] = ...) -> None: ...
+    hidden_rows: _common_pb2.HiddenRows
+    def __init__(self, session_id: _Optional[str] = ..., accepted_ids: _Optional[_Iterable[int]] = ..., next_token: _Optional[int] = ..., hidden: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., num_drafted: _Optional[int] = ..., experts_touched: _Optional[int] = ..., timings: _Optional[_Union[_common_pb2.StepTimings, _Mapping]] = ..., batch_size: _Optional[int] = ..., hidden_rows: _Optional[_Union[_common_pb2.HiddenRows, _Mapping]] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("session_id",)
@@ -115,17 +127,21 @@ class TargetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class TargetStats(_message.Message):
-    __slots__ = ("active_sessions", "kv_blocks_total", "kv_blocks_used", "steps", "shm_steps", "shm_channels")
+    __slots__ = ("active_sessions", "kv_blocks_total", "kv_blocks_used", "steps", "shm_steps", "shm_channels", "hidden_rows_shared", "hidden_rows_as_bytes")
     ACTIVE_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_USED_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
     SHM_STEPS_FIELD_NUMBER: _ClassVar[int]
     SHM_CHANNELS_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_ROWS_SHARED_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_ROWS_AS_BYTES_FIELD_NUMBER: _ClassVar[int]
     active_sessions: int
     kv_blocks_total: int
     kv_blocks_used: int
     steps: int
     shm_steps: int
     shm_channels: int
-    def __init__(self, active_sessions: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., steps: _Optional[int] = ..., shm_steps: _Optional[int] = ..., shm_channels: _Optional[int] = ...) -> None: ...
+    hidden_rows_shared: int
+    hidden_rows_as_bytes: int
+    def __init__(self, active_sessions: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., steps: _Optional[int] = ..., shm_steps: _Optional[int] = ..., shm_channels: _Optional[int] = ..., hidden_rows_shared: _Optional[int] = ..., hidden_rows_as_bytes: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,135 @@
+"""specserve/runtime/hidden_share.py on the CPU (host_shm): a target's buffer, a drafter's mapping of it
+through its handle (as it crosses the wire), bad handles and rows, and that no name outlives its use,
+also when the process that made the buffer is SIGKILLed. join_hidden (the gateway's merge of steps' rows)."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from specserve.contract.types import SharedRows, join_hidden
+from specserve.runtime.hidden_share import (
+    CUDA_IPC,
+    HOST_SHM,
+    HiddenBuffer,
+    HiddenHandle,
+    HiddenShareError,
+    HiddenView,
+    hidden_share_allowed,
+    host_id,
+    kind_for,
+)
+from specserve.runtime.shm_ring import SHM_DIR, leftover_names
+
+pytestmark = pytest.mark.skipif(not SHM_DIR.is_dir(), reason="no /dev/shm on this host")
+
+
+@pytest.fixture
+def no_leftovers():
+    before = set(leftover_names())
+    yield
+    assert set(leftover_names()) - before == set()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_drafter_maps_the_targets_buffer_and_reads_its_rows_in_place(dtype, no_leftovers):
+    buf = HiddenBuffer.create(16, 6, dtype, "cpu")
+    assert buf.handle.kind == HOST_SHM == kind_for("cpu") and kind_for("cuda:0") == CUDA_IPC
+    name = buf.handle.handle.decode()
+    assert (SHM_DIR / name).exists() and oct((SHM_DIR / name).stat().st_mode & 0o777) == "0o600"
+    rows = torch.randn(5, 6).to(dtype)
+    buf.tensor[2:7].copy_(rows)
+    view = HiddenView.open(HiddenHandle.from_proto(buf.handle.to_proto()))  # as it comes over the wire
+    assert not (SHM_DIR / name).exists()  # mapped: the drafter unlinked the name at once
+    got = view.read(2, 7)
+    assert got.dtype == torch.float32 and torch.equal(got, rows.float())  # what the bytes path gives
+    buf.tensor[7].fill_(3.0)  # a later step's row: the mapping sees the target's writes
+    assert torch.equal(view.read(7, 8), torch.full((1, 6), 3.0))
+    got.zero_()  # a private copy: the drafter cannot write into the target's rows through it
+    assert torch.equal(buf.tensor[2:7], rows)
+    view.close()
+    buf.close()
+    buf.close()  # twice is harmless
+
+
+def test_the_target_unlinks_a_name_nobody_mapped(no_leftovers):
+    buf = HiddenBuffer.create(4, 4, torch.float32, "cpu")
+    buf.unlink()
+    with pytest.raises(HiddenShareError, match="cannot open segment"):
+        HiddenView.open(buf.handle)
+    buf.close()
+
+
+def test_bad_handles_and_rows_are_one_clear_error(no_leftovers):
+    buf = HiddenBuffer.create(8, 4, torch.float32, "cpu")
+    h = buf.handle
+    with pytest.raises(HiddenShareError, match="kind"):
+        HiddenHandle("tcp", 8, 4, "float32", h.handle)
+    with pytest.raises(HiddenShareError, match="shape"):
+        HiddenHandle(HOST_SHM, 0, 4, "float32", h.handle)
+    with pytest.raises(HiddenShareError, match="dtype"):
+        HiddenHandle(HOST_SHM, 8, 4, "int8", h.handle)
+    with pytest.raises(HiddenShareError, match="handle"):
+        HiddenHandle(HOST_SHM, 8, 4, "float32", b"")
+    with pytest.raises(HiddenShareError, match="not a specserve segment"):
+        HiddenView.open(HiddenHandle(HOST_SHM, 8, 4, "float32", b"../etc/passwd"))
+    with pytest.raises(HiddenShareError, match="needs"):  # a handle promising more than the segment holds
+        HiddenView.open(HiddenHandle(HOST_SHM, 800, 4, "float32", h.handle))
+    assert (SHM_DIR / h.handle.decode()).exists()  # a failed mapping leaves the name to the target
+    view = HiddenView.open(h)
+    for start, stop in ((0, 9), (5, 4), (-1, 2)):
+        with pytest.raises(HiddenShareError, match="outside the shared buffer"):
+            view.read(start, stop)
+    view.close()
+    with pytest.raises(HiddenShareError, match="closed"):
+        view.read(0, 1)
+    buf.close()
+
+
+def test_flags_and_host_identity():
+    assert hidden_share_allowed(False, {}) and not hidden_share_allowed(True, {})
+    assert not hidden_share_allowed(False, {"SPECSERVE_HIDDEN_SHARE": "0"})
+    assert host_id() and host_id() == host_id()
+
+
+_MAKER = """
+import sys, time, torch
+from specserve.runtime.hidden_share import HiddenBuffer
+buf = HiddenBuffer.create(8, 4, torch.float32, "cpu")
+buf.tensor[:].fill_(7.0)
+print(buf.handle.handle.decode(), flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_target_killed_after_the_drafter_mapped_leaves_nothing_and_the_rows_stay_readable(no_leftovers):
+    proc = subprocess.Popen([sys.executable, "-c", _MAKER], stdout=subprocess.PIPE, text=True)
+    try:
+        name = proc.stdout.readline().strip()
+        view = HiddenView.open(HiddenHandle(HOST_SHM, 8, 4, "float32", name.encode()))
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(30)
+        assert torch.equal(view.read(0, 8), torch.full((8, 4), 7.0))
+        view.close()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_join_hidden_merges_ranges_and_keeps_bytes_after_them_as_a_tail():
+    a, b = torch.ones(2, 3), torch.zeros(1, 3)
+    assert torch.equal(join_hidden([a, b]), torch.cat([a, b]))
+    assert join_hidden([SharedRows(0, 5, handle="h"), SharedRows(5, 7)]) == SharedRows(0, 7, handle="h")
+    joined = join_hidden([SharedRows(3, 5), SharedRows(5, 6), a, b])
+    assert (joined.start, joined.stop, joined.num_rows) == (3, 6, 6) and torch.equal(joined.tail, torch.cat([a, b]))
+    with pytest.raises(ValueError, match="does not follow"):
+        join_hidden([SharedRows(0, 5), SharedRows(6, 7)])
+    with pytest.raises(ValueError, match="after rows sent as bytes"):
+        join_hidden([a, SharedRows(0, 1)])
+    with pytest.raises(ValueError, match="row range"):
+        SharedRows(4, 3)
