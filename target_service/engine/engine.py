@@ -105,6 +105,7 @@ class TargetEngine:
         self.tokenizer = tokenizer
         param = next(model.parameters())
         self.device = torch.device(device) if device is not None else param.device
+        self.dtype = param.dtype  # of the model, its cache and its hidden rows
         self.max_context = int(min(config.max_position_embeddings, max_context or config.max_position_embeddings))
         if self.max_context < 2:
             raise ValueError(f"max_context must be >= 2, got {self.max_context}")
@@ -206,8 +207,11 @@ class TargetEngine:
         prompt_ids: Sequence[int],
         sampling: SamplingParams = SamplingParams(),
         hidden_layers: tuple[int, ...] | None = None,
+        hidden_out: torch.Tensor | None = None,  # [max_rows, len(layers) * hidden]: the session's row sink
     ) -> PrefillResult:
-        """Forward the prompt into a new session and sample its first pending token."""
+        """Forward the prompt into a new session and sample its first pending token. With ``hidden_out``
+        (the engine's dtype and device), every committed hidden row that fits is also written there, row i
+        for position i, before the step's result is read back (the same stream: complete on return)."""
         if session_id in self._sessions:
             raise DuplicateSession(session_id)
         prompt = [int(t) for t in prompt_ids]
@@ -219,6 +223,10 @@ class TargetEngine:
         layers = self.default_hidden_layers if hidden_layers is None else self._check_layers(tuple(hidden_layers))
         if not isinstance(sampling, SamplingParams):
             raise InvalidInput(f"sampling must be SamplingParams, got {type(sampling).__name__}")
+        if hidden_out is not None and (hidden_out.dim() != 2 or hidden_out.shape[1] != len(layers) * self.config.hidden_size
+                                       or hidden_out.device.type != self.device.type or not layers):
+            raise InvalidInput(f"hidden_out: {tuple(hidden_out.shape)} on {hidden_out.device} is no row sink for "
+                               f"{len(layers)} layers of {self.config.hidden_size} on {self.device}")
         n = len(prompt)
         table = self.blocks.add(session_id, n)  # raises OutOfBlocks with nothing allocated
         try:
@@ -233,6 +241,9 @@ class TargetEngine:
             ids = torch.tensor(prompt, dtype=torch.int64, device=self.device)
             pos = torch.arange(n, dtype=torch.int64, device=self.device)
             out = self.model(ids, pos, attn, self.kv_cache, capture_layers=layers)
+            if hidden_out is not None:
+                fit = min(n, hidden_out.shape[0])
+                hidden_out[:fit].copy_(out.captured[:fit])
             logits = self.model.compute_logits(out.hidden[-1:])  # [1, V]
             self._sync()
             t1 = time.perf_counter()
@@ -246,7 +257,7 @@ class TargetEngine:
         except BaseException:
             self.blocks.free(session_id)
             raise
-        self._sessions[session_id] = Session(session_id, sampling, gen, layers, n, first)
+        self._sessions[session_id] = Session(session_id, sampling, gen, layers, n, first, hidden_out=hidden_out)
         return PrefillResult(
             next_token=first,
             hidden=out.captured,
@@ -374,14 +385,27 @@ class TargetEngine:
         out, capture = run.out, run.captured_layers
         s, block, layout = step.session, step.block, step.layout
         t0 = time.perf_counter()
+        sink, written = s.hidden_out, 0
+        if sink is not None and layout.is_chain:  # node j is position cached_len + j: write before the read
+            written = max(0, min(layout.num_nodes, sink.shape[0] - s.cached_len))
+            if written:
+                rows_out = out.captured[step.start : step.start + written]
+                sink[s.cached_len : s.cached_len + written].copy_(self._select_layers(rows_out, capture, s.hidden_layers))
         last_node, nxt, experts = self._read_summary(step, run)
         path = layout.path_to(last_node)[1:]
         t1 = time.perf_counter()
         committed = (0,) + path
         hidden = None
-        if s.hidden_layers:
+        if s.hidden_layers and len(committed) <= written:
+            hidden = sink[s.cached_len : s.cached_len + len(committed)]  # already there, complete
+        elif s.hidden_layers:
             rows = self._to_device([step.start + j for j in committed])
             hidden = self._select_layers(out.captured.index_select(0, rows), capture, s.hidden_layers)
+            if sink is not None and not layout.is_chain:  # a tree's path is known only now: write, then wait
+                fit = max(0, min(len(committed), sink.shape[0] - s.cached_len))
+                if fit:
+                    sink[s.cached_len : s.cached_len + fit].copy_(hidden[:fit])
+                    self._sync()
         # commit: accepted path to contiguous slots, drop the rest (nothing above may change state)
         src, dst = compaction_moves(committed)
         if src:

@@ -50,6 +50,9 @@ class Session:
     cached_len: int  # tokens whose K/V is committed (prompt + emitted tokens before the pending one)
     pending_token: int
     steps: int = 0
+    # [max_rows, len(hidden_layers) * hidden_size]: where the engine also writes every committed hidden row
+    # (row i = position i) that fits, a shared buffer a drafter reads (target_service/server.py); or None
+    hidden_out: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)

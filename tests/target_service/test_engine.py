@@ -286,3 +286,40 @@ def test_context_limit_counts_positions_not_tree_nodes(load):
         eng.verify("s", DraftBlock(tuple(range(6))))  # positions 10..16
     res = eng.verify("s", DraftBlock(tuple(range(6)), parents=(-1,) * 6))  # positions 10..11
     assert eng.session("s").cached_len == 11 + len(res.accepted_ids)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_hidden_out_holds_every_committed_row_at_its_position(load, temperature):
+    """A session with a row sink (the target service's shared buffer) gets each committed hidden row
+    written at its position: the prompt's at prefill, each step's (chains, trees, batched with another
+    session) at verify; the rows it returns, and (alone) the same a session without a sink gets. Rows
+    past the sink are not written (the service then sends them as bytes)."""
+    eng = _engine(load, "qwen3_moe")
+    layers = (0, 1)
+    width = len(layers) * eng.info().hidden_size
+    sampling = SamplingParams(temperature=temperature, seed=5)
+    sink = torch.full((16, width), float("nan"))
+    pre = eng.prefill("sink", PROMPT, sampling, layers, hidden_out=sink)
+    ref = eng.prefill("ref", PROMPT, sampling, layers)
+    for sid in ("other", "other-ref"):
+        eng.prefill(sid, PROMPT[:4], sampling, layers)
+    assert torch.equal(sink[: len(PROMPT)], pre.hidden) and torch.equal(pre.hidden, ref.hidden)
+    rows = [pre.hidden.clone()]
+    blocks = [DraftBlock(token_ids=(3, 9, 11)), DraftBlock(token_ids=(4, 8, 8, 2), parents=(-1, -1, 0, 1)),
+              DraftBlock(token_ids=()), DraftBlock(token_ids=tuple(range(20, 30)))]
+    while len(blocks) < 12:  # then plain decode steps, on past the sink's rows
+        blocks.append(DraftBlock(token_ids=()))
+    for i, block in enumerate(blocks):
+        if i == 1:  # batched with another session (and the reference alike: a batch's sums round its own way)
+            got, _ = eng.verify_batch([("sink", block), ("other", DraftBlock(token_ids=(1, 2)))])
+            want, _ = eng.verify_batch([("ref", block), ("other-ref", DraftBlock(token_ids=(1, 2)))])
+        else:
+            got, want = eng.verify("sink", block), eng.verify("ref", block)
+        assert got.emitted == want.emitted and torch.equal(got.hidden, want.hidden)
+        rows.append(got.hidden.clone())
+    committed = torch.cat(rows)  # [positions so far, width]
+    n = eng.session("sink").cached_len
+    assert n == committed.shape[0] > sink.shape[0]  # the last chain ran past the sink's rows
+    assert torch.equal(sink, committed[: sink.shape[0]])  # every row that fits, at its position
+    with pytest.raises(InvalidInput, match="hidden_out"):
+        eng.prefill("bad", PROMPT, sampling, layers, hidden_out=torch.zeros(4, width + 1))
