@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
+import torch
 from opentelemetry import trace
 
 from specserve.contract.types import TreeSpec
@@ -21,6 +22,7 @@ from specserve.protos.specserve.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 from specserve.runtime import tracing as tn
 from specserve.runtime.data_plane import ShmOffer, ShmSessions
 from specserve.runtime.errors import LimitExceeded, status_for
+from specserve.runtime.hidden_share import HiddenHandle, HiddenShareError, HiddenView, host_id, mappable_kinds
 from specserve.runtime.servers_common import lenient_adder, short
 from specserve.runtime.worker import OneThread
 
@@ -33,6 +35,21 @@ DEFAULT_MAX_DRAFT_TOKENS = 256  # tokens (chain length or tree nodes) one propos
 
 class DrafterFull(SpecserveError):
     """No room for another session or more tokens (RESOURCE_EXHAUSTED; the gateway goes target-only)."""
+
+
+class UnmappableShare(SpecserveError):
+    """A session's hidden-share handle cannot be mapped here (FAILED_PRECONDITION: the gateway then sends
+    this draft's sessions their rows as bytes)."""
+
+
+@dataclass(frozen=True)
+class SharedRowsToRead:
+    """Rows [start, stop) of the session's mapped buffer, then ``tail`` [m, F] (rows that came as bytes):
+    read on the drafter thread (a device copy), as one [stop - start + m, F] float32 tensor."""
+
+    start: int
+    stop: int
+    tail: object | None = None  # torch.Tensor
 
 
 class ProposeExpired(SpecserveError):
@@ -79,6 +96,9 @@ class DrafterWorker:
         self.busy: dict[str, int] = {}  # session id -> calls in flight
         self.proposals = 0
         self.expired = 0
+        # session id -> its mapping of the target's hidden-row buffer (opened, read and closed on the drafter thread)
+        self.views: dict[str, HiddenView] = {}
+        self.hidden_rows_shared = 0  # rows read from mapped buffers (GetStats)
         self._reaper: asyncio.Task | None = None
         self._closed = False
 
@@ -106,7 +126,8 @@ class DrafterWorker:
                 f"limit of {self.limits.max_total_tokens} (--max-total-tokens)"
             )
 
-    async def start(self, session_id, token_ids, hidden, sampling) -> None:
+    async def start(self, session_id, token_ids, hidden, sampling, share: HiddenHandle | None = None) -> None:
+        """hidden: the rows as a tensor, or (with ``share``, the target's buffer) a SharedRowsToRead of it."""
         if session_id in self.active:  # a restarted request re-opens: drop the stale copy first
             await self.release(session_id)
         if len(self.active) >= self.limits.max_sessions:
@@ -117,7 +138,7 @@ class DrafterWorker:
         self._touch(session_id)
         self.busy[session_id] = self.busy.get(session_id, 0) + 1
         try:
-            await self.call(self.proposer.start, session_id, token_ids, hidden, sampling)
+            await self.call(self._start_on_thread, session_id, token_ids, hidden, sampling, share)
         except BaseException:
             self._forget(session_id)
             raise
@@ -140,6 +161,42 @@ class DrafterWorker:
             self.tokens[session_id] = new_len
         self.proposals += 1
         return msg
+
+    def _start_on_thread(self, session_id, token_ids, hidden, sampling, share: HiddenHandle | None) -> None:
+        if share is not None:
+            try:
+                view = HiddenView.open(share)
+            except HiddenShareError as exc:
+                raise UnmappableShare(str(exc)) from None
+            self.views[session_id] = view
+        try:
+            self.proposer.start(session_id, token_ids, self._rows(session_id, hidden), sampling)
+        except BaseException:
+            self._close_view(session_id)
+            raise
+
+    def _rows(self, session_id: str, hidden):
+        """On the drafter thread: the tensor of a SharedRowsToRead (read from the session's buffer)."""
+        if not isinstance(hidden, SharedRowsToRead):
+            return hidden
+        view = self.views.get(session_id)
+        if view is None:
+            raise HiddenShareError(f"hidden rows [{hidden.start}, {hidden.stop}) of a shared buffer, but session "
+                                   f"{session_id[:40]!r} maps none (StartSession gave no hidden_share)")
+        rows = view.read(hidden.start, hidden.stop)
+        self.hidden_rows_shared += hidden.stop - hidden.start
+        if hidden.tail is not None:
+            rows = torch.cat([rows, hidden.tail.to(rows.device)], dim=0)
+        return rows
+
+    def _close_view(self, session_id: str) -> None:
+        view = self.views.pop(session_id, None)
+        if view is not None:
+            view.close()
+
+    def _release_on_thread(self, session_id: str) -> None:
+        self._close_view(session_id)
+        self.proposer.release(session_id)
 
     def _done(self, session_id: str) -> None:
         left = self.busy.get(session_id, 1) - 1
@@ -177,14 +234,16 @@ class DrafterWorker:
                 f"waited {waited:.1f} s for the drafter, over the budget of {self.limits.propose_budget_s} s "
                 "(--propose-budget-s)"
             )
-        return convert.draft_block_to_proto(self.proposer.propose(*args))
+        session_id, prefix_len, append_ids, append_hidden, num_tokens, tree = args
+        rows = self._rows(session_id, append_hidden)
+        return convert.draft_block_to_proto(self.proposer.propose(session_id, prefix_len, append_ids, rows, num_tokens, tree))
 
     async def release(self, session_id: str) -> bool:
         if session_id not in self.active or self._closed:
             return False
         self._forget(session_id)
         try:
-            await self.call(self.proposer.release, session_id)
+            await self.call(self._release_on_thread, session_id)
         except RuntimeError:  # the drafter thread shut down meanwhile: the process is ending
             if not self._closed:
                 raise
@@ -199,6 +258,8 @@ class DrafterWorker:
             except asyncio.CancelledError:
                 pass
         await self._thread.aclose()
+        for sid in list(self.views):
+            self.views.pop(sid).close()
 
 
 def observe_worker(worker: DrafterWorker) -> None:
@@ -211,7 +272,8 @@ def observe_worker(worker: DrafterWorker) -> None:
 
 def _status_for(exc: BaseException) -> grpc.StatusCode:
     return status_for(exc, INPUT_ERRORS, ((DrafterFull, grpc.StatusCode.RESOURCE_EXHAUSTED),
-                                          (ProposeExpired, grpc.StatusCode.DEADLINE_EXCEEDED)))
+                                          (ProposeExpired, grpc.StatusCode.DEADLINE_EXCEEDED),
+                                          (UnmappableShare, grpc.StatusCode.FAILED_PRECONDITION)))
 
 
 class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
@@ -224,6 +286,24 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         self.shm = ShmSessions(
             "draft", shm or ShmOffer(), draft_pb2.ProposeRequest, self._propose_over_shm, _status_for, self.worker.release
         )
+        # the target hidden-row buffers it can map (runtime/hidden_share.py), for a drafter that reads rows
+        needs = self.info.needs_hidden_states and self.shm.config.shares_hidden
+        self.hidden_kinds = mappable_kinds() if needs else ()
+        self.host_id = host_id()
+        self.hidden_rows_as_bytes = 0  # rows received as bytes (GetStats)
+
+    def _hidden_of(self, request, tensor_field: str, rows_field: str, tensor_what: str):
+        """A request's hidden rows: the tensor of ``tensor_field``, or (``rows_field`` set) the rows to read
+        from the session's shared buffer, followed by the tensor's rows."""
+        tensor = convert.optional_tensor(request, tensor_field, tensor_what)
+        if tensor is not None:
+            self.hidden_rows_as_bytes += int(tensor.shape[0]) if tensor.dim() else 0
+        if not request.HasField(rows_field):
+            return tensor
+        r = getattr(request, rows_field)
+        if not 0 <= r.start <= r.stop:
+            raise convert.ConversionError(f"{rows_field}: [{r.start}, {r.stop}) is not a row range")
+        return SharedRowsToRead(int(r.start), int(r.stop), tensor)
 
     async def _abort(self, context, exc: BaseException):
         await context.abort(_status_for(exc), short(f"{type(exc).__name__}: {exc}"))
@@ -239,6 +319,8 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             hidden_layers=list(i.hidden_layers),
             has_probs=i.has_probs,
             supports_tree=i.supports_tree,
+            hidden_share_kinds=list(self.hidden_kinds),
+            host_id=self.host_id,
         )
 
     async def StartSession(self, request, context):
@@ -251,9 +333,22 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
                     raise convert.ConversionError("session_id: empty")
                 if not request.token_ids:
                     raise convert.ConversionError("token_ids: empty")
-                hidden = convert.optional_tensor(request, "hidden")
+                share = None
+                if request.HasField("hidden_share"):
+                    if not self.hidden_kinds:
+                        raise UnmappableShare("hidden_share: this draft service maps no shared buffers (its drafter "
+                                              "reads no hidden rows, or --no-hidden-share)")
+                    share = HiddenHandle.from_proto(request.hidden_share)
+                    if share.kind not in self.hidden_kinds:
+                        raise UnmappableShare(f"hidden_share: a {share.kind} buffer; this draft service maps "
+                                              f"{list(self.hidden_kinds)}")
+                    if not request.HasField("hidden_rows"):
+                        raise convert.ConversionError("hidden_rows: unset beside hidden_share")
+                elif request.HasField("hidden_rows"):
+                    raise convert.ConversionError("hidden_rows: set without hidden_share")
+                hidden = self._hidden_of(request, "hidden", "hidden_rows", "hidden")
                 sampling = convert.sampling_from_proto(request.sampling)
-                await self.worker.start(request.session_id, list(request.token_ids), hidden, sampling)
+                await self.worker.start(request.session_id, list(request.token_ids), hidden, sampling, share)
             except Exception as exc:  # noqa: BLE001 - mapped to a status
                 span.record_exception(exc)
                 await self._abort(context, exc)
@@ -269,7 +364,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             span.set_attribute(tn.ATTR_SESSION, request.session_id)
             span.set_attribute(tn.ATTR_DRAFT_FAMILY, self.info.family)
             span.set_attribute(tn.ATTR_K, request.num_tokens)
-            hidden = convert.optional_tensor(request, "append_hidden")
+            hidden = self._hidden_of(request, "append_hidden", "append_rows", "append_hidden")
             tree = None
             if request.is_tree:
                 t = request.tree
@@ -344,4 +439,6 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
 
     async def GetStats(self, request, context):
         return draft_pb2.DraftStats(active_sessions=len(self.worker.active), proposals=self.worker.proposals,
-                                    shm_proposals=self.shm.served, shm_channels=self.shm.attached)
+                                    shm_proposals=self.shm.served, shm_channels=self.shm.attached,
+                                    hidden_rows_shared=self.worker.hidden_rows_shared,
+                                    hidden_rows_as_bytes=self.hidden_rows_as_bytes)

@@ -15,6 +15,7 @@ from specserve.contract.types import (
     DraftBlock,
     PrefillResult,
     SamplingParams,
+    SharedRows,
     VerifyResult,
 )
 from specserve.errors import SpecserveError
@@ -48,7 +49,7 @@ class DraftClient(Protocol):
     async def info(self): ...  # -> DrafterInfo-like: family, vocab_hash, hidden_layers, needs_hidden_states, ...
 
     async def start(
-        self, session_id: str, token_ids: Sequence[int], hidden: torch.Tensor | None, sampling: SamplingParams
+        self, session_id: str, token_ids: Sequence[int], hidden: torch.Tensor | SharedRows | None, sampling: SamplingParams
     ) -> None: ...
 
     async def propose(
@@ -56,7 +57,7 @@ class DraftClient(Protocol):
         session_id: str,
         prefix_len: int,
         append_ids: Sequence[int],
-        append_hidden: torch.Tensor | None,  # [len(append_ids), F] or None
+        append_hidden: torch.Tensor | SharedRows | None,  # [m, F] rows (or where they are: SharedRows) or None
         num_tokens: int,
         tree=None,
     ) -> DraftBlock: ...

@@ -18,6 +18,13 @@ verify / propose steps go through it (specserve/runtime/data_plane.py: the same 
 failure contract: a status frame is mapped like the stream's status, a peer that goes away is
 UNAVAILABLE / DraftError at once, a slow one times out as on the stream). Else they use the stream.
 
+Hidden rows (EAGLE-3, DFlash): a session whose draft can map the target's buffers on their host
+(``share_hidden``, decided per request by the gateway: RemoteDraftEndpoint.maps_hidden_of) asks the
+target to keep them in a shared buffer (specserve/runtime/hidden_share.py); the prefill's and every
+step's hidden rows then come back as ``SharedRows`` (a row range; the prefill's also carries the
+buffer's handle as the wire message), which the loop relays to the draft untouched: the gateway never
+maps the buffer.
+
 The draft endpoint's circuit breaker is described in gateway/remote_draft.py.
 """
 
@@ -34,6 +41,7 @@ from specserve.contract.types import (
     DraftBlock,
     PrefillResult,
     SamplingParams,
+    SharedRows,
     VerifyResult,
 )
 from specserve.gateway.clients import RequestRejected, TargetUnavailable
@@ -132,6 +140,16 @@ class BidiStream:
             self._call = None
 
 
+def _hidden_of(resp, handle=None):
+    """A reply's hidden rows: the tensor it carries, the range of the shared buffer it names, or None."""
+    if not resp.HasField("hidden_rows"):
+        return convert.optional_tensor(resp, "hidden")
+    try:
+        return SharedRows(int(resp.hidden_rows.start), int(resp.hidden_rows.stop), handle=handle)
+    except ValueError as exc:
+        raise TargetCallError(grpc.StatusCode.INTERNAL, f"target sent {exc}") from None
+
+
 # ------------------------------------------------------------------------------------ target
 class RemoteTarget:
     """The target service at one address (one channel for every request)."""
@@ -151,10 +169,12 @@ class RemoteTarget:
         return self.target_info
 
     def session(
-        self, deadline: float | None, metrics: tn.SpecMetrics | None = None, reserve_tokens: int | None = None
+        self, deadline: float | None, metrics: tn.SpecMetrics | None = None, reserve_tokens: int | None = None,
+        share_hidden: bool = False,
     ) -> RemoteTargetSession:
-        """reserve_tokens: the most tokens the session may occupy (the target reserves KV blocks for them)."""
-        return RemoteTargetSession(self, deadline, metrics, reserve_tokens)
+        """reserve_tokens: the most tokens the session may occupy (the target reserves KV blocks for them);
+        share_hidden: its draft maps this target's hidden-row buffers (with the data plane on only)."""
+        return RemoteTargetSession(self, deadline, metrics, reserve_tokens, share_hidden and self.shm)
 
     async def close(self) -> None:
         await self.channel.close()
@@ -164,9 +184,11 @@ class RemoteTargetSession:
     """TargetClient for one request: prefill (unary), verify steps (one VerifyStream), release."""
 
     def __init__(
-        self, target: RemoteTarget, deadline: float | None, metrics: tn.SpecMetrics | None, reserve_tokens: int | None = None
+        self, target: RemoteTarget, deadline: float | None, metrics: tn.SpecMetrics | None, reserve_tokens: int | None = None,
+        share_hidden: bool = False,
     ) -> None:
         self._target = target
+        self._share_hidden = share_hidden
         reserve = () if reserve_tokens is None else ((RESERVE_METADATA, str(int(reserve_tokens))),)
         self._reserve = (*target.auth, *reserve)
         self._deadline = Deadline(deadline)
@@ -206,6 +228,7 @@ class RemoteTargetSession:
             sampling=convert.sampling_to_proto(sampling),
             hidden_layers=list(hidden_layers),
             want_shm=self._target.shm,
+            want_hidden_share=self._share_hidden and bool(hidden_layers),
         )
         try:
             resp = await self._target.stub.Prefill(
@@ -217,7 +240,7 @@ class RemoteTargetSession:
         self._last_step_end = time.perf_counter()
         return PrefillResult(
             next_token=resp.next_token,
-            hidden=convert.optional_tensor(resp, "hidden"),
+            hidden=_hidden_of(resp, resp.hidden_share if resp.HasField("hidden_share") else None),
             timings=convert.timings_from_proto(resp.timings),
         )
 
@@ -231,7 +254,7 @@ class RemoteTargetSession:
         result = VerifyResult(
             accepted_ids=tuple(resp.accepted_ids),
             next_token=resp.next_token,
-            hidden=convert.optional_tensor(resp, "hidden"),
+            hidden=_hidden_of(resp),
             num_drafted=resp.num_drafted,
             experts_touched=resp.experts_touched,
             timings=convert.timings_from_proto(resp.timings),

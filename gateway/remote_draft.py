@@ -6,6 +6,12 @@ One ``RemoteDraftEndpoint`` per draft service address (one channel, shared by al
 all (down, slower than its step timeout, stream broken) -> DraftError, and a block that does not even decode ->
 MalformedDraft; the loop then goes on target-only.
 
+Hidden rows in a shared buffer (gateway/remote.py): ``maps_hidden_of(target_info)`` says whether this
+draft can map the target's buffers (it reads hidden rows, it lists the target's kind, both report the
+same host); a session then starts with the buffer's handle and later proposals name row ranges. A draft
+that cannot map one after all (FAILED_PRECONDITION) costs that request its speculation (target-only,
+lossless), and the endpoint sends hidden rows as bytes from then on.
+
 Circuit breaker (per draft endpoint): after ``breaker_failures`` timeouts / UNAVAILABLE in a row the
 draft is not asked any more (every request goes target-only at once, releases are skipped: the draft
 expires idle sessions itself) while a background probe calls its GetInfo every ``probe_every_s``
@@ -25,6 +31,7 @@ import torch
 from specserve.contract.types import (
     DraftBlock,
     SamplingParams,
+    SharedRows,
 )
 from specserve.gateway.clients import DraftError
 from specserve.gateway.remote import RELEASE_TIMEOUT_S, BidiStream, Deadline
@@ -115,9 +122,11 @@ class RemoteDraftEndpoint:
         breaker: BreakerConfig | None = None,
         token: str | None = None,
         shm: bool = True,
+        hidden_share: bool = True,
     ) -> None:
         self.auth = bearer_metadata(token)  # sent on every call (the draft's --auth-token)
         self.shm = shm  # ask for the shared-memory data plane per session (used when it opens here)
+        self.hidden_share = shm and hidden_share  # hand it the target's hidden-row buffers where it can map them
         self.name = name
         self.address = address
         self.trusted = trusted  # the operator trusts its q: verified with it (else proposal-only)
@@ -133,6 +142,16 @@ class RemoteDraftEndpoint:
             draft_pb2.DraftInfoRequest(), timeout=timeout_s, wait_for_ready=wait_for_ready, metadata=self.auth
         )
         return self.last_info
+
+    def maps_hidden_of(self, target_info: target_pb2.TargetInfo | None) -> bool:
+        """Whether this draft's sessions can read the target's hidden rows from a shared buffer (both say
+        they run on the same host, the draft maps the target's kind); as its last GetInfo said."""
+        info = self.last_info
+        return bool(
+            self.hidden_share and info is not None and target_info is not None and info.needs_hidden_states
+            and target_info.hidden_share_kind and target_info.hidden_share_kind in info.hidden_share_kinds
+            and target_info.host_id and target_info.host_id == info.host_id
+        )
 
     def session(self, deadline: float | None) -> RemoteDraft:
         return RemoteDraft(self, deadline)
@@ -175,6 +194,11 @@ class RemoteDraft:
         except grpc.aio.AioRpcError as exc:
             if exc.code() in _DOWN:
                 self._ep.breaker.failed()
+            shared = isinstance(request, draft_pb2.StartSessionRequest) and request.HasField("hidden_share")
+            if exc.code() == grpc.StatusCode.FAILED_PRECONDITION and shared:
+                self._ep.hidden_share = False  # it cannot map the target's buffers: bytes from now on
+                print(f"gateway: draft {self._ep.name} cannot map the target's hidden-row buffers "
+                      f"({exc.details()}); its sessions get hidden rows as bytes", file=sys.stderr, flush=True)
             raise DraftError(f"draft {self._ep.name} at {self._ep.address}: {exc.code().name}: {exc.details()}") from None
         except DraftError:
             raise
@@ -199,6 +223,10 @@ class RemoteDraft:
             session_id=session_id, token_ids=list(token_ids), sampling=convert.sampling_to_proto(sampling),
             want_shm=self._ep.shm,
         )
+        if isinstance(hidden, SharedRows):  # in the target's buffer: relay its handle and the range
+            req.hidden_share.CopyFrom(hidden.handle)
+            req.hidden_rows.start, req.hidden_rows.stop = hidden.start, hidden.stop
+            hidden = hidden.tail
         if hidden is not None:
             req.hidden.CopyFrom(convert.tensor_to_proto(hidden))
         resp = await self._unary(self._ep.stub.StartSession, req)
@@ -220,6 +248,9 @@ class RemoteDraft:
             num_tokens=num_tokens,
             trace_context=tn.current_trace_context(),
         )
+        if isinstance(append_hidden, SharedRows):  # rows of the target's buffer (then those that came as bytes)
+            req.append_rows.start, req.append_rows.stop = append_hidden.start, append_hidden.stop
+            append_hidden = append_hidden.tail
         if append_hidden is not None:
             req.append_hidden.CopyFrom(convert.tensor_to_proto(append_hidden))
         if tree is not None:

@@ -78,6 +78,8 @@ class GatewayConfig:
     admin_token: str | None = field(default=None, repr=False)
     # ask target and drafts for the shared-memory data plane (used per session where it opens: same host)
     shm: bool = True
+    # with shm: a draft that reads hidden rows gets them in the target's shared buffer where it can map it
+    hidden_share: bool = True
 
     def __post_init__(self) -> None:
         check_address(self.target_address)
@@ -166,9 +168,11 @@ class DraftTable:
         breaker: BreakerConfig | None = None,
         token: str | None = None,
         shm: bool = True,
+        hidden_share: bool = True,
     ) -> None:
         self.step_timeout_s = step_timeout_s
         self.shm = shm
+        self.hidden_share = hidden_share
         self.breaker = breaker
         self.token = token
         self.tls = tls
@@ -186,7 +190,7 @@ class DraftTable:
     def make(self, name: str, address: str, trusted: bool = False) -> RemoteDraftEndpoint:
         return RemoteDraftEndpoint(
             name, check_address(address), self.step_timeout_s, self.tls, self.target_info, trusted=trusted,
-            breaker=self.breaker, token=self.token, shm=self.shm,
+            breaker=self.breaker, token=self.token, shm=self.shm, hidden_share=self.hidden_share,
         )
 
     def put(self, endpoint: RemoteDraftEndpoint) -> None:
@@ -234,7 +238,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self.tokenizer = tokenizer
         self.drafts = DraftTable(
             config.draft_step_timeout_s, config.downstream_tls, target.target_info, config.draft_breaker,
-            config.downstream_token, config.shm,
+            config.downstream_token, config.shm, config.hidden_share,
         )
         for name, address in config.drafts.items():
             self.drafts.put(self.drafts.make(name, address, trusted=name in config.trusted_drafts))
@@ -362,9 +366,10 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         try:
             block = max(k, tree.num_nodes if tree is not None else 0)
             reserve = len(gen.prompt_ids) + gen.max_new_tokens + block + 1  # S at most, plus one draft block
+            share = endpoint is not None and endpoint.maps_hidden_of(self.target.target_info)
             events = run_request(
                 gen,
-                self.target.session(deadline, self.metrics, reserve_tokens=reserve),
+                self.target.session(deadline, self.metrics, reserve_tokens=reserve, share_hidden=share),
                 endpoint.session(deadline) if endpoint is not None else None,
                 tokenizer=self.tokenizer,
                 target_info=info,

@@ -29,7 +29,9 @@ from specserve.contract.types import (
     BadProbs,
     DraftBlock,
     GenerationRequest,
+    Hidden,
     InvalidBlock,
+    join_hidden,
 )
 from specserve.contract.types import check_block as contract_check_block
 from specserve.gateway.adaptive import AdaptiveSpeculation
@@ -112,23 +114,24 @@ def drafted_confidence(block: DraftBlock) -> np.ndarray | None:
 
 
 class _DraftSync:
-    """What the drafter already holds of S, and the target hidden rows it has not been sent yet."""
+    """What the drafter already holds of S, and the target hidden rows it has not been sent yet (tensors,
+    or SharedRows: ranges of a target's shared buffer, relayed as they are)."""
 
     def __init__(self, needs_hidden: bool) -> None:
         self.known = 0
         self.needs_hidden = needs_hidden
-        self.unsent_hidden: list[torch.Tensor] = []
+        self.unsent_hidden: list[Hidden] = []
 
-    def add_hidden(self, rows: torch.Tensor | None) -> None:
+    def add_hidden(self, rows: Hidden | None) -> None:
         if self.needs_hidden and rows is not None:
             self.unsent_hidden.append(rows)
 
-    def take_hidden(self) -> torch.Tensor | None:
+    def take_hidden(self) -> Hidden | None:
         if not self.needs_hidden or not self.unsent_hidden:
             return None
         # one step's rows (the usual case) go as they are: concatenating device rows here would be GPU work on the
         # event loop; several (steps without a propose in between) are joined once
-        rows = self.unsent_hidden[0] if len(self.unsent_hidden) == 1 else torch.cat(self.unsent_hidden, dim=0)
+        rows = self.unsent_hidden[0] if len(self.unsent_hidden) == 1 else join_hidden(self.unsent_hidden)
         self.unsent_hidden = []
         return rows
 

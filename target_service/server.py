@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import math
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -25,14 +26,15 @@ import grpc
 import torch
 from opentelemetry import trace
 
-from specserve.contract.types import DraftBlock, VerifyResult
+from specserve.contract.types import DraftBlock, SharedRows, VerifyResult
 from specserve.errors import SpecserveError
 from specserve.protos import convert
-from specserve.protos.specserve.v1 import target_pb2, target_pb2_grpc
+from specserve.protos.specserve.v1 import common_pb2, target_pb2, target_pb2_grpc
 from specserve.runtime import tracing as tn
 from specserve.runtime.admission import Admission, AdmissionConfig, AdmissionRefused
 from specserve.runtime.data_plane import ShmOffer, ShmSessions
 from specserve.runtime.errors import LimitExceeded, status_for
+from specserve.runtime.hidden_share import HiddenBuffer, HiddenShareError, host_id, kind_for
 from specserve.runtime.servers_common import lenient_adder, short
 from specserve.runtime.worker import OneThread
 from specserve.target_service.engine.engine import (
@@ -114,6 +116,8 @@ class EngineWorker:
         self.last_used: dict[str, float] = {}  # session id -> loop time of its last call
         self.expired = 0  # sessions released by the idle timeout
         self.steps = 0
+        # session id -> its shared buffer of hidden rows (made, written and freed on the engine thread)
+        self.shares: dict[str, HiddenBuffer] = {}
 
     @classmethod
     async def build(cls, factory: Callable[[], object], **kw) -> EngineWorker:
@@ -137,6 +141,8 @@ class EngineWorker:
                 except asyncio.CancelledError:
                     pass
         await self._thread.aclose()
+        for sid in list(self.shares):  # the engine thread is gone: no name stays in /dev/shm
+            self.shares.pop(sid).close()
 
     def _touch(self, session_id: str) -> None:
         self.last_used[session_id] = asyncio.get_running_loop().time()
@@ -174,7 +180,10 @@ class EngineWorker:
         sampling,
         hidden_layers: tuple[int, ...],
         reserve_tokens: int | None = None,
+        share_hidden: bool = False,
     ):
+        """share_hidden: keep the session's hidden rows in a shared buffer (sized for the tokens it may
+        occupy: reserve_tokens, capped at the context) and return SharedRows instead of bytes."""
         if session_id in self.active:
             raise DuplicateSession(session_id)
         self.active[session_id] = -1  # reserved while admission and the prefill run
@@ -189,7 +198,8 @@ class EngineWorker:
             self._unreserve(session_id)
             raise UnknownSession(session_id)
         try:
-            result = await self.call(self._prefill_on_host, session_id, prompt_ids, sampling, hidden_layers)
+            rows = min(self.max_context, max(reserve_tokens or self.max_context, len(prompt_ids) + 1)) if share_hidden else 0
+            result = await self.call(self._prefill_on_host, session_id, prompt_ids, sampling, hidden_layers, rows)
         except asyncio.CancelledError:
             # the caller went away; the prefill itself still runs to its end on the engine thread
             self.active.pop(session_id, None)
@@ -213,7 +223,7 @@ class EngineWorker:
         """Free the engine's session, then its admission (the blocks are free before anyone is admitted)."""
         try:
             if not self._closed:
-                await self.call(self.engine.release, session_id)
+                await self.call(self._release_on_thread, session_id)
         except RuntimeError:  # the engine thread shut down meanwhile: the process is ending
             if not self._closed:
                 raise
@@ -281,24 +291,62 @@ class EngineWorker:
                 if not q.future.done():
                     q.future.set_result(VerifyOutcome(res, (started - q.enqueued) * 1e3, len(items)))
 
-    def _prefill_on_host(self, session_id, prompt_ids, sampling, hidden_layers):
+    def _prefill_on_host(self, session_id, prompt_ids, sampling, hidden_layers, share_rows: int):
         """On the engine thread: prefill, with the hidden rows copied to host memory there (a device
-        copy synchronizes, and the event loop must never wait on the device)."""
-        res = self.engine.prefill(session_id, prompt_ids, sampling, hidden_layers)
-        return res if res.hidden is None else dataclasses.replace(res, hidden=_host(res.hidden))
+        copy synchronizes, and the event loop must never wait on the device), or, with ``share_rows``,
+        written into a new shared buffer of that many rows (its handle goes out once, in the reply)."""
+        buffer = None
+        if share_rows and hidden_layers:
+            try:
+                buffer = HiddenBuffer.create(share_rows, len(hidden_layers) * self.engine.info().hidden_size,
+                                             self.engine.dtype, self.engine.device)
+            except HiddenShareError as exc:
+                print(f"target: {exc}; session {session_id[:40]} sends its hidden rows as bytes", file=sys.stderr,
+                      flush=True)
+        try:
+            res = self.engine.prefill(session_id, prompt_ids, sampling, hidden_layers,
+                                      hidden_out=None if buffer is None else buffer.tensor)
+        except BaseException:
+            if buffer is not None:
+                buffer.close()
+            raise
+        if buffer is None:
+            return res if res.hidden is None else dataclasses.replace(res, hidden=_host(res.hidden))
+        self.shares[session_id] = buffer
+        return dataclasses.replace(res, hidden=SharedRows(0, len(prompt_ids), handle=buffer.handle))
+
+    def _release_on_thread(self, session_id: str) -> bool:
+        buffer = self.shares.pop(session_id, None)
+        if buffer is not None:
+            buffer.close()
+        return self.engine.release(session_id)
+
+    def _on_host(self, session_id: str, res: VerifyResult) -> VerifyResult:
+        """On the engine thread: the step's hidden rows as bytes (copied to host here), or as the range of
+        the session's shared buffer the engine wrote them to (complete: the step's result was read after)."""
+        if res.hidden is None:
+            return res
+        buffer = self.shares.get(session_id)
+        if buffer is not None:
+            buffer.unlink()  # its drafter has mapped it by now (or never will): no name stays in /dev/shm
+            stop = self.engine.session(session_id).cached_len
+            if stop <= buffer.rows:
+                return dataclasses.replace(res, hidden=SharedRows(stop - res.hidden.shape[0], stop))
+            # a session past the rows it reserved: its rows go as bytes from here on
+        return dataclasses.replace(res, hidden=_host(res.hidden))
 
     def _run_batch(self, pairs: list[tuple[str, DraftBlock]]) -> list:
         """On the engine thread: one batched forward; if the batch fails, each session alone, so one
         bad request cannot fail the others (the engine checks its input before it changes state)."""
         if len(pairs) == 1:
-            return [_result_on_host(self.engine.verify(*pairs[0]))]
+            return [self._on_host(pairs[0][0], self.engine.verify(*pairs[0]))]
         try:
-            return [_result_on_host(r) for r in self.engine.verify_batch(pairs)]
+            return [self._on_host(sid, r) for (sid, _), r in zip(pairs, self.engine.verify_batch(pairs))]
         except Exception:  # noqa: BLE001 - isolate the failing session below
             out = []
             for sid, block in pairs:
                 try:
-                    out.append(_result_on_host(self.engine.verify(sid, block)))
+                    out.append(self._on_host(sid, self.engine.verify(sid, block)))
                 except Exception as exc:  # noqa: BLE001 - returned to that session's caller
                     out.append(exc)
             return out
@@ -318,10 +366,6 @@ def observe_worker(worker: EngineWorker) -> None:
 
 def _host(t: torch.Tensor) -> torch.Tensor:
     return t.detach().to(device="cpu", dtype=torch.float32)
-
-
-def _result_on_host(res: VerifyResult) -> VerifyResult:
-    return res if res.hidden is None else dataclasses.replace(res, hidden=_host(res.hidden))
 
 
 def _reserve_tokens(metadata) -> int | None:
@@ -359,6 +403,22 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         self.shm = ShmSessions(
             "target", shm or ShmOffer(), target_pb2.VerifyRequest, self._verify_over_shm, _status_for, self.worker.release
         )
+        # hidden rows of sessions whose caller asked: in a buffer their drafter maps (runtime/hidden_share.py)
+        self.hidden_kind = kind_for(worker.engine.device) if self.shm.config.shares_hidden else ""
+        self.host_id = host_id()
+        self.hidden_rows_shared = 0  # rows handed over as ranges (GetStats)
+        self.hidden_rows_as_bytes = 0  # rows sent as bytes
+
+    def _put_hidden(self, out, hidden) -> None:
+        """A reply's hidden rows: their range of the shared buffer (and its handle, the first time) or bytes."""
+        if isinstance(hidden, SharedRows):
+            if hidden.handle is not None:
+                out.hidden_share.CopyFrom(hidden.handle.to_proto())
+            out.hidden_rows.CopyFrom(common_pb2.HiddenRows(start=hidden.start, stop=hidden.stop))
+            self.hidden_rows_shared += hidden.stop - hidden.start
+        elif hidden is not None:
+            out.hidden.CopyFrom(convert.tensor_to_proto(hidden))
+            self.hidden_rows_as_bytes += int(hidden.shape[0])
 
     # ------------------------------------------------------------------------------ helpers
     async def _abort(self, context, exc: BaseException):
@@ -377,6 +437,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             eos_token_ids=list(i.eos_token_ids),
             tensor_parallel_size=self.tensor_parallel_size,
             model_name=self.model_name,
+            hidden_share_kind=self.hidden_kind,
+            host_id=self.host_id,
         )
 
     async def Prefill(self, request, context):
@@ -391,8 +453,9 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                 ids = list(request.prompt_ids)
                 layers = tuple(int(x) for x in request.hidden_layers)
                 sampling = convert.sampling_from_proto(request.sampling)
+                share = bool(request.want_hidden_share and self.hidden_kind and layers)
                 res = await self.worker.prefill(
-                    request.session_id, ids, sampling, layers, _reserve_tokens(context.invocation_metadata())
+                    request.session_id, ids, sampling, layers, _reserve_tokens(context.invocation_metadata()), share
                 )
             except Exception as exc:  # noqa: BLE001 - mapped to a status
                 span.record_exception(exc)
@@ -403,8 +466,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                 next_token=res.next_token,
                 timings=convert.timings_to_proto(res.timings, (time.perf_counter() - received) * 1e3),
             )
-            if res.hidden is not None:
-                out.hidden.CopyFrom(convert.tensor_to_proto(res.hidden))
+            self._put_hidden(out, res.hidden)
             if request.want_shm:
                 out.shm_channel = self.shm.offer(request.session_id, context.time_remaining())
             return out
@@ -438,8 +500,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                 timings=convert.timings_to_proto(res.timings, (time.perf_counter() - received) * 1e3, out.queue_ms),
                 batch_size=out.batch_size,
             )
-            if res.hidden is not None:
-                resp.hidden.CopyFrom(convert.tensor_to_proto(res.hidden))
+            self._put_hidden(resp, res.hidden)
             return resp
 
     async def _verify_over_shm(self, session_id: str, request) -> target_pb2.VerifyResponse:
@@ -494,4 +555,6 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             steps=self.worker.steps,
             shm_steps=self.shm.served,
             shm_channels=self.shm.attached,
+            hidden_rows_shared=self.hidden_rows_shared,
+            hidden_rows_as_bytes=self.hidden_rows_as_bytes,
         )

@@ -93,9 +93,10 @@ class SpecRunner:
         """(target client, draft client or None) of one request."""
         if via == "process":
             return self.target, None if spec.drafter == "none" else self.drafts[spec.drafter]
-        target = self.served.targets[via].session(None)
-        draft = None if spec.drafter == "none" else self.served.drafts[via][spec.drafter].session(None)
-        return target, draft
+        endpoint = None if spec.drafter == "none" else self.served.drafts[via][spec.drafter]
+        remote_target = self.served.targets[via]
+        share = endpoint is not None and endpoint.maps_hidden_of(remote_target.target_info)  # as the gateway decides
+        return remote_target.session(None, share_hidden=share), None if endpoint is None else endpoint.session(None)
 
     async def _run(
         self, spec: MethodSpec, prompt_id: str, prompt_ids: tuple[int, ...], chooser, max_new_tokens, via: str = "process"

@@ -96,6 +96,8 @@ class ServedStack:
                                             shm=shm)
                 for family, address in self.draft_addresses.items()
             }
+            for ep in self.drafts[via].values():  # as the gateway at start: what it maps (hidden-row buffers)
+                await ep.fetch_info(60.0)
 
     async def disconnect(self) -> None:
         for target in self.targets.values():
@@ -112,12 +114,14 @@ class ServedStack:
 
         with grpc.insecure_channel(self.target_address) as ch:
             t = target_pb2_grpc.TargetServiceStub(ch).GetStats(target_pb2.TargetStatsRequest(), timeout=10)
-        out = {"target": {"steps": t.steps, "shm_steps": t.shm_steps, "shm_channels": t.shm_channels}}
+        out = {"target": {"steps": t.steps, "shm_steps": t.shm_steps, "shm_channels": t.shm_channels,
+                          "hidden_rows_shared": t.hidden_rows_shared, "hidden_rows_as_bytes": t.hidden_rows_as_bytes}}
         for family, address in self.draft_addresses.items():
             with grpc.insecure_channel(address) as ch:
                 d = draft_pb2_grpc.DraftServiceStub(ch).GetStats(draft_pb2.DraftStatsRequest(), timeout=10)
             out[f"draft-{family}"] = {"proposals": d.proposals, "shm_proposals": d.shm_proposals,
-                                      "shm_channels": d.shm_channels}
+                                      "shm_channels": d.shm_channels, "hidden_rows_shared": d.hidden_rows_shared,
+                                      "hidden_rows_as_bytes": d.hidden_rows_as_bytes}
         return out
 
     def close(self) -> None:

@@ -199,6 +199,9 @@ def add_listen_arguments(parser: argparse.ArgumentParser, default: str, max_mess
     parser.add_argument("--no-shm", action="store_true",
                         help="never offer a caller on this host the shared-memory data plane: every step over gRPC "
                              "(also SPECSERVE_SHM=0)")
+    parser.add_argument("--no-hidden-share", action="store_true",
+                        help="never keep (target) or map (draft) a session's hidden rows in a shared buffer: they go "
+                             "as bytes (also SPECSERVE_HIDDEN_SHARE=0)")
 
 
 SERVICE_TOKEN_ENV = "SPECSERVE_SERVICE_TOKEN"
@@ -249,9 +252,12 @@ def checkpoint_errors_as_user_errors(fn, *args):
 
 
 def shm_offer_from_args(args: argparse.Namespace):
-    """The service's shared-memory offer (--no-shm / SPECSERVE_SHM=0: none)."""
+    """The service's shared-memory offer (--no-shm / SPECSERVE_SHM=0: none; --no-hidden-share /
+    SPECSERVE_HIDDEN_SHARE=0: no hidden-row buffers)."""
     import os
 
     from specserve.runtime.data_plane import ShmOffer, shm_allowed
+    from specserve.runtime.hidden_share import hidden_share_allowed
 
-    return ShmOffer(enabled=shm_allowed(args.no_shm, os.environ))
+    return ShmOffer(enabled=shm_allowed(args.no_shm, os.environ),
+                    hidden_share=hidden_share_allowed(args.no_hidden_share, os.environ))

@@ -52,6 +52,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-shm", action="store_true",
                         help="every verify / propose step over gRPC, never the shared-memory data plane with services "
                              "on this host (also SPECSERVE_SHM=0)")
+    parser.add_argument("--no-hidden-share", action="store_true",
+                        help="EAGLE-3 / DFlash hidden rows as bytes through the gateway, never a target buffer the "
+                             "draft maps (also SPECSERVE_HIDDEN_SHARE=0)")
     limits = parser.add_argument_group("limits (beyond them: INVALID_ARGUMENT or RESOURCE_EXHAUSTED naming the limit)")
     limits.add_argument("--max-sessions", type=positive_int, default=64, help="requests running at once")
     limits.add_argument("--max-queued", type=int, default=64,
@@ -87,6 +90,7 @@ def run(args: argparse.Namespace) -> int:
     from specserve.gateway.server import GatewayConfig
     from specserve.gateway.validation import RequestLimits
     from specserve.runtime.data_plane import shm_allowed
+    from specserve.runtime.hidden_share import hidden_share_allowed
     from specserve.runtime.servers_common import ServerConfig, exit_now, run_async
 
     names = [n for n, _ in args.draft_service]
@@ -112,6 +116,7 @@ def run(args: argparse.Namespace) -> int:
         downstream_token=_flag_or_env(args.downstream_auth_token, "SPECSERVE_DOWNSTREAM_TOKEN"),
         admin_token=_flag_or_env(args.admin_token, "SPECSERVE_ADMIN_TOKEN"),
         shm=shm_allowed(args.no_shm, os.environ),
+        hidden_share=hidden_share_allowed(args.no_hidden_share, os.environ),
     )
     for flag, port in (("--port", args.port), ("--http-port", args.http_port)):
         if port is not None and not 0 <= port <= 65535:

@@ -40,6 +40,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--grace-s", type=float, default=10.0, help="seconds in-flight requests get on stop")
     parser.add_argument("--no-shm", action="store_true",
                         help="every step over gRPC: no shared-memory data plane between the three (also SPECSERVE_SHM=0)")
+    parser.add_argument("--no-hidden-share", action="store_true",
+                        help="EAGLE-3 / DFlash hidden rows as bytes in the messages, never a buffer the drafter maps "
+                             "(also SPECSERVE_HIDDEN_SHARE=0)")
     parser.add_argument("--graph-hidden-layers", default=None,
                         help="passed to the target: layers whose hidden rows the drafter reads (EAGLE-3, DFlash), so "
                              "its steps replay CUDA graphs too")
@@ -150,7 +153,7 @@ def run(args: argparse.Namespace) -> int:
     children = _Children()
     model_flag = ["--model", str(args.model)] if args.model is not None else []
     placement = ["--device", args.device, "--dtype", args.dtype]
-    no_shm = ["--no-shm"] if args.no_shm else []
+    no_shm = (["--no-shm"] if args.no_shm else []) + (["--no-hidden-share"] if args.no_hidden_share else [])
     try:
         children.start("target", [
             *model_flag, *placement, "--listen", target_addr,

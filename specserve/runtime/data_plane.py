@@ -91,6 +91,13 @@ class ShmOffer:
     enabled: bool = True
     attach_timeout_s: float = 5.0  # a caller that has not attached by then uses gRPC; the names go
     ring: RingConfig = SESSION_RING
+    # also keep a session's target hidden rows in a buffer its drafter maps (runtime/hidden_share.py), when
+    # the caller asks (--no-hidden-share / SPECSERVE_HIDDEN_SHARE=0: never); needs ``enabled`` too
+    hidden_share: bool = True
+
+    @property
+    def shares_hidden(self) -> bool:
+        return self.enabled and self.hidden_share
 
     def __post_init__(self) -> None:
         if not self.attach_timeout_s > 0:

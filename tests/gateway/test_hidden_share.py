@@ -1,0 +1,316 @@
+"""Target hidden rows in a shared buffer the drafter maps (specserve/runtime/hidden_share.py), through real
+processes: the shipped demo target, its EAGLE-3 and DFlash drafters as draft services, and two gateways
+over them: one hands the hidden rows over as a buffer (the default: target and drafts report the same
+host), one with SPECSERVE_HIDDEN_SHARE=0 sends them as bytes in the messages. The services' GetStats
+count the rows each way.
+
+- greedy: shared buffer, bytes and one process (the engine's own target-only greedy decode) give the
+  same tokens, and the shared path sent no hidden row as bytes (the bytes gateway, as main's code, did);
+- sampled: the shared path follows the target's law (two-sample chi-square, with its negative control);
+- bad handles and row ranges get one clear line and the right status;
+- SIGKILL of a drafter mid-session: the requests go on target-only, losslessly; nothing stays in /dev/shm.
+Tests that kill processes run last, in file order.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+from service_helpers import Proc, base_env
+from stats_helpers import two_sample_pvalue
+
+from specserve.paths import demo_checkpoint
+from specserve.protos.specserve.v1 import (
+    common_pb2,
+    draft_pb2,
+    draft_pb2_grpc,
+    gateway_pb2,
+    gateway_pb2_grpc,
+    target_pb2,
+    target_pb2_grpc,
+)
+from specserve.runtime.servers_common import channel_options
+from specserve.runtime.shm_ring import SHM_DIR, leftover_names
+
+pytestmark = pytest.mark.skipif(not SHM_DIR.is_dir(), reason="no /dev/shm on this host")
+
+TEXTS = ["def parse_args(argv):\n", "import os\nimport sys\n\n\nclass ", "    for i in range(len(", "# Copyright"]
+N_NEW = 32
+DRAFTS = ("eagle3", "dflash")
+
+
+class Stack:
+    """One target, one draft service per family, and a gateway per way of sending hidden rows."""
+
+    def __init__(self, socks, device: str = "cpu", extra: tuple[str, ...] = ()) -> None:
+        from specserve.models.loader import load_tokenizer
+
+        self.target_dir = demo_checkpoint("target")
+        tok = load_tokenizer(self.target_dir)
+        self.prompts = [tok.encode(t).ids for t in TEXTS]
+        self.env = base_env()
+        self.before = set(leftover_names())
+        place = ["--device", device, *extra]
+        self.target_addr = f"unix:{socks}/t.sock"
+        self.drafts = {d: f"unix:{socks}/{d}.sock" for d in DRAFTS}
+        self.target = Proc("target", ["--model", str(self.target_dir), "--listen", self.target_addr, *place], self.env)
+        self.draft_procs = {
+            d: Proc("draft", ["--draft", d, "--draft-model", str(demo_checkpoint(d)), "--model", str(self.target_dir),
+                              "--listen", addr, *place[:2]], self.env)
+            for d, addr in self.drafts.items()
+        }
+        gw_args = ["--target", self.target_addr, "--port", "0", "--draft-step-timeout-s", "20",
+                   *[a for n, addr in self.drafts.items() for a in ("--draft-service", f"{n}={addr}")]]
+        self.gateways = {
+            "share": Proc("gateway", gw_args, self.env),
+            "bytes": Proc("gateway", gw_args, base_env(SPECSERVE_HIDDEN_SHARE="0")),
+        }
+        self.addr = {k: p.wait_line("gateway listening on ", timeout=300).split()[-1] for k, p in self.gateways.items()}
+        for name, proc in self.draft_procs.items():
+            proc.wait_line(f"draft ({name}) listening on ", timeout=300)
+        self.channels = {k: grpc.insecure_channel(a, options=channel_options()) for k, a in self.addr.items()}
+        self.gw = {k: gateway_pb2_grpc.GatewayStub(c) for k, c in self.channels.items()}
+
+    def target_stub(self, ch):
+        return target_pb2_grpc.TargetServiceStub(ch)
+
+    def target_stats(self) -> target_pb2.TargetStats:
+        with grpc.insecure_channel(self.target_addr) as ch:
+            return self.target_stub(ch).GetStats(target_pb2.TargetStatsRequest(), timeout=5)
+
+    def draft_stats(self, name: str) -> draft_pb2.DraftStats:
+        with grpc.insecure_channel(self.drafts[name]) as ch:
+            return draft_pb2_grpc.DraftServiceStub(ch).GetStats(draft_pb2.DraftStatsRequest(), timeout=5)
+
+    def new_names(self) -> set[str]:
+        return set(leftover_names()) - self.before
+
+    def close(self) -> None:
+        for c in self.channels.values():
+            c.close()
+        for p in (*self.gateways.values(), *self.draft_procs.values(), self.target):
+            p.stop()
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    s = Stack(tmp_path_factory.mktemp("hidden"))
+    yield s
+    s.close()
+
+
+@pytest.fixture(scope="module")
+def one_process(stack):
+    """Greedy target-only decode of each prompt in this process (no service, no transport)."""
+    from specserve.target_service.factory import EngineConfig, build_engine
+
+    engine = build_engine(EngineConfig(model=stack.target_dir))
+    return {i: engine.generate_greedy(p, N_NEW) for i, p in enumerate(stack.prompts)}
+
+
+def req(prompt, n: int, draft: str, k: int = 4) -> gateway_pb2.GenerateRequest:
+    return gateway_pb2.GenerateRequest(prompt_ids=prompt, max_new_tokens=n, draft=draft, num_speculative_tokens=k)
+
+
+def generate(stack: Stack, via: str, request, timeout: float = 120.0):
+    """(token ids, final message or None, status code or None, seconds)."""
+    ids, final, code, t0 = [], None, None, time.monotonic()
+    try:
+        for msg in stack.gw[via].Generate(request, timeout=timeout):
+            if msg.HasField("final"):
+                final = msg.final
+            else:
+                ids.extend(msg.delta.token_ids)
+    except grpc.RpcError as exc:
+        code = exc.code()
+    return ids, final, code, time.monotonic() - t0
+
+
+def counts(stack: Stack) -> dict[str, int]:
+    t = stack.target_stats()
+    out = {"target shared": t.hidden_rows_shared, "target bytes": t.hidden_rows_as_bytes}
+    for d in DRAFTS:
+        s = stack.draft_stats(d)
+        out[f"{d} shared"], out[f"{d} bytes"] = s.hidden_rows_shared, s.hidden_rows_as_bytes
+    return out
+
+
+def delta(after: dict[str, int], before: dict[str, int]) -> dict[str, int]:
+    return {k: after[k] - before[k] for k in after}
+
+
+def run_greedy(stack: Stack, one_process, via: str) -> dict:
+    """Each request's tokens must be the one-process ones; returns what was accepted at each step."""
+    accepted = {}
+    for draft in DRAFTS:
+        for i, prompt in enumerate(stack.prompts):
+            ids, final, code, _ = generate(stack, via, req(prompt, N_NEW, draft))
+            assert code is None and ids == one_process[i], (via, draft, i)
+            assert not final.stats.draft_fallback, (via, draft, i)
+            assert final.stats.mean_accepted_length > 1.2, (via, draft, i)  # the drafter really drafted
+            accepted[draft, i] = (final.stats.steps, list(final.stats.accepted_per_position))
+    return accepted
+
+
+def test_greedy_shared_buffer_equals_bytes_equals_one_process(stack, one_process):
+    assert stack.target_stats().hidden_rows_shared == 0  # nothing asked yet
+    c0 = counts(stack)
+    via_buffer = run_greedy(stack, one_process, "share")
+    c1 = counts(stack)
+    via_bytes = run_greedy(stack, one_process, "bytes")
+    c2 = counts(stack)
+    assert via_buffer == via_bytes  # the drafters drafted the same blocks: they read the same rows
+    shared, sent = delta(c1, c0), delta(c2, c1)
+    # the shared path: every hidden row went as a row range, none as bytes, at either end
+    assert shared["target bytes"] == 0 and shared["target shared"] > 0, shared
+    for d in DRAFTS:
+        assert shared[f"{d} bytes"] == 0 and shared[f"{d} shared"] > 0, shared
+    assert shared["eagle3 shared"] + shared["dflash shared"] <= shared["target shared"], shared
+    # the bytes path (what main's code does for every session) fails those same checks
+    assert sent["target shared"] == 0 and sent["target bytes"] > 0, sent
+    for d in DRAFTS:
+        assert sent[f"{d} shared"] == 0 and sent[f"{d} bytes"] > 0, sent
+    wait_no_names(stack)
+
+
+SAMPLE_TEXT = "def "
+N_SAMPLES, POS = 300, 3
+
+
+def sample(stack: Stack, draft: str, temperature: float, seed0: int) -> tuple[Counter, int]:
+    from specserve.models.loader import load_tokenizer
+
+    prompt = load_tokenizer(stack.target_dir).encode(SAMPLE_TEXT).ids
+
+    def one(i: int):
+        r = req(prompt, POS + 1, draft)
+        r.sampling.temperature, r.sampling.top_k, r.sampling.seed = temperature, 8, seed0 + i
+        return stack.gw["share"].GenerateUnary(r, timeout=120)
+
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(one, range(N_SAMPLES)))
+    assert not any(r.final.stats.draft_fallback for r in results)
+    return Counter(r.token_ids[POS] for r in results), sum(sum(r.final.stats.accepted_per_position) for r in results)
+
+
+def test_sampled_shared_buffer_path_follows_the_target(stack):
+    c0 = counts(stack)
+    spec, accepted = sample(stack, "eagle3", 1.0, 0)
+    c1 = counts(stack)
+    assert delta(c1, c0)["eagle3 shared"] > 0 and delta(c1, c0)["eagle3 bytes"] == 0  # over the shared buffer
+    ref, _ = sample(stack, "none", 1.0, 10_000)
+    control, _ = sample(stack, "none", 0.5, 20_000)
+    assert accepted > N_SAMPLES // 5
+    assert two_sample_pvalue(spec, ref) > 1e-3, (dict(spec), dict(ref))
+    assert two_sample_pvalue(control, ref) < 1e-3, (dict(control), dict(ref))  # the test can tell laws apart
+
+
+def test_bad_handles_and_row_ranges_get_one_line_and_the_right_status(stack):
+    """A handle that cannot be mapped: FAILED_PRECONDITION; rows outside the buffer, a range without a
+    handle, a malformed handle: INVALID_ARGUMENT; one line each, and nothing is left in /dev/shm."""
+    prompt = stack.prompts[0]
+    with grpc.insecure_channel(stack.target_addr) as tch, grpc.insecure_channel(stack.drafts["eagle3"]) as dch:
+        target, draft = stack.target_stub(tch), draft_pb2_grpc.DraftServiceStub(dch)
+        layers = list(draft.GetInfo(draft_pb2.DraftInfoRequest(), timeout=5).hidden_layers)
+        pre = target.Prefill(target_pb2.PrefillRequest(session_id="bad-share", prompt_ids=prompt, hidden_layers=layers,
+                                                       want_hidden_share=True), timeout=30)
+        assert pre.HasField("hidden_share") and not pre.HasField("hidden") and pre.hidden_share.kind == "host_shm"
+        assert (pre.hidden_rows.start, pre.hidden_rows.stop) == (0, len(prompt))
+        rows = common_pb2.HiddenRows(start=0, stop=len(prompt))
+
+        def start(sid, share, hidden_rows=rows):
+            r = draft_pb2.StartSessionRequest(session_id=sid, token_ids=[*prompt, pre.next_token])
+            if share is not None:
+                r.hidden_share.CopyFrom(share)
+            if hidden_rows is not None:
+                r.hidden_rows.CopyFrom(hidden_rows)
+            return draft.StartSession(r, timeout=30)
+
+        def refused(call, code) -> str:
+            with pytest.raises(grpc.RpcError) as exc:
+                call()
+            assert exc.value.code() == code, exc.value
+            details = exc.value.details()
+            assert "\n" not in details and "Traceback" not in details
+            return details
+
+        gone = common_pb2.HiddenShare(kind="host_shm", shape=list(pre.hidden_share.shape), dtype=pre.hidden_share.dtype,
+                                      handle=b"specserve-000000000000000000000000")
+        assert "cannot open segment" in refused(lambda: start("s1", gone), grpc.StatusCode.FAILED_PRECONDITION)
+        cuda = common_pb2.HiddenShare(kind="cuda_ipc", shape=[8, 8], dtype="float32", handle=b"{}")
+        refused(lambda: start("s2", cuda), grpc.StatusCode.FAILED_PRECONDITION)  # a CPU draft maps host_shm only
+        odd = common_pb2.HiddenShare(kind="host_shm", shape=[8], dtype="float32", handle=b"x")
+        assert "hidden_share.shape" in refused(lambda: start("s3", odd), grpc.StatusCode.INVALID_ARGUMENT)
+        assert "without hidden_share" in refused(lambda: start("s4", None), grpc.StatusCode.INVALID_ARGUMENT)
+        wider = common_pb2.HiddenShare()
+        wider.CopyFrom(pre.hidden_share)
+        wider.shape[0] = 10**6  # more rows than the segment holds
+        assert "needs" in refused(lambda: start("s5", wider), grpc.StatusCode.FAILED_PRECONDITION)
+        # the real handle maps; then rows past the buffer are refused
+        start("good", pre.hidden_share)
+        past = draft_pb2.ProposeRequest(session_id="good", prefix_len=len(prompt) + 1, num_tokens=2)
+        past.append_rows.start, past.append_rows.stop = 10**6, 10**6 + 1
+        assert "outside the shared buffer" in refused(lambda: draft.Propose(past, timeout=30),
+                                                      grpc.StatusCode.INVALID_ARGUMENT)
+        block = draft.Propose(draft_pb2.ProposeRequest(session_id="good", prefix_len=len(prompt) + 1, num_tokens=2),
+                              timeout=30)
+        assert len(block.draft.token_ids) == 2  # the session is still fine
+        for sid in ("s1", "s2", "s3", "s4", "s5", "good"):
+            draft.Release(draft_pb2.DraftReleaseRequest(session_id=sid), timeout=10)
+        target.Release(target_pb2.ReleaseRequest(session_id="bad-share"), timeout=10)
+    wait_no_names(stack)
+
+
+def wait_no_names(stack: Stack, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while stack.new_names() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not stack.new_names(), stack.new_names()
+
+
+def run_concurrently(stack: Stack, requests, timeout: float, during):
+    results = [None] * len(requests)
+
+    def one(i):
+        results[i] = generate(stack, "share", requests[i], timeout)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(requests))]
+    for t in threads:
+        t.start()
+    during()
+    for t in threads:
+        t.join(timeout + 30)
+    return results
+
+
+# ------------------------------------------------------------------------------------------ faults
+def test_drafter_killed_mid_session_goes_on_target_only_losslessly(stack, one_process):
+    n = 4 * N_NEW
+    want = {}
+    from specserve.target_service.factory import EngineConfig, build_engine
+
+    engine = build_engine(EngineConfig(model=stack.target_dir))
+    for i, p in enumerate(stack.prompts):
+        want[i] = engine.generate_greedy(p, n)
+    specs = [i % len(stack.prompts) for i in range(6)]
+    shared0 = stack.draft_stats("eagle3").hidden_rows_shared
+
+    def kill_draft():
+        deadline = time.monotonic() + 60
+        while stack.draft_stats("eagle3").hidden_rows_shared < shared0 + 200 and time.monotonic() < deadline:
+            time.sleep(0.01)  # the requests are drafting from the shared buffers now
+        stack.draft_procs["eagle3"].stop(signal.SIGKILL)
+
+    results = run_concurrently(stack, [req(stack.prompts[p], n, "eagle3", k=2) for p in specs], 120.0, kill_draft)
+    assert [r[2] for r in results] == [None] * len(specs)
+    for p, (ids, final, _, _) in zip(specs, results):
+        assert ids == want[p]
+    assert any(r[1].stats.draft_fallback for r in results)
+    assert stack.target_stats().active_sessions == 0
+    wait_no_names(stack)
