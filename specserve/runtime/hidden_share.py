@@ -157,7 +157,10 @@ class HiddenBuffer:
 
     def close(self) -> None:
         self.unlink()
+        on_cuda = self.tensor is not None and self.tensor.is_cuda
         self.tensor = None
+        if on_cuda:  # memory a drafter still mapped waits in torch's IPC limbo: free what it has let go
+            torch.cuda.ipc_collect()
         if self._shm is not None:
             shm, self._shm = self._shm, None
             with contextlib.suppress(BufferError):  # a view still alive: the mapping goes with it

@@ -155,6 +155,12 @@ def run_greedy(stack: Stack, one_process, via: str) -> dict:
             assert not final.stats.draft_fallback, (via, draft, i)
             assert final.stats.mean_accepted_length > 1.2, (via, draft, i)  # the drafter really drafted
             accepted[draft, i] = (final.stats.steps, list(final.stats.accepted_per_position))
+    for i, prompt in enumerate(stack.prompts[:2]):  # EAGLE-3 trees: a path's rows are written once it is known
+        r = req(prompt, N_NEW, "eagle3")
+        r.tree_nodes, r.tree_top_k, r.tree_depth = 6, 2, 3
+        ids, final, code, _ = generate(stack, via, r)
+        assert code is None and ids == one_process[i] and not final.stats.draft_fallback, (via, "tree", i)
+        accepted["tree", i] = (final.stats.steps, list(final.stats.accepted_per_position))
     return accepted
 
 
@@ -306,11 +312,51 @@ def test_drafter_killed_mid_session_goes_on_target_only_losslessly(stack, one_pr
         while stack.draft_stats("eagle3").hidden_rows_shared < shared0 + 200 and time.monotonic() < deadline:
             time.sleep(0.01)  # the requests are drafting from the shared buffers now
         stack.draft_procs["eagle3"].stop(signal.SIGKILL)
+        time.sleep(0.2)
+        seen.append((stack.target_stats().active_sessions, stack.new_names()))  # while the requests go on
 
+    seen = []
     results = run_concurrently(stack, [req(stack.prompts[p], n, "eagle3", k=2) for p in specs], 120.0, kill_draft)
+    assert seen[0][0] > 0 and not seen[0][1], seen  # no name of a running session's buffer in /dev/shm
     assert [r[2] for r in results] == [None] * len(specs)
     for p, (ids, final, _, _) in zip(specs, results):
         assert ids == want[p]
     assert any(r[1].stats.draft_fallback for r in results)
     assert stack.target_stats().active_sessions == 0
     wait_no_names(stack)
+
+
+# -------------------------------------------------------------------------------------------- GPU
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_target_hands_its_device_rows_over_as_cuda_ipc_and_gives_the_tokens_of_bytes(tmp_path):
+    """The same stack on cuda (bfloat16, CUDA graphs with the heads' layers): the target's buffer is a CUDA
+    tensor handed over as a CUDA IPC handle, the drafters read the rows from the target's device memory;
+    tokens and per-step acceptance equal the bytes path's (greedy), and no hidden row went as bytes."""
+    gpu = Stack(tmp_path, device="cuda", extra=("--dtype", "bfloat16", "--graph-hidden-layers", "1,2,4"))
+    try:
+        with grpc.insecure_channel(gpu.target_addr) as ch:
+            info = gpu.target_stub(ch).GetInfo(target_pb2.TargetInfoRequest(), timeout=10)
+        assert info.hidden_share_kind == "cuda_ipc"
+        for d in DRAFTS:
+            with grpc.insecure_channel(gpu.drafts[d]) as ch:
+                assert "cuda_ipc" in draft_pb2_grpc.DraftServiceStub(ch).GetInfo(draft_pb2.DraftInfoRequest(),
+                                                                                 timeout=10).hidden_share_kinds
+        results = {}
+        for via in ("bytes", "share"):
+            before = counts(gpu)
+            for draft in DRAFTS:
+                for i, prompt in enumerate(gpu.prompts):
+                    ids, final, code, _ = generate(gpu, via, req(prompt, N_NEW, draft))
+                    assert code is None and not final.stats.draft_fallback, (via, draft, i, code)
+                    results[via, draft, i] = (ids, final.stats.steps, list(final.stats.accepted_per_position))
+            moved = delta(counts(gpu), before)
+            if via == "share":
+                assert moved["target bytes"] == 0 and moved["target shared"] > 0, moved
+                assert all(moved[f"{d} bytes"] == 0 and moved[f"{d} shared"] > 0 for d in DRAFTS), moved
+        for draft in DRAFTS:
+            for i in range(len(gpu.prompts)):
+                assert results["share", draft, i] == results["bytes", draft, i], (draft, i)
+        wait_no_names(gpu)
+    finally:
+        gpu.close()
