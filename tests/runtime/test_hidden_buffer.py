@@ -133,3 +133,53 @@ def test_join_hidden_merges_ranges_and_keeps_bytes_after_them_as_a_tail():
         join_hidden([a, SharedRows(0, 1)])
     with pytest.raises(ValueError, match="row range"):
         SharedRows(4, 3)
+
+
+def _cuda_maker(to_parent, from_parent) -> None:
+    """Another process: a cuda buffer, its handle as wire bytes, then an in-place write the mapping must see."""
+    from specserve.runtime.hidden_share import HiddenBuffer as Buffer
+
+    buf = Buffer.create(8, 4, torch.bfloat16, "cuda")
+    buf.tensor.copy_(torch.arange(32, dtype=torch.bfloat16, device="cuda").view(8, 4))
+    torch.cuda.synchronize()
+    to_parent.put(buf.handle.to_proto().SerializeToString())
+    assert from_parent.get(timeout=300) == "read"
+    buf.tensor[3].fill_(-1.0)
+    torch.cuda.synchronize()
+    to_parent.put("written")
+    assert from_parent.get(timeout=300) == "bye"
+    buf.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_ipc_buffer_of_another_process_is_read_in_place():
+    from specserve.protos.specserve.v1 import common_pb2
+
+    ctx = torch.multiprocessing.get_context("spawn")
+    to_parent, from_parent = ctx.Queue(), ctx.Queue()
+    maker = ctx.Process(target=_cuda_maker, args=(to_parent, from_parent))
+    maker.start()
+    try:
+        msg = common_pb2.HiddenShare()
+        msg.ParseFromString(to_parent.get(timeout=300))
+        handle = HiddenHandle.from_proto(msg)
+        assert handle.kind == CUDA_IPC and (handle.rows, handle.cols, handle.dtype) == (8, 4, "bfloat16")
+        view = HiddenView.open(handle)
+        want = torch.arange(32, dtype=torch.float32).view(8, 4)
+        got = view.read(0, 8)
+        assert got.is_cuda and got.dtype == torch.float32 and torch.equal(got.cpu(), want)
+        from_parent.put("read")
+        assert to_parent.get(timeout=300) == "written"
+        want[3] = -1.0
+        assert torch.equal(view.read(0, 8).cpu(), want)  # the other process's memory, not a copy
+        with pytest.raises(HiddenShareError, match="outside"):
+            view.read(0, 9)
+        view.close()
+        from_parent.put("bye")
+        maker.join(120)
+        assert maker.exitcode == 0
+    finally:
+        if maker.is_alive():
+            maker.kill()
+            maker.join()
