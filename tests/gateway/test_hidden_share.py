@@ -186,7 +186,7 @@ def test_greedy_shared_buffer_equals_bytes_equals_one_process(stack, one_process
 
 
 SAMPLE_TEXT = "def "
-N_SAMPLES, POS = 300, 3
+N_SAMPLES, POS = 200, 3
 
 
 def sample(stack: Stack, draft: str, temperature: float, seed0: int) -> tuple[Counter, int]:
@@ -206,15 +206,16 @@ def sample(stack: Stack, draft: str, temperature: float, seed0: int) -> tuple[Co
 
 
 def test_sampled_shared_buffer_path_follows_the_target(stack):
-    c0 = counts(stack)
-    spec, accepted = sample(stack, "eagle3", 1.0, 0)
-    c1 = counts(stack)
-    assert delta(c1, c0)["eagle3 shared"] > 0 and delta(c1, c0)["eagle3 bytes"] == 0  # over the shared buffer
     ref, _ = sample(stack, "none", 1.0, 10_000)
     control, _ = sample(stack, "none", 0.5, 20_000)
-    assert accepted > N_SAMPLES // 5
-    assert two_sample_pvalue(spec, ref) > 1e-3, (dict(spec), dict(ref))
     assert two_sample_pvalue(control, ref) < 1e-3, (dict(control), dict(ref))  # the test can tell laws apart
+    for draft in DRAFTS:
+        c0 = counts(stack)
+        spec, accepted = sample(stack, draft, 1.0, 0)
+        moved = delta(counts(stack), c0)
+        assert moved[f"{draft} shared"] > 0 and moved[f"{draft} bytes"] == 0, moved  # over the shared buffer
+        assert accepted > N_SAMPLES // 10, (draft, accepted)  # drafted tokens were accepted: the draft took part
+        assert two_sample_pvalue(spec, ref) > 1e-3, (draft, dict(spec), dict(ref))
 
 
 def test_bad_handles_and_row_ranges_get_one_line_and_the_right_status(stack):
@@ -297,7 +298,7 @@ def run_concurrently(stack: Stack, requests, timeout: float, during):
 
 # ------------------------------------------------------------------------------------------ faults
 def test_drafter_killed_mid_session_goes_on_target_only_losslessly(stack, one_process):
-    n = 4 * N_NEW
+    n = 3 * N_NEW
     want = {}
     from specserve.target_service.factory import EngineConfig, build_engine
 
