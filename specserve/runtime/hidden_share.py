@@ -67,7 +67,8 @@ def host_id() -> str:
 
 
 def kind_for(device: torch.device | str) -> str:
-    return CUDA_IPC if torch.device(device).type == "cuda" else HOST_SHM
+    """The kind of a buffer on this device ("" where there is none: rows go as bytes)."""
+    return {"cuda": CUDA_IPC, "cpu": HOST_SHM}.get(torch.device(device).type, "")
 
 
 def mappable_kinds() -> tuple[str, ...]:
@@ -134,6 +135,8 @@ class HiddenBuffer:
             raise HiddenShareError(f"no hidden share for dtype {dtype}")
         name_of_dtype = _DTYPE_NAMES[dtype]
         device = torch.device(device)
+        if not kind_for(device):
+            raise HiddenShareError(f"no hidden share on a {device.type} device")
         if kind_for(device) == CUDA_IPC:
             try:
                 tensor = torch.zeros(rows, cols, dtype=dtype, device=device)

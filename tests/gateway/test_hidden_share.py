@@ -274,6 +274,36 @@ def test_bad_handles_and_row_ranges_get_one_line_and_the_right_status(stack):
     wait_no_names(stack)
 
 
+def test_a_draft_that_cannot_map_costs_one_request_its_speculation_then_gets_bytes(stack):
+    """The gateway's draft adapter: a StartSession whose buffer the draft cannot map is a DraftError (that
+    request goes on target-only) and the endpoint stops asking for buffers; it asked while both sides
+    reported one host."""
+    import asyncio
+
+    from specserve.contract.types import SamplingParams, SharedRows
+    from specserve.gateway.clients import DraftError
+    from specserve.gateway.remote_draft import RemoteDraftEndpoint
+
+    async def run() -> None:
+        with grpc.insecure_channel(stack.target_addr) as ch:
+            target_info = stack.target_stub(ch).GetInfo(target_pb2.TargetInfoRequest(), timeout=10)
+        ep = RemoteDraftEndpoint("eagle3", stack.drafts["eagle3"], step_timeout_s=20.0, target_info=target_info)
+        try:
+            await ep.fetch_info(10.0)
+            assert ep.maps_hidden_of(target_info)  # same host, a kind it maps
+            gone = common_pb2.HiddenShare(kind="host_shm", shape=[64, 768], dtype="float32",
+                                          handle=b"specserve-111111111111111111111111")
+            session = ep.session(None)
+            with pytest.raises(DraftError, match="FAILED_PRECONDITION"):
+                await session.start("unmappable", [1, 2, 3], SharedRows(0, 2, handle=gone), SamplingParams())
+            assert not ep.maps_hidden_of(target_info)  # bytes from now on
+            await session.release("unmappable")
+        finally:
+            await ep.close()
+
+    asyncio.run(run())
+
+
 def wait_no_names(stack: Stack, timeout: float = 5.0) -> None:
     deadline = time.monotonic() + timeout
     while stack.new_names() and time.monotonic() < deadline:

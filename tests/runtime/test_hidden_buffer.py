@@ -38,7 +38,7 @@ def no_leftovers():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_drafter_maps_the_targets_buffer_and_reads_its_rows_in_place(dtype, no_leftovers):
     buf = HiddenBuffer.create(16, 6, dtype, "cpu")
-    assert buf.handle.kind == HOST_SHM == kind_for("cpu") and kind_for("cuda:0") == CUDA_IPC
+    assert buf.handle.kind == HOST_SHM == kind_for("cpu") and kind_for("cuda:0") == CUDA_IPC and kind_for("meta") == ""
     name = buf.handle.handle.decode()
     assert (SHM_DIR / name).exists() and oct((SHM_DIR / name).stat().st_mode & 0o777) == "0o600"
     rows = torch.randn(5, 6).to(dtype)
