@@ -49,7 +49,7 @@ class SharedRowsToRead:
 
     start: int
     stop: int
-    tail: object | None = None  # torch.Tensor
+    tail: torch.Tensor | None = None
 
 
 class ProposeExpired(SpecserveError):

@@ -310,16 +310,20 @@ class EngineWorker:
             if buffer is not None:
                 buffer.close()
             raise
+        if buffer is not None and res.hidden.shape[0] > buffer.rows:  # (sized above for the prompt and more)
+            buffer.close()
+            buffer = None
         if buffer is None:
             return res if res.hidden is None else dataclasses.replace(res, hidden=_host(res.hidden))
         self.shares[session_id] = buffer
         return dataclasses.replace(res, hidden=SharedRows(0, len(prompt_ids), handle=buffer.handle))
 
     def _release_on_thread(self, session_id: str) -> bool:
+        released = self.engine.release(session_id)  # first: the engine's session holds the buffer's tensor too
         buffer = self.shares.pop(session_id, None)
         if buffer is not None:
             buffer.close()
-        return self.engine.release(session_id)
+        return released
 
     def _on_host(self, session_id: str, res: VerifyResult) -> VerifyResult:
         """On the engine thread: the step's hidden rows as bytes (copied to host here), or as the range of

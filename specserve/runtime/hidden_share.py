@@ -33,6 +33,7 @@ from multiprocessing import resource_tracker
 from multiprocessing.shared_memory import SharedMemory
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from specserve.protos.specserve.v1 import common_pb2
@@ -149,8 +150,8 @@ class HiddenBuffer:
             shm = _create_segment(name, nbytes)
         except OSError as exc:
             raise HiddenShareError(f"no /dev/shm segment of {nbytes} bytes: {exc}") from None
-        tensor = torch.frombuffer(shm.buf, dtype=dtype, count=rows * cols).view(rows, cols)
-        return cls(tensor, HiddenHandle(HOST_SHM, rows, cols, name_of_dtype, name.encode()), shm)
+        return cls(_segment_tensor(shm, rows, cols, dtype), HiddenHandle(HOST_SHM, rows, cols, name_of_dtype, name.encode()),
+                   shm)
 
     def unlink(self) -> None:
         if self._linked:
@@ -168,6 +169,14 @@ class HiddenBuffer:
             shm, self._shm = self._shm, None
             with contextlib.suppress(BufferError):  # a view still alive: the mapping goes with it
                 shm.close()
+
+
+def _segment_tensor(shm: SharedMemory, rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor:  # [rows, cols]
+    """A tensor over the segment that pins its mapping: numpy holds a buffer export of it, so the segment
+    cannot be unmapped (close raises BufferError) while any tensor over it lives (torch.frombuffer would
+    not pin it: a close under a live tensor is a use after unmap)."""
+    raw = np.frombuffer(shm.buf, dtype=np.uint8, count=rows * cols * dtype.itemsize)
+    return torch.from_numpy(raw).view(dtype).view(rows, cols)
 
 
 def _create_segment(name: str, nbytes: int) -> SharedMemory:
@@ -244,8 +253,7 @@ class HiddenView:
                                    f"[{handle.rows}, {handle.cols}] {handle.dtype} needs {handle.nbytes}")
         with contextlib.suppress(FileNotFoundError):
             (SHM_DIR / name).unlink()  # mapped: nothing needs the name any more
-        tensor = torch.frombuffer(shm.buf, dtype=DTYPES[handle.dtype], count=handle.rows * handle.cols)
-        return cls(tensor.view(handle.rows, handle.cols), handle, shm)
+        return cls(_segment_tensor(shm, handle.rows, handle.cols, DTYPES[handle.dtype]), handle, shm)
 
     def read(self, start: int, stop: int) -> torch.Tensor:  # [stop - start, cols] float32, a private copy
         if self.tensor is None:
