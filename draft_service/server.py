@@ -441,4 +441,5 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         return draft_pb2.DraftStats(active_sessions=len(self.worker.active), proposals=self.worker.proposals,
                                     shm_proposals=self.shm.served, shm_channels=self.shm.attached,
                                     hidden_rows_shared=self.worker.hidden_rows_shared,
-                                    hidden_rows_as_bytes=self.hidden_rows_as_bytes)
+                                    hidden_rows_as_bytes=self.hidden_rows_as_bytes,
+                                    hidden_buffers=len(self.worker.views))

@@ -561,4 +561,5 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             shm_channels=self.shm.attached,
             hidden_rows_shared=self.hidden_rows_shared,
             hidden_rows_as_bytes=self.hidden_rows_as_bytes,
+            hidden_buffers=len(self.worker.shares),
         )

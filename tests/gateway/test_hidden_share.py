@@ -7,7 +7,8 @@ count the rows each way.
 - greedy: shared buffer, bytes and one process (the engine's own target-only greedy decode) give the
   same tokens, and the shared path sent no hidden row as bytes (the bytes gateway, as main's code, did);
 - sampled: the shared path follows the target's law (two-sample chi-square, with its negative control);
-- bad handles and row ranges get one clear line and the right status;
+- bad handles and row ranges get one clear line and the right status; cancel and deadline free the
+  buffer at both ends;
 - SIGKILL of a drafter mid-session: the requests go on target-only, losslessly; nothing stays in /dev/shm.
 Tests that kill processes run last, in file order.
 """
@@ -304,6 +305,31 @@ def test_a_draft_that_cannot_map_costs_one_request_its_speculation_then_gets_byt
     asyncio.run(run())
 
 
+def buffers(stack: Stack, draft: str) -> tuple[int, int]:
+    """(buffers the target holds, buffers the draft maps) now."""
+    return stack.target_stats().hidden_buffers, stack.draft_stats(draft).hidden_buffers
+
+
+def wait_until(cond, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.02)
+
+
+def test_cancel_and_deadline_free_the_buffer_on_both_sides(stack):
+    assert buffers(stack, "dflash") == (0, 0)
+    call = stack.gw["share"].Generate(req(stack.prompts[1], 400, "dflash"), timeout=60)
+    next(call), next(call)
+    assert buffers(stack, "dflash") == (1, 1)  # the target holds it, the draft maps it
+    call.cancel()
+    wait_until(lambda: buffers(stack, "dflash") == (0, 0), 2.0, "both freed the cancelled session's buffer")
+    _, _, code, _ = generate(stack, "share", req(stack.prompts[2], 400, "dflash"), timeout=0.5)
+    assert code == grpc.StatusCode.DEADLINE_EXCEEDED
+    wait_until(lambda: buffers(stack, "dflash") == (0, 0), 2.0, "both freed the buffer after the deadline")
+    wait_no_names(stack)
+
+
 def wait_no_names(stack: Stack, timeout: float = 5.0) -> None:
     deadline = time.monotonic() + timeout
     while stack.new_names() and time.monotonic() < deadline:
@@ -353,7 +379,7 @@ def test_drafter_killed_mid_session_goes_on_target_only_losslessly(stack, one_pr
     for p, (ids, final, _, _) in zip(specs, results):
         assert ids == want[p]
     assert any(r[1].stats.draft_fallback for r in results)
-    assert stack.target_stats().active_sessions == 0
+    assert stack.target_stats().active_sessions == 0 and stack.target_stats().hidden_buffers == 0
     wait_no_names(stack)
 
 

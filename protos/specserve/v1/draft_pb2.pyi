@@ -127,17 +127,19 @@ class DraftStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DraftStats(_message.Message):
-    __slots__ = ("active_sessions", "proposals", "shm_proposals", "shm_channels", "hidden_rows_shared", "hidden_rows_as_bytes")
+    __slots__ = ("active_sessions", "proposals", "shm_proposals", "shm_channels", "hidden_rows_shared", "hidden_rows_as_bytes", "hidden_buffers")
     ACTIVE_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     PROPOSALS_FIELD_NUMBER: _ClassVar[int]
     SHM_PROPOSALS_FIELD_NUMBER: _ClassVar[int]
     SHM_CHANNELS_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_ROWS_SHARED_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_ROWS_AS_BYTES_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_BUFFERS_FIELD_NUMBER: _ClassVar[int]
     active_sessions: int
     proposals: int
     shm_proposals: int
     shm_channels: int
     hidden_rows_shared: int
     hidden_rows_as_bytes: int
-    def __init__(self, active_sessions: _Optional[int] = ..., proposals: _Optional[int] = ..., shm_proposals: _Optional[int] = ..., shm_channels: _Optional[int] = ..., hidden_rows_shared: _Optional[int] = ..., hidden_rows_as_bytes: _Optional[int] = ...) -> None: ...
+    hidden_buffers: int
+    def __init__(self, active_sessions: _Optional[int] = ..., proposals: _Optional[int] = ..., shm_proposals: _Optional[int] = ..., shm_channels: _Optional[int] = ..., hidden_rows_shared: _Optional[int] = ..., hidden_rows_as_bytes: _Optional[int] = ..., hidden_buffers: _Optional[int] = ...) -> None: ...

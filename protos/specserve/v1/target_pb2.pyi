@@ -127,7 +127,7 @@ class TargetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class TargetStats(_message.Message):
-    __slots__ = ("active_sessions", "kv_blocks_total", "kv_blocks_used", "steps", "shm_steps", "shm_channels", "hidden_rows_shared", "hidden_rows_as_bytes")
+    __slots__ = ("active_sessions", "kv_blocks_total", "kv_blocks_used", "steps", "shm_steps", "shm_channels", "hidden_rows_shared", "hidden_rows_as_bytes", "hidden_buffers")
     ACTIVE_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_USED_FIELD_NUMBER: _ClassVar[int]
@@ -136,6 +136,7 @@ class TargetStats(_message.Message):
     SHM_CHANNELS_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_ROWS_SHARED_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_ROWS_AS_BYTES_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_BUFFERS_FIELD_NUMBER: _ClassVar[int]
     active_sessions: int
     kv_blocks_total: int
     kv_blocks_used: int
@@ -144,4 +145,5 @@ class TargetStats(_message.Message):
     shm_channels: int
     hidden_rows_shared: int
     hidden_rows_as_bytes: int
-    def __init__(self, active_sessions: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., steps: _Optional[int] = ..., shm_steps: _Optional[int] = ..., shm_channels: _Optional[int] = ..., hidden_rows_shared: _Optional[int] = ..., hidden_rows_as_bytes: _Optional[int] = ...) -> None: ...
+    hidden_buffers: int
+    def __init__(self, active_sessions: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., steps: _Optional[int] = ..., shm_steps: _Optional[int] = ..., shm_channels: _Optional[int] = ..., hidden_rows_shared: _Optional[int] = ..., hidden_rows_as_bytes: _Optional[int] = ..., hidden_buffers: _Optional[int] = ...) -> None: ...
