@@ -145,7 +145,10 @@ class DrafterWorker:
         finally:
             self._done(session_id)
 
-    async def propose(self, session_id, prefix_len, append_ids, append_hidden, num_tokens, tree) -> common_pb2.DraftBlock:
+    async def propose(
+        self, session_id, prefix_len, append_ids, append_hidden, num_tokens, tree
+    ) -> tuple[common_pb2.DraftBlock, float]:
+        """The drafted block as its wire message, and the proposer's own time in ms (its compute_ms)."""
         if session_id not in self.active:
             raise ProposerError(f"session_id {session_id!r} is not open (StartSession first)")
         new_len = max(0, prefix_len) + len(append_ids)
@@ -153,14 +156,14 @@ class DrafterWorker:
         self._touch(session_id)
         self.busy[session_id] = self.busy.get(session_id, 0) + 1
         try:
-            msg = await self.call(self._propose_to_proto, time.monotonic(), session_id, prefix_len, append_ids,
-                                  append_hidden, num_tokens, tree)
+            msg, compute_ms = await self.call(self._propose_to_proto, time.monotonic(), session_id, prefix_len,
+                                              append_ids, append_hidden, num_tokens, tree)
         finally:
             self._done(session_id)
         if session_id in self.active:
             self.tokens[session_id] = new_len
         self.proposals += 1
-        return msg
+        return msg, compute_ms
 
     def _start_on_thread(self, session_id, token_ids, hidden, sampling, share: HiddenHandle | None) -> None:
         if share is not None:
@@ -224,7 +227,7 @@ class DrafterWorker:
                     print(f"draft: session {sid[:40]} released after {now - used:.0f} s idle", flush=True)
                     await self.release(sid)
 
-    def _propose_to_proto(self, asked_at: float, *args) -> common_pb2.DraftBlock:
+    def _propose_to_proto(self, asked_at: float, *args) -> tuple[common_pb2.DraftBlock, float]:
         """On the drafter thread: propose and serialize (probs may be MBs and on the device; the copy
         to host and the byte packing stay off the event loop). A proposal that waited here past the
         time budget (the thread was busy with others) is dropped: the work queue cannot pile up."""
@@ -236,7 +239,10 @@ class DrafterWorker:
             )
         session_id, prefix_len, append_ids, append_hidden, num_tokens, tree = args
         rows = self._rows(session_id, append_hidden)
-        return convert.draft_block_to_proto(self.proposer.propose(session_id, prefix_len, append_ids, rows, num_tokens, tree))
+        t0 = time.perf_counter()
+        block = self.proposer.propose(session_id, prefix_len, append_ids, rows, num_tokens, tree)
+        compute_ms = (time.perf_counter() - t0) * 1e3
+        return convert.draft_block_to_proto(block), compute_ms
 
     async def release(self, session_id: str) -> bool:
         if session_id not in self.active or self._closed:
@@ -388,7 +394,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
                     f"{'tree.num_nodes' if tree is not None else 'num_tokens'}: {asked} exceeds the limit of "
                     f"{self.limits.max_draft_tokens} (--max-draft-tokens)"
                 )
-            block = await self.worker.propose(
+            block, compute_ms = await self.worker.propose(
                 request.session_id, request.prefix_len, list(request.append_ids), hidden, request.num_tokens, tree
             )
             span.set_attribute(tn.ATTR_TREE_SIZE, len(block.token_ids) if block.is_tree else 0)
@@ -396,7 +402,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             return draft_pb2.ProposeResponse(
                 session_id=request.session_id,
                 draft=block,
-                timings=common_pb2.StepTimings(forward_ms=total_ms, total_ms=total_ms),
+                timings=common_pb2.StepTimings(forward_ms=total_ms, total_ms=total_ms, compute_ms=compute_ms),
             )
 
     async def _propose_over_shm(self, session_id: str, request) -> draft_pb2.ProposeResponse:

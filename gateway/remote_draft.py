@@ -171,6 +171,7 @@ class RemoteDraft:
         self._shm: ShmClient | None = None  # this session's shared-memory channel, when it has one
         self._shm_broken = False  # the channel ended: proposals fail (as on a stream the draft ended)
         self.service_ms = 0.0  # draft time the draft service measured, summed over this session's proposals
+        self.compute_ms = 0.0  # of which the proposer's own calls (the rest: the service's hop and encoding)
 
     @property
     def transport(self) -> str:
@@ -262,6 +263,7 @@ class RemoteDraft:
             resp = await self._propose_stream(req)
         self._ep.breaker.succeeded()
         self.service_ms += resp.timings.total_ms
+        self.compute_ms += resp.timings.compute_ms
         try:
             return convert.draft_block_from_proto(resp.draft)
         except convert.ConversionError as exc:

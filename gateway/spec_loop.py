@@ -63,6 +63,7 @@ class StepRecord:
     tree: bool
     ahead: bool = False  # the drafter drafted the next block during this verify (contends with it)
     verify_service_ms: float = 0.0  # the target service's own handling of the verify (0 in process)
+    verify_compute_ms: float = 0.0  # of which the engine's own verify call on its thread (timings.compute_ms)
 
 
 @dataclass(frozen=True)
@@ -286,6 +287,7 @@ class _Run:
                     tree=not block.is_chain,
                     ahead=ahead_task is not None,
                     verify_service_ms=res.timings.total_ms,
+                    verify_compute_ms=res.timings.compute_ms,
                 )
             )
         self.step_draft_ms = 0.0

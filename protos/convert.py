@@ -125,11 +125,13 @@ def timings_to_proto(t: StepTimings, total_ms: float = 0.0, queue_ms: float | No
         forward_ms=t.forward_ms,
         sample_ms=t.sample_ms,
         total_ms=total_ms,
+        compute_ms=t.compute_ms,
     )
 
 
 def timings_from_proto(msg: common_pb2.StepTimings) -> StepTimings:
-    return StepTimings(queue_ms=msg.queue_ms, forward_ms=msg.forward_ms, sample_ms=msg.sample_ms, total_ms=msg.total_ms)
+    return StepTimings(queue_ms=msg.queue_ms, forward_ms=msg.forward_ms, sample_ms=msg.sample_ms, total_ms=msg.total_ms,
+                       compute_ms=msg.compute_ms)
 
 
 # ------------------------------------------------------------------------------------- trees

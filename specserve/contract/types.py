@@ -89,6 +89,7 @@ class StepTimings:
     forward_ms: float = 0.0
     sample_ms: float = 0.0
     total_ms: float = 0.0  # a service's whole handling of the call, receipt to reply (0 when in process)
+    compute_ms: float = 0.0  # the model's own call on its thread (engine verify / proposer propose), nothing around it
 
 
 @dataclass(frozen=True)

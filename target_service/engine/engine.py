@@ -274,6 +274,7 @@ class TargetEngine:
 
     def verify_batch(self, items: Sequence[tuple[str, DraftBlock]]) -> list[VerifyResult]:
         """Verify several sessions' blocks in ONE forward; results in the order of ``items``."""
+        started = time.perf_counter()  # each result's compute_ms: from here to its own result
         steps = self._prepare(items)
         timer = _StepTimer(self.device)
         try:
@@ -285,7 +286,7 @@ class TargetEngine:
         results: list[VerifyResult] = []
         try:
             for step in steps:
-                results.append(self._accept(step, run, timer))
+                results.append(self._accept(step, run, timer, started))
         except BaseException:
             self._rollback(steps[len(results) :])  # sessions not accepted yet keep their old state
             raise
@@ -381,7 +382,7 @@ class TargetEngine:
         last, nxt, experts = torch.stack([last, nxt_t, experts_t]).tolist()
         return last, nxt, experts
 
-    def _accept(self, step: _Step, run: RunOutput, timer: _StepTimer) -> VerifyResult:
+    def _accept(self, step: _Step, run: RunOutput, timer: _StepTimer, started: float) -> VerifyResult:
         out, capture = run.out, run.captured_layers
         s, block, layout = step.session, step.block, step.layout
         t0 = time.perf_counter()
@@ -425,7 +426,8 @@ class TargetEngine:
             hidden=hidden,
             num_drafted=len(block),
             experts_touched=experts,
-            timings=StepTimings(forward_ms=timer.ms(), sample_ms=(t1 - t0) * 1e3),
+            timings=StepTimings(forward_ms=timer.ms(), sample_ms=(t1 - t0) * 1e3,
+                                compute_ms=(time.perf_counter() - started) * 1e3),
         )
 
     def _select_layers(

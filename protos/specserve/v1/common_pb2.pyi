@@ -61,13 +61,15 @@ class DraftBlock(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., parents: _Optional[_Iterable[int]] = ..., is_tree: _Optional[bool] = ..., probs: _Optional[_Union[Tensor, _Mapping]] = ..., has_probs: _Optional[bool] = ...) -> None: ...
 
 class StepTimings(_message.Message):
-    __slots__ = ("queue_ms", "forward_ms", "sample_ms", "total_ms")
+    __slots__ = ("queue_ms", "forward_ms", "sample_ms", "total_ms", "compute_ms")
     QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
     FORWARD_MS_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_MS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_MS_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_MS_FIELD_NUMBER: _ClassVar[int]
     queue_ms: float
     forward_ms: float
     sample_ms: float
     total_ms: float
-    def __init__(self, queue_ms: _Optional[float] = ..., forward_ms: _Optional[float] = ..., sample_ms: _Optional[float] = ..., total_ms: _Optional[float] = ...) -> None: ...
+    compute_ms: float
+    def __init__(self, queue_ms: _Optional[float] = ..., forward_ms: _Optional[float] = ..., sample_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., compute_ms: _Optional[float] = ...) -> None: ...
