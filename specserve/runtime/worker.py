@@ -1,26 +1,86 @@
-"""The one-thread owner every service uses for its model: the event loop only awaits, the model runs here."""
+"""The one-thread owner every service uses for its model: the event loop only awaits, the model runs here.
+
+A call is the step's hot path (two thread hops per verify or propose), so it is one queue put and one
+``call_soon_threadsafe`` back: no ``concurrent.futures`` Future, no ``wrap_future`` chain and no
+executor bookkeeping between the loop and the thread (``run_in_executor`` costed about twice as much
+per hop, ``python -m specserve.bench.serve_overhead``).
+"""
 
 from __future__ import annotations
 
 import asyncio
+import queue
+import threading
+import weakref
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
+
+_STOP = None  # the queue item that ends the thread
 
 
 class OneThread:
-    """One worker thread that owns a model (engine or proposer): every call runs there, one at a time."""
+    """One worker thread that owns a model (engine or proposer): every call runs there, one at a time,
+    in the order of the calls. A call whose awaiting task was cancelled before it started is skipped (as
+    an executor skips a cancelled future); one that started runs to its end and its result is dropped.
+    After ``close`` a call raises RuntimeError."""
 
     def __init__(self, name: str) -> None:
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._closed = False
+        self._thread = threading.Thread(target=_serve, args=(self._queue,), name=name, daemon=True)
+        self._thread.start()
+        # a worker nobody closed ends with its owner (daemon: interpreter exit never waits on an idle one)
+        self._finalizer = weakref.finalize(self, self._queue.put, _STOP)
 
-    async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
-        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+    def call(self, fn: Callable[..., Any], *args: Any) -> asyncio.Future:
+        """Run fn(*args) on the thread; await the returned future for its result (or exception)."""
+        if self._closed:
+            raise RuntimeError(f"{self._thread.name}: the worker thread was closed")
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        self._queue.put((loop, fut, fn, args))
+        return fut
+
+    def _stop(self) -> None:
+        self._closed = True
+        self._finalizer()  # puts the stop item once: calls already queued run first
 
     def close(self) -> None:
-        """Wait for the running call, then stop the thread (from synchronous code)."""
-        self._pool.shutdown(wait=True)
+        """Wait for the queued calls, then stop the thread (from synchronous code)."""
+        self._stop()
+        if self._thread is not threading.current_thread():
+            self._thread.join()
 
     async def aclose(self) -> None:
         """The same, awaited from the event loop without blocking it."""
-        await asyncio.get_running_loop().run_in_executor(None, self._pool.shutdown, True)
+        self._stop()
+        await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
+
+
+def _serve(work: queue.SimpleQueue) -> None:
+    while True:
+        item = work.get()
+        if item is _STOP:
+            return
+        loop, fut, fn, args = item
+        if fut.cancelled():  # read from this thread: at worst a cancellation just missed, then dropped below
+            continue
+        try:
+            result, error = fn(*args), None
+        except BaseException as exc:  # noqa: BLE001 - handed to the awaiting task
+            result, error = None, exc
+        try:
+            loop.call_soon_threadsafe(_settle, fut, result, error)
+        except RuntimeError:  # the loop closed meanwhile: nobody waits for it
+            pass
+        del item, fut, fn, args, result, error  # hold nothing of the call while idle
+
+
+def _settle(fut: asyncio.Future, result: Any, error: BaseException | None) -> None:
+    """On the loop: complete the call's future (unless its waiter gave up)."""
+    if fut.cancelled():
+        return
+    if error is None:
+        fut.set_result(result)
+    else:
+        fut.set_exception(error)

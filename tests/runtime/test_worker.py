@@ -1,0 +1,100 @@
+"""OneThread (specserve/runtime/worker.py): the one thread that owns a model, and its hop to and from the loop."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+
+from specserve.runtime.worker import OneThread
+
+
+def test_calls_run_on_one_named_thread_in_order_and_return_or_raise():
+    worker = OneThread("unit-owner")
+    seen: list[tuple[int, str]] = []
+
+    def work(i: int) -> int:
+        seen.append((i, threading.current_thread().name))
+        if i == 3:
+            raise ValueError("three")
+        return i * 10
+
+    async def main():
+        futs = [worker.call(work, i) for i in range(5)]
+        return await asyncio.gather(*futs, return_exceptions=True)
+
+    try:
+        out = asyncio.run(main())
+    finally:
+        worker.close()
+    assert out[:3] == [0, 10, 20] and out[4] == 40
+    assert isinstance(out[3], ValueError) and str(out[3]) == "three"
+    assert [i for i, _ in seen] == [0, 1, 2, 3, 4]
+    assert {name for _, name in seen} == {"unit-owner"}
+
+
+def test_the_loop_runs_while_a_call_works_and_a_cancelled_waiter_skips_what_had_not_started():
+    worker = OneThread("unit-owner")
+    gate = threading.Event()
+    ran: list[str] = []
+
+    def blocker() -> None:
+        gate.wait(10)
+        ran.append("blocker")
+
+    async def main():
+        first = worker.call(blocker)
+        second = worker.call(ran.append, "second")
+        await asyncio.sleep(0.01)  # the loop is not blocked by the running call
+        second.cancel()  # before it started: it is skipped
+        gate.set()
+        await first
+        third = worker.call(ran.append, "third")
+        await third
+
+    try:
+        asyncio.run(main())
+    finally:
+        worker.close()
+    assert ran == ["blocker", "third"]
+
+
+def test_close_waits_for_queued_calls_then_refuses_new_ones():
+    worker = OneThread("unit-owner")
+    done: list[int] = []
+
+    def slow(i: int) -> None:
+        time.sleep(0.02)
+        done.append(i)
+
+    async def main():
+        futs = [worker.call(slow, i) for i in range(3)]
+        await worker.aclose()  # the queued calls run first
+        await asyncio.gather(*futs)
+        with pytest.raises(RuntimeError):
+            worker.call(slow, 9)
+
+    asyncio.run(main())
+    assert done == [0, 1, 2]
+    worker.close()  # closing twice is harmless
+
+
+def test_a_call_whose_loop_closed_does_not_kill_the_thread():
+    worker = OneThread("unit-owner")
+    gate = threading.Event()
+
+    async def leave_one_running():
+        worker.call(gate.wait, 10)
+
+    asyncio.run(leave_one_running())  # that loop is closed before the call ends
+    gate.set()
+
+    async def again():
+        return await worker.call(lambda: 7)
+
+    try:
+        assert asyncio.run(again()) == 7
+    finally:
+        worker.close()
