@@ -1,8 +1,10 @@
 """The target gRPC service: Prefill, Verify, VerifyStream, Release, GetInfo, GetStats.
 
-One engine thread owns the TargetEngine (a single-thread executor); servicers only await. Verify
+One engine thread owns the TargetEngine (runtime/worker.py ``OneThread``); servicers only await. Verify
 requests are batched per step: whatever is queued when the engine thread becomes free runs as ONE
-``engine.verify_batch`` call, so N concurrent sessions share one forward.
+``engine.verify_batch`` call, so N concurrent sessions share one forward. The hand-over is plain loop
+callbacks (``EngineWorker._dispatch``): a verify that finds the engine free goes to its thread at once,
+and the thread's answer completes the callers' futures directly, with no batcher task in between.
 
 Admission (specserve/runtime/admission.py): a Prefill is admitted only while fewer than ``max_sessions`` sessions
 are open and the KV blocks its whole request may use fit beside those reserved by the open sessions;
@@ -19,6 +21,7 @@ import dataclasses
 import math
 import sys
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -81,6 +84,16 @@ class _Queued:
     enqueued: float = field(default_factory=time.perf_counter)
 
 
+@dataclass
+class _Call:
+    """A non-verify engine call (prefill, release, stats) waiting for the engine thread."""
+
+    fn: Callable
+    args: tuple
+    future: asyncio.Future
+    enqueued: float = field(default_factory=time.perf_counter)
+
+
 @dataclass(frozen=True)
 class VerifyOutcome:
     result: VerifyResult
@@ -90,7 +103,8 @@ class VerifyOutcome:
 
 class EngineWorker:
     """Owns the engine on one thread. prefill/release/info run there one at a time; verify requests
-    queue up and run as one batched ``verify_batch`` call whenever the thread is free."""
+    queue up and run as one batched ``verify_batch`` call whenever the thread is free. Calls and
+    batches take the thread in arrival order (a batch's place is its oldest verify's)."""
 
     def __init__(
         self, engine, max_batch: int = 256, thread: OneThread | None = None, limits: TargetLimits | None = None
@@ -106,10 +120,9 @@ class EngineWorker:
         )
         self.reserved: dict[str, int] = {}  # session id -> KV blocks reserved at admission
         self._thread = thread or OneThread("target-engine")
-        self._queue: list[_Queued] = []
-        self._wake = asyncio.Event()
-        self._engine_free = asyncio.Lock()  # held while a call runs on the engine thread (FIFO)
-        self._task: asyncio.Task | None = None
+        self._queue: list[_Queued] = []  # verifies waiting for the engine thread
+        self._calls: deque[_Call] = deque()  # other engine calls waiting for it
+        self._busy = False  # a call or a batch runs on the engine thread
         self._reaper: asyncio.Task | None = None
         self._closed = False
         self.active: dict[str, int] = {}  # session id -> len(S)
@@ -127,22 +140,25 @@ class EngineWorker:
         return cls(engine, thread=thread, **kw)
 
     def start(self) -> None:
-        loop = asyncio.get_running_loop()
-        self._task = loop.create_task(self._batch_loop(), name="target-batcher")
-        self._reaper = loop.create_task(self._expire_idle(), name="target-idle-sessions")
+        self._reaper = asyncio.get_running_loop().create_task(self._expire_idle(), name="target-idle-sessions")
 
     async def close(self) -> None:
         self._closed = True  # releases asked for from now on are dropped (the process is ending)
-        for task in (self._task, self._reaper):
-            if task is not None:
-                task.cancel()
-                try:
-                    await task
-                except asyncio.CancelledError:
-                    pass
-        await self._thread.aclose()
+        if self._reaper is not None:
+            self._reaper.cancel()
+            try:
+                await self._reaper
+            except asyncio.CancelledError:
+                pass
+        await self._thread.aclose()  # the job on the thread ends first; nothing new starts (closed)
         for sid in list(self.shares):  # the engine thread is gone: no name stays in /dev/shm
             self.shares.pop(sid).close()
+        gone = RuntimeError("the target is shutting down")
+        for waiting in (*self._calls, *self._queue):
+            if not waiting.future.done():
+                waiting.future.set_exception(gone)
+        self._calls.clear()
+        self._queue.clear()
 
     def _touch(self, session_id: str) -> None:
         self.last_used[session_id] = asyncio.get_running_loop().time()
@@ -163,9 +179,14 @@ class EngineWorker:
                     await self.release(sid)
 
     async def call(self, fn, *args):
-        """Run fn on the engine thread once it is free (calls run in arrival order)."""
-        async with self._engine_free:
-            return await self._thread.call(fn, *args)
+        """Run fn on the engine thread once it is free (calls run in arrival order; one whose caller
+        was cancelled before it started does not run)."""
+        if self._closed:
+            raise RuntimeError("the target is shutting down")
+        fut = asyncio.get_running_loop().create_future()
+        self._calls.append(_Call(fn, args, fut))
+        self._dispatch()
+        return await fut
 
     def blocks_for(self, prompt_len: int, reserve_tokens: int | None) -> int:
         """KV blocks to reserve for a session: what it may occupy, within the model's context."""
@@ -240,7 +261,7 @@ class EngineWorker:
         self._touch(session_id)
         fut = asyncio.get_running_loop().create_future()
         self._queue.append(_Queued(session_id, block, fut))
-        self._wake.set()
+        self._dispatch()
         return await fut
 
     async def release(self, session_id: str) -> bool:
@@ -256,40 +277,66 @@ class EngineWorker:
             await self._free(session_id)
         return True
 
-    async def _batch_loop(self) -> None:
-        while True:
-            await self._wake.wait()
-            async with self._engine_free:  # collect only once the engine thread is free
-                self._wake.clear()
-                items = [q for q in self._queue[: self.max_batch] if not q.future.done()]
-                del self._queue[: self.max_batch]
-                if self._queue:
-                    self._wake.set()
-                items = [q for q in items if q.session_id in self.active]
-                if not items:
-                    continue
+    def _dispatch(self) -> None:
+        """On the loop: give the engine thread its next job if it is free: the oldest waiting call,
+        or every waiting verify (up to max_batch) as one batch, whichever waited longer."""
+        while not self._busy and not self._closed:
+            while self._calls and self._calls[0].future.done():  # its caller gave up before it started
+                self._calls.popleft()
+            if self._calls and (not self._queue or self._calls[0].enqueued <= self._queue[0].enqueued):
+                call = self._calls.popleft()
+                self._busy = True
+                self._thread.submit(call.fn, call.args, lambda res, err, fut=call.future: self._call_done(fut, res, err))
+                return
+            if not self._queue:
+                return
+            items = self._take_batch()
+            if items:
+                self._busy = True
                 started = time.perf_counter()
                 pairs = [(q.session_id, q.block) for q in items]
-                try:
-                    results = await self._thread.call(self._run_batch, pairs)
-                except BaseException as exc:  # noqa: BLE001 - every waiter must hear about it
-                    for q in items:
-                        if not q.future.done():
-                            q.future.set_exception(exc if isinstance(exc, Exception) else RuntimeError(str(exc)))
-                    if isinstance(exc, asyncio.CancelledError):
-                        raise
-                    continue
-            self.steps += len(items)
-            for q, res in zip(items, results):
-                if isinstance(res, Exception):
-                    if not q.future.done():
-                        q.future.set_exception(res)
-                    continue
-                if q.session_id in self.active:
-                    self.active[q.session_id] += len(res.emitted)
-                    self._touch(q.session_id)
+                self._thread.submit(self._run_batch, (pairs,), lambda res, err: self._batch_done(items, started, res, err))
+                return
+
+    def _take_batch(self) -> list[_Queued]:
+        items = [q for q in self._queue[: self.max_batch] if not q.future.done()]
+        del self._queue[: self.max_batch]
+        return [q for q in items if q.session_id in self.active]
+
+    def _call_done(self, fut: asyncio.Future, result, error: BaseException | None) -> None:
+        self._busy = False
+        if not fut.done():
+            if error is None:
+                fut.set_result(result)
+            else:
+                fut.set_exception(error)
+        self._dispatch()
+
+    def _batch_done(self, items: list[_Queued], started: float, results, error: BaseException | None) -> None:
+        """On the loop, when the engine thread has answered a batch: complete each caller's future."""
+        self._busy = False
+        try:
+            self._settle_batch(items, started, results, error)
+        finally:
+            self._dispatch()
+
+    def _settle_batch(self, items: list[_Queued], started: float, results, error: BaseException | None) -> None:
+        if error is not None:  # every waiter must hear about it
+            for q in items:
                 if not q.future.done():
-                    q.future.set_result(VerifyOutcome(res, (started - q.enqueued) * 1e3, len(items)))
+                    q.future.set_exception(error if isinstance(error, Exception) else RuntimeError(str(error)))
+            return
+        self.steps += len(items)
+        for q, res in zip(items, results):
+            if isinstance(res, Exception):
+                if not q.future.done():
+                    q.future.set_exception(res)
+                continue
+            if q.session_id in self.active:
+                self.active[q.session_id] += len(res.emitted)
+                self._touch(q.session_id)
+            if not q.future.done():
+                q.future.set_result(VerifyOutcome(res, (started - q.enqueued) * 1e3, len(items)))
 
     def _prefill_on_host(self, session_id, prompt_ids, sampling, hidden_layers, share_rows: int):
         """On the engine thread: prefill, with the hidden rows copied to host memory there (a device

@@ -34,12 +34,23 @@ class OneThread:
 
     def call(self, fn: Callable[..., Any], *args: Any) -> asyncio.Future:
         """Run fn(*args) on the thread; await the returned future for its result (or exception)."""
+        fut = asyncio.get_running_loop().create_future()
+        self.submit(fn, args, lambda result, error: _settle(fut, result, error), fut)
+        return fut
+
+    def submit(
+        self,
+        fn: Callable[..., Any],
+        args: tuple,
+        done: Callable[[Any, BaseException | None], None],
+        skip_if: asyncio.Future | None = None,
+    ) -> None:
+        """Run fn(*args) on the thread, then ``done(result, error)`` on the calling loop (a plain
+        callback: no task wakes in between). Skipped, done not called, when ``skip_if`` is cancelled
+        before the call starts."""
         if self._closed:
             raise RuntimeError(f"{self._thread.name}: the worker thread was closed")
-        loop = asyncio.get_running_loop()
-        fut = loop.create_future()
-        self._queue.put((loop, fut, fn, args))
-        return fut
+        self._queue.put((asyncio.get_running_loop(), skip_if, fn, args, done))
 
     def _stop(self) -> None:
         self._closed = True
@@ -62,18 +73,18 @@ def _serve(work: queue.SimpleQueue) -> None:
         item = work.get()
         if item is _STOP:
             return
-        loop, fut, fn, args = item
-        if fut.cancelled():  # read from this thread: at worst a cancellation just missed, then dropped below
+        loop, skip_if, fn, args, done = item
+        if skip_if is not None and skip_if.cancelled():  # read from this thread: a cancel just missed is dropped later
             continue
         try:
             result, error = fn(*args), None
-        except BaseException as exc:  # noqa: BLE001 - handed to the awaiting task
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller's callback
             result, error = None, exc
         try:
-            loop.call_soon_threadsafe(_settle, fut, result, error)
+            loop.call_soon_threadsafe(done, result, error)
         except RuntimeError:  # the loop closed meanwhile: nobody waits for it
             pass
-        del item, fut, fn, args, result, error  # hold nothing of the call while idle
+        del item, skip_if, fn, args, done, result, error  # hold nothing of the call while idle
 
 
 def _settle(fut: asyncio.Future, result: Any, error: BaseException | None) -> None:

@@ -3,6 +3,7 @@ local engine built from the same checkpoint."""
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import threading
 import time
@@ -178,3 +179,32 @@ def test_cancelled_stream_frees_the_session(served):
     while served.stats().active_sessions and time.monotonic() < deadline:
         time.sleep(0.02)
     assert served.stats().active_sessions == 0 and served.stats().kv_blocks_used == 0
+
+
+def test_worker_runs_calls_in_order_skips_cancelled_ones_and_close_answers_every_waiter(engine_config):
+    """The engine thread's hand-over (EngineWorker._dispatch): a call cancelled before it started never runs;
+    closing the worker answers every caller still waiting (none hangs), after the job on the thread ends."""
+
+    async def main():
+        worker = await EngineWorker.build(lambda: build_engine(engine_config))
+        worker.start()
+        await worker.prefill("w", PROMPT, SamplingParams(), ())
+        busy = asyncio.ensure_future(worker.prefill("busy", [5] * 400, SamplingParams(), ()))
+        await asyncio.sleep(0.005)  # the long prefill holds the engine thread
+        dropped = asyncio.ensure_future(worker.call(worker.engine.release, "w"))
+        await asyncio.sleep(0)
+        dropped.cancel()  # before it started: "w" stays open
+        step = await asyncio.wait_for(worker.verify("w", DraftBlock(token_ids=(9,))), 30)
+        await busy
+        assert step.result.num_drafted == 1  # "w" was not released by the cancelled call
+        hold = asyncio.ensure_future(worker.prefill("busy2", [5] * 400, SamplingParams(), ()))
+        await asyncio.sleep(0.005)
+        waiting = [asyncio.ensure_future(worker.verify("w", DraftBlock(token_ids=(9,)))),
+                   asyncio.ensure_future(worker.call(worker.engine.kv_usage))]
+        await asyncio.sleep(0)
+        await asyncio.wait_for(worker.close(), 30)
+        outcomes = await asyncio.wait_for(asyncio.gather(*waiting, return_exceptions=True), 5)
+        assert all(isinstance(o, RuntimeError) for o in outcomes), outcomes
+        await asyncio.gather(hold, return_exceptions=True)
+
+    asyncio.run(main())
