@@ -363,10 +363,8 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
 
     async def _propose_one(self, request, call_ctx) -> draft_pb2.ProposeResponse:
         received = time.perf_counter()
-        parent = tn.context_from_map(request.trace_context, call_ctx)
-        with self._tracer.start_as_current_span(
-            tn.SPAN_DRAFT_PROPOSE, context=parent, kind=trace.SpanKind.SERVER
-        ) as span:
+        parent = tn.context_from_map(request.trace_context, call_ctx) if tn.tracing_installed() else None
+        with tn.step_span(self._tracer, tn.SPAN_DRAFT_PROPOSE, parent, trace.SpanKind.SERVER) as span:
             span.set_attribute(tn.ATTR_SESSION, request.session_id)
             span.set_attribute(tn.ATTR_DRAFT_FAMILY, self.info.family)
             span.set_attribute(tn.ATTR_K, request.num_tokens)

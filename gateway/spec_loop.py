@@ -202,7 +202,7 @@ class _Run:
             k, self.skipped_drafts = max(1, k), 0
         t0 = time.perf_counter()
         try:
-            with self.tracer.start_as_current_span(names.SPAN_DRAFT_PROPOSE) as dspan:
+            with names.step_span(self.tracer, names.SPAN_DRAFT_PROPOSE) as dspan:
                 dspan.set_attribute(names.ATTR_K, k)
                 block = await self.draft.propose(
                     self.sid, self.sync.known, self.seq[self.sync.known :], self.sync.take_hidden(), k, self.request.tree
@@ -246,7 +246,7 @@ class _Run:
         if block.is_chain and len(block) and self.ahead_planned(len(block), decide=True):
             ahead_task = asyncio.ensure_future(self.draft_next_ahead(block))
         try:
-            with self.tracer.start_as_current_span(names.SPAN_TARGET_VERIFY) as vspan:
+            with names.step_span(self.tracer, names.SPAN_TARGET_VERIFY) as vspan:
                 sent = block
                 if not self.request.trust_draft_probs and block.probs is not None:
                     sent = DraftBlock(token_ids=block.token_ids, parents=block.parents)  # proposal-only
@@ -373,7 +373,7 @@ async def run_request(
                     run.fallback(span, exc)
             new = [pre.next_token]
             while True:
-                with tracer.start_as_current_span(names.SPAN_ACCEPT_STREAM):
+                with names.step_span(tracer, names.SPAN_ACCEPT_STREAM):
                     new, finish, delta = run.cut(new)
                 if new:
                     yield TokenEvent(tuple(new), delta)

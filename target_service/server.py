@@ -525,10 +525,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
     async def _verify_one(self, request, call_ctx) -> target_pb2.VerifyResponse:
         """One verify step (raises; callers map exceptions to a status)."""
         received = time.perf_counter()
-        parent = tn.context_from_map(request.trace_context, call_ctx)
-        with self._tracer.start_as_current_span(
-            tn.SPAN_TARGET_VERIFY, context=parent, kind=trace.SpanKind.SERVER
-        ) as span:
+        parent = tn.context_from_map(request.trace_context, call_ctx) if tn.tracing_installed() else None
+        with tn.step_span(self._tracer, tn.SPAN_TARGET_VERIFY, parent, trace.SpanKind.SERVER) as span:
             block = convert.draft_block_from_proto(request.draft, vocab_size=self.info.vocab_size)
             span.set_attribute(tn.ATTR_SESSION, request.session_id)
             span.set_attribute(tn.ATTR_K, len(block))

@@ -12,6 +12,7 @@ The glossary words (drafted, accepted, ...) are the ones of specserve/contract/t
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -173,6 +174,25 @@ def _metric_exporter(kind: str):
 
 def tracer() -> trace.Tracer:
     return trace.get_tracer(TRACER_NAME)
+
+
+# what step_span gives when no tracer provider is installed: a shared context manager of the API's
+# non-recording span (its set_attribute / add_event / record_exception do nothing)
+_NO_SPAN = contextlib.nullcontext(trace.INVALID_SPAN)
+
+
+def tracing_installed() -> bool:
+    """Whether a tracer provider is installed (setup_telemetry with tracing on, or a test's own)."""
+    return not isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider)
+
+
+def step_span(tracer_: trace.Tracer, name: str, context=None, kind: trace.SpanKind = trace.SpanKind.INTERNAL):
+    """The span of one per-step phase, as the current span. With no tracer provider installed (tracing
+    off) no span is made at all: the no-op tracer's span still costs context attach / detach and a
+    call per attribute on every step, which is most of the loop's own time on a fast step."""
+    if not tracing_installed():
+        return _NO_SPAN
+    return tracer_.start_as_current_span(name, context=context, kind=kind)
 
 
 # ------------------------------------------------------------------------------- propagation
