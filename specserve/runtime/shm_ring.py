@@ -114,6 +114,11 @@ def _reserve(name: str, size: int) -> None:
         os.close(fd)
 
 
+def _expire(waiter: asyncio.Future) -> None:
+    if not waiter.done():
+        waiter.set_exception(RingTimeout("no message within the timeout"))
+
+
 def leftover_names() -> list[str]:
     """What this module left in /dev/shm (tests assert it is nothing)."""
     if not SHM_DIR.is_dir():
@@ -415,13 +420,17 @@ class ShmChannel:
                 self._loop.remove_reader(self._my_fd)
             self._loop = loop
             loop.add_reader(self._my_fd, self._on_doorbell)
-        self._waiter = loop.create_future()
+        left = self._left(deadline)
+        self._waiter = waiter = loop.create_future()
+        # the timeout is a timer on the waiter itself: asyncio.wait_for would add a second future and
+        # a loop turn between the doorbell and this task on every wake-up
+        timer = None if left is None else loop.call_later(left, _expire, waiter)
         try:
-            await asyncio.wait_for(self._waiter, self._left(deadline))
-        except asyncio.TimeoutError:
-            raise RingTimeout("no message within the timeout") from None
+            await waiter
         finally:
             self._waiter = None
+            if timer is not None:
+                timer.cancel()
 
     async def wait_attached(self, timeout: float | None = None) -> None:
         """Creator: until the peer attaches (RingTimeout when it does not in time)."""

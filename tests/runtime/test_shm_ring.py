@@ -252,3 +252,44 @@ def test_creator_killed_gives_peer_gone_and_leaves_nothing():
         proc.kill()
         proc.wait()
     assert not [n for n in leftover_names() if n.startswith(name)]
+
+
+@pytest.mark.parametrize("loop_kind", ["asyncio", "uvloop"])
+def test_a_timeout_costs_no_extra_loop_turn_on_a_wake_up(loop_kind):
+    """Every verify / propose over the ring waits with a timeout (the step timeout, the request's
+    deadline): the doorbell must wake the waiting task as soon as without one (asyncio.wait_for added
+    a future and a loop turn per wake-up)."""
+    cfg = RingConfig(capacity=4096, spin_us=0.0)
+
+    async def turns_to_wake(timeout: float | None) -> list[int]:
+        a, b = pair(cfg)
+        await a.wait_attached(5)
+        counts = []
+        try:
+            for _ in range(3):
+                task = asyncio.ensure_future(a.arecv(timeout))
+                for _ in range(5):
+                    await asyncio.sleep(0)
+                assert not task.done()
+                b.send(b"ping")
+                turns = 0
+                while not task.done():
+                    await asyncio.sleep(0)
+                    turns += 1
+                assert task.result() == b"ping"
+                counts.append(turns)
+        finally:
+            a.close()
+            b.close()
+        return counts
+
+    async def both():
+        return await turns_to_wake(None), await turns_to_wake(30.0)
+
+    if loop_kind == "uvloop":
+        import uvloop
+
+        untimed, timed = uvloop.run(both())
+    else:
+        untimed, timed = asyncio.run(both())
+    assert timed == untimed, (timed, untimed)
