@@ -1,7 +1,7 @@
 """Per-step orchestration overhead: one process, the shared-memory data plane and gRPC only, in one run.
 
     python -m specserve.bench.serve_overhead [--model DIR | synthetic:NAME[:LAYERS]] [--drafters none,ngram]
-        [--k 4] [--requests 3] [--max-new-tokens 64] [--rounds 2] [--json OUT]
+        [--k 4] [--requests 3] [--max-new-tokens 64] [--rounds 2] [--deadline-s 120] [--json OUT]
 
 Each method (target-only; each drafter at chain length ``--k``, greedy) runs the gateway's own spec loop
 (gateway/spec_loop.py) three ways, interleaved round by round: over in-process adapters (``process``),
@@ -18,12 +18,14 @@ orchestration: the loop, thread hops, protobuf and tensor conversion, transport,
 wake-ups. Because the model's time is subtracted, the model may be anything the engine runs; the
 default (the shipped demo on the CPU) has a real engine and vocabulary, so the n-gram drafter runs
 beside it. ``transport`` is the part outside both services (call wall minus the service's own
-handling, ``StepTimings.total_ms``).
+handling, ``StepTimings.total_ms``). Served requests carry a deadline (``--deadline-s``), as a
+client's usually do: every wait then has a timeout, as in production.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import platform
 import statistics
@@ -48,6 +50,7 @@ class OverheadConfig:
     rounds: int = 2
     prompt_len: int = 24
     seed: int = 0
+    deadline_s: float = 120.0  # each served request's deadline (a client's; the draft's step timeout applies anyway)
     num_kv_blocks: int = 256
     kv_block_size: int = 16
 
@@ -55,6 +58,8 @@ class OverheadConfig:
         unknown = [d for d in self.drafters if d not in DRAFTERS]
         if unknown or not self.drafters:
             raise ValueError(f"--drafters: choose from {', '.join(DRAFTERS)}, got {','.join(self.drafters)}")
+        if not self.deadline_s > 0:
+            raise ValueError(f"deadline_s must be > 0, got {self.deadline_s}")
         for name in ("k", "requests", "max_new_tokens", "rounds", "prompt_len", "num_kv_blocks", "kv_block_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -108,6 +113,7 @@ class _Clients:
         from specserve.target_service.factory import EngineConfig, build_engine
 
         self.stack = stack
+        self.deadline_s = config.deadline_s
         engine = build_engine(EngineConfig(model=config.model, device=config.device, dtype=config.dtype,
                                            num_kv_blocks=config.num_kv_blocks, kv_block_size=config.kv_block_size))
         self.info = engine.info()
@@ -129,8 +135,9 @@ class _Clients:
             draft = self.local_drafts.get(drafter)
             proposer = self.proposers.get(drafter)
             return self.local_target, draft, (lambda: proposer.compute_ms) if proposer else (lambda: 0.0)
-        target = self.stack.targets[via].session(None)
-        draft = None if drafter == "none" else self.stack.drafts[via][drafter].session(None)
+        deadline = asyncio.get_running_loop().time() + self.deadline_s
+        target = self.stack.targets[via].session(deadline)
+        draft = None if drafter == "none" else self.stack.drafts[via][drafter].session(deadline)
         return target, draft, (lambda: draft.compute_ms) if draft is not None else (lambda: 0.0)
 
     def close(self) -> None:
@@ -321,6 +328,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests", type=int, default=3, help="prompts per method, via and round")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--rounds", type=int, default=2, help="interleaved rounds over every method and via")
+    p.add_argument("--deadline-s", type=float, default=120.0, help="each served request's deadline")
     p.add_argument("--json", type=Path, default=None, help="write the result here")
     args = p.parse_args(argv)
     try:
@@ -329,7 +337,8 @@ def main(argv: list[str] | None = None) -> int:
         if model.startswith("synthetic:") and "ngram" in drafters:
             raise SpecserveError("--drafters ngram needs a checkpoint folder as --model (its vocabulary)")
         config = OverheadConfig(model=model, device=args.device, dtype=args.dtype, drafters=drafters, k=args.k,
-                                requests=args.requests, max_new_tokens=args.max_new_tokens, rounds=args.rounds)
+                                requests=args.requests, max_new_tokens=args.max_new_tokens, rounds=args.rounds,
+                                deadline_s=args.deadline_s)
     except (ValueError, SpecserveError) as exc:
         print(f"serve_overhead: {exc}", file=sys.stderr)
         return 2

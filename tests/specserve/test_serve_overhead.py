@@ -1,0 +1,47 @@
+"""specserve/bench/serve_overhead.py: per-step orchestration overhead in one process, over shared memory and
+gRPC only, in one run (real service processes, tiny checkpoint, CPU)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from specserve.bench import serve_overhead
+from specserve.runtime.shm_ring import SHM_DIR, leftover_names
+
+
+@pytest.mark.skipif(not SHM_DIR.is_dir(), reason="no /dev/shm on this host")
+def test_serve_overhead_reports_each_via_with_the_model_time_taken_out(bench_target, tmp_path, capsys):
+    before = set(leftover_names())
+    out = tmp_path / "ovh.json"
+    rc = serve_overhead.main(["--model", str(bench_target), "--drafters", "none,ngram", "--k", "2", "--requests", "1",
+                              "--max-new-tokens", "8", "--rounds", "1", "--json", str(out)])
+    assert rc == 0
+    result = json.loads(out.read_text())
+    assert set(result["methods"]) == {"target-only", "ngram/k2"}
+    for method, vias in result["methods"].items():
+        assert set(vias) == set(serve_overhead.VIAS)
+        for via, s in vias.items():
+            assert s["same_tokens"], (method, via)  # greedy: the same tokens every way
+            assert s["steps"] >= 1 and s["engine_compute_us"]["median"] > 0  # the engine's time came back
+            assert s["overhead_us"]["median"] < s["wall_us"]["median"]
+            if via == "process":
+                assert s["transport_us"]["median"] == 0.0
+            else:
+                assert s["transport_us"]["median"] > 0.0
+        if method != "target-only":
+            assert all(s["draft_compute_us"]["mean"] > 0 for s in vias.values())  # the proposer's time, every way
+    svc = result["services"]
+    measured = sum(result["methods"][m]["serve-shm"]["steps"] for m in result["methods"])
+    assert svc["target"]["shm_steps"] > measured  # the measured steps (and the warm-ups') went over shared memory
+    assert svc["draft-ngram"]["shm_proposals"] > 0
+    assert "| target-only | serve-shm |" in capsys.readouterr().out
+    assert set(leftover_names()) == before
+
+
+def test_serve_overhead_refuses_bad_flags_in_one_line(capsys):
+    assert serve_overhead.main(["--model", "synthetic:tiny-qwen3-moe:1", "--drafters", "ngram"]) == 2
+    assert serve_overhead.main(["--model", "synthetic:tiny-qwen3-moe:1", "--drafters", "eagle9"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2 and all(line.startswith("serve_overhead: ") for line in err)
