@@ -117,8 +117,11 @@ class BidiStream:
             if status is not None:
                 raise status from None
             raise EOFError(f"the stream already ended: {exc}") from None
-        read = self._call.read()
-        resp = await (asyncio.wait_for(read, timeout) if timeout is not None else read)
+        if timeout is None:
+            resp = await self._call.read()
+        else:  # a timeout on this task (asyncio.wait_for would wrap the read in a task of its own every step)
+            async with asyncio.timeout(timeout):
+                resp = await self._call.read()
         if resp is grpc.aio.EOF:
             raise EOFError("the stream ended without a response")
         return resp
