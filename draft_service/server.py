@@ -20,7 +20,7 @@ from specserve.errors import SpecserveError
 from specserve.protos import convert
 from specserve.protos.specserve.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 from specserve.runtime import tracing as tn
-from specserve.runtime.data_plane import ShmOffer, ShmSessions
+from specserve.runtime.data_plane import ANSWERED, ShmOffer, ShmSessions
 from specserve.runtime.errors import LimitExceeded, status_for
 from specserve.runtime.hidden_share import HiddenHandle, HiddenShareError, HiddenView, host_id, mappable_kinds
 from specserve.runtime.servers_common import lenient_adder, short
@@ -146,9 +146,11 @@ class DrafterWorker:
             self._done(session_id)
 
     async def propose(
-        self, session_id, prefix_len, append_ids, append_hidden, num_tokens, tree
-    ) -> tuple[common_pb2.DraftBlock, float]:
-        """The drafted block as its wire message, and the proposer's own time in ms (its compute_ms)."""
+        self, session_id, prefix_len, append_ids, append_hidden, num_tokens, tree, answer=None
+    ) -> tuple[common_pb2.DraftBlock, float, bool]:
+        """The drafted block as its wire message, the proposer's own time in ms (its compute_ms), and
+        whether ``answer(block message, compute_ms)`` (optional; run on the drafter thread as soon as the
+        block is there) already sent the caller its reply."""
         if session_id not in self.active:
             raise ProposerError(f"session_id {session_id!r} is not open (StartSession first)")
         new_len = max(0, prefix_len) + len(append_ids)
@@ -156,14 +158,14 @@ class DrafterWorker:
         self._touch(session_id)
         self.busy[session_id] = self.busy.get(session_id, 0) + 1
         try:
-            msg, compute_ms = await self.call(self._propose_to_proto, time.monotonic(), session_id, prefix_len,
-                                              append_ids, append_hidden, num_tokens, tree)
+            msg, compute_ms, answered = await self.call(self._propose_to_proto, time.monotonic(), answer, session_id,
+                                                        prefix_len, append_ids, append_hidden, num_tokens, tree)
         finally:
             self._done(session_id)
         if session_id in self.active:
             self.tokens[session_id] = new_len
         self.proposals += 1
-        return msg, compute_ms
+        return msg, compute_ms, answered
 
     def _start_on_thread(self, session_id, token_ids, hidden, sampling, share: HiddenHandle | None) -> None:
         if share is not None:
@@ -227,7 +229,7 @@ class DrafterWorker:
                     print(f"draft: session {sid[:40]} released after {now - used:.0f} s idle", flush=True)
                     await self.release(sid)
 
-    def _propose_to_proto(self, asked_at: float, *args) -> tuple[common_pb2.DraftBlock, float]:
+    def _propose_to_proto(self, asked_at: float, answer, *args) -> tuple[common_pb2.DraftBlock, float, bool]:
         """On the drafter thread: propose and serialize (probs may be MBs and on the device; the copy
         to host and the byte packing stay off the event loop). A proposal that waited here past the
         time budget (the thread was busy with others) is dropped: the work queue cannot pile up."""
@@ -242,7 +244,14 @@ class DrafterWorker:
         t0 = time.perf_counter()
         block = self.proposer.propose(session_id, prefix_len, append_ids, rows, num_tokens, tree)
         compute_ms = (time.perf_counter() - t0) * 1e3
-        return convert.draft_block_to_proto(block), compute_ms
+        msg = convert.draft_block_to_proto(block)
+        answered = False
+        if answer is not None:
+            try:
+                answered = bool(answer(msg, compute_ms))
+            except Exception:  # noqa: BLE001 - the loop answers instead
+                answered = False
+        return msg, compute_ms, answered
 
     async def release(self, session_id: str) -> bool:
         if session_id not in self.active or self._closed:
@@ -361,7 +370,19 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             channel = self.shm.offer(request.session_id, None) if request.want_shm else ""
             return draft_pb2.StartSessionResponse(session_id=request.session_id, shm_channel=channel)
 
-    async def _propose_one(self, request, call_ctx) -> draft_pb2.ProposeResponse:
+    @staticmethod
+    def _propose_response(request, block: common_pb2.DraftBlock, received: float, compute_ms: float):
+        """A proposal's reply (on the loop, or on the drafter thread when that answers a shared-memory caller)."""
+        total_ms = (time.perf_counter() - received) * 1e3
+        return draft_pb2.ProposeResponse(
+            session_id=request.session_id,
+            draft=block,
+            timings=common_pb2.StepTimings(forward_ms=total_ms, total_ms=total_ms, compute_ms=compute_ms),
+        )
+
+    async def _propose_one(self, request, call_ctx, send=None):
+        """One proposal (raises; callers map exceptions to a status). ``send`` (a shared-memory session's
+        ``ShmSessions.sender``): the drafter thread sends the reply itself, and this returns ANSWERED."""
         received = time.perf_counter()
         parent = tn.context_from_map(request.trace_context, call_ctx) if tn.tracing_installed() else None
         with tn.step_span(self._tracer, tn.SPAN_DRAFT_PROPOSE, parent, trace.SpanKind.SERVER) as span:
@@ -392,21 +413,23 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
                     f"{'tree.num_nodes' if tree is not None else 'num_tokens'}: {asked} exceeds the limit of "
                     f"{self.limits.max_draft_tokens} (--max-draft-tokens)"
                 )
-            block, compute_ms = await self.worker.propose(
-                request.session_id, request.prefix_len, list(request.append_ids), hidden, request.num_tokens, tree
+            answer = None
+            if send is not None:
+                def answer(msg, compute_ms):  # on the drafter thread: the reply leaves at once
+                    return send(self._propose_response(request, msg, received, compute_ms))
+            block, compute_ms, answered = await self.worker.propose(
+                request.session_id, request.prefix_len, list(request.append_ids), hidden, request.num_tokens, tree,
+                answer,
             )
             span.set_attribute(tn.ATTR_TREE_SIZE, len(block.token_ids) if block.is_tree else 0)
-            total_ms = (time.perf_counter() - received) * 1e3
-            return draft_pb2.ProposeResponse(
-                session_id=request.session_id,
-                draft=block,
-                timings=common_pb2.StepTimings(forward_ms=total_ms, total_ms=total_ms, compute_ms=compute_ms),
-            )
+            if answered:
+                return ANSWERED
+            return self._propose_response(request, block, received, compute_ms)
 
-    async def _propose_over_shm(self, session_id: str, request) -> draft_pb2.ProposeResponse:
+    async def _propose_over_shm(self, session_id: str, request):
         if request.session_id != session_id:
             raise convert.ConversionError(f"session_id: {request.session_id[:40]!r} is not this channel's session")
-        return await self._propose_one(request, None)
+        return await self._propose_one(request, None, self.shm.sender(session_id))
 
     async def Propose(self, request, context):
         call_ctx = tn.context_from_metadata(context.invocation_metadata())

@@ -20,6 +20,7 @@ import asyncio
 import dataclasses
 import math
 import sys
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -35,7 +36,7 @@ from specserve.protos import convert
 from specserve.protos.specserve.v1 import common_pb2, target_pb2, target_pb2_grpc
 from specserve.runtime import tracing as tn
 from specserve.runtime.admission import Admission, AdmissionConfig, AdmissionRefused
-from specserve.runtime.data_plane import ShmOffer, ShmSessions
+from specserve.runtime.data_plane import ANSWERED, ShmOffer, ShmSessions
 from specserve.runtime.errors import LimitExceeded, status_for
 from specserve.runtime.hidden_share import HiddenBuffer, HiddenShareError, host_id, kind_for
 from specserve.runtime.servers_common import lenient_adder, short
@@ -76,11 +77,17 @@ class TargetLimits:
 INPUT_ERRORS: tuple[type[BaseException], ...] = (ValueError, SpecserveError, convert.ConversionError)
 
 
+# called on the engine thread with a session's result, its queue ms and the batch size; True when it sent
+# the caller its answer itself (the shared-memory path: the reply leaves without waiting for the loop)
+Answer = Callable[[VerifyResult, float, int], bool]
+
+
 @dataclass
 class _Queued:
     session_id: str
     block: DraftBlock
     future: asyncio.Future
+    answer: Answer | None = None
     enqueued: float = field(default_factory=time.perf_counter)
 
 
@@ -99,6 +106,7 @@ class VerifyOutcome:
     result: VerifyResult
     queue_ms: float
     batch_size: int
+    answered: bool = False  # the caller's answer already went out from the engine thread (Answer)
 
 
 class EngineWorker:
@@ -251,7 +259,9 @@ class EngineWorker:
         finally:
             self._unreserve(session_id)
 
-    async def verify(self, session_id: str, block: DraftBlock) -> VerifyOutcome:
+    async def verify(self, session_id: str, block: DraftBlock, answer: Answer | None = None) -> VerifyOutcome:
+        """Queue one session's step. ``answer`` (optional) runs on the engine thread as soon as the
+        session's result is there (before the loop hears of it); it must only encode and send."""
         if len(block) > self.limits.max_draft_tokens:
             raise LimitExceeded(
                 f"draft: {len(block)} drafted tokens exceed the limit of {self.limits.max_draft_tokens} (--max-draft-tokens)"
@@ -260,7 +270,7 @@ class EngineWorker:
             raise UnknownSession(session_id)
         self._touch(session_id)
         fut = asyncio.get_running_loop().create_future()
-        self._queue.append(_Queued(session_id, block, fut))
+        self._queue.append(_Queued(session_id, block, fut, answer))
         self._dispatch()
         return await fut
 
@@ -295,7 +305,9 @@ class EngineWorker:
                 self._busy = True
                 started = time.perf_counter()
                 pairs = [(q.session_id, q.block) for q in items]
-                self._thread.submit(self._run_batch, (pairs,), lambda res, err: self._batch_done(items, started, res, err))
+                answers = [(q.answer, (started - q.enqueued) * 1e3) for q in items]
+                self._thread.submit(self._run_and_answer, (pairs, answers),
+                                    lambda res, err: self._batch_done(items, started, res, err))
                 return
 
     def _take_batch(self) -> list[_Queued]:
@@ -326,8 +338,9 @@ class EngineWorker:
                 if not q.future.done():
                     q.future.set_exception(error if isinstance(error, Exception) else RuntimeError(str(error)))
             return
+        results, answered = results
         self.steps += len(items)
-        for q, res in zip(items, results):
+        for q, res, sent in zip(items, results, answered):
             if isinstance(res, Exception):
                 if not q.future.done():
                     q.future.set_exception(res)
@@ -336,7 +349,20 @@ class EngineWorker:
                 self.active[q.session_id] += len(res.emitted)
                 self._touch(q.session_id)
             if not q.future.done():
-                q.future.set_result(VerifyOutcome(res, (started - q.enqueued) * 1e3, len(items)))
+                q.future.set_result(VerifyOutcome(res, (started - q.enqueued) * 1e3, len(items), sent))
+
+    def _run_and_answer(self, pairs: list[tuple[str, DraftBlock]], answers: list[tuple[Answer | None, float]]):
+        """On the engine thread: the batch, then each result's Answer at once (one that fails or declines
+        leaves the answer to the loop, as without one)."""
+        results = self._run_batch(pairs)
+        answered = [False] * len(results)
+        for i, (res, (answer, queue_ms)) in enumerate(zip(results, answers)):
+            if answer is not None and not isinstance(res, Exception):
+                try:
+                    answered[i] = bool(answer(res, queue_ms, len(pairs)))
+                except Exception:  # noqa: BLE001 - the loop answers instead
+                    answered[i] = False
+        return results, answered
 
     def _prefill_on_host(self, session_id, prompt_ids, sampling, hidden_layers, share_rows: int):
         """On the engine thread: prefill, with the hidden rows copied to host memory there (a device
@@ -459,6 +485,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         self.host_id = host_id()
         self.hidden_rows_shared = 0  # rows handed over as ranges (GetStats)
         self.hidden_rows_as_bytes = 0  # rows sent as bytes
+        self._counts_lock = threading.Lock()
 
     def _put_hidden(self, out, hidden) -> None:
         """A reply's hidden rows: their range of the shared buffer (and its handle, the first time) or bytes."""
@@ -466,10 +493,12 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             if hidden.handle is not None:
                 out.hidden_share.CopyFrom(hidden.handle.to_proto())
             out.hidden_rows.CopyFrom(common_pb2.HiddenRows(start=hidden.start, stop=hidden.stop))
-            self.hidden_rows_shared += hidden.stop - hidden.start
+            with self._counts_lock:  # replies are made on the loop and, for shared-memory callers, the engine thread
+                self.hidden_rows_shared += hidden.stop - hidden.start
         elif hidden is not None:
             out.hidden.CopyFrom(convert.tensor_to_proto(hidden))
-            self.hidden_rows_as_bytes += int(hidden.shape[0])
+            with self._counts_lock:
+                self.hidden_rows_as_bytes += int(hidden.shape[0])
 
     # ------------------------------------------------------------------------------ helpers
     async def _abort(self, context, exc: BaseException):
@@ -522,8 +551,25 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                 out.shm_channel = self.shm.offer(request.session_id, context.time_remaining())
             return out
 
-    async def _verify_one(self, request, call_ctx) -> target_pb2.VerifyResponse:
-        """One verify step (raises; callers map exceptions to a status)."""
+    def _verify_response(self, request, block: DraftBlock, res: VerifyResult, received: float, queue_ms: float,
+                         batch_size: int) -> target_pb2.VerifyResponse:
+        """A step's reply (on the loop, or on the engine thread when that answers a shared-memory caller)."""
+        resp = target_pb2.VerifyResponse(
+            session_id=request.session_id,
+            accepted_ids=list(res.accepted_ids),
+            next_token=res.next_token,
+            num_drafted=res.num_drafted or len(block),
+            experts_touched=res.experts_touched,
+            timings=convert.timings_to_proto(res.timings, (time.perf_counter() - received) * 1e3, queue_ms),
+            batch_size=batch_size,
+        )
+        self._put_hidden(resp, res.hidden)
+        return resp
+
+    async def _verify_one(self, request, call_ctx, send=None):
+        """One verify step (raises; callers map exceptions to a status). ``send`` (a shared-memory
+        session's ``ShmSessions.sender``): the engine thread sends the reply itself, and this returns
+        ANSWERED."""
         received = time.perf_counter()
         parent = tn.context_from_map(request.trace_context, call_ctx) if tn.tracing_installed() else None
         with tn.step_span(self._tracer, tn.SPAN_TARGET_VERIFY, parent, trace.SpanKind.SERVER) as span:
@@ -531,7 +577,12 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             span.set_attribute(tn.ATTR_SESSION, request.session_id)
             span.set_attribute(tn.ATTR_K, len(block))
             span.set_attribute(tn.ATTR_TREE_SIZE, 0 if block.is_chain else len(block))
-            out = await self.worker.verify(request.session_id, block)
+            answer, built = None, []
+            if send is not None:
+                def answer(res, queue_ms, batch_size):  # on the engine thread: the reply leaves at once
+                    built.append(self._verify_response(request, block, res, received, queue_ms, batch_size))
+                    return send(built[0])
+            out = await self.worker.verify(request.session_id, block, answer)
             res = out.result
             span.set_attribute(tn.ATTR_ACCEPTED, len(res.accepted_ids))
             span.set_attribute(tn.ATTR_EMITTED, len(res.emitted))
@@ -540,22 +591,16 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             span.set_attribute(tn.ATTR_FORWARD_MS, res.timings.forward_ms)
             span.set_attribute(tn.ATTR_SAMPLE_MS, res.timings.sample_ms)
             span.set_attribute(tn.ATTR_EXPERTS_TOUCHED, res.experts_touched)
-            resp = target_pb2.VerifyResponse(
-                session_id=request.session_id,
-                accepted_ids=list(res.accepted_ids),
-                next_token=res.next_token,
-                num_drafted=res.num_drafted or len(block),
-                experts_touched=res.experts_touched,
-                timings=convert.timings_to_proto(res.timings, (time.perf_counter() - received) * 1e3, out.queue_ms),
-                batch_size=out.batch_size,
-            )
-            self._put_hidden(resp, res.hidden)
-            return resp
+            if out.answered:
+                return ANSWERED
+            if built:  # made on the engine thread, which could not send it (no room in the ring)
+                return built[0]
+            return self._verify_response(request, block, res, received, out.queue_ms, out.batch_size)
 
-    async def _verify_over_shm(self, session_id: str, request) -> target_pb2.VerifyResponse:
+    async def _verify_over_shm(self, session_id: str, request):
         if request.session_id != session_id:
             raise convert.ConversionError(f"session_id: {request.session_id[:40]!r} is not this channel's session")
-        return await self._verify_one(request, None)
+        return await self._verify_one(request, None, self.shm.sender(session_id))
 
     async def Verify(self, request, context):
         call_ctx = tn.context_from_metadata(context.invocation_metadata())

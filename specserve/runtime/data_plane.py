@@ -78,6 +78,9 @@ def decode(frame: bytes, message_cls):
     raise FrameError(f"a frame of kind {frame[0]}")
 
 
+ANSWERED = object()  # a handler's return: the reply already went out (ShmSessions.sender), nothing to send
+
+
 # No spin on either end of a session's channel: a service's next request comes a whole step after its
 # answer, and the gateway's answer a whole verify / propose after its request, so a spin would only
 # burn the event loop (per waiting session) before the doorbell wakes it anyway.
@@ -125,7 +128,9 @@ class ShmSessions:
         self._request_cls, self._handle, self._status_for, self._on_end = request_cls, handle, status_for, on_end
         self._tasks: dict[str, asyncio.Task] = {}
         self._attached_sessions: set[str] = set()
-        self.served = 0  # messages answered over shared memory (GetStats / tests)
+        self._channels: dict[str, ShmChannel] = {}  # attached sessions' channels (their senders write to them)
+        self._served_here = 0  # replies the serving tasks sent (on the loop)
+        self._served_by_thread = 0  # replies a sender sent (only ever written by the service's one model thread)
         self.attached = 0  # channels a caller attached to
 
     def offer(self, session_id: str, deadline_s: float | None) -> str:
@@ -146,6 +151,28 @@ class ShmSessions:
         self._tasks[session_id] = task
         task.add_done_callback(lambda t, sid=session_id: self._tasks.pop(sid, None) if self._tasks.get(sid) is t else None)
         return channel.name
+
+    @property
+    def served(self) -> int:
+        """Messages answered over shared memory (GetStats / tests)."""
+        return self._served_here + self._served_by_thread
+
+    def sender(self, session_id: str) -> Callable[[object], bool] | None:
+        """For a handler whose reply is made on a worker thread: ``send(message)`` writes the reply
+        into the session's channel from that thread at once (the reply does not wait for the loop to
+        wake); False when it cannot (the handler's return is then sent as usual). The serving task
+        sends nothing while its handler runs, so the thread is the channel's only writer then."""
+        channel = self._channels.get(session_id)
+        if channel is None:
+            return None
+
+        def send(message) -> bool:
+            if not channel.try_send(encode_message(message)):
+                return False
+            self._served_by_thread += 1  # counted here: the session may be released before its task resumes
+            return True
+
+        return send
 
     def drop_offer(self, session_id: str) -> None:
         """The session's steps came over gRPC (its caller could not attach): withdraw a pending offer
@@ -176,6 +203,7 @@ class ShmSessions:
             attached = True
             self.attached += 1
             self._attached_sessions.add(session_id)
+            self._channels[session_id] = channel
             while True:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
@@ -195,11 +223,14 @@ class ShmSessions:
                 except Exception as exc:  # noqa: BLE001 - mapped to a status, as the stream's abort
                     await channel.asend(encode_status(self._status_for(exc), _one_line(exc)))
                     return
-                await channel.asend(encode_message(response))
-                self.served += 1
+                if response is not ANSWERED:
+                    await channel.asend(encode_message(response))
+                    self._served_here += 1
         except RingError:
             return  # the caller closed its end or went away
         finally:
+            if self._channels.get(session_id) is channel:
+                del self._channels[session_id]
             channel.close()
             self._attached_sessions.discard(session_id)
             if attached:

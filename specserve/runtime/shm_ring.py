@@ -45,6 +45,7 @@ import secrets
 import select
 import stat
 import struct
+import threading
 import time
 from dataclasses import dataclass, field
 from multiprocessing import resource_tracker
@@ -150,6 +151,7 @@ class ShmChannel:
         self._partial_len = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._waiter: asyncio.Future | None = None
+        self._send_lock = threading.Lock()  # try_send (any thread) against close
 
     # ------------------------------------------------------------------------------ set-up
     @classmethod
@@ -405,6 +407,23 @@ class ShmChannel:
                 continue
             self._block(deadline)
 
+    def try_send(self, payload: bytes | bytearray | memoryview) -> bool:
+        """Send a whole message now if the ring has room for it, from any thread (while no other
+        thread or loop sends on this end); False, and nothing written, when it has not or the channel
+        is closed or its peer gone."""
+        with self._send_lock:
+            if self._closed or self._peer_gone:
+                return False
+            parts = self._frame(payload)
+            if self._room() < sum(len(p) for p in parts):
+                return False
+            self._write_some(parts, 0)
+            try:
+                self._ring_peer()
+            except PeerGone:
+                return True  # written; the peer went (the next read or write says so)
+            return True
+
     # ------------------------------------------------------------------------------- asyncio
     def _on_doorbell(self) -> None:
         self._drain_doorbell()
@@ -484,13 +503,14 @@ class ShmChannel:
         """Close this end (the peer sees PeerGone); unlink the names if nobody attached."""
         if self._closed:
             return
-        self._closed = True
-        if self._waiter is not None and not self._waiter.done():
-            self._waiter.set_exception(RingError("the channel is closed"))
-        self._close_fds()
-        self._buf = None
-        with contextlib.suppress(BufferError):
-            self._shm.close()
+        with self._send_lock:  # a try_send in flight on another thread ends first
+            self._closed = True
+            if self._waiter is not None and not self._waiter.done():
+                self._waiter.set_exception(RingError("the channel is closed"))
+            self._close_fds()
+            self._buf = None
+            with contextlib.suppress(BufferError):
+                self._shm.close()
         if self._linked:
             self._linked = False
             _unlink_names(self.name)

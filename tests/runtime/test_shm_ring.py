@@ -293,3 +293,41 @@ def test_a_timeout_costs_no_extra_loop_turn_on_a_wake_up(loop_kind):
     else:
         untimed, timed = asyncio.run(both())
     assert timed == untimed, (timed, untimed)
+
+
+def test_try_send_from_another_thread_is_all_or_nothing_and_refuses_a_closed_end():
+    a, b = pair(RingConfig(capacity=256, spin_us=0.0))
+    try:
+        sent: list[bool] = []
+        t = threading.Thread(target=lambda: sent.extend([a.try_send(b"x" * 100), a.try_send(b"y" * 200)]))
+        t.start()
+        t.join(5)
+        assert sent == [True, False]  # the second does not fit beside the first: nothing of it is written
+        assert b.recv(timeout=5) == b"x" * 100
+        assert a.try_send(b"y" * 200)  # room again once read
+        assert b.recv(timeout=5) == b"y" * 200
+        with pytest.raises(RingTimeout):
+            b.recv(timeout=0.05)
+    finally:
+        a.close()
+        b.close()
+    assert not a.try_send(b"z")  # closed
+
+
+def test_try_send_racing_close_never_breaks_the_process():
+    for _ in range(20):
+        a, b = pair(RingConfig(capacity=4096, spin_us=0.0))
+        stop = threading.Event()
+
+        def spam() -> None:
+            while not stop.is_set() and a.try_send(b"m" * 64):
+                pass
+
+        t = threading.Thread(target=spam)
+        t.start()
+        time.sleep(0.001)
+        a.close()  # waits for a try_send in flight; later ones see the closed end
+        stop.set()
+        t.join(5)
+        assert not t.is_alive() and not a.try_send(b"m")
+        b.close()

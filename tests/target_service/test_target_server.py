@@ -208,3 +208,40 @@ def test_worker_runs_calls_in_order_skips_cancelled_ones_and_close_answers_every
         await asyncio.gather(hold, return_exceptions=True)
 
     asyncio.run(main())
+
+
+def test_a_verify_answer_runs_on_the_engine_thread_before_the_loop_hears_of_the_result(engine_config, local):
+    """EngineWorker.verify(answer=...): the shared-memory path's reply leaves from the engine thread as soon as
+    the result is there; an answer that declines or fails leaves the reply to the loop, with the same result."""
+
+    async def main():
+        worker = await EngineWorker.build(lambda: build_engine(engine_config))
+        worker.start()
+        seen: list[tuple[str, int, int]] = []
+        try:
+            for sid in ("a1", "a2", "a3"):
+                await worker.prefill(sid, PROMPT, SamplingParams(), ())
+
+            def answering(res, queue_ms, batch_size):  # what the loop has of "a1" while the reply leaves
+                seen.append((threading.current_thread().name, worker.active["a1"], batch_size))
+                return True
+
+            out = await worker.verify("a1", DraftBlock(token_ids=(9, 9)), answering)
+            assert out.answered
+            assert seen == [("target-engine", len(PROMPT) + 1, 1)]  # on the engine thread, the loop not yet told
+            assert worker.active["a1"] == len(PROMPT) + 1 + len(out.result.emitted)  # and then it was
+
+            def declining(res, queue_ms, batch_size):
+                return False
+
+            def failing(res, queue_ms, batch_size):
+                raise ValueError("no room")
+
+            for sid, answer in (("a2", declining), ("a3", failing)):
+                got = await worker.verify(sid, DraftBlock(token_ids=(9, 9)), answer)
+                assert not got.answered
+                assert (got.result.accepted_ids, got.result.next_token) == (out.result.accepted_ids, out.result.next_token)
+        finally:
+            await worker.close()
+
+    asyncio.run(main())
