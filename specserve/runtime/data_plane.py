@@ -129,6 +129,8 @@ class ShmSessions:
         self._tasks: dict[str, asyncio.Task] = {}
         self._attached_sessions: set[str] = set()
         self._channels: dict[str, ShmChannel] = {}  # attached sessions' channels (their senders write to them)
+        self._stepping: set[asyncio.Task] = set()  # serving tasks inside a step (their handler runs)
+        self._stop_after_step: set[asyncio.Task] = set()  # released meanwhile: they end once the step is done
         self._served_here = 0  # replies the serving tasks sent (on the loop)
         self._served_by_thread = 0  # replies a sender sent (only ever written by the service's one model thread)
         self.attached = 0  # channels a caller attached to
@@ -182,9 +184,15 @@ class ShmSessions:
             self.close_session(session_id)
 
     def close_session(self, session_id: str) -> None:
-        """The session was released: end its channel (the caller sees PeerGone)."""
+        """The session was released: end its channel (the caller sees PeerGone). A step in flight
+        finishes first (its reply may already have gone from the model's thread, and its span and
+        counts complete); a released session's queued step fails there at once."""
         task = self._tasks.pop(session_id, None)
-        if task is not None:
+        if task is None:
+            return
+        if task in self._stepping:
+            self._stop_after_step.add(task)
+        else:
             task.cancel()
 
     async def close(self) -> None:
@@ -218,17 +226,24 @@ class ShmSessions:
                 except (DecodeError, FrameError) as exc:  # as lenient_adder answers bytes that do not parse
                     await channel.asend(encode_status(grpc.StatusCode.INVALID_ARGUMENT, _one_line(exc)))
                     return
+                me = asyncio.current_task()
+                self._stepping.add(me)
                 try:
                     response = await self._handle(session_id, request)
                 except Exception as exc:  # noqa: BLE001 - mapped to a status, as the stream's abort
                     await channel.asend(encode_status(self._status_for(exc), _one_line(exc)))
                     return
+                finally:
+                    self._stepping.discard(me)
                 if response is not ANSWERED:
                     await channel.asend(encode_message(response))
                     self._served_here += 1
+                if me in self._stop_after_step:
+                    return
         except RingError:
             return  # the caller closed its end or went away
         finally:
+            self._stop_after_step.discard(asyncio.current_task())
             if self._channels.get(session_id) is channel:
                 del self._channels[session_id]
             channel.close()
