@@ -120,7 +120,7 @@ def check_fp8_moe_args(
     return t, h, e, inter
 
 
-W4A16_GEMV_MAX_TOKENS = 4  # up to here the W4A16 MoE runs as per-slot GEMVs (no tensor cores): BENCHMARKS.md
+W4A16_GEMV_MAX_TOKENS = 8  # up to here the W4A16 MoE runs as per-slot GEMVs (no tensor cores): BENCHMARKS.md
 GEMV_TILE = (32, 32)  # (output rows, packed words) of one GEMV program's tile
 
 
