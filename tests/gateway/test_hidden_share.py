@@ -16,14 +16,14 @@ Tests that kill processes run last, in file order.
 from __future__ import annotations
 
 import signal
-import threading
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
-from service_helpers import Proc, base_env
+from served_stack import ServedStack, generate, req, run_concurrently, wait_no_names, wait_until
+from service_helpers import base_env
 from stats_helpers import two_sample_pvalue
 
 from specserve.paths import demo_checkpoint
@@ -31,13 +31,10 @@ from specserve.protos.specserve.v1 import (
     common_pb2,
     draft_pb2,
     draft_pb2_grpc,
-    gateway_pb2,
-    gateway_pb2_grpc,
     target_pb2,
     target_pb2_grpc,
 )
-from specserve.runtime.servers_common import channel_options
-from specserve.runtime.shm_ring import SHM_DIR, leftover_names
+from specserve.runtime.shm_ring import SHM_DIR
 
 pytestmark = pytest.mark.skipif(not SHM_DIR.is_dir(), reason="no /dev/shm on this host")
 
@@ -46,7 +43,7 @@ N_NEW = 32
 DRAFTS = ("eagle3", "dflash")
 
 
-class Stack:
+class Stack(ServedStack):
     """One target, one draft service per family, and a gateway per way of sending hidden rows."""
 
     def __init__(self, socks, device: str = "cpu", extra: tuple[str, ...] = ()) -> None:
@@ -55,48 +52,15 @@ class Stack:
         self.target_dir = demo_checkpoint("target")
         tok = load_tokenizer(self.target_dir)
         self.prompts = [tok.encode(t).ids for t in TEXTS]
-        self.env = base_env()
-        self.before = set(leftover_names())
         place = ["--device", device, *extra]
-        self.target_addr = f"unix:{socks}/t.sock"
-        self.drafts = {d: f"unix:{socks}/{d}.sock" for d in DRAFTS}
-        self.target = Proc("target", ["--model", str(self.target_dir), "--listen", self.target_addr, *place], self.env)
-        self.draft_procs = {
-            d: Proc("draft", ["--draft", d, "--draft-model", str(demo_checkpoint(d)), "--model", str(self.target_dir),
-                              "--listen", addr, *place[:2]], self.env)
-            for d, addr in self.drafts.items()
-        }
-        gw_args = ["--target", self.target_addr, "--port", "0", "--draft-step-timeout-s", "20",
-                   *[a for n, addr in self.drafts.items() for a in ("--draft-service", f"{n}={addr}")]]
-        self.gateways = {
-            "share": Proc("gateway", gw_args, self.env),
-            "bytes": Proc("gateway", gw_args, base_env(SPECSERVE_HIDDEN_SHARE="0")),
-        }
-        self.addr = {k: p.wait_line("gateway listening on ", timeout=300).split()[-1] for k, p in self.gateways.items()}
-        for name, proc in self.draft_procs.items():
-            proc.wait_line(f"draft ({name}) listening on ", timeout=300)
-        self.channels = {k: grpc.insecure_channel(a, options=channel_options()) for k, a in self.addr.items()}
-        self.gw = {k: gateway_pb2_grpc.GatewayStub(c) for k, c in self.channels.items()}
+        drafts = {d: ["--draft", d, "--draft-model", str(demo_checkpoint(d)), "--model", str(self.target_dir), *place[:2]]
+                  for d in DRAFTS}
+        super().__init__(socks, ["--model", str(self.target_dir), *place], drafts,
+                         {"share": base_env(), "bytes": base_env(SPECSERVE_HIDDEN_SHARE="0")},
+                         step_timeout_s=20, start_timeout_s=300)
 
     def target_stub(self, ch):
         return target_pb2_grpc.TargetServiceStub(ch)
-
-    def target_stats(self) -> target_pb2.TargetStats:
-        with grpc.insecure_channel(self.target_addr) as ch:
-            return self.target_stub(ch).GetStats(target_pb2.TargetStatsRequest(), timeout=5)
-
-    def draft_stats(self, name: str) -> draft_pb2.DraftStats:
-        with grpc.insecure_channel(self.drafts[name]) as ch:
-            return draft_pb2_grpc.DraftServiceStub(ch).GetStats(draft_pb2.DraftStatsRequest(), timeout=5)
-
-    def new_names(self) -> set[str]:
-        return set(leftover_names()) - self.before
-
-    def close(self) -> None:
-        for c in self.channels.values():
-            c.close()
-        for p in (*self.gateways.values(), *self.draft_procs.values(), self.target):
-            p.stop()
 
 
 @pytest.fixture(scope="module")
@@ -115,22 +79,8 @@ def one_process(stack):
     return {i: engine.generate_greedy(p, N_NEW) for i, p in enumerate(stack.prompts)}
 
 
-def req(prompt, n: int, draft: str, k: int = 4) -> gateway_pb2.GenerateRequest:
-    return gateway_pb2.GenerateRequest(prompt_ids=prompt, max_new_tokens=n, draft=draft, num_speculative_tokens=k)
 
 
-def generate(stack: Stack, via: str, request, timeout: float = 120.0):
-    """(token ids, final message or None, status code or None, seconds)."""
-    ids, final, code, t0 = [], None, None, time.monotonic()
-    try:
-        for msg in stack.gw[via].Generate(request, timeout=timeout):
-            if msg.HasField("final"):
-                final = msg.final
-            else:
-                ids.extend(msg.delta.token_ids)
-    except grpc.RpcError as exc:
-        code = exc.code()
-    return ids, final, code, time.monotonic() - t0
 
 
 def counts(stack: Stack) -> dict[str, int]:
@@ -310,11 +260,6 @@ def buffers(stack: Stack, draft: str) -> tuple[int, int]:
     return stack.target_stats().hidden_buffers, stack.draft_stats(draft).hidden_buffers
 
 
-def wait_until(cond, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.02)
 
 
 def test_cancel_and_deadline_free_the_buffer_on_both_sides(stack):
@@ -330,26 +275,8 @@ def test_cancel_and_deadline_free_the_buffer_on_both_sides(stack):
     wait_no_names(stack)
 
 
-def wait_no_names(stack: Stack, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while stack.new_names() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not stack.new_names(), stack.new_names()
 
 
-def run_concurrently(stack: Stack, requests, timeout: float, during):
-    results = [None] * len(requests)
-
-    def one(i):
-        results[i] = generate(stack, "share", requests[i], timeout)
-
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(requests))]
-    for t in threads:
-        t.start()
-    during()
-    for t in threads:
-        t.join(timeout + 30)
-    return results
 
 
 # ------------------------------------------------------------------------------------------ faults
@@ -373,7 +300,7 @@ def test_drafter_killed_mid_session_goes_on_target_only_losslessly(stack, one_pr
         seen.append((stack.target_stats().active_sessions, stack.new_names()))  # while the requests go on
 
     seen = []
-    results = run_concurrently(stack, [req(stack.prompts[p], n, "eagle3", k=2) for p in specs], 120.0, kill_draft)
+    results = run_concurrently(stack, "share", [req(stack.prompts[p], n, "eagle3", k=2) for p in specs], 120.0, kill_draft)
     assert seen[0][0] > 0 and not seen[0][1], seen  # no name of a running session's buffer in /dev/shm
     assert [r[2] for r in results] == [None] * len(specs)
     for p, (ids, final, _, _) in zip(specs, results):

@@ -14,25 +14,20 @@ Tests that kill processes run last, in file order.
 from __future__ import annotations
 
 import signal
-import threading
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
-from service_helpers import Proc, base_env
+from served_stack import ServedStack, generate, req, run_concurrently, wait_no_names, wait_until
+from service_helpers import base_env
 from stats_helpers import two_sample_pvalue
 
 from specserve.protos.specserve.v1 import (
-    draft_pb2,
-    draft_pb2_grpc,
-    gateway_pb2,
-    gateway_pb2_grpc,
     target_pb2,
     target_pb2_grpc,
 )
-from specserve.runtime.servers_common import channel_options
 from specserve.runtime.shm_ring import SHM_DIR, leftover_names
 
 pytestmark = pytest.mark.skipif(not SHM_DIR.is_dir(), reason="no /dev/shm on this host")
@@ -42,47 +37,13 @@ N_NEW = 24
 N_LONG = 400  # long enough that every request is still running when its target is killed
 
 
-class Stack:
+class Stack(ServedStack):
     def __init__(self, ckpt, socks) -> None:
-        self.ckpt, self.env = ckpt, base_env()
-        self.target_addr = f"unix:{socks}/t.sock"
-        self.drafts = {"model": f"unix:{socks}/model.sock", "ngram": f"unix:{socks}/ngram.sock"}
-        self.before = set(leftover_names())
-        self.target = Proc("target", ["--model", str(ckpt), "--listen", self.target_addr], self.env)
-        self.draft_procs = {
-            "model": Proc("draft", ["--draft", "model", "--draft-model", str(ckpt), "--model", str(ckpt),
-                                    "--listen", self.drafts["model"]], self.env),
-            "ngram": Proc("draft", ["--draft", "ngram", "--model", str(ckpt), "--listen", self.drafts["ngram"]],
-                          self.env),
-        }
-        gw_args = ["--target", self.target_addr, "--port", "0", "--draft-step-timeout-s", "10",
-                   *[a for n, addr in self.drafts.items() for a in ("--draft-service", f"{n}={addr}")]]
-        self.gateways = {
-            "shm": Proc("gateway", gw_args, self.env),
-            "grpc": Proc("gateway", gw_args, base_env(SPECSERVE_SHM="0")),
-        }
-        self.addr = {k: p.wait_line("gateway listening on ", timeout=180).split()[-1] for k, p in self.gateways.items()}
-        for name, proc in self.draft_procs.items():
-            proc.wait_line(f"draft ({name}) listening on ", timeout=180)
-        self.channels = {k: grpc.insecure_channel(a, options=channel_options()) for k, a in self.addr.items()}
-        self.gw = {k: gateway_pb2_grpc.GatewayStub(c) for k, c in self.channels.items()}
-
-    def target_stats(self) -> target_pb2.TargetStats:
-        with grpc.insecure_channel(self.target_addr) as ch:
-            return target_pb2_grpc.TargetServiceStub(ch).GetStats(target_pb2.TargetStatsRequest(), timeout=5)
-
-    def draft_stats(self, name: str) -> draft_pb2.DraftStats:
-        with grpc.insecure_channel(self.drafts[name]) as ch:
-            return draft_pb2_grpc.DraftServiceStub(ch).GetStats(draft_pb2.DraftStatsRequest(), timeout=5)
-
-    def new_names(self) -> set[str]:
-        return set(leftover_names()) - self.before
-
-    def close(self) -> None:
-        for c in self.channels.values():
-            c.close()
-        for p in (*self.gateways.values(), *self.draft_procs.values(), self.target):
-            p.stop()
+        self.ckpt = ckpt
+        drafts = {"model": ["--draft", "model", "--draft-model", str(ckpt), "--model", str(ckpt)],
+                  "ngram": ["--draft", "ngram", "--model", str(ckpt)]}
+        super().__init__(socks, ["--model", str(ckpt)], drafts, {"shm": base_env(), "grpc": base_env(SPECSERVE_SHM="0")},
+                         step_timeout_s=10, start_timeout_s=180)
 
 
 @pytest.fixture(scope="module")
@@ -101,22 +62,8 @@ def one_process(tiny_target_dir):
     return {i: engine.generate_greedy(p, N_LONG) for i, p in enumerate(PROMPTS)}
 
 
-def req(prompt, n: int, draft: str, k: int = 4) -> gateway_pb2.GenerateRequest:
-    return gateway_pb2.GenerateRequest(prompt_ids=prompt, max_new_tokens=n, draft=draft, num_speculative_tokens=k)
 
 
-def generate(stack: Stack, via: str, request, timeout: float = 60.0):
-    """(token ids, final message or None, status code or None, seconds)."""
-    ids, final, code, t0 = [], None, None, time.monotonic()
-    try:
-        for msg in stack.gw[via].Generate(request, timeout=timeout):
-            if msg.HasField("final"):
-                final = msg.final
-            else:
-                ids.extend(msg.delta.token_ids)
-    except grpc.RpcError as exc:
-        code = exc.code()
-    return ids, final, code, time.monotonic() - t0
 
 
 def test_greedy_shm_equals_grpc_equals_one_process(stack, one_process):
@@ -163,11 +110,6 @@ def test_an_offer_nobody_attaches_to_leaves_the_session_on_grpc_and_nothing_behi
         stub.Release(target_pb2.ReleaseRequest(session_id="far-away"), timeout=10)
 
 
-def wait_until(cond, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.02)
 
 
 def test_cancel_and_deadline_reach_both_services_over_shm(stack):
@@ -215,26 +157,8 @@ def test_sampled_shm_path_follows_the_target(stack):
     assert two_sample_pvalue(control, ref) < 1e-3, (dict(control), dict(ref))  # the test can tell laws apart
 
 
-def run_concurrently(stack: Stack, requests, timeout: float, during):
-    results = [None] * len(requests)
-
-    def one(i):
-        results[i] = generate(stack, "shm", requests[i], timeout)
-
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(requests))]
-    for t in threads:
-        t.start()
-    during()
-    for t in threads:
-        t.join(timeout + 30)
-    return results
 
 
-def wait_no_names(stack: Stack, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while stack.new_names() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not stack.new_names(), stack.new_names()
 
 
 # ------------------------------------------------------------------------------------------ faults
@@ -248,7 +172,7 @@ def test_drafter_killed_mid_step_goes_on_target_only_losslessly(stack, one_proce
             time.sleep(0.01)  # the requests are drafting over shared memory now
         stack.draft_procs["model"].stop(signal.SIGKILL)
 
-    results = run_concurrently(stack, [req(PROMPTS[p], N_NEW, d, k=2) for p, d in specs], 60.0, kill_draft)
+    results = run_concurrently(stack, "shm", [req(PROMPTS[p], N_NEW, d, k=2) for p, d in specs], 60.0, kill_draft)
     assert [r[2] for r in results] == [None] * len(specs)
     for (p, _), (ids, final, _, seconds) in zip(specs, results):
         assert ids == one_process[p][:N_NEW]
@@ -268,7 +192,7 @@ def test_target_killed_mid_step_gives_unavailable_within_the_deadline(stack, one
             time.sleep(0.01)
         stack.target.stop(signal.SIGKILL)
 
-    results = run_concurrently(stack, [req(PROMPTS[p], N_LONG, d) for p, d in specs], deadline_s, kill_target)
+    results = run_concurrently(stack, "shm", [req(PROMPTS[p], N_LONG, d) for p, d in specs], deadline_s, kill_target)
     for (p, _), (ids, final, code, seconds) in zip(specs, results):
         assert code == grpc.StatusCode.UNAVAILABLE, code
         assert seconds < deadline_s / 2  # at once (the doorbell's end-of-file), not at the deadline
