@@ -23,7 +23,7 @@ from specserve.runtime import tracing as tn
 from specserve.runtime.data_plane import ANSWERED, ShmOffer, ShmSessions
 from specserve.runtime.errors import LimitExceeded, status_for
 from specserve.runtime.hidden_share import HiddenHandle, HiddenShareError, HiddenView, host_id, mappable_kinds
-from specserve.runtime.servers_common import lenient_adder, short
+from specserve.runtime.servers_common import cancel_and_wait, lenient_adder, short
 from specserve.runtime.worker import OneThread
 
 SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name
@@ -266,12 +266,7 @@ class DrafterWorker:
 
     async def close(self) -> None:
         self._closed = True
-        if self._reaper is not None:
-            self._reaper.cancel()
-            try:
-                await self._reaper
-            except asyncio.CancelledError:
-                pass
+        await cancel_and_wait(self._reaper)
         await self._thread.aclose()
         for sid in list(self.views):
             self.views.pop(sid).close()

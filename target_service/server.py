@@ -39,7 +39,7 @@ from specserve.runtime.admission import Admission, AdmissionConfig, AdmissionRef
 from specserve.runtime.data_plane import ANSWERED, ShmOffer, ShmSessions
 from specserve.runtime.errors import LimitExceeded, status_for
 from specserve.runtime.hidden_share import HiddenBuffer, HiddenShareError, host_id, kind_for
-from specserve.runtime.servers_common import lenient_adder, short
+from specserve.runtime.servers_common import cancel_and_wait, lenient_adder, short
 from specserve.runtime.worker import OneThread
 from specserve.target_service.engine.engine import (
     ContextTooLong,
@@ -152,12 +152,7 @@ class EngineWorker:
 
     async def close(self) -> None:
         self._closed = True  # releases asked for from now on are dropped (the process is ending)
-        if self._reaper is not None:
-            self._reaper.cancel()
-            try:
-                await self._reaper
-            except asyncio.CancelledError:
-                pass
+        await cancel_and_wait(self._reaper)
         await self._thread.aclose()  # the job on the thread ends first; nothing new starts (closed)
         for sid in list(self.shares):  # the engine thread is gone: no name stays in /dev/shm
             self.shares.pop(sid).close()

@@ -399,6 +399,15 @@ async def serve_until_signal(
             await on_stop()
 
 
+async def cancel_and_wait(task: asyncio.Task | None) -> None:
+    """Cancel a background task (None: nothing) and wait until it has ended."""
+    if task is None:
+        return
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+
+
 def exit_now(code: int) -> None:
     """End a service process after its graceful shutdown (calls drained, engine closed, traces
     flushed): flush stdio and skip interpreter finalization, which takes seconds once torch is loaded."""
