@@ -47,6 +47,7 @@ import stat
 import struct
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from multiprocessing import resource_tracker
 from multiprocessing.shared_memory import SharedMemory
@@ -382,8 +383,9 @@ class ShmChannel:
         if readable:
             self._drain_doorbell()
 
-    def send(self, payload: bytes | bytearray | memoryview, timeout: float | None = None) -> None:
-        deadline = None if timeout is None else time.monotonic() + timeout
+    def _send_steps(self, payload: bytes | bytearray | memoryview) -> Iterator[None]:
+        """Write one message, ringing the peer after every part written; yield whenever the ring stays full
+        past the spin (the caller then waits for the reader's doorbell, capped by _waiting_deadline)."""
         self._check_usable()
         parts = self._frame(payload)
         total, done = sum(len(p) for p in parts), 0
@@ -394,8 +396,21 @@ class ShmChannel:
                 return
             self._put(self._out_ctrl + _WAITING, 1)
             if not self._spin(lambda: self._room() > 0):
-                self._block(deadline)
+                yield
                 self._check_usable()
+
+    @staticmethod
+    def _waiting_deadline(deadline: float | None) -> float:
+        """A full ring's doorbell wait: the waiting flag and the reader's check can cross (no store-load fence
+        from Python), so the wait is capped and a missed ring costs at most 1 ms, never a hang."""
+        return min(deadline or float("inf"), time.monotonic() + 1e-3)
+
+    def send(self, payload: bytes | bytearray | memoryview, timeout: float | None = None) -> None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for _ in self._send_steps(payload):
+            with contextlib.suppress(RingTimeout):
+                self._block(self._waiting_deadline(deadline))
+            self._left(deadline)
 
     def recv(self, timeout: float | None = None) -> bytes:
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -461,22 +476,10 @@ class ShmChannel:
 
     async def asend(self, payload: bytes | bytearray | memoryview, timeout: float | None = None) -> None:
         deadline = None if timeout is None else time.monotonic() + timeout
-        self._check_usable()
-        parts = self._frame(payload)
-        total, done = sum(len(p) for p in parts), 0
-        while True:
-            done += self._write_some(parts, done)
-            self._ring_peer()
-            if done == total:
-                return
-            self._put(self._out_ctrl + _WAITING, 1)
-            if not self._spin(lambda: self._room() > 0):
-                # the flag and the reader's check can cross (no store-load fence from Python): the
-                # doorbell wait is capped, so a missed ring costs at most that, never a hang
-                with contextlib.suppress(RingTimeout):
-                    await self._await_doorbell(min(deadline or float("inf"), time.monotonic() + 1e-3))
-                self._left(deadline)
-                self._check_usable()
+        for _ in self._send_steps(payload):
+            with contextlib.suppress(RingTimeout):
+                await self._await_doorbell(self._waiting_deadline(deadline))
+            self._left(deadline)
 
     async def arecv(self, timeout: float | None = None) -> bytes:
         deadline = None if timeout is None else time.monotonic() + timeout
