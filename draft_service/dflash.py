@@ -50,7 +50,6 @@ a longer context drafts eagerly.
 from __future__ import annotations
 
 import json
-import warnings
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -63,6 +62,7 @@ from torch import nn
 from specserve.contract.types import DraftBlock
 from specserve.draft_service.dflash_config import DFlashConfig, read_config
 from specserve.draft_service.drafting import draw_tokens, to_target_probs
+from specserve.draft_service.graph_capture import capture_all_or_warn
 from specserve.draft_service.proposer import (
     ROLLBACK_ROWS,
     DrafterConfig,
@@ -320,13 +320,7 @@ class DFlashProposer(Proposer):
                 if isinstance(module, RMSNorm):
                     module.use_kernel = True
         graphs = self.build_block_graphs(config.graph_window, config.max_block_size)
-        try:
-            graphs.capture()
-        except Exception as e:  # blocks then run eager; the drafter still serves
-            warnings.warn(f"dflash CUDA graphs not captured, blocks run eager: {type(e).__name__}: {e}",
-                          RuntimeWarning, stacklevel=3)
-            return None
-        return graphs
+        return capture_all_or_warn(graphs, "dflash blocks")
 
     def _hidden_width(self) -> int:
         return len(self.model.cfg.target_layer_ids) * self.model.cfg.target_hidden_size

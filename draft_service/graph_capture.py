@@ -1,4 +1,4 @@
-"""Capturing one drafter CUDA graph, shared by the graph drafters (model_graph.py, dflash_graph.py)."""
+"""Capturing drafter CUDA graphs, shared by the graph drafters (model_graph.py, dflash_graph.py and their drafters)."""
 
 from __future__ import annotations
 
@@ -25,3 +25,14 @@ def capture_or_record(
         warnings.warn(f"{owner}: graph {key} not captured, runs eager: {e}", RuntimeWarning, stacklevel=4)
         return
     graphs[key] = graph
+
+
+def capture_all_or_warn(graphs, what: str):  # graphs: an object with capture(); returns it, or None
+    """graphs.capture(), or None with a warning (`what` names the drafter and what then runs eagerly): the drafter
+    still serves, eagerly."""
+    try:
+        graphs.capture()
+    except Exception as e:
+        warnings.warn(f"{what}: CUDA graphs not captured, run eager: {type(e).__name__}: {e}", RuntimeWarning, stacklevel=4)
+        return None
+    return graphs

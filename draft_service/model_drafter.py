@@ -28,6 +28,7 @@ import torch
 
 from specserve.contract.types import DraftBlock
 from specserve.draft_service.drafting import draw_tokens, to_target_probs
+from specserve.draft_service.graph_capture import capture_all_or_warn
 from specserve.draft_service.proposer import (
     DrafterConfig,
     DrafterConfigError,
@@ -118,13 +119,7 @@ class ModelProposer(Proposer):
             attention = "triton_paged"
             self.model.set_fused_layers(True)
         graphs = self.build_chain_graphs(config.graph_window, config.max_block_size, attention)
-        try:
-            graphs.capture()
-        except Exception as e:  # chains then run eager; the drafter still serves
-            warnings.warn(f"model drafter CUDA graphs not captured, chains run eager: {type(e).__name__}: {e}",
-                          RuntimeWarning, stacklevel=3)
-            return None
-        return graphs
+        return capture_all_or_warn(graphs, "model drafter chains")
 
     # ------------------------------------------------------------------ session state
     def _start_state(self, state: SessionState) -> None:
