@@ -129,3 +129,18 @@ def paired_greedy(engine, verified, shadow, sid: str, prompt, k: int, max_new: i
     verified.release(sid)
     shadow.release(sid)
     return emitted, same, steps
+
+
+def check_graphs_draft_as_eager(engine, graphs, eager, prompts, dtype: str, k: int = 4, max_new: int = 40) -> None:
+    """paired_greedy over each prompt text, the captured graphs' blocks verified, the eager proposer's beside them:
+    float32: every block equal and the output = target-only; bf16 (sums round differently, near-ties may split): at
+    least 90 % of the blocks equal; either way the drafts were accepted (fewer steps than tokens)."""
+    same = steps = 0
+    for i, text in enumerate(prompts):
+        prompt = engine.tokenizer.encode(text).ids
+        emitted, s, n = paired_greedy(engine, graphs, eager, f"p{i}", prompt, k, max_new)
+        same, steps = same + s, steps + n
+        if dtype == "float32":
+            assert emitted[:max_new] == engine.generate_greedy(prompt, max_new), f"prompt {i}: output differs from target-only"
+    assert same >= (steps if dtype == "float32" else 0.9 * steps), f"{same} of {steps} blocks equal"
+    assert steps < len(prompts) * (max_new - 1)  # the drafts were accepted: fewer steps than tokens
