@@ -49,7 +49,7 @@ def _layer_list(text: str) -> tuple[int, ...]:
 
 def run(args: argparse.Namespace) -> int:
     from specserve.runtime.servers_common import exit_now, run_async
-    from specserve.target_service.server import TargetLimits
+    from specserve.target_service.engine_worker import TargetLimits
 
     engine_config = engine_config_from_args(args)
     server_config = server_config_from_args(args, tuple(args.listen or [DEFAULT_LISTEN]))
@@ -89,13 +89,8 @@ async def _serve(
 ) -> None:
     from specserve.runtime.servers_common import ServiceBinding, serve_until_signal
     from specserve.runtime.tracing import setup_telemetry
-    from specserve.target_service.server import (
-        SERVICE_NAME,
-        EngineWorker,
-        TargetServicer,
-        add_target_to_server,
-        observe_worker,
-    )
+    from specserve.target_service.engine_worker import EngineWorker, observe_worker
+    from specserve.target_service.server import SERVICE_NAME, TargetServicer, add_target_to_server
 
     telemetry = setup_telemetry("specserve-target", prometheus=metrics_http is not None)
     worker = await EngineWorker.build(lambda: _engine_with_graph_layers(engine_config, graph_layers), limits=limits)

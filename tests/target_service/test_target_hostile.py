@@ -15,14 +15,9 @@ from specserve.contract.types import DraftBlock
 from specserve.protos import convert
 from specserve.protos.specserve.v1 import target_pb2, target_pb2_grpc
 from specserve.runtime.servers_common import ServiceBinding
+from specserve.target_service.engine_worker import EngineWorker, TargetLimits
 from specserve.target_service.factory import EngineConfig, build_engine
-from specserve.target_service.server import (
-    SERVICE_NAME,
-    EngineWorker,
-    TargetLimits,
-    TargetServicer,
-    add_target_to_server,
-)
+from specserve.target_service.server import SERVICE_NAME, TargetServicer, add_target_to_server
 
 PROMPT = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38]
 IDLE_S = 0.6
