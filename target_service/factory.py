@@ -16,7 +16,9 @@ GRAPH_ATTENTION = ("flashinfer", "triton_paged", "paged_torch")  # attention bac
 
 @dataclass(frozen=True)
 class EngineConfig:
-    model: Path | str  # checkpoint folder, or "synthetic:NAME[:LAYERS]" (models/presets.py: random weights)
+    # checkpoint folder, "synthetic:NAME[:LAYERS]" (models/presets.py: random weights), or "demo@NAME[:LAYERS]" (the
+    # shipped demo embedded in a published model's shape: models/scaled_demo.py)
+    model: Path | str
     device: str = "cpu"
     dtype: str = "float32"
     num_kv_blocks: int = 4096
@@ -39,12 +41,13 @@ class EngineConfig:
     def __post_init__(self) -> None:
         from specserve.models.errors import ModelConfigError
         from specserve.models.presets import is_synthetic, parse_spec
+        from specserve.models.scaled_demo import is_scaled_demo, parse_scaled_spec
 
         if self.dtype not in ENGINE_DTYPES:
             raise SpecserveError(f"--dtype must be one of {sorted(ENGINE_DTYPES)}, got {self.dtype!r}")
-        if is_synthetic(self.model):
+        if is_synthetic(self.model) or is_scaled_demo(self.model):
             try:
-                parse_spec(str(self.model))
+                (parse_spec if is_synthetic(self.model) else parse_scaled_spec)(str(self.model))
             except ModelConfigError as e:
                 raise SpecserveError(str(e)) from e
         elif not Path(self.model).is_dir():
@@ -70,9 +73,16 @@ def build_model_for(cfg: EngineConfig):
     from specserve.models.backends import install_backends, select_backends
     from specserve.models.loader import load_model, load_tokenizer
     from specserve.models.presets import build_synthetic_model, is_synthetic
+    from specserve.models.scaled_demo import build_scaled_demo, is_scaled_demo
 
     dtype = DTYPES[cfg.dtype]
-    if is_synthetic(cfg.model):
+    if is_scaled_demo(cfg.model):
+        from specserve.paths import demo_checkpoint
+
+        demo = demo_checkpoint("target")
+        model, model_config = build_scaled_demo(str(cfg.model), demo, device=cfg.device, dtype=dtype, seed=cfg.seed)
+        tokenizer = load_tokenizer(demo)
+    elif is_synthetic(cfg.model):
         parallel = None
         if cfg.bench_shard is not None:  # one rank's shard alone: collectives off (benchmarks only)
             from specserve.models.config import ParallelConfig

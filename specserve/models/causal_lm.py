@@ -164,15 +164,21 @@ class CausalLM(nn.Module):
         return self.model.embed_tokens(input_ids)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, V] float32
-        """Under tp every rank scores its vocabulary rows; the full logits are gathered on every rank."""
+        """Under tp every rank scores its vocabulary rows; the full logits are gathered on every rank. Ids at or past
+        config.logits_vocab_limit get -inf (in place: graph-safe)."""
         if self.lm_head is not None:
-            return self.lm_head(hidden)
-        start, end = vocab_range(self.config.vocab_size, self.parallel)
-        local = F.linear(hidden, self.model.embed_tokens.weight[start:end]).float()
-        part = -(-self.config.vocab_size // self.parallel.tp_size)
-        if end - start < part:
-            local = F.pad(local, (0, part - (end - start)))
-        return gather_vocab(local, self.config.vocab_size, self.parallel)
+            logits = self.lm_head(hidden)
+        else:
+            start, end = vocab_range(self.config.vocab_size, self.parallel)
+            local = F.linear(hidden, self.model.embed_tokens.weight[start:end]).float()
+            part = -(-self.config.vocab_size // self.parallel.tp_size)
+            if end - start < part:
+                local = F.pad(local, (0, part - (end - start)))
+            logits = gather_vocab(local, self.config.vocab_size, self.parallel)
+        limit = self.config.logits_vocab_limit
+        if limit is not None and limit < logits.shape[-1]:
+            logits[:, limit:] = float("-inf")
+        return logits
 
     @torch.no_grad()  # not inference_mode: captured features may feed draft-head training
     def forward(

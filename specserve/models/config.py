@@ -172,11 +172,16 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     quantization: QuantConfig | None = None  # the checkpoint's int4 / fp8 format (weights load dequantized)
     checkpoint_prefix: str = ""  # tensor names of the text model start with this (multimodal wrappers)
+    # Only ids below this are tokens: logits at ids >= it are -inf (a vocabulary padded past its real tokens, as
+    # the demo at real size pads the demo's; models/scaled_demo.py). None: every id is a token.
+    logits_vocab_limit: int | None = None
 
     def __post_init__(self) -> None:
         _positive(self, "vocab_size", "hidden_size", "num_layers", "intermediate_size", "rms_norm_eps")
         if self.moe is not None and any(not 0 <= i < self.num_layers for i in self.moe.layers):
             raise ModelConfigError(f"MoE layers {self.moe.layers} outside [0, {self.num_layers})")
+        if self.logits_vocab_limit is not None and not 0 < self.logits_vocab_limit <= self.vocab_size:
+            raise ModelConfigError(f"logits_vocab_limit must be in (0, {self.vocab_size}], got {self.logits_vocab_limit}")
 
     @property
     def kv_entry_shape(self) -> tuple[int, ...]:

@@ -16,6 +16,13 @@ Presets:
   mini-kimi-k2     2 layers with Kimi-K2's MLA latent dims (512 + 64), few small experts, first layer dense.
   tiny-qwen3-moe   CPU-sized (hidden 64, head_dim 16): tests of the table and of the random init.
   tiny-kimi-k2     CPU-sized MLA + shared expert + sigmoid/noaux routing.
+  moonlight-16b-a3b  Moonlight-16B-A3B as published: 27 layers (first dense, intermediate 11264), hidden 2048, MLA
+                   (no q_lora, kv_lora 512, rope 64, nope 128, v 128, 16 heads), 64 experts top-6 + 2 shared
+                   (moe_intermediate 1408), vocab 163840.
+  kimi-k2.6        Kimi-K2.6's text model: Kimi-K2's width at its 61 layers (first dense), routed experts int4 in
+                   groups of 32 (K2's rope: the preset's bytes and kernels do not depend on it).
+  small-moonlight, small-kimi-k2.6   the two above at hidden 512 (a few layers, few experts): CPU tests of the
+                   demo at real size (models/scaled_demo.py), which needs room for the demo's hidden 256.
   NAME-int4        kimi-k2-layer / mini-kimi-k2 / tiny-kimi-k2 with routed experts in int4 pack-quantized
                    groups of 32 as Kimi-K2-Thinking / K2.6 ship them (kept packed: random words, small scales).
   NAME-fp8         qwen3-30b-a3b / kimi-k2-layer (Qwen3-30B-A3B-FP8, Kimi-K2-Instruct) and tiny-qwen3-moe
@@ -86,6 +93,16 @@ _KIMI = {
     "tiny-kimi-k2": _kimi_k2(2, 64, 4, 24, 16, 8, 16, 16, 8, 2, 32, 256, first_dense=1),
 }
 
+def _moonlight(layers: int, hidden: int, heads: int, kv_lora: int, rope: int, nope: int, v: int, experts: int,
+               top_k: int, moe_inter: int, shared: int, inter: int, vocab: int) -> ModelConfig:
+    """DeepSeek-V3 architecture at Moonlight's settings (no q_lora, sigmoid noaux routing, one dense layer)."""
+    base = _kimi_k2(layers, hidden, heads, None, kv_lora, rope, nope, v, experts, top_k, moe_inter, vocab, first_dense=1)
+    return dataclasses.replace(
+        base, model_type="deepseek_v3", intermediate_size=inter, rms_norm_eps=1e-5,
+        rope=RopeConfig(rope_type="default", theta=50000.0, dim=rope), max_position_embeddings=8192,
+        moe=dataclasses.replace(base.moe, routed_scaling_factor=2.446, n_shared_experts=shared))
+
+
 _QWEN3_30B = _qwen3_moe(48, 2048, 32, 4, 128, 128, 8, 768, 151936)
 _TINY_QWEN = _qwen3_moe(2, 64, 4, 2, 16, 8, 2, 32, 256)
 
@@ -97,6 +114,12 @@ PRESETS: Mapping[str, ModelConfig] = MappingProxyType({
     "mini-kimi-k2": _KIMI["mini-kimi-k2"],
     "tiny-qwen3-moe": _TINY_QWEN,
     "tiny-kimi-k2": _KIMI["tiny-kimi-k2"],
+    "moonlight-16b-a3b": _moonlight(27, 2048, 16, 512, 64, 128, 128, 64, 6, 1408, 2, 11264, 163840),
+    "kimi-k2.6": dataclasses.replace(_kimi_k2(61, 7168, 64, 1536, 512, 64, 128, 128, 384, 8, 2048, 163840, first_dense=1),
+                                     quantization=KIMI_INT4),
+    "small-moonlight": _moonlight(7, 512, 8, 128, 32, 64, 64, 32, 6, 128, 2, 1024, 8192),
+    "small-kimi-k2.6": dataclasses.replace(_kimi_k2(6, 512, 8, 256, 128, 32, 64, 64, 48, 8, 128, 8192, first_dense=1),
+                                           quantization=KIMI_INT4),
     **{f"{name}-int4": dataclasses.replace(_KIMI[name], quantization=KIMI_INT4) for name in _KIMI},
     "qwen3-30b-a3b-fp8": dataclasses.replace(_QWEN3_30B, quantization=Fp8BlockConfig()),
     "kimi-k2-layer-fp8": dataclasses.replace(_KIMI["kimi-k2-layer"], quantization=Fp8BlockConfig()),
