@@ -36,6 +36,7 @@ from specserve.contract.types import (
 from specserve.gateway.clients import DraftError
 from specserve.gateway.remote import RELEASE_TIMEOUT_S, BidiStream, Deadline
 from specserve.gateway.spec_loop import MalformedDraft
+from specserve.gateway.validation import MAX_SPECULATIVE_TOKENS
 from specserve.protos import convert
 from specserve.protos.specserve.v1 import (
     draft_pb2,
@@ -48,6 +49,14 @@ from specserve.runtime.servers_common import TlsFiles, aio_channel, bearer_metad
 from specserve.runtime.shm_ring import PeerGone, RingTimeout
 
 _DOWN = frozenset({grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE})
+
+
+def draft_reply_limit(vocab_size: int) -> int:  # bytes
+    """The largest reply the gateway reads from a draft, over gRPC and shared memory alike: q of the most
+    nodes a request can ask for (MAX_SPECULATIVE_TOKENS, a chain or a tree; + 1 for slack) over the
+    target's vocabulary in float32, and 1 MiB for the rest. A longer one is refused before it is
+    allocated (gRPC: RESOURCE_EXHAUSTED; the ring drops the channel), and that request goes target-only."""
+    return (MAX_SPECULATIVE_TOKENS + 1) * max(int(vocab_size), 1) * 4 + (1 << 20)
 
 
 @dataclass(frozen=True)
@@ -133,7 +142,9 @@ class RemoteDraftEndpoint:
         self.breaker = _Breaker(self, breaker or BreakerConfig())
         self.step_timeout_s = step_timeout_s
         self.target_info = target_info  # set: a drafter for another vocabulary is never used
-        self.channel = aio_channel(address, tls)
+        # what a draft may send back: a drafted block's q at most (not the services' 512 MiB)
+        self.reply_limit = draft_reply_limit(target_info.vocab_size if target_info is not None else 1 << 18)
+        self.channel = aio_channel(address, tls, max_receive_bytes=self.reply_limit)
         self.stub = draft_pb2_grpc.DraftServiceStub(self.channel)
         self.last_info: draft_pb2.DraftInfo | None = None
 
@@ -231,7 +242,7 @@ class RemoteDraft:
         if hidden is not None:
             req.hidden.CopyFrom(convert.tensor_to_proto(hidden))
         resp = await self._unary(self._ep.stub.StartSession, req)
-        self._shm = ShmClient.attach(resp.shm_channel)
+        self._shm = ShmClient.attach(resp.shm_channel, self._ep.reply_limit)
 
     async def propose(
         self,

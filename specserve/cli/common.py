@@ -256,8 +256,9 @@ def shm_offer_from_args(args: argparse.Namespace):
     SPECSERVE_HIDDEN_SHARE=0: no hidden-row buffers)."""
     import os
 
-    from specserve.runtime.data_plane import ShmOffer, shm_allowed
+    from specserve.runtime.data_plane import ShmOffer, session_ring, shm_allowed
     from specserve.runtime.hidden_share import hidden_share_allowed
 
     return ShmOffer(enabled=shm_allowed(args.no_shm, os.environ),
-                    hidden_share=hidden_share_allowed(args.no_hidden_share, os.environ))
+                    hidden_share=hidden_share_allowed(args.no_hidden_share, os.environ),
+                    ring=session_ring(args.max_message_bytes))  # a step's request: the gRPC stream's limit

@@ -28,7 +28,14 @@ from dataclasses import dataclass
 import grpc
 from google.protobuf.message import DecodeError
 
-from specserve.runtime.shm_ring import RingConfig, RingError, RingTimeout, ShmChannel
+from specserve.runtime.shm_ring import (
+    DEFAULT_MAX_MESSAGE,
+    MessageTooLarge,
+    RingConfig,
+    RingError,
+    RingTimeout,
+    ShmChannel,
+)
 
 SHM_ENV = "SPECSERVE_SHM"  # "0": no shared-memory data plane (flag: --no-shm)
 OK, STATUS = 0, 1
@@ -85,6 +92,12 @@ ANSWERED = object()  # a handler's return: the reply already went out (ShmSessio
 # answer, and the gateway's answer a whole verify / propose after its request, so a spin would only
 # burn the event loop (per waiting session) before the doorbell wakes it anyway.
 SESSION_RING = RingConfig(spin_us=0.0)
+
+
+def session_ring(max_message: int = DEFAULT_MAX_MESSAGE) -> RingConfig:
+    """A session channel's end that reads at most ``max_message`` bytes a message (the gRPC limit of the
+    same hop: a longer frame drops the channel before anything is allocated)."""
+    return RingConfig(spin_us=0.0, max_message=max_message)
 
 
 @dataclass(frozen=True)
@@ -236,7 +249,11 @@ class ShmSessions:
                 finally:
                     self._stepping.discard(me)
                 if response is not ANSWERED:
-                    await channel.asend(encode_message(response))
+                    try:
+                        await channel.asend(encode_message(response))
+                    except MessageTooLarge as exc:  # as gRPC refuses a reply over the caller's limit
+                        await channel.asend(encode_status(grpc.StatusCode.RESOURCE_EXHAUSTED, _one_line(exc)))
+                        return
                     self._served_here += 1
                 if me in self._stop_after_step:
                     return
@@ -265,12 +282,13 @@ class ShmClient:
         self.channel = channel
 
     @classmethod
-    def attach(cls, name: str) -> ShmClient | None:
-        """None when the channel cannot be opened here (another host, or its service went)."""
+    def attach(cls, name: str, max_message: int = DEFAULT_MAX_MESSAGE) -> ShmClient | None:
+        """None when the channel cannot be opened here (another host, or its service went).
+        ``max_message``: the largest reply read (a longer one is a RingError, the channel is dropped)."""
         if not name:
             return None
         try:
-            return cls(ShmChannel.attach(name, SESSION_RING))
+            return cls(ShmChannel.attach(name, session_ring(max_message)))
         except (OSError, RingError):
             return None
 

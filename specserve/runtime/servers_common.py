@@ -253,10 +253,16 @@ def server_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str
     ]
 
 
-def channel_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
+def channel_options(max_message_bytes: int = MAX_MESSAGE_BYTES, max_receive_bytes: int | None = None
+                    ) -> list[tuple[str, int]]:
     """Client side: the same limits and keepalive, and a short reconnect backoff so that a restarted
-    service is used again within about a second."""
-    return _limits_and_keepalive(max_message_bytes) + [
+    service is used again within about a second. ``max_receive_bytes``: a lower limit on what this
+    channel reads (gRPC checks a message's length prefix against it before allocating)."""
+    options = _limits_and_keepalive(max_message_bytes)
+    if max_receive_bytes is not None:
+        options = [o for o in options if o[0] != "grpc.max_receive_message_length"]
+        options.append(("grpc.max_receive_message_length", max_receive_bytes))
+    return options + [
         ("grpc.initial_reconnect_backoff_ms", 100),
         ("grpc.min_reconnect_backoff_ms", 100),
         ("grpc.max_reconnect_backoff_ms", 1000),
@@ -267,17 +273,18 @@ def channel_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[st
 UNIX_TLS_SERVER_NAME = "localhost"  # a TLS service on a unix socket must present a certificate for this name
 
 
-def _secure_options(address: str) -> list:
-    options = channel_options()
+def _secure_options(address: str, max_receive_bytes: int | None = None) -> list:
+    options = channel_options(max_receive_bytes=max_receive_bytes)
     if address.startswith("unix:"):  # the authority would be the socket path: check the certificate for localhost
         options.append(("grpc.ssl_target_name_override", UNIX_TLS_SERVER_NAME))
     return options
 
 
-def aio_channel(address: str, tls: TlsFiles | None = None) -> grpc.aio.Channel:
+def aio_channel(address: str, tls: TlsFiles | None = None, max_receive_bytes: int | None = None) -> grpc.aio.Channel:
     if tls is None:
-        return grpc.aio.insecure_channel(check_address(address), options=channel_options())
-    return grpc.aio.secure_channel(check_address(address), tls.channel_credentials(), options=_secure_options(address))
+        return grpc.aio.insecure_channel(check_address(address), options=channel_options(max_receive_bytes=max_receive_bytes))
+    return grpc.aio.secure_channel(check_address(address), tls.channel_credentials(),
+                                   options=_secure_options(address, max_receive_bytes))
 
 
 def sync_channel(address: str, tls: TlsFiles | None = None) -> grpc.Channel:

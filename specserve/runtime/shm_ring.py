@@ -5,13 +5,18 @@ and a doorbell per side.
 Layout of the segment (``RingConfig.capacity`` = C bytes per direction)::
 
     [0, 512)          control: per ring a head (bytes written, u64) and a tail (bytes read, u64), each on
-                      its own cache line, and a "writer waits for room" flag
+                      its own cache line, a "writer waits for room" flag, and the largest message its
+                      reader accepts (u64, written by the reader at create / attach)
     [512, 512 + C)    ring 0: creator -> attacher
     [512 + C, 512+2C) ring 1: attacher -> creator
 
 A message is a u32 length and its bytes, written as a byte stream modulo C (it may wrap); one larger
 than C goes through in pieces while the reader drains it (back-pressure: the writer waits for room).
-Head and tail only grow; the writer stores the bytes before it publishes the head, the reader
+Each end refuses an incoming length above its own ``RingConfig.max_message`` (by default the services'
+gRPC message limit) before it allocates anything, and grows a message's buffer only with bytes that
+have arrived: a peer cannot make a reader commit memory it did not send. A writer checks the
+reader's published limit first (``MessageTooLarge``, nothing written), as gRPC refuses a message
+over the peer's limit. Head and tail only grow; the writer stores the bytes before it publishes the head, the reader
 reads the bytes before it publishes the tail (aligned 8-byte stores are atomic and stay in order on
 x86-64; other CPUs are not claimed).
 
@@ -57,11 +62,12 @@ SHM_DIR = Path("/dev/shm")
 NAME_PREFIX = "specserve-"
 _CONTROL = 512
 _RING_CTRL = (0, 256)  # control block offset of ring 0, ring 1
-_HEAD, _TAIL, _WAITING = 0, 64, 128  # offsets inside a ring's control block
+_HEAD, _TAIL, _WAITING, _LIMIT = 0, 64, 128, 192  # offsets inside a ring's control block
 _U64 = struct.Struct("<Q")
 _U32 = struct.Struct("<I")
 _LEN = 4
-_MAX_MESSAGE = 1 << 31  # a length above this is a corrupt segment, never a message
+_MAX_MESSAGE = (1 << 32) - 1  # what a u32 length can say
+DEFAULT_MAX_MESSAGE = 512 * 1024 * 1024  # a reader's default limit: the services' gRPC one (servers_common)
 
 
 class RingError(ConnectionError):
@@ -70,6 +76,11 @@ class RingError(ConnectionError):
 
 class PeerGone(RingError):
     """The peer process ended or closed its end of the channel."""
+
+
+class MessageTooLarge(RingError):
+    """A message over the reader's limit: refused by the writer before anything is written (the
+    channel stays usable), or by the reader at its length prefix (the channel is dropped)."""
 
 
 class RingTimeout(TimeoutError):
@@ -86,10 +97,13 @@ def default_spin_us() -> float:
 class RingConfig:
     capacity: int = 1 << 20  # bytes per direction; larger messages stream through in pieces
     spin_us: float = field(default_factory=default_spin_us)  # spin on the ring before blocking on the doorbell
+    max_message: int = DEFAULT_MAX_MESSAGE  # the largest message this end reads (a longer one drops the channel)
 
     def __post_init__(self) -> None:
         if self.capacity < 64 or self.capacity % 8:
             raise ValueError(f"capacity must be a multiple of 8 and >= 64, got {self.capacity}")
+        if not 1 <= self.max_message <= _MAX_MESSAGE:
+            raise ValueError(f"max_message must be in [1, {_MAX_MESSAGE}], got {self.max_message}")
         if self.spin_us < 0:
             raise ValueError(f"spin_us must be >= 0, got {self.spin_us}")
 
@@ -132,11 +146,12 @@ class ShmChannel:
     """One end of a duplex channel. ``create`` on one side (it gets a ``name`` to hand over),
     ``attach(name)`` on the other."""
 
-    def __init__(self, shm: SharedMemory, name: str, creator: bool, capacity: int, spin_us: float) -> None:
+    def __init__(self, shm: SharedMemory, name: str, creator: bool, capacity: int, config: RingConfig) -> None:
         self.name = name
         self.creator = creator
         self.capacity = capacity
-        self._spin_s = spin_us * 1e-6
+        self.max_message = config.max_message  # what this end reads
+        self._spin_s = config.spin_us * 1e-6
         self._shm = shm
         self._buf = shm.buf
         self._out_ctrl, self._in_ctrl = (_RING_CTRL[0], _RING_CTRL[1]) if creator else (_RING_CTRL[1], _RING_CTRL[0])
@@ -148,8 +163,8 @@ class ShmChannel:
         self._linked = creator  # the names still exist (the creator unlinks them if nobody attaches)
         self._closed = False
         self._peer_gone = False
-        self._partial: bytearray | None = None  # a message being read
-        self._partial_len = 0
+        self._partial: bytearray | None = None  # a message being read: the bytes that have arrived of it
+        self._partial_len = 0  # its length (from its prefix)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._waiter: asyncio.Future | None = None
         self._send_lock = threading.Lock()  # try_send (any thread) against close
@@ -167,7 +182,8 @@ class ShmChannel:
             shm.buf[:_CONTROL] = bytes(_CONTROL)
             for side in ("c", "a"):
                 os.mkfifo(_fifo_path(name, side), 0o600)
-            ch = cls(shm, name, True, cfg.capacity, cfg.spin_us)
+            ch = cls(shm, name, True, cfg.capacity, cfg)
+            ch._put(ch._in_ctrl + _LIMIT, cfg.max_message)
             ch._my_fd = os.open(_fifo_path(name, "c"), os.O_RDONLY | os.O_NONBLOCK)
             # read-write: opening a FIFO's write end alone needs a reader there, and the attacher
             # unlinks the name as soon as it has opened it; what is written before it reads waits
@@ -194,7 +210,8 @@ class ShmChannel:
             capacity = (shm.size - _CONTROL) // 2  # the creator's (the attacher's config sets only the spin)
             if capacity < 64 or capacity % 8 or shm.size != _CONTROL + 2 * capacity:
                 raise RingError(f"segment {name} of {shm.size} bytes is not a channel")
-            ch = cls(shm, name, False, capacity, cfg.spin_us)
+            ch = cls(shm, name, False, capacity, cfg)
+            ch._put(ch._in_ctrl + _LIMIT, cfg.max_message)
             ch._my_fd = os.open(_fifo_path(name, "a"), os.O_RDONLY | os.O_NONBLOCK)
             ch._peer_fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)  # ENXIO: the creator closed its end
         except BaseException:
@@ -299,6 +316,17 @@ class ShmChannel:
             dst[first:n] = self._buf[base : base + n - first]
         self._put(self._in_ctrl + _TAIL, tail + n)
 
+    def _read_append(self, dst: bytearray, n: int) -> None:
+        """Append the next n bytes of the ring to dst (it grows by what has arrived, never ahead of it)."""
+        tail = self._get(self._in_ctrl + _TAIL)
+        pos = tail % self.capacity
+        first = min(n, self.capacity - pos)
+        base = self._in_data
+        dst += self._buf[base + pos : base + pos + first]
+        if first < n:
+            dst += self._buf[base : base + n - first]
+        self._put(self._in_ctrl + _TAIL, tail + n)
+
     def _try_read(self) -> bytes | None:
         """A whole message if one is there (consumes what is there of a longer one)."""
         freed = False
@@ -311,18 +339,17 @@ class ShmChannel:
                 self._read_into(memoryview(hdr), _LEN)
                 freed = True
                 (length,) = _U32.unpack(hdr)
-                if length > _MAX_MESSAGE:
+                if length > self.max_message:  # refused before a byte of it is allocated
                     self._peer_gone = True
-                    raise RingError(f"corrupt message length {length}")
-                self._partial, self._partial_len = bytearray(length), 0
+                    raise MessageTooLarge(f"the peer sent a message of {length} bytes; this end reads at most "
+                                          f"{self.max_message}")
+                self._partial, self._partial_len = bytearray(), length
                 avail -= _LEN
-            need = len(self._partial) - self._partial_len
-            n = min(need, avail)
+            n = min(self._partial_len - len(self._partial), avail)
             if n:
-                self._read_into(memoryview(self._partial)[self._partial_len :], n)
-                self._partial_len += n
+                self._read_append(self._partial, n)
                 freed = True
-            if self._partial_len == len(self._partial):
+            if len(self._partial) == self._partial_len:
                 msg, self._partial = bytes(self._partial), None
                 self._wake_waiting_writer(freed)
                 return msg
@@ -369,11 +396,15 @@ class ShmChannel:
             raise RingTimeout("no message within the timeout")
         return left
 
-    @staticmethod
-    def _frame(payload: bytes | bytearray | memoryview) -> list[memoryview]:
+    def peer_max_message(self) -> int:
+        """The largest message the peer reads (what it published; a u32 length's most before it has)."""
+        return self._get(self._out_ctrl + _LIMIT) or _MAX_MESSAGE
+
+    def _frame(self, payload: bytes | bytearray | memoryview) -> list[memoryview]:
         view = memoryview(payload).cast("B")
-        if len(view) > _MAX_MESSAGE:
-            raise ValueError(f"message of {len(view)} bytes exceeds {_MAX_MESSAGE}")
+        limit = self.peer_max_message()
+        if len(view) > limit:
+            raise MessageTooLarge(f"a message of {len(view)} bytes exceeds the peer's limit of {limit}")
         return [memoryview(_U32.pack(len(view))), view]
 
     # ------------------------------------------------------------------------------ blocking
@@ -429,7 +460,10 @@ class ShmChannel:
         with self._send_lock:
             if self._closed or self._peer_gone:
                 return False
-            parts = self._frame(payload)
+            try:
+                parts = self._frame(payload)
+            except MessageTooLarge:
+                return False  # the loop's send says so
             if self._room() < sum(len(p) for p in parts):
                 return False
             self._write_some(parts, 0)
@@ -512,6 +546,7 @@ class ShmChannel:
                 self._waiter.set_exception(RingError("the channel is closed"))
             self._close_fds()
             self._buf = None
+            self._partial = None  # what had arrived of a message goes with the channel
             with contextlib.suppress(BufferError):
                 self._shm.close()
         if self._linked:

@@ -1,4 +1,4 @@
-"""Careless and hostile clients and drafters over real processes on loopback (issue #19).
+"""Careless and hostile clients and drafters over real processes on loopback (issues #19, #33).
 
 One stack for the module: a target, an ngram draft, a `model` draft (the tiny target's own checkpoint
 as its LM) and a gateway. Every test ends by checking that no session is left open on any service.
@@ -27,6 +27,7 @@ from specserve.protos.specserve.v1 import (
     target_pb2_grpc,
 )
 from specserve.runtime.servers_common import channel_options
+from specserve.runtime.shm_ring import ShmChannel
 
 PROMPT = [(5 * j + 1) % 256 for j in range(12)]
 TOKEN = "services-secret"  # the target's and drafts' --auth-token; the gateway sends it downstream
@@ -66,6 +67,53 @@ class ForcingDraft(draft_pb2_grpc.DraftServiceServicer):
         return draft_pb2.DraftReleaseResponse(released=True)
 
 
+class RogueFrameDraft(draft_pb2_grpc.DraftServiceServicer):
+    """A hostile drafter aimed at the gateway's memory. ``ring``: it offers a shared-memory channel and
+    answers the first proposal with a bare 4-byte length prefix saying 2^31 bytes (before #33 the
+    gateway committed 2 GiB for it, and kept it); ``grpc``: it answers over the stream with a
+    ProposeResponse of 8 MiB of q (the gateway's draft channels took 512 MiB)."""
+
+    def __init__(self, mode: str) -> None:
+        self.mode = mode
+        self.frames_sent = 0
+        self._channels: list[ShmChannel] = []
+
+    async def GetInfo(self, request, context):
+        return draft_pb2.DraftInfo(family="rogue", vocab_size=256, max_block_size=8, has_probs=True)
+
+    async def StartSession(self, request, context):
+        name = ""
+        if self.mode == "ring" and request.want_shm:
+            channel = ShmChannel.create()
+            self._channels.append(channel)
+            asyncio.get_running_loop().create_task(self._rogue(channel))
+            name = channel.name
+        return draft_pb2.StartSessionResponse(session_id=request.session_id, shm_channel=name)
+
+    async def _rogue(self, channel: ShmChannel) -> None:
+        try:
+            await channel.wait_attached(10)
+            await channel.arecv(10)  # the first ProposeRequest
+            channel._write_some([memoryview((1 << 31).to_bytes(4, "little"))], 0)  # the prefix, never a body
+            channel._ring_peer()
+            self.frames_sent += 1
+            await asyncio.sleep(5)
+        except Exception:  # noqa: BLE001 - the gateway dropped the channel
+            pass
+        finally:
+            channel.close()
+
+    async def ProposeStream(self, request_iterator, context):
+        async for req in request_iterator:
+            q = torch.full((8 * 1024, 256), 1 / 256)  # 8 MiB of a valid-looking q
+            block = convert.draft_block_to_proto(DraftBlock(token_ids=(1,) * q.shape[0], probs=q))
+            self.frames_sent += 1
+            yield draft_pb2.ProposeResponse(session_id=req.session_id, draft=block)
+
+    async def Release(self, request, context):
+        return draft_pb2.DraftReleaseResponse(released=True)
+
+
 class HostileStack:
     def __init__(self, ckpt, socks) -> None:
         self.env = base_env()
@@ -76,6 +124,10 @@ class HostileStack:
         hostile = {"zero": f"unix:{socks}/zero.sock", "liar": f"unix:{socks}/liar.sock"}
         for mode, addr in hostile.items():
             self.fakes.serve(draft_pb2_grpc.add_DraftServiceServicer_to_server, ForcingDraft(mode), addr)
+        self.rogues = {mode: RogueFrameDraft(mode) for mode in ("ring", "grpc")}
+        for mode, rogue in self.rogues.items():
+            hostile[f"rogue_{mode}"] = f"unix:{socks}/rogue_{mode}.sock"
+            self.fakes.serve(draft_pb2_grpc.add_DraftServiceServicer_to_server, rogue, hostile[f"rogue_{mode}"])
         gateway_drafts = {**self.drafts, **hostile, "liar_trusted": hostile["liar"]}
         auth = ["--auth-token", TOKEN, "--grace-s", "1"]
         self.target = Proc("target", ["--model", str(ckpt), "--listen", self.target_addr, "--num-kv-blocks", "256",
@@ -246,6 +298,46 @@ def test_a_frozen_draft_trips_the_breaker_then_is_used_again(hostile):
             break
         assert time.monotonic() < deadline, "the draft was not used again after it came back"
         time.sleep(0.2)
+    hostile.wait_no_sessions()
+
+
+def _rss_kb(pid: int) -> dict[str, int]:
+    fields = {}
+    for line in open(f"/proc/{pid}/status"):
+        key, _, value = line.partition(":")
+        if key in ("VmRSS", "VmHWM"):
+            fields[key] = int(value.split()[0])
+    return fields
+
+
+@pytest.mark.parametrize("mode", ["ring", "grpc"])
+def test_a_rogue_drafters_oversized_frame_costs_the_gateway_no_memory_and_falls_back(hostile, mode):
+    """#33: six concurrent requests through a drafter whose reply claims 2^31 bytes on the ring (or
+    sends 8 MiB over gRPC, past what any block's q needs): the gateway's peak RSS grows by less than
+    16 MB, every request falls back to target-only with the target-only tokens, and nothing stays open."""
+    base, _ = hostile.generate(gateway_pb2.GenerateRequest(prompt_ids=PROMPT, max_new_tokens=12, draft="none"))
+    request = gateway_pb2.GenerateRequest(prompt_ids=PROMPT, max_new_tokens=12, draft=f"rogue_{mode}",
+                                          num_speculative_tokens=4)
+    hostile.generate(request)  # warm: the gateway's own first-use allocations are not the rogue's
+    pid = hostile.gateway.popen.pid
+    before = _rss_kb(pid)
+    sent = hostile.rogues[mode].frames_sent
+
+    async def six():
+        channel = grpc.aio.insecure_channel(hostile.gateway_addr, options=channel_options())
+        try:
+            stub = gateway_pb2_grpc.GatewayStub(channel)
+            return await asyncio.gather(*[stub.GenerateUnary(request, timeout=60) for _ in range(6)])
+        finally:
+            await channel.close()
+
+    results = asyncio.run(six())
+    after = _rss_kb(pid)
+    grew_mb = (after["VmHWM"] - before["VmRSS"]) / 1024
+    assert grew_mb < 16, (before, after)
+    assert hostile.rogues[mode].frames_sent >= sent + 6
+    for result in results:
+        assert list(result.token_ids) == base and result.final.stats.draft_fallback
     hostile.wait_no_sessions()
 
 

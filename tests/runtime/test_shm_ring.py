@@ -16,6 +16,7 @@ import pytest
 
 from specserve.runtime.shm_ring import (
     SHM_DIR,
+    MessageTooLarge,
     PeerGone,
     RingConfig,
     RingError,
@@ -331,3 +332,62 @@ def test_try_send_racing_close_never_breaks_the_process():
         t.join(5)
         assert not t.is_alive() and not a.try_send(b"m")
         b.close()
+
+
+def _raw_prefix(ch: ShmChannel, length: int, body: bytes = b"") -> None:
+    """What a rogue peer writes: a length prefix (and maybe some of a body), bypassing its own checks."""
+    ch._write_some([memoryview(length.to_bytes(4, "little")), memoryview(body)], 0)
+    ch._ring_peer()
+
+
+def test_a_length_over_the_readers_limit_is_refused_before_anything_is_allocated():
+    """A 4-byte frame saying 2^32 - 1 bytes: the reader refuses it at the prefix (before #33 it made a
+    bytearray of the claimed length: 2 GiB committed by 4 bytes) and the channel is dropped."""
+    import tracemalloc
+
+    a, b = pair(RingConfig(max_message=1 << 20))
+    tracemalloc.start()
+    try:
+        _raw_prefix(a, (1 << 32) - 1)
+        with pytest.raises(MessageTooLarge, match="4294967295 bytes"):
+            b.recv(timeout=2)
+        assert tracemalloc.get_traced_memory()[1] < 1 << 20
+    finally:
+        tracemalloc.stop()
+    with pytest.raises(RingError):
+        b.recv(timeout=0.1)
+    a.close()
+    b.close()
+
+
+def test_a_message_buffer_grows_only_with_the_bytes_that_arrived():
+    """A prefix within the limit whose body never comes: the reader holds what arrived, not the claim."""
+    import tracemalloc
+
+    a, b = pair(RingConfig(capacity=1 << 16))
+    tracemalloc.start()
+    try:
+        _raw_prefix(a, 400 << 20, b"x" * 1000)  # claims 400 MiB, sends 1000 bytes
+        with pytest.raises(RingTimeout):
+            b.recv(timeout=0.2)
+        assert tracemalloc.get_traced_memory()[1] < 1 << 20
+    finally:
+        tracemalloc.stop()
+    a.close()
+    b.close()
+
+
+def test_the_writer_refuses_a_message_over_the_peers_limit_and_the_channel_goes_on():
+    a = ShmChannel.create(RingConfig(max_message=1000))
+    b = ShmChannel.attach(a.name, RingConfig(max_message=500))
+    with pytest.raises(MessageTooLarge, match="limit of 500"):
+        a.send(b"x" * 501)
+    assert not a.try_send(b"x" * 501)
+    with pytest.raises(MessageTooLarge, match="limit of 1000"):
+        b.send(b"y" * 1001)
+    a.send(b"x" * 500)
+    assert b.recv(timeout=2) == b"x" * 500
+    b.send(b"y" * 1000)
+    assert a.recv(timeout=2) == b"y" * 1000
+    a.close()
+    b.close()
