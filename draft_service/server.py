@@ -22,7 +22,14 @@ from specserve.protos.specserve.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 from specserve.runtime import tracing as tn
 from specserve.runtime.data_plane import ANSWERED, ShmOffer, ShmSessions
 from specserve.runtime.errors import LimitExceeded, status_for
-from specserve.runtime.hidden_share import HiddenHandle, HiddenShareError, HiddenView, host_id, mappable_kinds
+from specserve.runtime.hidden_share import (
+    HiddenHandle,
+    HiddenShareDenied,
+    HiddenShareError,
+    HiddenView,
+    host_id,
+    mappable_kinds,
+)
 from specserve.runtime.servers_common import cancel_and_wait, lenient_adder, short
 from specserve.runtime.worker import OneThread
 
@@ -171,6 +178,8 @@ class DrafterWorker:
         if share is not None:
             try:
                 view = HiddenView.open(share)
+            except HiddenShareDenied:
+                raise  # PERMISSION_DENIED: a name without its key (whoever listed /dev/shm)
             except HiddenShareError as exc:
                 raise UnmappableShare(str(exc)) from None
             self.views[session_id] = view
@@ -283,6 +292,7 @@ def observe_worker(worker: DrafterWorker) -> None:
 def _status_for(exc: BaseException) -> grpc.StatusCode:
     return status_for(exc, INPUT_ERRORS, ((DrafterFull, grpc.StatusCode.RESOURCE_EXHAUSTED),
                                           (ProposeExpired, grpc.StatusCode.DEADLINE_EXCEEDED),
+                                          (HiddenShareDenied, grpc.StatusCode.PERMISSION_DENIED),
                                           (UnmappableShare, grpc.StatusCode.FAILED_PRECONDITION)))
 
 

@@ -5,7 +5,12 @@ the buffer's handle (once per session) and which rows are new (a row range per s
 Two kinds behind one interface, picked from the target tensor's device:
 
 - ``host_shm``: a ``multiprocessing.shared_memory`` segment in /dev/shm holding the [rows, cols] tensor
-  (CPU targets; what CI tests). Names and leaks as in shm_ring.py: the segment is created mode 0600 and
+  (CPU targets; what CI tests). /dev/shm is world-listable, so the name is no secret: the segment
+  starts with a header (a magic and a 256-bit random key of the session), the handle carries the
+  name and the key, and the drafter maps a segment only when its header holds that magic and key
+  (compared in constant time); otherwise it refuses (PERMISSION_DENIED) and leaves the segment, name
+  included, alone, so whoever lists /dev/shm cannot have a session's rows mapped, unlink its buffer
+  or pass a ring segment off as one. Names and leaks as in shm_ring.py: the segment is created mode 0600 and
   named ``specserve-<96-bit random token>``; the drafter unlinks the name as soon as it has mapped it,
   and the target unlinks it at the session's first verify step (by then the drafter has attached or
   never will) or at its end, so while the session runs nothing is left by name and a SIGKILL of
@@ -25,8 +30,10 @@ the buffer back: nothing a drafter does can change the target's output.
 from __future__ import annotations
 
 import contextlib
+import hmac
 import json
 import os
+import re
 import secrets
 from dataclasses import dataclass
 from multiprocessing import resource_tracker
@@ -45,10 +52,18 @@ KINDS = (HOST_SHM, CUDA_IPC)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 MAX_HANDLE_BYTES = 4096
+_MAGIC = b"specserve-hidden-rows-v1"  # a host_shm segment's header: the magic, then the session's key
+_KEY_BYTES = 32
+_HEADER = 64  # bytes before row 0 (a cache line; the rows stay 64-byte aligned)
+_SEGMENT_NAME = re.compile(re.escape(NAME_PREFIX) + "[0-9a-f]{24}")
 
 
 class HiddenShareError(ValueError):
     """A handle that cannot be made or mapped here, or rows outside the buffer (one line saying which)."""
+
+
+class HiddenShareDenied(HiddenShareError):
+    """A host_shm handle whose key is not the one in the segment it names (not this caller's buffer)."""
 
 
 def hidden_share_allowed(no_flag: bool, environ) -> bool:
@@ -87,7 +102,7 @@ class HiddenHandle:
     rows: int
     cols: int
     dtype: str  # a key of DTYPES
-    handle: bytes  # host_shm: the segment's name; cuda_ipc: the IPC handle's fields (JSON)
+    handle: bytes  # host_shm: the segment's name, ":", its key in hex; cuda_ipc: the IPC handle's fields (JSON)
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -145,19 +160,21 @@ class HiddenBuffer:
                 raise HiddenShareError(f"no device buffer of [{rows}, {cols}]: {str(exc)[:200]}") from None
             return cls(tensor, HiddenHandle(CUDA_IPC, rows, cols, name_of_dtype, _cuda_handle(tensor)), None)
         name = NAME_PREFIX + secrets.token_hex(12)
+        key = secrets.token_bytes(_KEY_BYTES)
         nbytes = rows * cols * dtype.itemsize
         try:
-            shm = _create_segment(name, nbytes)
+            shm = _create_segment(name, _HEADER + nbytes)
         except OSError as exc:
             raise HiddenShareError(f"no /dev/shm segment of {nbytes} bytes: {exc}") from None
-        return cls(_segment_tensor(shm, rows, cols, dtype), HiddenHandle(HOST_SHM, rows, cols, name_of_dtype, name.encode()),
-                   shm)
+        shm.buf[: len(_MAGIC) + _KEY_BYTES] = _MAGIC + key
+        handle = HiddenHandle(HOST_SHM, rows, cols, name_of_dtype, f"{name}:{key.hex()}".encode())
+        return cls(_segment_tensor(shm, rows, cols, dtype), handle, shm)
 
     def unlink(self) -> None:
         if self._linked:
             self._linked = False
             with contextlib.suppress(FileNotFoundError):
-                (SHM_DIR / self.handle.handle.decode()).unlink()
+                (SHM_DIR / _shm_name_and_key(self.handle)[0]).unlink()
 
     def close(self) -> None:
         self.unlink()
@@ -172,11 +189,25 @@ class HiddenBuffer:
 
 
 def _segment_tensor(shm: SharedMemory, rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor:  # [rows, cols]
-    """A tensor over the segment that pins its mapping: numpy holds a buffer export of it, so the segment
-    cannot be unmapped (close raises BufferError) while any tensor over it lives (torch.frombuffer would
-    not pin it: a close under a live tensor is a use after unmap)."""
-    raw = np.frombuffer(shm.buf, dtype=np.uint8, count=rows * cols * dtype.itemsize)
+    """A tensor over the segment's rows (after its header) that pins its mapping: numpy holds a buffer
+    export of it, so the segment cannot be unmapped (close raises BufferError) while any tensor over it
+    lives (torch.frombuffer would not pin it: a close under a live tensor is a use after unmap)."""
+    raw = np.frombuffer(shm.buf, dtype=np.uint8, count=rows * cols * dtype.itemsize, offset=_HEADER)
     return torch.from_numpy(raw).view(dtype).view(rows, cols)
+
+
+def _shm_name_and_key(handle: HiddenHandle) -> tuple[str, bytes]:
+    """A host_shm handle's segment name and key (HiddenShareError when it is not one)."""
+    name, sep, key_hex = handle.handle.decode("utf-8", "replace").partition(":")
+    if not _SEGMENT_NAME.fullmatch(name):  # what create makes: never a ring's FIFO, never a path
+        raise HiddenShareError(f"hidden_share: {name[:70]!r} is not a specserve segment name")
+    try:
+        key = bytes.fromhex(key_hex)
+    except ValueError:
+        key = b""
+    if not sep or len(key) != _KEY_BYTES:
+        raise HiddenShareError(f"hidden_share: the handle of {name} carries no {_KEY_BYTES}-byte key")
+    return name, key
 
 
 def _create_segment(name: str, nbytes: int) -> SharedMemory:
@@ -239,20 +270,24 @@ class HiddenView:
 
     @classmethod
     def _open_shm(cls, handle: HiddenHandle) -> HiddenView:
-        name = handle.handle.decode("utf-8", "replace")
-        if not name.startswith(NAME_PREFIX) or "/" in name or len(name) > 64:
-            raise HiddenShareError(f"hidden_share: {name[:70]!r} is not a specserve segment name")
+        """Map the segment only if its header holds the handle's key; whatever is refused is left as it
+        was (never unlinked: it may be another session's buffer, or a ring)."""
+        name, key = _shm_name_and_key(handle)
         try:
             shm = SharedMemory(name=name, create=False)
         except OSError as exc:
             raise HiddenShareError(f"hidden_share: cannot open segment {name}: {exc.strerror or exc}") from None
         resource_tracker.unregister(shm._name, "shared_memory")  # the target's, not ours to unlink at exit
-        if shm.size < handle.nbytes:  # not what the handle says: left to the target (it unlinks it)
+        header = bytes(shm.buf[: len(_MAGIC) + _KEY_BYTES]) if shm.size >= _HEADER else b""
+        if not hmac.compare_digest(header, _MAGIC + key):
             shm.close()
-            raise HiddenShareError(f"hidden_share: segment {name} has {shm.size} bytes, the handle's "
-                                   f"[{handle.rows}, {handle.cols}] {handle.dtype} needs {handle.nbytes}")
+            raise HiddenShareDenied(f"hidden_share: segment {name} is not the buffer this handle's key opens")
+        if shm.size < _HEADER + handle.nbytes:  # not what the handle says: left to the target (it unlinks it)
+            shm.close()
+            raise HiddenShareError(f"hidden_share: segment {name} has {shm.size - _HEADER} bytes of rows, the "
+                                   f"handle's [{handle.rows}, {handle.cols}] {handle.dtype} needs {handle.nbytes}")
         with contextlib.suppress(FileNotFoundError):
-            (SHM_DIR / name).unlink()  # mapped: nothing needs the name any more
+            (SHM_DIR / name).unlink()  # mapped, and ours: nothing needs the name any more
         return cls(_segment_tensor(shm, handle.rows, handle.cols, DTYPES[handle.dtype]), handle, shm)
 
     def read(self, start: int, stop: int) -> torch.Tensor:  # [stop - start, cols] float32, a private copy

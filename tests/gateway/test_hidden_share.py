@@ -199,7 +199,7 @@ def test_bad_handles_and_row_ranges_get_one_line_and_the_right_status(stack):
             return details
 
         gone = common_pb2.HiddenShare(kind="host_shm", shape=list(pre.hidden_share.shape), dtype=pre.hidden_share.dtype,
-                                      handle=b"specserve-000000000000000000000000")
+                                      handle=b"specserve-000000000000000000000000:" + b"00" * 32)
         assert "cannot open segment" in refused(lambda: start("s1", gone), grpc.StatusCode.FAILED_PRECONDITION)
         cuda = common_pb2.HiddenShare(kind="cuda_ipc", shape=[8, 8], dtype="float32", handle=b"{}")
         refused(lambda: start("s2", cuda), grpc.StatusCode.FAILED_PRECONDITION)  # a CPU draft maps host_shm only
@@ -225,6 +225,56 @@ def test_bad_handles_and_row_ranges_get_one_line_and_the_right_status(stack):
     wait_no_names(stack)
 
 
+def test_a_caller_who_lists_dev_shm_cannot_map_or_unlink_a_sessions_buffer(stack):
+    """#33, the confused deputy: /dev/shm is world-listable. A caller who lists it while a victim's
+    session is between its Prefill and its draft's StartSession hands the draft every new name as a
+    hidden buffer (the buffer's and the verify ring's; bare, as before #33 a handle was, or with a made-up
+    key): each is refused, the draft maps nothing and unlinks nothing, and the victim's own StartSession
+    (with the handle its Prefill carried) maps its buffer and drafts from it, and its ring still attaches."""
+    from specserve.runtime.data_plane import ShmClient
+
+    prompt = stack.prompts[1]
+    before = set(stack.new_names())
+    with grpc.insecure_channel(stack.target_addr) as tch, grpc.insecure_channel(stack.drafts["dflash"]) as dch:
+        target, draft = stack.target_stub(tch), draft_pb2_grpc.DraftServiceStub(dch)
+        layers = list(draft.GetInfo(draft_pb2.DraftInfoRequest(), timeout=5).hidden_layers)
+        pre = target.Prefill(target_pb2.PrefillRequest(session_id="victim", prompt_ids=prompt, hidden_layers=layers,
+                                                       want_hidden_share=True, want_shm=True), timeout=30)
+        assert pre.HasField("hidden_share") and pre.shm_channel
+        listed = sorted(n for n in set(stack.new_names()) - before if "." not in n)  # what `ls /dev/shm` shows
+        assert len(listed) == 2, listed  # the victim's buffer and its verify ring
+        rows = common_pb2.HiddenRows(start=0, stop=len(prompt))
+
+        def start(sid, handle: bytes):
+            r = draft_pb2.StartSessionRequest(session_id=sid, token_ids=[*prompt, pre.next_token])
+            r.hidden_share.CopyFrom(pre.hidden_share)
+            r.hidden_share.handle = handle
+            r.hidden_rows.CopyFrom(rows)
+            return draft.StartSession(r, timeout=30)
+
+        for i, name in enumerate(listed):
+            for j, handle in enumerate((name.encode(), f"{name}:{'ab' * 32}".encode())):
+                with pytest.raises(grpc.RpcError) as exc:
+                    start(f"intruder-{i}-{j}", handle)
+                assert exc.value.code() in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.FAILED_PRECONDITION)
+                assert "\n" not in exc.value.details()
+        assert stack.draft_stats("dflash").hidden_buffers == 0  # the intruder mapped nothing
+        assert set(listed) <= set(stack.new_names())  # and unlinked nothing
+        r = draft_pb2.StartSessionRequest(session_id="victim", token_ids=[*prompt, pre.next_token])
+        r.hidden_share.CopyFrom(pre.hidden_share)
+        r.hidden_rows.CopyFrom(rows)
+        draft.StartSession(r, timeout=30)  # the victim's own handle maps
+        block = draft.Propose(draft_pb2.ProposeRequest(session_id="victim", prefix_len=len(prompt) + 1, num_tokens=2),
+                              timeout=30)
+        assert len(block.draft.token_ids) == 2 and stack.draft_stats("dflash").hidden_rows_shared > 0
+        ring = ShmClient.attach(pre.shm_channel)
+        assert ring is not None  # the verify ring was not taken either
+        ring.close()
+        draft.Release(draft_pb2.DraftReleaseRequest(session_id="victim"), timeout=10)
+        target.Release(target_pb2.ReleaseRequest(session_id="victim"), timeout=10)
+    wait_no_names(stack)
+
+
 def test_a_draft_that_cannot_map_costs_one_request_its_speculation_then_gets_bytes(stack):
     """The gateway's draft adapter: a StartSession whose buffer the draft cannot map is a DraftError (that
     request goes on target-only) and the endpoint stops asking for buffers; it asked while both sides
@@ -243,7 +293,7 @@ def test_a_draft_that_cannot_map_costs_one_request_its_speculation_then_gets_byt
             await ep.fetch_info(10.0)
             assert ep.maps_hidden_of(target_info)  # same host, a kind it maps
             gone = common_pb2.HiddenShare(kind="host_shm", shape=[64, 768], dtype="float32",
-                                          handle=b"specserve-111111111111111111111111")
+                                          handle=b"specserve-111111111111111111111111:" + b"11" * 32)
             session = ep.session(None)
             with pytest.raises(DraftError, match="FAILED_PRECONDITION"):
                 await session.start("unmappable", [1, 2, 3], SharedRows(0, 2, handle=gone), SamplingParams())

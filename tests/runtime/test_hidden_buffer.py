@@ -28,6 +28,10 @@ from specserve.runtime.shm_ring import SHM_DIR, leftover_names
 pytestmark = pytest.mark.skipif(not SHM_DIR.is_dir(), reason="no /dev/shm on this host")
 
 
+def _name(handle: HiddenHandle) -> str:
+    return handle.handle.decode().partition(":")[0]
+
+
 @pytest.fixture
 def no_leftovers(monkeypatch):
     """Every segment a buffer of this test made is gone from /dev/shm at its end (names only of this
@@ -37,7 +41,7 @@ def no_leftovers(monkeypatch):
 
     def recording(cls, *args, **kw):
         buf = create(cls, *args, **kw)
-        made.append(buf.handle.handle.decode())
+        made.append(_name(buf.handle))
         return buf
 
     monkeypatch.setattr(HiddenBuffer, "create", classmethod(recording))
@@ -49,7 +53,7 @@ def no_leftovers(monkeypatch):
 def test_a_drafter_maps_the_targets_buffer_and_reads_its_rows_in_place(dtype, no_leftovers):
     buf = HiddenBuffer.create(16, 6, dtype, "cpu")
     assert buf.handle.kind == HOST_SHM == kind_for("cpu") and kind_for("cuda:0") == CUDA_IPC and kind_for("meta") == ""
-    name = buf.handle.handle.decode()
+    name = _name(buf.handle)
     assert (SHM_DIR / name).exists() and oct((SHM_DIR / name).stat().st_mode & 0o777) == "0o600"
     rows = torch.randn(5, 6).to(dtype)
     buf.tensor[2:7].copy_(rows)
@@ -90,7 +94,7 @@ def test_bad_handles_and_rows_are_one_clear_error(no_leftovers):
         HiddenView.open(HiddenHandle(HOST_SHM, 8, 4, "float32", b"../etc/passwd"))
     with pytest.raises(HiddenShareError, match="needs"):  # a handle promising more than the segment holds
         HiddenView.open(HiddenHandle(HOST_SHM, 800, 4, "float32", h.handle))
-    assert (SHM_DIR / h.handle.decode()).exists()  # a failed mapping leaves the name to the target
+    assert (SHM_DIR / _name(h)).exists()  # a failed mapping leaves the name to the target
     view = HiddenView.open(h)
     for start, stop in ((0, 9), (5, 4), (-1, 2)):
         with pytest.raises(HiddenShareError, match="outside the shared buffer"):
@@ -98,6 +102,32 @@ def test_bad_handles_and_rows_are_one_clear_error(no_leftovers):
     view.close()
     with pytest.raises(HiddenShareError, match="closed"):
         view.read(0, 1)
+    buf.close()
+
+
+def test_a_name_without_its_key_maps_nothing_and_unlinks_nothing(no_leftovers):
+    """#33: /dev/shm is world-listable, so a segment's name is no secret. A handle naming a session's
+    buffer with no key, a wrong key, or a ring segment's name is refused; the segment stays where it
+    was, and the handle the target gave (with its key) still maps it."""
+    from specserve.runtime.hidden_share import HiddenShareDenied
+    from specserve.runtime.shm_ring import ShmChannel
+
+    buf = HiddenBuffer.create(8, 4, torch.float32, "cpu")
+    name = _name(buf.handle)
+    with pytest.raises(HiddenShareError, match="no 32-byte key"):
+        HiddenView.open(HiddenHandle(HOST_SHM, 8, 4, "float32", name.encode()))
+    with pytest.raises(HiddenShareDenied, match="not the buffer this handle's key opens"):
+        HiddenView.open(HiddenHandle(HOST_SHM, 8, 4, "float32", f"{name}:{'00' * 32}".encode()))
+    ring = ShmChannel.create()
+    try:
+        with pytest.raises(HiddenShareDenied):
+            HiddenView.open(HiddenHandle(HOST_SHM, 8, 4, "float32", f"{ring.name}:{'00' * 32}".encode()))
+        assert (SHM_DIR / ring.name).exists()
+        ShmChannel.attach(ring.name).close()  # the ring is still its own
+    finally:
+        ring.close()
+    assert (SHM_DIR / name).exists()
+    HiddenView.open(buf.handle).close()
     buf.close()
 
 
@@ -120,9 +150,9 @@ time.sleep(600)
 def test_a_target_killed_after_the_drafter_mapped_leaves_nothing_and_the_rows_stay_readable(no_leftovers):
     proc = subprocess.Popen([sys.executable, "-c", _MAKER], stdout=subprocess.PIPE, text=True)
     try:
-        name = proc.stdout.readline().strip()
-        no_leftovers.append(name)
-        view = HiddenView.open(HiddenHandle(HOST_SHM, 8, 4, "float32", name.encode()))
+        handle = proc.stdout.readline().strip()
+        no_leftovers.append(handle.partition(":")[0])
+        view = HiddenView.open(HiddenHandle(HOST_SHM, 8, 4, "float32", handle.encode()))
         proc.send_signal(signal.SIGKILL)
         proc.wait(30)
         assert torch.equal(view.read(0, 8), torch.full((8, 4), 7.0))
