@@ -73,21 +73,27 @@ def resolve_drafter_checkpoints(config: BenchConfig, skipped: list[Skipped]) -> 
 def build_drafters(config: BenchConfig, engine, checkpoints: dict[str, Path], skipped: list[Skipped]) -> dict:
     from specserve.draft_service.proposer import DrafterConfig
     from specserve.draft_service.registry import build_proposer
+    from specserve.models.config import ModelConfig
 
     proposers = {}
     target_hash = engine.info().vocab_hash
+    folder_hidden = ModelConfig.from_file(config.model_folder).hidden_size  # what the drafters were built against
     for family in config.drafters:
         if family == "none" or (family not in CHECKPOINT_FREE and family not in checkpoints):
             continue
         try:
             proposer = build_proposer(DrafterConfig(
-                family=family, checkpoint=checkpoints.get(family), target_checkpoint=Path(config.model),
+                family=family, checkpoint=checkpoints.get(family), target_checkpoint=config.model_folder,
                 device=config.device, dtype=config.dtype, max_block_size=config.drafter_block_size,
             ))
         except BUILD_ERRORS as exc:
             skipped.append(Skipped(family, f"drafter did not build: {_reason(exc)}"))
             continue
         draft_hash = proposer.info.vocab_hash
+        if proposer.info.needs_hidden_states and folder_hidden != engine.model.config.hidden_size:
+            skipped.append(Skipped(family, f"reads hidden rows of {config.model_folder}'s width ({folder_hidden}); "
+                                           f"{config.model}'s are {engine.model.config.hidden_size}"))
+            continue
         if draft_hash and draft_hash != target_hash:
             skipped.append(Skipped(family, f"vocabulary {draft_hash[:16]} differs from the target's {target_hash[:16]}"))
             continue
@@ -159,7 +165,7 @@ def run_bench(config: BenchConfig, progress: bool = True) -> dict:
 
     started = time.perf_counter()
     b = _Bench(config, progress)
-    tokenizer = load_tokenizer(config.model)
+    tokenizer = load_tokenizer(config.model_folder)
     if tokenizer is None:
         raise BenchError(f"the bench encodes its pinned text prompts: {config.model} needs a tokenizer.json")
     prompt_set = load_prompt_set(config.prompt_set, config.num_prompts)
@@ -328,6 +334,9 @@ def _all_prompt_ids(config: BenchConfig, tokenizer):
 def _build_hf(config: BenchConfig, engine, checkpoints: dict[str, Path], skipped: list[Skipped]):
     if not config.hf_baselines:
         skipped.append(Skipped("hf/*", "transformers baselines turned off (--no-hf)"))
+        return None
+    if config.model_folder != Path(config.model):
+        skipped.append(Skipped("hf/*", f"{config.model} is built at load time: transformers has no checkpoint of it"))
         return None
     from specserve.bench.hf_baseline import HFBaseline
     from specserve.target_service.factory import DTYPES

@@ -20,7 +20,7 @@ class BenchConfigError(SpecserveError):
 
 @dataclass(frozen=True)
 class BenchConfig:
-    model: Path
+    model: Path  # checkpoint folder, or a model name the engine builds ("demo@NAME[:LAYERS]": models/scaled_demo.py)
     out: Path
     draft_models: Mapping[str, Path] = field(default_factory=dict)  # family -> checkpoint folder
     demo_drafters: bool = False  # families not in draft_models come from the shipped demo (demo target)
@@ -88,8 +88,25 @@ class BenchConfig:
                 raise BenchConfigError("--device cuda was asked for but no CUDA GPU is visible")
         elif self.device != "cpu":
             raise BenchConfigError(f"device must be cpu or cuda[:N], got {self.device!r}")
-        if not Path(self.model).is_dir():
+        from specserve.models.errors import ModelConfigError
+        from specserve.models.scaled_demo import is_scaled_demo, parse_scaled_spec
+
+        if is_scaled_demo(self.model):
+            try:
+                parse_scaled_spec(str(self.model))
+            except ModelConfigError as exc:
+                raise BenchConfigError(str(exc)) from None
+        elif not Path(self.model).is_dir():
             raise BenchConfigError(f"model folder {self.model} does not exist")
+
+    @property
+    def model_folder(self) -> Path:
+        """The checkpoint folder behind the model: its tokenizer, and the target files drafters read (a demo@ model:
+        the shipped demo target's)."""
+        from specserve.models.scaled_demo import is_scaled_demo
+        from specserve.paths import demo_checkpoint
+
+        return demo_checkpoint("target") if is_scaled_demo(self.model) else Path(self.model)
 
     @property
     def is_cuda(self) -> bool:

@@ -46,7 +46,8 @@ def _fixed_ks(text: str) -> tuple[int, ...]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from specserve.bench.config import DRAFTERS
 
-    parser.add_argument("--model", type=Path, default=None, help="target checkpoint folder (default: shipped demo)")
+    parser.add_argument("--model", type=Path, default=None, help="target checkpoint folder, or demo@NAME[:LAYERS] (the shipped demo at a published model's size: "
+                             "moonlight-16b-a3b, kimi-k2.6); default: the shipped demo")
     parser.add_argument("--draft-models", type=_draft_models, action="append", default=[], metavar="FAMILY=DIR",
                         help="drafter checkpoints, e.g. model=DIR,eagle3=DIR (default: the shipped demo's, "
                              "only when --model is not given)")
@@ -94,6 +95,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def config_from_args(args: argparse.Namespace):
     from specserve.bench.config import BenchConfig
+    from specserve.models.scaled_demo import is_scaled_demo
     from specserve.paths import demo_checkpoint
 
     draft_models: dict[str, Path] = {}
@@ -104,7 +106,7 @@ def config_from_args(args: argparse.Namespace):
         model=args.model or demo_checkpoint("target"),
         out=args.out,
         draft_models=draft_models,
-        demo_drafters=args.model is None,
+        demo_drafters=args.model is None or is_scaled_demo(args.model),
         drafters=tuple(d.strip() for d in args.drafters.split(",") if d.strip()),
         device=args.device,
         dtype=args.dtype,
