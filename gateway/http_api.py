@@ -29,6 +29,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from specserve.gateway.chat_template import ChatTemplate, ChatTemplateError
+from specserve.gateway.metrics_relay import relay_text
 from specserve.gateway.openai_schema import (
     EXTENSION,
     FINISH_REASONS,
@@ -42,7 +43,6 @@ from specserve.gateway.openai_schema import (
 )
 from specserve.gateway.server import UNAUTHENTICATED_MESSAGE, GatewayError, GatewayServicer
 from specserve.runtime import tracing as tn
-from specserve.runtime.http_serving import metrics_response
 
 HEALTH_TIMEOUT_S = 1.0
 
@@ -205,7 +205,11 @@ class HttpApi:
         return JSONResponse({"status": "ok"})
 
     async def metrics(self, _request: Request) -> Response:
-        return metrics_response(self.telemetry)
+        """The gateway's own series, then the target's and drafts' relayed from their GetStats."""
+        from prometheus_client import CONTENT_TYPE_LATEST
+
+        relayed = await relay_text(self.servicer.target, self.servicer.drafts.endpoints())
+        return Response(self.telemetry.prometheus_text() + relayed, headers={"content-type": CONTENT_TYPE_LATEST})
 
     # ---------------------------------------------------------------------------- generation
     def _authorize(self, request: Request) -> None:

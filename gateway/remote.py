@@ -52,6 +52,7 @@ from specserve.protos.specserve.v1 import (
 )
 from specserve.runtime import tracing as tn
 from specserve.runtime.data_plane import ShmClient, StatusFrame
+from specserve.runtime.metrics import StepRecorder
 from specserve.runtime.servers_common import TlsFiles, aio_channel, bearer_metadata
 from specserve.runtime.shm_ring import RingError, RingTimeout
 
@@ -172,7 +173,7 @@ class RemoteTarget:
         return self.target_info
 
     def session(
-        self, deadline: float | None, metrics: tn.SpecMetrics | None = None, reserve_tokens: int | None = None,
+        self, deadline: float | None, metrics: StepRecorder | None = None, reserve_tokens: int | None = None,
         share_hidden: bool = False,
     ) -> RemoteTargetSession:
         """reserve_tokens: the most tokens the session may occupy (the target reserves KV blocks for them);
@@ -187,7 +188,7 @@ class RemoteTargetSession:
     """TargetClient for one request: prefill (unary), verify steps (one VerifyStream), release."""
 
     def __init__(
-        self, target: RemoteTarget, deadline: float | None, metrics: tn.SpecMetrics | None, reserve_tokens: int | None = None,
+        self, target: RemoteTarget, deadline: float | None, metrics: StepRecorder | None, reserve_tokens: int | None = None,
         share_hidden: bool = False,
     ) -> None:
         self._target = target

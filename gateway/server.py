@@ -19,6 +19,7 @@ import contextlib
 import dataclasses
 import hmac
 import sys
+import time
 import uuid
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
@@ -42,6 +43,7 @@ from specserve.gateway.validation import (
 from specserve.protos.specserve.v1 import gateway_pb2, gateway_pb2_grpc
 from specserve.runtime import tracing as tn
 from specserve.runtime.admission import Admission, AdmissionConfig, AdmissionRefused
+from specserve.runtime.metrics import SpecMetrics
 from specserve.runtime.servers_common import TlsFiles, check_address, short
 
 SERVICE_NAME = gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name
@@ -187,6 +189,9 @@ class DraftTable:
     def addresses(self) -> dict[str, str]:
         return {n: e.address for n, e in self._by_name.items()}
 
+    def endpoints(self) -> dict[str, RemoteDraftEndpoint]:
+        return dict(self._by_name)
+
     def make(self, name: str, address: str, trusted: bool = False) -> RemoteDraftEndpoint:
         return RemoteDraftEndpoint(
             name, check_address(address), self.step_timeout_s, self.tls, self.target_info, trusted=trusted,
@@ -243,7 +248,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         for name, address in config.drafts.items():
             self.drafts.put(self.drafts.make(name, address, trusted=name in config.trusted_drafts))
         self.default_draft = config.default_draft or next(iter(config.drafts), None)
-        self.metrics = tn.SpecMetrics()
+        self.metrics = SpecMetrics(drafts=config.drafts)
         self._adaptive_by_draft: dict[str, AdaptiveSpeculation] = {}
         self.admission = Admission(AdmissionConfig(config.max_sessions, config.max_queued, what="requests"))
         self._token = None if config.auth_token is None else config.auth_token.encode()
@@ -302,6 +307,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         one line) for anything the caller did wrong or that stops the request. The caller checked the
         bearer token. ``time_remaining``: seconds to the caller's deadline (None = none)."""
         info = self.target.target_info
+        arrived = time.perf_counter()  # the clock of the loop's SpecStats: TTFT counts the admission queue
         now = asyncio.get_running_loop().time()
         deadline = now + time_remaining if time_remaining is not None else None  # admission waits count too
         try:
@@ -309,19 +315,35 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 request, info, self.drafts, self.default_draft, self.tokenizer, self.config.limits
             )
         except InvalidRequest as exc:
+            self.metrics.record_rejected("invalid")
             raise GatewayError(grpc.StatusCode.INVALID_ARGUMENT, str(exc), exc.field) from None
         try:
             await self.admission.acquire()
         except AdmissionRefused as exc:
+            self.metrics.record_rejected("busy")
             raise GatewayError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"gateway {exc}") from None
+        self.metrics.queue_time.record(time.perf_counter() - arrived)
+        finished = False
         try:
             if checked.draft_name is not None and checked.draft_name not in self.drafts:
                 raise GatewayError(
                     grpc.StatusCode.INVALID_ARGUMENT, f"draft: {checked.draft_name!r} was removed", "draft"
                 )
-            async with contextlib.aclosing(self._admitted(checked, info, trace_context, deadline)) as messages:
+            run = self._admitted(checked, info, trace_context, deadline, arrived)
+            async with contextlib.aclosing(run) as messages:
                 async for msg in messages:
+                    finished = msg.HasField("final")
                     yield msg
+        except GatewayError as exc:
+            if exc.code == grpc.StatusCode.INVALID_ARGUMENT:
+                self.metrics.record_rejected("invalid")
+            else:
+                self.metrics.record_failed(exc.code.name.lower())
+            raise
+        except (asyncio.CancelledError, GeneratorExit):
+            if not finished:
+                self.metrics.cancelled.add(1)
+            raise
         finally:
             self.admission.release()
 
@@ -336,7 +358,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         except GatewayError as exc:
             await context.abort(exc.code, str(exc))
 
-    async def _admitted(self, checked, info, trace_context, deadline: float | None):
+    async def _admitted(self, checked, info, trace_context, deadline: float | None, arrived: float):
         endpoint = self.drafts.acquire(checked.draft_name) if checked.draft_name else None
         k = checked.num_speculative_tokens or DEFAULT_SPECULATIVE_TOKENS
         if endpoint is not None and endpoint.last_info is not None:
@@ -367,20 +389,27 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             block = max(k, tree.num_nodes if tree is not None else 0)
             reserve = len(gen.prompt_ids) + gen.max_new_tokens + block + 1  # S at most, plus one draft block
             share = endpoint is not None and endpoint.maps_hidden_of(self.target.target_info)
+            steps = self.metrics.steps(checked.draft_name or NO_DRAFT)
             events = run_request(
                 gen,
-                self.target.session(deadline, self.metrics, reserve_tokens=reserve, share_hidden=share),
+                self.target.session(deadline, steps, reserve_tokens=reserve, share_hidden=share),
                 endpoint.session(deadline) if endpoint is not None else None,
                 tokenizer=self.tokenizer,
                 target_info=info,
                 adaptive=self._adaptive(checked.draft_name) if gen.adaptive else None,
                 session_id=uuid.uuid4().hex,
+                started=arrived,
             )
+            last = None  # when the previous delta came (inter-token latency)
             async with contextlib.aclosing(events):
                 async for event in events:
                     if isinstance(event, FinalEvent):
-                        yield self._final(event, checked.draft_name)
+                        yield self._final(event, checked.draft_name, arrived)
                     else:
+                        now = time.perf_counter()
+                        if last is not None:
+                            self.metrics.record_tokens(now - last, len(event.token_ids))
+                        last = now
                         yield gateway_pb2.GenerateResponse(
                             delta=gateway_pb2.TokenDelta(token_ids=list(event.token_ids), text=event.text)
                         )
@@ -399,10 +428,11 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             if endpoint is not None:
                 self.drafts.release(endpoint)
 
-    def _final(self, event: FinalEvent, draft_name: str | None) -> gateway_pb2.GenerateResponse:
+    def _final(self, event: FinalEvent, draft_name: str | None, arrived: float) -> gateway_pb2.GenerateResponse:
         stats = event.stats.as_dict()
         self.metrics.record_request(
-            stats, event.finish_reason, draft_name or NO_DRAFT, event.prompt_tokens, event.completion_tokens
+            stats, event.finish_reason, draft_name or NO_DRAFT, event.prompt_tokens, event.completion_tokens,
+            e2e_s=time.perf_counter() - arrived,
         )
         return gateway_pb2.GenerateResponse(
             final=gateway_pb2.FinalMessage(
@@ -486,6 +516,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             await ep.close()
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"address: {problem}")
         self.drafts.put(ep)
+        self.metrics.register_draft(name)
         self._adaptive_by_draft.pop(name, None)  # a new drafter: its costs and acceptance start afresh
         if self.default_draft is None:
             self.default_draft = name

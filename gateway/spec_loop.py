@@ -332,17 +332,21 @@ async def run_request(
     adaptive: AdaptiveSpeculation | None = None,
     session_id: str | None = None,
     on_step=None,
+    started: float | None = None,
 ) -> AsyncIterator[TokenEvent | FinalEvent]:
     """Yield token deltas as they are accepted, then one FinalEvent. Releases both sessions at the end.
 
     ``adaptive`` is the process-wide chooser (its cost model outlives requests); it is used only when
-    ``request.adaptive`` is set. ``on_step(StepRecord)`` is called after every verify step.
+    ``request.adaptive`` is set. ``on_step(StepRecord)`` is called after every verify step. ``started``: the
+    request's arrival on the ``time.perf_counter`` clock (TTFT counts from there; default: now).
     """
     sid = session_id or uuid.uuid4().hex
     info = target_info or await target.info()
     if request.adaptive and adaptive is None:
         raise ValueError("adaptive speculation was asked for but no AdaptiveSpeculation was given")
     run = _Run(request, target, draft, info, tokenizer, adaptive, sid, on_step)
+    if started is not None:
+        run.stats.started = started
     tracer = run.tracer
     with tracer.start_as_current_span(names.SPAN_REQUEST) as span:
         span.set_attribute(names.ATTR_MODEL, request.model_name or info.model_type)

@@ -168,6 +168,7 @@ async def _serve(config, server_config, tokenizer, connect_timeout_s: float, htt
         ) from None
     servicer = GatewayServicer(config, target, tokenizer)
     servicer.observe()
+    telemetry.zero_sources.append(servicer.metrics.zero_series)  # its histograms on /metrics from the start
     try:
         await _check_drafts(servicer)
     except SpecserveError:

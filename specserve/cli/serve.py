@@ -31,7 +31,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="gateway host")
     parser.add_argument("--port", type=int, default=50051, help="gateway port (0 = any free port)")
     parser.add_argument("--http-port", type=int, default=None,
-                        help="gateway's OpenAI-compatible HTTP API and /metrics port (0 = any free port; default: off)")
+                        help="gateway's OpenAI-compatible HTTP API and /metrics port (0 = any free port; default: off); "
+                             "its /metrics also relays the target's and draft's state")
+    parser.add_argument("--target-metrics-port", type=int, default=None,
+                        help="the target's own GET /metrics on 127.0.0.1 at this port (0 = any; default: off)")
+    parser.add_argument("--draft-metrics-port", type=int, default=None,
+                        help="the draft's own GET /metrics on 127.0.0.1 at this port (0 = any; default: off)")
     parser.add_argument("--max-block-size", type=int, default=8, help="most tokens one proposal may draft")
     parser.add_argument("--draft-step-timeout-s", type=float, default=5.0)
     parser.add_argument("--trust-draft-probs", action="store_true",
@@ -141,7 +146,9 @@ def run(args: argparse.Namespace) -> int:
         raise SpecserveError(f"model folder {model} does not exist")
     if args.draft != "none":
         drafter_config_from_args(args, target_checkpoint=model)  # flag errors now, not in a child
-    for flag, port in (("--port", args.port), ("--http-port", args.http_port)):
+    for flag, port in (("--port", args.port), ("--http-port", args.http_port),
+                       ("--target-metrics-port", args.target_metrics_port),
+                       ("--draft-metrics-port", args.draft_metrics_port)):
         if port is not None and not 0 <= port <= 65535:
             raise SpecserveError(f"{flag} must be in [0, 65535], got {port}")
 
@@ -162,6 +169,7 @@ def run(args: argparse.Namespace) -> int:
             *(["--enable-expert-parallel"] if args.enable_expert_parallel else []),
             "--grace-s", str(args.grace_s), *no_shm,
             *(["--graph-hidden-layers", args.graph_hidden_layers] if args.graph_hidden_layers else []),
+            *(["--metrics-port", str(args.target_metrics_port)] if args.target_metrics_port is not None else []),
         ])
         gateway_drafts: list[str] = []
         if args.draft != "none":
@@ -170,6 +178,7 @@ def run(args: argparse.Namespace) -> int:
                 "--max-block-size", str(args.max_block_size), "--grace-s", str(args.grace_s), *no_shm,
                 *(["--draft-model", str(args.draft_model)] if args.draft_model is not None else []),
                 *(["--denoise-steps", str(args.denoise_steps)] if args.denoise_steps is not None else []),
+                *(["--metrics-port", str(args.draft_metrics_port)] if args.draft_metrics_port is not None else []),
             ])
             gateway_drafts = ["--draft-service", f"{args.draft}={draft_addr}"]
             if args.trust_draft_probs:

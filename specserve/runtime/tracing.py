@@ -1,5 +1,5 @@
 """OpenTelemetry for the three services: setup from the standard env vars, span names, attribute keys,
-W3C trace-context propagation through gRPC, and a few speculative-decoding metrics.
+W3C trace-context propagation through gRPC, and the meter providers (the metric catalogue is runtime/metrics.py).
 
 Tracing is on when OTEL_TRACES_EXPORTER is ``otlp``/``console``, or when it is unset and an OTLP
 endpoint (OTEL_EXPORTER_OTLP_ENDPOINT / OTEL_EXPORTER_OTLP_TRACES_ENDPOINT) is set. With nothing set no
@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 
 from opentelemetry import context as otel_context
 from opentelemetry import metrics, propagate, trace
@@ -81,6 +81,8 @@ class Telemetry:
     tracer_provider: object | None = None
     meter_provider: object | None = None
     prometheus_registry: object | None = None  # a prometheus_client CollectorRegistry when asked for
+    # callables giving the histograms (and label sets) to show empty until observed (metrics.ZeroFilled)
+    zero_sources: list = field(default_factory=list)
 
     def prometheus_text(self) -> bytes:
         """The metrics in Prometheus text format (the same instruments OTLP exports)."""
@@ -133,8 +135,12 @@ def setup_telemetry(default_service_name: str, prometheus: bool = False) -> Tele
         from opentelemetry.exporter.prometheus import PrometheusMetricReader
         from prometheus_client import CollectorRegistry
 
-        tel.prometheus_registry = CollectorRegistry(auto_describe=True)
-        readers.append(PrometheusMetricReader(registry=tel.prometheus_registry))
+        from specserve.runtime.metrics import ZeroFilled
+
+        otel_registry = CollectorRegistry(auto_describe=True)  # the reader's own; scraped through ZeroFilled
+        readers.append(PrometheusMetricReader(registry=otel_registry))
+        tel.prometheus_registry = CollectorRegistry(auto_describe=False)
+        tel.prometheus_registry.register(ZeroFilled(otel_registry, tel.zero_sources))
     if readers:
         from opentelemetry.sdk.metrics import MeterProvider
 
@@ -224,76 +230,17 @@ def context_from_map(carrier: Mapping[str, str], fallback: otel_context.Context 
 
 
 # ----------------------------------------------------------------------------------- metrics
-class SpecMetrics:
-    """Speculative-decoding metrics, exported over OTLP when a meter provider is installed.
+# the catalogue, the gateway's recorder and the services' observable instruments live in runtime/metrics.py
+from specserve.runtime.metrics import (  # noqa: E402, F401 - re-exported for the services
+    DRAFT_PROPOSALS,
+    DRAFT_SESSIONS,
+    GATEWAY_REQUESTS_QUEUED,
+    GATEWAY_REQUESTS_RUNNING,
+    TARGET_KV_BLOCKS_RESERVED,
+    TARGET_KV_BLOCKS_TOTAL,
+    TARGET_SESSIONS,
+    TARGET_VERIFY_STEPS,
+    SpecMetrics,
+    observe_service,
+)
 
-    acceptance rate = specserve.spec.accepted / specserve.spec.drafted (two counters); accepted length
-    per step and step latency are histograms; accepted-per-position is a counter with a position
-    attribute; tokens/s and TTFT are per-request histograms.
-    The target and draft services add their own state through ``observe_service`` (TARGET_METRICS,
-    DRAFT_METRICS below).
-    """
-
-    def __init__(self) -> None:
-        meter = metrics.get_meter(TRACER_NAME)
-        self.drafted = meter.create_counter("specserve.spec.drafted", unit="{token}")
-        self.accepted = meter.create_counter("specserve.spec.accepted", unit="{token}")
-        self.accepted_length = meter.create_histogram("specserve.spec.accepted_length", unit="{token}")
-        self.accepted_per_position = meter.create_counter("specserve.spec.accepted_per_position", unit="{token}")
-        self.step_latency = meter.create_histogram("specserve.spec.step_latency", unit="ms")
-        self.tokens_per_s = meter.create_histogram("specserve.request.tokens_per_s", unit="{token}/s")
-        self.ttft = meter.create_histogram("specserve.request.ttft", unit="s")
-        self.requests = meter.create_counter("specserve.requests", unit="{request}")
-        self.prompt_tokens = meter.create_counter("specserve.request.prompt_tokens", unit="{token}")
-        self.completion_tokens = meter.create_counter("specserve.request.completion_tokens", unit="{token}")
-
-    def record_step(self, num_drafted: int, num_accepted: int, latency_ms: float) -> None:
-        self.drafted.add(num_drafted)
-        self.accepted.add(num_accepted)
-        self.accepted_length.record(num_accepted + 1)
-        self.step_latency.record(latency_ms)
-
-    def record_request(
-        self, stats: Mapping, finish_reason: str, draft_name: str, prompt_tokens: int = 0, completion_tokens: int = 0
-    ) -> None:
-        """A finished request. stats: the JSON stats dict (steps, accepted_per_position, tokens_per_s, ttft_s)."""
-        attrs = {ATTR_FINISH_REASON: finish_reason, ATTR_DRAFT_NAME: draft_name}
-        self.requests.add(1, attrs)
-        self.prompt_tokens.add(prompt_tokens)
-        self.completion_tokens.add(completion_tokens)
-        for i, n in enumerate(stats.get("accepted_per_position", ())):
-            if n:
-                self.accepted_per_position.add(int(n), {"position": i})
-        if stats.get("tokens_per_s"):
-            self.tokens_per_s.record(float(stats["tokens_per_s"]))
-        if stats.get("ttft_s") is not None:
-            self.ttft.record(float(stats["ttft_s"]))
-
-
-# observable instruments of the gateway, target and draft services (names; the readings are theirs)
-GATEWAY_REQUESTS_RUNNING = "specserve.gateway.requests_running"  # admitted requests (gauge)
-GATEWAY_REQUESTS_QUEUED = "specserve.gateway.requests_queued"    # requests waiting for admission (gauge)
-TARGET_SESSIONS = "specserve.target.sessions"              # open sessions (gauge)
-TARGET_KV_BLOCKS_RESERVED = "specserve.target.kv_blocks_reserved"  # KV blocks reserved by them (gauge)
-TARGET_KV_BLOCKS_TOTAL = "specserve.target.kv_blocks_total"  # KV blocks of the cache (gauge)
-TARGET_VERIFY_STEPS = "specserve.target.verify_steps"      # verify steps served (counter)
-DRAFT_SESSIONS = "specserve.draft.sessions"                # open sessions (gauge)
-DRAFT_PROPOSALS = "specserve.draft.proposals"              # proposals served (counter)
-
-
-def observe_service(
-    gauges: Mapping[str, Callable[[], float]] | None = None, counters: Mapping[str, Callable[[], float]] | None = None
-) -> None:
-    """Observable instruments of a service's own state (name -> a reading of a plain number), read at
-    each export or scrape from the exporting thread; the readings must not touch the model."""
-    from opentelemetry.metrics import Observation
-
-    meter = metrics.get_meter(TRACER_NAME)
-
-    def callback(read: Callable[[], float]):
-        return lambda _options: [Observation(read())]
-
-    for name, read in (gauges or {}).items():
-        meter.create_observable_gauge(name, callbacks=[callback(read)])
-    for name, read in (counters or {}).items():
-        meter.create_observable_counter(name, callbacks=[callback(read)])

@@ -71,7 +71,8 @@ class Served:
         env = base_env(OTEL_EXPORTER_OTLP_ENDPOINT=otlp.endpoint, OTEL_BSP_SCHEDULE_DELAY="100",
                        OTEL_METRICS_EXPORTER="none")
         self.proc = Proc("serve", ["--model", str(model_dir), "--draft", "ngram", "--port", "0", "--http-port", "0",
-                                   "--auth-token", TOKEN], env, merge_stderr=False)
+                                   "--auth-token", TOKEN, "--target-metrics-port", "0", "--draft-metrics-port", "0"],
+                         env, merge_stderr=False)
         self.model = model_dir.name
 
     def ready(self) -> Served:
@@ -288,13 +289,67 @@ def test_metrics_scrape_moves_with_a_request(served):
                        > total(before, "specserve_requests_total") and m, 10, "the request counted")
     assert total(after, "specserve_requests_total") - total(before, "specserve_requests_total") == 1
     moved = {n: total(after, n) - total(before, n) for n in (
-        "specserve_request_completion_tokens_total", "specserve_request_prompt_tokens_total",
+        "specserve_completion_tokens_total", "specserve_prompt_tokens_total",
         "specserve_spec_accepted_total", "specserve_spec_drafted_total")}
-    assert moved["specserve_request_completion_tokens_total"] == resp.usage.completion_tokens == 16
-    assert moved["specserve_request_prompt_tokens_total"] == resp.usage.prompt_tokens
+    assert moved["specserve_completion_tokens_total"] == resp.usage.completion_tokens == 16
+    assert moved["specserve_prompt_tokens_total"] == resp.usage.prompt_tokens
     assert moved["specserve_spec_accepted_total"] == sum(ext["accepted_per_position"]) > 0
     assert moved["specserve_spec_drafted_total"] >= moved["specserve_spec_accepted_total"]
+    # acceptance is labelled by the request's draft
+    ngram = 'specserve_spec_accepted_total{"draft": "ngram"}'
+    assert after[ngram] - before.get(ngram, 0.0) == moved["specserve_spec_accepted_total"]
     assert total(after, "specserve_gateway_requests_running") == 0
+
+
+def _buckets(metrics: dict[str, float], family: str, **labels: str) -> dict[float, float]:
+    """le -> cumulative count of one histogram series of a scrape()."""
+    out = {}
+    for key, value in metrics.items():
+        if key.startswith(family + "_bucket{"):
+            got = json.loads(key[len(family) + len("_bucket"):])
+            if all(got.get(k) == v for k, v in labels.items()):
+                out[float(got["le"])] = out.get(float(got["le"]), 0.0) + value
+    return out
+
+
+def test_a_known_ttft_lands_in_its_bucket_and_every_latency_is_observed(served):
+    """The exposition, parsed: the request's own ttft_s falls in the first bucket at or above it (not OTel's
+    default 0, 5, 10, ... where every TTFT lands in le=5), and one request moves e2e, queue time, inter-token
+    latency (one observation per token after the first) and the per-request token histograms."""
+    from specserve.runtime.metrics import LATENCY_S
+
+    before = scrape(served.url)
+    resp = served.client.completions.create(model=served.model, prompt=PROMPT, max_tokens=12, temperature=0)
+    ttft = resp.model_extra["specserve"]["ttft_s"]
+    after = wait_until(lambda: (m := scrape(served.url)) and total(m, "specserve_request_ttft_seconds_count")
+                       > total(before, "specserve_request_ttft_seconds_count") and m, 10, "the request counted")
+    names = [f.name for f in text_string_to_metric_families(httpx.get(f"{served.url}/metrics", timeout=10).text)]
+    assert len(names) == len(set(names))  # an observed histogram replaced its empty series (same name)
+    b0, b1 = _buckets(before, "specserve_request_ttft_seconds"), _buckets(after, "specserve_request_ttft_seconds")
+    assert sorted(b1) == [*LATENCY_S, float("inf")]
+    moved = {le: b1[le] - b0.get(le, 0.0) for le in b1}
+    assert moved == {le: float(le >= ttft) for le in b1}, (ttft, moved)
+    assert 0.001 < ttft < 60  # a real TTFT of this machine, well inside the buckets
+    for family, count in (("specserve_request_e2e_latency_seconds", 1), ("specserve_request_queue_time_seconds", 1),
+                          ("specserve_request_inter_token_latency_seconds", resp.usage.completion_tokens - 1),
+                          ("specserve_request_completion_tokens", 1), ("specserve_request_prompt_tokens", 1)):
+        assert total(after, f"{family}_count") - total(before, f"{family}_count") == count, family
+    sums = {f: total(after, f"{f}_sum") - total(before, f"{f}_sum") for f in (
+        "specserve_request_e2e_latency_seconds", "specserve_request_ttft_seconds", "specserve_request_completion_tokens")}
+    assert sums["specserve_request_e2e_latency_seconds"] >= sums["specserve_request_ttft_seconds"]
+    assert sums["specserve_request_completion_tokens"] == 12
+    # the bucket of 12 completion tokens (powers of two) and of the accepted lengths (0 .. k + 1 by one)
+    tokens = _buckets(after, "specserve_request_completion_tokens")
+    assert tokens[16.0] - _buckets(before, "specserve_request_completion_tokens").get(16.0, 0) == 1
+    assert sorted(_buckets(after, "specserve_spec_accepted_length", draft="ngram")) == [*range(66), float("inf")]
+
+
+def test_serve_starts_the_target_and_draft_metrics_ports_it_is_given(served):
+    lines = wait_until(lambda: [ln for ln in served.proc.err_lines if " metrics on http" in ln], 10, "metrics lines")
+    urls = {ln.split("]")[0].lstrip("["): ln.split()[-1] for ln in lines}
+    assert set(urls) == {"target", "draft"}
+    assert "specserve_target_kv_blocks_total" in httpx.get(urls["target"], timeout=10).text
+    assert "specserve_draft_sessions" in httpx.get(urls["draft"], timeout=10).text
 
 
 def test_an_http_request_is_one_trace_across_the_three_services(served, otlp_receiver):
@@ -337,11 +392,52 @@ class TinyStack:
         self.url = self.gateway.wait_line(HTTP_READY, 180).split()[-1]
         self.gateway.wait_line(READY, 60)
         self.client = openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0, timeout=60)
+        self.at_start = httpx.get(f"{self.url}/metrics", timeout=10).text  # before any request
         return self
 
     def close(self) -> None:
         for p in (self.gateway, self.draft, self.target):
             p.stop()
+
+
+def test_metrics_have_help_explicit_buckets_and_every_series_from_the_start(tiny):
+    """The gateway's /metrics before its first request: HELP on every family, each histogram (per draft where
+    labelled) present with count 0 in its own unit's buckets, counters at 0 for every draft and reason, and the
+    target's and draft's series relayed (the gateway holds the only channels to them)."""
+    families = {f.name: f for f in text_string_to_metric_families(tiny.at_start)}
+    ours = [f for f in families.values() if f.name.startswith("specserve_")]
+    assert len(ours) >= 25
+    assert [f.name for f in ours if not f.documentation.strip()] == []
+    assert not [f.name for f in ours if "per_s_per_second" in f.name]  # the unit once: tokens_per_second
+    values = {}
+    for f in ours:
+        for smp in f.samples:
+            labels = {k: v for k, v in smp.labels.items() if not k.startswith("otel_scope")}
+            values[smp.name + (json.dumps(labels, sort_keys=True) if labels else "")] = smp.value
+    for hist in ("specserve_request_ttft_seconds", "specserve_request_e2e_latency_seconds",
+                 "specserve_request_inter_token_latency_seconds", "specserve_request_queue_time_seconds",
+                 "specserve_request_tokens_per_second", "specserve_request_prompt_tokens",
+                 "specserve_request_completion_tokens"):
+        assert families[hist].type == "histogram" and values[f"{hist}_count"] == 0, hist
+    itl = sorted(float(s.labels["le"]) for s in families["specserve_request_inter_token_latency_seconds"].samples
+                 if s.name.endswith("_bucket"))
+    assert itl[0] == 0.0001 and itl[-2] == 10.0
+    for draft in ("ngram", "none"):
+        assert values[f'specserve_spec_accepted_length_count{{"draft": "{draft}"}}'] == 0
+        assert values[f'specserve_spec_step_latency_milliseconds_count{{"draft": "{draft}"}}'] == 0
+        assert values[f'specserve_spec_accepted_total{{"draft": "{draft}"}}'] == 0
+        assert values[f'specserve_spec_drafted_total{{"draft": "{draft}"}}'] == 0
+        for finish in ("eos", "stop", "length"):
+            assert values[f'specserve_requests_total{{"draft": "{draft}", "finish_reason": "{finish}"}}'] == 0
+    assert values['specserve_requests_rejected_total{"reason": "busy"}'] == 0
+    assert values['specserve_requests_rejected_total{"reason": "invalid"}'] == 0
+    assert values["specserve_requests_cancelled_total"] == 0
+    assert values['specserve_requests_failed_total{"code": "unavailable"}'] == 0
+    assert values['specserve_upstream_up{"draft": "", "service": "target"}'] == 1
+    assert values['specserve_upstream_up{"draft": "ngram", "service": "draft"}'] == 1
+    assert values["specserve_target_kv_blocks_total"] == 256 and values["specserve_target_sessions"] == 0
+    assert values["specserve_target_kv_cache_usage_ratio"] == 0
+    assert values['specserve_draft_sessions{"draft": "ngram"}'] == 0
 
 
 def test_chat_without_a_template_is_a_400_that_says_so(tiny):
@@ -360,6 +456,10 @@ def test_admission_429_and_a_disconnect_cancels_and_releases(tiny):
     with pytest.raises(openai.RateLimitError, match="busy: 1 requests running"):
         tiny.client.completions.create(model=tiny.model, prompt="abc", max_tokens=4)
     assert scrape(tiny.target_metrics)["specserve_target_sessions"] == 1
+    relayed = scrape(tiny.url)  # the same, through the gateway's /metrics
+    assert relayed["specserve_target_sessions"] == 1 and relayed["specserve_target_kv_blocks_used"] >= 1
+    assert relayed["specserve_target_kv_cache_usage_ratio"] == relayed["specserve_target_kv_blocks_used"] / 256
+    assert relayed['specserve_draft_sessions{"draft": "ngram"}'] == 1
     held.close()  # the client disconnects mid-stream
 
     def released():
@@ -369,8 +469,11 @@ def test_admission_429_and_a_disconnect_cancels_and_releases(tiny):
 
     wait_until(released, 10, "the gateway slot and both services' sessions released")
     after = scrape(tiny.url)
-    # cancelled, not finished: no final message was counted for it
+    # cancelled, not finished: no final message was counted for it; the refusal and the hang-up were
     assert total(after, "specserve_requests_total") == total(before, "specserve_requests_total")
+    assert after["specserve_requests_cancelled_total"] - before["specserve_requests_cancelled_total"] == 1
+    busy = 'specserve_requests_rejected_total{"reason": "busy"}'
+    assert after[busy] - before[busy] == 1
     assert tiny.client.completions.create(model=tiny.model, prompt="abc", max_tokens=2).usage.completion_tokens == 2
 
 

@@ -185,7 +185,7 @@ def test_one_trace_across_three_services(stack, otlp_receiver):
     assert {s.parent_span_id for s in t_verify} == {s.span_id for s in g_verify}
     # the gateway's speculative-decoding metrics arrive over OTLP as well
     wanted = {"specserve.spec.accepted", "specserve.spec.drafted", "specserve.spec.step_latency",
-              "specserve.spec.accepted_length", "specserve.request.tokens_per_s", "specserve.request.ttft"}
+              "specserve.spec.accepted_length", "specserve.request.tokens", "specserve.request.ttft"}
     wait_until(lambda: wanted <= otlp_receiver.metric_names, 10, f"metrics {wanted}")
 
 
