@@ -71,8 +71,8 @@ from specserve.draft_service.proposer import (
     Proposer,
     SessionState,
     VocabMismatchError,
-    checkpoint_vocab,
     common_prefix_len,
+    target_vocab,
 )
 from specserve.draft_service.target_tensors import read_target_tensors, read_tensors
 from specserve.models.attention import attend
@@ -370,9 +370,10 @@ def build_dflash_proposer(config: DrafterConfig) -> DFlashProposer:
     model = load_dflash(config.checkpoint, config.device, config.dtype, config.target_checkpoint)
     vocab_hash = f"size:{model.cfg.vocab_size}"
     if config.target_checkpoint is not None:
-        t_size, vocab_hash = checkpoint_vocab(config.target_checkpoint)
-        if t_size != model.cfg.vocab_size:
-            raise VocabMismatchError(f"dflash vocab_size {model.cfg.vocab_size} != target vocab_size {t_size}")
+        vocab = target_vocab(config.target_checkpoint)
+        vocab_hash = vocab.hash
+        if vocab.size != model.cfg.vocab_size:
+            raise VocabMismatchError(f"dflash vocab_size {model.cfg.vocab_size} != target vocab_size {vocab.size}")
     layers = config.hidden_layers or model.cfg.target_layer_ids
     if len(layers) != len(model.cfg.target_layer_ids):
         raise DrafterConfigError(f"dflash was trained on {len(model.cfg.target_layer_ids)} target layers, got {layers}")

@@ -228,8 +228,7 @@ class Eagle3Proposer(Proposer):
 
 def build_eagle3_proposer(config: DrafterConfig) -> Eagle3Proposer:
     """Registry factory: load the head, pick the target layers, check the vocabulary."""
-    from specserve.draft_service.proposer import checkpoint_vocab
-    from specserve.models.config import ModelConfig
+    from specserve.draft_service.proposer import target_config, target_vocab
 
     if config.checkpoint is None:
         raise DrafterConfigError("eagle3 needs checkpoint = the EAGLE-3 head folder")
@@ -241,7 +240,8 @@ def build_eagle3_proposer(config: DrafterConfig) -> Eagle3Proposer:
             raise DrafterConfigError("eagle_aux_hidden_state_layer_ids must be >= 1 (layer inputs)")
         layers = tuple(i - 1 for i in head.cfg.aux_layers)
     if config.target_checkpoint is not None:
-        t_size, t_hash = checkpoint_vocab(config.target_checkpoint)
+        vocab = target_vocab(config.target_checkpoint)
+        t_size, t_hash = vocab.size, vocab.hash
         if t_size != head.cfg.vocab_size:
             from specserve.draft_service.proposer import VocabMismatchError
 
@@ -249,7 +249,7 @@ def build_eagle3_proposer(config: DrafterConfig) -> Eagle3Proposer:
                 f"EAGLE-3 head vocab_size {head.cfg.vocab_size} != target vocab_size {t_size}"
             )
         vocab_hash = t_hash
-        target = ModelConfig.from_file(config.target_checkpoint)
+        target = target_config(config.target_checkpoint)
         if target.hidden_size != head.cfg.target_hidden_size:
             raise DrafterConfigError(
                 f"EAGLE-3 head expects target hidden size {head.cfg.target_hidden_size}, target has"

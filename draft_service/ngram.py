@@ -29,7 +29,7 @@ from specserve.draft_service.proposer import (
     DrafterInfo,
     Proposer,
     SessionState,
-    checkpoint_vocab,
+    target_vocab,
 )
 
 
@@ -100,5 +100,5 @@ def build_ngram_proposer(config: DrafterConfig) -> NgramProposer:
     """Registry factory. With a target checkpoint, report (and enforce) its vocabulary."""
     if config.target_checkpoint is None:
         return NgramProposer(config)
-    size, digest = checkpoint_vocab(config.target_checkpoint)
-    return NgramProposer(config, vocab_size=size, vocab_hash=digest)
+    vocab = target_vocab(config.target_checkpoint)
+    return NgramProposer(config, vocab_size=vocab.size, vocab_hash=vocab.hash)

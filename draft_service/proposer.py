@@ -208,18 +208,41 @@ def checkpoint_vocab(checkpoint_dir: Path) -> tuple[int, str]:
         raise DrafterConfigError(f"cannot read the vocabulary of {checkpoint_dir}: {e}") from e
 
 
-def check_same_vocab(draft_dir: Path, target_dir: Path) -> tuple[int, str]:
-    """Refuse a drafter whose vocabulary differs from the target's; returns the target's (size, hash)."""
+def target_vocab(target: Path):
+    """The target's Vocabulary (models/model_names.py: a checkpoint folder or a demo@ / synthetic name); errors
+    become DrafterConfigError."""
+    from specserve.models.model_names import resolve_model
+
+    try:
+        return resolve_model(target).vocabulary()
+    except (ValueError, RuntimeError) as e:
+        raise DrafterConfigError(f"cannot read the vocabulary of the target {target}: {e}") from e
+
+
+def target_config(target: Path):
+    """The target's ModelConfig (a checkpoint folder or a demo@ / synthetic name); errors become DrafterConfigError."""
+    from specserve.models.model_names import resolve_model
+
+    try:
+        return resolve_model(target).config()
+    except (ValueError, RuntimeError) as e:
+        raise DrafterConfigError(f"cannot read the config of the target {target}: {e}") from e
+
+
+def check_same_vocab(draft_dir: Path, target: Path) -> tuple[int, str]:
+    """Refuse a drafter whose vocabulary differs from the target's; returns the target's (size, hash). Without two
+    tokenizer fingerprints the drafter's size must be the number of ids the target can emit (a demo@ target: the
+    demo's, its padded rows masked)."""
     from specserve.models.vocab import vocab_matches
 
     d_size, d_hash = checkpoint_vocab(draft_dir)
-    t_size, t_hash = checkpoint_vocab(target_dir)
-    if not vocab_matches(d_hash, d_size, t_hash, t_size):
+    t = target_vocab(target)
+    if not vocab_matches(d_hash, d_size, t.hash, t.limit):
         raise VocabMismatchError(
             f"drafter vocabulary ({d_hash}, vocab_size {d_size}) at {draft_dir} does not match the"
-            f" target's ({t_hash}, vocab_size {t_size}) at {target_dir}"
+            f" target's ({t.hash}, vocab_size {t.limit}) at {target}"
         )
-    return t_size, t_hash
+    return t.size, t.hash
 
 
 def draft_seed(request_seed: int | None) -> int:

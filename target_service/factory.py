@@ -40,18 +40,15 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         from specserve.models.errors import ModelConfigError
-        from specserve.models.presets import is_synthetic, parse_spec
-        from specserve.models.scaled_demo import is_scaled_demo, parse_scaled_spec
+        from specserve.models.model_names import resolve_model
+        from specserve.models.presets import is_synthetic
 
         if self.dtype not in ENGINE_DTYPES:
             raise SpecserveError(f"--dtype must be one of {sorted(ENGINE_DTYPES)}, got {self.dtype!r}")
-        if is_synthetic(self.model) or is_scaled_demo(self.model):
-            try:
-                (parse_spec if is_synthetic(self.model) else parse_scaled_spec)(str(self.model))
-            except ModelConfigError as e:
-                raise SpecserveError(str(e)) from e
-        elif not Path(self.model).is_dir():
-            raise SpecserveError(f"model folder {self.model} does not exist")
+        try:
+            resolve_model(self.model)  # a folder, or a demo@ / synthetic name it knows
+        except ModelConfigError as e:
+            raise SpecserveError(str(e)) from e
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise SpecserveError("--device cuda was asked for but no CUDA GPU is visible")
         if self.graph_max_draft < 0 or any(n < 1 for n in self.graph_tree_sizes):
@@ -77,11 +74,12 @@ def build_model_for(cfg: EngineConfig):
 
     dtype = DTYPES[cfg.dtype]
     if is_scaled_demo(cfg.model):
-        from specserve.paths import demo_checkpoint
+        from specserve.models.model_names import resolve_model
 
-        demo = demo_checkpoint("target")
-        model, model_config = build_scaled_demo(str(cfg.model), demo, device=cfg.device, dtype=dtype, seed=cfg.seed)
-        tokenizer = load_tokenizer(demo)
+        demo = resolve_model(cfg.model)
+        model, model_config = build_scaled_demo(str(cfg.model), demo.folder, device=cfg.device, dtype=dtype,
+                                                seed=cfg.seed)
+        tokenizer = load_tokenizer(demo.tokenizer_folder)
     elif is_synthetic(cfg.model):
         parallel = None
         if cfg.bench_shard is not None:  # one rank's shard alone: collectives off (benchmarks only)

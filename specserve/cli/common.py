@@ -10,6 +10,24 @@ from specserve.errors import SpecserveError
 
 NO_DRAFT_FOLDER = ("ngram", "mtp")  # families that need no --draft-model (mtp reads the target's own layer)
 
+MODEL_HELP = ("target checkpoint folder, or demo@NAME[:LAYERS] (the shipped demo in a published model's shape: "
+              "moonlight-16b-a3b, kimi-k2.6, small-moonlight, small-kimi-k2.6), or synthetic:NAME[:LAYERS] "
+              "(default: the shipped demo)")
+
+
+def model_name(model: Path | None):
+    """The ModelName (models/model_names.py) of --model; None means the shipped demo target. A bad name or a
+    missing folder is one SpecserveError line."""
+    from specserve.models.errors import ModelConfigError
+    from specserve.models.model_names import resolve_model
+    from specserve.paths import demo_checkpoint
+
+    try:
+        return resolve_model(model if model is not None else demo_checkpoint("target"))
+    except ModelConfigError as exc:
+        raise SpecserveError(f"--model: {exc}") from None
+
+
 def positive_int(text: str) -> int:
     value = int(text)
     if value <= 0:
@@ -67,7 +85,7 @@ def add_prompt_arguments(parser: argparse.ArgumentParser) -> None:
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     """The target engine's flags (`generate`, `target`, and `serve`, which forwards them)."""
-    parser.add_argument("--model", type=Path, default=None, help="target checkpoint folder (default: shipped demo)")
+    parser.add_argument("--model", type=Path, default=None, help=MODEL_HELP)
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--tensor-parallel-size", type=positive_int, default=1)
@@ -132,7 +150,8 @@ def drafter_config_from_args(args: argparse.Namespace, target_checkpoint: Path):
     from specserve.paths import demo_checkpoint
 
     checkpoint = args.draft_model
-    if checkpoint is None and args.draft not in NO_DRAFT_FOLDER and args.model is None:
+    demo_drafters = args.model is None or model_name(args.model).ships_demo_drafters
+    if checkpoint is None and args.draft not in NO_DRAFT_FOLDER and demo_drafters:
         checkpoint = demo_checkpoint(args.draft)
     if checkpoint is None and args.draft not in NO_DRAFT_FOLDER:
         raise SpecserveError(f"--draft {args.draft} needs --draft-model DIR")

@@ -33,7 +33,9 @@ def add_drafter_arguments(parser: argparse.ArgumentParser) -> None:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_drafter_arguments(parser)
-    parser.add_argument("--model", type=Path, default=None, help="the target's checkpoint folder (vocabulary, layers)")
+    parser.add_argument("--model", type=Path, default=None,
+                        help="the target: its checkpoint folder or demo@NAME[:LAYERS] (vocabulary, layers; default: "
+                             "the shipped demo)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     add_listen_arguments(parser, DEFAULT_LISTEN)
@@ -51,10 +53,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def drafter_config(args: argparse.Namespace):
-    from specserve.cli.common import drafter_config_from_args
-    from specserve.paths import demo_checkpoint
+    from specserve.cli.common import drafter_config_from_args, model_name
 
-    target = args.model or demo_checkpoint("target")
+    target = Path(model_name(args.model).name)
     config = drafter_config_from_args(args, target_checkpoint=target)
     return dataclasses.replace(config, max_block_size=args.max_block_size)
 

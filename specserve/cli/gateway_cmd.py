@@ -35,7 +35,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="a draft service requests can name (repeatable; the first is the default)",
     )
     parser.add_argument("--default-draft", default=None, help="draft name used when a request names none")
-    parser.add_argument("--model", type=Path, default=None, help="checkpoint folder whose tokenizer.json to use")
+    parser.add_argument("--model", type=Path, default=None,
+                        help="the target's checkpoint folder or demo@NAME[:LAYERS]: whose tokenizer.json to use")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=50051)
     parser.add_argument("--listen", action="append", default=[], help="extra HOST:PORT or unix:/path to listen on")
@@ -129,13 +130,14 @@ def run(args: argparse.Namespace) -> int:
     )
     tokenizer = chat_template = http = None
     if args.model is not None:
+        from specserve.cli.common import model_name
         from specserve.gateway.chat_template import load_chat_template
         from specserve.models.loader import load_tokenizer
 
-        if not args.model.is_dir():
-            raise SpecserveError(f"--model {args.model} is not a folder")
-        tokenizer = checkpoint_errors_as_user_errors(load_tokenizer, args.model)
-        chat_template = load_chat_template(args.model)
+        folder = model_name(args.model).tokenizer_folder  # a demo@ model: the demo's tokenizer
+        if folder is not None:
+            tokenizer = checkpoint_errors_as_user_errors(load_tokenizer, folder)
+            chat_template = load_chat_template(folder)
     if args.http_port is not None:
         from specserve.runtime.http_serving import HttpConfig
 

@@ -138,12 +138,9 @@ def _wait_healthy(address: str, deadline: float, children: _Children, stop: thre
 
 
 def run(args: argparse.Namespace) -> int:
-    from specserve.cli.common import drafter_config_from_args
-    from specserve.paths import demo_checkpoint
+    from specserve.cli.common import drafter_config_from_args, model_name
 
-    model = args.model or demo_checkpoint("target")
-    if not Path(model).is_dir():
-        raise SpecserveError(f"model folder {model} does not exist")
+    model = Path(model_name(args.model).name)  # a folder or a demo@ / synthetic name (one line if neither)
     if args.draft != "none":
         drafter_config_from_args(args, target_checkpoint=model)  # flag errors now, not in a child
     for flag, port in (("--port", args.port), ("--http-port", args.http_port),
