@@ -247,8 +247,9 @@ def check_same_vocab(draft_dir: Path, target: Path) -> tuple[int, str]:
 
 def draft_seed(request_seed: int | None) -> int:
     """The drafter's RNG seed. A seeded request stays reproducible, but the drafter must NOT share the
-    target's random stream: the target seeds its generator with the same request seed, and equal
-    streams would correlate a drafted token's draw with its own acceptance test (not lossless)."""
+    target's random stream (equal streams would correlate a drafted token's draw with its own acceptance
+    test); the target draws from an HMAC of the seed under its own key (models/probs.py), and a remote
+    draft is sent a seed the gateway derived, never the request's."""
     if request_seed is None:
         return int(torch.seed() % 2**63)
     return (int(request_seed) * 6364136223846793005 + 1442695040888963407) % 2**63

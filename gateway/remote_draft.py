@@ -12,6 +12,10 @@ same host); a session then starts with the buffer's handle and later proposals n
 that cannot map one after all (FAILED_PRECONDITION) costs that request its speculation (target-only,
 lossless), and the endpoint sends hidden rows as bytes from then on.
 
+A draft is never sent a request's seed: a seeded request's StartSession carries ``derive_seed`` of it under
+a key of the endpoint's own (its proposals stay reproducible, and nothing a draft is told relates to
+the target's draws, which come from the target's own key: specserve/models/probs.py).
+
 Circuit breaker (per draft endpoint): after ``breaker_failures`` timeouts / UNAVAILABLE in a row the
 draft is not asked any more (every request goes target-only at once, releases are skipped: the draft
 expires idle sessions itself) while a background probe calls its GetInfo every ``probe_every_s``
@@ -37,6 +41,7 @@ from specserve.gateway.clients import DraftError
 from specserve.gateway.remote import RELEASE_TIMEOUT_S, BidiStream, Deadline
 from specserve.gateway.spec_loop import MalformedDraft
 from specserve.gateway.validation import MAX_SPECULATIVE_TOKENS
+from specserve.models.probs import derive_seed, new_seed_key
 from specserve.protos import convert
 from specserve.protos.specserve.v1 import (
     draft_pb2,
@@ -147,6 +152,15 @@ class RemoteDraftEndpoint:
         self.channel = aio_channel(address, tls, max_receive_bytes=self.reply_limit)
         self.stub = draft_pb2_grpc.DraftServiceStub(self.channel)
         self.last_info: draft_pb2.DraftInfo | None = None
+        self._seed_key = new_seed_key()  # what a draft gets instead of a request's seed (derive_seed)
+
+    def draft_sampling(self, sampling: SamplingParams):
+        """The sampling a draft session is started with: the request's, its seed replaced by one derived
+        under this endpoint's key (a draft never learns the user's seed)."""
+        msg = convert.sampling_to_proto(sampling)
+        if sampling.seed is not None:
+            msg.seed = derive_seed(self._seed_key, sampling.seed)
+        return msg
 
     async def fetch_info(self, timeout_s: float, wait_for_ready: bool = False) -> draft_pb2.DraftInfo:
         self.last_info = await self.stub.GetInfo(
@@ -232,7 +246,7 @@ class RemoteDraft:
         self, session_id: str, token_ids: Sequence[int], hidden: torch.Tensor | None, sampling: SamplingParams
     ) -> None:
         req = draft_pb2.StartSessionRequest(
-            session_id=session_id, token_ids=list(token_ids), sampling=convert.sampling_to_proto(sampling),
+            session_id=session_id, token_ids=list(token_ids), sampling=self._ep.draft_sampling(sampling),
             want_shm=self._ep.shm,
         )
         if isinstance(hidden, SharedRows):  # in the target's buffer: relay its handle and the range

@@ -3,7 +3,7 @@ target service and the step benchmark turn flags into a running engine."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -33,6 +33,7 @@ class EngineConfig:
     graph_tree_sizes: tuple[int, ...] = ()  # graphs for tree verify steps of these node counts
     max_context: int | None = None  # cap below the model's max_position_embeddings
     seed: int = 0  # synthetic weights
+    seed_key: bytes | None = field(default=None, repr=False)  # seeded sampling's secret (models/probs.py); None: random
     # Benchmark only (specserve.bench.step_bench --shard R/N): build rank R of an N-way tensor-parallel shard
     # (routed experts expert-parallel when enable_expert_parallel) in this one process, without torch.distributed;
     # its collectives are skipped (ParallelConfig.collectives=False), so its outputs are not the model's.
@@ -118,6 +119,7 @@ def build_engine(cfg: EngineConfig):
             max_context=cfg.max_context,
             attention_backend=cfg.attention_backend,
             moe_backend=cfg.moe_backend,
+            seed_key=cfg.seed_key,
         )
 
     model, model_config, tokenizer, choice = build_model_for(cfg)
@@ -137,4 +139,5 @@ def build_engine(cfg: EngineConfig):
         device=cfg.device,
         max_context=cfg.max_context,
         cuda_graphs=options,
+        seed_key=cfg.seed_key,
     )

@@ -111,10 +111,20 @@ def add_denoise_argument(parser: argparse.ArgumentParser) -> None:
 
 def engine_config_from_args(args: argparse.Namespace):
     """The EngineConfig of the engine flags; no --model means the shipped demo target."""
+    import os
+
+    from specserve.models.probs import SEED_KEY_ENV, seed_key_from_hex
     from specserve.paths import demo_checkpoint
     from specserve.target_service.factory import EngineConfig
 
+    seed_key = None  # a key of the engine's own (seeded requests reproduce on this process only)
+    if os.environ.get(SEED_KEY_ENV, "").strip():
+        try:
+            seed_key = seed_key_from_hex(os.environ[SEED_KEY_ENV])
+        except ValueError as exc:
+            raise SpecserveError(str(exc)) from None
     return EngineConfig(
+        seed_key=seed_key,
         model=args.model or demo_checkpoint("target"),
         device=args.device,
         dtype=args.dtype,

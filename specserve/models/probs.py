@@ -1,22 +1,59 @@
 """The target distribution p of a row of logits, and the per-request generator that samples from it.
 
 Shared by the target's sampler and by every drafter that samples its own proposals, so both read p the same way.
+
+What a request's seed guarantees: the target draws from a generator seeded with ``derive_seed(key, seed)``,
+an HMAC of the seed under a secret key of the target's own (``SEED_KEY_ENV`` pins it; else each engine
+draws one), so the same seed gives the same draws on that target (the same output, for the same
+proposals), and nobody without the key, a drafter that was handed or guessed the seed included, can
+predict them: a proposal chosen from the request cannot aim the acceptance test or the recovery draw.
 """
 
 from __future__ import annotations
+
+import hashlib
+import hmac
+import secrets
 
 import torch
 
 from specserve.contract.types import SamplingParams
 
+SEED_KEY_ENV = "SPECSERVE_SEED_KEY"  # hex, >= 16 bytes: the target's seed key (targets that share it agree)
+SEED_KEY_BYTES = 32
+MIN_SEED_KEY_BYTES = 16
 
-def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:
-    """Per-request generator: seeded for reproducible output, else seeded from OS entropy."""
+
+def new_seed_key() -> bytes:
+    return secrets.token_bytes(SEED_KEY_BYTES)
+
+
+def seed_key_from_hex(text: str) -> bytes:
+    """A pinned seed key (``SEED_KEY_ENV``); ValueError naming the problem."""
+    try:
+        key = bytes.fromhex(text.strip())
+    except ValueError:
+        raise ValueError(f"{SEED_KEY_ENV}: not hex") from None
+    if len(key) < MIN_SEED_KEY_BYTES:
+        raise ValueError(f"{SEED_KEY_ENV}: {len(key)} bytes, at least {MIN_SEED_KEY_BYTES} needed")
+    return key
+
+
+def derive_seed(key: bytes, seed: int) -> int:
+    """The generator seed of a seeded request: HMAC-SHA256(key, seed), 63 bits of it."""
+    digest = hmac.new(key, str(int(seed)).encode(), hashlib.sha256).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
+def make_generator(seed: int | None, device: torch.device | str = "cpu", key: bytes | None = None) -> torch.Generator:
+    """Per-request generator: for a seeded request seeded with ``derive_seed(key, seed)`` (reproducible
+    wherever the key is the same, unpredictable without it), else seeded from OS entropy. ``key=None``
+    seeds with the request's seed itself (a drafter's own stream, or tests that need none)."""
     gen = torch.Generator(device=device)
     if seed is None:
         gen.seed()
     else:
-        gen.manual_seed(int(seed))
+        gen.manual_seed(int(seed) if key is None else derive_seed(key, seed))
     return gen
 
 

@@ -33,7 +33,7 @@ from specserve.contract.types import (
 from specserve.models.attn_metadata import AttentionBatch
 from specserve.models.block_manager import BlockManager, KVUsage, OutOfBlocks
 from specserve.models.kv_cache import PagedKVCache
-from specserve.models.probs import make_generator, target_probs
+from specserve.models.probs import make_generator, new_seed_key, target_probs
 from specserve.models.vocab import vocab_hash as checkpoint_vocab_hash
 
 from .model_runner import GraphOptions, ModelRunner, RunOutput, distinct_experts
@@ -99,8 +99,10 @@ class TargetEngine:
         max_context: int | None = None,  # cap below the model's max_position_embeddings
         vocab_hash: str | None = None,  # override the fingerprint computed from the tokenizer
         cuda_graphs: GraphOptions | None = None,  # capture these verify/decode steps now (FlashInfer backend)
+        seed_key: bytes | None = None,  # seeded sampling's secret (models/probs.py); None: one of this engine's own
     ) -> None:
         self.model = model
+        self._seed_key = seed_key or new_seed_key()
         self.config = config
         self.tokenizer = tokenizer
         param = next(model.parameters())
@@ -247,7 +249,7 @@ class TargetEngine:
             logits = self.model.compute_logits(out.hidden[-1:])  # [1, V]
             self._sync()
             t1 = time.perf_counter()
-            gen = None if sampling.greedy else make_generator(sampling.seed, self.device)
+            gen = None if sampling.greedy else make_generator(sampling.seed, self.device, self._seed_key)
             if sampling.greedy:
                 first = int(logits[0].argmax())
             else:

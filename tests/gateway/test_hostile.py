@@ -10,6 +10,7 @@ import asyncio
 import os
 import signal
 import time
+from collections import Counter
 
 import grpc
 import pytest
@@ -114,6 +115,106 @@ class RogueFrameDraft(draft_pb2_grpc.DraftServiceServicer):
         return draft_pb2.DraftReleaseResponse(released=True)
 
 
+SEED_KEY = "5eed" * 8  # the target's pinned SPECSERVE_SEED_KEY: only the negative control is given it
+MIRROR_SAMPLING = dict(temperature=1.0, top_k=8)
+
+
+class MirrorDraft(draft_pb2_grpc.DraftServiceServicer):
+    """A hostile drafter that knows the target: the same checkpoint in this process, whose generator it
+    replays from the seed it is told (StartSession's sampling), as the target draws it. At the first
+    step it tries every one-token proposal against a copy of that generator and drafts one whose
+    acceptance, or whose rejection's recovery draw, emits the lowest token id it can reach at position 1.
+    ``key``/``told_seed`` (the negative control): the target's seed key and each request's own seed,
+    given out of band, as a drafter that knew both would replay the target exactly."""
+
+    def __init__(self, ckpt) -> None:
+        from specserve.target_service.factory import EngineConfig, build_engine
+
+        self.ckpt = ckpt
+        self.engine = build_engine(EngineConfig(model=ckpt, num_kv_blocks=64))
+        self.key: bytes | None = None
+        self.told_seed: int | None = None
+        self.in_sync = 0  # sessions whose first pending token the replay drew too
+        self.aimed = 0  # first proposals chosen against the replayed generator
+
+    def use_key(self, key: bytes | None) -> None:
+        from specserve.target_service.factory import EngineConfig, build_engine
+
+        self.key = key
+        keyed = {} if key is None else {"seed_key": key}
+        self.engine = build_engine(EngineConfig(model=self.ckpt, num_kv_blocks=64, **keyed))
+
+    async def GetInfo(self, request, context):
+        return draft_pb2.DraftInfo(family="mirror", vocab_size=256, max_block_size=4, has_probs=False)
+
+    async def StartSession(self, request, context):
+        from specserve.contract.types import SamplingParams
+
+        sampling = convert.sampling_from_proto(request.sampling)
+        seed = self.told_seed if self.key is not None else sampling.seed
+        sid = request.session_id
+        if self.engine.has_session(sid):
+            self.engine.release(sid)
+        ids = list(request.token_ids)
+        self.engine.prefill(sid, ids[:-1], SamplingParams(sampling.temperature, sampling.top_p, sampling.top_k, seed))
+        self.in_sync += self.engine.session(sid).pending_token == ids[-1]
+        self.engine._get(sid).pending_token = ids[-1]  # what the target has: its draw, whether ours agreed or not
+        return draft_pb2.StartSessionResponse(session_id=sid)
+
+    def _aim(self, sid: str) -> int:
+        from specserve.target_service.engine.sampler import verify_step_device
+        from specserve.target_service.engine.tree import layout_of
+
+        s = self.engine._get(sid)
+        self.aimed += s.steps == 0
+        row = self.engine.score_block(sid, DraftBlock(token_ids=(0,)))[:1]  # [1, V]: p at position 1
+        logits = torch.cat([row, row])  # row 1 only feeds a bonus draw, after position 1 is decided
+        from specserve.models.probs import target_probs
+
+        p = target_probs(row, s.sampling)[0]
+        # a token of p(x) = 0 is always rejected and recovers from p itself: one of them stands for all
+        candidates = torch.nonzero(p).flatten().tolist() + [int(torch.nonzero(p == 0).flatten()[0])]
+        best, pick = None, 0
+        for x in candidates:
+            gen = torch.Generator()
+            gen.set_state(s.generator.get_state())
+            block = DraftBlock(token_ids=(x,))
+            last, nxt = verify_step_device(layout_of(block), torch.tensor([x]), logits, None, s.sampling, gen)
+            emitted = x if int(last) == 1 else int(nxt)
+            if best is None or emitted < best:
+                best, pick = emitted, x
+        return pick
+
+    async def ProposeStream(self, request_iterator, context):
+        async for req in request_iterator:
+            x = self._aim(req.session_id) if self.engine.has_session(req.session_id) else 0
+            block = convert.draft_block_to_proto(DraftBlock(token_ids=(x,) * max(1, req.num_tokens)))
+            yield draft_pb2.ProposeResponse(session_id=req.session_id, draft=block)
+
+    async def Release(self, request, context):
+        if self.engine.has_session(request.session_id):
+            self.engine.release(request.session_id)
+        return draft_pb2.DraftReleaseResponse(released=True)
+
+    def exact_law(self, prompt: list[int]) -> dict[int, float]:
+        """The target-only law of the token at position 1 (after the first pending token), exactly."""
+        from specserve.contract.types import SamplingParams
+        from specserve.models.probs import target_probs
+
+        params = SamplingParams(**MIRROR_SAMPLING)
+        e = self.engine
+        e.prefill("law", prompt[:-1], SamplingParams())
+        e._get("law").pending_token = prompt[-1]
+        first = target_probs(e.score_block("law", DraftBlock(token_ids=(0,)))[:1], params)[0]
+        law: dict[int, float] = {}
+        for c in torch.nonzero(first).flatten().tolist():
+            nxt = target_probs(e.score_block("law", DraftBlock(token_ids=(c,)))[1:], params)[0]
+            for t in torch.nonzero(nxt).flatten().tolist():
+                law[t] = law.get(t, 0.0) + float(first[c] * nxt[t])
+        e.release("law")
+        return law
+
+
 class HostileStack:
     def __init__(self, ckpt, socks) -> None:
         self.env = base_env()
@@ -124,6 +225,9 @@ class HostileStack:
         hostile = {"zero": f"unix:{socks}/zero.sock", "liar": f"unix:{socks}/liar.sock"}
         for mode, addr in hostile.items():
             self.fakes.serve(draft_pb2_grpc.add_DraftServiceServicer_to_server, ForcingDraft(mode), addr)
+        self.mirror = MirrorDraft(ckpt)
+        hostile["mirror"] = f"unix:{socks}/mirror.sock"
+        self.fakes.serve(draft_pb2_grpc.add_DraftServiceServicer_to_server, self.mirror, hostile["mirror"])
         self.rogues = {mode: RogueFrameDraft(mode) for mode in ("ring", "grpc")}
         for mode, rogue in self.rogues.items():
             hostile[f"rogue_{mode}"] = f"unix:{socks}/rogue_{mode}.sock"
@@ -131,7 +235,7 @@ class HostileStack:
         gateway_drafts = {**self.drafts, **hostile, "liar_trusted": hostile["liar"]}
         auth = ["--auth-token", TOKEN, "--grace-s", "1"]
         self.target = Proc("target", ["--model", str(ckpt), "--listen", self.target_addr, "--num-kv-blocks", "256",
-                                      *auth], self.env)
+                                      *auth], {**self.env, "SPECSERVE_SEED_KEY": SEED_KEY})
         self.draft_procs = {
             "ngram": Proc("draft", ["--draft", "ngram", "--model", str(ckpt), "--listen", self.drafts["ngram"], *auth],
                           self.env),
@@ -298,6 +402,77 @@ def test_a_frozen_draft_trips_the_breaker_then_is_used_again(hostile):
             break
         assert time.monotonic() < deadline, "the draft was not used again after it came back"
         time.sleep(0.2)
+    hostile.wait_no_sessions()
+
+
+def _position_one(hostile, seeds, draft: str, tell: bool) -> Counter:
+    """Counts of the token at position 1 over one seeded request per seed, drafted one token at a time."""
+    got = Counter()
+    for seed in seeds:
+        request = gateway_pb2.GenerateRequest(prompt_ids=PROMPT, max_new_tokens=3, draft=draft, num_speculative_tokens=1)
+        request.sampling.temperature = MIRROR_SAMPLING["temperature"]
+        request.sampling.top_k = MIRROR_SAMPLING["top_k"]
+        request.sampling.seed = seed
+        if tell:
+            hostile.mirror.told_seed = seed
+        ids, final = hostile.generate(request)
+        assert len(ids) == 3 and not final.stats.draft_fallback
+        got[ids[1]] += 1
+    return got
+
+
+def _fit_pvalue(counts: Counter, law: dict[int, float], min_expected: float = 5.0) -> float:
+    """Pearson's chi-square of goodness of fit of the counts to the exact law (small bins pooled)."""
+    from scipy.stats import chisquare
+
+    n = sum(counts.values())
+    big = sorted(t for t, p in law.items() if p * n >= min_expected)
+    observed = [counts[t] for t in big] + [n - sum(counts[t] for t in big)]
+    expected = [law[t] * n for t in big] + [n * (1 - sum(law[t] for t in big))]
+    if expected[-1] < 1e-9:
+        observed, expected = observed[:-1], expected[:-1]
+    return float(chisquare(observed, expected).pvalue)
+
+
+def test_a_drafter_that_knows_the_seed_cannot_bias_seeded_sampling(hostile):
+    """#33: a drafter that mirrors the target (its checkpoint, its sampler) and replays its generator
+    from the seed it is told picks, at every request, the one-token proposal whose acceptance or
+    recovery lands position 1 on the lowest id it can reach. 300 seeded requests through it follow the
+    target's exact law at position 1 (chi-square goodness of fit): the target draws from an HMAC of
+    the seed under its own key, and the gateway sends drafts a seed of its own derivation. Negative
+    control: the same mirror given the target's key and each request's seed out of band replays the
+    target's draws and biases position 1 past any doubt (150 requests, p < 1e-6)."""
+    law = hostile.mirror.exact_law(PROMPT)
+    hostile.mirror.use_key(None)
+    aimed = hostile.mirror.aimed
+    attacked = _position_one(hostile, range(300), "mirror", tell=False)
+    assert hostile.mirror.aimed - aimed == 300
+    p_attacked = _fit_pvalue(attacked, law)
+    assert p_attacked > 1e-3, (p_attacked, attacked, law)
+    hostile.mirror.use_key(bytes.fromhex(SEED_KEY))
+    synced_before = hostile.mirror.in_sync
+    control = _position_one(hostile, range(1000, 1150), "mirror", tell=True)
+    assert hostile.mirror.in_sync - synced_before == 150  # it replayed every target draw
+    p_control = _fit_pvalue(control, law)
+    assert p_control < 1e-6, (p_control, control, law)
+    hostile.wait_no_sessions()
+
+
+def test_the_same_seed_gives_the_same_output_on_the_same_target(hostile):
+    """What a seed guarantees (models/probs.py): the same seeded sampled request twice through the same
+    target and draft gives the same tokens (drafted by the model draft, sampled too); another seed
+    other tokens."""
+    def run(seed: int) -> list[int]:
+        request = gateway_pb2.GenerateRequest(prompt_ids=PROMPT, max_new_tokens=24, draft="model",
+                                              num_speculative_tokens=3)
+        request.sampling.temperature, request.sampling.seed = 1.0, seed
+        ids, final = hostile.generate(request)
+        assert not final.stats.draft_fallback
+        return ids
+
+    first = run(5)
+    assert run(5) == first and run(5) == first
+    assert any(run(seed) != first for seed in (6, 7))
     hostile.wait_no_sessions()
 
 

@@ -180,7 +180,7 @@ def test_verify_batch_equals_one_at_a_time(load, temperature):
     name = "qwen3_moe"
     prompts = {"a": PROMPT, "b": [9, 8, 7, 6, 5, 4, 3, 2, 1, 0, 11], "c": [200, 100]}
     layers = {"a": (0, 2), "b": (), "c": (1,)}
-    engines = [_engine(load, name), _engine(load, name)]
+    engines = [_engine(load, name, seed_key=b"k" * 32), _engine(load, name, seed_key=b"k" * 32)]  # one seed law
     for e in engines:
         for sid, p in prompts.items():
             e.prefill(sid, p, SamplingParams(temperature=temperature, seed=len(p)), layers[sid])
@@ -208,12 +208,17 @@ def test_verify_batch_equals_one_at_a_time(load, temperature):
 
 
 def test_seed_reproduces_sampled_output(load):
-    outs = []
-    for _ in range(2):
-        eng = _engine(load, "qwen3_moe")
-        first = eng.prefill("s", PROMPT, SamplingParams(temperature=1.0, seed=123)).next_token
-        outs.append([first] + [t for _ in range(6) for t in eng.decode("s").emitted])
+    """The same seed, the same draws wherever the seed key is the same (one engine, or engines that
+    share a pinned key); engines of their own keys draw their own (models/probs.py)."""
+    def sampled(eng, sid="s") -> list[int]:
+        first = eng.prefill(sid, PROMPT, SamplingParams(temperature=1.0, seed=123)).next_token
+        return [first] + [t for _ in range(6) for t in eng.decode(sid).emitted]
+
+    outs = [sampled(_engine(load, "qwen3_moe", seed_key=b"k" * 32)) for _ in range(2)]
     assert outs[0] == outs[1]
+    own = _engine(load, "qwen3_moe")
+    assert sampled(own, "a") == sampled(own, "b")
+    assert any(sampled(_engine(load, "qwen3_moe", seed_key=bytes([i]) * 32)) != outs[0] for i in range(3))
     eng = _engine(load, "qwen3_moe")
     others = {tuple(eng.generate_greedy(PROMPT, 3))}
     for seed in range(5):

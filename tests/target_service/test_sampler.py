@@ -319,3 +319,21 @@ def test_rejection_sampling_on_the_gpu_is_lossless(name, layout, params, mode):
     e1b, e2b, _ = _first_two_emitted(layout, target_logits, draft_p, params, mode,
                                      _on_cuda(_biased_5pct_any_device), 13)
     assert _chisquare_pvalue(e1b, e2b, target_logits, params) < 1e-3
+
+
+def test_a_seeded_generator_is_keyed_by_the_targets_secret():
+    """#33: a seeded request's draws come from an HMAC of its seed under the target's key: the same key
+    and seed give the same stream, another key (or the bare seed, as before) another; a pinned key must
+    be hex of >= 16 bytes."""
+    from specserve.models.probs import derive_seed, make_generator, seed_key_from_hex
+
+    a, b = b"a" * 32, b"b" * 32
+    draw = lambda gen: torch.rand(8, generator=gen)  # noqa: E731
+    assert torch.equal(draw(make_generator(7, key=a)), draw(make_generator(7, key=a)))
+    assert not torch.equal(draw(make_generator(7, key=a)), draw(make_generator(7, key=b)))
+    assert not torch.equal(draw(make_generator(7, key=a)), draw(torch.Generator().manual_seed(7)))
+    assert derive_seed(a, 7) != derive_seed(a, 8) and 0 <= derive_seed(a, 2**64 - 1) < 2**63
+    assert seed_key_from_hex("ab" * 16) == b"\xab" * 16
+    for bad, why in (("zz", "not hex"), ("ab" * 8, "at least 16")):
+        with pytest.raises(ValueError, match=why):
+            seed_key_from_hex(bad)
