@@ -228,11 +228,17 @@ class Eagle3Proposer(Proposer):
 
 def build_eagle3_proposer(config: DrafterConfig) -> Eagle3Proposer:
     """Registry factory: load the head, pick the target layers, check the vocabulary."""
-    from specserve.draft_service.proposer import target_config, target_vocab
+    from specserve.draft_service.proposer import target_config, target_name, target_vocab
 
     if config.checkpoint is None:
         raise DrafterConfigError("eagle3 needs checkpoint = the EAGLE-3 head folder")
-    head = load_eagle3_head(config.checkpoint, config.target_checkpoint, config.device, config.dtype)
+    name = target_name(config.target_checkpoint) if config.target_checkpoint is not None else None
+    if name is not None and name.scaled:  # the demo's head at the target's size (scaled_drafters.py)
+        from specserve.draft_service.scaled_drafters import scaled_eagle3_head
+
+        head = scaled_eagle3_head(config.checkpoint, name, config.device, config.dtype)
+    else:
+        head = load_eagle3_head(config.checkpoint, config.target_checkpoint, config.device, config.dtype)
     vocab_hash = f"size:{head.cfg.vocab_size}"
     layers = config.hidden_layers
     if layers is None and head.cfg.aux_layers is not None:

@@ -72,11 +72,17 @@ class Eagle3Config:
     rope: RopeConfig
     aux_layers: tuple[int, ...] | None = None  # target layers (our capture convention) if recorded
     raw: dict | None = None  # the config.json dict, written back by save
+    # draft ids at or past this get -inf logits (a head padded to a wider draft vocabulary: scaled_drafters.py)
+    draft_vocab_limit: int | None = None
 
     def __post_init__(self) -> None:
         if not 0 < self.draft_vocab_size <= self.vocab_size:
             raise DrafterConfigError(
                 f"draft_vocab_size {self.draft_vocab_size} must be in [1, vocab_size {self.vocab_size}]"
+            )
+        if self.draft_vocab_limit is not None and not 0 < self.draft_vocab_limit <= self.draft_vocab_size:
+            raise DrafterConfigError(
+                f"draft_vocab_limit {self.draft_vocab_limit} must be in [1, draft_vocab_size {self.draft_vocab_size}]"
             )
 
     @staticmethod
@@ -102,6 +108,7 @@ class Eagle3Config:
             rope=base.rope,
             aux_layers=tuple(int(i) for i in aux) if aux else None,
             raw=dict(raw),
+            draft_vocab_limit=int(raw["draft_vocab_limit"]) if raw.get("draft_vocab_limit") else None,
         )
 
 
@@ -171,7 +178,12 @@ class Eagle3Head(nn.Module):
         return h, k, v
 
     def logits(self, out: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, Vd] float32
-        return self.lm_head(self.norm(out)).float()
+        """Draft ids at or past cfg.draft_vocab_limit get -inf (in place: graph-safe)."""
+        logits = self.lm_head(self.norm(out)).float()
+        limit = self.cfg.draft_vocab_limit
+        if limit is not None and limit < logits.shape[-1]:
+            logits[:, limit:] = float("-inf")
+        return logits
 
 
 # checkpoint name -> module attribute path

@@ -208,23 +208,30 @@ def checkpoint_vocab(checkpoint_dir: Path) -> tuple[int, str]:
         raise DrafterConfigError(f"cannot read the vocabulary of {checkpoint_dir}: {e}") from e
 
 
-def target_vocab(target: Path):
-    """The target's Vocabulary (models/model_names.py: a checkpoint folder or a demo@ / synthetic name); errors
-    become DrafterConfigError."""
+def target_name(target: Path):
+    """The target's ModelName (models/model_names.py: a checkpoint folder or a demo@ / synthetic name); a bad one is a
+    DrafterConfigError."""
     from specserve.models.model_names import resolve_model
 
     try:
-        return resolve_model(target).vocabulary()
+        return resolve_model(target)
+    except (ValueError, RuntimeError) as e:
+        raise DrafterConfigError(f"target {target}: {e}") from e
+
+
+def target_vocab(target: Path):
+    """The target's Vocabulary (models/model_names.py: a checkpoint folder or a demo@ / synthetic name); errors
+    become DrafterConfigError."""
+    try:
+        return target_name(target).vocabulary()
     except (ValueError, RuntimeError) as e:
         raise DrafterConfigError(f"cannot read the vocabulary of the target {target}: {e}") from e
 
 
 def target_config(target: Path):
     """The target's ModelConfig (a checkpoint folder or a demo@ / synthetic name); errors become DrafterConfigError."""
-    from specserve.models.model_names import resolve_model
-
     try:
-        return resolve_model(target).config()
+        return target_name(target).config()
     except (ValueError, RuntimeError) as e:
         raise DrafterConfigError(f"cannot read the config of the target {target}: {e}") from e
 

@@ -6,7 +6,7 @@ import random
 
 import torch
 
-from specserve.contract.types import DraftBlock, SamplingParams
+from specserve.contract.types import DraftBlock, SamplingParams, TreeSpec
 
 
 class FakeFeatures:
@@ -144,3 +144,32 @@ def check_graphs_draft_as_eager(engine, graphs, eager, prompts, dtype: str, k: i
             assert emitted[:max_new] == engine.generate_greedy(prompt, max_new), f"prompt {i}: output differs from target-only"
     assert same >= (steps if dtype == "float32" else 0.9 * steps), f"{same} of {steps} blocks equal"
     assert steps < len(prompts) * (max_new - 1)  # the drafts were accepted: fewer steps than tokens
+
+
+def lockstep(engines, drafters, prompt: list[int], k: int, max_new: int, tree: TreeSpec | None = None) -> list[int]:
+    """Greedy speculation on both targets at once, each drafter synced from its own target: every block (and every
+    verify result) equal; returns the scaled side's emitted tokens."""
+    sampling = SamplingParams()
+    pre = [e.prefill("s", prompt, sampling, p.info.hidden_layers if p.info.needs_hidden_states else ())
+           for e, p in zip(engines, drafters)]
+    assert pre[0].next_token == pre[1].next_token
+    seq = list(prompt) + [pre[0].next_token]
+    for p, r in zip(drafters, pre):
+        p.start("s", seq, r.hidden, sampling)
+    emitted, prefix, append, hidden, steps = [pre[0].next_token], len(seq), (), (None, None), 0
+    try:
+        while len(emitted) < max_new:
+            blocks = [p.propose("s", prefix, append, h, k, tree) for p, h in zip(drafters, hidden)]
+            assert (blocks[0].token_ids, blocks[0].parents) == (blocks[1].token_ids, blocks[1].parents), steps
+            res = [e.verify("s", b) for e, b in zip(engines, blocks)]
+            assert (res[0].accepted_ids, res[0].next_token) == (res[1].accepted_ids, res[1].next_token)
+            prefix, append, hidden = len(seq), (*res[1].accepted_ids, res[1].next_token), (res[0].hidden, res[1].hidden)
+            seq.extend(append)
+            emitted.extend(append)
+            steps += 1
+    finally:
+        for e, p in zip(engines, drafters):
+            e.release("s")
+            p.release("s")
+    assert steps < max_new - 1  # drafts were accepted
+    return emitted[:max_new]

@@ -1,0 +1,99 @@
+"""The shipped demo drafters scaled to a demo@ target (draft_service/scaled_drafters.py), CPU float32 at reduced width
+(demo@small-moonlight, hidden 512): each scaled drafter computes the demo-size drafter's function padded (its outputs
+to 1e-4, its padded draft vocabulary never a token), and proposes exactly the demo-size drafter's blocks (chains and
+trees) at every step of a greedy speculation whose output equals the target-only one, on pinned held-out prompts."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from draft_helpers import lockstep
+
+from specserve.contract.types import SamplingParams, TreeSpec
+from specserve.draft_service.proposer import DrafterConfig
+from specserve.draft_service.registry import build_proposer
+from specserve.models.scaled_demo import build_scaled_demo, constant_channel, load_demo
+from specserve.models.vocab import vocab_hash
+from specserve.paths import demo_checkpoint
+from specserve.target_service.engine.engine import TargetEngine
+
+SCALED = "demo@small-moonlight"
+PROMPT_TOKENS = 40
+NEW_TOKENS = 16
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    from specserve.models.loader import load_tokenizer
+
+    target = demo_checkpoint("target")
+    tok = load_tokenizer(target)
+    texts = json.loads((target / "heldout_prompts.json").read_text())[:2]
+    return [tok.encode(t).ids[:PROMPT_TOKENS] for t in texts]
+
+
+@pytest.fixture(scope="module")
+def engines() -> tuple[TargetEngine, TargetEngine]:
+    """(the demo target, the demo@small-moonlight target), float32 on the CPU."""
+    demo = TargetEngine(*load_demo(demo_checkpoint("target"), "cpu"), None, num_blocks=64, block_size=16)
+    wide = TargetEngine(*build_scaled_demo(SCALED, demo_checkpoint("target"), dtype=torch.float32), None,
+                        num_blocks=64, block_size=16)
+    return demo, wide
+
+
+def _drafters(family: str):
+    """(the demo-size drafter for the demo target, the same checkpoint for the demo@ target: scaled)."""
+    ckpt = demo_checkpoint(family)
+    return tuple(build_proposer(DrafterConfig(family=family, checkpoint=ckpt, target_checkpoint=t, max_block_size=8))
+                 for t in (demo_checkpoint("target"), SCALED))
+
+
+@pytest.fixture(scope="module")
+def eagle3():
+    return _drafters("eagle3")
+
+
+def test_scaled_eagle3_head_has_the_published_shape_and_the_demos_layers(eagle3, engines):
+    demo, wide = eagle3
+    cfg = wide.head.cfg
+    assert (cfg.hidden_size, cfg.target_hidden_size, cfg.draft_vocab_size, cfg.vocab_size) == (512, 512, 6144, 8192)
+    assert (cfg.attention.num_heads, cfg.attention.num_kv_heads, cfg.attention.head_dim) == (8, 2, 128)
+    # demo layers (1, 2, 4) of 5 sit at (1, 3, 6) of the 7-layer target (demo_positions: 0, 1, 3, 4, 6)
+    assert demo.info.hidden_layers == (1, 2, 4) and wide.info.hidden_layers == (1, 3, 6)
+    assert wide.info.vocab_size == 8192 and wide.info.vocab_hash == vocab_hash(demo_checkpoint("target"))  # the demo's tokenizer
+
+
+@torch.no_grad()
+def test_scaled_eagle3_head_computes_the_demo_heads_function(eagle3, engines, prompts):
+    """One head step over a prompt's real target rows (each target's own): the feature, the output and the logits
+    are the demo head's padded (the constant channel where the target has it), the padded draft ids -inf."""
+    (demo, wide), prompt = eagle3, prompts[0]
+    rows = []
+    for engine, p in zip(engines, eagle3):
+        rows.append(engine.prefill("h", prompt, SamplingParams(), p.info.hidden_layers).hidden[: len(prompt) - 1])
+        engine.release("h")
+    kappa = constant_channel(engines[0].model.config, 512)[0]
+    ids, t = torch.tensor(prompt[1:]), len(prompt) - 1
+    mask = torch.ones(t, t, dtype=torch.bool).tril()
+    outs, logits = [], []
+    for p, h in zip((demo, wide), rows):  # feature of position j - 1 with the token at j
+        head, a = p.head, p.head.cfg.attention
+        feats = head.fuse(h)
+        empty = torch.zeros(0, a.num_kv_heads, a.head_dim)
+        out, _, _ = head.step(head.embed(ids), feats, torch.arange(t), empty, empty, mask)
+        outs.append((feats, out))
+        logits.append(head.logits(out))
+    for d, w in zip(outs[0], outs[1]):
+        torch.testing.assert_close(w[:, :256], d, rtol=0, atol=1e-5)
+        assert (w[:, 256] == kappa).all() and (w[:, 257:] == 0).all()
+    torch.testing.assert_close(logits[1][:, :4096], logits[0], rtol=0, atol=1e-4)
+    assert torch.isneginf(logits[1][:, 4096:]).all()
+
+
+@pytest.mark.parametrize("tree", [None, TreeSpec(num_nodes=8, top_k=2, depth=4)], ids=["chain", "tree"])
+def test_scaled_eagle3_proposes_the_demo_heads_blocks(eagle3, engines, prompts, tree):
+    for prompt in prompts:
+        emitted = lockstep(engines, eagle3, prompt, 4, NEW_TOKENS, tree)
+        assert emitted == engines[1].generate_greedy(prompt, NEW_TOKENS)  # lossless: target-only's tokens
