@@ -13,6 +13,7 @@ import torch
 
 from specserve.contract.types import (
     DraftBlock,
+    LogprobsSpec,
     PrefillResult,
     SamplingParams,
     SharedRows,
@@ -37,7 +38,8 @@ class TargetClient(Protocol):
     async def info(self): ...  # -> TargetInfo-like: vocab_size, vocab_hash, max_context, eos_token_ids, model_type
 
     async def prefill(
-        self, session_id: str, prompt_ids: Sequence[int], sampling: SamplingParams, hidden_layers: tuple[int, ...]
+        self, session_id: str, prompt_ids: Sequence[int], sampling: SamplingParams, hidden_layers: tuple[int, ...],
+        logprobs: LogprobsSpec | None = None,
     ) -> PrefillResult: ...
 
     async def verify(self, session_id: str, block: DraftBlock) -> VerifyResult: ...

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import sys
 import time
 import uuid
 
@@ -35,16 +36,20 @@ from specserve.gateway.openai_schema import (
     FINISH_REASONS,
     ApiError,
     ApiRequest,
+    ChoiceResult,
+    LogprobsLog,
     ResponseHead,
     StopHoldback,
     from_gateway_error,
     parse_request,
     stats_extension,
+    usage_body,
 )
 from specserve.gateway.server import UNAUTHENTICATED_MESSAGE, GatewayError, GatewayServicer
 from specserve.runtime import tracing as tn
 
 HEALTH_TIMEOUT_S = 1.0
+IGNORED_HEADER = "specserve-ignored-fields"  # names the body fields a response did not act on
 
 
 def _error(exc: ApiError) -> JSONResponse:
@@ -121,13 +126,14 @@ class _Generation:
 
 class _EventStream(Response):
     """A server-sent-event response from an async iterator of bytes; a client that disconnects
-    cancels it (and with it the request)."""
+    cancels it (and with it the request's generations)."""
 
-    def __init__(self, events, generation: _Generation) -> None:  # no body, no content-length: chunked
+    def __init__(self, events, generations: list[_Generation], headers: dict | None = None) -> None:  # chunked
         self.status_code, self.background = 200, None
         self.raw_headers = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")]
+        self.raw_headers += [(k.encode(), v.encode()) for k, v in (headers or {}).items()]
         self.events = events
-        self.generation = generation
+        self.generations = generations
 
     async def __call__(self, scope, receive, send) -> None:
         async def stream() -> None:
@@ -141,7 +147,8 @@ class _EventStream(Response):
                 await _until_disconnect(receive, stream())
         finally:
             await self.events.aclose()
-            await self.generation.close()
+            for generation in self.generations:
+                await generation.close()
 
 
 class HttpApi:
@@ -155,6 +162,7 @@ class HttpApi:
         self.telemetry = telemetry
         self.chat_template = chat_template
         self.started = int(time.time())
+        self._warned: set[str] = set()  # ignored body fields already logged
 
     def app(self) -> Starlette:
         async def http_error(_request, exc: HTTPException):
@@ -167,6 +175,7 @@ class HttpApi:
                 Route("/v1/completions", self.completions, methods=["POST"]),
                 Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
                 Route("/v1/models", self.models, methods=["GET"]),
+                Route("/v1/models/{model_id:path}", self.model, methods=["GET"]),
                 Route("/health", self.health, methods=["GET"]),
                 Route("/metrics", self.metrics, methods=["GET"]),
             ],
@@ -180,16 +189,28 @@ class HttpApi:
     async def chat_completions(self, request: Request) -> Response:
         return await self._generate(request, chat=True)
 
+    def _model_card(self) -> dict:
+        drafts = self.servicer.drafts.addresses()
+        return {"id": self.servicer.model_name, "object": "model", "created": self.started, "owned_by": "specserve",
+                "specserve": {"drafts": sorted(drafts), "default_draft": self.servicer.default_draft}}
+
     async def models(self, request: Request) -> Response:
         try:
             self._authorize(request)
         except ApiError as exc:
             return _error(exc)
-        drafts = self.servicer.drafts.addresses()
-        return JSONResponse({"object": "list", "data": [{
-            "id": self.servicer.model_name, "object": "model", "created": self.started, "owned_by": "specserve",
-            "specserve": {"drafts": sorted(drafts), "default_draft": self.servicer.default_draft},
-        }]})
+        return JSONResponse({"object": "list", "data": [self._model_card()]})
+
+    async def model(self, request: Request) -> Response:
+        try:
+            self._authorize(request)
+            name = request.path_params["model_id"]
+            if name != self.servicer.model_name:
+                raise ApiError(404, f"model: {name!r} does not exist (this gateway serves "
+                                    f"{self.servicer.model_name!r})", "model", "model_not_found")
+        except ApiError as exc:
+            return _error(exc)
+        return JSONResponse(self._model_card())
 
     async def health(self, _request: Request) -> Response:
         from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -258,71 +279,200 @@ class HttpApi:
             info, limit = self.servicer.target.target_info, self.servicer.config.limits.max_new_tokens
             api.request.max_new_tokens = max(1, min(limit, info.max_context - len(ids)))
 
+    def _echo_ids(self, api: ApiRequest) -> list[list[int]]:
+        """Echo: each prompt's token ids (a text prompt tokenized here as validation would, and sent as ids, so
+        the echoed tokens are the scored ones)."""
+        out = []
+        for req in api.prompts:
+            if req.prompt and self.servicer.tokenizer is not None:
+                req.prompt_ids.extend(self.servicer.tokenizer.encode(req.prompt).ids)
+                req.ClearField("prompt")
+            out.append(list(req.prompt_ids))
+        return out
+
+    def _prompt_text(self, req, ids: list[int]) -> str:
+        tokenizer = self.servicer.tokenizer
+        return "" if tokenizer is None else tokenizer.decode(ids, skip_special_tokens=False)
+
     async def _generate(self, request: Request, chat: bool) -> Response:
         try:
             api = await self._parse(request, chat)
         except ApiError as exc:
             return _error(exc)
+        if api.ignored:
+            self._warn_ignored(api.ignored)
+        echo_ids = self._echo_ids(api) if api.echo else None
         head = ResponseHead(chat, f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", int(time.time()),
                             self.servicer.model_name)
         parent = tn.context_from_metadata(request.headers.items())
-        generation = _Generation(self.servicer.generate(api.request, parent))
+        choices = api.choices()
+        gens = [_Generation(self.servicer.generate(req, parent)) for _, req in choices]
+        view = _Choices(self, api, choices, echo_ids)
         streaming = False
         try:
-            # the first message decides between an error status and a 200: validation, admission and
-            # the prefill all come before it
+            # the first message of every choice decides between an error status and a 200: validation, admission
+            # and the prefill all come before it
             try:
-                first = await _until_disconnect(request.receive, generation.next())
+                firsts = await _until_disconnect(request.receive, _all([g.next() for g in gens]))
             except GatewayError as exc:
                 return _error(from_gateway_error(exc.code, str(exc), exc.field, chat))
-            if first is None:
+            if firsts is None:
                 return Response(status_code=499)  # the client went away (nobody reads this)
+            headers = {IGNORED_HEADER: ", ".join(api.ignored)} if api.ignored else None
             if api.stream:
                 streaming = True
-                return _EventStream(self._events(api, head, first, generation), generation)
-            whole = await _until_disconnect(request.receive, self._whole(api, head, first, generation))
-            return whole if whole is not None else Response(status_code=499)
+                return _EventStream(self._events(api, head, view, firsts, gens), gens, headers)
+            whole = await _until_disconnect(request.receive, self._whole(api, head, view, firsts, gens))
+            if whole is None:
+                return Response(status_code=499)
+            if headers:
+                whole.headers.update(headers)
+            return whole
         finally:
             if not streaming:
-                await generation.close()
+                for g in gens:
+                    await g.close()
 
-    async def _whole(self, api: ApiRequest, head: ResponseHead, first, generation: _Generation) -> Response:
-        ids: list[int] = []
-        msg = first
-        try:
+    def _warn_ignored(self, names: tuple[str, ...]) -> None:
+        new = [n for n in names if n not in self._warned]
+        if new:
+            self._warned.update(new)
+            print(f"gateway: HTTP request fields ignored (not acted on): {', '.join(new)} (said once per field; "
+                  f"each response names them in its {IGNORED_HEADER} header)", file=sys.stderr, flush=True)
+
+    async def _whole(self, api: ApiRequest, head: ResponseHead, view: _Choices, firsts, gens) -> Response:
+        async def one(index: int, msg, generation: _Generation) -> ChoiceResult:
+            ids: list[int] = []
+            log = view.start(index, msg)
             while not msg.HasField("final"):
                 ids.extend(msg.delta.token_ids)
+                view.add(log, msg.delta)
                 msg = await generation.next()
+            return view.result(index, msg.final, ids, log)
+
+        try:
+            results = await _all([one(i, f, g) for i, (f, g) in enumerate(zip(firsts, gens))])
         except GatewayError as exc:
             return _error(from_gateway_error(exc.code, str(exc), exc.field, api.chat))
-        return JSONResponse(head.whole(msg.final.text, msg.final, ids))
+        return JSONResponse(head.whole(results, view.usage([r.final for r in results], results)))
 
-    async def _events(self, api: ApiRequest, head: ResponseHead, first, generation: _Generation):
-        """The SSE chunks of one request: text deltas (stop-string starts held back), a chunk with the
-        finish reason and the speculation statistics, the usage chunk if asked for, then [DONE]. An
-        error after the first token is one ``data: {"error": ...}`` event (the status was sent)."""
-        text = StopHoldback(api.request.stop)
+    async def _events(self, api: ApiRequest, head: ResponseHead, view: _Choices, firsts, gens):
+        """The SSE chunks of one request: per choice, text deltas (stop-string starts held back; an echo first),
+        a chunk with the finish reason and the speculation statistics; the usage chunk if asked for, then
+        [DONE]. An error after the first token is one ``data: {"error": ...}`` event (the status was sent)."""
         usage = api.include_usage
-        ids: list[int] = []
-        if api.chat:
-            yield _sse(head.chunk("", first=True, usage=usage))
-        msg = first
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(index: int, first, generation: _Generation) -> None:
+            msg = first
+            try:
+                while True:
+                    await queue.put((index, msg))
+                    if msg.HasField("final"):
+                        return
+                    msg = await generation.next()
+            except GatewayError as exc:
+                await queue.put((index, exc))
+
+        pumps = [asyncio.ensure_future(pump(i, f, g)) for i, (f, g) in enumerate(zip(firsts, gens))]
+        texts = [StopHoldback(req.stop) for _, req in view.choices]
+        ids: list[list[int]] = [[] for _ in gens]
+        logs = [None] * len(gens)
+        finals: list = [None] * len(gens)
         try:
-            while not msg.HasField("final"):
-                ids.extend(msg.delta.token_ids)
-                piece = text.push(msg.delta.text)
-                if piece:
-                    yield _sse(head.chunk(piece, usage=usage))
-                msg = await generation.next()
-        except GatewayError as exc:
-            yield _sse(from_gateway_error(exc.code, str(exc), exc.field, api.chat).body())
-            return
-        final = msg.final
-        rest = text.finish(final.text)
-        last = head.chunk(rest or None if api.chat else rest, FINISH_REASONS.get(final.finish_reason, "stop"),
-                          usage=usage)
-        last[EXTENSION] = stats_extension(final, ids)
-        yield _sse(last)
+            for index in range(len(gens)):
+                logs[index] = view.start(index, firsts[index])
+                echo = view.echo_text(index)
+                if api.chat or echo or logs[index] is not None and logs[index].tokens:
+                    part = None if logs[index] is None or not logs[index].tokens else logs[index].body()
+                    yield _sse(head.chunk(echo if not api.chat else "", first=True, usage=usage, index=index,
+                                          logprobs=part))
+            left = len(gens)
+            while left:
+                index, msg = await queue.get()
+                if isinstance(msg, GatewayError):
+                    yield _sse(from_gateway_error(msg.code, str(msg), msg.field, api.chat).body())
+                    return
+                if not msg.HasField("final"):
+                    ids[index].extend(msg.delta.token_ids)
+                    part = view.add(logs[index], msg.delta)
+                    piece = "" if api.score_only else texts[index].push(msg.delta.text)
+                    if piece or part is not None:
+                        yield _sse(head.chunk(piece, usage=usage, index=index, logprobs=part))
+                    continue
+                final = finals[index] = msg.final
+                left -= 1
+                rest = "" if api.score_only else texts[index].finish(final.text)
+                last = head.chunk(rest or None if api.chat else rest, FINISH_REASONS.get(final.finish_reason, "stop"),
+                                  usage=usage, index=index)
+                last[EXTENSION] = stats_extension(final, [] if api.score_only else ids[index])
+                yield _sse(last)
+        finally:
+            for p in pumps:
+                p.cancel()
         if usage:
-            yield _sse(head.usage_chunk(final))
+            yield _sse(head.usage_chunk(view.usage(finals)))
         yield _sse("[DONE]")
+
+
+class _Choices:
+    """What one request's choices show beyond the gateway's messages: echoed prompts, logprobs, score-only."""
+
+    def __init__(self, api_: HttpApi, api: ApiRequest, choices, echo_ids: list[list[int]] | None) -> None:
+        self.http, self.api, self.choices, self.echo_ids = api_, api, choices, echo_ids
+
+    def echo_text(self, index: int) -> str:
+        if self.echo_ids is None:
+            return ""
+        prompt, req = self.choices[index]
+        return req.prompt if req.prompt else self.http._prompt_text(req, self.echo_ids[prompt])
+
+    def start(self, index: int, first) -> LogprobsLog | None:
+        """The choice's logprobs log (None unless asked), holding the echoed prompt's tokens."""
+        if self.api.logprobs is None:
+            return None
+        log = LogprobsLog(self.http.servicer.tokenizer, self.api.chat)
+        if self.echo_ids is not None:
+            ids = self.echo_ids[self.choices[index][0]]
+            if ids:
+                log.add_unscored(ids[0])
+            if first.HasField("delta") and first.delta.HasField("prompt_logprobs"):
+                log.add(first.delta.prompt_logprobs)
+        return log
+
+    def add(self, log: LogprobsLog | None, delta) -> dict | None:
+        """A delta's tokens into the log; their part of the API's logprobs (None when none were asked)."""
+        if log is None or self.api.score_only or not delta.HasField("logprobs"):
+            return None
+        return log.add(delta.logprobs)
+
+    def result(self, index: int, final, ids: list[int], log: LogprobsLog | None) -> ChoiceResult:
+        if self.api.score_only:
+            text, ids = self.echo_text(index), []
+        else:
+            text = self.echo_text(index) + final.text
+        return ChoiceResult(index, text, final, ids, log)
+
+    def usage(self, finals, results: list[ChoiceResult] | None = None) -> dict:
+        """Prompt tokens once per prompt, completion tokens of every choice (score-only: none)."""
+        prompts = {}
+        for (prompt, _), final in zip(self.choices, finals):
+            prompts[prompt] = final.usage.prompt_tokens
+        done = 0 if self.api.score_only else sum(f.usage.completion_tokens for f in finals)
+        return usage_body(list(finals), sum(prompts.values()), done)
+
+
+async def _all(coros: list):
+    """Every coroutine's result, in order; the first to raise cancels the others and raises."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        for t in done:
+            if t.exception() is not None:
+                raise t.exception()
+        return [t.result() for t in tasks]
+    finally:
+        for t in tasks:
+            if not t.done():
+                t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

@@ -12,6 +12,7 @@ import torch
 
 from specserve.contract.types import (
     DraftBlock,
+    LogprobsSpec,
     PrefillResult,
     SamplingParams,
     VerifyResult,
@@ -29,9 +30,11 @@ class LocalTarget(OneThread):
         return self.engine.info()
 
     async def prefill(
-        self, session_id: str, prompt_ids: Sequence[int], sampling: SamplingParams, hidden_layers: tuple[int, ...]
+        self, session_id: str, prompt_ids: Sequence[int], sampling: SamplingParams, hidden_layers: tuple[int, ...],
+        logprobs: LogprobsSpec | None = None,
     ) -> PrefillResult:
-        return await self.call(self.engine.prefill, session_id, list(prompt_ids), sampling, tuple(hidden_layers))
+        return await self.call(self.engine.prefill, session_id, list(prompt_ids), sampling, tuple(hidden_layers), None,
+                               logprobs)
 
     async def verify(self, session_id: str, block: DraftBlock) -> VerifyResult:
         return await self.call(self.engine.verify, session_id, block)

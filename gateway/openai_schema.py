@@ -1,13 +1,17 @@
 """The OpenAI HTTP API's bodies <-> the gateway's GenerateRequest and GenerateResponse messages.
 
 Requests (``POST /v1/completions``, ``POST /v1/chat/completions``): ``model``, ``prompt`` (text, token
-ids, or a list of one of those) or ``messages``, ``max_tokens`` (chat: ``max_completion_tokens`` too),
-``temperature``, ``top_p``, ``seed``, ``stop`` (a string or a list), ``n`` (1 only), ``stream``,
-``stream_options.include_usage``, and specserve's speculation settings as extra fields (``draft``,
-``num_speculative_tokens``, ``tree_nodes``, ``tree_top_k``, ``tree_depth``, ``speculation`` = fixed |
-adaptive, ``draft_ahead``). Only the API's shape is checked here (types, ``n``, fields specserve does not
-serve); every limit is gateway/validation.py's, with the gRPC API's messages. Responses carry the
-request's speculation statistics in the extension field ``specserve``.
+ids, or a list of either: one choice set per prompt) or ``messages``, ``max_tokens`` (chat:
+``max_completion_tokens`` too; completions with ``echo``: 0 scores the prompt only), ``temperature``, ``top_p``
+(in (0, 1]), ``seed`` (choice j of n draws with seed + j), ``stop`` (a string or a list), ``n``, ``stream``,
+``stream_options.include_usage``, ``logprobs`` (completions: alternatives per token; chat: true/false, with
+``top_logprobs``), ``echo`` (completions: the prompt's text and logprobs first), and specserve's speculation
+settings as extra fields (``draft``, ``num_speculative_tokens``, ``tree_nodes``, ``tree_top_k``, ``tree_depth``,
+``speculation`` = fixed | adaptive, ``draft_ahead``). Only the API's shape is checked here (types, counts,
+fields specserve does not serve); every limit is gateway/validation.py's, with the gRPC API's messages. Fields
+that are not acted on (unknown ones, or API fields such as ``user``) are ignored and named in the response's
+``specserve-ignored-fields`` header. Responses carry each choice's speculation statistics in the extension
+field ``specserve``.
 """
 
 from __future__ import annotations
@@ -17,19 +21,25 @@ from dataclasses import dataclass
 
 import grpc
 
+from specserve.contract.types import MAX_TOP_LOGPROBS
 from specserve.errors import SpecserveError
 from specserve.protos.specserve.v1 import common_pb2, gateway_pb2
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # the API's default for /v1/completions; chat: the room left
 EXTENSION = "specserve"  # the extension field of responses (speculation statistics)
 INT32 = 2**31
+MAX_CHOICES = 64  # prompts x n of one request (each choice is a request of its own to admission)
 # fields of the API that change the output and that specserve does not serve: allowed only at these values
 _UNSERVED = {
-    "logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (None, False), "best_of": (None, 1),
-    "suffix": (None, ""), "presence_penalty": (None, 0), "frequency_penalty": (None, 0), "logit_bias": (None, {}),
-    "tools": (None, []), "functions": (None, []), "tool_choice": (None, "none"),
+    "best_of": (None, 1), "suffix": (None, ""), "presence_penalty": (None, 0), "frequency_penalty": (None, 0),
+    "logit_bias": (None, {}), "tools": (None, []), "functions": (None, []), "tool_choice": (None, "none"),
     "response_format": (None, {"type": "text"}),
 }
+_SERVED = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "n", "stream", "stream_options",
+           "logprobs", "draft", "num_speculative_tokens", "tree_nodes", "tree_top_k", "tree_depth", "speculation",
+           "draft_ahead", *_UNSERVED}
+_SERVED_COMPLETIONS = _SERVED | {"prompt", "echo"}
+_SERVED_CHAT = _SERVED | {"messages", "max_completion_tokens", "top_logprobs"}
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}  # gateway -> API
 _HTTP_STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.FAILED_PRECONDITION: 400, grpc.StatusCode.OUT_OF_RANGE: 400,
@@ -102,15 +112,37 @@ def _str(body: dict, name: str, default: str = "") -> str:
 
 @dataclass(frozen=True)
 class ApiRequest:
-    """One parsed request: what the HTTP layer needs beside the GenerateRequest."""
+    """One parsed request: what the HTTP layer needs beside its GenerateRequests."""
 
     chat: bool
     model: str
     stream: bool
     include_usage: bool
     messages: tuple[dict, ...]  # chat: [{"role", "content"}] with text content
-    request: gateway_pb2.GenerateRequest  # chat: the prompt is still to render
+    prompts: tuple[gateway_pb2.GenerateRequest, ...]  # one per prompt (chat: one, its prompt still to render)
     fill_max_tokens: bool = False  # chat without max_tokens: the room the context leaves (up to the limit)
+    n: int = 1  # choices per prompt
+    logprobs: int | None = None  # alternatives per token when logprobs were asked for, else None
+    echo: bool = False  # completions: the prompt (text, logprobs) before each choice's completion
+    score_only: bool = False  # echo with max_tokens 0: one token is generated and dropped (the prompt's logprobs)
+    ignored: tuple[str, ...] = ()  # body fields not acted on
+
+    @property
+    def request(self) -> gateway_pb2.GenerateRequest:
+        return self.prompts[0]
+
+    def choices(self) -> list[tuple[int, gateway_pb2.GenerateRequest]]:
+        """(prompt index, request) of each choice, in the API's order (choice index = prompt * n + j); choice j
+        of a seeded request draws with seed + j."""
+        out = []
+        for i, req in enumerate(self.prompts):
+            for j in range(self.n):
+                one = gateway_pb2.GenerateRequest()
+                one.CopyFrom(req)
+                if j and req.sampling.HasField("seed"):
+                    one.sampling.seed = (req.sampling.seed + j) % 2**64
+                out.append((i, one))
+        return out
 
 
 def _token_ids(value) -> list[int] | None:
@@ -122,20 +154,22 @@ def _token_ids(value) -> list[int] | None:
     return None
 
 
-def _prompt(body: dict, req: gateway_pb2.GenerateRequest) -> None:
+def _prompts(body: dict, req: gateway_pb2.GenerateRequest) -> list[gateway_pb2.GenerateRequest]:
+    """One request per prompt: a string, a list of token ids, or a list of several of either."""
     value = body.get("prompt")
-    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
-        value = value[0]  # a batch of one prompt
-    if isinstance(value, str):
-        req.prompt = value
-        return
-    ids = _token_ids(value)
-    if ids is not None:
-        req.prompt_ids.extend(ids)
-        return
-    if isinstance(value, list) and len(value) > 1 and all(isinstance(v, (str, list)) for v in value):
-        raise _bad("prompt", f"one prompt per request ({len(value)} given)")
-    raise _bad("prompt", f"expected a string or a list of token ids, got {value!r:.80}")
+    batch = value if isinstance(value, list) and value and all(isinstance(v, (str, list)) for v in value) else [value]
+    out = []
+    for one in batch:
+        r = gateway_pb2.GenerateRequest()
+        r.CopyFrom(req)
+        if isinstance(one, str):
+            r.prompt = one
+        elif (ids := _token_ids(one)) is not None:
+            r.prompt_ids.extend(ids)
+        else:
+            raise _bad("prompt", f"expected a string, a list of token ids or a list of those, got {value!r:.80}")
+        out.append(r)
+    return out
 
 
 def _content(i: int, content) -> str:
@@ -173,8 +207,13 @@ def parse_request(body, chat: bool) -> ApiRequest:
     for name, allowed in _UNSERVED.items():
         if name in body and body[name] not in allowed:
             raise _bad(name, f"{body[name]!r:.40} is not supported by specserve")
-    if _int(body, "n", 1) != 1:
-        raise _bad("n", "only n = 1 is supported")
+    ignored = tuple(sorted(k for k in body if k not in (_SERVED_CHAT if chat else _SERVED_COMPLETIONS)))
+    n = _int(body, "n", 1, 1, MAX_CHOICES + 1)
+    logprobs, echo = _logprobs(body, chat), False
+    if not chat:
+        echo = body.get("echo", False) or False
+        if not isinstance(echo, bool):
+            raise _bad("echo", f"expected true or false, got {echo!r}")
     stream = body.get("stream", False) or False
     if not isinstance(stream, bool):
         raise _bad("stream", f"expected true or false, got {stream!r}")
@@ -188,9 +227,10 @@ def parse_request(body, chat: bool) -> ApiRequest:
         raise _bad("stream_options", "only allowed with stream = true")
 
     seed = _int(body, "seed", None, 0, 2**64)
-    sampling = common_pb2.SamplingParams(
-        temperature=_number(body, "temperature", 1.0), top_p=_number(body, "top_p", 1.0)
-    )
+    top_p = _number(body, "top_p", 1.0)
+    if not 0 < top_p <= 1:
+        raise _bad("top_p", f"must be in (0, 1], got {body['top_p']!r}")
+    sampling = common_pb2.SamplingParams(temperature=_number(body, "temperature", 1.0), top_p=top_p)
     if seed is not None:
         sampling.seed = seed
     stop = body.get("stop")
@@ -208,8 +248,9 @@ def parse_request(body, chat: bool) -> ApiRequest:
         max_tokens = _int(body, "max_completion_tokens")
     if not chat and max_tokens is None:
         max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS
+    score_only = echo and max_tokens == 0  # the prompt's logprobs only: one token is made and dropped
     req = gateway_pb2.GenerateRequest(
-        max_new_tokens=max_tokens or 0,  # any value given goes to validation (its limits and messages)
+        max_new_tokens=1 if score_only else max_tokens or 0,  # any value given goes to validation (its limits)
         sampling=sampling,
         draft=_str(body, "draft"),
         num_speculative_tokens=_int(body, "num_speculative_tokens", 0),
@@ -220,12 +261,32 @@ def parse_request(body, chat: bool) -> ApiRequest:
         tree_top_k=_int(body, "tree_top_k", 0),
         tree_depth=_int(body, "tree_depth", 0),
     )
+    if logprobs is not None:
+        req.logprobs.top = logprobs
+        req.logprobs.prompt = echo
     messages: tuple[dict, ...] = ()
     if chat:
-        messages = _messages(body)
+        messages, prompts = _messages(body), [req]
     else:
-        _prompt(body, req)
-    return ApiRequest(chat, model, stream, include_usage, messages, req, fill_max_tokens=max_tokens is None)
+        prompts = _prompts(body, req)
+    if len(prompts) * n > MAX_CHOICES:
+        raise _bad("n", f"{len(prompts)} prompts x n = {n} make more than {MAX_CHOICES} choices")
+    return ApiRequest(chat, model, stream, include_usage, messages, tuple(prompts), fill_max_tokens=max_tokens is None,
+                      n=n, logprobs=logprobs, echo=echo, score_only=score_only, ignored=ignored)
+
+
+def _logprobs(body: dict, chat: bool) -> int | None:
+    """Alternatives per token when the request asks for logprobs (completions: ``logprobs`` = that count;
+    chat: ``logprobs`` true, ``top_logprobs`` the count), else None."""
+    if not chat:
+        return _int(body, "logprobs", None, 0, MAX_TOP_LOGPROBS + 1)
+    on = body.get("logprobs", False) or False
+    if not isinstance(on, bool):
+        raise _bad("logprobs", f"expected true or false, got {on!r}")
+    top = _int(body, "top_logprobs", None, 0, MAX_TOP_LOGPROBS + 1)
+    if top is not None and not on:
+        raise _bad("top_logprobs", "needs logprobs = true")
+    return (top or 0) if on else None
 
 
 # ---------------------------------------------------------------------------------- responses
@@ -248,8 +309,80 @@ def stats_extension(final: gateway_pb2.FinalMessage, token_ids: list[int]) -> di
     }
 
 
-def usage_body(final: gateway_pb2.FinalMessage) -> dict:
-    p, c = final.usage.prompt_tokens, final.usage.completion_tokens
+def token_text(tokenizer, token_id: int) -> str:
+    """A token's text in a logprobs entry (``token_id:N`` without a tokenizer)."""
+    if tokenizer is None:
+        return f"token_id:{token_id}"
+    return tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+class LogprobsLog:
+    """One choice's tokens with the target's log-probabilities, as the API shows them: completions
+    ``{tokens, token_logprobs, top_logprobs, text_offset}``, chat ``{content: [{token, logprob, bytes,
+    top_logprobs}]}``. An echoed prompt's first token has no logprob (None), as in the API."""
+
+    def __init__(self, tokenizer, chat: bool, offset: int = 0) -> None:
+        self.tokenizer, self.chat = tokenizer, chat
+        self.tokens: list[str] = []
+        self.logprobs: list[float | None] = []
+        self.tops: list[list[tuple[str, float]] | None] = []
+        self.offsets: list[int] = []
+        self._at = offset
+
+    def _text(self, token_id: int) -> str:
+        return token_text(self.tokenizer, token_id)
+
+    def add_unscored(self, token_id: int) -> None:
+        self._put(self._text(token_id), None, None)
+
+    def add(self, lp: common_pb2.TokenLogprobs, count: int | None = None) -> dict:
+        """The first ``count`` (default all) tokens of a wire TokenLogprobs; returns their part alone (a stream's
+        chunk shows only its own tokens)."""
+        start = len(self.tokens)
+        top = lp.top
+        for i in range(len(lp.token_ids) if count is None else min(count, len(lp.token_ids))):
+            alternatives = [(self._text(t), float(v)) for t, v in zip(lp.top_ids[i * top : (i + 1) * top],
+                                                                     lp.top_logprobs[i * top : (i + 1) * top])]
+            self._put(self._text(lp.token_ids[i]), float(lp.logprobs[i]), alternatives)
+        return self.body(start)
+
+    def _put(self, text: str, logprob: float | None, tops) -> None:
+        self.tokens.append(text)
+        self.logprobs.append(logprob)
+        self.tops.append(tops)
+        self.offsets.append(self._at)
+        self._at += len(text)
+
+    def body(self, start: int = 0) -> dict:
+        tokens, lps, tops = self.tokens[start:], self.logprobs[start:], self.tops[start:]
+        if not self.chat:
+            return {"tokens": tokens, "token_logprobs": lps,
+                    "top_logprobs": [None if t is None else dict(t) for t in tops], "text_offset": self.offsets[start:]}
+
+        def entry(text: str, logprob: float) -> dict:
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+        return {"content": [{**entry(t, lp), "top_logprobs": [entry(a, v) for a, v in top or ()]}
+                            for t, lp, top in zip(tokens, lps, tops)]}
+
+
+@dataclass
+class ChoiceResult:
+    """One finished choice of a non-streamed response."""
+
+    index: int
+    text: str
+    final: gateway_pb2.FinalMessage
+    token_ids: list[int]
+    logprobs: LogprobsLog | None = None
+
+
+def usage_body(finals: list[gateway_pb2.FinalMessage], prompt_tokens: int | None = None,
+               completion_tokens: int | None = None) -> dict:
+    """Usage of a request: prompt tokens once per prompt (``prompt_tokens``, default each final's), completion
+    tokens of every choice."""
+    p = sum(f.usage.prompt_tokens for f in finals) if prompt_tokens is None else prompt_tokens
+    c = sum(f.usage.completion_tokens for f in finals) if completion_tokens is None else completion_tokens
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
 
@@ -265,38 +398,46 @@ class ResponseHead:
     def _base(self, kind: str) -> dict:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
 
-    def _choice(self, text: str | None, finish: str | None, first: bool = False, whole: bool = False) -> dict:
+    def _choice(self, index: int, text: str | None, finish: str | None, first: bool = False, whole: bool = False,
+                logprobs: dict | None = None) -> dict:
         if not self.chat:
-            return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+            return {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
         if whole:
-            return {"index": 0, "message": {"role": "assistant", "content": text or ""}, "logprobs": None,
+            return {"index": index, "message": {"role": "assistant", "content": text or ""}, "logprobs": logprobs,
                     "finish_reason": finish}
         delta = {} if text is None else {"content": text}
         if first:
             delta = {"role": "assistant", **delta}
-        return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
 
-    def whole(self, text: str, final: gateway_pb2.FinalMessage, token_ids: list[int]) -> dict:
-        """The non-streamed response."""
+    def whole(self, choices: list[ChoiceResult], usage: dict) -> dict:
+        """The non-streamed response (each choice carries its statistics in ``specserve``)."""
         body = self._base("chat.completion" if self.chat else "text_completion")
-        body["choices"] = [self._choice(text, FINISH_REASONS.get(final.finish_reason, "stop"), whole=True)]
-        body["usage"] = usage_body(final)
-        body[EXTENSION] = stats_extension(final, token_ids)
+        body["choices"] = []
+        for c in choices:
+            choice = self._choice(c.index, c.text, FINISH_REASONS.get(c.final.finish_reason, "stop"), whole=True,
+                                  logprobs=None if c.logprobs is None else c.logprobs.body())
+            choice[EXTENSION] = stats_extension(c.final, c.token_ids)
+            body["choices"].append(choice)
+        body["usage"] = usage
+        if len(choices) == 1:
+            body[EXTENSION] = body["choices"][0][EXTENSION]
         return body
 
-    def chunk(self, text: str | None, finish: str | None = None, first: bool = False, usage=False) -> dict:
+    def chunk(self, text: str | None, finish: str | None = None, first: bool = False, usage=False, index: int = 0,
+              logprobs: dict | None = None) -> dict:
         """One streamed chunk (``usage``: the field is there, null, when the request asked for usage)."""
         body = self._base("chat.completion.chunk" if self.chat else "text_completion")
-        body["choices"] = [self._choice(text, finish, first=first)]
+        body["choices"] = [self._choice(index, text, finish, first=first, logprobs=logprobs)]
         if usage:
             body["usage"] = None
         return body
 
-    def usage_chunk(self, final: gateway_pb2.FinalMessage) -> dict:
+    def usage_chunk(self, usage: dict) -> dict:
         """The last chunk of a stream with stream_options.include_usage: no choices, the usage."""
         body = self._base("chat.completion.chunk" if self.chat else "text_completion")
         body["choices"] = []
-        body["usage"] = usage_body(final)
+        body["usage"] = usage
         return body
 
 

@@ -39,6 +39,7 @@ from google.protobuf.message import DecodeError
 
 from specserve.contract.types import (
     DraftBlock,
+    LogprobsSpec,
     PrefillResult,
     SamplingParams,
     SharedRows,
@@ -154,6 +155,13 @@ def _hidden_of(resp, handle=None):
         raise TargetCallError(grpc.StatusCode.INTERNAL, f"target sent {exc}") from None
 
 
+def _logprobs_of(resp, name: str = "logprobs"):
+    try:
+        return convert.token_logprobs_from_proto(resp, name)
+    except convert.ConversionError as exc:
+        raise TargetCallError(grpc.StatusCode.INTERNAL, f"target sent {exc}") from None
+
+
 # ------------------------------------------------------------------------------------ target
 class RemoteTarget:
     """The target service at one address (one channel for every request)."""
@@ -224,7 +232,8 @@ class RemoteTargetSession:
         return self._target.target_info
 
     async def prefill(
-        self, session_id: str, prompt_ids: Sequence[int], sampling: SamplingParams, hidden_layers: tuple[int, ...]
+        self, session_id: str, prompt_ids: Sequence[int], sampling: SamplingParams, hidden_layers: tuple[int, ...],
+        logprobs: LogprobsSpec | None = None,
     ) -> PrefillResult:
         req = target_pb2.PrefillRequest(
             session_id=session_id,
@@ -234,6 +243,8 @@ class RemoteTargetSession:
             want_shm=self._target.shm,
             want_hidden_share=self._share_hidden and bool(hidden_layers),
         )
+        if logprobs is not None:
+            req.logprobs.CopyFrom(convert.logprobs_spec_to_proto(logprobs))
         try:
             resp = await self._target.stub.Prefill(
                 req, timeout=self._timeout(), metadata=tn.outgoing_metadata(self._reserve)
@@ -246,6 +257,8 @@ class RemoteTargetSession:
             next_token=resp.next_token,
             hidden=_hidden_of(resp, resp.hidden_share if resp.HasField("hidden_share") else None),
             timings=convert.timings_from_proto(resp.timings),
+            logprobs=_logprobs_of(resp),
+            prompt_logprobs=_logprobs_of(resp, "prompt_logprobs"),
         )
 
     async def verify(self, session_id: str, block: DraftBlock) -> VerifyResult:
@@ -262,6 +275,7 @@ class RemoteTargetSession:
             num_drafted=resp.num_drafted,
             experts_touched=resp.experts_touched,
             timings=convert.timings_from_proto(resp.timings),
+            logprobs=_logprobs_of(resp),
         )
         now = time.perf_counter()
         if self._metrics is not None:

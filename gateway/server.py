@@ -40,6 +40,7 @@ from specserve.gateway.validation import (
     RequestLimits,
     validate_request,
 )
+from specserve.protos import convert
 from specserve.protos.specserve.v1 import gateway_pb2, gateway_pb2_grpc
 from specserve.runtime import tracing as tn
 from specserve.runtime.admission import Admission, AdmissionConfig, AdmissionRefused
@@ -82,6 +83,7 @@ class GatewayConfig:
     shm: bool = True
     # with shm: a draft that reads hidden rows gets them in the target's shared buffer where it can map it
     hidden_share: bool = True
+    served_model_name: str | None = None  # the model's name in responses and the HTTP API (None: the target's)
 
     def __post_init__(self) -> None:
         check_address(self.target_address)
@@ -89,6 +91,8 @@ class GatewayConfig:
             value = getattr(self, name)
             if value is not None and not value.strip():
                 raise ValueError(f"{name} is empty")
+        if self.served_model_name is not None and not self.served_model_name.strip():
+            raise ValueError("served_model_name is empty")
         if self.admin_token is not None and self.admin_token == self.auth_token:
             raise ValueError("the admin token must differ from the clients' auth token")
         AdmissionConfig(self.max_sessions, self.max_queued)  # validates both
@@ -296,6 +300,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     @property
     def model_name(self) -> str:
         """The served model's name (what responses and the HTTP API's ``model`` field carry)."""
+        if self.config.served_model_name is not None:
+            return self.config.served_model_name
         info = self.target.target_info
         return info.model_name or info.model_type
 
@@ -380,7 +386,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             checked,
             num_speculative_tokens=k,
             tree=tree,
-            model_name=info.model_name or info.model_type,
+            model_name=self.model_name,
             adaptive=checked.adaptive and endpoint is not None,
             trust_draft_probs=endpoint is not None and endpoint.trusted,
         )
@@ -410,9 +416,12 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                         if last is not None:
                             self.metrics.record_tokens(now - last, len(event.token_ids))
                         last = now
-                        yield gateway_pb2.GenerateResponse(
-                            delta=gateway_pb2.TokenDelta(token_ids=list(event.token_ids), text=event.text)
-                        )
+                        delta = gateway_pb2.TokenDelta(token_ids=list(event.token_ids), text=event.text)
+                        if event.logprobs is not None:
+                            delta.logprobs.CopyFrom(convert.token_logprobs_to_proto(event.logprobs))
+                        if event.prompt_logprobs is not None:
+                            delta.prompt_logprobs.CopyFrom(convert.token_logprobs_to_proto(event.prompt_logprobs))
+                        yield gateway_pb2.GenerateResponse(delta=delta)
         except RequestRejected as exc:
             raise GatewayError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
         except TargetCallError as exc:

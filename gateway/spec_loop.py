@@ -31,6 +31,7 @@ from specserve.contract.types import (
     GenerationRequest,
     Hidden,
     InvalidBlock,
+    TokenLogprobs,
     join_hidden,
 )
 from specserve.contract.types import check_block as contract_check_block
@@ -70,6 +71,8 @@ class StepRecord:
 class TokenEvent:
     token_ids: tuple[int, ...]
     text: str
+    logprobs: TokenLogprobs | None = None  # of token_ids, when the request asked (GenerationRequest.logprobs)
+    prompt_logprobs: TokenLogprobs | None = None  # the first event only, when asked
 
 
 @dataclass(frozen=True)
@@ -364,7 +367,8 @@ async def run_request(
         run.sync = _DraftSync(needs_hidden=bool(hidden_layers))
         try:
             with tracer.start_as_current_span(names.SPAN_PREFILL):
-                pre = await target.prefill(sid, request.prompt_ids, request.sampling, hidden_layers)
+                pre = await target.prefill(sid, request.prompt_ids, request.sampling, hidden_layers,
+                                           logprobs=request.logprobs)
             run.seq = list(request.prompt_ids) + [pre.next_token]
             run.sync.add_hidden(pre.hidden)
             run.stats.first_token()
@@ -375,17 +379,19 @@ async def run_request(
                     run.sync.known = len(run.seq)
                 except DraftError as exc:
                     run.fallback(span, exc)
-            new = [pre.next_token]
+            new, new_lp, prompt_lp = [pre.next_token], pre.logprobs, pre.prompt_logprobs
             while True:
                 with names.step_span(tracer, names.SPAN_ACCEPT_STREAM):
                     new, finish, delta = run.cut(new)
                 if new:
-                    yield TokenEvent(tuple(new), delta)
+                    lp = None if new_lp is None else new_lp.head(len(new))
+                    yield TokenEvent(tuple(new), delta, lp, prompt_lp)
+                    prompt_lp = None
                 if finish is not None:
                     break
                 block = await run.propose(span)
                 res = await run.verify(span, block)
-                new = list(res.emitted)
+                new, new_lp = list(res.emitted), res.logprobs
                 run.seq.extend(new)
             stats = run.stats
             span.set_attribute(names.ATTR_OUTPUT_TOKENS, len(run.emitted))

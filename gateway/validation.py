@@ -6,7 +6,7 @@ import math
 from collections.abc import Container
 from dataclasses import dataclass
 
-from specserve.contract.types import GenerationRequest, SamplingParams, TreeSpec
+from specserve.contract.types import GenerationRequest, LogprobsSpec, SamplingParams, TreeSpec
 from specserve.errors import SpecserveError
 from specserve.protos.specserve.v1 import gateway_pb2, target_pb2
 
@@ -153,6 +153,12 @@ def validate_request(
         raise InvalidRequest(
             "num_speculative_tokens", f"must be in [0, {MAX_SPECULATIVE_TOKENS}], got {req.num_speculative_tokens}"
         )
+    logprobs = None
+    if req.HasField("logprobs"):
+        try:
+            logprobs = LogprobsSpec(top=req.logprobs.top, prompt=req.logprobs.prompt)
+        except ValueError as exc:
+            raise InvalidRequest("logprobs.top", str(exc).removeprefix("logprobs: ")) from None
     return GenerationRequest(
         prompt_ids=ids,
         max_new_tokens=req.max_new_tokens,
@@ -163,4 +169,5 @@ def validate_request(
         adaptive=req.speculation == gateway_pb2.SPECULATION_ADAPTIVE,
         draft_ahead=req.draft_ahead,
         tree=_tree(req, draft_name),
+        logprobs=logprobs,
     )

@@ -15,8 +15,10 @@ import torch
 from specserve.contract.types import (
     DraftBlock,
     InvalidBlock,
+    LogprobsSpec,
     SamplingParams,
     StepTimings,
+    TokenLogprobs,
     check_block,
 )
 from specserve.protos.specserve.v1 import common_pb2, draft_pb2
@@ -137,3 +139,44 @@ def timings_from_proto(msg: common_pb2.StepTimings) -> StepTimings:
 # ------------------------------------------------------------------------------------- trees
 def tree_spec_to_proto(num_nodes: int, top_k: int, depth: int) -> draft_pb2.TreeSpec:
     return draft_pb2.TreeSpec(num_nodes=num_nodes, top_k=top_k, depth=depth)
+
+
+# ----------------------------------------------------------------------------------- logprobs
+def logprobs_spec_to_proto(spec: LogprobsSpec) -> common_pb2.LogprobsSpec:
+    return common_pb2.LogprobsSpec(top=spec.top, prompt=spec.prompt)
+
+
+def logprobs_spec_from_proto(parent, name: str = "logprobs") -> LogprobsSpec | None:
+    """parent.<name> as a LogprobsSpec when the field is set, else None (no logprobs asked)."""
+    if not parent.HasField(name):
+        return None
+    msg = getattr(parent, name)
+    try:
+        return LogprobsSpec(top=msg.top, prompt=msg.prompt)
+    except ValueError as e:
+        raise ConversionError(str(e)) from None
+
+
+def token_logprobs_to_proto(lp: TokenLogprobs) -> common_pb2.TokenLogprobs:
+    top = len(lp.top_ids[0]) if lp.top_ids else 0
+    return common_pb2.TokenLogprobs(
+        token_ids=list(lp.token_ids), logprobs=list(lp.logprobs), top=top,
+        top_ids=[t for row in lp.top_ids for t in row], top_logprobs=[v for row in lp.top_logprobs for v in row],
+    )
+
+
+def token_logprobs_from_proto(parent, name: str = "logprobs") -> TokenLogprobs | None:
+    """parent.<name> as TokenLogprobs when the field is set, else None; the lengths must agree."""
+    if not parent.HasField(name):
+        return None
+    msg = getattr(parent, name)
+    n, top = len(msg.token_ids), msg.top
+    if len(msg.logprobs) != n or top < 0 or len(msg.top_ids) != n * top or len(msg.top_logprobs) != n * top:
+        raise ConversionError(f"{name}: {n} tokens, {len(msg.logprobs)} logprobs and {len(msg.top_ids)} top ids "
+                              f"do not fit top = {top}")
+    ids, values = list(msg.top_ids), list(msg.top_logprobs)
+    rows = range(n) if top else range(0)
+    return TokenLogprobs(
+        tuple(msg.token_ids), tuple(msg.logprobs), tuple(tuple(ids[i * top : (i + 1) * top]) for i in rows),
+        tuple(tuple(values[i * top : (i + 1) * top]) for i in rows),
+    )

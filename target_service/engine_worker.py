@@ -180,6 +180,7 @@ class EngineWorker:
         hidden_layers: tuple[int, ...],
         reserve_tokens: int | None = None,
         share_hidden: bool = False,
+        logprobs=None,  # LogprobsSpec | None: the session's log-probabilities (engine.prefill)
     ):
         """share_hidden: keep the session's hidden rows in a shared buffer (sized for the tokens it may
         occupy: reserve_tokens, capped at the context) and return SharedRows instead of bytes."""
@@ -198,7 +199,8 @@ class EngineWorker:
             raise UnknownSession(session_id)
         try:
             rows = min(self.max_context, max(reserve_tokens or self.max_context, len(prompt_ids) + 1)) if share_hidden else 0
-            result = await self.call(self._prefill_on_host, session_id, prompt_ids, sampling, hidden_layers, rows)
+            result = await self.call(self._prefill_on_host, session_id, prompt_ids, sampling, hidden_layers, rows,
+                                     logprobs)
         except asyncio.CancelledError:
             # the caller went away; the prefill itself still runs to its end on the engine thread
             self.active.pop(session_id, None)
@@ -334,7 +336,7 @@ class EngineWorker:
                     answered[i] = False
         return results, answered
 
-    def _prefill_on_host(self, session_id, prompt_ids, sampling, hidden_layers, share_rows: int):
+    def _prefill_on_host(self, session_id, prompt_ids, sampling, hidden_layers, share_rows: int, logprobs=None):
         """On the engine thread: prefill, with the hidden rows copied to host memory there (a device
         copy synchronizes, and the event loop must never wait on the device), or, with ``share_rows``,
         written into a new shared buffer of that many rows (its handle goes out once, in the reply)."""
@@ -348,7 +350,7 @@ class EngineWorker:
                       flush=True)
         try:
             res = self.engine.prefill(session_id, prompt_ids, sampling, hidden_layers,
-                                      hidden_out=None if buffer is None else buffer.tensor)
+                                      hidden_out=None if buffer is None else buffer.tensor, logprobs=logprobs)
         except BaseException:
             if buffer is not None:
                 buffer.close()

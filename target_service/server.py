@@ -139,7 +139,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                 sampling = convert.sampling_from_proto(request.sampling)
                 share = bool(request.want_hidden_share and self.hidden_kind and layers)
                 res = await self.worker.prefill(
-                    request.session_id, ids, sampling, layers, _reserve_tokens(context.invocation_metadata()), share
+                    request.session_id, ids, sampling, layers, _reserve_tokens(context.invocation_metadata()), share,
+                    logprobs=convert.logprobs_spec_from_proto(request),
                 )
             except Exception as exc:  # noqa: BLE001 - mapped to a status
                 span.record_exception(exc)
@@ -151,6 +152,10 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                 timings=convert.timings_to_proto(res.timings, (time.perf_counter() - received) * 1e3),
             )
             self._put_hidden(out, res.hidden)
+            if res.logprobs is not None:
+                out.logprobs.CopyFrom(convert.token_logprobs_to_proto(res.logprobs))
+            if res.prompt_logprobs is not None:
+                out.prompt_logprobs.CopyFrom(convert.token_logprobs_to_proto(res.prompt_logprobs))
             if request.want_shm:
                 out.shm_channel = self.shm.offer(request.session_id, context.time_remaining())
             return out
@@ -168,6 +173,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             batch_size=batch_size,
         )
         self._put_hidden(resp, res.hidden)
+        if res.logprobs is not None:
+            resp.logprobs.CopyFrom(convert.token_logprobs_to_proto(res.logprobs))
         return resp
 
     async def _verify_one(self, request, call_ctx, send=None):

@@ -37,6 +37,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--default-draft", default=None, help="draft name used when a request names none")
     parser.add_argument("--model", type=Path, default=None,
                         help="the target's checkpoint folder or demo@NAME[:LAYERS]: whose tokenizer.json to use")
+    parser.add_argument("--served-model-name", default=None,
+                        help="the model's name in responses and the HTTP API's model field (default: the target's "
+                             "checkpoint folder name)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=50051)
     parser.add_argument("--listen", action="append", default=[], help="extra HOST:PORT or unix:/path to listen on")
@@ -118,6 +121,7 @@ def run(args: argparse.Namespace) -> int:
         admin_token=_flag_or_env(args.admin_token, "SPECSERVE_ADMIN_TOKEN"),
         shm=shm_allowed(args.no_shm, os.environ),
         hidden_share=hidden_share_allowed(args.no_hidden_share, os.environ),
+        served_model_name=args.served_model_name,
     )
     for flag, port in (("--port", args.port), ("--http-port", args.http_port)):
         if port is not None and not 0 <= port <= 65535:

@@ -37,6 +37,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the target's own GET /metrics on 127.0.0.1 at this port (0 = any; default: off)")
     parser.add_argument("--draft-metrics-port", type=int, default=None,
                         help="the draft's own GET /metrics on 127.0.0.1 at this port (0 = any; default: off)")
+    parser.add_argument("--served-model-name", default=None,
+                        help="the model's name in responses and the HTTP API (default: the checkpoint folder name)")
     parser.add_argument("--max-block-size", type=int, default=8, help="most tokens one proposal may draft")
     parser.add_argument("--draft-step-timeout-s", type=float, default=5.0)
     parser.add_argument("--trust-draft-probs", action="store_true",
@@ -196,6 +198,7 @@ def run(args: argparse.Namespace) -> int:
             "--target", target_addr, *gateway_drafts, "--model", str(model),
             "--host", args.host, "--port", str(args.port),
             *(["--http-port", str(args.http_port)] if args.http_port is not None else []),
+            *(["--served-model-name", args.served_model_name] if args.served_model_name is not None else []),
             "--draft-step-timeout-s", str(args.draft_step_timeout_s), "--grace-s", str(args.grace_s), *no_shm,
             *[a for flag in ("cert", "key", "ca") if getattr(args, f"tls_{flag}") is not None
               for a in (f"--tls-{flag}", str(getattr(args, f"tls_{flag}")))],

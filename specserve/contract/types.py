@@ -140,12 +140,52 @@ def join_hidden(parts: Sequence[Hidden]) -> Hidden:
     return SharedRows(first.start, stop, handle, tail)
 
 
+MAX_TOP_LOGPROBS = 20  # most alternatives per token a request may ask for (the OpenAI API's top_logprobs limit)
+
+
+@dataclass(frozen=True)
+class LogprobsSpec:
+    """What a request asks of the target's log-probabilities (log_softmax of its float32 logits, before
+    temperature and top-p: the model's own distribution, as evaluation tools read it)."""
+
+    top: int = 0  # alternatives per token (the most likely ones), 0 .. MAX_TOP_LOGPROBS
+    prompt: bool = False  # also each prompt token after the first, scored at the position before it
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.top <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"logprobs: {self.top} alternatives, expected 0 .. {MAX_TOP_LOGPROBS}")
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """The target's log-probabilities of n tokens, and the ``top`` most likely tokens at each position."""
+
+    token_ids: tuple[int, ...]  # [n]
+    logprobs: tuple[float, ...]  # [n]
+    top_ids: tuple[tuple[int, ...], ...] = ()  # [n][top], most likely first
+    top_logprobs: tuple[tuple[float, ...], ...] = ()  # [n][top]
+
+    def __post_init__(self) -> None:
+        n = len(self.token_ids)
+        if len(self.logprobs) != n or len(self.top_ids) != len(self.top_logprobs) or self.top_ids and len(self.top_ids) != n:
+            raise ValueError(f"token logprobs: {n} tokens, {len(self.logprobs)} logprobs, {len(self.top_ids)} top rows")
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    def head(self, n: int) -> TokenLogprobs:
+        """The first n tokens' entries."""
+        return TokenLogprobs(self.token_ids[:n], self.logprobs[:n], self.top_ids[:n], self.top_logprobs[:n])
+
+
 @dataclass(frozen=True)
 class PrefillResult:
     next_token: int  # the first pending token, sampled from the prompt's last position
     # [prompt_len, len(hidden_layers) * hidden_size], its SharedRows (a service's shared buffer), or None
     hidden: Hidden | None
     timings: StepTimings = field(default_factory=StepTimings)
+    logprobs: TokenLogprobs | None = None  # of next_token, when the session asked (LogprobsSpec)
+    prompt_logprobs: TokenLogprobs | None = None  # of prompt tokens 1 .. n-1, when asked (LogprobsSpec.prompt)
 
 
 @dataclass(frozen=True)
@@ -158,6 +198,7 @@ class VerifyResult:
     num_drafted: int = 0
     experts_touched: int = 0  # distinct routed experts the verify forward read (summed over MoE layers)
     timings: StepTimings = field(default_factory=StepTimings)
+    logprobs: TokenLogprobs | None = None  # of the emitted tokens, when the session asked (LogprobsSpec)
 
     @property
     def emitted(self) -> tuple[int, ...]:
@@ -201,6 +242,7 @@ class GenerationRequest:
     # removed), which is lossless whatever the drafter sends. True: q is used (min(1, p/q), recovery
     # from norm(max(0, p - q))), which accepts more but is lossless only if q is what x was drawn from.
     trust_draft_probs: bool = True
+    logprobs: LogprobsSpec | None = None  # the target's log-probabilities of each emitted (and prompt) token
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:

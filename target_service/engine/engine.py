@@ -24,9 +24,11 @@ import torch
 from specserve.contract.types import (
     DraftBlock,
     InvalidBlock,
+    LogprobsSpec,
     PrefillResult,
     SamplingParams,
     StepTimings,
+    TokenLogprobs,
     VerifyResult,
     check_block,
 )
@@ -60,6 +62,19 @@ __all__ = [
 ]
 
 _EMPTY = DraftBlock(token_ids=())
+PROMPT_LOGITS_ROWS = 512  # prompt logprobs: rows of logits made at once
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, top: int) -> TokenLogprobs:
+    """log_softmax of logits [n, V] (float32) at tokens [n] (same device), and the top most likely at each row
+    (read back to the host: only for a session that asked)."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    chosen = lp.gather(1, tokens[:, None]).squeeze(1)
+    if not top:
+        return TokenLogprobs(tuple(tokens.tolist()), tuple(chosen.tolist()))
+    values, ids = lp.topk(top, dim=-1)
+    return TokenLogprobs(tuple(tokens.tolist()), tuple(chosen.tolist()), tuple(map(tuple, ids.tolist())),
+                         tuple(map(tuple, values.tolist())))
 
 
 def tokenizer_vocab_hash(tokenizer, vocab_size: int) -> str:
@@ -210,10 +225,13 @@ class TargetEngine:
         sampling: SamplingParams = SamplingParams(),
         hidden_layers: tuple[int, ...] | None = None,
         hidden_out: torch.Tensor | None = None,  # [max_rows, len(layers) * hidden]: the session's row sink
+        logprobs: LogprobsSpec | None = None,
     ) -> PrefillResult:
         """Forward the prompt into a new session and sample its first pending token. With ``hidden_out``
         (the engine's dtype and device), every committed hidden row that fits is also written there, row i
-        for position i, before the step's result is read back (the same stream: complete on return)."""
+        for position i, before the step's result is read back (the same stream: complete on return). With
+        ``logprobs`` the result carries the first token's log-probabilities (and the prompt's, if asked), and
+        every verify of the session those of its emitted tokens (only then: no cost otherwise)."""
         if session_id in self._sessions:
             raise DuplicateSession(session_id)
         prompt = [int(t) for t in prompt_ids]
@@ -225,6 +243,8 @@ class TargetEngine:
         layers = self.default_hidden_layers if hidden_layers is None else self._check_layers(tuple(hidden_layers))
         if not isinstance(sampling, SamplingParams):
             raise InvalidInput(f"sampling must be SamplingParams, got {type(sampling).__name__}")
+        if logprobs is not None and not isinstance(logprobs, LogprobsSpec):
+            raise InvalidInput(f"logprobs must be LogprobsSpec, got {type(logprobs).__name__}")
         if hidden_out is not None and (hidden_out.dim() != 2 or hidden_out.shape[1] != len(layers) * self.config.hidden_size
                                        or hidden_out.device.type != self.device.type or not layers):
             raise InvalidInput(f"hidden_out: {tuple(hidden_out.shape)} on {hidden_out.device} is no row sink for "
@@ -256,14 +276,34 @@ class TargetEngine:
                 probs = target_probs(logits, sampling)
                 first = int(torch.multinomial(probs, 1, generator=gen)[0, 0])
             t2 = time.perf_counter()
+            first_lp = prompt_lp = None
+            if logprobs is not None:
+                first_lp = token_logprobs(logits, self._to_device([first]), logprobs.top)
+                if logprobs.prompt:
+                    prompt_lp = self._prompt_logprobs(out.hidden, ids, logprobs.top)
         except BaseException:
             self.blocks.free(session_id)
             raise
-        self._sessions[session_id] = Session(session_id, sampling, gen, layers, n, first, hidden_out=hidden_out)
+        self._sessions[session_id] = Session(session_id, sampling, gen, layers, n, first, hidden_out=hidden_out,
+                                             logprobs=logprobs)
         return PrefillResult(
             next_token=first,
             hidden=out.captured,
             timings=StepTimings(forward_ms=(t1 - t0) * 1e3, sample_ms=(t2 - t1) * 1e3),
+            logprobs=first_lp,
+            prompt_logprobs=prompt_lp,
+        )
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, ids: torch.Tensor, top: int) -> TokenLogprobs:
+        """Prompt tokens 1 .. n-1, each scored at the position before it (hidden [n, H], ids [n]); the logits
+        are made a chunk of rows at a time, so a long prompt never holds [n, V] at once."""
+        n = ids.shape[0]
+        parts = [token_logprobs(self.model.compute_logits(hidden[i : min(i + PROMPT_LOGITS_ROWS, n - 1)]),
+                                ids[i + 1 : i + 1 + PROMPT_LOGITS_ROWS], top)
+                 for i in range(0, n - 1, PROMPT_LOGITS_ROWS)]
+        return TokenLogprobs(
+            tuple(t for p in parts for t in p.token_ids), tuple(v for p in parts for v in p.logprobs),
+            tuple(r for p in parts for r in p.top_ids), tuple(r for p in parts for r in p.top_logprobs),
         )
 
     # ---- verify ----------------------------------------------------------------------------------
@@ -398,6 +438,11 @@ class TargetEngine:
         path = layout.path_to(last_node)[1:]
         t1 = time.perf_counter()
         committed = (0,) + path
+        emitted_lp = None
+        if s.logprobs is not None:  # emitted token i was drawn at committed node i
+            rows = self._to_device([step.start + j for j in committed])
+            tokens = self._to_device([*(block.token_ids[j - 1] for j in path), nxt])
+            emitted_lp = token_logprobs(run.logits.index_select(0, rows), tokens, s.logprobs.top)
         hidden = None
         if s.hidden_layers and len(committed) <= written:
             hidden = sink[s.cached_len : s.cached_len + len(committed)]  # already there, complete
@@ -430,6 +475,7 @@ class TargetEngine:
             experts_touched=experts,
             timings=StepTimings(forward_ms=timer.ms(), sample_ms=(t1 - t0) * 1e3,
                                 compute_ms=(time.perf_counter() - started) * 1e3),
+            logprobs=emitted_lp,
         )
 
     def _select_layers(

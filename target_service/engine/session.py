@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specserve.contract.types import SamplingParams
+from specserve.contract.types import LogprobsSpec, SamplingParams
 from specserve.errors import SpecserveError
 from specserve.models.block_manager import OutOfBlocks  # noqa: F401  (re-exported: the engine raises it unchanged)
 
@@ -53,6 +53,7 @@ class Session:
     # [max_rows, len(hidden_layers) * hidden_size]: where the engine also writes every committed hidden row
     # (row i = position i) that fits, a shared buffer a drafter reads (target_service/server.py); or None
     hidden_out: torch.Tensor | None = None
+    logprobs: LogprobsSpec | None = None  # the emitted tokens' log-probabilities are returned with each step
 
 
 @dataclass(frozen=True)

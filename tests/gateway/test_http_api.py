@@ -231,8 +231,15 @@ def test_bad_requests_wrong_token_and_unknown_model_get_the_api_statuses(served)
         prompt=PROMPT, max_new_tokens=16, sampling=common_pb2.SamplingParams(temperature=-1)))
     with pytest.raises(openai.BadRequestError, match="draft: unknown draft 'eagle9'"):
         c.completions.create(model=m, prompt=PROMPT, extra_body={"draft": "eagle9"})
-    with pytest.raises(openai.BadRequestError, match="only n = 1"):
-        c.completions.create(model=m, prompt=PROMPT, n=2)
+    with pytest.raises(openai.BadRequestError, match="n: 65 is out of range"):
+        c.completions.create(model=m, prompt=PROMPT, n=65)
+    with pytest.raises(openai.BadRequestError, match=r"top_p: must be in \(0, 1\], got 0"):
+        c.completions.create(model=m, prompt=PROMPT, top_p=0)  # refused, not taken as 1
+    with pytest.raises(openai.BadRequestError, match="logprobs: 21 is out of range"):
+        c.completions.create(model=m, prompt=PROMPT, logprobs=21)
+    assert served.grpc_error(gateway_pb2.GenerateRequest(
+        prompt=PROMPT, max_new_tokens=4, logprobs=common_pb2.LogprobsSpec(top=21))) == (
+        "logprobs.top: 21 alternatives, expected 0 .. 20")
     with pytest.raises(openai.BadRequestError, match="prompt: empty"):
         c.completions.create(model=m, prompt="")
     with pytest.raises(openai.AuthenticationError):
@@ -262,6 +269,106 @@ def test_speculation_settings_ride_as_extra_fields(served):
     assert len(spec.model_extra["specserve"]["accepted_per_position"]) <= 2
     with pytest.raises(openai.BadRequestError, match="tree_nodes: draft 'ngram' \\(ngram\\) drafts chains only"):
         served.client.completions.create(model=served.model, prompt=PROMPT, extra_body={"tree_nodes": 8})
+
+
+def _completion_logprobs(choice) -> list[tuple[str, float, dict]]:
+    lp = choice.logprobs
+    return list(zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True))
+
+
+def test_logprobs_with_speculation_are_the_target_only_ones(served):
+    """The target's own log-probabilities of each emitted token, the same (1e-5, float32) whether tokens came
+    from accepted drafts or one target step each; completions and chat shapes as the API's."""
+    repetitive = "x = 1\ny = 2\nx = 1\ny = 2\nx = 1\ny = 2\nx = 1\n"
+    kw = dict(model=served.model, prompt=repetitive, max_tokens=20, temperature=0, logprobs=3)
+    spec = served.client.completions.create(**kw, extra_body={"draft": "ngram", "num_speculative_tokens": 4})
+    base = served.client.completions.create(**kw, extra_body={"draft": "none"})
+    assert sum(spec.model_extra["specserve"]["accepted_per_position"]) > 0  # drafted tokens were accepted
+    got, want = _completion_logprobs(spec.choices[0]), _completion_logprobs(base.choices[0])
+    assert len(got) == len(want) == 20 and "".join(t for t, _, _ in got) == spec.choices[0].text
+    for (tok, lp, top), (tok0, lp0, top0) in zip(got, want):
+        assert tok == tok0 and abs(lp - lp0) <= 1e-5 and lp <= 0
+        assert top.keys() == top0.keys() and len(top) <= 3
+        assert all(abs(top[k] - top0[k]) <= 1e-5 for k in top)
+        assert abs(max(top.values()) - lp) <= 1e-6  # greedy: the emitted token is the most likely
+    assert spec.choices[0].logprobs.text_offset[0] == 0
+    chat = served.client.chat.completions.create(model=served.model, messages=MESSAGES, max_tokens=6, temperature=0,
+                                                 logprobs=True, top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens == 6
+    assert "".join(e.token for e in content) == chat.choices[0].message.content
+    assert all(len(e.top_logprobs) == 2 and bytes(e.bytes).decode() == e.token for e in content)
+    streamed = list(served.client.completions.create(**kw, stream=True, extra_body={"draft": "ngram"}))
+    parts = [(t, lp) for c in streamed for ch in c.choices if ch.logprobs
+             for t, lp in zip(ch.logprobs.tokens, ch.logprobs.token_logprobs)]
+    assert [t for t, _ in parts] == [t for t, _, _ in want]
+    assert max(abs(lp - w[1]) for (_, lp), w in zip(parts, want)) <= 1e-5
+    plain = served.client.completions.create(model=served.model, prompt=repetitive, max_tokens=4, temperature=0)
+    assert plain.choices[0].logprobs is None
+
+
+def test_echo_scores_the_prompt_as_evaluation_harnesses_ask(served):
+    """lm-evaluation-harness's loglikelihood request (token ids, echo, logprobs=1, max_tokens 0 or 1): the
+    prompt's logprobs are the ones the target gives those tokens when it generates them."""
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(demo_checkpoint("target") / "tokenizer.json"))
+    context = tokenizer.encode(PROMPT).ids
+    gen = served.client.completions.create(model=served.model, prompt=context, max_tokens=8, temperature=0, logprobs=1)
+    continuation = gen.model_extra["specserve"]["token_ids"]
+    scored = served.client.completions.create(model=served.model, prompt=context + continuation, max_tokens=0,
+                                              temperature=0, echo=True, logprobs=1)
+    choice = scored.choices[0]
+    assert choice.text == tokenizer.decode(context + continuation, skip_special_tokens=False)
+    assert scored.usage.completion_tokens == 0 and scored.usage.prompt_tokens == len(context) + 8
+    lps = choice.logprobs.token_logprobs
+    assert len(lps) == len(context) + 8 and lps[0] is None and choice.logprobs.top_logprobs[0] is None
+    for got, want in zip(lps[len(context):], gen.choices[0].logprobs.token_logprobs, strict=True):
+        assert abs(got - want) <= 1e-5
+    assert all(max(top.values()) == pytest.approx(lp, abs=1e-6)  # greedy continuation: is_greedy holds
+               for lp, top in zip(lps[len(context):], choice.logprobs.top_logprobs[len(context):]))
+    one = served.client.completions.create(model=served.model, prompt=PROMPT, max_tokens=1, temperature=0, echo=True,
+                                           logprobs=0)
+    assert one.choices[0].text.startswith(PROMPT) and len(one.choices[0].logprobs.tokens) == len(context) + 1
+    assert one.choices[0].logprobs.text_offset[-1] == len(PROMPT)
+    text_echo = served.client.completions.create(model=served.model, prompt=PROMPT, max_tokens=3, temperature=0,
+                                                 echo=True)
+    assert text_echo.choices[0].text == PROMPT + gen.choices[0].text[: len(text_echo.choices[0].text) - len(PROMPT)]
+
+
+def test_n_choices_and_lists_of_prompts(served):
+    prompts = [PROMPT, "import os\n"]
+    kw = dict(model=served.model, max_tokens=8, temperature=0.9, seed=11)
+    many = served.client.completions.create(prompt=prompts, n=2, **kw)
+    assert [c.index for c in many.choices] == [0, 1, 2, 3]
+    for c in many.choices:  # choice j of prompt i draws as a lone request seeded seed + j
+        alone = served.client.completions.create(prompt=prompts[c.index // 2], **{**kw, "seed": 11 + c.index % 2})
+        assert c.text == alone.choices[0].text and c.model_extra["specserve"]["token_ids"]
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(demo_checkpoint("target") / "tokenizer.json"))
+    assert many.usage.prompt_tokens == sum(len(tokenizer.encode(p).ids) for p in prompts)
+    assert many.usage.completion_tokens == 4 * 8
+    chunks = list(served.client.completions.create(prompt=prompts, n=2, stream=True, **kw,
+                                                   stream_options={"include_usage": True}))
+    texts = {i: "".join(ch.text for c in chunks for ch in c.choices if ch.index == i) for i in range(4)}
+    assert texts == {c.index: c.text for c in many.choices}
+    assert {ch.index for c in chunks for ch in c.choices if ch.finish_reason} == {0, 1, 2, 3}
+    assert chunks[-1].usage.completion_tokens == 32
+    chat = served.client.chat.completions.create(model=served.model, messages=MESSAGES, max_tokens=4, temperature=0,
+                                                 n=3)
+    assert [c.index for c in chat.choices] == [0, 1, 2] and len({c.message.content for c in chat.choices}) == 1
+
+
+def test_unknown_fields_are_named_in_a_header(served):
+    r = httpx.post(f"{served.url}/v1/completions", headers={"authorization": f"Bearer {TOKEN}"}, timeout=60,
+                   json={"model": served.model, "prompt": "x", "max_tokens": 2, "user": "u1", "frobnicate": 3})
+    assert r.status_code == 200 and r.headers["specserve-ignored-fields"] == "frobnicate, user"
+    plain = httpx.post(f"{served.url}/v1/completions", headers={"authorization": f"Bearer {TOKEN}"}, timeout=60,
+                       json={"model": served.model, "prompt": "x", "max_tokens": 2})
+    assert "specserve-ignored-fields" not in plain.headers
+    wait_until(lambda: any("ignored (not acted on): frobnicate, user" in ln for ln in served.proc.err_lines), 5,
+               "the gateway's log line")
 
 
 def test_seeded_sampling_is_the_grpc_apis(served):
@@ -382,9 +489,9 @@ class TinyStack:
                                     "--metrics-port", "0"], env)
         # the gateway waits for the target itself (--connect-timeout-s)
         self.gateway = Proc("gateway", ["--target", t_addr, "--draft-service", f"ngram={d_addr}", "--model", str(ckpt),
-                                        "--port", "0", "--http-port", "0", "--max-sessions", "1", "--max-queued", "0"],
-                            env)
-        self.model = ckpt.name
+                                        "--port", "0", "--http-port", "0", "--max-sessions", "1", "--max-queued", "0",
+                                        "--served-model-name", "tiny-served"], env)
+        self.model = "tiny-served"
 
     def ready(self) -> TinyStack:
         self.target_metrics = self.target.wait_line("target metrics on ", 180).split()[-1].removesuffix("/metrics")
@@ -438,6 +545,17 @@ def test_metrics_have_help_explicit_buckets_and_every_series_from_the_start(tiny
     assert values["specserve_target_kv_blocks_total"] == 256 and values["specserve_target_sessions"] == 0
     assert values["specserve_target_kv_cache_usage_ratio"] == 0
     assert values['specserve_draft_sessions{"draft": "ngram"}'] == 0
+
+
+def test_models_by_id_under_the_served_model_name(tiny, tiny_target_dir):
+    assert [m.id for m in tiny.client.models.list().data] == ["tiny-served"]
+    assert tiny.client.models.retrieve("tiny-served").id == "tiny-served"
+    with pytest.raises(openai.NotFoundError, match="'other' does not exist"):
+        tiny.client.models.retrieve("other")
+    with pytest.raises(openai.NotFoundError):  # the checkpoint's own name is not served any more
+        tiny.client.completions.create(model=tiny_target_dir.name, prompt="abc", max_tokens=2)
+    ok = tiny.client.completions.create(model="tiny-served", prompt="abc", max_tokens=2)
+    assert ok.model == "tiny-served"
 
 
 def test_chat_without_a_template_is_a_400_that_says_so(tiny):

@@ -78,18 +78,32 @@ def test_parse_request_maps_the_api_fields():
     chat = parse_request({"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]},
                          chat=True)
     assert chat.messages == ({"role": "user", "content": "hi"},) and chat.fill_max_tokens
+    assert api.ignored == ("user",) and api.logprobs is None and not api.request.HasField("logprobs")
+    batch = parse_request({"model": "m", "prompt": ["a", [4, 5]], "n": 2, "seed": 2**64 - 1, "logprobs": 2,
+                           "echo": True, "max_tokens": 0}, chat=False)
+    got = [(i, r.prompt, list(r.prompt_ids), r.sampling.seed) for i, r in batch.choices()]
+    assert got == [(0, "a", [], 2**64 - 1), (0, "a", [], 0), (1, "", [4, 5], 2**64 - 1), (1, "", [4, 5], 0)]
+    assert batch.score_only and batch.request.max_new_tokens == 1  # scored prompts: one token made, dropped
+    assert (batch.request.logprobs.top, batch.request.logprobs.prompt) == (2, True)
+    lp = parse_request({"model": "m", "messages": [{"role": "user", "content": "x"}], "logprobs": True,
+                        "top_logprobs": 4}, chat=True)
+    assert lp.logprobs == 4 and not lp.request.logprobs.prompt
 
 
 @pytest.mark.parametrize("body, chat, message", [
     ([], False, "request body: expected a JSON object"),
     ({"prompt": "x"}, False, "model: required"),
-    ({"model": "m", "prompt": "x", "n": 2}, False, "n: only n = 1 is supported"),
-    ({"model": "m", "prompt": ["a", "b"]}, False, "prompt: one prompt per request (2 given)"),
-    ({"model": "m", "prompt": [1, True]}, False, "prompt: expected a string or a list of token ids"),
+    ({"model": "m", "prompt": "x", "n": 0}, False, "n: 0 is out of range [1, 65)"),
+    ({"model": "m", "prompt": ["a", "b"], "n": 33}, False, "n: 2 prompts x n = 33 make more than 64 choices"),
+    ({"model": "m", "prompt": [1, True]}, False, "prompt: expected a string, a list of token ids or a list of those"),
+    ({"model": "m", "prompt": "x", "top_p": 0}, False, "top_p: must be in (0, 1], got 0"),
+    ({"model": "m", "prompt": "x", "echo": 1}, False, "echo: expected true or false"),
+    ({"model": "m", "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, True,
+     "top_logprobs: needs logprobs = true"),
     ({"model": "m", "prompt": "x", "temperature": "hot"}, False, "temperature: expected a number, got 'hot'"),
     ({"model": "m", "prompt": "x", "max_tokens": 2**40}, False, "max_tokens: 1099511627776 is out of range"),
     ({"model": "m", "prompt": "x", "seed": -1}, False, "seed: -1 is out of range"),
-    ({"model": "m", "prompt": "x", "logprobs": 5}, False, "logprobs: 5 is not supported by specserve"),
+    ({"model": "m", "prompt": "x", "best_of": 5}, False, "best_of: 5 is not supported by specserve"),
     ({"model": "m", "prompt": "x", "stop": [1]}, False, "stop: expected a string or a list of strings"),
     ({"model": "m", "prompt": "x", "stream_options": {"include_usage": True}}, False,
      "stream_options: only allowed with stream = true"),

@@ -73,3 +73,25 @@ class StepTimings(_message.Message):
     total_ms: float
     compute_ms: float
     def __init__(self, queue_ms: _Optional[float] = ..., forward_ms: _Optional[float] = ..., sample_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., compute_ms: _Optional[float] = ...) -> None: ...
+
+class LogprobsSpec(_message.Message):
+    __slots__ = ("top", "prompt")
+    TOP_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    top: int
+    prompt: bool
+    def __init__(self, top: _Optional[int] = ..., prompt: _Optional[bool] = ...) -> None: ...
+
+class TokenLogprobs(_message.Message):
+    __slots__ = ("token_ids", "logprobs", "top", "top_ids", "top_logprobs")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOP_FIELD_NUMBER: _ClassVar[int]
+    TOP_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    logprobs: _containers.RepeatedScalarFieldContainer[float]
+    top: int
+    top_ids: _containers.RepeatedScalarFieldContainer[int]
+    top_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., top: _Optional[int] = ..., top_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...

@@ -16,7 +16,7 @@ SPECULATION_FIXED: Speculation
 SPECULATION_ADAPTIVE: Speculation
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "prompt_ids", "max_new_tokens", "sampling", "draft", "num_speculative_tokens", "stop", "speculation", "draft_ahead", "tree_nodes", "tree_top_k", "tree_depth")
+    __slots__ = ("prompt", "prompt_ids", "max_new_tokens", "sampling", "draft", "num_speculative_tokens", "stop", "speculation", "draft_ahead", "tree_nodes", "tree_top_k", "tree_depth", "logprobs")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -29,6 +29,7 @@ class GenerateRequest(_message.Message):
     TREE_NODES_FIELD_NUMBER: _ClassVar[int]
     TREE_TOP_K_FIELD_NUMBER: _ClassVar[int]
     TREE_DEPTH_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
     max_new_tokens: int
@@ -41,15 +42,20 @@ class GenerateRequest(_message.Message):
     tree_nodes: int
     tree_top_k: int
     tree_depth: int
-    def __init__(self, prompt: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., draft: _Optional[str] = ..., num_speculative_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., speculation: _Optional[_Union[Speculation, str]] = ..., draft_ahead: _Optional[bool] = ..., tree_nodes: _Optional[int] = ..., tree_top_k: _Optional[int] = ..., tree_depth: _Optional[int] = ...) -> None: ...
+    logprobs: _common_pb2.LogprobsSpec
+    def __init__(self, prompt: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., draft: _Optional[str] = ..., num_speculative_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., speculation: _Optional[_Union[Speculation, str]] = ..., draft_ahead: _Optional[bool] = ..., tree_nodes: _Optional[int] = ..., tree_top_k: _Optional[int] = ..., tree_depth: _Optional[int] = ..., logprobs: _Optional[_Union[_common_pb2.LogprobsSpec, _Mapping]] = ...) -> None: ...
 
 class TokenDelta(_message.Message):
-    __slots__ = ("token_ids", "text")
+    __slots__ = ("token_ids", "text", "logprobs", "prompt_logprobs")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ...) -> None: ...
+    logprobs: _common_pb2.TokenLogprobs
+    prompt_logprobs: _common_pb2.TokenLogprobs
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Union[_common_pb2.TokenLogprobs, _Mapping]] = ..., prompt_logprobs: _Optional[_Union[_common_pb2.TokenLogprobs, _Mapping]] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens")

@@ -38,23 +38,25 @@ class TargetInfo(_message.Message):
     def __init__(self, model_type: _Optional[str] = ..., vocab_size: _Optional[int] = ..., vocab_hash: _Optional[str] = ..., max_context: _Optional[int] = ..., num_layers: _Optional[int] = ..., hidden_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., tensor_parallel_size: _Optional[int] = ..., model_name: _Optional[str] = ..., hidden_share_kind: _Optional[str] = ..., host_id: _Optional[str] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("session_id", "prompt_ids", "sampling", "hidden_layers", "want_shm", "want_hidden_share")
+    __slots__ = ("session_id", "prompt_ids", "sampling", "hidden_layers", "want_shm", "want_hidden_share", "logprobs")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_LAYERS_FIELD_NUMBER: _ClassVar[int]
     WANT_SHM_FIELD_NUMBER: _ClassVar[int]
     WANT_HIDDEN_SHARE_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
     hidden_layers: _containers.RepeatedScalarFieldContainer[int]
     want_shm: bool
     want_hidden_share: bool
-    def __init__(self, session_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., hidden_layers: _Optional[_Iterable[int]] = ..., want_shm: _Optional[bool] = ..., want_hidden_share: _Optional[bool] = ...) -> None: ...
+    logprobs: _common_pb2.LogprobsSpec
+    def __init__(self, session_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., hidden_layers: _Optional[_Iterable[int]] = ..., want_shm: _Optional[bool] = ..., want_hidden_share: _Optional[bool] = ..., logprobs: _Optional[_Union[_common_pb2.LogprobsSpec, _Mapping]] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("session_id", "next_token", "hidden", "timings", "shm_channel", "hidden_share", "hidden_rows")
+    __slots__ = ("session_id", "next_token", "hidden", "timings", "shm_channel", "hidden_share", "hidden_rows", "logprobs", "prompt_logprobs")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_FIELD_NUMBER: _ClassVar[int]
@@ -62,6 +64,8 @@ class PrefillResponse(_message.Message):
     SHM_CHANNEL_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_SHARE_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_ROWS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     next_token: int
     hidden: _common_pb2.Tensor
@@ -69,7 +73,9 @@ class PrefillResponse(_message.Message):
     shm_channel: str
     hidden_share: _common_pb2.HiddenShare
     hidden_rows: _common_pb2.HiddenRows
-    def __init__(self, session_id: _Optional[str] = ..., next_token: _Optional[int] = ..., hidden: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., timings: _Optional[_Union[_common_pb2.StepTimings, _Mapping]] = ..., shm_channel: _Optional[str] = ..., hidden_share: _Optional[_Union[_common_pb2.HiddenShare, _Mapping]] = ..., hidden_rows: _Optional[_Union[_common_pb2.HiddenRows, _Mapping]] = ...) -> None: ...
+    logprobs: _common_pb2.TokenLogprobs
+    prompt_logprobs: _common_pb2.TokenLogprobs
+    def __init__(self, session_id: _Optional[str] = ..., next_token: _Optional[int] = ..., hidden: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., timings: _Optional[_Union[_common_pb2.StepTimings, _Mapping]] = ..., shm_channel: _Optional[str] = ..., hidden_share: _Optional[_Union[_common_pb2.HiddenShare, _Mapping]] = ..., hidden_rows: _Optional[_Union[_common_pb2.HiddenRows, _Mapping]] = ..., logprobs: _Optional[_Union[_common_pb2.TokenLogprobs, _Mapping]] = ..., prompt_logprobs: _Optional[_Union[_common_pb2.TokenLogprobs, _Mapping]] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
     __slots__ = ("session_id", "draft", "trace_context")
@@ -89,7 +95,7 @@ class VerifyRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., draft: _Optional[_Union[_common_pb2.DraftBlock, _Mapping]] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
-    __slots__ = ("session_id", "accepted_ids", "next_token", "hidden", "num_drafted", "experts_touched", "timings", "batch_size", "hidden_rows")
+    __slots__ = ("session_id", "accepted_ids", "next_token", "hidden", "num_drafted", "experts_touched", "timings", "batch_size", "hidden_rows", "logprobs")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_IDS_FIELD_NUMBER: _ClassVar[int]
     NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
@@ -99,6 +105,7 @@ class VerifyResponse(_message.Message):
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_ROWS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     accepted_ids: _containers.RepeatedScalarFieldContainer[int]
     next_token: int
@@ -108,7 +115,8 @@ class VerifyResponse(_message.Message):
     timings: _common_pb2.StepTimings
     batch_size: int
     hidden_rows: _common_pb2.HiddenRows
-    def __init__(self, session_id: _Optional[str] = ..., accepted_ids: _Optional[_Iterable[int]] = ..., next_token: _Optional[int] = ..., hidden: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., num_drafted: _Optional[int] = ..., experts_touched: _Optional[int] = ..., timings: _Optional[_Union[_common_pb2.StepTimings, _Mapping]] = ..., batch_size: _Optional[int] = ..., hidden_rows: _Optional[_Union[_common_pb2.HiddenRows, _Mapping]] = ...) -> None: ...
+    logprobs: _common_pb2.TokenLogprobs
+    def __init__(self, session_id: _Optional[str] = ..., accepted_ids: _Optional[_Iterable[int]] = ..., next_token: _Optional[int] = ..., hidden: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., num_drafted: _Optional[int] = ..., experts_touched: _Optional[int] = ..., timings: _Optional[_Union[_common_pb2.StepTimings, _Mapping]] = ..., batch_size: _Optional[int] = ..., hidden_rows: _Optional[_Union[_common_pb2.HiddenRows, _Mapping]] = ..., logprobs: _Optional[_Union[_common_pb2.TokenLogprobs, _Mapping]] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("session_id",)
