@@ -72,6 +72,7 @@ from specserve.draft_service.proposer import (
     SessionState,
     VocabMismatchError,
     common_prefix_len,
+    target_name,
     target_vocab,
 )
 from specserve.draft_service.target_tensors import read_target_tensors, read_tensors
@@ -181,6 +182,8 @@ class DFlashModel(nn.Module):
             y = layer.post_attention_layernorm(x)
             x = x + layer.down_proj(F.silu(layer.gate_proj(y)) * layer.up_proj(y))
         logits = self.lm_head(self.norm(x)).float()  # [b, V]
+        if c.logits_vocab_limit is not None and c.logits_vocab_limit < logits.shape[-1]:
+            logits[:, c.logits_vocab_limit:] = float("-inf")  # in place: graph-safe
         return logits if c.anchor_predicts_next else logits[1:]
 
 
@@ -367,7 +370,13 @@ class DFlashProposer(Proposer):
 def build_dflash_proposer(config: DrafterConfig) -> DFlashProposer:
     if config.checkpoint is None:
         raise DrafterConfigError("dflash needs checkpoint = the DFlash drafter folder")
-    model = load_dflash(config.checkpoint, config.device, config.dtype, config.target_checkpoint)
+    name = target_name(config.target_checkpoint) if config.target_checkpoint is not None else None
+    if name is not None and name.scaled:  # the demo's drafter at the target's size (scaled_drafters.py)
+        from specserve.draft_service.scaled_drafters import scaled_dflash
+
+        model = scaled_dflash(config.checkpoint, name, config.device, config.dtype)
+    else:
+        model = load_dflash(config.checkpoint, config.device, config.dtype, config.target_checkpoint)
     vocab_hash = f"size:{model.cfg.vocab_size}"
     if config.target_checkpoint is not None:
         vocab = target_vocab(config.target_checkpoint)

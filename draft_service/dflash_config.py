@@ -44,6 +44,8 @@ class DFlashConfig:
     mask_token_id: int | None = None  # None: a learned mask_embedding; else that token's embedding
     context_layernorm: bool = True  # context rows pass each layer's input_layernorm before k/v_proj
     anchor_predicts_next: bool = True  # output at block position 0 gives drafted token 1 (else position 1)
+    # ids at or past this get -inf logits (a drafter over a padded vocabulary: scaled_drafters.py); None = none
+    logits_vocab_limit: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "target_layer_ids", tuple(int(i) for i in self.target_layer_ids))
@@ -60,6 +62,9 @@ class DFlashConfig:
             raise DrafterConfigError(f"dflash config: mask_token_id {self.mask_token_id} outside [0, {self.vocab_size})")
         if self.mask_token_id is not None and not self.shared_target_head:
             raise DrafterConfigError("dflash config: mask_token_id needs the target's embeddings (shared_target_head)")
+        if self.logits_vocab_limit is not None and not 0 < self.logits_vocab_limit <= self.vocab_size:
+            raise DrafterConfigError(
+                f"dflash config: logits_vocab_limit {self.logits_vocab_limit} outside [1, {self.vocab_size}]")
         if self.drafts_per_block < 1:
             raise DrafterConfigError(f"dflash config: block_size {self.block_size} drafts no token")
         if self.denoise_steps > self.block_size - 1:
@@ -83,7 +88,7 @@ class DFlashConfig:
         """Our layout's config.json; fields at their defaults are left out (older files stay byte-equal)."""
         fields = self.__dataclass_fields__
         optional = ("shared_target_head", "denoise_steps", "qk_norm", "mask_token_id", "context_layernorm",
-                    "anchor_predicts_next")
+                    "anchor_predicts_next", "logits_vocab_limit")
         d = {k: getattr(self, k) for k in fields if k not in optional or getattr(self, k) != fields[k].default}
         return dict(d, model_type="dflash", target_layer_ids=list(self.target_layer_ids))
 

@@ -40,6 +40,7 @@ from specserve.draft_service.proposer import (
     check_same_vocab,
     checkpoint_vocab,
     common_prefix_len,
+    target_name,
 )
 from specserve.draft_service.tree import build_tree
 from specserve.models.attn_backend import paged_torch_unsupported
@@ -254,6 +255,12 @@ def build_model_proposer(config: DrafterConfig) -> ModelProposer:
         vocab_size, vocab_hash = check_same_vocab(config.checkpoint, config.target_checkpoint)
     else:
         vocab_size, vocab_hash = checkpoint_vocab(config.checkpoint)
+    name = target_name(config.target_checkpoint) if config.target_checkpoint is not None else None
+    if name is not None and name.scaled:  # the demo's draft LM at a draft's size for the target (scaled_drafters.py)
+        from specserve.draft_service.scaled_drafters import scaled_draft_lm
+
+        model, mcfg = scaled_draft_lm(config.checkpoint, name, config.device, config.dtype)
+        return ModelProposer(model, mcfg, config, vocab_size, vocab_hash)
     try:
         model, mcfg = load_model(config.checkpoint, config.device, config.dtype, progress=False)
     except (ValueError, RuntimeError) as e:

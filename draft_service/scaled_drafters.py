@@ -20,6 +20,25 @@ same way:
   (`demo_positions`): demo hidden layer L (the output of layer L) is wide layer demo_positions[L]'s output.
   Its token embeddings are the target's for the demo's ids; rows past them (ids the target never emits, random
   in the target) are zero plus the channel here.
+- **The draft LM** (`scaled_draft_lm`): a llama at a realistic draft size (`DRAFT_LM_SHAPES`: ~0.5 B parameters
+  for the full-size targets, the target's 163840-token vocabulary, embeddings tied as the demo's are). It reads no
+  target rows, so it needs no channel: its residual stream is the demo's padded with zeros, and every norm (eps
+  eps_demo * H_demo / H_wide, weights times sqrt(H_demo / H_wide)) gives the demo's output padded. Heads and rope
+  dims map as for EAGLE-3 (head_dim 48 -> 96: pair i -> pair 2i, same theta); the demo's two layers are the first
+  and the last (`demo_positions`), the others random layers whose output and down projections are zero (a real
+  layer's bytes and kernels, nothing added to the stream); logits past the demo's ids are -inf
+  (`ModelConfig.logits_vocab_limit`).
+- **DFlash** (`scaled_dflash`): at the target's width (`DFLASH_SHAPES`; its embeddings and lm_head the target's,
+  `shared_target_head`), its block size the demo's (the block's queries attend to each other). Its streams (the
+  block's and the fused context) carry no channel: the fused context is normed before the layers read it, so a
+  channel could not stay constant there; its copy of the target's embeddings leaves the channel out, fc ignores
+  the target rows' channel, and every norm is rescaled as the draft LM's are. The demo's three layers spread over
+  five (`demo_positions`), the others silent; the three fused target layers follow the demo's; logits past the
+  demo's ids are -inf (`DFlashConfig.logits_vocab_limit`).
+
+With a demo@ target the registry's factories (eagle3.py, model_drafter.py, dflash.py) build these from the
+drafter's demo-size checkpoint; given the shipped demo target folder instead, the same checkpoints load at demo
+size.
 """
 
 from __future__ import annotations
@@ -96,14 +115,48 @@ def _rows(heads: torch.Tensor, dims: torch.Tensor, wide_dim: int) -> torch.Tenso
     return (heads[:, None] * wide_dim + dims[None, :]).flatten()
 
 
-def _qkv(wide: torch.Tensor, demo: torch.Tensor, rows: torch.Tensor, hd: int, hw: int, scale: float = 1.0) -> None:
-    """A projection over concat(embedding, feature) [R, 2H]: demo row r -> wide row rows[r], its columns
-    [0, hd) -> [0, hd) and [hd, 2hd) -> [hw, hw + hd)."""
+def _project(wide: torch.Tensor, demo: torch.Tensor, rows: torch.Tensor | None = None,
+             cols: torch.Tensor | None = None, scale: float = 1.0) -> None:
+    """wide [R, C] zero but wide[rows[i], cols[j]] = demo[i, j] * scale (rows / cols default: the first ones)."""
     wide.zero_()
-    src = (demo.float() * scale).to(wide.dtype)
-    r = rows.to(wide.device)
-    wide[r, :hd] = src[:, :hd]
-    wide[r, hw: hw + hd] = src[:, hd:]
+    r = (torch.arange(demo.shape[0]) if rows is None else rows).to(wide.device)
+    c = (torch.arange(demo.shape[1]) if cols is None else cols).to(wide.device)
+    wide[r[:, None], c[None, :]] = (demo.float() * scale).to(wide.dtype).to(wide.device)
+
+
+def _gqa_(wide, demo, d: GQAConfig, w: GQAConfig, cols: torch.Tensor | None = None) -> None:
+    """q/k/v/o_proj of a GQA layer (half-split rope) into its wide one: heads by kv group, rope dims pair to pair,
+    q scaled for the softmax scale; `cols`: the wide input column of each demo input column."""
+    q_heads, kv_heads = _heads(d, w)
+    dims, v_dims = _head_dims(d.head_dim, w.head_dim), torch.arange(d.head_dim)
+    _project(wide.q_proj.weight, demo.q_proj.weight, _rows(q_heads, dims, w.head_dim), cols,
+             math.sqrt(w.head_dim / d.head_dim))
+    _project(wide.k_proj.weight, demo.k_proj.weight, _rows(kv_heads, dims, w.head_dim), cols)
+    _project(wide.v_proj.weight, demo.v_proj.weight, _rows(kv_heads, v_dims, w.head_dim), cols)
+    _project(wide.o_proj.weight, demo.o_proj.weight, None, _rows(q_heads, v_dims, w.head_dim))
+
+
+def _mlp_(wide, demo) -> None:
+    for proj in ("gate_proj", "up_proj", "down_proj"):
+        _project(getattr(wide, proj).weight, getattr(demo, proj).weight)
+
+
+def _plain_norm(wide: torch.Tensor, demo: torch.Tensor, hidden_wide: int) -> None:
+    """An RMSNorm weight over a stream without the channel (the demo's padded with zeros; its eps
+    eps_demo * H_demo / H_wide): the demo's times sqrt(H_demo / H_wide)."""
+    hd = demo.shape[0]
+    wide.fill_(1.0)
+    wide[:hd] = (demo.float() * math.sqrt(hd / hidden_wide)).to(wide.dtype)
+
+
+def _check_gqa(d: GQAConfig, w: GQAConfig, what: str) -> list[str]:
+    g, gw = d.num_heads // d.num_kv_heads, w.num_heads // w.num_kv_heads
+    bad = [f"{n} {x} > {y}" for n, x, y in (("kv heads", d.num_kv_heads, w.num_kv_heads), ("kv group", g, gw)) if x > y]
+    if w.head_dim % d.head_dim:
+        bad.append(f"head_dim {w.head_dim} is not a whole multiple of {d.head_dim}")
+    if d.bias or d.qk_norm or d.sliding_window:
+        bad.append("bias / qk norm / sliding window")
+    return [f"{what}: {b}" for b in bad]
 
 
 # ---------------------------------------------------------------- EAGLE-3
@@ -183,19 +236,8 @@ def _embed_eagle3(wide, demo, kappa: float) -> None:
     fc[hd, hd] = 1.0  # the feature carries the channel: that of the first fused layer
     for norm in ("input_layernorm", "hidden_norm", "post_attention_layernorm", "norm"):
         _residual_norm(getattr(wide, norm).weight, getattr(demo, norm).weight, hw)
-    a, wa = d.attention, w.attention
-    q_heads, kv_heads = _heads(a, wa)
-    dims = _head_dims(a.head_dim, wa.head_dim)
-    _qkv(wide.q_proj.weight, demo.q_proj.weight, _rows(q_heads, dims, wa.head_dim), hd, hw,
-         math.sqrt(wa.head_dim / a.head_dim))
-    _qkv(wide.k_proj.weight, demo.k_proj.weight, _rows(kv_heads, dims, wa.head_dim), hd, hw)
-    v_dims = torch.arange(a.head_dim)
-    _qkv(wide.v_proj.weight, demo.v_proj.weight, _rows(kv_heads, v_dims, wa.head_dim), hd, hw)
-    o = wide.o_proj.weight  # [Hw, heads_w * Dw]
-    o.zero_()
-    o[:hd, _rows(q_heads, v_dims, wa.head_dim).to(o.device)] = demo.o_proj.weight.to(o.dtype)
-    for proj in ("gate_proj", "up_proj", "down_proj"):
-        _corner(getattr(wide, proj).weight, getattr(demo, proj).weight)
+    _gqa_(wide, demo, d.attention, w.attention, cols=torch.cat([torch.arange(hd), hw + torch.arange(hd)]))
+    _mlp_(wide, demo)
     _corner(wide.lm_head.weight, demo.lm_head.weight)
     vd = d.draft_vocab_size
     wide.d2t.zero_()  # padded draft id i -> target id i (past the demo's ids; never drafted)
@@ -205,3 +247,181 @@ def _embed_eagle3(wide, demo, kappa: float) -> None:
     padded = wide.draft_to_target()[vd:]
     if len(padded) and int(padded.min()) < d.vocab_size:
         raise DrafterConfigError("the padded draft ids would map onto the demo's target ids")
+
+
+# ---------------------------------------------------------------- the draft LM
+
+
+@dataclass(frozen=True)
+class DraftLMShape:
+    """A llama draft LM's shape (its vocabulary the target's)."""
+
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+
+
+DRAFT_LM_SHAPES: Mapping[str, DraftLMShape] = MappingProxyType({
+    # ~0.55 B parameters with the 163840-token tied embeddings: a small same-tokenizer draft for either target
+    "moonlight-16b-a3b": DraftLMShape(1536, 12, 16, 4, 96, 4096),
+    "kimi-k2.6": DraftLMShape(1536, 12, 16, 4, 96, 4096),
+    "small-moonlight": DraftLMShape(384, 4, 4, 2, 96, 1024),
+    "small-kimi-k2.6": DraftLMShape(384, 4, 4, 2, 96, 1024),
+})
+
+
+def _wide_default_dtype(dtype: torch.dtype, device, build):
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            return build()
+    finally:
+        torch.set_default_dtype(old)
+
+
+@torch.no_grad()
+def scaled_draft_lm(checkpoint: str | Path, target: ModelName, device: str | torch.device, dtype: torch.dtype,
+                    seed: int = 0):
+    """(model, config): the demo-size llama draft LM of `checkpoint` at the DRAFT_LM_SHAPES size for `target`, on
+    `device` in `dtype` (module docstring)."""
+    from specserve.models.causal_lm import build_model
+    from specserve.models.loader import load_model
+    from specserve.models.presets import init_random_
+
+    name, _ = parse_scaled_spec(target.name)
+    shape, tc = DRAFT_LM_SHAPES[name], target.config()
+    try:
+        demo, dc = load_model(checkpoint, "cpu", torch.float32, progress=False)
+    except (ValueError, RuntimeError) as e:
+        raise DrafterConfigError(f"cannot load the draft model {checkpoint}: {e}") from e
+    a = dc.attention
+    wa = GQAConfig(num_heads=shape.num_heads, num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim)
+    bad = [] if isinstance(a, GQAConfig) else ["a GQA attention"]
+    bad += _check_gqa(a, wa, "attention") if not bad else []
+    bad += [f"{n} {x} > {y}" for n, x, y in (
+        ("hidden", dc.hidden_size, shape.hidden_size), ("layers", dc.num_layers, shape.num_layers),
+        ("intermediate", dc.intermediate_size, shape.intermediate_size), ("vocab", dc.vocab_size, tc.vocab_size))
+        if x > y]
+    if dc.moe is not None or dc.rope.rope_type != "default":
+        bad.append("a dense llama with default rope")
+    if bad:
+        raise DrafterConfigError(f"the draft LM {checkpoint} does not scale to {target.name}: {', '.join(bad)}")
+    hd, hw = dc.hidden_size, shape.hidden_size
+    config = dataclasses.replace(
+        dc, hidden_size=hw, num_layers=shape.num_layers, intermediate_size=shape.intermediate_size, attention=wa,
+        rope=dataclasses.replace(dc.rope, dim=shape.head_dim), rms_norm_eps=dc.rms_norm_eps * hd / hw,
+        vocab_size=tc.vocab_size, logits_vocab_limit=dc.vocab_size)
+    model = _wide_default_dtype(dtype, device, lambda: build_model(config))
+    init_random_(model, seed)
+    d, w = demo.model, model.model
+    emb = w.embed_tokens.weight  # rows past the demo's ids stay random (their logits are -inf)
+    emb[: dc.vocab_size] = 0.0
+    emb[: dc.vocab_size, :hd] = d.embed_tokens.weight.to(emb.dtype)
+    if model.lm_head is not None:
+        head = model.lm_head.weight
+        head[: dc.vocab_size] = 0.0
+        head[: dc.vocab_size, :hd] = (demo.lm_head.weight if demo.lm_head is not None
+                                      else d.embed_tokens.weight).to(head.dtype)
+    _plain_norm(w.norm.weight, d.norm.weight, hw)
+    positions = demo_positions(config.num_layers, dc.num_layers)
+    for i, layer in enumerate(w.layers):
+        if i in positions:
+            dl = d.layers[positions.index(i)]
+            _plain_norm(layer.input_layernorm.weight, dl.input_layernorm.weight, hw)
+            _plain_norm(layer.post_attention_layernorm.weight, dl.post_attention_layernorm.weight, hw)
+            _gqa_(layer.self_attn, dl.self_attn, a, wa)
+            _mlp_(layer.mlp, dl.mlp)
+        else:  # a real layer that adds nothing
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+    return model.eval(), config
+
+
+# ---------------------------------------------------------------- DFlash
+
+
+@dataclass(frozen=True)
+class DFlashShape:
+    """A DFlash drafter's shape at a target's width (its hidden is the target's)."""
+
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+
+
+DFLASH_SHAPES: Mapping[str, DFlashShape] = MappingProxyType({
+    "moonlight-16b-a3b": DFlashShape(5, 32, 4, 128, 6144),
+    "kimi-k2.6": DFlashShape(5, 64, 8, 128, 18432),
+    "small-moonlight": DFlashShape(4, 8, 2, 128, 1024),
+    "small-kimi-k2.6": DFlashShape(4, 8, 2, 128, 1024),
+})
+
+
+@torch.no_grad()
+def scaled_dflash(checkpoint: str | Path, target: ModelName, device: str | torch.device, dtype: torch.dtype,
+                  seed: int = 0):
+    """The demo-size DFlash drafter of `checkpoint` (made for the demo `target` embeds, sharing its head) at the
+    DFLASH_SHAPES size for `target`, on `device` in `dtype` (module docstring)."""
+    from specserve.draft_service.dflash import DFlashModel, load_dflash
+
+    name, _ = parse_scaled_spec(target.name)
+    shape, tc, dc = DFLASH_SHAPES[name], target.config(), target.demo_config()
+    demo = load_dflash(checkpoint, "cpu", torch.float32, target.folder)
+    d = demo.cfg
+    da = GQAConfig(num_heads=d.num_attention_heads, num_kv_heads=d.num_key_value_heads, head_dim=d.head_dim)
+    wa = GQAConfig(num_heads=shape.num_heads, num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim)
+    hd, hw = d.hidden_size, tc.hidden_size
+    bad = _check_gqa(da, wa, "attention") + [f"{n} {x} > {y}" for n, x, y in (
+        ("layers", d.num_hidden_layers, shape.num_layers), ("hidden", hd, hw),
+        ("intermediate", d.intermediate_size, shape.intermediate_size)) if x > y]
+    if d.target_hidden_size != dc.hidden_size or d.vocab_size != dc.vocab_size:
+        bad.append(f"it reads target rows of {d.target_hidden_size} and a vocabulary of {d.vocab_size}, not the "
+                   f"demo's {dc.hidden_size} and {dc.vocab_size}")
+    if not d.shared_target_head or d.qk_norm or d.mask_token_id is not None:
+        bad.append("it must share the target's head, with a learned mask embedding and no qk norm")
+    if bad:
+        raise DrafterConfigError(f"the DFlash drafter {checkpoint} does not scale to {target.name}: {', '.join(bad)}")
+    positions = demo_positions(tc.num_layers, dc.num_layers)
+    cfg = dataclasses.replace(
+        d, hidden_size=hw, num_hidden_layers=shape.num_layers, num_attention_heads=wa.num_heads,
+        num_key_value_heads=wa.num_kv_heads, head_dim=wa.head_dim, intermediate_size=shape.intermediate_size,
+        vocab_size=tc.vocab_size, target_hidden_size=hw, rms_norm_eps=d.rms_norm_eps * hd / hw,
+        target_layer_ids=tuple(positions[i] for i in d.target_layer_ids), logits_vocab_limit=d.vocab_size)
+    model = _wide_default_dtype(dtype, device, lambda: DFlashModel(cfg))
+    gen = torch.Generator(device=model.fc.weight.device).manual_seed(seed)
+    for p in model.parameters():  # the silent layers' random weights (everything else is written below)
+        p.normal_(0.0, 0.02, generator=gen)
+    _embed_dflash(model, demo, demo_positions(shape.num_layers, d.num_hidden_layers), da, wa)
+    return model.eval()
+
+
+def _embed_dflash(wide, demo, positions: tuple[int, ...], da: GQAConfig, wa: GQAConfig) -> None:
+    d, w = demo.cfg, wide.cfg
+    hd, hw, ht = d.hidden_size, w.hidden_size, d.target_hidden_size
+    _corner(wide.embed_tokens.weight, demo.embed_tokens.weight)  # the target's, the channel left out
+    _corner(wide.lm_head.weight, demo.lm_head.weight)  # the target's (zero past the demo's ids; -inf there)
+    wide.mask_embedding.zero_()
+    wide.mask_embedding[:hd] = demo.mask_embedding.to(wide.mask_embedding.dtype)
+    taps = len(d.target_layer_ids)
+    cols = torch.cat([b * w.target_hidden_size + torch.arange(ht) for b in range(taps)])  # the channel ignored
+    _project(wide.fc.weight, demo.fc.weight, None, cols)
+    _plain_norm(wide.context_norm.weight, demo.context_norm.weight, hw)
+    _plain_norm(wide.norm.weight, demo.norm.weight, hw)
+    for i, layer in enumerate(wide.layers):
+        if i in positions:
+            dl = demo.layers[positions.index(i)]
+            _plain_norm(layer.input_layernorm.weight, dl.input_layernorm.weight, hw)
+            _plain_norm(layer.post_attention_layernorm.weight, dl.post_attention_layernorm.weight, hw)
+            _gqa_(layer, dl, da, wa)
+            _mlp_(layer, dl)
+        else:  # a real layer that adds nothing to the block's stream (it still attends over the context)
+            layer.input_layernorm.weight.fill_(1.0)
+            layer.post_attention_layernorm.weight.fill_(1.0)
+            layer.o_proj.weight.zero_()
+            layer.down_proj.weight.zero_()

@@ -173,3 +173,16 @@ def lockstep(engines, drafters, prompt: list[int], k: int, max_new: int, tree: T
             p.release("s")
     assert steps < max_new - 1  # drafts were accepted
     return emitted[:max_new]
+
+
+def first_draft_q(engine, proposer, prompt: list[int]) -> torch.Tensor:  # [V] the first drafted token's q
+    """q of the token a sampled session drafts after the prompt and the target's greedy next token."""
+    layers = proposer.info.hidden_layers if proposer.info.needs_hidden_states else ()
+    sampling = SamplingParams(temperature=1.0, seed=0)
+    pre = engine.prefill("q", prompt, SamplingParams(), layers)
+    try:
+        proposer.start("q", list(prompt) + [pre.next_token], pre.hidden, sampling)
+        return proposer.propose("q", len(prompt) + 1, [], None, 1).probs[0]
+    finally:
+        engine.release("q")
+        proposer.release("q")

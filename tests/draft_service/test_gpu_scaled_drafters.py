@@ -10,7 +10,7 @@ import json
 
 import pytest
 import torch
-from draft_helpers import lockstep
+from draft_helpers import first_draft_q, lockstep
 
 from specserve.contract.types import TreeSpec
 from specserve.draft_service.proposer import DrafterConfig
@@ -22,7 +22,6 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
 
-SCALED_FAMILIES = ("eagle3",)
 NEW_TOKENS = 32
 
 
@@ -63,13 +62,24 @@ def _drafters(family: str, spec: str):
                  for t in (demo_checkpoint("target"), spec))
 
 
-@pytest.mark.parametrize("family", SCALED_FAMILIES)
-@pytest.mark.parametrize("tree", [None, TreeSpec(num_nodes=16, top_k=2, depth=5)], ids=["chain", "tree"])
+TREE = TreeSpec(num_nodes=16, top_k=2, depth=5)
+
+
+@pytest.mark.parametrize("family, tree", [
+    ("eagle3", None), ("eagle3", TREE), ("model", None), ("model", TREE), ("dflash", None),  # DFlash drafts chains
+], ids=["eagle3-chain", "eagle3-tree", "model-chain", "model-tree", "dflash-chain"])
 def test_full_size_scaled_drafter_proposes_the_demo_size_blocks_and_is_lossless(engines, family, tree):
     spec, pair = engines
     drafters = _drafters(family, spec)
-    if tree is not None and not drafters[0].info.supports_tree:
-        pytest.skip(f"{family} drafts no trees")
-    for prompt in _prompts():
-        emitted = lockstep(pair, drafters, prompt, 4, NEW_TOKENS, tree)
-        assert emitted == pair[1].generate_greedy(prompt, NEW_TOKENS)
+    try:
+        for prompt in _prompts():
+            if tree is None:  # the law of a sampled drafted token: the demo-size one's, nothing past the demo's ids
+                demo_q, wide_q = (first_draft_q(e, p, prompt) for e, p in zip(pair, drafters))
+                torch.testing.assert_close(wide_q[: demo_q.shape[0]], demo_q, rtol=0, atol=1e-4)
+                assert (wide_q[demo_q.shape[0]:] == 0).all()
+            emitted = lockstep(pair, drafters, prompt, 4, NEW_TOKENS, tree)
+            assert emitted == pair[1].generate_greedy(prompt, NEW_TOKENS)
+    finally:
+        del drafters
+        gc.collect()
+        torch.cuda.empty_cache()

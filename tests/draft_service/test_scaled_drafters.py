@@ -9,7 +9,7 @@ import json
 
 import pytest
 import torch
-from draft_helpers import lockstep
+from draft_helpers import first_draft_q, lockstep
 
 from specserve.contract.types import SamplingParams, TreeSpec
 from specserve.draft_service.proposer import DrafterConfig
@@ -51,18 +51,32 @@ def _drafters(family: str):
 
 
 @pytest.fixture(scope="module")
-def eagle3():
-    return _drafters("eagle3")
+def built():
+    cache: dict = {}
+    return lambda family: cache.setdefault(family, _drafters(family))
 
 
-def test_scaled_eagle3_head_has_the_published_shape_and_the_demos_layers(eagle3, engines):
-    demo, wide = eagle3
-    cfg = wide.head.cfg
+@pytest.fixture(scope="module")
+def eagle3(built):
+    return built("eagle3")
+
+
+def test_scaled_drafters_have_a_realistic_shape_and_the_demos_layers(built):
+    """Each at the target's wire vocabulary and tokenizer; those that read target rows read the layers the demo's
+    moved to: demo layers (1, 2, 4) of 5 sit at (1, 3, 6) of the 7-layer target (demo_positions: 0, 1, 3, 4, 6)."""
+    for family in ("eagle3", "model", "dflash"):
+        demo, wide = built(family)
+        assert (wide.info.vocab_size, wide.info.vocab_hash) == (8192, vocab_hash(demo_checkpoint("target")))
+        assert demo.info.hidden_layers == ((1, 2, 4) if family != "model" else ())
+        assert wide.info.hidden_layers == ((1, 3, 6) if family != "model" else ())
+    cfg = built("eagle3")[1].head.cfg
     assert (cfg.hidden_size, cfg.target_hidden_size, cfg.draft_vocab_size, cfg.vocab_size) == (512, 512, 6144, 8192)
     assert (cfg.attention.num_heads, cfg.attention.num_kv_heads, cfg.attention.head_dim) == (8, 2, 128)
-    # demo layers (1, 2, 4) of 5 sit at (1, 3, 6) of the 7-layer target (demo_positions: 0, 1, 3, 4, 6)
-    assert demo.info.hidden_layers == (1, 2, 4) and wide.info.hidden_layers == (1, 3, 6)
-    assert wide.info.vocab_size == 8192 and wide.info.vocab_hash == vocab_hash(demo_checkpoint("target"))  # the demo's tokenizer
+    lm = built("model")[1].mcfg
+    assert (lm.hidden_size, lm.num_layers, lm.attention.head_dim, lm.vocab_size, lm.logits_vocab_limit) == (
+        384, 4, 96, 8192, 4096)
+    df = built("dflash")[1].model.cfg
+    assert (df.hidden_size, df.num_hidden_layers, df.head_dim, df.block_size) == (512, 4, 128, 5)
 
 
 @torch.no_grad()
@@ -92,8 +106,20 @@ def test_scaled_eagle3_head_computes_the_demo_heads_function(eagle3, engines, pr
     assert torch.isneginf(logits[1][:, 4096:]).all()
 
 
-@pytest.mark.parametrize("tree", [None, TreeSpec(num_nodes=8, top_k=2, depth=4)], ids=["chain", "tree"])
-def test_scaled_eagle3_proposes_the_demo_heads_blocks(eagle3, engines, prompts, tree):
+@pytest.mark.parametrize("family", ["eagle3", "model", "dflash"])
+def test_scaled_drafter_gives_the_demo_size_distribution(built, engines, prompts, family):
+    """The law of a sampled drafted token: the demo-size drafter's to 1e-5, no mass past the demo's ids."""
     for prompt in prompts:
-        emitted = lockstep(engines, eagle3, prompt, 4, NEW_TOKENS, tree)
+        demo, wide = (first_draft_q(e, p, prompt) for e, p in zip(engines, built(family)))
+        torch.testing.assert_close(wide[:4096], demo, rtol=0, atol=1e-5)
+        assert (wide[4096:] == 0).all()
+
+
+@pytest.mark.parametrize("family, tree", [
+    ("eagle3", None), ("eagle3", TreeSpec(num_nodes=8, top_k=2, depth=4)),
+    ("model", None), ("model", TreeSpec(num_nodes=8, top_k=2, depth=4)), ("dflash", None),
+], ids=["eagle3-chain", "eagle3-tree", "model-chain", "model-tree", "dflash-chain"])
+def test_scaled_drafter_proposes_the_demo_size_blocks(built, engines, prompts, family, tree):
+    for prompt in prompts if tree is None else prompts[:1]:
+        emitted = lockstep(engines, built(family), prompt, 4, NEW_TOKENS, tree)
         assert emitted == engines[1].generate_greedy(prompt, NEW_TOKENS)  # lossless: target-only's tokens
