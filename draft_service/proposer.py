@@ -85,7 +85,9 @@ class DrafterConfig:
 
     family: str
     checkpoint: Path | None = None  # the drafter's own checkpoint dir (model / eagle3 / dflash)
-    target_checkpoint: Path | None = None  # the target's dir (vocab check, eagle3 embeddings, layers)
+    # the target: its checkpoint dir (vocab check, eagle3 embeddings, layers) or a model name; a demo@ name
+    # (models/model_names.py) has eagle3 / model / dflash build the demo-size checkpoint scaled to it
+    target_checkpoint: Path | None = None
     device: str = "cpu"
     dtype: torch.dtype | str = torch.float32
     max_block_size: int = 8

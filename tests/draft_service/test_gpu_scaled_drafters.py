@@ -1,18 +1,21 @@
 """The shipped demo drafters scaled to the demo at real size (draft_service/scaled_drafters.py), on the GPU in float32
 (skipped without CUDA): at full size each scaled drafter proposes the demo-size drafter's blocks (chains and trees)
 at every step, its function is the demo-size one's padded, and greedy speculation through it gives target-only's
-tokens; Moonlight's shape, and K2.6's width (there the reference is the int4-quantized demo, as the target is)."""
+tokens; Moonlight's shape, and K2.6's width (there the reference is the int4-quantized demo, as the target is). Sampled
+speculation through each (Moonlight) emits the demo's exact law, with a negative control."""
 
 from __future__ import annotations
 
 import gc
 import json
 
+import numpy as np
 import pytest
 import torch
 from draft_helpers import first_draft_q, lockstep
+from scipy.stats import chisquare
 
-from specserve.contract.types import TreeSpec
+from specserve.contract.types import SamplingParams, TreeSpec
 from specserve.draft_service.proposer import DrafterConfig
 from specserve.draft_service.registry import build_proposer
 from specserve.paths import demo_checkpoint
@@ -83,3 +86,63 @@ def test_full_size_scaled_drafter_proposes_the_demo_size_blocks_and_is_lossless(
         del drafters
         gc.collect()
         torch.cuda.empty_cache()
+
+
+def _chisquare(counts: np.ndarray, expected: torch.Tensor) -> float:
+    exp = expected.cpu().double().numpy() * counts.sum()
+    big = exp >= 5
+    obs, want = np.append(counts[big], counts[~big].sum()), np.append(exp[big], exp[~big].sum())
+    keep = want > 0
+    return chisquare(obs[keep], want[keep] * obs[keep].sum() / want[keep].sum()).pvalue
+
+
+def _exact_laws(prompt: list[int], sampling: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:  # [V_demo] x 2
+    """(law of the token after the prompt, law of the one after that) from transformers' demo in float64."""
+    from transformers import AutoModelForCausalLM
+
+    from specserve.models.probs import target_probs
+
+    hf = AutoModelForCausalLM.from_pretrained(demo_checkpoint("target"), dtype=torch.float64,
+                                              experts_implementation="eager").eval()
+    with torch.no_grad():
+        p1 = target_probs(hf(torch.tensor([prompt])).logits[0, -1:], sampling)[0].double()
+        support = torch.nonzero(p1).flatten()
+        p2 = target_probs(hf(torch.tensor([prompt + [int(e)] for e in support])).logits[:, -1], sampling).double()
+    return p1, (p1[support, None] * p2).sum(0)
+
+
+@pytest.mark.parametrize("family", ["eagle3", "model", "dflash"])
+def test_full_size_scaled_drafter_sampled_first_verified_token_follows_the_demo(engines, family):
+    """The first token a verify of the scaled drafter's sampled block emits, over many seeds, against the demo's
+    exact law of that token (the scaled drafters report their q: verified with it); negative control: the law of
+    the token before it is rejected."""
+    spec, (_, engine) = engines
+    if engine.model.config.quantization is not None:
+        pytest.skip("the exact law is the float64 demo's; the int4 shape computes the int4-quantized demo")
+    drafter = _drafters(family, spec)[1]
+    prompt, sampling = _prompts(1)[0], SamplingParams(temperature=1.0, top_k=8)
+    p1, p2 = _exact_laws(prompt, sampling)
+    layers = drafter.info.hidden_layers if drafter.info.needs_hidden_states else ()
+    vocab, runs = engine.model.config.vocab_size, 240
+    counts = np.zeros(vocab)
+    try:
+        for start in range(0, runs, 40):  # 40 sessions at a time
+            items = []
+            for i in range(start, start + 40):
+                sid, s = f"c{i}", SamplingParams(seed=7000 + i, temperature=1.0, top_k=8)
+                pre = engine.prefill(sid, prompt, s, layers)
+                drafter.start(sid, prompt + [pre.next_token], pre.hidden, s)
+                items.append((sid, drafter.propose(sid, len(prompt) + 1, [], None, 3)))
+            for (sid, block), res in zip(items, engine.verify_batch(items)):
+                assert block.probs is not None
+                counts[res.emitted[0]] += 1
+                engine.release(sid), drafter.release(sid)
+    finally:
+        del drafter
+        gc.collect()
+        torch.cuda.empty_cache()
+    expected, wrong = torch.zeros(vocab, dtype=torch.float64), torch.zeros(vocab, dtype=torch.float64)
+    expected[: p2.shape[0]], wrong[: p1.shape[0]] = p2, p1
+    assert counts[(expected == 0).numpy()].sum() == 0, "emitted a token the target cannot sample"
+    assert _chisquare(counts, expected) > 1e-3
+    assert _chisquare(counts, wrong + 1e-9) < 1e-3  # negative control: another law is rejected
