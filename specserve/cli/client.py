@@ -89,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def build_request(args: argparse.Namespace):
-    from specserve.cli.common import sampling_from_args
+    from specserve.cli.common import sampling_from_args, speculative_tokens
     from specserve.protos import convert
     from specserve.protos.specserve.v1 import gateway_pb2
 
@@ -97,7 +97,7 @@ def build_request(args: argparse.Namespace):
         max_new_tokens=args.max_new_tokens,
         sampling=convert.sampling_to_proto(sampling_from_args(args)),
         draft=args.draft,
-        num_speculative_tokens=args.num_speculative_tokens,
+        num_speculative_tokens=speculative_tokens(args, "client") or 0,  # 0: the gateway's default
         stop=list(args.stop),
         speculation=gateway_pb2.SPECULATION_ADAPTIVE if args.speculation == "adaptive" else gateway_pb2.SPECULATION_FIXED,
         draft_ahead=args.draft_ahead == "on",

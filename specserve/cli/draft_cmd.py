@@ -11,6 +11,7 @@ from specserve.cli.common import (
     add_denoise_argument,
     add_listen_arguments,
     checkpoint_errors_as_user_errors,
+    device_arg,
     metrics_http_from_args,
     positive_int,
     server_config_from_args,
@@ -36,7 +37,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", type=Path, default=None,
                         help="the target: its checkpoint folder or demo@NAME[:LAYERS] (vocabulary, layers; default: "
                              "the shipped demo)")
-    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--device", type=device_arg, default="cpu", help="cpu, cuda or cuda:N")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     add_listen_arguments(parser, DEFAULT_LISTEN)
     parser.add_argument("--max-draft-tokens", type=positive_int, default=256,

@@ -126,6 +126,10 @@ def run(args: argparse.Namespace) -> int:
     for flag, port in (("--port", args.port), ("--http-port", args.http_port)):
         if port is not None and not 0 <= port <= 65535:
             raise SpecserveError(f"{flag} must be in [0, 65535], got {port}")
+    from specserve.runtime.servers_common import check_free
+
+    check_free((f"{args.host}:{args.port}", *args.listen,
+                *([f"{args.host}:{args.http_port}"] if args.http_port is not None else [])))
     server_config = ServerConfig(
         addresses=(f"{args.host}:{args.port}", *args.listen),
         grace_s=args.grace_s,

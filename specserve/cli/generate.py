@@ -6,10 +6,12 @@ import argparse
 import sys
 
 from specserve.cli.common import (
+    DEFAULT_SPECULATIVE_TOKENS,
     add_model_arguments,
     add_prompt_arguments,
     result_json,
     sampling_from_args,
+    speculative_tokens,
     tree_from_args,
 )
 from specserve.errors import SpecserveError
@@ -59,6 +61,7 @@ async def _generate(args: argparse.Namespace) -> dict:
     from specserve.gateway.local import LocalDraft, LocalTarget
     from specserve.gateway.spec_loop import FinalEvent, run_request
 
+    k = speculative_tokens(args, "generate") or DEFAULT_SPECULATIVE_TOKENS
     tree = tree_from_args(args)
     engine, proposer = build_local(args)
     if tree is not None and (proposer is None or not proposer.info.supports_tree):
@@ -73,7 +76,7 @@ async def _generate(args: argparse.Namespace) -> dict:
         prompt_ids=prompt_ids,
         max_new_tokens=args.max_new_tokens,
         sampling=sampling_from_args(args),
-        num_speculative_tokens=args.num_speculative_tokens,
+        num_speculative_tokens=k,
         tree=tree,
         stop=tuple(args.stop),
         adaptive=args.speculation == "adaptive",
@@ -83,7 +86,7 @@ async def _generate(args: argparse.Namespace) -> dict:
     draft = LocalDraft(proposer) if proposer is not None else None
     final = None
     try:
-        adaptive = AdaptiveSpeculation(AdaptiveConfig(max_k=max(1, args.num_speculative_tokens)))
+        adaptive = AdaptiveSpeculation(AdaptiveConfig(max_k=max(1, k)))
         async for event in run_request(request, target, draft, tokenizer=tokenizer, adaptive=adaptive):
             if isinstance(event, FinalEvent):
                 final = event  # the last event; the generator then closes on its own

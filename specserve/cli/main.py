@@ -7,6 +7,7 @@ imported only when their subcommand runs, so ``specserve --help`` stays fast.
 from __future__ import annotations
 
 import argparse
+import copy
 import importlib
 import re
 import sys
@@ -41,12 +42,49 @@ def _available() -> dict[str, str]:
     return found
 
 
+class DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """--help shows each flag's default: appended to its help (unless the help already says it), and as the
+    help of a flag that has none. Flags whose default is unset (None) or off (False) say nothing more."""
+
+    def _get_help_string(self, action) -> str:
+        text = action.help or ""
+        if "default" in text.lower() or action.default in (None, False, argparse.SUPPRESS) or not action.option_strings:
+            return text
+        return f"{text} (default: %(default)s)" if text else "default: %(default)s"
+
+    def _format_action(self, action):
+        if not action.help and action.option_strings and action.default not in (None, False, argparse.SUPPRESS):
+            action = copy.copy(action)
+            action.help = "default: %(default)s"
+        return super()._format_action(action)
+
+
 class OneLineParser(argparse.ArgumentParser):
     """argparse, but a bad flag prints one line, not the whole usage:
-    ``specserve generate: error: --draft: invalid choice: 'foo' (...) (see --help)``, exit code 2.
-    Subparsers (``specserve train target``) are of this class too."""
+    ``specserve generate: error: --draft: invalid choice: 'foo' (...) (see --help)``, exit code 2; an
+    unknown flag is named before any missing one; --help shows defaults. Subparsers (``specserve train
+    target``) are of this class too."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("formatter_class", DefaultsFormatter)
+        super().__init__(*args, **kwargs)
+        self.given: list[str] = []  # the command line this parser reads (to name an unknown flag first)
+
+    def _unknown_flags(self) -> list[str]:
+        known = self._option_string_actions
+        out = []
+        for token in self.given:
+            if token == "--":
+                break
+            name = token.split("=", 1)[0]
+            if name.startswith("--") and name not in known and not any(k.startswith(name) for k in known):
+                out.append(name)
+        return out
 
     def error(self, message: str) -> NoReturn:
+        unknown = self._unknown_flags() if "required" in message else []
+        if unknown:  # "--prompt is required" hides the typo that caused it
+            message = f"unrecognized arguments: {' '.join(unknown)}"
         match = re.fullmatch(r"argument ([^:]+): (.*)", message, flags=re.DOTALL)
         if match:  # "argument --draft: invalid choice ..." -> "--draft: invalid choice ..."
             message = f"{match.group(1)}: {match.group(2)}"
@@ -66,6 +104,7 @@ def build_parser(argv: list[str], modules: dict[str, str] | None = None) -> tupl
         if name == chosen:
             mod = importlib.import_module(module)
             mod.add_arguments(p)
+            p.given = list(argv[1:])
     return parser, mod
 
 

@@ -19,7 +19,7 @@ import threading
 import time
 from pathlib import Path
 
-from specserve.cli.common import add_model_arguments
+from specserve.cli.common import add_model_arguments, check_target_placement
 from specserve.errors import SpecserveError
 
 READY = "gateway listening on "
@@ -143,6 +143,7 @@ def run(args: argparse.Namespace) -> int:
     from specserve.cli.common import drafter_config_from_args, model_name
 
     model = Path(model_name(args.model).name)  # a folder or a demo@ / synthetic name (one line if neither)
+    dtype = check_target_placement(args.device, args.dtype)  # the target's refusals now, not in a child
     if args.draft != "none":
         drafter_config_from_args(args, target_checkpoint=model)  # flag errors now, not in a child
     for flag, port in (("--port", args.port), ("--http-port", args.http_port),
@@ -150,6 +151,10 @@ def run(args: argparse.Namespace) -> int:
                        ("--draft-metrics-port", args.draft_metrics_port)):
         if port is not None and not 0 <= port <= 65535:
             raise SpecserveError(f"{flag} must be in [0, 65535], got {port}")
+    from specserve.runtime.servers_common import check_free
+
+    check_free([f"{args.host}:{p}" for p in (args.port, args.http_port) if p is not None]
+               + [f"127.0.0.1:{p}" for p in (args.target_metrics_port, args.draft_metrics_port) if p is not None])
 
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -158,7 +163,7 @@ def run(args: argparse.Namespace) -> int:
     target_addr, draft_addr = f"unix:{sockets}/target.sock", f"unix:{sockets}/draft.sock"
     children = _Children()
     model_flag = ["--model", str(args.model)] if args.model is not None else []
-    placement = ["--device", args.device, "--dtype", args.dtype]
+    placement = ["--device", args.device, "--dtype", dtype]
     no_shm = (["--no-shm"] if args.no_shm else []) + (["--no-hidden-share"] if args.no_hidden_share else [])
     try:
         children.start("target", [

@@ -233,6 +233,30 @@ def check_address(address: str) -> str:
     return address
 
 
+def check_free(addresses) -> None:
+    """Refuse at once (one line, before any model loads) a TCP ``HOST:PORT`` another process listens on; port 0,
+    unix sockets and hosts that do not resolve are left to the bind itself."""
+    import socket
+
+    for address in addresses:
+        if address.startswith("unix:"):
+            continue
+        host, _, port = check_address(address).rpartition(":")
+        if int(port) == 0:
+            continue
+        host = host.strip("[]")
+        try:
+            family = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)[0][0]
+        except OSError:
+            continue
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a port in TIME_WAIT is free
+            try:
+                probe.bind((host, int(port)))
+            except OSError as exc:
+                raise AddressError(f"cannot listen on {address}: {exc.strerror or exc}") from None
+
+
 def _limits_and_keepalive(max_message_bytes: int) -> list[tuple[str, int]]:
     """What server and client must agree on: message limits and keepalive pings."""
     return [

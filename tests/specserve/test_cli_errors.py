@@ -97,3 +97,77 @@ def test_generate_refuses_more_new_tokens_than_the_context_holds(bench_target, c
     line = _one_line_error(capsys, ["generate", "--model", str(bench_target), "--prompt-ids", "1,2",
                                     "--max-new-tokens", "100000000"], "specserve generate: error: --max-new-tokens: ")
     assert "context of 1024" in line
+
+
+@pytest.mark.parametrize("command", ["generate", "target", "draft", "serve"])
+@pytest.mark.parametrize("device", ["gpu", "tpu", "cuda:x"])
+def test_an_unknown_device_is_one_line(capsys, command, device):
+    argv = [command, "--device", device] + (["--prompt-ids", "1"] if command == "generate" else [])
+    line = _one_line_error(capsys, argv, f"specserve {command}: error: --device: ")
+    assert f"expected cpu, cuda or cuda:N, got {device!r}" in line
+
+
+def test_float32_on_cuda_is_refused_before_anything_loads(capsys):
+    """The 40x eager cliff is refused in one line, decided from the flags alone (so a CPU machine shows it);
+    --dtype auto is bfloat16 on CUDA."""
+    from specserve.cli.common import check_target_placement, dtype_for
+
+    line = _one_line_error(capsys, ["generate", "--device", "cuda", "--dtype", "float32", "--prompt-ids", "1"],
+                           "specserve generate: error: --dtype float32 on CUDA: ")
+    assert "without CUDA graphs" in line and "use --dtype bfloat16" in line
+    _one_line_error(capsys, ["serve", "--device", "cuda:0", "--dtype", "float32"], "specserve serve: error: --dtype float32")
+    assert (dtype_for("cuda", "auto"), dtype_for("cuda:1", "auto"), dtype_for("cpu", "auto")) == (
+        "bfloat16", "bfloat16", "float32")
+    assert check_target_placement("cpu", "auto") == "float32" and check_target_placement("cpu", "bfloat16") == "bfloat16"
+
+
+def test_an_unknown_flag_is_named_before_a_missing_one(capsys):
+    line = _one_line_error(capsys, ["generate", "--bogus"], "specserve generate: error: ")
+    assert line == "specserve generate: error: unrecognized arguments: --bogus (see --help)"
+    line = _one_line_error(capsys, ["train", "target", "--out", "x"], "specserve train target: error: ")
+    assert "--tokenizer" in line  # a missing flag with no unknown one is still named
+
+
+def test_help_shows_defaults(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["generate", "--help"])
+    out = capsys.readouterr().out
+    assert info.value.code == 0
+    flat = " ".join(out.split())
+    for shown in ("--num-kv-blocks NUM_KV_BLOCKS default: 4096", "--max-new-tokens MAX_NEW_TOKENS default: 64",
+                  "--draft {none,ngram,model,eagle3,dflash,mtp} default: none", "(default: cpu)"):
+        assert shown in flat, shown
+
+
+def test_a_k_with_draft_none_warns(capsys):
+    assert main(["generate", "--prompt-ids", "1,2,3", "--max-new-tokens", "2", "--num-speculative-tokens", "100",
+                 "--json"]) == 0
+    err = capsys.readouterr().err
+    assert ("specserve generate: warning: --num-speculative-tokens 100 has no effect with --draft none "
+            "(target-only decoding)") in err
+    assert main(["generate", "--prompt-ids", "1,2,3", "--max-new-tokens", "2", "--json"]) == 0
+    assert "warning" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", [["target"], ["draft", "--draft", "ngram"], ["serve"]])
+def test_a_busy_port_is_one_line_before_the_model_loads(command):
+    """A real process, as a user starts it: gRPC's own log line and the interpreter's excepthook noise never
+    show, and the refusal comes before the checkpoint is read."""
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        flag = ["--listen", f"127.0.0.1:{port}"] if command[0] in ("target", "draft") else ["--port", str(port)]
+        t0 = time.monotonic()
+        out = subprocess.run([sys.executable, "-m", "specserve.cli.main", *command, *flag], capture_output=True,
+                             text=True, timeout=120, env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+        took = time.monotonic() - t0
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 2 and lines == [
+        f"specserve {command[0]}: error: cannot listen on 127.0.0.1:{port}: Address already in use"], out.stderr
+    assert took < 30
