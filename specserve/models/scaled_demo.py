@@ -320,21 +320,21 @@ class _Embedder:
         rope_dst = torch.stack([2 * rho * pair, 2 * rho * pair + 1], dim=1).flatten()
         rope_src = torch.arange(d.qk_rope_head_dim)
         heads = torch.arange(d.num_heads)[:, None]
-        nope_d, nope_w = torch.arange(d.qk_nope_head_dim), torch.arange(d.qk_nope_head_dim)
-        q_src = torch.cat([(heads * qk_d + nope_d).flatten(), (heads * qk_d + d.qk_nope_head_dim + rope_src).flatten()])
-        q_dst = torch.cat([(heads * qk_w + nope_w).flatten(), (heads * qk_w + w.qk_nope_head_dim + rope_dst).flatten()])
+        nope = torch.arange(d.qk_nope_head_dim)  # a head's nope dims are its first dims, at both widths
+        q_src = torch.cat([(heads * qk_d + nope).flatten(), (heads * qk_d + d.qk_nope_head_dim + rope_src).flatten()])
+        q_dst = torch.cat([(heads * qk_w + nope).flatten(), (heads * qk_w + w.qk_nope_head_dim + rope_dst).flatten()])
         q_scale = math.sqrt(qk_w / qk_d)  # the softmax scale is qk^-0.5
         self._corner(wa.q_a_proj.weight, da.q_a_proj.weight)
         self._latent_norm(wa.q_a_layernorm.weight, da.q_a_layernorm.weight)
         self._rows(wa.q_b_proj.weight, da.q_b_proj.weight, q_dst, q_src, q_scale)
         kv_src = torch.cat([torch.arange(d.kv_lora_rank), d.kv_lora_rank + rope_src])
         kv_dst = torch.cat([torch.arange(d.kv_lora_rank), w.kv_lora_rank + rope_dst])
-        self._rows(wa.kv_a_proj_with_mqa.weight, da.kv_a_proj_with_mqa.weight[:, : self.hd], kv_dst, kv_src)
+        self._rows(wa.kv_a_proj_with_mqa.weight, da.kv_a_proj_with_mqa.weight, kv_dst, kv_src)
         self._latent_norm(wa.kv_a_layernorm.weight, da.kv_a_layernorm.weight)
         span_d, span_w = d.qk_nope_head_dim + d.v_head_dim, w.qk_nope_head_dim + w.v_head_dim
         v_d = torch.arange(d.v_head_dim)
-        b_src = torch.cat([(heads * span_d + nope_d).flatten(), (heads * span_d + d.qk_nope_head_dim + v_d).flatten()])
-        b_dst = torch.cat([(heads * span_w + nope_w).flatten(), (heads * span_w + w.qk_nope_head_dim + v_d).flatten()])
+        b_src = torch.cat([(heads * span_d + nope).flatten(), (heads * span_d + d.qk_nope_head_dim + v_d).flatten()])
+        b_dst = torch.cat([(heads * span_w + nope).flatten(), (heads * span_w + w.qk_nope_head_dim + v_d).flatten()])
         self._rows(wa.kv_b_proj.weight, da.kv_b_proj.weight, b_dst, b_src)
         o_src = (heads * d.v_head_dim + v_d).flatten()
         o_dst = (heads * w.v_head_dim + v_d).flatten()
