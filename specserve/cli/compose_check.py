@@ -25,8 +25,10 @@ def problem(env: Mapping[str, str], models: Path = Path("/models")) -> str | Non
     family = env.get("SPECSERVE_DRAFT") or "ngram"
     if family not in PROPOSER_FACTORIES:
         return f"SPECSERVE_DRAFT={family}: expected one of {', '.join(PROPOSER_FACTORIES)}"
+    from specserve.cli.common import NO_DRAFT_FOLDER  # ngram, and mtp (the target's own layer)
+
     draft_model = env.get("SPECSERVE_DRAFT_MODEL") or ""
-    if family != "ngram" and not draft_model:
+    if family not in NO_DRAFT_FOLDER and not draft_model:
         return (f"SPECSERVE_DRAFT={family} needs SPECSERVE_DRAFT_MODEL, its checkpoint folder as the container "
                 f"sees it (e.g. {models / family})")
     if draft_model and not (Path(draft_model) / "config.json").is_file():

@@ -10,6 +10,7 @@ from pathlib import Path
 from specserve.cli.common import (
     add_denoise_argument,
     add_listen_arguments,
+    add_threads_argument,
     checkpoint_errors_as_user_errors,
     device_arg,
     metrics_http_from_args,
@@ -40,6 +41,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", type=device_arg, default="cpu", help="cpu, cuda or cuda:N")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     add_listen_arguments(parser, DEFAULT_LISTEN)
+    add_threads_argument(parser)
     parser.add_argument("--max-draft-tokens", type=positive_int, default=256,
                         help="most tokens (chain length or tree nodes) one proposal may ask for")
     parser.add_argument("--max-tree-top-k", type=positive_int, default=16, help="most children per tree node")
@@ -62,7 +64,10 @@ def drafter_config(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
+    from specserve.cli.common import apply_threads
     from specserve.runtime.servers_common import exit_now, run_async
+
+    apply_threads(args.threads)
 
     config = drafter_config(args)
     server_config = server_config_from_args(args, tuple(args.listen or [DEFAULT_LISTEN]))

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from specserve.cli.common import (
+    add_threads_argument,
     add_tls_arguments,
     checkpoint_errors_as_user_errors,
     positive_int,
@@ -43,6 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=50051)
     parser.add_argument("--listen", action="append", default=[], help="extra HOST:PORT or unix:/path to listen on")
+    add_threads_argument(parser)
     parser.add_argument("--http-port", type=int, default=None,
                         help="also serve the OpenAI-compatible HTTP API and /metrics on --host at this port "
                              "(0 = any free port; default: off)")
@@ -90,6 +92,9 @@ def _flag_or_env(value: str | None, env: str) -> str | None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from specserve.cli.common import apply_threads
+
+    apply_threads(args.threads)
     from specserve.gateway.remote_draft import BreakerConfig
     from specserve.gateway.server import GatewayConfig
     from specserve.gateway.validation import RequestLimits

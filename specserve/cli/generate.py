@@ -9,6 +9,8 @@ from specserve.cli.common import (
     DEFAULT_SPECULATIVE_TOKENS,
     add_model_arguments,
     add_prompt_arguments,
+    add_threads_argument,
+    apply_threads,
     result_json,
     sampling_from_args,
     speculative_tokens,
@@ -20,6 +22,7 @@ from specserve.errors import SpecserveError
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser)
     add_prompt_arguments(parser)
+    add_threads_argument(parser)
 
 
 def prompt_ids_from_args(args: argparse.Namespace, tokenizer) -> tuple[int, ...]:
@@ -106,6 +109,8 @@ async def _generate(args: argparse.Namespace) -> dict:
 
 def run(args: argparse.Namespace) -> int:
     import uvloop
+
+    apply_threads(args.threads)
 
     out = uvloop.run(_generate(args))
     if args.json:

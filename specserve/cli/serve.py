@@ -19,7 +19,13 @@ import threading
 import time
 from pathlib import Path
 
-from specserve.cli.common import add_model_arguments, check_target_placement
+from specserve.cli.common import (
+    add_model_arguments,
+    check_target_placement,
+    positive_int,
+    split_threads,
+    usable_cores,
+)
 from specserve.errors import SpecserveError
 
 READY = "gateway listening on "
@@ -40,6 +46,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--served-model-name", default=None,
                         help="the model's name in responses and the HTTP API (default: the checkpoint folder name)")
     parser.add_argument("--max-block-size", type=int, default=8, help="most tokens one proposal may draft")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="cores to share between the three processes (0: those this process may use): the "
+                             "gateway 1, an n-gram draft 1, a model draft a quarter, the target the rest")
+    limits = parser.add_argument_group("limits (the gateway's; sessions and queue also the target's)")
+    limits.add_argument("--max-sessions", type=positive_int, default=64, help="requests running at once")
+    limits.add_argument("--max-queued", type=int, default=64,
+                        help="requests waiting for a running slot; more get RESOURCE_EXHAUSTED")
+    limits.add_argument("--max-prompt-tokens", type=int, default=0, help="prompt tokens (0 = the model's context)")
+    limits.add_argument("--max-output-tokens", type=positive_int, default=4096, help="max_new_tokens of a request")
     parser.add_argument("--draft-step-timeout-s", type=float, default=5.0)
     parser.add_argument("--trust-draft-probs", action="store_true",
                         help="verify with the drafter's probabilities q (default: proposal-only, see README)")
@@ -144,6 +159,14 @@ def run(args: argparse.Namespace) -> int:
 
     model = Path(model_name(args.model).name)  # a folder or a demo@ / synthetic name (one line if neither)
     dtype = check_target_placement(args.device, args.dtype)  # the target's refusals now, not in a child
+    from specserve.gateway.validation import RequestLimits
+    from specserve.runtime.admission import AdmissionConfig
+
+    try:  # the gateway's limit errors now, not in a child
+        AdmissionConfig(args.max_sessions, args.max_queued)
+        RequestLimits(max_prompt_tokens=args.max_prompt_tokens, max_new_tokens=args.max_output_tokens)
+    except ValueError as exc:
+        raise SpecserveError(f"limits (--max-sessions, --max-queued, --max-prompt-tokens): {exc}") from None
     if args.draft != "none":
         drafter_config_from_args(args, target_checkpoint=model)  # flag errors now, not in a child
     for flag, port in (("--port", args.port), ("--http-port", args.http_port),
@@ -155,6 +178,13 @@ def run(args: argparse.Namespace) -> int:
 
     check_free([f"{args.host}:{p}" for p in (args.port, args.http_port) if p is not None]
                + [f"127.0.0.1:{p}" for p in (args.target_metrics_port, args.draft_metrics_port) if p is not None])
+
+    if args.threads < 0:
+        raise SpecserveError(f"--threads must be >= 0, got {args.threads}")
+    threads = split_threads(args.threads or usable_cores(), args.draft)  # target, draft, gateway
+
+    def pool(n: int) -> dict[str, str]:
+        return {"OMP_NUM_THREADS": str(n), "MKL_NUM_THREADS": str(n)}
 
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -172,9 +202,11 @@ def run(args: argparse.Namespace) -> int:
             "--num-kv-blocks", str(args.num_kv_blocks), "--kv-block-size", str(args.kv_block_size),
             *(["--enable-expert-parallel"] if args.enable_expert_parallel else []),
             "--grace-s", str(args.grace_s), *no_shm,
+            "--max-sessions", str(args.max_sessions), "--max-queued", str(args.max_queued),
             *(["--graph-hidden-layers", args.graph_hidden_layers] if args.graph_hidden_layers else []),
             *(["--metrics-port", str(args.target_metrics_port)] if args.target_metrics_port is not None else []),
-        ])
+            "--threads", str(threads[0]),
+        ], extra_env=pool(threads[0]))
         gateway_drafts: list[str] = []
         if args.draft != "none":
             children.start("draft", [
@@ -183,7 +215,8 @@ def run(args: argparse.Namespace) -> int:
                 *(["--draft-model", str(args.draft_model)] if args.draft_model is not None else []),
                 *(["--denoise-steps", str(args.denoise_steps)] if args.denoise_steps is not None else []),
                 *(["--metrics-port", str(args.draft_metrics_port)] if args.draft_metrics_port is not None else []),
-            ])
+                "--threads", str(threads[1]),
+            ], extra_env=pool(threads[1]))
             gateway_drafts = ["--draft-service", f"{args.draft}={draft_addr}"]
             if args.trust_draft_probs:
                 gateway_drafts += ["--trust-draft-probs", args.draft]
@@ -205,10 +238,13 @@ def run(args: argparse.Namespace) -> int:
             *(["--http-port", str(args.http_port)] if args.http_port is not None else []),
             *(["--served-model-name", args.served_model_name] if args.served_model_name is not None else []),
             "--draft-step-timeout-s", str(args.draft_step_timeout_s), "--grace-s", str(args.grace_s), *no_shm,
+            "--max-sessions", str(args.max_sessions), "--max-queued", str(args.max_queued),
+            "--max-prompt-tokens", str(args.max_prompt_tokens), "--max-output-tokens", str(args.max_output_tokens),
+            "--threads", str(threads[2]),
             *[a for flag in ("cert", "key", "ca") if getattr(args, f"tls_{flag}") is not None
               for a in (f"--tls-{flag}", str(getattr(args, f"tls_{flag}")))],
         ], on_stdout=ready_line,  # the token goes by environment, never on a command line
-            extra_env={"SPECSERVE_AUTH_TOKEN": args.auth_token} if args.auth_token else None)
+            extra_env={**pool(threads[2]), **({"SPECSERVE_AUTH_TOKEN": args.auth_token} if args.auth_token else {})})
         deadline = time.monotonic() + args.startup_timeout_s
         _wait_healthy(target_addr, deadline, children, stop)
         if args.draft != "none":

@@ -9,6 +9,7 @@ from pathlib import Path
 from specserve.cli.common import (
     add_engine_arguments,
     add_listen_arguments,
+    add_threads_argument,
     checkpoint_errors_as_user_errors,
     engine_config_from_args,
     metrics_http_from_args,
@@ -24,6 +25,7 @@ DEFAULT_LISTEN = "127.0.0.1:50052"
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_engine_arguments(parser)
     add_listen_arguments(parser, DEFAULT_LISTEN)
+    add_threads_argument(parser)
     parser.add_argument("--max-sessions", type=positive_int, default=64,
                         help="open sessions; more Prefills wait in the admission queue")
     parser.add_argument("--max-queued", type=int, default=64,
@@ -48,8 +50,11 @@ def _layer_list(text: str) -> tuple[int, ...]:
 
 
 def run(args: argparse.Namespace) -> int:
+    from specserve.cli.common import apply_threads
     from specserve.runtime.servers_common import exit_now, run_async
     from specserve.target_service.engine_worker import TargetLimits
+
+    apply_threads(args.threads)
 
     engine_config = engine_config_from_args(args)
     server_config = server_config_from_args(args, tuple(args.listen or [DEFAULT_LISTEN]))

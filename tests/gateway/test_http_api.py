@@ -71,7 +71,8 @@ class Served:
         env = base_env(OTEL_EXPORTER_OTLP_ENDPOINT=otlp.endpoint, OTEL_BSP_SCHEDULE_DELAY="100",
                        OTEL_METRICS_EXPORTER="none")
         self.proc = Proc("serve", ["--model", str(model_dir), "--draft", "ngram", "--port", "0", "--http-port", "0",
-                                   "--auth-token", TOKEN, "--target-metrics-port", "0", "--draft-metrics-port", "0"],
+                                   "--auth-token", TOKEN, "--target-metrics-port", "0", "--draft-metrics-port", "0",
+                                   "--max-output-tokens", "4000", "--max-queued", "8"],
                          env, merge_stderr=False)
         self.model = model_dir.name
 
@@ -222,7 +223,7 @@ def test_bad_requests_wrong_token_and_unknown_model_get_the_api_statuses(served)
         c.completions.create(model=m, prompt=PROMPT, max_tokens=5000)
     grpc_message = served.grpc_error(gateway_pb2.GenerateRequest(prompt=PROMPT, max_new_tokens=5000))
     assert info.value.body["message"] == grpc_message == (
-        "max_new_tokens: 5000 exceeds the limit of 4096 (--max-output-tokens)"
+        "max_new_tokens: 5000 exceeds the limit of 4000 (--max-output-tokens)"  # serve's flag, passed on
     )
     assert info.value.body["param"] == "max_tokens"
     with pytest.raises(openai.BadRequestError) as info:

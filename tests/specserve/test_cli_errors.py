@@ -34,6 +34,7 @@ def _one_line_error(capsys, argv: list[str], prefix: str) -> str:
         (["draft", "--draft", "nope"], "--draft"),
         (["target", "--graph-hidden-layers", "1,x"], "--graph-hidden-layers"),
         (["target", "--graph-hidden-layers", "-1"], "--graph-hidden-layers"),
+        (["serve", "--max-output-tokens", "0"], "--max-output-tokens"),
     ],
 )
 def test_a_bad_flag_value_is_one_line_naming_the_flag(capsys, argv, flag):
@@ -171,3 +172,27 @@ def test_a_busy_port_is_one_line_before_the_model_loads(command):
     assert out.returncode == 2 and lines == [
         f"specserve {command[0]}: error: cannot listen on 127.0.0.1:{port}: Address already in use"], out.stderr
     assert took < 30
+
+
+def test_serve_splits_its_cores_between_its_three_processes():
+    """Three full thread pools on a small host starve each other (the issue: 1.5-14 tok/s served against 113
+    in process on 2 cores); serve gives each process its share."""
+    from specserve.cli.common import split_threads
+
+    assert split_threads(2, "model") == (1, 1, 1)  # target, draft, gateway
+    assert split_threads(2, "none") == (1, 1, 1)
+    assert split_threads(16, "ngram") == (14, 1, 1)
+    assert split_threads(16, "eagle3") == (11, 4, 1)
+    assert split_threads(1, "dflash") == (1, 1, 1)
+
+
+def test_threads_sizes_the_process_pool(capsys):
+    import torch
+
+    before = torch.get_num_threads()
+    try:
+        assert main(["generate", "--prompt-ids", "1,2", "--max-new-tokens", "1", "--threads", "1", "--json"]) == 0
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+    _one_line_error(capsys, ["serve", "--threads", "-1"], "specserve serve: error: --threads must be >= 0")

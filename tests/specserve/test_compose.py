@@ -132,6 +132,7 @@ def test_check_env_refuses_a_bad_environment_in_one_line(tmp_path):
         "SPECSERVE_DRAFT_MODEL": "",
     }
     assert "SPECSERVE_DRAFT_MODEL" in problem({**ok, **bad}, models)
+    assert problem({**ok, "SPECSERVE_DRAFT": "mtp", "SPECSERVE_DRAFT_MODEL": ""}, models) is None  # no folder needed
     assert problem({**ok, "SPECSERVE_DRAFT": "eagle3", "SPECSERVE_DRAFT_MODEL": str(models / "eagle3")}, models) is None
     assert "no config.json" in problem({**ok, "SPECSERVE_DRAFT": "model", "SPECSERVE_DRAFT_MODEL": "/nowhere"}, models)
     assert "expected one of" in problem({**ok, "SPECSERVE_DRAFT": "foo"}, models)
