@@ -21,7 +21,7 @@ from specserve.target_service.engine.engine import TargetEngine
 
 SCALED = "demo@small-moonlight"
 PROMPT_TOKENS = 40
-NEW_TOKENS = 16
+NEW_TOKENS = 12
 
 
 @pytest.fixture(scope="module")
