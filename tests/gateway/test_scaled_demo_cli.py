@@ -11,7 +11,8 @@ import pytest
 from service_helpers import Proc, base_env
 
 from specserve.cli.main import main
-from specserve.draft_service.proposer import VocabMismatchError, check_same_vocab, target_vocab
+from specserve.draft_service.proposer import DrafterConfigError, VocabMismatchError, check_same_vocab, target_vocab
+from specserve.draft_service.target_tensors import read_target_tensors
 from specserve.models.model_names import resolve_model
 from specserve.models.vocab import vocab_hash
 from specserve.paths import demo_checkpoint
@@ -42,6 +43,9 @@ def test_a_demo_name_means_the_demos_tokenizer_and_the_wide_vocabulary():
     assert check_same_vocab(demo_checkpoint("model"), SCALED) == (8192, vocab.hash)
     with pytest.raises(VocabMismatchError, match="vocab_size 8192"):  # a drafter of the wire size does not
         check_same_vocab(demo_checkpoint("model"), "synthetic:small-moonlight")
+    # its tensors exist only in the model built at load time: reading them is one line saying so
+    with pytest.raises(DrafterConfigError, match="built at load time"):
+        read_target_tensors(SCALED, {"embed": "model.embed_tokens.weight"}, "a drafter")
 
 
 def test_generate_with_a_demo_name_gives_the_demos_tokens(capsys):
