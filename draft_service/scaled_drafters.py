@@ -150,6 +150,7 @@ def _plain_norm(wide: torch.Tensor, demo: torch.Tensor, hidden_wide: int) -> Non
 
 
 def _check_gqa(d: GQAConfig, w: GQAConfig, what: str) -> list[str]:
+    """Why the demo's attention `d` does not embed in `w` (nothing when it does)."""
     g, gw = d.num_heads // d.num_kv_heads, w.num_heads // w.num_kv_heads
     bad = [f"{n} {x} > {y}" for n, x, y in (("kv heads", d.num_kv_heads, w.num_kv_heads), ("kv group", g, gw)) if x > y]
     if w.head_dim % d.head_dim:
@@ -186,15 +187,14 @@ def scaled_eagle3_head(head_dir: str | Path, target: ModelName, device: str | to
             f"at {head_dir} has hidden {hd} over target layers of {d.target_hidden_size}")
     a = d.attention
     wa = GQAConfig(num_heads=shape.num_heads, num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim, bias=False)
-    g, gw = a.num_heads // a.num_kv_heads, wa.num_heads // wa.num_kv_heads
-    small = [f"{what} {x} > {y}" for what, x, y in (
-        ("hidden", hd + 1, hw), ("kv heads", a.num_kv_heads, wa.num_kv_heads), ("kv group", g, gw),
-        ("intermediate", d.intermediate_size, shape.intermediate_size),
+    bad = _check_gqa(a, wa, "attention") + [f"{what} {x} > {y}" for what, x, y in (
+        ("hidden", hd + 1, hw), ("intermediate", d.intermediate_size, shape.intermediate_size),
         ("draft vocabulary", d.draft_vocab_size, shape.draft_vocab_size),
         ("draft vocabulary", shape.draft_vocab_size, tc.vocab_size)) if x > y]
-    if small or a.bias or a.qk_norm or d.rope.rope_type != "default" or wa.head_dim % a.head_dim:
-        raise DrafterConfigError(f"the demo's EAGLE-3 head does not scale to {target.name}: "
-                                 f"{', '.join(small) or 'it needs default rope, no bias / qk norm, whole head dims'}")
+    if d.rope.rope_type != "default":
+        bad.append(f"rope {d.rope.rope_type} (default only)")
+    if bad:
+        raise DrafterConfigError(f"the demo's EAGLE-3 head does not scale to {target.name}: {', '.join(bad)}")
     kappa, _ = constant_channel(dc, hw)
     eps = (d.rms_norm_eps * hd - kappa * kappa) / hw
     if eps <= 0:
@@ -212,13 +212,7 @@ def scaled_eagle3_head(head_dir: str | Path, target: ModelName, device: str | to
         aux_layers=tuple(i + 1 for i in layers) if layers is not None else None,
         raw=raw, draft_vocab_limit=d.draft_vocab_size,
     )
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            wide = Eagle3Head(cfg, with_embeddings=True)
-    finally:
-        torch.set_default_dtype(old)
+    wide = _wide_default_dtype(dtype, device, lambda: Eagle3Head(cfg, with_embeddings=True))
     _embed_eagle3(wide, demo, kappa)
     return wide.eval()
 
@@ -274,6 +268,7 @@ DRAFT_LM_SHAPES: Mapping[str, DraftLMShape] = MappingProxyType({
 
 
 def _wide_default_dtype(dtype: torch.dtype, device, build):
+    """build() with `device` and `dtype` the defaults (the wide module made where and how it runs)."""
     old = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:

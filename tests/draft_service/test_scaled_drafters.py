@@ -12,7 +12,7 @@ import torch
 from draft_helpers import first_draft_q, lockstep
 
 from specserve.contract.types import SamplingParams, TreeSpec
-from specserve.draft_service.proposer import DrafterConfig
+from specserve.draft_service.proposer import DrafterConfig, DrafterConfigError
 from specserve.draft_service.registry import build_proposer
 from specserve.models.scaled_demo import build_scaled_demo, constant_channel, load_demo
 from specserve.models.vocab import vocab_hash
@@ -123,3 +123,9 @@ def test_scaled_drafter_proposes_the_demo_size_blocks(built, engines, prompts, f
     for prompt in prompts if tree is None else prompts[:1]:
         emitted = lockstep(engines, built(family), prompt, 4, NEW_TOKENS, tree)
         assert emitted == engines[1].generate_greedy(prompt, NEW_TOKENS)  # lossless: target-only's tokens
+
+
+def test_a_drafter_that_does_not_fit_the_demo_is_one_line():
+    """The demo target's MLA model as a draft LM for the demo@ target: refused, naming what does not fit."""
+    with pytest.raises(DrafterConfigError, match="does not scale to demo@small-moonlight: a GQA attention"):
+        build_proposer(DrafterConfig(family="model", checkpoint=demo_checkpoint("target"), target_checkpoint=SCALED))
