@@ -121,9 +121,7 @@ def check_fp8_moe_args(
 
 
 W4A16_GEMV_MAX_TOKENS = 8  # up to here the W4A16 MoE runs as per-slot GEMVs (no tensor cores): BENCHMARKS.md
-# (output rows, packed words) of one GEMV program's tile by its row count MT (registers: MT x rows x words per
-# accumulator, gate and up each)
-GEMV_TILES = {1: (32, 32), 2: (32, 32), 4: (32, 16), 8: (16, 16)}
+GEMV_TILE = (32, 32)  # (output rows, packed words) of one GEMV program's tile
 
 
 def quant_tile_config(num_tokens: int, int4: bool) -> MoETileConfig:
@@ -167,28 +165,21 @@ def _moe(hidden, w13, s13, w2, s2, topk_ids, topk_weights, e, inter, config, int
 
 
 def _w4a16_gemv(hidden, w13, s13, w2, s2, topk_ids, topk_weights, inter, group):
-    """For T <= W4A16_GEMV_MAX_TOKENS: the slots sorted by expert; one program per (expert chosen, output tile)
-    reads the expert's packed weights once for all its tokens (a verify of T tokens reads each distinct expert
-    once, as a decode reads its K). Graph-safe: the grid is (T * K, tiles), the programs past an expert's first
-    slot return at once."""
+    """One program row per (token, k) slot, no expert sort: for T <= W4A16_GEMV_MAX_TOKENS."""
     t, h = hidden.shape
     k = topk_ids.shape[1]
     n = t * k
-    sorted_ids, sorted_slot = torch.sort(topk_ids.reshape(-1).to(torch.int32), stable=True)  # [T*K] each
-    mt = triton_next_pow2(t)  # rows a program may take: an expert is chosen at most once per token
+    ids = topk_ids.reshape(-1)  # [T*K]
     act = torch.empty(n, inter, dtype=hidden.dtype, device=hidden.device)  # [T*K, I]
-    bn, bkw = GEMV_TILES[mt]
-    warps = 4
+    bn, bkw = GEMV_TILE
     quant_moe_triton.w4a16_gemv_gate_up_kernel[(n, triton.cdiv(inter, bn))](
-        hidden, w13, s13, sorted_ids, sorted_slot, act, n, k, h, inter, hidden.stride(0), w13.stride(0),
-        w13.stride(1), s13.stride(0), s13.stride(1), act.stride(0), G=group, BN=bn, BKW=bkw, MT=mt,
-        NP=triton_next_pow2(n), num_warps=warps, num_stages=1,
+        hidden, w13, s13, ids, act, k, h, inter, hidden.stride(0), w13.stride(0), w13.stride(1), s13.stride(0),
+        s13.stride(1), act.stride(0), G=group, BN=bn, BKW=bkw, num_warps=4, num_stages=1,
     )
     per_slot = torch.empty(n, h, dtype=torch.float32, device=hidden.device)  # [T*K, H]
     quant_moe_triton.w4a16_gemv_down_kernel[(n, triton.cdiv(h, bn))](
-        act, w2, s2, sorted_ids, sorted_slot, topk_weights.reshape(-1), per_slot, n, h, inter, act.stride(0),
-        w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), per_slot.stride(0), G=group, BN=bn, BKW=bkw, MT=mt,
-        NP=triton_next_pow2(n), num_warps=warps, num_stages=1,
+        act, w2, s2, ids, topk_weights.reshape(-1), per_slot, h, inter, act.stride(0), w2.stride(0), w2.stride(1),
+        s2.stride(0), s2.stride(1), per_slot.stride(0), G=group, BN=bn, BKW=bkw, num_warps=4, num_stages=1,
     )
     return _sum_rows(per_slot.view(t, k, h), hidden.dtype)
 

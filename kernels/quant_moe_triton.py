@@ -231,35 +231,16 @@ def fp8_linear_kernel(
 
 
 @triton.jit
-def _expert_rows(sorted_ids_ptr, sorted_slot_ptr, N, MT: tl.constexpr, NP: tl.constexpr):
-    """The program's expert and its rows. Program i of the slots sorted by expert leads when slot i starts a chunk
-    of MT slots of its expert's run (the run starts at the count of smaller ids); its rows are that chunk. An
-    expert is chosen once per token, so with MT >= T a run is one chunk, read once; a run longer than MT (expert
-    parallelism sends other ranks' choices to local expert 0 at weight 0) takes several.
-    Returns (expert int64, leads, slots [MT] int64, row mask [MT])."""
-    i = tl.program_id(0)
-    e = tl.load(sorted_ids_ptr + i)
-    every = tl.arange(0, NP)
-    start = tl.sum((tl.load(sorted_ids_ptr + every, mask=every < N, other=2**30) < e).to(tl.int32), axis=0)
-    j = i + tl.arange(0, MT)
-    ids = tl.load(sorted_ids_ptr + j, mask=j < N, other=-1)
-    rows = (j < N) & (ids == e)
-    slots = tl.load(sorted_slot_ptr + j, mask=rows, other=0).to(tl.int64)
-    return e.to(tl.int64), (i - start) % MT == 0, slots, rows
-
-
-@triton.jit
-def _int4_rows_fma(acc, words, s, a_ptr, stride_a, rows_idx, rows, wcols, K):
-    """acc [MT, BN, BKW] += rows' activations (a_ptr + rows_idx * stride_a, [MT, K]) times the tile's weights
-    (packed words / scales [BN, BKW]), elementwise (reduced over BKW once, after the loop); each weight is
-    dequantized exactly in fp32 ((q - 8) * scale) once for every row."""
+def _int4_gemv_part(words, x_row, wcols, K):
+    """sum_j nibble_j(words) * x[8w + j] and sum_j x[8w + j]: [BN, BKW] and [BKW] fp32 (nibbles as stored, 0..15)."""
+    part = tl.zeros(words.shape, dtype=tl.float32)
+    xs = tl.zeros(wcols.shape, dtype=tl.float32)
     for j in tl.static_range(8):
         cols = wcols * 8 + j
-        x = tl.load(a_ptr + rows_idx[:, None] * stride_a + cols[None, :], mask=rows[:, None] & (cols < K)[None, :],
-                    other=0.0).to(tl.float32)  # [MT, BKW]
-        w = (((words >> (4 * j)) & 0xF) - 8).to(tl.float32) * s  # [BN, BKW]
-        acc += x[:, None, :] * w[None, :, :]
-    return acc
+        xj = tl.load(x_row + cols, mask=cols < K, other=0.0).to(tl.float32)
+        part += ((words >> (4 * j)) & 0xF).to(tl.float32) * xj[None, :]
+        xs += xj
+    return part, xs
 
 
 @triton.jit
@@ -267,10 +248,8 @@ def w4a16_gemv_gate_up_kernel(
     x_ptr,  # [T, H]
     wp_ptr,  # [E, 2I, H / 8] int32
     ws_ptr,  # [E, 2I, H / G]
-    sorted_ids_ptr,  # [N] expert of each (token, k) slot, sorted
-    sorted_slot_ptr,  # [N] the flat slot (token * K + k) at each sorted position
-    act_ptr,  # [N, I] out: silu(gate) * up per flat slot
-    N,
+    ids_ptr,  # [N] expert of each flat (token, k) slot
+    act_ptr,  # [N, I] out: silu(gate) * up per slot
     TOPK,
     H,
     I,
@@ -283,35 +262,33 @@ def w4a16_gemv_gate_up_kernel(
     G: tl.constexpr,
     BN: tl.constexpr,
     BKW: tl.constexpr,
-    MT: tl.constexpr,
-    NP: tl.constexpr,
 ):
-    """Few tokens: one program per (expert chosen, BN output rows) reads that expert's packed tile once and applies
-    it to every token that chose the expert (no tensor cores: the rows are few). Each weight is dequantized exactly
-    in fp32 ((q - 8) * scale) and multiplied in fp32; a row's sums run in the same order whoever else is in the
-    program (the accumulators are per row, reduced over the tile's words once at the end)."""
-    e, first, slots, rows = _expert_rows(sorted_ids_ptr, sorted_slot_ptr, N, MT, NP)
-    if first:
-        pid_n = tl.program_id(1)
-        offs_n = pid_n * BN + tl.arange(0, BN)
-        nvalid = offs_n < I
-        offs_w = tl.arange(0, BKW)
-        wp_e = wp_ptr + e * stride_we
-        ws_e = ws_ptr + e * stride_se
-        tokens = slots // TOPK
-        acc_g = tl.zeros([MT, BN, BKW], dtype=tl.float32)
-        acc_u = tl.zeros([MT, BN, BKW], dtype=tl.float32)
-        for w0 in range(0, tl.cdiv(H, 8), BKW):
-            wcols = w0 + offs_w
-            words_g, s_g = _int4_load(wp_e, ws_e, offs_n, nvalid, wcols, H, stride_wn, stride_sn, G)
-            words_u, s_u = _int4_load(wp_e, ws_e, offs_n + I, nvalid, wcols, H, stride_wn, stride_sn, G)
-            acc_g = _int4_rows_fma(acc_g, words_g, s_g, x_ptr, stride_xt, tokens, rows, wcols, H)
-            acc_u = _int4_rows_fma(acc_u, words_u, s_u, x_ptr, stride_xt, tokens, rows, wcols, H)
-        g = tl.sum(acc_g, axis=2)
-        u = tl.sum(acc_u, axis=2)
-        act = g * tl.sigmoid(g) * u
-        tl.store(act_ptr + slots[:, None] * stride_an + offs_n[None, :], act.to(act_ptr.dtype.element_ty),
-                 mask=rows[:, None] & nvalid[None, :])
+    """Few tokens (T * K slots, one program row each): no tensor cores, the nibbles are multiplied by the
+    activations in registers; a group's scale is applied once to its words' partial sums (sum (q - 8) x s =
+    (sum q x - 8 sum x) s)."""
+    slot = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    e = tl.load(ids_ptr + slot).to(tl.int64)
+    x_row = x_ptr + (slot // TOPK).to(tl.int64) * stride_xt
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    nvalid = offs_n < I
+    offs_w = tl.arange(0, BKW)
+    wp_e = wp_ptr + e * stride_we
+    ws_e = ws_ptr + e * stride_se
+    acc_g = tl.zeros([BN, BKW], dtype=tl.float32)
+    acc_u = tl.zeros([BN, BKW], dtype=tl.float32)
+    for w0 in range(0, tl.cdiv(H, 8), BKW):
+        wcols = w0 + offs_w
+        words_g, s_g = _int4_load(wp_e, ws_e, offs_n, nvalid, wcols, H, stride_wn, stride_sn, G)
+        words_u, s_u = _int4_load(wp_e, ws_e, offs_n + I, nvalid, wcols, H, stride_wn, stride_sn, G)
+        part_g, xs = _int4_gemv_part(words_g, x_row, wcols, H)
+        part_u, xs = _int4_gemv_part(words_u, x_row, wcols, H)
+        acc_g += (part_g - 8.0 * xs[None, :]) * s_g
+        acc_u += (part_u - 8.0 * xs[None, :]) * s_u
+    g = tl.sum(acc_g, axis=1)
+    u = tl.sum(acc_u, axis=1)
+    act = g * tl.sigmoid(g) * u
+    tl.store(act_ptr + slot.to(tl.int64) * stride_an + offs_n, act.to(act_ptr.dtype.element_ty), mask=nvalid)
 
 
 @triton.jit
@@ -319,11 +296,9 @@ def w4a16_gemv_down_kernel(
     act_ptr,  # [N, I]
     wp_ptr,  # [E, H, I / 8] int32
     ws_ptr,  # [E, H, I / G]
-    sorted_ids_ptr,  # [N]
-    sorted_slot_ptr,  # [N]
+    ids_ptr,  # [N]
     tw_ptr,  # [N] routing weight of each flat slot
     out_ptr,  # [N, H] fp32 out: weighted expert output per flat slot
-    N,
     H,
     I,
     stride_an,
@@ -335,21 +310,21 @@ def w4a16_gemv_down_kernel(
     G: tl.constexpr,
     BN: tl.constexpr,
     BKW: tl.constexpr,
-    MT: tl.constexpr,
-    NP: tl.constexpr,
 ):
-    e, first, slots, rows = _expert_rows(sorted_ids_ptr, sorted_slot_ptr, N, MT, NP)
-    if first:
-        pid_n = tl.program_id(1)
-        offs_n = pid_n * BN + tl.arange(0, BN)
-        nvalid = offs_n < H
-        offs_w = tl.arange(0, BKW)
-        wp_e = wp_ptr + e * stride_we
-        ws_e = ws_ptr + e * stride_se
-        acc = tl.zeros([MT, BN, BKW], dtype=tl.float32)
-        for w0 in range(0, tl.cdiv(I, 8), BKW):
-            wcols = w0 + offs_w
-            words, s = _int4_load(wp_e, ws_e, offs_n, nvalid, wcols, I, stride_wn, stride_sn, G)
-            acc = _int4_rows_fma(acc, words, s, act_ptr, stride_an, slots, rows, wcols, I)
-        out = tl.sum(acc, axis=2) * tl.load(tw_ptr + slots, mask=rows, other=0.0).to(tl.float32)[:, None]
-        tl.store(out_ptr + slots[:, None] * stride_on + offs_n[None, :], out, mask=rows[:, None] & nvalid[None, :])
+    slot = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    e = tl.load(ids_ptr + slot).to(tl.int64)
+    a_row = act_ptr + slot.to(tl.int64) * stride_an
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    nvalid = offs_n < H
+    offs_w = tl.arange(0, BKW)
+    wp_e = wp_ptr + e * stride_we
+    ws_e = ws_ptr + e * stride_se
+    acc = tl.zeros([BN, BKW], dtype=tl.float32)
+    for w0 in range(0, tl.cdiv(I, 8), BKW):
+        wcols = w0 + offs_w
+        words, s = _int4_load(wp_e, ws_e, offs_n, nvalid, wcols, I, stride_wn, stride_sn, G)
+        part, xs = _int4_gemv_part(words, a_row, wcols, I)
+        acc += (part - 8.0 * xs[None, :]) * s
+    out = tl.sum(acc, axis=1) * tl.load(tw_ptr + slot).to(tl.float32)
+    tl.store(out_ptr + slot.to(tl.int64) * stride_on + offs_n, out, mask=nvalid)

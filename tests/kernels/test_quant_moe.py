@@ -1,8 +1,7 @@
 """GPU checks of the W4A16 and FP8 kernels against their dequantizing torch references (fresh random inputs,
 poisoned allocator first). Also runs on CPU under TRITON_INTERPRET=1 (tiny shapes only, float16: the
 interpreter mishandles bf16 dots, the bf16 fused MoE included; Triton 3.6's interpreter needs numpy < 2.4).
-T <= 8 runs the W4A16 MoE's GEMV path (one program per expert chosen, for all its tokens), larger T and explicit
-tiles its dot path."""
+T <= 8 runs the W4A16 MoE's per-slot GEMV path, larger T and explicit tiles its dot path."""
 
 from __future__ import annotations
 
@@ -91,7 +90,7 @@ def test_w4a16_moe_matches_reference(shape: str, t: int) -> None:
 @pytest.mark.parametrize("t", (2, 6))
 def test_w4a16_gemv_takes_an_expert_run_longer_than_its_rows(t: int) -> None:
     """Expert parallelism sends other ranks' choices to local expert 0 at weight 0, so one expert can hold more
-    slots than there are tokens: the GEMV path takes such a run in several chunks and still matches."""
+    slots than there are tokens: both paths still match."""
     shape = "tiny" if TINY_ONLY else "kimi_k2_width"
     x, w13, s13, w2, s2, ids, weights = _int4_case(shape, t, seed=31 + t)
     ids = ids.clone()
