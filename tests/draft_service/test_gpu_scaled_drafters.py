@@ -7,13 +7,12 @@ speculation through each (Moonlight) emits the demo's exact law, with a negative
 from __future__ import annotations
 
 import gc
-import json
 
 import numpy as np
 import pytest
 import torch
+from demo_helpers import chisquare_pvalue, demo_prompts, exact_demo_laws
 from draft_helpers import first_draft_q, lockstep
-from scipy.stats import chisquare
 
 from specserve.contract.types import SamplingParams, TreeSpec
 from specserve.draft_service.proposer import DrafterConfig
@@ -26,14 +25,6 @@ pytestmark = [
 ]
 
 NEW_TOKENS = 32
-
-
-def _prompts(n: int = 2, length: int = 40) -> list[list[int]]:
-    from specserve.models.loader import load_tokenizer
-
-    target = demo_checkpoint("target")
-    tok = load_tokenizer(target)
-    return [tok.encode(t).ids[:length] for t in json.loads((target / "heldout_prompts.json").read_text())[:n]]
 
 
 def _engines(spec: str):
@@ -75,7 +66,7 @@ def test_full_size_scaled_drafter_proposes_the_demo_size_blocks_and_is_lossless(
     spec, pair = engines
     drafters = _drafters(family, spec)
     try:
-        for prompt in _prompts():
+        for prompt in demo_prompts():
             if tree is None:  # the law of a sampled drafted token: the demo-size one's, nothing past the demo's ids
                 demo_q, wide_q = (first_draft_q(e, p, prompt) for e, p in zip(pair, drafters))
                 torch.testing.assert_close(wide_q[: demo_q.shape[0]], demo_q, rtol=0, atol=1e-4)
@@ -88,29 +79,6 @@ def test_full_size_scaled_drafter_proposes_the_demo_size_blocks_and_is_lossless(
         torch.cuda.empty_cache()
 
 
-def _chisquare(counts: np.ndarray, expected: torch.Tensor) -> float:
-    exp = expected.cpu().double().numpy() * counts.sum()
-    big = exp >= 5
-    obs, want = np.append(counts[big], counts[~big].sum()), np.append(exp[big], exp[~big].sum())
-    keep = want > 0
-    return chisquare(obs[keep], want[keep] * obs[keep].sum() / want[keep].sum()).pvalue
-
-
-def _exact_laws(prompt: list[int], sampling: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:  # [V_demo] x 2
-    """(law of the token after the prompt, law of the one after that) from transformers' demo in float64."""
-    from transformers import AutoModelForCausalLM
-
-    from specserve.models.probs import target_probs
-
-    hf = AutoModelForCausalLM.from_pretrained(demo_checkpoint("target"), dtype=torch.float64,
-                                              experts_implementation="eager").eval()
-    with torch.no_grad():
-        p1 = target_probs(hf(torch.tensor([prompt])).logits[0, -1:], sampling)[0].double()
-        support = torch.nonzero(p1).flatten()
-        p2 = target_probs(hf(torch.tensor([prompt + [int(e)] for e in support])).logits[:, -1], sampling).double()
-    return p1, (p1[support, None] * p2).sum(0)
-
-
 @pytest.mark.parametrize("family", ["eagle3", "model", "dflash"])
 def test_full_size_scaled_drafter_sampled_first_verified_token_follows_the_demo(engines, family):
     """The first token a verify of the scaled drafter's sampled block emits, over many seeds, against the demo's
@@ -120,8 +88,8 @@ def test_full_size_scaled_drafter_sampled_first_verified_token_follows_the_demo(
     if engine.model.config.quantization is not None:
         pytest.skip("the exact law is the float64 demo's; the int4 shape computes the int4-quantized demo")
     drafter = _drafters(family, spec)[1]
-    prompt, sampling = _prompts(1)[0], SamplingParams(temperature=1.0, top_k=8)
-    p1, p2 = _exact_laws(prompt, sampling)
+    prompt, sampling = demo_prompts(1)[0], SamplingParams(temperature=1.0, top_k=8)
+    p1, p2 = exact_demo_laws(prompt, sampling)
     layers = drafter.info.hidden_layers if drafter.info.needs_hidden_states else ()
     vocab, runs = engine.model.config.vocab_size, 240
     counts = np.zeros(vocab)
@@ -144,5 +112,5 @@ def test_full_size_scaled_drafter_sampled_first_verified_token_follows_the_demo(
     expected, wrong = torch.zeros(vocab, dtype=torch.float64), torch.zeros(vocab, dtype=torch.float64)
     expected[: p2.shape[0]], wrong[: p1.shape[0]] = p2, p1
     assert counts[(expected == 0).numpy()].sum() == 0, "emitted a token the target cannot sample"
-    assert _chisquare(counts, expected) > 1e-3
-    assert _chisquare(counts, wrong + 1e-9) < 1e-3  # negative control: another law is rejected
+    assert chisquare_pvalue(counts, expected) > 1e-3
+    assert chisquare_pvalue(counts, wrong + 1e-9) < 1e-3  # negative control: another law is rejected

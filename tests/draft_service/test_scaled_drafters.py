@@ -5,10 +5,9 @@ trees) at every step of a greedy speculation whose output equals the target-only
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
+from demo_helpers import demo_prompts
 from draft_helpers import first_draft_q, lockstep
 
 from specserve.contract.types import SamplingParams, TreeSpec
@@ -26,12 +25,7 @@ NEW_TOKENS = 12
 
 @pytest.fixture(scope="module")
 def prompts() -> list[list[int]]:
-    from specserve.models.loader import load_tokenizer
-
-    target = demo_checkpoint("target")
-    tok = load_tokenizer(target)
-    texts = json.loads((target / "heldout_prompts.json").read_text())[:2]
-    return [tok.encode(t).ids[:PROMPT_TOKENS] for t in texts]
+    return demo_prompts(2, PROMPT_TOKENS)
 
 
 @pytest.fixture(scope="module")

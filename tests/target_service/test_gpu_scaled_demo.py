@@ -6,16 +6,14 @@ the exact law (computed on the demo itself, which is the same function) with a n
 from __future__ import annotations
 
 import gc
-import json
 import time
 
 import numpy as np
 import pytest
 import torch
-from scipy.stats import chisquare
+from demo_helpers import chisquare_pvalue, demo_prompts, exact_demo_laws
 
 from specserve.contract.types import SamplingParams
-from specserve.models.probs import target_probs
 from specserve.models.scaled_demo import build_scaled_demo, load_demo, quantized_demo
 from specserve.paths import demo_checkpoint
 from specserve.target_service.factory import EngineConfig, build_engine
@@ -30,14 +28,6 @@ K26 = "demo@kimi-k2.6:8"  # 8 of the shape's layers: float32 dense weights leave
 DRAFTERS = ("ngram", "model")  # the drafters that run against a demo@ target here
 NEW_TOKENS = 24
 SAMPLING = dict(temperature=1.0, top_k=8)
-
-
-def _prompts(n: int = 2, length: int = 40) -> list[list[int]]:
-    from specserve.models.loader import load_tokenizer
-
-    target = demo_checkpoint("target")
-    tok = load_tokenizer(target)
-    return [tok.encode(t).ids[:length] for t in json.loads((target / "heldout_prompts.json").read_text())[:n]]
 
 
 def _free() -> None:
@@ -71,7 +61,7 @@ def moonlight32():
 
 def test_moonlight_float32_greedy_is_the_demos(moonlight32):
     engine, demo = moonlight32
-    for prompt in _prompts():
+    for prompt in demo_prompts():
         assert engine.generate_greedy(prompt, NEW_TOKENS) == demo.generate_greedy(prompt, NEW_TOKENS)
 
 
@@ -91,32 +81,11 @@ def test_moonlight_greedy_speculation_is_lossless(moonlight32, family):
 
     engine, _ = moonlight32
     proposer, stats = _proposer(family), SpecStats()
-    for i, prompt in enumerate(_prompts()):
+    for i, prompt in enumerate(demo_prompts()):
         reference = engine.generate_greedy(prompt, NEW_TOKENS)
         spec = speculative_greedy(engine, proposer, f"g{i}", prompt, 4, NEW_TOKENS, stats)
         assert spec[:NEW_TOKENS] == reference
     assert stats.drafted > 0
-
-
-def _chisquare(counts: np.ndarray, expected: torch.Tensor) -> float:
-    exp = expected.cpu().double().numpy() * counts.sum()
-    big = exp >= 5
-    obs, want = np.append(counts[big], counts[~big].sum()), np.append(exp[big], exp[~big].sum())
-    keep = want > 0
-    return chisquare(obs[keep], want[keep] * obs[keep].sum() / want[keep].sum()).pvalue
-
-
-def _exact_laws(prompt: list[int], sampling: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:  # [V_demo] x 2
-    """(law of the token after the prompt, law of the one after that) from transformers' demo in float64."""
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(demo_checkpoint("target"), dtype=torch.float64,
-                                              experts_implementation="eager").eval()
-    with torch.no_grad():
-        p1 = target_probs(hf(torch.tensor([prompt])).logits[0, -1:], sampling)[0].double()
-        support = torch.nonzero(p1).flatten()
-        p2 = target_probs(hf(torch.tensor([prompt + [int(e)] for e in support])).logits[:, -1], sampling).double()
-    return p1, (p1[support, None] * p2).sum(0)
 
 
 @pytest.mark.parametrize("family", DRAFTERS)
@@ -124,8 +93,8 @@ def test_moonlight_sampled_first_verified_token_follows_the_demo(moonlight32, fa
     """The first token a verify emits, over many seeds, against the demo's exact law of that token;
     negative control: the same counts against the law of the token before it are rejected."""
     engine, _ = moonlight32
-    prompt, sampling = _prompts(1)[0], SamplingParams(**SAMPLING)
-    p1, p2 = _exact_laws(prompt, sampling)
+    prompt, sampling = demo_prompts(1)[0], SamplingParams(**SAMPLING)
+    p1, p2 = exact_demo_laws(prompt, sampling)
     proposer, runs = _proposer(family), 240
     vocab = engine.model.config.vocab_size
     counts = np.zeros(vocab)
@@ -142,8 +111,8 @@ def test_moonlight_sampled_first_verified_token_follows_the_demo(moonlight32, fa
     expected, wrong = torch.zeros(vocab, dtype=torch.float64), torch.zeros(vocab, dtype=torch.float64)
     expected[: p2.shape[0]], wrong[: p1.shape[0]] = p2, p1
     assert counts[(expected == 0).numpy()].sum() == 0, "emitted a token the target cannot sample"
-    assert _chisquare(counts, expected) > 1e-3
-    assert _chisquare(counts, wrong + 1e-9) < 1e-3  # negative control: another law is rejected
+    assert chisquare_pvalue(counts, expected) > 1e-3
+    assert chisquare_pvalue(counts, wrong + 1e-9) < 1e-3  # negative control: another law is rejected
 
 
 def test_k26_width_float32_greedy_is_the_int4_demos():
@@ -154,7 +123,7 @@ def test_k26_width_float32_greedy_is_the_int4_demos():
 
     demo = TargetEngine(demo_model, demo_config, None, num_blocks=128, block_size=16, device="cuda")
     try:
-        for prompt in _prompts():
+        for prompt in demo_prompts():
             assert engine.generate_greedy(prompt, NEW_TOKENS) == demo.generate_greedy(prompt, NEW_TOKENS)
     finally:
         del engine, demo, demo_model

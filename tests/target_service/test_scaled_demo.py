@@ -5,10 +5,9 @@ within 5% of the published models' (from their configs, on the meta device)."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
+from demo_helpers import demo_prompts
 
 from specserve.bench.model_bytes import model_bytes
 from specserve.contract.types import DraftBlock
@@ -34,12 +33,7 @@ NEW_TOKENS = 12
 
 @pytest.fixture(scope="module")
 def prompts() -> list[list[int]]:
-    from specserve.models.loader import load_tokenizer
-
-    target = demo_checkpoint("target")
-    tok = load_tokenizer(target)
-    texts = json.loads((target / "heldout_prompts.json").read_text())[:PROMPTS]
-    return [tok.encode(t).ids[:PROMPT_TOKENS] for t in texts]
+    return demo_prompts(PROMPTS, PROMPT_TOKENS)
 
 
 def _engine(model, config) -> TargetEngine:
