@@ -132,17 +132,23 @@ def is_synthetic(model: object) -> bool:
     return str(model).startswith(SYNTHETIC_PREFIX)
 
 
-def parse_spec(spec: str) -> tuple[str, int | None]:
-    """'NAME', 'NAME:LAYERS' or 'synthetic:NAME[:LAYERS]' -> (NAME, LAYERS or None)."""
-    body = spec[len(SYNTHETIC_PREFIX):] if spec.startswith(SYNTHETIC_PREFIX) else spec
+def split_named_spec(spec: str, prefix: str, names: Mapping[str, object], what: str) -> tuple[str, int | None]:
+    """'[prefix]NAME' or '[prefix]NAME:LAYERS' -> (NAME, LAYERS or None); NAME one of `names` (`what` names them in
+    the error)."""
+    body = spec[len(prefix):] if spec.startswith(prefix) else spec
     name, sep, layers = body.partition(":")
-    if name not in PRESETS:
-        raise ModelConfigError(f"unknown synthetic preset {name!r}; choose from {', '.join(sorted(PRESETS))}")
+    if name not in names:
+        raise ModelConfigError(f"unknown {what} {name!r} in {spec!r}; choose from {', '.join(sorted(names))}")
     if not sep:
         return name, None
     if not layers.isdigit() or int(layers) < 1:
-        raise ModelConfigError(f"synthetic spec {spec!r}: layer count must be a positive integer, got {layers!r}")
+        raise ModelConfigError(f"{spec!r}: layer count must be a positive integer, got {layers!r}")
     return name, int(layers)
+
+
+def parse_spec(spec: str) -> tuple[str, int | None]:
+    """'NAME', 'NAME:LAYERS' or 'synthetic:NAME[:LAYERS]' -> (NAME, LAYERS or None)."""
+    return split_named_spec(spec, SYNTHETIC_PREFIX, PRESETS, "synthetic preset")
 
 
 def synthetic_config(spec: str) -> ModelConfig:

@@ -46,7 +46,7 @@ from specserve.kernels.quant_reference import dequant_int4, pack_int4
 from specserve.models.causal_lm import CausalLM, build_model
 from specserve.models.config import MLAConfig, ModelConfig, RopeConfig
 from specserve.models.errors import ModelConfigError
-from specserve.models.presets import PRESETS, init_random_
+from specserve.models.presets import PRESETS, init_random_, split_named_spec
 from specserve.models.quant import Int4PackConfig
 
 SCALED_PREFIX = "demo@"
@@ -80,15 +80,7 @@ def is_scaled_demo(model: object) -> bool:
 
 def parse_scaled_spec(spec: str) -> tuple[str, int | None]:
     """'demo@NAME' or 'demo@NAME:LAYERS' -> (NAME, LAYERS or None)."""
-    body = spec[len(SCALED_PREFIX):] if spec.startswith(SCALED_PREFIX) else spec
-    name, sep, layers = body.partition(":")
-    if name not in SHAPES:
-        raise ModelConfigError(f"unknown demo size {name!r} in {spec!r}; choose from {', '.join(sorted(SHAPES))}")
-    if not sep:
-        return name, None
-    if not layers.isdigit() or int(layers) < 1:
-        raise ModelConfigError(f"{spec!r}: layer count must be a positive integer, got {layers!r}")
-    return name, int(layers)
+    return split_named_spec(spec, SCALED_PREFIX, SHAPES, "demo size")
 
 
 def demo_positions(num_layers: int, demo_layers: int) -> tuple[int, ...]:
