@@ -96,7 +96,7 @@ def _port(address: str) -> str:
 def test_every_service_command_parses_with_the_cli(env, files, tmp_path):
     services = _services(env, *files)
     ours = {name: s for name, s in services.items() if "build" in s}
-    assert set(ours) == {"check-env", "target", "draft", "gateway"}
+    assert set(ours) == {"check-env", "target", "target-cpu", "draft", "gateway"}
     args = {}
     for name, service in ours.items():
         argv = _argv(service, env, tmp_path)
@@ -104,7 +104,7 @@ def test_every_service_command_parses_with_the_cli(env, files, tmp_path):
             assert argv[:2] == ["python", "-m"] and importlib.util.find_spec(argv[2]) is not None, argv
             continue
         args[name] = _parse(argv)
-        assert args[name].command == name
+        assert args[name].command == name.removesuffix("-cpu")
         probe = service["healthcheck"]["test"]
         assert probe[:3] == ["CMD", "python", "-m"] and importlib.util.find_spec(probe[3]) is not None, probe
         assert _port(probe[4]) in {_port(a) for a in (args[name].listen or [])} | {str(getattr(args[name], "port", ""))}
@@ -117,6 +117,26 @@ def test_every_service_command_parses_with_the_cli(env, files, tmp_path):
     (name, address), = args["gateway"].draft_service  # (name, address) pairs
     assert name == family and address == f"draft:{_port(args['draft'].listen[0])}"
     assert args["gateway"].target == f"target:{_port(args['target'].listen[0])}"
+
+
+def test_the_cpu_profile_runs_the_target_on_the_cpu_under_the_same_name():
+    """`docker compose --profile cpu up`: target-cpu instead of the GPU target (.env's COMPOSE_PROFILES=gpu is
+    the default, which a --profile flag replaces), listening where the gateway dials and reserving no GPU."""
+    services = _services(DEFAULTS)
+    profiles = {name: s.get("profiles") for name, s in services.items()}
+    assert profiles == {"check-env": None, "jaeger": None, "target": ["gpu"], "target-cpu": ["cpu"], "draft": None,
+                        "gateway": None}
+    env_file = dict(line.split("=", 1) for line in (ROOT / ".env").read_text().splitlines()
+                    if line.strip() and not line.startswith("#"))
+    assert env_file == {"COMPOSE_PROFILES": "gpu"}
+    cpu, gpu = services["target-cpu"], services["target"]
+    assert "deploy" not in cpu and "deploy" in gpu
+    assert cpu["networks"]["default"]["aliases"] == ["target"]
+    cpu_args, gpu_args = _parse(_argv(cpu, DEFAULTS, Path("/"))), _parse(_argv(gpu, DEFAULTS, Path("/")))
+    assert cpu_args.device == "cpu" and cpu_args.listen == gpu_args.listen
+    needs = services["gateway"]["depends_on"]
+    for name in ("target", "target-cpu"):  # whichever of the two runs; neither is required
+        assert needs[name] == {"condition": "service_healthy", "required": False}
 
 
 def test_check_env_refuses_a_bad_environment_in_one_line(tmp_path):
