@@ -80,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def draft_limits(args: argparse.Namespace):
-    from specserve.draft_service.server import DraftLimits
+    from specserve.draft_service.drafter_worker import DraftLimits
     from specserve.errors import SpecserveError
 
     try:
@@ -93,14 +93,9 @@ def draft_limits(args: argparse.Namespace):
 
 
 async def _serve(config, server_config, limits=None, metrics_http=None, shm=None) -> None:
+    from specserve.draft_service.drafter_worker import DrafterWorker, observe_worker
     from specserve.draft_service.registry import build_proposer
-    from specserve.draft_service.server import (
-        SERVICE_NAME,
-        DrafterWorker,
-        DraftServicer,
-        add_draft_to_server,
-        observe_worker,
-    )
+    from specserve.draft_service.server import SERVICE_NAME, DraftServicer, add_draft_to_server
     from specserve.runtime.servers_common import ServiceBinding, serve_until_signal
     from specserve.runtime.tracing import setup_telemetry
 

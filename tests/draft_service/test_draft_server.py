@@ -11,9 +11,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from served import InProcessServer
 
 from specserve.contract.types import SamplingParams
+from specserve.draft_service.drafter_worker import DrafterWorker
 from specserve.draft_service.proposer import DrafterConfig
 from specserve.draft_service.registry import build_proposer
-from specserve.draft_service.server import SERVICE_NAME, DrafterWorker, DraftServicer, add_draft_to_server
+from specserve.draft_service.server import SERVICE_NAME, DraftServicer, add_draft_to_server
 from specserve.protos import convert
 from specserve.protos.specserve.v1 import draft_pb2, draft_pb2_grpc
 from specserve.runtime.servers_common import ServiceBinding
