@@ -12,7 +12,6 @@ import time
 import grpc
 from opentelemetry import trace
 
-from specserve.contract.types import TreeSpec
 from specserve.draft_service.drafter_worker import (
     DrafterFull,
     DrafterWorker,
@@ -145,11 +144,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             hidden = self._hidden_of(request, "append_hidden", "append_rows", "append_hidden")
             tree = None
             if request.is_tree:
-                t = request.tree
-                try:
-                    tree = TreeSpec(num_nodes=t.num_nodes, top_k=t.top_k, depth=t.depth)
-                except ValueError as e:
-                    raise convert.ConversionError(f"tree: {e}") from None
+                tree = convert.tree_spec_from_proto(request.tree)
                 if tree.top_k > self.limits.max_tree_top_k:
                     raise LimitExceeded(
                         f"tree.top_k: {tree.top_k} exceeds the limit of {self.limits.max_tree_top_k} (--max-tree-top-k)"

@@ -42,7 +42,6 @@ from specserve.contract.types import (
     LogprobsSpec,
     PrefillResult,
     SamplingParams,
-    SharedRows,
     VerifyResult,
 )
 from specserve.gateway.clients import RequestRejected, TargetUnavailable
@@ -145,19 +144,10 @@ class BidiStream:
             self._call = None
 
 
-def _hidden_of(resp, handle=None):
-    """A reply's hidden rows: the tensor it carries, the range of the shared buffer it names, or None."""
-    if not resp.HasField("hidden_rows"):
-        return convert.optional_tensor(resp, "hidden")
+def _result_of(convert_reply, resp):
+    """The contract value of a target's reply; a reply whose hidden rows do not convert is the target's fault."""
     try:
-        return SharedRows(int(resp.hidden_rows.start), int(resp.hidden_rows.stop), handle=handle)
-    except ValueError as exc:
-        raise TargetCallError(grpc.StatusCode.INTERNAL, f"target sent {exc}") from None
-
-
-def _logprobs_of(resp, name: str = "logprobs"):
-    try:
-        return convert.token_logprobs_from_proto(resp, name)
+        return convert_reply(resp)
     except convert.ConversionError as exc:
         raise TargetCallError(grpc.StatusCode.INTERNAL, f"target sent {exc}") from None
 
@@ -253,13 +243,7 @@ class RemoteTargetSession:
             raise _target_error(exc) from None
         self._shm = ShmClient.attach(resp.shm_channel)
         self._last_step_end = time.perf_counter()
-        return PrefillResult(
-            next_token=resp.next_token,
-            hidden=_hidden_of(resp, resp.hidden_share if resp.HasField("hidden_share") else None),
-            timings=convert.timings_from_proto(resp.timings),
-            logprobs=_logprobs_of(resp),
-            prompt_logprobs=_logprobs_of(resp, "prompt_logprobs"),
-        )
+        return _result_of(convert.prefill_result_from_proto, resp)
 
     async def verify(self, session_id: str, block: DraftBlock) -> VerifyResult:
         req = target_pb2.VerifyRequest(
@@ -268,15 +252,7 @@ class RemoteTargetSession:
             trace_context=tn.current_trace_context(),
         )
         resp = await (self._verify_shm(req) if self._shm is not None else self._verify_stream(req))
-        result = VerifyResult(
-            accepted_ids=tuple(resp.accepted_ids),
-            next_token=resp.next_token,
-            hidden=_hidden_of(resp),
-            num_drafted=resp.num_drafted,
-            experts_touched=resp.experts_touched,
-            timings=convert.timings_from_proto(resp.timings),
-            logprobs=_logprobs_of(resp),
-        )
+        result = _result_of(convert.verify_result_from_proto, resp)
         now = time.perf_counter()
         if self._metrics is not None:
             self._metrics.record_step(len(block), len(result.accepted_ids), (now - self._last_step_end) * 1e3)

@@ -6,8 +6,9 @@ import math
 from collections.abc import Container
 from dataclasses import dataclass
 
-from specserve.contract.types import GenerationRequest, LogprobsSpec, SamplingParams, TreeSpec
+from specserve.contract.types import GenerationRequest, TreeSpec
 from specserve.errors import SpecserveError
+from specserve.protos import convert
 from specserve.protos.specserve.v1 import gateway_pb2, target_pb2
 
 MAX_SPECULATIVE_TOKENS = 64
@@ -128,15 +129,10 @@ def validate_request(
         raise InvalidRequest("sampling.top_p", f"must be in (0, 1], got {s.top_p}")
     if s.top_k < 0:
         raise InvalidRequest("sampling.top_k", f"must be >= 0, got {s.top_k}")
-    try:
-        sampling = SamplingParams(
-            temperature=s.temperature,
-            top_p=s.top_p if s.top_p > 0 else 1.0,
-            top_k=s.top_k,
-            seed=s.seed if s.HasField("seed") else None,
-        )
-    except ValueError as exc:
-        raise InvalidRequest("sampling", str(exc)) from None
+    try:  # the wire's own reading (top_p 0 = unset, seed optional): protos/convert.py
+        sampling = convert.sampling_from_proto(s, "sampling")
+    except convert.ConversionError as exc:
+        raise InvalidRequest("sampling", str(exc).removeprefix("sampling: ")) from None
 
     if req.draft == NO_DRAFT:
         draft_name = None
@@ -153,12 +149,10 @@ def validate_request(
         raise InvalidRequest(
             "num_speculative_tokens", f"must be in [0, {MAX_SPECULATIVE_TOKENS}], got {req.num_speculative_tokens}"
         )
-    logprobs = None
-    if req.HasField("logprobs"):
-        try:
-            logprobs = LogprobsSpec(top=req.logprobs.top, prompt=req.logprobs.prompt)
-        except ValueError as exc:
-            raise InvalidRequest("logprobs.top", str(exc).removeprefix("logprobs: ")) from None
+    try:
+        logprobs = convert.logprobs_spec_from_proto(req)
+    except convert.ConversionError as exc:
+        raise InvalidRequest("logprobs.top", str(exc).removeprefix("logprobs: ")) from None
     return GenerationRequest(
         prompt_ids=ids,
         max_new_tokens=req.max_new_tokens,

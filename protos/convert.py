@@ -14,14 +14,19 @@ import torch
 
 from specserve.contract.types import (
     DraftBlock,
+    Hidden,
     InvalidBlock,
     LogprobsSpec,
+    PrefillResult,
     SamplingParams,
+    SharedRows,
     StepTimings,
     TokenLogprobs,
+    TreeSpec,
+    VerifyResult,
     check_block,
 )
-from specserve.protos.specserve.v1 import common_pb2, draft_pb2
+from specserve.protos.specserve.v1 import common_pb2, draft_pb2, target_pb2
 
 _F32_LE = np.dtype("<f4")
 
@@ -179,4 +184,88 @@ def token_logprobs_from_proto(parent, name: str = "logprobs") -> TokenLogprobs |
     return TokenLogprobs(
         tuple(msg.token_ids), tuple(msg.logprobs), tuple(tuple(ids[i * top : (i + 1) * top]) for i in rows),
         tuple(tuple(values[i * top : (i + 1) * top]) for i in rows),
+    )
+
+
+def tree_spec_from_proto(msg: draft_pb2.TreeSpec, field: str = "tree") -> TreeSpec:
+    try:
+        return TreeSpec(num_nodes=msg.num_nodes, top_k=msg.top_k, depth=msg.depth)
+    except ValueError as e:
+        raise ConversionError(f"{field}: {e}") from None
+
+
+# ------------------------------------------------------------------------------- hidden rows
+def hidden_to_proto(out, hidden: Hidden | None) -> None:
+    """Set a reply's hidden rows (PrefillResponse, VerifyResponse): their range of the session's shared
+    buffer (and the buffer's handle, a HiddenShare message, on the first range), or the rows as bytes."""
+    if isinstance(hidden, SharedRows):
+        if hidden.handle is not None:
+            out.hidden_share.CopyFrom(hidden.handle)
+        out.hidden_rows.CopyFrom(common_pb2.HiddenRows(start=hidden.start, stop=hidden.stop))
+    elif hidden is not None:
+        out.hidden.CopyFrom(tensor_to_proto(hidden))
+
+
+def hidden_from_proto(msg, handle: common_pb2.HiddenShare | None = None) -> Hidden | None:
+    """A reply's hidden rows: the tensor it carries, the range of the shared buffer it names, or None."""
+    if not msg.HasField("hidden_rows"):
+        return optional_tensor(msg, "hidden")
+    try:
+        return SharedRows(int(msg.hidden_rows.start), int(msg.hidden_rows.stop), handle=handle)
+    except ValueError as exc:
+        raise ConversionError(str(exc)) from None
+
+
+# ------------------------------------------------------------------------- prefill and verify
+def prefill_result_to_proto(session_id: str, res: PrefillResult, total_ms: float) -> target_pb2.PrefillResponse:
+    out = target_pb2.PrefillResponse(
+        session_id=session_id, next_token=res.next_token, timings=timings_to_proto(res.timings, total_ms)
+    )
+    hidden_to_proto(out, res.hidden)
+    if res.logprobs is not None:
+        out.logprobs.CopyFrom(token_logprobs_to_proto(res.logprobs))
+    if res.prompt_logprobs is not None:
+        out.prompt_logprobs.CopyFrom(token_logprobs_to_proto(res.prompt_logprobs))
+    return out
+
+
+def prefill_result_from_proto(msg: target_pb2.PrefillResponse) -> PrefillResult:
+    """ConversionError: hidden rows that are no range or no tensor, logprobs whose lengths disagree."""
+    return PrefillResult(
+        next_token=msg.next_token,
+        hidden=hidden_from_proto(msg, msg.hidden_share if msg.HasField("hidden_share") else None),
+        timings=timings_from_proto(msg.timings),
+        logprobs=token_logprobs_from_proto(msg),
+        prompt_logprobs=token_logprobs_from_proto(msg, "prompt_logprobs"),
+    )
+
+
+def verify_result_to_proto(
+    session_id: str, res: VerifyResult, num_drafted: int, total_ms: float, queue_ms: float, batch_size: int
+) -> target_pb2.VerifyResponse:
+    out = target_pb2.VerifyResponse(
+        session_id=session_id,
+        accepted_ids=list(res.accepted_ids),
+        next_token=res.next_token,
+        num_drafted=num_drafted,
+        experts_touched=res.experts_touched,
+        timings=timings_to_proto(res.timings, total_ms, queue_ms),
+        batch_size=batch_size,
+    )
+    hidden_to_proto(out, res.hidden)
+    if res.logprobs is not None:
+        out.logprobs.CopyFrom(token_logprobs_to_proto(res.logprobs))
+    return out
+
+
+def verify_result_from_proto(msg: target_pb2.VerifyResponse) -> VerifyResult:
+    """ConversionError: hidden rows that are no range or no tensor, logprobs whose lengths disagree."""
+    return VerifyResult(
+        accepted_ids=tuple(msg.accepted_ids),
+        next_token=msg.next_token,
+        hidden=hidden_from_proto(msg),
+        num_drafted=msg.num_drafted,
+        experts_touched=msg.experts_touched,
+        timings=timings_from_proto(msg.timings),
+        logprobs=token_logprobs_from_proto(msg),
     )

@@ -361,7 +361,7 @@ class EngineWorker:
         if buffer is None:
             return res if res.hidden is None else dataclasses.replace(res, hidden=_host(res.hidden))
         self.shares[session_id] = buffer
-        return dataclasses.replace(res, hidden=SharedRows(0, len(prompt_ids), handle=buffer.handle))
+        return dataclasses.replace(res, hidden=SharedRows(0, len(prompt_ids), handle=buffer.handle.to_proto()))
 
     def _release_on_thread(self, session_id: str) -> bool:
         released = self.engine.release(session_id)  # first: the engine's session holds the buffer's tensor too

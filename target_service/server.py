@@ -23,7 +23,7 @@ from opentelemetry import trace
 from specserve.contract.types import DraftBlock, SharedRows, VerifyResult
 from specserve.errors import SpecserveError
 from specserve.protos import convert
-from specserve.protos.specserve.v1 import common_pb2, target_pb2, target_pb2_grpc
+from specserve.protos.specserve.v1 import target_pb2, target_pb2_grpc
 from specserve.runtime import tracing as tn
 from specserve.runtime.admission import AdmissionRefused
 from specserve.runtime.data_plane import ANSWERED, ShmOffer, ShmSessions
@@ -91,16 +91,12 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         self.hidden_rows_as_bytes = 0  # rows sent as bytes
         self._counts_lock = threading.Lock()
 
-    def _put_hidden(self, out, hidden) -> None:
-        """A reply's hidden rows: their range of the shared buffer (and its handle, the first time) or bytes."""
+    def _count_hidden(self, hidden) -> None:
+        """Count a reply's hidden rows: handed over as a range of the shared buffer, or as bytes."""
         if isinstance(hidden, SharedRows):
-            if hidden.handle is not None:
-                out.hidden_share.CopyFrom(hidden.handle.to_proto())
-            out.hidden_rows.CopyFrom(common_pb2.HiddenRows(start=hidden.start, stop=hidden.stop))
             with self._counts_lock:  # replies are made on the loop and, for shared-memory callers, the engine thread
                 self.hidden_rows_shared += hidden.stop - hidden.start
         elif hidden is not None:
-            out.hidden.CopyFrom(convert.tensor_to_proto(hidden))
             with self._counts_lock:
                 self.hidden_rows_as_bytes += int(hidden.shape[0])
 
@@ -146,16 +142,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                 span.record_exception(exc)
                 await self._abort(context, exc)
             span.set_attribute(tn.ATTR_FORWARD_MS, res.timings.forward_ms)
-            out = target_pb2.PrefillResponse(
-                session_id=request.session_id,
-                next_token=res.next_token,
-                timings=convert.timings_to_proto(res.timings, (time.perf_counter() - received) * 1e3),
-            )
-            self._put_hidden(out, res.hidden)
-            if res.logprobs is not None:
-                out.logprobs.CopyFrom(convert.token_logprobs_to_proto(res.logprobs))
-            if res.prompt_logprobs is not None:
-                out.prompt_logprobs.CopyFrom(convert.token_logprobs_to_proto(res.prompt_logprobs))
+            out = convert.prefill_result_to_proto(request.session_id, res, (time.perf_counter() - received) * 1e3)
+            self._count_hidden(res.hidden)
             if request.want_shm:
                 out.shm_channel = self.shm.offer(request.session_id, context.time_remaining())
             return out
@@ -163,18 +151,9 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
     def _verify_response(self, request, block: DraftBlock, res: VerifyResult, received: float, queue_ms: float,
                          batch_size: int) -> target_pb2.VerifyResponse:
         """A step's reply (on the loop, or on the engine thread when that answers a shared-memory caller)."""
-        resp = target_pb2.VerifyResponse(
-            session_id=request.session_id,
-            accepted_ids=list(res.accepted_ids),
-            next_token=res.next_token,
-            num_drafted=res.num_drafted or len(block),
-            experts_touched=res.experts_touched,
-            timings=convert.timings_to_proto(res.timings, (time.perf_counter() - received) * 1e3, queue_ms),
-            batch_size=batch_size,
-        )
-        self._put_hidden(resp, res.hidden)
-        if res.logprobs is not None:
-            resp.logprobs.CopyFrom(convert.token_logprobs_to_proto(res.logprobs))
+        resp = convert.verify_result_to_proto(request.session_id, res, res.num_drafted or len(block),
+                                              (time.perf_counter() - received) * 1e3, queue_ms, batch_size)
+        self._count_hidden(res.hidden)
         return resp
 
     async def _verify_one(self, request, call_ctx, send=None):
