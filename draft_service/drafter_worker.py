@@ -6,7 +6,6 @@ Servicers only await (server.py is the gRPC servicer).
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -19,7 +18,7 @@ from specserve.protos import convert
 from specserve.protos.specserve.v1 import common_pb2
 from specserve.runtime import tracing as tn
 from specserve.runtime.hidden_share import HiddenHandle, HiddenShareDenied, HiddenShareError, HiddenView
-from specserve.runtime.servers_common import cancel_and_wait
+from specserve.runtime.session_host import SessionHost, answered_by, build_on_thread
 from specserve.runtime.worker import OneThread
 
 DEFAULT_MAX_DRAFT_TOKENS = 256  # tokens (chain length or tree nodes) one proposal may ask for
@@ -71,44 +70,39 @@ class DraftLimits:
 
 
 class DrafterWorker:
-    """Owns the proposer on one thread; every proposer call runs there, one at a time. Counts the
-    tokens each session holds (refusing sessions and growth beyond ``limits``) and releases sessions
-    that no call touched for ``limits.session_idle_timeout_s``."""
+    """Owns the proposer on one thread (its SessionHost, runtime/session_host.py); every proposer call runs
+    there, one at a time. Counts the tokens each session holds (refusing sessions and growth beyond
+    ``limits``) and releases sessions that no call touched for ``limits.session_idle_timeout_s``."""
 
     def __init__(self, proposer, thread: OneThread | None = None, limits: DraftLimits | None = None) -> None:
         self.proposer = proposer
         self.limits = limits or DraftLimits()
-        self._thread = thread or OneThread("drafter")
-        self.active: set[str] = set()
-        self.tokens: dict[str, int] = {}  # session id -> len(S) it holds
-        self.last_used: dict[str, float] = {}  # session id -> loop time of its last call
+        self.host = SessionHost("draft", thread or OneThread("drafter"), self.limits.session_idle_timeout_s)
+        self.active = self.host.sessions  # session id -> len(S) it holds
         self.busy: dict[str, int] = {}  # session id -> calls in flight
         self.proposals = 0
-        self.expired = 0
         # session id -> its mapping of the target's hidden-row buffer (opened, read and closed on the drafter thread)
-        self.views: dict[str, HiddenView] = {}
+        self.views: dict[str, HiddenView] = self.host.buffers
         self.hidden_rows_shared = 0  # rows read from mapped buffers (GetStats)
-        self._reaper: asyncio.Task | None = None
-        self._closed = False
+
+    @property
+    def expired(self) -> int:
+        return self.host.expired
 
     @classmethod
     async def build(cls, factory: Callable[[], object], limits: DraftLimits | None = None) -> DrafterWorker:
         """Build the proposer on the drafter thread itself (loading never blocks the event loop)."""
-        thread = OneThread("drafter")
-        proposer = await thread.call(factory)
+        thread, proposer = await build_on_thread("drafter", factory)
         return cls(proposer, thread, limits)
 
     def start_expiry(self) -> None:
-        self._reaper = asyncio.get_running_loop().create_task(self._expire_idle(), name="draft-idle-sessions")
+        self.host.start_expiry(self.release, lambda sid: sid not in self.busy)
 
     async def call(self, fn, *args):
-        return await self._thread.call(fn, *args)
-
-    def _touch(self, session_id: str) -> None:
-        self.last_used[session_id] = asyncio.get_running_loop().time()
+        return await self.host.call(fn, *args)
 
     def _check_room(self, session_id: str, new_len: int) -> None:
-        held = sum(self.tokens.values()) - self.tokens.get(session_id, 0)
+        held = sum(self.active.values()) - self.active.get(session_id, 0)
         if held + new_len > self.limits.max_total_tokens:
             raise DrafterFull(
                 f"{new_len} tokens for session {session_id[:40]!r} beside the {held} held would exceed the "
@@ -122,9 +116,8 @@ class DrafterWorker:
         if len(self.active) >= self.limits.max_sessions:
             raise DrafterFull(f"{len(self.active)} sessions open, the limit is {self.limits.max_sessions} (--max-sessions)")
         self._check_room(session_id, len(token_ids))
-        self.active.add(session_id)
-        self.tokens[session_id] = len(token_ids)
-        self._touch(session_id)
+        self.active[session_id] = len(token_ids)
+        self.host.touch(session_id)
         self.busy[session_id] = self.busy.get(session_id, 0) + 1
         try:
             await self.call(self._start_on_thread, session_id, token_ids, hidden, sampling, share)
@@ -144,7 +137,7 @@ class DrafterWorker:
             raise ProposerError(f"session_id {session_id!r} is not open (StartSession first)")
         new_len = max(0, prefix_len) + len(append_ids)
         self._check_room(session_id, new_len)
-        self._touch(session_id)
+        self.host.touch(session_id)
         self.busy[session_id] = self.busy.get(session_id, 0) + 1
         try:
             msg, compute_ms, answered = await self.call(self._propose_to_proto, time.monotonic(), answer, session_id,
@@ -152,7 +145,7 @@ class DrafterWorker:
         finally:
             self._done(session_id)
         if session_id in self.active:
-            self.tokens[session_id] = new_len
+            self.active[session_id] = new_len
         self.proposals += 1
         return msg, compute_ms, answered
 
@@ -168,7 +161,7 @@ class DrafterWorker:
         try:
             self.proposer.start(session_id, token_ids, self._rows(session_id, hidden), sampling)
         except BaseException:
-            self._close_view(session_id)
+            self.host.close_buffer(session_id)
             raise
 
     def _rows(self, session_id: str, hidden):
@@ -185,13 +178,8 @@ class DrafterWorker:
             rows = torch.cat([rows, hidden.tail.to(rows.device)], dim=0)
         return rows
 
-    def _close_view(self, session_id: str) -> None:
-        view = self.views.pop(session_id, None)
-        if view is not None:
-            view.close()
-
     def _release_on_thread(self, session_id: str) -> None:
-        self._close_view(session_id)
+        self.host.close_buffer(session_id)
         self.proposer.release(session_id)
 
     def _done(self, session_id: str) -> None:
@@ -201,24 +189,11 @@ class DrafterWorker:
         else:
             self.busy.pop(session_id, None)
         if session_id in self.active:
-            self._touch(session_id)
+            self.host.touch(session_id)
 
     def _forget(self, session_id: str) -> None:
-        self.active.discard(session_id)
-        self.tokens.pop(session_id, None)
-        self.last_used.pop(session_id, None)
-
-    async def _expire_idle(self) -> None:
-        timeout = self.limits.session_idle_timeout_s
-        loop = asyncio.get_running_loop()
-        while True:
-            await asyncio.sleep(min(max(timeout / 4, 0.05), 10.0))
-            now = loop.time()
-            for sid, used in list(self.last_used.items()):
-                if now - used > timeout and sid not in self.busy:
-                    self.expired += 1
-                    print(f"draft: session {sid[:40]} released after {now - used:.0f} s idle", flush=True)
-                    await self.release(sid)
+        self.active.pop(session_id, None)
+        self.host.last_used.pop(session_id, None)
 
     def _propose_to_proto(self, asked_at: float, answer, *args) -> tuple[common_pb2.DraftBlock, float, bool]:
         """On the drafter thread: propose and serialize (probs may be MBs and on the device; the copy
@@ -236,31 +211,16 @@ class DrafterWorker:
         block = self.proposer.propose(session_id, prefix_len, append_ids, rows, num_tokens, tree)
         compute_ms = (time.perf_counter() - t0) * 1e3
         msg = convert.draft_block_to_proto(block)
-        answered = False
-        if answer is not None:
-            try:
-                answered = bool(answer(msg, compute_ms))
-            except Exception:  # noqa: BLE001 - the loop answers instead
-                answered = False
-        return msg, compute_ms, answered
+        return msg, compute_ms, answered_by(answer, msg, compute_ms)
 
     async def release(self, session_id: str) -> bool:
-        if session_id not in self.active or self._closed:
+        if not self.host.forget(session_id):
             return False
-        self._forget(session_id)
-        try:
-            await self.call(self._release_on_thread, session_id)
-        except RuntimeError:  # the drafter thread shut down meanwhile: the process is ending
-            if not self._closed:
-                raise
+        await self.host.release_on_thread(self._release_on_thread, session_id)
         return True
 
     async def close(self) -> None:
-        self._closed = True
-        await cancel_and_wait(self._reaper)
-        await self._thread.aclose()
-        for sid in list(self.views):
-            self.views.pop(sid).close()
+        await self.host.close()
 
 
 def observe_worker(worker: DrafterWorker) -> None:

@@ -6,7 +6,6 @@ mapped hidden rows); the servicer only awaits it and turns its results and error
 
 from __future__ import annotations
 
-import asyncio
 import time
 
 import grpc
@@ -24,14 +23,14 @@ from specserve.errors import SpecserveError
 from specserve.protos import convert
 from specserve.protos.specserve.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 from specserve.runtime import tracing as tn
-from specserve.runtime.data_plane import ANSWERED, ShmOffer, ShmSessions
+from specserve.runtime.data_plane import ShmOffer
 from specserve.runtime.errors import LimitExceeded, status_for
 from specserve.runtime.hidden_share import HiddenHandle, HiddenShareDenied, host_id, mappable_kinds
-from specserve.runtime.servers_common import lenient_adder, short
+from specserve.runtime.servers_common import registration
+from specserve.runtime.session_serving import StepReply, StepServing
 
-SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name
-# registers the servicer; request bytes that do not parse get INVALID_ARGUMENT (not gRPC's UNKNOWN)
-add_draft_to_server = lenient_adder(draft_pb2.DESCRIPTOR.services_by_name["DraftService"])
+# the service's name, and its registration (request bytes that do not parse get INVALID_ARGUMENT, not UNKNOWN)
+SERVICE_NAME, add_draft_to_server = registration(draft_pb2, "DraftService")
 
 INPUT_ERRORS: tuple[type[BaseException], ...] = (ValueError, SpecserveError, ProposerError)
 
@@ -49,10 +48,10 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         self.limits = worker.limits
         self.info = worker.proposer.info
         self._tracer = tn.tracer()
-        # sessions whose caller shares the host: their proposals over shared memory (same messages)
-        self.shm = ShmSessions(
-            "draft", shm or ShmOffer(), draft_pb2.ProposeRequest, self._propose_over_shm, _status_for, self.worker.release
-        )
+        # its proposals as a unary call, a stream and (a caller on this host) a shared-memory channel
+        self.steps = StepServing("draft", shm, draft_pb2.ProposeRequest, self._propose_one, _status_for,
+                                 self.worker.release)
+        self.shm = self.steps.shm
         # the target hidden-row buffers it can map (runtime/hidden_share.py), for a drafter that reads rows
         needs = self.info.needs_hidden_states and self.shm.config.shares_hidden
         self.hidden_kinds = mappable_kinds() if needs else ()
@@ -72,23 +71,9 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             raise convert.ConversionError(f"{rows_field}: [{r.start}, {r.stop}) is not a row range")
         return SharedRowsToRead(int(r.start), int(r.stop), tensor)
 
-    async def _abort(self, context, exc: BaseException):
-        await context.abort(_status_for(exc), short(f"{type(exc).__name__}: {exc}"))
-
     async def GetInfo(self, request, context):
-        i = self.info
-        return draft_pb2.DraftInfo(
-            family=i.family,
-            vocab_size=i.vocab_size,
-            vocab_hash=i.vocab_hash,
-            max_block_size=i.max_block_size,
-            needs_hidden_states=i.needs_hidden_states,
-            hidden_layers=list(i.hidden_layers),
-            has_probs=i.has_probs,
-            supports_tree=i.supports_tree,
-            hidden_share_kinds=list(self.hidden_kinds),
-            host_id=self.host_id,
-        )
+        return convert.info_to_proto(draft_pb2.DraftInfo, self.info, hidden_share_kinds=list(self.hidden_kinds),
+                                     host_id=self.host_id)
 
     async def StartSession(self, request, context):
         parent = tn.context_from_metadata(context.invocation_metadata())
@@ -118,7 +103,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
                 await self.worker.start(request.session_id, list(request.token_ids), hidden, sampling, share)
             except Exception as exc:  # noqa: BLE001 - mapped to a status
                 span.record_exception(exc)
-                await self._abort(context, exc)
+                await self.steps.abort(context, exc)
             channel = self.shm.offer(request.session_id, None) if request.want_shm else ""
             return draft_pb2.StartSessionResponse(session_id=request.session_id, shm_channel=channel)
 
@@ -133,7 +118,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         )
 
     async def _propose_one(self, request, call_ctx, send=None):
-        """One proposal (raises; callers map exceptions to a status). ``send`` (a shared-memory session's
+        """One proposal (raises; StepServing maps exceptions to a status). ``send`` (a shared-memory session's
         ``ShmSessions.sender``): the drafter thread sends the reply itself, and this returns ANSWERED."""
         received = time.perf_counter()
         parent = tn.context_from_map(request.trace_context, call_ctx) if tn.tracing_installed() else None
@@ -161,55 +146,23 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
                     f"{'tree.num_nodes' if tree is not None else 'num_tokens'}: {asked} exceeds the limit of "
                     f"{self.limits.max_draft_tokens} (--max-draft-tokens)"
                 )
-            answer = None
-            if send is not None:
-                def answer(msg, compute_ms):  # on the drafter thread: the reply leaves at once
-                    return send(self._propose_response(request, msg, received, compute_ms))
+            reply = StepReply(lambda msg, compute_ms: self._propose_response(request, msg, received, compute_ms), send)
             block, compute_ms, answered = await self.worker.propose(
                 request.session_id, request.prefix_len, list(request.append_ids), hidden, request.num_tokens, tree,
-                answer,
+                reply.answer,
             )
             span.set_attribute(tn.ATTR_TREE_SIZE, len(block.token_ids) if block.is_tree else 0)
-            if answered:
-                return ANSWERED
-            return self._propose_response(request, block, received, compute_ms)
-
-    async def _propose_over_shm(self, session_id: str, request):
-        if request.session_id != session_id:
-            raise convert.ConversionError(f"session_id: {request.session_id[:40]!r} is not this channel's session")
-        return await self._propose_one(request, None, self.shm.sender(session_id))
+            return reply.message(answered, block, compute_ms)
 
     async def Propose(self, request, context):
-        call_ctx = tn.context_from_metadata(context.invocation_metadata())
-        try:
-            return await self._propose_one(request, call_ctx)
-        except Exception as exc:  # noqa: BLE001 - mapped to a status
-            await self._abort(context, exc)
+        return await self.steps.unary(request, context)
 
-    async def ProposeStream(self, request_iterator, context):
+    def ProposeStream(self, request_iterator, context):
         """Per-session stream of proposals; the sessions it carried are released when it ends."""
-        call_ctx = tn.context_from_metadata(context.invocation_metadata())
-        sessions: set[str] = set()
-        try:
-            async for request in request_iterator:
-                if request.session_id not in sessions:
-                    self.shm.drop_offer(request.session_id)  # its caller could not attach (another host)
-                sessions.add(request.session_id)
-                try:
-                    resp = await self._propose_one(request, call_ctx)
-                except Exception as exc:  # noqa: BLE001 - mapped to a status
-                    await self._abort(context, exc)
-                yield resp
-        finally:
-            for sid in sessions:
-                asyncio.get_running_loop().create_task(self.worker.release(sid))
+        return self.steps.stream(request_iterator, context)
 
     async def Release(self, request, context):
-        self.shm.close_session(request.session_id)
-        try:
-            released = await self.worker.release(request.session_id)
-        except Exception as exc:  # noqa: BLE001 - mapped to a status
-            await self._abort(context, exc)
+        released = await self.steps.release(request.session_id, context)
         return draft_pb2.DraftReleaseResponse(released=released)
 
     async def GetStats(self, request, context):

@@ -6,6 +6,7 @@ Every ``from_proto`` direction validates what arrived on the wire and raises ``C
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 
@@ -33,6 +34,14 @@ _F32_LE = np.dtype("<f4")
 
 class ConversionError(ValueError):
     """A message could not be converted: the text names the field and the problem."""
+
+
+# ------------------------------------------------------------------------------------ GetInfo
+def info_to_proto(msg_cls, info, **extra):
+    """A GetInfo reply (TargetInfo, DraftInfo): every field of the message that the ``info`` dataclass (the
+    engine's EngineInfo, the drafter's DrafterInfo) has, then ``extra`` (what the service itself adds)."""
+    wire = {f.name for f in msg_cls.DESCRIPTOR.fields}
+    return msg_cls(**{f.name: getattr(info, f.name) for f in dataclasses.fields(info) if f.name in wire}, **extra)
 
 
 # ---------------------------------------------------------------------------------------- tensors

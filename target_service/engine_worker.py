@@ -1,9 +1,8 @@
-"""The target's engine on its own thread (runtime/worker.py ``OneThread``): sessions, admission, batched verify.
+"""The target's engine on its own thread: its session host (runtime/session_host.py) with the batched verify.
 
 Servicers only await. Verify requests are batched per step: whatever is queued when the engine thread becomes
-free runs as ONE ``engine.verify_batch`` call, so N concurrent sessions share one forward. The hand-over is plain
-loop callbacks (``EngineWorker._dispatch``): a verify that finds the engine free goes to its thread at once, and
-the thread's answer completes the callers' futures directly, with no batcher task in between. Admission
+free runs as ONE ``engine.verify_batch`` call, so N concurrent sessions share one forward (the host's batching
+hook; its hand-over is plain loop callbacks, with no batcher task in between). Admission
 (specserve/runtime/admission.py) reserves each session's KV blocks; see server.py for what callers state.
 """
 
@@ -13,10 +12,8 @@ import asyncio
 import dataclasses
 import math
 import sys
-import time
-from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -25,7 +22,7 @@ from specserve.runtime import tracing as tn
 from specserve.runtime.admission import Admission, AdmissionConfig
 from specserve.runtime.errors import LimitExceeded
 from specserve.runtime.hidden_share import HiddenBuffer, HiddenShareError
-from specserve.runtime.servers_common import cancel_and_wait
+from specserve.runtime.session_host import SessionHost, StepOutcome, build_on_thread
 from specserve.runtime.worker import OneThread
 from specserve.target_service.engine.engine import (
     DuplicateSession,
@@ -55,39 +52,14 @@ class TargetLimits:
 # called on the engine thread with a session's result, its queue ms and the batch size; True when it sent
 # the caller its answer itself (the shared-memory path: the reply leaves without waiting for the loop)
 Answer = Callable[[VerifyResult, float, int], bool]
-
-
-@dataclass
-class _Queued:
-    session_id: str
-    block: DraftBlock
-    future: asyncio.Future
-    answer: Answer | None = None
-    enqueued: float = field(default_factory=time.perf_counter)
-
-
-@dataclass
-class _Call:
-    """A non-verify engine call (prefill, release, stats) waiting for the engine thread."""
-
-    fn: Callable
-    args: tuple
-    future: asyncio.Future
-    enqueued: float = field(default_factory=time.perf_counter)
-
-
-@dataclass(frozen=True)
-class VerifyOutcome:
-    result: VerifyResult
-    queue_ms: float
-    batch_size: int
-    answered: bool = False  # the caller's answer already went out from the engine thread (Answer)
+VerifyOutcome = StepOutcome  # a verify step's result, queue ms, batch size, and whether the engine thread answered
 
 
 class EngineWorker:
-    """Owns the engine on one thread. prefill/release/info run there one at a time; verify requests
-    queue up and run as one batched ``verify_batch`` call whenever the thread is free. Calls and
-    batches take the thread in arrival order (a batch's place is its oldest verify's)."""
+    """Owns the engine on one thread (its SessionHost, runtime/session_host.py, with verify_batch as the
+    batching hook). prefill/release/info run there one at a time; verify requests queue up and run as one
+    batched ``verify_batch`` call whenever the thread is free. Calls and batches take the thread in arrival
+    order (a batch's place is its oldest verify's)."""
 
     def __init__(
         self, engine, max_batch: int = 256, thread: OneThread | None = None, limits: TargetLimits | None = None
@@ -102,69 +74,36 @@ class EngineWorker:
             AdmissionConfig(self.limits.max_sessions, self.limits.max_queued, capacity=usage.num_blocks)
         )
         self.reserved: dict[str, int] = {}  # session id -> KV blocks reserved at admission
-        self._thread = thread or OneThread("target-engine")
-        self._queue: list[_Queued] = []  # verifies waiting for the engine thread
-        self._calls: deque[_Call] = deque()  # other engine calls waiting for it
-        self._busy = False  # a call or a batch runs on the engine thread
-        self._reaper: asyncio.Task | None = None
-        self._closed = False
-        self.active: dict[str, int] = {}  # session id -> len(S)
-        self.last_used: dict[str, float] = {}  # session id -> loop time of its last call
-        self.expired = 0  # sessions released by the idle timeout
-        self.steps = 0
+        self.host = SessionHost("target", thread or OneThread("target-engine"), self.limits.session_idle_timeout_s,
+                                run_batch=self._run_batch, max_batch=max_batch, settle=self._settle)
+        self.active = self.host.sessions  # session id -> len(S)
         # session id -> its shared buffer of hidden rows (made, written and freed on the engine thread)
-        self.shares: dict[str, HiddenBuffer] = {}
+        self.shares: dict[str, HiddenBuffer] = self.host.buffers
+
+    @property
+    def steps(self) -> int:
+        return self.host.steps
+
+    @property
+    def expired(self) -> int:
+        return self.host.expired
 
     @classmethod
     async def build(cls, factory: Callable[[], object], **kw) -> EngineWorker:
         """Build the engine on the engine thread itself (model loading never blocks the loop)."""
-        thread = OneThread("target-engine")
-        engine = await thread.call(factory)
+        thread, engine = await build_on_thread("target-engine", factory)
         return cls(engine, thread=thread, **kw)
 
     def start(self) -> None:
-        self._reaper = asyncio.get_running_loop().create_task(self._expire_idle(), name="target-idle-sessions")
+        self.host.start_expiry(self.release, lambda sid: self.active.get(sid, -1) >= 0)
 
     async def close(self) -> None:
-        self._closed = True  # releases asked for from now on are dropped (the process is ending)
-        await cancel_and_wait(self._reaper)
-        await self._thread.aclose()  # the job on the thread ends first; nothing new starts (closed)
-        for sid in list(self.shares):  # the engine thread is gone: no name stays in /dev/shm
-            self.shares.pop(sid).close()
-        gone = RuntimeError("the target is shutting down")
-        for waiting in (*self._calls, *self._queue):
-            if not waiting.future.done():
-                waiting.future.set_exception(gone)
-        self._calls.clear()
-        self._queue.clear()
-
-    def _touch(self, session_id: str) -> None:
-        self.last_used[session_id] = asyncio.get_running_loop().time()
-
-    async def _expire_idle(self) -> None:
-        """Release sessions no call touched for ``session_idle_timeout_s`` (a client or gateway that
-        went away without releasing cannot hold KV blocks for ever)."""
-        timeout = self.limits.session_idle_timeout_s
-        loop = asyncio.get_running_loop()
-        while True:
-            await asyncio.sleep(min(max(timeout / 4, 0.05), 10.0))
-            now = loop.time()
-            queued = {q.session_id for q in self._queue}
-            for sid, used in list(self.last_used.items()):
-                if now - used > timeout and self.active.get(sid, -1) >= 0 and sid not in queued:
-                    self.expired += 1
-                    print(f"target: session {sid[:40]} released after {now - used:.0f} s idle", flush=True)
-                    await self.release(sid)
+        await self.host.close()
 
     async def call(self, fn, *args):
         """Run fn on the engine thread once it is free (calls run in arrival order; one whose caller
         was cancelled before it started does not run)."""
-        if self._closed:
-            raise RuntimeError("the target is shutting down")
-        fut = asyncio.get_running_loop().create_future()
-        self._calls.append(_Call(fn, args, fut))
-        self._dispatch()
-        return await fut
+        return await self.host.call(fn, *args)
 
     def blocks_for(self, prompt_len: int, reserve_tokens: int | None) -> int:
         """KV blocks to reserve for a session: what it may occupy, within the model's context."""
@@ -212,7 +151,7 @@ class EngineWorker:
             raise
         if session_id in self.active:  # not released meanwhile
             self.active[session_id] = len(prompt_ids) + 1
-            self._touch(session_id)
+            self.host.touch(session_id)
         return result
 
     def _unreserve(self, session_id: str) -> None:
@@ -223,11 +162,7 @@ class EngineWorker:
     async def _free(self, session_id: str) -> None:
         """Free the engine's session, then its admission (the blocks are free before anyone is admitted)."""
         try:
-            if not self._closed:
-                await self.call(self._release_on_thread, session_id)
-        except RuntimeError:  # the engine thread shut down meanwhile: the process is ending
-            if not self._closed:
-                raise
+            await self.host.release_on_thread(self._release_on_thread, session_id)
         finally:
             self._unreserve(session_id)
 
@@ -240,101 +175,21 @@ class EngineWorker:
             )
         if self.active.get(session_id, -1) < 0:
             raise UnknownSession(session_id)
-        self._touch(session_id)
-        fut = asyncio.get_running_loop().create_future()
-        self._queue.append(_Queued(session_id, block, fut, answer))
-        self._dispatch()
-        return await fut
+        self.host.touch(session_id)
+        return await self.host.step(session_id, block, answer)
 
     async def release(self, session_id: str) -> bool:
-        if session_id not in self.active or self._closed:
+        if not self.host.forget(session_id, UnknownSession(session_id)):
             return False
-        del self.active[session_id]
-        self.last_used.pop(session_id, None)
-        for item in [q for q in self._queue if q.session_id == session_id]:
-            self._queue.remove(item)
-            if not item.future.done():
-                item.future.set_exception(UnknownSession(session_id))
         if session_id in self.reserved:  # admitted (else it still waits in admission and gives up there)
             await self._free(session_id)
         return True
 
-    def _dispatch(self) -> None:
-        """On the loop: give the engine thread its next job if it is free: the oldest waiting call,
-        or every waiting verify (up to max_batch) as one batch, whichever waited longer."""
-        while not self._busy and not self._closed:
-            while self._calls and self._calls[0].future.done():  # its caller gave up before it started
-                self._calls.popleft()
-            if self._calls and (not self._queue or self._calls[0].enqueued <= self._queue[0].enqueued):
-                call = self._calls.popleft()
-                self._busy = True
-                self._thread.submit(call.fn, call.args, lambda res, err, fut=call.future: self._call_done(fut, res, err))
-                return
-            if not self._queue:
-                return
-            items = self._take_batch()
-            if items:
-                self._busy = True
-                started = time.perf_counter()
-                pairs = [(q.session_id, q.block) for q in items]
-                answers = [(q.answer, (started - q.enqueued) * 1e3) for q in items]
-                self._thread.submit(self._run_and_answer, (pairs, answers),
-                                    lambda res, err: self._batch_done(items, started, res, err))
-                return
-
-    def _take_batch(self) -> list[_Queued]:
-        items = [q for q in self._queue[: self.max_batch] if not q.future.done()]
-        del self._queue[: self.max_batch]
-        return [q for q in items if q.session_id in self.active]
-
-    def _call_done(self, fut: asyncio.Future, result, error: BaseException | None) -> None:
-        self._busy = False
-        if not fut.done():
-            if error is None:
-                fut.set_result(result)
-            else:
-                fut.set_exception(error)
-        self._dispatch()
-
-    def _batch_done(self, items: list[_Queued], started: float, results, error: BaseException | None) -> None:
-        """On the loop, when the engine thread has answered a batch: complete each caller's future."""
-        self._busy = False
-        try:
-            self._settle_batch(items, started, results, error)
-        finally:
-            self._dispatch()
-
-    def _settle_batch(self, items: list[_Queued], started: float, results, error: BaseException | None) -> None:
-        if error is not None:  # every waiter must hear about it
-            for q in items:
-                if not q.future.done():
-                    q.future.set_exception(error if isinstance(error, Exception) else RuntimeError(str(error)))
-            return
-        results, answered = results
-        self.steps += len(items)
-        for q, res, sent in zip(items, results, answered):
-            if isinstance(res, Exception):
-                if not q.future.done():
-                    q.future.set_exception(res)
-                continue
-            if q.session_id in self.active:
-                self.active[q.session_id] += len(res.emitted)
-                self._touch(q.session_id)
-            if not q.future.done():
-                q.future.set_result(VerifyOutcome(res, (started - q.enqueued) * 1e3, len(items), sent))
-
-    def _run_and_answer(self, pairs: list[tuple[str, DraftBlock]], answers: list[tuple[Answer | None, float]]):
-        """On the engine thread: the batch, then each result's Answer at once (one that fails or declines
-        leaves the answer to the loop, as without one)."""
-        results = self._run_batch(pairs)
-        answered = [False] * len(results)
-        for i, (res, (answer, queue_ms)) in enumerate(zip(results, answers)):
-            if answer is not None and not isinstance(res, Exception):
-                try:
-                    answered[i] = bool(answer(res, queue_ms, len(pairs)))
-                except Exception:  # noqa: BLE001 - the loop answers instead
-                    answered[i] = False
-        return results, answered
+    def _settle(self, session_id: str, res: VerifyResult) -> None:
+        """On the loop, when a session's step has run: the tokens it now holds."""
+        if session_id in self.active:
+            self.active[session_id] += len(res.emitted)
+            self.host.touch(session_id)
 
     def _prefill_on_host(self, session_id, prompt_ids, sampling, hidden_layers, share_rows: int, logprobs=None):
         """On the engine thread: prefill, with the hidden rows copied to host memory there (a device
@@ -365,9 +220,7 @@ class EngineWorker:
 
     def _release_on_thread(self, session_id: str) -> bool:
         released = self.engine.release(session_id)  # first: the engine's session holds the buffer's tensor too
-        buffer = self.shares.pop(session_id, None)
-        if buffer is not None:
-            buffer.close()
+        self.host.close_buffer(session_id)
         return released
 
     def _on_host(self, session_id: str, res: VerifyResult) -> VerifyResult:

@@ -13,7 +13,6 @@ and a session that outgrows its reservation may meet a full cache (RESOURCE_EXHA
 
 from __future__ import annotations
 
-import asyncio
 import threading
 import time
 
@@ -26,10 +25,11 @@ from specserve.protos import convert
 from specserve.protos.specserve.v1 import target_pb2, target_pb2_grpc
 from specserve.runtime import tracing as tn
 from specserve.runtime.admission import AdmissionRefused
-from specserve.runtime.data_plane import ANSWERED, ShmOffer, ShmSessions
+from specserve.runtime.data_plane import ShmOffer
 from specserve.runtime.errors import status_for
 from specserve.runtime.hidden_share import host_id, kind_for
-from specserve.runtime.servers_common import lenient_adder, short
+from specserve.runtime.servers_common import registration
+from specserve.runtime.session_serving import StepReply, StepServing
 from specserve.target_service.engine.engine import (
     ContextTooLong,
     DuplicateSession,
@@ -38,9 +38,8 @@ from specserve.target_service.engine.engine import (
 )
 from specserve.target_service.engine_worker import EngineWorker
 
-SERVICE_NAME = target_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name
-# registers the servicer; request bytes that do not parse get INVALID_ARGUMENT (not gRPC's UNKNOWN)
-add_target_to_server = lenient_adder(target_pb2.DESCRIPTOR.services_by_name["TargetService"])
+# the service's name, and its registration (request bytes that do not parse get INVALID_ARGUMENT, not UNKNOWN)
+SERVICE_NAME, add_target_to_server = registration(target_pb2, "TargetService")
 
 RESERVE_METADATA = "specserve-reserve-tokens"  # tokens a new session may occupy (prompt + new + draft block)
 
@@ -80,10 +79,10 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         self.model_name = model_name
         self.tensor_parallel_size = tensor_parallel_size
         self._tracer = tn.tracer()
-        # sessions whose caller shares the host: their verify steps over shared memory (same messages)
-        self.shm = ShmSessions(
-            "target", shm or ShmOffer(), target_pb2.VerifyRequest, self._verify_over_shm, _status_for, self.worker.release
-        )
+        # its verify steps as a unary call, a stream and (a caller on this host) a shared-memory channel
+        self.steps = StepServing("target", shm, target_pb2.VerifyRequest, self._verify_one, _status_for,
+                                 self.worker.release)
+        self.shm = self.steps.shm
         # hidden rows of sessions whose caller asked: in a buffer their drafter maps (runtime/hidden_share.py)
         self.hidden_kind = kind_for(worker.engine.device) if self.shm.config.shares_hidden else ""
         self.host_id = host_id()
@@ -100,26 +99,11 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             with self._counts_lock:
                 self.hidden_rows_as_bytes += int(hidden.shape[0])
 
-    # ------------------------------------------------------------------------------ helpers
-    async def _abort(self, context, exc: BaseException):
-        await context.abort(_status_for(exc), short(f"{type(exc).__name__}: {exc}"))
-
     # -------------------------------------------------------------------------------- RPCs
     async def GetInfo(self, request, context):
-        i = self.info
-        return target_pb2.TargetInfo(
-            model_type=i.model_type,
-            vocab_size=i.vocab_size,
-            vocab_hash=i.vocab_hash,
-            max_context=i.max_context,
-            num_layers=i.num_layers,
-            hidden_size=i.hidden_size,
-            eos_token_ids=list(i.eos_token_ids),
-            tensor_parallel_size=self.tensor_parallel_size,
-            model_name=self.model_name,
-            hidden_share_kind=self.hidden_kind,
-            host_id=self.host_id,
-        )
+        return convert.info_to_proto(target_pb2.TargetInfo, self.info, tensor_parallel_size=self.tensor_parallel_size,
+                                     model_name=self.model_name, hidden_share_kind=self.hidden_kind,
+                                     host_id=self.host_id)
 
     async def Prefill(self, request, context):
         received = time.perf_counter()
@@ -140,7 +124,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                 )
             except Exception as exc:  # noqa: BLE001 - mapped to a status
                 span.record_exception(exc)
-                await self._abort(context, exc)
+                await self.steps.abort(context, exc)
             span.set_attribute(tn.ATTR_FORWARD_MS, res.timings.forward_ms)
             out = convert.prefill_result_to_proto(request.session_id, res, (time.perf_counter() - received) * 1e3)
             self._count_hidden(res.hidden)
@@ -157,7 +141,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         return resp
 
     async def _verify_one(self, request, call_ctx, send=None):
-        """One verify step (raises; callers map exceptions to a status). ``send`` (a shared-memory
+        """One verify step (raises; StepServing maps exceptions to a status). ``send`` (a shared-memory
         session's ``ShmSessions.sender``): the engine thread sends the reply itself, and this returns
         ANSWERED."""
         received = time.perf_counter()
@@ -167,12 +151,9 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             span.set_attribute(tn.ATTR_SESSION, request.session_id)
             span.set_attribute(tn.ATTR_K, len(block))
             span.set_attribute(tn.ATTR_TREE_SIZE, 0 if block.is_chain else len(block))
-            answer, built = None, []
-            if send is not None:
-                def answer(res, queue_ms, batch_size):  # on the engine thread: the reply leaves at once
-                    built.append(self._verify_response(request, block, res, received, queue_ms, batch_size))
-                    return send(built[0])
-            out = await self.worker.verify(request.session_id, block, answer)
+            reply = StepReply(lambda res, queue_ms, batch_size: self._verify_response(
+                request, block, res, received, queue_ms, batch_size), send)
+            out = await self.worker.verify(request.session_id, block, reply.answer)
             res = out.result
             span.set_attribute(tn.ATTR_ACCEPTED, len(res.accepted_ids))
             span.set_attribute(tn.ATTR_EMITTED, len(res.emitted))
@@ -181,53 +162,20 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             span.set_attribute(tn.ATTR_FORWARD_MS, res.timings.forward_ms)
             span.set_attribute(tn.ATTR_SAMPLE_MS, res.timings.sample_ms)
             span.set_attribute(tn.ATTR_EXPERTS_TOUCHED, res.experts_touched)
-            if out.answered:
-                return ANSWERED
-            if built:  # made on the engine thread, which could not send it (no room in the ring)
-                return built[0]
-            return self._verify_response(request, block, res, received, out.queue_ms, out.batch_size)
-
-    async def _verify_over_shm(self, session_id: str, request):
-        if request.session_id != session_id:
-            raise convert.ConversionError(f"session_id: {request.session_id[:40]!r} is not this channel's session")
-        return await self._verify_one(request, None, self.shm.sender(session_id))
+            return reply.message(out.answered, res, out.queue_ms, out.batch_size)
 
     async def Verify(self, request, context):
-        call_ctx = tn.context_from_metadata(context.invocation_metadata())
-        try:
-            return await self._verify_one(request, call_ctx)
-        except Exception as exc:  # noqa: BLE001 - mapped to a status
-            await self._abort(context, exc)
+        return await self.steps.unary(request, context)
 
-    async def VerifyStream(self, request_iterator, context):
-        """Per-session stream of verify steps. When the stream ends for any reason (the client cancelled,
-        went away, or finished) the sessions it carried are released."""
-        call_ctx = tn.context_from_metadata(context.invocation_metadata())
-        sessions: set[str] = set()
-        try:
-            async for request in request_iterator:
-                if request.session_id not in sessions:
-                    self.shm.drop_offer(request.session_id)  # its caller could not attach (another host)
-                sessions.add(request.session_id)
-                try:
-                    resp = await self._verify_one(request, call_ctx)
-                except Exception as exc:  # noqa: BLE001 - mapped to a status
-                    await self._abort(context, exc)
-                yield resp
-        finally:
-            # a separate task: the handler may be cancelled, the release must still happen
-            for sid in sessions:
-                asyncio.get_running_loop().create_task(self.worker.release(sid))
+    def VerifyStream(self, request_iterator, context):
+        """Per-session stream of verify steps; the sessions it carried are released when it ends."""
+        return self.steps.stream(request_iterator, context)
 
     async def Release(self, request, context):
         parent = tn.context_from_metadata(context.invocation_metadata())
         with self._tracer.start_as_current_span(tn.SPAN_RELEASE, context=parent, kind=trace.SpanKind.SERVER) as span:
             span.set_attribute(tn.ATTR_SESSION, request.session_id)
-            self.shm.close_session(request.session_id)
-            try:
-                released = await self.worker.release(request.session_id)
-            except Exception as exc:  # noqa: BLE001 - mapped to a status
-                await self._abort(context, exc)
+            released = await self.steps.release(request.session_id, context)
             return target_pb2.ReleaseResponse(released=released)
 
     async def GetStats(self, request, context):

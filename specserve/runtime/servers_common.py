@@ -8,7 +8,7 @@
 - optional TLS on every listen address (``TlsFiles``): with a CA the server requires and checks the
   client's certificate (mutual TLS); the same ``TlsFiles`` on the client side gives a secure channel
   (CA = the roots to trust; cert + key = the client's certificate for mutual TLS);
-- ``lenient_adder``: a servicer registration under which bytes that do not parse reach no handler
+- ``lenient_adder`` (``registration``: a service's name and it): a servicer registration under which bytes that do not parse reach no handler
   and get INVALID_ARGUMENT (gRPC alone answers UNKNOWN); ``short`` cuts echoed input in messages
   (status details travel in metadata, limited to 16 KB).
 """
@@ -168,6 +168,12 @@ def lenient_adder(service) -> Callable:
         server.add_registered_method_handlers(service.full_name, handlers)
 
     return add
+
+
+def registration(pb2_module, service: str) -> tuple[str, Callable]:
+    """A service's full name (health, reflection) and its ``lenient_adder`` (the servicer's registration)."""
+    descriptor = pb2_module.DESCRIPTOR.services_by_name[service]
+    return descriptor.full_name, lenient_adder(descriptor)
 
 
 OPEN_SERVICES = ("grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection")  # no token needed
