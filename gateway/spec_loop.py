@@ -17,13 +17,11 @@ Two optional policies change only *which* tokens are verified, never the accepta
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-
-import numpy as np
-import torch
 
 from specserve.contract.types import (
     BadProbs,
@@ -39,6 +37,7 @@ from specserve.gateway.adaptive import AdaptiveSpeculation
 from specserve.gateway.clients import DraftClient, DraftError, TargetClient
 from specserve.gateway.detok import IncrementalText
 from specserve.gateway.stats import SpecStats
+from specserve.gateway.step_observer import StepObserver, VerifyWalls, drafted_confidence
 from specserve.runtime import tracing as names
 
 EMPTY_BLOCK = DraftBlock(token_ids=())
@@ -47,24 +46,6 @@ PROBE_EVERY = 8  # adaptive: after this many skipped steps, draft one token to r
 
 class MalformedDraft(DraftError):
     """One drafted block is unusable; that step runs target-only and the drafter is kept."""
-
-
-@dataclass(frozen=True)
-class StepRecord:
-    """One verify step, for per-step artifacts (benchmark JSONL) and metrics."""
-
-    step: int
-    context_len: int  # tokens of S before the step (the pending token included)
-    drafted: int
-    accepted: int
-    draft_ms: float  # drafter wall time spent for this step's block (0 when drafted ahead)
-    verify_ms: float  # target forward time measured by the target (device time on GPU)
-    verify_wall_ms: float  # verify call as the loop saw it (forward + sampling + transport)
-    experts_touched: int
-    tree: bool
-    ahead: bool = False  # the drafter drafted the next block during this verify (contends with it)
-    verify_service_ms: float = 0.0  # the target service's own handling of the verify (0 in process)
-    verify_compute_ms: float = 0.0  # of which the engine's own verify call on its thread (timings.compute_ms)
 
 
 @dataclass(frozen=True)
@@ -109,17 +90,11 @@ def truncate_chain(block: DraftBlock, k: int) -> DraftBlock:
     return DraftBlock(token_ids=block.token_ids[:k], probs=probs)
 
 
-def drafted_confidence(block: DraftBlock) -> np.ndarray | None:
-    """q of each drafted token: the drafter's own estimate that the target agrees."""
-    if block.probs is None or not block.is_chain or not len(block):
-        return None
-    ids = torch.tensor(block.token_ids, dtype=torch.long)
-    return block.probs[torch.arange(len(ids)), ids].float().numpy()
-
-
 class _DraftSync:
-    """What the drafter already holds of S, and the target hidden rows it has not been sent yet (tensors,
-    or SharedRows: ranges of a target's shared buffer, relayed as they are)."""
+    """The one place that keeps the drafter in step with S: what it already holds of S (``known``, its
+    confirmed prefix), and the target hidden rows it has not been sent yet (tensors, or SharedRows: ranges
+    of a target's shared buffer, relayed as they are). Every call that changes the drafter's copy goes
+    through here."""
 
     def __init__(self, needs_hidden: bool) -> None:
         self.known = 0
@@ -139,24 +114,42 @@ class _DraftSync:
         self.unsent_hidden = []
         return rows
 
+    async def start(self, draft: DraftClient, sid: str, seq: list[int], sampling) -> None:
+        await draft.start(sid, seq, self.take_hidden(), sampling)
+        self.known = len(seq)
+
+    async def propose(self, draft: DraftClient, sid: str, seq: list[int], k: int, tree) -> DraftBlock:
+        """The drafter keeps its first ``known`` tokens, gets the rest of S, and drafts."""
+        block = await draft.propose(sid, self.known, seq[self.known :], self.take_hidden(), k, tree)
+        self.known = len(seq)
+        return block
+
+    async def propose_ahead(self, draft: DraftClient, sid: str, seq: list[int], block: DraftBlock, k: int) -> DraftBlock:
+        """Block n+1 while block n is verified: S + block n as if accepted in full (k + 1 tokens: the first
+        is the drafter's guess of the bonus token)."""
+        return await draft.propose(sid, self.known, seq[self.known :] + list(block.token_ids), None, k + 1, None)
+
+    def verified_ahead(self, seq_len: int, accepted: int) -> None:
+        """After a verify with a block drafted ahead: the drafter holds S + block (+ its own tail); confirmed
+        is S + the accepted prefix."""
+        self.known = seq_len + accepted
+
 
 class _Run:
     """One request's state between steps."""
 
     def __init__(self, request, target, draft, info, tokenizer, adaptive, sid, on_step) -> None:
-        self.on_step = on_step
-        self.step_draft_ms = 0.0
         self.request, self.target, self.draft, self.info = request, target, draft, info
         self.adaptive: AdaptiveSpeculation | None = adaptive if request.adaptive else None
         self.sid = sid
         self.stats = SpecStats()
+        self.observer = StepObserver(self.stats, self.adaptive, on_step, tree=request.tree is not None)
         self.text = IncrementalText(tokenizer, request.stop)
         self.tracer = names.tracer()
         self.seq: list[int] = []
         self.emitted: list[int] = []
         self.sync = _DraftSync(needs_hidden=False)
         self.ahead: DraftBlock | None = None  # a block drafted in advance for the current S
-        self.last_ahead_ms = 0.0
         self.skipped_drafts = 0  # steps in a row the adaptive chooser skipped drafting
         self.draft_session = draft  # released at the end even if the request fell back to target-only
 
@@ -207,10 +200,7 @@ class _Run:
         try:
             with names.step_span(self.tracer, names.SPAN_DRAFT_PROPOSE) as dspan:
                 dspan.set_attribute(names.ATTR_K, k)
-                block = await self.draft.propose(
-                    self.sid, self.sync.known, self.seq[self.sync.known :], self.sync.take_hidden(), k, self.request.tree
-                )
-            self.sync.known = len(self.seq)
+                block = await self.sync.propose(self.draft, self.sid, self.seq, k, self.request.tree)
             max_nodes = self.request.tree.num_nodes if self.request.tree is not None else k
             check_block(block, max_nodes, self.info.vocab_size)
         except MalformedDraft as exc:
@@ -220,28 +210,23 @@ class _Run:
             self.fallback(span, exc)
             return EMPTY_BLOCK
         ms = (time.perf_counter() - t0) * 1e3
-        self.stats.draft_ms += ms
-        self.step_draft_ms = ms
-        if self.adaptive is not None and self.request.tree is None:
-            self.adaptive.observe_draft(k, ms)
+        self.observer.drafted(k, ms)
         return self.truncate(block, sunk_ms=ms)
 
-    async def draft_next_ahead(self, block: DraftBlock) -> DraftBlock | None:
-        """Draft block n+1 while block n is verified, assuming block n is accepted in full."""
+    async def draft_next_ahead(self, block: DraftBlock) -> tuple[DraftBlock, float] | None:
+        """Draft block n+1 while block n is verified, assuming block n is accepted in full; with its ms."""
         k = self.request.num_speculative_tokens
         if self.adaptive is not None:
             k = max(1, self.adaptive.choose_k(k, ahead=True))
         t0 = time.perf_counter()
         try:
-            ahead = await self.draft.propose(
-                self.sid, self.sync.known, self.seq[self.sync.known :] + list(block.token_ids), None, k + 1, None
-            )
+            ahead = await self.sync.propose_ahead(self.draft, self.sid, self.seq, block, k)
             check_block(ahead, k + 1, self.info.vocab_size)
         except DraftError:
             return None
-        self.last_ahead_ms = (time.perf_counter() - t0) * 1e3
-        self.stats.draft_ahead_ms += self.last_ahead_ms
-        return ahead
+        ms = (time.perf_counter() - t0) * 1e3
+        self.observer.drafted_ahead(ms)
+        return ahead, ms
 
     async def verify(self, span, block: DraftBlock):
         ahead_task = None
@@ -255,51 +240,19 @@ class _Run:
                     sent = DraftBlock(token_ids=block.token_ids, parents=block.parents)  # proposal-only
                 res = await self.target.verify(self.sid, sent)
                 verify_wall_ms = (time.perf_counter() - t0) * 1e3
-                vspan.set_attribute(names.ATTR_K, len(block))
-                vspan.set_attribute(names.ATTR_TREE_SIZE, 0 if block.is_chain else len(block))
-                vspan.set_attribute(names.ATTR_ACCEPTED, len(res.accepted_ids))
-                vspan.set_attribute(names.ATTR_EMITTED, len(res.accepted_ids) + 1)
-                vspan.set_attribute(names.ATTR_FORWARD_MS, res.timings.forward_ms)
-                vspan.set_attribute(names.ATTR_EXPERTS_TOUCHED, res.experts_touched)
+                self.observer.verify_span(vspan, block, res)
         finally:
-            ahead = await ahead_task if ahead_task is not None else None
-        step_ms = (time.perf_counter() - t0) * 1e3  # the verify, and waiting for the ahead draft if it ran
-        if ahead is not None:
-            # the drafter now holds S + block (+ its own tail); confirmed: S + the accepted prefix
-            self.sync.known = len(self.seq) + len(res.accepted_ids)
+            drafted_ahead = await ahead_task if ahead_task is not None else None
+        walls = VerifyWalls(len(self.seq), verify_wall_ms, (time.perf_counter() - t0) * 1e3, ahead=ahead_task is not None)
+        if drafted_ahead is not None:
+            ahead, ahead_ms = drafted_ahead
+            self.sync.verified_ahead(len(self.seq), len(res.accepted_ids))
             hit = len(res.accepted_ids) == len(block) and ahead.token_ids[:1] == (res.next_token,)
-            if hit:
+            if hit:  # its first token was the bonus token: the rest is the next block
                 probs = None if ahead.probs is None else ahead.probs[1:]
                 self.ahead = DraftBlock(token_ids=ahead.token_ids[1:], probs=probs)
-                self.stats.draft_ahead_hits += 1
-                self.stats.draft_hidden_ms += min(self.last_ahead_ms, verify_wall_ms)
-            if self.adaptive is not None:
-                self.adaptive.observe_ahead(hit)
-        self.stats.record_step(len(block), len(res.accepted_ids))
-        if self.on_step is not None:
-            self.on_step(
-                StepRecord(
-                    step=self.stats.steps,
-                    context_len=len(self.seq),
-                    drafted=len(block),
-                    accepted=len(res.accepted_ids),
-                    draft_ms=self.step_draft_ms,
-                    verify_ms=res.timings.forward_ms,
-                    verify_wall_ms=verify_wall_ms,
-                    experts_touched=res.experts_touched,
-                    tree=not block.is_chain,
-                    ahead=ahead_task is not None,
-                    verify_service_ms=res.timings.total_ms,
-                    verify_compute_ms=res.timings.compute_ms,
-                )
-            )
-        self.step_draft_ms = 0.0
-        self.stats.verify_ms += res.timings.forward_ms
-        if self.adaptive is not None and block.is_chain:
-            self.adaptive.observe_verify(
-                len(block), len(res.accepted_ids), res.experts_touched, step_ms,
-                confidence=drafted_confidence(block), ahead=ahead_task is not None,
-            )
+            walls = dataclasses.replace(walls, ahead_hit=hit, ahead_ms=ahead_ms)
+        self.observer.verified(block, res, walls)
         self.sync.add_hidden(res.hidden)
         return res
 
@@ -375,8 +328,7 @@ async def run_request(
             if run.draft is not None:
                 try:
                     with tracer.start_as_current_span(names.SPAN_DRAFT_START):
-                        await run.draft.start(sid, run.seq, run.sync.take_hidden(), request.sampling)
-                    run.sync.known = len(run.seq)
+                        await run.sync.start(run.draft, sid, run.seq, request.sampling)
                 except DraftError as exc:
                     run.fallback(span, exc)
             new, new_lp, prompt_lp = [pre.next_token], pre.logprobs, pre.prompt_logprobs
