@@ -34,6 +34,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
+from specserve.contract.speculation import DEFAULT_MAX_BLOCK_SIZE
 from specserve.contract.types import DraftBlock, SamplingParams, TreeSpec
 from specserve.errors import SpecserveError
 from specserve.models.dtypes import DTYPES
@@ -90,7 +91,7 @@ class DrafterConfig:
     target_checkpoint: Path | None = None
     device: str = "cpu"
     dtype: torch.dtype | str = torch.float32
-    max_block_size: int = 8
+    max_block_size: int = DEFAULT_MAX_BLOCK_SIZE  # the most tokens one proposal drafts (contract/speculation.py)
     # ngram options
     ngram_min_n: int = 1
     ngram_max_n: int = 4

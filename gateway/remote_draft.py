@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import grpc
 import torch
 
+from specserve.contract.speculation import MAX_K
 from specserve.contract.types import (
     DraftBlock,
     SamplingParams,
@@ -40,7 +41,6 @@ from specserve.contract.types import (
 from specserve.gateway.clients import DraftError
 from specserve.gateway.remote import RELEASE_TIMEOUT_S, BidiStream, Deadline
 from specserve.gateway.spec_loop import MalformedDraft
-from specserve.gateway.validation import MAX_SPECULATIVE_TOKENS
 from specserve.models.probs import derive_seed, new_seed_key
 from specserve.protos import convert
 from specserve.protos.specserve.v1 import (
@@ -58,10 +58,10 @@ _DOWN = frozenset({grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABL
 
 def draft_reply_limit(vocab_size: int) -> int:  # bytes
     """The largest reply the gateway reads from a draft, over gRPC and shared memory alike: q of the most
-    nodes a request can ask for (MAX_SPECULATIVE_TOKENS, a chain or a tree; + 1 for slack) over the
+    nodes a request can ask for (MAX_K, a chain or a tree; + 1 for slack) over the
     target's vocabulary in float32, and 1 MiB for the rest. A longer one is refused before it is
     allocated (gRPC: RESOURCE_EXHAUSTED; the ring drops the channel), and that request goes target-only."""
-    return (MAX_SPECULATIVE_TOKENS + 1) * max(int(vocab_size), 1) * 4 + (1 << 20)
+    return (MAX_K + 1) * max(int(vocab_size), 1) * 4 + (1 << 20)
 
 
 @dataclass(frozen=True)

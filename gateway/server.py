@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import grpc
 from opentelemetry import context as otel_context
 
+from specserve.contract.speculation import MAX_K, KTooLong, k_on_draft
 from specserve.errors import SpecserveError
 from specserve.gateway.adaptive import AdaptiveConfig, AdaptiveSpeculation
 from specserve.gateway.clients import RequestRejected, TargetUnavailable
@@ -34,7 +35,6 @@ from specserve.gateway.remote import RemoteTarget, TargetCallError
 from specserve.gateway.remote_draft import BreakerConfig, RemoteDraftEndpoint, incompatible
 from specserve.gateway.spec_loop import FinalEvent, run_request
 from specserve.gateway.validation import (
-    MAX_SPECULATIVE_TOKENS,
     NO_DRAFT,
     InvalidRequest,
     RequestLimits,
@@ -49,7 +49,6 @@ from specserve.runtime.servers_common import TlsFiles, check_address, short
 
 SERVICE_NAME = gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name
 ADMIN_METADATA = "specserve-admin-token"  # SetDraft's credential, separate from the clients' bearer token
-DEFAULT_SPECULATIVE_TOKENS = 4
 
 
 def too_long_block(checked, draft_info) -> str:
@@ -289,7 +288,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     def _adaptive(self, draft_name: str) -> AdaptiveSpeculation:
         """The process-wide adaptive chooser of one draft (its cost model outlives requests)."""
         if draft_name not in self._adaptive_by_draft:
-            self._adaptive_by_draft[draft_name] = AdaptiveSpeculation(AdaptiveConfig(max_k=MAX_SPECULATIVE_TOKENS))
+            self._adaptive_by_draft[draft_name] = AdaptiveSpeculation(AdaptiveConfig(max_k=MAX_K))
         return self._adaptive_by_draft[draft_name]
 
     async def close(self) -> None:
@@ -366,14 +365,13 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
 
     async def _admitted(self, checked, info, trace_context, deadline: float | None, arrived: float):
         endpoint = self.drafts.acquire(checked.draft_name) if checked.draft_name else None
-        k = checked.num_speculative_tokens or DEFAULT_SPECULATIVE_TOKENS
-        if endpoint is not None and endpoint.last_info is not None:
-            most = endpoint.last_info.max_block_size
-            if checked.num_speculative_tokens > most:  # refused, never silently drafted shorter
-                self.drafts.release(endpoint)
-                raise GatewayError(grpc.StatusCode.INVALID_ARGUMENT, too_long_block(checked, endpoint.last_info),
-                                   "num_speculative_tokens")
-            k = min(k, most)  # the default k on a draft that drafts fewer
+        most = endpoint.last_info.max_block_size if endpoint is not None and endpoint.last_info is not None else None
+        try:
+            k = k_on_draft(checked.num_speculative_tokens, most)  # refused above `most`, never drafted shorter
+        except KTooLong:
+            self.drafts.release(endpoint)
+            raise GatewayError(grpc.StatusCode.INVALID_ARGUMENT, too_long_block(checked, endpoint.last_info),
+                               "num_speculative_tokens") from None
         tree = checked.tree if endpoint is not None else None
         if tree is not None and endpoint.last_info is not None and not endpoint.last_info.supports_tree:
             self.drafts.release(endpoint)

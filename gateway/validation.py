@@ -6,14 +6,14 @@ import math
 from collections.abc import Container
 from dataclasses import dataclass
 
+from specserve.contract.speculation import MAX_K
 from specserve.contract.types import GenerationRequest, TreeSpec
 from specserve.errors import SpecserveError
 from specserve.protos import convert
 from specserve.protos.specserve.v1 import gateway_pb2, target_pb2
 
-MAX_SPECULATIVE_TOKENS = 64
 MAX_TREE_TOP_K = 16  # children per tree node (the draft service has its own --max-tree-top-k)
-MAX_TREE_DEPTH = MAX_SPECULATIVE_TOKENS
+MAX_TREE_DEPTH = MAX_K
 DEFAULT_TREE_TOP_K = 2  # children expanded per node when a tree request leaves tree_top_k at 0
 DEFAULT_TREE_DEPTH = 4  # levels when a tree request leaves tree_depth at 0
 NO_DRAFT = "none"  # GenerateRequest.draft value that asks for target-only decoding
@@ -53,7 +53,7 @@ def _tree(req: gateway_pb2.GenerateRequest, draft_name: str | None) -> TreeSpec 
         if req.tree_top_k or req.tree_depth:
             raise InvalidRequest("tree_nodes", "must be > 0 when tree_top_k or tree_depth is set")
         return None
-    for field, most in (("tree_nodes", MAX_SPECULATIVE_TOKENS), ("tree_top_k", MAX_TREE_TOP_K),
+    for field, most in (("tree_nodes", MAX_K), ("tree_top_k", MAX_TREE_TOP_K),
                         ("tree_depth", MAX_TREE_DEPTH)):
         if getattr(req, field) > most:
             raise InvalidRequest(field, f"must be in [0, {most}], got {getattr(req, field)}")
@@ -145,9 +145,9 @@ def validate_request(
 
     if req.speculation not in gateway_pb2.Speculation.values():
         raise InvalidRequest("speculation", f"unknown value {req.speculation}")
-    if not 0 <= req.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+    if not 0 <= req.num_speculative_tokens <= MAX_K:
         raise InvalidRequest(
-            "num_speculative_tokens", f"must be in [0, {MAX_SPECULATIVE_TOKENS}], got {req.num_speculative_tokens}"
+            "num_speculative_tokens", f"must be in [0, {MAX_K}], got {req.num_speculative_tokens}"
         )
     try:
         logprobs = convert.logprobs_spec_from_proto(req)

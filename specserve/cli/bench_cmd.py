@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 from specserve.cli.common import int_list
+from specserve.contract.speculation import DEFAULT_K
 from specserve.errors import SpecserveError
 
 
@@ -56,8 +57,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--max-new-tokens", type=_positive, default=128)
-    parser.add_argument("--num-speculative-tokens", type=_positive, default=4,
-                        help="draft block size k of the fixed methods when --fixed-k is not given (default 4)")
+    parser.add_argument("--num-speculative-tokens", type=_positive, default=DEFAULT_K,
+                        help=f"draft block size k of the fixed methods when --fixed-k is not given (default {DEFAULT_K})")
     parser.add_argument("--fixed-k", type=_fixed_ks, default=None, metavar="K[,K...]",
                         help="run each fixed-k method once per k, e.g. 1,2,3,4 (default: --num-speculative-tokens); "
                              "adaptive caps k at the largest of these and --num-speculative-tokens")

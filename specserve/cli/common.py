@@ -6,6 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
+from specserve.contract.speculation import DEFAULT_K, DEFAULT_MAX_BLOCK_SIZE, block_size_for
 from specserve.errors import SpecserveError
 
 NO_DRAFT_FOLDER = ("ngram", "mtp")  # families that need no --draft-model (mtp reads the target's own layer)
@@ -63,9 +64,6 @@ def split_threads(cores: int, draft: str) -> tuple[int, int, int]:
     return max(1, cores - drafter - 1), max(1, drafter), 1
 
 
-DEFAULT_SPECULATIVE_TOKENS = 4  # k when --num-speculative-tokens is not given (the gateway's default too)
-
-
 def speculative_tokens(args: argparse.Namespace, command: str) -> int | None:
     """--num-speculative-tokens, or None when not given; a k given with --draft none warns on stderr (it has no
     effect: target-only decoding drafts nothing)."""
@@ -117,7 +115,7 @@ def add_prompt_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--max-new-tokens", type=positive_int, default=64)
     parser.add_argument("--num-speculative-tokens", type=positive_int, default=None,
-                        help=f"draft block size k (default {DEFAULT_SPECULATIVE_TOKENS}; with --draft none it has no "
+                        help=f"draft block size k (default {DEFAULT_K}; with --draft none it has no "
                              "effect, and a warning says so)")
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     parser.add_argument("--tree-nodes", type=int, default=0,
@@ -259,9 +257,8 @@ def drafter_config_from_args(args: argparse.Namespace, target_checkpoint: Path):
         target_checkpoint=target_checkpoint,
         device=args.device,
         dtype=dtype_for(args.device, args.dtype),
-        # k + 1: draft-ahead asks for its guess of the bonus token plus a full next block
-        max_block_size=(getattr(args, "num_speculative_tokens", None) or DEFAULT_SPECULATIVE_TOKENS) + 1
-        if hasattr(args, "num_speculative_tokens") else 8,
+        max_block_size=(block_size_for(getattr(args, "num_speculative_tokens", None) or DEFAULT_K)
+                        if hasattr(args, "num_speculative_tokens") else DEFAULT_MAX_BLOCK_SIZE),
         denoise_steps=args.denoise_steps,
     )
 

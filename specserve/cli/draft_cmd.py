@@ -19,6 +19,7 @@ from specserve.cli.common import (
     shm_offer_from_args,
     start_metrics_server,
 )
+from specserve.contract.speculation import DEFAULT_MAX_BLOCK_SIZE
 
 DEFAULT_LISTEN = "127.0.0.1:50053"
 
@@ -29,7 +30,8 @@ def add_drafter_arguments(parser: argparse.ArgumentParser) -> None:
 
     parser.add_argument("--draft", choices=tuple(PROPOSER_FACTORIES), default="ngram", help="drafter family")
     parser.add_argument("--draft-model", type=Path, default=None, help="drafter checkpoint folder")
-    parser.add_argument("--max-block-size", type=positive_int, default=8, help="most tokens one proposal may draft")
+    parser.add_argument("--max-block-size", type=positive_int, default=DEFAULT_MAX_BLOCK_SIZE,
+                        help="most tokens one proposal may draft")
     add_denoise_argument(parser)
 
 

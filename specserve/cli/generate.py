@@ -6,7 +6,6 @@ import argparse
 import sys
 
 from specserve.cli.common import (
-    DEFAULT_SPECULATIVE_TOKENS,
     add_model_arguments,
     add_prompt_arguments,
     add_threads_argument,
@@ -16,6 +15,7 @@ from specserve.cli.common import (
     speculative_tokens,
     tree_from_args,
 )
+from specserve.contract.speculation import DEFAULT_K
 from specserve.errors import SpecserveError
 
 
@@ -64,7 +64,7 @@ async def _generate(args: argparse.Namespace) -> dict:
     from specserve.gateway.local import LocalDraft, LocalTarget
     from specserve.gateway.spec_loop import FinalEvent, run_request
 
-    k = speculative_tokens(args, "generate") or DEFAULT_SPECULATIVE_TOKENS
+    k = speculative_tokens(args, "generate") or DEFAULT_K
     tree = tree_from_args(args)
     engine, proposer = build_local(args)
     if tree is not None and (proposer is None or not proposer.info.supports_tree):

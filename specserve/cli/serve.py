@@ -26,6 +26,7 @@ from specserve.cli.common import (
     split_threads,
     usable_cores,
 )
+from specserve.contract.speculation import DEFAULT_MAX_BLOCK_SIZE
 from specserve.errors import SpecserveError
 
 READY = "gateway listening on "
@@ -45,7 +46,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the draft's own GET /metrics on 127.0.0.1 at this port (0 = any; default: off)")
     parser.add_argument("--served-model-name", default=None,
                         help="the model's name in responses and the HTTP API (default: the checkpoint folder name)")
-    parser.add_argument("--max-block-size", type=int, default=8, help="most tokens one proposal may draft")
+    parser.add_argument("--max-block-size", type=int, default=DEFAULT_MAX_BLOCK_SIZE, help="most tokens one proposal may draft")
     parser.add_argument("--threads", type=int, default=0,
                         help="cores to share between the three processes (0: those this process may use): the "
                              "gateway 1, an n-gram draft 1, a model draft a quarter, the target the rest")

@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specserve.contract.speculation import DEFAULT_K
+
 # Temperatures below the smallest normal float32 cannot scale float32 logits (the quotient overflows
 # and the distribution becomes NaN); such a request decodes as greedy, the limit of sampling as T -> 0.
 MIN_SAMPLED_TEMPERATURE = 1.1754943508222875e-38
@@ -230,7 +232,7 @@ class GenerationRequest:
     prompt_ids: tuple[int, ...]
     max_new_tokens: int
     sampling: SamplingParams = field(default_factory=SamplingParams)
-    num_speculative_tokens: int = 4  # 0 = the draft's default (at the gateway, before a draft is chosen)
+    num_speculative_tokens: int = DEFAULT_K  # 0 = the draft's default (at the gateway, before a draft is chosen)
     tree: TreeSpec | None = None  # a tree request; None = chain
     stop: tuple[str, ...] = ()
     model_name: str = ""

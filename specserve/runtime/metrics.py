@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 from opentelemetry import metrics
 
+from specserve.contract.speculation import MAX_K
+
 METER_NAME = "specserve"  # the instrumentation scope (tracing.TRACER_NAME)
 
 
@@ -40,7 +42,7 @@ INTER_TOKEN_S = _series(0.0001, 10.0)  # 0.1 ms to 10 s
 STEP_MS = _series(0.1, 10_000.0)  # one verify step, in ms: 0.1 ms to 10 s
 TOKENS_PER_S = _series(1.0, 50_000.0)
 TOKEN_COUNTS = tuple(float(2**i) for i in range(21))  # 1 .. 1M tokens of one request
-MAX_BLOCK = 64  # gateway/validation.MAX_SPECULATIVE_TOKENS: a step emits at most this + 1 tokens
+MAX_BLOCK = MAX_K  # a step emits at most this + 1 tokens
 ACCEPTED_LENGTH = tuple(float(i) for i in range(MAX_BLOCK + 2))  # 0 .. k + 1 in steps of one
 
 DRAFT_LABEL = "draft"  # the request's draft name ("none": target-only)
