@@ -43,6 +43,14 @@ class SharedRowsToRead:
     tail: torch.Tensor | None = None
 
 
+@dataclass(frozen=True)
+class WireRows:
+    """A request's hidden rows still in their wire message: ``decode()`` (a tensor, a SharedRowsToRead or
+    None) runs on the drafter thread, not on the event loop (rows as bytes are [n, layers * hidden] float32)."""
+
+    decode: Callable[[], object]
+
+
 class ProposeExpired(SpecserveError):
     """A proposal that waited for the drafter thread past its time budget (DEADLINE_EXCEEDED): its
     caller has given up on it, so it is not drafted at all."""
@@ -165,7 +173,10 @@ class DrafterWorker:
             raise
 
     def _rows(self, session_id: str, hidden):
-        """On the drafter thread: the tensor of a SharedRowsToRead (read from the session's buffer)."""
+        """On the drafter thread: the rows of a WireRows (decoded here), and the tensor of a SharedRowsToRead
+        (read from the session's buffer)."""
+        if isinstance(hidden, WireRows):
+            hidden = hidden.decode()
         if not isinstance(hidden, SharedRowsToRead):
             return hidden
         view = self.views.get(session_id)

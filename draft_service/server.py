@@ -6,6 +6,7 @@ mapped hidden rows); the servicer only awaits it and turns its results and error
 
 from __future__ import annotations
 
+import functools
 import time
 
 import grpc
@@ -17,6 +18,7 @@ from specserve.draft_service.drafter_worker import (
     ProposeExpired,
     SharedRowsToRead,
     UnmappableShare,
+    WireRows,
 )
 from specserve.draft_service.proposer import ProposerError
 from specserve.errors import SpecserveError
@@ -56,10 +58,14 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         needs = self.info.needs_hidden_states and self.shm.config.shares_hidden
         self.hidden_kinds = mappable_kinds() if needs else ()
         self.host_id = host_id()
-        self.hidden_rows_as_bytes = 0  # rows received as bytes (GetStats)
+        self.hidden_rows_as_bytes = 0  # rows received as bytes (GetStats; written on the drafter thread)
 
-    def _hidden_of(self, request, tensor_field: str, rows_field: str, tensor_what: str):
-        """A request's hidden rows: the tensor of ``tensor_field``, or (``rows_field`` set) the rows to read
+    def _hidden_of(self, request, tensor_field: str, rows_field: str, tensor_what: str) -> WireRows:
+        """A request's hidden rows, decoded on the drafter thread (``_decode_hidden``)."""
+        return WireRows(functools.partial(self._decode_hidden, request, tensor_field, rows_field, tensor_what))
+
+    def _decode_hidden(self, request, tensor_field: str, rows_field: str, tensor_what: str):
+        """On the drafter thread: the tensor of ``tensor_field``, or (``rows_field`` set) the rows to read
         from the session's shared buffer, followed by the tensor's rows."""
         tensor = convert.optional_tensor(request, tensor_field, tensor_what)
         if tensor is not None:

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 import torch
 
 from specserve.contract.types import DraftBlock, SharedRows, VerifyResult
+from specserve.protos import convert
+from specserve.protos.specserve.v1 import common_pb2
 from specserve.runtime import tracing as tn
 from specserve.runtime.admission import Admission, AdmissionConfig
 from specserve.runtime.errors import LimitExceeded
@@ -53,6 +55,21 @@ class TargetLimits:
 # the caller its answer itself (the shared-memory path: the reply leaves without waiting for the loop)
 Answer = Callable[[VerifyResult, float, int], bool]
 VerifyOutcome = StepOutcome  # a verify step's result, queue ms, batch size, and whether the engine thread answered
+
+
+@dataclass(frozen=True)
+class WireBlock:
+    """A drafted block as its wire message: decoded and checked (convert.draft_block_from_proto: ids in the
+    vocabulary, q a distribution) on the engine thread, not on the event loop (q is [n, vocab] float32 bytes)."""
+
+    message: common_pb2.DraftBlock
+    vocab_size: int
+
+    def __len__(self) -> int:
+        return len(self.message.token_ids)
+
+    def decode(self) -> DraftBlock:
+        return convert.draft_block_from_proto(self.message, vocab_size=self.vocab_size)
 
 
 class EngineWorker:
@@ -166,7 +183,7 @@ class EngineWorker:
         finally:
             self._unreserve(session_id)
 
-    async def verify(self, session_id: str, block: DraftBlock, answer: Answer | None = None) -> VerifyOutcome:
+    async def verify(self, session_id: str, block: DraftBlock | WireBlock, answer: Answer | None = None) -> VerifyOutcome:
         """Queue one session's step. ``answer`` (optional) runs on the engine thread as soon as the
         session's result is there (before the loop hears of it); it must only encode and send."""
         if len(block) > self.limits.max_draft_tokens:
@@ -237,9 +254,25 @@ class EngineWorker:
             # a session past the rows it reserved: its rows go as bytes from here on
         return dataclasses.replace(res, hidden=_host(res.hidden))
 
-    def _run_batch(self, pairs: list[tuple[str, DraftBlock]]) -> list:
+    def _run_batch(self, pairs: list[tuple[str, DraftBlock | WireBlock]]) -> list:
+        """On the engine thread: the blocks that came as wire messages decoded (one that does not is that
+        session's error alone), then the rest as one batch (``_verify_batch``)."""
+        out: list = [None] * len(pairs)
+        ready: list[tuple[int, str, DraftBlock]] = []
+        for i, (sid, block) in enumerate(pairs):
+            try:
+                ready.append((i, sid, block.decode() if isinstance(block, WireBlock) else block))
+            except Exception as exc:  # noqa: BLE001 - returned to that session's caller
+                out[i] = exc
+        for (i, _, _), res in zip(ready, self._verify_batch([(sid, block) for _, sid, block in ready])):
+            out[i] = res
+        return out
+
+    def _verify_batch(self, pairs: list[tuple[str, DraftBlock]]) -> list:
         """On the engine thread: one batched forward; if the batch fails, each session alone, so one
         bad request cannot fail the others (the engine checks its input before it changes state)."""
+        if not pairs:
+            return []
         if len(pairs) == 1:
             return [self._on_host(pairs[0][0], self.engine.verify(*pairs[0]))]
         try:

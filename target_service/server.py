@@ -19,7 +19,7 @@ import time
 import grpc
 from opentelemetry import trace
 
-from specserve.contract.types import DraftBlock, SharedRows, VerifyResult
+from specserve.contract.types import SharedRows, VerifyResult
 from specserve.errors import SpecserveError
 from specserve.protos import convert
 from specserve.protos.specserve.v1 import target_pb2, target_pb2_grpc
@@ -36,7 +36,7 @@ from specserve.target_service.engine.engine import (
     OutOfBlocks,
     UnknownSession,
 )
-from specserve.target_service.engine_worker import EngineWorker
+from specserve.target_service.engine_worker import EngineWorker, WireBlock
 
 # the service's name, and its registration (request bytes that do not parse get INVALID_ARGUMENT, not UNKNOWN)
 SERVICE_NAME, add_target_to_server = registration(target_pb2, "TargetService")
@@ -132,10 +132,10 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                 out.shm_channel = self.shm.offer(request.session_id, context.time_remaining())
             return out
 
-    def _verify_response(self, request, block: DraftBlock, res: VerifyResult, received: float, queue_ms: float,
+    def _verify_response(self, request, drafted: int, res: VerifyResult, received: float, queue_ms: float,
                          batch_size: int) -> target_pb2.VerifyResponse:
         """A step's reply (on the loop, or on the engine thread when that answers a shared-memory caller)."""
-        resp = convert.verify_result_to_proto(request.session_id, res, res.num_drafted or len(block),
+        resp = convert.verify_result_to_proto(request.session_id, res, res.num_drafted or drafted,
                                               (time.perf_counter() - received) * 1e3, queue_ms, batch_size)
         self._count_hidden(res.hidden)
         return resp
@@ -147,12 +147,12 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         received = time.perf_counter()
         parent = tn.context_from_map(request.trace_context, call_ctx) if tn.tracing_installed() else None
         with tn.step_span(self._tracer, tn.SPAN_TARGET_VERIFY, parent, trace.SpanKind.SERVER) as span:
-            block = convert.draft_block_from_proto(request.draft, vocab_size=self.info.vocab_size)
+            block = WireBlock(request.draft, self.info.vocab_size)  # decoded and checked on the engine thread
             span.set_attribute(tn.ATTR_SESSION, request.session_id)
             span.set_attribute(tn.ATTR_K, len(block))
-            span.set_attribute(tn.ATTR_TREE_SIZE, 0 if block.is_chain else len(block))
+            span.set_attribute(tn.ATTR_TREE_SIZE, len(block) if request.draft.is_tree else 0)
             reply = StepReply(lambda res, queue_ms, batch_size: self._verify_response(
-                request, block, res, received, queue_ms, batch_size), send)
+                request, len(block), res, received, queue_ms, batch_size), send)
             out = await self.worker.verify(request.session_id, block, reply.answer)
             res = out.result
             span.set_attribute(tn.ATTR_ACCEPTED, len(res.accepted_ids))
