@@ -28,6 +28,7 @@ from specserve.kernels.paged_batch import PagedBatch
 from specserve.models.attn_metadata import AttentionBatch
 from specserve.models.config import GQAConfig, MLAConfig, ModelConfig
 from specserve.models.kv_cache import PagedKVCache
+from specserve.models.paged_backend import PagedBackend
 
 ATTENTION_BACKENDS = ("auto", "torch", "flashinfer", "triton_paged", "paged_torch")
 
@@ -125,8 +126,12 @@ def paged_batch_of(attn: AttentionBatch, block_size: int) -> PagedBatch:
     return PagedBatch.build(attn.query_lens, attn.context_lens, attn.block_tables, block_size, attn.tree_masks)
 
 
-class FlashInferBackend:
-    """The model's FlashInfer attention: plans one StepAttention per step and serves every layer from it."""
+class FlashInferBackend(PagedBackend):
+    """The model's FlashInfer attention: plans one StepAttention per step and serves every layer from it
+    (its cache writes take every slot >= 0)."""
+
+    error = AttentionBackendError
+    what = "FlashInfer attention"
 
     def __init__(self, attn_module: torch.nn.Module, block_size: int, device: torch.device | str,
                  dtype: torch.dtype) -> None:
@@ -135,45 +140,24 @@ class FlashInferBackend:
         dev = torch.device(device)
         if dev.type == "cuda" and dev.index is None:  # 'cuda' -> 'cuda:N' so device checks compare equal
             dev = torch.device("cuda", torch.cuda.current_device())
+        super().__init__(block_size)
         self.device = dev
         self.dims = attn_dims_of(attn_module, dtype)
-        self.block_size = block_size
         self.workspace = new_workspace(self.device)
         self._eager = StepAttention(self.dims, block_size, self.device, self.workspace)
-        self._step: StepAttention | None = None
-        self._prepared_for: AttentionBatch | None = None
 
     def new_graph_step(self, shape: GraphShape) -> StepAttention:
         return StepAttention(self.dims, self.block_size, self.device, self.workspace, shape)
 
-    def prepare(self, attn: AttentionBatch, step: StepAttention | None = None) -> None:
-        """Plan this step (once; later calls with the same batch object are no-ops unless a step is given)."""
-        if step is None and self._prepared_for is attn:
-            return
+    def _plan(self, attn: AttentionBatch, step: StepAttention | None) -> StepAttention:
+        """Plan this step (in the eager step, or a graph runner's)."""
         step = step or self._eager
         step.plan(paged_batch_of(attn, self.block_size))
-        self._step, self._prepared_for = step, attn
-
-    def _planned(self, attn: AttentionBatch) -> StepAttention:
-        if self._step is None or self._prepared_for is not attn:
-            raise AttentionBackendError("FlashInfer attention ran on a batch it was not prepared for")
-        return self._step
-
-    def gqa(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn: AttentionBatch,
-            kv_cache: PagedKVCache) -> torch.Tensor:
-        """Write k, v [T, Hkv, D] at attn.slot_mapping (every slot >= 0), then attend: q [T, Hq, D] -> [T, Hq, D]."""
-        kv_cache.write_step(layer, attn.slot_mapping, torch.stack([k, v], dim=1))  # [T, 2, Hkv, D]
-        return self.gqa_cached(layer, q, attn, kv_cache)
+        return step
 
     def gqa_cached(self, layer: int, q: torch.Tensor, attn: AttentionBatch, kv_cache: PagedKVCache) -> torch.Tensor:
         """q [T, Hq, D] over a cache that already holds this step's K/V -> [T, Hq, D]."""
         return self._planned(attn).run_gqa(q.contiguous(), kv_cache.layers[layer])
-
-    def mla(self, layer: int, q_nope: torch.Tensor, q_pe: torch.Tensor, entries: torch.Tensor,
-            attn: AttentionBatch, kv_cache: PagedKVCache) -> torch.Tensor:
-        """Write entries [T, R + P] at attn.slot_mapping, then absorbed MLA: q_nope [T, H, R], q_pe [T, H, P] -> [T, H, R]."""
-        kv_cache.write_step(layer, attn.slot_mapping, entries)  # [T, R + P]
-        return self.mla_cached(layer, q_nope, q_pe, attn, kv_cache)
 
     def mla_cached(self, layer: int, q_nope: torch.Tensor, q_pe: torch.Tensor, attn: AttentionBatch,
                    kv_cache: PagedKVCache) -> torch.Tensor:
@@ -181,42 +165,27 @@ class FlashInferBackend:
         return self._planned(attn).run_mla(q_nope.contiguous(), q_pe.contiguous(), kv_cache.layers[layer])
 
 
-class ReferencePagedBackend:
+class ReferencePagedBackend(PagedBackend):
     """The fast path's plumbing (prepare per step, cache writes by slot, absorbed MLA) over the pure-torch paged
     references of specserve.kernels.attention_reference: runs anywhere, so CPU tests check that plumbing
     against the plain-torch attention of models/attention.py."""
 
-    def __init__(self, attn_module: torch.nn.Module, block_size: int) -> None:
-        self.scale = float(attn_module.scale)
-        self.block_size = block_size
-        self._batch: PagedBatch | None = None
-        self._prepared_for: AttentionBatch | None = None
+    error = AttentionBackendError
+    what = "reference attention"
 
-    def prepare(self, attn: AttentionBatch, step: object = None) -> None:
+    def __init__(self, attn_module: torch.nn.Module, block_size: int) -> None:
+        super().__init__(block_size)
+        self.scale = float(attn_module.scale)
+
+    def _plan(self, attn: AttentionBatch, step: object) -> PagedBatch:
         if step is not None:
             raise AttentionBackendError("the reference backend has no CUDA-graph steps")
-        if self._prepared_for is not attn:
-            self._batch, self._prepared_for = paged_batch_of(attn, self.block_size), attn
-
-    def _planned(self, attn: AttentionBatch) -> PagedBatch:
-        if self._batch is None or self._prepared_for is not attn:
-            raise AttentionBackendError("reference attention ran on a batch it was not prepared for")
-        return self._batch
-
-    def gqa(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn: AttentionBatch,
-            kv_cache: PagedKVCache) -> torch.Tensor:
-        kv_cache.write_step(layer, attn.slot_mapping, torch.stack([k, v], dim=1))  # [T, 2, Hkv, D]
-        return self.gqa_cached(layer, q, attn, kv_cache)
+        return paged_batch_of(attn, self.block_size)
 
     def gqa_cached(self, layer: int, q: torch.Tensor, attn: AttentionBatch, kv_cache: PagedKVCache) -> torch.Tensor:
         from specserve.kernels.attention_reference import paged_attention_reference
 
         return paged_attention_reference(q, kv_cache.layers[layer], self._planned(attn), self.scale)
-
-    def mla(self, layer: int, q_nope: torch.Tensor, q_pe: torch.Tensor, entries: torch.Tensor,
-            attn: AttentionBatch, kv_cache: PagedKVCache) -> torch.Tensor:
-        kv_cache.write_step(layer, attn.slot_mapping, entries)  # [T, R + P]
-        return self.mla_cached(layer, q_nope, q_pe, attn, kv_cache)
 
     def mla_cached(self, layer: int, q_nope: torch.Tensor, q_pe: torch.Tensor, attn: AttentionBatch,
                    kv_cache: PagedKVCache) -> torch.Tensor:

@@ -26,6 +26,7 @@ import torch
 from specserve.models.attn_metadata import AttentionBatch
 from specserve.models.config import MLAConfig
 from specserve.models.kv_cache import PagedKVCache
+from specserve.models.paged_backend import PagedBackend
 
 
 class PagedTorchError(ValueError):
@@ -107,19 +108,20 @@ def _window(cache: torch.Tensor, step: PagedStep) -> torch.Tensor:  # [B, NB * b
     return rows.reshape(b, nb * cache.shape[1], *cache.shape[2:])
 
 
-class PagedTorchBackend:
+class PagedTorchBackend(PagedBackend):
     """The model's graph-safe torch attention: `prepare` per step, then every layer's `gqa` / `mla`."""
 
+    error = PagedTorchError
+    what = "paged torch attention"
+
     def __init__(self, attn_module: torch.nn.Module, block_size: int, device: torch.device | str) -> None:
+        super().__init__(block_size)
         self.scale = float(attn_module.scale)
         self.mla_dims = (
             (attn_module.cfg.kv_lora_rank, attn_module.cfg.qk_rope_head_dim)
             if isinstance(attn_module.cfg, MLAConfig) else None
         )
-        self.block_size = block_size
         self.device = torch.device(device)
-        self._step: PagedStep | None = None
-        self._prepared_for: AttentionBatch | None = None
 
     def new_graph_step(self, shape) -> PagedStep:
         """The buffers of a CUDA-graph step (shape: kernels.attention.GraphShape)."""
@@ -128,32 +130,19 @@ class PagedTorchBackend:
         return PagedStep(StepShape(len(shape.query_lens), sum(shape.query_lens), q, nb), self.device,
                          pinned=self.device.type == "cuda")
 
-    def prepare(self, attn: AttentionBatch, step: PagedStep | None = None) -> None:
-        """Fill this step's buffers (once per batch object; a graph runner passes its own step)."""
-        if step is None and self._prepared_for is attn:
-            return
+    def _plan(self, attn: AttentionBatch, step: PagedStep | None) -> PagedStep:
+        """Fill this step's buffers (a new eager step's, or a graph runner's)."""
         if step is None:
             kv = max(c + q for c, q in zip(attn.context_lens, attn.query_lens))
             shape = StepShape(attn.num_seqs, attn.num_tokens, max(attn.query_lens), -(-kv // self.block_size))
             step = PagedStep(shape, self.device, pinned=False)
         step.fill(attn, self.block_size)
-        self._step, self._prepared_for = step, attn
+        return step
 
     def bind(self, attn: AttentionBatch, step: PagedStep) -> None:
         """Serve `attn` from `step`'s buffers as they are, without filling them: for a CUDA graph that sets the lengths,
         block table and slots on the device itself (draft_service/model_graph.py); forward's prepare is then a no-op."""
         self._step, self._prepared_for = step, attn
-
-    def _planned(self, attn: AttentionBatch) -> PagedStep:
-        if self._step is None or self._prepared_for is not attn:
-            raise PagedTorchError("paged torch attention ran on a batch it was not prepared for")
-        return self._step
-
-    def gqa(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn: AttentionBatch,
-            kv_cache: PagedKVCache) -> torch.Tensor:
-        """Write k, v [T, Hkv, D] at attn.slot_mapping, then attend: q [T, Hq, D] -> [T, Hq, D]."""
-        kv_cache.write_step(layer, attn.slot_mapping, torch.stack([k, v], dim=1))  # [T, 2, Hkv, D]
-        return self.gqa_cached(layer, q, attn, kv_cache)
 
     def gqa_cached(self, layer: int, q: torch.Tensor, attn: AttentionBatch, kv_cache: PagedKVCache) -> torch.Tensor:
         """q [T, Hq, D] over a cache that already holds this step's K/V -> [T, Hq, D]."""
@@ -166,12 +155,6 @@ class PagedTorchBackend:
         scores = scores.masked_fill(~step.key_mask(self.block_size)[:, None, None, :], float("-inf"))
         out = torch.einsum("tkgw,twkd->tkgd", torch.softmax(scores, dim=-1), kv[:, :, 1].float())
         return out.reshape(t, hq, d).to(q.dtype)
-
-    def mla(self, layer: int, q_nope: torch.Tensor, q_pe: torch.Tensor, entries: torch.Tensor,
-            attn: AttentionBatch, kv_cache: PagedKVCache) -> torch.Tensor:
-        """Write entries [T, R + P] at attn.slot_mapping, then absorbed MLA: q_nope [T, H, R], q_pe [T, H, P] -> [T, H, R]."""
-        kv_cache.write_step(layer, attn.slot_mapping, entries)  # [T, R + P]
-        return self.mla_cached(layer, q_nope, q_pe, attn, kv_cache)
 
     def mla_cached(self, layer: int, q_nope: torch.Tensor, q_pe: torch.Tensor, attn: AttentionBatch,
                    kv_cache: PagedKVCache) -> torch.Tensor:

@@ -22,6 +22,7 @@ from specserve.kernels.paged_rows import PagedRows
 from specserve.models.attn_metadata import AttentionBatch
 from specserve.models.config import MLAConfig
 from specserve.models.kv_cache import PagedKVCache
+from specserve.models.paged_backend import PagedBackend
 
 
 class TritonPagedError(ValueError):
@@ -107,26 +108,27 @@ class RowsStep:
             self._copied.record()
 
 
-class TritonPagedBackend:
+class TritonPagedBackend(PagedBackend):
     """The model's Triton paged attention: `prepare` per step, then every layer's `gqa` / `mla`.
 
     `gqa_cached` / `mla_cached` attend over a cache this step's entries were already written to (by the fused
     RoPE + cache-write kernel); `gqa` / `mla` write them first."""
 
+    error = TritonPagedError
+    what = "Triton paged attention"
+
     def __init__(self, attn_module: torch.nn.Module, block_size: int, device: torch.device | str) -> None:
+        super().__init__(block_size)
         cfg = attn_module.cfg
         self.scale = float(attn_module.scale)
         self.mla_dims = (cfg.kv_lora_rank, cfg.qk_rope_head_dim) if isinstance(cfg, MLAConfig) else None
         self.num_heads = attn_module.num_heads
         self.num_kv_heads = 1 if self.mla_dims else attn_module.num_kv_heads
         self.width = cfg.kv_lora_rank if self.mla_dims else cfg.head_dim  # the output row width per head
-        self.block_size = block_size
         self.device = torch.device(device)
         # the longest window a graph step was made for: eager steps within it use the same split-kv count, so an
         # eager step computes bit for bit what the graph of its shape computes
         self._split_window = 0
-        self._step: RowsStep | None = None
-        self._prepared_for: AttentionBatch | None = None
 
     def _new_step(self, num_requests: int, num_rows: int, max_kv: int, max_new: int | None) -> RowsStep:
         programs = num_rows * self.num_kv_heads
@@ -140,44 +142,25 @@ class TritonPagedBackend:
         self._split_window = max(self._split_window, shape.max_kv_len)
         return self._new_step(len(shape.query_lens), sum(shape.query_lens), shape.max_kv_len, max_new)
 
-    def prepare(self, attn: AttentionBatch, step: RowsStep | None = None) -> None:
-        """Fill this step's buffers (once per batch object; a graph runner passes its own step)."""
-        if step is None and self._prepared_for is attn:
-            return
+    def _plan(self, attn: AttentionBatch, step: RowsStep | None) -> RowsStep:
+        """Fill this step's buffers (a new eager step's, or a graph runner's)."""
         if step is None:
             kv = max(c + q for c, q in zip(attn.context_lens, attn.query_lens))
             tree = any(m is not None for m in attn.tree_masks)
             step = self._new_step(attn.num_seqs, attn.num_tokens, kv, max(attn.query_lens) if tree else None)
         step.fill(attn, self.block_size)
-        self._step, self._prepared_for = step, attn
+        return step
 
     def bind(self, attn: AttentionBatch, step: RowsStep) -> None:
         """Serve `attn` from `step`'s buffers as they are, without filling them: for a CUDA graph that sets the lengths
         and block table on the device itself (draft_service/model_graph.py); forward's prepare is then a no-op."""
         self._step, self._prepared_for = step, attn
 
-    def _planned(self, attn: AttentionBatch) -> RowsStep:
-        if self._step is None or self._prepared_for is not attn:
-            raise TritonPagedError("Triton paged attention ran on a batch it was not prepared for")
-        return self._step
-
-    def gqa(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn: AttentionBatch,
-            kv_cache: PagedKVCache) -> torch.Tensor:
-        """Write k, v [T, Hkv, D] at attn.slot_mapping, then attend: q [T, Hq, D] -> [T, Hq, D]."""
-        kv_cache.write_step(layer, attn.slot_mapping, torch.stack([k, v], dim=1))  # [T, 2, Hkv, D]
-        return self.gqa_cached(layer, q, attn, kv_cache)
-
     def gqa_cached(self, layer: int, q: torch.Tensor, attn: AttentionBatch, kv_cache: PagedKVCache) -> torch.Tensor:
         """q [T, Hq, D] over a cache that already holds this step's K/V -> [T, Hq, D]."""
         step = self._planned(attn)
         return paged_gqa_attention(q, kv_cache.layers[layer], step.rows, self.scale,
                                    num_splits=step.shape.num_splits, workspace=step.workspace)
-
-    def mla(self, layer: int, q_nope: torch.Tensor, q_pe: torch.Tensor, entries: torch.Tensor,
-            attn: AttentionBatch, kv_cache: PagedKVCache) -> torch.Tensor:
-        """Write entries [T, R + P] at attn.slot_mapping, then absorbed MLA: q_nope [T, H, R], q_pe [T, H, P] -> [T, H, R]."""
-        kv_cache.write_step(layer, attn.slot_mapping, entries)  # [T, R + P]
-        return self.mla_cached(layer, q_nope, q_pe, attn, kv_cache)
 
     def mla_cached(self, layer: int, q_nope: torch.Tensor, q_pe: torch.Tensor, attn: AttentionBatch,
                    kv_cache: PagedKVCache) -> torch.Tensor:
