@@ -45,3 +45,19 @@ class InProcessServer:
         self._do(self.running.stop(5))
         self._do(self.worker.close())
         self.loop.call_soon_threadsafe(self.loop.stop)
+
+
+def assert_unparseable_bytes_refused(channel, service: str, unary_methods: tuple[str, ...], stream_method: str) -> None:
+    """Bytes that are no request get INVALID_ARGUMENT (gRPC alone says UNKNOWN) on each unary method and on
+    the stream of ``service`` (its full name)."""
+    import pytest
+
+    for method in unary_methods:
+        call = channel.unary_unary(f"/{service}/{method}")
+        with pytest.raises(grpc.RpcError) as info:
+            call(b"\xff\xff\xff", timeout=10)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (method, info.value.details())
+    stream = channel.stream_stream(f"/{service}/{stream_method}")
+    with pytest.raises(grpc.RpcError) as info:
+        list(stream(iter([b"\xff\xff\xff"]), timeout=10))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT

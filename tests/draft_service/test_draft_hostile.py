@@ -7,7 +7,7 @@ import time
 
 import grpc
 import pytest
-from served import InProcessServer
+from served import InProcessServer, assert_unparseable_bytes_refused
 
 from specserve.draft_service.drafter_worker import DrafterWorker, DraftLimits
 from specserve.draft_service.proposer import DrafterConfig
@@ -111,15 +111,8 @@ def test_an_idle_session_expires_and_a_busy_one_stays(served):
 
 
 def test_unparseable_bytes_get_invalid_argument(served):
-    for method in ("StartSession", "Propose", "Release"):
-        call = served.channel.unary_unary(f"/specserve.v1.DraftService/{method}")
-        with pytest.raises(grpc.RpcError) as info:
-            call(b"\xff\xff\xff", timeout=10)
-        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (method, info.value.details())
-    stream = served.channel.stream_stream("/specserve.v1.DraftService/ProposeStream")
-    with pytest.raises(grpc.RpcError) as info:
-        list(stream(iter([b"\xff\xff\xff"]), timeout=10))
-    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert_unparseable_bytes_refused(served.channel, "specserve.v1.DraftService", ("StartSession", "Propose", "Release"),
+                                     "ProposeStream")
     huge = draft_pb2.ProposeRequest(session_id="x" * 20_000, num_tokens=2)  # echoed in "not open"
     with pytest.raises(grpc.RpcError) as info:
         served.stub.Propose(huge, timeout=10)

@@ -9,7 +9,7 @@ import time
 import grpc
 import pytest
 import torch
-from served import InProcessServer
+from served import InProcessServer, assert_unparseable_bytes_refused
 
 from specserve.contract.types import DraftBlock
 from specserve.protos import convert
@@ -107,15 +107,8 @@ def test_unparseable_bytes_and_huge_inputs_get_short_invalid_argument(served):
     """Bytes that are no request get INVALID_ARGUMENT (gRPC alone says UNKNOWN), on unary and stream
     methods; a Prefill naming 10,000 hidden layers gets INVALID_ARGUMENT with a short message (an echo
     of the whole input would pass the 16 KB metadata limit and turn into RESOURCE_EXHAUSTED)."""
-    for method in ("Prefill", "Verify", "Release"):
-        call = served.channel.unary_unary(f"/specserve.v1.TargetService/{method}")
-        with pytest.raises(grpc.RpcError) as info:
-            call(b"\xff\xff\xff", timeout=10)
-        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (method, info.value.details())
-    stream = served.channel.stream_stream("/specserve.v1.TargetService/VerifyStream")
-    with pytest.raises(grpc.RpcError) as info:
-        list(stream(iter([b"\xff\xff\xff"]), timeout=10))
-    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert_unparseable_bytes_refused(served.channel, "specserve.v1.TargetService", ("Prefill", "Verify", "Release"),
+                                     "VerifyStream")
     req = target_pb2.PrefillRequest(session_id="h", prompt_ids=PROMPT, hidden_layers=list(range(100, 10_100)))
     with pytest.raises(grpc.RpcError) as info:
         served.stub.Prefill(req, timeout=10)
