@@ -25,7 +25,7 @@ import uuid
 import grpc
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
@@ -46,6 +46,7 @@ from specserve.gateway.openai_schema import (
     usage_body,
 )
 from specserve.gateway.server import UNAUTHENTICATED_MESSAGE, GatewayError, GatewayServicer
+from specserve.gateway.validation import InvalidRequest
 from specserve.runtime import tracing as tn
 
 HEALTH_TIMEOUT_S = 1.0
@@ -240,15 +241,20 @@ class HttpApi:
     async def _parse(self, request: Request, chat: bool) -> ApiRequest:
         self._authorize(request)
         raw = bytearray()
-        async for part in request.stream():
-            raw += part
-            if len(raw) > self.max_body_bytes:
-                raise ApiError(413, f"request body: more than the limit of {self.max_body_bytes} bytes "
-                                    "(--max-message-bytes)")
+        try:
+            async for part in request.stream():
+                raw += part
+                if len(raw) > self.max_body_bytes:
+                    raise ApiError(413, f"request body: more than the limit of {self.max_body_bytes} bytes "
+                                        "(--max-message-bytes)")
+        except ClientDisconnect:  # gone, or closed at the read timeout: nobody reads the answer
+            raise ApiError(408, "request body: the connection ended before the body did") from None
         try:
             body = json.loads(raw)
         except (ValueError, UnicodeDecodeError) as exc:
             raise ApiError(400, f"request body: not valid JSON ({exc})") from None
+        except RecursionError:
+            raise ApiError(400, "request body: not valid JSON (nested too deeply)") from None
         api = parse_request(body, chat)
         if api.model != self.servicer.model_name:
             raise ApiError(
@@ -256,10 +262,10 @@ class HttpApi:
                 "model", "model_not_found",
             )
         if chat:
-            self._render_chat(api)
+            await self._render_chat(api)
         return api
 
-    def _render_chat(self, api: ApiRequest) -> None:
+    async def _render_chat(self, api: ApiRequest) -> None:
         """Chat: the prompt is the conversation rendered by the checkpoint's chat template, tokenized as
         transformers' apply_chat_template does (the template writes any special tokens itself)."""
         name = self.servicer.model_name
@@ -273,7 +279,10 @@ class HttpApi:
             text = self.chat_template.render(list(api.messages))
         except ChatTemplateError as exc:
             raise ApiError(400, str(exc), "messages") from None
-        ids = tokenizer.encode(text, add_special_tokens=False).ids
+        try:
+            ids = await self.servicer.encode_prompt(text, add_special_tokens=False)  # size checked, off the loop
+        except InvalidRequest as exc:
+            raise ApiError(400, str(exc).replace("prompt:", "messages:", 1), "messages") from None
         api.request.prompt_ids.extend(ids)
         if api.fill_max_tokens:
             info, limit = self.servicer.target.target_info, self.servicer.config.limits.max_new_tokens

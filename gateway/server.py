@@ -38,6 +38,9 @@ from specserve.gateway.validation import (
     NO_DRAFT,
     InvalidRequest,
     RequestLimits,
+    check_prompt_bytes,
+    encode_text,
+    max_token_bytes,
     validate_request,
 )
 from specserve.protos import convert
@@ -244,6 +247,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self.config = config
         self.target = target
         self.tokenizer = tokenizer
+        self._token_bytes = max_token_bytes(tokenizer) if tokenizer is not None else 0  # the prompt's byte pre-check
         self.drafts = DraftTable(
             config.draft_step_timeout_s, config.downstream_tls, target.target_info, config.draft_breaker,
             config.downstream_token, config.shm, config.hidden_share,
@@ -304,6 +308,11 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         info = self.target.target_info
         return info.model_name or info.model_type
 
+    async def encode_prompt(self, text: str, add_special_tokens: bool = True) -> tuple[int, ...]:
+        """A text prompt's ids, tokenized on a thread once its size could be a valid prompt's (InvalidRequest)."""
+        check_prompt_bytes(text, self.target.target_info, self.config.limits, self._token_bytes)
+        return await asyncio.to_thread(encode_text, self.tokenizer, text, add_special_tokens)
+
     async def generate(
         self, request, trace_context: otel_context.Context, time_remaining: float | None = None
     ) -> AsyncIterator[gateway_pb2.GenerateResponse]:
@@ -316,8 +325,11 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         now = asyncio.get_running_loop().time()
         deadline = now + time_remaining if time_remaining is not None else None  # admission waits count too
         try:
+            encoded = None
+            if request.prompt and not request.prompt_ids and self.tokenizer is not None:
+                encoded = await self.encode_prompt(request.prompt)  # off the loop
             checked = validate_request(
-                request, info, self.drafts, self.default_draft, self.tokenizer, self.config.limits
+                request, info, self.drafts, self.default_draft, self.tokenizer, self.config.limits, encoded
             )
         except InvalidRequest as exc:
             self.metrics.record_rejected("invalid")

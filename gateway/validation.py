@@ -62,6 +62,31 @@ def _tree(req: gateway_pb2.GenerateRequest, draft_name: str | None) -> TreeSpec 
     return TreeSpec(req.tree_nodes, req.tree_top_k or DEFAULT_TREE_TOP_K, req.tree_depth or DEFAULT_TREE_DEPTH)
 
 
+def max_token_bytes(tokenizer) -> int:
+    """The most bytes of prompt text one token can stand for, bounded from above: the UTF-8 length of the
+    tokenizer's longest vocabulary entry (a byte-level entry spells each byte with one character of at
+    most two bytes), times 4 for normalizers that shrink text (NFKC folds a ligature into its letters)."""
+    longest = max((len(entry.encode("utf-8")) for entry in tokenizer.get_vocab()), default=1)
+    return 4 * max(longest, 1)
+
+
+def check_prompt_bytes(text: str, target: target_pb2.TargetInfo, limits: RequestLimits, bytes_per_token: int) -> None:
+    """Before tokenizing: a text whose bytes cannot fit in the prompt limit's tokens is refused at once,
+    so no prompt's size costs the gateway more than tokenizing what could be a valid prompt."""
+    tokens = limits.max_prompt_tokens or target.max_context
+    size = len(text.encode("utf-8", "surrogatepass"))
+    if size > tokens * bytes_per_token:
+        limit = "(--max-prompt-tokens)" if limits.max_prompt_tokens else "(the model's context)"
+        raise InvalidRequest("prompt", f"{size} bytes of text cannot fit in {tokens} tokens {limit}: a token of "
+                                       f"this tokenizer stands for at most {bytes_per_token} bytes")
+
+
+def encode_text(tokenizer, text: str, add_special_tokens: bool = True) -> tuple[int, ...]:
+    """The prompt's token ids (``encode_batch``: unlike ``encode``, it releases the GIL while it runs,
+    so on a thread it leaves the event loop running)."""
+    return tuple(tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids)
+
+
 def validate_request(
     req: gateway_pb2.GenerateRequest,
     target: target_pb2.TargetInfo,
@@ -69,8 +94,10 @@ def validate_request(
     default_draft: str | None,
     tokenizer=None,
     limits: RequestLimits | None = None,
+    encoded: tuple[int, ...] | None = None,
 ) -> GenerationRequest:
-    """Raise InvalidRequest for the first bad field; return the request in engine terms."""
+    """Raise InvalidRequest for the first bad field; return the request in engine terms. ``encoded``: the
+    text prompt's ids, tokenized already (off the event loop); else the prompt is tokenized here."""
     limits = limits or RequestLimits()
     if len(req.stop) > limits.max_stop_strings:
         raise InvalidRequest(
@@ -96,7 +123,7 @@ def validate_request(
     elif req.prompt:
         if tokenizer is None:
             raise InvalidRequest("prompt", "this gateway has no tokenizer; send prompt_ids")
-        ids = tuple(tokenizer.encode(req.prompt).ids)
+        ids = encoded if encoded is not None else encode_text(tokenizer, req.prompt)
         if not ids:
             raise InvalidRequest("prompt", "encodes to no tokens")
     else:

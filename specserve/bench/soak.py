@@ -8,12 +8,17 @@ mixed drafters and lengths; every stream is checked token by token against a gre
 target-only at the start, and against its final usage. Every ``--kill-every-s`` seconds one draft
 service is SIGKILLed and restarted, or (every other time) frozen with SIGSTOP for ``--freeze-s`` seconds.
 ``--hostile-workers`` threads meanwhile send the hostile mix: clients that hang up right after the final
-message, cancels mid-stream, and garbage bytes to the gateway, the target and a draft. At the end it
+message, cancels mid-stream, garbage bytes to the gateway, the target and a draft, requests through a
+rogue drafter (served from this process) whose shared-memory reply is a bare length prefix claiming
+2^31 bytes (each must come back whole, target-only, with the reference tokens), and half-open HTTP
+connections to the gateway's API (part of a request's headers, never the rest: each must be closed
+within the gateway's read timeout). At the end it
 prints requests served, errors by status, tokens lost (streams that differ from the reference or from
 their usage; must be 0), what the hostile clients got, the sessions still open on the target and each
 draft once the load stopped (must be 0) and the peak RSS of each service process, and exits 1 if any
 token was lost, any session was left open, a garbage payload got anything but INVALID_ARGUMENT (or, from a
-draft being killed or frozen, UNAVAILABLE / DEADLINE_EXCEEDED), or any
+draft being killed or frozen, UNAVAILABLE / DEADLINE_EXCEEDED), a rogue-drafted request was not served
+target-only with its reference tokens, a half-open connection stayed open, or any
 error other than RESOURCE_EXHAUSTED occurred.
 """
 
@@ -37,6 +42,9 @@ ALLOWED_ERRORS = ("RESOURCE_EXHAUSTED",)  # refusals past the admission queue ar
 DRAFT_IDLE = ["--session-idle-timeout-s", "10"]
 GARBAGE_OUTCOMES = ("INVALID_ARGUMENT", "UNAVAILABLE", "DEADLINE_EXCEEDED")
 SESSIONS_SETTLE_S = 20.0  # after the load: how long open sessions may take to be released or expire
+HTTP_READ_TIMEOUT_S = 2.0  # the gateway's --http-read-timeout-s: a half-open connection must close by then
+ROGUE = "rogue"  # the rogue-frame drafter's name at the gateway
+HOSTILE_KINDS = ("hang_up", "cancel", "garbage", "rogue_frame", "half_open")
 
 
 def _free_port() -> int:
@@ -119,6 +127,98 @@ class Tally:
         self.hostile: collections.Counter[str] = collections.Counter()  # "kind: outcome" -> count
 
 
+class RogueDraft:
+    """A rogue draft service in this process (its own thread and event loop): it offers each session a
+    shared-memory channel and answers the first proposal with a 4-byte length prefix claiming 2^31 bytes,
+    never a body; over gRPC it drafts nothing. Vocabulary-agnostic (size 0), so it fits any target."""
+
+    def __init__(self, address: str) -> None:
+        import asyncio
+
+        self.address = address
+        self.frames = 0
+        self._loop = asyncio.new_event_loop()
+        self._server = None
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self._thread.start()
+        asyncio.run_coroutine_threadsafe(self._start(), self._loop).result(30)
+
+    async def _start(self) -> None:
+        import grpc
+
+        from specserve.protos.specserve.v1 import draft_pb2_grpc
+
+        self._server = grpc.aio.server()
+        draft_pb2_grpc.add_DraftServiceServicer_to_server(self._servicer(), self._server)
+        self._server.add_insecure_port(self.address)
+        await self._server.start()
+
+    def _servicer(self):
+        import asyncio
+
+        from specserve.protos.specserve.v1 import draft_pb2, draft_pb2_grpc
+        from specserve.runtime.shm_ring import ShmChannel
+
+        rogue = self
+
+        class Servicer(draft_pb2_grpc.DraftServiceServicer):
+            async def GetInfo(self, request, context):
+                return draft_pb2.DraftInfo(family="rogue", vocab_size=0, max_block_size=8)
+
+            async def StartSession(self, request, context):
+                name = ""
+                if request.want_shm:
+                    channel = ShmChannel.create()
+                    asyncio.get_running_loop().create_task(self._claim_two_gib(channel))
+                    name = channel.name
+                return draft_pb2.StartSessionResponse(session_id=request.session_id, shm_channel=name)
+
+            async def _claim_two_gib(self, channel) -> None:
+                try:
+                    await channel.wait_attached(10)
+                    await channel.arecv(30)
+                    channel._write_some([memoryview((1 << 31).to_bytes(4, "little"))], 0)  # the prefix alone
+                    channel._ring_peer()
+                    rogue.frames += 1
+                    await asyncio.sleep(5)
+                except Exception:  # noqa: BLE001 - the gateway dropped the channel (as it must)
+                    pass
+                finally:
+                    channel.close()
+
+            async def ProposeStream(self, request_iterator, context):
+                async for req in request_iterator:
+                    yield draft_pb2.ProposeResponse(session_id=req.session_id)
+
+            async def Release(self, request, context):
+                return draft_pb2.DraftReleaseResponse(released=True)
+
+        return Servicer()
+
+    def close(self) -> None:
+        import asyncio
+
+        asyncio.run_coroutine_threadsafe(self._server.stop(0), self._loop).result(30)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+
+
+def _half_open(http_port: int) -> str:
+    """A connection that sends part of a request's headers and never the rest: "closed" when the gateway
+    closes it within its read timeout (and some slack), else "left_open"."""
+    with socket.create_connection(("127.0.0.1", http_port), timeout=10) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: soak\r\nContent-Le")
+        sock.settimeout(HTTP_READ_TIMEOUT_S + 2.0)
+        try:
+            while sock.recv(4096):
+                pass
+        except (TimeoutError, socket.timeout):
+            return "left_open"
+        except ConnectionResetError:
+            pass
+    return "closed"
+
+
 def _stream(stub, request, timeout_s: float):
     import grpc
 
@@ -174,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
         draft_model = demo_checkpoint("model")
     log_dir = Path(os.environ.get("TMPDIR", "/tmp")) / f"specserve-soak-{os.getpid()}"
     log_dir.mkdir(parents=True, exist_ok=True)
-    ports = {name: _free_port() for name in ("target", "ngram", "model", "gateway")}
+    ports = {name: _free_port() for name in ("target", "ngram", "model", "gateway", "http", ROGUE)}
     addr = {name: f"127.0.0.1:{port}" for name, port in ports.items()}
     services: dict[str, Service] = {
         "target": Service("target", ["--model", str(model), "--listen", addr["target"], "--num-kv-blocks", "512"],
@@ -188,11 +288,13 @@ def main(argv: list[str] | None = None) -> int:
                                               str(model), "--listen", addr["model"], *DRAFT_IDLE], log_dir,
                                     "draft (model) listening on ")
         drafts.append("model")
+    rogue = RogueDraft(addr[ROGUE])
     services["gateway"] = Service(
         "gateway",
         ["--target", addr["target"], "--model", str(model), "--host", "127.0.0.1", "--port", str(ports["gateway"]),
          "--max-sessions", str(args.max_sessions), "--max-queued", str(args.max_queued),
-         *[a for d in drafts if d != "none" for a in ("--draft-service", f"{d}={addr[d]}")]],
+         "--http-port", str(ports["http"]), "--http-read-timeout-s", str(HTTP_READ_TIMEOUT_S),
+         *[a for d in [*drafts, ROGUE] if d != "none" for a in ("--draft-service", f"{d}={addr[d]}")]],
         log_dir, "gateway listening on ",
     )
     tally = Tally()
@@ -263,11 +365,21 @@ def main(argv: list[str] | None = None) -> int:
                           (addr["target"], "/specserve.v1.TargetService/Prefill"),
                           (addr["ngram"], "/specserve.v1.DraftService/StartSession")]
             while not stop.is_set():
-                kind = rng.choice(("hang_up", "cancel", "garbage"))
+                kind = rng.choice(HOSTILE_KINDS)
                 draft = rng.choice(drafts)
-                req = gateway_pb2.GenerateRequest(prompt=rng.choice(prompts), max_new_tokens=rng.randint(4, 32),
-                                                  draft=draft)
-                outcome = _hostile_call(kind, addr["gateway"], req, rng, garbage_to)
+                i = rng.randrange(len(prompts))
+                req = gateway_pb2.GenerateRequest(prompt=prompts[i], max_new_tokens=rng.randint(4, 32), draft=draft)
+                if kind == "rogue_frame":
+                    req.draft = ROGUE
+                    ids, final, err = _stream(stub, req, 60)
+                    outcome = (err[0] if err is not None else "fallback" if final.stats.draft_fallback and
+                               not _lost(ids, refs[i][:req.max_new_tokens], final) else "wrong")
+                    if err is not None and err[0] in ALLOWED_ERRORS:
+                        time.sleep(0.2)
+                elif kind == "half_open":
+                    outcome = _half_open(ports["http"])
+                else:
+                    outcome = _hostile_call(kind, addr["gateway"], req, rng, garbage_to)
                 with tally.lock:
                     tally.hostile[f"{kind}: {outcome}"] += 1
 
@@ -295,10 +407,14 @@ def main(argv: list[str] | None = None) -> int:
         for name in ("gateway", "model", "ngram", "target"):
             if name in services:
                 services[name].stop()
+        rogue.close()
     unexpected = {k: v for k, v in tally.errors.items() if k not in ALLOWED_ERRORS}
     # garbage must get INVALID_ARGUMENT; UNAVAILABLE / DEADLINE_EXCEEDED: it hit a draft being killed or frozen
     bad_garbage = {k: v for k, v in tally.hostile.items()
                    if k.startswith("garbage") and k.split(": ")[1] not in GARBAGE_OUTCOMES}
+    bad_hostile = {k: v for k, v in tally.hostile.items()
+                   if (k.startswith("rogue_frame") and k.split(": ")[1] not in ("fallback", *ALLOWED_ERRORS))
+                   or k == "half_open: left_open"}
     summary = {
         "seconds": round(elapsed, 1),
         "requests_served": tally.served,
@@ -311,6 +427,7 @@ def main(argv: list[str] | None = None) -> int:
         "streams_differing": tally.bad_streams,
         "peak_rss_mib": {name: round(svc.peak_kib / 1024, 1) for name, svc in services.items()},
         "hostile": dict(tally.hostile),
+        "rogue_frames_sent": rogue.frames,
         "sessions_left_open": left,
     }
     print(f"soak: {tally.served} requests served in {elapsed:.0f} s ({tally.tokens} tokens), "
@@ -319,7 +436,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"soak: hostile clients {dict(tally.hostile)}; sessions left open at the end {left}")
     print(json.dumps(summary, sort_keys=True))
     print(f"soak: logs in {log_dir}")
-    return 1 if tally.lost or unexpected or not tally.served or any(left.values()) or bad_garbage else 0
+    return 1 if tally.lost or unexpected or not tally.served or any(left.values()) or bad_garbage or bad_hostile else 0
 
 
 def _hostile_call(kind: str, gateway: str, req, rng: random.Random, garbage_to) -> str:

@@ -369,6 +369,42 @@ def checkpoint_errors_as_user_errors(fn, *args):
         raise SpecserveError(f"checkpoint: {exc}") from None
 
 
+_HTTP_LIMITS = (  # flag, HttpConfig field, type, help
+    ("--http-read-timeout-s", "read_timeout_s", float, "a request's headers and body must arrive within this (408, closed)"),
+    ("--http-keep-alive-s", "keep_alive_s", float, "an idle keep-alive connection closes after this"),
+    ("--http-max-connections", "max_connections", int, "open HTTP connections at most; one more is closed at once"),
+    ("--http-limit-concurrency", "limit_concurrency", int, "connections or requests past which a request gets 503"),
+)
+
+
+def add_http_limit_arguments(parser: argparse.ArgumentParser) -> None:
+    """The HTTP API's connection limits (runtime/http_serving.HttpConfig's defaults)."""
+    from specserve.runtime.http_serving import HttpConfig
+
+    for flag, name, kind, text in _HTTP_LIMITS:
+        default = getattr(HttpConfig, name)
+        parser.add_argument(flag, type=kind, default=default, help=f"{text} (default {default})")
+
+
+def http_limit_argv(args: argparse.Namespace) -> list[str]:
+    """The same flags for a child process (serve -> gateway)."""
+    return [a for flag, _, _, _ in _HTTP_LIMITS for a in (flag, str(getattr(args, _dest(flag))))]
+
+
+def _dest(flag: str) -> str:
+    return flag.lstrip("-").replace("-", "_")
+
+
+def http_config_from_args(args: argparse.Namespace, host: str, port: int, grace_s: float):
+    from specserve.runtime.http_serving import HttpConfig
+
+    try:
+        return HttpConfig(host=host, port=port, grace_s=grace_s,
+                          **{name: getattr(args, _dest(flag)) for flag, name, _, _ in _HTTP_LIMITS})
+    except ValueError as exc:
+        raise SpecserveError(str(exc)) from None
+
+
 def shm_offer_from_args(args: argparse.Namespace):
     """The service's shared-memory offer (--no-shm / SPECSERVE_SHM=0: none; --no-hidden-share /
     SPECSERVE_HIDDEN_SHARE=0: no hidden-row buffers)."""

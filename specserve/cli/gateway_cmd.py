@@ -8,9 +8,11 @@ import sys
 from pathlib import Path
 
 from specserve.cli.common import (
+    add_http_limit_arguments,
     add_threads_argument,
     add_tls_arguments,
     checkpoint_errors_as_user_errors,
+    http_config_from_args,
     positive_int,
     tls_from_args,
 )
@@ -48,6 +50,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--http-port", type=int, default=None,
                         help="also serve the OpenAI-compatible HTTP API and /metrics on --host at this port "
                              "(0 = any free port; default: off)")
+    add_http_limit_arguments(parser)
     parser.add_argument("--draft-step-timeout-s", type=float, default=5.0,
                         help="a proposal slower than this drops the draft for that request")
     parser.add_argument("--draft-breaker-failures", type=positive_int, default=3,
@@ -152,9 +155,7 @@ def run(args: argparse.Namespace) -> int:
             tokenizer = checkpoint_errors_as_user_errors(load_tokenizer, folder)
             chat_template = load_chat_template(folder)
     if args.http_port is not None:
-        from specserve.runtime.http_serving import HttpConfig
-
-        http = HttpConfig(host=args.host, port=args.http_port, grace_s=args.grace_s)
+        http = http_config_from_args(args, args.host, args.http_port, args.grace_s)
     run_async(_serve(config, server_config, tokenizer, args.connect_timeout_s, http, chat_template))
     exit_now(0)
     return 0

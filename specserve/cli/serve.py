@@ -20,8 +20,10 @@ import time
 from pathlib import Path
 
 from specserve.cli.common import (
+    add_http_limit_arguments,
     add_model_arguments,
     check_target_placement,
+    http_limit_argv,
     positive_int,
     split_threads,
     usable_cores,
@@ -46,6 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the draft's own GET /metrics on 127.0.0.1 at this port (0 = any; default: off)")
     parser.add_argument("--served-model-name", default=None,
                         help="the model's name in responses and the HTTP API (default: the checkpoint folder name)")
+    add_http_limit_arguments(parser)
     parser.add_argument("--max-block-size", type=int, default=DEFAULT_MAX_BLOCK_SIZE, help="most tokens one proposal may draft")
     parser.add_argument("--threads", type=int, default=0,
                         help="cores to share between the three processes (0: those this process may use): the "
@@ -236,7 +239,7 @@ def run(args: argparse.Namespace) -> int:
         children.start("gateway", [
             "--target", target_addr, *gateway_drafts, "--model", str(model),
             "--host", args.host, "--port", str(args.port),
-            *(["--http-port", str(args.http_port)] if args.http_port is not None else []),
+            *(["--http-port", str(args.http_port), *http_limit_argv(args)] if args.http_port is not None else []),
             *(["--served-model-name", args.served_model_name] if args.served_model_name is not None else []),
             "--draft-step-timeout-s", str(args.draft_step_timeout_s), "--grace-s", str(args.grace_s), *no_shm,
             "--max-sessions", str(args.max_sessions), "--max-queued", str(args.max_queued),

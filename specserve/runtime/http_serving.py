@@ -5,6 +5,13 @@ services serve only ``GET /metrics`` (``metrics_app``) on their ``--metrics-port
 running loop (uvloop, the one the grpc.aio server uses) and leaves signals to the service: SIGTERM
 stops the gRPC server and the HTTP server together (``serve_until_signal``'s companions), each
 draining its in-flight requests for the grace period.
+
+Limits (``HttpConfig``), so that connections cost the service nothing they do not use: a request's
+headers and body must arrive within ``read_timeout_s`` of its first byte (of the connection, for
+the first request; a connection that sends nothing is closed too: 408, then the connection closes),
+an idle keep-alive connection closes after ``keep_alive_s``, at most ``max_connections`` are open at
+once (a connection past that is closed as soon as it is accepted), and past ``limit_concurrency``
+connections or requests a new request gets 503 (uvicorn's own limit).
 """
 
 from __future__ import annotations
@@ -22,12 +29,22 @@ class HttpConfig:
     host: str = "127.0.0.1"
     port: int = 0  # 0 = any free port
     grace_s: float = 10.0  # in-flight requests get this long on stop
+    read_timeout_s: float = 30.0  # a request's headers and body, from its first byte
+    keep_alive_s: float = 5.0  # an idle keep-alive connection closes after this
+    max_connections: int = 1024  # open at once, keep-alive ones included; one more is closed at accept
+    limit_concurrency: int = 512  # connections or requests past which a new request gets 503
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise SpecserveError(f"HTTP port must be in [0, 65535], got {self.port}")
         if self.grace_s < 0:
             raise ValueError(f"grace_s must be >= 0, got {self.grace_s}")
+        for name in ("read_timeout_s", "keep_alive_s"):
+            if not getattr(self, name) > 0:
+                raise SpecserveError(f"HTTP {name} must be > 0, got {getattr(self, name)}")
+        for name in ("max_connections", "limit_concurrency"):
+            if getattr(self, name) < 1:
+                raise SpecserveError(f"HTTP {name} must be >= 1, got {getattr(self, name)}")
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -46,6 +63,57 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+_TIMED_OUT = b"HTTP/1.1 408 Request Timeout\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
+
+
+def _limited(protocol_class: type, config: HttpConfig) -> type:
+    """uvicorn's HTTP protocol with a read timeout per request and a cap on open connections."""
+
+    class Limited(protocol_class):
+        _read_timer = None
+
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            if len(self.connections) > config.max_connections:
+                transport.close()  # connection_lost forgets it
+                return
+            self._arm()
+
+        def data_received(self, data: bytes) -> None:
+            cycle = self.cycle
+            if self._read_timer is None and (cycle is None or cycle.response_complete):
+                self._arm()  # a new request's first bytes
+            reading = cycle is not None and cycle.more_body
+            super().data_received(data)
+            now = self.cycle
+            if now is not None and not now.more_body and (now is not cycle or reading):
+                self._disarm()  # its headers and body are in
+
+        def connection_lost(self, exc) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+        def _arm(self) -> None:
+            self._disarm()
+            self._read_timer = self.loop.call_later(config.read_timeout_s, self._read_timed_out)
+
+        def _disarm(self) -> None:
+            if self._read_timer is not None:
+                self._read_timer.cancel()
+                self._read_timer = None
+
+        def _read_timed_out(self) -> None:
+            self._read_timer = None
+            if self.transport.is_closing():
+                return
+            cycle = self.cycle
+            if cycle is None or cycle.response_complete:  # no response begun: say why, then close
+                self.transport.write(_TIMED_OUT)
+            self.transport.close()  # a handler waiting for the body sees the client gone
+
+    return Limited
+
+
 class HttpServer:
     """uvicorn on the running event loop; ``start()`` returns the bound URL, ``stop()`` drains."""
 
@@ -58,12 +126,17 @@ class HttpServer:
                 yield
 
         self.config = config
-        self._server = _Server(
-            uvicorn.Config(
+
+        def uvicorn_config(http="auto") -> uvicorn.Config:
+            return uvicorn.Config(
                 app, log_config=None, log_level="warning", access_log=False, lifespan="off",
-                timeout_graceful_shutdown=config.grace_s, server_header=False,
+                timeout_graceful_shutdown=config.grace_s, server_header=False, http=http,
+                timeout_keep_alive=config.keep_alive_s, limit_concurrency=config.limit_concurrency,
             )
-        )
+
+        base = uvicorn_config()
+        base.load()  # picks the HTTP protocol (h11, or httptools where installed)
+        self._server = _Server(uvicorn_config(_limited(base.http_protocol_class, config)))
         self._task: asyncio.Task | None = None
         self.url = ""
 

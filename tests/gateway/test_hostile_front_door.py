@@ -1,0 +1,194 @@
+"""The gateway's front door under hostile clients (issue #33), real processes on loopback: a target on
+the tiny checkpoint and a gateway with its tokenizer, gRPC and the HTTP API (read timeout 1 s, at most
+48 HTTP connections). Nothing here needs a token.
+
+- a 4 MB text prompt is refused by its size before it is tokenized, and tokenizing never runs on the
+  gateway's event loop: other requests keep their latency;
+- half-open HTTP connections (no bytes, part of the headers, part of the body) are closed within the
+  read timeout, and connections past the cap at once;
+- JSON nested 100k deep is a 400 in the API's error shape, not a plain-text 500.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import httpx
+import pytest
+from service_helpers import Proc, base_env
+
+from specserve.protos.specserve.v1 import gateway_pb2, gateway_pb2_grpc
+from specserve.runtime.servers_common import channel_options
+
+READ_TIMEOUT_S = 1.0
+MAX_CONNECTIONS = 48
+PROMPT_IDS = [(7 * j + 3) % 256 for j in range(10)]
+BIG = ("def parse_args(argv):\n    return argv[1:]\n" * 100_000)[:4_000_000]  # 4 MB of text
+
+
+class FrontDoor:
+    def __init__(self, ckpt, socks) -> None:
+        env = base_env()
+        self.target_addr = f"unix:{socks}/t.sock"
+        self.target = Proc("target", ["--model", str(ckpt), "--listen", self.target_addr, "--grace-s", "1"], env)
+        self.gateway = Proc("gateway", [
+            "--target", self.target_addr, "--model", str(ckpt), "--port", "0", "--http-port", "0", "--grace-s", "1",
+            "--http-read-timeout-s", str(READ_TIMEOUT_S), "--http-max-connections", str(MAX_CONNECTIONS)], env)
+        self.url = self.gateway.wait_line("gateway http listening on ", timeout=180).split()[-1]
+        self.grpc_addr = self.gateway.wait_line("gateway listening on ", timeout=60).split()[-1]
+        self.host, port = self.url.removeprefix("http://").rsplit(":", 1)
+        self.port = int(port)
+
+    def generate(self, request, timeout: float = 60.0):
+        with grpc.insecure_channel(self.grpc_addr, options=channel_options()) as ch:
+            return gateway_pb2_grpc.GatewayStub(ch).GenerateUnary(request, timeout=timeout)
+
+    def fds(self) -> int:
+        import os
+
+        return len(os.listdir(f"/proc/{self.gateway.popen.pid}/fd"))
+
+    def close(self) -> None:
+        self.gateway.stop()
+        self.target.stop()
+
+
+@pytest.fixture(scope="module")
+def door(tiny_target_dir, tmp_path_factory):
+    d = FrontDoor(tiny_target_dir, tmp_path_factory.mktemp("door"))
+    yield d
+    d.close()
+
+
+def _small(door) -> float:
+    t0 = time.perf_counter()
+    result = door.generate(gateway_pb2.GenerateRequest(prompt_ids=PROMPT_IDS, max_new_tokens=1, draft="none"))
+    assert len(result.token_ids) == 1
+    return time.perf_counter() - t0
+
+
+def test_a_4mb_prompt_leaves_other_requests_their_latency(door):
+    """Two 4 MB text prompts over gRPC and two over HTTP, while small requests go on: the big ones are
+    refused by their size (INVALID_ARGUMENT / 400 naming the bytes) and every small request takes
+    under 100 ms. Before #33 the gateway tokenized them on its event loop (the tiny byte tokenizer: about
+    7 s for 4 MB), and every request of either API waited."""
+    for _ in range(3):
+        _small(door)  # warm
+    model = httpx.get(f"{door.url}/v1/models", timeout=10).json()["data"][0]["id"]
+    codes: list = []
+
+    def big_grpc():
+        with pytest.raises(grpc.RpcError) as info:
+            door.generate(gateway_pb2.GenerateRequest(prompt=BIG, max_new_tokens=4, draft="none"))
+        codes.append((info.value.code(), info.value.details()))
+
+    def big_http():
+        r = httpx.post(f"{door.url}/v1/completions", json={"model": model, "prompt": BIG, "max_tokens": 4}, timeout=60)
+        codes.append((r.status_code, r.json()["error"]["message"]))
+
+    with ThreadPoolExecutor(4) as pool:
+        bigs = [pool.submit(f) for f in (big_grpc, big_grpc, big_http, big_http)]
+        time.sleep(0.05)  # the big ones are in
+        took = [_small(door) for _ in range(5)]
+        for f in bigs:
+            f.result(timeout=60)
+    assert max(took) < 0.1, took
+    for code, message in codes:
+        assert code in (grpc.StatusCode.INVALID_ARGUMENT, 400) and "bytes of text cannot fit" in message, (code, message)
+
+
+def test_a_text_prompt_that_could_fit_is_still_served(door):
+    ids = door.generate(gateway_pb2.GenerateRequest(prompt="def f(x):", max_new_tokens=3, draft="none")).token_ids
+    assert len(ids) == 3
+
+
+def _half_open(door, what: bytes) -> socket.socket:
+    s = socket.create_connection((door.host, door.port), timeout=10)
+    if what:
+        s.sendall(what)
+    return s
+
+
+def _closed_within(sock: socket.socket, seconds: float) -> tuple[bool, bytes]:
+    """(whether the server closed it within ``seconds``, what it sent before)."""
+    sock.settimeout(seconds)
+    got = b""
+    try:
+        while True:
+            chunk = sock.recv(4096)
+            if not chunk:
+                return True, got
+            got += chunk
+    except (TimeoutError, socket.timeout):
+        return False, got
+    except ConnectionResetError:
+        return True, got
+    finally:
+        sock.close()
+
+
+def test_half_open_connections_are_closed_within_the_read_timeout(door):
+    """30 connections that send nothing, part of the headers, or the headers and part of the body: each is
+    closed within the read timeout (1 s, + 1.5 s of slack); one with no response begun gets a 408 first.
+    The gateway's open descriptors come back to where they were, and requests go on. Before #33 they
+    stayed open indefinitely."""
+    fds = door.fds()
+    partial_body = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                    b"Content-Length: 1000\r\n\r\n{\"model\": ")
+    kinds = [b"", b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Le", partial_body]
+    t0 = time.monotonic()
+    socks = [(kind, _half_open(door, kind)) for kind in kinds for _ in range(10)]
+    results = []
+    lock = threading.Lock()
+
+    def watch(kind, sock):
+        left = READ_TIMEOUT_S + 1.5 - (time.monotonic() - t0)
+        closed, got = _closed_within(sock, max(left, 0.1))
+        with lock:
+            results.append((kind, closed, got, time.monotonic() - t0))
+
+    threads = [threading.Thread(target=watch, args=ks) for ks in socks]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert len(results) == 30 and all(closed for _, closed, _, _ in results), [(k[:20], c, s) for k, c, _, s in results]
+    for kind, _, got, _ in results:
+        if kind != partial_body:
+            assert got.startswith(b"HTTP/1.1 408"), (kind, got[:40])
+    deadline = time.monotonic() + 5
+    while door.fds() > fds + 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert door.fds() <= fds + 2, (fds, door.fds())
+    assert httpx.get(f"{door.url}/health", timeout=10).status_code == 200
+    noise = [line for line in door.gateway.lines if "Traceback" in line or "Exception" in line]
+    assert not noise, noise[:5]
+
+
+def test_connections_past_the_cap_are_closed_at_once(door):
+    """With 48 connections open (idle), more are closed as soon as they are accepted, long before the
+    read timeout; once those idle ones are gone, new connections are served again."""
+    held = [_half_open(door, b"") for _ in range(MAX_CONNECTIONS)]
+    time.sleep(0.1)
+    extra = [_half_open(door, b"") for _ in range(8)]
+    early = [_closed_within(s, 0.5)[0] for s in extra]
+    assert all(early), early
+    for s in held:
+        s.close()
+    time.sleep(0.2)
+    assert httpx.get(f"{door.url}/health", timeout=10).status_code == 200
+
+
+def test_deeply_nested_json_is_a_400_in_the_apis_error_shape(door):
+    """100k levels of nesting: 400 with the API's error object (before #33: a plain-text 500)."""
+    body = b"[" * 100_000 + b"]" * 100_000
+    r = httpx.post(f"{door.url}/v1/completions", content=body, headers={"content-type": "application/json"},
+                   timeout=30)
+    assert r.status_code == 400, (r.status_code, r.text[:200])
+    error = r.json()["error"]
+    assert set(error) >= {"message", "type", "param", "code"} and "nested too deeply" in error["message"]
+    assert error["type"] == "invalid_request_error"
