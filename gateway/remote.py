@@ -52,6 +52,7 @@ from specserve.protos.specserve.v1 import (
 )
 from specserve.runtime import tracing as tn
 from specserve.runtime.data_plane import ShmClient, StatusFrame
+from specserve.runtime.hidden_share import host_id
 from specserve.runtime.metrics import StepRecorder
 from specserve.runtime.servers_common import TlsFiles, aio_channel, bearer_metadata
 from specserve.runtime.shm_ring import RingError, RingTimeout
@@ -163,6 +164,13 @@ class RemoteTarget:
         self.stub = target_pb2_grpc.TargetServiceStub(self.channel)
         self.target_info: target_pb2.TargetInfo | None = None
         self.auth = bearer_metadata(token)  # sent on every call (the target's --auth-token)
+        self._host_id = host_id()
+
+    def asks_shm(self) -> bool:
+        """Ask for a session's channel only where it can be opened: the target reports this host (or no host:
+        then try). A channel offered and never attached nor withdrawn costs the target the session."""
+        reported = self.target_info.host_id if self.target_info is not None else ""
+        return self.shm and (not reported or reported == self._host_id)
 
     async def fetch_info(self, timeout_s: float, wait_for_ready: bool = True) -> target_pb2.TargetInfo:
         self.target_info = await self.stub.GetInfo(
@@ -230,7 +238,7 @@ class RemoteTargetSession:
             prompt_ids=list(prompt_ids),
             sampling=convert.sampling_to_proto(sampling),
             hidden_layers=list(hidden_layers),
-            want_shm=self._target.shm,
+            want_shm=self._target.asks_shm(),
             want_hidden_share=self._share_hidden and bool(hidden_layers),
         )
         if logprobs is not None:

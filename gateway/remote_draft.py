@@ -50,6 +50,7 @@ from specserve.protos.specserve.v1 import (
 )
 from specserve.runtime import tracing as tn
 from specserve.runtime.data_plane import ShmClient, StatusFrame
+from specserve.runtime.hidden_share import host_id
 from specserve.runtime.servers_common import TlsFiles, aio_channel, bearer_metadata
 from specserve.runtime.shm_ring import PeerGone, RingTimeout
 
@@ -153,6 +154,7 @@ class RemoteDraftEndpoint:
         self.stub = draft_pb2_grpc.DraftServiceStub(self.channel)
         self.last_info: draft_pb2.DraftInfo | None = None
         self._seed_key = new_seed_key()  # what a draft gets instead of a request's seed (derive_seed)
+        self._host_id = host_id()
 
     def draft_sampling(self, sampling: SamplingParams):
         """The sampling a draft session is started with: the request's, its seed replaced by one derived
@@ -167,6 +169,11 @@ class RemoteDraftEndpoint:
             draft_pb2.DraftInfoRequest(), timeout=timeout_s, wait_for_ready=wait_for_ready, metadata=self.auth
         )
         return self.last_info
+
+    def asks_shm(self) -> bool:
+        """Ask for a session's channel only where it can be opened: the draft reports this host (or no host)."""
+        reported = self.last_info.host_id if self.last_info is not None else ""
+        return self.shm and (not reported or reported == self._host_id)
 
     def maps_hidden_of(self, target_info: target_pb2.TargetInfo | None) -> bool:
         """Whether this draft's sessions can read the target's hidden rows from a shared buffer (both say
@@ -247,7 +254,7 @@ class RemoteDraft:
     ) -> None:
         req = draft_pb2.StartSessionRequest(
             session_id=session_id, token_ids=list(token_ids), sampling=self._ep.draft_sampling(sampling),
-            want_shm=self._ep.shm,
+            want_shm=self._ep.asks_shm(),
         )
         if isinstance(hidden, SharedRows):  # in the target's buffer: relay its handle and the range
             req.hidden_share.CopyFrom(hidden.handle)

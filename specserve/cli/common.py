@@ -317,6 +317,9 @@ def add_listen_arguments(parser: argparse.ArgumentParser, default: str, max_mess
     parser.add_argument("--no-hidden-share", action="store_true",
                         help="never keep (target) or map (draft) a session's hidden rows in a shared buffer: they go "
                              "as bytes (also SPECSERVE_HIDDEN_SHARE=0)")
+    parser.add_argument("--shm-abandon-s", type=float, default=30.0,
+                        help="a caller offered a shared-memory channel that neither attaches nor steps over gRPC "
+                             "within this many seconds is taken for gone and its session released")
 
 
 SERVICE_TOKEN_ENV = "SPECSERVE_SERVICE_TOKEN"
@@ -413,6 +416,10 @@ def shm_offer_from_args(args: argparse.Namespace):
     from specserve.runtime.data_plane import ShmOffer, session_ring, shm_allowed
     from specserve.runtime.hidden_share import hidden_share_allowed
 
+    if not args.shm_abandon_s > 0:
+        raise SpecserveError(f"--shm-abandon-s must be > 0, got {args.shm_abandon_s}")
+
     return ShmOffer(enabled=shm_allowed(args.no_shm, os.environ),
                     hidden_share=hidden_share_allowed(args.no_hidden_share, os.environ),
-                    ring=session_ring(args.max_message_bytes))  # a step's request: the gRPC stream's limit
+                    ring=session_ring(args.max_message_bytes),  # a step's request: the gRPC stream's limit
+                    attach_timeout_s=min(ShmOffer.attach_timeout_s, args.shm_abandon_s), abandon_s=args.shm_abandon_s)

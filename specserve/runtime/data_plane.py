@@ -110,6 +110,9 @@ class ShmOffer:
 
     enabled: bool = True
     attach_timeout_s: float = 5.0  # a caller that has not attached by then uses gRPC; the names go
+    # a caller that by then has neither attached nor sent a step over gRPC is taken for gone (a gateway
+    # killed between the reply and its attach): its session is released, not left to the idle expiry
+    abandon_s: float = 30.0
     ring: RingConfig = SESSION_RING
     # also keep a session's target hidden rows in a buffer its drafter maps (runtime/hidden_share.py), when
     # the caller asks (--no-hidden-share / SPECSERVE_HIDDEN_SHARE=0: never); needs ``enabled`` too
@@ -122,6 +125,8 @@ class ShmOffer:
     def __post_init__(self) -> None:
         if not self.attach_timeout_s > 0:
             raise ValueError(f"attach_timeout_s must be > 0, got {self.attach_timeout_s}")
+        if not self.abandon_s >= self.attach_timeout_s:
+            raise ValueError(f"abandon_s must be >= attach_timeout_s ({self.attach_timeout_s}), got {self.abandon_s}")
 
 
 class ShmSessions:
@@ -130,7 +135,9 @@ class ShmSessions:
     ``offer`` makes a channel and starts its serving task: requests are parsed with ``request_cls``
     and answered by ``handle(session_id, request)`` (the same step the gRPC stream runs); an exception becomes a
     status frame (``status_for`` + one line) and ends the channel. When an attached channel ends,
-    ``on_end(session_id)`` runs (the service releases the session, as when its stream ends)."""
+    ``on_end(session_id)`` runs (the service releases the session, as when its stream ends), and so it
+    does for an offer nobody attached to whose session no step reached over gRPC either
+    (``drop_offer``) within ``abandon_s``."""
 
     def __init__(
         self,
@@ -219,12 +226,16 @@ class ShmSessions:
         await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _serve(self, session_id: str, channel: ShmChannel, deadline: float | None) -> None:
-        attached = False
+        attached = gone = False
         try:
             try:
                 await channel.wait_attached(self.config.attach_timeout_s)
             except RingTimeout:
-                return  # the caller went on over gRPC (another host, or it could not open the names)
+                channel.close()  # the names go now
+                # a caller going on over gRPC withdraws the offer at its first step (drop_offer cancels this)
+                await asyncio.sleep(self.config.abandon_s - self.config.attach_timeout_s)
+                gone = True
+                return
             attached = True
             self.attached += 1
             self._attached_sessions.add(session_id)
@@ -269,7 +280,7 @@ class ShmSessions:
                 del self._channels[session_id]
             channel.close()
             self._attached_sessions.discard(session_id)
-            if attached:
+            if attached or gone:
                 asyncio.get_running_loop().create_task(self._on_end(session_id))
 
 

@@ -53,9 +53,10 @@ class Stack(ServedStack):
         tok = load_tokenizer(self.target_dir)
         self.prompts = [tok.encode(t).ids for t in TEXTS]
         place = ["--device", device, *extra]
-        drafts = {d: ["--draft", d, "--draft-model", str(demo_checkpoint(d)), "--model", str(self.target_dir), *place[:2]]
-                  for d in DRAFTS}
-        super().__init__(socks, ["--model", str(self.target_dir), *place], drafts,
+        abandon = ["--shm-abandon-s", "4"]  # a gateway killed before it attached: its sessions go after 4 s
+        drafts = {d: ["--draft", d, "--draft-model", str(demo_checkpoint(d)), "--model", str(self.target_dir), *place[:2],
+                      *abandon] for d in DRAFTS}
+        super().__init__(socks, ["--model", str(self.target_dir), *place, *abandon], drafts,
                          {"share": base_env(), "bytes": base_env(SPECSERVE_HIDDEN_SHARE="0")},
                          step_timeout_s=20, start_timeout_s=300)
 
@@ -330,6 +331,52 @@ def test_cancel_and_deadline_free_the_buffer_on_both_sides(stack):
 
 
 # ------------------------------------------------------------------------------------------ faults
+def _restart_gateway(stack: Stack, via: str) -> None:
+    from service_helpers import Proc
+
+    from specserve.protos.specserve.v1 import gateway_pb2_grpc
+    from specserve.runtime.servers_common import channel_options
+
+    old = stack.gateways[via]
+    old.stop(signal.SIGKILL)
+    stack.channels[via].close()
+    stack.gateways[via] = Proc("gateway", old.argv, old.env)
+    stack.addr[via] = stack.gateways[via].wait_line("gateway listening on ", timeout=120).split()[-1]
+    stack.channels[via] = grpc.insecure_channel(stack.addr[via], options=channel_options())
+    stack.gw[via] = gateway_pb2_grpc.GatewayStub(stack.channels[via])
+
+
+def test_gateway_killed_with_sessions_in_flight_leaves_no_buffer(stack):
+    """#33 (the target once reported hidden_buffers=2 with 0 sessions after a campaign): the gateway is
+    SIGKILLed three times with six requests in flight (some in their Prefill, some between a Prefill's
+    reply and the channel's attach, some drafting from their buffers) and restarted each time: within
+    the services' --shm-abandon-s (4 s here) the target holds no session and no buffer, the drafts map
+    none, nothing stays in /dev/shm, and the restarted gateway shares buffers again. Before, a session
+    whose gateway died before attaching waited for the idle expiry (300 s) with its buffer."""
+    def state():
+        return (stack.target_stats().active_sessions, stack.target_stats().hidden_buffers,
+                [stack.draft_stats(d).hidden_buffers for d in DRAFTS])
+
+    for round_ in range(3):
+        calls = [stack.gw["share"].Generate(req(stack.prompts[i % len(stack.prompts)], 300, DRAFTS[i % 2]), timeout=60)
+                 for i in range(6)]
+        if round_:  # the first round kills at once: Prefills in flight
+            deadline = time.monotonic() + 30
+            while stack.target_stats().hidden_buffers < 2 * round_ and time.monotonic() < deadline:
+                time.sleep(0.005)
+        _restart_gateway(stack, "share")
+        for c in calls:
+            c.cancel()
+        deadline = time.monotonic() + 10
+        while state() != (0, 0, [0, 0]) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert state() == (0, 0, [0, 0]), (round_, state())
+        wait_no_names(stack)
+    ids, final, code, _ = generate(stack, "share", req(stack.prompts[0], 8, "dflash"))
+    assert code is None and len(ids) == 8 and not final.stats.draft_fallback
+    assert stack.target_stats().hidden_rows_shared > 0
+
+
 def test_drafter_killed_mid_session_goes_on_target_only_losslessly(stack, one_process):
     n = 3 * N_NEW
     want = {}

@@ -52,3 +52,35 @@ def test_a_release_during_a_step_lets_the_step_finish_then_ends_the_channel():
 
     asyncio.run(main())
     assert set(leftover_names()) == before
+
+
+def test_an_offer_nobody_attaches_to_and_no_grpc_step_withdraws_releases_its_session():
+    """#33: a caller that asked for a channel and then went (a gateway killed between the reply and its
+    attach) costs the service its session only until ``abandon_s``: the names go at the attach timeout,
+    the session is released at abandon_s. One whose steps came over gRPC (drop_offer) is kept."""
+    before = set(leftover_names())
+
+    async def main():
+        ended: list[str] = []
+
+        async def on_end(session_id):
+            ended.append(session_id)
+
+        async def handle(session_id, request):
+            raise AssertionError("no step comes")
+
+        offer = ShmOffer(attach_timeout_s=0.1, abandon_s=0.4)
+        sessions = ShmSessions("unit", offer, target_pb2.VerifyRequest, handle, lambda exc: grpc.StatusCode.INTERNAL,
+                               on_end)
+        gone, kept = sessions.offer("gone", None), sessions.offer("kept", None)
+        assert gone and kept
+        await asyncio.sleep(0.2)
+        assert set(leftover_names()) == before and ended == []  # the names went at the attach timeout
+        sessions.drop_offer("kept")  # its first step came over gRPC
+        await asyncio.sleep(0.4)
+        assert ended == ["gone"]
+        await sessions.close()
+
+    asyncio.run(main())
+    with pytest.raises(ValueError, match="abandon_s"):
+        ShmOffer(attach_timeout_s=5.0, abandon_s=1.0)
