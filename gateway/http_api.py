@@ -50,6 +50,7 @@ from specserve.gateway.validation import InvalidRequest
 from specserve.runtime import tracing as tn
 
 HEALTH_TIMEOUT_S = 1.0
+_PARSE_ON_LOOP_BYTES = 256 * 1024  # a body up to this is parsed on the loop (< 1 ms), a larger one on a thread
 IGNORED_HEADER = "specserve-ignored-fields"  # names the body fields a response did not act on
 
 
@@ -249,8 +250,8 @@ class HttpApi:
                                         "(--max-message-bytes)")
         except ClientDisconnect:  # gone, or closed at the read timeout: nobody reads the answer
             raise ApiError(408, "request body: the connection ended before the body did") from None
-        try:
-            body = json.loads(raw)
+        try:  # a large body is parsed on a thread: the loop's other requests do not wait for it
+            body = json.loads(raw) if len(raw) <= _PARSE_ON_LOOP_BYTES else await asyncio.to_thread(json.loads, raw)
         except (ValueError, UnicodeDecodeError) as exc:
             raise ApiError(400, f"request body: not valid JSON ({exc})") from None
         except RecursionError:
@@ -288,13 +289,16 @@ class HttpApi:
             info, limit = self.servicer.target.target_info, self.servicer.config.limits.max_new_tokens
             api.request.max_new_tokens = max(1, min(limit, info.max_context - len(ids)))
 
-    def _echo_ids(self, api: ApiRequest) -> list[list[int]]:
+    async def _echo_ids(self, api: ApiRequest) -> list[list[int]]:
         """Echo: each prompt's token ids (a text prompt tokenized here as validation would, and sent as ids, so
-        the echoed tokens are the scored ones)."""
+        the echoed tokens are the scored ones; its size checked first and tokenized off the loop)."""
         out = []
         for req in api.prompts:
             if req.prompt and self.servicer.tokenizer is not None:
-                req.prompt_ids.extend(self.servicer.tokenizer.encode(req.prompt).ids)
+                try:
+                    req.prompt_ids.extend(await self.servicer.encode_prompt(req.prompt))
+                except InvalidRequest as exc:
+                    raise ApiError(400, str(exc), "prompt") from None
                 req.ClearField("prompt")
             out.append(list(req.prompt_ids))
         return out
@@ -310,7 +314,10 @@ class HttpApi:
             return _error(exc)
         if api.ignored:
             self._warn_ignored(api.ignored)
-        echo_ids = self._echo_ids(api) if api.echo else None
+        try:
+            echo_ids = await self._echo_ids(api) if api.echo else None
+        except ApiError as exc:
+            return _error(exc)
         head = ResponseHead(chat, f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", int(time.time()),
                             self.servicer.model_name)
         parent = tn.context_from_metadata(request.headers.items())
