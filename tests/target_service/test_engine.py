@@ -52,8 +52,12 @@ def hf_model(hf_reference_dir):
     return get
 
 
+SEED_KEY = b"test_engine seed key, pinned...."  # sampled tests walk the same path every run (models/probs.py)
+
+
 def _engine(load, name, num_blocks=256, block_size=4, **kw) -> TargetEngine:
     model, config = load(name)
+    kw.setdefault("seed_key", SEED_KEY)
     return TargetEngine(model, config, num_blocks=num_blocks, block_size=block_size, **kw)
 
 
@@ -169,8 +173,9 @@ def test_rollback_leaves_the_from_scratch_cache(load, name):
         fresh = eng.prefill("fresh", seq[:-1], GREEDY, hidden_layers=(1,))
         for got, want in zip(_gather_all(eng, "s"), _gather_all(eng, "fresh")):
             torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-        # the step's hidden features are those of the committed positions
-        torch.testing.assert_close(res.hidden, fresh.hidden[before:], atol=1e-5, rtol=1e-5)
+        # the step's hidden features are those of the committed positions (float32 summed in another order
+        # than the fresh prefill's: about one path in six of the sampled walk differs by up to 1.2e-5)
+        torch.testing.assert_close(res.hidden, fresh.hidden[before:], atol=3e-5, rtol=1e-5)
         eng.release("fresh")
     assert stats["none"] and stats["partial"] and stats["compacted"], stats
 
@@ -216,7 +221,7 @@ def test_seed_reproduces_sampled_output(load):
 
     outs = [sampled(_engine(load, "qwen3_moe", seed_key=b"k" * 32)) for _ in range(2)]
     assert outs[0] == outs[1]
-    own = _engine(load, "qwen3_moe")
+    own = _engine(load, "qwen3_moe", seed_key=None)  # a key of its own
     assert sampled(own, "a") == sampled(own, "b")
     assert any(sampled(_engine(load, "qwen3_moe", seed_key=bytes([i]) * 32)) != outs[0] for i in range(3))
     eng = _engine(load, "qwen3_moe")
