@@ -1,10 +1,18 @@
-"""``mtp`` drafter: DeepSeek-V3's multi-token-prediction layer, read from the TARGET checkpoint itself.
+"""``mtp`` drafter: DeepSeek-V3's multi-token-prediction layer, read from the TARGET checkpoint itself, or
+from a folder of its own beside a target that lacks it.
 
 A checkpoint with ``num_nextn_predict_layers >= 1`` holds, past its N = ``num_hidden_layers`` decoder
 layers, layer N: ``eh_proj.weight [H, 2H]``, ``enorm.weight``, ``hnorm.weight``,
 ``shared_head.norm.weight``, ``shared_head.head.weight [V, H]``, ``embed_tokens.weight [V, H]`` (copies
 of the main embedding and head) and a full decoder block (MLA attention + MoE: the model library's own
-``DecoderLayer``, loaded through the same weight names and loaders as the target). One step:
+``DecoderLayer``, loaded through the same weight names and loaders as the target).
+
+A drafter folder (``DrafterConfig.checkpoint``; the shipped demo's ``mtp/``, made by ``specserve train
+draft --family mtp``) holds that layer alone: a config.json naming it (the target's, with
+``num_nextn_predict_layers`` >= 1) and the ``model.layers.N.*`` tensors under the same names. What it
+leaves out of the layer's embedding and head (``embed_tokens``, ``shared_head.head``) is the target's
+``model.embed_tokens.weight`` and ``lm_head.weight``, which DeepSeek-V3's MTP module shares; the target's
+final norm is always the target's. One step:
 
     x = eh_proj(concat(enorm(embed(token)), hnorm(previous hidden)))      [T, H]
     h = block(x)                                                            over the drafter's own cache
@@ -149,14 +157,24 @@ def _checkpoint_name(param: str, piece, spec: MTPSpec) -> str:
     return spec.prefix + param
 
 
-def load_mtp_layer(
-    target_dir: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
-) -> tuple[MTPLayer, MTPSpec]:
-    """Layer N of the target checkpoint (and the target's final norm), read tensor by tensor through the
-    parameters' weight loaders; a missing or misshapen tensor is one DrafterConfigError naming it."""
-    from specserve.models.loader import checkpoint_files
+# parameters a separate MTP folder may leave to the target -> the target's tensor (the head: its embedding when tied)
+_SHARED = {"embed_tokens.weight": "model.embed_tokens.weight", "shared_head.head.weight": "lm_head.weight",
+           "target_norm.weight": _TARGET_NORM}
+_MATCH_TARGET = ("num_hidden_layers", "hidden_size", "vocab_size")  # config fields a folder must share with the target
 
-    spec = read_mtp_spec(target_dir)
+
+def load_mtp_layer(
+    target_dir: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+    layer_dir: str | Path | None = None,
+) -> tuple[MTPLayer, MTPSpec]:
+    """Layer N of the target checkpoint (and the target's final norm), or of ``layer_dir`` (a folder holding
+    only that layer: the shared embedding, head and final norm come from the target), read tensor by
+    tensor through the parameters' weight loaders; a missing or misshapen tensor is one DrafterConfigError
+    naming it."""
+    source = Path(layer_dir) if layer_dir is not None else Path(target_dir)
+    spec = read_mtp_spec(source)
+    if layer_dir is not None:
+        _check_matches_target(source, Path(target_dir))
     old = torch.get_default_dtype()
     torch.set_default_dtype(dtype)  # parameters start in dtype (the router's correction bias stays float32)
     try:
@@ -168,10 +186,53 @@ def load_mtp_layer(
     local = {f"{n}.{p}": m.local_experts() for n, m in layer.named_modules() if isinstance(m, StackedExperts)
              for p in ("w13", "w2")}
     needed = {n: weight_names.required_pieces(n, local.get(n)) for n in params}
+    any_of_layer = _fill(source, lambda name: [t for t in (_param_for(name, spec),) if t is not None], params, needed,
+                         spec.prefix)
+    if not any_of_layer:
+        raise DrafterConfigError(  # config.json names the layer but no tensor of it is there (stripped)
+            f"{'MTP folder' if layer_dir is not None else 'target checkpoint'} {source} says num_nextn_predict_layers"
+            f" but holds no tensor of its multi-token-prediction layer ({spec.prefix}*); mtp needs a checkpoint that"
+            " keeps that layer"
+        )
+    if layer_dir is not None:  # the shared tensors the folder left out, from the target
+        tied = bool(json.loads((Path(target_dir) / "config.json").read_text(encoding="utf-8")).get("tie_word_embeddings"))
+        sources = dict(_SHARED, **({"shared_head.head.weight": "model.embed_tokens.weight"} if tied else {}))
+        wanted: dict[str, list[str]] = {}
+        for param, name in sources.items():
+            if needed[param]:
+                wanted.setdefault(name, []).append(param)
+        if wanted:
+            _fill(Path(target_dir), lambda name: [weight_names.Target(p) for p in wanted.get(name, ())], params, needed,
+                  None)
+    missing = [_checkpoint_name(p, piece, spec) for p, pieces in needed.items() for piece in sorted(pieces, key=str)]
+    if missing:
+        shown = ", ".join(missing[:4]) + (f" (+{len(missing) - 4} more)" if len(missing) > 4 else "")
+        where = f"MTP folder {source} (with target {target_dir})" if layer_dir is not None else f"target checkpoint {source}"
+        raise DrafterConfigError(f"{where} lacks MTP tensor(s): {shown}")
+    return layer.eval(), spec
+
+
+def _check_matches_target(layer_dir: Path, target_dir: Path) -> None:
+    """An MTP folder is layer N of one target: it must agree with that target on N, hidden size and vocabulary."""
     try:
-        files = checkpoint_files(str(target_dir))
+        mine = json.loads((layer_dir / "config.json").read_text(encoding="utf-8"))
+        theirs = json.loads((target_dir / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise DrafterConfigError(f"mtp compares {layer_dir} with the target {target_dir}: {e}") from e
+    bad = [f"{k} {mine.get(k)!r} vs {theirs.get(k)!r}" for k in _MATCH_TARGET if mine.get(k) != theirs.get(k)]
+    if bad:
+        raise DrafterConfigError(f"MTP folder {layer_dir} is not a layer of the target {target_dir}: {', '.join(bad)}")
+
+
+def _fill(checkpoint: Path, targets_of, params: dict, needed: dict, layer_prefix: str | None) -> bool:
+    """Load every tensor of ``checkpoint`` into the parameters ``targets_of(name)`` lists; returns whether any
+    tensor name starts with ``layer_prefix``."""
+    from specserve.models.loader import checkpoint_files
+
+    try:
+        files = checkpoint_files(str(checkpoint))
     except Exception as e:
-        raise DrafterConfigError(f"mtp reads the target checkpoint {target_dir}: {e}") from e
+        raise DrafterConfigError(f"mtp reads the checkpoint {checkpoint}: {e}") from e
     any_of_layer = False
     for file in files:
         try:
@@ -180,28 +241,17 @@ def load_mtp_layer(
             raise DrafterConfigError(f"mtp: corrupt or unreadable safetensors file {file}: {e}") from e
         with handle as f:
             for name in f.keys():
-                any_of_layer = any_of_layer or name.startswith(spec.prefix)
-                target = _param_for(name, spec)
-                if target is None:
-                    continue
-                param = params.get(target.param)
-                if param is None:
-                    raise DrafterConfigError(f"mtp: unexpected tensor {name} in {file} (no parameter {target.param})")
-                try:
-                    param.weight_loader(param, CheckpointSlice.of(f.get_slice(name)), **target.kwargs)
-                except Exception as e:  # a shape that does not fit, or bytes that cannot be read
-                    raise DrafterConfigError(f"mtp: tensor {name} in {file} does not fit or cannot be read: {e}") from e
-                needed[target.param].difference_update(target.pieces)
-    missing = [_checkpoint_name(p, piece, spec) for p, pieces in needed.items() for piece in sorted(pieces, key=str)]
-    if not any_of_layer:
-        raise DrafterConfigError(  # config.json names the layer but no tensor of it is there (stripped)
-            f"target checkpoint {target_dir} says num_nextn_predict_layers but holds no tensor of its"
-            f" multi-token-prediction layer ({spec.prefix}*); mtp needs a checkpoint that keeps that layer"
-        )
-    if missing:
-        shown = ", ".join(missing[:4]) + (f" (+{len(missing) - 4} more)" if len(missing) > 4 else "")
-        raise DrafterConfigError(f"target checkpoint {target_dir} lacks MTP tensor(s): {shown}")
-    return layer.eval(), spec
+                any_of_layer = any_of_layer or (layer_prefix is not None and name.startswith(layer_prefix))
+                for target in targets_of(name):
+                    param = params.get(target.param)
+                    if param is None:
+                        raise DrafterConfigError(f"mtp: unexpected tensor {name} in {file} (no parameter {target.param})")
+                    try:
+                        param.weight_loader(param, CheckpointSlice.of(f.get_slice(name)), **target.kwargs)
+                    except Exception as e:  # a shape that does not fit, or bytes that cannot be read
+                        raise DrafterConfigError(f"mtp: tensor {name} in {file} does not fit or cannot be read: {e}") from e
+                    needed[target.param].difference_update(target.pieces)
+    return any_of_layer
 
 
 @dataclass
@@ -285,16 +335,18 @@ class MTPProposer(Proposer):
 
 
 def build_mtp_proposer(config: DrafterConfig) -> MTPProposer:
-    """Registry factory: the MTP layer of ``config.target_checkpoint`` (no drafter folder of its own)."""
+    """Registry factory: the MTP layer of ``config.target_checkpoint``, or of ``config.checkpoint`` (a folder
+    holding only that layer, e.g. the shipped demo's ``mtp/``) read beside that target."""
     target = config.target_checkpoint
     if target is None:
         raise DrafterConfigError("mtp reads the multi-token-prediction layer of the target: give the target checkpoint")
     if config.hidden_layers is not None:
         raise DrafterConfigError("mtp reads the target's last layer (through its final norm); hidden_layers cannot be set")
-    if config.checkpoint is not None and Path(config.checkpoint).resolve() != Path(target).resolve():
-        raise DrafterConfigError(
-            f"mtp reads its layer from the target checkpoint {target} itself; drop the drafter folder {config.checkpoint}"
-        )
-    layer, spec = load_mtp_layer(target, config.device, config.dtype)
+    folder = config.checkpoint
+    if folder is not None and Path(folder).resolve() == Path(target).resolve():
+        folder = None  # the target's own layer
+    if folder is not None and not (Path(folder) / "config.json").is_file():
+        raise DrafterConfigError(f"no MTP folder (config.json) at {folder}")
+    layer, spec = load_mtp_layer(target, config.device, config.dtype, layer_dir=folder)
     _, vocab_hash = checkpoint_vocab(target)
     return MTPProposer(layer, spec, config, vocab_hash)

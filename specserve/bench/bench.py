@@ -52,11 +52,14 @@ def _write_jsonl(path: Path, rows) -> None:
 
 def resolve_drafter_checkpoints(config: BenchConfig, skipped: list[Skipped]) -> dict[str, Path]:
     """family -> checkpoint: --draft-models first, then the shipped demo (only for the demo target)."""
-    from specserve.paths import demo_checkpoint
+    from specserve.paths import demo_checkpoint, shipped_drafter
 
     found = {}
     for family in config.drafters:
-        if family in CHECKPOINT_FREE:
+        if family in CHECKPOINT_FREE:  # a folder only when given or shipped (mtp: the demo's layer beside its target)
+            folder = config.draft_models.get(family) or (shipped_drafter(family) if config.demo_drafters else None)
+            if folder is not None:
+                found[family] = folder
             continue
         if family in config.draft_models:
             found[family] = config.draft_models[family]

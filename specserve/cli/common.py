@@ -9,7 +9,8 @@ from pathlib import Path
 from specserve.contract.speculation import DEFAULT_K, DEFAULT_MAX_BLOCK_SIZE, block_size_for
 from specserve.errors import SpecserveError
 
-NO_DRAFT_FOLDER = ("ngram", "mtp")  # families that need no --draft-model (mtp reads the target's own layer)
+NO_DRAFT_FOLDER = ("ngram", "mtp")  # families that need no --draft-model (mtp reads the target's own layer, or the
+# shipped demo's mtp/ beside the demo target)
 
 MODEL_HELP = ("target checkpoint folder, or demo@NAME[:LAYERS] (the shipped demo in a published model's shape: "
               "moonlight-16b-a3b, kimi-k2.6, small-moonlight, small-kimi-k2.6), or synthetic:NAME[:LAYERS] "
@@ -243,12 +244,14 @@ def result_json(token_ids, text: str | None, finish_reason: str, stats: dict) ->
 def drafter_config_from_args(args: argparse.Namespace, target_checkpoint: Path):
     """The DrafterConfig of --draft/--draft-model; the shipped demo drafter when no --draft-model."""
     from specserve.draft_service.proposer import DrafterConfig
-    from specserve.paths import demo_checkpoint
+    from specserve.paths import demo_checkpoint, shipped_drafter
 
     checkpoint = args.draft_model
     demo_drafters = args.model is None or model_name(args.model).ships_demo_drafters
     if checkpoint is None and args.draft not in NO_DRAFT_FOLDER and demo_drafters:
         checkpoint = demo_checkpoint(args.draft)
+    if checkpoint is None and args.draft in NO_DRAFT_FOLDER and args.model is None:
+        checkpoint = shipped_drafter(args.draft)  # the demo's mtp/ beside the demo target (not scaled to demo@ ones)
     if checkpoint is None and args.draft not in NO_DRAFT_FOLDER:
         raise SpecserveError(f"--draft {args.draft} needs --draft-model DIR")
     return DrafterConfig(

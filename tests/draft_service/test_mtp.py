@@ -109,8 +109,8 @@ def test_a_wrong_layout_names_what_is_missing(tiny_ckpt, tmp_path):
         build_proposer(cfg_for(tiny_ckpt("target_moe")))
     with pytest.raises(DrafterConfigError, match="give the target checkpoint"):
         build_proposer(DrafterConfig(family="mtp"))
-    with pytest.raises(DrafterConfigError, match="reads its layer from the target checkpoint .* itself"):
-        build_proposer(cfg_for(tiny_ckpt("target_mtp"), checkpoint=tiny_ckpt("draft_llama")))
+    with pytest.raises(DrafterConfigError, match=r"has no multi-token-prediction layer \(config.json num_nextn_predict"):
+        build_proposer(cfg_for(tiny_ckpt("target_mtp"), checkpoint=tiny_ckpt("draft_llama")))  # a folder, not an MTP one
     with pytest.raises(DrafterConfigError, match="hidden_layers cannot be set"):
         build_proposer(cfg_for(tiny_ckpt("target_mtp"), hidden_layers=(0,)))
     for name in (f"model.layers.{N}.eh_proj.weight", f"model.layers.{N}.self_attn.kv_b_proj.weight",
@@ -145,6 +145,55 @@ def test_a_wrong_layout_names_what_is_missing(tiny_ckpt, tmp_path):
     assert cfg["num_nextn_predict_layers"] == 1 and cfg["num_hidden_layers"] == N
 
 
+def _split(target, root):
+    """The tiny target without its MTP layer (config and tensors) + a folder holding only that layer, less the
+    embedding and head it shares with the target (the layout `specserve train draft --family mtp` writes)."""
+    tensors = load_file(str(target / "model.safetensors"))
+    prefix = f"model.layers.{N}."
+    shutil.copytree(target, root / "target")
+    save_file({k: v for k, v in tensors.items() if not k.startswith(prefix)}, str(root / "target" / "model.safetensors"))
+    cfg = json.loads((target / "config.json").read_text())
+    (root / "target" / "config.json").write_text(json.dumps(dict(cfg, num_nextn_predict_layers=0)))
+    (root / "mtp").mkdir()
+    shared = (prefix + "embed_tokens.weight", prefix + "shared_head.head.weight")
+    save_file({k: v for k, v in tensors.items() if k.startswith(prefix) and k not in shared},
+              str(root / "mtp" / "model.safetensors"))
+    (root / "mtp" / "config.json").write_text(json.dumps(cfg))
+    return root / "target", root / "mtp"
+
+
+def test_a_folder_of_its_own_drafts_what_the_target_layer_drafts(tiny_ckpt, tmp_path):
+    """The MTP layer in a folder beside a target that lacks it (embedding, head and final norm read from the
+    target; DeepSeek-V3 shares them) drafts, greedy and sampled, exactly what the target's own layer N drafts;
+    a folder for another target, or a missing one, is one DrafterConfigError."""
+    whole = tiny_ckpt("target_mtp")
+    target, folder = _split(whole, tmp_path)
+    model, mcfg = load_model(target, dtype=torch.float64, progress=False)
+    engine = TargetEngine(model, mcfg, num_blocks=256, block_size=4)
+    own = build_proposer(cfg_for(whole, dtype="float64"))
+    split = build_proposer(cfg_for(target, checkpoint=folder, dtype="float64"))
+    assert split.info == own.info
+    pre = engine.prefill("s", PROMPT, SamplingParams(), own.info.hidden_layers)
+    seq = PROMPT + [pre.next_token]
+    for sid, sampling in (("g", SamplingParams()), ("q", SamplingParams(temperature=1.0, seed=3))):
+        blocks = []
+        for p in (own, split):
+            p.start(sid, seq, pre.hidden, sampling)
+            blocks.append(p.propose(sid, len(seq), [], None, 4))
+        assert blocks[0].token_ids == blocks[1].token_ids and len(blocks[0].token_ids) == 4
+        if sid == "q":
+            torch.testing.assert_close(blocks[0].probs, blocks[1].probs, rtol=0, atol=0)
+    with pytest.raises(DrafterConfigError, match="lacks MTP tensor"):  # the folder alone: no shared head anywhere
+        build_proposer(cfg_for(folder, checkpoint=folder))
+    other = json.loads((folder / "config.json").read_text())
+    shutil.copytree(folder, tmp_path / "other")
+    (tmp_path / "other" / "config.json").write_text(json.dumps(dict(other, hidden_size=2 * H)))
+    with pytest.raises(DrafterConfigError, match=r"is not a layer of the target .*hidden_size 64 vs 32"):
+        build_proposer(cfg_for(target, checkpoint=tmp_path / "other"))
+    with pytest.raises(DrafterConfigError, match="no MTP folder"):
+        build_proposer(cfg_for(target, checkpoint=tmp_path / "nothing"))
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_drafts_what_the_cpu_drafts(tiny_ckpt):
@@ -160,3 +209,26 @@ def test_cuda_drafts_what_the_cpu_drafts(tiny_ckpt):
         sampled.append(p.propose("s", len(PROMPT), [], None, 1).probs)
     assert greedy[0] == greedy[1]
     torch.testing.assert_close(sampled[1], sampled[0], rtol=1e-4, atol=1e-5)
+
+
+def test_shipped_demo_mtp_is_lossless_and_accepts(capsys):
+    """`specserve generate --draft mtp` on the shipped demo (no --model, no --draft-model) drafts with
+    demo_model/mtp/ beside the demo target: greedy output equals target-only on a pinned prompt and its
+    drafts are accepted; on held-out prompts its mean accepted length at k = 2 stays well above nothing."""
+    from specserve.cli.main import main
+    from specserve.paths import demo_dir
+    from specserve.train.acceptance import evaluate
+
+    root = demo_dir()
+    if not (root / "mtp" / "config.json").is_file():
+        pytest.skip("no shipped demo_model/ in this checkout")
+    flags = ["generate", "--prompt", "def read_config(path):\n    ", "--max-new-tokens", "48", "--json"]
+    outputs = {}
+    for draft in ("none", "mtp"):
+        assert main([*flags, "--draft", draft, "--num-speculative-tokens", "2"]) == 0
+        outputs[draft] = json.loads(capsys.readouterr().out)
+    assert outputs["mtp"]["token_ids"] == outputs["none"]["token_ids"] and len(outputs["none"]["token_ids"]) == 48
+    assert outputs["mtp"]["stats"]["mean_accepted_length"] > 1.2
+    (r,) = evaluate(root, ["mtp"], k=2, max_new=32, num_prompts=4, device="cpu", dtype="float32")["results"]
+    assert r["lossless_prompts"] == r["prompts"] == 4
+    assert r["mean_accepted_length"] > 1.3  # FLOOR: measured figure in demo_model/README.md
