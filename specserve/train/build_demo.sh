@@ -4,6 +4,7 @@
 #   specserve/train/build_demo.sh OUT eagle3  EAGLE-3 head (needs OUT/target)
 #   specserve/train/build_demo.sh OUT dflash  DFlash drafter (needs OUT/target)
 #   specserve/train/build_demo.sh OUT heads   eagle3 and dflash at once (two processes on one GPU)
+#   specserve/train/build_demo.sh OUT mtp     DeepSeek-V3 MTP layer (needs OUT/target; the shipped one: DEVICE=cpu)
 #   specserve/train/build_demo.sh OUT eval    acceptance + lossless check -> OUT/acceptance.json
 # Set SPECSERVE to the command (default: python3 -m specserve.cli.main; run it outside the repo root
 # when the package is installed elsewhere). Time limits only cap a slow machine: the LR schedule then
@@ -14,8 +15,8 @@
 # given_tokens=3 in its last stage, see demo_model/README.md); DFLASH_LR sets its peak learning rate
 # (default 2e-3); DFLASH_INIT=DIR continues training a saved DFlash of that arch (not OUT/dflash).
 set -euo pipefail
-OUT=${1:?usage: build_demo.sh OUT base|eagle3|dflash|heads|eval}
-STAGE=${2:?usage: build_demo.sh OUT base|eagle3|dflash|heads|eval}
+OUT=${1:?usage: build_demo.sh OUT base|eagle3|dflash|heads|mtp|eval}
+STAGE=${2:?usage: build_demo.sh OUT base|eagle3|dflash|heads|mtp|eval}
 DEV=${DEVICE:-cuda}
 SPECSERVE=${SPECSERVE:-python3 -m specserve.cli.main}
 SD="--sd-prompts 2048 --sd-prompt-len 64 --sd-new-tokens 128 --sd-batch-size 256 --sd-cache ${SD_CACHE:-/tmp/specserve_sd}"
@@ -37,6 +38,12 @@ dflash() {
     --arch chain_labels=1 --arch chain_anchors=0.8 ${DFLASH_ARCH:-} --sd-cache "${SD_CACHE:-/tmp/specserve_sd}_dflash" \
     ${DFLASH_INIT:+--init-from "$DFLASH_INIT"}
 }
+# the MTP layer was trained on a 2-core CPU in its time limit (MTP_LIMIT_S, default 780 s): small batches, 3 passes
+mtp() {
+  $SPECSERVE train draft --family mtp --target "$OUT/target" --out "$OUT/mtp" --device "$DEV" \
+    --steps 20000 --batch-size 8 --lr 2e-3 --time-limit-s "${MTP_LIMIT_S:-780}" --sd-prompts 256 $HSD --sd-batch-size 256 \
+    --arch group=8 --sd-cache "${SD_CACHE:-/tmp/specserve_sd}_mtp"
+}
 case "$STAGE" in
   base)
     $SPECSERVE train tokenizer --out "$OUT/tokenizer" --vocab-size 4096
@@ -47,6 +54,7 @@ case "$STAGE" in
     ;;
   eagle3) eagle3 ;;
   dflash) dflash ;;
+  mtp) mtp ;;
   heads)
     # each trainer is launch-bound: two processes share one GPU well
     eagle3 & EAGLE=$!
@@ -58,5 +66,5 @@ case "$STAGE" in
     $SPECSERVE train eval-acceptance --demo-dir "$OUT" --device "$DEV" --k 4 --max-new-tokens 64 \
       --num-prompts "${NUM_PROMPTS:-16}" --out-json "$OUT/acceptance.json"
     ;;
-  *) echo "unknown stage $STAGE (base|eagle3|dflash|heads|eval)" >&2; exit 2 ;;
+  *) echo "unknown stage $STAGE (base|eagle3|dflash|heads|mtp|eval)" >&2; exit 2 ;;
 esac

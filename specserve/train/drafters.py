@@ -89,8 +89,14 @@ def _train_dflash(job: DraftJob) -> dict:
     return train_dflash_job(job)
 
 
+def _train_mtp(job: DraftJob) -> dict:
+    from specserve.train.draft_mtp import train_mtp_job
+
+    return train_mtp_job(job)
+
+
 DRAFT_TRAINERS: Mapping[str, Callable[[DraftJob], dict]] = MappingProxyType(
-    {"model": _train_model, "eagle3": _train_eagle3, "dflash": _train_dflash}
+    {"model": _train_model, "eagle3": _train_eagle3, "dflash": _train_dflash, "mtp": _train_mtp}
 )
 RESUMABLE = frozenset({"dflash"})  # families whose trainer honours DraftJob.init_from
 

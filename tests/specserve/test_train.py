@@ -32,6 +32,7 @@ DRAFT_ARCH = {
     "dflash": ["--arch", "hidden_size=32", "--arch", "num_layers=1", "--arch", "num_heads=2",
                "--arch", "num_kv_heads=1", "--arch", "head_dim=16", "--arch", "intermediate_size=32",
                "--arch", "block_size=3", "--arch", "anchors=4", "--arch", "group=2"],
+    "mtp": ["--arch", "ttt_steps=2", "--arch", "group=2"],
 }
 SHARED_DFLASH = [*DRAFT_ARCH["dflash"], "--arch", "shared_target_head=1", "--arch", "num_layers=2"]
 SD = ["--sd-prompts", "4", "--sd-prompt-len", "8", "--sd-new-tokens", "8", "--sd-batch-size", "4"]
@@ -102,7 +103,7 @@ def test_target_loads_in_transformers_and_engine_with_same_logits(demo):
     torch.testing.assert_close(scores, ref[len(prompt):], rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("family", ["ngram", "model", "eagle3", "dflash"])
+@pytest.mark.parametrize("family", ["ngram", "model", "eagle3", "dflash", "mtp"])
 def test_each_drafter_loads_and_is_lossless(demo, family):
     from specserve.train.acceptance import evaluate
 
@@ -195,7 +196,7 @@ def test_shipped_demo_fits_the_budget_and_loads_in_engine_and_transformers():
     root = demo_dir()
     if not (root / "target" / "config.json").is_file():
         pytest.skip("no shipped demo_model/ in this checkout")
-    assert sum(p.stat().st_size for p in root.rglob("*") if p.is_file()) <= 25 * 2**20
+    assert sum(p.stat().st_size for p in root.rglob("*") if p.is_file()) <= 27 * 2**20  # 25 MiB before mtp/
     hf = AutoModelForCausalLM.from_pretrained(str(root / "target"), dtype=torch.float32).eval()
     ours, config = load_model(root / "target", dtype=torch.float32, progress=False)
     engine = TargetEngine(ours, config, None, num_blocks=4, block_size=16)
@@ -409,3 +410,55 @@ def test_micro_batches_give_the_whole_batch_step():
         assert len(grads) == len(runs[0][1])
         for g, want in zip(grads, runs[0][1]):
             torch.testing.assert_close(g, want, rtol=1e-4, atol=1e-6)
+
+
+def test_mtp_trained_by_the_cli_drafts_what_its_training_passes_compute(demo):
+    """The MTP folder `train draft --family mtp` wrote (published names, no embedding or head) loads through the
+    proposer beside its target, and the proposer's chained draft distributions equal the training module's
+    passes 1..3 over the prompt + drafted tokens (the alignment and chaining training assumes)."""
+    from safetensors.torch import load_file
+
+    from specserve.contract.types import SamplingParams
+    from specserve.draft_service.proposer import DrafterConfig
+    from specserve.draft_service.registry import build_proposer
+    from specserve.models.loader import load_model
+    from specserve.target_service.engine.engine import TargetEngine
+    from specserve.train.distill import load_target, target_outputs
+    from specserve.train.draft_eagle3 import ttt_masks
+    from specserve.train.draft_mtp import MTPTrainLayer, mtp_pass_outputs
+
+    info = json.loads((demo / "mtp" / "train_info.json").read_text())
+    assert info["family"] == "mtp" and info["train"]["steps_run"] == 2 and len(info["train"]["heldout_agreement_by_pass"]) == 2
+    saved = load_file(str(demo / "mtp" / "model.safetensors"))
+    n = json.loads((demo / "target" / "config.json").read_text())["num_hidden_layers"]
+    assert f"model.layers.{n}.eh_proj.weight" in saved and f"model.layers.{n}.mlp.experts.3.up_proj.weight" in saved
+    assert not any("embed_tokens" in k or "shared_head.head" in k for k in saved)  # read from the target
+    target = load_target(demo / "target", torch.device("cpu"))
+    layer = MTPTrainLayer(target).eval()
+    with torch.no_grad():  # the saved (bfloat16) weights, back in the training module
+        state = layer.published_state_dict()
+        experts = layer.block.mlp.experts
+        prefix = f"model.layers.{n}."
+        for name, value in state.items():
+            if ".mlp.experts." not in name:
+                value.copy_(saved[name].float())
+        for e in range(experts.num_experts):
+            gate, up, down = (saved[f"{prefix}mlp.experts.{e}.{w}_proj.weight"].float() for w in ("gate", "up", "down"))
+            experts.gate_up_proj[e].copy_(torch.cat([gate, up]))
+            experts.down_proj[e].copy_(down)
+    model, config = load_model(demo / "target", dtype=torch.float32, progress=False)
+    engine = TargetEngine(model, config, None, num_blocks=16, block_size=16)
+    proposer = build_proposer(DrafterConfig(family="mtp", checkpoint=demo / "mtp", target_checkpoint=demo / "target",
+                                            max_block_size=3))
+    prompt, sampling = list(range(3, 23)), SamplingParams(temperature=1.0, seed=4)
+    pre = engine.prefill("s", prompt, sampling, proposer.info.hidden_layers)
+    seq = prompt + [pre.next_token]
+    proposer.start("s", seq, pre.hidden, sampling)
+    block = proposer.propose("s", len(seq), (), None, 3)  # [3] drafted tokens, probs [3, V]
+    ids = torch.tensor([seq + list(block.token_ids)])  # [1, L + 3]
+    _, feats = target_outputs(target, ids, (n - 1,))
+    with torch.no_grad():
+        outs = list(mtp_pass_outputs(layer, ids, feats, ttt_masks(ids.shape[1], 3, "cpu")))
+    # drafted token p is drawn from pass p's output at entry L - 2 + (p - 1)
+    want = torch.stack([layer.logits(out[0, len(seq) - 2 + p]).softmax(-1) for p, out in enumerate(outs)])
+    torch.testing.assert_close(block.probs.float(), want, rtol=1e-4, atol=1e-5)
