@@ -17,8 +17,8 @@ covers the pass-1 entries up to e - p + 1 (the confirmed context) and the pass-q
 e - p + q for q = 2..p (the chain drafted so far). Pass p is weighted ``pass_decay ** (p - 1)``.
 
 The block starts from the target's last decoder layer (its router, correction bias and experts), the
-head norm from the target's final norm; ``eh_proj`` starts random. The router's
-``e_score_correction_bias`` stays the target layer's (no gradient reaches it).
+head norm from the target's final norm; ``eh_proj`` starts random (``--init-from DIR``: a saved MTP layer
+instead). The router's ``e_score_correction_bias`` stays the target layer's (no gradient reaches it).
 
 Saved: ``config.json`` (the target's, with ``num_nextn_predict_layers`` = 1) and ``model.safetensors``
 with the tensors ``model.layers.N.*`` of the published DeepSeek-V3 layout (routed experts one by one),
@@ -138,6 +138,37 @@ class MTPTrainLayer(nn.Module):
         return {k: v.detach() for k, v in out.items()}
 
 
+@torch.no_grad()
+def load_published_state(layer: MTPTrainLayer, folder: Path) -> None:
+    """Fill ``layer`` from a folder ``save_mtp_layer`` wrote (``--init-from``); a missing or misshapen tensor is
+    one TrainError naming it."""
+    from safetensors.torch import load_file
+
+    path = Path(folder) / "model.safetensors"
+    try:
+        saved = load_file(str(path))
+    except Exception as e:  # a missing or unreadable file
+        raise TrainError(f"--init-from: cannot read {path}: {e}") from e
+    prefix = f"model.layers.{layer.num_target_layers}."
+    experts = layer.block.mlp.experts
+
+    def get(name: str, like: torch.Tensor) -> torch.Tensor:
+        value = saved.get(name)
+        if value is None or value.shape != like.shape:
+            raise TrainError(f"--init-from {folder}: tensor {name} is missing or not {tuple(like.shape)}")
+        return value.to(like.dtype)
+
+    for name, value in layer.published_state_dict().items():  # detached views of the parameters
+        if ".mlp.experts." not in name:
+            value.copy_(get(name, value))
+    for e in range(experts.num_experts):
+        gate_up, down = experts.gate_up_proj[e], experts.down_proj[e]  # [2I, H], [H, I]
+        gate = get(f"{prefix}mlp.experts.{e}.gate_proj.weight", gate_up[: len(gate_up) // 2])
+        up = get(f"{prefix}mlp.experts.{e}.up_proj.weight", gate_up[len(gate_up) // 2 :])
+        gate_up.copy_(torch.cat([gate, up]))
+        down.copy_(get(f"{prefix}mlp.experts.{e}.down_proj.weight", down))
+
+
 def mtp_pass_outputs(layer: MTPTrainLayer, ids: torch.Tensor, feats: torch.Tensor, masks: list[torch.Tensor]):
     """ids [G, T], feats [G, T, H] (target layer N - 1 outputs) -> the block's output [G, T - 1, H] of each
     training-time-test pass in turn (pass p = ``masks[p - 1]``), entry e at position e."""
@@ -199,7 +230,10 @@ def save_mtp_layer(layer: MTPTrainLayer, out_dir: Path) -> None:
 def train_mtp_job(job) -> dict:
     spec = apply_arch(MTPTrainSpec(), job.arch)
     torch.manual_seed(job.seed)
-    layer = MTPTrainLayer(job.target).to(job.device).train()
+    layer = MTPTrainLayer(job.target)
+    if job.init_from is not None:
+        load_published_state(layer, job.init_from)
+    layer = layer.to(job.device).train()
     layers = (layer.num_target_layers - 1,)
     group = min(spec.group, job.batch_size)
     masks_by_len: dict[int, list[torch.Tensor]] = {}

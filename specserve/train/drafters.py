@@ -98,7 +98,7 @@ def _train_mtp(job: DraftJob) -> dict:
 DRAFT_TRAINERS: Mapping[str, Callable[[DraftJob], dict]] = MappingProxyType(
     {"model": _train_model, "eagle3": _train_eagle3, "dflash": _train_dflash, "mtp": _train_mtp}
 )
-RESUMABLE = frozenset({"dflash"})  # families whose trainer honours DraftJob.init_from
+RESUMABLE = frozenset({"dflash", "mtp"})  # families whose trainer honours DraftJob.init_from
 
 
 def check_resumable(family: str, init_from: Path | None, out_dir: Path | None = None) -> None:

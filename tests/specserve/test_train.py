@@ -296,7 +296,7 @@ def test_dflash_init_from_continues_a_saved_drafter(demo, tmp_path, capsys):
     assert "another DFlash config" in err and "shared_target_head" in err and "Traceback" not in err
     assert main(["train", "draft", "--family", "eagle3", "--target", str(demo / "target"), "--out",
                  str(tmp_path / "e"), "--init-from", str(demo / "eagle3")]) == 2
-    assert "--init-from is supported for dflash, not 'eagle3'" in capsys.readouterr().err
+    assert "--init-from is supported for dflash, mtp, not 'eagle3'" in capsys.readouterr().err
     assert not (tmp_path / "e").exists()  # refused before anything was written
     assert main([*base, "--out", str(tmp_path / "resumed"), "--init-from", str(tmp_path / "resumed")]) == 2
     assert "write the continued drafter elsewhere" in capsys.readouterr().err
@@ -425,7 +425,7 @@ def test_mtp_trained_by_the_cli_drafts_what_its_training_passes_compute(demo):
     from specserve.target_service.engine.engine import TargetEngine
     from specserve.train.distill import load_target, target_outputs
     from specserve.train.draft_eagle3 import ttt_masks
-    from specserve.train.draft_mtp import MTPTrainLayer, mtp_pass_outputs
+    from specserve.train.draft_mtp import MTPTrainLayer, load_published_state, mtp_pass_outputs
 
     info = json.loads((demo / "mtp" / "train_info.json").read_text())
     assert info["family"] == "mtp" and info["train"]["steps_run"] == 2 and len(info["train"]["heldout_agreement_by_pass"]) == 2
@@ -435,17 +435,7 @@ def test_mtp_trained_by_the_cli_drafts_what_its_training_passes_compute(demo):
     assert not any("embed_tokens" in k or "shared_head.head" in k for k in saved)  # read from the target
     target = load_target(demo / "target", torch.device("cpu"))
     layer = MTPTrainLayer(target).eval()
-    with torch.no_grad():  # the saved (bfloat16) weights, back in the training module
-        state = layer.published_state_dict()
-        experts = layer.block.mlp.experts
-        prefix = f"model.layers.{n}."
-        for name, value in state.items():
-            if ".mlp.experts." not in name:
-                value.copy_(saved[name].float())
-        for e in range(experts.num_experts):
-            gate, up, down = (saved[f"{prefix}mlp.experts.{e}.{w}_proj.weight"].float() for w in ("gate", "up", "down"))
-            experts.gate_up_proj[e].copy_(torch.cat([gate, up]))
-            experts.down_proj[e].copy_(down)
+    load_published_state(layer, demo / "mtp")  # the saved (bfloat16) weights, back in the training module
     model, config = load_model(demo / "target", dtype=torch.float32, progress=False)
     engine = TargetEngine(model, config, None, num_blocks=16, block_size=16)
     proposer = build_proposer(DrafterConfig(family="mtp", checkpoint=demo / "mtp", target_checkpoint=demo / "target",
