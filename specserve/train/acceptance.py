@@ -18,7 +18,7 @@ from pathlib import Path
 from specserve.errors import SpecserveError
 from specserve.gateway.stats import SpecStats
 
-FAMILIES = ("ngram", "model", "eagle3", "dflash")
+FAMILIES = ("ngram", "model", "eagle3", "dflash", "mtp")
 CARD_BEGIN = "<!-- acceptance:begin -->"
 CARD_END = "<!-- acceptance:end -->"
 

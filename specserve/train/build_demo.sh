@@ -38,11 +38,14 @@ dflash() {
     --arch chain_labels=1 --arch chain_anchors=0.8 ${DFLASH_ARCH:-} --sd-cache "${SD_CACHE:-/tmp/specserve_sd}_dflash" \
     ${DFLASH_INIT:+--init-from "$DFLASH_INIT"}
 }
-# the MTP layer was trained on a 2-core CPU in its time limit (MTP_LIMIT_S, default 780 s): small batches, 3 passes
+# the MTP layer was trained on a shared 2-core CPU (DEVICE=cpu) in two stages (demo_model/README.md): MTP_STEPS small
+# steps of 3 passes (default 90) or its time limit MTP_LIMIT_S (default 780 s), whichever comes first, at peak
+# learning rate MTP_LR (default 3e-3); MTP_INIT=DIR continues a saved MTP layer (not OUT/mtp)
 mtp() {
   $SPECSERVE train draft --family mtp --target "$OUT/target" --out "$OUT/mtp" --device "$DEV" \
-    --steps 20000 --batch-size 8 --lr 2e-3 --time-limit-s "${MTP_LIMIT_S:-780}" --sd-prompts 256 $HSD --sd-batch-size 256 \
-    --arch group=8 --sd-cache "${SD_CACHE:-/tmp/specserve_sd}_mtp"
+    --steps "${MTP_STEPS:-90}" --batch-size 8 --lr "${MTP_LR:-3e-3}" --time-limit-s "${MTP_LIMIT_S:-780}" \
+    --sd-prompts 256 $HSD --sd-batch-size 256 --arch group=8 --sd-cache "${SD_CACHE:-/tmp/specserve_sd}_mtp" \
+    ${MTP_INIT:+--init-from "$MTP_INIT"}
 }
 case "$STAGE" in
   base)

@@ -228,7 +228,7 @@ def test_shipped_demo_mtp_is_lossless_and_accepts(capsys):
         assert main([*flags, "--draft", draft, "--num-speculative-tokens", "2"]) == 0
         outputs[draft] = json.loads(capsys.readouterr().out)
     assert outputs["mtp"]["token_ids"] == outputs["none"]["token_ids"] and len(outputs["none"]["token_ids"]) == 48
-    assert outputs["mtp"]["stats"]["mean_accepted_length"] > 1.2
+    assert outputs["mtp"]["stats"]["mean_accepted_length"] > 1.1  # drafts are accepted (1.0: none ever)
     (r,) = evaluate(root, ["mtp"], k=2, max_new=32, num_prompts=4, device="cpu", dtype="float32")["results"]
     assert r["lossless_prompts"] == r["prompts"] == 4
-    assert r["mean_accepted_length"] > 1.3  # FLOOR: measured figure in demo_model/README.md
+    assert r["mean_accepted_length"] > 1.2  # well below the 1.40 measured at k = 2 on 16 prompts (demo_model/README.md)
