@@ -347,6 +347,8 @@ def build_mtp_proposer(config: DrafterConfig) -> MTPProposer:
         folder = None  # the target's own layer
     if folder is not None and not (Path(folder) / "config.json").is_file():
         raise DrafterConfigError(f"no MTP folder (config.json) at {folder}")
+    if folder is not None and not (Path(target) / "config.json").is_file():  # e.g. a demo@ name, built at load time
+        raise DrafterConfigError(f"the MTP folder {folder} is layer N of a target checkpoint folder; {target} is not one")
     layer, spec = load_mtp_layer(target, config.device, config.dtype, layer_dir=folder)
     _, vocab_hash = checkpoint_vocab(target)
     return MTPProposer(layer, spec, config, vocab_hash)
