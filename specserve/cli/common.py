@@ -383,6 +383,15 @@ _HTTP_LIMITS = (  # flag, HttpConfig field, type, help
 )
 
 
+def add_request_limit_arguments(limits) -> None:
+    """The gateway's request limits (gateway and serve), on an argument group."""
+    limits.add_argument("--max-sessions", type=positive_int, default=64, help="requests running at once")
+    limits.add_argument("--max-queued", type=int, default=64,
+                        help="requests waiting for a running slot; more get RESOURCE_EXHAUSTED")
+    limits.add_argument("--max-prompt-tokens", type=int, default=0, help="prompt tokens (0 = the model's context)")
+    limits.add_argument("--max-output-tokens", type=positive_int, default=4096, help="max_new_tokens of a request")
+
+
 def add_http_limit_arguments(parser: argparse.ArgumentParser) -> None:
     """The HTTP API's connection limits (runtime/http_serving.HttpConfig's defaults)."""
     from specserve.runtime.http_serving import HttpConfig

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from specserve.cli.common import (
     add_http_limit_arguments,
+    add_request_limit_arguments,
     add_threads_argument,
     add_tls_arguments,
     checkpoint_errors_as_user_errors,
@@ -65,11 +66,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="EAGLE-3 / DFlash hidden rows as bytes through the gateway, never a target buffer the "
                              "draft maps (also SPECSERVE_HIDDEN_SHARE=0)")
     limits = parser.add_argument_group("limits (beyond them: INVALID_ARGUMENT or RESOURCE_EXHAUSTED naming the limit)")
-    limits.add_argument("--max-sessions", type=positive_int, default=64, help="requests running at once")
-    limits.add_argument("--max-queued", type=int, default=64,
-                        help="requests waiting for a running slot; more get RESOURCE_EXHAUSTED")
-    limits.add_argument("--max-prompt-tokens", type=int, default=0, help="prompt tokens (0 = the model's context)")
-    limits.add_argument("--max-output-tokens", type=positive_int, default=4096, help="max_new_tokens of a request")
+    add_request_limit_arguments(limits)
     limits.add_argument("--max-stop-strings", type=int, default=16, help="stop strings per request")
     limits.add_argument("--max-stop-length", type=int, default=256, help="characters per stop string")
     limits.add_argument("--max-message-bytes", type=positive_int, default=DEFAULT_MAX_MESSAGE_BYTES,

@@ -22,9 +22,9 @@ from pathlib import Path
 from specserve.cli.common import (
     add_http_limit_arguments,
     add_model_arguments,
+    add_request_limit_arguments,
     check_target_placement,
     http_limit_argv,
-    positive_int,
     split_threads,
     usable_cores,
 )
@@ -54,11 +54,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="cores to share between the three processes (0: those this process may use): the "
                              "gateway 1, an n-gram draft 1, a model draft a quarter, the target the rest")
     limits = parser.add_argument_group("limits (the gateway's; sessions and queue also the target's)")
-    limits.add_argument("--max-sessions", type=positive_int, default=64, help="requests running at once")
-    limits.add_argument("--max-queued", type=int, default=64,
-                        help="requests waiting for a running slot; more get RESOURCE_EXHAUSTED")
-    limits.add_argument("--max-prompt-tokens", type=int, default=0, help="prompt tokens (0 = the model's context)")
-    limits.add_argument("--max-output-tokens", type=positive_int, default=4096, help="max_new_tokens of a request")
+    add_request_limit_arguments(limits)
     parser.add_argument("--draft-step-timeout-s", type=float, default=5.0)
     parser.add_argument("--trust-draft-probs", action="store_true",
                         help="verify with the drafter's probabilities q (default: proposal-only, see README)")

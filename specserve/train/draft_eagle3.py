@@ -105,6 +105,19 @@ def ttt_masks(length: int, passes: int, device) -> list[torch.Tensor]:
     return masks
 
 
+def ttt_mask_cache(passes: int, device):
+    """ttt_masks(length, passes, device) for any length, each length's masks made once (training batches come in
+    few lengths): length -> [mask [n, p * n] per pass]."""
+    cache: dict[int, list[torch.Tensor]] = {}
+
+    def masks(length: int) -> list[torch.Tensor]:
+        if length not in cache:
+            cache[length] = ttt_masks(length, passes, device)
+        return cache[length]
+
+    return masks
+
+
 def ttt_loss(head, ids: torch.Tensor, feats: torch.Tensor, probs: torch.Tensor, masks, spec: Eagle3Spec):
     """ids [G, T], feats [G, T, 3Ht], probs [G, T, V] -> (weighted loss, per-pass argmax agreement [P]).
 
@@ -149,13 +162,10 @@ def train_eagle3_job(job) -> dict:
     head = build_head(job.target, spec, layers).to(job.device).train()
     group = min(spec.group, job.batch_size)
 
-    masks_by_len: dict[int, torch.Tensor] = {}
+    masks = ttt_mask_cache(spec.ttt_steps, job.device)
 
     def loss_fn(ids, feats, probs):
-        length = ids.shape[1]
-        if length not in masks_by_len:
-            masks_by_len[length] = ttt_masks(length, spec.ttt_steps, job.device)
-        return ttt_loss(head, ids, feats, probs, masks_by_len[length], spec)
+        return ttt_loss(head, ids, feats, probs, masks(ids.shape[1]), spec)
 
     run = train_on_target_features(job, head, layers, group, loss_fn, "train_eagle3")
     heldout = heldout_agreement(job, head, layers, group, loss_fn)

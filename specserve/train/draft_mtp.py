@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specserve.train.common import TrainError, apply_arch
-from specserve.train.draft_eagle3 import ttt_masks
+from specserve.train.draft_eagle3 import ttt_mask_cache
 from specserve.train.feature_distill import heldout_agreement, train_on_target_features
 
 
@@ -236,13 +236,10 @@ def train_mtp_job(job) -> dict:
     layer = layer.to(job.device).train()
     layers = (layer.num_target_layers - 1,)
     group = min(spec.group, job.batch_size)
-    masks_by_len: dict[int, list[torch.Tensor]] = {}
+    masks = ttt_mask_cache(spec.ttt_steps, job.device)
 
     def loss_fn(ids, feats, probs):
-        length = ids.shape[1]
-        if length not in masks_by_len:
-            masks_by_len[length] = ttt_masks(length, spec.ttt_steps, job.device)
-        return mtp_ttt_loss(layer, ids, feats, probs, masks_by_len[length], spec)
+        return mtp_ttt_loss(layer, ids, feats, probs, masks(ids.shape[1]), spec)
 
     run = train_on_target_features(job, layer, layers, group, loss_fn, "train_mtp")
     heldout = heldout_agreement(job, layer, layers, group, loss_fn)
