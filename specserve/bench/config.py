@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
 
+from specserve.contract.speculation import block_size_for
 from specserve.errors import SpecserveError
 
 DRAFTERS = ("none", "ngram", "model", "eagle3", "dflash", "mtp")  # the order methods run in
@@ -125,8 +126,8 @@ class BenchConfig:
 
     @property
     def drafter_block_size(self) -> int:
-        # draft-ahead asks for k + 1 tokens (its first token guesses the bonus token)
-        return self.max_k + 1
+        """What the drafters are built for: chains of max_k (draft-ahead asks for one more: contract/speculation)."""
+        return block_size_for(self.max_k)
 
 
 @dataclass(frozen=True)

@@ -48,9 +48,10 @@ def _sync(device: torch.device) -> None:
 class HFBaseline:
     def __init__(self, model_dir: Path, device: str, dtype: torch.dtype, eos_token_ids: Sequence[int], k: int) -> None:
         from transformers import AutoModelForCausalLM
-        from transformers.utils import logging as hf_logging
 
-        hf_logging.set_verbosity_error()  # transformers' own deprecation chatter would break the progress bar
+        from specserve.bench.quiet import silence_library_bars
+
+        silence_library_bars()  # transformers' loading bar and chatter would break the bench's bar
         self.device = torch.device(device)
         self.dtype = dtype
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(self.device).eval()

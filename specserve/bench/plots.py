@@ -107,6 +107,18 @@ def plot_phase_breakdown(methods: dict, path: Path, title: str) -> Path:
 def plot_phase_steps(step_rows: Sequence[dict], path: Path, title: str, max_panels: int = 20) -> Path:
     """Per-step stacked draft / verify / overhead, first prompt of each method (small multiples)."""
     plt = _plt()
+    fig = phase_steps_figure(step_rows, title, max_panels)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def phase_steps_figure(step_rows: Sequence[dict], title: str, max_panels: int = 20):
+    """The figure of plot_phase_steps: whole-number step ticks, and one legend for all panels in a strip of its own
+    under the title (over no panel's bars)."""
+    plt = _plt()
+    from matplotlib.ticker import MaxNLocator
+
     by_method: dict[str, list[dict]] = {}
     for s in step_rows:
         first = by_method.setdefault(s["method"], [])
@@ -115,7 +127,7 @@ def plot_phase_steps(step_rows: Sequence[dict], path: Path, title: str, max_pane
     names = list(by_method)[:max_panels]
     cols = min(3 if len(names) <= 9 else 4, max(1, len(names)))
     rows = max(1, math.ceil(len(names) / cols))
-    fig, axes = plt.subplots(rows, cols, figsize=(4.5 * cols, 2.8 * rows), squeeze=False)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.5 * cols, 2.8 * rows + 0.8), squeeze=False)
     for ax, name in zip(axes.flat, names):
         steps = by_method[name]
         x = [s["step"] for s in steps]
@@ -125,18 +137,21 @@ def plot_phase_steps(step_rows: Sequence[dict], path: Path, title: str, max_pane
             ax.bar(x, vals, bottom=bottom, color=color, width=1.0, label=label)
             bottom = [b + v for b, v in zip(bottom, vals)]
         ax.plot(x, [s["floor_ms"] for s in steps], color="#2f7d32", linewidth=1, label="floor")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
         ax.set_title(f"{name} ({steps[0]['prompt']})", fontsize=9)
         ax.set_xlabel("step", fontsize=8)
         ax.set_ylabel("ms", fontsize=8)
     for ax in list(axes.flat)[len(names):]:
         ax.axis("off")
-    if names:
-        axes.flat[0].legend(fontsize=7)
     fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    legend_h = 0.6 / fig.get_figheight()  # a strip of 0.6 inch under the title holds the legend
+    title_h = 0.45 / fig.get_figheight()
+    if names:
+        handles, labels = axes.flat[0].get_legend_handles_labels()
+        fig.legend(handles, labels, loc="upper center", ncol=len(labels), fontsize=7, frameon=False,
+                   bbox_to_anchor=(0.5, 1.0 - title_h))
+    fig.tight_layout(rect=(0.0, 0.0, 1.0, 1.0 - title_h - legend_h))
+    return fig
 
 
 def plot_projection(projection: dict, path: Path) -> Path:

@@ -66,7 +66,9 @@ class OverheadConfig:
 
     @property
     def drafter_block_size(self) -> int:  # what the served stack gives `specserve draft --max-block-size`
-        return self.k + 1
+        from specserve.contract.speculation import block_size_for
+
+        return block_size_for(self.k)
 
 
 class _TimedProposer:

@@ -21,3 +21,17 @@ def test_a_request_runs_its_k_the_default_capped_at_the_draft_and_more_than_it_d
 def test_a_drafter_for_chains_of_k_drafts_one_more_and_the_contract_default_is_the_one_k():
     assert [block_size_for(k) for k in (0, 1, 4, 8)] == [2, 2, 5, 9]  # draft-ahead's guess of the bonus token
     assert GenerationRequest(prompt_ids=(1,), max_new_tokens=1).num_speculative_tokens == DEFAULT_K
+
+
+def test_the_benchmarks_build_their_drafters_with_block_size_for(monkeypatch, tmp_path):
+    """bench/config.py and bench/serve_overhead.py ask block_size_for (they wrote k + 1 of their own): a changed
+    rule reaches them."""
+    from specserve.bench import config as bench_config
+    from specserve.bench.serve_overhead import OverheadConfig
+    from specserve.contract import speculation
+
+    monkeypatch.setattr(bench_config, "block_size_for", lambda k: 100 + k)
+    monkeypatch.setattr(speculation, "block_size_for", lambda k: 200 + k)
+    cfg = bench_config.BenchConfig(model=tmp_path, out=tmp_path / "out", num_speculative_tokens=3, fixed_ks=(2,))
+    assert cfg.drafter_block_size == 103
+    assert OverheadConfig(model=str(tmp_path), k=4).drafter_block_size == 204
