@@ -62,7 +62,7 @@ from torch import nn
 from specserve.contract.types import DraftBlock
 from specserve.draft_service.dflash_config import DFlashConfig, read_config
 from specserve.draft_service.drafting import draw_tokens, to_target_probs
-from specserve.draft_service.graph_capture import capture_all_or_warn
+from specserve.draft_service.graph_capture import capture_all_or_warn, use_norm_kernel
 from specserve.draft_service.proposer import (
     ROLLBACK_ROWS,
     DrafterConfig,
@@ -316,12 +316,7 @@ class DFlashProposer(Proposer):
         return DFlashBlockGraphs(self.model, window, min(k_max, self.model.cfg.drafts_per_block), self.passes)
 
     def _capture_graphs(self, config: DrafterConfig):
-        from specserve.kernels.norm import HAS_TRITON
-
-        if HAS_TRITON:  # RMSNorm as one Triton launch (kernels/norm.py) instead of ~6 kernels, eager and graphs alike
-            for module in self.model.modules():
-                if isinstance(module, RMSNorm):
-                    module.use_kernel = True
+        use_norm_kernel(self.model)
         graphs = self.build_block_graphs(config.graph_window, config.max_block_size)
         return capture_all_or_warn(graphs, "dflash blocks")
 

@@ -24,6 +24,7 @@ import torch
 from specserve.contract.types import DraftBlock
 from specserve.draft_service.drafting import draw_tokens, to_target_probs
 from specserve.draft_service.eagle3_head import Eagle3Head, load_eagle3_head
+from specserve.draft_service.graph_capture import capture_all_or_warn, use_norm_kernel
 from specserve.draft_service.proposer import (
     ROLLBACK_ROWS,
     DrafterConfig,
@@ -75,13 +76,9 @@ class Eagle3Proposer(Proposer):
         self.dtype = config.dtype
         self.d2t_ids = head.draft_to_target()  # [Vd]
         self.vocab_size = head.cfg.vocab_size
-        self.chain_graphs = None  # greedy chains as CUDA graphs (eagle3_graph.py), on CUDA
+        self.chain_graphs = None  # catch-up and chains as CUDA graphs (eagle3_graph.py), on CUDA
         if self.device.type == "cuda" and config.graph_window > 0:
-            from specserve.draft_service.eagle3_graph import Eagle3ChainGraphs
-
-            self.chain_graphs = Eagle3ChainGraphs(head, self.d2t_ids.to(self.device), config.graph_window,
-                                                  config.max_block_size)
-            self.chain_graphs.capture()
+            self.chain_graphs = self._capture_graphs(config)
         super().__init__(
             DrafterInfo(
                 family="eagle3",
@@ -94,6 +91,18 @@ class Eagle3Proposer(Proposer):
                 supports_tree=True,
             )
         )
+
+    def build_chain_graphs(self, window: int, k_max: int):
+        """The chain graphs' buffers over this drafter's head, not captured yet (eagle3_graph.py; on a CPU their
+        bodies run eagerly: tests check them there)."""
+        from specserve.draft_service.eagle3_graph import Eagle3ChainGraphs
+
+        return Eagle3ChainGraphs(self.head, self.d2t_ids.to(self.device), window, k_max)
+
+    def _capture_graphs(self, config: DrafterConfig):
+        use_norm_kernel(self.head)
+        graphs = self.build_chain_graphs(config.graph_window, config.max_block_size)
+        return capture_all_or_warn(graphs, "eagle3 chains")
 
     def _hidden_width(self) -> int:
         return 3 * self.head.cfg.target_hidden_size
@@ -156,10 +165,12 @@ class Eagle3Proposer(Proposer):
         ctx, base = fs.kv_len, len(state) - 2  # draft position of the pending token
         spec_k, spec_v = fs.k[:ctx], fs.v[:ctx]
         graphs = self.chain_graphs
-        if state.sampling.greedy and graphs is not None and graphs.fits(ctx, num_tokens):
-            if graphs.owner is fs:  # the catch-up left this session's window, ctx and out0 in place
-                return DraftBlock(token_ids=tuple(graphs.draft_from_window(base, num_tokens)))
-            return DraftBlock(token_ids=tuple(graphs.draft(out, spec_k, spec_v, base, num_tokens)))
+        if graphs is not None and graphs.fits(ctx, num_tokens):
+            if graphs.owner is not fs:  # the catch-up ran eagerly: the window takes its result
+                graphs.load(fs, spec_k, spec_v, out)
+            drafted, q = graphs.draft(num_tokens, state.sampling, state.generator)
+            probs = None if q is None else to_target_probs(q, self.vocab_size, self.d2t_ids)
+            return DraftBlock(token_ids=tuple(drafted), probs=probs)
         logits = self.head.logits(out[None])  # [1, Vd]
         positions = torch.arange(base + 1, base + num_tokens, device=self.device)  # [k - 1], made once
         drafted, qs = [], []  # device tensors: the chain is read back once, at the end

@@ -162,13 +162,14 @@ class Eagle3Head(nn.Module):
         past_k: torch.Tensor,  # [P, Hkv, D] keys this step may attend to (masked by `mask`)
         past_v: torch.Tensor,  # [P, Hkv, D]
         mask: torch.Tensor,  # [T, P + T] bool, True = may attend
+        rope: tuple[torch.Tensor, torch.Tensor] | None = None,  # (cos, sin) [T, D / 2] of `positions`, if made already
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # out [T, H], k [T, Hkv, D], v [T, Hkv, D]
         a, t = self.cfg.attention, embeds.shape[0]
         x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(feats)], dim=-1)  # [T, 2H]
         q = self.q_proj(x).view(t, a.num_heads, a.head_dim)
         k = self.k_proj(x).view(t, a.num_kv_heads, a.head_dim)
         v = self.v_proj(x).view(t, a.num_kv_heads, a.head_dim)
-        cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        cos, sin = self.rotary.cos_sin(positions, x.dtype) if rope is None else rope
         q = RotaryEmbedding.apply(q, cos, sin, interleaved=False)
         k = RotaryEmbedding.apply(k, cos, sin, interleaved=False)
         out = attend(q, torch.cat([past_k, k]), torch.cat([past_v, v]), mask, a.head_dim**-0.5)

@@ -1,4 +1,5 @@
-"""Capturing drafter CUDA graphs, shared by the graph drafters (model_graph.py, dflash_graph.py and their drafters)."""
+"""Capturing drafter CUDA graphs, shared by the graph drafters (model_graph.py, eagle3_graph.py, dflash_graph.py and
+their drafters)."""
 
 from __future__ import annotations
 
@@ -36,3 +37,15 @@ def capture_all_or_warn(graphs, what: str):  # graphs: an object with capture();
         warnings.warn(f"{what}: CUDA graphs not captured, run eager: {type(e).__name__}: {e}", RuntimeWarning, stacklevel=4)
         return None
     return graphs
+
+
+def use_norm_kernel(module: torch.nn.Module) -> None:
+    """Every RMSNorm under `module` as one Triton launch (kernels/norm.py) instead of ~8 kernels, eager and graphs
+    alike, where triton is installed (a drafter capturing graphs calls this first)."""
+    from specserve.kernels.norm import HAS_TRITON
+    from specserve.models.layers import RMSNorm
+
+    if HAS_TRITON:
+        for m in module.modules():
+            if isinstance(m, RMSNorm):
+                m.use_kernel = True

@@ -102,7 +102,7 @@ class DrafterConfig:
     hidden_layers: tuple[int, ...] | None = None
     # dflash: passes per drafted block (default: the checkpoint's denoise_steps)
     denoise_steps: int | None = None
-    # on CUDA, drafts as CUDA graphs over a window of this many positions (0 = eager only): eagle3 greedy chains
+    # on CUDA, drafts as CUDA graphs over a window of this many positions (0 = eager only): eagle3 chains
     # (eagle3_graph.py), model chains (model_graph.py), dflash blocks (dflash_graph.py); longer contexts draft eagerly
     graph_window: int = 2048
 

@@ -74,6 +74,23 @@ def rollback_matches_fresh(make, feats, vocab, tree=None, steps=12, k=4, seed=0,
     assert live.active_sessions == 0
 
 
+def check_sessions_take_turns(eager, graphs, feats, vocab: int, steps: int = 4) -> None:
+    """Two sessions take turns on one graph window (each turn must copy its own rows in), greedy: every block of
+    `graphs` equals `eager`'s; each step accepts the first drafted token, then one more."""
+    seqs = {"a": [1, 2, 3, 4, 5, 6, 7], "b": [9, 8, 7, 6, 5]}
+    for p in (eager, graphs):
+        for sid, seq in seqs.items():
+            p.start(sid, seq, feats.rows(seq, 0, len(seq) - 1), SamplingParams())
+    for step in range(steps):
+        for sid, seq in seqs.items():
+            want = eager.propose(sid, len(seq), [], None, 4)
+            assert graphs.propose(sid, len(seq), [], None, 4) == want, f"step {step} session {sid}"
+            grown = seq + [want.token_ids[0], (step * 7 + len(seq)) % vocab]
+            for p in (eager, graphs):
+                p.propose(sid, len(seq), grown[len(seq):], feats.rows(grown, len(seq) - 1, len(grown) - 1), 0)
+            seq[:] = grown
+
+
 def draws_pvalue(draws, q: torch.Tensor) -> float:
     """Chi-square p-value of token draws against q [V] (cells of < 5 expected draws pooled into one)."""
     import numpy as np

@@ -12,7 +12,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from draft_helpers import FakeFeatures, check_graphs_draft_as_eager, check_two_draws_follow_q, rollback_matches_fresh
+from draft_helpers import (
+    FakeFeatures,
+    check_graphs_draft_as_eager,
+    check_sessions_take_turns,
+    check_two_draws_follow_q,
+    rollback_matches_fresh,
+)
 
 from specserve.contract.types import SamplingParams
 from specserve.draft_service.dflash import DFlashConfig, DFlashModel, DFlashProposer, save_dflash
@@ -65,21 +71,8 @@ def test_sampled_graph_blocks_sync_like_fresh_ones(ckpt):
 
 def test_window_rows_follow_the_session_that_drafts(ckpt):
     """Two sessions take turns on one window (each draft must copy its own rows in), greedy, against eager."""
-    feats = FakeFeatures(VOCAB, len(LAYERS) * TH)
-    eager, graphs = proposer(ckpt, graphs=False), proposer(ckpt, graphs=True)
-    seqs = {"a": [1, 2, 3, 4, 5, 6, 7], "b": [9, 8, 7, 6, 5]}
-    for p in (eager, graphs):
-        for sid, seq in seqs.items():
-            p.start(sid, seq, feats.rows(seq, 0, len(seq) - 1), SamplingParams())
-    for step in range(4):
-        for sid, seq in seqs.items():
-            want = eager.propose(sid, len(seq), [], None, 4)
-            assert graphs.propose(sid, len(seq), [], None, 4) == want, f"step {step} session {sid}"
-            nxt = (step * 7 + len(seq)) % VOCAB
-            for p in (eager, graphs):  # the first drafted token accepted, then one more
-                p.propose(sid, len(seq), [want.token_ids[0], nxt], feats.rows(seq + [want.token_ids[0]], len(seq) - 1,
-                                                                                 len(seq) + 1), 0)
-            seq += [want.token_ids[0], nxt]
+    check_sessions_take_turns(proposer(ckpt, graphs=False), proposer(ckpt, graphs=True),
+                              FakeFeatures(VOCAB, len(LAYERS) * TH), VOCAB)
 
 
 def test_a_rollback_recopies_the_window_rows_it_replaced(ckpt):

@@ -1,15 +1,23 @@
-"""EAGLE-3 greedy chains as CUDA graphs (draft_service/eagle3_graph.py) against the eager chain (GPU only).
+"""EAGLE-3 chains as CUDA graphs (draft_service/eagle3_graph.py): catch-up and chain, greedy and sampled.
 
-In float32 both paths compute the same function, so on the shipped demo (target + EAGLE-3 head) every drafted block
-must be the same: the speculative outputs equal target-only greedy, and the per-step acceptance of the graph path
-equals the eager path's step for step.
+On the CPU the graphs' bodies run eagerly over the same static buffers (a fixed window with device-side masks, ctx
+and catch-up tokens staged in one copy, entries written in place): greedy, a session driven through random accept
+patterns and rollbacks drafts what a fresh eager drafter drafts, and two sessions taking turns on one window draft
+what they draft alone; sampled, the blocks (tokens and q) sync like fresh ones reseeded alike, q is the sampling
+transform of the head's logits and the draws follow it (with a negative control). On a GPU (marked gpu): in float32
+the captured graphs draft what the eager chain drafts on the shipped demo and the output equals target-only; a sampled
+chain replayed from its graphs equals the same chain run through the bodies eagerly, seed for seed.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
+from draft_helpers import FakeFeatures, check_sessions_take_turns, check_two_draws_follow_q, rollback_matches_fresh
+from eagle3_helpers import TARGET_H, VOCAB, save_tiny_eagle3
 
+from specserve.contract.types import SamplingParams
+from specserve.draft_service.eagle3 import Eagle3Proposer
 from specserve.draft_service.proposer import DrafterConfig
 from specserve.draft_service.registry import build_proposer
 from specserve.gateway.stats import SpecStats
@@ -69,3 +77,131 @@ def test_static_window_passes_match_the_eager_chain_on_cpu():
         per_step[name] = _acceptance(stats)
     assert per_step["windowed"] == per_step["eager"]
     assert per_step["eager"]["mean_accepted_length"] > 1.0
+
+
+# ---------------------------------------------------------------- CPU: the graphs' bodies on a tiny head
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    _, hdir, tdir = save_tiny_eagle3(tmp_path_factory.mktemp("eagle3_graph"))
+    cfg = DrafterConfig(family="eagle3", checkpoint=hdir, target_checkpoint=tdir, dtype="float64", max_block_size=5)
+    loaded = build_proposer(cfg)
+    return cfg, loaded
+
+
+@pytest.fixture(scope="module")
+def sharp(tiny):
+    """The tiny head with sharpened logits and a stronger attention output: its q_2 depends on drafted token 1 enough
+    for a test to tell two of them apart, and its greedy chains do not repeat one token."""
+    cfg, _ = tiny
+    loaded = build_proposer(cfg)
+    with torch.no_grad():
+        loaded.head.lm_head.weight.mul_(4.0)
+        loaded.head.o_proj.weight.mul_(3.0)
+    return cfg, loaded
+
+
+def _proposer(tiny, graphs: bool, window: int = 64) -> Eagle3Proposer:
+    cfg, loaded = tiny
+    p = Eagle3Proposer(loaded.head, loaded.info.hidden_layers, cfg, loaded.info.vocab_hash)  # own sessions, one head
+    assert p.chain_graphs is None  # CPU: no graphs unless given
+    if graphs:
+        p.chain_graphs = p.build_chain_graphs(window, p.info.max_block_size)
+    return p
+
+
+FEATS = FakeFeatures(VOCAB, 3 * TARGET_H)
+
+
+@pytest.mark.parametrize("live", ["graphs", "eager"])
+def test_graph_bodies_draft_what_the_eager_chain_drafts(tiny, live):
+    """Greedy: a long-lived session on one path drafts, after every random accept / rollback step, the block a fresh
+    session on the other path drafts (catch-up graphs for short catch-ups, the eager one for the prompt)."""
+    made = []
+
+    def make():
+        first = not made
+        made.append(1)
+        return _proposer(tiny, graphs=first == (live == "graphs"))
+
+    rollback_matches_fresh(make, FEATS, VOCAB, steps=14, k=5, sampled=False)
+
+
+def test_sampled_graph_chains_sync_like_fresh_ones(tiny):
+    rollback_matches_fresh(lambda: _proposer(tiny, graphs=True), FEATS, VOCAB, steps=10, k=4, sampled=True)
+
+
+def test_window_follows_the_session_that_drafts(tiny):
+    """Two sessions take turns on one window (each turn copies its entries in), greedy, against eager."""
+    check_sessions_take_turns(_proposer(tiny, graphs=False), _proposer(tiny, graphs=True), FEATS, VOCAB)
+
+
+def test_sampled_graph_q_is_the_sampling_transform_of_the_head_logits(sharp):
+    """q of drafted token 1 equals the eager chain's (same head logits, the target sampler's transform); a sampled
+    request whose q is one-hot (top_k = 1) drafts the greedy chain, so every later q row follows the drafted tokens."""
+    eager, graphs = _proposer(sharp, graphs=False), _proposer(sharp, graphs=True)
+    seq = [10, 20, 30, 40, 2, 8]
+    rows = FEATS.rows(seq, 0, 5)
+    sampling = SamplingParams(temperature=0.7, top_k=5, top_p=0.9, seed=0)
+    blocks = {}
+    for name, p in (("eager", eager), ("graphs", graphs)):
+        p.start("s", seq, rows, sampling)
+        blocks[name] = p.propose("s", 6, [], None, 4)
+        p.start("one", seq, rows, SamplingParams(temperature=1.0, top_k=1, seed=0))
+        p.start("g", seq, rows, SamplingParams())
+        one, greedy = p.propose("one", 6, [], None, 4), p.propose("g", 6, [], None, 4)
+        assert one.token_ids == greedy.token_ids and len(set(greedy.token_ids)) > 1, name
+        assert torch.equal(one.probs, torch.nn.functional.one_hot(torch.tensor(one.token_ids), VOCAB).float())
+    got, want = blocks["graphs"], blocks["eager"]
+    assert got.probs.shape == (4, VOCAB) and got.probs.dtype == torch.float32
+    torch.testing.assert_close(got.probs[0], want.probs[0], atol=1e-6, rtol=1e-5)
+    assert all(got.probs[i, t] > 0 for i, t in enumerate(got.token_ids))
+    torch.testing.assert_close(got.probs.sum(-1), torch.ones(4))
+
+
+def test_sampled_graph_draws_follow_their_q(sharp):
+    """Token 1 follows q_1, token 2 follows the q_2 reported with it, and another token 1's q_2 is rejected."""
+    p = _proposer(sharp, graphs=True, window=8)  # small window: fast
+    seq = [1, 2, 3, 4, 5, 6]
+    check_two_draws_follow_q(p, seq, FEATS.rows(seq, 0, 5), runs=1200)
+
+
+def test_chain_past_the_window_drafts_eagerly(tiny):
+    eager, graphs = _proposer(tiny, graphs=False), _proposer(tiny, graphs=True, window=4)
+    seq = [1, 2, 3, 4, 5, 6, 7]  # 6 confirmed entries > the window's 4
+    assert not graphs.chain_graphs.fits(6, 4) and graphs.chain_graphs.fits(4, 4)
+    for p in (eager, graphs):
+        p.start("s", seq, FEATS.rows(seq, 0, 6), SamplingParams())
+    assert graphs.propose("s", 7, [], None, 4) == eager.propose("s", 7, [], None, 4)
+
+
+# ---------------------------------------------------------------- GPU: captured graphs
+def _demo_proposer(window: int):
+    return build_proposer(DrafterConfig("eagle3", checkpoint=demo_checkpoint("eagle3"),
+                                        target_checkpoint=demo_checkpoint("target"), device="cuda", dtype="float32",
+                                        max_block_size=4, graph_window=window))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_captured_sampled_chain_equals_its_bodies_run_eagerly():
+    """The same sessions (same seeds, same syncs and rollbacks) through replays and through the bodies: tokens equal,
+    q close; every graph captured."""
+    replayed, eager_bodies = _demo_proposer(1024), _demo_proposer(1024)
+    assert replayed.chain_graphs.capture_errors == {}
+    assert replayed.chain_graphs.captured == 4 * 2 + 5  # chains k = 1..4 greedy and sampled, catch-ups 1..5
+    eager_bodies.chain_graphs._graphs.clear()  # the bodies then run eagerly over the same buffers
+    width = 3 * replayed.head.cfg.target_hidden_size
+    feats = torch.randn(64, width, generator=torch.Generator().manual_seed(0))
+    seq = list(range(20, 60))
+    sampling = SamplingParams(temperature=0.8, top_p=0.95, top_k=50, seed=3)
+    blocks = {}
+    for name, p in (("replayed", replayed), ("eager", eager_bodies)):
+        p.start("s", seq, feats[: len(seq) - 1], sampling)
+        got = [p.propose("s", len(seq), [], None, 4)]  # the prompt's catch-up runs eagerly
+        got.append(p.propose("s", len(seq), [7], feats[len(seq) - 1 : len(seq)], 3))  # a catch-up graph of 1
+        got.append(p.propose("s", len(seq) - 1, [9, 11], feats[len(seq) - 2 : len(seq)], 4))  # a rollback
+        got.append(p.propose("s", len(seq) + 1, [13, 15, 17], feats[len(seq) : len(seq) + 3], 4))  # catch-up of 3
+        blocks[name] = got
+    for a, b in zip(blocks["replayed"], blocks["eager"]):
+        assert a.token_ids == b.token_ids
+        torch.testing.assert_close(a.probs, b.probs, atol=1e-5, rtol=1e-4)

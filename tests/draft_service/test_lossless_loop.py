@@ -15,7 +15,7 @@
 - the published layouts (z-lab's DFlash, DeepSeek-V3's MTP layer, on a tiny DeepSeek-V3 target that
   carries one): greedy equality for k = 1..4 and both sampled tests (test_dflash_zlab.py and
   test_mtp.py check their draws against their q, with a control that the check can fail).
-- the CUDA-graph drafters (model_graph.py, dflash_graph.py): `*_graphs` names run the graphs' bodies eagerly on the
+- the CUDA-graph drafters (model_graph.py, eagle3_graph.py, dflash_graph.py): `*_graphs` names run the graphs' bodies eagerly on the
   CPU; `*_cuda` names (marked gpu, skipped without CUDA) run the drafter on the GPU with its captured graphs against
   the CPU target. Both go through the greedy-equality and both sampled tests.
 """
@@ -124,17 +124,17 @@ def _world(tiny_ckpt, tmp_path_factory, kind):
     return engine, configs, target
 
 
-GRAPH_DRAFTERS = ("model", "dflash", "dflash_denoise")
+GRAPH_DRAFTERS = ("model", "eagle3", "dflash", "dflash_denoise")
 GPU = (pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"))
 
 
 def make_proposer(configs, name):
     """build_proposer; a `NAME_graphs` name: drafter NAME drafting through its CUDA graphs' bodies, run eagerly on the
-    CPU (model_graph.py / dflash_graph.py)."""
+    CPU (model_graph.py / eagle3_graph.py / dflash_graph.py)."""
     if not name.endswith("_graphs"):
         return build_proposer(configs[name])
     proposer = build_proposer(configs[name.removesuffix("_graphs")])
-    if proposer.info.family == "model":
+    if proposer.info.family in ("model", "eagle3"):
         proposer.chain_graphs = proposer.build_chain_graphs(1024, proposer.info.max_block_size)
     else:
         proposer.block_graphs = proposer.build_block_graphs(1024, proposer.info.max_block_size)
