@@ -67,6 +67,7 @@ from specserve.models.config import ModelConfig, ParallelConfig
 from specserve.models.kv_cache import PagedKVCache
 from specserve.models.layers import Embedding, ParallelLMHead, ReplicatedLinear, RMSNorm
 from specserve.models.moe import StackedExperts, moe_reference
+from specserve.models.scaled_demo import is_scaled_demo
 
 _OWN = ("embed_tokens", "enorm", "hnorm", "eh_proj", "shared_head")  # layer N's tensors outside the block
 _TARGET_NORM = "model.norm.weight"
@@ -108,17 +109,19 @@ def read_mtp_spec(target_dir: str | Path) -> MTPSpec:
 
 class MTPLayer(nn.Module):
     """Layer N's modules; parameter names are its checkpoint names less the ``model.layers.N.`` prefix
-    (the block's under ``block.``), plus ``target_norm`` = the target's final norm."""
+    (the block's under ``block.``), plus ``target_norm`` = the target's final norm (its eps the target's: ``target_eps``,
+    the layer's own by default). Logits at or past ``cfg.logits_vocab_limit`` are -inf (a padded vocabulary)."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, target_eps: float | None = None) -> None:
         super().__init__()
         h, v, eps, parallel = cfg.hidden_size, cfg.vocab_size, cfg.rms_norm_eps, ParallelConfig()
+        self.config, self.vocab_limit = cfg, cfg.logits_vocab_limit
         self.embed_tokens = Embedding(v, h)
         self.enorm, self.hnorm = RMSNorm(h, eps), RMSNorm(h, eps)
         self.eh_proj = ReplicatedLinear(2 * h, h)
         self.block = DecoderLayer(cfg, 0, parallel, moe_reference)
         self.shared_head = nn.ModuleDict({"norm": RMSNorm(h, eps), "head": ParallelLMHead(h, v, parallel)})
-        self.target_norm = RMSNorm(h, eps)
+        self.target_norm = RMSNorm(h, eps if target_eps is None else target_eps)
 
     def step(
         self,
@@ -132,7 +135,10 @@ class MTPLayer(nn.Module):
         return self.block(x, positions, attn, cache)[0]
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, V] float32
-        return self.shared_head["head"](self.shared_head["norm"](h))
+        logits = self.shared_head["head"](self.shared_head["norm"](h))
+        if self.vocab_limit is not None and self.vocab_limit < logits.shape[-1]:
+            logits[:, self.vocab_limit:] = float("-inf")  # in place: graph-safe
+        return logits
 
 
 def _param_for(name: str, spec: MTPSpec) -> weight_names.Target | None:
@@ -336,13 +342,22 @@ class MTPProposer(Proposer):
 
 def build_mtp_proposer(config: DrafterConfig) -> MTPProposer:
     """Registry factory: the MTP layer of ``config.target_checkpoint``, or of ``config.checkpoint`` (a folder
-    holding only that layer, e.g. the shipped demo's ``mtp/``) read beside that target."""
+    holding only that layer, e.g. the shipped demo's ``mtp/``) read beside that target; with a demo@ target, that
+    folder's demo-size layer built at the target's size (draft_service/scaled_mtp.py)."""
     target = config.target_checkpoint
     if target is None:
         raise DrafterConfigError("mtp reads the multi-token-prediction layer of the target: give the target checkpoint")
     if config.hidden_layers is not None:
         raise DrafterConfigError("mtp reads the target's last layer (through its final norm); hidden_layers cannot be set")
     folder = config.checkpoint
+    if is_scaled_demo(target):  # the demo's MTP layer at the demo@ target's size (scaled_mtp.py)
+        from specserve.draft_service.proposer import target_name, target_vocab
+        from specserve.draft_service.scaled_mtp import scaled_mtp_layer
+
+        if folder is None:
+            raise DrafterConfigError(f"mtp with {target} scales the demo's MTP layer: give its folder (demo_model/mtp)")
+        layer, spec = scaled_mtp_layer(folder, target_name(target), config.device, config.dtype)
+        return MTPProposer(layer, spec, config, target_vocab(target).hash)
     if folder is not None and Path(folder).resolve() == Path(target).resolve():
         folder = None  # the target's own layer
     if folder is not None and not (Path(folder) / "config.json").is_file():

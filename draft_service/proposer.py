@@ -87,7 +87,7 @@ class DrafterConfig:
     family: str
     checkpoint: Path | None = None  # the drafter's own checkpoint dir (model / eagle3 / dflash)
     # the target: its checkpoint dir (vocab check, eagle3 embeddings, layers) or a model name; a demo@ name
-    # (models/model_names.py) has eagle3 / model / dflash build the demo-size checkpoint scaled to it
+    # (models/model_names.py) has eagle3 / model / dflash / mtp build the demo-size checkpoint scaled to it
     target_checkpoint: Path | None = None
     device: str = "cpu"
     dtype: torch.dtype | str = torch.float32

@@ -10,7 +10,7 @@ from specserve.contract.speculation import DEFAULT_K, DEFAULT_MAX_BLOCK_SIZE, bl
 from specserve.errors import SpecserveError
 
 NO_DRAFT_FOLDER = ("ngram", "mtp")  # families that need no --draft-model (mtp reads the target's own layer, or the
-# shipped demo's mtp/ beside the demo target)
+# shipped demo's mtp/ beside the demo target, scaled to a demo@ one)
 
 MODEL_HELP = ("target checkpoint folder, or demo@NAME[:LAYERS] (the shipped demo in a published model's shape: "
               "moonlight-16b-a3b, kimi-k2.6, small-moonlight, small-kimi-k2.6), or synthetic:NAME[:LAYERS] "
@@ -250,8 +250,8 @@ def drafter_config_from_args(args: argparse.Namespace, target_checkpoint: Path):
     demo_drafters = args.model is None or model_name(args.model).ships_demo_drafters
     if checkpoint is None and args.draft not in NO_DRAFT_FOLDER and demo_drafters:
         checkpoint = demo_checkpoint(args.draft)
-    if checkpoint is None and args.draft in NO_DRAFT_FOLDER and args.model is None:
-        checkpoint = shipped_drafter(args.draft)  # the demo's mtp/ beside the demo target (not scaled to demo@ ones)
+    if checkpoint is None and args.draft in NO_DRAFT_FOLDER and demo_drafters:
+        checkpoint = shipped_drafter(args.draft)  # the demo's mtp/ beside the demo target, or scaled to a demo@ one
     if checkpoint is None and args.draft not in NO_DRAFT_FOLDER:
         raise SpecserveError(f"--draft {args.draft} needs --draft-model DIR")
     return DrafterConfig(

@@ -7,7 +7,7 @@ A name is one of
 - `demo@NAME[:LAYERS]` (models/scaled_demo.py): the shipped demo target embedded in a published shape. Its config
   is the wide one (`scaled_config`), its tokenizer the demo's, its wire vocabulary the wide one (163840 for the
   published shapes) of which only the demo's ids can be emitted (`logits_vocab_limit`); the shipped demo drafters
-  fit it (scaled to its shape where they read it: EAGLE-3, DFlash);
+  fit it (scaled to its shape: EAGLE-3, the draft LM, DFlash, MTP);
 - `synthetic:NAME[:LAYERS]` (models/presets.py): random weights, no tokenizer, a size-only vocabulary.
 
 Services and the CLI ask `resolve_model(name)`; nothing else parses the prefixes for these questions.

@@ -186,15 +186,23 @@ def quantized_demo(demo: CausalLM, wide: ModelConfig) -> CausalLM:
     """The demo itself with its routed experts replaced, in place, by the int4 round trip the wide int4 model holds:
     gate / up as they are, down quantized as the wide model stores it (times demo rsf / wide rsf) and divided back.
     This is the reference a wide int4 model reproduces."""
-    group = wide.quantization.group_size
-    down = demo.config.moe.routed_scaling_factor / wide.moe.routed_scaling_factor
     for layer in demo.model.layers:
-        if layer.is_moe:
-            ex = layer.mlp.experts
-            for e in range(ex.w13.shape[0]):
-                ex.w13.data[e] = int4_roundtrip(ex.w13.data[e], group).to(ex.w13.dtype)
-                ex.w2.data[e] = (int4_roundtrip(ex.w2.data[e].float() * down, group) / down).to(ex.w2.dtype)
+        quantize_layer_experts_(layer, demo.config, wide)
     return demo
+
+
+@torch.no_grad()
+def quantize_layer_experts_(layer, demo: ModelConfig, wide: ModelConfig) -> None:
+    """One demo decoder layer's routed experts replaced, in place, by the int4 round trip (`quantized_demo`); a dense
+    layer is left as it is."""
+    if not layer.is_moe:
+        return
+    group = wide.quantization.group_size
+    down = demo.moe.routed_scaling_factor / wide.moe.routed_scaling_factor
+    ex = layer.mlp.experts
+    for e in range(ex.w13.shape[0]):
+        ex.w13.data[e] = int4_roundtrip(ex.w13.data[e], group).to(ex.w13.dtype)
+        ex.w2.data[e] = (int4_roundtrip(ex.w2.data[e].float() * down, group) / down).to(ex.w2.dtype)
 
 
 # ---------------------------------------------------------------- building
@@ -229,13 +237,22 @@ def build_scaled_demo(
     return model.eval(), config
 
 
+@torch.no_grad()
+def embed_decoder_layer(wide_layer, demo_layer, demo: ModelConfig, wide: ModelConfig, channel: float) -> None:
+    """One demo decoder layer written into a wide one of `wide`'s shape (module docstring: norms, attention, MoE routing
+    with the null-expert group), for a residual stream whose dim H_demo holds `channel` (or any positive value that
+    scales with it: the null experts' routers read channel dim / channel after the post-attention norm)."""
+    _Embedder(None, demo, None, wide, channel)._layer(wide_layer, demo_layer)
+
+
 class _Embedder:
     """Writes the demo's weights into the wide model (module docstring); one method per part."""
 
-    def __init__(self, demo: CausalLM, dc: ModelConfig, wide: CausalLM, wc: ModelConfig) -> None:
+    def __init__(self, demo: CausalLM | None, dc: ModelConfig, wide: CausalLM | None, wc: ModelConfig,
+                 channel: float | None = None) -> None:
         self.demo, self.dc, self.wide, self.wc = demo, dc, wide, wc
         self.hd, self.hw = dc.hidden_size, wc.hidden_size
-        self.kappa = constant_channel(dc, wc.hidden_size)[0]
+        self.kappa = constant_channel(dc, wc.hidden_size)[0] if channel is None else channel
         self.norm_scale = math.sqrt(self.hd / self.hw)
 
     def run(self) -> None:

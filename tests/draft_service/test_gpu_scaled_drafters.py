@@ -1,8 +1,9 @@
 """The shipped demo drafters scaled to the demo at real size (draft_service/scaled_drafters.py), on the GPU in float32
 (skipped without CUDA): at full size each scaled drafter proposes the demo-size drafter's blocks (chains and trees)
 at every step, its function is the demo-size one's padded, and greedy speculation through it gives target-only's
-tokens; Moonlight's shape, and K2.6's width (there the reference is the int4-quantized demo, as the target is). Sampled
-speculation through each (Moonlight) emits the demo's exact law, with a negative control."""
+tokens (the MTP layer too: draft_service/scaled_mtp.py); Moonlight's shape, and K2.6's width (there the reference is
+the int4-quantized demo, as the target is). Sampled speculation through each (Moonlight) emits the demo's exact law,
+with a negative control."""
 
 from __future__ import annotations
 
@@ -79,7 +80,31 @@ def test_full_size_scaled_drafter_proposes_the_demo_size_blocks_and_is_lossless(
         torch.cuda.empty_cache()
 
 
-@pytest.mark.parametrize("family", ["eagle3", "model", "dflash"])
+def test_full_size_scaled_mtp_proposes_the_demo_size_chains_and_is_lossless(engines):
+    """The demo's MTP layer at the target's size (draft_service/scaled_mtp.py): its first drafted token's law the
+    demo-size layer's, every chain equal and greedy speculation target-only's (K2.6 width: against the int4-quantized
+    demo-size layer, as the target is against the int4-quantized demo)."""
+    from specserve.models.scaled_demo import quantize_layer_experts_
+
+    spec, pair = engines
+    drafters = _drafters("mtp", spec)
+    demo = drafters[0]
+    if pair[1].model.config.quantization is not None:
+        quantize_layer_experts_(demo.layer.block, demo.spec.block, drafters[1].spec.block)
+    try:
+        for prompt in demo_prompts():
+            demo_q, wide_q = (first_draft_q(e, p, prompt) for e, p in zip(pair, drafters))
+            torch.testing.assert_close(wide_q[: demo_q.shape[0]], demo_q, rtol=0, atol=1e-4)
+            assert (wide_q[demo_q.shape[0]:] == 0).all()
+            emitted = lockstep(pair, drafters, prompt, 4, NEW_TOKENS)
+            assert emitted == pair[1].generate_greedy(prompt, NEW_TOKENS)
+    finally:
+        del drafters, demo
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+@pytest.mark.parametrize("family", ["eagle3", "model", "dflash", "mtp"])
 def test_full_size_scaled_drafter_sampled_first_verified_token_follows_the_demo(engines, family):
     """The first token a verify of the scaled drafter's sampled block emits, over many seeds, against the demo's
     exact law of that token (the scaled drafters report their q: verified with it); negative control: the law of
