@@ -20,6 +20,7 @@ import grpc
 import httpx
 import openai
 import pytest
+import torch
 from prometheus_client.parser import text_string_to_metric_families
 from service_helpers import REPO, Proc, base_env
 
@@ -335,6 +336,71 @@ def test_echo_scores_the_prompt_as_evaluation_harnesses_ask(served):
     text_echo = served.client.completions.create(model=served.model, prompt=PROMPT, max_tokens=3, temperature=0,
                                                  echo=True)
     assert text_echo.choices[0].text == PROMPT + gen.choices[0].text[: len(text_echo.choices[0].text) - len(PROMPT)]
+
+
+LM_EVAL_MC = [  # (context, choices, gold): Python the demo was trained on; contexts end in no whitespace
+    ("def add(a, b):\n    return a", [" + b", " * b", " - b"], 0),
+    ("import os\nimport", [" sys", " 12", " ("], 0),
+    ("class Stack:\n    def __init__(self):\n        self.items =", [" []", " def", " ::"], 0),
+]
+LM_EVAL_GEN = ["def fib(n):\n", "import os\n"]
+
+
+def _lm_eval_tasks(root) -> None:
+    """A multiple-choice (loglikelihood) and a generate_until task over local JSON lines (nothing downloaded)."""
+    (root / "mc.jsonl").write_text("".join(json.dumps({"q": q, "choices": c, "gold": g}) + "\n"
+                                           for q, c, g in LM_EVAL_MC))
+    (root / "gen.jsonl").write_text("".join(json.dumps({"q": q, "a": ""}) + "\n" for q in LM_EVAL_GEN))
+    common = "dataset_path: json\ntest_split: test\ndoc_to_text: \"{{q}}\"\n"
+    (root / "specserve_mc.yaml").write_text(
+        f"task: specserve_mc\n{common}dataset_kwargs:\n  data_files:\n    test: {root / 'mc.jsonl'}\n"
+        "output_type: multiple_choice\ntarget_delimiter: \"\"\ndoc_to_choice: \"{{choices}}\"\n"
+        "doc_to_target: \"{{gold}}\"\nmetric_list:\n  - metric: acc\n")
+    (root / "specserve_gen.yaml").write_text(
+        f"task: specserve_gen\n{common}dataset_kwargs:\n  data_files:\n    test: {root / 'gen.jsonl'}\n"
+        "output_type: generate_until\ndoc_to_target: \"{{a}}\"\ngeneration_kwargs:\n  until: [\"\\n\\n\"]\n"
+        "  max_gen_toks: 16\n  do_sample: false\nmetric_list:\n  - metric: exact_match\n")
+
+
+def test_lm_evaluation_harness_scores_and_generates_through_serve(served, chat_model_dir, tmp_path, monkeypatch):
+    """lm-evaluation-harness's own `local-completions` model against `serve`: each loglikelihood it gets is the
+    demo's (transformers, float32) for that continuation, its is-greedy flags are transformers' argmax, and its
+    greedy generations are the gateway's own completions for the same prompt and stop string."""
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    _lm_eval_tasks(tmp_path)
+    monkeypatch.setenv("OPENAI_API_KEY", TOKEN)  # local-completions sends it as the bearer token
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    out = lm_eval.simple_evaluate(
+        model="local-completions",
+        model_args={"model": served.model, "base_url": f"{served.url}/v1/completions", "tokenizer_backend": "huggingface",
+                    "tokenizer": str(chat_model_dir), "num_concurrent": 1, "max_retries": 1},
+        tasks=["specserve_mc", "specserve_gen"], task_manager=TaskManager(include_path=str(tmp_path)),
+        log_samples=True)
+    tok = AutoTokenizer.from_pretrained(chat_model_dir)
+    hf = AutoModelForCausalLM.from_pretrained(chat_model_dir, dtype=torch.float32, experts_implementation="eager").eval()
+    scored = 0
+    for sample in out["samples"]["specserve_mc"]:
+        for (context, continuation), ((ll, greedy),) in zip(sample["arguments"], sample["resps"], strict=True):
+            ctx = tok(context, add_special_tokens=False).input_ids
+            whole = tok(context + continuation, add_special_tokens=False).input_ids
+            with torch.no_grad():
+                logp = torch.log_softmax(hf(torch.tensor([whole])).logits[0].double(), -1)
+            rows = logp[len(ctx) - 1 : len(whole) - 1]  # row i scores token whole[i + 1]
+            cont = torch.tensor(whole[len(ctx):])
+            assert ll == pytest.approx(float(rows.gather(1, cont[:, None]).sum()), abs=1e-4)
+            assert greedy == bool((rows.argmax(-1) == cont).all())
+            scored += 1
+    assert scored == sum(len(c) for _, c, _ in LM_EVAL_MC)
+    assert out["results"]["specserve_mc"]["acc,none"] >= 0  # the harness aggregated it
+    for sample in out["samples"]["specserve_gen"]:
+        (prompt, _), ((text,),) = sample["arguments"][0], sample["resps"]
+        want = served.client.completions.create(model=served.model, prompt=prompt, max_tokens=16, temperature=0,
+                                                stop=["\n\n"])
+        assert text == want.choices[0].text
 
 
 def test_n_choices_and_lists_of_prompts(served):
