@@ -27,10 +27,10 @@ from specserve.bench.config import CHECKPOINT_FREE, BenchConfig, MethodSpec, Ski
 from specserve.bench.environment import environment, load_average
 from specserve.bench.model_bytes import model_bytes
 from specserve.bench.prompts import load_prompt_set
+from specserve.bench.result import make_summary, write_summary
 from specserve.bench.summary import summarize_method
 from specserve.errors import SpecserveError
 
-SCHEMA_VERSION = 1
 WARMUP_TOKENS = 16
 # what a drafter or baseline may raise while being built: recorded as "skipped", never fatal
 BUILD_ERRORS = (SpecserveError, ImportError, ValueError, OSError, NotImplementedError, RuntimeError, KeyError)
@@ -169,6 +169,7 @@ def run_bench(config: BenchConfig, progress: bool = True) -> dict:
     prompts = [(p.id, tuple(tokenizer.encode(p.text).ids)) for p in prompt_set.prompts]
     env = environment(config.device)
     bandwidth = measure_copy_bandwidth(config.device, config.copy_bytes)
+    env["bandwidth"] = bandwidth.as_dict()
     engine = build_engine(EngineConfig(model=Path(config.model), device=config.device, dtype=config.dtype,
                                        num_kv_blocks=config.num_kv_blocks, kv_block_size=config.kv_block_size))
     mb = _model_bytes(engine)
@@ -221,14 +222,9 @@ def run_bench(config: BenchConfig, progress: bool = True) -> dict:
     projection = _projection(config, b.methods, b.all_steps)
     from specserve.bench.cost_fit import cost_model_error
 
-    summary = {
-        "schema_version": SCHEMA_VERSION,
-        "command": " ".join(sys.argv),
-        "config": _config_dict(config),
+    summary = make_summary("e2e", config, env, {
         "prompt_set": {"name": prompt_set.name, "sha256": prompt_set.sha256,
                        "prompts": [{"id": pid, "tokens": len(ids)} for pid, ids in prompts]},
-        "environment": env,
-        "copy_bandwidth": bandwidth.as_dict(),
         "engine": engine_description(engine),
         "model_bytes": mb.as_dict(),
         "methods": b.methods,
@@ -240,10 +236,10 @@ def run_bench(config: BenchConfig, progress: bool = True) -> dict:
         "projection": projection,
         "cost_model": cost_model_error(b.all_steps),
         "wall_s": round(time.perf_counter() - started, 3),
-    }
+    })
     if config.plots:
         summary["plots"] = _plots(b, summary, env)
-    (b.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    write_summary(b.out, summary)
     return summary
 
 
@@ -364,20 +360,6 @@ def _projection(config: BenchConfig, methods: dict, steps: list[dict] = ()) -> d
     timings = load_shape_timings(config.projection_timings, config.projection_model, config.projection_context)
     out = project_run(timings, methods, steps)
     out["included"] = True
-    return out
-
-
-def _config_dict(config: BenchConfig) -> dict:
-    out = {}
-    for name in config.__dataclass_fields__:
-        value = getattr(config, name)
-        if isinstance(value, Path):
-            value = str(value)
-        elif hasattr(value, "items"):
-            value = {k: str(v) for k, v in value.items()}
-        elif isinstance(value, tuple):
-            value = list(value)
-        out[name] = value
     return out
 
 

@@ -96,7 +96,9 @@ def source_sha256(folders: list[Path]) -> str:
     return digest.hexdigest()
 
 
-def environment(device: str) -> dict:
+def environment(device: str, bandwidth: dict | None = None) -> dict:
+    """The run's machine and code; `bandwidth` the copy bandwidth it measured (bandwidth.CopyBandwidth.as_dict), if
+    any."""
     env = {
         "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "python": platform.python_version(),
@@ -105,11 +107,12 @@ def environment(device: str) -> dict:
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "load_average_at_start": load_average(),
-        "versions": {p: _version(p) for p in PACKAGES},
+        "versions": {**{p: _version(p) for p in PACKAGES}, "cuda": torch.version.cuda},
         "specserve": {"version": _version("specserve") or UNKNOWN, "source_sha256": source_sha256(source_folders())},
         "git": git_state(),
         "device": device,
         "gpu": None,
+        "bandwidth": bandwidth,
     }
     if torch.device(device).type == "cuda" and torch.cuda.is_available():
         idx = torch.device(device).index or 0

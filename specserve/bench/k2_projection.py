@@ -1,38 +1,35 @@
 """A labelled projection of Kimi-K2.6 on 4 GPUs (tensor parallel 4, routed experts expert-parallel), next to the
 published record. It is arithmetic on measurements, not a measurement of the model.
 
-    python -m specserve.bench.k2_projection --shard-step step_bench.json --acceptance SUMMARY.json
-                                            [--allreduce allreduce.json] [--context 10240] [--model NAME]
-                                            [--out DIR]
+    specserve bench project --step STEP/summary.json --acceptance E2E/summary.json
+                            [--allreduce allreduce.json] [--context 10240] [--model NAME] [--out DIR]
 
 Inputs:
-  --shard-step  the step_bench.json of ``python -m specserve.bench.step_bench --shard 0/4`` with one preset at two or
-                more layer counts (e.g. ``--models kimi-k2-layer-int4:1,kimi-k2-layer-int4:4``): one rank's shard
-                of a Kimi-K2-width layer (INT4 routed experts, 96 of 384 here; MLA heads, shared expert and lm_head
-                split 4 ways), its collectives skipped. For each k, the full step time (``graph_ms``: metadata, plan,
+  --step        the summary.json of ``specserve bench step --shard 0/4`` (or an older step_bench.json) with one model
+                at two or more layer counts (e.g. ``--model demo@kimi-k2.6:6,demo@kimi-k2.6:12``, or the synthetic
+                ``kimi-k2-layer-int4:1,kimi-k2-layer-int4:4``): one rank's shard of a Kimi-K2-width model (INT4
+                routed experts, 96 of 384 here; MLA heads, shared expert and lm_head split 4 ways), its collectives
+                skipped. For each k, the full step time (``graph_ms``: metadata, plan,
                 forward, logits) is fitted as fixed + per_layer x layers (least squares over the layer counts): the
                 fixed part holds the embedding rows, final norm, the lm head shard (ceil(163840 / 4) x 7168 bf16) and
                 the host's work; per_layer is one decoder layer of the shard.
   --allreduce   the allreduce.json of ``python -m specserve.bench.allreduce_bench --world-size 4``: per-call
                 all_reduce of [T, 7168] bf16 (T = k + 1; linear between measured T) and the logits all_gather.
                 Without it, PUBLISHED_ALLREDUCE below (a stated figure with its source) is used for every T.
-  --acceptance  the summary.json of a ``specserve bench`` run: each drafter's per-position conditional
+  --acceptance  the summary.json of a ``specserve bench e2e`` run: each drafter's per-position conditional
                 acceptance (its fixed-k, no-draft-ahead method with the largest k), and its steps.jsonl when beside it.
 
 Projected step(k) = fixed(k) + LAYERS x per_layer(k) + LAYERS x ALLREDUCES_PER_LAYER x all_reduce(k + 1)
                     + logits all_gather(k + 1) (when measured).
 Tokens/s per drafter and k come from specserve.bench.projection.project (E[emitted | k] / step(k)), and every
 method of the acceptance run is replayed step by step (projection.project_steps) when its steps.jsonl is there.
-Every printed line starts with "projection", and every key of the JSON (k2_projection.json in --out) with
+Every printed line starts with "projection", and every key of the results (in --out's summary.json) with
 "projection".
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
-import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -50,7 +47,7 @@ ALLREDUCES_PER_LAYER = 2  # attention o_proj, then routed + shared experts (one 
 TP_SIZE = 4
 HIDDEN = 7168
 VOCAB = 163840
-PREFERRED_MODEL = "kimi-k2-layer-int4"
+PREFERRED_MODELS = ("demo@kimi-k2.6", "kimi-k2-layer-int4")  # the shard model chosen when the report has several
 
 # The record this project measures itself against (published; not measured here).
 RECORD = {
@@ -74,11 +71,21 @@ PUBLISHED_ALLREDUCE = {
                "every T (a [16, 7168] bf16 tensor is 224 KiB). A stand-in until allreduce_bench runs on the host.",
 }
 
-NOTES = (
+SYNTHETIC_NOTES = (
     "PROJECTION, not a measurement: one rank's shard of a Kimi-K2-width layer measured on one GPU with synthetic "
     "random weights, scaled to the model's layers, plus collectives timed apart from it.",
     "Random weights route tokens to experts unlike the real model's router does; the shard counts the experts its "
     "tokens chose among its own 96.",
+)
+DEMO_NOTES = (
+    "PROJECTION, not a measurement: one rank's shard of the shipped demo embedded in the Kimi-K2.6 width "
+    "(demo@kimi-k2.6, models/scaled_demo.py) measured on one GPU, scaled to the model's layers, plus collectives "
+    "timed apart from it.",
+    "The demo's layers route as the demo does (its experts and the null experts); the other layers are random "
+    "layers that add nothing and route over random weights; the per-layer fit over layer counts prices mostly "
+    "those. Without the collectives the shard's hidden states are its partial sums, so later layers route on them.",
+)
+NOTES = (
     "The model's expert parallelism gives other ranks' choices weight 0 on local expert 0 (step_bench "
     "experts_computed), so the shard reads that expert too; the real rank 0 would do the same under this code.",
     "Every layer is priced as the measured MoE layer; Kimi-K2.6's layer 0 has a dense MLP instead.",
@@ -113,6 +120,11 @@ def _base_name(spec: str) -> str:
     return spec.partition(":")[0]
 
 
+def notes_for(model: str) -> tuple[str, ...]:
+    """The projection's caveats for a shard of `model` (a demo@ name or a synthetic preset)."""
+    return (DEMO_NOTES if model.startswith("demo@") else SYNTHETIC_NOTES) + NOTES
+
+
 def shard_fit(report: Mapping, model: str | None = None, context: int | None = None) -> dict:
     """Fit fixed(k) + per_layer(k) x layers over the shard results of one preset at one base context.
 
@@ -124,7 +136,7 @@ def shard_fit(report: Mapping, model: str | None = None, context: int | None = N
         raise _fail("the step_bench report holds no shard rows: run step_bench with --shard 0/4")
     names = sorted({_base_name(r["model"]) for r in shards})
     if model is None:
-        model = PREFERRED_MODEL if PREFERRED_MODEL in names else names[0]
+        model = next((m for m in PREFERRED_MODELS if m in names), names[0])
     chosen = [r for r in shards if _base_name(r["model"]) == model]
     if not chosen:
         raise _fail(f"the step_bench report has no shard rows of {model!r}; it has {names}")
@@ -173,7 +185,7 @@ def shard_fit(report: Mapping, model: str | None = None, context: int | None = N
         raise _fail(f"the shard rows of {model} have no decode (k = 0) step at context {context}")
     first = next(iter(by_layers.values()))
     return {"model": model, "context": context, "shard": dict(first["shard"]), "layer_counts": sorted(by_layers),
-            "device": str(report.get("device_name", "")), "lm_head_bytes": first.get("lm_head_bytes"),
+            "device": str(report.get("device_name") or ""), "lm_head_bytes": first.get("lm_head_bytes"),
             "bandwidth_bytes_per_s": (report.get("bandwidth") or {}).get("bytes_per_s"), "by_k": by_k}
 
 
@@ -255,7 +267,7 @@ def build(shard_report: Mapping, allreduce_report: Mapping | None, methods: Mapp
         raise _fail("no collective time for T = 1: the allreduce report must measure --tokens 1")
     timings = ShapeTimings(
         shape=f"Kimi-K2.6 ({LAYERS} layers) on {fit['shard']['size']} GPUs, projected from {fit['model']} shard "
-              f"{fit['shard']['rank']}/{fit['shard']['size']} (synthetic weights), context {fit['context']}",
+              f"{fit['shard']['rank']}/{fit['shard']['size']}, context {fit['context']}",
         source="specserve.bench.k2_projection: fixed + layers x per-layer shard step + collectives",
         device=fit["device"],
         verify_ms_by_k={k: v["step_ms"] for k, v in step_ms.items()},
@@ -279,7 +291,7 @@ def build(shard_report: Mapping, allreduce_report: Mapping | None, methods: Mapp
             record_vs[f"k{k}_tokens_{k + 1}"] = {"projection_step_ms": step_ms[k]["step_ms"], "record": RECORD[key]}
     out = {
         "projection_label": "PROJECTION, not a measurement",
-        "projection_notes": list(NOTES) + ([collectives.caveats] if collectives.caveats else []) + dropped,
+        "projection_notes": list(notes_for(fit["model"])) + ([collectives.caveats] if collectives.caveats else []) + dropped,
         "projection_inputs": {
             "shard_model": fit["model"], "shard": fit["shard"], "layer_counts": fit["layer_counts"],
             "context": fit["context"], "device": fit["device"], "step_time": "step_bench graph_ms",
@@ -336,44 +348,19 @@ def format_lines(p: Mapping) -> list[str]:
     return lines
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m specserve.bench.k2_projection",
-                                     description="Labelled projection of Kimi-K2.6 on 4 GPUs from one rank's shard.")
-    parser.add_argument("--shard-step", type=Path, required=True, help="step_bench.json of step_bench --shard 0/4")
-    parser.add_argument("--allreduce", type=Path, default=None, help="allreduce.json of allreduce_bench")
-    parser.add_argument("--acceptance", type=Path, required=True, help="summary.json of a specserve bench run")
-    parser.add_argument("--context", type=int, default=None,
-                        help="which of step_bench's --contexts to use (default the largest)")
-    parser.add_argument("--model", default=None, help=f"shard preset (default {PREFERRED_MODEL} when present)")
-    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
-    return parser.parse_args(argv)
 
-
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+def run_projection(step: Path, acceptance: Path, allreduce: Path | None = None, model: str | None = None,
+                   context: int | None = None) -> dict:
+    """The projection from the files the front door names (a bad or missing file: a ProjectionError naming it)."""
+    shard = _read_json(step, "--step")
+    collectives = _read_json(allreduce, "--allreduce") if allreduce is not None else None
+    if not Path(acceptance).is_file():
+        raise _fail(f"--acceptance file {acceptance} does not exist")
     try:
-        shard = _read_json(args.shard_step, "--shard-step")
-        allreduce = _read_json(args.allreduce, "--allreduce") if args.allreduce is not None else None
-        if not args.acceptance.is_file():
-            raise _fail(f"--acceptance file {args.acceptance} does not exist")
-        try:
-            methods, steps = load_run(args.acceptance)
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-            raise _fail(f"--acceptance file {args.acceptance} is not a bench summary.json: {exc!r}") from None
-        result = build(shard, allreduce, methods, steps, args.model, args.context)
-    except ProjectionError as exc:
-        print(f"projection: error: {exc}", file=sys.stderr)
-        return 2
+        methods, steps = load_run(acceptance)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise _fail(f"--acceptance file {acceptance} is not a bench summary.json: {exc!r}") from None
+    try:
+        return build(shard, collectives, methods, steps, model, context)
     except (KeyError, TypeError, ValueError, AttributeError) as exc:  # a field of the right file has the wrong shape
-        print(f"projection: error: an input file is malformed: {exc!r}", file=sys.stderr)
-        return 2
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "k2_projection.json").write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
-    for line in format_lines(result):
-        print(line)
-    print(f"projection | wrote {args.out / 'k2_projection.json'}")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
+        raise _fail(f"an input file is malformed: {exc!r}") from None

@@ -1,19 +1,17 @@
 """GPU benchmark of the fused MoE against torch._grouped_mm, moe_reference and the bytes floor.
 
-Run on the GPU machine:  python -m specserve.bench.kernel_bench [--out DIR] [--quick]
+Run on the GPU machine:  specserve bench kernels --suite moe [--out DIR] [--quick]
 1. device-to-device copy bandwidth (bytes read + written), the ceiling for the floors below;
 2. for each MoE layer shape and token count T: median time per call of fused_moe (Triton), the grouped_mm path
    and moe_reference; the bytes floor = distinct routed experts' weights read once / measured bandwidth.
 Timing: CUDA graphs of R calls, each on its own random routing (and, for small layers, its own layer's weights, so
 the set of weights touched is far above the 60 MB L2), replayed under triton.testing.do_bench; median / R.
-Never zeros: weights, activations and routing are random. Prints a short table last; writes JSON to --out.
+Never zeros: weights, activations and routing are random. The front door prints a short table last and writes
+summary.json to --out.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
 import time
 from dataclasses import asdict, dataclass
 
@@ -229,33 +227,25 @@ def format_table(bw: float, rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
-    parser.add_argument("--quick", action="store_true", help="decode token counts only, no sweep")
-    args = parser.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("kernel_bench needs a CUDA GPU")
+def run(quick: bool = False, log=print) -> dict:
+    """The fused MoE against grouped_mm and the reference at every shape and T, and the attention kernels (CUDA only:
+    the front door refuses a CPU before this)."""
     start = time.time()
     bw = copy_bandwidth()
-    print(f"copy bandwidth {bw / 1e12:.3f} TB/s", flush=True)
+    log(f"copy bandwidth {bw / 1e12:.3f} TB/s")
     rows: list[Row] = []
     for name in SHAPES:
-        rows += bench_shape(name, TOKENS, bw, sweep=not args.quick, with_ref=True)
-        if not args.quick:
+        rows += bench_shape(name, TOKENS, bw, sweep=not quick, with_ref=True)
+        if not quick:
             rows += bench_shape(name, LARGE_TOKENS if name != "kimi_k2" else LARGE_TOKENS[:2], bw, sweep=False,
                                 with_ref=False)
     attn = bench_attention(bw)
-    os.makedirs(args.out, exist_ok=True)
-    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "copy_bandwidth_Bps": bw,
-              "rows": [asdict(r) for r in rows], "attention": attn, "seconds": time.time() - start}
-    with open(os.path.join(args.out, "kernel_bench.json"), "w") as f:
-        json.dump(result, f, indent=1)
-    for a in attn:
-        print(f"{a['case']:38} graph {a['graph_ms']:.4f} ms  eager {a['eager_ms']:.4f}  ref {a['reference_ms']:.3f}  "
-              f"floor {a['floor_ms']:.4f}  err {a['rel_err']:.1e}")
-    print(format_table(bw, rows))
+    return {"copy_bandwidth_Bps": bw, "rows": [asdict(r) for r in rows], "attention": attn,
+            "seconds": time.time() - start}
 
 
-if __name__ == "__main__":
-    main()
+def format_result(result: dict) -> str:
+    lines = [f"{a['case']:38} graph {a['graph_ms']:.4f} ms  eager {a['eager_ms']:.4f}  ref {a['reference_ms']:.3f}  "
+             f"floor {a['floor_ms']:.4f}  err {a['rel_err']:.1e}" for a in result["attention"]]
+    lines.append(format_table(result["copy_bandwidth_Bps"], [Row(**r) for r in result["rows"]]))
+    return "\n".join(lines)

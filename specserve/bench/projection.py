@@ -7,7 +7,7 @@ Two views: by-k curves from each drafter's per-position acceptance (``project``)
 the run replayed step by step at the larger shape's step times (``project_steps``: each fixed k, and
 adaptive with the k it chose), compared per drafter as in the measured run (``project_run``).
 
-Timings file (JSON): either the ``step_bench.json`` of ``python -m specserve.bench.step_bench`` (GPU,
+Timings file (JSON): either the ``summary.json`` of ``specserve bench step`` (or an older ``step_bench.json``) (GPU,
 synthetic full-size model; the full step time with CUDA graphs, ``graph_ms``, of one model at one
 context is used), or this simpler format:
     {"shape": "Qwen3-30B-A3B", "source": "<how it was measured>", "device": "<GPU name>",

@@ -1,6 +1,6 @@
 """GPU benchmark of the quantized kernels (W4A16 and FP8 fused MoE, FP8 dense GEMV) against their bytes floors.
 
-Run on the GPU machine:  python -m specserve.bench.quant_kernel_bench [--out DIR] [--quick]
+Run on the GPU machine:  specserve bench kernels --suite quant [--out DIR] [--quick]
 Rows: a Kimi-K2 layer in INT4 (384 experts, H 7168, I 2048, top-8, group 32); Qwen3-30B-A3B (8 layers, so the
 weights touched exceed L2) and a DeepSeek-V3 layer in FP8 blocks of 128; DeepSeek-V3's dense attention and
 shared-expert weights in FP8; T = 1..16 tokens (decode and verify). Synthetic weights: random packed words /
@@ -12,9 +12,6 @@ asserted): within 1.3x of the floor. Timing as kernel_bench: CUDA graphs of R ca
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
 import time
 
 import torch
@@ -118,28 +115,19 @@ def bench_dense(tokens: tuple[int, ...], bw: float) -> list[dict]:
     return rows
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
-    parser.add_argument("--quick", action="store_true", help="T = 1 and 16 only")
-    args = parser.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("quant_kernel_bench needs a CUDA GPU")
+def run(quick: bool = False, log=print) -> dict:
+    """The quantized MoE and dense kernels at every shape and T (CUDA only: the front door refuses a CPU first)."""
     start = time.time()
-    tokens = (1, 16) if args.quick else TOKENS
+    tokens = (1, 16) if quick else TOKENS
     bw = copy_bandwidth()
-    print(f"copy bandwidth {bw / 1e12:.3f} TB/s", flush=True)
+    log(f"copy bandwidth {bw / 1e12:.3f} TB/s")
     rows = [row for name in MOE_SHAPES for row in bench_moe(name, tokens, bw)] + bench_dense(tokens, bw)
-    os.makedirs(args.out, exist_ok=True)
-    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "copy_bandwidth_Bps": bw,
-              "rows": rows, "seconds": time.time() - start}
-    with open(os.path.join(args.out, "quant_kernel_bench.json"), "w") as f:
-        json.dump(result, f, indent=1)
-    print(f"{'shape':26} {'T':>3} {'floor ms':>9} {'kernel ms':>9} {'x floor':>7} {'err':>8}")
-    for r in rows:
-        print(f"{r['shape']:26} {r['tokens']:3d} {r['floor_ms']:9.4f} {r['kernel_ms']:9.4f} {r['x_floor']:7.2f} "
-              f"{r['rel_err']:8.1e}")
+    return {"copy_bandwidth_Bps": bw, "rows": rows, "seconds": time.time() - start}
 
 
-if __name__ == "__main__":
-    main()
+def format_result(result: dict) -> str:
+    lines = [f"{'shape':26} {'T':>3} {'floor ms':>9} {'kernel ms':>9} {'x floor':>7} {'err':>8}"]
+    for r in result["rows"]:
+        lines.append(f"{r['shape']:26} {r['tokens']:3d} {r['floor_ms']:9.4f} {r['kernel_ms']:9.4f} "
+                     f"{r['x_floor']:7.2f} {r['rel_err']:8.1e}")
+    return "\n".join(lines)

@@ -1,7 +1,7 @@
 """Per-step orchestration overhead: one process, the shared-memory data plane and gRPC only, in one run.
 
-    python -m specserve.bench.serve_overhead [--model DIR | synthetic:NAME[:LAYERS]] [--drafters none,ngram]
-        [--k 4] [--requests 3] [--max-new-tokens 64] [--rounds 2] [--deadline-s 120] [--json OUT]
+    specserve bench overhead [--model DIR | synthetic:NAME[:LAYERS]] [--drafters none,ngram]
+        [--k 4] [--requests 3] [--max-new-tokens 64] [--rounds 2] [--deadline-s 120] [--out DIR]
 
 Each method (target-only; each drafter at chain length ``--k``, greedy) runs the gateway's own spec loop
 (gateway/spec_loop.py) three ways, interleaved round by round: over in-process adapters (``process``),
@@ -24,12 +24,8 @@ client's usually do: every wait then has a timeout, as in production.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import json
-import platform
 import statistics
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,6 +54,8 @@ class OverheadConfig:
         unknown = [d for d in self.drafters if d not in DRAFTERS]
         if unknown or not self.drafters:
             raise ValueError(f"--drafters: choose from {', '.join(DRAFTERS)}, got {','.join(self.drafters)}")
+        if str(self.model).startswith("synthetic:") and "ngram" in self.drafters:
+            raise ValueError("--drafters ngram needs a checkpoint folder as --model (its vocabulary)")
         if not self.deadline_s > 0:
             raise ValueError(f"deadline_s must be > 0, got {self.deadline_s}")
         for name in ("k", "requests", "max_new_tokens", "rounds", "prompt_len", "num_kv_blocks", "kv_block_size"):
@@ -258,8 +256,6 @@ async def _run_all(config: OverheadConfig, clients: _Clients) -> dict:
 
 
 def run(config: OverheadConfig) -> dict:
-    import torch
-
     from specserve.bench.served import ServedStack
     from specserve.runtime.servers_common import run_async
 
@@ -279,27 +275,7 @@ def run(config: OverheadConfig) -> dict:
         if clients is not None:
             clients.close()
         stack.close()
-    result["config"] = {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(config).items()}
-    result["environment"] = {"date_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
-                             "cpu": platform.processor() or platform.machine(), "cpus": _cpus(),
-                             "torch_threads": torch.get_num_threads(), "python": platform.python_version(),
-                             "load_average": list(_loadavg())}
     return result
-
-
-def _cpus() -> int:
-    import os
-
-    return os.cpu_count() or 1
-
-
-def _loadavg() -> tuple[float, ...]:
-    import os
-
-    try:
-        return tuple(round(x, 2) for x in os.getloadavg())
-    except OSError:
-        return ()
 
 
 def table(result: dict) -> str:
@@ -315,42 +291,3 @@ def table(result: dict) -> str:
                 f"{o['median']} / {o['mean']} / {o['p90']} | {s.get('overhead_vs_process_us', '-')} | "
                 f"{s['transport_us']['median']} | {'yes' if s['same_tokens'] else 'NO'} |")
     return "\n".join(lines)
-
-
-def main(argv: list[str] | None = None) -> int:
-    from specserve.errors import SpecserveError
-    from specserve.paths import demo_checkpoint
-
-    p = argparse.ArgumentParser(prog="python -m specserve.bench.serve_overhead", description=__doc__.split("\n")[0])
-    p.add_argument("--model", default=None, help="target checkpoint folder or synthetic:NAME (default: the shipped demo)")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
-    p.add_argument("--drafters", default="none,ngram", help=f"comma list of {', '.join(DRAFTERS)}")
-    p.add_argument("--k", type=int, default=4, help="drafted tokens per step of a drafter method")
-    p.add_argument("--requests", type=int, default=3, help="prompts per method, via and round")
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--rounds", type=int, default=2, help="interleaved rounds over every method and via")
-    p.add_argument("--deadline-s", type=float, default=120.0, help="each served request's deadline")
-    p.add_argument("--json", type=Path, default=None, help="write the result here")
-    args = p.parse_args(argv)
-    try:
-        model = args.model or str(demo_checkpoint("target"))
-        drafters = tuple(d.strip() for d in args.drafters.split(",") if d.strip())
-        if model.startswith("synthetic:") and "ngram" in drafters:
-            raise SpecserveError("--drafters ngram needs a checkpoint folder as --model (its vocabulary)")
-        config = OverheadConfig(model=model, device=args.device, dtype=args.dtype, drafters=drafters, k=args.k,
-                                requests=args.requests, max_new_tokens=args.max_new_tokens, rounds=args.rounds,
-                                deadline_s=args.deadline_s)
-    except (ValueError, SpecserveError) as exc:
-        print(f"serve_overhead: {exc}", file=sys.stderr)
-        return 2
-    result = run(config)
-    print(table(result))
-    if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=1))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

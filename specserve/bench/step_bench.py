@@ -1,9 +1,10 @@
-"""GPU step benchmark: decode and chain-verify step times of a synthetic full-size model against bytes floors.
+"""GPU step benchmark: decode and chain-verify step times of a full-size model against bytes floors.
 
-    python3 -m specserve.bench.step_bench [--models qwen3-30b-a3b,kimi-k2-layer] [--contexts 128,4096]
-                                          [--max-k 16] [--reps 30] [--eager-reps 5] [--shard R/N] [--out DIR]
+    specserve bench step [--model qwen3-30b-a3b,kimi-k2-layer,demo@kimi-k2.6:12] [--contexts 128,4096]
+                         [--max-k 16] [--reps 30] [--eager-reps 5] [--shard R/N] [--out DIR]
 
-For each model (models/presets.py, random bf16 weights built on the GPU, engine from target_service/factory.py
+For each model (a synthetic preset of models/presets.py: random bf16 weights built on the GPU; or demo@NAME[:LAYERS],
+the shipped demo embedded in a published shape, models/scaled_demo.py; engine from target_service/factory.py
 with the fused MoE, FlashInfer attention and CUDA graphs captured for decode and chains of 1..max_k drafted tokens)
 and each context length: prefill a random prompt, then for k = 0..max_k time one step over [pending] + k drafted
 tokens (TargetEngine.score_block: metadata, plan, forward, logits, rollback; nothing committed), eager and with
@@ -12,61 +13,77 @@ the CUDA graph, median of many; plus the graph replay alone (CUDA events). Bytes
 (layer, routed expert) the step's tokens were routed to (VerifyResult.experts_touched of one committed verify of
 the same block) + the K/V entries the step reads, over the measured device-to-device copy bandwidth (read + write
 bytes). Targets reported (not asserted): Qwen3-30B-A3B decode within 1.15x of its floor, 4-token verify (k = 3)
-within 1.25x. Prints a short table last; writes step_bench.json to --out (default $OUT, else the current folder).
+within 1.25x. Prints a short table last; writes summary.json (bench/result.py; its "results", "bandwidth" and
+"device_name" are what k2_projection and the e2e bench's --projection-timings read) and step_bench.md to --out,
+after each model.
 
 --shard R/N builds only rank R's shard of an N-way tensor-parallel model in this one process (attention heads,
 shared experts, dense MLPs and lm_head rows TP-split as the model code splits them; routed experts expert-parallel:
 this rank holds E / N whole experts), without torch.distributed: its all-reduces are skipped and its logits gather
 fills the other ranks' columns with zeros (ParallelConfig.collectives=False, a benchmark-only mode), so the rows
 time one rank's compute and memory traffic, not the collectives (specserve.bench.allreduce_bench times those;
-specserve.bench.k2_projection adds them). The floor then counts this rank's bytes: its dense shard, and only the
+`specserve bench project` adds them). The floor then counts this rank's bytes: its dense shard, and only the
 distinct (layer, expert) pairs the step routed to among this rank's experts (experts_local). The model's EP gives
 the other ranks' choices weight 0 on local expert 0, so it also reads that expert (experts_computed counts it).
 """
 
 from __future__ import annotations
 
-import argparse
 import functools
 import gc
-import json
-import os
 import statistics
-import sys
 import time
 import traceback
-from pathlib import Path
+from dataclasses import dataclass
 
 import torch
+
+from specserve.errors import SpecserveError
 
 TARGETS = {"qwen3-30b-a3b": {0: 1.15, 3: 1.25}}
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--models", default="qwen3-30b-a3b,kimi-k2-layer", help="preset specs NAME[:LAYERS], comma-separated")
-    p.add_argument("--contexts", default="128,4096", help="cached tokens before the step, comma-separated")
-    p.add_argument("--max-k", type=int, default=16, help="largest number of drafted tokens")
-    p.add_argument("--reps", type=int, default=20, help="timed steps per point with CUDA graphs")
-    p.add_argument("--eager-reps", type=int, default=3, help="timed eager steps per point (0: skip eager)")
-    p.add_argument("--device", default="cuda")
-    p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--no-graphs", action="store_true", help="eager only (CPU smoke runs)")
-    p.add_argument("--shard", default=None, metavar="R/N",
-                   help="time only rank R of an N-way TP shard (routed experts EP), collectives skipped")
-    p.add_argument("--out", default=os.environ.get("OUT", "."))
-    args = p.parse_args(argv)
-    args.models = [m for m in args.models.split(",") if m]
-    args.contexts = [int(c) for c in args.contexts.split(",") if c]
-    if args.shard is not None:
-        rank, sep, size = args.shard.partition("/")
-        if not (sep and rank.isdigit() and size.isdigit() and int(size) >= 2 and int(rank) < int(size)):
-            p.error(f"--shard: expected R/N with N >= 2 and 0 <= R < N, got {args.shard!r}")
-        args.shard = (int(rank), int(size))
-    if args.max_k < 0 or args.reps < 1 or args.eager_reps < 0 or min(args.contexts) < 2:
-        p.error("need --max-k >= 0, --reps >= 1, --eager-reps >= 0 and every context >= 2")
-    return args
+@dataclass(frozen=True)
+class StepBenchConfig:
+    """What `specserve bench step` times (its flags)."""
+
+    models: tuple[str, ...] = ("qwen3-30b-a3b", "kimi-k2-layer")  # model names (model_name); a bare preset: synthetic
+    contexts: tuple[int, ...] = (128, 4096)  # cached tokens before the step
+    max_k: int = 16  # largest number of drafted tokens
+    reps: int = 20  # timed steps per point with CUDA graphs
+    eager_reps: int = 3  # timed eager steps per point (0: skip eager)
+    device: str = "cuda"
+    dtype: str = "bfloat16"
+    block_size: int = 16  # KV block size
+    no_graphs: bool = False  # eager only (CPU smoke runs)
+    shard: tuple[int, int] | None = None  # (R, N): time only rank R of an N-way TP shard (routed experts EP)
+    seed: int = 0  # weights and prompts
+
+    def __post_init__(self) -> None:
+        if not self.models or not self.contexts:
+            raise SpecserveError("bench step needs at least one --model and one --contexts value")
+        if self.max_k < 0 or self.reps < 1 or self.eager_reps < 0 or min(self.contexts) < 2:
+            raise SpecserveError("bench step needs --max-k >= 0, --reps >= 1, --eager-reps >= 0 and every context >= 2")
+        if self.shard is not None:
+            rank, size = self.shard
+            if not (size >= 2 and 0 <= rank < size):
+                raise SpecserveError(f"--shard: expected R/N with N >= 2 and 0 <= R < N, got {rank}/{size}")
+
+
+def model_name(spec: str) -> str:
+    """The engine's name of a --model entry: demo@NAME[:LAYERS] and synthetic:NAME[:LAYERS] as given, a bare preset
+    NAME[:LAYERS] as synthetic:NAME[:LAYERS] (the names step_bench took before demo@)."""
+    from specserve.models.presets import SYNTHETIC_PREFIX, is_synthetic
+    from specserve.models.scaled_demo import is_scaled_demo
+
+    return spec if is_scaled_demo(spec) or is_synthetic(spec) else SYNTHETIC_PREFIX + spec
+
+
+def row_label(spec: str) -> str:
+    """How rows name the model: without synthetic: (k2_projection and projection.py match preset names)."""
+    from specserve.models.presets import SYNTHETIC_PREFIX
+
+    return spec.removeprefix(SYNTHETIC_PREFIX)
 
 
 def _sync(device: torch.device) -> None:
@@ -135,14 +152,16 @@ class LocalRouting:
             h.remove()
 
 
-def bench_model(spec: str, args: argparse.Namespace, bandwidth: float, log) -> dict:
+def bench_model(spec: str, args: StepBenchConfig, bandwidth: float, log) -> dict:
     from specserve.contract.types import DraftBlock
     from specserve.models.config import ParallelConfig
-    from specserve.models.presets import parameter_bytes, synthetic_config
+    from specserve.models.model_names import resolve_model
+    from specserve.models.presets import parameter_bytes
     from specserve.target_service.factory import EngineConfig, build_engine
 
     device = torch.device(args.device)
-    config = synthetic_config(spec)
+    name = model_name(spec)
+    config = resolve_model(name).config()
     parallel = None
     if args.shard is not None:
         parallel = ParallelConfig(tp_rank=args.shard[0], tp_size=args.shard[1], ep=True, collectives=False)
@@ -151,11 +170,13 @@ def bench_model(spec: str, args: argparse.Namespace, bandwidth: float, log) -> d
     blocks = -(-(max_ctx + 2 * args.max_k + 64) // args.block_size) + 4
     t0 = time.perf_counter()
     engine = build_engine(EngineConfig(
-        model=f"synthetic:{spec}", device=args.device, dtype=args.dtype, num_kv_blocks=blocks,
+        model=name, device=args.device, dtype=args.dtype, num_kv_blocks=blocks,
         kv_block_size=args.block_size, cuda_graphs=False if args.no_graphs else None, graph_max_draft=args.max_k,
         max_context=max_ctx + 2 * args.max_k + 32, bench_shard=args.shard, enable_expert_parallel=parallel is not None,
+        seed=args.seed,
     ))
     build_s = time.perf_counter() - t0
+    spec = row_label(spec)
     runner = engine.runner
     backend = type(engine.model.attn_backend).__name__ if engine.model.attn_backend is not None else "torch"
     moe_fn = engine.model.model.layers[config.moe_layers[0]].mlp.experts_fn.__name__ if config.moe_layers else "-"
@@ -164,14 +185,15 @@ def bench_model(spec: str, args: argparse.Namespace, bandwidth: float, log) -> d
         kv_entry_bytes *= n
     label = spec if parallel is None else f"{spec} [shard {parallel.tp_rank}/{parallel.tp_size}]"
     log(f"{label}: built in {build_s:.1f}s (attention {backend}, experts {moe_fn}, graphs {len(runner.graph_keys)})")
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator().manual_seed(args.seed)
+    ids = config.logits_vocab_limit or config.vocab_size  # a demo@ model: the demo's ids (the rest are never tokens)
     rows = []
     for ctx in args.contexts:
         sid = f"bench-{ctx}"
-        prompt = torch.randint(0, config.vocab_size, (ctx - 1,), generator=gen).tolist()
+        prompt = torch.randint(0, ids, (ctx - 1,), generator=gen).tolist()
         engine.prefill(sid, prompt)
         for k in range(args.max_k + 1):
-            block = DraftBlock(token_ids=tuple(torch.randint(0, config.vocab_size, (k,), generator=gen).tolist()))
+            block = DraftBlock(token_ids=tuple(torch.randint(0, ids, (k,), generator=gen).tolist()))
             cached = engine.session(sid).cached_len
             row = {"model": spec, "context": cached, "k": k, "tokens": k + 1}
             runner.use_graphs = True
@@ -254,18 +276,15 @@ def format_table(results: list[dict], bandwidth: float) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+def run_step_bench(args: StepBenchConfig, log, save=None) -> dict:
+    """Every model's rows (a model that fails to build or run: its error, the others' rows kept), the copy bandwidth
+    the floors use and the GPU's name: the results of `specserve bench step` (its summary.json, which k2_projection
+    and the e2e bench's --projection-timings read)."""
     from specserve.bench.bandwidth import measure_copy_bandwidth
-
-    def log(msg: str) -> None:
-        print(msg, file=sys.stderr, flush=True)
 
     bw = measure_copy_bandwidth(args.device, (1 << 30) if args.device.startswith("cuda") else (64 << 20), 20)
     log(f"copy bandwidth {bw.bytes_per_s / 1e12:.3f} TB/s")
-    report = {"bandwidth": bw.as_dict(), "args": {k: v for k, v in vars(args).items()}, "results": []}
+    report = {"bandwidth": bw.as_dict(), "device_name": None, "results": []}
     if torch.cuda.is_available() and args.device.startswith("cuda"):
         report["device_name"] = torch.cuda.get_device_name()
     for spec in args.models:
@@ -273,15 +292,10 @@ def main(argv: list[str] | None = None) -> int:
             report["results"].append(bench_model(spec, args, bw.bytes_per_s, log))
         except Exception as e:  # keep the other models' numbers; the error goes in the report
             log(traceback.format_exc())
-            report["results"].append({"model": spec, "error": f"{type(e).__name__}: {e}"})
+            report["results"].append({"model": row_label(spec), "error": f"{type(e).__name__}: {e}"})
             gc.collect()
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
-        (out / "step_bench.json").write_text(json.dumps(report, indent=1, default=str))
-        (out / "step_bench.md").write_text(format_table(report["results"], bw.bytes_per_s) + "\n")
-    print(format_table(report["results"], bw.bytes_per_s))
-    return 0 if all("error" not in r for r in report["results"]) else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+        if save is not None:  # after each model: a run cut short keeps what it measured
+            save(report)
+    return report

@@ -1,6 +1,7 @@
-"""Kernel census of one target step: `python -m specserve.bench.step_profile`.
+"""Kernel census of one target step: `specserve bench step --census`.
 
-For each model (the shipped demo target, synthetic presets such as `synthetic:qwen3-30b-a3b`) and each drafted
+For each model (the shipped demo target, demo@NAME[:LAYERS], synthetic presets such as `synthetic:qwen3-30b-a3b`;
+step_bench.model_name: a bare preset name is synthetic) and each drafted
 block size k, it runs real `TargetEngine.verify` steps (CUDA-graph replays where the engine has a graph for the
 shape, eager steps elsewhere; drafted tokens random, so most are rejected and the context grows by about one token
 a step) and reports, per step:
@@ -12,21 +13,21 @@ a step) and reports, per step:
   bandwidth, and wall / floor;
 - the top kernels by time.
 
-It prints a table last and writes everything to --out (JSON). GPU only: on a CPU it says so and exits 2.
+The front door prints the rows and writes them to --out's summary.json. GPU only: on a CPU it says so in one line.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
-import sys
 import time
 from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
 
 import torch
+
+from specserve.errors import SpecserveError
 
 DEFAULT_MODELS = ("demo", "synthetic:qwen3-30b-a3b")
 
@@ -109,17 +110,41 @@ MODES = MappingProxyType({  # name -> EngineConfig overrides
 })
 
 
-def profile_model(spec: str, mode: str, args: argparse.Namespace, bandwidth: float) -> list[dict]:
+@dataclass(frozen=True)
+class CensusConfig:
+    """What `specserve bench step --census` profiles (its flags)."""
+
+    models: tuple[str, ...] = DEFAULT_MODELS
+    k: tuple[int, ...] = (0, 3)  # drafted tokens per step (0 = decode)
+    modes: tuple[str, ...] = ("auto",)  # engine modes (MODES)
+    context: int = 512  # prompt tokens before the profiled steps
+    steps: int = 20
+    host_profile: bool = False  # also cProfile the host side of the steps
+    device: str = "cuda"
+    dtype: str = "bfloat16"
+
+    def __post_init__(self) -> None:
+        bad = [m for m in self.modes if m not in MODES]
+        if bad or not self.modes:
+            raise SpecserveError(f"--modes: choose from {', '.join(MODES)}, got {','.join(self.modes)!r}")
+        if not self.k or min(self.k) < 0 or self.steps < 1 or self.context < 2:
+            raise SpecserveError("bench step --census needs every --k >= 0, --steps >= 1 and a context >= 2")
+        if not (self.device.startswith("cuda") and torch.cuda.is_available()):
+            raise SpecserveError("bench step --census needs a CUDA GPU (--device cuda): it counts device kernels")
+
+
+def profile_model(spec: str, mode: str, args: CensusConfig, bandwidth: float) -> list[dict]:
     from specserve.bench.floors import floor_ms, step_bytes
     from specserve.bench.model_bytes import model_bytes
+    from specserve.bench.step_bench import model_name
     from specserve.contract.types import DraftBlock
     from specserve.paths import demo_checkpoint
     from specserve.target_service.factory import EngineConfig, build_engine
 
-    model = demo_checkpoint("target") if spec == "demo" else spec
+    model = demo_checkpoint("target") if spec == "demo" else model_name(spec)
     ctx = args.context
     blocks = -(-(ctx + args.steps * 2 * (max(args.k) + 1) + 64) // 16) + 8
-    engine = build_engine(EngineConfig(model=model, device="cuda", dtype="bfloat16", num_kv_blocks=blocks,
+    engine = build_engine(EngineConfig(model=model, device=args.device, dtype=args.dtype, num_kv_blocks=blocks,
                                        graph_max_draft=max(args.k), **MODES[mode]))
     cfg = engine.config
     mb = model_bytes(engine.model, cfg)
@@ -151,49 +176,28 @@ def profile_model(spec: str, mode: str, args: argparse.Namespace, bandwidth: flo
     return rows
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m specserve.bench.step_profile", description=__doc__.split("\n")[0])
-    p.add_argument("--models", default=",".join(DEFAULT_MODELS), help="comma-separated: demo, synthetic:NAME")
-    p.add_argument("--k", default="0,3", help="comma-separated drafted tokens per step (0 = decode)")
-    p.add_argument("--modes", default="auto", help=f"comma-separated engine modes: {', '.join(MODES)}")
-    p.add_argument("--context", type=int, default=512, help="prompt tokens before the profiled steps")
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--out", type=Path, default=None, help="write the rows here (JSON)")
-    p.add_argument("--host-profile", action="store_true", help="also cProfile the host side of the steps")
-    args = p.parse_args(argv)
-    try:
-        args.k = tuple(int(x) for x in args.k.split(","))
-    except ValueError:
-        p.error(f"--k: comma-separated integers, got {args.k!r}")
-    modes = args.modes.split(",")
-    if any(m not in MODES for m in modes):
-        p.error(f"--modes: choose from {', '.join(MODES)}, got {args.modes!r}")
-    if not torch.cuda.is_available():
-        print("step_profile: needs a CUDA GPU", file=sys.stderr)
-        return 2
+def run_census(args: CensusConfig) -> dict:
+    """The census rows of every model x mode x k, and the copy bandwidth their floors use."""
     from specserve.bench.bandwidth import measure_copy_bandwidth
 
-    bw = measure_copy_bandwidth("cuda", 1 << 30).bytes_per_s
+    bw = measure_copy_bandwidth(args.device, 1 << 30)
     rows = []
-    for spec in args.models.split(","):
-        for mode in modes:
-            rows.extend(profile_model(spec, mode, args, bw))
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"copy_bandwidth_bytes_per_s": bw, "rows": rows}, indent=1))
-    print(f"copy bandwidth {bw / 1e12:.2f} TB/s")
+    for spec in args.models:
+        for mode in args.modes:
+            rows.extend(profile_model(spec, mode, args, bw.bytes_per_s))
+    return {"bandwidth": bw.as_dict(), "rows": rows}
+
+
+def format_rows(rows: list[dict]) -> str:
+    lines = []
     for r in rows:
-        print(f"\n{r['model']} [{r['mode']}] k={r['k']} ctx={r['context']} graph={r['graph_replay']}: wall {r['wall_ms']:.3f} ms, "
-              f"{r['kernels_per_step']:.0f} kernels ({r['kernels_per_layer']:.1f}/layer) "
-              f"{r['kernel_ms_per_step']:.3f} ms, {r['dtoh_copies_per_step']:.1f} DtoH, floor {r['floor_ms']:.3f} ms "
-              f"({r['wall_over_floor']:.1f}x)")
+        lines.append(f"{r['model']} [{r['mode']}] k={r['k']} ctx={r['context']} graph={r['graph_replay']}: wall "
+                     f"{r['wall_ms']:.3f} ms, {r['kernels_per_step']:.0f} kernels ({r['kernels_per_layer']:.1f}/layer) "
+                     f"{r['kernel_ms_per_step']:.3f} ms, {r['dtoh_copies_per_step']:.1f} DtoH, floor "
+                     f"{r['floor_ms']:.3f} ms ({r['wall_over_floor']:.1f}x)")
         for t in r["top_kernels"][:6]:
-            print(f"    {t['ms_per_step']:.4f} ms  x{t['per_step']:.0f}  {t['name'][:90]}")
+            lines.append(f"    {t['ms_per_step']:.4f} ms  x{t['per_step']:.0f}  {t['name'][:90]}")
         for h in r.get("host_profile", [])[:12]:
-            print(f"    host {h['own_us_per_step']:7.1f} us own {h['cum_us_per_step']:8.1f} us cum "
-                  f"x{h['calls_per_step']:.0f}  {h['function'][:70]}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+            lines.append(f"    host {h['own_us_per_step']:7.1f} us own {h['cum_us_per_step']:8.1f} us cum "
+                         f"x{h['calls_per_step']:.0f}  {h['function'][:70]}")
+    return "\n".join(lines)

@@ -1,213 +1,244 @@
-"""`specserve bench`: the reproducible benchmark (issue 7). Writes its artifacts under --out."""
+"""`specserve bench`: the one front door of the benchmarks.
+
+    specserve bench [e2e] ...     end to end: every method on the pinned prompts (bare `specserve bench` is e2e)
+    specserve bench step ...      one target step against its bytes floor (--shard R/N: one rank's shard;
+                                  --census: the kernels of a step)
+    specserve bench kernels ...   the MoE / attention / quantized kernels against their floors (GPU)
+    specserve bench draft ...     where a drafter's time goes (bench/draft_profile.py)
+    specserve bench overhead ...  per-step orchestration overhead: in process, over shared memory, gRPC only
+    specserve bench project ...   the labelled Kimi-K2.6 projection from a step shard and an e2e run's acceptance
+
+Every subcommand takes the shared flags that apply to it (bench_flags.py: --model, --device, --dtype, --out, --seed,
+--json) and writes --out/summary.json in one schema (bench/result.py: the environment, commit and source hash,
+then its own results).
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
-from specserve.cli.common import int_list
+from specserve.cli import bench_e2e
+from specserve.cli.bench_flags import add_shared_arguments, name_list, shard_arg
+from specserve.cli.common import MODEL_HELP, int_list, positive_int
 from specserve.contract.speculation import DEFAULT_K
 from specserve.errors import SpecserveError
 
-
-def _draft_models(text: str) -> dict[str, Path]:
-    out = {}
-    for item in text.split(","):
-        if not item.strip():
-            continue
-        family, sep, path = item.partition("=")
-        if not sep or not family.strip() or not path.strip():
-            raise argparse.ArgumentTypeError(f"expected FAMILY=DIR[,FAMILY=DIR...], got {item!r}")
-        out[family.strip()] = Path(path.strip())
-    return out
-
-
-def _positive(text: str) -> int:
-    value = int(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-    return value
-
-
 _ints = int_list("integers", "integer")
-
-
-def _fixed_ks(text: str) -> tuple[int, ...]:
-    try:
-        values = _ints(text)
-    except argparse.ArgumentTypeError:
-        values = ()
-    if not values or min(values) <= 0:
-        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers (drafted tokens per step), "
-                                         f"got {text!r}")
-    return values
+STEP_MODELS = ("qwen3-30b-a3b", "kimi-k2-layer")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from specserve.bench.config import DRAFTERS
+    bench_e2e.add_arguments(parser)  # bare `specserve bench --model ...` runs e2e
+    sub = parser.add_subparsers(dest="bench_command", metavar="WHAT", parser_class=type(parser))
 
-    parser.add_argument("--model", type=Path, default=None, help="target checkpoint folder, or demo@NAME[:LAYERS] (the shipped demo at a published model's size: "
-                             "moonlight-16b-a3b, kimi-k2.6); default: the shipped demo")
-    parser.add_argument("--draft-models", type=_draft_models, action="append", default=[], metavar="FAMILY=DIR",
-                        help="drafter checkpoints, e.g. model=DIR,eagle3=DIR (default: the shipped demo's, "
-                             "only when --model is not given)")
-    parser.add_argument("--drafters", default=",".join(DRAFTERS),
-                        help=f"comma-separated drafters to run, in order (default: {','.join(DRAFTERS)})")
-    parser.add_argument("--device", default="cpu", help="cpu or cuda")
-    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
-    parser.add_argument("--max-new-tokens", type=_positive, default=128)
-    parser.add_argument("--num-speculative-tokens", type=_positive, default=DEFAULT_K,
-                        help=f"draft block size k of the fixed methods when --fixed-k is not given (default {DEFAULT_K})")
-    parser.add_argument("--fixed-k", type=_fixed_ks, default=None, metavar="K[,K...]",
-                        help="run each fixed-k method once per k, e.g. 1,2,3,4 (default: --num-speculative-tokens); "
-                             "adaptive caps k at the largest of these and --num-speculative-tokens")
-    parser.add_argument("--prompts", type=_positive, default=None, help="first N prompts of the pinned set (default: all)")
-    parser.add_argument("--prompt-set", default="v1", help="pinned prompt set name or a .json path")
-    parser.add_argument("--out", type=Path, default=Path("bench_out"), help="artifacts folder (default: bench_out)")
-    parser.add_argument("--speculation", choices=("fixed", "adaptive", "both"), default="both")
-    parser.add_argument("--draft-ahead", choices=("on", "off", "both"), default="both")
-    parser.add_argument("--k-sweep", type=int_list("integers", "integer"), default=(0, 1, 2, 3, 4, 6, 8, 12, 16),
-                        help="drafted-token counts of the verify-tax curve (default 0,1,2,3,4,6,8,12,16)")
-    parser.add_argument("--tax-context", type=_positive, default=256, help="cached tokens for the verify-tax curve")
-    parser.add_argument("--tax-repeats", type=_positive, default=10, help="repeats per k (median reported)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--warmup", type=int, default=1, help="unrecorded warm-up requests per method")
-    parser.add_argument("--no-hf", action="store_true", help="skip the Hugging Face transformers baselines")
-    parser.add_argument("--bandwidth-mib", type=_positive, default=None,
-                        help="size of the copy that measures bandwidth (default 1024 on GPU, 256 on CPU)")
-    parser.add_argument("--num-kv-blocks", type=_positive, default=4096)
-    parser.add_argument("--kv-block-size", type=_positive, default=16)
-    parser.add_argument("--projection-timings", type=Path, default=None,
-                        help="GPU synthetic-model step timings for the labelled projection line: the "
-                             "step_bench.json of `python -m specserve.bench.step_bench`, or the simple format "
-                             "of specserve/bench/projection.py")
-    parser.add_argument("--projection-model", default=None, help="model of a step_bench.json (default qwen3-30b-a3b)")
-    parser.add_argument("--projection-context", type=_positive, default=None,
-                        help="context of a step_bench.json (default: its smallest)")
-    parser.add_argument("--via", choices=("process", "serve"), default="process",
-                        help="serve: every method also through service processes (target + draft), once over the "
-                             "shared-memory data plane and once gRPC-only, beside the in-process run "
-                             "(per-step overhead of each in summary.json 'via' and the printed table)")
-    parser.add_argument("--no-plots", action="store_true")
-    parser.add_argument("--quiet", action="store_true", help="no progress bar")
-    parser.add_argument("--json", action="store_true", help="print the summary JSON instead of the table")
+    bench_e2e.add_arguments(sub.add_parser("e2e", help="end to end: every method on the pinned prompts (default)"))
+
+    p = sub.add_parser("step", help="one target step's time against its bytes floor (GPU; CPU with --no-graphs)")
+    add_shared_arguments(p, out="bench_out/step", device="cuda", dtype="bfloat16",
+                         model_help="comma-separated model names: demo@NAME[:LAYERS], synthetic:NAME[:LAYERS] or a "
+                                    "bare preset NAME[:LAYERS] (synthetic); default "
+                                    f"{','.join(STEP_MODELS)} (--census: demo,synthetic:qwen3-30b-a3b)")
+    p.add_argument("--models", dest="model", help=argparse.SUPPRESS)  # the name step_bench took
+    p.add_argument("--contexts", type=_ints, default=None,
+                   help="cached tokens before the step, comma-separated (default 128,4096; --census: 512)")
+    p.add_argument("--max-k", type=int, default=16, help="largest number of drafted tokens")
+    p.add_argument("--reps", type=positive_int, default=20, help="timed steps per point with CUDA graphs")
+    p.add_argument("--eager-reps", type=int, default=3, help="timed eager steps per point (0: skip eager)")
+    p.add_argument("--kv-block-size", "--block-size", type=positive_int, default=16)
+    p.add_argument("--no-graphs", action="store_true", help="eager only (CPU smoke runs)")
+    p.add_argument("--shard", type=shard_arg, default=None, metavar="R/N",
+                   help="time only rank R of an N-way TP shard (routed experts EP), collectives skipped")
+    p.add_argument("--census", action="store_true",
+                   help="count the kernels of a step instead (bench/step_profile.py): --k, --modes, --steps")
+    p.add_argument("--k", type=_ints, default=(0, 3), help="--census: drafted tokens per step")
+    p.add_argument("--modes", type=name_list, default=("auto",), help="--census: engine modes (auto, triton, "
+                                                                       "unfused, eager)")
+    p.add_argument("--steps", type=positive_int, default=20, help="--census: profiled steps per point")
+    p.add_argument("--host-profile", action="store_true", help="--census: also cProfile the host side")
+
+    p = sub.add_parser("kernels", help="MoE, attention and quantized kernels against their floors (GPU)")
+    add_shared_arguments(p, out="bench_out/kernels", device="cuda", dtype=None, seed=False)
+    p.add_argument("--suite", type=name_list, default=("moe", "quant"),
+                   help="moe (fused MoE and attention: bench/kernel_bench.py), quant (W4A16 / FP8: "
+                        "bench/quant_kernel_bench.py)")
+    p.add_argument("--quick", action="store_true", help="decode token counts only, no config sweep")
+
+    p = sub.add_parser("draft", help="where each drafter's time goes (bench/draft_profile.py)")
+    add_shared_arguments(p, out="bench_out/draft", model_default="demo", seed=False,
+                         model_help="demo, or demo@NAME[:LAYERS] (its drafters scaled to that target)")
+    p.add_argument("--drafters", default=None, help="comma-separated drafter families (default: draft_profile's)")
+    p.add_argument("--k", "--num-speculative-tokens", type=positive_int, default=DEFAULT_K,
+                   help="drafted tokens per propose")
+    p.add_argument("--max-new-tokens", type=positive_int, default=64)
+    p.add_argument("--top", type=positive_int, default=15, help="host functions listed per drafter")
+
+    p = sub.add_parser("overhead", help="per-step orchestration overhead: in process, shared memory, gRPC only")
+    add_shared_arguments(p, out="bench_out/overhead", model_help=MODEL_HELP)
+    p.add_argument("--drafters", type=name_list, default=("none", "ngram"), help="none and / or ngram")
+    p.add_argument("--k", "--num-speculative-tokens", type=positive_int, default=DEFAULT_K,
+                   help="drafted tokens per step of a drafter method")
+    p.add_argument("--requests", type=positive_int, default=3, help="prompts per method, via and round")
+    p.add_argument("--max-new-tokens", type=positive_int, default=64)
+    p.add_argument("--rounds", type=positive_int, default=2, help="interleaved rounds over every method and via")
+    p.add_argument("--deadline-s", type=float, default=120.0, help="each served request's deadline")
+
+    p = sub.add_parser("project", help="the labelled Kimi-K2.6 projection (bench/k2_projection.py; no device)")
+    add_shared_arguments(p, out="bench_out/project", device=None, dtype=None, seed=False,
+                         model_help="which model of the step rows (default demo@kimi-k2.6, else kimi-k2-layer-int4, "
+                                    "when present)")
+    p.add_argument("--step", "--shard-step", type=Path, required=True,
+                   help="summary.json of `specserve bench step --shard 0/4` (or an older step_bench.json)")
+    p.add_argument("--acceptance", type=Path, required=True, help="summary.json of a `specserve bench e2e` run")
+    p.add_argument("--allreduce", type=Path, default=None, help="allreduce.json of allreduce_bench")
+    p.add_argument("--context", type=int, default=None, help="which of the step's contexts (default the largest)")
 
 
-def config_from_args(args: argparse.Namespace):
-    from specserve.bench.config import BenchConfig
-    from specserve.models.scaled_demo import is_scaled_demo
+def _log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _finish(args: argparse.Namespace, bench: str, config, env: dict, results: dict, table: str) -> dict:
+    from specserve.bench.result import make_summary, write_summary
+
+    summary = make_summary(bench, config, env, results)
+    write_summary(args.out, summary)
+    print(json.dumps(summary, indent=2, default=str) if args.json else table)
+    if not args.json:
+        print(f"artifacts: {args.out}/summary.json")
+    return summary
+
+
+def _run_step(args: argparse.Namespace) -> int:
+    from specserve.bench.environment import environment
+    from specserve.bench.result import make_summary, write_summary
+
+    if args.census:
+        return _run_census(args)
+    from specserve.bench import step_bench
+
+    _check_device(args.device)
+    cfg = step_bench.StepBenchConfig(
+        models=tuple(name_list(args.model)) if args.model else STEP_MODELS, contexts=args.contexts or (128, 4096),
+        max_k=args.max_k, reps=args.reps, eager_reps=args.eager_reps, device=args.device, dtype=args.dtype,
+        block_size=args.kv_block_size, no_graphs=args.no_graphs, shard=args.shard, seed=args.seed)
+    env = environment(cfg.device)
+
+    def save(report: dict) -> None:
+        env["bandwidth"] = report["bandwidth"]
+        write_summary(args.out, make_summary("step", cfg, env, report))
+        (args.out / "step_bench.md").write_text(step_bench.format_table(report["results"], bw(report)) + "\n")
+
+    def bw(report: dict) -> float:
+        return report["bandwidth"]["bytes_per_s"]
+
+    report = step_bench.run_step_bench(cfg, _log, save)
+    _finish(args, "step", cfg, env, report, step_bench.format_table(report["results"], bw(report)))
+    return 0 if all("error" not in r for r in report["results"]) else 1
+
+
+def _run_census(args: argparse.Namespace) -> int:
+    from specserve.bench import step_profile
+    from specserve.bench.environment import environment
+
+    _check_device(args.device)
+    contexts = args.contexts or (512,)
+    cfg = step_profile.CensusConfig(
+        models=tuple(name_list(args.model)) if args.model else step_profile.DEFAULT_MODELS, k=args.k,
+        modes=args.modes, context=contexts[0], steps=args.steps, host_profile=args.host_profile, device=args.device,
+        dtype=args.dtype)
+    env = environment(cfg.device)
+    result = step_profile.run_census(cfg)
+    env["bandwidth"] = result["bandwidth"]
+    _finish(args, "step-census", cfg, env, result, step_profile.format_rows(result["rows"]))
+    return 0
+
+
+def _run_kernels(args: argparse.Namespace) -> int:
+    from specserve.bench.environment import environment
+
+    suites = {"moe": "specserve.bench.kernel_bench", "quant": "specserve.bench.quant_kernel_bench"}
+    unknown = [s for s in args.suite if s not in suites]
+    if unknown:
+        raise SpecserveError(f"--suite: choose from {', '.join(suites)}, got {','.join(args.suite)}")
+    _check_device(args.device, needs_cuda="bench kernels times Triton and FlashInfer kernels")
+    import importlib
+
+    env = environment(args.device)
+    results, tables = {}, []
+    for name in args.suite:
+        module = importlib.import_module(suites[name])
+        results[name] = module.run(quick=args.quick, log=_log)
+        tables.append(module.format_result(results[name]))
+    env["bandwidth"] = {"bytes_per_s": next(iter(results.values()))["copy_bandwidth_Bps"]}
+    config = {"suite": args.suite, "quick": args.quick, "device": args.device}
+    _finish(args, "kernels", config, env, {"suites": results}, "\n\n".join(tables))
+    return 0
+
+
+def _run_draft(args: argparse.Namespace) -> int:
+    from specserve.bench import draft_profile
+    from specserve.bench.environment import environment
+
+    rows_path = args.out / "draft_profile.json"
+    argv = ["--model", args.model, "--k", str(args.k), "--max-new-tokens", str(args.max_new_tokens),
+            "--device", args.device, "--dtype", args.dtype, "--top", str(args.top), "--out", str(rows_path)]
+    if args.drafters:
+        argv += ["--drafters", args.drafters]
+    env = environment(args.device)
+    rc = draft_profile.main(argv)  # its entry point: it checks its flags, profiles, prints and writes its rows
+    if rc:
+        return rc
+    config = {"model": args.model, "drafters": args.drafters, "k": args.k, "max_new_tokens": args.max_new_tokens,
+              "device": args.device, "dtype": args.dtype, "top": args.top}
+    rows = json.loads(rows_path.read_text(encoding="utf-8"))["rows"]
+    _finish(args, "draft", config, env, {"rows": rows}, f"rows: {rows_path}")
+    return 0
+
+
+def _run_overhead(args: argparse.Namespace) -> int:
+    from specserve.bench import serve_overhead
+    from specserve.bench.environment import environment
     from specserve.paths import demo_checkpoint
 
-    draft_models: dict[str, Path] = {}
-    for d in args.draft_models:
-        draft_models.update(d)
-    both = {"both": None}
-    return BenchConfig(
-        model=args.model or demo_checkpoint("target"),
-        out=args.out,
-        draft_models=draft_models,
-        demo_drafters=args.model is None or is_scaled_demo(args.model),
-        drafters=tuple(d.strip() for d in args.drafters.split(",") if d.strip()),
-        device=args.device,
-        dtype=args.dtype,
-        max_new_tokens=args.max_new_tokens,
-        num_speculative_tokens=args.num_speculative_tokens,
-        fixed_ks=args.fixed_k or (),
-        prompt_set=args.prompt_set,
-        num_prompts=args.prompts,
-        speculation=("fixed", "adaptive") if args.speculation in both else (args.speculation,),
-        draft_ahead=(False, True) if args.draft_ahead in both else (args.draft_ahead == "on",),
-        k_sweep=args.k_sweep,
-        tax_context=args.tax_context,
-        tax_repeats=args.tax_repeats,
-        seed=args.seed,
-        warmup=args.warmup,
-        hf_baselines=not args.no_hf,
-        bandwidth_bytes=None if args.bandwidth_mib is None else args.bandwidth_mib << 20,
-        num_kv_blocks=args.num_kv_blocks,
-        kv_block_size=args.kv_block_size,
-        projection_timings=args.projection_timings,
-        projection_model=args.projection_model,
-        projection_context=args.projection_context,
-        plots=not args.no_plots,
-        via=("process", "serve-shm", "serve-grpc") if args.via == "serve" else ("process",),
-    )
+    cfg = serve_overhead.OverheadConfig(
+        model=args.model or str(demo_checkpoint("target")), device=args.device, dtype=args.dtype,
+        drafters=args.drafters, k=args.k, requests=args.requests, max_new_tokens=args.max_new_tokens,
+        rounds=args.rounds, deadline_s=args.deadline_s, seed=args.seed)
+    env = environment(cfg.device)
+    result = serve_overhead.run(cfg)
+    _finish(args, "overhead", cfg, env, result, serve_overhead.table(result))
+    return 0
 
 
-def _fmt(value, spec: str, scale: float = 1.0) -> str:
-    return "-" if value is None else format(value * scale, spec)
+def _run_project(args: argparse.Namespace) -> int:
+    from specserve.bench import k2_projection
+    from specserve.bench.environment import environment
+
+    result = k2_projection.run_projection(args.step, args.acceptance, args.allreduce, args.model, args.context)
+    config = {"step": args.step, "acceptance": args.acceptance, "allreduce": args.allreduce, "model": args.model,
+              "context": args.context}
+    _finish(args, "project", config, environment("cpu"), result, "\n".join(k2_projection.format_lines(result)))
+    return 0
 
 
-def format_table(summary: dict) -> str:
-    """The Markdown table BENCHMARKS.md carries (one row per method)."""
-    base = summary["methods"].get("target-only", {}).get("tokens_per_s")
-    lines = [
-        "| method | tok/s | vs target-only | mean accepted length | TTFT ms | step ms: wall (draft / verify / overhead)"
-        " | draft ms / drafted token | floor ms | floor fraction | same output as target-only |",
-        "|---|---:|---:|---:|---:|---|---:|---:|---:|---:|",
-    ]
-    for name, m in summary["methods"].items():
-        tps = m.get("tokens_per_s")
-        ph = m.get("per_step_ms")
-        phases = f"{ph['wall']:.2f} ({ph['draft']:.2f} / {ph['verify']:.2f} / {ph['overhead']:.2f})" if ph else "-"
-        cells = [
-            name,
-            _fmt(tps, ".1f"),
-            f"{tps / base:.2f}x" if tps and base else "-",
-            _fmt(m.get("mean_accepted_length"), ".2f"),
-            _fmt(m.get("ttft_s_mean"), ".1f", 1e3),
-            phases,
-            _fmt(m.get("draft_ms_per_drafted_token"), ".3f"),
-            _fmt(ph["floor"] if ph else None, ".3f"),
-            _fmt(m.get("floor_fraction_of_step"), ".3f"),
-            _fmt(m.get("matches_target_only"), ".2f"),
-        ]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+def _check_device(device: str, needs_cuda: str | None = None) -> None:
+    import torch
+
+    if needs_cuda and not device.startswith("cuda"):
+        raise SpecserveError(f"--device {device}: {needs_cuda}; it needs --device cuda")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise SpecserveError(f"--device {device}: no CUDA device here (torch.cuda.is_available() is false)")
 
 
-def format_via(via: dict) -> str:
-    """In one process against the service processes (shared memory, gRPC only), per method."""
-    lines = ["In one process against the service processes: tok/s and per-step overhead "
-             "(step wall - draft - verify, ms)", "",
-             "| method | via | tok/s | vs in-process | step ms: wall (draft / verify / overhead) | of which transport |"
-             " same output |",
-             "|---|---|---:|---:|---|---:|---:|"]
-    for name, row in via.items():
-        for where, r in row.items():
-            ph = r.get("per_step_ms")
-            phases = f"{ph['wall']:.3f} ({ph['draft']:.3f} / {ph['verify']:.3f} / {ph['overhead']:.3f})" if ph else "-"
-            frac = r.get("fraction_of_process")
-            transport = "-" if where == "process" or not ph else f"{ph.get('transport', 0.0):.3f}"
-            lines.append(f"| {name} | {where} | {_fmt(r.get('tokens_per_s'), '.1f')} | "
-                         f"{'-' if frac is None else f'{frac:.3f}'} | {phases} | {transport} | "
-                         f"{_fmt(r.get('matches_target_only'), '.2f')} |")
-    return "\n".join(lines)
+RUNNERS = {"e2e": bench_e2e.run_e2e, "step": _run_step, "kernels": _run_kernels, "draft": _run_draft,
+           "overhead": _run_overhead, "project": _run_project}
 
 
 def run(args: argparse.Namespace) -> int:
-    from specserve.bench.bench import run_bench
-    from specserve.bench.compare import format_comparison
+    from specserve.bench.quiet import silence_library_bars
 
-    if args.warmup < 0:
-        raise SpecserveError(f"--warmup must be >= 0, got {args.warmup}")
-    summary = run_bench(config_from_args(args), progress=not args.quiet)
-    if args.json:
-        print(json.dumps(summary, indent=2))
-        return 0
-    table = format_table(summary)
-    blocks = [table, format_comparison(summary["comparison"], "Adaptive against the best fixed k (measured)")]
-    if summary.get("via"):
-        blocks.append(format_via(summary["via"]))
-    projection = summary.get("projection") or {}
-    if projection.get("included"):
-        blocks.append(format_comparison(
-            projection["comparison"], f"PROJECTION (not measured) for {projection['shape']}: adaptive against the "
-            "best fixed k", note=projection["notes"]))
-    (args.out / "table.md").write_text("\n\n".join(blocks) + "\n")
-    print("\n\n".join(blocks))
-    for s in summary["skipped"]:
-        print(f"skipped {s['method']}: {s['reason']}")
-    print(f"artifacts: {args.out}/ (summary.json, steps.jsonl, requests.jsonl, verify_tax.jsonl, table.md, plots/)")
-    return 0
+    silence_library_bars()  # Hugging Face's bars would interleave with ours
+    return RUNNERS[args.bench_command or "e2e"](args)

@@ -24,7 +24,7 @@ SUBCOMMANDS = MappingProxyType(
         "draft": ("specserve.cli.draft_cmd", "start a draft service"),
         "gateway": ("specserve.cli.gateway_cmd", "start the gateway"),
         "client": ("specserve.cli.client", "call a running gateway"),
-        "bench": ("specserve.cli.bench_cmd", "run the reproducible benchmark"),
+        "bench": ("specserve.cli.bench_cmd", "the benchmarks: e2e (the default), step, kernels, draft, overhead, project"),
         "train": ("specserve.cli.train_cmd", "train the demo tokenizer, target and drafters"),
     }
 )

@@ -34,7 +34,7 @@ class ParallelConfig:
     tp_rank: int = 0
     tp_size: int = 1
     ep: bool = False  # shard routed experts across ranks instead of slicing each expert
-    # False only in the step benchmark's one-rank shard mode (specserve.bench.step_bench --shard R/N): the
+    # False only in the step benchmark's one-rank shard mode (`specserve bench step --shard R/N`): the
     # shard runs alone, without torch.distributed; its all-reduces are skipped and its logits gather fills the
     # other ranks' vocabulary columns with zeros, so its outputs are not the model's (the collectives are timed
     # separately by specserve.bench.allreduce_bench). Serving always keeps the default.

@@ -3,7 +3,7 @@
 A call is the step's hot path (two thread hops per verify or propose), so it is one queue put and one
 ``call_soon_threadsafe`` back: no ``concurrent.futures`` Future, no ``wrap_future`` chain and no
 executor bookkeeping between the loop and the thread (``run_in_executor`` costed about twice as much
-per hop, ``python -m specserve.bench.serve_overhead``).
+per hop, ``specserve bench overhead``).
 """
 
 from __future__ import annotations

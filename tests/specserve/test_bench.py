@@ -181,7 +181,7 @@ def test_plan_skips_draft_ahead_for_hidden_state_drafters(tmp_path):
 
 
 def test_cli_flags_map_onto_the_config(bench_target, tmp_path):
-    from specserve.cli.bench_cmd import add_arguments, config_from_args
+    from specserve.cli.bench_e2e import add_arguments, config_from_args
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)
@@ -214,7 +214,7 @@ def test_artifacts_exist(bench_run):
     assert {"plots/tokens_per_s.png", "plots/verify_tax.png", "plots/phase_breakdown.png"} <= set(summary["plots"])
     env = summary["environment"]
     assert {"versions", "git", "gpu", "device", "cpu"} <= env.keys() and env["versions"]["torch"]
-    assert summary["copy_bandwidth"]["bytes_per_s"] > 0
+    assert env["bandwidth"]["bytes_per_s"] > 0
     assert summary["engine"]["attention"] and summary["engine"]["experts_fn"]
     proj = summary["projection"]
     assert proj["included"] and proj["label"] == "projection" and "plots/projection.png" in summary["plots"]
@@ -273,6 +273,6 @@ def test_verify_tax_curve(bench_run):
         parts = p["floor_bytes_by_part"]
         assert parts["dense"] == mb["dense_total"] and sum(parts.values()) == p["floor_bytes"]
         assert parts["kv"] == summary["verify_tax"]["context_len"] * mb["kv_entry_bytes"] * mb["num_layers"]
-        bw = summary["copy_bandwidth"]["bytes_per_s"]
+        bw = summary["environment"]["bandwidth"]["bytes_per_s"]
         assert p["floor_ms"] == pytest.approx(p["floor_bytes"] / bw * 1e3, rel=1e-3)
     assert len(read_jsonl(out / "verify_tax.jsonl")) == 3 * 2

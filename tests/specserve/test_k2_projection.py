@@ -1,5 +1,5 @@
-"""specserve.bench.k2_projection: the arithmetic on hand-made shard / collective timings, the labels, and bad input
-as one line (exit 2). The inputs are hand-made, not measurements."""
+"""specserve.bench.k2_projection (`specserve bench project`): the arithmetic on hand-made shard / collective timings,
+the labels, and bad input as one line (exit 2). The inputs are hand-made, not measurements."""
 
 from __future__ import annotations
 
@@ -8,8 +8,13 @@ import json
 import pytest
 
 from specserve.bench import k2_projection
-from specserve.bench.k2_projection import PUBLISHED_ALLREDUCE, build, format_lines, main
+from specserve.bench.k2_projection import PUBLISHED_ALLREDUCE, build, format_lines
 from specserve.bench.projection import ProjectionError
+from specserve.cli.main import main as cli_main
+
+
+def main(argv: list[str]) -> int:
+    return cli_main(["bench", "project", *argv])
 
 LM_HEAD = 40960 * 7168 * 2
 
@@ -101,8 +106,8 @@ def test_bad_input_is_one_line(tmp_path, capsys, shard, allreduce, summary, mess
     (tmp_path / "summary.json").write_text(json.dumps({"methods": methods} if methods else [1, 2]))
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and err.startswith("projection: error:") and message in err, err
-    assert not (tmp_path / "out" / "k2_projection.json").exists()
+    assert len(err.splitlines()) == 1 and err.startswith("specserve bench: error:") and message in err, err
+    assert not (tmp_path / "out" / "summary.json").exists()
 
 
 def test_cli_writes_the_labelled_json_and_picks_the_context(tmp_path, capsys):
@@ -114,17 +119,19 @@ def test_cli_writes_the_labelled_json_and_picks_the_context(tmp_path, capsys):
     (tmp_path / "steps.jsonl").write_text("".join(json.dumps(r) + "\n" for r in (
         {"method": "eagle3/fixed/k2", "drafted": 2, "accepted": 1},
         {"method": "eagle3/fixed/k2", "drafted": 2, "accepted": 2})))
-    base = ["--shard-step", str(tmp_path / "step_bench.json"), "--acceptance", str(tmp_path / "summary.json"),
-            "--out", str(tmp_path)]
+    base = ["--step", str(tmp_path / "step_bench.json"), "--acceptance", str(tmp_path / "summary.json"),
+            "--out", str(tmp_path / "proj")]
     assert main(base) == 0
-    out = json.loads((tmp_path / "k2_projection.json").read_text())
+    out = json.loads((tmp_path / "proj" / "summary.json").read_text())
+    assert out["bench"] == "project" and out["environment"]["git"]
     assert out["projection_inputs"]["context"] == 10240  # default: the largest step_bench --contexts value
     replay = out["projection_per_method"]["eagle3/fixed/k2"]  # its steps replayed at the projected step times
     step2 = out["projection_step_ms_by_k"]["2"]["step_ms"]
     assert replay["tokens_per_s"] == pytest.approx(5 * 1e3 / (2 * step2), rel=1e-3)
-    assert all(line.startswith("projection") for line in capsys.readouterr().out.splitlines())
+    *lines, artifacts = capsys.readouterr().out.splitlines()
+    assert all(line.startswith("projection") for line in lines) and artifacts.startswith("artifacts:")
     assert main(base + ["--context", "128"]) == 0
-    assert json.loads((tmp_path / "k2_projection.json").read_text())["projection_inputs"]["context"] == 128
+    assert json.loads((tmp_path / "proj" / "summary.json").read_text())["projection_inputs"]["context"] == 128
     assert main(base + ["--context", "999"]) == 2
     assert "no context 999" in capsys.readouterr().err
 
@@ -146,26 +153,3 @@ def test_three_layer_counts_fit_by_least_squares_with_a_residual():
     assert fit["max_abs_residual_ms"] == pytest.approx(0.3 * (1 - 1 / 3 - (1 / 9) / (14 / 3)))  # at 2 layers
     assert k2_projection.shard_fit(_shard_report())["by_k"][0]["max_abs_residual_ms"] == pytest.approx(0.0, abs=1e-9)
 
-
-def test_benchmarks_md_commands_parse():
-    """The projection's commands in BENCHMARKS.md parse with each module's own parser (a renamed flag fails here)."""
-    import re
-    import shlex
-    from pathlib import Path
-
-    from specserve.bench import allreduce_bench, step_bench
-
-    parsers = {"step_bench": step_bench.parse_args, "allreduce_bench": allreduce_bench.parse_args,
-               "k2_projection": k2_projection.parse_args}
-    text = (Path(__file__).resolve().parents[2] / "BENCHMARKS.md").read_text(encoding="utf-8")
-    seen = set()
-    for block in re.findall(r"^```\n(.*?)^```", text, flags=re.DOTALL | re.MULTILINE):
-        for line in block.replace("\\\n", " ").splitlines():
-            if not line.startswith("python -m specserve.bench."):
-                continue
-            argv = shlex.split(line, comments=True)
-            if argv[2].removeprefix("specserve.bench.") in parsers:
-                name = argv[2].removeprefix("specserve.bench.")
-                parsers[name](argv[3:])
-                seen.add(name)
-    assert seen == set(parsers)

@@ -8,17 +8,18 @@ import json
 import pytest
 
 from specserve.bench import serve_overhead
+from specserve.cli.main import main
 from specserve.runtime.shm_ring import SHM_DIR, leftover_names
 
 
 @pytest.mark.skipif(not SHM_DIR.is_dir(), reason="no /dev/shm on this host")
 def test_serve_overhead_reports_each_via_with_the_model_time_taken_out(bench_target, tmp_path, capsys):
     before = set(leftover_names())
-    out = tmp_path / "ovh.json"
-    rc = serve_overhead.main(["--model", str(bench_target), "--drafters", "none,ngram", "--k", "2", "--requests", "1",
-                              "--max-new-tokens", "8", "--rounds", "1", "--json", str(out)])
+    rc = main(["bench", "overhead", "--model", str(bench_target), "--drafters", "none,ngram", "--k", "2",
+               "--requests", "1", "--max-new-tokens", "8", "--rounds", "1", "--out", str(tmp_path)])
     assert rc == 0
-    result = json.loads(out.read_text())
+    result = json.loads((tmp_path / "summary.json").read_text())
+    assert result["bench"] == "overhead" and result["config"]["k"] == 2
     assert set(result["methods"]) == {"target-only", "ngram/k2"}
     for method, vias in result["methods"].items():
         assert set(vias) == set(serve_overhead.VIAS)
@@ -41,7 +42,7 @@ def test_serve_overhead_reports_each_via_with_the_model_time_taken_out(bench_tar
 
 
 def test_serve_overhead_refuses_bad_flags_in_one_line(capsys):
-    assert serve_overhead.main(["--model", "synthetic:tiny-qwen3-moe:1", "--drafters", "ngram"]) == 2
-    assert serve_overhead.main(["--model", "synthetic:tiny-qwen3-moe:1", "--drafters", "eagle9"]) == 2
+    assert main(["bench", "overhead", "--model", "synthetic:tiny-qwen3-moe:1", "--drafters", "ngram"]) == 2
+    assert main(["bench", "overhead", "--model", "synthetic:tiny-qwen3-moe:1", "--drafters", "eagle9"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 2 and all(line.startswith("serve_overhead: ") for line in err)
+    assert len(err) == 2 and all(line.startswith("specserve bench: error: --drafters") for line in err), err

@@ -1,5 +1,5 @@
-"""step_bench --shard R/N: one rank's shard of a tensor-parallel model (routed experts expert-parallel) built and
-timed alone, without torch.distributed, and the bytes floor of that rank (hand-computed)."""
+"""`specserve bench step --shard R/N` (bench/step_bench.py): one rank's shard of a tensor-parallel model (routed experts
+expert-parallel) built and timed alone, without torch.distributed, and the bytes floor of that rank (hand-computed)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from specserve.bench import step_bench
+from specserve.cli.main import main
 from specserve.errors import SpecserveError
 from specserve.models.config import ParallelConfig
 from specserve.models.presets import parameter_bytes, synthetic_config
@@ -39,8 +39,8 @@ def test_shard_runs_alone_on_cpu_and_counts_its_own_experts(tmp_path):
     # tiny-kimi-k2-int4: 2 layers (dense, then MoE with 8 experts top-2 + a shared expert), 4 MLA heads
     argv = ["--models", "tiny-kimi-k2-int4", "--contexts", "8", "--max-k", "2", "--reps", "1", "--eager-reps", "1",
             "--device", "cpu", "--dtype", "float32", "--no-graphs", "--shard", "1/4", "--out", str(tmp_path)]
-    assert step_bench.main(argv) == 0
-    report = json.loads((tmp_path / "step_bench.json").read_text())
+    assert main(["bench", "step", *argv]) == 0
+    report = json.loads((tmp_path / "summary.json").read_text())
     (res,) = report["results"]
     assert "error" not in res, res
     assert res["shard"] == {"rank": 1, "size": 4, "ep": True, "collectives": False} and res["layers"] == 2
@@ -58,7 +58,7 @@ def test_shard_runs_alone_on_cpu_and_counts_its_own_experts(tmp_path):
 
 def test_shard_flag_and_engine_config_refusals(tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
-        step_bench.parse_args(["--shard", "4/4"])
+        main(["bench", "step", "--shard", "4/4"])
     assert exc.value.code == 2 and "--shard: expected R/N" in capsys.readouterr().err
     with pytest.raises(SpecserveError, match="synthetic presets in one process"):
         EngineConfig(model=str(tmp_path), bench_shard=(0, 4))  # never a checkpoint a service would serve
@@ -76,8 +76,8 @@ def test_shard_rows_replay_cuda_graphs_on_gpu(tmp_path):
     # failed on that, before this preset was chosen)
     argv = ["--models", "tiny-kimi-k2-int4", "--contexts", "64", "--max-k", "3", "--reps", "3",
             "--eager-reps", "1", "--shard", "0/4", "--out", str(tmp_path)]
-    assert step_bench.main(argv) == 0
-    results = json.loads((tmp_path / "step_bench.json").read_text())["results"]
+    assert main(["bench", "step", *argv]) == 0
+    results = json.loads((tmp_path / "summary.json").read_text())["results"]
     assert [r["layers"] for r in results] == [2]
     for res in results:
         assert "error" not in res, res
