@@ -40,11 +40,13 @@ z-lab's published layout (``architectures: ["DFlashDraftModel"]``) is read as is
 says how it maps onto DFlashConfig's features; the model and the proposer are the same for both.
 
 Session cache: per layer the K/V of the context rows of CONFIRMED positions (tokens of S with target
-rows); rollback keeps the longest prefix whose tokens still match S.
+rows), extended in place by the rows each propose adds (the accepted tokens and the old pending one), never
+recomputed; rollback keeps the longest prefix whose tokens still match S.
 
-On CUDA (``DrafterConfig.graph_window`` > 0) a block's passes run as one CUDA graph per block length, greedy or
-sampled (dflash_graph.py), over a window of that many context rows; the context K/V are still computed eagerly, and
-a longer context drafts eagerly.
+On CUDA (``DrafterConfig.graph_window`` > 0) a propose is two replays (dflash_graph.py) over a window of that many
+context rows: the new rows' context K/V (one graph per row count, 1..max_block_size + 1), then the block's passes
+(one graph per block length, greedy or sampled); a longer extension (a prompt) runs eagerly, a longer context drafts
+eagerly.
 """
 
 from __future__ import annotations
@@ -280,9 +282,33 @@ def _copy_checked(param: torch.Tensor, src: torch.Tensor, what: str) -> None:
 
 @dataclass
 class _DFlashSession:
-    kv: list[tuple[torch.Tensor, torch.Tensor]]  # per layer context K/V of confirmed positions
-    tokens: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # [P] their tokens
-    window_rows: int = 0  # rows of kv unchanged since the graph window last copied them (dflash_graph.py)
+    """Per layer the context K/V of the session's confirmed positions, rows [0, rows) of buffers that grow by
+    doubling: a propose writes its new rows in place (no copy of the older ones)."""
+
+    keys: list[torch.Tensor]  # per layer [capacity, Hkv, D]
+    values: list[torch.Tensor]  # per layer [capacity, Hkv, D]
+    rows: int = 0
+    tokens: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # [rows] their tokens
+    window_rows: int = 0  # rows unchanged since the graph window last held this session's (dflash_graph.py)
+
+    @property
+    def kv(self) -> list[tuple[torch.Tensor, torch.Tensor]]:  # per layer ([rows, Hkv, D], [rows, Hkv, D]) views
+        return [(k[: self.rows], v[: self.rows]) for k, v in zip(self.keys, self.values)]
+
+    def write(self, start: int, new: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Rows start.. of every layer := new (per layer ([n, Hkv, D], [n, Hkv, D])); rows = start + n."""
+        end = start + new[0][0].shape[0]
+        if end > self.keys[0].shape[0]:
+            cap = max(end, 2 * self.keys[0].shape[0])
+            for buffers in (self.keys, self.values):
+                for i, old in enumerate(buffers):
+                    grown = old.new_zeros((cap, *old.shape[1:]))
+                    grown[:start] = old[:start]
+                    buffers[i] = grown
+        for (nk, nv), k, v in zip(new, self.keys, self.values):
+            k[start:end] = nk
+            v[start:end] = nv
+        self.rows = end
 
 
 class DFlashProposer(Proposer):
@@ -325,35 +351,48 @@ class DFlashProposer(Proposer):
 
     def _start_state(self, state: SessionState) -> None:
         c = self.model.cfg
-        empty = torch.zeros(0, c.num_key_value_heads, c.head_dim, dtype=self.model.fc.weight.dtype, device=self.device)
-        state.family_state = _DFlashSession(kv=[(empty, empty) for _ in range(c.num_hidden_layers)])
+        cap = max(64, 2 * len(state))
+
+        def empty() -> torch.Tensor:
+            return torch.zeros(cap, c.num_key_value_heads, c.head_dim, dtype=self.model.fc.weight.dtype,
+                               device=self.device)
+
+        layers = range(c.num_hidden_layers)
+        state.family_state = _DFlashSession(keys=[empty() for _ in layers], values=[empty() for _ in layers])
 
     @torch.inference_mode()
     def _draft_chain(self, state: SessionState, num_tokens: int) -> DraftBlock:
         fs: _DFlashSession = state.family_state
         ids, L = state.ids, len(state)
         keep = min(common_prefix_len(fs.tokens, ids), L - 1)
-        if keep < L - 1:  # context rows for positions keep .. L-2
-            feats = state.hidden_rows(keep, L - 1).to(self.device)
-            new = self.model.context_kv(feats, torch.arange(keep, L - 1, device=self.device))
-            fs.kv = [(torch.cat([k[:keep], nk]), torch.cat([v[:keep], nv])) for (k, v), (nk, nv) in zip(fs.kv, new)]
-        else:
-            fs.kv = [(k[:keep], v[:keep]) for k, v in fs.kv]
-        fs.tokens = ids[: L - 1].copy()
-        fs.window_rows = min(fs.window_rows, keep)
-        state.drop_hidden_before(L - 1 - ROLLBACK_ROWS)
+        n = L - 1 - keep  # context rows for positions keep .. L-2 are new
+        fs.rows, same = keep, min(fs.window_rows, keep)  # rows the window may still hold
+        feats = state.hidden_rows(keep, L - 1).to(self.device) if n else None
         graphs = self.block_graphs
-        if graphs is not None and graphs.fits(L - 1, num_tokens):
-            drafted, q = graphs.draft(fs, fs.kv, fs.window_rows, int(ids[L - 1]), L - 1, num_tokens, state.sampling,
-                                      state.generator)
-            fs.window_rows = L - 1
+        on_graphs = graphs is not None and graphs.fits(L - 1, num_tokens)
+        if on_graphs and graphs.extends(n):  # the new rows' K/V in one replay, straight into the window
+            graphs.load(fs, fs.kv, same, keep)
+            graphs.stage(keep, L - 1, int(ids[L - 1]))
+            fs.write(keep, graphs.extend(keep, feats))
+        else:
+            if n:
+                fs.write(keep, self.model.context_kv(feats, torch.arange(keep, L - 1, device=self.device)))
+            if on_graphs:
+                graphs.load(fs, fs.kv, same, L - 1)
+                graphs.stage(keep, L - 1, int(ids[L - 1]))
+        fs.tokens = ids[: L - 1].copy()
+        fs.window_rows = L - 1 if on_graphs else min(fs.window_rows, keep)
+        state.drop_hidden_before(L - 1 - ROLLBACK_ROWS)
+        if on_graphs:
+            drafted, q = graphs.draft(num_tokens, state.sampling, state.generator)
             probs = None if q is None else to_target_probs(q, self.vocab_size)
             return DraftBlock(token_ids=tuple(drafted), probs=probs)
         first = torch.as_tensor(ids[L - 1 : L], device=self.device)
+        kv = fs.kv
         passes = min(self.passes, num_tokens)
         tokens, qs = first.new_zeros(0), []
         for step in range(passes):  # each pass but the last fixes one more token (module docstring)
-            logits = self.model.block_logits(first, L - 1, fs.kv, given=tokens)  # [b, V]
+            logits = self.model.block_logits(first, L - 1, kv, given=tokens)  # [b, V]
             end = len(tokens) + 1 if step < passes - 1 else num_tokens
             new, q = draw_tokens(logits[len(tokens) : end], state.sampling, state.generator)
             tokens = torch.cat([tokens, new])

@@ -1,9 +1,10 @@
 """DFlash blocks as CUDA graphs (draft_service/dflash_graph.py).
 
-On the CPU the graphs' passes run eagerly over the same static buffers (a fixed window of context rows with a
-device-side length mask, the pending token and its position in device scalars, fixed tokens read in place): a
-session driven through random accept patterns and rollbacks drafts what a fresh eager drafter drafts (greedy, one
-pass and several); sampled, q is each pass's row and the tokens follow it. On a GPU (marked gpu): captured graphs
+On the CPU the graphs' bodies run eagerly over the same static buffers (a fixed window of context rows with a
+device-side length mask, the pending token and its position in device scalars, fixed tokens read in place, the new
+rows' context K/V written into the window): a session driven through random accept patterns and rollbacks drafts
+what a fresh eager drafter drafts (greedy, one pass and several); each propose computes the K/V of only its new rows;
+sampled, q is each pass's row and the tokens follow it. On a GPU (marked gpu): captured graphs
 draft what the eager proposer drafts on the shipped demo, the speculative output equals target-only, and a sampled
 block replayed from its graph equals the same block run through the passes eagerly, seed for seed.
 """
@@ -73,6 +74,41 @@ def test_window_rows_follow_the_session_that_drafts(ckpt):
     """Two sessions take turns on one window (each draft must copy its own rows in), greedy, against eager."""
     check_sessions_take_turns(proposer(ckpt, graphs=False), proposer(ckpt, graphs=True),
                               FakeFeatures(VOCAB, len(LAYERS) * TH), VOCAB)
+
+
+@pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
+def test_context_kv_is_extended_by_the_new_rows_not_recomputed(ckpt, graphs):
+    """Each propose computes the context K/V of only the rows it adds (accepted tokens + the old pending one; graphs:
+    in the extend body, straight into the window), writes them in place into the session's buffers (no reallocation,
+    no copy of the older rows), and the cache equals the K/V of all rows computed at once."""
+    feats = FakeFeatures(VOCAB, len(LAYERS) * TH)
+    p = proposer(ckpt, graphs=graphs)
+    rows = []
+    context_kv = p.model.context_kv
+    p.model.context_kv = lambda f, pos: rows.append(f.shape[0]) or context_kv(f, pos)
+    seq = list(range(1, 11))
+    p.start("s", seq, feats.rows(seq, 0, 9), SamplingParams())
+    block = p.propose("s", 10, [], None, 4)
+    fs = p.session("s").family_state
+    buffers = [t.data_ptr() for t in fs.keys + fs.values]
+    for step in range(5):
+        accepted = list(block.token_ids[: step % 3])
+        grown = seq + accepted + [(step * 5 + 3) % VOCAB]
+        block = p.propose("s", len(seq), grown[len(seq):], feats.rows(grown, len(seq) - 1, len(grown) - 1), 4)
+        assert rows[-1] == len(accepted) + 1, f"step {step}: {rows}"
+        seq = grown
+    assert rows[0] == 9 and len(rows) == 6  # the prompt's rows once, then only the new ones
+    assert [t.data_ptr() for t in fs.keys + fs.values] == buffers  # written in place
+    with torch.no_grad():
+        want = context_kv(feats.rows(seq, 0, len(seq) - 1).double(), torch.arange(len(seq) - 1))
+    for (k, v), (wk, wv) in zip(fs.kv, want):
+        torch.testing.assert_close(k, wk)
+        torch.testing.assert_close(v, wv)
+    if graphs:  # the window holds the same rows
+        window = p.block_graphs
+        for (k, v), keys, values in zip(fs.kv, window.keys, window.values):
+            torch.testing.assert_close(keys[: len(seq) - 1], k)
+            torch.testing.assert_close(values[: len(seq) - 1], v)
 
 
 def test_a_rollback_recopies_the_window_rows_it_replaced(ckpt):
@@ -152,7 +188,7 @@ def test_captured_blocks_on_the_demo_draft_what_the_eager_path_drafts(dtype):
     engine = build_engine(EngineConfig(model=demo_checkpoint("target"), device="cuda", dtype=dtype))
     graphs, eager = _demo_proposer(dtype, 1024), _demo_proposer(dtype, 0)
     assert eager.block_graphs is None and graphs.block_graphs.capture_errors == {}
-    assert graphs.block_graphs.captured == 4 * 2  # blocks of 1..4, greedy and sampled
+    assert graphs.block_graphs.captured == 4 * 2 + 5  # blocks of 1..4, greedy and sampled; extensions by 1..5 rows
     check_graphs_draft_as_eager(engine, graphs, eager, PROMPTS, dtype)
 
 
