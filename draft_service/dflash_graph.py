@@ -29,11 +29,11 @@ import weakref
 import torch
 
 from specserve.contract.types import SamplingParams
-from specserve.draft_service.graph_capture import capture_or_record
+from specserve.draft_service.graph_capture import GraphBodies, StagedBuffer
 from specserve.draft_service.graph_sampling import GraphSampler
 
 
-class DFlashBlockGraphs:
+class DFlashBlockGraphs(GraphBodies):
     """Extend graphs for 1..k_max + 1 new context rows and block graphs for 1..k_max drafted tokens, greedy and
     sampled, sharing one set of static buffers and one memory pool."""
 
@@ -41,25 +41,22 @@ class DFlashBlockGraphs:
         c = model.cfg
         dev, dtype = model.fc.weight.device, model.fc.weight.dtype
         self.model, self.window, self.k_max, self.passes = model, window, k_max, passes
-        self.device = dev
+        super().__init__(dev)
         shape = (window, c.num_key_value_heads, c.head_dim)
         self.keys = [torch.zeros(shape, dtype=dtype, device=dev) for _ in range(c.num_hidden_layers)]  # [W, Hkv, D]
         self.values = [torch.zeros(shape, dtype=dtype, device=dev) for _ in range(c.num_hidden_layers)]
-        self.args = torch.zeros(4, dtype=torch.int64, device=dev)  # [4] ctx, pending token, its position, keep
+        self._staged = StagedBuffer(4, torch.int64, dev)
+        self.args = self._staged.values  # [4] ctx, pending token, its position, keep
         self.ctx = self.args[0]  # 0-dim: context rows in the window (P)
         self.first = self.args[1:2]  # [1] the pending token
         self.first_pos = self.args[2]  # 0-dim: its position
         self.keep = self.args[3]  # 0-dim: rows kept before this propose's extension
-        self._host = torch.zeros(4, dtype=torch.int64, pin_memory=dev.type == "cuda")
-        self._copied = torch.cuda.Event() if dev.type == "cuda" else None
         self.n_max = k_max + 1  # the most new rows one extend graph computes (accepted tokens + the old pending one)
         self.feats = torch.zeros(self.n_max, len(c.target_layer_ids) * c.target_hidden_size, dtype=dtype, device=dev)
         self.tokens = torch.zeros(k_max, dtype=torch.int64, device=dev)  # [k_max] drafted ids
         self.sampler = GraphSampler(k_max, c.vocab_size, dev)
         self._rows = torch.arange(window, device=dev)  # [W]
         self._owner = None  # weak reference to the session state whose rows the window holds
-        self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
-        self.capture_errors: dict[tuple, str] = {}  # graph key -> why it was not captured
 
     # ---- what the graphs record (device ops only) ------------------------------------------------
     def _block_body(self, k: int, sampled: bool) -> None:
@@ -95,40 +92,15 @@ class DFlashBlockGraphs:
         return blocks + [("extend", n) for n in range(self.n_max, 0, -1)]
 
     # ---- capture and replay ----------------------------------------------------------------------
-    @torch.inference_mode()
     def capture(self) -> None:
-        """Capture every block length, greedy and sampled, and every extension (call before serving; the weights must
-        not move after)."""
-        dev = self.device
-        stream = torch.cuda.Stream(dev)
-        stream.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(stream):
-            for key in self._keys():  # warm-up outside the capture
-                self._body(key)
-        torch.cuda.current_stream(dev).wait_stream(stream)
-        pool = torch.cuda.graph_pool_handle()
-        for key in self._keys():
-            capture_or_record(type(self).__name__, key, lambda: self._body(key), pool, self._graphs,
-                              self.capture_errors)
+        super().capture()
         self._owner = None  # the warm-up wrote scratch rows
-        torch.cuda.synchronize(dev)
-
-    @property
-    def captured(self) -> int:
-        return len(self._graphs)
 
     def fits(self, ctx: int, k: int) -> bool:
         return 1 <= k <= self.k_max and ctx <= self.window
 
     def extends(self, n: int) -> bool:
         return 1 <= n <= self.n_max
-
-    def _run(self, key: tuple) -> None:
-        graph = self._graphs.get(key)
-        if graph is not None:
-            graph.replay()
-        else:
-            self._body(key)
 
     @torch.inference_mode()
     def load(
@@ -146,13 +118,8 @@ class DFlashBlockGraphs:
 
     def stage(self, keep: int, ctx: int, first_token: int) -> None:
         """One pinned host-to-device copy: ctx, the pending token (at position ctx) and keep."""
-        if self._copied is not None:
-            self._copied.synchronize()  # the previous copy out of the staging buffer has run (long ago, in practice)
-        h = self._host.numpy()
-        h[0], h[1], h[2], h[3] = ctx, first_token, ctx, keep
-        self.args.copy_(self._host, non_blocking=True)
-        if self._copied is not None:
-            self._copied.record()
+        self._staged.host()[:] = (ctx, first_token, ctx, keep)
+        self._staged.send()
 
     @torch.inference_mode()
     def extend(self, keep: int, feats: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:  # feats [n, F]

@@ -30,11 +30,11 @@ import torch
 
 from specserve.contract.types import SamplingParams
 from specserve.draft_service.eagle3_head import Eagle3Head
-from specserve.draft_service.graph_capture import capture_or_record
+from specserve.draft_service.graph_capture import GraphBodies, StagedBuffer
 from specserve.draft_service.graph_sampling import GraphSampler
 
 
-class Eagle3ChainGraphs:
+class Eagle3ChainGraphs(GraphBodies):
     """Catch-up graphs for 1..k_max + 1 confirmed tokens and chain graphs for 1..k_max drafted tokens, greedy and
     sampled, sharing one set of static buffers and one memory pool."""
 
@@ -43,25 +43,22 @@ class Eagle3ChainGraphs:
         dev = head.fc.weight.device
         dtype = head.fc.weight.dtype
         self.head, self.d2t, self.window, self.k_max = head, d2t, window, k_max  # d2t [Vd] target id of each draft id
-        self.device = dev
+        super().__init__(dev)
         slots = window + k_max
         self.keys = torch.zeros(slots, a.num_kv_heads, a.head_dim, dtype=dtype, device=dev)  # [W + k_max, Hkv, D]
         self.values = torch.zeros_like(self.keys)
         n_max = k_max + 1  # the most confirmed tokens one catch-up graph feeds
-        self.args = torch.zeros(2 + n_max, dtype=torch.int64, device=dev)  # [2 + n_max]
+        self._staged = StagedBuffer(2 + n_max, torch.int64, dev)
+        self.args = self._staged.values  # [2 + n_max]
         self.keep = self.args[0]  # 0-dim: confirmed entries kept before the catch-up
         self.ctx = self.args[1]  # 0-dim: confirmed entries after it (the pending token's draft position + 1)
         self.cu_tokens = self.args[2:]  # [n_max] target ids of the confirmed tokens to feed
-        self._host = torch.zeros(2 + n_max, dtype=torch.int64, pin_memory=dev.type == "cuda")
-        self._copied = torch.cuda.Event() if dev.type == "cuda" else None
         self.cu_feats = torch.zeros(n_max, 3 * head.cfg.target_hidden_size, dtype=dtype, device=dev)  # [n_max, 3 Ht]
         self.out0 = torch.zeros(1, head.cfg.hidden_size, dtype=dtype, device=dev)  # head output at the pending token
         self.tokens = torch.zeros(k_max, dtype=torch.int64, device=dev)  # [k_max] drafted target ids
         self.sampler = GraphSampler(k_max, head.cfg.draft_vocab_size, dev)  # q over the draft vocabulary
         self._slot_ids = torch.arange(slots, device=dev)  # [W + k_max]
         self._causal = torch.ones(n_max, n_max, dtype=torch.bool, device=dev).tril()  # [n_max, n_max]
-        self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}  # empty until capture(): the bodies then run eagerly
-        self.capture_errors: dict[tuple, str] = {}  # graph key -> why it was not captured
         self.owner: object = None  # the session whose confirmed entries fill the window's first slots
 
     # ---- what the graphs record (device ops only) ------------------------------------------------
@@ -109,26 +106,9 @@ class Eagle3ChainGraphs:
         return chains + [("catch_up", n) for n in range(self.k_max + 1, 0, -1)]
 
     # ---- capture and replay ----------------------------------------------------------------------
-    @torch.inference_mode()
     def capture(self) -> None:
-        """Capture every chain length and catch-up size (call before serving; the head's weights must not move)."""
-        dev = self.device
-        stream = torch.cuda.Stream(dev)
-        stream.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(stream):
-            for key in self._keys():  # warm-up outside the capture
-                self._body(key)
-        torch.cuda.current_stream(dev).wait_stream(stream)
-        pool = torch.cuda.graph_pool_handle()
-        for key in self._keys():
-            capture_or_record(type(self).__name__, key, lambda: self._body(key), pool, self._graphs,
-                              self.capture_errors)
+        super().capture()
         self.owner = None  # capture wrote scratch entries
-        torch.cuda.synchronize(dev)
-
-    @property
-    def captured(self) -> int:
-        return len(self._graphs)
 
     def fits(self, ctx: int, k: int) -> bool:
         return 1 <= k <= self.k_max and ctx <= self.window
@@ -136,23 +116,12 @@ class Eagle3ChainGraphs:
     def catch_up_fits(self, keep: int, n: int) -> bool:
         return 1 <= n <= self.k_max + 1 and keep + n <= self.window
 
-    def _run(self, key: tuple) -> None:
-        graph = self._graphs.get(key)
-        if graph is not None:
-            graph.replay()
-        else:
-            self._body(key)
-
     def _stage(self, keep: int, ctx: int, tokens=()) -> None:
         """One pinned host-to-device copy of args (keep, ctx, catch-up tokens)."""
-        if self._copied is not None:
-            self._copied.synchronize()  # the previous copy out of the staging buffer has run (long ago, in practice)
-        h = self._host.numpy()
+        h = self._staged.host()
         h[0], h[1] = keep, ctx
         h[2 : 2 + len(tokens)] = tokens
-        self.args.copy_(self._host, non_blocking=True)
-        if self._copied is not None:
-            self._copied.record()
+        self._staged.send()
 
     @torch.inference_mode()
     def catch_up(

@@ -3,6 +3,7 @@ their drafters)."""
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from collections.abc import Callable
 
@@ -49,3 +50,76 @@ def use_norm_kernel(module: torch.nn.Module) -> None:
         for m in module.modules():
             if isinstance(m, RMSNorm):
                 m.use_kernel = True
+
+
+class StagedBuffer:
+    """A small device buffer that a graph reads, refilled before its replay by one asynchronous copy from pinned host
+    memory (no host synchronisation): fill `host()`, then `send()`."""
+
+    def __init__(self, size: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.values = torch.zeros(size, dtype=dtype, device=device)  # [size] what the graphs read
+        self._host = torch.zeros(size, dtype=dtype, pin_memory=device.type == "cuda")
+        self._copied = torch.cuda.Event() if device.type == "cuda" else None
+
+    def host(self):  # -> np.ndarray [size], the staging memory to fill
+        """The pinned staging array, once the previous copy out of it has run (long ago, in practice: a propose ends on
+        a read of its result)."""
+        if self._copied is not None:
+            self._copied.synchronize()
+        return self._host.numpy()
+
+    def send(self) -> None:
+        self.values.copy_(self._host, non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()
+
+
+class GraphBodies:
+    """Graphs keyed by shape, each one recording `_body(key)` over the subclass's static buffers; a key that is not
+    captured (a CPU, before capture(), or a shape that failed to capture) runs its body eagerly over the same buffers.
+    Subclasses give `_keys()` (every shape, largest first) and `_body(key)`, and may wrap both capture and eager runs
+    in `_context()`."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}  # empty until capture()
+        self.capture_errors: dict[tuple, str] = {}  # graph key -> why it was not captured
+
+    def _keys(self) -> list[tuple]:
+        raise NotImplementedError
+
+    def _body(self, key: tuple) -> None:
+        raise NotImplementedError
+
+    def _context(self):
+        return contextlib.nullcontext()
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Warm every body up on a side stream (cuBLAS handles, allocator), then capture each into one memory pool
+        (call before serving; the weights must not move after)."""
+        dev = self.device
+        stream = torch.cuda.Stream(dev)
+        stream.wait_stream(torch.cuda.current_stream(dev))
+        with self._context(), torch.cuda.stream(stream):
+            for key in self._keys():
+                self._body(key)
+        torch.cuda.current_stream(dev).wait_stream(stream)
+        pool = torch.cuda.graph_pool_handle()
+        with self._context():
+            for key in self._keys():
+                capture_or_record(type(self).__name__, key, lambda: self._body(key), pool, self._graphs,
+                                  self.capture_errors)
+        torch.cuda.synchronize(dev)
+
+    @property
+    def captured(self) -> int:
+        return len(self._graphs)
+
+    def _run(self, key: tuple) -> None:
+        graph = self._graphs.get(key)
+        if graph is not None:
+            graph.replay()
+        else:
+            with self._context():
+                self._body(key)

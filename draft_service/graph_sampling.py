@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from specserve.contract.types import SamplingParams
+from specserve.draft_service.graph_capture import StagedBuffer
 
 _TINY = 1e-30  # Exp(1) noise is clamped above 0: q(x) = 0 then scores 0, never 0 / 0
 
@@ -50,22 +51,18 @@ class GraphSampler:
     """The static buffers of sampled draws: parameters, noise, and the q of each drawn row."""
 
     def __init__(self, rows: int, vocab: int, device: torch.device) -> None:
-        self.params = torch.tensor([1.0, 0.0, 1.0], device=device)  # [3] temperature, top_k, top_p
+        self._staged = StagedBuffer(3, torch.float32, device)
+        self.params = self._staged.values  # [3] temperature, top_k, top_p
+        self.params.copy_(torch.tensor([1.0, 0.0, 1.0]))
         self.noise = torch.ones(rows, vocab, device=device)  # [R, V] Exp(1) draws of the next replay
         self.q = torch.zeros(rows, vocab, device=device)  # [R, V] float32: q of every drawn row
         self.generator = torch.Generator(device=device)  # reseeded from the session's generator by set()
-        self._host = torch.zeros(3, pin_memory=device.type == "cuda")
-        self._copied = torch.cuda.Event() if device.type == "cuda" else None
 
     def set(self, sampling: SamplingParams, session_generator: torch.Generator, rows: int) -> None:
         """Before a replay: this request's parameters, and fresh noise for its first `rows` draws (the session's
         generator advances by one draw)."""
-        if self._copied is not None:
-            self._copied.synchronize()  # the last copy out of the staging buffer has run (long ago, in practice)
-        self._host.copy_(torch.tensor([sampling.temperature, float(sampling.top_k), sampling.top_p]))
-        self.params.copy_(self._host, non_blocking=True)
-        if self._copied is not None:
-            self._copied.record()
+        self._staged.host()[:] = (sampling.temperature, float(sampling.top_k), sampling.top_p)
+        self._staged.send()
         self.generator.manual_seed(int(torch.randint(0, 2**62, (1,), generator=session_generator)))
         self.noise[:rows].exponential_(generator=self.generator).clamp_min_(_TINY)
 

@@ -29,43 +29,40 @@ import numpy as np
 import torch
 
 from specserve.contract.types import SamplingParams
-from specserve.draft_service.graph_capture import capture_or_record
+from specserve.draft_service.graph_capture import GraphBodies, StagedBuffer
 from specserve.draft_service.graph_sampling import GraphSampler
 from specserve.models.attn_backend import make_attention_backend
 from specserve.models.attn_metadata import AttentionBatch
 from specserve.models.kv_cache import PagedKVCache
 
 
-class ModelChainGraphs:
+class ModelChainGraphs(GraphBodies):
     """Feed graphs for 1..feed_max tokens and chain graphs for 1..k_max drafted tokens, greedy and sampled, sharing one
     set of static buffers and one memory pool."""
 
     def __init__(self, model, kv: PagedKVCache, block_size: int, window: int, vocab: int, k_max: int,
                  feed_max: int, attention: str = "paged_torch") -> None:  # attention: "triton_paged" | "paged_torch"
         dev = kv.device
+        super().__init__(dev)
         self.model, self.kv, self.block_size, self.vocab = model, kv, block_size, vocab
         self.k_max, self.feed_max = k_max, feed_max
         self.num_blocks = max(1, window // block_size)  # NB: the attention window in blocks
         self.window = self.num_blocks * block_size  # positions a chain may reach
-        self.device = dev
         self.attention = attention
         self.backend = make_attention_backend(model, attention, block_size, dev, kv.dtype)
         n_args = 2 + feed_max + self.num_blocks
-        self.args = torch.zeros(n_args, dtype=torch.int64, device=dev)  # [2 + feed_max + NB]
+        self._staged = StagedBuffer(n_args, torch.int64, dev)
+        self.args = self._staged.values  # [2 + feed_max + NB]
         self.feed_start = self.args[0]  # 0-dim: cache position of the feed's first token
         self.chain_start = self.args[1]  # 0-dim: cache position of drafted token 0 (= len(S))
         self.feed_ids = self.args[2 : 2 + feed_max]  # [feed_max]
         self.table = self.args[2 + feed_max :]  # [NB] the session's block table, zero-padded
-        self._host = torch.zeros(n_args, dtype=torch.int64, pin_memory=dev.type == "cuda")
-        self._copied = torch.cuda.Event() if dev.type == "cuda" else None
         self.logits0 = torch.zeros(vocab, dtype=torch.float32, device=dev)  # [V] logits after the pending token
         self.tokens = torch.zeros(k_max, dtype=torch.int64, device=dev)  # [k_max] drafted ids
         self.sampler = GraphSampler(k_max, vocab, dev)
         self._arange = torch.arange(max(feed_max, k_max, 1), dtype=torch.int64, device=dev)
         # the backend's step of each forward size (PagedStep or RowsStep): block table [1, NB], lengths, causal rows
         self._steps = {t: self._new_step(t) for t in range(1, max(feed_max, 1) + 1)}
-        self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}  # empty until capture(): bodies then run eagerly
-        self.capture_errors: dict[tuple, str] = {}  # graph key -> why it was not captured
 
     def _new_step(self, t: int):
         from specserve.kernels.attention import GraphShape
@@ -129,7 +126,7 @@ class ModelChainGraphs:
             self._chain_body(key[1], key[2])
 
     @contextlib.contextmanager
-    def _paged(self):
+    def _context(self):
         """The model's attention through this module's paged backend (the eager drafter keeps its own attention)."""
         previous = self.model.attn_backend
         self.model.set_attention_backend(self.backend)
@@ -142,45 +139,13 @@ class ModelChainGraphs:
         feeds = [("feed", n) for n in range(self.feed_max, 0, -1)]
         return feeds + [("chain", k, s) for k in range(self.k_max, 0, -1) for s in (True, False)]
 
-    # ---- capture and replay ----------------------------------------------------------------------
-    @torch.inference_mode()
-    def capture(self) -> None:
-        """Capture every feed and chain graph (before any session holds blocks; the weights must not move after)."""
-        dev = self.device
-        stream = torch.cuda.Stream(dev)
-        stream.wait_stream(torch.cuda.current_stream(dev))
-        with self._paged(), torch.cuda.stream(stream):
-            for key in self._keys():  # warm-up outside the capture (cuBLAS handles, allocator)
-                self._body(key)
-        torch.cuda.current_stream(dev).wait_stream(stream)
-        pool = torch.cuda.graph_pool_handle()
-        with self._paged():
-            for key in self._keys():
-                self._capture_one(key, pool)
-        torch.cuda.synchronize(dev)
-
-    def _capture_one(self, key: tuple, pool) -> None:
-        """One graph; a shape that fails to capture runs its body eagerly (over the same buffers) and says why."""
-        capture_or_record(type(self).__name__, key, lambda: self._body(key), pool, self._graphs, self.capture_errors)
-
-    @property
-    def captured(self) -> int:
-        return len(self._graphs)
-
+    # ---- replay ----------------------------------------------------------------------------------
     def fits(self, seq_len: int, k: int) -> bool:
         """Whether a chain of k after a sequence of seq_len tokens stays inside the window."""
         return 1 <= k <= self.k_max and seq_len + k - 1 <= self.window
 
     def feeds(self, n: int) -> bool:
         return 1 <= n <= self.feed_max
-
-    def _run(self, key: tuple) -> None:
-        graph = self._graphs.get(key)
-        if graph is not None:
-            graph.replay()
-        else:
-            with self._paged():
-                self._body(key)
 
     @torch.inference_mode()
     def draft(
@@ -193,19 +158,15 @@ class ModelChainGraphs:
         feed: tuple[np.ndarray, int] | None = None,  # (ids [n], start): tokens the cache lacks, fed by a feed graph
         logits0: torch.Tensor | None = None,  # [V] logits after the pending token, when the feed ran eagerly
     ) -> tuple[list[int], torch.Tensor | None]:  # k drafted ids, q [k, V] float32 (sampled) or None
-        if self._copied is not None:
-            self._copied.synchronize()  # the previous copy out of the staging buffer has run
-        h = self._host
-        h.zero_()
+        h = self._staged.host()
+        h[:] = 0
         h[1] = chain_start
         if feed is not None:
             ids, start = feed
             h[0] = start
-            h[2 : 2 + len(ids)] = torch.from_numpy(np.ascontiguousarray(ids, dtype=np.int64))
-        h[2 + self.feed_max : 2 + self.feed_max + len(table)] = torch.tensor(table, dtype=torch.int64)
-        self.args.copy_(h, non_blocking=True)
-        if self._copied is not None:
-            self._copied.record()
+            h[2 : 2 + len(ids)] = ids
+        h[2 + self.feed_max : 2 + self.feed_max + len(table)] = table
+        self._staged.send()
         sampled = not sampling.greedy
         if sampled:
             self.sampler.set(sampling, generator, k)
