@@ -198,6 +198,13 @@ class Eagle3Proposer(Proposer):
         fs: _Eagle3Session = state.family_state
         root_out = self._catch_up(state)
         ctx, base = fs.kv_len, len(state) - 2
+        graphs = self.chain_graphs
+        if graphs is not None and graphs.trees.fits(ctx, spec):  # the whole tree in one replay (eagle3_tree_graph.py)
+            if graphs.owner is not fs:  # the catch-up ran eagerly: the window takes its result
+                graphs.load(fs, fs.k[:ctx], fs.v[:ctx], root_out)
+            tokens, parents, q = graphs.trees.draft(spec, state.sampling, state.generator)
+            probs = None if q is None else to_target_probs(q, self.vocab_size, self.d2t_ids)
+            return DraftBlock(token_ids=tuple(tokens), parents=tuple(parents), probs=probs)
         fed: list[int] = []  # nodes whose entries exist, in feeding order
         node_out: dict[int, torch.Tensor] = {-1: root_out}
         node_k: list[torch.Tensor] = []  # [1, Hkv, D] per fed node

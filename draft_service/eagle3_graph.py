@@ -4,8 +4,9 @@ the drafted chain in another, greedy or sampled, with no host read until the cha
 The eager chain (eagle3.py `_draft_chain`) concatenates each drafted token's K/V onto the session's cache, so every
 pass has a new shape. Here the passes work on fixed buffers instead:
 
-- a window of W + k_max key slots (`keys`, `values` [W + k_max, Hkv, D]); slot e holds the entry of draft position e
-  (sequence position e + 1). The window remembers whose confirmed entries fill its first slots (`owner`): a session
+- a window of P = W + max(k_max, 64) key slots (`keys`, `values` [P, Hkv, D]); slot e holds the entry of draft
+  position e (sequence position e + 1); the slots past the confirmed ones take drafted entries (or a tree's fed
+  nodes: eagle3_tree_graph.py, whose graphs run over this window after the same catch-up). The window remembers whose confirmed entries fill its first slots (`owner`): a session
   drafting again copies nothing in; another session's turn copies its ctx entries in (device to device);
 - one pinned host-to-device copy per propose brings `args` = (keep, ctx, the catch-up's token ids): the confirmed
   entries still valid, the entries after the catch-up (ctx = keep + n; the pending token's draft position is
@@ -30,8 +31,11 @@ import torch
 
 from specserve.contract.types import SamplingParams
 from specserve.draft_service.eagle3_head import Eagle3Head
+from specserve.draft_service.eagle3_tree_graph import Eagle3TreeGraphs
 from specserve.draft_service.graph_capture import GraphBodies, StagedBuffer
 from specserve.draft_service.graph_sampling import GraphSampler
+
+TREE_SPARE_SLOTS = 64  # window slots past W for a tree's fed nodes ((depth - 1) * top_k of them)
 
 
 class Eagle3ChainGraphs(GraphBodies):
@@ -44,8 +48,8 @@ class Eagle3ChainGraphs(GraphBodies):
         dtype = head.fc.weight.dtype
         self.head, self.d2t, self.window, self.k_max = head, d2t, window, k_max  # d2t [Vd] target id of each draft id
         super().__init__(dev)
-        slots = window + k_max
-        self.keys = torch.zeros(slots, a.num_kv_heads, a.head_dim, dtype=dtype, device=dev)  # [W + k_max, Hkv, D]
+        slots = window + max(k_max, TREE_SPARE_SLOTS)  # drafted entries (chains) or fed tree nodes past the window
+        self.keys = torch.zeros(slots, a.num_kv_heads, a.head_dim, dtype=dtype, device=dev)  # [P, Hkv, D]
         self.values = torch.zeros_like(self.keys)
         n_max = k_max + 1  # the most confirmed tokens one catch-up graph feeds
         self._staged = StagedBuffer(2 + n_max, torch.int64, dev)
@@ -57,17 +61,18 @@ class Eagle3ChainGraphs(GraphBodies):
         self.out0 = torch.zeros(1, head.cfg.hidden_size, dtype=dtype, device=dev)  # head output at the pending token
         self.tokens = torch.zeros(k_max, dtype=torch.int64, device=dev)  # [k_max] drafted target ids
         self.sampler = GraphSampler(k_max, head.cfg.draft_vocab_size, dev)  # q over the draft vocabulary
-        self._slot_ids = torch.arange(slots, device=dev)  # [W + k_max]
+        self._slot_ids = torch.arange(slots, device=dev)  # [P]
         self._causal = torch.ones(n_max, n_max, dtype=torch.bool, device=dev).tril()  # [n_max, n_max]
         self.owner: object = None  # the session whose confirmed entries fill the window's first slots
+        self.trees = Eagle3TreeGraphs(self, TREE_SPARE_SLOTS)  # whole trees over the same window (eagle3_tree_graph.py)
 
     # ---- what the graphs record (device ops only) ------------------------------------------------
     def _chain_body(self, k: int, sampled: bool) -> None:
         head = self.head
         if k > 1:  # the k - 1 fed tokens' positions (= their slots), masks and RoPE tables, made once
             pos = self.ctx + self._slot_ids[: k - 1]  # [k - 1]
-            visible = self._slot_ids[None] < pos[:, None]  # [k - 1, W + k_max]: confirmed entries and earlier drafts
-            masks = torch.cat([visible, visible.new_ones(k - 1, 1)], dim=1)  # [k - 1, W + k_max + 1] (own key last)
+            visible = self._slot_ids[None] < pos[:, None]  # [k - 1, P]: confirmed entries and earlier drafts
+            masks = torch.cat([visible, visible.new_ones(k - 1, 1)], dim=1)  # [k - 1, P + 1] (own key last)
             cos, sin = head.rotary.cos_sin(pos, self.out0.dtype)  # [k - 1, D / 2] each
         out = self.out0
         logits = head.logits(out)  # [1, Vd]
@@ -86,8 +91,8 @@ class Eagle3ChainGraphs(GraphBodies):
     def _catch_up_body(self, n: int) -> None:
         """Feed the n confirmed tokens in cu_tokens / cu_feats after the window's first `keep` entries."""
         pos = self.keep + self._slot_ids[:n]  # [n] draft positions == window slots
-        visible = (self._slot_ids < self.keep)[None].expand(n, -1)  # [n, W + k_max]
-        mask = torch.cat([visible, self._causal[:n, :n]], dim=1)  # [n, W + k_max + n]
+        visible = (self._slot_ids < self.keep)[None].expand(n, -1)  # [n, P]
+        mask = torch.cat([visible, self._causal[:n, :n]], dim=1)  # [n, P + n]
         head = self.head
         out, key, value = head.step(head.embed(self.cu_tokens[:n]), head.fuse(self.cu_feats[:n]), pos, self.keys,
                                     self.values, mask)
@@ -108,6 +113,7 @@ class Eagle3ChainGraphs(GraphBodies):
     # ---- capture and replay ----------------------------------------------------------------------
     def capture(self) -> None:
         super().capture()
+        self.trees.capture()  # its graphs are captured per tree shape, on first use
         self.owner = None  # capture wrote scratch entries
 
     def fits(self, ctx: int, k: int) -> bool:

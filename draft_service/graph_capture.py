@@ -84,6 +84,7 @@ class GraphBodies:
         self.device = device
         self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}  # empty until capture()
         self.capture_errors: dict[tuple, str] = {}  # graph key -> why it was not captured
+        self._pool = None  # the graphs' memory pool, made by capture()
 
     def _keys(self) -> list[tuple]:
         raise NotImplementedError
@@ -98,19 +99,29 @@ class GraphBodies:
     def capture(self) -> None:
         """Warm every body up on a side stream (cuBLAS handles, allocator), then capture each into one memory pool
         (call before serving; the weights must not move after)."""
+        self._pool = torch.cuda.graph_pool_handle()
+        self._capture_keys(self._keys())
+
+    def _capture_keys(self, keys: list[tuple]) -> None:
         dev = self.device
         stream = torch.cuda.Stream(dev)
         stream.wait_stream(torch.cuda.current_stream(dev))
         with self._context(), torch.cuda.stream(stream):
-            for key in self._keys():
+            for key in keys:
                 self._body(key)
         torch.cuda.current_stream(dev).wait_stream(stream)
-        pool = torch.cuda.graph_pool_handle()
         with self._context():
-            for key in self._keys():
-                capture_or_record(type(self).__name__, key, lambda: self._body(key), pool, self._graphs,
+            for key in keys:
+                capture_or_record(type(self).__name__, key, lambda: self._body(key), self._pool, self._graphs,
                                   self.capture_errors)
         torch.cuda.synchronize(dev)
+
+    def _capture_late(self, key: tuple, limit: int) -> None:
+        """After capture(): capture one more shape on first use (shapes chosen per request, e.g. tree sizes), at most
+        `limit` of them; the warm-up ran the body, so a replay follows to give its results again."""
+        if self._pool is None or key in self._graphs or key in self.capture_errors or len(self._graphs) >= limit:
+            return
+        self._capture_keys([key])
 
     @property
     def captured(self) -> int:

@@ -124,9 +124,10 @@ def check_two_draws_follow_q(proposer, seq, rows, runs: int) -> None:
     assert draws_pvalue(seconds[top], q2[other]) < 1e-3  # ... and the test tells the two apart
 
 
-def paired_greedy(engine, verified, shadow, sid: str, prompt, k: int, max_new: int) -> tuple[list[int], int, int]:
-    """A greedy loop that verifies `verified`'s blocks while `shadow` gets the same syncs and drafts on the same
-    sequence each step: (emitted tokens, steps whose two blocks were equal, steps)."""
+def paired_greedy(engine, verified, shadow, sid: str, prompt, k: int, max_new: int,
+                  tree: TreeSpec | None = None) -> tuple[list[int], int, int]:
+    """A greedy loop that verifies `verified`'s blocks (chains, or trees of `tree`) while `shadow` gets the same syncs
+    and drafts on the same sequence each step: (emitted tokens, steps whose two blocks were equal, steps)."""
     sampling = SamplingParams()
     layers = verified.info.hidden_layers if verified.info.needs_hidden_states else ()
     pre = engine.prefill(sid, prompt, sampling, layers)
@@ -135,8 +136,8 @@ def paired_greedy(engine, verified, shadow, sid: str, prompt, k: int, max_new: i
         p.start(sid, seq, pre.hidden, sampling)
     prefix, append, hidden, same, steps = len(seq), (), None, 0, 0
     while len(emitted) < max_new:
-        block = verified.propose(sid, prefix, append, hidden, k)
-        same += shadow.propose(sid, prefix, append, hidden, k).token_ids == block.token_ids
+        block = verified.propose(sid, prefix, append, hidden, k, tree)
+        same += block_tokens(shadow.propose(sid, prefix, append, hidden, k, tree)) == block_tokens(block)
         steps += 1
         res = engine.verify(sid, block)
         prefix, append, hidden = len(seq), tuple(res.accepted_ids) + (res.next_token,), res.hidden
@@ -148,14 +149,15 @@ def paired_greedy(engine, verified, shadow, sid: str, prompt, k: int, max_new: i
     return emitted, same, steps
 
 
-def check_graphs_draft_as_eager(engine, graphs, eager, prompts, dtype: str, k: int = 4, max_new: int = 40) -> None:
+def check_graphs_draft_as_eager(engine, graphs, eager, prompts, dtype: str, k: int = 4, max_new: int = 40,
+                                tree: TreeSpec | None = None) -> None:
     """paired_greedy over each prompt text, the captured graphs' blocks verified, the eager proposer's beside them:
     float32: every block equal and the output = target-only; bf16 (sums round differently, near-ties may split): at
     least 90 % of the blocks equal; either way the drafts were accepted (fewer steps than tokens)."""
     same = steps = 0
     for i, text in enumerate(prompts):
         prompt = engine.tokenizer.encode(text).ids
-        emitted, s, n = paired_greedy(engine, graphs, eager, f"p{i}", prompt, k, max_new)
+        emitted, s, n = paired_greedy(engine, graphs, eager, f"p{i}", prompt, k, max_new, tree)
         same, steps = same + s, steps + n
         if dtype == "float32":
             assert emitted[:max_new] == engine.generate_greedy(prompt, max_new), f"prompt {i}: output differs from target-only"

@@ -1,22 +1,31 @@
-"""EAGLE-3 chains as CUDA graphs (draft_service/eagle3_graph.py): catch-up and chain, greedy and sampled.
+"""EAGLE-3 chains and trees as CUDA graphs (draft_service/eagle3_graph.py, eagle3_tree_graph.py): catch-up, chain and
+tree, greedy and sampled.
 
 On the CPU the graphs' bodies run eagerly over the same static buffers (a fixed window with device-side masks, ctx
 and catch-up tokens staged in one copy, entries written in place): greedy, a session driven through random accept
 patterns and rollbacks drafts what a fresh eager drafter drafts, and two sessions taking turns on one window draft
-what they draft alone; sampled, the blocks (tokens and q) sync like fresh ones reseeded alike, q is the sampling
-transform of the head's logits and the draws follow it (with a negative control). On a GPU (marked gpu): in float32
+what they draft alone, and the tree body builds tree.py's trees; sampled, the blocks (tokens and q) sync like fresh
+ones reseeded alike, q is the sampling transform of the head's logits and the draws follow it (with a negative
+control), a tree's siblings are draws without replacement and its cut keeps the first draws. On a GPU (marked gpu): in float32
 the captured graphs draft what the eager chain drafts on the shipped demo and the output equals target-only; a sampled
-chain replayed from its graphs equals the same chain run through the bodies eagerly, seed for seed.
+chain or tree replayed from its graphs equals the same one run through the bodies eagerly, seed for seed, and greedy
+trees equal tree.py's.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from draft_helpers import FakeFeatures, check_sessions_take_turns, check_two_draws_follow_q, rollback_matches_fresh
+from draft_helpers import (
+    FakeFeatures,
+    check_graphs_draft_as_eager,
+    check_sessions_take_turns,
+    check_two_draws_follow_q,
+    rollback_matches_fresh,
+)
 from eagle3_helpers import TARGET_H, VOCAB, save_tiny_eagle3
 
-from specserve.contract.types import SamplingParams
+from specserve.contract.types import SamplingParams, TreeSpec
 from specserve.draft_service.eagle3 import Eagle3Proposer
 from specserve.draft_service.proposer import DrafterConfig
 from specserve.draft_service.registry import build_proposer
@@ -174,8 +183,75 @@ def test_chain_past_the_window_drafts_eagerly(tiny):
     assert graphs.propose("s", 7, [], None, 4) == eager.propose("s", 7, [], None, 4)
 
 
+TREES = [TreeSpec(num_nodes=10, top_k=3, depth=4), TreeSpec(num_nodes=3, top_k=4, depth=2),
+         TreeSpec(num_nodes=40, top_k=2, depth=5), TreeSpec(num_nodes=5, top_k=1, depth=4)]
+
+
+@pytest.mark.parametrize("tree", TREES, ids=lambda t: f"{t.num_nodes}-{t.top_k}-{t.depth}")
+@pytest.mark.parametrize("live", ["graphs", "eager"])
+def test_tree_body_builds_the_tree_the_eager_builder_builds(sharp, tree, live):
+    """Greedy: through random accepted paths and rollbacks, the tree body's trees (tokens and parents) equal tree.py's
+    on a fresh session of the other path, for trees whose cut keeps part of a level or every node."""
+    made = []
+
+    def make():
+        first = not made
+        made.append(1)
+        return _proposer(sharp, graphs=first == (live == "graphs"))
+
+    rollback_matches_fresh(make, FEATS, VOCAB, tree=tree, steps=8, sampled=False)
+
+
+@pytest.mark.parametrize("tree", TREES[:2], ids=lambda t: f"{t.num_nodes}-{t.top_k}-{t.depth}")
+def test_sampled_tree_bodies_sync_like_fresh_ones(sharp, tree):
+    rollback_matches_fresh(lambda: _proposer(sharp, graphs=True), FEATS, VOCAB, tree=tree, steps=8, sampled=True)
+
+
+def test_sampled_tree_body_declares_draws_without_replacement(sharp):
+    """Siblings are distinct draws; a later sibling's declared q excludes the earlier ones and is q renormalised; a
+    request whose q has fewer tokens than top_k (top_k = 2 < the tree's 3) keeps only real draws."""
+    p = _proposer(sharp, graphs=True)
+    seq = [10, 20, 30, 40, 2, 8]
+    for sampling, spec in ((SamplingParams(temperature=1.0, seed=3), TreeSpec(num_nodes=12, top_k=3, depth=3)),
+                           (SamplingParams(temperature=1.0, top_k=2, seed=3), TreeSpec(num_nodes=12, top_k=3, depth=3))):
+        p.start("s", seq, FEATS.rows(seq, 0, 5), sampling)
+        block = p.propose("s", 6, [], None, 0, spec)
+        p.release("s")
+        assert block.probs.shape == (len(block), VOCAB)
+        if sampling.top_k == 2:
+            assert len(block) == 2 + 2 * 2 + 3 * 2  # two children of the root, two of each of its 2, then of the best 3
+        else:
+            assert len(block) == 12
+        for i, parent in enumerate(block.parents):
+            earlier = [j for j in range(i) if block.parents[j] == parent]
+            assert len({block.token_ids[j] for j in earlier + [i]}) == len(earlier) + 1  # distinct siblings
+            for j in earlier:
+                assert float(block.probs[i, block.token_ids[j]]) == 0.0
+            assert float(block.probs[i, block.token_ids[i]]) > 0.0
+            torch.testing.assert_close(block.probs[i].sum(), torch.tensor(1.0))
+
+
+def test_sampled_tree_cut_keeps_the_first_draws(sharp):
+    """A cut that keeps 3 of 4 drawn children of the root must keep the first 3 drawn (a node's own q must not decide
+    whether it survives: tree.py): the first kept child declares q itself, each later one q without exactly the
+    earlier kept ones; keeping the 3 likeliest (skipping a draw) breaks this for some seed."""
+    graphs, eager = _proposer(sharp, graphs=True), _proposer(sharp, graphs=False)
+    seq = [10, 20, 30, 40, 2, 8]
+    eager.start("e", seq, FEATS.rows(seq, 0, 5), SamplingParams(temperature=1.0, seed=0))
+    q = eager.propose("e", 6, [], None, 1).probs[0]  # the root's q (same head logits)
+    for seed in range(40):
+        graphs.start("s", seq, FEATS.rows(seq, 0, 5), SamplingParams(temperature=1.0, seed=seed))
+        block = graphs.propose("s", 6, [], None, 0, TreeSpec(num_nodes=3, top_k=4, depth=2))
+        graphs.release("s")
+        roots = [i for i, parent in enumerate(block.parents) if parent == -1]
+        torch.testing.assert_close(block.probs[roots[0]], q, atol=1e-6, rtol=1e-5)
+        for j, i in enumerate(roots):
+            removed = {t for t in range(VOCAB) if q[t] > 0 and block.probs[i, t] == 0}
+            assert removed == {block.token_ids[r] for r in roots[:j]}, f"seed {seed}: child {j} of the root"
+
+
 # ---------------------------------------------------------------- GPU: captured graphs
-def _demo_proposer(window: int):
+def _demo_proposer(window: int):  # the shipped demo's head, float32 on the GPU
     return build_proposer(DrafterConfig("eagle3", checkpoint=demo_checkpoint("eagle3"),
                                         target_checkpoint=demo_checkpoint("target"), device="cuda", dtype="float32",
                                         max_block_size=4, graph_window=window))
@@ -204,4 +280,30 @@ def test_captured_sampled_chain_equals_its_bodies_run_eagerly():
         blocks[name] = got
     for a, b in zip(blocks["replayed"], blocks["eager"]):
         assert a.token_ids == b.token_ids
+        torch.testing.assert_close(a.probs, b.probs, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_captured_trees_draft_what_the_eager_builder_drafts():
+    """float32 on the demo: every greedy tree from the captured tree graphs (tokens and parents) equals tree.py's on
+    the eager path, and speculation through them gives target-only's tokens; a sampled tree replayed equals its body
+    run eagerly, seed for seed."""
+    engine = build_engine(EngineConfig(model=demo_checkpoint("target"), device="cuda", dtype="float32"))
+    graphs, eager = _demo_proposer(1024), _demo_proposer(0)
+    tree = TreeSpec(num_nodes=16, top_k=2, depth=4)
+    check_graphs_draft_as_eager(engine, graphs, eager, ("def parse_args(argv):\n", "import os\n"), "float32",
+                                tree=tree)
+    assert graphs.chain_graphs.trees.captured == 1 and graphs.chain_graphs.trees.capture_errors == {}
+    bodies = _demo_proposer(1024)
+    bodies.chain_graphs.trees._pool = None  # never captured: the body runs eagerly over the same buffers
+    width = 3 * graphs.head.cfg.target_hidden_size
+    feats = torch.randn(64, width, generator=torch.Generator().manual_seed(0))
+    seq = list(range(20, 60))
+    for p in (graphs, bodies):
+        p.start("t", seq, feats[: len(seq) - 1], SamplingParams(temperature=0.8, top_k=50, seed=3))
+    for step, spec in enumerate((tree, TreeSpec(num_nodes=6, top_k=4, depth=2))):
+        a, b = (p.propose("t", len(seq) + step, [7 + step], feats[len(seq) - 1 + step : len(seq) + step], 0, spec)
+                for p in (graphs, bodies))
+        assert (a.token_ids, a.parents) == (b.token_ids, b.parents)
         torch.testing.assert_close(a.probs, b.probs, atol=1e-5, rtol=1e-4)
