@@ -21,10 +21,22 @@ alpha_i comes from the drafter's own confidence q of the drafted token, mapped t
 calibration (observed acceptance per q bin, starting at q itself), when the drafter sent
 probabilities; else from a running per-position acceptance estimate.
 
-Before drafting, k maximises E[emitted | k] / (draft_ms(k) + verify_ms(k + 1)). After a block is
-drafted its cost is sunk: the truncation maximises E[emitted | k] / (sunk_ms + verify_ms(k + 1)).
-Only which tokens are verified changes; the acceptance rule does not, so the output distribution is
-untouched.
+    overhead(k) = running mean of (step wall - draft - verify) of steps that drafted (k >= 1) or did
+                  not (k = 0): a drafted step also pays the propose call's hop, checks and truncation
+
+Before drafting, k maximises E[emitted | k] / (draft_ms(k) + verify_ms(k + 1) + overhead(k)); k = 0 is
+target-only's rate 1 / (verify_ms(1) + overhead(0)), so speculation is off whenever it does not pay.
+After a block is drafted its cost is sunk: the truncation maximises E[emitted | k] / (sunk_ms +
+verify_ms(k + 1)). Only which tokens are verified changes; the acceptance rule does not, so the output
+distribution is untouched.
+
+While speculation is off, a step does what a target-only step does (no drafter call: the drafter
+catches up on the skipped tokens at the next propose). Now and then a probe drafts ``ProbePolicy.tokens``
+anyway, so acceptance stays measured and speculation comes back on when it pays again. A probe costs
+its draft call, catch-up over the skipped stretch included, so probes are spaced to keep their time
+under ``ProbePolicy.max_cost_fraction`` of the skipped steps' time (``AdaptiveSpeculation.probe_interval``).
+Draft calls that caught up more than one step (probes, a request's first) feed the draft-cost fit only
+where they undercut it: they are upper bounds of a steady step's draft.
 """
 
 from __future__ import annotations
@@ -36,6 +48,34 @@ from itertools import combinations
 import numpy as np
 
 AHEAD_PROBE_EVERY = 16  # every 16th step that could draft ahead does the opposite of the estimate
+IDLE_REFIT_FACTOR = 16  # the verify fit's refit interval is this many times longer while speculation is off
+
+
+@dataclass(frozen=True)
+class ProbePolicy:
+    """When a chooser that has turned speculation off drafts anyway (a probe), to re-measure acceptance.
+
+    After each probe, ``AdaptiveSpeculation.probe_interval`` skipped steps go by before the next:
+    ceil(probe ms / (max_cost_fraction * skipped step ms)), clamped to [min_interval, max_interval]. So
+    probes take at most 1 / (min_interval + 1) of the steps and, once their cost is measured, at most
+    about max_cost_fraction of the time (beyond max_interval only the clamp holds); a dear drafter is
+    probed every few hundred steps, a cheap one every min_interval steps."""
+
+    min_interval: int = 8  # skipped steps between two probes, at least
+    max_interval: int = 1024  # ... and at most: how late a rise in acceptance may be noticed
+    max_cost_fraction: float = 0.005  # probes' time over the skipped steps' time, at most
+    tokens: int = 1  # drafted tokens of a probe
+    cost_weight: float = 0.5  # weight of the newest probe in the probe-cost estimate
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min_interval <= self.max_interval:
+            raise ValueError(f"probe intervals must satisfy 1 <= min <= max, got {self.min_interval}, {self.max_interval}")
+        if not 0.0 < self.max_cost_fraction <= 1.0:
+            raise ValueError(f"max_cost_fraction must be in (0, 1], got {self.max_cost_fraction}")
+        if self.tokens < 1:
+            raise ValueError(f"a probe drafts at least 1 token, got {self.tokens}")
+        if not 0.0 < self.cost_weight <= 1.0:
+            raise ValueError(f"cost_weight must be in (0, 1], got {self.cost_weight}")
 
 
 @dataclass(frozen=True)
@@ -49,6 +89,7 @@ class AdaptiveConfig:
     accept_prior_weight: float = 4.0  # pseudo-observations at the prior mean per position
     calibration_bins: int = 10  # q bins of the confidence calibration
     calibration_prior: float = 4.0  # pseudo-observations at q itself in each bin
+    probe: ProbePolicy = ProbePolicy()  # while speculation is off
 
     def __post_init__(self) -> None:
         if self.max_k < 1:
@@ -106,11 +147,13 @@ class VerifyCostModel:
     _ORDER = (0, 3, 1, 2)
 
     def __init__(self, window: int = 256, refit_every: int = 16) -> None:
-        self._x = np.zeros((window, 4))  # ring of the last ``window`` steps: (1, n, e, ahead)
-        self._y = np.zeros(window)  # their ms
+        # ring of the last ``window`` steps, plain Python (a step's observe stays cheap; numpy at the fit)
+        self._x: list[tuple[float, int, int, float]] = [(1.0, 0, 0, 0.0)] * window  # (1, n, e, ahead)
+        self._y: list[float] = [0.0] * window  # their ms
         self._count = 0  # steps observed in all
         self._refit_every = refit_every
         self._since_fit = 0
+        self._only_decodes = True  # every step since the last fit verified 1 token (speculation off)
         self.coef = np.zeros(4)  # a, b (per token), c (per expert), d (drafting ahead meanwhile)
         self._experts_by_n: dict[int, tuple[float, int]] = {}
         self._experts_table: tuple[np.ndarray, np.ndarray] | None = None  # sorted n, mean e (as of the fit)
@@ -118,22 +161,27 @@ class VerifyCostModel:
 
     def observe(self, n_tokens: int, experts: int, ms: float, ahead: bool = False) -> None:
         i = self._count % len(self._y)
-        self._x[i] = (1.0, n_tokens, experts, float(ahead))
+        self._x[i] = (1.0, n_tokens, experts, 1.0 if ahead else 0.0)
         self._y[i] = ms
         self._count += 1
         mean, count = self._experts_by_n.get(n_tokens, (0.0, 0))
         self._experts_by_n[n_tokens] = ((mean * count + experts) / (count + 1), count + 1)
         self._since_fit += 1
-        if self._since_fit >= self._refit_every or self._count <= 4:
+        self._only_decodes = self._only_decodes and n_tokens == 1
+        # while only 1-token steps arrive (speculation off) the fit hardly moves, and fitting would be most
+        # of such a step's chooser time: refit IDLE_REFIT_FACTOR times less often then
+        every = self._refit_every * (IDLE_REFIT_FACTOR if self._only_decodes else 1)
+        if self._since_fit >= every or self._count <= 4:
             self.fit()
 
     def fit(self) -> None:
         self._since_fit = 0
+        self._only_decodes = True
         self._experts_table = None
         self.version += 1
         m = self.observed
         if m:
-            self.coef = nonneg_lstsq(self._x[:m], self._y[:m], self._ORDER)
+            self.coef = nonneg_lstsq(np.array(self._x[:m], dtype=float), np.array(self._y[:m]), self._ORDER)
 
     @property
     def observed(self) -> int:
@@ -142,7 +190,7 @@ class VerifyCostModel:
     @property
     def observed_ahead(self) -> int:
         """Steps in the window that drafted ahead while verifying."""
-        return int(self._x[: self.observed, 3].sum())
+        return int(sum(row[3] for row in self._x[: self.observed]))
 
     def expected_experts(self, n_tokens):
         """Mean distinct experts seen at n tokens (interpolated, clamped at the ends); n may be an array."""
@@ -215,6 +263,10 @@ class DraftCostModel:
         err_flat = sum((flat - y) ** 2 for _, y in pts)
         self.coef = np.array([0.0, per_token]) if err_token < err_flat else np.array([flat, 0.0])
 
+    def seen(self, k: int) -> bool:
+        """Whether a draft call asking for k tokens was observed."""
+        return k in self._mean_by_k
+
     def predict_many(self, ks: np.ndarray) -> np.ndarray:
         """ms of a draft call asking for each k [K]; 0 for k = 0 (no call)."""
         ks = np.asarray(ks, dtype=float)
@@ -234,6 +286,7 @@ class AcceptanceEstimator:
         self.hits = np.zeros(max_k)
         self.trials = np.zeros(max_k)
         self._prior, self._keep, self._weight = prior, 1.0 - 1.0 / memory, prior_weight
+        self.version = 0  # bumped by every observation that changes the estimate
 
     @property
     def alpha(self) -> np.ndarray:
@@ -251,6 +304,7 @@ class AcceptanceEstimator:
         self.trials *= self._keep
         self.hits[: min(seen, num_accepted)] += 1.0
         self.trials[:seen] += 1.0
+        self.version += 1
 
 
 class ConfidenceCalibration:
@@ -308,18 +362,46 @@ class AdaptiveSpeculation:
         self.ahead_hit_rate = 0.5  # running share of ahead blocks that were used
         self._ahead_steps = 0
         self._cost_cache: tuple | None = None
+        self._choice_cache: tuple | None = None  # (inputs, k) of the last choice before drafting
+        self.overhead_ms = [0.0, 0.0]  # running step overhead of k = 0 and k >= 1 steps
+        self._overhead_seen = [0, 0]
+        self._overhead_used = (0.0, 0.0)  # what choices charge: overhead_ms as of the last verify refit
+        self._plan_cache: tuple | None = None  # (inputs, k, probe interval) of the last plan
+        self.probe_ms: float | None = None  # running cost of a probe's draft call (None: none made yet)
+        self.skipped = 0  # steps skipped since the last one that drafted
+        self.probes = 0
 
-    def observe_draft(self, k: int, ms: float) -> None:
-        """A draft call asked for k tokens and took ms (drafting ahead is not observed: it overlaps)."""
-        self.draft.observe(k, ms)
+    def observe_draft(self, k: int, ms: float, steady: bool = True, probe: bool = False) -> None:
+        """A draft call asked for k tokens and took ms (drafting ahead is not observed: it overlaps).
+        ``steady``: the drafter was in step (the request's previous step drafted); otherwise the call
+        also caught up on skipped tokens (or started the drafter's session), so it is an upper bound of a
+        steady call and only lowers the fit of a k already measured. ``probe``: ``plan`` made it a probe."""
+        if probe:
+            w = self.config.probe.cost_weight
+            self.probe_ms = ms if self.probe_ms is None else self.probe_ms + w * (ms - self.probe_ms)
+        if steady or (self.draft.seen(k) and ms < float(self.draft.predict_many(np.array([k]))[0])):
+            self.draft.observe(k, ms)
+
+    def observe_overhead(self, drafted: bool, ms: float) -> None:
+        """One step's wall time outside its draft and verify calls; charged from the next verify refit on."""
+        i = int(drafted)
+        self._overhead_seen[i] += 1
+        old = self.overhead_ms[i]
+        self.overhead_ms[i] = ms if self._overhead_seen[i] == 1 else old + self.config.ema * (ms - old)
 
     def observe_verify(
         self, num_drafted: int, num_accepted: int, experts: int, ms: float,
-        confidence: np.ndarray | None = None, ahead: bool = False,
+        confidence: np.ndarray | None = None, ahead: bool = False, overhead_ms: float | None = None,
     ) -> None:
         """One verified chain; ``confidence`` [num_drafted] is q of its tokens, ``ahead`` whether the
-        drafter drafted the next block meanwhile."""
+        drafter drafted the next block meanwhile, ``overhead_ms`` the step's time outside its draft and
+        verify calls."""
+        if overhead_ms is not None:
+            self.observe_overhead(num_drafted > 0, overhead_ms)
+        version = self.cost.version
         self.cost.observe(num_drafted + 1, experts, ms, ahead)
+        if self.cost.version != version:
+            self._overhead_used = tuple(self.overhead_ms)
         self.accept.observe(num_drafted, num_accepted)
         if confidence is not None and len(confidence) == num_drafted:
             self.calibration.observe(confidence, num_accepted)
@@ -341,6 +423,40 @@ class AdaptiveSpeculation:
         pays = self.ahead_pays(k)
         return not pays if self._ahead_steps % AHEAD_PROBE_EVERY == 0 else pays
 
+    def plan(self, limit: int, ahead: bool = False) -> tuple[int, bool]:
+        """(k, probe) of a step about to draft up to ``limit`` tokens: ``choose_k``'s k when it is >= 1;
+        else 0 (skip: the step is a target-only step) until ``probe_interval`` steps were skipped, then a
+        probe of ``ProbePolicy.tokens``. Shared by all requests of the drafter: probes are spaced over all
+        of its steps."""
+        key = (limit, ahead, self.cost.version, self.draft.version, self.accept.version, self._overhead_used,
+               self.probe_ms)
+        if self._plan_cache is None or self._plan_cache[0] != key:  # else nothing it reads has changed
+            k = self.choose_k(limit, ahead=ahead)
+            self._plan_cache = (key, k, self.probe_interval() if k == 0 else 0)
+        _, k, interval = self._plan_cache
+        if k > 0 or limit <= 0:
+            self.skipped = 0
+            return k, False
+        if self.skipped < interval:
+            self.skipped += 1
+            return 0, False
+        self.skipped = 0
+        self.probes += 1
+        return min(self.config.probe.tokens, limit), True
+
+    def probe_interval(self) -> int:
+        """Skipped steps before the next probe (ProbePolicy): the probe's cost over the budget a skipped
+        step leaves for probing. The probe cost is the measured one, else the draft fit's."""
+        policy = self.config.probe
+        probe_ms = self.probe_ms
+        if probe_ms is None:
+            probe_ms = float(self.draft.predict_many(np.array([policy.tokens]))[0])
+        step_ms = self.cost.predict(1) + self._overhead_used[0]
+        n = policy.min_interval
+        if probe_ms > 0.0 and step_ms > 1e-5:  # else nothing is measured yet
+            n = max(policy.min_interval, min(policy.max_interval, int(np.ceil(probe_ms / (policy.max_cost_fraction * step_ms)))))
+        return n
+
     def alpha(self, kmax: int, confidence: np.ndarray | None = None) -> np.ndarray:
         alpha = self.accept.alpha[:kmax].copy()
         if confidence is not None:
@@ -353,22 +469,31 @@ class AdaptiveSpeculation:
     ) -> int:
         """Best k in [0, min(limit, max_k)].
 
-        Before drafting (``sunk_ms`` None) a step costs draft_ms(k) + verify_ms(k + 1); to truncate a
-        block already drafted, it costs sunk_ms + verify_ms(k + 1). ``ahead``: a step with k >= 1
+        Before drafting (``sunk_ms`` None) a step costs draft_ms(k) + verify_ms(k + 1) + overhead(k); to
+        truncate a block already drafted, it costs sunk_ms + verify_ms(k + 1). ``ahead``: a step with k >= 1
         drafts the next block meanwhile (its verify pays the contention); ``confidence[i]`` is the
-        drafter's q of token i."""
+        drafter's q of token i. A choice before drafting without confidence is cached until an estimate
+        it reads changes (a step that skips drafting then costs a lookup)."""
         kmax = max(0, min(limit, self.config.max_k))
         if kmax == 0:
             return 0
+        key = None
+        if confidence is None and sunk_ms is None:
+            key = (kmax, bool(ahead), self.cost.version, self.draft.version, self.accept.version, self._overhead_used)
+            if self._choice_cache is not None and self._choice_cache[0] == key:
+                return self._choice_cache[1]
         gain = expected_emitted(self.alpha(kmax, confidence).tolist())
         verify = self._verify_costs(kmax, bool(ahead))
         d0, d1 = float(self.draft.coef[0]), float(self.draft.coef[1])
+        over0, over1 = self._overhead_used if sunk_ms is None else (0.0, 0.0)
         best_k, best_rate = 0, -1.0
         for k in range(kmax + 1):
-            draft = max(sunk_ms, 0.0) if sunk_ms is not None else (d0 + d1 * k if k else 0.0)
+            draft = max(sunk_ms, 0.0) if sunk_ms is not None else (d0 + d1 * k + over1 if k else over0)
             rate = gain[k] / (draft + verify[k])
             if rate > best_rate:  # first best, like argmax
                 best_k, best_rate = k, rate
+        if key is not None:
+            self._choice_cache = (key, best_k)
         return best_k
 
     def _verify_costs(self, kmax: int, ahead: bool) -> list[float]:

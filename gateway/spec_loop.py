@@ -6,9 +6,15 @@ much of its copy is still confirmed (``prefix_len``) and what to append, so a dr
 drift from the target. A drafter failure only drops speculation: the loop goes on target-only, which
 is still lossless, and the request is marked ``draft_fallback``.
 
+The drafter's session is started lazily, at the first propose: a step that drafts nothing (adaptive
+speculation off, or no tokens left) makes no drafter call, so it is exactly a target-only step (the
+request's end still releases the drafter's session, started or not). After skipped steps the next propose sends the drafter everything it missed
+(tokens and, for a drafter reading target hidden rows, their rows) in one call.
+
 Two optional policies change only *which* tokens are verified, never the acceptance rule:
-- adaptive speculation (gateway/adaptive.py) picks each step's chain length (and, with draft-ahead,
-  whether drafting ahead pays for its contention with the verify);
+- adaptive speculation (gateway/adaptive.py) picks each step's chain length, 0 (drafting off) when it
+  does not pay, with a probe now and then (and, with draft-ahead, whether drafting ahead pays for its
+  contention with the verify);
 - draft-ahead: while the target verifies block n, the drafter already drafts block n+1 assuming
   block n is accepted in full (its first token is its guess of the bonus token). When that guess
   holds, the next verify starts at once; otherwise the ahead block is dropped.
@@ -41,7 +47,6 @@ from specserve.gateway.step_observer import StepObserver, VerifyWalls, drafted_c
 from specserve.runtime import tracing as names
 
 EMPTY_BLOCK = DraftBlock(token_ids=())
-PROBE_EVERY = 8  # adaptive: after this many skipped steps, draft one token to re-measure acceptance
 
 
 class MalformedDraft(DraftError):
@@ -98,6 +103,7 @@ class _DraftSync:
 
     def __init__(self, needs_hidden: bool) -> None:
         self.known = 0
+        self.started = False  # the drafter's session was started (lazily, at the first propose)
         self.needs_hidden = needs_hidden
         self.unsent_hidden: list[Hidden] = []
 
@@ -115,6 +121,8 @@ class _DraftSync:
         return rows
 
     async def start(self, draft: DraftClient, sid: str, seq: list[int], sampling) -> None:
+        """The drafter's session over S as it is now (prompt + every token emitted so far)."""
+        self.started = True
         await draft.start(sid, seq, self.take_hidden(), sampling)
         self.known = len(seq)
 
@@ -150,7 +158,8 @@ class _Run:
         self.emitted: list[int] = []
         self.sync = _DraftSync(needs_hidden=False)
         self.ahead: DraftBlock | None = None  # a block drafted in advance for the current S
-        self.skipped_drafts = 0  # steps in a row the adaptive chooser skipped drafting
+        self.in_step = False  # the drafter holds S but the last step's tokens (that step drafted)
+        self.step_started = 0.0  # perf_counter at the current step's propose
         self.draft_session = draft  # released at the end even if the request fell back to target-only
 
     def fallback(self, span, exc: Exception) -> None:
@@ -182,6 +191,7 @@ class _Run:
         return truncate_chain(block, max(1, k))
 
     async def propose(self, span) -> DraftBlock:
+        self.step_started = time.perf_counter()
         limit = self.chain_limit()
         if self.draft is None or limit == 0:
             self.ahead = None
@@ -189,18 +199,22 @@ class _Run:
         if self.ahead is not None:
             block, self.ahead = truncate_chain(self.ahead, limit), None
             return self.truncate(block, sunk_ms=0.0)  # drafted while the last block was verified
-        k = limit
+        k, probe = limit, False
         if self.adaptive is not None:
-            k = self.adaptive.choose_k(limit, ahead=self.ahead_planned(limit))
-            if k == 0 and self.skipped_drafts < PROBE_EVERY:
-                self.skipped_drafts += 1  # drafting does not pay now; probe with one token now and then
+            k, probe = self.adaptive.plan(limit, ahead=self.ahead_planned(limit))
+            if k == 0:  # a target-only step: the drafter catches up at the next propose
+                self.in_step = False
                 return EMPTY_BLOCK
-            k, self.skipped_drafts = max(1, k), 0
+        steady, self.in_step = self.in_step, False
         t0 = time.perf_counter()
         try:
+            if not self.sync.started:
+                with self.tracer.start_as_current_span(names.SPAN_DRAFT_START):
+                    await self.sync.start(self.draft, self.sid, self.seq, self.request.sampling)
             with names.step_span(self.tracer, names.SPAN_DRAFT_PROPOSE) as dspan:
                 dspan.set_attribute(names.ATTR_K, k)
                 block = await self.sync.propose(self.draft, self.sid, self.seq, k, self.request.tree)
+            self.in_step = True
             max_nodes = self.request.tree.num_nodes if self.request.tree is not None else k
             check_block(block, max_nodes, self.info.vocab_size)
         except MalformedDraft as exc:
@@ -210,7 +224,7 @@ class _Run:
             self.fallback(span, exc)
             return EMPTY_BLOCK
         ms = (time.perf_counter() - t0) * 1e3
-        self.observer.drafted(k, ms)
+        self.observer.drafted(k, ms, steady=steady, probe=probe)
         return self.truncate(block, sunk_ms=ms)
 
     async def draft_next_ahead(self, block: DraftBlock) -> tuple[DraftBlock, float] | None:
@@ -243,7 +257,8 @@ class _Run:
                 self.observer.verify_span(vspan, block, res)
         finally:
             drafted_ahead = await ahead_task if ahead_task is not None else None
-        walls = VerifyWalls(len(self.seq), verify_wall_ms, (time.perf_counter() - t0) * 1e3, ahead=ahead_task is not None)
+        walls = VerifyWalls(len(self.seq), verify_wall_ms, (time.perf_counter() - t0) * 1e3, ahead=ahead_task is not None,
+                            step_started=self.step_started)
         if drafted_ahead is not None:
             ahead, ahead_ms = drafted_ahead
             self.sync.verified_ahead(len(self.seq), len(res.accepted_ids))
@@ -325,12 +340,6 @@ async def run_request(
             run.seq = list(request.prompt_ids) + [pre.next_token]
             run.sync.add_hidden(pre.hidden)
             run.stats.first_token()
-            if run.draft is not None:
-                try:
-                    with tracer.start_as_current_span(names.SPAN_DRAFT_START):
-                        await run.sync.start(run.draft, sid, run.seq, request.sampling)
-                except DraftError as exc:
-                    run.fallback(span, exc)
             new, new_lp, prompt_lp = [pre.next_token], pre.logprobs, pre.prompt_logprobs
             while True:
                 with names.step_span(tracer, names.SPAN_ACCEPT_STREAM):

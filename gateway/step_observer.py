@@ -7,6 +7,7 @@ metrics) and what adaptive speculation (gateway/adaptive.py) learns from each st
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -47,6 +48,7 @@ class VerifyWalls:
     ahead: bool  # a block was drafted ahead during the verify
     ahead_hit: bool | None = None  # the block drafted ahead is usable (None: none came back)
     ahead_ms: float = 0.0  # the drafter's time on it
+    step_started: float | None = None  # perf_counter when the step's propose began (its overhead: the rest)
 
 
 def drafted_confidence(block: DraftBlock) -> np.ndarray | None:
@@ -68,12 +70,13 @@ class StepObserver:
         self.stats, self.adaptive, self.on_step, self.tree = stats, adaptive, on_step, tree
         self._draft_ms = 0.0  # the drafter's time on the block the next verify checks
 
-    def drafted(self, k: int, ms: float) -> None:
-        """A block of k tokens drafted (for this step, not ahead) in ``ms``."""
+    def drafted(self, k: int, ms: float, steady: bool = True, probe: bool = False) -> None:
+        """A block of k tokens drafted (for this step, not ahead) in ``ms``; ``steady``: the drafter only
+        caught up on the last step's tokens; ``probe``: adaptive's probe (AdaptiveSpeculation.plan)."""
         self.stats.draft_ms += ms
         self._draft_ms = ms
         if self.adaptive is not None and not self.tree:
-            self.adaptive.observe_draft(k, ms)
+            self.adaptive.observe_draft(k, ms, steady=steady, probe=probe)
 
     def drafted_ahead(self, ms: float) -> None:
         self.stats.draft_ahead_ms += ms
@@ -113,10 +116,13 @@ class StepObserver:
                     verify_compute_ms=res.timings.compute_ms,
                 )
             )
-        self._draft_ms = 0.0
+        draft_ms, self._draft_ms = self._draft_ms, 0.0
         self.stats.verify_ms += res.timings.forward_ms
         if self.adaptive is not None and block.is_chain:
+            overhead = None
+            if walls.step_started is not None:
+                overhead = max(0.0, (time.perf_counter() - walls.step_started) * 1e3 - draft_ms - walls.step_ms)
             self.adaptive.observe_verify(
                 len(block), len(res.accepted_ids), res.experts_touched, walls.step_ms,
-                confidence=drafted_confidence(block), ahead=walls.ahead,
+                confidence=drafted_confidence(block), ahead=walls.ahead, overhead_ms=overhead,
             )

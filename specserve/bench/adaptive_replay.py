@@ -5,8 +5,8 @@ k, so the steps of one drafter's fixed run (no draft-ahead) give acceptance samp
 Verify time by tokens in the forward comes from every chain step without draft-ahead (all methods
 share the target), draft time by requested k from a table (e.g. the per-step draft ms of k-sweep
 runs). ``replay`` then draws steps with common random numbers and scores a policy, fixed k or an
-AdaptiveSpeculation driven the way gateway/spec_loop.py drives it (skip and probe, then truncate the
-drafted block with its cost sunk). Sequences do not diverge with k here (steps are drawn
+AdaptiveSpeculation driven the way gateway/spec_loop.py drives it (its plan: skip or probe, then truncate
+the drafted block with its cost sunk). Sequences do not diverge with k here (steps are drawn
 independently), which is what makes policies comparable on one recorded run.
 
     python -m specserve.bench.adaptive_replay OUT/steps.jsonl --drafter model \
@@ -25,8 +25,6 @@ from dataclasses import dataclass
 import numpy as np
 
 from specserve.gateway.adaptive import AdaptiveConfig, AdaptiveSpeculation
-
-PROBE_EVERY = 8  # as gateway/spec_loop.py
 
 
 @dataclass(frozen=True)
@@ -79,20 +77,16 @@ def replay(model: StepModel, policy: int | AdaptiveSpeculation, steps: int = 500
     """Score a fixed k (an int) or an adaptive chooser on ``steps`` drawn steps."""
     rng = np.random.default_rng(seed)
     idx, us = rng.integers(0, len(model.blocks), steps), rng.random(steps)
-    emitted, total_ms, skipped, chosen = 0, 0.0, 0, Counter()
+    emitted, total_ms, chosen = 0, 0.0, Counter()
     for i, u in zip(idx, us):
         block_len, accepted = model.blocks[i]
-        draft_ms, k = 0.0, policy if isinstance(policy, int) else 0
+        draft_ms, k, probe = 0.0, policy if isinstance(policy, int) else 0, False
         if not isinstance(policy, int):
-            k = policy.choose_k(model.max_k)
-            if k == 0 and skipped < PROBE_EVERY:
-                skipped += 1
-            else:
-                k, skipped = max(1, k), 0
+            k, probe = policy.plan(model.max_k)  # 0: skip; a probe now and then (ProbePolicy)
         if k > 0:
             draft_ms = model.draft_ms[k]
             if not isinstance(policy, int):
-                policy.observe_draft(k, draft_ms)
+                policy.observe_draft(k, draft_ms, steady=not probe, probe=probe)
                 k = max(1, policy.choose_k(min(k, block_len), sunk_ms=draft_ms)) if block_len else 0
         drafted = min(k, block_len)
         acc = min(accepted, drafted)

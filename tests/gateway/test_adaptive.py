@@ -9,6 +9,7 @@ from specserve.gateway.adaptive import (
     AdaptiveSpeculation,
     ConfidenceCalibration,
     DraftCostModel,
+    ProbePolicy,
     VerifyCostModel,
     expected_emitted,
     nonneg_lstsq,
@@ -206,3 +207,89 @@ def test_config_is_validated() -> None:
     for bad in (dict(max_k=0), dict(ema=0.0), dict(accept_memory=0.5), dict(accept_prior_weight=0.0), dict(prior_accept=1.5), dict(calibration_bins=0)):
         with pytest.raises(ValueError):
             AdaptiveConfig(**bad)
+
+
+def _dear_drafter(probe: ProbePolicy | None = None, draft_ms: float = 20.0, verify_ms: float = 8.0) -> AdaptiveSpeculation:
+    """A chooser that has measured steady draft calls of ``draft_ms`` and flat verifies of ``verify_ms``:
+    drafting does not pay at the prior acceptance."""
+    spec = AdaptiveSpeculation(AdaptiveConfig(max_k=4, probe=probe or ProbePolicy()))
+    _flat_verify(spec, verify_ms)
+    for k in (1, 4):
+        spec.observe_draft(k, draft_ms)
+    return spec
+
+
+def _drive(spec: AdaptiveSpeculation, steps: int, accept: float, draft_ms: float, verify_ms: float, rng) -> list[tuple[int, bool]]:
+    """Steps as gateway/spec_loop.py drives the chooser: plan, draft (a probe catches up: not steady), verify."""
+    out = []
+    for _ in range(steps):
+        k, probe = spec.plan(4)
+        if k:
+            spec.observe_draft(k, draft_ms, steady=not probe, probe=probe)
+            accepted = next((i for i in range(k) if rng.random() >= accept), k)
+            spec.observe_verify(k, accepted, 0, verify_ms)
+        else:
+            spec.observe_verify(0, 0, 0, verify_ms)
+        out.append((k, probe))
+    return out
+
+
+def test_probes_are_spaced_so_their_time_stays_within_the_budget() -> None:
+    rng = np.random.default_rng(6)
+    policy = ProbePolicy(min_interval=8, max_interval=1024, max_cost_fraction=0.01)
+    spec = _dear_drafter(policy)
+    plans = _drive(spec, 5000, accept=0.3, draft_ms=20.0, verify_ms=8.0, rng=rng)
+    probes = sum(p for _, p in plans)
+    assert all(p for k, p in plans if k)  # every drafted step was a probe: speculation stays off
+    assert spec.probe_interval() == 250  # 20 ms / (1% of 8 ms)
+    assert 1 <= probes and probes * 20.0 <= 0.011 * (5000 - probes) * 8.0
+
+
+def test_a_cheap_probe_is_made_every_min_interval_steps() -> None:
+    spec = _dear_drafter(ProbePolicy(min_interval=8), draft_ms=0.1)
+    spec.accept.hits[:], spec.accept.trials[:] = 0.0, 1e3  # nothing is ever accepted: drafting never pays
+    spec.accept.version += 1
+    plans = _drive(spec, 90, accept=0.0, draft_ms=0.1, verify_ms=8.0, rng=np.random.default_rng(7))
+    assert [i for i, (_, p) in enumerate(plans) if p] == [8, 17, 26, 35, 44, 53, 62, 71, 80, 89]
+
+
+def test_probing_turns_speculation_back_on_when_acceptance_rises() -> None:
+    """Drafting costs 2 ms a call against 8 ms verifies: off while nothing is accepted, back on (k >= 1
+    steps that are no probes) within a bounded number of steps once everything is accepted."""
+    rng = np.random.default_rng(8)
+    spec = _dear_drafter(ProbePolicy(min_interval=8, max_interval=64), draft_ms=2.0)
+    off = _drive(spec, 600, accept=0.0, draft_ms=2.0, verify_ms=8.0, rng=rng)
+    assert all(p for k, p in off[100:] if k)
+    on = _drive(spec, 1500, accept=1.0, draft_ms=2.0, verify_ms=8.0, rng=rng)
+    first_on = next(i for i, (k, p) in enumerate(on) if k and not p)
+    assert first_on < 1000 and all(k == 4 for k, _ in on[first_on:])
+
+
+def test_a_draft_call_that_caught_up_only_lowers_the_draft_fit() -> None:
+    spec = _dear_drafter(draft_ms=2.0)
+    before = spec.draft.predict_many(np.array([1]))[0]
+    spec.observe_draft(1, 50.0, steady=False, probe=True)  # caught up a long skipped stretch
+    assert spec.draft.predict_many(np.array([1]))[0] == before and spec.probe_ms == 50.0
+    spec.observe_draft(1, 0.5, steady=False)
+    assert spec.draft.predict_many(np.array([1]))[0] < before
+
+
+def test_the_overhead_of_a_drafted_step_is_charged() -> None:
+    """Free drafting, 1 ms verifies whatever their size, half the tokens accepted: drafting pays, until a
+    drafted step is measured to spend 5 ms more outside its draft and verify calls than a skipped one."""
+    spec = AdaptiveSpeculation(AdaptiveConfig(max_k=4))
+    _flat_verify(spec, 1.0)
+    spec.accept.hits[:], spec.accept.trials[:] = 50.0, 100.0
+    spec.accept.version += 1
+    assert spec.choose_k(4) == 4
+    for _ in range(300):  # the next refit charges them (every 256 steps while only 1-token steps come)
+        spec.observe_overhead(True, 5.2)
+        spec.observe_verify(0, 0, 0, 1.0, overhead_ms=0.2)
+    assert spec.overhead_ms == pytest.approx([0.2, 5.2], rel=0.05) and spec.choose_k(4) == 0
+
+
+@pytest.mark.parametrize("bad", [dict(min_interval=0), dict(min_interval=9, max_interval=8),
+                                 dict(max_cost_fraction=0.0), dict(tokens=0), dict(cost_weight=1.5)])
+def test_probe_policy_is_validated(bad) -> None:
+    with pytest.raises(ValueError):
+        ProbePolicy(**bad)

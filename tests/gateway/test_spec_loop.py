@@ -18,7 +18,7 @@ from stats_helpers import two_sample_pvalue
 from specserve.contract.types import DraftBlock, GenerationRequest, SamplingParams
 from specserve.draft_service.proposer import DrafterConfig
 from specserve.draft_service.registry import build_proposer
-from specserve.gateway.adaptive import AdaptiveConfig, AdaptiveSpeculation
+from specserve.gateway.adaptive import AdaptiveConfig, AdaptiveSpeculation, ProbePolicy
 from specserve.gateway.local import LocalDraft, LocalTarget
 from specserve.gateway.spec_loop import FinalEvent, run_request
 from specserve.target_service.factory import EngineConfig, build_engine
@@ -201,36 +201,55 @@ def test_sampled_output_follows_the_target_distribution_with_adaptive_speculatio
     assert two_sample_pvalue(spec, ref) > 0.001, (dict(spec), dict(ref))
 
 
+def _sampled_5th_tokens(engine, checkpoint, adaptive, n: int, **request) -> tuple[Counter, Counter, list]:
+    """The 5th emitted token of n target-only requests and of n adaptive ones (``request``: more
+    GenerationRequest fields) with a model drafter of ``checkpoint``, seeds apart; and the adaptive ones' stats."""
+    sampling = lambda seed: SamplingParams(temperature=1.2, top_k=6, seed=seed)  # noqa: E731
+    pos = 4
+
+    async def sample() -> tuple[Counter, Counter, list]:
+        target, draft = LocalTarget(engine), LocalDraft(_model(checkpoint))
+        ref, spec, stats = Counter(), Counter(), []
+        try:
+            for i in range(n):
+                r = await _final(target, None, GenerationRequest(PROMPT, pos + 1, sampling(10_000 + i)))
+                s = await _final(target, draft, GenerationRequest(PROMPT, pos + 1, sampling(i), adaptive=True, **request),
+                                 adaptive)
+                ref[r.token_ids[pos]] += 1
+                spec[s.token_ids[pos]] += 1
+                stats.append(s.stats)
+        finally:
+            target.close()
+            draft.close()
+        return ref, spec, stats
+
+    return asyncio.run(sample())
+
+
 @pytest.mark.parametrize("drafter", ["other", "target"])
 def test_sampled_output_is_lossless_with_adaptive_draft_ahead_and_a_model_drafter(engine, other_model_dir, tiny_target_dir, drafter):
     """Chi-square on the 5th emitted token: adaptive + draft-ahead with a model drafter that sends
     probabilities (its q feeds the calibration; ahead blocks are truncated) vs target-only sampling.
     "other" (random weights): drafts often refused; "target" (the target's own weights): drafts always
     accepted, so ahead blocks are used whenever the bonus token matches the ahead guess."""
-    sampling = lambda seed: SamplingParams(temperature=1.2, top_k=6, seed=seed)  # noqa: E731
     adaptive = _cheap_drafting()
-    n, pos = 150, 4
-
-    async def sample() -> tuple[Counter, Counter, int]:
-        checkpoint = other_model_dir if drafter == "other" else tiny_target_dir
-        target, draft = LocalTarget(engine), LocalDraft(_model(checkpoint))
-        ref, spec, hits = Counter(), Counter(), 0
-        try:
-            for i in range(n):
-                r = await _final(target, None, GenerationRequest(PROMPT, pos + 1, sampling(10_000 + i)))
-                req = GenerationRequest(PROMPT, pos + 1, sampling(i), adaptive=True, draft_ahead=True)
-                s = await _final(target, draft, req, adaptive)
-                ref[r.token_ids[pos]] += 1
-                spec[s.token_ids[pos]] += 1
-                hits += s.stats.draft_ahead_hits
-        finally:
-            target.close()
-            draft.close()
-        return ref, spec, hits
-
-    ref, spec, hits = asyncio.run(sample())
-    assert hits > 0 or drafter == "other"  # ahead blocks were used
+    checkpoint = other_model_dir if drafter == "other" else tiny_target_dir
+    ref, spec, stats = _sampled_5th_tokens(engine, checkpoint, adaptive, 150, draft_ahead=True)
+    assert sum(s.draft_ahead_hits for s in stats) > 0 or drafter == "other"  # ahead blocks were used
     assert adaptive.calibration.trials.sum() > 0  # q of verified blocks reached the calibration
+    assert two_sample_pvalue(spec, ref) > 0.001, (dict(spec), dict(ref))
+
+
+def test_sampled_output_is_lossless_while_adaptive_skips_and_probes(engine, tiny_target_dir):
+    """Chi-square on the 5th emitted token with speculation off but for a probe every 3rd step (shared by the
+    requests, so a probe may be a request's first draft: a lazy start) and the target's own weights drafting
+    (probes accepted): the drafter catches up on skipped steps and sampled output keeps the target's law."""
+    adaptive = AdaptiveSpeculation(AdaptiveConfig(max_k=4, probe=ProbePolicy(min_interval=2, max_interval=2)))
+    for k in (1, 4):
+        adaptive.observe_draft(k, 1e4)  # drafting is measured ruinous
+    ref, spec, stats = _sampled_5th_tokens(engine, tiny_target_dir, adaptive, 150)
+    assert adaptive.probes >= 150 and sum(s.accepted for s in stats) > 75  # probes were made and accepted
+    assert all(set(s.chosen_k) <= {0, 1} for s in stats)
     assert two_sample_pvalue(spec, ref) > 0.001, (dict(spec), dict(ref))
 
 
