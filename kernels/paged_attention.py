@@ -85,10 +85,24 @@ def _check_launch(rows: PagedRows, tensors: list[tuple[str, torch.Tensor]], num_
             f"num_splits must be an int in [1, {MAX_SPLITS}], got {num_splits!r}")
 
 
+def _check_split_chunk(split_chunk: int, block_n: int) -> None:
+    require(isinstance(split_chunk, int) and split_chunk >= 0 and split_chunk % block_n == 0,
+            f"split_chunk must be 0 or a multiple of block_n = {block_n}, got {split_chunk!r}")
+
+
+def fixed_splits(max_kv_len: int, chunk: int = 256) -> tuple[int, int]:
+    """(num_splits, split_chunk) of token-count invariant steps over up to max_kv_len keys: ranges of a fixed size
+    (a multiple of 64, so of every block_n), at most MAX_SPLITS of them."""
+    chunk = max(chunk, -(-max_kv_len // MAX_SPLITS))
+    chunk = -(-chunk // 64) * 64
+    return max(1, -(-max_kv_len // chunk)), chunk
+
+
 def _meta_args(rows: PagedRows) -> tuple:
     tree = rows.tree_mask.view(torch.uint8) if rows.tree_mask is not None else rows.row_index
+    paths = rows.tree_paths if rows.tree_paths is not None else rows.row_index
     max_new = rows.tree_mask.shape[1] if rows.tree_mask is not None else 0
-    return (rows.block_tables, rows.kv_lens, rows.new_starts, rows.row_request, rows.row_index, tree,
+    return (rows.block_tables, rows.kv_lens, rows.new_starts, rows.row_request, rows.row_index, tree, paths,
             rows.num_requests, rows.max_blocks, max_new)
 
 
@@ -111,6 +125,7 @@ def paged_gqa_attention(
     out: torch.Tensor | None = None,  # [N, Hq, D] contiguous, q's dtype
     num_splits: int = 1,
     workspace: torch.Tensor | None = None,  # [>= N * Hq * num_splits * (D + 2)] fp32 (num_splits > 1)
+    split_chunk: int = 0,  # > 0: each split covers this many kv indices from split * split_chunk (fixed ranges)
     block_n: int | None = None,
     validate: bool = False,
 ) -> torch.Tensor:  # [N, Hq, D]
@@ -132,13 +147,16 @@ def paged_gqa_attention(
     g = hq // hkv
     bn = block_n or default_block_n(d)
     require(bn >= 16 and bn & (bn - 1) == 0, f"block_n must be a power of two >= 16, got {bn}")
+    _check_split_chunk(split_chunk, bn)
     ws_acc, ws_ml = _workspace(workspace, n, hq, num_splits, d, q.device) if num_splits > 1 else (out, out)
     _k.gqa_rows_kernel[(n, hkv, num_splits)](
-        q, kv_cache, out, ws_acc, ws_ml, *_meta_args(rows), scale * LOG2E,
+        q, kv_cache, out, ws_acc, ws_ml, *_meta_args(rows), scale * LOG2E, split_chunk,
         q.stride(0), q.stride(1), rows.block_tables.stride(0),
-        rows.tree_mask.stride(0) if rows.tree_mask is not None else 0, out.stride(0), out.stride(1),
+        rows.tree_mask.stride(0) if rows.tree_mask is not None else 0,
+        rows.tree_paths.stride(0) if rows.tree_paths is not None else 0, out.stride(0), out.stride(1),
         BLOCK_SIZE=bs, HKV=hkv, D=d, G=g, G_PAD=_pow2(g), D_PAD=_pow2(d), BLOCK_N=bn,
-        HAS_TREE=rows.tree_mask is not None, SPLITS=num_splits, PRECISION=_precision(q.dtype),
+        HAS_TREE=rows.tree_mask is not None, PATHS=rows.tree_paths is not None, SPLITS=num_splits,
+        PRECISION=_precision(q.dtype),
         num_warps=4 if _pow2(d) <= 64 else 8,
     )
     if num_splits > 1:
@@ -159,6 +177,7 @@ def paged_mla_attention(
     out: torch.Tensor | None = None,  # [N, H, R] contiguous, q's dtype
     num_splits: int = 1,
     workspace: torch.Tensor | None = None,  # [>= N * H * num_splits * (R + 2)] fp32 (num_splits > 1)
+    split_chunk: int = 0,  # > 0: each split covers this many kv indices from split * split_chunk (fixed ranges)
     heads_per_program: int | None = None,
     block_n: int | None = None,
     validate: bool = False,
@@ -182,13 +201,16 @@ def paged_mla_attention(
     require(hb >= 16 and hb & (hb - 1) == 0, f"heads_per_program must be a power of two >= 16, got {hb}")
     bn = block_n or default_block_n(r)
     require(bn >= 16 and bn & (bn - 1) == 0, f"block_n must be a power of two >= 16, got {bn}")
+    _check_split_chunk(split_chunk, bn)
     ws_acc, ws_ml = _workspace(workspace, n, h, num_splits, r, q_nope.device) if num_splits > 1 else (out, out)
     _k.mla_rows_kernel[(n, triton.cdiv(h, hb), num_splits)](
-        q_nope, q_pe, cache, out, ws_acc, ws_ml, *_meta_args(rows), float(sm_scale) * LOG2E,
+        q_nope, q_pe, cache, out, ws_acc, ws_ml, *_meta_args(rows), float(sm_scale) * LOG2E, split_chunk,
         q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), rows.block_tables.stride(0),
-        rows.tree_mask.stride(0) if rows.tree_mask is not None else 0, out.stride(0), out.stride(1),
+        rows.tree_mask.stride(0) if rows.tree_mask is not None else 0,
+        rows.tree_paths.stride(0) if rows.tree_paths is not None else 0, out.stride(0), out.stride(1),
         BLOCK_SIZE=bs, H=h, R=r, P=p, HB=hb, R_PAD=_pow2(r), P_PAD=_pow2(p), BLOCK_N=bn,
-        HAS_TREE=rows.tree_mask is not None, SPLITS=num_splits, PRECISION=_precision(q_nope.dtype),
+        HAS_TREE=rows.tree_mask is not None, PATHS=rows.tree_paths is not None, SPLITS=num_splits,
+        PRECISION=_precision(q_nope.dtype),
         num_warps=4 if r <= 128 else 8,
     )
     if num_splits > 1:

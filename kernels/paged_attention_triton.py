@@ -17,9 +17,11 @@ M_INIT = tl.constexpr(-1.0e30)  # finite start for the running max: an all-maske
 
 
 @triton.jit
-def _row_setup(row, row_req_ptr, row_idx_ptr, kv_lens_ptr, new_starts_ptr, num_requests, kv_cap, split,
+def _row_setup(row, row_req_ptr, row_idx_ptr, kv_lens_ptr, new_starts_ptr, num_requests, kv_cap, split, split_chunk,
                SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
-    """(request (clamped to a valid one), new token index, new_start, this split's kv range [lo, hi))."""
+    """(request (clamped to a valid one), new token index, new_start, this split's kv range [lo, hi)). split_chunk > 0
+    (a multiple of BLOCK_N) fixes each split's range to [split * split_chunk, ...) whatever the kv length, so a row's
+    tiles and their merge order do not depend on how many keys its request holds (invariant steps)."""
     req = tl.load(row_req_ptr + row)
     valid = (req >= 0) & (req < num_requests)
     req_s = tl.where(valid, req, 0)
@@ -28,6 +30,7 @@ def _row_setup(row, row_req_ptr, row_idx_ptr, kv_lens_ptr, new_starts_ptr, num_r
     new_start = tl.load(new_starts_ptr + req_s)
     j = tl.load(row_idx_ptr + row)
     chunk = tl.cdiv(tl.cdiv(kv_len, SPLITS), BLOCK_N) * BLOCK_N
+    chunk = tl.where(split_chunk > 0, split_chunk, chunk)
     lo = tl.minimum(split * chunk, kv_len)
     hi = tl.minimum(lo + chunk, kv_len)
     return req_s, j, new_start, lo, hi
@@ -44,6 +47,20 @@ def _visible(row, s, hi, new_start, j, tree_ptr, stride_tree, max_new, HAS_TREE:
     else:
         see_new = t <= j
     return in_range & ((t < 0) | see_new)
+
+
+@triton.jit
+def _source(row, s, in_range, new_start, j, path_ptr, stride_path, PATHS: tl.constexpr):
+    """[BLOCK_N] kv indices to read for positions s. PATHS: a row reads its new tokens in path order (position
+    new_start + t holds node path[row, t], its depth-t ancestor, for t <= j = its depth), so every row sees its keys
+    at the positions a one-token decode of its path would (token-count invariant tree steps)."""
+    src = s
+    if PATHS:
+        t = s - new_start
+        on_path = (t >= 0) & (t <= j) & in_range
+        node = tl.load(path_ptr + row * stride_path + t, mask=on_path, other=0)
+        src = tl.where(t >= 0, new_start + node, s)
+    return src
 
 
 @triton.jit
@@ -75,14 +92,17 @@ def gqa_rows_kernel(
     row_req_ptr,  # [N] int32
     row_idx_ptr,  # [N] int32
     tree_ptr,  # [N, max_new] uint8 (HAS_TREE)
+    path_ptr,  # [N, max_new] int32 (PATHS)
     num_requests,
     max_blocks,
     max_new,
     qk_scale,  # sm_scale * log2(e)
+    split_chunk,  # > 0: kv indices per split, fixed (_row_setup)
     stride_qn,
     stride_qh,
     stride_bt,
     stride_tree,
+    stride_path,
     stride_on,
     stride_oh,
     BLOCK_SIZE: tl.constexpr,
@@ -93,6 +113,7 @@ def gqa_rows_kernel(
     D_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr,
     HAS_TREE: tl.constexpr,
+    PATHS: tl.constexpr,  # new tokens read in path order (_source); row_idx = the row's depth; not with HAS_TREE
     SPLITS: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
@@ -100,7 +121,8 @@ def gqa_rows_kernel(
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     req, j, new_start, lo, hi = _row_setup(row, row_req_ptr, row_idx_ptr, kv_lens_ptr, new_starts_ptr,
-                                           num_requests, max_blocks * BLOCK_SIZE, split, SPLITS, BLOCK_N)
+                                           num_requests, max_blocks * BLOCK_SIZE, split, split_chunk, SPLITS,
+                                           BLOCK_N)
     offs_g = tl.arange(0, G_PAD)
     offs_d = tl.arange(0, D_PAD)
     offs_n = tl.arange(0, BLOCK_N)
@@ -116,8 +138,9 @@ def gqa_rows_kernel(
     for start in range(lo, hi, BLOCK_N):
         s = start + offs_n
         in_range = s < hi
-        page = tl.load(block_tables_ptr + req * stride_bt + s // BLOCK_SIZE, mask=in_range, other=0)
-        slot = page.to(tl.int64) * BLOCK_SIZE + s % BLOCK_SIZE
+        src = _source(row, s, in_range, new_start, j, path_ptr, stride_path, PATHS)
+        page = tl.load(block_tables_ptr + req * stride_bt + src // BLOCK_SIZE, mask=in_range, other=0)
+        slot = page.to(tl.int64) * BLOCK_SIZE + src % BLOCK_SIZE
         kv_ptrs = cache_ptr + slot[:, None] * entry + kvh * D + offs_d[None, :]
         kv_mask = in_range[:, None] & d_ok[None, :]
         k = tl.load(kv_ptrs, mask=kv_mask, other=0.0)  # [BLOCK_N, D_PAD]
@@ -149,16 +172,19 @@ def mla_rows_kernel(
     row_req_ptr,
     row_idx_ptr,
     tree_ptr,
+    path_ptr,
     num_requests,
     max_blocks,
     max_new,
     qk_scale,
+    split_chunk,
     stride_qnn,
     stride_qnh,
     stride_qpn,
     stride_qph,
     stride_bt,
     stride_tree,
+    stride_path,
     stride_on,
     stride_oh,
     BLOCK_SIZE: tl.constexpr,
@@ -170,6 +196,7 @@ def mla_rows_kernel(
     P_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr,
     HAS_TREE: tl.constexpr,
+    PATHS: tl.constexpr,  # new tokens read in path order (_source); row_idx = the row's depth; not with HAS_TREE
     SPLITS: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
@@ -177,7 +204,8 @@ def mla_rows_kernel(
     hblk = tl.program_id(1)
     split = tl.program_id(2)
     req, j, new_start, lo, hi = _row_setup(row, row_req_ptr, row_idx_ptr, kv_lens_ptr, new_starts_ptr,
-                                           num_requests, max_blocks * BLOCK_SIZE, split, SPLITS, BLOCK_N)
+                                           num_requests, max_blocks * BLOCK_SIZE, split, split_chunk, SPLITS,
+                                           BLOCK_N)
     offs_h = tl.arange(0, HB)
     offs_r = tl.arange(0, R_PAD)
     offs_p = tl.arange(0, P_PAD)
@@ -196,8 +224,9 @@ def mla_rows_kernel(
     for start in range(lo, hi, BLOCK_N):
         s = start + offs_n
         in_range = s < hi
-        page = tl.load(block_tables_ptr + req * stride_bt + s // BLOCK_SIZE, mask=in_range, other=0)
-        base = cache_ptr + (page.to(tl.int64) * BLOCK_SIZE + s % BLOCK_SIZE) * (R + P)
+        src = _source(row, s, in_range, new_start, j, path_ptr, stride_path, PATHS)
+        page = tl.load(block_tables_ptr + req * stride_bt + src // BLOCK_SIZE, mask=in_range, other=0)
+        base = cache_ptr + (page.to(tl.int64) * BLOCK_SIZE + src % BLOCK_SIZE) * (R + P)
         lat = tl.load(base[:, None] + offs_r[None, :], mask=in_range[:, None] & r_ok[None, :], other=0.0)
         kpe = tl.load(base[:, None] + R + offs_p[None, :], mask=in_range[:, None] & p_ok[None, :], other=0.0)
         scores = tl.dot(qn, tl.trans(lat), input_precision=PRECISION)

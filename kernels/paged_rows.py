@@ -6,6 +6,11 @@ that request. Request b sees kv_lens[b] tokens through block_tables[b] (cached t
 K/V are already written); its new tokens start at kv index new_starts[b]. Row i sees every kv index s < new_start
 plus new token t = s - new_start where tree_mask[i, t] (tree verify), else where t <= j (causal among new tokens).
 
+With tree_paths (token-count invariant tree steps) row i instead sees the cached indices plus new tokens
+tree_paths[i, 0..row_index[i]] (its path from the request's first new token, in depth order; row_index is then its
+depth), read at consecutive kv positions new_start + t, so each row sees its keys where a one-token decode of its
+path would (kernels/paged_attention_triton.py `_source`).
+
 Shapes are static maxima (B requests, N rows, max_blocks per table, max_new new tokens per request), so a graph
 captured over them stays valid when a later step writes other lengths and block ids into the same buffers.
 """
@@ -28,6 +33,7 @@ class PagedRows:
     row_request: torch.Tensor  # [N] int32 request of each row; -1 = padding row (output zeros)
     row_index: torch.Tensor  # [N] int32 the row's index among its request's new tokens
     tree_mask: torch.Tensor | None = None  # [N, max_new] bool: row i may see new token t; None = causal
+    tree_paths: torch.Tensor | None = None  # [N, max_new] int32: row i's path of new tokens (not with tree_mask)
 
     def __post_init__(self) -> None:
         i32 = (torch.int32,)
@@ -51,6 +57,12 @@ class PagedRows:
             check_dim("tree_mask", self.tree_mask, 0, n, "the number of rows N = row_request.shape[0]")
             require(self.tree_mask.shape[1] >= 1, "tree_mask needs at least one column")
             named.append(("tree_mask", self.tree_mask))
+        if self.tree_paths is not None:
+            require(self.tree_mask is None, "tree_paths and tree_mask are two forms of a tree: give one")
+            check_tensor("tree_paths", self.tree_paths, 2, i32)
+            check_dim("tree_paths", self.tree_paths, 0, n, "the number of rows N = row_request.shape[0]")
+            require(self.tree_paths.shape[1] >= 1, "tree_paths needs at least one column")
+            named.append(("tree_paths", self.tree_paths))
         check_same_device(named)
 
     @property
@@ -76,7 +88,12 @@ class PagedRows:
             return torch.zeros(0, dtype=torch.bool)
         kv_len = min(int(self.kv_lens[b]), self.max_blocks * block_size)
         t = torch.arange(kv_len) - int(self.new_starts[b])
-        if self.tree_mask is None:
+        if self.tree_paths is not None:  # its path's nodes, wherever they sit among the new tokens
+            path = self.tree_paths[row].cpu().long()[: int(self.row_index[row]) + 1]
+            new_ok = torch.zeros(kv_len, dtype=torch.bool)
+            inside = (t >= 0) & (t < kv_len)
+            new_ok[inside] = torch.isin(t[inside], path)
+        elif self.tree_mask is None:
             new_ok = t <= int(self.row_index[row])
         else:
             width = self.tree_mask.shape[1]
@@ -163,6 +180,26 @@ class PagedRows:
         dev = torch.device(device)
         return cls(tables.to(dev), kv_lens.to(dev), starts.to(dev), row_req.to(dev), row_idx.to(dev),
                    None if mask is None else mask.to(dev))
+
+    def with_paths(self) -> PagedRows:
+        """The same rows in the tree_paths form (token-count invariant steps; causal rows get their chains)."""
+        mask = self.tree_mask.cpu() if self.tree_mask is not None else None
+        if mask is None:
+            idx = self.row_index.cpu()
+            mask = torch.arange(max(1, int(idx.max()) + 1))[None, :] <= idx[:, None]
+        paths, depth = tree_paths_of(mask)
+        dev = self.device
+        return PagedRows(self.block_tables, self.kv_lens, self.new_starts, self.row_request,
+                         depth.clamp(min=0).to(torch.int32).to(dev), None, paths.to(torch.int32).to(dev))
+
+
+def tree_paths_of(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # [n, w] bool -> ([n, w], [n]) int64
+    """(each row's path: the new tokens it sees in index order, which is depth order since parents come first, then
+    zeros; its depth) of tree-mask rows [n, w] (True = may attend) on the host."""
+    counts = mask.sum(1)
+    order = torch.sort((~mask).to(torch.int8), dim=1, stable=True).indices  # seen columns first, in index order
+    paths = torch.where(torch.arange(mask.shape[1])[None, :] < counts[:, None], order, 0)
+    return paths, counts - 1
 
 
 def allocate_rows(num_requests: int, num_rows: int, max_blocks: int, max_new: int | None,

@@ -11,6 +11,10 @@ import torch
 from specserve.errors import SpecserveError
 from specserve.models.dtypes import DTYPES, ENGINE_DTYPES
 
+# invariant steps on the CPU: rows a multiple of this, so no row falls in the scalar tail of a vectorised elementwise
+# kernel (torch CPU kernels compute exp / sigmoid / silu there with other code, so the tail rows round differently)
+CPU_ROWS = 64
+INVARIANT_STEPS = {"auto": None, "on": True, "off": False}  # --invariant-steps -> EngineConfig.invariant_steps
 GRAPH_ATTENTION = ("flashinfer", "triton_paged", "paged_torch")  # attention backends that read no lengths on the host
 
 
@@ -32,6 +36,12 @@ class EngineConfig:
     graph_max_draft: int = 16  # graphs for decode and chain verify of 1..graph_max_draft drafted tokens
     graph_tree_sizes: tuple[int, ...] = ()  # graphs for tree verify steps of these node counts
     max_context: int | None = None  # cap below the model's max_position_embeddings
+    # token-count invariant steps (greedy speculation gives target-only's output bit for bit, in bf16 too): every
+    # single-session step of up to graph_max_draft + 1 tokens (or the largest tree size) runs padded to that many
+    # rows on backends whose reductions do not depend on the step (models/backends.py). None: on a GPU where the
+    # attention asked for allows it (auto does), off on the CPU (64 rows a step there: CPU_ROWS); True: required
+    # (the CPU too); False: off
+    invariant_steps: bool | None = None
     seed: int = 0  # synthetic weights
     seed_key: bytes | None = field(default=None, repr=False)  # seeded sampling's secret (models/probs.py); None: random
     # Benchmark only (specserve.bench.step_bench --shard R/N): build rank R of an N-way tensor-parallel shard
@@ -57,6 +67,8 @@ class EngineConfig:
                                  f"trees {self.graph_tree_sizes}")
         if self.cuda_graphs and not self.device.startswith("cuda"):
             raise SpecserveError("--cuda-graphs needs --device cuda")
+        if self.invariant_steps and (self.tensor_parallel_size > 1 or self.bench_shard is not None):
+            raise SpecserveError("--invariant-steps runs on one device (not with --tensor-parallel-size or --shard)")
         if self.bench_shard is not None:
             rank, size = self.bench_shard
             if not 0 <= rank < size or size < 2:
@@ -94,8 +106,9 @@ def build_model_for(cfg: EngineConfig):
     else:
         model, model_config = load_model(cfg.model, device=cfg.device, dtype=dtype)
         tokenizer = load_tokenizer(cfg.model)
+    invariant = cfg.invariant_steps if cfg.tensor_parallel_size == 1 and cfg.bench_shard is None else False
     choice = select_backends(model_config, cfg.device, dtype, cfg.attention_backend, cfg.moe_backend,
-                             cfg.fused_layers)
+                             cfg.fused_layers, invariant)
     install_backends(model, choice, cfg.kv_block_size, cfg.device, dtype)
     return model, model_config, tokenizer, choice
 
@@ -140,4 +153,24 @@ def build_engine(cfg: EngineConfig):
         max_context=cfg.max_context,
         cuda_graphs=options,
         seed_key=cfg.seed_key,
+        invariant_rows=invariant_rows(cfg) if choice.invariant else 0,
     )
+
+
+def invariant_rows(cfg: EngineConfig) -> int:
+    """The row count invariant steps are padded to: the largest graphed step (a chain of graph_max_draft drafted
+    tokens, or the largest tree)."""
+    rows = max((cfg.graph_max_draft + 1, *cfg.graph_tree_sizes))
+    return rows if cfg.device.startswith("cuda") else -(-rows // CPU_ROWS) * CPU_ROWS
+
+
+def add_invariant_argument(parser) -> None:  # an argparse.ArgumentParser
+    """--invariant-steps auto|on|off (INVARIANT_STEPS), for every command that builds a target engine."""
+    parser.add_argument("--invariant-steps", choices=tuple(INVARIANT_STEPS), default="auto",
+                        help="token-count invariant target steps (greedy speculation then gives target-only's "
+                             "output bit for bit, bf16 included): auto = on a GPU, off on the CPU (64-row steps)")
+
+
+def invariant_flag(value: bool | None) -> str:
+    """The --invariant-steps word of an EngineConfig.invariant_steps value."""
+    return {v: k for k, v in INVARIANT_STEPS.items()}[value]

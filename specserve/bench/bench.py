@@ -171,7 +171,8 @@ def run_bench(config: BenchConfig, progress: bool = True) -> dict:
     bandwidth = measure_copy_bandwidth(config.device, config.copy_bytes)
     env["bandwidth"] = bandwidth.as_dict()
     engine = build_engine(EngineConfig(model=Path(config.model), device=config.device, dtype=config.dtype,
-                                       num_kv_blocks=config.num_kv_blocks, kv_block_size=config.kv_block_size))
+                                       num_kv_blocks=config.num_kv_blocks, kv_block_size=config.kv_block_size,
+                                       invariant_steps=config.invariant_steps))
     mb = _model_bytes(engine)
     checkpoints = resolve_drafter_checkpoints(config, b.skipped)
     proposers = build_drafters(config, engine, checkpoints, b.skipped)

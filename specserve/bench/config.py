@@ -44,6 +44,7 @@ class BenchConfig:
     bandwidth_bytes: int | None = None  # size of the bandwidth copy; None: 1 GiB on GPU, 256 MiB on CPU
     num_kv_blocks: int = 4096
     kv_block_size: int = 16
+    invariant_steps: bool | None = None  # the target's token-count invariant steps (EngineConfig.invariant_steps)
     projection_timings: Path | None = None  # GPU synthetic-model timings (see specserve.bench.projection)
     projection_model: str | None = None  # which model of a step_bench.json (default: the Qwen3-30B-A3B preset)
     projection_context: int | None = None  # which context of a step_bench.json (default: its smallest)

@@ -37,12 +37,15 @@ class ServedStack:
         self.procs: dict[str, subprocess.Popen] = {}
         self.target_address = f"unix:{self.folder}/target.sock"
         self.draft_addresses: dict[str, str] = {}
+        from specserve.target_service.factory import invariant_flag
+
         model = ["--model", str(config.model), "--device", config.device, "--dtype", config.dtype]
         try:
             layers = ["--graph-hidden-layers", ",".join(map(str, graph_layers))] if graph_layers else []
             self._start("target", ["target", *model, "--listen", self.target_address,
                                    "--num-kv-blocks", str(config.num_kv_blocks),
-                                   "--kv-block-size", str(config.kv_block_size), *layers])
+                                   "--kv-block-size", str(config.kv_block_size), *layers,
+                                   "--invariant-steps", invariant_flag(config.invariant_steps)])
             for family in families:
                 address = f"unix:{self.folder}/{family}.sock"
                 ckpt = ["--draft-model", str(checkpoints[family])] if family in checkpoints else []

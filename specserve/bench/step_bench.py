@@ -58,6 +58,7 @@ class StepBenchConfig:
     no_graphs: bool = False  # eager only (CPU smoke runs)
     shard: tuple[int, int] | None = None  # (R, N): time only rank R of an N-way TP shard (routed experts EP)
     seed: int = 0  # weights and prompts
+    invariant_steps: bool | None = None  # the target's token-count invariant steps (EngineConfig.invariant_steps)
 
     def __post_init__(self) -> None:
         if not self.models or not self.contexts:
@@ -173,7 +174,7 @@ def bench_model(spec: str, args: StepBenchConfig, bandwidth: float, log) -> dict
         model=name, device=args.device, dtype=args.dtype, num_kv_blocks=blocks,
         kv_block_size=args.block_size, cuda_graphs=False if args.no_graphs else None, graph_max_draft=args.max_k,
         max_context=max_ctx + 2 * args.max_k + 32, bench_shard=args.shard, enable_expert_parallel=parallel is not None,
-        seed=args.seed,
+        seed=args.seed, invariant_steps=args.invariant_steps,
     ))
     build_s = time.perf_counter() - t0
     spec = row_label(spec)

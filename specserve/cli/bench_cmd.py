@@ -31,6 +31,8 @@ STEP_MODELS = ("qwen3-30b-a3b", "kimi-k2-layer")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from specserve.target_service.factory import add_invariant_argument
+
     bench_e2e.add_arguments(parser)  # bare `specserve bench --model ...` runs e2e
     sub = parser.add_subparsers(dest="bench_command", metavar="WHAT", parser_class=type(parser))
 
@@ -49,6 +51,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--eager-reps", type=int, default=3, help="timed eager steps per point (0: skip eager)")
     p.add_argument("--kv-block-size", "--block-size", type=positive_int, default=16)
     p.add_argument("--no-graphs", action="store_true", help="eager only (CPU smoke runs)")
+    add_invariant_argument(p)
     p.add_argument("--shard", type=shard_arg, default=None, metavar="R/N",
                    help="time only rank R of an N-way TP shard (routed experts EP), collectives skipped")
     p.add_argument("--census", action="store_true",
@@ -118,12 +121,14 @@ def _run_step(args: argparse.Namespace) -> int:
     if args.census:
         return _run_census(args)
     from specserve.bench import step_bench
+    from specserve.target_service.factory import INVARIANT_STEPS
 
     _check_device(args.device)
     cfg = step_bench.StepBenchConfig(
         models=tuple(name_list(args.model)) if args.model else STEP_MODELS, contexts=args.contexts or (128, 4096),
         max_k=args.max_k, reps=args.reps, eager_reps=args.eager_reps, device=args.device, dtype=args.dtype,
-        block_size=args.kv_block_size, no_graphs=args.no_graphs, shard=args.shard, seed=args.seed)
+        block_size=args.kv_block_size, no_graphs=args.no_graphs, shard=args.shard, seed=args.seed,
+        invariant_steps=INVARIANT_STEPS[args.invariant_steps])
     env = environment(cfg.device)
 
     def save(report: dict) -> None:

@@ -71,6 +71,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="size of the copy that measures bandwidth (default 1024 on GPU, 256 on CPU)")
     parser.add_argument("--num-kv-blocks", type=positive_int, default=4096)
     parser.add_argument("--kv-block-size", type=positive_int, default=16)
+    from specserve.target_service.factory import add_invariant_argument
+
+    add_invariant_argument(parser)
     parser.add_argument("--projection-timings", type=Path, default=None,
                         help="GPU step timings for the labelled projection line: the summary.json of "
                              "`specserve bench step` (or an older step_bench.json), or the simple format of "
@@ -90,6 +93,7 @@ def config_from_args(args: argparse.Namespace):
     from specserve.bench.config import BenchConfig
     from specserve.models.scaled_demo import is_scaled_demo
     from specserve.paths import demo_checkpoint
+    from specserve.target_service.factory import INVARIANT_STEPS
 
     draft_models: dict[str, Path] = {}
     for d in args.draft_models:
@@ -119,6 +123,7 @@ def config_from_args(args: argparse.Namespace):
         bandwidth_bytes=None if args.bandwidth_mib is None else args.bandwidth_mib << 20,
         num_kv_blocks=args.num_kv_blocks,
         kv_block_size=args.kv_block_size,
+        invariant_steps=INVARIANT_STEPS[args.invariant_steps],
         projection_timings=args.projection_timings,
         projection_model=args.projection_model,
         projection_context=args.projection_context,

@@ -178,6 +178,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--enable-expert-parallel", action="store_true")
     parser.add_argument("--num-kv-blocks", type=positive_int, default=4096)
     parser.add_argument("--kv-block-size", type=positive_int, default=16)
+    from specserve.target_service.factory import add_invariant_argument
+
+    add_invariant_argument(parser)
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
@@ -201,7 +204,7 @@ def engine_config_from_args(args: argparse.Namespace):
 
     from specserve.models.probs import SEED_KEY_ENV, seed_key_from_hex
     from specserve.paths import demo_checkpoint
-    from specserve.target_service.factory import EngineConfig
+    from specserve.target_service.factory import INVARIANT_STEPS, EngineConfig
 
     seed_key = None  # a key of the engine's own (seeded requests reproduce on this process only)
     if os.environ.get(SEED_KEY_ENV, "").strip():
@@ -219,6 +222,7 @@ def engine_config_from_args(args: argparse.Namespace):
         kv_block_size=args.kv_block_size,
         tensor_parallel_size=args.tensor_parallel_size,
         enable_expert_parallel=args.enable_expert_parallel,
+        invariant_steps=INVARIANT_STEPS[args.invariant_steps],
     )
 
 

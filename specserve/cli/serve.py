@@ -200,6 +200,7 @@ def run(args: argparse.Namespace) -> int:
             *model_flag, *placement, "--listen", target_addr,
             "--tensor-parallel-size", str(args.tensor_parallel_size),
             "--num-kv-blocks", str(args.num_kv_blocks), "--kv-block-size", str(args.kv_block_size),
+            "--invariant-steps", args.invariant_steps,
             *(["--enable-expert-parallel"] if args.enable_expert_parallel else []),
             "--grace-s", str(args.grace_s), *no_shm,
             "--max-sessions", str(args.max_sessions), "--max-queued", str(args.max_queued),

@@ -122,7 +122,10 @@ def attn_dims_of(attn_module: torch.nn.Module, dtype: torch.dtype) -> AttnDims:
 
 
 def paged_batch_of(attn: AttentionBatch, block_size: int) -> PagedBatch:
-    """The kernels' CSR metadata of an AttentionBatch (host only)."""
+    """The kernels' CSR metadata of an AttentionBatch (host only; a batch without pad rows)."""
+    if attn.pad_rows:
+        raise AttentionBackendError(f"this attention backend cannot pad a step ({attn.pad_rows} pad rows): the "
+                                    "invariant steps run on triton_paged or paged_torch")
     return PagedBatch.build(attn.query_lens, attn.context_lens, attn.block_tables, block_size, attn.tree_masks)
 
 
@@ -195,8 +198,11 @@ class ReferencePagedBackend(PagedBackend):
 
 
 def make_attention_backend(model: torch.nn.Module, kind: str, block_size: int, device: torch.device | str,
-                           dtype: torch.dtype):
-    """The backend object for a kind from select_attention_backend ('torch' -> None) or 'reference'."""
+                           dtype: torch.dtype, invariant: bool = False):
+    """The backend object for a kind from select_attention_backend ('torch' -> None) or 'reference'; invariant:
+    its token-count invariant form (triton_paged and paged_torch only)."""
+    if invariant and kind not in ("triton_paged", "paged_torch"):
+        raise AttentionBackendError(f"the {kind!r} attention has no invariant form")
     attn_module = model.model.layers[0].self_attn
     if kind == "torch":
         return None
@@ -207,9 +213,10 @@ def make_attention_backend(model: torch.nn.Module, kind: str, block_size: int, d
     if kind == "triton_paged":
         from specserve.models.triton_paged_attention import TritonPagedBackend
 
-        return TritonPagedBackend(attn_module, block_size, device)
+        return TritonPagedBackend(attn_module, block_size, device, invariant=invariant,
+                                  max_window=model.config.max_position_embeddings)
     if kind == "paged_torch":
         from specserve.models.paged_torch_attention import PagedTorchBackend
 
-        return PagedTorchBackend(attn_module, block_size, device)
+        return PagedTorchBackend(attn_module, block_size, device, invariant=invariant)
     raise AttentionBackendError(f"unknown attention backend kind {kind!r}")

@@ -19,6 +19,11 @@ class AttentionBatch:
     New token j of sequence b attends to all ``context_lens[b]`` cached tokens (read through its block
     table) plus new tokens j' with ``tree_masks[b][j, j']`` (or j' <= j when the mask is None). Its K/V
     is written to ``slot_mapping`` (slot -1 = do not write).
+
+    ``pad_rows`` extra rows may follow the last sequence's new tokens (a step padded to a fixed row count, the
+    target runner's invariant steps): each is a copy of that sequence's last new token (same id and position,
+    its slot, the keys it sees), so it computes bit for bit what that token computes and writes the same K/V to
+    the same slot; its outputs are ignored. Backends that cannot pad refuse a batch with pad rows.
     """
 
     query_lens: tuple[int, ...]  # [B] new tokens per sequence
@@ -26,6 +31,7 @@ class AttentionBatch:
     block_tables: tuple[tuple[int, ...], ...]  # [B][n_blocks] physical block ids, enough for context+new
     slot_mapping: torch.Tensor  # [T] int64 cache slot of each new token (block*block_size+offset); -1 = skip
     tree_masks: tuple[torch.Tensor | None, ...]  # [B] each bool [q, q] (True = may attend); None = causal
+    pad_rows: int = 0  # copies of the last sequence's last new token after the T new tokens
 
     def __post_init__(self) -> None:
         b = len(self.query_lens)
@@ -38,9 +44,12 @@ class AttentionBatch:
             raise AttentionBatchError(
                 f"slot_mapping must be a 1-D int64 tensor, got {tuple(self.slot_mapping.shape)} {self.slot_mapping.dtype}"
             )
-        if self.slot_mapping.numel() != self.num_tokens:
+        if self.pad_rows < 0 or (self.pad_rows and (not b or not self.query_lens[-1])):
+            raise AttentionBatchError(f"pad_rows = {self.pad_rows} needs a last sequence with new tokens to copy")
+        if self.slot_mapping.numel() != self.num_rows:
             raise AttentionBatchError(
-                f"slot_mapping has {self.slot_mapping.numel()} entries for {self.num_tokens} new tokens"
+                f"slot_mapping has {self.slot_mapping.numel()} entries for {self.num_tokens} new tokens and "
+                f"{self.pad_rows} pad rows"
             )
         for i, (mask, q) in enumerate(zip(self.tree_masks, self.query_lens)):
             if mask is None:
@@ -59,6 +68,11 @@ class AttentionBatch:
     @property
     def num_tokens(self) -> int:
         return sum(self.query_lens)
+
+    @property
+    def num_rows(self) -> int:
+        """Rows of the step: the new tokens, then the pad rows."""
+        return self.num_tokens + self.pad_rows
 
     def token_ranges(self) -> list[tuple[int, int]]:
         """[(start, end)] of each sequence's new tokens within the T new tokens."""

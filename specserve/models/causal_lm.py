@@ -235,7 +235,7 @@ class CausalLM(nn.Module):
         kv_cache: PagedKVCache,
         capture_layers: tuple[int, ...],
     ) -> None:
-        t = attn.num_tokens
+        t = attn.num_rows
         if input_ids.shape != (t,) or positions.shape != (t,):
             raise ModelInputError(
                 f"input_ids {tuple(input_ids.shape)} and positions {tuple(positions.shape)} must both be [{t}]"

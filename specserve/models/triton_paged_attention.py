@@ -17,8 +17,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from specserve.kernels.paged_attention import num_splits_for, paged_gqa_attention, paged_mla_attention
-from specserve.kernels.paged_rows import PagedRows
+from specserve.kernels.paged_attention import fixed_splits, num_splits_for, paged_gqa_attention, paged_mla_attention
+from specserve.kernels.paged_rows import PagedRows, tree_paths_of
 from specserve.models.attn_metadata import AttentionBatch
 from specserve.models.config import MLAConfig
 from specserve.models.kv_cache import PagedKVCache
@@ -38,6 +38,8 @@ class RowsShape:
     max_blocks: int  # block-table entries per request
     max_new: int | None  # tree-mask columns; None = causal (no mask)
     num_splits: int  # split-kv chunks per row (1 = one launch per layer)
+    split_chunk: int = 0  # > 0: kv indices per split, fixed whatever the kv length (invariant steps)
+    paths: bool = False  # trees as rows' paths (PagedRows.tree_paths: invariant steps), not as a mask
 
 
 class RowsStep:
@@ -51,11 +53,13 @@ class RowsStep:
         self._ints = torch.zeros(sum(self._sizes), dtype=torch.int32, device=device)
         self._ints_host = torch.zeros(sum(self._sizes), dtype=torch.int32, pin_memory=pinned)
         self._mask = self._mask_host = None
-        if shape.max_new is not None:
-            self._mask = torch.zeros(n, shape.max_new, dtype=torch.bool, device=device)
-            self._mask_host = torch.zeros(n, shape.max_new, dtype=torch.bool, pin_memory=pinned)
+        if shape.max_new is not None:  # the tree mask [N, max_new] bool, or the rows' paths [N, max_new] int32
+            kind = torch.int32 if shape.paths else torch.bool
+            self._mask = torch.zeros(n, shape.max_new, dtype=kind, device=device)
+            self._mask_host = torch.zeros(n, shape.max_new, dtype=kind, pin_memory=pinned)
         tables, kv_lens, starts, row_req, row_idx = self._ints.split(self._sizes)
-        self.rows = PagedRows(tables.view(b, nb), kv_lens, starts, row_req, row_idx, self._mask)
+        tree, paths = (None, self._mask) if shape.paths else (self._mask, None)
+        self.rows = PagedRows(tables.view(b, nb), kv_lens, starts, row_req, row_idx, tree, paths)
         view = self._ints_host.numpy()  # numpy views of the pinned staging, one per field
         offsets = np.cumsum((0,) + self._sizes)
         self._h = [view[offsets[i]: offsets[i + 1]] for i in range(5)]
@@ -73,7 +77,7 @@ class RowsStep:
     def fill(self, attn: AttentionBatch, block_size: int) -> None:
         """Write attn's metadata into the host staging, then copy it to the device buffers (asynchronously)."""
         s = self.shape
-        if attn.num_seqs > s.num_requests or attn.num_tokens > s.num_rows or max(attn.query_lens) > (s.max_new or 1 << 30):
+        if attn.num_seqs > s.num_requests or attn.num_rows > s.num_rows or max(attn.query_lens) > (s.max_new or 1 << 30):
             raise TritonPagedError(f"step {attn.query_lens} does not fit the step shape {s}")
         if s.max_new is None and any(m is not None for m in attn.tree_masks):
             raise TritonPagedError("a tree step in a causal (mask-free) step shape")
@@ -100,7 +104,17 @@ class RowsStep:
             row_req[first:end] = b
             row_idx[first:end] = np.arange(q)
             if mask is not None:
-                mask[first:end, :q] = np.tri(q, dtype=bool) if tree is None else tree.cpu().numpy()
+                own = np.tri(q, dtype=bool) if tree is None else tree.cpu().numpy()
+                if s.paths:  # each row's path in depth order, row_idx its depth
+                    paths, depth = tree_paths_of(torch.from_numpy(own))
+                    mask[first:end, :q], row_idx[first:end] = paths.numpy(), depth.numpy()
+                else:
+                    mask[first:end, :q] = own
+        if attn.pad_rows:  # copies of the last new token's row
+            last, rows = attn.num_tokens - 1, slice(attn.num_tokens, attn.num_rows)
+            row_req[rows], row_idx[rows] = row_req[last], row_idx[last]
+            if mask is not None:
+                mask[rows] = mask[last]
         self._ints.copy_(self._ints_host, non_blocking=True)
         if mask is not None:
             self._mask.copy_(self._mask_host, non_blocking=True)
@@ -117,8 +131,12 @@ class TritonPagedBackend(PagedBackend):
     error = TritonPagedError
     what = "Triton paged attention"
 
-    def __init__(self, attn_module: torch.nn.Module, block_size: int, device: torch.device | str) -> None:
+    def __init__(self, attn_module: torch.nn.Module, block_size: int, device: torch.device | str,
+                 invariant: bool = False, max_window: int = 0) -> None:
         super().__init__(block_size)
+        # invariant steps: split-kv ranges of a fixed size over up to max_window keys, the same in every step, so a
+        # row's tiles and the order they are merged in depend on neither the step's rows nor its kv length
+        self._fixed_splits = fixed_splits(max_window) if invariant else None
         cfg = attn_module.cfg
         self.scale = float(attn_module.scale)
         self.mla_dims = (cfg.kv_lora_rank, cfg.qk_rope_head_dim) if isinstance(cfg, MLAConfig) else None
@@ -132,8 +150,9 @@ class TritonPagedBackend(PagedBackend):
 
     def _new_step(self, num_requests: int, num_rows: int, max_kv: int, max_new: int | None) -> RowsStep:
         programs = num_rows * self.num_kv_heads
-        splits = num_splits_for(max(max_kv, self._split_window), programs)
-        shape = RowsShape(num_requests, num_rows, -(-max_kv // self.block_size), max_new, splits)
+        splits, chunk = self._fixed_splits or (num_splits_for(max(max_kv, self._split_window), programs), 0)
+        shape = RowsShape(num_requests, num_rows, -(-max_kv // self.block_size), max_new, splits, chunk,
+                          paths=self._fixed_splits is not None)
         return RowsStep(shape, self.device, self.num_heads, self.width)
 
     def new_graph_step(self, shape) -> RowsStep:
@@ -147,7 +166,7 @@ class TritonPagedBackend(PagedBackend):
         if step is None:
             kv = max(c + q for c, q in zip(attn.context_lens, attn.query_lens))
             tree = any(m is not None for m in attn.tree_masks)
-            step = self._new_step(attn.num_seqs, attn.num_tokens, kv, max(attn.query_lens) if tree else None)
+            step = self._new_step(attn.num_seqs, attn.num_rows, kv, max(attn.query_lens) if tree else None)
         step.fill(attn, self.block_size)
         return step
 
@@ -160,11 +179,13 @@ class TritonPagedBackend(PagedBackend):
         """q [T, Hq, D] over a cache that already holds this step's K/V -> [T, Hq, D]."""
         step = self._planned(attn)
         return paged_gqa_attention(q, kv_cache.layers[layer], step.rows, self.scale,
-                                   num_splits=step.shape.num_splits, workspace=step.workspace)
+                                   num_splits=step.shape.num_splits, workspace=step.workspace,
+                                   split_chunk=step.shape.split_chunk)
 
     def mla_cached(self, layer: int, q_nope: torch.Tensor, q_pe: torch.Tensor, attn: AttentionBatch,
                    kv_cache: PagedKVCache) -> torch.Tensor:
         """Absorbed MLA over a cache that already holds this step's entries -> [T, H, R]."""
         step = self._planned(attn)
         return paged_mla_attention(q_nope, q_pe, kv_cache.layers[layer], step.rows, self.scale,
-                                   num_splits=step.shape.num_splits, workspace=step.workspace)
+                                   num_splits=step.shape.num_splits, workspace=step.workspace,
+                                   split_chunk=step.shape.split_chunk)

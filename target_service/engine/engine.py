@@ -115,6 +115,7 @@ class TargetEngine:
         vocab_hash: str | None = None,  # override the fingerprint computed from the tokenizer
         cuda_graphs: GraphOptions | None = None,  # capture these verify/decode steps now (FlashInfer backend)
         seed_key: bytes | None = None,  # seeded sampling's secret (models/probs.py); None: one of this engine's own
+        invariant_rows: int = 0,  # > 0: token-count invariant steps padded to this many rows (model_runner.py)
     ) -> None:
         self.model = model
         self._seed_key = seed_key or new_seed_key()
@@ -133,7 +134,7 @@ class TargetEngine:
         )
         self._sessions: dict[str, Session] = {}
         self.runner = ModelRunner(model, self.kv_cache, block_size=block_size, max_context=self.max_context,
-                                  device=self.device)
+                                  device=self.device, invariant_rows=invariant_rows)
         self._graph_options = cuda_graphs
         if cuda_graphs is not None:
             self.runner.capture(cuda_graphs)  # before any session: capture writes scratch K/V

@@ -9,6 +9,13 @@ with a graph is: plan, stage ids / positions / slots, replay, read the outputs (
 step). Any other step (prefill, batches of several sessions, contexts past the captured maximum, other capture
 layers) runs eagerly through the same model code.
 
+Invariant steps (`invariant_rows` = R > 0, the target's `--invariant-steps`): every single-session step of at most
+R new tokens (decode, chain or tree verify) runs at R rows, its new tokens followed by pad rows that copy the last
+one (AttentionBatch.pad_rows: same token, position, slot and visible keys), through one graph (or, eager, the same
+shapes). Every kernel then sees the same row count whatever the step carries, so a row's logits are bit for bit
+those the same token gets in a one-token decode (with attention backends whose reductions do not depend on the
+context length either: models/backends.py picks them). The outputs are the first T rows.
+
 Each graph also ends with the step's summary on the device (`_Graph.summary`, int64 [3]): the last accepted node of
 greedy verification when the step is a chain (the drafted tokens are ids[1:]), the target's argmax there (the next
 token) and the distinct (MoE layer, expert) pairs the step touched. The engine reads those three numbers with one
@@ -30,6 +37,9 @@ from specserve.models.kv_cache import PagedKVCache
 
 class GraphCaptureError(RuntimeError):
     """CUDA graphs were asked for where they cannot be captured."""
+
+
+PADDED = "padded"  # the step kind of invariant steps' one graph (beside False = chain and True = tree)
 
 
 @dataclass(frozen=True)
@@ -59,12 +69,15 @@ def distinct_experts(routed: torch.Tensor | None, num_experts: int, device: torc
     return seen.sum()
 
 
-def chain_summary(ids: torch.Tensor, logits: torch.Tensor, routed: torch.Tensor | None,
+def chain_summary(ids: torch.Tensor, pos: torch.Tensor, logits: torch.Tensor, routed: torch.Tensor | None,
                   num_experts: int) -> torch.Tensor:  # [3] int64
     """(last accepted node, next token, distinct experts) of greedy verification of the chain ids [T] = pending
-    token + drafted tokens, given its logits [T, V]: device ops only, so a graph can end with it."""
+    token + drafted tokens at positions pos [T], given its logits [T, V]: device ops only, so a graph can end with
+    it. Pad rows repeat the last position, so a row whose position does not grow is never accepted (nor are the
+    ones after it); they route as the last token does, so they add no experts."""
     top = logits.argmax(-1)  # [T]
-    last = (ids[1:] == top[:-1]).long().cumprod(0).sum()  # accepted count == last node of a chain
+    ok = (ids[1:] == top[:-1]) & (pos[1:] > pos[:-1])
+    last = ok.long().cumprod(0).sum()  # accepted count == last node of a chain
     nxt = top.index_select(0, last.view(1))[0]  # (not top[last]: a 0-dim index tensor is read on the host)
     return torch.stack([last, nxt, distinct_experts(routed, num_experts, ids.device)])
 
@@ -77,6 +90,25 @@ class RunOutput:
     logits: torch.Tensor  # [T, V] float32
     captured_layers: tuple[int, ...]  # which hidden layers out.captured holds
     summary: torch.Tensor | None  # [3] int64 on the device (chain_summary) when a graph ran; None for eager steps
+
+
+def pad_step(ids: Sequence[int], pos: Sequence[int], attn: AttentionBatch,
+             rows: int) -> tuple[list[int], list[int], AttentionBatch]:
+    """The step padded to `rows` rows: pad rows copy its last new token (id, position, slot; AttentionBatch.pad_rows)."""
+    pad = rows - attn.num_tokens
+    slots = attn.slot_mapping
+    slots = torch.cat([slots, slots[-1:].expand(pad)])
+    return (list(ids) + [ids[-1]] * pad, list(pos) + [pos[-1]] * pad,
+            dataclasses.replace(attn, slot_mapping=slots, pad_rows=pad))
+
+
+def first_rows(run: RunOutput, n: int) -> RunOutput:
+    """The first n rows of a padded step's outputs (views)."""
+    out = run.out
+    out = dataclasses.replace(
+        out, hidden=out.hidden[:n], captured=None if out.captured is None else out.captured[:n],
+        routed_experts=None if out.routed_experts is None else out.routed_experts[:, :n])
+    return RunOutput(out, run.logits[:n], run.captured_layers, run.summary)
 
 
 @dataclass
@@ -93,8 +125,11 @@ class _Graph:
 
 class ModelRunner:
     def __init__(self, model, kv_cache: PagedKVCache, *, block_size: int, max_context: int,
-                 device: torch.device | str) -> None:
+                 device: torch.device | str, invariant_rows: int = 0) -> None:
+        if invariant_rows < 0:
+            raise GraphCaptureError(f"invariant_rows must be >= 0, got {invariant_rows}")
         self.model = model
+        self.invariant_rows = invariant_rows  # > 0: single-session steps of up to this many tokens run padded to it
         moe = getattr(getattr(model, "config", None), "moe", None)
         self.num_experts = int(moe.num_experts) if moe is not None else 0
         self.kv_cache = kv_cache
@@ -127,8 +162,16 @@ class ModelRunner:
             capture: tuple[int, ...] = ()) -> RunOutput:
         """One forward over the T new tokens of `attn` (its slot_mapping may be on the host). A graph serves the step
         when it was captured for the step's shape and returns at least the hidden layers asked for."""
+        n = attn.num_tokens
+        if self.invariant_rows and attn.num_seqs == 1 and n <= self.invariant_rows:  # invariant step: padded
+            ids, pos, attn = pad_step(ids, pos, attn, self.invariant_rows)
+            return first_rows(self._run(ids, pos, attn, capture, ((self.invariant_rows,), PADDED)), n)
         tree = any(m is not None for m in attn.tree_masks)
-        g, used = self._graph_serving(attn.query_lens, tree, capture)
+        return self._run(ids, pos, attn, capture, (tuple(int(q) for q in attn.query_lens), tree))
+
+    def _run(self, ids: Sequence[int], pos: Sequence[int], attn: AttentionBatch, capture: tuple[int, ...],
+             shape: tuple) -> RunOutput:
+        g, used = self._graph_serving(shape, capture)
         longest = max(c + q for c, q in zip(attn.context_lens, attn.query_lens))
         if g is None or not self.use_graphs or longest > self.max_context:
             self.eager_steps += 1
@@ -151,27 +194,23 @@ class ModelRunner:
         self.graph_steps += 1
         return RunOutput(g.out, g.logits, used, g.summary)
 
-    def _graph_serving(self, query_lens: Sequence[int], tree: bool, capture: tuple[int, ...]):
-        """The graph of this step shape whose captured layers include `capture` (fewest extra first), and those
-        layers; (None, capture) when there is none."""
+    def _graph_serving(self, shape: tuple, capture: tuple[int, ...]):
+        """The graph of this step shape ((query lens, tree or PADDED)) whose captured layers include `capture`
+        (fewest extra first), and those layers; (None, capture) when there is none."""
         wanted = set(capture)
         best = None
         for layers in self._capture_sets:
             if wanted <= set(layers) and (best is None or len(layers) < len(best)):
-                g = self._graphs.get(self._key(query_lens, tree, layers))
-                if g is not None:
+                if (shape, tuple(layers)) in self._graphs:
                     best = layers
         if best is None:
             return None, capture
-        return self._graphs[self._key(query_lens, tree, best)], best
-
-    @staticmethod
-    def _key(query_lens: Sequence[int], tree: bool, capture: tuple[int, ...]) -> tuple:
-        return (tuple(int(q) for q in query_lens), bool(tree), tuple(capture))
+        return self._graphs[(shape, tuple(best))], best
 
     def graph_for(self, query_lens: Sequence[int], tree: bool = False, capture: tuple[int, ...] = ()):
-        """The captured torch.cuda.CUDAGraph for a step shape, or None."""
-        g = self._graphs.get(self._key(query_lens, tree, capture))
+        """The captured torch.cuda.CUDAGraph of a step shape, or None (invariant steps: the one padded graph)."""
+        shape = ((self.invariant_rows,), PADDED) if self.invariant_rows else (tuple(int(q) for q in query_lens), tree)
+        g = self._graphs.get((shape, tuple(capture)))
         return None if g is None else g.graph
 
     # ---- capture ---------------------------------------------------------------------------------
@@ -191,14 +230,16 @@ class ModelRunner:
         if tuple(options.capture_layers) not in self._capture_sets:
             self._capture_sets.append(tuple(options.capture_layers))
         shapes = [(int(n), False) for n in options.chain_sizes] + [(int(n), True) for n in options.tree_sizes]
+        if self.invariant_rows:  # one graph serves every single-session step: padded, with a mask (chains too)
+            shapes = [(self.invariant_rows, PADDED)]
         for t, tree in sorted(set(shapes), reverse=True):
             if t + 1 > self.max_context:
                 raise GraphCaptureError(f"a graph of {t} new tokens does not fit max_context {self.max_context}")
-            key = self._key((t,), tree, tuple(options.capture_layers))
+            key = (((t,), tree), tuple(options.capture_layers))
             if key in self._graphs:
                 continue
             try:
-                self._graphs[key] = self._capture_one(t, tree, tuple(options.capture_layers))
+                self._graphs[key] = self._capture_one(t, bool(tree), tuple(options.capture_layers))
             except Exception as e:  # that shape stays eager; the engine still serves it
                 self.capture_errors[key] = f"{type(e).__name__}: {e}"
                 warnings.warn(f"CUDA graph for {t} new tokens (tree {tree}) not captured, runs eager: {e}",
@@ -225,7 +266,7 @@ class ModelRunner:
         def forward():
             out = self.model(ids, pos, attn, self.kv_cache, capture_layers=capture)
             logits = self.model.compute_logits(out.hidden)
-            return out, logits, chain_summary(ids, logits, out.routed_experts, self.num_experts)
+            return out, logits, chain_summary(ids, pos, logits, out.routed_experts, self.num_experts)
 
         stream = torch.cuda.Stream(dev)
         stream.wait_stream(torch.cuda.current_stream(dev))

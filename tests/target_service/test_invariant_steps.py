@@ -1,0 +1,63 @@
+"""Token-count invariant steps on the CPU (issue #31): with `invariant_steps` a verify of k + 1 tokens gives, bit for
+bit (torch.equal), the logits of k + 1 one-token decodes, for k = 0..15, and every node of a tree the logits of its
+path verified as a chain; on the shipped demo in bf16 and float32 and on a tiny random preset. The negative control
+runs the same checks with the option off and must see a difference. The GPU side is test_gpu_invariant_steps.py."""
+
+from __future__ import annotations
+
+import pytest
+from invariance_helpers import chain_mismatches, engine_for, tree_mismatches
+
+from specserve.paths import demo_checkpoint
+from specserve.target_service.factory import CPU_ROWS, EngineConfig, build_engine
+
+PROMPT = [5, 17, 101, 33, 64, 9, 150, 77, 3, 120, 41, 8, 199, 60, 21, 90, 14, 180, 2, 55]
+CASES = [(str(demo_checkpoint("target")), "bfloat16"), (str(demo_checkpoint("target")), "float32"),
+         ("synthetic:tiny-qwen3-moe", "bfloat16"), ("synthetic:tiny-kimi-k2", "float32")]
+
+
+@pytest.mark.parametrize("model,dtype", CASES, ids=["demo-bf16", "demo-fp32", "tiny-qwen3-bf16", "tiny-kimi-fp32"])
+def test_a_verify_gives_the_logits_of_its_decodes_bit_for_bit(model, dtype):
+    engine = engine_for(model, dtype, invariant=True)
+    assert engine.runner.invariant_rows == CPU_ROWS
+    assert chain_mismatches(engine, PROMPT) == []
+    assert tree_mismatches(engine, PROMPT) == []
+
+
+def test_without_invariant_steps_a_verify_rounds_differently():
+    """The negative control: the same checks with the option off see differences (float32 on the demo: torch's
+    CPU GEMMs pick their kernel by row count)."""
+    engine = engine_for(str(demo_checkpoint("target")), "float32", invariant=False)
+    assert engine.runner.invariant_rows == 0
+    assert chain_mismatches(engine, PROMPT) != []
+
+
+def test_invariant_steps_refuse_a_backend_that_is_not_invariant():
+    from specserve.models.attn_backend import AttentionBackendError
+
+    with pytest.raises(AttentionBackendError, match="invariant steps need"):
+        build_engine(EngineConfig(model="synthetic:tiny-qwen3-moe", attention_backend="torch", invariant_steps=True,
+                                  num_kv_blocks=8))
+
+
+def test_a_padded_steps_summary_never_accepts_a_pad_row():
+    """Pad rows repeat the last token and position: the graph's greedy summary stops at the last real row even where
+    a pad row's token equals the target's choice before it."""
+    import torch
+
+    from specserve.target_service.engine.model_runner import chain_summary
+
+    ids = torch.tensor([7, 3, 4, 4, 4])  # pending 7, drafted 3 and 4, then two pad rows
+    pos = torch.tensor([10, 11, 12, 12, 12])
+    logits = torch.nn.functional.one_hot(torch.tensor([3, 4, 4, 4, 9]), 16).float()
+    assert chain_summary(ids, pos, logits, None, 0)[:2].tolist() == [2, 4]
+    assert chain_summary(ids, torch.arange(10, 15), logits, None, 0)[:2].tolist() == [4, 9]  # unpadded: all accepted
+
+
+def test_greedy_speculation_gives_target_only_tokens():
+    from invariance_helpers import greedy_speculation
+
+    engine = engine_for(str(demo_checkpoint("target")), "bfloat16", invariant=True)
+    reference = engine.generate_greedy(PROMPT, 24)
+    for k in (1, 4, 15):
+        assert greedy_speculation(engine, PROMPT, reference, k) == reference, f"k = {k}"
