@@ -49,6 +49,7 @@ class OverheadConfig:
     deadline_s: float = 120.0  # each served request's deadline (a client's; the draft's step timeout applies anyway)
     num_kv_blocks: int = 256
     kv_block_size: int = 16
+    invariant_steps: bool | None = None  # the target's token-count invariant steps (EngineConfig.invariant_steps)
 
     def __post_init__(self) -> None:
         unknown = [d for d in self.drafters if d not in DRAFTERS]
@@ -115,7 +116,8 @@ class _Clients:
         self.stack = stack
         self.deadline_s = config.deadline_s
         engine = build_engine(EngineConfig(model=config.model, device=config.device, dtype=config.dtype,
-                                           num_kv_blocks=config.num_kv_blocks, kv_block_size=config.kv_block_size))
+                                           num_kv_blocks=config.num_kv_blocks, kv_block_size=config.kv_block_size,
+                                           invariant_steps=config.invariant_steps))
         self.info = engine.info()
         self.local_target = LocalTarget(engine)
         self.proposers: dict[str, _TimedProposer] = {}
