@@ -12,7 +12,8 @@ nor counted.
 
 Per drafter it prints: proposes timed, median ms per propose and per drafted token, kernels per drafted token, host
 syncs and device-to-host copies per propose, mean accepted length, the first propose (the catch-up on the whole
-prompt) apart, and the top host functions. --out writes the rows (JSON; `ROW_KEYS` is a row's schema). Runs on the
+prompt) apart, and the top host functions; `--tree NUM_NODES,TOP_K,DEPTH` profiles EAGLE-2 trees instead of chains.
+--out writes the rows (JSON; `ROW_KEYS` is a row's schema). Runs on the
 CPU as well (slowly; no kernels there, so the kernel and copy counts are null; the figures that matter are the GPU's).
 """
 
@@ -35,7 +36,7 @@ DRAFTERS = ("eagle3", "model", "dflash", "ngram", "mtp")
 DEFAULT_DRAFTERS = ("eagle3", "model", "dflash", "ngram")
 PROMPTS = ("def parse_args(argv):\n", "class Stack:\n    def push(self, x):", "import os\nimport sys\n\n\ndef main():")
 ROW_KEYS = (  # one row per drafter (--out); counts are null where they cannot be taken (a CPU)
-    "drafter", "model", "k", "device", "dtype", "proposes", "propose_ms_median", "ms_per_drafted_token_median",
+    "drafter", "model", "k", "tree", "device", "dtype", "proposes", "propose_ms_median", "ms_per_drafted_token_median",
     "kernels_per_propose", "kernels_per_drafted_token", "host_syncs_per_propose", "dtoh_copies_per_propose",
     "first_propose_ms_mean", "mean_accepted_length", "host_profile",
 )
@@ -49,8 +50,9 @@ def _plain(call: Callable[[], object]) -> object:
 
 
 def _run(engine, proposer, session_id: str, prompt: list[int], k: int, max_new: int,
-         around: Around = _plain) -> tuple[list[float], list[int], list[int]]:
-    """(ms per propose, drafted per propose, accepted per propose) of one greedy request."""
+         around: Around = _plain, tree=None) -> tuple[list[float], list[int], list[int]]:
+    """(ms per propose, drafted per propose, accepted per propose) of one greedy request (chains, or trees of the
+    TreeSpec `tree`)."""
     from specserve.contract.types import SamplingParams
 
     sampling = SamplingParams()
@@ -62,7 +64,7 @@ def _run(engine, proposer, session_id: str, prompt: list[int], k: int, max_new: 
         proposer.start(session_id, seq, pre.hidden, sampling)
         prefix_len, append_ids, append_hidden = len(seq), (), None
         while len(seq) - len(prompt) < max_new:
-            args = (session_id, prefix_len, append_ids, append_hidden, k)
+            args = (session_id, prefix_len, append_ids, append_hidden, k, tree)
             t0 = time.perf_counter()
             block = around(lambda: proposer.propose(*args))
             ms.append((time.perf_counter() - t0) * 1e3)
@@ -152,7 +154,7 @@ def _counted_run(engine, proposer, prompt: list[int], args: argparse.Namespace) 
     counts = _DeviceCounts(cuda)
     activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
     with torch.profiler.profile(activities=activities) as prof:
-        _, drafted, _ = _run(engine, proposer, "counted", prompt, args.k, args.max_new_tokens, counts)
+        _, drafted, _ = _run(engine, proposer, "counted", prompt, args.k, args.max_new_tokens, counts, args.tree)
         if cuda:
             torch.cuda.synchronize()
     calls, tokens = max(1, len(drafted)), max(1, sum(drafted))
@@ -166,10 +168,10 @@ def _counted_run(engine, proposer, prompt: list[int], args: argparse.Namespace) 
 
 def profile_drafter(family: str, proposer, engine, args: argparse.Namespace) -> dict:
     prompts = [engine.tokenizer.encode(p).ids for p in PROMPTS]
-    _run(engine, proposer, "warm-up", prompts[0], args.k, 16)  # JIT, autotuning, allocator
+    _run(engine, proposer, "warm-up", prompts[0], args.k, 16, tree=args.tree)  # JIT, autotuning, allocator, graphs
     ms, drafted, accepted, first = [], [], [], []
     for i, prompt in enumerate(prompts):
-        m, d, a = _run(engine, proposer, f"timed-{i}", prompt, args.k, args.max_new_tokens)
+        m, d, a = _run(engine, proposer, f"timed-{i}", prompt, args.k, args.max_new_tokens, tree=args.tree)
         first.append(m[0])
         ms += m[1:]
         drafted += d[1:]
@@ -184,10 +186,12 @@ def profile_drafter(family: str, proposer, engine, args: argparse.Namespace) -> 
         finally:
             profiler.disable()
 
-    calls = len(_run(engine, proposer, "profiled", prompts[0], args.k, args.max_new_tokens, profiled)[0])
+    calls = len(_run(engine, proposer, "profiled", prompts[0], args.k, args.max_new_tokens, profiled, args.tree)[0])
     per_token = [t / d for t, d in zip(ms, drafted) if d]
     row = {
-        "drafter": family, "model": args.model, "k": args.k, "device": args.device, "dtype": args.dtype,
+        "drafter": family, "model": args.model, "k": args.k,
+        "tree": None if args.tree is None else [args.tree.num_nodes, args.tree.top_k, args.tree.depth],
+        "device": args.device, "dtype": args.dtype,
         "proposes": len(ms),
         "propose_ms_median": statistics.median(ms) if ms else 0.0,
         "ms_per_drafted_token_median": statistics.median(per_token) if per_token else 0.0,
@@ -198,6 +202,15 @@ def profile_drafter(family: str, proposer, engine, args: argparse.Namespace) -> 
     }
     assert tuple(row) == ROW_KEYS
     return row
+
+
+def _tree_spec(text: str):
+    from specserve.contract.types import TreeSpec
+
+    try:
+        return TreeSpec(*(int(x) for x in text.split(",")))
+    except (TypeError, ValueError) as e:
+        raise argparse.ArgumentTypeError(f"want NUM_NODES,TOP_K,DEPTH (positive integers), got {text!r}: {e}") from e
 
 
 def _count(x: float | None, fmt: str) -> str:
@@ -216,6 +229,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="bfloat16" if torch.cuda.is_available() else "float32",
                    choices=("float32", "bfloat16"))
     p.add_argument("--top", type=int, default=15, help="host functions listed per drafter")
+    p.add_argument("--tree", type=_tree_spec, default=None, metavar="NUM_NODES,TOP_K,DEPTH",
+                   help="propose EAGLE-2 trees of this shape instead of chains (drafters that draft trees)")
     p.add_argument("--out", type=Path, default=None, help="write the rows here (JSON)")
     args = p.parse_args(argv)
     families = [f for f in args.drafters.split(",") if f]
@@ -237,6 +252,9 @@ def main(argv: list[str] | None = None) -> int:
     engine = build_engine(EngineConfig(model=_target(args.model), device=args.device, dtype=args.dtype,
                                        num_kv_blocks=512))
     proposers = {f: build_drafter(f, args) for f in families}
+    chains_only = [f for f, d in proposers.items() if args.tree is not None and not d.info.supports_tree]
+    if chains_only:
+        p.error(f"--tree: {', '.join(chains_only)} draft chains only")
     # the target's graphs also return the hidden layers EAGLE-3 / DFlash read (as the bench and `generate` do)
     engine.add_graph_layers(sorted({i for d in proposers.values() if d.info.needs_hidden_states
                                     for i in d.info.hidden_layers}))
@@ -245,7 +263,8 @@ def main(argv: list[str] | None = None) -> int:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"rows": rows}, indent=1))
     for r in rows:
-        print(f"\n{r['drafter']} k={r['k']} on {r['model']} ({r['device']}, {r['dtype']}): {r['propose_ms_median']:.3f} "
+        shape = f"k={r['k']}" if r["tree"] is None else "tree " + ",".join(map(str, r["tree"]))
+        print(f"\n{r['drafter']} {shape} on {r['model']} ({r['device']}, {r['dtype']}): {r['propose_ms_median']:.3f} "
               f"ms per propose, {r['ms_per_drafted_token_median']:.3f} ms per drafted token, "
               f"{_count(r['kernels_per_drafted_token'], '.1f')} kernels per drafted token, "
               f"{_count(r['host_syncs_per_propose'], '.1f')} host syncs and "

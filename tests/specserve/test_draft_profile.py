@@ -27,10 +27,21 @@ def test_profiles_drafters_and_writes_rows_of_the_schema(tmp_path, capsys):
     assert "ngram k=4 on demo (cpu, float32)" in text and "n/a kernels per drafted token" in text
 
 
+def test_profiles_trees(tmp_path, capsys):
+    out = tmp_path / "draft_profile.json"
+    argv = ["--drafters", "eagle3", "--tree", "6,2,3", "--max-new-tokens", "6", "--top", "2", "--out", str(out)]
+    assert draft_profile.main(argv) == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["tree"] == [6, 2, 3] and row["proposes"] > 0 and row["mean_accepted_length"] >= 1.0
+    assert "eagle3 tree 6,2,3 on demo" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("argv,message", [
     (["--drafters", "medusa"], "--drafters: choose from"),
     (["--k", "0"], "--k must be >= 1"),
     (["--model", "demo@no-such-shape"], "--model demo@no-such-shape:"),
+    (["--tree", "6,2"], "--tree: want NUM_NODES,TOP_K,DEPTH"),
+    (["--drafters", "dflash", "--tree", "6,2,3"], "--tree: dflash draft chains only"),
 ])
 def test_bad_flags_are_one_line(argv, message, capsys):
     with pytest.raises(SystemExit) as exc:
