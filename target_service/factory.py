@@ -44,15 +44,17 @@ class EngineConfig:
     invariant_steps: bool | None = None
     seed: int = 0  # synthetic weights
     seed_key: bytes | None = field(default=None, repr=False)  # seeded sampling's secret (models/probs.py); None: random
-    # Benchmark only (specserve.bench.step_bench --shard R/N): build rank R of an N-way tensor-parallel shard
-    # (routed experts expert-parallel when enable_expert_parallel) in this one process, without torch.distributed;
-    # its collectives are skipped (ParallelConfig.collectives=False), so its outputs are not the model's.
+    # Benchmark only (`specserve bench step --shard R/N`): build rank R of an N-way tensor-parallel shard of a
+    # synthetic preset or a demo@ model (routed experts expert-parallel when enable_expert_parallel; a demo@ shard
+    # needs it) in this one process, without torch.distributed; its collectives are skipped
+    # (ParallelConfig.collectives=False), so its outputs are not the model's.
     bench_shard: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         from specserve.models.errors import ModelConfigError
         from specserve.models.model_names import resolve_model
         from specserve.models.presets import is_synthetic
+        from specserve.models.scaled_demo import is_scaled_demo
 
         if self.dtype not in ENGINE_DTYPES:
             raise SpecserveError(f"--dtype must be one of {sorted(ENGINE_DTYPES)}, got {self.dtype!r}")
@@ -73,9 +75,13 @@ class EngineConfig:
             rank, size = self.bench_shard
             if not 0 <= rank < size or size < 2:
                 raise SpecserveError(f"--shard R/N needs N >= 2 and 0 <= R < N, got {rank}/{size}")
-            if not is_synthetic(self.model) or self.tensor_parallel_size != 1:
-                raise SpecserveError("--shard is for synthetic presets in one process (benchmarks only), "
-                                     f"not with {self.model} at --tensor-parallel-size {self.tensor_parallel_size}")
+            if not (is_synthetic(self.model) or is_scaled_demo(self.model)) or self.tensor_parallel_size != 1:
+                raise SpecserveError("--shard is for synthetic presets and demo@ models in one process (benchmarks "
+                                     f"only), not with {self.model} at --tensor-parallel-size "
+                                     f"{self.tensor_parallel_size}")
+            if is_scaled_demo(self.model) and not self.enable_expert_parallel:
+                raise SpecserveError("--shard of a demo@ model splits its routed experts whole: it needs expert "
+                                     "parallelism")
 
 
 def build_model_for(cfg: EngineConfig):
@@ -86,20 +92,20 @@ def build_model_for(cfg: EngineConfig):
     from specserve.models.scaled_demo import build_scaled_demo, is_scaled_demo
 
     dtype = DTYPES[cfg.dtype]
+    parallel = None
+    if cfg.bench_shard is not None:  # one rank's shard alone: collectives off (benchmarks only)
+        from specserve.models.config import ParallelConfig
+
+        parallel = ParallelConfig(tp_rank=cfg.bench_shard[0], tp_size=cfg.bench_shard[1],
+                                  ep=cfg.enable_expert_parallel, collectives=False)
     if is_scaled_demo(cfg.model):
         from specserve.models.model_names import resolve_model
 
         demo = resolve_model(cfg.model)
         model, model_config = build_scaled_demo(str(cfg.model), demo.folder, device=cfg.device, dtype=dtype,
-                                                seed=cfg.seed)
+                                                seed=cfg.seed, parallel=parallel)
         tokenizer = load_tokenizer(demo.tokenizer_folder)
     elif is_synthetic(cfg.model):
-        parallel = None
-        if cfg.bench_shard is not None:  # one rank's shard alone: collectives off (benchmarks only)
-            from specserve.models.config import ParallelConfig
-
-            parallel = ParallelConfig(tp_rank=cfg.bench_shard[0], tp_size=cfg.bench_shard[1],
-                                      ep=cfg.enable_expert_parallel, collectives=False)
         model, model_config = build_synthetic_model(str(cfg.model), device=cfg.device, dtype=dtype,
                                                     parallel=parallel, seed=cfg.seed)
         tokenizer = None

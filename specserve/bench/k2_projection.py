@@ -133,13 +133,13 @@ def shard_fit(report: Mapping, model: str | None = None, context: int | None = N
     results = [r for r in report.get("results", []) if isinstance(r, dict) and "error" not in r and r.get("rows")]
     shards = [r for r in results if r.get("shard")]
     if not shards:
-        raise _fail("the step_bench report holds no shard rows: run step_bench with --shard 0/4")
+        raise _fail("the step report holds no shard rows: run `specserve bench step --shard 0/4`")
     names = sorted({_base_name(r["model"]) for r in shards})
     if model is None:
         model = next((m for m in PREFERRED_MODELS if m in names), names[0])
     chosen = [r for r in shards if _base_name(r["model"]) == model]
     if not chosen:
-        raise _fail(f"the step_bench report has no shard rows of {model!r}; it has {names}")
+        raise _fail(f"the step report has no shard rows of {model!r}; it has {names}")
     sizes = {(r["shard"]["rank"], r["shard"]["size"]) for r in chosen}
     if len(sizes) != 1:
         raise _fail(f"the shard rows of {model} mix shards {sorted(sizes)}; give one rank of one split")
@@ -147,7 +147,7 @@ def shard_fit(report: Mapping, model: str | None = None, context: int | None = N
     for r in chosen:
         by_layers[int(r["layers"])] = r
     if len(by_layers) < 2:
-        raise _fail(f"the shard rows of {model} have one layer count ({sorted(by_layers)}); step_bench needs two or "
+        raise _fail(f"the shard rows of {model} have one layer count ({sorted(by_layers)}); `bench step` needs two or "
                     f"more (e.g. --models {model}:1,{model}:4) to separate the per-layer step from the fixed part")
 
     def base(row: Mapping) -> int:  # step_bench's --contexts value: the tokens the decode step attends over
@@ -176,7 +176,7 @@ def shard_fit(report: Mapping, model: str | None = None, context: int | None = N
         slope = sum((x - mx) * (y - my) for x, y in pts) / sum((x - mx) ** 2 for x, _ in pts)
         if slope <= 0:
             raise _fail(f"the shard step of {model} does not grow with layers at k = {k} (points {pts}): the rows "
-                        "are too noisy to project; rerun step_bench with more --reps or layer counts further apart")
+                        "are too noisy to project; rerun `specserve bench step` with more --reps or layer counts further apart")
         fixed = my - slope * mx
         residual = max(abs(y - fixed - slope * x) for x, y in pts)  # 0 with two layer counts; a check with more
         by_k[k] = {"fixed_ms": fixed, "per_layer_ms": slope, "max_abs_residual_ms": residual,

@@ -169,24 +169,34 @@ def synthetic_config(spec: str) -> ModelConfig:
 @torch.no_grad()
 def init_random_(model: CausalLM, seed: int = 0, std: float = DEFAULT_STD) -> CausalLM:
     """Fill every parameter in place on its own device: norms 1 + noise, everything else N(0, std^2)."""
+    gen = random_generator(next(model.parameters()).device, seed, std)
+    int4 = isinstance(model.config.quantization, Int4PackConfig)
+    for name, p in model.named_parameters():
+        random_fill_(p, name, gen, std, int4)
+    return model
+
+
+def random_generator(device: torch.device, seed: int, std: float = DEFAULT_STD) -> torch.Generator:
+    """The generator init_random_ draws from (one stream over the parameters in order)."""
     if not std > 0:
         raise ModelConfigError(f"std must be > 0, got {std}")
-    device = next(model.parameters()).device
-    gen = torch.Generator(device=device).manual_seed(seed)
-    for name, p in model.named_parameters():
-        if name.endswith("norm.weight"):
-            p.normal_(1.0, std, generator=gen)
-        elif not p.is_floating_point():  # int4 experts' packed words: random nibbles
-            p.random_(-(2**31), 2**31 - 1, generator=gen)
-        elif p.element_size() == 1:  # e4m3 experts: random finite values (|v| <= 1.875), scales below
-            p.view(torch.uint8).random_(0, 0x40, generator=gen).bitwise_or_(
-                torch.randint(0, 2, p.shape, generator=gen, device=device, dtype=torch.uint8) << 7)
-        elif name.endswith("_scale"):  # quantized experts' scales, so that weights come out at about std
-            spread = 4.6 if isinstance(model.config.quantization, Int4PackConfig) else 1.0  # int4 q in [-8, 7]
-            p.normal_(0.0, std / spread, generator=gen)
-        else:
-            p.normal_(0.0, std, generator=gen)
-    return model
+    return torch.Generator(device=device).manual_seed(seed)
+
+
+@torch.no_grad()
+def random_fill_(p: torch.Tensor, name: str, gen: torch.Generator, std: float = DEFAULT_STD, int4: bool = False) -> None:
+    """One parameter of init_random_ (by its name's ending), drawn from `gen`'s stream."""
+    if name.endswith("norm.weight"):
+        p.normal_(1.0, std, generator=gen)
+    elif not p.is_floating_point():  # int4 experts' packed words: random nibbles
+        p.random_(-(2**31), 2**31 - 1, generator=gen)
+    elif p.element_size() == 1:  # e4m3 experts: random finite values (|v| <= 1.875), scales below
+        p.view(torch.uint8).random_(0, 0x40, generator=gen).bitwise_or_(
+            torch.randint(0, 2, p.shape, generator=gen, device=p.device, dtype=torch.uint8) << 7)
+    elif name.endswith("_scale"):  # quantized experts' scales, so that weights come out at about std
+        p.normal_(0.0, std / (4.6 if int4 else 1.0), generator=gen)  # int4 q in [-8, 7]
+    else:
+        p.normal_(0.0, std, generator=gen)
 
 
 def build_synthetic_model(

@@ -44,9 +44,9 @@ import torch
 
 from specserve.kernels.quant_reference import dequant_int4, pack_int4
 from specserve.models.causal_lm import CausalLM, build_model
-from specserve.models.config import MLAConfig, ModelConfig, RopeConfig
+from specserve.models.config import MLAConfig, ModelConfig, ParallelConfig, RopeConfig
 from specserve.models.errors import ModelConfigError
-from specserve.models.presets import PRESETS, init_random_, split_named_spec
+from specserve.models.presets import PRESETS, init_random_, random_fill_, random_generator, split_named_spec
 from specserve.models.quant import Int4PackConfig
 
 SCALED_PREFIX = "demo@"
@@ -221,20 +221,91 @@ def build_scaled_demo(
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.bfloat16,
     seed: int = 0,
+    parallel: ParallelConfig | None = None,
 ) -> tuple[CausalLM, ModelConfig]:
-    """The wide model of `spec` on `device`: random weights everywhere, then the demo embedded (module docstring)."""
+    """The wide model of `spec` on `device`: random weights everywhere, then the demo embedded (module docstring).
+
+    With `parallel` (tp_size > 1, routed experts expert-parallel: the step benchmark's one-rank shard), only that
+    rank's shard is built: each of its tensors is its slice of the unsharded model's (the same random stream, the same
+    embedding), made one full-width layer at a time so that the whole wide model is never in memory."""
     demo, demo_config = load_demo(demo_path, device)
     config = scaled_config(spec, demo_config)
+    model = _allocate(config, parallel, device, dtype)
+    embedder = _Embedder(demo, demo_config, model, config)
+    if parallel is None or parallel.tp_size == 1:
+        init_random_(model, seed)
+        embedder.run()
+    else:
+        _build_shard(model, embedder, config, parallel, device, dtype, seed)
+    return model.eval(), config
+
+
+def _allocate(config: ModelConfig, parallel: ParallelConfig | None, device, dtype: torch.dtype) -> CausalLM:
     old = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = build_model(config)
+            return build_model(config, parallel)
     finally:
         torch.set_default_dtype(old)
-    init_random_(model, seed)
-    _Embedder(demo, demo_config, model, config).run()
-    return model.eval(), config
+
+
+def _build_shard(shard: CausalLM, embedder: _Embedder, config: ModelConfig, parallel: ParallelConfig, device,
+                 dtype: torch.dtype, seed: int) -> None:
+    """Fill `shard` with its slices of the unsharded wide model: the random stream drawn in the unsharded model's
+    parameter order (embedding, each layer, final norm, lm_head), one full layer at a time."""
+    from specserve.models.causal_lm import DecoderLayer
+
+    if not parallel.ep:
+        raise ModelConfigError("a demo@ shard splits the routed experts whole (expert parallel): set ep")
+    gen = random_generator(torch.device(device), seed)
+    int4 = isinstance(config.quantization, Int4PackConfig)
+    w = shard.model
+    random_fill_(w.embed_tokens.weight, "model.embed_tokens.weight", gen, int4=int4)  # replicated: whole
+    full_parallel = ParallelConfig()
+    for i, layer in enumerate(w.layers):
+        old = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        try:
+            with torch.device(device):
+                full = DecoderLayer(config, i, full_parallel, layer.mlp.experts_fn if layer.is_moe else None)
+        finally:
+            torch.set_default_dtype(old)
+        for name, p in full.named_parameters():
+            random_fill_(p, f"model.layers.{i}.{name}", gen, int4=int4)
+        embedder.layer(i, full)
+        _copy_slices(layer, full, parallel)
+        del full
+    random_fill_(w.norm.weight, "model.norm.weight", gen, int4=int4)
+    head = torch.empty(config.vocab_size, config.hidden_size, device=device, dtype=shard.lm_head.weight.dtype)
+    random_fill_(head, "lm_head.weight", gen, int4=int4)
+    embedder.ends(w.embed_tokens.weight, head, w.norm.weight)
+    shard.lm_head.weight.data.copy_(shard_slice(head, tuple(shard.lm_head.weight.shape), parallel))
+
+
+def shard_slice(full: torch.Tensor, shape: tuple[int, ...], parallel: ParallelConfig) -> torch.Tensor:
+    """This rank's slice of an unsharded tensor, given the shard's shape: the one dim that differs cut into equal
+    consecutive parts, rank r taking part r (heads, TP rows / columns, whole experts, vocabulary rows; a short last
+    part zero-padded); a tensor of the same shape is replicated."""
+    dims = [d for d in range(full.dim()) if full.shape[d] != shape[d]]
+    if not dims:
+        return full
+    if len(dims) > 1 or full.dim() != len(shape):
+        raise ModelConfigError(f"a shard of shape {shape} is not one slice of {tuple(full.shape)}")
+    d = dims[0]
+    start = parallel.tp_rank * shape[d]
+    piece = full.narrow(d, min(start, full.shape[d]), max(0, min(shape[d], full.shape[d] - start)))
+    if piece.shape[d] == shape[d]:
+        return piece
+    out = torch.zeros(shape, dtype=full.dtype, device=full.device)
+    out.narrow(d, 0, piece.shape[d]).copy_(piece)
+    return out
+
+
+def _copy_slices(shard_module: torch.nn.Module, full_module: torch.nn.Module, parallel: ParallelConfig) -> None:
+    full = dict(full_module.named_parameters())
+    for name, p in shard_module.named_parameters():
+        p.data.copy_(shard_slice(full[name].data, tuple(p.shape), parallel))
 
 
 @torch.no_grad()
@@ -256,22 +327,30 @@ class _Embedder:
         self.norm_scale = math.sqrt(self.hd / self.hw)
 
     def run(self) -> None:
-        d, w, hd = self.demo.model, self.wide.model, self.hd
-        vd = self.dc.vocab_size
-        emb = w.embed_tokens.weight.data
+        w = self.wide.model
+        self.ends(w.embed_tokens.weight, self.wide.lm_head.weight, w.norm.weight)
+        for i, layer in enumerate(w.layers):
+            self.layer(i, layer)
+
+    def ends(self, embed: torch.Tensor, head: torch.Tensor, norm: torch.Tensor) -> None:
+        """The embedding table, the lm head and the final norm (all at full width)."""
+        d, hd, vd = self.demo.model, self.hd, self.dc.vocab_size
+        emb = embed.data
         emb[:vd].zero_()
         emb[:vd, :hd] = d.embed_tokens.weight.to(emb.dtype)
         emb[:, hd] = self.kappa  # the constant channel (rows past the demo's are never embedded: their logits are -inf)
-        head = self.wide.lm_head.weight.data
+        head = head.data
         head[:vd].zero_()
         head[:vd, :hd] = self.demo.lm_head.weight.to(head.dtype)
-        self._residual_norm(w.norm.weight, d.norm.weight, channel=0.0)
+        self._residual_norm(norm, d.norm.weight, channel=0.0)
+
+    def layer(self, i: int, layer) -> None:
+        """Wide layer i (full width): a demo layer where demo_positions puts one, else a silent random layer."""
         positions = demo_positions(self.wc.num_layers, self.dc.num_layers)
-        for i, layer in enumerate(w.layers):
-            if i in positions:
-                self._layer(layer, d.layers[positions.index(i)])
-            else:
-                self._silence(layer)
+        if i in positions:
+            self._layer(layer, self.demo.model.layers[positions.index(i)])
+        else:
+            self._silence(layer)
 
     # -- pieces
 

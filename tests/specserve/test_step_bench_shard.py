@@ -60,9 +60,9 @@ def test_shard_flag_and_engine_config_refusals(tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
         main(["bench", "step", "--shard", "4/4"])
     assert exc.value.code == 2 and "--shard: expected R/N" in capsys.readouterr().err
-    with pytest.raises(SpecserveError, match="synthetic presets in one process"):
+    with pytest.raises(SpecserveError, match="synthetic presets and demo@ models in one process"):
         EngineConfig(model=str(tmp_path), bench_shard=(0, 4))  # never a checkpoint a service would serve
-    with pytest.raises(SpecserveError, match="synthetic presets in one process"):
+    with pytest.raises(SpecserveError, match="synthetic presets and demo@ models in one process"):
         EngineConfig(model="synthetic:tiny-kimi-k2", bench_shard=(0, 2), tensor_parallel_size=2)
     with pytest.raises(SpecserveError, match="N >= 2"):
         EngineConfig(model="synthetic:tiny-kimi-k2", bench_shard=(0, 1))
@@ -84,3 +84,54 @@ def test_shard_rows_replay_cuda_graphs_on_gpu(tmp_path):
         assert res["weight_bytes"]["local_experts"] == 2 and res["graphs"] > 0, res
         for r in res["rows"]:
             assert r["graph_used"] and r["replay_ms"] > 0 and r["experts_local"] <= r["experts_computed"], r
+
+
+def test_a_demo_at_shard_is_its_slice_of_the_unsharded_model():
+    """demo@ --shard: every tensor of rank R's shard equals R's slice of the unsharded demo@ model (same random
+    stream, same embedded demo), built a layer at a time; the demo's own weights land on the ranks that hold them."""
+    from specserve.models.scaled_demo import build_scaled_demo, shard_slice
+    from specserve.paths import demo_checkpoint
+
+    spec = "demo@small-kimi-k2.6"
+    full, _ = build_scaled_demo(spec, demo_checkpoint("target"), dtype=torch.float32)
+    whole = dict(full.named_parameters())
+    for rank, size in ((3, 4), (0, 2)):
+        parallel = ParallelConfig(tp_rank=rank, tp_size=size, ep=True, collectives=False)
+        shard, _ = build_scaled_demo(spec, demo_checkpoint("target"), dtype=torch.float32, parallel=parallel)
+        params = dict(shard.named_parameters())
+        assert params.keys() == whole.keys()
+        other = ParallelConfig(tp_rank=(rank + 1) % size, tp_size=size, ep=True, collectives=False)
+        split = elsewhere = 0
+        for name, p in params.items():
+            expected = shard_slice(whole[name].data, tuple(p.shape), parallel)
+            assert torch.equal(p.data, expected), (rank, size, name)
+            if p.shape != whole[name].shape and whole[name].data.any():  # (a silent layer's o_proj is all zero)
+                split += 1
+                elsewhere += not torch.equal(p.data, shard_slice(whole[name].data, tuple(p.shape), other))
+        assert split > 20 and elsewhere == split  # cut, not copied whole; and another rank's slice is not this one
+
+
+def test_step_times_a_demo_at_shard(tmp_path):
+    argv = ["bench", "step", "--model", "demo@small-kimi-k2.6", "--contexts", "6", "--max-k", "1", "--reps", "1",
+            "--eager-reps", "0", "--device", "cpu", "--dtype", "float32", "--no-graphs", "--shard", "1/4",
+            "--out", str(tmp_path)]
+    assert main(argv) == 0
+    (res,) = json.loads((tmp_path / "summary.json").read_text())["results"]
+    assert "error" not in res, res
+    assert res["model"] == "demo@small-kimi-k2.6" and res["shard"]["rank"] == 1 and res["layers"] == 6
+    assert res["weight_bytes"]["local_experts"] == 12  # 48 experts, 4 ranks
+    assert all(0 <= r["experts_local"] <= r["experts_computed"] for r in res["rows"])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_demo_at_shard_replays_cuda_graphs_on_gpu(tmp_path):
+    argv = ["bench", "step", "--model", "demo@small-kimi-k2.6:5,demo@small-kimi-k2.6:8", "--contexts", "64",
+            "--max-k", "3", "--reps", "3", "--eager-reps", "1", "--shard", "0/4", "--out", str(tmp_path)]
+    assert main(argv) == 0
+    results = json.loads((tmp_path / "summary.json").read_text())["results"]
+    assert [r["layers"] for r in results] == [5, 8]
+    for res in results:
+        assert "error" not in res and res["graphs"] > 0, res
+        for r in res["rows"]:
+            assert r["graph_used"] and r["replay_ms"] > 0, r
