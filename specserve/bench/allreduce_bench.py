@@ -1,7 +1,7 @@
 """All-reduce micro-benchmark: the per-layer collective of a tensor-parallel decode / verify step, on one host.
 
-    python -m specserve.bench.allreduce_bench --world-size 4 [--tokens 1,2,4,8,16] [--hidden 7168]
-                                              [--vocab 163840] [--reps 50] [--calls 20] [--no-graphs] [--out DIR]
+    specserve bench kernels --suite allreduce --world-size 4 [--tokens 1,2,4,8,16] [--hidden 7168]
+                            [--vocab 163840] [--reps 50] [--calls 20] [--no-graphs] [--out DIR]
 
 N ranks (spawned processes, one GPU each, NCCL; ``--device cpu`` uses gloo, for smoke runs) each all-reduce a
 [T, hidden] bf16 tensor (what RowParallelLinear / MoEBlock sum: 2 per decoder layer) for every T of --tokens,
@@ -10,53 +10,67 @@ On CUDA, --calls back-to-back collectives are captured in one CUDA graph and eac
 CUDA events (per call = sample / calls); if capture fails on any rank (or with --no-graphs) the same calls run
 eagerly, and ``mode`` in the JSON says which. The ranks meet at a barrier before each sample. Reported per T:
 the median over --reps samples (and p10 / p90) of rank 0's time per call. NVLink multicast stays off
-(target_service.parallel.rendezvous.MULTICAST_OFF). Writes allreduce.json to --out (default $OUT, else the current
-folder) and prints one line per T.
+(target_service.parallel.rendezvous.MULTICAST_OFF). Writes allreduce.json to --out (what `bench project --allreduce`
+reads); the front door prints one line per T.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import socket
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
+
+from specserve.errors import SpecserveError
 
 SCHEMA = "specserve.allreduce_bench/1"
 JOIN_TIMEOUT_S = 600.0
 
 
-class AllReduceBenchError(RuntimeError):
+class AllReduceBenchError(SpecserveError):
     """A rank failed or the arguments cannot be run."""
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m specserve.bench.allreduce_bench", description=__doc__.split("\n\n")[0])
-    p.add_argument("--world-size", type=int, default=4, help="ranks (processes, one GPU each on CUDA)")
-    p.add_argument("--tokens", default="1,2,4,8,16", help="rows T of the [T, hidden] tensor, comma-separated")
-    p.add_argument("--hidden", type=int, default=7168, help="hidden size (Kimi-K2: 7168)")
-    p.add_argument("--vocab", type=int, default=163840, help="vocabulary of the logits all-gather (0: skip it)")
-    p.add_argument("--reps", type=int, default=50, help="timed samples per point")
-    p.add_argument("--calls", type=int, default=20, help="collectives per sample (per CUDA graph)")
-    p.add_argument("--warmup", type=int, default=5, help="untimed eager calls per point first")
-    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
-    p.add_argument("--no-graphs", action="store_true", help="time eager calls even on CUDA")
-    p.add_argument("--out", default=os.environ.get("OUT", "."))
-    args = p.parse_args(argv)
-    try:
-        args.tokens = [int(t) for t in args.tokens.split(",") if t]
-    except ValueError:
-        p.error(f"--tokens: expected comma-separated integers, got {args.tokens!r}")
-    if not args.tokens or min(args.tokens) < 1:
-        p.error("--tokens: every T must be >= 1")
-    if args.world_size < 2:
-        p.error(f"--world-size must be >= 2, got {args.world_size}")
-    if min(args.hidden, args.reps, args.calls) < 1 or args.vocab < 0 or args.warmup < 0:
-        p.error("--hidden, --reps and --calls must be >= 1; --vocab and --warmup >= 0")
-    return args
+@dataclass(frozen=True)
+class AllReduceConfig:
+    """What `specserve bench kernels --suite allreduce` times (its flags)."""
+
+    world_size: int = 4  # ranks (processes, one GPU each on CUDA)
+    tokens: tuple[int, ...] = (1, 2, 4, 8, 16)  # rows T of the [T, hidden] tensor
+    hidden: int = 7168  # Kimi-K2's
+    vocab: int = 163840  # of the logits all-gather (0: skip it)
+    reps: int = 50  # timed samples per point
+    calls: int = 20  # collectives per sample (per CUDA graph)
+    warmup: int = 5  # untimed eager calls per point first
+    device: str = "cuda"  # cuda (NCCL) or cpu (gloo)
+    no_graphs: bool = False  # time eager calls even on CUDA
+
+    def __post_init__(self) -> None:
+        if self.device not in ("cuda", "cpu"):
+            raise AllReduceBenchError(f"--device: cuda or cpu for the all-reduce, got {self.device!r}")
+        if not self.tokens or min(self.tokens) < 1:
+            raise AllReduceBenchError("--tokens: every T must be >= 1")
+        if self.world_size < 2:
+            raise AllReduceBenchError(f"--world-size must be >= 2, got {self.world_size}")
+        if min(self.hidden, self.reps, self.calls) < 1 or self.vocab < 0 or self.warmup < 0:
+            raise AllReduceBenchError("--hidden, --reps and --calls must be >= 1; --vocab and --warmup >= 0")
+
+
+def format_result(report: dict) -> str:
+    lines = [f"{report['world_size']} ranks, {report['backend']}, {report['device']}; per call, median (p10-p90) us"]
+    gathers = {p["tokens"]: p for p in report["all_gather_logits"]}
+    for p in report["all_reduce"]:
+        line = (f"T={p['tokens']:>3} all_reduce {p['bytes']:>8} B: {p['median_us']:.1f} "
+                f"({p['p10_us']:.1f}-{p['p90_us']:.1f}) [{p['mode']}]")
+        g = gathers.get(p["tokens"])
+        if g is not None:
+            line += f"; logits all_gather {g['bytes']} B/rank: {g['median_us']:.1f} ({g['p10_us']:.1f}-{g['p90_us']:.1f})"
+        lines.append(line)
+    return "\n".join(lines)
 
 
 def _free_port() -> int:
@@ -123,7 +137,7 @@ def _point(tokens: int, nbytes: int, samples: list[float], mode: str) -> dict:
             "samples": len(samples)}
 
 
-def _rank_main(rank: int, args: argparse.Namespace, port: int, out_path: str) -> None:
+def _rank_main(rank: int, args: AllReduceConfig, port: int, out_path: str) -> None:
     import torch
     import torch.distributed as dist
 
@@ -177,8 +191,9 @@ def _rank_main(rank: int, args: argparse.Namespace, port: int, out_path: str) ->
         dist.destroy_process_group()
 
 
-def run(args: argparse.Namespace) -> dict:
-    """Spawn the ranks, wait for them, return rank 0's report (AllReduceBenchError when any rank fails)."""
+def run(args: AllReduceConfig, out: Path) -> dict:
+    """Spawn the ranks, wait for them, return rank 0's report, also in out/allreduce.json (AllReduceBenchError when
+    any rank fails)."""
     import torch
     import torch.multiprocessing as mp
 
@@ -187,7 +202,7 @@ def run(args: argparse.Namespace) -> dict:
         if have < args.world_size:
             raise AllReduceBenchError(f"--world-size {args.world_size} needs {args.world_size} GPUs, "
                                       f"this host shows {have}")
-    out = Path(args.out)
+    out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / "allreduce.json"
     path.unlink(missing_ok=True)
@@ -208,27 +223,3 @@ def run(args: argparse.Namespace) -> dict:
             if proc.is_alive():
                 proc.terminate()
     return json.loads(path.read_text(encoding="utf-8"))
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    try:
-        report = run(args)
-    except AllReduceBenchError as exc:
-        print(f"allreduce_bench: error: {exc}", file=sys.stderr)
-        return 1
-    print(f"{report['world_size']} ranks, {report['backend']}, {report['device']}; per call, median (p10-p90) us")
-    gathers = {p["tokens"]: p for p in report["all_gather_logits"]}
-    for p in report["all_reduce"]:
-        line = (f"T={p['tokens']:>3} all_reduce {p['bytes']:>8} B: {p['median_us']:.1f} "
-                f"({p['p10_us']:.1f}-{p['p90_us']:.1f}) [{p['mode']}]")
-        g = gathers.get(p["tokens"])
-        if g is not None:
-            line += f"; logits all_gather {g['bytes']} B/rank: {g['median_us']:.1f} ({g['p10_us']:.1f}-{g['p90_us']:.1f})"
-        print(line)
-    print(f"wrote {Path(args.out) / 'allreduce.json'}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

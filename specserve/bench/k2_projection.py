@@ -13,7 +13,7 @@ Inputs:
                 forward, logits) is fitted as fixed + per_layer x layers (least squares over the layer counts): the
                 fixed part holds the embedding rows, final norm, the lm head shard (ceil(163840 / 4) x 7168 bf16) and
                 the host's work; per_layer is one decoder layer of the shard.
-  --allreduce   the allreduce.json of ``python -m specserve.bench.allreduce_bench --world-size 4``: per-call
+  --allreduce   the allreduce.json of ``specserve bench kernels --suite allreduce --world-size 4``: per-call
                 all_reduce of [T, 7168] bf16 (T = k + 1; linear between measured T) and the logits all_gather.
                 Without it, PUBLISHED_ALLREDUCE below (a stated figure with its source) is used for every T.
   --acceptance  the summary.json of a ``specserve bench e2e`` run: each drafter's per-position conditional

@@ -237,33 +237,3 @@ def load_run(summary_path: Path) -> tuple[dict, list[dict]]:
     steps = [json.loads(line) for line in steps_path.read_text(encoding="utf-8").splitlines()
              if line.strip()] if steps_path.exists() else []
     return methods, steps
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Project from a finished bench run: python -m specserve.bench.projection SUMMARY STEP_BENCH [--context N]
-    (per-method projections need the run's steps.jsonl beside its summary.json)"""
-    import argparse
-    import sys
-
-    parser = argparse.ArgumentParser(prog="python -m specserve.bench.projection", description=main.__doc__)
-    parser.add_argument("summary", type=Path, help="summary.json of a specserve bench run (acceptance)")
-    parser.add_argument("timings", type=Path, help="step_bench.json (GPU step times of a larger shape)")
-    parser.add_argument("--model", default=None)
-    parser.add_argument("--context", type=int, default=None)
-    args = parser.parse_args(argv)
-    try:
-        methods, steps = load_run(args.summary)
-        out = project_run(load_shape_timings(args.timings, args.model, args.context), methods, steps)
-    except (OSError, ValueError, KeyError, ProjectionError) as exc:
-        print(f"projection: error: {exc}", file=sys.stderr)
-        return 2
-    for method, points in out["methods"].items():
-        if points:
-            best = max(points, key=lambda p: p["tokens_per_s"])
-            out.setdefault("best_fixed_k", {})[method] = {"k": best["k"], "tokens_per_s": best["tokens_per_s"]}
-    print(json.dumps(out, indent=1))
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

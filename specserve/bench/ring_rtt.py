@@ -2,7 +2,9 @@
 (specserve/runtime/shm_ring.py) against a grpc.aio bidi stream over a unix socket (what the gateway
 used for every step before the data plane).
 
-    python -m specserve.bench.ring_rtt [--bytes 200] [--n 3000] [--json OUT]
+    specserve bench overhead --ring [--bytes 200] [--n 3000] [--out DIR]
+
+(`python -m specserve.bench.ring_rtt` is only the peers' entry point, started by this module.)
 
 Each transport echoes ``--bytes`` bytes from a peer process ``--n`` times (after a warm-up) and
 reports the median, p90 and p99 in microseconds:
@@ -16,7 +18,6 @@ reports the median, p90 and p99 in microseconds:
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -163,40 +164,41 @@ def bench_grpc(nbytes: int, n: int, warmup: int) -> dict:
     return _stats(times)
 
 
+
+def run(nbytes: int = 200, n: int = 3000, warmup: int = 300, spin_us: float = 20.0) -> dict:
+    """The round trip of every transport, by name (each against its own peer process)."""
+    if nbytes < 1 or n < 1 or warmup < 0 or spin_us < 0:
+        raise ValueError(f"the ring round trip needs --bytes and --n >= 1, --warmup and --spin-us >= 0, got "
+                         f"{nbytes}, {n}, {warmup}, {spin_us}")
+    spin = f"spin{spin_us:g}"
+    return {
+        "shm-async": bench_shm("async", nbytes, n, warmup, 0.0),
+        f"shm-async-{spin}": bench_shm("async", nbytes, n, warmup, spin_us),
+        "shm-blocking": bench_shm("blocking", nbytes, n, warmup, 0.0),
+        f"shm-blocking-{spin}": bench_shm("blocking", nbytes, n, warmup, spin_us),
+        "grpc-uds": bench_grpc(nbytes, n, warmup),
+    }
+
+
+def format_result(results: dict, nbytes: int, n: int) -> str:
+    lines = [f"round trip of {nbytes} bytes, {n} times ({os.cpu_count()} CPUs, Python {platform.python_version()})",
+             f"{'transport':<18} {'median us':>10} {'p90 us':>9} {'p99 us':>9}"]
+    for name, r in results.items():
+        lines.append(f"{name:<18} {r['median_us']:>10.1f} {r['p90_us']:>9.1f} {r['p99_us']:>9.1f}")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
+    """The peers' entry point (started by _start_peer); the benchmark itself is `specserve bench overhead --ring`."""
     parser = argparse.ArgumentParser(prog="python -m specserve.bench.ring_rtt", description=__doc__.splitlines()[0])
-    parser.add_argument("--bytes", type=int, default=200)
-    parser.add_argument("--n", type=int, default=3000)
-    parser.add_argument("--warmup", type=int, default=300)
-    parser.add_argument("--spin-us", type=float, default=20.0, help="the spinning variants' spin (us)")
-    parser.add_argument("--json", type=Path, default=None, help="also write the results here")
-    parser.add_argument("--shm-peer", nargs=3, help=argparse.SUPPRESS)  # NAME MODE SPIN_US (internal)
-    parser.add_argument("--grpc-peer", help=argparse.SUPPRESS)  # ADDRESS (internal)
+    peer = parser.add_mutually_exclusive_group(required=True)
+    peer.add_argument("--shm-peer", nargs=3, metavar=("NAME", "MODE", "SPIN_US"))
+    peer.add_argument("--grpc-peer", metavar="ADDRESS")
     args = parser.parse_args(argv)
     if args.shm_peer:
         _shm_peer(args.shm_peer[0], args.shm_peer[1], float(args.shm_peer[2]))
-        return 0
-    if args.grpc_peer:
+    else:
         _grpc_peer(args.grpc_peer)
-        return 0
-    if args.bytes < 1 or args.n < 1:
-        parser.error("--bytes and --n must be >= 1")
-    spin = f"spin{args.spin_us:g}"
-    results = {
-        "shm-async": bench_shm("async", args.bytes, args.n, args.warmup, 0.0),
-        f"shm-async-{spin}": bench_shm("async", args.bytes, args.n, args.warmup, args.spin_us),
-        "shm-blocking": bench_shm("blocking", args.bytes, args.n, args.warmup, 0.0),
-        f"shm-blocking-{spin}": bench_shm("blocking", args.bytes, args.n, args.warmup, args.spin_us),
-        "grpc-uds": bench_grpc(args.bytes, args.n, args.warmup),
-    }
-    env = {"host": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version(),
-           "bytes": args.bytes, "spin_us": args.spin_us}
-    print(f"round trip of {args.bytes} bytes, {args.n} times ({env['cpus']} CPUs, Python {env['python']})")
-    print(f"{'transport':<18} {'median us':>10} {'p90 us':>9} {'p99 us':>9}")
-    for name, r in results.items():
-        print(f"{name:<18} {r['median_us']:>10.1f} {r['p90_us']:>9.1f} {r['p99_us']:>9.1f}")
-    if args.json is not None:
-        args.json.write_text(json.dumps({"environment": env, "results": results}, indent=1) + "\n")
     return 0
 
 

@@ -21,7 +21,7 @@ after each model.
 shared experts, dense MLPs and lm_head rows TP-split as the model code splits them; routed experts expert-parallel:
 this rank holds E / N whole experts), without torch.distributed: its all-reduces are skipped and its logits gather
 fills the other ranks' columns with zeros (ParallelConfig.collectives=False, a benchmark-only mode), so the rows
-time one rank's compute and memory traffic, not the collectives (specserve.bench.allreduce_bench times those;
+time one rank's compute and memory traffic, not the collectives (`specserve bench kernels --suite allreduce` times those;
 `specserve bench project` adds them). The floor then counts this rank's bytes: its dense shard, and only the
 distinct (layer, expert) pairs the step routed to among this rank's experts (experts_local). The model's EP gives
 the other ranks' choices weight 0 on local expert 0, so it also reads that expert (experts_computed counts it).

@@ -34,6 +34,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from specserve.target_service.factory import add_invariant_argument
 
     bench_e2e.add_arguments(parser)  # bare `specserve bench --model ...` runs e2e
+    # no abbreviations at this level: a subcommand's own flag (overhead's --n) would be read here as a prefix of
+    # e2e's (--num-kv-blocks, --no-hf, ...) before the subcommand's parser sees it
+    parser.allow_abbrev = False
     sub = parser.add_subparsers(dest="bench_command", metavar="WHAT", parser_class=type(parser))
 
     bench_e2e.add_arguments(sub.add_parser("e2e", help="end to end: every method on the pinned prompts (default)"))
@@ -62,12 +65,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=positive_int, default=20, help="--census: profiled steps per point")
     p.add_argument("--host-profile", action="store_true", help="--census: also cProfile the host side")
 
-    p = sub.add_parser("kernels", help="MoE, attention and quantized kernels against their floors (GPU)")
+    p = sub.add_parser("kernels", help="MoE, attention, quantized kernels and collectives against their floors (GPU)")
     add_shared_arguments(p, out="bench_out/kernels", device="cuda", dtype=None, seed=False)
     p.add_argument("--suite", type=name_list, default=("moe", "quant"),
                    help="moe (fused MoE and attention: bench/kernel_bench.py), quant (W4A16 / FP8: "
-                        "bench/quant_kernel_bench.py)")
-    p.add_argument("--quick", action="store_true", help="decode token counts only, no config sweep")
+                        "bench/quant_kernel_bench.py), allreduce (the TP collectives over --world-size ranks: "
+                        "bench/allreduce_bench.py; gloo with --device cpu; writes allreduce.json for project)")
+    p.add_argument("--quick", action="store_true", help="moe, quant: decode token counts only, no config sweep")
+    p.add_argument("--world-size", type=int, default=4, help="allreduce: ranks (one GPU each on CUDA)")
+    p.add_argument("--tokens", type=_ints, default=(1, 2, 4, 8, 16), help="allreduce: rows T of [T, hidden]")
+    p.add_argument("--hidden", type=int, default=7168, help="allreduce: hidden size (Kimi-K2: 7168)")
+    p.add_argument("--vocab", type=int, default=163840, help="allreduce: vocabulary of the logits all-gather (0: skip)")
+    p.add_argument("--reps", type=int, default=50, help="allreduce: timed samples per point")
+    p.add_argument("--calls", type=int, default=20, help="allreduce: collectives per sample (per CUDA graph)")
+    p.add_argument("--warmup", type=int, default=5, help="allreduce: untimed eager calls per point first")
+    p.add_argument("--no-graphs", action="store_true", help="allreduce: time eager calls even on CUDA")
 
     p = sub.add_parser("draft", help="where each drafter's time goes (bench/draft_profile.py)")
     add_shared_arguments(p, out="bench_out/draft", model_default="demo", seed=False,
@@ -87,6 +99,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=positive_int, default=64)
     p.add_argument("--rounds", type=positive_int, default=2, help="interleaved rounds over every method and via")
     p.add_argument("--deadline-s", type=float, default=120.0, help="each served request's deadline")
+    p.add_argument("--ring", action="store_true",
+                   help="the transports alone instead: one small message's round trip through the shared-memory "
+                        "ring against a gRPC unix-socket stream (bench/ring_rtt.py): --bytes, --n, --warmup, --spin-us")
+    p.add_argument("--bytes", type=positive_int, default=200, help="--ring: message size")
+    p.add_argument("--n", type=positive_int, default=3000, help="--ring: timed round trips per transport")
+    p.add_argument("--warmup", type=int, default=300, help="--ring: untimed round trips first")
+    p.add_argument("--spin-us", type=float, default=20.0, help="--ring: the spinning variants' spin (us)")
 
     p = sub.add_parser("project", help="the labelled Kimi-K2.6 projection (bench/k2_projection.py; no device)")
     add_shared_arguments(p, out="bench_out/project", device=None, dtype=None, seed=False,
@@ -95,8 +114,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--step", "--shard-step", type=Path, required=True,
                    help="summary.json of `specserve bench step --shard 0/4` (or an older step_bench.json)")
     p.add_argument("--acceptance", type=Path, required=True, help="summary.json of a `specserve bench e2e` run")
-    p.add_argument("--allreduce", type=Path, default=None, help="allreduce.json of allreduce_bench")
-    p.add_argument("--context", type=int, default=None, help="which of the step's contexts (default the largest)")
+    p.add_argument("--allreduce", type=Path, default=None,
+                   help="allreduce.json of `specserve bench kernels --suite allreduce --world-size 4`")
+    p.add_argument("--context", type=int, default=None,
+                   help="which of the step's contexts (default the largest; --shape: the smallest)")
+    p.add_argument("--shape", action="store_true",
+                   help="project onto the step's own model instead (bench/projection.py: every method of the e2e run "
+                        "replayed at its step times), not Kimi-K2.6 on 4 GPUs")
 
 
 def _log(msg: str) -> None:
@@ -164,21 +188,34 @@ def _run_census(args: argparse.Namespace) -> int:
 def _run_kernels(args: argparse.Namespace) -> int:
     from specserve.bench.environment import environment
 
-    suites = {"moe": "specserve.bench.kernel_bench", "quant": "specserve.bench.quant_kernel_bench"}
+    suites = {"moe": "specserve.bench.kernel_bench", "quant": "specserve.bench.quant_kernel_bench",
+              "allreduce": "specserve.bench.allreduce_bench"}
     unknown = [s for s in args.suite if s not in suites]
     if unknown:
         raise SpecserveError(f"--suite: choose from {', '.join(suites)}, got {','.join(args.suite)}")
-    _check_device(args.device, needs_cuda="bench kernels times Triton and FlashInfer kernels")
+    kernels = [s for s in args.suite if s != "allreduce"]
+    _check_device(args.device, needs_cuda="bench kernels times Triton and FlashInfer kernels" if kernels else None)
     import importlib
 
+    from specserve.bench import allreduce_bench
+
+    collectives = None
+    if "allreduce" in args.suite:  # checked before anything runs
+        collectives = allreduce_bench.AllReduceConfig(
+            world_size=args.world_size, tokens=args.tokens, hidden=args.hidden, vocab=args.vocab, reps=args.reps,
+            calls=args.calls, warmup=args.warmup, device=args.device.partition(":")[0], no_graphs=args.no_graphs)
     env = environment(args.device)
     results, tables = {}, []
     for name in args.suite:
+        if name == "allreduce":
+            results[name] = allreduce_bench.run(collectives, args.out)
+            tables.append(allreduce_bench.format_result(results[name]) + f"\nwrote {args.out / 'allreduce.json'}")
+            continue
         module = importlib.import_module(suites[name])
         results[name] = module.run(quick=args.quick, log=_log)
         tables.append(module.format_result(results[name]))
-    env["bandwidth"] = {"bytes_per_s": next(iter(results.values()))["copy_bandwidth_Bps"]}
-    config = {"suite": args.suite, "quick": args.quick, "device": args.device}
+        env["bandwidth"] = {"bytes_per_s": results[name]["copy_bandwidth_Bps"]}
+    config = {"suite": args.suite, "quick": args.quick, "device": args.device, "allreduce": collectives}
     _finish(args, "kernels", config, env, {"suites": results}, "\n\n".join(tables))
     return 0
 
@@ -208,6 +245,8 @@ def _run_overhead(args: argparse.Namespace) -> int:
     from specserve.bench.environment import environment
     from specserve.paths import demo_checkpoint
 
+    if args.ring:
+        return _run_ring(args)
     cfg = serve_overhead.OverheadConfig(
         model=args.model or str(demo_checkpoint("target")), device=args.device, dtype=args.dtype,
         drafters=args.drafters, k=args.k, requests=args.requests, max_new_tokens=args.max_new_tokens,
@@ -218,13 +257,39 @@ def _run_overhead(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_ring(args: argparse.Namespace) -> int:
+    from specserve.bench import ring_rtt
+    from specserve.bench.environment import environment
+
+    config = {"bytes": args.bytes, "n": args.n, "warmup": args.warmup, "spin_us": args.spin_us}
+    env = environment("cpu")
+    results = ring_rtt.run(args.bytes, args.n, args.warmup, args.spin_us)
+    _finish(args, "overhead-ring", config, env, {"results": results},
+            ring_rtt.format_result(results, args.bytes, args.n))
+    return 0
+
+
 def _run_project(args: argparse.Namespace) -> int:
     from specserve.bench import k2_projection
     from specserve.bench.environment import environment
 
-    result = k2_projection.run_projection(args.step, args.acceptance, args.allreduce, args.model, args.context)
     config = {"step": args.step, "acceptance": args.acceptance, "allreduce": args.allreduce, "model": args.model,
-              "context": args.context}
+              "context": args.context, "shape": args.shape}
+    if args.shape:
+        from specserve.bench.compare import format_comparison
+        from specserve.bench.projection import load_run, load_shape_timings, project_run
+
+        try:
+            methods, steps = load_run(args.acceptance)
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise SpecserveError(f"--acceptance file {args.acceptance} is not an e2e summary.json: {exc!r}") from None
+        result = {"projection": project_run(load_shape_timings(args.step, args.model, args.context), methods, steps)}
+        p = result["projection"]
+        table = format_comparison(p["comparison"], f"PROJECTION (not measured) for {p['shape']}: adaptive against the "
+                                  "best fixed k", note=p["notes"])
+        _finish(args, "project-shape", config, environment("cpu"), result, table)
+        return 0
+    result = k2_projection.run_projection(args.step, args.acceptance, args.allreduce, args.model, args.context)
     _finish(args, "project", config, environment("cpu"), result, "\n".join(k2_projection.format_lines(result)))
     return 0
 

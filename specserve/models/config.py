@@ -37,7 +37,7 @@ class ParallelConfig:
     # False only in the step benchmark's one-rank shard mode (`specserve bench step --shard R/N`): the
     # shard runs alone, without torch.distributed; its all-reduces are skipped and its logits gather fills the
     # other ranks' vocabulary columns with zeros, so its outputs are not the model's (the collectives are timed
-    # separately by specserve.bench.allreduce_bench). Serving always keeps the default.
+    # separately by `specserve bench kernels --suite allreduce`). Serving always keeps the default.
     collectives: bool = True
 
     def __post_init__(self) -> None:

@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[2]
 DOCS = ("README.md", "BENCHMARKS.md", "ARCHITECTURE.md", "Makefile")
 # modules whose flags and output moved behind `specserve bench` (their `python -m` entry points are gone)
 MOVED = ("step_bench", "step_profile", "kernel_bench", "quant_kernel_bench", "serve_overhead", "k2_projection",
-         "draft_profile")
+         "draft_profile", "ring_rtt", "projection ", "allreduce_bench")
 
 
 def assert_schema(summary: dict, bench: str) -> None:
@@ -61,6 +61,12 @@ def test_step_then_project_from_its_summary_and_an_e2e_runs_acceptance(bench_run
     assert result["projection_fit"]["0"]["per_layer_ms"] == pytest.approx(0.5)
     assert set(result["projection_tokens_per_s_by_k"]) >= {"ngram/fixed/k2", "eagle3/fixed/k2"}
     assert "projection | target-only" in capsys.readouterr().out
+    shape = tmp_path / "shape"  # the same step rows as the e2e run's own projection line (bench/projection.py)
+    assert main(["bench", "project", "--shape", "--step", str(step / "summary.json"), "--acceptance",
+                 str(e2e_out / "summary.json"), "--out", str(shape)]) == 0
+    projected = _read(shape)
+    assert_schema(projected, "project-shape")
+    assert projected["projection"]["label"] == "projection" and projected["projection"]["methods"]
 
 
 def test_step_takes_a_demo_at_name(tmp_path):
