@@ -224,6 +224,22 @@ def _run_draft(args: argparse.Namespace) -> int:
     from specserve.bench import draft_profile
     from specserve.bench.environment import environment
 
+    # checked here, each in one line, before draft_profile's own argparse would print its usage with them
+    if args.drafters:
+        bad = [f for f in name_list(args.drafters) if f not in draft_profile.DRAFTERS]
+        if bad:
+            raise SpecserveError(f"--drafters: choose from {', '.join(draft_profile.DRAFTERS)}, got {args.drafters!r}")
+    if args.max_new_tokens < 2:
+        raise SpecserveError(f"--max-new-tokens must be >= 2 for bench draft, got {args.max_new_tokens}")
+    _check_device(args.device)
+    if args.model != "demo":
+        from specserve.models.errors import ModelConfigError
+        from specserve.models.model_names import resolve_model
+
+        try:
+            resolve_model(args.model)
+        except ModelConfigError as exc:
+            raise SpecserveError(f"--model {args.model}: {exc}") from None
     rows_path = args.out / "draft_profile.json"
     argv = ["--model", args.model, "--k", str(args.k), "--max-new-tokens", str(args.max_new_tokens),
             "--device", args.device, "--dtype", args.dtype, "--top", str(args.top), "--out", str(rows_path)]

@@ -103,6 +103,9 @@ def test_e2e_summary_has_the_schema(bench_run):
     (["step", "--model", "demo@no-such-model", "--device", "cpu", "--no-graphs", "--contexts", "4", "--max-k", "0",
       "--reps", "1", "--eager-reps", "0"], None),
     (["project", "--step", "/nonexistent/summary.json", "--acceptance", "/nonexistent/s.json"], "does not exist"),
+    (["draft", "--drafters", "ngram,medusa"], "--drafters: choose from"),
+    (["draft", "--model", "demo@no-such-model"], "--model demo@no-such-model"),
+    (["kernels", "--suite", "allreduce", "--world-size", "1", "--device", "cpu"], "--world-size must be >= 2"),
 ])
 def test_refusals_are_one_line(argv, message, tmp_path, capsys):
     rc = main(["bench", *argv, "--out", str(tmp_path / "out")])
