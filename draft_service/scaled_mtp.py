@@ -60,7 +60,9 @@ def scaled_mtp_layer(folder: str | Path, target: ModelName, device: str | torch.
     from specserve.models.presets import init_random_
 
     tc, dc = target.config(), target.demo_config()
-    demo, demo_spec = load_mtp_layer(target.folder, "cpu", torch.float32, layer_dir=folder)
+    # on the device the wide layer is built on: the MoE routers are written by index_put_, which takes values on
+    # the destination's device only (a CPU demo beside a CUDA layer failed there)
+    demo, demo_spec = load_mtp_layer(target.folder, device, torch.float32, layer_dir=folder)
     db = demo_spec.block
     block = scaled_mtp_config(tc, db)
     bad = [f"{what} {x} vs {y}" for what, x, y in (
