@@ -128,16 +128,24 @@ class Eagle3Proposer(Proposer):
             setattr(fs, name, new)
 
     @torch.inference_mode()
-    def _catch_up(self, state: SessionState) -> torch.Tensor:
-        """Sync the confirmed cache to S and return the head's output at the pending token [H]."""
+    def _catch_up(self, state: SessionState, defer: bool = False) -> tuple[torch.Tensor, int]:
+        """Sync the confirmed cache to S: (the head's output at the pending token [H], deferred). With `defer` a
+        catch-up that fits the graphs is only staged (deferred = its token count, 0 otherwise): the chain's replay runs
+        it (eagle3_graph.py "block" graphs), and _keep_window_entries then copies its entries into the session's
+        cache; the output is the window's out0, valid after that replay."""
         fs: _Eagle3Session = state.family_state
         ids, L = state.ids, len(state)
         keep = min(common_prefix_len(fs.tokens, ids[1:]), L - 2)
         n_new = L - 1 - keep  # entries for sequence positions keep+1 .. L-1
         feats = state.hidden_rows(keep, L - 1).to(self.device)  # [n_new, 3 * Ht]
         graphs = self.chain_graphs
+        self._ensure_capacity(fs, L - 1)
+        fs.tokens = ids[1:L].copy()
+        state.drop_hidden_before(L - 1 - ROLLBACK_ROWS)
         if graphs is not None and graphs.catch_up_fits(keep, n_new):  # one replay (eagle3_graph.py)
-            out, k, v = graphs.catch_up(fs, fs.k, fs.v, keep, ids[keep + 1 : L], feats)
+            out, k, v = graphs.catch_up(fs, fs.k, fs.v, keep, ids[keep + 1 : L], feats, run=not defer)
+            if defer:
+                return out, n_new
         else:
             if graphs is not None:
                 graphs.owner = None  # the window does not hold what this eager catch-up computes
@@ -149,11 +157,15 @@ class Eagle3Proposer(Proposer):
                 self.head.embed(tok), self.head.fuse(feats), pos, fs.k[:keep], fs.v[:keep], mask
             )
             out = outs[-1]
-        self._ensure_capacity(fs, L - 1)
         fs.k[keep : L - 1], fs.v[keep : L - 1] = k, v
-        fs.tokens = ids[1:L].copy()
-        state.drop_hidden_before(L - 1 - ROLLBACK_ROWS)
-        return out
+        return out, 0
+
+    def _keep_window_entries(self, fs: _Eagle3Session, n: int) -> None:
+        """After a replay that ran a deferred catch-up of n tokens: its entries from the window into the session's
+        cache (device to device, queued after the replay)."""
+        graphs, end = self.chain_graphs, fs.kv_len
+        fs.k[end - n : end] = graphs.keys[end - n : end]
+        fs.v[end - n : end] = graphs.values[end - n : end]
 
     # ------------------------------------------------------------------ drafting
     @torch.inference_mode()
@@ -161,14 +173,17 @@ class Eagle3Proposer(Proposer):
         if len(state) < 2:
             return DraftBlock(token_ids=())
         fs: _Eagle3Session = state.family_state
-        out = self._catch_up(state)
+        graphs = self.chain_graphs
+        on_graphs = graphs is not None and graphs.fits(len(state) - 1, num_tokens)
+        out, deferred = self._catch_up(state, defer=on_graphs)
         ctx, base = fs.kv_len, len(state) - 2  # draft position of the pending token
         spec_k, spec_v = fs.k[:ctx], fs.v[:ctx]
-        graphs = self.chain_graphs
-        if graphs is not None and graphs.fits(ctx, num_tokens):
+        if on_graphs:  # one replay: the deferred catch-up and the chain (or the chain alone)
             if graphs.owner is not fs:  # the catch-up ran eagerly: the window takes its result
                 graphs.load(fs, spec_k, spec_v, out)
-            drafted, q = graphs.draft(num_tokens, state.sampling, state.generator)
+            drafted, q = graphs.draft(num_tokens, state.sampling, state.generator, catch_up=deferred)
+            if deferred:
+                self._keep_window_entries(fs, deferred)
             probs = None if q is None else to_target_probs(q, self.vocab_size, self.d2t_ids)
             return DraftBlock(token_ids=tuple(drafted), probs=probs)
         logits = self.head.logits(out[None])  # [1, Vd]
@@ -196,7 +211,7 @@ class Eagle3Proposer(Proposer):
         if len(state) < 2:
             return DraftBlock(token_ids=(), parents=())
         fs: _Eagle3Session = state.family_state
-        root_out = self._catch_up(state)
+        root_out, _ = self._catch_up(state)
         ctx, base = fs.kv_len, len(state) - 2
         graphs = self.chain_graphs
         if graphs is not None and graphs.trees.fits(ctx, spec):  # the whole tree in one replay (eagle3_tree_graph.py)

@@ -14,6 +14,8 @@ pass has a new shape. Here the passes work on fixed buffers instead:
 - catch-up graph n (n = 1..k_max + 1): rows keep..keep+n-1 read cu_tokens / cu_feats, attend to the window's first
   `keep` slots plus each other causally, write their entries at those slots and leave the head output at the
   pending token in `out0`. A longer catch-up (a prompt) runs eagerly and `load` puts its result in the window;
+  a drafting propose stages its catch-up and runs it with the chain in one replay ("block" graph (n, k, greedy |
+  sampled), captured on first use);
 - chain graph (k, greedy | sampled), k = 1..k_max: draws drafted token 1 from out0's logits, then k - 1 times
   feeds the last drawn token with the head's own output (pass i attends over the window with the mask
   `slot < ctx + i` plus its own key, Eagle3Head.step's layout, then writes its key and value at slot ctx + i).
@@ -36,6 +38,7 @@ from specserve.draft_service.graph_capture import GraphBodies, StagedBuffer
 from specserve.draft_service.graph_sampling import GraphSampler
 
 TREE_SPARE_SLOTS = 64  # window slots past W for a tree's fed nodes ((depth - 1) * top_k of them)
+BLOCK_GRAPHS = 48  # catch-up + chain graphs (n, k, greedy | sampled) captured on first use, at most
 
 
 class Eagle3ChainGraphs(GraphBodies):
@@ -103,6 +106,9 @@ class Eagle3ChainGraphs(GraphBodies):
     def _body(self, key: tuple) -> None:
         if key[0] == "catch_up":
             self._catch_up_body(key[1])
+        elif key[0] == "block":  # ("block", n, k, sampled): the catch-up of n tokens, then the chain of k
+            self._catch_up_body(key[1])
+            self._chain_body(key[2], key[3])
         else:
             self._chain_body(key[1], key[2])
 
@@ -138,6 +144,7 @@ class Eagle3ChainGraphs(GraphBodies):
         keep: int,  # confirmed entries still valid
         tokens,  # n target ids (an int array): the confirmed tokens at draft positions keep .. keep + n - 1
         feats: torch.Tensor,  # [n, 3 * Ht] their target features
+        run: bool = True,  # False: only stage it, for draft(catch_up=n) to run with the chain in one replay
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # out0 [H], new keys / values [n, Hkv, D] (window views)
         """One replay: the new entries land in the window (and are returned for the session's own cache); out0 and
         ctx are left for a chain replay."""
@@ -148,7 +155,8 @@ class Eagle3ChainGraphs(GraphBodies):
         self.owner = owner
         self._stage(keep, keep + n, tokens)
         self.cu_feats[:n].copy_(feats)
-        self._run(("catch_up", n))
+        if run:
+            self._run(("catch_up", n))
         return self.out0[0], self.keys[keep : keep + n], self.values[keep : keep + n]
 
     @torch.inference_mode()
@@ -173,11 +181,16 @@ class Eagle3ChainGraphs(GraphBodies):
         k: int,
         sampling: SamplingParams,
         generator: torch.Generator,  # the session's (sampled requests: seeds the replay's noise)
+        catch_up: int = 0,  # n > 0: the catch-up of n tokens staged by catch_up(run=False) runs first, same replay
     ) -> tuple[list[int], torch.Tensor | None]:  # k drafted target ids, q [k, Vd] float32 (sampled) or None
-        """The chain after catch_up or load (window, ctx and out0 in place)."""
+        """The chain after catch_up or load (window, ctx and out0 in place), or with the staged catch-up: one replay
+        either way (the catch-up + chain graphs are captured per (n, k, greedy | sampled) on first use)."""
         sampled = not sampling.greedy
         if sampled:
             self.sampler.set(sampling, generator, k)
-        self._run(("chain", k, sampled))
+        key = ("block", catch_up, k, sampled) if catch_up else ("chain", k, sampled)
+        if catch_up:
+            self._capture_late(key, BLOCK_GRAPHS + 4 * self.k_max + 2)  # + the chains and catch-ups captured first
+        self._run(key)
         tokens = self.tokens[:k].tolist()  # the chain's one device read (q follows it)
         return tokens, (self.sampler.q[:k].clone() if sampled else None)
