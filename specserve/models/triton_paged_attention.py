@@ -65,6 +65,9 @@ class RowsStep:
         self._h = [view[offsets[i]: offsets[i + 1]] for i in range(5)]
         self._h[0] = self._h[0].reshape(b, nb)
         self._h_mask = None if self._mask_host is None else self._mask_host.numpy()
+        # paths of a chain (row i: new tokens 0..i, then zeros): the tree_paths form of a causal request, built once
+        q = shape.max_new or 1
+        self._chain_paths = np.tril(np.tile(np.arange(q, dtype=np.int32), (q, 1)))
         # split-kv partial results: [N * heads * splits * (width + 2)] fp32, allocated once per step shape
         self.workspace = None
         if shape.num_splits > 1:
@@ -104,12 +107,13 @@ class RowsStep:
             row_req[first:end] = b
             row_idx[first:end] = np.arange(q)
             if mask is not None:
-                own = np.tri(q, dtype=bool) if tree is None else tree.cpu().numpy()
-                if s.paths:  # each row's path in depth order, row_idx its depth
-                    paths, depth = tree_paths_of(torch.from_numpy(own))
+                if s.paths and tree is None:  # a chain's paths: row i reads new tokens 0..i, its depth is i
+                    mask[first:end, :q] = self._chain_paths[:q, :q]
+                elif s.paths:  # each row's path in depth order, row_idx its depth
+                    paths, depth = tree_paths_of(tree.cpu())
                     mask[first:end, :q], row_idx[first:end] = paths.numpy(), depth.numpy()
                 else:
-                    mask[first:end, :q] = own
+                    mask[first:end, :q] = np.tri(q, dtype=bool) if tree is None else tree.cpu().numpy()
         if attn.pad_rows:  # copies of the last new token's row
             last, rows = attn.num_tokens - 1, slice(attn.num_tokens, attn.num_rows)
             row_req[rows], row_idx[rows] = row_req[last], row_idx[last]

@@ -61,3 +61,34 @@ def test_greedy_speculation_gives_target_only_tokens():
     reference = engine.generate_greedy(PROMPT, 24)
     for k in (1, 4, 15):
         assert greedy_speculation(engine, PROMPT, reference, k) == reference, f"k = {k}"
+
+
+def test_triton_steps_metadata_of_a_padded_step():
+    """The Triton paged backend's invariant step metadata (host side, no kernel): a padded chain and a padded tree
+    get their rows' paths in depth order, each pad row a copy of the last new token's row."""
+    import torch
+
+    from specserve.kernels.paged_attention import fixed_splits
+    from specserve.kernels.paged_rows import tree_paths_of
+    from specserve.models.attn_metadata import AttentionBatch
+    from specserve.models.triton_paged_attention import RowsShape, RowsStep
+    from specserve.target_service.engine.model_runner import pad_step
+
+    step = RowsStep(RowsShape(1, 8, 8, 8, *fixed_splits(1024), paths=True), torch.device("cpu"), 2, 16)
+    assert step.shape.num_splits == 4 and step.workspace.numel() == 8 * 2 * 4 * (16 + 2)  # rows x heads x splits
+    tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dtype=torch.bool)
+    for mask in (None, tree):
+        own = torch.ones(4, 4, dtype=torch.bool).tril() if mask is None else mask
+        attn = AttentionBatch(query_lens=(4,), context_lens=(30,), block_tables=((3, 1, 2),),
+                              slot_mapping=torch.arange(50, 54), tree_masks=(mask,))
+        ids, pos, padded = pad_step([1, 2, 3, 4], [30, 31, 32, 32], attn, 8)
+        assert (ids, pos, padded.slot_mapping.tolist()) == ([1, 2, 3, 4] + [4] * 4, [30, 31, 32, 32] + [32] * 4,
+                                                            [50, 51, 52, 53] + [53] * 4)
+        step.fill(padded, 16)
+        rows = step.rows
+        paths, depth = tree_paths_of(own)
+        assert rows.tree_paths[:4, :4].tolist() == paths.tolist() and rows.row_index[:4].tolist() == depth.tolist()
+        assert all(rows.tree_paths[i].tolist() == rows.tree_paths[3].tolist() for i in range(4, 8))
+        assert rows.row_index[4:].tolist() == [int(depth[3])] * 4 and rows.row_request.tolist() == [0] * 8
+        assert (rows.kv_lens.tolist(), rows.new_starts.tolist(), rows.block_tables[0, :3].tolist()) == ([34], [30],
+                                                                                                         [3, 1, 2])
