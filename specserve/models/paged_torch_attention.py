@@ -57,9 +57,10 @@ class StepShape:
 class PagedStep:
     """The device metadata of one step shape (eager: sized to its batch; graph: the graph's fixed shape)."""
 
-    def __init__(self, shape: StepShape, device: torch.device, pinned: bool) -> None:
+    def __init__(self, shape: StepShape, device: torch.device, pinned: bool, paths: bool = False) -> None:
         b, t, q, nb = shape.num_requests, shape.num_tokens, shape.max_new, shape.num_blocks
         self.shape = shape
+        self.paths = paths  # fill the rows' paths too (invariant steps: key_order reads them)
         self.block_tables = torch.zeros(b, nb, dtype=torch.int64, device=device)  # [B, NB]
         self.context_lens = torch.zeros(b, dtype=torch.int64, device=device)  # [B]
         self.row_request = torch.zeros(t, dtype=torch.int64, device=device)  # [T]
@@ -100,7 +101,8 @@ class PagedStep:
             h["row_request"][start:end] = b
             own = torch.ones(q, q, dtype=torch.bool).tril() if mask is None else mask.cpu()
             h["new_mask"][start:end, :q] = own
-            h["path"][start:end, :q], h["depth"][start:end] = tree_paths_of(own)  # a tree node: its ancestors
+            if self.paths:
+                h["path"][start:end, :q], h["depth"][start:end] = tree_paths_of(own)  # a tree node: its ancestors
         if attn.pad_rows:  # copies of the last new token's row
             last = attn.num_tokens - 1
             for name in ("row_request", "new_mask", "depth", "path"):
@@ -158,14 +160,14 @@ class PagedTorchBackend(PagedBackend):
         q = max(shape.query_lens)
         nb = -(-shape.max_kv_len // self.block_size)
         return PagedStep(StepShape(len(shape.query_lens), sum(shape.query_lens), q, nb), self.device,
-                         pinned=self.device.type == "cuda")
+                         pinned=self.device.type == "cuda", paths=self.invariant)
 
     def _plan(self, attn: AttentionBatch, step: PagedStep | None) -> PagedStep:
         """Fill this step's buffers (a new eager step's, or a graph runner's)."""
         if step is None:
             kv = max(c + q for c, q in zip(attn.context_lens, attn.query_lens))
             shape = StepShape(attn.num_seqs, attn.num_rows, max(attn.query_lens), -(-kv // self.block_size))
-            step = PagedStep(shape, self.device, pinned=False)
+            step = PagedStep(shape, self.device, pinned=False, paths=self.invariant)
         step.fill(attn, self.block_size)
         return step
 
