@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
+from pathlib import Path
 
 import grpc
 from service_helpers import Proc, base_env
@@ -57,8 +58,14 @@ class ServedStack:
             return draft_pb2_grpc.DraftServiceStub(ch).GetStats(draft_pb2.DraftStatsRequest(), timeout=5)
 
     def new_names(self) -> set[str]:
-        """Shared-memory names made since the stack started."""
+        """Shared-memory names made since the stack started (by anyone on the machine)."""
         return set(leftover_names()) - self.before
+
+    def target_mapped(self) -> set[str]:
+        """Shared-memory names the target process has mapped now (/proc/PID/maps): this stack's own, whatever
+        other suites running on the machine at the same time create."""
+        maps = Path(f"/proc/{self.target.popen.pid}/maps").read_text()
+        return {line.rsplit("/dev/shm/", 1)[1].split(" ")[0] for line in maps.splitlines() if "/dev/shm/" in line}
 
     def close(self) -> None:
         for c in self.channels.values():

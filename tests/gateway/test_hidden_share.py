@@ -242,7 +242,8 @@ def test_a_caller_who_lists_dev_shm_cannot_map_or_unlink_a_sessions_buffer(stack
         pre = target.Prefill(target_pb2.PrefillRequest(session_id="victim", prompt_ids=prompt, hidden_layers=layers,
                                                        want_hidden_share=True, want_shm=True), timeout=30)
         assert pre.HasField("hidden_share") and pre.shm_channel
-        listed = sorted(n for n in set(stack.new_names()) - before if "." not in n)  # what `ls /dev/shm` shows
+        # what `ls /dev/shm` shows of this session (the target maps both; another suite's names are not its)
+        listed = sorted(n for n in (stack.new_names() - before) & stack.target_mapped() if "." not in n)
         assert len(listed) == 2, listed  # the victim's buffer and its verify ring
         rows = common_pb2.HiddenRows(start=0, stop=len(prompt))
 
