@@ -24,6 +24,11 @@ from specserve.models.config import MLAConfig
 from specserve.models.kv_cache import PagedKVCache
 from specserve.models.paged_backend import PagedBackend
 
+# the most rows a step of invariant steps carries (the target pads them to graph_max_draft + 1, 64 on the CPU): a
+# longer step (a prefill) is no invariant step and keeps the usual split-kv count (fixed splits at thousands of rows
+# would need a workspace of rows x heads x 64 splits)
+INVARIANT_MAX_ROWS = 64
+
 
 class TritonPagedError(ValueError):
     """A step that does not fit the static shape it was prepared into, or a backend used out of order."""
@@ -154,9 +159,10 @@ class TritonPagedBackend(PagedBackend):
 
     def _new_step(self, num_requests: int, num_rows: int, max_kv: int, max_new: int | None) -> RowsStep:
         programs = num_rows * self.num_kv_heads
-        splits, chunk = self._fixed_splits or (num_splits_for(max(max_kv, self._split_window), programs), 0)
+        fixed = self._fixed_splits if num_rows <= INVARIANT_MAX_ROWS else None  # prefills: the usual split count
+        splits, chunk = fixed or (num_splits_for(max(max_kv, self._split_window), programs), 0)
         shape = RowsShape(num_requests, num_rows, -(-max_kv // self.block_size), max_new, splits, chunk,
-                          paths=self._fixed_splits is not None)
+                          paths=fixed is not None)
         return RowsStep(shape, self.device, self.num_heads, self.width)
 
     def new_graph_step(self, shape) -> RowsStep:

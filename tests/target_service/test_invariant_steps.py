@@ -92,3 +92,18 @@ def test_triton_steps_metadata_of_a_padded_step():
         assert rows.row_index[4:].tolist() == [int(depth[3])] * 4 and rows.row_request.tolist() == [0] * 8
         assert (rows.kv_lens.tolist(), rows.new_starts.tolist(), rows.block_tables[0, :3].tolist()) == ([34], [30],
                                                                                                          [3, 1, 2])
+
+
+def test_a_prefill_keeps_the_usual_split_count_under_invariant_steps():
+    """Fixed split-kv ranges are for the padded steps only: a long prefill's step keeps the split count of its grid
+    (fixed splits over 4096 rows allocated a 4 GiB workspace on demo@kimi-k2.6)."""
+    import torch
+
+    from specserve.models.presets import build_synthetic_model
+    from specserve.models.triton_paged_attention import INVARIANT_MAX_ROWS, TritonPagedBackend
+
+    model, _ = build_synthetic_model("synthetic:tiny-qwen3-moe", device="cpu", dtype=torch.float32)
+    backend = TritonPagedBackend(model.model.layers[0].self_attn, 16, "cpu", invariant=True, max_window=40960)
+    assert backend._new_step(1, 17, 600, 17).shape.split_chunk > 0
+    prefill = backend._new_step(1, 4096, 4096, None).shape
+    assert INVARIANT_MAX_ROWS < 4096 and prefill.split_chunk == 0 and prefill.num_splits == 1
