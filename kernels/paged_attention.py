@@ -98,6 +98,22 @@ def fixed_splits(max_kv_len: int, chunk: int = 256) -> tuple[int, int]:
     return max(1, -(-max_kv_len // chunk)), chunk
 
 
+def _combine(ws_acc: torch.Tensor, ws_ml: torch.Tensor, out: torch.Tensor, rows: PagedRows, split_chunk: int,
+             n: int, heads: int, dv: int, splits: int, block_size: int) -> None:
+    """Merge the split partials into out [N, H, DV]: fixed ranges one at a time in order (up to the request's last),
+    derived ranges all at once."""
+    if split_chunk:
+        _k.combine_fixed_splits_kernel[(n, heads)](
+            ws_acc, ws_ml, out, rows.row_request, rows.kv_lens, rows.num_requests, rows.max_blocks * block_size,
+            split_chunk, out.stride(0), out.stride(1), H=heads, DV=dv, DV_PAD=_pow2(dv), SPLITS=splits, num_warps=4,
+        )
+        return
+    _k.combine_splits_kernel[(n, heads)](
+        ws_acc, ws_ml, out, out.stride(0), out.stride(1),
+        H=heads, DV=dv, DV_PAD=_pow2(dv), SPLITS=splits, S_PAD=_pow2(splits, 2), num_warps=4,
+    )
+
+
 def _meta_args(rows: PagedRows) -> tuple:
     tree = rows.tree_mask.view(torch.uint8) if rows.tree_mask is not None else rows.row_index
     paths = rows.tree_paths if rows.tree_paths is not None else rows.row_index
@@ -160,10 +176,7 @@ def paged_gqa_attention(
         num_warps=4 if _pow2(d) <= 64 else 8,
     )
     if num_splits > 1:
-        _k.combine_splits_kernel[(n, hq)](
-            ws_acc, ws_ml, out, out.stride(0), out.stride(1),
-            H=hq, DV=d, DV_PAD=_pow2(d), SPLITS=num_splits, S_PAD=_pow2(num_splits, 2), num_warps=4,
-        )
+        _combine(ws_acc, ws_ml, out, rows, split_chunk, n, hq, d, num_splits, bs)
     return out
 
 
@@ -214,10 +227,7 @@ def paged_mla_attention(
         num_warps=4 if r <= 128 else 8,
     )
     if num_splits > 1:
-        _k.combine_splits_kernel[(n, h)](
-            ws_acc, ws_ml, out, out.stride(0), out.stride(1),
-            H=h, DV=r, DV_PAD=_pow2(r), SPLITS=num_splits, S_PAD=_pow2(num_splits, 2), num_warps=4,
-        )
+        _combine(ws_acc, ws_ml, out, rows, split_chunk, n, h, r, num_splits, bs)
     return out
 
 

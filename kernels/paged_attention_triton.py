@@ -64,19 +64,21 @@ def _source(row, s, in_range, new_start, j, path_ptr, stride_path, PATHS: tl.con
 
 
 @triton.jit
-def _finish(acc, m_i, l_i, out_ptr, ws_acc_ptr, ws_ml_ptr, row, head, head_ok, offs_d, d_ok, split,
+def _finish(acc, m_i, l_i, out_ptr, ws_acc_ptr, ws_ml_ptr, row, head, head_ok, offs_d, d_ok, split, keep,
             stride_on, stride_oh, SPLITS: tl.constexpr, H_TOTAL: tl.constexpr, DV: tl.constexpr):
-    """Normalise and store (one split), or store the partial into the split workspace."""
+    """Normalise and store (one split), or store the partial into the split workspace (only where `keep`: a fixed
+    range past its request's keys stores nothing, combine_fixed_splits_kernel never reads it)."""
     if SPLITS == 1:
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         ptrs = out_ptr + row * stride_on + head[:, None] * stride_oh + offs_d[None, :]
         tl.store(ptrs, o.to(out_ptr.dtype.element_ty), mask=head_ok[:, None] & d_ok[None, :])
     else:
         base = (row * H_TOTAL + head) * SPLITS + split  # [G] partial index of (row, head, split)
+        ok = head_ok & ((head * 0 + keep) > 0)  # keep: int32 0 / 1 (a vector compare keeps the mask boolean)
         tl.store(ws_acc_ptr + base[:, None].to(tl.int64) * DV + offs_d[None, :], acc,
-                 mask=head_ok[:, None] & d_ok[None, :])
-        tl.store(ws_ml_ptr + base.to(tl.int64) * 2, m_i, mask=head_ok)
-        tl.store(ws_ml_ptr + base.to(tl.int64) * 2 + 1, l_i, mask=head_ok)
+                 mask=ok[:, None] & d_ok[None, :])
+        tl.store(ws_ml_ptr + base.to(tl.int64) * 2, m_i, mask=ok)
+        tl.store(ws_ml_ptr + base.to(tl.int64) * 2 + 1, l_i, mask=ok)
 
 
 @triton.jit
@@ -155,7 +157,7 @@ def gqa_rows_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
     _finish(acc, m_i, l_i, out_ptr, ws_acc_ptr, ws_ml_ptr, row, head, head_ok, offs_d, d_ok, split,
-            stride_on, stride_oh, SPLITS, HKV * G, D)
+            tl.where(lo < tl.where(split_chunk > 0, hi, lo + 1), 1, 0), stride_on, stride_oh, SPLITS, HKV * G, D)
 
 
 @triton.jit
@@ -240,7 +242,7 @@ def mla_rows_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(lat.dtype), lat, input_precision=PRECISION)
         m_i = m_new
     _finish(acc, m_i, l_i, out_ptr, ws_acc_ptr, ws_ml_ptr, row, head, head_ok, offs_r, r_ok, split,
-            stride_on, stride_oh, SPLITS, H, R)
+            tl.where(lo < tl.where(split_chunk > 0, hi, lo + 1), 1, 0), stride_on, stride_oh, SPLITS, H, R)
 
 
 @triton.jit
@@ -271,3 +273,50 @@ def combine_splits_kernel(
     total = tl.sum(w * l_s, 0)
     o = tl.sum(acc * w[:, None], 0) / tl.where(total > 0, total, 1.0)
     tl.store(out_ptr + row * stride_on + head * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty), mask=offs_d < DV)
+
+
+@triton.jit
+def combine_fixed_splits_kernel(
+    ws_acc_ptr,  # [N, H, SPLITS, DV] fp32
+    ws_ml_ptr,  # [N, H, SPLITS, 2] fp32
+    out_ptr,  # [N, H, DV]
+    row_req_ptr,  # [N] int32
+    kv_lens_ptr,  # [B] int32
+    num_requests,
+    kv_cap,
+    split_chunk,  # kv indices per split (> 0)
+    stride_on,
+    stride_oh,
+    H: tl.constexpr,
+    DV: tl.constexpr,
+    DV_PAD: tl.constexpr,
+    SPLITS: tl.constexpr,
+):
+    """The fixed-range splits of a row merged one at a time in split order, up to the last that holds its request's
+    keys. A split a row sees nothing of (m = M_INIT, l = 0, acc = 0) leaves the merged state exactly as it was, so a
+    row's result does not depend on how many keys its request holds past its own (token-count invariant steps)."""
+    row = tl.program_id(0)
+    head = tl.program_id(1)
+    req = tl.load(row_req_ptr + row)
+    valid = (req >= 0) & (req < num_requests)
+    kv_len = tl.where(valid, tl.load(kv_lens_ptr + tl.where(valid, req, 0)), 0)
+    kv_len = tl.maximum(tl.minimum(kv_len, kv_cap), 0)
+    used = tl.minimum(tl.cdiv(kv_len, split_chunk), SPLITS)
+    offs_d = tl.arange(0, DV_PAD)
+    d_ok = offs_d < DV
+    m = tl.full([DV_PAD], M_INIT, dtype=tl.float32)  # the same value in every lane
+    total = tl.zeros([DV_PAD], dtype=tl.float32)
+    acc = tl.zeros([DV_PAD], dtype=tl.float32)
+    for s in range(0, used):
+        base = ((row * H + head) * SPLITS + s).to(tl.int64)
+        m_s = tl.load(ws_ml_ptr + base * 2)
+        l_s = tl.load(ws_ml_ptr + base * 2 + 1)
+        a_s = tl.load(ws_acc_ptr + base * DV + offs_d, mask=d_ok, other=0.0)
+        m_new = tl.maximum(m, m_s)
+        alpha = tl.exp2(m - m_new)
+        beta = tl.exp2(m_s - m_new)
+        total = total * alpha + l_s * beta
+        acc = acc * alpha + a_s * beta
+        m = m_new
+    o = acc / tl.where(total > 0, total, 1.0)
+    tl.store(out_ptr + row * stride_on + head * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty), mask=d_ok)
