@@ -32,11 +32,16 @@ shared by the sessions. A session's entries are those of CONFIRMED positions (to
 rows), then while drafting the drafted entries after them; each sync keeps the longest prefix of
 confirmed entries whose tokens still match S and cuts the rest (the drafted ones always: their
 previous hidden was the drafter's own, not the target's).
+
+On CUDA (``DrafterConfig.graph_window`` > 0) chains run as CUDA graphs (mtp_graph.py): the catch-up feed of up to
+max_block_size + 1 entries and the k drafted tokens in two replays, greedy or sampled; longer feeds (a prompt) run
+eagerly first, and chains past the window stay eager, as do int4 / fp8 experts in float32.
 """
 
 from __future__ import annotations
 
 import json
+import warnings
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -47,6 +52,7 @@ from torch import nn
 
 from specserve.contract.types import DraftBlock
 from specserve.draft_service.drafting import draw_tokens, to_target_probs
+from specserve.draft_service.graph_capture import capture_all_or_warn
 from specserve.draft_service.proposer import (
     ROLLBACK_ROWS,
     DrafterConfig,
@@ -285,6 +291,41 @@ class MTPProposer(Proposer):
                 supports_tree=False,
             )
         )
+        self.chain_graphs = None  # chains as CUDA graphs (mtp_graph.py), on CUDA
+        why = self._graphs_unsupported(config)
+        if not why:
+            from specserve.models.attn_backend import triton_paged_unsupported
+
+            attention = "paged_torch" if triton_paged_unsupported(spec.block, self.device) else "triton_paged"
+            graphs = self.build_chain_graphs(config.graph_window, config.max_block_size, attention)
+            self.chain_graphs = capture_all_or_warn(graphs, "mtp drafter chains")
+        elif self.device.type == "cuda" and config.graph_window > 0:
+            warnings.warn(f"mtp drafter chains run eager: {why}", RuntimeWarning, stacklevel=2)
+
+    def _graphs_unsupported(self, config: DrafterConfig) -> str:
+        """Why chains cannot run as CUDA graphs here ('' when they can)."""
+        from specserve.models.attn_backend import paged_torch_unsupported
+        from specserve.models.backends import fused_moe_unsupported
+
+        if self.device.type != "cuda":
+            return f"device {self.device} is not CUDA"
+        if config.graph_window <= 0:
+            return "graph_window is 0"
+        packed = self.layer.block.is_moe and type(self.layer.block.mlp.experts) is not StackedExperts
+        if packed and fused_moe_unsupported(self.device, self.dtype):
+            return f"quantized experts in {self.dtype} (their graph-safe kernels take bf16 / fp16)"
+        return paged_torch_unsupported(self.spec.block)
+
+    def build_chain_graphs(self, window: int, k_max: int, attention: str = "paged_torch"):
+        """The chain graphs' buffers over this drafter's layer and cache, not captured yet (mtp_graph.py; on a CPU
+        their bodies run eagerly: tests check them there)."""
+        from specserve.draft_service.mtp_graph import MTPChainGraphs
+
+        bs = self.blocks.block_size
+        window = min(window, self.cache.num_blocks * bs)
+        window = max(window // bs * bs, -(-(k_max + 1) // bs) * bs)  # whole blocks; a feed holds up to k_max + 1 entries
+        return MTPChainGraphs(self.layer, self.cache, bs, window, self.spec.block.vocab_size, k_max, k_max + 1,
+                              attention)
 
     def _hidden_width(self) -> int:
         return self.spec.block.hidden_size
@@ -325,6 +366,9 @@ class MTPProposer(Proposer):
     def _draft_chain(self, state: SessionState, num_tokens: int) -> DraftBlock:
         if len(state) < 2:  # no target row yet
             return DraftBlock(token_ids=())
+        graphs = self.chain_graphs
+        if graphs is not None and graphs.fits(len(state), num_tokens):
+            return self._draft_chain_graphs(state, num_tokens)
         fs: _MTPSession = state.family_state
         h = self._catch_up(state)
         base = len(state) - 2  # the pending token's entry
@@ -337,6 +381,30 @@ class MTPProposer(Proposer):
             if i < num_tokens - 1:  # drafted token i + 2 reads (embed(d_{i+1}), the block's output h)
                 h = self._run(fs, tok, h[None], base + 1 + i)[0]
         probs = None if not qs else to_target_probs(torch.cat(qs), self.spec.block.vocab_size)
+        return DraftBlock(token_ids=tuple(drafted), probs=probs)
+
+    def _draft_chain_graphs(self, state: SessionState, num_tokens: int) -> DraftBlock:
+        """The same chain through mtp_graph.py: the catch-up feed (a graph, or eager for a long one), then the k draws
+        in one replay; the cache then holds the confirmed entries and the first k - 1 drafted ones, as after the eager
+        chain."""
+        fs: _MTPSession = state.family_state
+        graphs, ids, L = self.chain_graphs, state.ids, len(state)
+        keep = max(0, min(common_prefix_len(fs.tokens, ids) - 1, L - 2))
+        feed, out0 = None, None
+        if graphs.feeds(L - 1 - keep):
+            self.blocks.truncate(fs.key, keep)
+            feed = (ids[keep + 1: L].copy(), state.hidden_rows(keep, L - 1).to(self.device, self.dtype), keep)
+        else:
+            out0 = self._catch_up(state)
+        try:
+            table = self.blocks.grow(fs.key, L - 2 + num_tokens)  # entries up to base + k - 1
+        except OutOfBlocks as e:
+            self.blocks.truncate(fs.key, keep)
+            raise ProposerError(f"mtp drafter KV cache is full: {e}") from e
+        drafted, q = graphs.draft(table, L - 2, num_tokens, state.sampling, state.generator, feed, out0)
+        fs.tokens = ids[:L].copy()
+        state.drop_hidden_before(L - 1 - ROLLBACK_ROWS)
+        probs = None if q is None else to_target_probs(q, self.spec.block.vocab_size)
         return DraftBlock(token_ids=tuple(drafted), probs=probs)
 
 
