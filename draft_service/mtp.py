@@ -52,7 +52,7 @@ from torch import nn
 
 from specserve.contract.types import DraftBlock
 from specserve.draft_service.drafting import draw_tokens, to_target_probs
-from specserve.draft_service.graph_capture import capture_all_or_warn
+from specserve.draft_service.graph_capture import capture_all_or_warn, use_norm_kernel
 from specserve.draft_service.proposer import (
     ROLLBACK_ROWS,
     DrafterConfig,
@@ -297,6 +297,7 @@ class MTPProposer(Proposer):
             from specserve.models.attn_backend import triton_paged_unsupported
 
             attention = "paged_torch" if triton_paged_unsupported(spec.block, self.device) else "triton_paged"
+            use_norm_kernel(self.layer)  # every RMSNorm one launch, eager and graphs alike (where triton is installed)
             graphs = self.build_chain_graphs(config.graph_window, config.max_block_size, attention)
             self.chain_graphs = capture_all_or_warn(graphs, "mtp drafter chains")
         elif self.device.type == "cuda" and config.graph_window > 0:

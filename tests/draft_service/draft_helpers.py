@@ -205,3 +205,15 @@ def first_draft_q(engine, proposer, prompt: list[int]) -> torch.Tensor:  # [V] t
     finally:
         engine.release("q")
         proposer.release("q")
+
+
+def with_graph_bodies(proposer, window: int = 256):
+    """The proposer (model / mtp) drafting chains through its (uncaptured) graph bodies, its free blocks shuffled first
+    so that a session's block table is not the identity (slots must come from the table, not from the positions)."""
+    proposer.chain_graphs = proposer.build_chain_graphs(window, proposer.info.max_block_size)
+    holders = [object() for _ in range(4)]
+    for h in holders:
+        proposer.blocks.add(h, proposer.blocks.block_size)  # blocks 0, 1, 2, 3
+    for i in (1, 3, 0):
+        proposer.blocks.free(holders[i])  # the next sessions take 0, 3, 1, then 4, 5, ...
+    return proposer

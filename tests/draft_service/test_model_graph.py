@@ -12,7 +12,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from draft_helpers import check_graphs_draft_as_eager, check_two_draws_follow_q, rollback_matches_fresh
+from draft_helpers import (
+    check_graphs_draft_as_eager,
+    check_two_draws_follow_q,
+    rollback_matches_fresh,
+    with_graph_bodies,
+)
 
 from specserve.contract.types import SamplingParams
 from specserve.draft_service.model_drafter import ModelProposer
@@ -29,18 +34,6 @@ DRAFT = "target_dense"  # a 3-layer llama: later layers' K/V depend on the causa
 def config(tiny_ckpt, **kw):
     kw = dict(dict(dtype="float64", kv_num_blocks=64, max_block_size=6, kv_block_size=4), **kw)
     return DrafterConfig(family="model", checkpoint=tiny_ckpt(DRAFT), target_checkpoint=tiny_ckpt("target_moe"), **kw)
-
-
-def with_graph_bodies(proposer: ModelProposer, window: int = 256) -> ModelProposer:
-    """The proposer drafting chains through the (uncaptured) graph bodies, its free blocks shuffled first so that a
-    session's block table is not the identity (slots must come from the table, not from the positions)."""
-    proposer.chain_graphs = proposer.build_chain_graphs(window, proposer.info.max_block_size)
-    holders = [object() for _ in range(4)]
-    for h in holders:
-        proposer.blocks.add(h, proposer.blocks.block_size)  # blocks 0, 1, 2, 3
-    for i in (1, 3, 0):
-        proposer.blocks.free(holders[i])  # the next sessions take 0, 3, 1, then 4, 5, ...
-    return proposer
 
 
 def test_cpu_drafter_has_no_graphs_unless_given(tiny_ckpt):

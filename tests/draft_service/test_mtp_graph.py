@@ -13,7 +13,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from draft_helpers import FakeFeatures, check_graphs_draft_as_eager, check_two_draws_follow_q, rollback_matches_fresh
+from draft_helpers import (
+    FakeFeatures,
+    check_graphs_draft_as_eager,
+    check_two_draws_follow_q,
+    rollback_matches_fresh,
+    with_graph_bodies,
+)
 
 from specserve.contract.types import SamplingParams
 from specserve.draft_service.mtp import MTPProposer
@@ -31,18 +37,6 @@ PROMPTS = ("def parse_args(argv):\n", "class Stack:\n    def push(self, x):", "i
 def config(target, **kw):
     kw = dict(dict(dtype="float64", kv_num_blocks=64, max_block_size=6, kv_block_size=4), **kw)
     return DrafterConfig(family="mtp", target_checkpoint=target, **kw)
-
-
-def with_graph_bodies(proposer: MTPProposer, window: int = 256) -> MTPProposer:
-    """The proposer drafting chains through the (uncaptured) graph bodies, its free blocks shuffled first so that a
-    session's block table is not the identity (slots must come from the table, not from the positions)."""
-    proposer.chain_graphs = proposer.build_chain_graphs(window, proposer.info.max_block_size)
-    holders = [object() for _ in range(4)]
-    for h in holders:
-        proposer.blocks.add(h, proposer.blocks.block_size)  # blocks 0, 1, 2, 3
-    for i in (1, 3, 0):
-        proposer.blocks.free(holders[i])  # the next sessions take 0, 3, 1, then 4, 5, ...
-    return proposer
 
 
 def test_gathered_experts_compute_the_moe_reference():
