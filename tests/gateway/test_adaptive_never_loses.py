@@ -31,6 +31,7 @@ from specserve.paths import demo_dir
 from specserve.target_service.factory import EngineConfig, build_engine
 
 EXTRA_S = {"cpu": 0.05, "cuda": 0.005}  # what each propose of the slow drafter adds to its n-gram lookup
+FIRST_USE_S = {"cpu": 0.5, "cuda": 0.05}  # the first propose of each k of the first-use drafter: many target steps
 NEW_TOKENS = {"cpu": 32, "cuda": 128}
 PAIRS = 16  # timed (target-only, adaptive) pairs of one attempt
 ATTEMPTS = 3
@@ -47,6 +48,23 @@ class SlowNgram(NgramProposer):
 
     def _draft_chain(self, state, num_tokens):
         time.sleep(self.extra_s)
+        return super()._draft_chain(state, num_tokens)
+
+
+class FirstUseNgram(NgramProposer):
+    """The n-gram drafter whose first propose of each (chain length, shape) is slow, as a drafter that captures a
+    CUDA graph per (catch-up size, k) on first use is (EAGLE-3's catch-up + chain graphs): real proposals, dear
+    once per shape, mid-request, cheap after. The shape stands in for the catch-up size: len(S) mod 3."""
+
+    def __init__(self, config: DrafterConfig, extra_s: float) -> None:
+        super().__init__(config)
+        self.extra_s, self.seen = extra_s, set()
+
+    def _draft_chain(self, state, num_tokens):
+        shape = (num_tokens, len(state) % 3)
+        if shape not in self.seen:
+            self.seen.add(shape)
+            time.sleep(self.extra_s)
         return super()._draft_chain(state, num_tokens)
 
 
@@ -67,7 +85,9 @@ def demo_target(request):
 
 def _drafter(monkeypatch, family: str, device: str):
     """Build ``family`` through the registry; ``slow-ngram`` is registered here first, as a user adds a drafter."""
-    factories = dict(registry.PROPOSER_FACTORIES, **{"slow-ngram": functools.partial(SlowNgram, extra_s=EXTRA_S[device])})
+    factories = dict(registry.PROPOSER_FACTORIES, **{"slow-ngram": functools.partial(SlowNgram, extra_s=EXTRA_S[device]),
+                                                     "first-use-ngram": functools.partial(FirstUseNgram,
+                                                                                          extra_s=FIRST_USE_S[device])})
     monkeypatch.setattr(registry, "PROPOSER_FACTORIES", MappingProxyType(factories))
     return LocalDraft(registry.build_proposer(DrafterConfig(family=family, max_block_size=8)))
 
@@ -150,6 +170,36 @@ def test_adaptive_keeps_a_cheap_accepted_drafter_on(demo_target, monkeypatch):
     drafted_steps = sum(n for k, n in chosen.items() if int(k) > 0)
     assert drafted_steps >= 0.8 * sum(chosen.values()), chosen
     assert finals[-1].stats.mean_accepted_length > 2.0, finals[-1].stats.as_dict()
+
+
+@pytest.mark.xfail(strict=True, reason="known bug, not fixed: a one-off first-use cost (a graph captured mid-request) "
+                   "sets that k's draft cost; with speculation off only 1-token probes run, and a probe that caught up "
+                   "never feeds an unseen k's cost, so the dear k's mean never comes down (the H200 bench's EAGLE-3 "
+                   "adaptive chose k = 0 on every step after the catch-up + chain graphs became captured on first use)")
+def test_a_drafter_dear_only_on_first_use_is_turned_back_on(demo_target, monkeypatch):
+    """A drafter whose first propose at each k costs many target steps (a graph captured on first use) and is
+    cheap and accepted after: the one-off costs must not keep speculation off (a first measurement of a k that
+    later calls undercut by far was a one-off, not that k's cost)."""
+    engine, target, device = demo_target
+    draft = _drafter(monkeypatch, "first-use-ngram", device)
+    n = NEW_TOKENS[device]
+    chooser = AdaptiveSpeculation(AdaptiveConfig(max_k=4))
+    prompt = _prompt(engine, REPEAT_PROMPT)
+
+    async def go():
+        base, _ = await _timed(target, None, prompt, None, n)
+        finals = [(await _timed(target, draft, prompt, chooser, n))[0] for _ in range(4)]
+        return base, finals
+
+    try:
+        base, finals = asyncio.run(go())
+    finally:
+        draft.close()
+    for final in finals:
+        assert final.token_ids == base.token_ids
+    chosen = finals[-1].stats.as_dict()["chosen_k"]
+    drafted_steps = sum(n for k, n in chosen.items() if int(k) > 0)
+    assert drafted_steps >= 0.8 * sum(chosen.values()), chosen
 
 
 class _Recorded:
