@@ -12,7 +12,7 @@ message, cancels mid-stream, garbage bytes to the gateway, the target and a draf
 rogue drafter (served from this process) whose shared-memory reply is a bare length prefix claiming
 2^31 bytes (each must come back whole, target-only, with the reference tokens), and half-open HTTP
 connections to the gateway's API (part of a request's headers, never the rest: each must be closed
-within the gateway's read timeout). At the end it
+within the gateway's read timeout; those clients are `soak_hostile.py`). At the end it
 prints requests served, errors by status, tokens lost (streams that differ from the reference or from
 their usage; must be 0), what the hostile clients got, the sessions still open on the target and each
 draft once the load stopped (must be 0) and the peak RSS of each service process, and exits 1 if any
@@ -37,14 +37,14 @@ import threading
 import time
 from pathlib import Path
 
+from specserve.bench.soak_hostile import HOSTILE_KINDS, HTTP_READ_TIMEOUT_S, RogueDraft, half_open, hostile_call
+
 ALLOWED_ERRORS = ("RESOURCE_EXHAUSTED",)  # refusals past the admission queue are expected under load
 # a frozen draft's sessions whose release the gateway skipped (its breaker was open) expire this soon
 DRAFT_IDLE = ["--session-idle-timeout-s", "10"]
 GARBAGE_OUTCOMES = ("INVALID_ARGUMENT", "UNAVAILABLE", "DEADLINE_EXCEEDED")
 SESSIONS_SETTLE_S = 20.0  # after the load: how long open sessions may take to be released or expire
-HTTP_READ_TIMEOUT_S = 2.0  # the gateway's --http-read-timeout-s: a half-open connection must close by then
 ROGUE = "rogue"  # the rogue-frame drafter's name at the gateway
-HOSTILE_KINDS = ("hang_up", "cancel", "garbage", "rogue_frame", "half_open")
 
 
 def _free_port() -> int:
@@ -125,98 +125,6 @@ class Tally:
         self.by_draft: collections.Counter[str] = collections.Counter()
         self.fallbacks = 0
         self.hostile: collections.Counter[str] = collections.Counter()  # "kind: outcome" -> count
-
-
-class RogueDraft:
-    """A rogue draft service in this process (its own thread and event loop): it offers each session a
-    shared-memory channel and answers the first proposal with a 4-byte length prefix claiming 2^31 bytes,
-    never a body; over gRPC it drafts nothing. Vocabulary-agnostic (size 0), so it fits any target."""
-
-    def __init__(self, address: str) -> None:
-        import asyncio
-
-        self.address = address
-        self.frames = 0
-        self._loop = asyncio.new_event_loop()
-        self._server = None
-        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
-        self._thread.start()
-        asyncio.run_coroutine_threadsafe(self._start(), self._loop).result(30)
-
-    async def _start(self) -> None:
-        import grpc
-
-        from specserve.protos.specserve.v1 import draft_pb2_grpc
-
-        self._server = grpc.aio.server()
-        draft_pb2_grpc.add_DraftServiceServicer_to_server(self._servicer(), self._server)
-        self._server.add_insecure_port(self.address)
-        await self._server.start()
-
-    def _servicer(self):
-        import asyncio
-
-        from specserve.protos.specserve.v1 import draft_pb2, draft_pb2_grpc
-        from specserve.runtime.shm_ring import ShmChannel
-
-        rogue = self
-
-        class Servicer(draft_pb2_grpc.DraftServiceServicer):
-            async def GetInfo(self, request, context):
-                return draft_pb2.DraftInfo(family="rogue", vocab_size=0, max_block_size=8)
-
-            async def StartSession(self, request, context):
-                name = ""
-                if request.want_shm:
-                    channel = ShmChannel.create()
-                    asyncio.get_running_loop().create_task(self._claim_two_gib(channel))
-                    name = channel.name
-                return draft_pb2.StartSessionResponse(session_id=request.session_id, shm_channel=name)
-
-            async def _claim_two_gib(self, channel) -> None:
-                try:
-                    await channel.wait_attached(10)
-                    await channel.arecv(30)
-                    channel._write_some([memoryview((1 << 31).to_bytes(4, "little"))], 0)  # the prefix alone
-                    channel._ring_peer()
-                    rogue.frames += 1
-                    await asyncio.sleep(5)
-                except Exception:  # noqa: BLE001 - the gateway dropped the channel (as it must)
-                    pass
-                finally:
-                    channel.close()
-
-            async def ProposeStream(self, request_iterator, context):
-                async for req in request_iterator:
-                    yield draft_pb2.ProposeResponse(session_id=req.session_id)
-
-            async def Release(self, request, context):
-                return draft_pb2.DraftReleaseResponse(released=True)
-
-        return Servicer()
-
-    def close(self) -> None:
-        import asyncio
-
-        asyncio.run_coroutine_threadsafe(self._server.stop(0), self._loop).result(30)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(10)
-
-
-def _half_open(http_port: int) -> str:
-    """A connection that sends part of a request's headers and never the rest: "closed" when the gateway
-    closes it within its read timeout (and some slack), else "left_open"."""
-    with socket.create_connection(("127.0.0.1", http_port), timeout=10) as sock:
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: soak\r\nContent-Le")
-        sock.settimeout(HTTP_READ_TIMEOUT_S + 2.0)
-        try:
-            while sock.recv(4096):
-                pass
-        except (TimeoutError, socket.timeout):
-            return "left_open"
-        except ConnectionResetError:
-            pass
-    return "closed"
 
 
 def _stream(stub, request, timeout_s: float):
@@ -377,9 +285,9 @@ def main(argv: list[str] | None = None) -> int:
                     if err is not None and err[0] in ALLOWED_ERRORS:
                         time.sleep(0.2)
                 elif kind == "half_open":
-                    outcome = _half_open(ports["http"])
+                    outcome = half_open(ports["http"])
                 else:
-                    outcome = _hostile_call(kind, addr["gateway"], req, rng, garbage_to)
+                    outcome = hostile_call(kind, addr["gateway"], req, rng, garbage_to)
                 with tally.lock:
                     tally.hostile[f"{kind}: {outcome}"] += 1
 
@@ -437,37 +345,6 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps(summary, sort_keys=True))
     print(f"soak: logs in {log_dir}")
     return 1 if tally.lost or unexpected or not tally.served or any(left.values()) or bad_garbage or bad_hostile else 0
-
-
-def _hostile_call(kind: str, gateway: str, req, rng: random.Random, garbage_to) -> str:
-    """One hostile client; returns what it got ("ok" or a status name)."""
-    import grpc
-
-    from specserve.protos.specserve.v1 import gateway_pb2_grpc
-
-    if kind == "garbage":
-        address, method = rng.choice(garbage_to)
-        with grpc.insecure_channel(address) as ch:
-            try:
-                ch.unary_unary(method)(rng.randbytes(rng.randint(1, 64)) + b"\xff\xff", timeout=10)
-            except grpc.RpcError as exc:
-                return exc.code().name
-        return "ok"
-    channel = grpc.insecure_channel(gateway)
-    try:
-        call = gateway_pb2_grpc.GatewayStub(channel).Generate(req, timeout=60)
-        if kind == "cancel":  # cancel after the first delta
-            next(call, None)
-            call.cancel()
-            return "cancelled"
-        for msg in call:  # hang up right after the final message: the channel closes at once
-            if msg.HasField("final"):
-                break
-        return "ok"
-    except grpc.RpcError as exc:
-        return exc.code().name
-    finally:
-        channel.close()
 
 
 def _open_sessions(addr: dict[str, str], drafts: list[str], settle_s: float) -> dict[str, int]:

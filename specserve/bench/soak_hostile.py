@@ -1,0 +1,134 @@
+"""The soak's hostile clients: a rogue draft service, half-open HTTP connections, garbage bytes, hang-ups
+and cancels (what `soak.py`'s hostile workers send beside the load; each returns what it got)."""
+
+from __future__ import annotations
+
+import random
+import socket
+import threading
+
+HTTP_READ_TIMEOUT_S = 2.0  # the gateway's --http-read-timeout-s: a half-open connection must close by then
+HOSTILE_KINDS = ("hang_up", "cancel", "garbage", "rogue_frame", "half_open")
+
+
+class RogueDraft:
+    """A rogue draft service in this process (its own thread and event loop): it offers each session a
+    shared-memory channel and answers the first proposal with a 4-byte length prefix claiming 2^31 bytes,
+    never a body; over gRPC it drafts nothing. Vocabulary-agnostic (size 0), so it fits any target."""
+
+    def __init__(self, address: str) -> None:
+        import asyncio
+
+        self.address = address
+        self.frames = 0
+        self._loop = asyncio.new_event_loop()
+        self._server = None
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self._thread.start()
+        asyncio.run_coroutine_threadsafe(self._start(), self._loop).result(30)
+
+    async def _start(self) -> None:
+        import grpc
+
+        from specserve.protos.specserve.v1 import draft_pb2_grpc
+
+        self._server = grpc.aio.server()
+        draft_pb2_grpc.add_DraftServiceServicer_to_server(self._servicer(), self._server)
+        self._server.add_insecure_port(self.address)
+        await self._server.start()
+
+    def _servicer(self):
+        import asyncio
+
+        from specserve.protos.specserve.v1 import draft_pb2, draft_pb2_grpc
+        from specserve.runtime.shm_ring import ShmChannel
+
+        rogue = self
+
+        class Servicer(draft_pb2_grpc.DraftServiceServicer):
+            async def GetInfo(self, request, context):
+                return draft_pb2.DraftInfo(family="rogue", vocab_size=0, max_block_size=8)
+
+            async def StartSession(self, request, context):
+                name = ""
+                if request.want_shm:
+                    channel = ShmChannel.create()
+                    asyncio.get_running_loop().create_task(self._claim_two_gib(channel))
+                    name = channel.name
+                return draft_pb2.StartSessionResponse(session_id=request.session_id, shm_channel=name)
+
+            async def _claim_two_gib(self, channel) -> None:
+                try:
+                    await channel.wait_attached(10)
+                    await channel.arecv(30)
+                    channel._write_some([memoryview((1 << 31).to_bytes(4, "little"))], 0)  # the prefix alone
+                    channel._ring_peer()
+                    rogue.frames += 1
+                    await asyncio.sleep(5)
+                except Exception:  # noqa: BLE001 - the gateway dropped the channel (as it must)
+                    pass
+                finally:
+                    channel.close()
+
+            async def ProposeStream(self, request_iterator, context):
+                async for req in request_iterator:
+                    yield draft_pb2.ProposeResponse(session_id=req.session_id)
+
+            async def Release(self, request, context):
+                return draft_pb2.DraftReleaseResponse(released=True)
+
+        return Servicer()
+
+    def close(self) -> None:
+        import asyncio
+
+        asyncio.run_coroutine_threadsafe(self._server.stop(0), self._loop).result(30)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+
+
+def half_open(http_port: int) -> str:
+    """A connection that sends part of a request's headers and never the rest: "closed" when the gateway
+    closes it within its read timeout (and some slack), else "left_open"."""
+    with socket.create_connection(("127.0.0.1", http_port), timeout=10) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: soak\r\nContent-Le")
+        sock.settimeout(HTTP_READ_TIMEOUT_S + 2.0)
+        try:
+            while sock.recv(4096):
+                pass
+        except (TimeoutError, socket.timeout):
+            return "left_open"
+        except ConnectionResetError:
+            pass
+    return "closed"
+
+
+def hostile_call(kind: str, gateway: str, req, rng: random.Random, garbage_to) -> str:
+    """One hostile client; returns what it got ("ok" or a status name)."""
+    import grpc
+
+    from specserve.protos.specserve.v1 import gateway_pb2_grpc
+
+    if kind == "garbage":
+        address, method = rng.choice(garbage_to)
+        with grpc.insecure_channel(address) as ch:
+            try:
+                ch.unary_unary(method)(rng.randbytes(rng.randint(1, 64)) + b"\xff\xff", timeout=10)
+            except grpc.RpcError as exc:
+                return exc.code().name
+        return "ok"
+    channel = grpc.insecure_channel(gateway)
+    try:
+        call = gateway_pb2_grpc.GatewayStub(channel).Generate(req, timeout=60)
+        if kind == "cancel":  # cancel after the first delta
+            next(call, None)
+            call.cancel()
+            return "cancelled"
+        for msg in call:  # hang up right after the final message: the channel closes at once
+            if msg.HasField("final"):
+                break
+        return "ok"
+    except grpc.RpcError as exc:
+        return exc.code().name
+    finally:
+        channel.close()
