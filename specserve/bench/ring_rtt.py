@@ -27,7 +27,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from specserve.runtime.shm_ring import RingConfig, ShmChannel
+from specserve.runtime.shm_layout import RingConfig
+from specserve.runtime.shm_ring import ShmChannel
 
 _METHOD = "/specserve.bench.Echo/Echo"
 

@@ -28,15 +28,8 @@ from dataclasses import dataclass
 import grpc
 from google.protobuf.message import DecodeError
 
-from specserve.runtime.shm_ring import (
-    DEFAULT_MAX_MESSAGE,
-    MessageTooLarge,
-    RingConfig,
-    RingError,
-    RingTimeout,
-    ShmChannel,
-    default_spin_us,
-)
+from specserve.runtime.shm_layout import DEFAULT_MAX_MESSAGE, RingConfig, default_spin_us
+from specserve.runtime.shm_ring import MessageTooLarge, RingError, RingTimeout, ShmChannel
 
 SHM_ENV = "SPECSERVE_SHM"  # "0": no shared-memory data plane (flag: --no-shm)
 OK, STATUS = 0, 1

@@ -10,7 +10,7 @@ Two kinds behind one interface, picked from the target tensor's device:
   name and the key, and the drafter maps a segment only when its header holds that magic and key
   (compared in constant time); otherwise it refuses (PERMISSION_DENIED) and leaves the segment, name
   included, alone, so whoever lists /dev/shm cannot have a session's rows mapped, unlink its buffer
-  or pass a ring segment off as one. Names and leaks as in shm_ring.py: the segment is created mode 0600 and
+  or pass a ring segment off as one. Names and leaks as in shm_layout.py: the segment is created mode 0600 and
   named ``specserve-<96-bit random token>``; the drafter unlinks the name as soon as it has mapped it,
   and the target unlinks it at the session's first verify step (by then the drafter has attached or
   never will) or at its end, so while the session runs nothing is left by name and a SIGKILL of
@@ -44,7 +44,7 @@ import numpy as np
 import torch
 
 from specserve.protos.specserve.v1 import common_pb2
-from specserve.runtime.shm_ring import NAME_PREFIX, SHM_DIR
+from specserve.runtime.shm_layout import NAME_PREFIX, SHM_DIR
 
 HIDDEN_SHARE_ENV = "SPECSERVE_HIDDEN_SHARE"  # "0": hidden rows always as bytes (flag: --no-hidden-share)
 HOST_SHM, CUDA_IPC = "host_shm", "cuda_ipc"

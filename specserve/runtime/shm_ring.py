@@ -1,14 +1,7 @@
 """A duplex shared-memory channel between two processes of one host: two single-producer /
 single-consumer rings of length-prefixed messages in one ``multiprocessing.shared_memory`` segment,
-and a doorbell per side.
-
-Layout of the segment (``RingConfig.capacity`` = C bytes per direction)::
-
-    [0, 512)          control: per ring a head (bytes written, u64) and a tail (bytes read, u64), each on
-                      its own cache line, a "writer waits for room" flag, and the largest message its
-                      reader accepts (u64, written by the reader at create / attach)
-    [512, 512 + C)    ring 0: creator -> attacher
-    [512 + C, 512+2C) ring 1: attacher -> creator
+and a doorbell per side. The segment's layout, ``RingConfig``, and the names in /dev/shm (with who
+unlinks them when) are specserve/runtime/shm_layout.py.
 
 A message is a u32 length and its bytes, written as a byte stream modulo C (it may wrap); one larger
 than C goes through in pieces while the reader drains it (back-pressure: the writer waits for room).
@@ -28,15 +21,6 @@ pulse: when the peer process ends, however it ends (SIGKILL included), the kerne
 end, the reader sees end-of-file and gets ``PeerGone`` at once; writing to a peer whose read end is
 gone also gives ``PeerGone``.
 
-Names and leaks: the segment and both FIFOs are named ``specserve-<random token>`` in /dev/shm. The
-creator makes them and opens its FIFO; the attacher opens all three and unlinks them at once, so
-once both sides hold them nothing is left by name and a SIGKILL of either side leaves nothing in
-/dev/shm. A creator whose peer never attaches unlinks them itself (``close``: the service does at its
-attach timeout, or as soon as the session's steps come over gRPC instead); an attacher that finds the
-creator gone unlinks them too. Only a creator killed while its offer waits for an attacher that never
-comes leaves them (the multiprocessing resource tracker is not used: it would unlink by process, not
-by channel, and it cannot remove FIFOs).
-
 The blocking API (``send`` / ``recv``) and the asyncio API (``asend`` / ``arecv``) may not be mixed on
 one channel end; each end is used by one thread (or one event loop) at a time.
 """
@@ -49,25 +33,29 @@ import os
 import secrets
 import select
 import stat
-import struct
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from multiprocessing import resource_tracker
 from multiprocessing.shared_memory import SharedMemory
-from pathlib import Path
 
-SHM_DIR = Path("/dev/shm")
-NAME_PREFIX = "specserve-"
-_CONTROL = 512
-_RING_CTRL = (0, 256)  # control block offset of ring 0, ring 1
-_HEAD, _TAIL, _WAITING, _LIMIT = 0, 64, 128, 192  # offsets inside a ring's control block
-_U64 = struct.Struct("<Q")
-_U32 = struct.Struct("<I")
-_LEN = 4
-_MAX_MESSAGE = (1 << 32) - 1  # what a u32 length can say
-DEFAULT_MAX_MESSAGE = 512 * 1024 * 1024  # a reader's default limit: the services' gRPC one (servers_common)
+from specserve.runtime.shm_layout import (
+    CONTROL,
+    HEAD,
+    LEN,
+    LIMIT,
+    MAX_MESSAGE,
+    NAME_PREFIX,
+    RING_CTRL,
+    TAIL,
+    U32,
+    U64,
+    WAITING,
+    RingConfig,
+    fifo_path,
+    reserve,
+    unlink_names,
+)
 
 
 class RingError(ConnectionError):
@@ -87,59 +75,9 @@ class RingTimeout(TimeoutError):
     """No message (or no room) within the timeout."""
 
 
-def default_spin_us() -> float:
-    """Spin only where cores are plenty: on a 2-core machine the spinning reader takes the core its
-    peer needs (specserve/bench/ring_rtt.py measured the doorbell alone faster there, BENCHMARKS.md)."""
-    return 20.0 if (os.cpu_count() or 1) >= 8 else 0.0
-
-
-@dataclass(frozen=True)
-class RingConfig:
-    capacity: int = 1 << 20  # bytes per direction; larger messages stream through in pieces
-    spin_us: float = field(default_factory=default_spin_us)  # spin on the ring before blocking on the doorbell
-    max_message: int = DEFAULT_MAX_MESSAGE  # the largest message this end reads (a longer one drops the channel)
-
-    def __post_init__(self) -> None:
-        if self.capacity < 64 or self.capacity % 8:
-            raise ValueError(f"capacity must be a multiple of 8 and >= 64, got {self.capacity}")
-        if not 1 <= self.max_message <= _MAX_MESSAGE:
-            raise ValueError(f"max_message must be in [1, {_MAX_MESSAGE}], got {self.max_message}")
-        if self.spin_us < 0:
-            raise ValueError(f"spin_us must be >= 0, got {self.spin_us}")
-
-
-def _fifo_path(name: str, side: str) -> Path:
-    return SHM_DIR / f"{name}.{side}"
-
-
-def _unlink_names(name: str) -> None:
-    """Remove the segment and both FIFOs by name (whatever is still there)."""
-    for path in (SHM_DIR / name, _fifo_path(name, "c"), _fifo_path(name, "a")):
-        with contextlib.suppress(FileNotFoundError):
-            path.unlink()
-
-
-def _reserve(name: str, size: int) -> None:
-    """Allocate the segment's pages now: a /dev/shm too small for it (a container's default 64 MiB)
-    is an OSError here, and the session stays on gRPC, instead of a SIGBUS at the first write
-    into a page the filesystem cannot back."""
-    fd = os.open(SHM_DIR / name, os.O_RDWR)
-    try:
-        os.posix_fallocate(fd, 0, size)
-    finally:
-        os.close(fd)
-
-
 def _expire(waiter: asyncio.Future) -> None:
     if not waiter.done():
         waiter.set_exception(RingTimeout("no message within the timeout"))
-
-
-def leftover_names() -> list[str]:
-    """What this module left in /dev/shm (tests assert it is nothing)."""
-    if not SHM_DIR.is_dir():
-        return []
-    return sorted(p.name for p in SHM_DIR.iterdir() if p.name.startswith(NAME_PREFIX))
 
 
 class ShmChannel:
@@ -154,9 +92,9 @@ class ShmChannel:
         self._spin_s = config.spin_us * 1e-6
         self._shm = shm
         self._buf = shm.buf
-        self._out_ctrl, self._in_ctrl = (_RING_CTRL[0], _RING_CTRL[1]) if creator else (_RING_CTRL[1], _RING_CTRL[0])
-        self._out_data = _CONTROL + (0 if creator else capacity)
-        self._in_data = _CONTROL + (capacity if creator else 0)
+        self._out_ctrl, self._in_ctrl = (RING_CTRL[0], RING_CTRL[1]) if creator else (RING_CTRL[1], RING_CTRL[0])
+        self._out_data = CONTROL + (0 if creator else capacity)
+        self._in_data = CONTROL + (capacity if creator else 0)
         self._my_fd = -1  # my doorbell (read end)
         self._peer_fd = -1  # the peer's doorbell (write end)
         self._attached = False
@@ -174,23 +112,23 @@ class ShmChannel:
     def create(cls, config: RingConfig | None = None) -> ShmChannel:
         cfg = config or RingConfig()
         name = NAME_PREFIX + secrets.token_hex(12)
-        shm = SharedMemory(name=name, create=True, size=_CONTROL + 2 * cfg.capacity)
+        shm = SharedMemory(name=name, create=True, size=CONTROL + 2 * cfg.capacity)
         # the names' lifetime is the channel's (the attacher unlinks them, or close does), not the process's
         resource_tracker.unregister(shm._name, "shared_memory")
         try:
-            _reserve(name, shm.size)
-            shm.buf[:_CONTROL] = bytes(_CONTROL)
+            reserve(name, shm.size)
+            shm.buf[:CONTROL] = bytes(CONTROL)
             for side in ("c", "a"):
-                os.mkfifo(_fifo_path(name, side), 0o600)
+                os.mkfifo(fifo_path(name, side), 0o600)
             ch = cls(shm, name, True, cfg.capacity, cfg)
-            ch._put(ch._in_ctrl + _LIMIT, cfg.max_message)
-            ch._my_fd = os.open(_fifo_path(name, "c"), os.O_RDONLY | os.O_NONBLOCK)
+            ch._put(ch._in_ctrl + LIMIT, cfg.max_message)
+            ch._my_fd = os.open(fifo_path(name, "c"), os.O_RDONLY | os.O_NONBLOCK)
             # read-write: opening a FIFO's write end alone needs a reader there, and the attacher
             # unlinks the name as soon as it has opened it; what is written before it reads waits
-            ch._peer_fd = os.open(_fifo_path(name, "a"), os.O_RDWR | os.O_NONBLOCK)
+            ch._peer_fd = os.open(fifo_path(name, "a"), os.O_RDWR | os.O_NONBLOCK)
         except BaseException:
             shm.close()
-            _unlink_names(name)
+            unlink_names(name)
             raise
         return ch
 
@@ -201,26 +139,26 @@ class ShmChannel:
         cfg = config or RingConfig()
         if not name.startswith(NAME_PREFIX) or "/" in name or len(name) > 64:
             raise RingError(f"not a specserve channel name: {name[:70]!r}")
-        fifo = _fifo_path(name, "c")
+        fifo = fifo_path(name, "c")
         if not stat.S_ISFIFO(os.stat(fifo).st_mode):
             raise RingError(f"{fifo} is not a FIFO")
         shm = SharedMemory(name=name, create=False)
         resource_tracker.unregister(shm._name, "shared_memory")  # the creator's, not ours to unlink at exit
         try:
-            capacity = (shm.size - _CONTROL) // 2  # the creator's (the attacher's config sets only the spin)
-            if capacity < 64 or capacity % 8 or shm.size != _CONTROL + 2 * capacity:
+            capacity = (shm.size - CONTROL) // 2  # the creator's (the attacher's config sets only the spin)
+            if capacity < 64 or capacity % 8 or shm.size != CONTROL + 2 * capacity:
                 raise RingError(f"segment {name} of {shm.size} bytes is not a channel")
             ch = cls(shm, name, False, capacity, cfg)
-            ch._put(ch._in_ctrl + _LIMIT, cfg.max_message)
-            ch._my_fd = os.open(_fifo_path(name, "a"), os.O_RDONLY | os.O_NONBLOCK)
+            ch._put(ch._in_ctrl + LIMIT, cfg.max_message)
+            ch._my_fd = os.open(fifo_path(name, "a"), os.O_RDONLY | os.O_NONBLOCK)
             ch._peer_fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)  # ENXIO: the creator closed its end
         except BaseException:
             if "ch" in locals():
                 ch._close_fds()
             shm.close()
-            _unlink_names(name)
+            unlink_names(name)
             raise
-        _unlink_names(name)  # both sides hold everything now: nothing stays in /dev/shm
+        unlink_names(name)  # both sides hold everything now: nothing stays in /dev/shm
         ch._attached = True
         ch._ring_peer()  # tells the creator we are here
         return ch
@@ -230,7 +168,7 @@ class ShmChannel:
         self._attached = True
         if self._linked:
             self._linked = False
-            _unlink_names(self.name)  # the attacher did; this only makes sure
+            unlink_names(self.name)  # the attacher did; this only makes sure
 
     @property
     def attached(self) -> bool:
@@ -238,16 +176,16 @@ class ShmChannel:
 
     # ---------------------------------------------------------------------------- ring words
     def _get(self, off: int) -> int:
-        return _U64.unpack_from(self._buf, off)[0]
+        return U64.unpack_from(self._buf, off)[0]
 
     def _put(self, off: int, value: int) -> None:
-        _U64.pack_into(self._buf, off, value)
+        U64.pack_into(self._buf, off, value)
 
     def _readable(self) -> int:
-        return self._get(self._in_ctrl + _HEAD) - self._get(self._in_ctrl + _TAIL)
+        return self._get(self._in_ctrl + HEAD) - self._get(self._in_ctrl + TAIL)
 
     def _room(self) -> int:
-        return self.capacity - (self._get(self._out_ctrl + _HEAD) - self._get(self._out_ctrl + _TAIL))
+        return self.capacity - (self._get(self._out_ctrl + HEAD) - self._get(self._out_ctrl + TAIL))
 
     # ----------------------------------------------------------------------------- doorbell
     def _ring_peer(self) -> None:
@@ -286,7 +224,7 @@ class ShmChannel:
         room = self._room()
         if room <= 0:
             return 0
-        head = self._get(self._out_ctrl + _HEAD)
+        head = self._get(self._out_ctrl + HEAD)
         wrote, skip = 0, done
         for part in parts:
             if skip >= len(part):
@@ -303,29 +241,29 @@ class ShmChannel:
             wrote += len(chunk)
             if wrote >= room:
                 break
-        self._put(self._out_ctrl + _HEAD, head + wrote)
+        self._put(self._out_ctrl + HEAD, head + wrote)
         return wrote
 
     def _read_into(self, dst: memoryview, n: int) -> None:
-        tail = self._get(self._in_ctrl + _TAIL)
+        tail = self._get(self._in_ctrl + TAIL)
         pos = tail % self.capacity
         first = min(n, self.capacity - pos)
         base = self._in_data
         dst[:first] = self._buf[base + pos : base + pos + first]
         if first < n:
             dst[first:n] = self._buf[base : base + n - first]
-        self._put(self._in_ctrl + _TAIL, tail + n)
+        self._put(self._in_ctrl + TAIL, tail + n)
 
     def _read_append(self, dst: bytearray, n: int) -> None:
         """Append the next n bytes of the ring to dst (it grows by what has arrived, never ahead of it)."""
-        tail = self._get(self._in_ctrl + _TAIL)
+        tail = self._get(self._in_ctrl + TAIL)
         pos = tail % self.capacity
         first = min(n, self.capacity - pos)
         base = self._in_data
         dst += self._buf[base + pos : base + pos + first]
         if first < n:
             dst += self._buf[base : base + n - first]
-        self._put(self._in_ctrl + _TAIL, tail + n)
+        self._put(self._in_ctrl + TAIL, tail + n)
 
     def _try_read(self) -> bytes | None:
         """A whole message if one is there (consumes what is there of a longer one)."""
@@ -333,18 +271,18 @@ class ShmChannel:
         while True:
             avail = self._readable()
             if self._partial is None:
-                if avail < _LEN:
+                if avail < LEN:
                     break
-                hdr = bytearray(_LEN)
-                self._read_into(memoryview(hdr), _LEN)
+                hdr = bytearray(LEN)
+                self._read_into(memoryview(hdr), LEN)
                 freed = True
-                (length,) = _U32.unpack(hdr)
+                (length,) = U32.unpack(hdr)
                 if length > self.max_message:  # refused before a byte of it is allocated
                     self._peer_gone = True
                     raise MessageTooLarge(f"the peer sent a message of {length} bytes; this end reads at most "
                                           f"{self.max_message}")
                 self._partial, self._partial_len = bytearray(), length
-                avail -= _LEN
+                avail -= LEN
             n = min(self._partial_len - len(self._partial), avail)
             if n:
                 self._read_append(self._partial, n)
@@ -360,7 +298,7 @@ class ShmChannel:
 
     def _can_read(self) -> bool:
         """A read would make progress (a length prefix is read whole)."""
-        return self._readable() >= (_LEN if self._partial is None else 1)
+        return self._readable() >= (LEN if self._partial is None else 1)
 
     def _try_read_usable(self) -> bytes | None:
         """A whole message if one is there; a message the peer wrote before it went is still read."""
@@ -372,8 +310,8 @@ class ShmChannel:
         return msg
 
     def _wake_waiting_writer(self, freed: bool) -> None:
-        if freed and self._get(self._in_ctrl + _WAITING) and self.attached:
-            self._put(self._in_ctrl + _WAITING, 0)
+        if freed and self._get(self._in_ctrl + WAITING) and self.attached:
+            self._put(self._in_ctrl + WAITING, 0)
             with contextlib.suppress(PeerGone):  # a writer that went: the next call says so
                 self._ring_peer()
 
@@ -398,14 +336,14 @@ class ShmChannel:
 
     def peer_max_message(self) -> int:
         """The largest message the peer reads (what it published; a u32 length's most before it has)."""
-        return self._get(self._out_ctrl + _LIMIT) or _MAX_MESSAGE
+        return self._get(self._out_ctrl + LIMIT) or MAX_MESSAGE
 
     def _frame(self, payload: bytes | bytearray | memoryview) -> list[memoryview]:
         view = memoryview(payload).cast("B")
         limit = self.peer_max_message()
         if len(view) > limit:
             raise MessageTooLarge(f"a message of {len(view)} bytes exceeds the peer's limit of {limit}")
-        return [memoryview(_U32.pack(len(view))), view]
+        return [memoryview(U32.pack(len(view))), view]
 
     # ------------------------------------------------------------------------------ blocking
     def _block(self, deadline: float | None) -> None:
@@ -425,7 +363,7 @@ class ShmChannel:
             self._ring_peer()
             if done == total:
                 return
-            self._put(self._out_ctrl + _WAITING, 1)
+            self._put(self._out_ctrl + WAITING, 1)
             if not self._spin(lambda: self._room() > 0):
                 yield
                 self._check_usable()
@@ -551,7 +489,7 @@ class ShmChannel:
                 self._shm.close()
         if self._linked:
             self._linked = False
-            _unlink_names(self.name)
+            unlink_names(self.name)
 
     @property
     def closed(self) -> bool:

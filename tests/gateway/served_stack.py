@@ -20,7 +20,7 @@ from specserve.protos.specserve.v1 import (
     target_pb2_grpc,
 )
 from specserve.runtime.servers_common import channel_options
-from specserve.runtime.shm_ring import leftover_names
+from specserve.runtime.shm_layout import leftover_names
 
 
 class ServedStack:

@@ -34,7 +34,7 @@ from specserve.protos.specserve.v1 import (
     target_pb2,
     target_pb2_grpc,
 )
-from specserve.runtime.shm_ring import SHM_DIR
+from specserve.runtime.shm_layout import SHM_DIR
 
 pytestmark = pytest.mark.skipif(not SHM_DIR.is_dir(), reason="no /dev/shm on this host")
 

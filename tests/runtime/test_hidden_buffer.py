@@ -23,7 +23,7 @@ from specserve.runtime.hidden_share import (
     host_id,
     kind_for,
 )
-from specserve.runtime.shm_ring import SHM_DIR, leftover_names
+from specserve.runtime.shm_layout import SHM_DIR, leftover_names
 
 pytestmark = pytest.mark.skipif(not SHM_DIR.is_dir(), reason="no /dev/shm on this host")
 

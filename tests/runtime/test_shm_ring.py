@@ -14,16 +14,8 @@ import time
 
 import pytest
 
-from specserve.runtime.shm_ring import (
-    SHM_DIR,
-    MessageTooLarge,
-    PeerGone,
-    RingConfig,
-    RingError,
-    RingTimeout,
-    ShmChannel,
-    leftover_names,
-)
+from specserve.runtime.shm_layout import SHM_DIR, RingConfig, leftover_names
+from specserve.runtime.shm_ring import MessageTooLarge, PeerGone, RingError, RingTimeout, ShmChannel
 
 pytestmark = pytest.mark.skipif(not SHM_DIR.is_dir(), reason="no /dev/shm on this host")
 

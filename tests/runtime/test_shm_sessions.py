@@ -9,7 +9,8 @@ import pytest
 
 from specserve.protos.specserve.v1 import target_pb2
 from specserve.runtime.data_plane import ShmClient, ShmOffer, ShmSessions
-from specserve.runtime.shm_ring import SHM_DIR, PeerGone, RingError, leftover_names
+from specserve.runtime.shm_layout import SHM_DIR, leftover_names
+from specserve.runtime.shm_ring import PeerGone, RingError
 
 pytestmark = pytest.mark.skipif(not SHM_DIR.is_dir(), reason="no /dev/shm on this host")
 

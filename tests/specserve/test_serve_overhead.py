@@ -9,7 +9,7 @@ import pytest
 
 from specserve.bench import serve_overhead
 from specserve.cli.main import main
-from specserve.runtime.shm_ring import SHM_DIR, leftover_names
+from specserve.runtime.shm_layout import SHM_DIR, leftover_names
 
 
 @pytest.mark.skipif(not SHM_DIR.is_dir(), reason="no /dev/shm on this host")

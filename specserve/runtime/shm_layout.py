@@ -1,0 +1,90 @@
+"""A shared-memory channel's segment at rest (specserve/runtime/shm_ring.py is the channel): where each
+word of it lives, the u32 length prefix, the sizes and spin a channel end is made with (``RingConfig``),
+and the names the segment and its two FIFOs have in /dev/shm (room reserved up front, unlinked, listed).
+
+Layout of the segment (``RingConfig.capacity`` = C bytes per direction)::
+
+    [0, 512)          control: per ring a head (bytes written, u64) and a tail (bytes read, u64), each on
+                      its own cache line, a "writer waits for room" flag, and the largest message its
+                      reader accepts (u64, written by the reader at create / attach)
+    [512, 512 + C)    ring 0: creator -> attacher
+    [512 + C, 512+2C) ring 1: attacher -> creator
+
+Names and leaks: the segment and both FIFOs are named ``specserve-<random token>`` in /dev/shm. The
+creator makes them and opens its FIFO; the attacher opens all three and unlinks them at once, so
+once both sides hold them nothing is left by name and a SIGKILL of either side leaves nothing in
+/dev/shm. A creator whose peer never attaches unlinks them itself (``ShmChannel.close``: the service
+does at its attach timeout, or as soon as the session's steps come over gRPC instead); an attacher that
+finds the creator gone unlinks them too. Only a creator killed while its offer waits for an attacher that
+never comes leaves them (the multiprocessing resource tracker is not used: it would unlink by process,
+not by channel, and it cannot remove FIFOs).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+
+SHM_DIR = Path("/dev/shm")
+NAME_PREFIX = "specserve-"
+CONTROL = 512
+RING_CTRL = (0, 256)  # control block offset of ring 0, ring 1
+HEAD, TAIL, WAITING, LIMIT = 0, 64, 128, 192  # offsets inside a ring's control block
+U64 = struct.Struct("<Q")
+U32 = struct.Struct("<I")
+LEN = 4
+MAX_MESSAGE = (1 << 32) - 1  # what a u32 length can say
+DEFAULT_MAX_MESSAGE = 512 * 1024 * 1024  # a reader's default limit: the services' gRPC one (servers_common)
+
+
+def default_spin_us() -> float:
+    """Spin only where cores are plenty: on a 2-core machine the spinning reader takes the core its
+    peer needs (specserve/bench/ring_rtt.py measured the doorbell alone faster there, BENCHMARKS.md)."""
+    return 20.0 if (os.cpu_count() or 1) >= 8 else 0.0
+
+
+@dataclass(frozen=True)
+class RingConfig:
+    capacity: int = 1 << 20  # bytes per direction; larger messages stream through in pieces
+    spin_us: float = field(default_factory=default_spin_us)  # spin on the ring before blocking on the doorbell
+    max_message: int = DEFAULT_MAX_MESSAGE  # the largest message this end reads (a longer one drops the channel)
+
+    def __post_init__(self) -> None:
+        if self.capacity < 64 or self.capacity % 8:
+            raise ValueError(f"capacity must be a multiple of 8 and >= 64, got {self.capacity}")
+        if not 1 <= self.max_message <= MAX_MESSAGE:
+            raise ValueError(f"max_message must be in [1, {MAX_MESSAGE}], got {self.max_message}")
+        if self.spin_us < 0:
+            raise ValueError(f"spin_us must be >= 0, got {self.spin_us}")
+
+
+def fifo_path(name: str, side: str) -> Path:
+    return SHM_DIR / f"{name}.{side}"
+
+
+def unlink_names(name: str) -> None:
+    """Remove the segment and both FIFOs by name (whatever is still there)."""
+    for path in (SHM_DIR / name, fifo_path(name, "c"), fifo_path(name, "a")):
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+
+
+def reserve(name: str, size: int) -> None:
+    """Allocate the segment's pages now: a /dev/shm too small for it (a container's default 64 MiB)
+    is an OSError here, and the session stays on gRPC, instead of a SIGBUS at the first write
+    into a page the filesystem cannot back."""
+    fd = os.open(SHM_DIR / name, os.O_RDWR)
+    try:
+        os.posix_fallocate(fd, 0, size)
+    finally:
+        os.close(fd)
+
+
+def leftover_names() -> list[str]:
+    """What channels left in /dev/shm (tests assert it is nothing)."""
+    if not SHM_DIR.is_dir():
+        return []
+    return sorted(p.name for p in SHM_DIR.iterdir() if p.name.startswith(NAME_PREFIX))
