@@ -11,7 +11,7 @@ whose rows are all row j (the same token decoded alone), with torch.equal:
 - on CUDA: cuBLAS GEMMs, the fused MoE, the norm, RoPE + cache-write and router kernels, at a fixed row count.
 
 Negative controls (CUDA): the attention with split ranges derived from the kv length, a tree read through its mask,
-and GEMMs at the row count of the step instead of ROWS, each see a difference.
+and the GEMMs and fused MoE at the row count of the step instead of ROWS, see a difference.
 """
 
 from __future__ import annotations
@@ -144,18 +144,37 @@ def test_cublas_gemm_rows_do_not_depend_on_the_other_rows(k, n):
     assert _row_invariant(lambda a: torch.nn.functional.linear(a, w), x) == []
 
 
+# wide-K shapes too (a dense down projection, an lm head): where a library splits K at few rows
+CONTROL_GEMMS = [*GEMMS, (18432, 7168), (7168, 163840), (1408, 2048)]
+
+
 @pytest.mark.gpu
 @needs_cuda
-def test_gemms_at_the_steps_row_count_round_differently():
-    """Negative control: row j of a (j + 1)-row GEMM against the same row decoded alone (1 row)."""
-    differ = 0
-    for k, n in GEMMS:
-        gen = torch.Generator(device="cuda").manual_seed(k + n)
+def test_kernels_at_the_steps_row_count_round_differently():
+    """Negative control: row j of a GEMM, or of the fused MoE, at the step's own row count m = 1..ROWS - 1 against
+    the same row in a ROWS-row call. cuBLAS on the H200 gave 1 and 17 rows the same bits for GEMMS (the first
+    run of this control), so every m and wider K are tried, and the fused MoE, whose M tile grows past 16 rows."""
+    from specserve.kernels.fused_moe import fused_moe
+
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    differ = []
+    for k, n in CONTROL_GEMMS:
         w = torch.randn(n, k, device="cuda", generator=gen).to(torch.bfloat16)
         x = torch.randn(ROWS, k, device="cuda", generator=gen).to(torch.bfloat16)
         full = torch.nn.functional.linear(x, w)
-        differ += sum(not torch.equal(full[j], torch.nn.functional.linear(x[j: j + 1], w)[0]) for j in range(ROWS))
-    assert differ, "cuBLAS gave every row the same bits at 1 and 17 rows: padding was not needed for the GEMMs"
+        differ += [(f"gemm {k}x{n}", m) for m in range(1, ROWS)
+                   if not torch.equal(full[:m], torch.nn.functional.linear(x[:m], w))]
+    h, e, inter, top = 2048, 64, 1408, 6
+    x = torch.randn(ROWS, h, device="cuda", generator=gen).to(torch.bfloat16)
+    w13 = (torch.randn(e, 2 * inter, h, device="cuda", generator=gen) * 0.02).to(torch.bfloat16)
+    w2 = (torch.randn(e, h, inter, device="cuda", generator=gen) * 0.02).to(torch.bfloat16)
+    ids = torch.randint(0, e, (ROWS, top), device="cuda", generator=gen)
+    weights = torch.rand(ROWS, top, device="cuda", generator=gen)
+    full = fused_moe(x, w13, w2, ids, weights)
+    differ += [("fused moe", m) for m in range(1, ROWS)
+               if not torch.equal(full[:m], fused_moe(x[:m], w13, w2, ids[:m], weights[:m]))]
+    print("rounds differently at the step's row count:", differ)
+    assert differ, "every GEMM and the fused MoE gave the same bits at 1..16 rows as at 17: padding was not needed"
 
 
 @pytest.mark.gpu
