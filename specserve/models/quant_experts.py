@@ -88,7 +88,8 @@ class _QuantizedExperts(StackedExperts):
         copy_checked(self.w13_scale.data[local, self._scale_rows(rows)], scale)
 
     def _fast(self, experts_fn: ExpertsFn, x: torch.Tensor) -> bool:
-        return experts_fn is not moe_reference and x.is_cuda
+        """The quantized Triton kernels (CUDA, bf16 / fp16 activations); float32 runs the dequantizing reference."""
+        return experts_fn is not moe_reference and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
 
 
 class Int4StackedExperts(_QuantizedExperts):
