@@ -172,13 +172,14 @@ def _w4a16_gemv(hidden, w13, s13, w2, s2, topk_ids, topk_weights, inter, group):
     ids = topk_ids.reshape(-1)  # [T*K]
     act = torch.empty(n, inter, dtype=hidden.dtype, device=hidden.device)  # [T*K, I]
     bn, bkw = GEMV_TILE
+    weights = topk_weights.reshape(-1)  # [T*K]
     quant_moe_triton.w4a16_gemv_gate_up_kernel[(n, triton.cdiv(inter, bn))](
-        hidden, w13, s13, ids, act, k, h, inter, hidden.stride(0), w13.stride(0), w13.stride(1), s13.stride(0),
+        hidden, w13, s13, ids, weights, act, k, h, inter, hidden.stride(0), w13.stride(0), w13.stride(1), s13.stride(0),
         s13.stride(1), act.stride(0), G=group, BN=bn, BKW=bkw, num_warps=4, num_stages=1,
     )
     per_slot = torch.empty(n, h, dtype=torch.float32, device=hidden.device)  # [T*K, H]
     quant_moe_triton.w4a16_gemv_down_kernel[(n, triton.cdiv(h, bn))](
-        act, w2, s2, ids, topk_weights.reshape(-1), per_slot, h, inter, act.stride(0), w2.stride(0), w2.stride(1),
+        act, w2, s2, ids, weights, per_slot, h, inter, act.stride(0), w2.stride(0), w2.stride(1),
         s2.stride(0), s2.stride(1), per_slot.stride(0), G=group, BN=bn, BKW=bkw, num_warps=4, num_stages=1,
     )
     return _sum_rows(per_slot.view(t, k, h), hidden.dtype)

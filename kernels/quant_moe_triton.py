@@ -249,6 +249,7 @@ def w4a16_gemv_gate_up_kernel(
     wp_ptr,  # [E, 2I, H / 8] int32
     ws_ptr,  # [E, 2I, H / G]
     ids_ptr,  # [N] expert of each flat (token, k) slot
+    tw_ptr,  # [N] routing weight of each flat slot (0: the slot is skipped)
     act_ptr,  # [N, I] out: silu(gate) * up per slot
     TOPK,
     H,
@@ -265,10 +266,12 @@ def w4a16_gemv_gate_up_kernel(
 ):
     """Few tokens (T * K slots, one program row each): no tensor cores, the nibbles are multiplied by the
     activations in registers; a group's scale is applied once to its words' partial sums (sum (q - 8) x s =
-    (sum q x - 8 sum x) s)."""
+    (sum q x - 8 sum x) s). A slot of weight 0 (expert parallelism's other ranks' choices, on local expert 0)
+    reads no weights: its act row is 0, and the down kernel gives it 0 as the weighted product would."""
     slot = tl.program_id(0)
     pid_n = tl.program_id(1)
     e = tl.load(ids_ptr + slot).to(tl.int64)
+    words = tl.where(tl.load(tw_ptr + slot) != 0, tl.cdiv(H, 8), 0)
     x_row = x_ptr + (slot // TOPK).to(tl.int64) * stride_xt
     offs_n = pid_n * BN + tl.arange(0, BN)
     nvalid = offs_n < I
@@ -277,7 +280,7 @@ def w4a16_gemv_gate_up_kernel(
     ws_e = ws_ptr + e * stride_se
     acc_g = tl.zeros([BN, BKW], dtype=tl.float32)
     acc_u = tl.zeros([BN, BKW], dtype=tl.float32)
-    for w0 in range(0, tl.cdiv(H, 8), BKW):
+    for w0 in range(0, words, BKW):
         wcols = w0 + offs_w
         words_g, s_g = _int4_load(wp_e, ws_e, offs_n, nvalid, wcols, H, stride_wn, stride_sn, G)
         words_u, s_u = _int4_load(wp_e, ws_e, offs_n + I, nvalid, wcols, H, stride_wn, stride_sn, G)
@@ -314,6 +317,8 @@ def w4a16_gemv_down_kernel(
     slot = tl.program_id(0)
     pid_n = tl.program_id(1)
     e = tl.load(ids_ptr + slot).to(tl.int64)
+    weight = tl.load(tw_ptr + slot).to(tl.float32)
+    words = tl.where(weight != 0, tl.cdiv(I, 8), 0)  # a slot of weight 0 reads no weights (see the gate-up kernel)
     a_row = act_ptr + slot.to(tl.int64) * stride_an
     offs_n = pid_n * BN + tl.arange(0, BN)
     nvalid = offs_n < H
@@ -321,10 +326,10 @@ def w4a16_gemv_down_kernel(
     wp_e = wp_ptr + e * stride_we
     ws_e = ws_ptr + e * stride_se
     acc = tl.zeros([BN, BKW], dtype=tl.float32)
-    for w0 in range(0, tl.cdiv(I, 8), BKW):
+    for w0 in range(0, words, BKW):
         wcols = w0 + offs_w
-        words, s = _int4_load(wp_e, ws_e, offs_n, nvalid, wcols, I, stride_wn, stride_sn, G)
-        part, xs = _int4_gemv_part(words, a_row, wcols, I)
+        packed, s = _int4_load(wp_e, ws_e, offs_n, nvalid, wcols, I, stride_wn, stride_sn, G)
+        part, xs = _int4_gemv_part(packed, a_row, wcols, I)
         acc += (part - 8.0 * xs[None, :]) * s
-    out = tl.sum(acc, axis=1) * tl.load(tw_ptr + slot).to(tl.float32)
+    out = tl.sum(acc, axis=1) * weight
     tl.store(out_ptr + slot.to(tl.int64) * stride_on + offs_n, out, mask=nvalid)

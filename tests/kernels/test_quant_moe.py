@@ -87,14 +87,18 @@ def test_w4a16_moe_matches_reference(shape: str, t: int) -> None:
     assert rel_err(out, ref) < TOL
 
 
-@pytest.mark.parametrize("t", (2, 6))
-def test_w4a16_gemv_takes_an_expert_run_longer_than_its_rows(t: int) -> None:
+@pytest.mark.parametrize("t", (2, 6, 12))
+@pytest.mark.parametrize("zero_weights", [False, True], ids=["weighted", "ep-weight-0"])
+def test_w4a16_gemv_takes_an_expert_run_longer_than_its_rows(t: int, zero_weights: bool) -> None:
     """Expert parallelism sends other ranks' choices to local expert 0 at weight 0, so one expert can hold more
-    slots than there are tokens: both paths still match."""
+    slots than there are tokens: the GEMV (T <= 8) and dot paths still match, with those slots weighted (the sum
+    must count each slot) or at weight 0, as EP sends them (the GEMV skips their weights)."""
     shape = "tiny" if TINY_ONLY else "kimi_k2_width"
     x, w13, s13, w2, s2, ids, weights = _int4_case(shape, t, seed=31 + t)
-    ids = ids.clone()
-    ids[:, 1:] = 0  # every token's later choices on expert 0 (weights kept: the sum must count each slot)
+    ids, weights = ids.clone(), weights.clone()
+    ids[:, 1:] = 0  # every token's later choices on expert 0
+    if zero_weights:
+        weights[:, 1:] = 0
     ref = w4a16_moe_reference(x, w13, s13, w2, s2, ids, weights, group_size=32)
     poison_cuda_allocator()
     out = w4a16_moe(x, w13, s13, w2, s2, ids, weights, group_size=32)
