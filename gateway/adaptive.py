@@ -8,9 +8,16 @@ count, so the cost model is fitted on both (plus what drafting ahead concurrentl
         e = distinct (layer, expert) pairs the router chose
         ahead = 1 when the drafter was drafting the next block during this verify (contention)
     experts(n) ~= running mean of e over past steps with n tokens (interpolated when unseen)
-    draft_ms(k) ~= d0 + d1 * k   (d0 = per-call part: a one-pass drafter is flat, an autoregressive
-                                  one is linear), fitted on the running mean ms of each k asked
+    draft_ms(k)  = the least of k's last ``draft_window`` timed calls, once k was timed that often (settled);
+                   else d0 + d1 * k (d0 = per-call part: a one-pass drafter is flat, an autoregressive one is
+                   linear), fitted on the settled k's (on every timed k while none is), or k's own least
+                   timing where that is lower
     Both fits are least squares with coefficients >= 0 (n and e move together; free signs would not).
+
+A draft call's time is its steady cost plus one-offs that only add to it (a CUDA graph captured on first use of
+a shape, mid-request; a catch-up over skipped steps; a busy host): the least of a k's last few timings is its
+steady cost, and a k timed fewer times (perhaps only on one-offs) is charged no more than the line through the
+settled k's, so it is tried again instead of turning speculation off for good.
 
 Expected emitted tokens of a chain of length k, with alpha_i the chance that drafted position i is
 accepted given positions < i were:
@@ -31,51 +38,28 @@ verify_ms(k + 1)). Only which tokens are verified changes; the acceptance rule d
 distribution is untouched.
 
 While speculation is off, a step does what a target-only step does (no drafter call: the drafter
-catches up on the skipped tokens at the next propose). Now and then a probe drafts ``ProbePolicy.tokens``
-anyway, so acceptance stays measured and speculation comes back on when it pays again. A probe costs
-its draft call, catch-up over the skipped stretch included, so probes are spaced to keep their time
-under ``ProbePolicy.max_cost_fraction`` of the skipped steps' time (``AdaptiveSpeculation.probe_interval``).
-Draft calls that caught up more than one step (probes, a request's first) feed the draft-cost fit only
-where they undercut it: they are upper bounds of a steady step's draft.
+catches up on the skipped tokens at the next propose). Now and then a probe drafts anyway, so acceptance
+stays measured and speculation comes back on when it pays again; gateway/probing.py spaces the probes by
+their measured cost (about 1% of the skipped steps' time, after a few probes at growing intervals: a dear
+first probe may be a one-off). A draft call that caught up more than one step (a probe, a request's first) is
+an upper bound of a steady call: it is a timing of its k only where k is not settled and it undercuts k's cost.
+So a probe can turn speculation back on when its k was timed only on one-offs (or never), and only steady
+calls revise a settled k.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import combinations
 
 import numpy as np
 
+from specserve.gateway.probing import ProbePolicy, ProbeSchedule
+
 AHEAD_PROBE_EVERY = 16  # every 16th step that could draft ahead does the opposite of the estimate
 IDLE_REFIT_FACTOR = 16  # the verify fit's refit interval is this many times longer while speculation is off
-
-
-@dataclass(frozen=True)
-class ProbePolicy:
-    """When a chooser that has turned speculation off drafts anyway (a probe), to re-measure acceptance.
-
-    After each probe, ``AdaptiveSpeculation.probe_interval`` skipped steps go by before the next:
-    ceil(probe ms / (max_cost_fraction * skipped step ms)), clamped to [min_interval, max_interval]. So
-    probes take at most 1 / (min_interval + 1) of the steps and, once their cost is measured, at most
-    about max_cost_fraction of the time (beyond max_interval only the clamp holds); a dear drafter is
-    probed every few hundred steps, a cheap one every min_interval steps."""
-
-    min_interval: int = 8  # skipped steps between two probes, at least
-    max_interval: int = 1024  # ... and at most: how late a rise in acceptance may be noticed
-    max_cost_fraction: float = 0.005  # probes' time over the skipped steps' time, at most
-    tokens: int = 1  # drafted tokens of a probe
-    cost_weight: float = 0.5  # weight of the newest probe in the probe-cost estimate
-
-    def __post_init__(self) -> None:
-        if not 1 <= self.min_interval <= self.max_interval:
-            raise ValueError(f"probe intervals must satisfy 1 <= min <= max, got {self.min_interval}, {self.max_interval}")
-        if not 0.0 < self.max_cost_fraction <= 1.0:
-            raise ValueError(f"max_cost_fraction must be in (0, 1], got {self.max_cost_fraction}")
-        if self.tokens < 1:
-            raise ValueError(f"a probe drafts at least 1 token, got {self.tokens}")
-        if not 0.0 < self.cost_weight <= 1.0:
-            raise ValueError(f"cost_weight must be in (0, 1], got {self.cost_weight}")
 
 
 @dataclass(frozen=True)
@@ -84,7 +68,8 @@ class AdaptiveConfig:
     window: int = 256  # steps the cost models are fitted on
     refit_every: int = 16
     prior_accept: float = 0.6  # acceptance estimate before any observation
-    ema: float = 0.1  # weight of the newest observation in the draft-cost and ahead-hit estimates
+    ema: float = 0.1  # weight of the newest observation in the step-overhead and ahead-hit estimates
+    draft_window: int = 4  # timed calls of a k whose least is its draft cost (DraftCostModel)
     accept_memory: float = 64.0  # steps the acceptance estimate averages over
     accept_prior_weight: float = 4.0  # pseudo-observations at the prior mean per position
     calibration_bins: int = 10  # q bins of the confidence calibration
@@ -98,6 +83,8 @@ class AdaptiveConfig:
             raise ValueError(f"window and refit_every must be >= 1, got {self.window}, {self.refit_every}")
         if not 0.0 < self.ema <= 1.0:
             raise ValueError(f"ema must be in (0, 1], got {self.ema}")
+        if self.draft_window < 1:
+            raise ValueError(f"draft_window must be >= 1, got {self.draft_window}")
         if self.accept_memory < 1.0 or self.accept_prior_weight <= 0.0:
             raise ValueError(f"accept_memory must be >= 1 and accept_prior_weight > 0, got {self.accept_memory}, "
                              f"{self.accept_prior_weight}")
@@ -220,30 +207,39 @@ class VerifyCostModel:
 
 
 class DraftCostModel:
-    """draft_ms(k) = d0 + d1 * k, non-negative least squares on the running mean ms of each k asked.
+    """draft_ms(k): the least of k's last ``window`` timings once k was timed that often (settled), else the
+    line d0 + d1 * k capped by k's own least timing (module docstring).
 
-    Running means per k (not a window of calls) keep what was learnt about a k the chooser has not
-    asked for lately. With a single k seen the two parts cannot be told apart: the cost is charged
-    per token (d0 = 0), which is exact at that k; once another k is tried the fit separates them."""
+    The line is non-negative least squares on the settled k's least timings (on every timed k's while none is
+    settled). With a single k the two parts cannot be told apart: the cost is charged per token (d0 = 0),
+    which is exact at that k; once another k is timed the fit separates them."""
 
-    def __init__(self, ema: float = 0.1) -> None:
-        self._ema = ema
-        self._mean_by_k: dict[int, float] = {}
+    def __init__(self, window: int = 4) -> None:
+        self._window = window
+        self._timings: dict[int, deque[float]] = {}
+        self._least: dict[int, float] = {}  # least of each timed k's last timings
         self.coef = np.zeros(2)  # d0 (per call), d1 (per drafted token)
+        self._costs: list[float] = [0.0]  # predicted ms of k = 0, 1, ... as of the last fit
         self.version = 0
 
     def observe(self, k: int, ms: float) -> None:
         if k <= 0:
             return
-        old = self._mean_by_k.get(k)
-        self._mean_by_k[k] = ms if old is None else old + self._ema * (ms - old)
+        timings = self._timings.setdefault(k, deque(maxlen=self._window))
+        timings.append(ms)
+        self._least[k] = min(timings)
         self.fit()
+
+    def settled(self, k: int) -> bool:
+        """Whether k was timed ``window`` times (its cost is then its own least timing)."""
+        return len(self._timings.get(k, ())) >= self._window
 
     def fit(self) -> None:
         """Closed form (a handful of points): the line if both parts come out >= 0, else the better of
         the two one-part fits (through the origin, or flat)."""
         self.version += 1
-        pts = list(self._mean_by_k.items())
+        self._costs = [0.0]
+        pts = [(k, ms) for k, ms in self._least.items() if self.settled(k)] or list(self._least.items())
         if not pts:
             return
         if len(pts) == 1:
@@ -263,14 +259,23 @@ class DraftCostModel:
         err_flat = sum((flat - y) ** 2 for _, y in pts)
         self.coef = np.array([0.0, per_token]) if err_token < err_flat else np.array([flat, 0.0])
 
-    def seen(self, k: int) -> bool:
-        """Whether a draft call asking for k tokens was observed."""
-        return k in self._mean_by_k
+    def _cost(self, k: int) -> float:
+        line = float(self.coef[0] + self.coef[1] * k)
+        least = self._least.get(k)
+        return least if self.settled(k) else line if least is None else min(line, least)
+
+    def costs(self, kmax: int) -> list[float]:
+        """Predicted ms of a draft call asking for k = 0..kmax [kmax + 1] (0 for k = 0: no call), plain floats."""
+        while len(self._costs) <= kmax:
+            self._costs.append(self._cost(len(self._costs)))
+        return self._costs[: kmax + 1]
+
+    def predict(self, k: int) -> float:
+        return self.costs(k)[k] if k > 0 else 0.0
 
     def predict_many(self, ks: np.ndarray) -> np.ndarray:
         """ms of a draft call asking for each k [K]; 0 for k = 0 (no call)."""
-        ks = np.asarray(ks, dtype=float)
-        return np.where(ks > 0, self.coef[0] + self.coef[1] * ks, 0.0)
+        return np.array([self.predict(int(k)) for k in np.asarray(ks).ravel()]).reshape(np.shape(ks))
 
 
 class AcceptanceEstimator:
@@ -356,7 +361,7 @@ class AdaptiveSpeculation:
     def __init__(self, config: AdaptiveConfig) -> None:
         self.config = config
         self.cost = VerifyCostModel(config.window, config.refit_every)
-        self.draft = DraftCostModel(config.ema)
+        self.draft = DraftCostModel(config.draft_window)
         self.accept = AcceptanceEstimator(config.max_k, config.prior_accept, config.accept_memory, config.accept_prior_weight)
         self.calibration = ConfidenceCalibration(config.calibration_bins, config.calibration_prior, config.window)
         self.ahead_hit_rate = 0.5  # running share of ahead blocks that were used
@@ -367,19 +372,17 @@ class AdaptiveSpeculation:
         self._overhead_seen = [0, 0]
         self._overhead_used = (0.0, 0.0)  # what choices charge: overhead_ms as of the last verify refit
         self._plan_cache: tuple | None = None  # (inputs, k, probe interval) of the last plan
-        self.probe_ms: float | None = None  # running cost of a probe's draft call (None: none made yet)
-        self.skipped = 0  # steps skipped since the last one that drafted
-        self.probes = 0
+        self.probing = ProbeSchedule(config.probe)  # skipped steps, probes made and their cost
 
     def observe_draft(self, k: int, ms: float, steady: bool = True, probe: bool = False) -> None:
         """A draft call asked for k tokens and took ms (drafting ahead is not observed: it overlaps).
         ``steady``: the drafter was in step (the request's previous step drafted); otherwise the call
         also caught up on skipped tokens (or started the drafter's session), so it is an upper bound of a
-        steady call and only lowers the fit of a k already measured. ``probe``: ``plan`` made it a probe."""
+        steady call: a timing of k only where it undercuts k's cost and k is not settled (module docstring).
+        ``probe``: ``plan`` made it a probe."""
         if probe:
-            w = self.config.probe.cost_weight
-            self.probe_ms = ms if self.probe_ms is None else self.probe_ms + w * (ms - self.probe_ms)
-        if steady or (self.draft.seen(k) and ms < float(self.draft.predict_many(np.array([k]))[0])):
+            self.probing.observe(ms)
+        if steady or (not self.draft.settled(k) and ms < self.draft.predict(k)):
             self.draft.observe(k, ms)
 
     def observe_overhead(self, drafted: bool, ms: float) -> None:
@@ -411,7 +414,7 @@ class AdaptiveSpeculation:
 
     def ahead_pays(self, k: int) -> bool:
         """Draft ahead when the draft time it saves on a hit outweighs what it adds to the verify."""
-        saved = self.ahead_hit_rate * float(self.draft.predict_many(np.array([max(1, k)]))[0])
+        saved = self.ahead_hit_rate * self.draft.predict(max(1, k))
         return saved >= self.cost.coef[3]
 
     def plan_ahead(self, k: int) -> bool:
@@ -426,36 +429,26 @@ class AdaptiveSpeculation:
     def plan(self, limit: int, ahead: bool = False) -> tuple[int, bool]:
         """(k, probe) of a step about to draft up to ``limit`` tokens: ``choose_k``'s k when it is >= 1;
         else 0 (skip: the step is a target-only step) until ``probe_interval`` steps were skipped, then a
-        probe of ``ProbePolicy.tokens``. Shared by all requests of the drafter: probes are spaced over all
-        of its steps."""
+        probe of ``ProbePolicy.tokens`` (gateway/probing.py). Shared by all requests of the drafter: probes
+        are spaced over all of its steps."""
         key = (limit, ahead, self.cost.version, self.draft.version, self.accept.version, self._overhead_used,
-               self.probe_ms)
+               self.probing.version)
         if self._plan_cache is None or self._plan_cache[0] != key:  # else nothing it reads has changed
             k = self.choose_k(limit, ahead=ahead)
             self._plan_cache = (key, k, self.probe_interval() if k == 0 else 0)
         _, k, interval = self._plan_cache
         if k > 0 or limit <= 0:
-            self.skipped = 0
+            self.probing.drafted()
             return k, False
-        if self.skipped < interval:
-            self.skipped += 1
+        if not self.probing.due(interval):
             return 0, False
-        self.skipped = 0
-        self.probes += 1
         return min(self.config.probe.tokens, limit), True
 
     def probe_interval(self) -> int:
-        """Skipped steps before the next probe (ProbePolicy): the probe's cost over the budget a skipped
-        step leaves for probing. The probe cost is the measured one, else the draft fit's."""
-        policy = self.config.probe
-        probe_ms = self.probe_ms
-        if probe_ms is None:
-            probe_ms = float(self.draft.predict_many(np.array([policy.tokens]))[0])
+        """Skipped steps before the next probe (gateway/probing.py), a skipped step costing the verify fit's
+        1-token step plus a skipped step's overhead; before any probe was timed its cost is the draft fit's."""
         step_ms = self.cost.predict(1) + self._overhead_used[0]
-        n = policy.min_interval
-        if probe_ms > 0.0 and step_ms > 1e-5:  # else nothing is measured yet
-            n = max(policy.min_interval, min(policy.max_interval, int(np.ceil(probe_ms / (policy.max_cost_fraction * step_ms)))))
-        return n
+        return self.probing.interval(self.draft.predict(self.config.probe.tokens), step_ms)
 
     def alpha(self, kmax: int, confidence: np.ndarray | None = None) -> np.ndarray:
         alpha = self.accept.alpha[:kmax].copy()
@@ -484,11 +477,11 @@ class AdaptiveSpeculation:
                 return self._choice_cache[1]
         gain = expected_emitted(self.alpha(kmax, confidence).tolist())
         verify = self._verify_costs(kmax, bool(ahead))
-        d0, d1 = float(self.draft.coef[0]), float(self.draft.coef[1])
+        draft_ms = self.draft.costs(kmax)
         over0, over1 = self._overhead_used if sunk_ms is None else (0.0, 0.0)
         best_k, best_rate = 0, -1.0
         for k in range(kmax + 1):
-            draft = max(sunk_ms, 0.0) if sunk_ms is not None else (d0 + d1 * k + over1 if k else over0)
+            draft = max(sunk_ms, 0.0) if sunk_ms is not None else (draft_ms[k] + over1 if k else over0)
             rate = gain[k] / (draft + verify[k])
             if rate > best_rate:  # first best, like argmax
                 best_k, best_rate = k, rate

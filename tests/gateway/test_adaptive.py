@@ -84,11 +84,12 @@ def test_drafting_ahead_contention_is_a_fixed_cost_not_a_per_token_cost() -> Non
 
 @pytest.mark.parametrize("d0,d1", [(2.0, 3.0), (4.4, 0.1), (0.0, 2.5)])
 def test_draft_cost_model_fits_per_call_and_per_token_parts(d0, d1) -> None:
+    """Timing noise only adds to a call's cost (the model takes a k's least recent timing)."""
     rng = np.random.default_rng(4)
-    model = DraftCostModel(ema=0.1)
+    model = DraftCostModel(window=4)
     for _ in range(400):
         k = int(rng.integers(1, 5))
-        model.observe(k, d0 + d1 * k + float(rng.normal(0, 0.05)))
+        model.observe(k, d0 + d1 * k + float(rng.exponential(0.05)))
     assert model.coef == pytest.approx([d0, d1], abs=0.1)
     assert model.predict_many(np.array([0, 3])) == pytest.approx([0.0, d0 + 3 * d1], abs=0.2)
 
@@ -98,6 +99,25 @@ def test_draft_cost_with_one_k_seen_is_charged_per_token() -> None:
     for _ in range(10):
         model.observe(4, 8.0)
     assert model.coef == pytest.approx([0.0, 2.0])
+
+
+def test_a_k_is_charged_its_least_recent_timing_once_settled_and_no_more_than_the_line_before() -> None:
+    """k = 1 settled at 1 ms; k = 4 timed once at 500 ms (a graph captured on first use) is charged the line
+    through k = 1 (4 ms), settles at the least of its 4 timings, and a k dear on every call settles dear."""
+    model = DraftCostModel(window=4)
+    for _ in range(4):
+        model.observe(1, 1.0)
+    model.observe(4, 500.0)
+    assert not model.settled(4) and model.predict(4) == pytest.approx(4.0)
+    for ms in (500.0, 4.2, 500.0):
+        model.observe(4, ms)
+    assert model.settled(4) and model.predict(4) == pytest.approx(4.2)
+    for _ in range(4):
+        model.observe(3, 300.0)
+    assert model.predict(3) == pytest.approx(300.0)
+    for _ in range(4):  # the 4.2 ms timing is no longer among k = 4's last 4: a real rise is followed
+        model.observe(4, 9.0)
+    assert model.predict(4) == pytest.approx(9.0)
 
 
 def test_expected_emitted_matches_hand_computation() -> None:
@@ -204,7 +224,7 @@ def test_plan_ahead_follows_the_gate_and_probes_the_other_way() -> None:
 
 
 def test_config_is_validated() -> None:
-    for bad in (dict(max_k=0), dict(ema=0.0), dict(accept_memory=0.5), dict(accept_prior_weight=0.0), dict(prior_accept=1.5), dict(calibration_bins=0)):
+    for bad in (dict(max_k=0), dict(ema=0.0), dict(draft_window=0), dict(accept_memory=0.5), dict(accept_prior_weight=0.0), dict(prior_accept=1.5), dict(calibration_bins=0)):
         with pytest.raises(ValueError):
             AdaptiveConfig(**bad)
 
@@ -234,15 +254,22 @@ def _drive(spec: AdaptiveSpeculation, steps: int, accept: float, draft_ms: float
     return out
 
 
-def test_probes_are_spaced_so_their_time_stays_within_the_budget() -> None:
+@pytest.mark.parametrize("draft_ms,interval", [(20.0, 250), (96.0, 1200)])
+def test_probes_are_spaced_so_their_time_stays_within_the_budget(draft_ms, interval) -> None:
+    """Probes of 2.5 or 12 skipped steps (12: the H200 demo's 5 ms drafter against 0.4 ms steps), a 1% budget: the
+    first 4 probes (the window) explore at min_interval x 1, 2, 4, 8 skipped steps (a dear probe may be a one-off),
+    every later one waits draft ms / (1% of 8 ms), so past those 4 the probes' time stays within the budget."""
     rng = np.random.default_rng(6)
-    policy = ProbePolicy(min_interval=8, max_interval=1024, max_cost_fraction=0.01)
-    spec = _dear_drafter(policy)
-    plans = _drive(spec, 5000, accept=0.3, draft_ms=20.0, verify_ms=8.0, rng=rng)
-    probes = sum(p for _, p in plans)
+    policy = ProbePolicy(min_interval=8, max_interval=4096, max_cost_fraction=0.01, window=4)
+    spec = _dear_drafter(policy, draft_ms=draft_ms)
+    plans = _drive(spec, 120 + 12 * interval, accept=0.3, draft_ms=draft_ms, verify_ms=8.0, rng=rng)
     assert all(p for k, p in plans if k)  # every drafted step was a probe: speculation stays off
-    assert spec.probe_interval() == 250  # 20 ms / (1% of 8 ms)
-    assert 1 <= probes and probes * 20.0 <= 0.011 * (5000 - probes) * 8.0
+    at = [i for i, (_, p) in enumerate(plans) if p]
+    waits = [b - a - 1 for a, b in zip([-1] + at, at)]  # skipped steps before each probe
+    assert waits[:4] == [8, 16, 32, 64] and set(waits[4:]) == {interval}, waits
+    assert spec.probe_interval() == interval and spec.probing.probe_ms == draft_ms
+    later, skipped = len(at) - 4, len(plans) - (at[3] + 1) - (len(at) - 4)
+    assert later >= 10 and later * draft_ms <= 0.0101 * skipped * 8.0
 
 
 def test_a_cheap_probe_is_made_every_min_interval_steps() -> None:
@@ -265,13 +292,37 @@ def test_probing_turns_speculation_back_on_when_acceptance_rises() -> None:
     assert first_on < 1000 and all(k == 4 for k, _ in on[first_on:])
 
 
-def test_a_draft_call_that_caught_up_only_lowers_the_draft_fit() -> None:
+def test_a_draft_call_that_caught_up_only_lowers_an_unsettled_k() -> None:
     spec = _dear_drafter(draft_ms=2.0)
-    before = spec.draft.predict_many(np.array([1]))[0]
+    before = spec.draft.predict(1)
     spec.observe_draft(1, 50.0, steady=False, probe=True)  # caught up a long skipped stretch
-    assert spec.draft.predict_many(np.array([1]))[0] == before and spec.probe_ms == 50.0
+    assert spec.draft.predict(1) == before and spec.probing.probe_ms == 50.0
     spec.observe_draft(1, 0.5, steady=False)
-    assert spec.draft.predict_many(np.array([1]))[0] < before
+    assert spec.draft.predict(1) == 0.5
+    spec.observe_draft(3, 0.4, steady=False)  # a k never timed: the line said 2 ms
+    assert spec.draft.predict(3) == 0.4
+    for _ in range(spec.config.draft_window):
+        spec.observe_draft(2, 30.0)  # steady calls settle k = 2
+    spec.observe_draft(2, 0.1, steady=False)
+    assert spec.draft.predict(2) == 30.0
+
+
+def test_a_drafter_dear_on_the_first_call_of_each_k_is_turned_back_on() -> None:
+    """Each k's first draft call costs 300 ms (a graph captured on first use), every later one 1 ms; verifies cost
+    10 ms and every drafted token is accepted: the first call turns speculation off, probes turn it back on, and
+    k = 4 is drafted again within a few hundred steps."""
+    spec = AdaptiveSpeculation(AdaptiveConfig(max_k=4))
+    _flat_verify(spec, 10.0)
+    used, steps = set(), []
+    for _ in range(400):
+        k, probe = spec.plan(4)
+        if k:
+            spec.observe_draft(k, 1.0 if k in used else 300.0, steady=not probe, probe=probe)
+            used.add(k)
+        spec.observe_verify(k, k, 0, 10.0)
+        steps.append(k)
+    assert steps[1] == 0  # off after the first (dear) call
+    assert all(k == 4 for k in steps[300:]), steps
 
 
 def test_the_overhead_of_a_drafted_step_is_charged() -> None:
@@ -289,7 +340,7 @@ def test_the_overhead_of_a_drafted_step_is_charged() -> None:
 
 
 @pytest.mark.parametrize("bad", [dict(min_interval=0), dict(min_interval=9, max_interval=8),
-                                 dict(max_cost_fraction=0.0), dict(tokens=0), dict(cost_weight=1.5)])
+                                 dict(max_cost_fraction=0.0), dict(tokens=0), dict(window=0)])
 def test_probe_policy_is_validated(bad) -> None:
     with pytest.raises(ValueError):
         ProbePolicy(**bad)
