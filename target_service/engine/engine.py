@@ -1,6 +1,6 @@
 """TargetEngine: sessions over a paged KV cache; prefill, verify (chain or tree, batched), rollback.
 
-Terms follow the glossary in ``engine/types.py``. Between steps a session holds ``cached_len`` tokens
+Terms follow the glossary in ``specserve/contract/types.py``. Between steps a session holds ``cached_len`` tokens
 of K/V and one pending token. A verify step feeds ``[pending] + drafted`` in one forward (chain:
 causal; tree: ancestor mask, positions ``cached_len + depth``), writes their K/V to the step-local slots
 ``cached_len + node``, accepts with the rules of ``engine/sampler.py``, moves the accepted tree path to
@@ -9,6 +9,9 @@ contiguous slots (``PagedKVCache.copy_slots``) and truncates the sequence to
 
 The engine is synchronous and not thread-safe: drive it from one thread. Every public method checks
 its input before it changes any state, so a refused call leaves the engine as it was.
+
+A batched verify's bookkeeping (each session's share of the forward, its timer) is ``engine/batch.py``;
+the log-probabilities a session asks for, ``engine/logprobs.py``.
 """
 
 from __future__ import annotations
@@ -28,7 +31,6 @@ from specserve.contract.types import (
     PrefillResult,
     SamplingParams,
     StepTimings,
-    TokenLogprobs,
     VerifyResult,
     check_block,
 )
@@ -38,6 +40,8 @@ from specserve.models.kv_cache import PagedKVCache
 from specserve.models.probs import make_generator, new_seed_key, target_probs
 from specserve.models.vocab import vocab_hash as checkpoint_vocab_hash
 
+from .batch import BatchStep, StepTimer
+from .logprobs import prompt_logprobs, token_logprobs
 from .model_runner import GraphOptions, ModelRunner, RunOutput, distinct_experts
 from .sampler import verify_step_device
 from .session import (
@@ -62,19 +66,6 @@ __all__ = [
 ]
 
 _EMPTY = DraftBlock(token_ids=())
-PROMPT_LOGITS_ROWS = 512  # prompt logprobs: rows of logits made at once
-
-
-def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, top: int) -> TokenLogprobs:
-    """log_softmax of logits [n, V] (float32) at tokens [n] (same device), and the top most likely at each row
-    (read back to the host: only for a session that asked)."""
-    lp = torch.log_softmax(logits.float(), dim=-1)
-    chosen = lp.gather(1, tokens[:, None]).squeeze(1)
-    if not top:
-        return TokenLogprobs(tuple(tokens.tolist()), tuple(chosen.tolist()))
-    values, ids = lp.topk(top, dim=-1)
-    return TokenLogprobs(tuple(tokens.tolist()), tuple(chosen.tolist()), tuple(map(tuple, ids.tolist())),
-                         tuple(map(tuple, values.tolist())))
 
 
 def tokenizer_vocab_hash(tokenizer, vocab_size: int) -> str:
@@ -85,19 +76,6 @@ def tokenizer_vocab_hash(tokenizer, vocab_size: int) -> str:
         with open(os.path.join(tmp, "tokenizer.json"), "w", encoding="utf-8") as f:
             f.write(tokenizer.to_str())
         return checkpoint_vocab_hash(tmp)
-
-
-class _Step:
-    """One session's share of a batched verify forward."""
-
-    __slots__ = ("session", "block", "layout", "start", "end")
-
-    def __init__(self, session: Session, block: DraftBlock, layout: StepLayout, start: int) -> None:
-        self.session = session
-        self.block = block
-        self.layout = layout
-        self.start = start
-        self.end = start + layout.num_nodes
 
 
 class TargetEngine:
@@ -281,7 +259,7 @@ class TargetEngine:
             if logprobs is not None:
                 first_lp = token_logprobs(logits, self._to_device([first]), logprobs.top)
                 if logprobs.prompt:
-                    prompt_lp = self._prompt_logprobs(out.hidden, ids, logprobs.top)
+                    prompt_lp = prompt_logprobs(self.model.compute_logits, out.hidden, ids, logprobs.top)
         except BaseException:
             self.blocks.free(session_id)
             raise
@@ -293,18 +271,6 @@ class TargetEngine:
             timings=StepTimings(forward_ms=(t1 - t0) * 1e3, sample_ms=(t2 - t1) * 1e3),
             logprobs=first_lp,
             prompt_logprobs=prompt_lp,
-        )
-
-    def _prompt_logprobs(self, hidden: torch.Tensor, ids: torch.Tensor, top: int) -> TokenLogprobs:
-        """Prompt tokens 1 .. n-1, each scored at the position before it (hidden [n, H], ids [n]); the logits
-        are made a chunk of rows at a time, so a long prompt never holds [n, V] at once."""
-        n = ids.shape[0]
-        parts = [token_logprobs(self.model.compute_logits(hidden[i : min(i + PROMPT_LOGITS_ROWS, n - 1)]),
-                                ids[i + 1 : i + 1 + PROMPT_LOGITS_ROWS], top)
-                 for i in range(0, n - 1, PROMPT_LOGITS_ROWS)]
-        return TokenLogprobs(
-            tuple(t for p in parts for t in p.token_ids), tuple(v for p in parts for v in p.logprobs),
-            tuple(r for p in parts for r in p.top_ids), tuple(r for p in parts for r in p.top_logprobs),
         )
 
     # ---- verify ----------------------------------------------------------------------------------
@@ -319,7 +285,7 @@ class TargetEngine:
         """Verify several sessions' blocks in ONE forward; results in the order of ``items``."""
         started = time.perf_counter()  # each result's compute_ms: from here to its own result
         steps = self._prepare(items)
-        timer = _StepTimer(self.device)
+        timer = StepTimer(self.device)
         try:
             run = self._forward(steps)
         except BaseException:
@@ -344,11 +310,11 @@ class TargetEngine:
             self._rollback(steps)
         return logits
 
-    def _prepare(self, items: Sequence[tuple[str, DraftBlock]]) -> list[_Step]:
+    def _prepare(self, items: Sequence[tuple[str, DraftBlock]]) -> list[BatchStep]:
         if not items:
             raise InvalidInput("verify_batch got no sessions")
         seen: set[str] = set()
-        steps: list[_Step] = []
+        steps: list[BatchStep] = []
         start = 0
         for session_id, block in items:
             if session_id in seen:
@@ -356,11 +322,11 @@ class TargetEngine:
             seen.add(session_id)
             session = self._get(session_id)
             self._check_block(session, block)
-            step = _Step(session, block, layout_of(block), start)
+            step = BatchStep(session, block, layout_of(block), start)
             self._check_positions(session, step.layout)
             steps.append(step)
             start = step.end
-        grown: list[_Step] = []
+        grown: list[BatchStep] = []
         try:
             for step in steps:
                 s = step.session
@@ -371,7 +337,7 @@ class TargetEngine:
             raise
         return steps
 
-    def _rollback(self, steps: Sequence[_Step]) -> None:
+    def _rollback(self, steps: Sequence[BatchStep]) -> None:
         for step in steps:
             self.blocks.truncate(step.session.session_id, step.session.cached_len)
 
@@ -385,7 +351,7 @@ class TargetEngine:
             return host
         return host.pin_memory().to(self.device, non_blocking=True)
 
-    def _forward(self, steps: Sequence[_Step]):
+    def _forward(self, steps: Sequence[BatchStep]):
         ids: list[int] = []
         pos: list[int] = []
         slots: list[int] = []
@@ -407,7 +373,7 @@ class TargetEngine:
         capture = tuple(sorted({i for step in steps for i in step.session.hidden_layers}))
         return self.runner.run(ids, pos, attn, capture)  # logits [T, V]: graph replay or eager
 
-    def _read_summary(self, step: _Step, run: RunOutput) -> tuple[int, int, int]:
+    def _read_summary(self, step: BatchStep, run: RunOutput) -> tuple[int, int, int]:
         """(last accepted node, next token, distinct experts): the step's one device read."""
         s, block, layout = step.session, step.block, step.layout
         if run.summary is not None and s.sampling.greedy and layout.is_chain:  # the graph computed all three
@@ -425,7 +391,7 @@ class TargetEngine:
         last, nxt, experts = torch.stack([last, nxt_t, experts_t]).tolist()
         return last, nxt, experts
 
-    def _accept(self, step: _Step, run: RunOutput, timer: _StepTimer, started: float) -> VerifyResult:
+    def _accept(self, step: BatchStep, run: RunOutput, timer: StepTimer, started: float) -> VerifyResult:
         out, capture = run.out, run.captured_layers
         s, block, layout = step.session, step.block, step.layout
         t0 = time.perf_counter()
@@ -514,27 +480,3 @@ class TargetEngine:
     def _sync(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-
-
-class _StepTimer:
-    """A step's forward time: CUDA events on the GPU (read after the step's result read, so they never wait on
-    their own), the host clock elsewhere."""
-
-    def __init__(self, device: torch.device) -> None:
-        self._events = None
-        if device.type == "cuda":
-            self._events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-            self._events[0].record()
-        self._t0 = time.perf_counter()
-        self._ms = 0.0
-
-    def stop(self) -> None:
-        if self._events is not None:
-            self._events[1].record()
-        else:
-            self._ms = (time.perf_counter() - self._t0) * 1e3
-
-    def ms(self) -> float:
-        if self._events is not None:
-            return float(self._events[0].elapsed_time(self._events[1]))
-        return self._ms
