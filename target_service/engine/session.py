@@ -1,4 +1,4 @@
-"""Per-session state of the target engine and the engine's error classes (glossary: engine/types.py)."""
+"""Per-session state of the target engine and the engine's error classes (glossary: specserve/contract/types.py)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Verify-step token layout for chains and trees (terms as in the glossary of ``engine/types.py``).
+"""Verify-step token layout for chains and trees (terms as in the glossary of ``specserve/contract/types.py``).
 
 A verify step feeds ``n + 1`` tokens: node 0 is the pending token, node ``i + 1`` is drafted token ``i``
 of the :class:`DraftBlock`. In node indexing, ``parents[0] == -1`` and ``parents[j] < j`` for every
