@@ -36,6 +36,11 @@ class StepRecord:
     ahead: bool = False  # the drafter drafted the next block during this verify (contends with it)
     verify_service_ms: float = 0.0  # the target service's own handling of the verify (0 in process)
     verify_compute_ms: float = 0.0  # of which the engine's own verify call on its thread (timings.compute_ms)
+    # draft-ahead (``ahead``): the drafter's wall time on the next block, how long the step still waited for it after
+    # the verify came back (ahead_ms - ahead_wait_ms overlapped the verify), and whether that block was usable
+    ahead_ms: float = 0.0
+    ahead_wait_ms: float = 0.0
+    ahead_hit: bool | None = None  # None: no block drafted ahead came back
 
 
 @dataclass(frozen=True)
@@ -114,6 +119,9 @@ class StepObserver:
                     ahead=walls.ahead,
                     verify_service_ms=res.timings.total_ms,
                     verify_compute_ms=res.timings.compute_ms,
+                    ahead_ms=walls.ahead_ms,
+                    ahead_wait_ms=max(0.0, walls.step_ms - walls.verify_wall_ms) if walls.ahead else 0.0,
+                    ahead_hit=walls.ahead_hit,
                 )
             )
         draft_ms, self._draft_ms = self._draft_ms, 0.0

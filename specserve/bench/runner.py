@@ -202,4 +202,7 @@ class SpecRunner:
             "floor_ms": round(floor, 5),
             "tree": rec.tree,
             "ahead": rec.ahead,
+            "ahead_ms": round(rec.ahead_ms, 4),  # the block drafted ahead: drafter wall time,
+            "ahead_wait_ms": round(rec.ahead_wait_ms, 4),  # the part after the verify came back (not overlapped)
+            "ahead_hit": rec.ahead_hit,
         }

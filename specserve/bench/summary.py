@@ -97,6 +97,8 @@ def summarize_method(results: Sequence[RequestResult], reference: dict[str, tupl
             "hits": sum(r.stats.get("draft_ahead_hits", 0) for r in results),
             "ahead_ms": round(sum(r.stats.get("draft_ahead_ms", 0.0) for r in results), 3),
             "hidden_ms": round(sum(r.stats.get("draft_hidden_ms", 0.0) for r in results), 3),
+            # the steps' wait for their block drafted ahead after the verify came back: ahead_ms - wait_ms overlapped
+            "wait_ms": round(sum(s.get("ahead_wait_ms", 0.0) for s in steps), 3),
         },
         "draft_fallbacks": sum(bool(r.stats.get("draft_fallback")) for r in results),
     })

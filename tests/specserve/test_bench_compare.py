@@ -66,9 +66,10 @@ def _m(drafter, speculation, k, tps, ahead=False, **more):
 def test_comparison_picks_the_best_fixed_k_hand_computed():
     methods = {
         "target-only": _m("none", "fixed", 0, 50.0),
-        "model/fixed/k1": _m("model", "fixed", 1, 60.0),
-        "model/fixed/k1/ahead": _m("model", "fixed", 1, 66.0, ahead=True,
-                                   draft_ahead_stats={"hits": 3, "ahead_ms": 9.0, "hidden_ms": 7.5}, steps=10),
+        "model/fixed/k1": _m("model", "fixed", 1, 60.0, per_step_ms={"verify": 5.0}),
+        "model/fixed/k1/ahead": _m("model", "fixed", 1, 66.0, ahead=True, per_step_ms={"verify": 5.5},
+                                   draft_ahead_stats={"hits": 3, "ahead_ms": 9.0, "hidden_ms": 7.5, "wait_ms": 1.5},
+                                   steps=10),
         "model/fixed/k2": _m("model", "fixed", 2, 80.0),
         "model/adaptive": _m("model", "adaptive", 2, 70.0, chosen_k={"1": 4, "2": 6}),
         "hf/greedy": {"kind": "transformers", "drafter": "greedy", "tokens_per_s": 10.0},
@@ -84,10 +85,11 @@ def test_comparison_picks_the_best_fixed_k_hand_computed():
     assert off["adaptive_over_best_fixed"] == 0.875
     assert on["best_fixed"]["k"] == 1 and on["adaptive"] is None and on["adaptive_over_best_fixed"] is None
     assert c["draft_ahead"] == [{"method": "model/fixed/k1", "off_tokens_per_s": 60.0, "on_tokens_per_s": 66.0,
-                                 "on_over_off": 1.1, "ahead_hits": 3, "ahead_ms": 9.0, "hidden_ms": 7.5, "steps": 10}]
+                                 "on_over_off": 1.1, "ahead_hits": 3, "ahead_ms": 9.0, "hidden_ms": 7.5,
+                                 "wait_ms": 1.5, "off_verify_ms": 5.0, "on_verify_ms": 5.5, "steps": 10}]
     md = format_comparison(c, "title")
     assert "| model | off | k1: 60.0 k2: 80.0 | 2 | 80.0 (1.60x) | 70.0 (1.40x) (cap 2) | 0.88x | 1:4 2:6 |" in md
-    assert "| model/fixed/k1 | 60.0 | 66.0 | 1.10x | 3 / 10 | 9.0 | 7.5 |" in md
+    assert "| model/fixed/k1 | 60.0 | 66.0 | 1.10x | 3 / 10 | 9.0 | 7.5 | 1.5 | 5.00 -> 5.50 |" in md
     assert "draft_ahead" not in compare_methods(methods, draft_ahead=False)
 
 
