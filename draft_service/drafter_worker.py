@@ -17,6 +17,7 @@ from specserve.errors import SpecserveError
 from specserve.protos import convert
 from specserve.protos.specserve.v1 import common_pb2
 from specserve.runtime import tracing as tn
+from specserve.runtime.device_stream import enter_own_stream
 from specserve.runtime.hidden_share import HiddenHandle, HiddenShareDenied, HiddenShareError, HiddenView
 from specserve.runtime.session_host import SessionHost, answered_by, build_on_thread
 from specserve.runtime.worker import OneThread
@@ -99,8 +100,11 @@ class DrafterWorker:
 
     @classmethod
     async def build(cls, factory: Callable[[], object], limits: DraftLimits | None = None) -> DrafterWorker:
-        """Build the proposer on the drafter thread itself (loading never blocks the event loop)."""
+        """Build the proposer on the drafter thread itself (loading never blocks the event loop); on a GPU the thread
+        then runs its work on a stream of its own (runtime/device_stream.py: harmless in a process of its own, and
+        what lets a drafter in one process with a target overlap its verify)."""
         thread, proposer = await build_on_thread("drafter", factory)
+        await thread.call(enter_own_stream, getattr(proposer, "device", None))
         return cls(proposer, thread, limits)
 
     def start_expiry(self) -> None:

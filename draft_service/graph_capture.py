@@ -103,6 +103,8 @@ class GraphBodies:
         self._capture_keys(self._keys())
 
     def _capture_keys(self, keys: list[tuple]) -> None:
+        """Warm up on a side stream, then capture (torch.cuda.graph itself waits for the whole device first: a shape
+        captured on first use costs that step its overlap with a verify on the same GPU)."""
         dev = self.device
         stream = torch.cuda.Stream(dev)
         stream.wait_stream(torch.cuda.current_stream(dev))
@@ -114,7 +116,7 @@ class GraphBodies:
             for key in keys:
                 capture_or_record(type(self).__name__, key, lambda: self._body(key), self._pool, self._graphs,
                                   self.capture_errors)
-        torch.cuda.synchronize(dev)
+        torch.cuda.current_stream(dev).synchronize()  # this thread's stream: a target's work on the GPU goes on
 
     def _capture_late(self, key: tuple, limit: int) -> None:
         """After capture(): capture one more shape on first use (shapes chosen per request, e.g. tree sizes), at most
@@ -127,7 +129,7 @@ class GraphBodies:
     def captured(self) -> int:
         return len(self._graphs)
 
-    def _run(self, key: tuple) -> None:
+    def _run(self, key: tuple) -> None:  # a replay runs on the calling thread's current stream (the drafter's own)
         graph = self._graphs.get(key)
         if graph is not None:
             graph.replay()

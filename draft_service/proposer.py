@@ -283,6 +283,7 @@ class Proposer(ABC):
     """A drafter. Synchronous; driven from one draft thread (no locking inside)."""
 
     info: DrafterInfo
+    device: torch.device = torch.device("cpu")  # where it computes (a family on a GPU sets its own); its thread's stream
 
     def __init__(self, info: DrafterInfo) -> None:
         self.info = info

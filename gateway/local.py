@@ -1,7 +1,10 @@
 """In-process adapters: the engine and the proposer each run in one dedicated thread.
 
 The event loop only awaits; all model work happens on the adapter's thread (one thread per part, so
-the synchronous engine and proposer never see two calls at once).
+the synchronous engine and proposer never see two calls at once). On a GPU the engine's thread issues its
+work on the device's default stream and the proposer's thread on a stream of its own (runtime/device_stream.py),
+so drafting (draft-ahead: block n+1) overlaps a verify on the same GPU; the target's hidden rows cross to the
+drafter's stream through ``hand_over``. What the drafter hands back (token ids, q) is on the host.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from specserve.contract.types import (
     VerifyResult,
 )
 from specserve.gateway.clients import DraftError
+from specserve.runtime.device_stream import enter_own_stream, hand_over
 from specserve.runtime.worker import OneThread
 
 
@@ -44,11 +48,23 @@ class LocalTarget(OneThread):
 
 
 class LocalDraft(OneThread):
-    """A proposer in its own thread; any exception it raises becomes a DraftError (target-only fallback)."""
+    """A proposer in its own thread, on its own CUDA stream when its ``device`` is a GPU; any exception it raises
+    becomes a DraftError (target-only fallback)."""
 
     def __init__(self, proposer) -> None:
-        super().__init__("draft")
         self.proposer = proposer
+        self.stream: torch.cuda.Stream | None = None  # the drafter thread's own stream (None off CUDA), made there
+        super().__init__("draft", init=self._enter_stream)
+
+    def _enter_stream(self) -> None:
+        self.stream = enter_own_stream(getattr(self.proposer, "device", None))
+
+    def _start(self, session_id, token_ids, hidden, sampling) -> None:  # on the drafter thread
+        self.proposer.start(session_id, token_ids, hand_over(hidden, self.stream), sampling)
+
+    def _propose(self, session_id, prefix_len, append_ids, append_hidden, num_tokens, tree) -> DraftBlock:
+        return self.proposer.propose(session_id, prefix_len, append_ids, hand_over(append_hidden, self.stream),
+                                     num_tokens, tree)
 
     async def _guarded(self, fn, *args):
         try:
@@ -60,12 +76,11 @@ class LocalDraft(OneThread):
         return self.proposer.info
 
     async def start(self, session_id: str, token_ids: Sequence[int], hidden: torch.Tensor | None, sampling) -> None:
-        await self._guarded(self.proposer.start, session_id, list(token_ids), hidden, sampling)
+        await self._guarded(self._start, session_id, list(token_ids), hidden, sampling)
 
     async def propose(self, session_id, prefix_len, append_ids, append_hidden, num_tokens, tree=None) -> DraftBlock:
-        return await self._guarded(
-            self.proposer.propose, session_id, prefix_len, list(append_ids), append_hidden, num_tokens, tree
-        )
+        return await self._guarded(self._propose, session_id, prefix_len, list(append_ids), append_hidden, num_tokens,
+                                   tree)
 
     async def release(self, session_id: str) -> None:
         await self._guarded(self.proposer.release, session_id)

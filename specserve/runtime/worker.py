@@ -22,12 +22,13 @@ class OneThread:
     """One worker thread that owns a model (engine or proposer): every call runs there, one at a time,
     in the order of the calls. A call whose awaiting task was cancelled before it started is skipped (as
     an executor skips a cancelled future); one that started runs to its end and its result is dropped.
-    After ``close`` a call raises RuntimeError."""
+    After ``close`` a call raises RuntimeError. ``init`` runs first on the thread (a drafter's thread makes its
+    own CUDA stream current there: runtime/device_stream.py); if it raises, every call raises its error."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, init: Callable[[], object] | None = None) -> None:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._closed = False
-        self._thread = threading.Thread(target=_serve, args=(self._queue,), name=name, daemon=True)
+        self._thread = threading.Thread(target=_serve, args=(self._queue, init), name=name, daemon=True)
         self._thread.start()
         # a worker nobody closed ends with its owner (daemon: interpreter exit never waits on an idle one)
         self._finalizer = weakref.finalize(self, self._queue.put, _STOP)
@@ -68,7 +69,14 @@ class OneThread:
         await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
 
 
-def _serve(work: queue.SimpleQueue) -> None:
+def _serve(work: queue.SimpleQueue, init: Callable[[], object] | None) -> None:
+    failed = None  # init's error: every call gets it
+    try:
+        if init is not None:
+            init()
+    except BaseException as exc:  # noqa: BLE001 - handed to every caller
+        failed = exc
+    del init
     while True:
         item = work.get()
         if item is _STOP:
@@ -77,7 +85,7 @@ def _serve(work: queue.SimpleQueue) -> None:
         if skip_if is not None and skip_if.cancelled():  # read from this thread: a cancel just missed is dropped later
             continue
         try:
-            result, error = fn(*args), None
+            result, error = (None, failed) if failed is not None else (fn(*args), None)
         except BaseException as exc:  # noqa: BLE001 - handed to the caller's callback
             result, error = None, exc
         try:

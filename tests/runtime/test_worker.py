@@ -98,3 +98,28 @@ def test_a_call_whose_loop_closed_does_not_kill_the_thread():
         assert asyncio.run(again()) == 7
     finally:
         worker.close()
+
+
+def test_init_runs_first_on_the_thread_and_a_failed_init_fails_every_call():
+    """A drafter's thread makes its CUDA stream current in ``init`` (runtime/device_stream.py): it runs on the
+    worker's own thread before any call; one that raises leaves the worker answering every call with its error."""
+    seen: list[str] = []
+    worker = OneThread("unit-owner", init=lambda: seen.append(threading.current_thread().name))
+
+    def broken() -> None:
+        raise RuntimeError("no stream")
+
+    failed = OneThread("unit-broken", init=broken)
+
+    async def main():
+        return await worker.call(seen.append, "call"), await asyncio.gather(failed.call(seen.append, "x"),
+                                                                             failed.call(seen.append, "y"),
+                                                                             return_exceptions=True)
+
+    try:
+        _, errors = asyncio.run(main())
+    finally:
+        worker.close()
+        failed.close()
+    assert seen == ["unit-owner", "call"]
+    assert [str(e) for e in errors] == ["no stream", "no stream"] and all(isinstance(e, RuntimeError) for e in errors)
