@@ -92,6 +92,7 @@ def test_draft_ahead_on_its_own_stream_gives_target_only_tokens(dtype):
     assert not spec.stats.draft_fallback and spec.stats.draft_ahead_hits > 0, spec.stats.as_dict()
     assert draft.stream is not None and draft.stream != torch.cuda.default_stream()
     assert streams and set(streams) == {draft.stream}  # every drafter call, ahead or not, on the drafter's stream
+    assert proposer.chain_graphs is not None and proposer.chain_graphs.captured > 0  # its chains: graph replays there
 
 
 class _LateRows:
