@@ -9,11 +9,11 @@ from specserve.gateway.adaptive import (
     AdaptiveSpeculation,
     ConfidenceCalibration,
     DraftCostModel,
-    ProbePolicy,
     VerifyCostModel,
     expected_emitted,
     nonneg_lstsq,
 )
+from specserve.gateway.probing import ProbePolicy
 
 
 def test_cost_model_recovers_linear_costs_and_reports_heldout_error() -> None:
@@ -270,6 +270,19 @@ def test_probes_are_spaced_so_their_time_stays_within_the_budget(draft_ms, inter
     assert spec.probe_interval() == interval and spec.probing.probe_ms == draft_ms
     later, skipped = len(at) - 4, len(plans) - (at[3] + 1) - (len(at) - 4)
     assert later >= 10 and later * draft_ms <= 0.0101 * skipped * 8.0
+
+
+def test_probes_never_timed_still_end_exploring() -> None:
+    """Probes whose draft call is not observed (a tree request's) count too: after 4 the draft fit's 20 ms, against
+    8 ms steps, spaces them (not min_interval for good, as with none timed)."""
+    spec = _dear_drafter(ProbePolicy(min_interval=8, max_cost_fraction=0.01, window=4))
+    at = []
+    for i in range(1000):
+        k, probe = spec.plan(4)
+        spec.observe_verify(k, 0, 0, 8.0)
+        if probe:
+            at.append(i)
+    assert [b - a - 1 for a, b in zip([-1] + at, at)] == [8, 16, 32, 64, 250, 250, 250]
 
 
 def test_a_cheap_probe_is_made_every_min_interval_steps() -> None:

@@ -25,8 +25,9 @@ from specserve.contract.types import GenerationRequest
 from specserve.draft_service import registry
 from specserve.draft_service.ngram import NgramProposer
 from specserve.draft_service.proposer import DrafterConfig
-from specserve.gateway.adaptive import AdaptiveConfig, AdaptiveSpeculation, ProbePolicy
+from specserve.gateway.adaptive import AdaptiveConfig, AdaptiveSpeculation
 from specserve.gateway.local import LocalDraft, LocalTarget
+from specserve.gateway.probing import ProbePolicy
 from specserve.gateway.spec_loop import FinalEvent, run_request
 from specserve.paths import demo_dir
 from specserve.target_service.factory import EngineConfig, build_engine
