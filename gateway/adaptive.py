@@ -40,9 +40,11 @@ distribution is untouched.
 While speculation is off, a step does what a target-only step does (no drafter call: the drafter
 catches up on the skipped tokens at the next propose). Now and then a probe drafts anyway, so acceptance
 stays measured and speculation comes back on when it pays again; gateway/probing.py spaces the probes by
-their measured cost (about 1% of the skipped steps' time, after a few probes at growing intervals: a dear
-first probe may be a one-off). A draft call that caught up more than one step (a probe, a request's first) is
-an upper bound of a steady call: it is a timing of its k only where k is not settled and it undercuts k's cost.
+their measured cost: a probe is made only while the probes so far, less the dearest (a dear probe may be a
+one-off), took at most about 1% of the skipped steps' time, the first few (exploring, at growing intervals)
+included, so a dear drafter costs a run of a few short requests two probes, then about 1%. A draft call that
+caught up more than one step (a probe, a request's first) is an upper bound of a steady call: it is a timing of
+its k only where k is not settled and it undercuts k's cost.
 So a probe can turn speculation back on when its k was timed only on one-offs (or never), and only steady
 calls revise a settled k.
 """

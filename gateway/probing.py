@@ -11,9 +11,18 @@ so past the first ``window`` probes, probes take about ``max_cost_fraction`` of 
 min_interval + 1 steps; max_interval caps the wait, and with it the budget, for a probe dearer than
 max_interval * max_cost_fraction skipped steps). The first ``window`` probes explore: the dear step that turned
 speculation off (or a dear probe) may have been a one-off, such as a graph captured on first use, so the i-th
-probe (i = 0 .. window - 1) waits only min_interval * 2^i skipped steps when that is shorter. Exploring costs at
-most ``window`` probes more than the budget; a drafter dear on every call is then probed at the budget's pace,
-and one that was dear once is soon timed again.
+probe (i = 0 .. window - 1) may come after only min_interval * 2^i skipped steps, but only while it keeps
+within the budget too:
+
+    exploring interval = max(min_interval * 2^i, ceil(charged ms / (max_cost_fraction * skipped step ms)) - before)
+    charged ms         = every timed probe's draft ms summed, less the dearest one's (it may be a one-off)
+    before             = the chooser's skipped steps up to the last probe
+
+(and never later than the budget interval). So one dear probe is forgiven, as a possible one-off, and each
+further dear one pushes the next probe out in proportion to its cost: a drafter dear on every probe (the H200's
+scaled MTP drafter, whose every catch-up size captures a graph) pays two probes and then about
+``max_cost_fraction``, even over a run of a few short requests, while one that was dear once is timed again
+after min_interval * 2 skipped steps.
 """
 
 from __future__ import annotations
@@ -46,14 +55,17 @@ class ProbePolicy:
 
 
 class ProbeSchedule:
-    """The probes of one chooser, over all requests of its drafter: skipped steps since the last draft, the
-    probes made, and the last ``policy.window`` probes' draft ms."""
+    """The probes of one chooser, over all requests of its drafter: skipped steps since the last draft (and in
+    all), the probes made, the last ``policy.window`` probes' draft ms and what the timed ones cost in all."""
 
     def __init__(self, policy: ProbePolicy) -> None:
         self.policy = policy
         self.skipped = 0  # steps skipped since the last one that drafted
         self.probes = 0  # probes made
         self.timed = 0  # probes whose draft ms was observed
+        self.spent_ms = 0.0  # every timed probe's draft ms, summed
+        self.dearest_ms = 0.0  # ... and the dearest of them
+        self.skipped_total = 0  # steps skipped, over the chooser's life
         self._ms: deque[float] = deque(maxlen=policy.window)
 
     @property
@@ -70,6 +82,13 @@ class ProbeSchedule:
         """A probe's draft call took ``ms``."""
         self._ms.append(ms)
         self.timed += 1
+        self.spent_ms += ms
+        self.dearest_ms = max(self.dearest_ms, ms)
+
+    @property
+    def charged_ms(self) -> float:
+        """The probes' summed draft ms that the budget charges: all but the dearest (it may be a one-off)."""
+        return self.spent_ms - self.dearest_ms
 
     def interval(self, predicted_probe_ms: float, step_ms: float) -> int:
         """Skipped steps before the next probe (module docstring): ``predicted_probe_ms`` stands in for the
@@ -79,9 +98,16 @@ class ProbeSchedule:
         n = policy.min_interval
         if probe_ms > 0.0 and step_ms > 1e-5:  # else nothing is measured yet
             n = max(n, math.ceil(probe_ms / (policy.max_cost_fraction * step_ms)))
-        if self.probes < policy.window:  # exploring: a dear probe may have been a one-off
-            n = min(n, policy.min_interval << self.probes)
+        if self.probes < policy.window:  # exploring: a dear probe may have been a one-off, but the others count
+            n = min(n, max(policy.min_interval << self.probes, self._paid_off(step_ms)))
         return min(n, policy.max_interval)
+
+    def _paid_off(self, step_ms: float) -> int:
+        """Skipped steps after the last probe until the charged probe ms is within the budget of all skipped steps'."""
+        if step_ms <= 1e-5:  # nothing is measured yet
+            return 0
+        before = self.skipped_total - self.skipped
+        return math.ceil(self.charged_ms / (self.policy.max_cost_fraction * step_ms)) - before
 
     def drafted(self) -> None:
         """A step drafted without probing (speculation is on)."""
@@ -91,6 +117,7 @@ class ProbeSchedule:
         """A step that speculation skips: whether it probes (``interval`` skipped steps went by) or skips."""
         if self.skipped < interval:
             self.skipped += 1
+            self.skipped_total += 1
             return False
         self.skipped = 0
         self.probes += 1

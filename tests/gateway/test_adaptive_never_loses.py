@@ -5,8 +5,9 @@ A drafter whose every propose costs a fixed extra time of 6 or 12 target steps (
 through the drafter registry the way a user adds one; 12 is the H200's ratio: 5 ms against the demo's ~0.4 ms
 float32 step; at 4 an n-gram accepted in full nearly pays) must be turned off: adaptive drafts nothing on nearly
 every step, runs at target-only's tokens/s within 5% (its probes spaced by their cost) and emits target-only's
-tokens. A cheap drafter that is accepted (n-gram on repetitive text) must stay on, and one dear only on the first
-use of each shape (a graph captured mid-request) must come back on. Timed runs are interleaved with target-only
+tokens; so must a short run with a fresh chooser (the H200 bench's 4 + 1 requests), its probes within the budget
+in the timed requests. A cheap drafter that is accepted (n-gram on repetitive text) must stay on, and one dear only
+on the first use of each shape (a graph captured mid-request) must come back on. Timed runs are interleaved with target-only
 runs and compared pair by pair (the median ratio), so drift of a shared 2-core machine hits both alike.
 """
 
@@ -112,8 +113,9 @@ def _prompt(engine, text: str) -> tuple[int, ...]:
 @pytest.mark.parametrize("steps", [6, 12])
 def test_adaptive_turns_a_dear_drafter_off_and_runs_at_target_only_speed(demo_target, monkeypatch, steps):
     """The slow drafter's extra time per propose is ``steps`` target steps (as measured here). Warm-up requests
-    run until the chooser has made its exploring probes (gateway/probing.py: once per chooser, a few probes
-    soon after speculation turned off; test_adaptive.py checks them), so the attempts see the budgeted probes.
+    run until the chooser has made its two early probes (gateway/probing.py: once per chooser, soon after
+    speculation turned off; the first is forgiven as a possible one-off; test_adaptive.py checks them), so the
+    attempts see only probes within the budget.
     Each attempt times PAIRS interleaved (target-only, adaptive) pairs, in alternating order, and takes the
     median of the pairs' ratios; a machine busy with other work may spoil an attempt, so up to ATTEMPTS are
     made (probing every 9th step ran at ~0.7x in every attempt)."""
@@ -144,9 +146,9 @@ def test_adaptive_turns_a_dear_drafter_off_and_runs_at_target_only_speed(demo_ta
         _, tps = await _timed(target, None, prompt, None, n)
         draft = _drafter(monkeypatch, "slow-ngram", steps / tps)
         try:
-            for _ in range(8):  # warm-ups: the chooser measures the drafter and makes its exploring probes
+            for _ in range(8):  # warm-ups: the chooser measures the drafter and makes its two early probes
                 await _timed(target, draft, prompt, chooser, n)
-                if chooser.probing.probes >= chooser.config.probe.window:
+                if chooser.probing.probes >= 2:
                     break
             for _ in range(ATTEMPTS):
                 ratio, ratios, chosen = await attempt(base, draft)
@@ -160,6 +162,69 @@ def test_adaptive_turns_a_dear_drafter_off_and_runs_at_target_only_speed(demo_ta
 
     ratio, ratios = asyncio.run(go())
     assert ratio >= 0.95, f"adaptive / target-only tokens/s: median {ratio:.3f} of {[round(r, 3) for r in ratios]}; {probing()}"
+
+
+SHORT_RUN = 4  # timed requests of a short run, after one warm-up (the H200 bench's: 4 prompts + 1)
+SHORT_TOKENS = {"cpu": 48, "cuda": 64}
+SHORT_PAIRS = 3
+
+
+def test_adaptive_stays_at_target_only_speed_over_a_few_short_requests(demo_target, monkeypatch):
+    """A short run with a fresh chooser, as the H200 bench runs each method (issue #30: its scaled MTP drafter ran
+    at 0.76x of target-only over 4 + 1 requests of 64 tokens, its exploring probes each a catch-up of ~18 target
+    steps). The slow drafter's every propose costs 18 target steps: the warm-up request turns it off (its first
+    draft calls) and makes the one probe forgiven as a possible one-off, and the exploring probes are charged to
+    the budget, so the timed requests' probes cost at most 1% of their time (before: two probes of 18 steps in
+    ~190). Pairs of (target-only, adaptive) runs are interleaved in alternating order; their median tokens/s
+    ratio is checked loosely (a shared machine's noise), the chooser's own accounting strictly."""
+    engine, target, device = demo_target
+    n = SHORT_TOKENS[device]
+    prompt = _prompt(engine, CODE_PROMPT)
+
+    async def run(draft) -> tuple[float, float, AdaptiveSpeculation | None, dict]:
+        """(decode tokens/s of the timed requests, their wall ms, the chooser, their probes' ms and count)."""
+        chooser = AdaptiveSpeculation(AdaptiveConfig(max_k=4)) if draft is not None else None
+        base, _ = await _timed(target, draft, prompt, chooser, n)  # warm-up
+        spent, probes = (chooser.probing.spent_ms, chooser.probing.probes) if chooser else (0.0, 0)
+        tokens, start, chosen = 0, time.perf_counter(), {}
+        for _ in range(SHORT_RUN):
+            final, _ = await _timed(target, draft, prompt, chooser, n)
+            assert final.token_ids == base.token_ids
+            tokens += len(final.token_ids)
+            for k, count in final.stats.as_dict()["chosen_k"].items():
+                chosen[int(k)] = chosen.get(int(k), 0) + count
+        wall_s = time.perf_counter() - start
+        timed = dict(chosen=chosen)
+        if chooser:
+            timed.update(probe_ms=chooser.probing.spent_ms - spent, probes=chooser.probing.probes - probes)
+        return tokens / wall_s, 1e3 * wall_s, chooser, timed
+
+    async def go():
+        await _timed(target, None, prompt, None, n)  # warm-up
+        _, tps = await _timed(target, None, prompt, None, n)
+        draft = _drafter(monkeypatch, "slow-ngram", 18 / tps)
+        try:
+            for _ in range(ATTEMPTS):  # a machine busy with other work may spoil an attempt's timing
+                ratios = []
+                for i in range(SHORT_PAIRS):
+                    out = {}
+                    for name in (("target-only", "adaptive") if i % 2 else ("adaptive", "target-only")):
+                        out[name] = await run(draft if name == "adaptive" else None)
+                    tps_adaptive, wall_ms, chooser, timed = out["adaptive"]
+                    budget = chooser.config.probe.max_cost_fraction
+                    assert timed["probe_ms"] <= budget * wall_ms, (
+                        f"the timed requests' {timed['probes']} probes cost {timed['probe_ms']:.0f} ms of {wall_ms:.0f} ms")
+                    drafted = sum(c for k, c in timed["chosen"].items() if k)
+                    assert drafted <= timed["probes"], f"adaptive drafted on {drafted} steps of {timed['chosen']}"
+                    ratios.append(tps_adaptive / out["target-only"][0])
+                if statistics.median(ratios) >= 0.9:
+                    break
+            return ratios
+        finally:
+            draft.close()
+
+    ratios = asyncio.run(go())
+    assert statistics.median(ratios) >= 0.9, f"adaptive / target-only tokens/s: {[round(r, 3) for r in ratios]}"
 
 
 def _last_of_repeated_requests(demo_target, monkeypatch, family: str, requests: int):
