@@ -16,6 +16,7 @@ independently), which is what makes policies comparable on one recorded run.
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import sys
 from collections import Counter, defaultdict
@@ -120,14 +121,15 @@ def _draft_ms(text: str) -> dict[int, float]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m specserve.bench.adaptive_replay", description=__doc__.splitlines()[0])
-    parser.add_argument("steps_jsonl")
+    parser.add_argument("steps_jsonl", help="a bench's steps.jsonl (or steps.jsonl.gz)")
     parser.add_argument("--drafter", required=True)
     parser.add_argument("--draft-ms", type=_draft_ms, required=True, help="mean draft ms by k, e.g. 1=5.1,2=8.0")
     parser.add_argument("--steps", type=int, default=250)
     parser.add_argument("--seeds", type=int, default=20)
     args = parser.parse_args(argv)
     try:
-        with open(args.steps_jsonl) as f:
+        opener = gzip.open if args.steps_jsonl.endswith(".gz") else open  # large committed artifacts are gzipped
+        with opener(args.steps_jsonl, "rt") as f:
             rows = [json.loads(line) for line in f if line.strip()]
         model = step_model(rows, args.drafter, args.draft_ms)
     except (OSError, ValueError, KeyError) as e:

@@ -50,6 +50,7 @@ def test_step_model_refuses_missing_inputs() -> None:
 
 
 def test_command_line_compares_fixed_k_and_adaptive(tmp_path, capsys) -> None:
+    import gzip
     import json
 
     path = tmp_path / "steps.jsonl"
@@ -59,3 +60,7 @@ def test_command_line_compares_fixed_k_and_adaptive(tmp_path, capsys) -> None:
     assert set(out) == {"k=1", "k=2", "k=3", "k=4", "adaptive"} and all(v > 0 for v in out.values())
     assert main([str(path), "--drafter", "nope", "--draft-ms", "1=1,2=2,3=3,4=4"]) == 2
     assert "no fixed" in capsys.readouterr().err
+    gz = tmp_path / "steps.jsonl.gz"  # the committed artifacts' form: the same rows, the same comparison
+    gz.write_bytes(gzip.compress(path.read_bytes()))
+    assert main([str(gz), "--drafter", "x", "--draft-ms", "1=1,2=2,3=3,4=4", "--steps", "100", "--seeds", "2"]) == 0
+    assert json.loads(capsys.readouterr().out) == out
