@@ -78,6 +78,17 @@ def base_env(**extra: str) -> dict[str, str]:
     return env
 
 
+def wait_until(cond, timeout: float, what: str):
+    """cond()'s first truthy value, polled every 50 ms; AssertionError naming ``what`` after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = cond()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"not within {timeout} s: {what}")
+
+
 # ---------------------------------------------------------------------------------- OTLP receiver
 @dataclass(frozen=True)
 class SpanRecord:

@@ -15,7 +15,7 @@ import time
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from service_helpers import BackgroundServer, Proc, base_env
+from service_helpers import BackgroundServer, Proc, base_env, wait_until
 
 from specserve.protos.specserve.v1 import (
     common_pb2,
@@ -122,16 +122,6 @@ def generate(stack: Stack, req, timeout=None) -> tuple[list[int], gateway_pb2.Fi
             ids.extend(msg.delta.token_ids)
     assert final is not None
     return ids, final
-
-
-def wait_until(cond, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = cond()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"not within {timeout} s: {what}")
 
 
 # --------------------------------------------------------------------------------------- tests
