@@ -1,7 +1,8 @@
 """What the numbers were measured on: device, driver, library versions, and which code: the project's
 version, a hash of its own source files, and its git commit when the source folder is a git checkout's
 top level ("unknown" otherwise: a copy of the tree without .git must not record the commit of whatever
-repository happens to enclose it)."""
+repository happens to enclose it), or the commit the environment says (``SPECSERVE_GIT_COMMIT``, for a copy whose
+own .git is stale, such as the GPU machine's)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ import importlib.metadata
 import importlib.util
 import os
 import platform
+import re
 import subprocess
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -23,6 +26,10 @@ SOURCE_PACKAGES = ("specserve", "specserve.gateway", "specserve.draft_service", 
                    "specserve.kernels", "specserve.protos")
 SOURCE_SUFFIXES = (".py", ".proto")
 UNKNOWN = "unknown"
+# The commit the run is of, as `git describe --always --dirty` prints it where the tree was copied from; it
+# overrides what the source folder's own .git says (a copy of the tree can carry a stale history).
+GIT_COMMIT_ENV = "SPECSERVE_GIT_COMMIT"
+_GIVEN_COMMIT = re.compile(r"(?P<commit>[0-9a-fA-F]{7,40})(?P<dirty>-dirty)?")
 
 
 def _version(package: str) -> str | None:
@@ -58,9 +65,22 @@ def load_average() -> list[float] | None:
         return None
 
 
-def git_state(root: Path = REPO_ROOT) -> dict:
+def given_commit(value: str) -> dict:
+    """{commit, dirty, source} of a SPECSERVE_GIT_COMMIT value: a commit id, "-dirty" when the tree had changes."""
+    match = _GIVEN_COMMIT.fullmatch(value.strip())
+    if match is None:
+        raise ValueError(f"{GIT_COMMIT_ENV}: {value[:60]!r} is not a commit (7 to 40 hex digits, then -dirty or "
+                         "nothing: what `git describe --always --dirty` prints)")
+    return {"commit": match["commit"].lower(), "dirty": match["dirty"] is not None, "source": GIT_COMMIT_ENV}
+
+
+def git_state(root: Path = REPO_ROOT, environ: Mapping[str, str] | None = None) -> dict:
     """{commit, dirty} of the git checkout whose top level is ``root``; commit "unknown" (dirty None) when
-    root is not one (no .git of its own, even inside another repository, or no git)."""
+    root is not one (no .git of its own, even inside another repository, or no git). With SPECSERVE_GIT_COMMIT
+    set (non-empty) in ``environ`` (os.environ by default): that commit instead, whatever .git says (given_commit)."""
+    given = (os.environ if environ is None else environ).get(GIT_COMMIT_ENV)
+    if given:
+        return given_commit(given)
     top = _run(["git", "rev-parse", "--show-toplevel"], root) if (root / ".git").exists() else None
     if top is None or Path(top).resolve() != root.resolve():
         return {"commit": UNKNOWN, "dirty": None}

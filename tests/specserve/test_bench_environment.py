@@ -6,7 +6,16 @@ from __future__ import annotations
 import shutil
 import subprocess
 
-from specserve.bench.environment import UNKNOWN, environment, git_state, source_folders, source_sha256
+import pytest
+
+from specserve.bench.environment import (
+    GIT_COMMIT_ENV,
+    UNKNOWN,
+    environment,
+    git_state,
+    source_folders,
+    source_sha256,
+)
 
 
 def _git(cwd, *args: str) -> str:
@@ -47,3 +56,26 @@ def test_environment_names_the_project_version_and_its_source_hash():
     assert ours["version"] not in (None, UNKNOWN) and len(ours["source_sha256"]) == 64
     assert any((f / "bench" / "environment.py").is_file() for f in source_folders())
     assert env["git"]["commit"]  # this checkout's commit, or "unknown" on a copy without .git
+
+
+def test_the_environment_names_the_commit_over_a_stale_git(tmp_path, monkeypatch):
+    """SPECSERVE_GIT_COMMIT (what `git describe --always --dirty` printed where the tree was copied from) is what a
+    summary records, whatever the copy's own .git says: the GPU machine's copy carries a stale one."""
+    _git(tmp_path, "init", "-q")
+    (tmp_path / "x.py").write_text("x = 1\n")
+    _git(tmp_path, "add", ".")
+    _git(tmp_path, "commit", "-qm", "stale")
+    (tmp_path / "x.py").write_text("x = 2\n")
+    assert git_state(tmp_path, {}) == {"commit": _git(tmp_path, "rev-parse", "HEAD"), "dirty": True}
+    given = {"commit": "1fc4c0f", "dirty": False, "source": GIT_COMMIT_ENV}
+    assert git_state(tmp_path, {GIT_COMMIT_ENV: "1fc4c0f"}) == given
+    assert git_state(tmp_path / "none", {GIT_COMMIT_ENV: "1fc4c0f"}) == given  # a copy without .git too
+    full = "471f688" + "0" * 33
+    assert git_state(tmp_path, {GIT_COMMIT_ENV: f"{full}-dirty"}) == {**given, "commit": full, "dirty": True}
+    assert git_state(tmp_path, {GIT_COMMIT_ENV: " 1FC4C0F\n"}) == given  # as a shell may hand it over
+    assert git_state(tmp_path, {GIT_COMMIT_ENV: ""})["commit"] == _git(tmp_path, "rev-parse", "HEAD")  # unset
+    monkeypatch.setenv(GIT_COMMIT_ENV, "1fc4c0f-dirty")
+    assert environment("cpu")["git"] == {**given, "dirty": True}
+    for bad in ("main", "1fc4c0", "1fc4c0f-clean", "1fc4c0f dirty", "1fc4c0g"):
+        with pytest.raises(ValueError, match=f"^{GIT_COMMIT_ENV}: '{bad}' is not a commit"):
+            git_state(tmp_path, {GIT_COMMIT_ENV: bad})

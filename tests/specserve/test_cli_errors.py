@@ -108,6 +108,13 @@ def test_an_unknown_device_is_one_line(capsys, command, device):
     assert f"expected cpu, cuda or cuda:N, got {device!r}" in line
 
 
+def test_a_bad_given_commit_is_one_line_before_the_bench_measures(capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("SPECSERVE_GIT_COMMIT", "main")
+    line = _one_line_error(capsys, ["bench", "overhead", "--ring", "--n", "5", "--out", str(tmp_path)],
+                           "specserve bench: error: SPECSERVE_GIT_COMMIT: 'main' is not a commit")
+    assert "git describe --always --dirty" in line and not (tmp_path / "summary.json").exists()
+
+
 def test_float32_on_cuda_is_refused_before_anything_loads(capsys):
     """The 40x eager cliff is refused in one line, decided from the flags alone (so a CPU machine shows it);
     --dtype auto is bfloat16 on CUDA."""
