@@ -9,6 +9,8 @@ Triton path (three launches plus a deterministic top-k sum, no host sync, CUDA-g
   3. moe_down_kernel: per (M-block, N-tile of H) the down GEMM times the routing weight, into [T*K, H] fp32;
   4. sum_topk_kernel: sum over k in fixed order.
 With BM >= the most rows any expert can get (T for T <= 64), every routed expert's weights are read once per call.
+A slot routed to NO_EXPERT (kernels/moe_reference.py: the pad rows of invariant steps) gets no row in step 1, so it
+costs no GEMM work and reads no weights, and step 4 adds 0 for it (its [T*K, H] row is never written).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from specserve.kernels.checks import (
     require,
     triton_interpreting,
 )
+from specserve.kernels.moe_reference import NO_EXPERT
 
 try:
     import triton
@@ -128,23 +131,29 @@ def align_torch(
     num_experts: int,
     bm: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Torch version of moe_align_kernel (same layout): (sorted_slot [MAXP], block_expert [MAXB], num_blocks [1])."""
+    """Torch version of moe_align_kernel (same layout): (sorted_slot [MAXP], block_expert [MAXB], num_blocks [1]).
+    Slots of NO_EXPERT get no row (so no block, no work)."""
     flat = topk_ids.reshape(-1).long()  # [N]
     n = flat.numel()
     maxb = max_blocks(n, num_experts, bm)
     dev = flat.device
-    sorted_ids, order = torch.sort(flat, stable=True)  # [N], [N]
-    counts = torch.zeros(num_experts, dtype=torch.long, device=dev).index_add_(0, flat, torch.ones_like(flat))
+    key = torch.where(flat == NO_EXPERT, num_experts, flat)  # [N]: skipped slots sort after every expert
+    sorted_ids, order = torch.sort(key, stable=True)  # [N], [N]
+    counts = torch.zeros(num_experts + 1, dtype=torch.long, device=dev).index_add_(0, key, torch.ones_like(key))
+    counts = counts[:num_experts]  # [E]
     blocks_e = (counts + bm - 1) // bm  # [E]
     blk_cum = torch.cumsum(blocks_e, 0)  # [E] inclusive
     seg_start = torch.cumsum(counts, 0) - counts  # [E]
-    pos = torch.arange(n, device=dev) - seg_start[sorted_ids]  # [N]
-    blk = blk_cum[sorted_ids] - blocks_e[sorted_ids] + pos // bm  # [N]
-    sorted_slot = torch.full((maxb * bm,), n, dtype=torch.int32, device=dev)
-    sorted_slot[blk * bm + pos % bm] = order.to(torch.int32)
+    live = sorted_ids < num_experts  # [N]
+    sid = sorted_ids.clamp(max=num_experts - 1)
+    pos = torch.arange(n, device=dev) - seg_start[sid]  # [N]
+    blk = blk_cum[sid] - blocks_e[sid] + pos // bm  # [N]
+    dest = torch.where(live, blk * bm + pos % bm, maxb * bm)  # a skipped slot lands in the extra entry, cut below
+    sorted_slot = torch.full((maxb * bm + 1,), n, dtype=torch.int32, device=dev)
+    sorted_slot[dest] = order.to(torch.int32)
     block_expert = torch.searchsorted(blk_cum, torch.arange(maxb, device=dev), right=True)
     block_expert = block_expert.clamp_(max=num_experts - 1).to(torch.int32)
-    return sorted_slot, block_expert, blk_cum[-1:].to(torch.int32)
+    return sorted_slot[: maxb * bm], block_expert, blk_cum[-1:].to(torch.int32)
 
 
 def max_blocks(num_slots: int, num_experts: int, bm: int) -> int:
@@ -207,7 +216,8 @@ def fused_moe_triton(
     )
     out = torch.empty_like(hidden)
     bh = min(1024, triton_next_pow2(h))
-    moe_triton.sum_topk_kernel[(t, triton.cdiv(h, bh))](per_slot, out, h, TOPK=k, BH=bh, num_warps=4)
+    moe_triton.sum_topk_kernel[(t, triton.cdiv(h, bh))](per_slot, topk_ids.reshape(-1), out, h, TOPK=k, BH=bh, SKIP=True,
+                                                         num_warps=4)
     return out
 
 
@@ -223,15 +233,18 @@ def moe_grouped_mm(
     t, k = topk_ids.shape
     e, inter = w13.shape[0], w13.shape[1] // 2
     flat = topk_ids.reshape(-1).long()  # [N]
-    order = torch.argsort(flat, stable=True)  # [N]
+    live = flat != NO_EXPERT  # [N]
+    key = torch.where(live, flat, e)  # skipped slots sort last, past every group's rows
+    order = torch.argsort(key, stable=True)  # [N]
     tok = order // k  # [N]
-    counts = torch.zeros(e, dtype=torch.int32, device=flat.device).index_add_(
-        0, flat, torch.ones_like(flat, dtype=torch.int32))
+    counts = torch.zeros(e + 1, dtype=torch.int32, device=flat.device).index_add_(
+        0, key, torch.ones_like(key, dtype=torch.int32))[:e]
     offs = torch.cumsum(counts, 0, dtype=torch.int32)  # [E]
     gu = torch._grouped_mm(hidden[tok], w13.transpose(1, 2), offs=offs)  # [N, 2I]
     act = F.silu(gu[:, :inter]) * gu[:, inter:]  # [N, I]
     y = torch._grouped_mm(act, w2.transpose(1, 2), offs=offs)  # [N, H]
     y = y.float() * topk_weights.reshape(-1)[order, None].float()
+    y = torch.where(live[order, None], y, 0.0)  # rows past the last group are not computed
     out = torch.zeros(t, hidden.shape[1], dtype=torch.float32, device=hidden.device)
     return out.index_add_(0, tok, y).to(hidden.dtype)
 

@@ -5,6 +5,16 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+# the expert id of a routing slot that goes to no expert (the pad rows of the target's invariant steps: routing weight
+# 0 too). Every MoE path (these references, kernels/fused_moe.py, kernels/quant_moe.py) gives such a slot no work and
+# a contribution of exactly 0; a row of only such slots gets 0.
+NO_EXPERT = -1
+
+
+def used_experts(topk_ids: torch.Tensor) -> list[int]:  # topk_ids [T, K] -> the distinct experts, NO_EXPERT left out
+    """The experts a routing uses (one host read)."""
+    return [e for e in torch.unique(topk_ids).tolist() if e != NO_EXPERT]
+
 
 def moe_reference(
     hidden: torch.Tensor,  # [T, H]
@@ -13,10 +23,11 @@ def moe_reference(
     topk_ids: torch.Tensor,  # [T, K] int64 expert ids
     topk_weights: torch.Tensor,  # [T, K] routing weights (applied after the down projection)
 ) -> torch.Tensor:  # [T, H]
-    """sum_k w[t,k] * down_e(silu(gate_e(x_t)) * up_e(x_t)) with e = topk_ids[t,k]; each used expert once."""
+    """sum_k w[t,k] * down_e(silu(gate_e(x_t)) * up_e(x_t)) with e = topk_ids[t,k]; each used expert once (a slot of
+    NO_EXPERT adds nothing)."""
     out = torch.zeros_like(hidden, dtype=torch.float32)
     inter = w2.shape[-1]
-    for e in torch.unique(topk_ids).tolist():
+    for e in used_experts(topk_ids):
         rows, slot = (topk_ids == e).nonzero(as_tuple=True)
         x = hidden[rows]
         gate_up = x @ w13[e].t()
@@ -35,10 +46,11 @@ def moe_reference_fixed_rows(
 ) -> torch.Tensor:  # [T, H]
     """moe_reference's function with every used expert run over all T rows, so each GEMM has M = T whatever the
     routing: a row's result then depends on its own choices only (torch CPU GEMMs pick their kernel by M), and
-    its k contributions are added in expert order. The target's invariant steps use it where no fused kernel runs."""
+    its k contributions are added in expert order. The target's invariant steps use it where no fused kernel runs;
+    their pad rows route to NO_EXPERT only, so they add no expert to the T-row GEMMs and get 0."""
     out = torch.zeros_like(hidden, dtype=torch.float32)
     inter = w2.shape[-1]
-    for e in torch.unique(topk_ids).tolist():
+    for e in used_experts(topk_ids):
         chose = topk_ids == e  # [T, K]
         gate_up = hidden @ w13[e].t()
         act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]

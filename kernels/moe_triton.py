@@ -30,13 +30,15 @@ def moe_align_kernel(
     BM: tl.constexpr,
     FILL: tl.constexpr,
 ):
-    """One program: sort slots by (expert, slot), cut each expert's run into BM-row blocks, scatter."""
+    """One program: sort slots by (expert, slot), cut each expert's run into BM-row blocks, scatter. A slot of
+    NO_EXPERT (< 0) sorts with the padding, after every expert, and gets no row."""
     offs = tl.arange(0, N_PAD)
-    valid = offs < N
-    ids = tl.load(ids_ptr + offs, mask=valid, other=E).to(tl.int32)  # padding sorts after every expert
+    ids = tl.load(ids_ptr + offs, mask=offs < N, other=E).to(tl.int32)  # padding sorts after every expert
+    ids = tl.where(ids < 0, E, ids)
     key = tl.sort(ids * N_PAD + offs)
     sid = key // N_PAD  # [N_PAD] expert of sorted position p
     slot = key % N_PAD  # [N_PAD] flat slot at sorted position p
+    valid = sid < E  # a routed slot (the routed ones come first)
     tl.store(scratch_ptr + offs, sid)
     tl.debug_barrier()
     prev = tl.load(scratch_ptr + offs - 1, mask=offs > 0, other=-1)
@@ -156,10 +158,12 @@ def moe_down_kernel(
 @triton.jit
 def sum_topk_kernel(
     src_ptr,  # [T, K, H] fp32
+    ids_ptr,  # [T, K] expert ids (read when SKIP): a slot of NO_EXPERT (< 0) adds 0, its src row is not read
     out_ptr,  # [T, H]
     H,
     TOPK: tl.constexpr,
     BH: tl.constexpr,
+    SKIP: tl.constexpr,
 ):
     """out[t] = sum_k src[t, k] in fp32, cast to out's dtype (fixed order: deterministic)."""
     t = tl.program_id(0).to(tl.int64)
@@ -167,5 +171,8 @@ def sum_topk_kernel(
     m = offs < H
     acc = tl.zeros([BH], dtype=tl.float32)
     for k in tl.static_range(TOPK):
-        acc += tl.load(src_ptr + (t * TOPK + k) * H + offs, mask=m, other=0.0)
+        mk = m
+        if SKIP:
+            mk = m & (tl.load(ids_ptr + t * TOPK + k) >= 0)
+        acc += tl.load(src_ptr + (t * TOPK + k) * H + offs, mask=mk, other=0.0)
     tl.store(out_ptr + t * H + offs, acc.to(out_ptr.dtype.element_ty), mask=m)

@@ -4,7 +4,8 @@
 - ``fp8_moe``: the same on FP8 block-scaled experts (DeepSeek-V3, Qwen3 FP8);
 - ``fp8_linear``: y = x W^T for an FP8 block-scaled dense weight (attention, shared experts).
 
-Same launch plan as fused_moe (align, gate+up with SiLU, down times routing weight, fixed-order top-k sum);
+Same launch plan as fused_moe (align, gate+up with SiLU, down times routing weight, fixed-order top-k sum; a slot of
+NO_EXPERT gets no row and adds 0);
 only the weight tiles differ: read packed and dequantized in registers, so every touched expert's packed
 weights and scales are read once per call when BM covers its rows (T <= 64). Activations are not quantized.
 """
@@ -161,7 +162,7 @@ def _moe(hidden, w13, s13, w2, s2, topk_ids, topk_weights, e, inter, config, int
         act.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), per_slot.stride(0),
         BN=cfg.dn_bn, BK=dn_bk, num_warps=cfg.dn_warps, num_stages=cfg.dn_stages, **consts,
     )
-    return _sum_rows(per_slot.view(t, k, h), hidden.dtype)
+    return _sum_rows(per_slot.view(t, k, h), hidden.dtype, topk_ids.reshape(-1))
 
 
 def _w4a16_gemv(hidden, w13, s13, w2, s2, topk_ids, topk_weights, inter, group):
@@ -182,15 +183,17 @@ def _w4a16_gemv(hidden, w13, s13, w2, s2, topk_ids, topk_weights, inter, group):
         act, w2, s2, ids, weights, per_slot, h, inter, act.stride(0), w2.stride(0), w2.stride(1),
         s2.stride(0), s2.stride(1), per_slot.stride(0), G=group, BN=bn, BKW=bkw, num_warps=4, num_stages=1,
     )
-    return _sum_rows(per_slot.view(t, k, h), hidden.dtype)
+    return _sum_rows(per_slot.view(t, k, h), hidden.dtype, topk_ids.reshape(-1))
 
 
-def _sum_rows(parts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:  # [T, S, H] fp32 -> [T, H]
-    """Sum over S in a fixed order (deterministic), cast to dtype."""
+def _sum_rows(parts: torch.Tensor, dtype: torch.dtype,
+              ids: torch.Tensor | None = None) -> torch.Tensor:  # [T, S, H] fp32 (ids [T, S]) -> [T, H]
+    """Sum over S in a fixed order (deterministic), cast to dtype; with ids, a part of NO_EXPERT adds 0 unread."""
     t, s, h = parts.shape
     out = torch.empty(t, h, dtype=dtype, device=parts.device)
     bh = min(1024, triton_next_pow2(h))
-    moe_triton.sum_topk_kernel[(t, triton.cdiv(h, bh))](parts, out, h, TOPK=s, BH=bh, num_warps=4)
+    moe_triton.sum_topk_kernel[(t, triton.cdiv(h, bh))](parts, parts if ids is None else ids, out, h, TOPK=s, BH=bh,
+                                                         SKIP=ids is not None, num_warps=4)
     return out
 
 
@@ -204,11 +207,16 @@ def w4a16_moe(
     topk_weights: torch.Tensor,  # [T, K]
     group_size: int = 32,
     config: MoETileConfig | None = None,
+    gemv_max_tokens: int = W4A16_GEMV_MAX_TOKENS,
 ) -> torch.Tensor:  # [T, H]
-    """Same function as quant_reference.w4a16_moe_reference (Triton on CUDA or under TRITON_INTERPRET)."""
+    """Same function as quant_reference.w4a16_moe_reference (Triton on CUDA or under TRITON_INTERPRET).
+
+    Up to gemv_max_tokens tokens (and no config given) the per-slot GEMVs run, else the expert-sorted dot path. The
+    target's invariant steps raise it to their row count (Int4StackedExperts.gemv_max_tokens): the GEMV's rows do not
+    depend on T, and a step's pad rows (NO_EXPERT) then cost nothing, so a padded decode reads one token's experts."""
     t, _, e, inter = check_w4a16_args(hidden, w13_packed, w13_scale, w2_packed, w2_scale, topk_ids, topk_weights, group_size)
     _require_triton(hidden)
-    if config is None and t <= W4A16_GEMV_MAX_TOKENS:
+    if config is None and t <= gemv_max_tokens:
         return _w4a16_gemv(hidden, w13_packed, w13_scale, w2_packed, w2_scale, topk_ids, topk_weights, inter, group_size)
     return _moe(hidden, w13_packed, w13_scale, w2_packed, w2_scale, topk_ids, topk_weights, e, inter, config,
                 True, group_size, (1, 1))

@@ -267,11 +267,14 @@ def w4a16_gemv_gate_up_kernel(
     """Few tokens (T * K slots, one program row each): no tensor cores, the nibbles are multiplied by the
     activations in registers; a group's scale is applied once to its words' partial sums (sum (q - 8) x s =
     (sum q x - 8 sum x) s). A slot of weight 0 (expert parallelism's other ranks' choices, on local expert 0)
-    reads no weights: its act row is 0, and the down kernel gives it 0 as the weighted product would."""
+    reads no weights: its act row is 0, and the down kernel gives it 0 as the weighted product would; so does a slot of
+    NO_EXPERT (< 0: the pad rows of invariant steps). A slot's reductions do not depend on how many slots the call
+    holds (one program row each, a fixed order over H), so its result is the same at any T: token-count invariant."""
     slot = tl.program_id(0)
     pid_n = tl.program_id(1)
     e = tl.load(ids_ptr + slot).to(tl.int64)
-    words = tl.where(tl.load(tw_ptr + slot) != 0, tl.cdiv(H, 8), 0)
+    words = tl.where((tl.load(tw_ptr + slot) != 0) & (e >= 0), tl.cdiv(H, 8), 0)
+    e = tl.maximum(e, 0)  # NO_EXPERT (< 0) reads nothing either
     x_row = x_ptr + (slot // TOPK).to(tl.int64) * stride_xt
     offs_n = pid_n * BN + tl.arange(0, BN)
     nvalid = offs_n < I
@@ -317,8 +320,9 @@ def w4a16_gemv_down_kernel(
     slot = tl.program_id(0)
     pid_n = tl.program_id(1)
     e = tl.load(ids_ptr + slot).to(tl.int64)
-    weight = tl.load(tw_ptr + slot).to(tl.float32)
+    weight = tl.where(e >= 0, tl.load(tw_ptr + slot).to(tl.float32), 0.0)
     words = tl.where(weight != 0, tl.cdiv(I, 8), 0)  # a slot of weight 0 reads no weights (see the gate-up kernel)
+    e = tl.maximum(e, 0)
     a_row = act_ptr + slot.to(tl.int64) * stride_an
     offs_n = pid_n * BN + tl.arange(0, BN)
     nvalid = offs_n < H

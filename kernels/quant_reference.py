@@ -15,6 +15,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from specserve.kernels.moe_reference import used_experts
+
 INT4_PER_WORD = 8
 INT4_OFFSET = 8
 
@@ -76,7 +78,7 @@ def w4a16_moe_reference(
     h = hidden.shape[1]
     inter = w13_packed.shape[1] // 2
     out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
-    for e in torch.unique(topk_ids).tolist():
+    for e in used_experts(topk_ids):  # NO_EXPERT slots add nothing
         rows, slot = (topk_ids == e).nonzero(as_tuple=True)
         w13 = dequant_int4(w13_packed[e], w13_scale[e], group_size, h)  # [2I, H]
         w2 = dequant_int4(w2_packed[e], w2_scale[e], group_size, inter)  # [H, I]
@@ -99,7 +101,7 @@ def fp8_moe_reference(
     With 2I not a multiple of bo the gate and up halves share a scale row block, as a stacked [2I, H]
     tensor would; the kernels and checkpoints stack gate and up with I a multiple of bo."""
     out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
-    for e in torch.unique(topk_ids).tolist():
+    for e in used_experts(topk_ids):  # NO_EXPERT slots add nothing
         rows, slot = (topk_ids == e).nonzero(as_tuple=True)
         a = dequant_fp8_block(w13[e], w13_scale_inv[e], block)
         b = dequant_fp8_block(w2[e], w2_scale_inv[e], block)

@@ -33,10 +33,10 @@ def new_token_mask(attn: AttentionBatch, b: int, device: torch.device) -> torch.
     return torch.cat([torch.ones(q, ctx, dtype=torch.bool, device=device), own], dim=1)
 
 
-def copy_pad_rows(out: torch.Tensor, attn: AttentionBatch) -> None:  # out [T + pad_rows, ...], in place
-    """A pad row's attention output is its last new token's (AttentionBatch.pad_rows)."""
+def zero_pad_rows(out: torch.Tensor, attn: AttentionBatch) -> None:  # out [T + pad_rows, ...], in place
+    """A pad row attends to nothing: its output is 0, as in the Triton paged attention (AttentionBatch.pad_rows)."""
     if attn.pad_rows:
-        out[attn.num_tokens:] = out[attn.num_tokens - 1]
+        out[attn.num_tokens:] = 0
 
 
 def sliding_window_mask(
@@ -152,7 +152,7 @@ class GQAAttention(nn.Module):
             mask = new_token_mask(attn, b, x.device)
             mask = sliding_window_mask(mask, positions[s:e], key_positions(ctx, positions[s:e]), self.cfg.sliding_window)
             out[s:e] = attend(q[s:e], keys, values, mask, self.scale)
-        copy_pad_rows(out, attn)
+        zero_pad_rows(out, attn)
         return self.o_proj(out.view(t, -1))
 
     def _forward_fused(
@@ -260,7 +260,7 @@ class MLAAttention(nn.Module):
                 continue
             cached = kv_cache.gather(self.layer, attn.block_tables[b], attn.context_lens[b]).to(x.dtype)
             out[s:e] = self._attend_sequence(q[s:e], torch.cat([cached, entries[s:e]]), new_token_mask(attn, b, x.device))
-        copy_pad_rows(out, attn)
+        zero_pad_rows(out, attn)
         return self.o_proj(out.view(t, -1))
 
     def _forward_fused(

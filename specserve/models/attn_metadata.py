@@ -21,9 +21,15 @@ class AttentionBatch:
     is written to ``slot_mapping`` (slot -1 = do not write).
 
     ``pad_rows`` extra rows may follow the last sequence's new tokens (a step padded to a fixed row count, the
-    target runner's invariant steps): each is a copy of that sequence's last new token (same id and position,
-    its slot, the keys it sees), so it computes bit for bit what that token computes and writes the same K/V to
-    the same slot; its outputs are ignored. Backends that cannot pad refuse a batch with pad rows.
+    target runner's invariant steps). A pad row repeats that sequence's last new token's id and position, but does
+    no work anyone reads: its slot is -1 (it writes no K/V), a paged backend that can skip a row gives it none (the
+    Triton paged attention: no keys, output 0), and the MoE routes it to no expert (models/moe.py: the rows from
+    ``live_rows`` on). Its outputs are garbage to be ignored; the real rows' are bit for bit what they are with any
+    other pad rows or none at that row count. Backends that cannot pad refuse a batch with pad rows.
+
+    ``live_rows`` ([1] int64 on the model's device, or None = every row is live) is the count of rows that are not
+    pad rows as device data, so one CUDA graph captured at the padded row count serves every step: the runner
+    refills it before each replay (the captured batch has pad_rows 0 and its row count in live_rows).
     """
 
     query_lens: tuple[int, ...]  # [B] new tokens per sequence
@@ -31,7 +37,8 @@ class AttentionBatch:
     block_tables: tuple[tuple[int, ...], ...]  # [B][n_blocks] physical block ids, enough for context+new
     slot_mapping: torch.Tensor  # [T] int64 cache slot of each new token (block*block_size+offset); -1 = skip
     tree_masks: tuple[torch.Tensor | None, ...]  # [B] each bool [q, q] (True = may attend); None = causal
-    pad_rows: int = 0  # copies of the last sequence's last new token after the T new tokens
+    pad_rows: int = 0  # rows after the T new tokens repeating the last one's id and position, doing no work
+    live_rows: torch.Tensor | None = None  # [1] int64 device count of the non-pad rows; None: every row is live
 
     def __post_init__(self) -> None:
         b = len(self.query_lens)
@@ -46,6 +53,11 @@ class AttentionBatch:
             )
         if self.pad_rows < 0 or (self.pad_rows and (not b or not self.query_lens[-1])):
             raise AttentionBatchError(f"pad_rows = {self.pad_rows} needs a last sequence with new tokens to copy")
+        if self.pad_rows and self.live_rows is None:
+            raise AttentionBatchError(f"pad_rows = {self.pad_rows} needs live_rows (the device count the MoE skips by)")
+        if self.live_rows is not None and (self.live_rows.shape != (1,) or self.live_rows.dtype != torch.int64):
+            raise AttentionBatchError(f"live_rows must be a [1] int64 tensor, got {tuple(self.live_rows.shape)} "
+                                      f"{self.live_rows.dtype}")
         if self.slot_mapping.numel() != self.num_rows:
             raise AttentionBatchError(
                 f"slot_mapping has {self.slot_mapping.numel()} entries for {self.num_tokens} new tokens and "
@@ -68,6 +80,11 @@ class AttentionBatch:
     @property
     def num_tokens(self) -> int:
         return sum(self.query_lens)
+
+    @property
+    def may_skip_rows(self) -> bool:
+        """Whether some rows may be pad rows (slot -1, no expert): a padded batch, or one captured with live_rows."""
+        return self.pad_rows > 0 or self.live_rows is not None
 
     @property
     def num_rows(self) -> int:

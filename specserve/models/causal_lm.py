@@ -57,7 +57,7 @@ class DecoderLayer(nn.Module):
         h = x + self.self_attn(self.input_layernorm(x), positions, attn, kv_cache)
         ids = None
         if self.is_moe:
-            mlp_out, ids = self.mlp(self.post_attention_layernorm(h))
+            mlp_out, ids = self.mlp(self.post_attention_layernorm(h), attn.live_rows)
         else:
             mlp_out = self.mlp(self.post_attention_layernorm(h))
         return h + mlp_out, ids
@@ -83,7 +83,7 @@ class DecoderLayer(nn.Module):
         post = self.post_attention_layernorm
         h, residual = fused_add_rms_norm(a, residual, post.weight, post.eps)
         if self.is_moe:
-            mlp_out, ids = self.mlp(h)
+            mlp_out, ids = self.mlp(h, attn.live_rows)
             return mlp_out, residual, ids
         return self.mlp(h), residual, None
 
@@ -126,6 +126,17 @@ class CausalLM(nn.Module):
         for layer in self.model.layers:
             if layer.is_moe:
                 layer.mlp.experts_fn = experts_fn
+
+    def set_invariant_rows(self, rows: int) -> None:
+        """The row count the target's invariant steps pad to (0: off). Int4 routed experts then run their per-slot
+        GEMV at every step of up to that many rows (its rows do not depend on T), so a padded step's pad rows cost
+        no expert reads and a decode costs one token's experts (kernels/quant_moe.w4a16_moe)."""
+        from specserve.kernels.quant_moe import W4A16_GEMV_MAX_TOKENS
+        from specserve.models.quant_experts import Int4StackedExperts
+
+        for module in self.modules():
+            if isinstance(module, Int4StackedExperts):
+                module.gemv_max_tokens = max(W4A16_GEMV_MAX_TOKENS, rows)
 
     def set_fused_layers(self, enabled: bool) -> None:
         """The decode graph's fused layers (Triton kernels, CUDA only), or the plain-torch code everywhere:

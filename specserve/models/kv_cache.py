@@ -78,10 +78,21 @@ class PagedKVCache:
             slots, entries = slots[keep], entries[keep]
         self._flat(layer).index_copy_(0, slots, entries.to(self.dtype))
 
-    def write_step(self, layer: int, slots: torch.Tensor, entries: torch.Tensor) -> None:
-        """The attention backends' write inside a step: slots [T] int64 on the device, every one >= 0, entries
-        [T, *entry_shape]; no checks and no host reads, so a CUDA graph can capture it (`write` checks)."""
-        self.layers[layer].view(self.num_slots, *self.entry_shape).index_copy_(0, slots, entries.to(self.dtype))
+    def write_step(self, layer: int, slots: torch.Tensor, entries: torch.Tensor, skips: bool = False) -> None:
+        """The attention backends' write inside a step: slots [T] int64 on the device, entries [T, *entry_shape]; no
+        checks and no host reads, so a CUDA graph can capture it (`write` checks). skips=False: every slot is >= 0.
+        skips=True: a slot of -1 writes nothing (pad rows): that row rewrites the first written row's slot with
+        that row's entry instead (or, when no row writes, slot 0 with what it holds), so each slot gets one value."""
+        flat = self.layers[layer].view(self.num_slots, *self.entry_shape)
+        entries = entries.to(self.dtype)
+        if skips:
+            keep = slots >= 0  # [T]
+            rows = torch.arange(slots.numel(), device=slots.device)
+            src = torch.where(keep, rows, keep.int().argmax())  # [T] (argmax: the first written row; 0 if none)
+            written = keep.any()
+            slots = torch.where(written, slots.index_select(0, src), 0)
+            entries = torch.where(written, entries.index_select(0, src), flat[:1])
+        flat.index_copy_(0, slots, entries)
 
     def gather(self, layer: int, block_table: Sequence[int], length: int) -> torch.Tensor:
         """The first `length` tokens of a sequence: [length, *entry_shape]."""

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specserve.kernels.moe_reference import moe_reference
+from specserve.kernels.moe_reference import NO_EXPERT, moe_reference
 from specserve.models.config import MoEConfig, ParallelConfig
 from specserve.models.layers import (
     GatedMLP,
@@ -196,12 +196,18 @@ class MoEBlock(nn.Module):
         self.experts_fn = experts_fn
         self.parallel = parallel
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [T, H] -> (out [T, H], topk_ids [T, K]).
+    def forward(self, x: torch.Tensor, live_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, H], live_rows [1] int64 on x's device (None: all T) -> (out [T, H], topk_ids [T, K]).
 
+        Rows from live_rows on are pad rows (AttentionBatch.pad_rows): they route to NO_EXPERT at weight 0, so every
+        experts_fn gives them no expert work and 0, and topk_ids says so. live_rows is device data: a CUDA graph
+        captured at the padded row count skips however many rows each replay pads.
         Under tp each rank's routed output is partial (TP: its I-slice of every expert; EP: its experts'
         choices only), as is its shared-experts output (TP slice); one all-reduce sums both."""
         topk_ids, topk_weights = self.gate(x)
+        if live_rows is not None:
+            pad = torch.arange(x.shape[0], device=x.device)[:, None] >= live_rows  # [T, 1]
+            topk_ids, topk_weights = topk_ids.masked_fill(pad, NO_EXPERT), topk_weights.masked_fill(pad, 0.0)
         ids, weights = self.experts.localize(topk_ids, topk_weights)
         out = self.experts.run(self.experts_fn, x, ids, weights)
         if self.shared_experts is not None:

@@ -2,7 +2,7 @@
 
 Each step is prepared once per AttentionBatch object (``prepare``: a backend's ``_plan`` fills or plans a step's
 metadata, or a CUDA-graph runner's own step), every layer is then served from that step (``_planned``), and
-``gqa`` / ``mla`` write this step's K/V (or MLA entries) at the batch's slots before attending over the cache
+``gqa`` / ``mla`` write this step's K/V (or MLA entries) at the batch's slots (-1: none, pad rows) before attending over the cache
 (``gqa_cached`` / ``mla_cached``, each backend's own kernels).
 """
 
@@ -44,7 +44,7 @@ class PagedBackend:
     def gqa(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn: AttentionBatch,
             kv_cache: PagedKVCache) -> torch.Tensor:
         """Write k, v [T, Hkv, D] at attn.slot_mapping, then attend: q [T, Hq, D] -> [T, Hq, D]."""
-        kv_cache.write_step(layer, attn.slot_mapping, torch.stack([k, v], dim=1))  # [T, 2, Hkv, D]
+        kv_cache.write_step(layer, attn.slot_mapping, torch.stack([k, v], dim=1), attn.may_skip_rows)  # [T, 2, Hkv, D]
         return self.gqa_cached(layer, q, attn, kv_cache)
 
     def gqa_cached(self, layer: int, q: torch.Tensor, attn: AttentionBatch, kv_cache: PagedKVCache) -> torch.Tensor:
@@ -53,7 +53,7 @@ class PagedBackend:
     def mla(self, layer: int, q_nope: torch.Tensor, q_pe: torch.Tensor, entries: torch.Tensor,
             attn: AttentionBatch, kv_cache: PagedKVCache) -> torch.Tensor:
         """Write entries [T, R + P] at attn.slot_mapping, then absorbed MLA: q_nope [T, H, R], q_pe [T, H, P] -> [T, H, R]."""
-        kv_cache.write_step(layer, attn.slot_mapping, entries)  # [T, R + P]
+        kv_cache.write_step(layer, attn.slot_mapping, entries, attn.may_skip_rows)  # [T, R + P]
         return self.mla_cached(layer, q_nope, q_pe, attn, kv_cache)
 
     def mla_cached(self, layer: int, q_nope: torch.Tensor, q_pe: torch.Tensor, attn: AttentionBatch,

@@ -21,7 +21,8 @@ and keys the step carries, bit for bit: each row reads its keys in position orde
 new tokens: for a tree node its ancestors by depth, so a node sees its keys where a one-token decode of its path
 would) and reduces over them in fixed chunks of INVARIANT_CHUNK key positions with an online softmax, in chunk
 order (a chunk it sees nothing of leaves the running state exactly as it was). Pad rows (AttentionBatch.pad_rows)
-copy the last new token's row.
+read the last new token's keys (the dense ops cost the same whatever they read); they write no K/V (slot -1) and
+their outputs are ignored.
 """
 
 from __future__ import annotations
@@ -103,7 +104,7 @@ class PagedStep:
             h["new_mask"][start:end, :q] = own
             if self.paths:
                 h["path"][start:end, :q], h["depth"][start:end] = tree_paths_of(own)  # a tree node: its ancestors
-        if attn.pad_rows:  # copies of the last new token's row
+        if attn.pad_rows:  # pad rows read the last new token's keys (no cheaper row in dense ops; ignored anyway)
             last = attn.num_tokens - 1
             for name in ("row_request", "new_mask", "depth", "path"):
                 h[name][attn.num_tokens:] = h[name][last]

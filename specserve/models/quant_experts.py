@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from specserve.kernels.moe_reference import moe_reference
+from specserve.kernels.quant_moe import W4A16_GEMV_MAX_TOKENS
 from specserve.kernels.quant_reference import fp8_moe_reference, w4a16_moe_reference
 from specserve.models.config import ModelConfig, ParallelConfig
 from specserve.models.layers import WeightShapeError, copy_checked, new_param
@@ -93,6 +94,9 @@ class _QuantizedExperts(StackedExperts):
 
 
 class Int4StackedExperts(_QuantizedExperts):
+    # per-slot GEMV up to this many tokens (CausalLM.set_invariant_rows raises it to the invariant steps' row count)
+    gemv_max_tokens = W4A16_GEMV_MAX_TOKENS
+
     def _make_params(self, hidden: int) -> None:
         e, i, g = self.num_local, self.inter, self.quant.group_size
         if i % g or hidden % g:
@@ -112,7 +116,7 @@ class Int4StackedExperts(_QuantizedExperts):
         if self._fast(experts_fn, x):
             from specserve.kernels.quant_moe import w4a16_moe
 
-            return w4a16_moe(*args)
+            return w4a16_moe(*args, gemv_max_tokens=self.gemv_max_tokens)
         return w4a16_moe_reference(*args)
 
 

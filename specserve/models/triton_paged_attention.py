@@ -119,11 +119,7 @@ class RowsStep:
                     mask[first:end, :q], row_idx[first:end] = paths.numpy(), depth.numpy()
                 else:
                     mask[first:end, :q] = np.tri(q, dtype=bool) if tree is None else tree.cpu().numpy()
-        if attn.pad_rows:  # copies of the last new token's row
-            last, rows = attn.num_tokens - 1, slice(attn.num_tokens, attn.num_rows)
-            row_req[rows], row_idx[rows] = row_req[last], row_idx[last]
-            if mask is not None:
-                mask[rows] = mask[last]
+        # pad rows (AttentionBatch.pad_rows) keep row_request -1: the kernels give such a row no keys and output 0
         self._ints.copy_(self._ints_host, non_blocking=True)
         if mask is not None:
             self._mask.copy_(self._mask_host, non_blocking=True)

@@ -3,22 +3,26 @@
 Graphs are captured at start-up (before any session holds cache blocks: capture writes scratch K/V into the
 first blocks) for single-session steps of the configured sizes: T new tokens as a chain (T = 1 is plain decode,
 T = k + 1 verifies k drafted tokens) and, optionally, T-node trees. Each graph owns static input buffers (token
-ids, positions, cache slots: one [3, T] device tensor filled by one copy from pinned staging) and its attention
+ids, positions, cache slots and, in column 0 of a fourth row, the live row count: one [4, T] device tensor filled by
+one copy from pinned staging) and its attention
 backend's step buffers (block tables, lengths, tree mask), refilled by a host-side plan before every replay. A step
 with a graph is: plan, stage ids / positions / slots, replay, read the outputs (which stay valid until the next
 step). Any other step (prefill, batches of several sessions, contexts past the captured maximum, other capture
 layers) runs eagerly through the same model code.
 
 Invariant steps (`invariant_rows` = R > 0, the target's `--invariant-steps`): every single-session step of at most
-R new tokens (decode, chain or tree verify) runs at R rows, its new tokens followed by pad rows that copy the last
-one (AttentionBatch.pad_rows: same token, position, slot and visible keys), through one graph (or, eager, the same
-shapes). Every kernel then sees the same row count whatever the step carries, so a row's logits are bit for bit
-those the same token gets in a one-token decode (with attention backends whose reductions do not depend on the
-context length either: models/backends.py picks them). The outputs are the first T rows.
+R new tokens (decode, chain or tree verify) runs at R rows, its new tokens followed by pad rows (pad_step;
+AttentionBatch.pad_rows) through one graph (or, eager, the same shapes). Every kernel then sees the same row count
+whatever the step carries, so a row's logits are bit for bit those the same token gets in a one-token decode (with
+attention backends whose reductions do not depend on the context length either: models/backends.py picks them).
+The outputs are the first T rows. Pad rows repeat the last token's id and position but do no work that counts:
+slot -1 (no K/V written), no keys in the Triton paged attention, and no expert (the MoE routes the rows from the
+live count on to NO_EXPERT). The live count T is device data (AttentionBatch.live_rows: the graph's inputs[3, :1],
+refilled each step), so the one captured graph skips as many rows as each step pads.
 
 Each graph also ends with the step's summary on the device (`_Graph.summary`, int64 [3]): the last accepted node of
 greedy verification when the step is a chain (the drafted tokens are ids[1:]), the target's argmax there (the next
-token) and the distinct (MoE layer, expert) pairs the step touched. The engine reads those three numbers with one
+token) and the distinct (MoE layer, expert) pairs the step touched (pad rows: none). The engine reads those three numbers with one
 copy instead of running acceptance as separate eager ops (`RunOutput.summary`).
 """
 
@@ -31,6 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specserve.kernels.moe_reference import NO_EXPERT
 from specserve.models.attn_metadata import AttentionBatch
 from specserve.models.kv_cache import PagedKVCache
 
@@ -58,15 +63,17 @@ class GraphOptions:
 
 
 def distinct_experts(routed: torch.Tensor | None, num_experts: int, device: torch.device) -> torch.Tensor:  # [] int64
-    """Distinct (MoE layer, expert) pairs in routed [n_moe_layers, T, top_k], counted on the device (no host read)."""
+    """Distinct (MoE layer, expert) pairs in routed [n_moe_layers, T, top_k], counted on the device (no host read);
+    NO_EXPERT (pad rows) counts as none."""
     if routed is None or routed.numel() == 0:
         return torch.zeros((), dtype=torch.int64, device=device)
     layers = routed.shape[0]
     span = num_experts if num_experts > 0 else int(routed.max()) + 1
     keys = routed.reshape(layers, -1) + torch.arange(layers, device=routed.device)[:, None] * span
-    seen = torch.zeros(layers * span, dtype=torch.bool, device=routed.device)
+    keys = torch.where(routed.reshape(layers, -1) == NO_EXPERT, layers * span, keys)  # past every pair: not counted
+    seen = torch.zeros(layers * span + 1, dtype=torch.bool, device=routed.device)
     seen.index_fill_(0, keys.reshape(-1), True)  # (not seen[keys] = True: that copies True to the device, a sync)
-    return seen.sum()
+    return seen[:-1].sum()
 
 
 def chain_summary(ids: torch.Tensor, pos: torch.Tensor, logits: torch.Tensor, routed: torch.Tensor | None,
@@ -74,7 +81,7 @@ def chain_summary(ids: torch.Tensor, pos: torch.Tensor, logits: torch.Tensor, ro
     """(last accepted node, next token, distinct experts) of greedy verification of the chain ids [T] = pending
     token + drafted tokens at positions pos [T], given its logits [T, V]: device ops only, so a graph can end with
     it. Pad rows repeat the last position, so a row whose position does not grow is never accepted (nor are the
-    ones after it); they route as the last token does, so they add no experts."""
+    ones after it); they route to NO_EXPERT, so they add no experts."""
     top = logits.argmax(-1)  # [T]
     ok = (ids[1:] == top[:-1]) & (pos[1:] > pos[:-1])
     last = ok.long().cumprod(0).sum()  # accepted count == last node of a chain
@@ -94,12 +101,15 @@ class RunOutput:
 
 def pad_step(ids: Sequence[int], pos: Sequence[int], attn: AttentionBatch,
              rows: int) -> tuple[list[int], list[int], AttentionBatch]:
-    """The step padded to `rows` rows: pad rows copy its last new token (id, position, slot; AttentionBatch.pad_rows)."""
+    """The step padded to `rows` rows: pad rows repeat its last new token's id and position, write no K/V (slot -1)
+    and are skipped from the live count on (AttentionBatch.pad_rows, live_rows: [1] on the host here; the runner
+    moves it, or refills its graph's)."""
     pad = rows - attn.num_tokens
     slots = attn.slot_mapping
-    slots = torch.cat([slots, slots[-1:].expand(pad)])
+    slots = torch.cat([slots, torch.full((pad,), -1, dtype=slots.dtype, device=slots.device)])
+    live = torch.tensor([attn.num_tokens], dtype=torch.int64)
     return (list(ids) + [ids[-1]] * pad, list(pos) + [pos[-1]] * pad,
-            dataclasses.replace(attn, slot_mapping=slots, pad_rows=pad))
+            dataclasses.replace(attn, slot_mapping=slots, pad_rows=pad, live_rows=live))
 
 
 def first_rows(run: RunOutput, n: int) -> RunOutput:
@@ -114,8 +124,8 @@ def first_rows(run: RunOutput, n: int) -> RunOutput:
 @dataclass
 class _Graph:
     graph: torch.cuda.CUDAGraph
-    inputs: torch.Tensor  # [3, T] int64 on the device: ids, positions, slots
-    staging: torch.Tensor  # [3, T] int64 pinned host copy the inputs are filled from
+    inputs: torch.Tensor  # [4, T] int64 on the device: ids, positions, slots, the live row count (column 0)
+    staging: torch.Tensor  # [4, T] int64 pinned host copy the inputs are filled from
     step: object  # the attention backend's step buffers
     out: object  # ModelOutput of the captured forward
     logits: torch.Tensor  # [T, V] float32
@@ -130,6 +140,8 @@ class ModelRunner:
             raise GraphCaptureError(f"invariant_rows must be >= 0, got {invariant_rows}")
         self.model = model
         self.invariant_rows = invariant_rows  # > 0: single-session steps of up to this many tokens run padded to it
+        if invariant_rows and hasattr(model, "set_invariant_rows"):
+            model.set_invariant_rows(invariant_rows)  # int4 experts: the per-slot GEMV at every padded step
         moe = getattr(getattr(model, "config", None), "moe", None)
         self.num_experts = int(moe.num_experts) if moe is not None else 0
         self.kv_cache = kv_cache
@@ -148,6 +160,8 @@ class ModelRunner:
     def _eager(self, ids: Sequence[int], pos: Sequence[int], attn: AttentionBatch, capture: tuple[int, ...]):
         if attn.slot_mapping.device != self.device:
             attn = dataclasses.replace(attn, slot_mapping=attn.slot_mapping.to(self.device))
+        if attn.live_rows is not None and attn.live_rows.device != self.device:
+            attn = dataclasses.replace(attn, live_rows=attn.live_rows.to(self.device))
         out = self.model(
             torch.tensor(list(ids), dtype=torch.int64, device=self.device),
             torch.tensor(list(pos), dtype=torch.int64, device=self.device),
@@ -164,6 +178,7 @@ class ModelRunner:
         when it was captured for the step's shape and returns at least the hidden layers asked for."""
         n = attn.num_tokens
         if self.invariant_rows and attn.num_seqs == 1 and n <= self.invariant_rows:  # invariant step: padded
+            # (also a prefill of up to R tokens: its pad rows write nothing either)
             ids, pos, attn = pad_step(ids, pos, attn, self.invariant_rows)
             return first_rows(self._run(ids, pos, attn, capture, ((self.invariant_rows,), PADDED)), n)
         tree = any(m is not None for m in attn.tree_masks)
@@ -183,6 +198,7 @@ class ModelRunner:
         host = g.staging.numpy()
         host[0] = ids
         host[1] = pos
+        host[3, 0] = attn.num_tokens  # the live row count (read by padded graphs only)
         slots_on_device = attn.slot_mapping.is_cuda
         if not slots_on_device:
             host[2] = attn.slot_mapping.numpy()
@@ -239,24 +255,26 @@ class ModelRunner:
             if key in self._graphs:
                 continue
             try:
-                self._graphs[key] = self._capture_one(t, bool(tree), tuple(options.capture_layers))
+                self._graphs[key] = self._capture_one(t, bool(tree), tuple(options.capture_layers), tree == PADDED)
             except Exception as e:  # that shape stays eager; the engine still serves it
                 self.capture_errors[key] = f"{type(e).__name__}: {e}"
                 warnings.warn(f"CUDA graph for {t} new tokens (tree {tree}) not captured, runs eager: {e}",
                               RuntimeWarning, stacklevel=2)
         torch.cuda.synchronize(self.device)
 
-    def _capture_one(self, t: int, tree: bool, capture: tuple[int, ...]) -> _Graph:
+    def _capture_one(self, t: int, tree: bool, capture: tuple[int, ...], padded: bool) -> _Graph:
         from specserve.kernels.attention import GraphShape
 
         dev = self.device
-        # [3, T]: the graph reads its ids, positions and cache slots (scratch: no session holds blocks yet) from here
-        inputs = torch.stack([torch.zeros(t, dtype=torch.int64), torch.arange(t), torch.arange(t)]).to(dev)
+        # [4, T]: the graph reads its ids, positions and cache slots (scratch: no session holds blocks yet) from here,
+        # and a padded graph its live row count (the rows from it on skip their experts; see the module docstring)
+        inputs = torch.stack([torch.zeros(t, dtype=torch.int64), torch.arange(t), torch.arange(t),
+                              torch.full((t,), t, dtype=torch.int64)]).to(dev)
         ids, pos, slots = inputs[0], inputs[1], inputs[2]
         table = tuple(range(-(-t // self.block_size)))
         mask = torch.ones(t, t, dtype=torch.bool).tril() if tree else None
         attn = AttentionBatch(query_lens=(t,), context_lens=(0,), block_tables=(table,), slot_mapping=slots,
-                              tree_masks=(mask,))
+                              tree_masks=(mask,), live_rows=inputs[3, :1] if padded else None)
         backend = self.model.attn_backend
         step = None
         if backend is not None:
@@ -277,5 +295,5 @@ class ModelRunner:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
             out, logits, summary = forward()
-        staging = torch.zeros(3, t, dtype=torch.int64, pin_memory=True)
+        staging = torch.zeros(4, t, dtype=torch.int64, pin_memory=True)
         return _Graph(graph, inputs, staging, step, out, logits, summary, torch.cuda.Event())

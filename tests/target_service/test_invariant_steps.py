@@ -65,7 +65,8 @@ def test_greedy_speculation_gives_target_only_tokens():
 
 def test_triton_steps_metadata_of_a_padded_step():
     """The Triton paged backend's invariant step metadata (host side, no kernel): a padded chain and a padded tree
-    get their rows' paths in depth order, each pad row a copy of the last new token's row."""
+    get their rows' paths in depth order; pad rows repeat the last token and position, write no slot (-1) and
+    belong to no request (row_request -1: the kernels give them no keys and output 0)."""
     import torch
 
     from specserve.kernels.paged_attention import fixed_splits
@@ -83,13 +84,13 @@ def test_triton_steps_metadata_of_a_padded_step():
                               slot_mapping=torch.arange(50, 54), tree_masks=(mask,))
         ids, pos, padded = pad_step([1, 2, 3, 4], [30, 31, 32, 32], attn, 8)
         assert (ids, pos, padded.slot_mapping.tolist()) == ([1, 2, 3, 4] + [4] * 4, [30, 31, 32, 32] + [32] * 4,
-                                                            [50, 51, 52, 53] + [53] * 4)
+                                                            [50, 51, 52, 53] + [-1] * 4)
+        assert padded.live_rows.tolist() == [4] and padded.pad_rows == 4
         step.fill(padded, 16)
         rows = step.rows
         paths, depth = tree_paths_of(own)
         assert rows.tree_paths[:4, :4].tolist() == paths.tolist() and rows.row_index[:4].tolist() == depth.tolist()
-        assert all(rows.tree_paths[i].tolist() == rows.tree_paths[3].tolist() for i in range(4, 8))
-        assert rows.row_index[4:].tolist() == [int(depth[3])] * 4 and rows.row_request.tolist() == [0] * 8
+        assert rows.row_request.tolist() == [0] * 4 + [-1] * 4 and not rows.tree_paths[4:].any()
         assert (rows.kv_lens.tolist(), rows.new_starts.tolist(), rows.block_tables[0, :3].tolist()) == ([34], [30],
                                                                                                          [3, 1, 2])
 
