@@ -15,7 +15,7 @@ pass has a new shape. Here the passes work on fixed buffers instead:
   `keep` slots plus each other causally, write their entries at those slots and leave the head output at the
   pending token in `out0`. A longer catch-up (a prompt) runs eagerly and `load` puts its result in the window;
   a drafting propose stages its catch-up and runs it with the chain in one replay ("block" graph (n, k, greedy |
-  sampled), captured on first use);
+  sampled), every one captured with the others when the drafter is built, so no request pays a capture);
 - chain graph (k, greedy | sampled), k = 1..k_max: draws drafted token 1 from out0's logits, then k - 1 times
   feeds the last drawn token with the head's own output (pass i attends over the window with the mask
   `slot < ctx + i` plus its own key, Eagle3Head.step's layout, then writes its key and value at slot ctx + i).
@@ -38,7 +38,6 @@ from specserve.draft_service.graph_capture import GraphBodies, StagedBuffer
 from specserve.draft_service.graph_sampling import GraphSampler
 
 TREE_SPARE_SLOTS = 64  # window slots past W for a tree's fed nodes ((depth - 1) * top_k of them)
-BLOCK_GRAPHS = 48  # catch-up + chain graphs (n, k, greedy | sampled) captured on first use, at most
 
 
 class Eagle3ChainGraphs(GraphBodies):
@@ -113,8 +112,12 @@ class Eagle3ChainGraphs(GraphBodies):
             self._chain_body(key[1], key[2])
 
     def _keys(self) -> list[tuple]:
+        """Every shape a chain propose replays, largest first: the catch-up + chain blocks (n, k) for every catch-up a
+        verified chain leaves (n <= k_max + 1), the chains alone, the catch-ups alone."""
+        blocks = [("block", n, k, s) for k in range(self.k_max, 0, -1) for n in range(self.k_max + 1, 0, -1)
+                  for s in (True, False)]
         chains = [("chain", k, s) for k in range(self.k_max, 0, -1) for s in (True, False)]
-        return chains + [("catch_up", n) for n in range(self.k_max + 1, 0, -1)]
+        return blocks + chains + [("catch_up", n) for n in range(self.k_max + 1, 0, -1)]
 
     # ---- capture and replay ----------------------------------------------------------------------
     def capture(self) -> None:
@@ -184,13 +187,10 @@ class Eagle3ChainGraphs(GraphBodies):
         catch_up: int = 0,  # n > 0: the catch-up of n tokens staged by catch_up(run=False) runs first, same replay
     ) -> tuple[list[int], torch.Tensor | None]:  # k drafted target ids, q [k, Vd] float32 (sampled) or None
         """The chain after catch_up or load (window, ctx and out0 in place), or with the staged catch-up: one replay
-        either way (the catch-up + chain graphs are captured per (n, k, greedy | sampled) on first use)."""
+        either way (the catch-up + chain graphs of every (n, k, greedy | sampled) are captured with the others)."""
         sampled = not sampling.greedy
         if sampled:
             self.sampler.set(sampling, generator, k)
-        key = ("block", catch_up, k, sampled) if catch_up else ("chain", k, sampled)
-        if catch_up:
-            self._capture_late(key, BLOCK_GRAPHS + 4 * self.k_max + 2)  # + the chains and catch-ups captured first
-        self._run(key)
+        self._run(("block", catch_up, k, sampled) if catch_up else ("chain", k, sampled))  # captured by capture()
         tokens = self.tokens[:k].tolist()  # the chain's one device read (q follows it)
         return tokens, (self.sampler.q[:k].clone() if sampled else None)

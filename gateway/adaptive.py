@@ -11,8 +11,10 @@ count, so the cost model is fitted on both (plus what drafting ahead concurrentl
     draft_ms(k)  = the least of k's last ``draft_window`` timed calls, once k was timed that often (settled);
                    else d0 + d1 * k (d0 = per-call part: a one-pass drafter is flat, an autoregressive one is
                    linear), fitted on the settled k's (on every timed k while none is), or k's own least
-                   timing where that is lower
-    Both fits are least squares with coefficients >= 0 (n and e move together; free signs would not).
+                   timing, or max(1, k / j) times another timed j's least, where that is lower
+    Both fits are least squares with coefficients >= 0 (n and e move together; free signs would not). The verify
+    fit leaves out steps more than twice as dear as their token count's median, and the experts column until three
+    token counts were seen (VerifyCostModel.fit).
 
 A draft call's time is its steady cost plus one-offs that only add to it (a CUDA graph captured on first use of
 a shape, mid-request; a catch-up over skipped steps; a busy host): the least of a k's last few timings is its
@@ -164,13 +166,29 @@ class VerifyCostModel:
             self.fit()
 
     def fit(self) -> None:
+        """Non-negative least squares on the window's steps, less the outliers: a step more than twice as dear as the
+        median of its (token count, ahead) group (of 3 or more) is left out, since a step's time is its steady cost plus
+        noise that only adds (a busy host, a one-off) and one such step tilts the line for every count. The experts
+        column is fitted only once three token counts were seen: over two, experts are a function of tokens, and their
+        (concave) interpolation would make the counts between look as dear as the larger one."""
         self._since_fit = 0
         self._only_decodes = True
         self._experts_table = None
         self.version += 1
         m = self.observed
-        if m:
-            self.coef = nonneg_lstsq(np.array(self._x[:m], dtype=float), np.array(self._y[:m]), self._ORDER)
+        if not m:
+            return
+        x, y = np.array(self._x[:m], dtype=float), np.array(self._y[:m])
+        keep = np.ones(m, dtype=bool)
+        groups = x[:, 1] * 2 + x[:, 3]  # (n, ahead) as one key
+        for g in np.unique(groups):
+            members = groups == g
+            if members.sum() >= 3:
+                keep &= ~members | (y <= 2.0 * np.median(y[members]))
+        x, y = x[keep], y[keep]
+        if len(np.unique(x[:, 1])) < 3:
+            x[:, 2] = 0.0  # the experts column left out (an empty column gets coefficient 0)
+        self.coef = nonneg_lstsq(x, y, self._ORDER)
 
     @property
     def observed(self) -> int:
@@ -262,9 +280,15 @@ class DraftCostModel:
         self.coef = np.array([0.0, per_token]) if err_token < err_flat else np.array([flat, 0.0])
 
     def _cost(self, k: int) -> float:
-        line = float(self.coef[0] + self.coef[1] * k)
+        """A settled k's least timing; else the line, k's own least timing and what any other timed j bounds it by
+        (a call of k tokens costs no more than k / j calls of j tokens, nor more than one of j >= k tokens), whichever
+        is least: one dear timing (a one-off) of a k makes neither that k nor the others dear."""
         least = self._least.get(k)
-        return least if self.settled(k) else line if least is None else min(line, least)
+        if self.settled(k):
+            return least
+        bounds = [float(self.coef[0] + self.coef[1] * k)] + ([] if least is None else [least])
+        bounds += [ms * max(1.0, k / j) for j, ms in self._least.items() if j != k]
+        return min(bounds)
 
     def costs(self, kmax: int) -> list[float]:
         """Predicted ms of a draft call asking for k = 0..kmax [kmax + 1] (0 for k = 0: no call), plain floats."""

@@ -310,3 +310,45 @@ def test_captured_trees_draft_what_the_eager_builder_drafts():
                 for p in (graphs, bodies))
         assert (a.token_ids, a.parents) == (b.token_ids, b.parents)
         torch.testing.assert_close(a.probs, b.probs, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("sampled", [False, True])
+def test_every_shape_a_chain_propose_replays_is_captured_with_the_others(tiny, sampled):
+    """No request pays a capture: every graph key a chain propose runs (catch-up + chain blocks of each catch-up
+    size, chains, catch-ups), through random accepts and rollbacks at every k, is among the keys capture() captures
+    when the drafter is built (before: the catch-up + chain blocks were captured on first use, mid-request)."""
+    proposers = []
+
+    def make():
+        p = _proposer(tiny, graphs=True)
+        ran = p.chain_graphs.ran = []
+        inner = p.chain_graphs._run
+        p.chain_graphs._run = lambda key: (ran.append(key), inner(key))[1]
+        proposers.append(p)
+        return p
+
+    for k in (1, 3, 5):
+        rollback_matches_fresh(make, FEATS, VOCAB, steps=6, k=k, seed=k, sampled=sampled)
+    ran = {key for p in proposers for key in p.chain_graphs.ran}
+    assert any(key[0] == "block" for key in ran)
+    captured = set(proposers[0].chain_graphs._keys())
+    assert ran <= captured, sorted(ran - captured)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_the_built_drafter_captured_every_block_and_captures_nothing_while_drafting():
+    """On CUDA: the catch-up + chain blocks are captured when the drafter is built (none failed), and a request's
+    proposes replay them without capturing more (before: each (n, k) captured on first use, mid-request)."""
+    target = demo_checkpoint("target")
+    engine = build_engine(EngineConfig(model=target, device="cuda", dtype="float32", cuda_graphs=False))
+    proposer = build_proposer(DrafterConfig("eagle3", checkpoint=demo_checkpoint("eagle3"), target_checkpoint=target,
+                                            device="cuda", dtype="float32", max_block_size=4))
+    graphs = proposer.chain_graphs
+    assert graphs is not None and not graphs.capture_errors, graphs.capture_errors
+    assert graphs.captured == len(graphs._keys())
+    prompt = engine.tokenizer.encode("def parse_args(argv):\n").ids
+    want = engine.generate_greedy(prompt, 40)
+    for k in (1, 4):
+        assert speculative_greedy(engine, proposer, f"k{k}", prompt, k, 40, SpecStats())[:40] == want
+    assert graphs.captured == len(graphs._keys())

@@ -362,3 +362,40 @@ def test_the_overhead_of_a_drafted_step_is_charged() -> None:
 def test_probe_policy_is_validated(bad) -> None:
     with pytest.raises(ValueError):
         ProbePolicy(**bad)
+
+
+def test_a_few_dear_verifies_do_not_tilt_the_verify_line() -> None:
+    """Issue #30's flaky first-use test: one 5-token verify 100x dear (a busy host) among cheap ones must not make every
+    drafted step look dear (before: the fit went through it and charged a 2-token verify ~2x a decode)."""
+    model = VerifyCostModel()
+    for _ in range(60):
+        model.observe(1, 16, 8.0)
+    for ms in (10.0, 10.1, 950.0, 9.9):
+        model.observe(5, 34, ms)
+    model.fit()
+    assert model.predict(1) == pytest.approx(8.0, abs=0.05)
+    assert model.predict(2) == pytest.approx(8.5, abs=0.1)
+
+
+def test_two_token_counts_seen_interpolate_in_tokens_not_through_the_experts() -> None:
+    """Decodes (n = 1) and 5-token verifies fitted, the latter's time following their experts' noise; then a probe's
+    2-token verify, whose experts are most of the way to the 5-token step's: until the next fit it is charged the line
+    in tokens between the two counts, not the experts' concave interpolation (before: ~3x the gap to a decode)."""
+    model = VerifyCostModel()
+    for _ in range(60):
+        model.observe(1, 16, 8.0)
+    for e in (32, 34, 36, 34):
+        model.observe(5, e, 10.0 + 0.5 * (e - 34))
+    model.fit()
+    model.observe(2, 28, 8.5)
+    assert model.predict(2) == pytest.approx(8.5, abs=0.1)
+
+
+def test_one_dear_timing_of_a_k_makes_no_k_dear() -> None:
+    """Neither k settled: k = 1 timed once at 2 ms, k = 4 once at 250 ms (a graph captured on first use). A call of k
+    tokens costs no more than k calls of 1 token: k = 2..4 are charged at most 2 ms a token (before: the line
+    through both, ~60 ms a token)."""
+    model = DraftCostModel(window=4)
+    model.observe(1, 2.0)
+    model.observe(4, 250.0)
+    assert model.costs(4) == pytest.approx([0.0, 2.0, 4.0, 6.0, 8.0])
