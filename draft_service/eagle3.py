@@ -132,7 +132,8 @@ class Eagle3Proposer(Proposer):
         """Sync the confirmed cache to S: (the head's output at the pending token [H], deferred). With `defer` a
         catch-up that fits the graphs is only staged (deferred = its token count, 0 otherwise): the chain's replay runs
         it (eagle3_graph.py "block" graphs), and _keep_window_entries then copies its entries into the session's
-        cache; the output is the window's out0, valid after that replay."""
+        cache; the output is the window's out0, valid after that replay. A longer catch-up that fits the window runs
+        its first tokens as replays of the long catch-up graphs, then its last k_max + 1 or fewer as above."""
         fs: _Eagle3Session = state.family_state
         ids, L = state.ids, len(state)
         keep = min(common_prefix_len(fs.tokens, ids[1:]), L - 2)
@@ -142,6 +143,10 @@ class Eagle3Proposer(Proposer):
         self._ensure_capacity(fs, L - 1)
         fs.tokens = ids[1:L].copy()
         state.drop_hidden_before(L - 1 - ROLLBACK_ROWS)
+        while graphs is not None and n_new > graphs.k_max + 1 and (m := graphs.long_piece(keep, n_new)):
+            _, k, v = graphs.catch_up(fs, fs.k, fs.v, keep, ids[keep + 1 : keep + 1 + m], feats[:m])  # a long one's part
+            fs.k[keep : keep + m], fs.v[keep : keep + m] = k, v
+            keep, n_new, feats = keep + m, n_new - m, feats[m:]
         if graphs is not None and graphs.catch_up_fits(keep, n_new):  # one replay (eagle3_graph.py)
             out, k, v = graphs.catch_up(fs, fs.k, fs.v, keep, ids[keep + 1 : L], feats, run=not defer)
             if defer:

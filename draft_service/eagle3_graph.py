@@ -11,9 +11,12 @@ pass has a new shape. Here the passes work on fixed buffers instead:
 - one pinned host-to-device copy per propose brings `args` = (keep, ctx, the catch-up's token ids): the confirmed
   entries still valid, the entries after the catch-up (ctx = keep + n; the pending token's draft position is
   ctx - 1, drafted token i + 1's is ctx + i) and the n confirmed tokens to feed;
-- catch-up graph n (n = 1..k_max + 1): rows keep..keep+n-1 read cu_tokens / cu_feats, attend to the window's first
-  `keep` slots plus each other causally, write their entries at those slots and leave the head output at the
-  pending token in `out0`. A longer catch-up (a prompt) runs eagerly and `load` puts its result in the window;
+- catch-up graph n (n = 1..k_max + 1, and 16, 32, .., 256 within the window): rows keep..keep+n-1 read cu_tokens /
+  cu_feats, attend to the window's first `keep` slots plus each other causally, write their entries at those slots
+  and leave the head output at the pending token in `out0`. A longer catch-up (the tokens of skipped steps, a
+  prompt) runs as a few replays, the largest size that fits first (`long_piece`), so it never meets a new shape
+  mid-request (eagerly, each new length was a first use); one past the window runs eagerly and `load` puts its
+  result in the window;
   a drafting propose stages its catch-up and runs it with the chain in one replay ("block" graph (n, k, greedy |
   sampled), every one captured with the others when the drafter is built, so no request pays a capture);
 - chain graph (k, greedy | sampled), k = 1..k_max: draws drafted token 1 from out0's logits, then k - 1 times
@@ -37,6 +40,7 @@ from specserve.draft_service.eagle3_tree_graph import Eagle3TreeGraphs
 from specserve.draft_service.graph_capture import GraphBodies, StagedBuffer
 from specserve.draft_service.graph_sampling import GraphSampler
 
+LONG_CATCH_UPS = (16, 32, 64, 128, 256)  # catch-up graph sizes past k_max + 1 (within the window)
 TREE_SPARE_SLOTS = 64  # window slots past W for a tree's fed nodes ((depth - 1) * top_k of them)
 
 
@@ -53,7 +57,10 @@ class Eagle3ChainGraphs(GraphBodies):
         slots = window + max(k_max, TREE_SPARE_SLOTS)  # drafted entries (chains) or fed tree nodes past the window
         self.keys = torch.zeros(slots, a.num_kv_heads, a.head_dim, dtype=dtype, device=dev)  # [P, Hkv, D]
         self.values = torch.zeros_like(self.keys)
-        n_max = k_max + 1  # the most confirmed tokens one catch-up graph feeds
+        n_max = k_max + 1  # the most confirmed tokens a catch-up + chain block feeds
+        # longer catch-ups (skipped steps, a prompt) run as a few replays of these sizes (then one of <= n_max)
+        self.long_sizes = tuple(b for b in LONG_CATCH_UPS if n_max < b <= window)
+        n_max = max((n_max, *self.long_sizes))  # the most one catch-up graph feeds
         self._staged = StagedBuffer(2 + n_max, torch.int64, dev)
         self.args = self._staged.values  # [2 + n_max]
         self.keep = self.args[0]  # 0-dim: confirmed entries kept before the catch-up
@@ -117,7 +124,8 @@ class Eagle3ChainGraphs(GraphBodies):
         blocks = [("block", n, k, s) for k in range(self.k_max, 0, -1) for n in range(self.k_max + 1, 0, -1)
                   for s in (True, False)]
         chains = [("chain", k, s) for k in range(self.k_max, 0, -1) for s in (True, False)]
-        return blocks + chains + [("catch_up", n) for n in range(self.k_max + 1, 0, -1)]
+        catch_ups = [("catch_up", n) for n in (*reversed(self.long_sizes), *range(self.k_max + 1, 0, -1))]
+        return blocks + chains + catch_ups
 
     # ---- capture and replay ----------------------------------------------------------------------
     def capture(self) -> None:
@@ -130,6 +138,14 @@ class Eagle3ChainGraphs(GraphBodies):
 
     def catch_up_fits(self, keep: int, n: int) -> bool:
         return 1 <= n <= self.k_max + 1 and keep + n <= self.window
+
+    def long_piece(self, keep: int, n: int) -> int:
+        """How many of a catch-up's n > k_max + 1 tokens the next replay feeds (the largest long size < n, else
+        k_max + 1: at least one token is left for the last replay, which may run with the chain), or 0 when the
+        catch-up does not fit the window (it then runs eagerly)."""
+        if keep + n > self.window:
+            return 0
+        return max((b for b in self.long_sizes if b < n), default=self.k_max + 1)
 
     def _stage(self, keep: int, ctx: int, tokens=()) -> None:
         """One pinned host-to-device copy of args (keep, ctx, catch-up tokens)."""

@@ -352,3 +352,30 @@ def test_the_built_drafter_captured_every_block_and_captures_nothing_while_draft
     for k in (1, 4):
         assert speculative_greedy(engine, proposer, f"k{k}", prompt, k, 40, SpecStats())[:40] == want
     assert graphs.captured == len(graphs._keys())
+
+
+@pytest.mark.parametrize("skipped", [7, 17, 40])
+def test_a_long_catch_up_runs_as_catch_up_replays_and_drafts_what_an_eager_drafter_drafts(tiny, skipped):
+    """Steps skipped while adaptive drafting was off leave the drafter `skipped` tokens behind (their rows sent in one
+    call): the catch-up runs as replays of the captured catch-up sizes (largest first, the last part with the chain),
+    not eagerly at a new length (a first use mid-request: the H200's EAGLE-3 probes paid 14-17 ms), and the block
+    equals a fresh eager drafter's over the same S."""
+    import random
+
+    rnd = random.Random(skipped)
+    live, eager = _proposer(tiny, graphs=True), _proposer(tiny, graphs=False)
+    ran = []
+    inner = live.chain_graphs._run
+    live.chain_graphs._run = lambda key: (ran.append(key), inner(key))[1]
+    seq = [rnd.randrange(VOCAB) for _ in range(5)]
+    live.start("s", seq, FEATS.rows(seq, 0, len(seq) - 1), SamplingParams())
+    live.propose("s", len(seq), [], None, 3)
+    before = len(seq)
+    seq += [rnd.randrange(VOCAB) for _ in range(skipped)]
+    ran.clear()
+    got = live.propose("s", before, seq[before:], FEATS.rows(seq, before - 1, len(seq) - 1), 3)
+    eager.start("f", seq, FEATS.rows(seq, 0, len(seq) - 1), SamplingParams())
+    assert got.token_ids == eager.propose("f", len(seq), [], None, 3).token_ids
+    assert all(key[0] != "catch_up" or key[1] in live.chain_graphs.long_sizes or key[1] <= 6 for key in ran)
+    if skipped > 6:
+        assert ran[0][0] == "catch_up" and ran[-1][0] == "block", ran
