@@ -123,6 +123,7 @@ def check_fp8_moe_args(
 
 W4A16_GEMV_MAX_TOKENS = 8  # up to here the W4A16 MoE runs as per-slot GEMVs (no tensor cores): BENCHMARKS.md
 GEMV_TILE = (32, 32)  # (output rows, packed words) of one GEMV program's tile
+GEMV_LANE_TOKENS = 4  # past W4A16_GEMV_MAX_TOKENS: program rows per k (a guess, not measured: a 4-token verify's slots)
 
 
 def quant_tile_config(num_tokens: int, int4: bool) -> MoETileConfig:
@@ -166,21 +167,24 @@ def _moe(hidden, w13, s13, w2, s2, topk_ids, topk_weights, e, inter, config, int
 
 
 def _w4a16_gemv(hidden, w13, s13, w2, s2, topk_ids, topk_weights, inter, group):
-    """One program row per (token, k) slot, no expert sort: for T <= W4A16_GEMV_MAX_TOKENS."""
+    """A program row per (token, k) slot, no expert sort: for T <= W4A16_GEMV_MAX_TOKENS. Past that (the invariant
+    steps' 17 rows, most of them pad rows of NO_EXPERT) GEMV_LANE_TOKENS * K program rows take the slots in turn, so
+    pad slots cost a load in a running program, not programs of their own."""
     t, h = hidden.shape
     k = topk_ids.shape[1]
     n = t * k
+    lanes = n if t <= W4A16_GEMV_MAX_TOKENS else min(n, GEMV_LANE_TOKENS * k)
     ids = topk_ids.reshape(-1)  # [T*K]
     act = torch.empty(n, inter, dtype=hidden.dtype, device=hidden.device)  # [T*K, I]
     bn, bkw = GEMV_TILE
     weights = topk_weights.reshape(-1)  # [T*K]
-    quant_moe_triton.w4a16_gemv_gate_up_kernel[(n, triton.cdiv(inter, bn))](
-        hidden, w13, s13, ids, weights, act, k, h, inter, hidden.stride(0), w13.stride(0), w13.stride(1), s13.stride(0),
-        s13.stride(1), act.stride(0), G=group, BN=bn, BKW=bkw, num_warps=4, num_stages=1,
+    quant_moe_triton.w4a16_gemv_gate_up_kernel[(lanes, triton.cdiv(inter, bn))](
+        hidden, w13, s13, ids, weights, act, n, lanes, k, h, inter, hidden.stride(0), w13.stride(0), w13.stride(1),
+        s13.stride(0), s13.stride(1), act.stride(0), G=group, BN=bn, BKW=bkw, num_warps=4, num_stages=1,
     )
     per_slot = torch.empty(n, h, dtype=torch.float32, device=hidden.device)  # [T*K, H]
-    quant_moe_triton.w4a16_gemv_down_kernel[(n, triton.cdiv(h, bn))](
-        act, w2, s2, ids, weights, per_slot, h, inter, act.stride(0), w2.stride(0), w2.stride(1),
+    quant_moe_triton.w4a16_gemv_down_kernel[(lanes, triton.cdiv(h, bn))](
+        act, w2, s2, ids, weights, per_slot, n, lanes, h, inter, act.stride(0), w2.stride(0), w2.stride(1),
         s2.stride(0), s2.stride(1), per_slot.stride(0), G=group, BN=bn, BKW=bkw, num_warps=4, num_stages=1,
     )
     return _sum_rows(per_slot.view(t, k, h), hidden.dtype, topk_ids.reshape(-1))

@@ -251,6 +251,8 @@ def w4a16_gemv_gate_up_kernel(
     ids_ptr,  # [N] expert of each flat (token, k) slot
     tw_ptr,  # [N] routing weight of each flat slot (0: the slot is skipped)
     act_ptr,  # [N, I] out: silu(gate) * up per slot
+    N,
+    LANES,  # programs along axis 0: program p computes slots p, p + LANES, ... (LANES = N: one slot each)
     TOPK,
     H,
     I,
@@ -264,37 +266,38 @@ def w4a16_gemv_gate_up_kernel(
     BN: tl.constexpr,
     BKW: tl.constexpr,
 ):
-    """Few tokens (T * K slots, one program row each): no tensor cores, the nibbles are multiplied by the
+    """Few tokens (T * K slots, each computed by one program row): no tensor cores, the nibbles are multiplied by the
     activations in registers; a group's scale is applied once to its words' partial sums (sum (q - 8) x s =
     (sum q x - 8 sum x) s). A slot of weight 0 (expert parallelism's other ranks' choices, on local expert 0)
-    reads no weights: its act row is 0, and the down kernel gives it 0 as the weighted product would; so does a slot of
-    NO_EXPERT (< 0: the pad rows of invariant steps). A slot's reductions do not depend on how many slots the call
-    holds (one program row each, a fixed order over H), so its result is the same at any T: token-count invariant."""
-    slot = tl.program_id(0)
+    reads no weights: its act row is 0, and the down kernel gives it 0 as the weighted product would. A slot of
+    NO_EXPERT (< 0: the pad rows of invariant steps) costs one load: no act row, no per-slot row (the top-k sum
+    skips it unread). A slot's reductions do not depend on how many slots the call holds or which program takes it
+    (a fixed order over H), so its result is the same at any T and LANES: token-count invariant."""
     pid_n = tl.program_id(1)
-    e = tl.load(ids_ptr + slot).to(tl.int64)
-    words = tl.where((tl.load(tw_ptr + slot) != 0) & (e >= 0), tl.cdiv(H, 8), 0)
-    e = tl.maximum(e, 0)  # NO_EXPERT (< 0) reads nothing either
-    x_row = x_ptr + (slot // TOPK).to(tl.int64) * stride_xt
     offs_n = pid_n * BN + tl.arange(0, BN)
     nvalid = offs_n < I
     offs_w = tl.arange(0, BKW)
-    wp_e = wp_ptr + e * stride_we
-    ws_e = ws_ptr + e * stride_se
-    acc_g = tl.zeros([BN, BKW], dtype=tl.float32)
-    acc_u = tl.zeros([BN, BKW], dtype=tl.float32)
-    for w0 in range(0, words, BKW):
-        wcols = w0 + offs_w
-        words_g, s_g = _int4_load(wp_e, ws_e, offs_n, nvalid, wcols, H, stride_wn, stride_sn, G)
-        words_u, s_u = _int4_load(wp_e, ws_e, offs_n + I, nvalid, wcols, H, stride_wn, stride_sn, G)
-        part_g, xs = _int4_gemv_part(words_g, x_row, wcols, H)
-        part_u, xs = _int4_gemv_part(words_u, x_row, wcols, H)
-        acc_g += (part_g - 8.0 * xs[None, :]) * s_g
-        acc_u += (part_u - 8.0 * xs[None, :]) * s_u
-    g = tl.sum(acc_g, axis=1)
-    u = tl.sum(acc_u, axis=1)
-    act = g * tl.sigmoid(g) * u
-    tl.store(act_ptr + slot.to(tl.int64) * stride_an + offs_n, act.to(act_ptr.dtype.element_ty), mask=nvalid)
+    for slot in range(tl.program_id(0), N, LANES):
+        e = tl.load(ids_ptr + slot).to(tl.int64)
+        if e >= 0:  # (NO_EXPERT: nothing)
+            words = tl.where(tl.load(tw_ptr + slot) != 0, tl.cdiv(H, 8), 0)
+            x_row = x_ptr + tl.cast(slot // TOPK, tl.int64) * stride_xt
+            wp_e = wp_ptr + e * stride_we
+            ws_e = ws_ptr + e * stride_se
+            acc_g = tl.zeros([BN, BKW], dtype=tl.float32)
+            acc_u = tl.zeros([BN, BKW], dtype=tl.float32)
+            for w0 in range(0, words, BKW):
+                wcols = w0 + offs_w
+                words_g, s_g = _int4_load(wp_e, ws_e, offs_n, nvalid, wcols, H, stride_wn, stride_sn, G)
+                words_u, s_u = _int4_load(wp_e, ws_e, offs_n + I, nvalid, wcols, H, stride_wn, stride_sn, G)
+                part_g, xs = _int4_gemv_part(words_g, x_row, wcols, H)
+                part_u, xs = _int4_gemv_part(words_u, x_row, wcols, H)
+                acc_g += (part_g - 8.0 * xs[None, :]) * s_g
+                acc_u += (part_u - 8.0 * xs[None, :]) * s_u
+            g = tl.sum(acc_g, axis=1)
+            u = tl.sum(acc_u, axis=1)
+            act = g * tl.sigmoid(g) * u
+            tl.store(act_ptr + tl.cast(slot, tl.int64) * stride_an + offs_n, act.to(act_ptr.dtype.element_ty), mask=nvalid)
 
 
 @triton.jit
@@ -305,6 +308,8 @@ def w4a16_gemv_down_kernel(
     ids_ptr,  # [N]
     tw_ptr,  # [N] routing weight of each flat slot
     out_ptr,  # [N, H] fp32 out: weighted expert output per flat slot
+    N,
+    LANES,  # as the gate-up kernel's
     H,
     I,
     stride_an,
@@ -317,23 +322,23 @@ def w4a16_gemv_down_kernel(
     BN: tl.constexpr,
     BKW: tl.constexpr,
 ):
-    slot = tl.program_id(0)
     pid_n = tl.program_id(1)
-    e = tl.load(ids_ptr + slot).to(tl.int64)
-    weight = tl.where(e >= 0, tl.load(tw_ptr + slot).to(tl.float32), 0.0)
-    words = tl.where(weight != 0, tl.cdiv(I, 8), 0)  # a slot of weight 0 reads no weights (see the gate-up kernel)
-    e = tl.maximum(e, 0)
-    a_row = act_ptr + slot.to(tl.int64) * stride_an
     offs_n = pid_n * BN + tl.arange(0, BN)
     nvalid = offs_n < H
     offs_w = tl.arange(0, BKW)
-    wp_e = wp_ptr + e * stride_we
-    ws_e = ws_ptr + e * stride_se
-    acc = tl.zeros([BN, BKW], dtype=tl.float32)
-    for w0 in range(0, words, BKW):
-        wcols = w0 + offs_w
-        packed, s = _int4_load(wp_e, ws_e, offs_n, nvalid, wcols, I, stride_wn, stride_sn, G)
-        part, xs = _int4_gemv_part(packed, a_row, wcols, I)
-        acc += (part - 8.0 * xs[None, :]) * s
-    out = tl.sum(acc, axis=1) * weight
-    tl.store(out_ptr + slot.to(tl.int64) * stride_on + offs_n, out, mask=nvalid)
+    for slot in range(tl.program_id(0), N, LANES):
+        e = tl.load(ids_ptr + slot).to(tl.int64)
+        if e >= 0:  # (NO_EXPERT: its per-slot row stays unwritten; the top-k sum skips it unread)
+            weight = tl.load(tw_ptr + slot).to(tl.float32)
+            words = tl.where(weight != 0, tl.cdiv(I, 8), 0)  # a slot of weight 0 reads no weights (see gate-up)
+            a_row = act_ptr + tl.cast(slot, tl.int64) * stride_an
+            wp_e = wp_ptr + e * stride_we
+            ws_e = ws_ptr + e * stride_se
+            acc = tl.zeros([BN, BKW], dtype=tl.float32)
+            for w0 in range(0, words, BKW):
+                wcols = w0 + offs_w
+                packed, s = _int4_load(wp_e, ws_e, offs_n, nvalid, wcols, I, stride_wn, stride_sn, G)
+                part, xs = _int4_gemv_part(packed, a_row, wcols, I)
+                acc += (part - 8.0 * xs[None, :]) * s
+            out = tl.sum(acc, axis=1) * weight
+            tl.store(out_ptr + tl.cast(slot, tl.int64) * stride_on + offs_n, out, mask=nvalid)

@@ -5,7 +5,8 @@ renormalisation and scaling.
                                                                           topk_weights [T, K] fp32)
 Same rule as router_reference.py (the model's TopKRouter): on inputs without ties the ids are equal and in the
 same order (descending choice score); ties go to the lowest expert id. One program per token, no host syncs
-(CUDA-graph capturable); `topk_ids=` / `topk_weights=` take caller buffers.
+(CUDA-graph capturable); `topk_ids=` / `topk_weights=` take caller buffers. `live_rows=` ([1] int64, device data:
+the target's invariant steps) routes the rows from it on to NO_EXPERT (-1) at weight 0 without scoring them.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ def route(
     *,
     topk_ids: torch.Tensor | None = None,  # [T, K] int32 out
     topk_weights: torch.Tensor | None = None,  # [T, K] fp32 out
+    live_rows: torch.Tensor | None = None,  # [1] int64 on the logits' device: rows from it on route to NO_EXPERT
 ) -> tuple[torch.Tensor, torch.Tensor]:  # (topk_ids [T, K] int32, topk_weights [T, K] fp32)
     require(isinstance(cfg, RouterConfig), f"cfg must be a RouterConfig, got {type(cfg).__name__}")
     check_tensor("logits", logits, 2, _LOGIT_DTYPES, contiguous=False)
@@ -59,6 +61,10 @@ def route(
         check_tensor("correction_bias", correction_bias, 1, _LOGIT_DTYPES)
         check_dim("correction_bias", correction_bias, 0, e, "the number of experts E = logits.shape[1]")
         named.append(("correction_bias", correction_bias))
+    if live_rows is not None:
+        check_tensor("live_rows", live_rows, 1, (torch.int64,))
+        check_dim("live_rows", live_rows, 0, 1, "one count")
+        named.append(("live_rows", live_rows))
     check_same_device(named)
     require(HAS_TRITON, "the Triton router needs the triton package, which is not installed")
     require(logits.is_cuda or triton_interpreting(), f"the Triton router needs CUDA tensors, got {logits.device}")
@@ -71,11 +77,11 @@ def route(
     g_pad, pg_pad = triton.next_power_of_2(cfg.n_group), triton.next_power_of_2(per_group)
     _k.router_kernel[(t,)](
         logits, correction_bias if correction_bias is not None else logits, topk_ids, topk_weights,
-        logits.stride(0), topk_ids.stride(0), topk_weights.stride(0),
+        live_rows if live_rows is not None else topk_ids, logits.stride(0), topk_ids.stride(0), topk_weights.stride(0),
         float(cfg.routed_scaling_factor), cfg.renorm_eps,
         E=e, K=k, K_PAD=triton.next_power_of_2(k), N_GROUP=cfg.n_group, PER_GROUP=per_group,
         TOPK_GROUP=cfg.topk_group, G_PAD=g_pad, PG_PAD=pg_pad, SIGMOID=cfg.scoring == "sigmoid",
-        HAS_BIAS=correction_bias is not None, RENORM=cfg.norm_topk_prob,
+        HAS_BIAS=correction_bias is not None, RENORM=cfg.norm_topk_prob, HAS_LIVE=live_rows is not None,
         num_warps=1 if g_pad * pg_pad <= 128 else 2 if g_pad * pg_pad <= 512 else 4,
     )
     return topk_ids, topk_weights

@@ -32,6 +32,7 @@ def router_kernel(
     bias_ptr,  # [E] fp32 (HAS_BIAS)
     ids_ptr,  # [T, K] int32 out
     weights_ptr,  # [T, K] fp32 out
+    live_ptr,  # [1] int64 (HAS_LIVE): rows from it on are pad rows, routed to NO_EXPERT (-1) at weight 0 unscored
     stride_l,
     stride_i,
     stride_w,
@@ -48,8 +49,15 @@ def router_kernel(
     SIGMOID: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     RENORM: tl.constexpr,
+    HAS_LIVE: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
+    if HAS_LIVE:
+        if t >= tl.load(live_ptr):
+            k_out = tl.arange(0, K_PAD)
+            tl.store(ids_ptr + t * stride_i + k_out, tl.full([K_PAD], -1, dtype=tl.int32), mask=k_out < K)
+            tl.store(weights_ptr + t * stride_w + k_out, tl.zeros([K_PAD], dtype=tl.float32), mask=k_out < K)
+            return
     g = tl.arange(0, G_PAD)[:, None]
     p = tl.arange(0, PG_PAD)[None, :]
     valid = (g < N_GROUP) & (p < PER_GROUP)  # [G_PAD, PG_PAD]

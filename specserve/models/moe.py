@@ -44,15 +44,18 @@ class TopKRouter(nn.Module):
             self.e_score_correction_bias.weight_loader = lambda p, w: copy_checked(p.data, w)
         self.use_kernel = False  # CausalLM.set_fused_layers: the rule after the gate GEMM in one Triton launch
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [T, H] -> (topk_ids [T, K] int64 (int32 from the kernel), topk_weights [T, K] float32)."""
+    def forward(self, x: torch.Tensor, live_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, H], live_rows [1] int64 on x's device or None (all T) -> (topk_ids [T, K] int64 (int32 from the
+        kernel), topk_weights [T, K] float32). Rows from live_rows on (pad rows) get NO_EXPERT at weight 0."""
         if self.use_kernel:
-            return self._kernel(x)
-        if self.cfg.scoring == "sigmoid":
-            return self._sigmoid_grouped(x)
-        return self._softmax(x)
+            return self._kernel(x, live_rows)
+        ids, weights = self._sigmoid_grouped(x) if self.cfg.scoring == "sigmoid" else self._softmax(x)
+        if live_rows is not None:
+            pad = torch.arange(x.shape[0], device=x.device)[:, None] >= live_rows  # [T, 1]
+            ids, weights = ids.masked_fill(pad, NO_EXPERT), weights.masked_fill(pad, 0.0)
+        return ids, weights
 
-    def _kernel(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _kernel(self, x: torch.Tensor, live_rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         from specserve.kernels.router import RouterConfig, route
 
         cfg = self.cfg
@@ -64,7 +67,7 @@ class TopKRouter(nn.Module):
         )
         logits = F.linear(x.float(), self._weight_f32()) if sigmoid else F.linear(x, self.weight)  # as the torch rules
         bias = self.e_score_correction_bias if sigmoid and cfg.correction_bias else None
-        return route(logits, rule, bias)
+        return route(logits, rule, bias, live_rows=live_rows)
 
     def _weight_f32(self) -> torch.Tensor:  # [E, H] float32
         """The gate weight in float32 for the sigmoid rule, converted once (again only if the weight changes: the key
@@ -204,10 +207,7 @@ class MoEBlock(nn.Module):
         captured at the padded row count skips however many rows each replay pads.
         Under tp each rank's routed output is partial (TP: its I-slice of every expert; EP: its experts'
         choices only), as is its shared-experts output (TP slice); one all-reduce sums both."""
-        topk_ids, topk_weights = self.gate(x)
-        if live_rows is not None:
-            pad = torch.arange(x.shape[0], device=x.device)[:, None] >= live_rows  # [T, 1]
-            topk_ids, topk_weights = topk_ids.masked_fill(pad, NO_EXPERT), topk_weights.masked_fill(pad, 0.0)
+        topk_ids, topk_weights = self.gate(x, live_rows)
         ids, weights = self.experts.localize(topk_ids, topk_weights)
         out = self.experts.run(self.experts_fn, x, ids, weights)
         if self.shared_experts is not None:

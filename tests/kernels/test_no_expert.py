@@ -172,3 +172,22 @@ def test_w4a16_gemv_rows_do_not_depend_on_the_row_count():
     dot = w4a16_moe(x, *args, ids, weights, group_size=32, gemv_max_tokens=0)
     assert [j for j in range(ROWS) if not torch.equal(dot[j], alone[j][0])] != []
 
+
+
+@pytest.mark.gpu
+@runs_triton
+@pytest.mark.parametrize("scoring", ["softmax", "sigmoid"])
+def test_router_routes_rows_past_the_live_count_to_no_expert(scoring):
+    """The fused router (models/moe.TopKRouter with the fused layers) reads the live row count from the device: rows
+    from it on get NO_EXPERT at weight 0 unscored, the rows before it what they get without a count."""
+    from specserve.kernels.router import RouterConfig, route
+
+    sigmoid = scoring == "sigmoid"
+    rule = RouterConfig(num_experts=64, top_k=6, scoring=scoring, n_group=8 if sigmoid else 1,
+                        topk_group=4 if sigmoid else 1, norm_topk_prob=True, routed_scaling_factor=2.5)
+    logits = torch.randn(ROWS, 64, generator=torch.Generator().manual_seed(21)).to(DEV)
+    ids, weights = route(logits, rule)
+    live_ids, live_w = route(logits, rule, live_rows=torch.tensor([REAL], device=DEV))
+    _sync()
+    assert torch.equal(live_ids[:REAL], ids[:REAL]) and torch.equal(live_w[:REAL], weights[:REAL])
+    assert bool((live_ids[REAL:] == NO_EXPERT).all()) and not live_w[REAL:].any()
