@@ -29,6 +29,8 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+import torch
+
 from specserve.contract.types import (
     BadProbs,
     DraftBlock,
@@ -87,6 +89,21 @@ def check_block(block: DraftBlock, max_nodes: int, vocab_size: int) -> None:
         raise MalformedDraft(str(exc)) from None
 
 
+def consecutive_rows(parts: list[Hidden]) -> torch.Tensor | None:  # [sum of rows, F], or None
+    """Tensors each starting where the one before ends in one buffer (same storage, strides and width), as one view of
+    it (no copy, no device work); None otherwise."""
+    first = parts[0]
+    if not all(isinstance(p, torch.Tensor) and p.dim() == 2 for p in parts):
+        return None
+    storage = first.untyped_storage().data_ptr()
+    for prev, p in zip(parts, parts[1:]):
+        if (p.untyped_storage().data_ptr() != storage or p.stride() != first.stride() or p.shape[1] != first.shape[1]
+                or p.storage_offset() != prev.storage_offset() + prev.shape[0] * prev.stride(0)):
+            return None
+    rows = sum(p.shape[0] for p in parts)
+    return first.as_strided((rows, first.shape[1]), first.stride(), first.storage_offset())
+
+
 def truncate_chain(block: DraftBlock, k: int) -> DraftBlock:
     """The first k drafted tokens of a chain (verifying a prefix is always lossless)."""
     if k >= len(block) or not block.is_chain:
@@ -115,10 +132,13 @@ class _DraftSync:
         if not self.needs_hidden or not self.unsent_hidden:
             return None
         # one step's rows (the usual case) go as they are: concatenating device rows here would be GPU work on the
-        # event loop; several (steps without a propose in between) are joined once
-        rows = self.unsent_hidden[0] if len(self.unsent_hidden) == 1 else join_hidden(self.unsent_hidden)
-        self.unsent_hidden = []
-        return rows
+        # event loop; several (steps without a propose in between) are one view where they follow each other in one
+        # buffer (an in-process engine's rows: its own row buffer), else joined once
+        parts, self.unsent_hidden = self.unsent_hidden, []
+        if len(parts) == 1:
+            return parts[0]
+        joined = consecutive_rows(parts)
+        return join_hidden(parts) if joined is None else joined
 
     async def start(self, draft: DraftClient, sid: str, seq: list[int], sampling) -> None:
         """The drafter's session over S as it is now (prompt + every token emitted so far)."""

@@ -66,6 +66,7 @@ __all__ = [
 ]
 
 _EMPTY = DraftBlock(token_ids=())
+OWN_ROWS_SPARE = 256  # rows past twice the prompt an engine-owned row buffer starts with (it doubles when full)
 
 
 def tokenizer_vocab_hash(tokenizer, vocab_size: int) -> str:
@@ -121,6 +122,7 @@ class TargetEngine:
         on_cuda = self.device.type == "cuda"
         self._summary_host = torch.zeros(3, dtype=torch.int64, pin_memory=on_cuda)  # a graph step's one read
         self._summary_read = torch.cuda.Event() if on_cuda else None
+        self._layer_index: dict[tuple, torch.Tensor] = {}  # (capture, wanted, device) -> wanted's columns in capture
         self._info = EngineInfo(
             model_type=config.model_type,
             vocab_size=config.vocab_size,
@@ -229,6 +231,10 @@ class TargetEngine:
             raise InvalidInput(f"hidden_out: {tuple(hidden_out.shape)} on {hidden_out.device} is no row sink for "
                                f"{len(layers)} layers of {self.config.hidden_size} on {self.device}")
         n = len(prompt)
+        own_rows = hidden_out is None and bool(layers)
+        if own_rows:  # the session's rows live in a buffer of the engine's (row i = position i), grown as it goes
+            hidden_out = torch.empty(min(self.max_context, 2 * n + OWN_ROWS_SPARE), len(layers) * self.config.hidden_size,
+                                     dtype=self.dtype, device=self.device)
         table = self.blocks.add(session_id, n)  # raises OutOfBlocks with nothing allocated
         try:
             t0 = time.perf_counter()
@@ -264,10 +270,10 @@ class TargetEngine:
             self.blocks.free(session_id)
             raise
         self._sessions[session_id] = Session(session_id, sampling, gen, layers, n, first, hidden_out=hidden_out,
-                                             logprobs=logprobs)
+                                             logprobs=logprobs, own_rows=own_rows)
         return PrefillResult(
             next_token=first,
-            hidden=out.captured,
+            hidden=hidden_out[:n] if own_rows else out.captured,
             timings=StepTimings(forward_ms=(t1 - t0) * 1e3, sample_ms=(t2 - t1) * 1e3),
             logprobs=first_lp,
             prompt_logprobs=prompt_lp,
@@ -395,6 +401,8 @@ class TargetEngine:
         out, capture = run.out, run.captured_layers
         s, block, layout = step.session, step.block, step.layout
         t0 = time.perf_counter()
+        if s.own_rows and layout.is_chain:
+            self._grow_rows(s, s.cached_len + layout.num_nodes)
         sink, written = s.hidden_out, 0
         if sink is not None and layout.is_chain:  # node j is position cached_len + j: write before the read
             written = max(0, min(layout.num_nodes, sink.shape[0] - s.cached_len))
@@ -417,10 +425,16 @@ class TargetEngine:
             rows = self._to_device([step.start + j for j in committed])
             hidden = self._select_layers(out.captured.index_select(0, rows), capture, s.hidden_layers)
             if sink is not None and not layout.is_chain:  # a tree's path is known only now: write, then wait
+                if s.own_rows:
+                    self._grow_rows(s, s.cached_len + len(committed))
+                    sink = s.hidden_out
                 fit = max(0, min(len(committed), sink.shape[0] - s.cached_len))
                 if fit:
                     sink[s.cached_len : s.cached_len + fit].copy_(hidden[:fit])
-                    self._sync()
+                    if s.own_rows:  # the rows as a view of it, like a chain's
+                        hidden = sink[s.cached_len : s.cached_len + fit]
+                    else:  # a shared buffer another process reads: complete before the reply
+                        self._sync()
         # commit: accepted path to contiguous slots, drop the rest (nothing above may change state)
         src, dst = compaction_moves(committed)
         if src:
@@ -448,12 +462,32 @@ class TargetEngine:
     def _select_layers(
         self, captured: torch.Tensor, capture: tuple[int, ...], wanted: tuple[int, ...]
     ) -> torch.Tensor:  # [N, len(capture) * H] -> [N, len(wanted) * H]
+        """The wanted layers' columns: a view where they are consecutive in `capture` (one drafter's layers among
+        several drafters' union), else one gather with an index made once per (capture, wanted) (no host-to-device copy
+        a step)."""
         if capture == wanted:
             return captured
         h = self.config.hidden_size
+        at = [capture.index(i) for i in wanted]
+        if at == list(range(at[0], at[0] + len(at))):
+            return captured[:, at[0] * h : (at[0] + len(at)) * h]
+        key = (capture, wanted, captured.device)
+        idx = self._layer_index.get(key)
+        if idx is None:
+            idx = self._layer_index[key] = torch.tensor(at, device=captured.device)
         cols = captured.view(captured.shape[0], len(capture), h)
-        idx = torch.tensor([capture.index(i) for i in wanted], device=captured.device)
         return cols.index_select(1, idx).reshape(captured.shape[0], len(wanted) * h)
+
+    def _grow_rows(self, s: Session, rows: int) -> None:
+        """An engine-owned row buffer holding at least `rows` rows (doubled, capped at the context); rows already
+        returned stay valid (views keep the old buffer)."""
+        sink = s.hidden_out
+        if rows <= sink.shape[0]:
+            return
+        grown = torch.empty(min(self.max_context, max(rows, 2 * sink.shape[0])), sink.shape[1], dtype=sink.dtype,
+                            device=sink.device)
+        grown[: s.cached_len].copy_(sink[: s.cached_len])
+        s.hidden_out = grown
 
     # ---- lifecycle -------------------------------------------------------------------------------
     def release(self, session_id: str) -> bool:
@@ -478,5 +512,7 @@ class TargetEngine:
         return out
 
     def _sync(self) -> None:
+        """Wait for the work this thread queued (its current stream), not the whole device: in one process a
+        drafter's kernels on its own stream (runtime/device_stream.py) must not hold up a prefill."""
         if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+            torch.cuda.current_stream(self.device).synchronize()

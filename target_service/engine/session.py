@@ -54,6 +54,9 @@ class Session:
     # (row i = position i) that fits, a shared buffer a drafter reads (target_service/server.py); or None
     hidden_out: torch.Tensor | None = None
     logprobs: LogprobsSpec | None = None  # the emitted tokens' log-probabilities are returned with each step
+    # hidden_out is the engine's own (no caller gave a sink): grown when a step needs more rows, and a step's rows are
+    # returned as a view of it, so a step copies its rows once and consecutive steps' rows are one range of it
+    own_rows: bool = False
 
 
 @dataclass(frozen=True)

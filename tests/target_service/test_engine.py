@@ -333,3 +333,42 @@ def test_hidden_out_holds_every_committed_row_at_its_position(load, temperature)
     assert torch.equal(sink, committed[: sink.shape[0]])  # every row that fits, at its position
     with pytest.raises(InvalidInput, match="hidden_out"):
         eng.prefill("bad", PROMPT, sampling, layers, hidden_out=torch.zeros(4, width + 1))
+
+
+def test_a_session_without_a_sink_returns_its_rows_as_one_buffer_of_its_own(load, monkeypatch):
+    """In process (no sink given), a session that reads hidden rows gets each step's committed rows as a view of one
+    engine-owned buffer, written once (no gather, no host-to-device copy a step), each step's starting where the last
+    one's ended, so the gateway hands a drafter many skipped steps' rows as one view (spec_loop.consecutive_rows),
+    no copy; the buffer doubles when full and rows returned before stay valid. The rows equal those of a session
+    with a sink of its own (the target service's path) step for step."""
+    from specserve.gateway.spec_loop import consecutive_rows
+    from specserve.target_service.engine import engine as engine_module
+
+    monkeypatch.setattr(engine_module, "OWN_ROWS_SPARE", 0, raising=False)  # the buffer starts at twice the prompt: it grows here
+    eng = _engine(load, "qwen3_moe")
+    layers = (0, 1)
+    width = len(layers) * eng.info().hidden_size
+    pre = eng.prefill("own", PROMPT, GREEDY, layers)
+    eng.prefill("ref", PROMPT, GREEDY, layers, hidden_out=torch.full((64, width), float("nan")))
+    parts, kept = [pre.hidden], [pre.hidden.clone()]
+    blocks = [DraftBlock(token_ids=(3, 9, 11)), DraftBlock(token_ids=()), DraftBlock(token_ids=(4, 8)),
+              DraftBlock(token_ids=(4, 8, 8, 2), parents=(-1, -1, 0, 1))] + [DraftBlock(token_ids=())] * 8
+    for block in blocks:
+        got, want = eng.verify("own", block), eng.verify("ref", block)
+        assert got.emitted == want.emitted and torch.equal(got.hidden, want.hidden)
+        parts.append(got.hidden)
+        kept.append(got.hidden.clone())
+    assert all(torch.equal(p, k) for p, k in zip(parts, kept))  # earlier views survive the buffer's growth
+    first_buffer = [p for p in parts if p.untyped_storage().data_ptr() == parts[0].untyped_storage().data_ptr()]
+    assert 3 <= len(first_buffer) < len(parts)  # it grew
+    for run in (first_buffer, parts[len(first_buffer):]):
+        joined = consecutive_rows(run)
+        assert joined is not None and joined.untyped_storage().data_ptr() == run[0].untyped_storage().data_ptr()
+        assert torch.equal(joined, torch.cat(run))
+    assert consecutive_rows(parts) is None  # across the growth: not one buffer (the gateway then joins them)
+    h = eng.info().hidden_size
+    captured = torch.randn(2, 3 * h)  # two rows of three layers (a union of drafters' layers)
+    view = eng._select_layers(captured, (0, 1, 2), (1, 2))  # consecutive: a view, no copy
+    assert view.untyped_storage().data_ptr() == captured.untyped_storage().data_ptr()
+    assert torch.equal(view, captured[:, h:])
+    assert torch.equal(eng._select_layers(captured, (0, 1, 2), (2, 0)), torch.cat([captured[:, 2 * h:], captured[:, :h]], 1))
