@@ -61,7 +61,7 @@ class RogueDraft:
                 try:
                     await channel.wait_attached(10)
                     await channel.arecv(30)
-                    channel._write_some([memoryview((1 << 31).to_bytes(4, "little"))], 0)  # the prefix alone
+                    channel._rings.write_some([memoryview((1 << 31).to_bytes(4, "little"))], 0)  # the prefix alone
                     channel._ring_peer()
                     rogue.frames += 1
                     await asyncio.sleep(5)

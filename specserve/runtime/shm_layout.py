@@ -1,6 +1,6 @@
-"""A shared-memory channel's segment at rest (specserve/runtime/shm_ring.py is the channel): where each
-word of it lives, the u32 length prefix, the sizes and spin a channel end is made with (``RingConfig``),
-and the names the segment and its two FIFOs have in /dev/shm (room reserved up front, unlinked, listed).
+"""A shared-memory channel's segment at rest (specserve/runtime/shm_ring.py is the channel, shm_rings.py its
+rings): where each word of it lives, the u32 length prefix, the sizes and spin a channel end is made with
+(``RingConfig``), and the names the segment and its two FIFOs have in /dev/shm (room reserved up front, unlinked, listed).
 
 Layout of the segment (``RingConfig.capacity`` = C bytes per direction)::
 

@@ -1,25 +1,10 @@
 """A duplex shared-memory channel between two processes of one host: two single-producer /
 single-consumer rings of length-prefixed messages in one ``multiprocessing.shared_memory`` segment,
 and a doorbell per side. The segment's layout, ``RingConfig``, and the names in /dev/shm (with who
-unlinks them when) are specserve/runtime/shm_layout.py.
-
-A message is a u32 length and its bytes, written as a byte stream modulo C (it may wrap); one larger
-than C goes through in pieces while the reader drains it (back-pressure: the writer waits for room).
-Each end refuses an incoming length above its own ``RingConfig.max_message`` (by default the services'
-gRPC message limit) before it allocates anything, and grows a message's buffer only with bytes that
-have arrived: a peer cannot make a reader commit memory it did not send. A writer checks the
-reader's published limit first (``MessageTooLarge``, nothing written), as gRPC refuses a message
-over the peer's limit. Head and tail only grow; the writer stores the bytes before it publishes the head, the reader
-reads the bytes before it publishes the tail (aligned 8-byte stores are atomic and stay in order on
-x86-64; other CPUs are not claimed).
-
-Doorbell: each side owns a FIFO (``mkfifo``, opened by name) that its peer writes one byte to after
-publishing data (or room its writer waits for). A reader first spins on the head for
-``RingConfig.spin_us`` (the answer is often already there), then blocks on its FIFO: ``select`` in
-the blocking API, the event loop's reader callback in the asyncio API. The FIFO doubles as the peer's
-pulse: when the peer process ends, however it ends (SIGKILL included), the kernel closes its write
-end, the reader sees end-of-file and gets ``PeerGone`` at once; writing to a peer whose read end is
-gone also gives ``PeerGone``.
+unlinks them when) are specserve/runtime/shm_layout.py; the rings and their messages (framing, limits, the order
+of stores) specserve/runtime/shm_rings.py; the doorbells (FIFOs, the peer's pulse)
+specserve/runtime/shm_doorbell.py; what it raises specserve/runtime/shm_errors.py. This module is one end:
+making and attaching it, waiting (spin, then the doorbell), and closing.
 
 The blocking API (``send`` / ``recv``) and the asyncio API (``asend`` / ``arecv``) may not be mixed on
 one channel end; each end is used by one thread (or one event loop) at a time.
@@ -39,40 +24,10 @@ from collections.abc import Iterator
 from multiprocessing import resource_tracker
 from multiprocessing.shared_memory import SharedMemory
 
-from specserve.runtime.shm_layout import (
-    CONTROL,
-    HEAD,
-    LEN,
-    LIMIT,
-    MAX_MESSAGE,
-    NAME_PREFIX,
-    RING_CTRL,
-    TAIL,
-    U32,
-    U64,
-    WAITING,
-    RingConfig,
-    fifo_path,
-    reserve,
-    unlink_names,
-)
-
-
-class RingError(ConnectionError):
-    """The channel cannot be used (closed, or a length that no peer of ours writes)."""
-
-
-class PeerGone(RingError):
-    """The peer process ended or closed its end of the channel."""
-
-
-class MessageTooLarge(RingError):
-    """A message over the reader's limit: refused by the writer before anything is written (the
-    channel stays usable), or by the reader at its length prefix (the channel is dropped)."""
-
-
-class RingTimeout(TimeoutError):
-    """No message (or no room) within the timeout."""
+from specserve.runtime.shm_doorbell import Doorbell
+from specserve.runtime.shm_errors import MessageTooLarge, PeerGone, RingError, RingTimeout
+from specserve.runtime.shm_layout import CONTROL, NAME_PREFIX, RingConfig, fifo_path, reserve, unlink_names
+from specserve.runtime.shm_rings import Rings
 
 
 def _expire(waiter: asyncio.Future) -> None:
@@ -91,18 +46,12 @@ class ShmChannel:
         self.max_message = config.max_message  # what this end reads
         self._spin_s = config.spin_us * 1e-6
         self._shm = shm
-        self._buf = shm.buf
-        self._out_ctrl, self._in_ctrl = (RING_CTRL[0], RING_CTRL[1]) if creator else (RING_CTRL[1], RING_CTRL[0])
-        self._out_data = CONTROL + (0 if creator else capacity)
-        self._in_data = CONTROL + (capacity if creator else 0)
-        self._my_fd = -1  # my doorbell (read end)
-        self._peer_fd = -1  # the peer's doorbell (write end)
+        self._rings = Rings(shm.buf, creator, capacity, config.max_message)
+        self._bell = Doorbell()
         self._attached = False
         self._linked = creator  # the names still exist (the creator unlinks them if nobody attaches)
         self._closed = False
         self._peer_gone = False
-        self._partial: bytearray | None = None  # a message being read: the bytes that have arrived of it
-        self._partial_len = 0  # its length (from its prefix)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._waiter: asyncio.Future | None = None
         self._send_lock = threading.Lock()  # try_send (any thread) against close
@@ -121,11 +70,8 @@ class ShmChannel:
             for side in ("c", "a"):
                 os.mkfifo(fifo_path(name, side), 0o600)
             ch = cls(shm, name, True, cfg.capacity, cfg)
-            ch._put(ch._in_ctrl + LIMIT, cfg.max_message)
-            ch._my_fd = os.open(fifo_path(name, "c"), os.O_RDONLY | os.O_NONBLOCK)
-            # read-write: opening a FIFO's write end alone needs a reader there, and the attacher
-            # unlinks the name as soon as it has opened it; what is written before it reads waits
-            ch._peer_fd = os.open(fifo_path(name, "a"), os.O_RDWR | os.O_NONBLOCK)
+            ch._rings.publish_limit()
+            ch._bell.open_creator(name)
         except BaseException:
             shm.close()
             unlink_names(name)
@@ -149,9 +95,8 @@ class ShmChannel:
             if capacity < 64 or capacity % 8 or shm.size != CONTROL + 2 * capacity:
                 raise RingError(f"segment {name} of {shm.size} bytes is not a channel")
             ch = cls(shm, name, False, capacity, cfg)
-            ch._put(ch._in_ctrl + LIMIT, cfg.max_message)
-            ch._my_fd = os.open(fifo_path(name, "a"), os.O_RDONLY | os.O_NONBLOCK)
-            ch._peer_fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)  # ENXIO: the creator closed its end
+            ch._rings.publish_limit()
+            ch._bell.open_attacher(name)  # ENXIO: the creator closed its end
         except BaseException:
             if "ch" in locals():
                 ch._close_fds()
@@ -174,43 +119,21 @@ class ShmChannel:
     def attached(self) -> bool:
         return self._attached
 
-    # ---------------------------------------------------------------------------- ring words
-    def _get(self, off: int) -> int:
-        return U64.unpack_from(self._buf, off)[0]
-
-    def _put(self, off: int, value: int) -> None:
-        U64.pack_into(self._buf, off, value)
-
-    def _readable(self) -> int:
-        return self._get(self._in_ctrl + HEAD) - self._get(self._in_ctrl + TAIL)
-
-    def _room(self) -> int:
-        return self.capacity - (self._get(self._out_ctrl + HEAD) - self._get(self._out_ctrl + TAIL))
-
     # ----------------------------------------------------------------------------- doorbell
     def _ring_peer(self) -> None:
         try:
-            os.write(self._peer_fd, b"\x01")
-        except BlockingIOError:
-            pass  # the FIFO is full of unread rings: the peer wakes anyway
-        except (BrokenPipeError, OSError) as exc:
+            self._bell.ring()
+        except OSError as exc:  # BrokenPipeError, ...
             self._peer_gone = True
             raise PeerGone(f"shared-memory peer went away: {exc}") from None
 
     def _drain_doorbell(self) -> None:
         """Consume my doorbell's bytes; end-of-file means the peer is gone."""
-        while True:
-            try:
-                data = os.read(self._my_fd, 4096)
-            except BlockingIOError:
-                return
-            if not data:  # every writer closed: the peer came (select saw it) and went
-                self._peer_gone = True
-                return
-            if not self.attached:
-                self._on_attached()
-            if len(data) < 4096:
-                return
+        rang, gone = self._bell.drain()
+        if rang and not self.attached:
+            self._on_attached()
+        if gone:
+            self._peer_gone = True
 
     def _check_usable(self) -> None:
         if self._closed:
@@ -218,87 +141,16 @@ class ShmChannel:
         if self._peer_gone:
             raise PeerGone("shared-memory peer went away")
 
-    # ------------------------------------------------------------------------ non-blocking
-    def _write_some(self, parts: list[memoryview], done: int) -> int:
-        """Copy what fits of the concatenated parts from byte ``done`` on; publish; return bytes written."""
-        room = self._room()
-        if room <= 0:
-            return 0
-        head = self._get(self._out_ctrl + HEAD)
-        wrote, skip = 0, done
-        for part in parts:
-            if skip >= len(part):
-                skip -= len(part)
-                continue
-            chunk = part[skip : skip + (room - wrote)]
-            skip = 0
-            pos = (head + wrote) % self.capacity
-            first = min(len(chunk), self.capacity - pos)
-            base = self._out_data
-            self._buf[base + pos : base + pos + first] = chunk[:first]
-            if first < len(chunk):
-                self._buf[base : base + len(chunk) - first] = chunk[first:]
-            wrote += len(chunk)
-            if wrote >= room:
-                break
-        self._put(self._out_ctrl + HEAD, head + wrote)
-        return wrote
-
-    def _read_into(self, dst: memoryview, n: int) -> None:
-        tail = self._get(self._in_ctrl + TAIL)
-        pos = tail % self.capacity
-        first = min(n, self.capacity - pos)
-        base = self._in_data
-        dst[:first] = self._buf[base + pos : base + pos + first]
-        if first < n:
-            dst[first:n] = self._buf[base : base + n - first]
-        self._put(self._in_ctrl + TAIL, tail + n)
-
-    def _read_append(self, dst: bytearray, n: int) -> None:
-        """Append the next n bytes of the ring to dst (it grows by what has arrived, never ahead of it)."""
-        tail = self._get(self._in_ctrl + TAIL)
-        pos = tail % self.capacity
-        first = min(n, self.capacity - pos)
-        base = self._in_data
-        dst += self._buf[base + pos : base + pos + first]
-        if first < n:
-            dst += self._buf[base : base + n - first]
-        self._put(self._in_ctrl + TAIL, tail + n)
-
+    # ---------------------------------------------------------------------------- reading
     def _try_read(self) -> bytes | None:
         """A whole message if one is there (consumes what is there of a longer one)."""
-        freed = False
-        while True:
-            avail = self._readable()
-            if self._partial is None:
-                if avail < LEN:
-                    break
-                hdr = bytearray(LEN)
-                self._read_into(memoryview(hdr), LEN)
-                freed = True
-                (length,) = U32.unpack(hdr)
-                if length > self.max_message:  # refused before a byte of it is allocated
-                    self._peer_gone = True
-                    raise MessageTooLarge(f"the peer sent a message of {length} bytes; this end reads at most "
-                                          f"{self.max_message}")
-                self._partial, self._partial_len = bytearray(), length
-                avail -= LEN
-            n = min(self._partial_len - len(self._partial), avail)
-            if n:
-                self._read_append(self._partial, n)
-                freed = True
-            if len(self._partial) == self._partial_len:
-                msg, self._partial = bytes(self._partial), None
-                self._wake_waiting_writer(freed)
-                return msg
-            if not n:
-                break
+        try:
+            msg, freed = self._rings.read_message()
+        except MessageTooLarge:
+            self._peer_gone = True
+            raise
         self._wake_waiting_writer(freed)
-        return None
-
-    def _can_read(self) -> bool:
-        """A read would make progress (a length prefix is read whole)."""
-        return self._readable() >= (LEN if self._partial is None else 1)
+        return msg
 
     def _try_read_usable(self) -> bytes | None:
         """A whole message if one is there; a message the peer wrote before it went is still read."""
@@ -310,8 +162,8 @@ class ShmChannel:
         return msg
 
     def _wake_waiting_writer(self, freed: bool) -> None:
-        if freed and self._get(self._in_ctrl + WAITING) and self.attached:
-            self._put(self._in_ctrl + WAITING, 0)
+        if freed and self._rings.peer_waiting() and self.attached:
+            self._rings.clear_peer_waiting()
             with contextlib.suppress(PeerGone):  # a writer that went: the next call says so
                 self._ring_peer()
 
@@ -336,19 +188,12 @@ class ShmChannel:
 
     def peer_max_message(self) -> int:
         """The largest message the peer reads (what it published; a u32 length's most before it has)."""
-        return self._get(self._out_ctrl + LIMIT) or MAX_MESSAGE
-
-    def _frame(self, payload: bytes | bytearray | memoryview) -> list[memoryview]:
-        view = memoryview(payload).cast("B")
-        limit = self.peer_max_message()
-        if len(view) > limit:
-            raise MessageTooLarge(f"a message of {len(view)} bytes exceeds the peer's limit of {limit}")
-        return [memoryview(U32.pack(len(view))), view]
+        return self._rings.peer_max_message()
 
     # ------------------------------------------------------------------------------ blocking
     def _block(self, deadline: float | None) -> None:
         left = self._left(deadline)
-        readable, _, _ = select.select([self._my_fd], [], [], left)
+        readable, _, _ = select.select([self._bell.fd], [], [], left)
         if readable:
             self._drain_doorbell()
 
@@ -356,15 +201,15 @@ class ShmChannel:
         """Write one message, ringing the peer after every part written; yield whenever the ring stays full
         past the spin (the caller then waits for the reader's doorbell, capped by _waiting_deadline)."""
         self._check_usable()
-        parts = self._frame(payload)
+        parts = self._rings.frame(payload)
         total, done = sum(len(p) for p in parts), 0
         while True:
-            done += self._write_some(parts, done)
+            done += self._rings.write_some(parts, done)
             self._ring_peer()
             if done == total:
                 return
-            self._put(self._out_ctrl + WAITING, 1)
-            if not self._spin(lambda: self._room() > 0):
+            self._rings.mark_waiting()
+            if not self._spin(lambda: self._rings.room() > 0):
                 yield
                 self._check_usable()
 
@@ -387,7 +232,7 @@ class ShmChannel:
             msg = self._try_read_usable()
             if msg is not None:
                 return msg
-            if self._spin(self._can_read):
+            if self._spin(self._rings.can_read):
                 continue
             self._block(deadline)
 
@@ -399,12 +244,12 @@ class ShmChannel:
             if self._closed or self._peer_gone:
                 return False
             try:
-                parts = self._frame(payload)
+                parts = self._rings.frame(payload)
             except MessageTooLarge:
                 return False  # the loop's send says so
-            if self._room() < sum(len(p) for p in parts):
+            if self._rings.room() < sum(len(p) for p in parts):
                 return False
-            self._write_some(parts, 0)
+            self._rings.write_some(parts, 0)
             try:
                 self._ring_peer()
             except PeerGone:
@@ -415,7 +260,7 @@ class ShmChannel:
     def _on_doorbell(self) -> None:
         self._drain_doorbell()
         if self._peer_gone and self._loop is not None:
-            self._loop.remove_reader(self._my_fd)
+            self._loop.remove_reader(self._bell.fd)
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
 
@@ -423,9 +268,9 @@ class ShmChannel:
         loop = asyncio.get_running_loop()
         if self._loop is not loop:
             if self._loop is not None and not self._loop.is_closed():
-                self._loop.remove_reader(self._my_fd)
+                self._loop.remove_reader(self._bell.fd)
             self._loop = loop
-            loop.add_reader(self._my_fd, self._on_doorbell)
+            loop.add_reader(self._bell.fd, self._on_doorbell)
         left = self._left(deadline)
         self._waiter = waiter = loop.create_future()
         # the timeout is a timer on the waiter itself: asyncio.wait_for would add a second future and
@@ -459,20 +304,16 @@ class ShmChannel:
             msg = self._try_read_usable()
             if msg is not None:
                 return msg
-            if self._spin(self._can_read):
+            if self._spin(self._rings.can_read):
                 continue
             await self._await_doorbell(deadline)
 
     # ------------------------------------------------------------------------------- closing
     def _close_fds(self) -> None:
-        if self._loop is not None and self._my_fd >= 0 and not self._loop.is_closed():
+        if self._loop is not None and self._bell.fd >= 0 and not self._loop.is_closed():
             with contextlib.suppress(Exception):
-                self._loop.remove_reader(self._my_fd)
-        for fd in (self._my_fd, self._peer_fd):
-            if fd >= 0:
-                with contextlib.suppress(OSError):
-                    os.close(fd)
-        self._my_fd = self._peer_fd = -1
+                self._loop.remove_reader(self._bell.fd)
+        self._bell.close()
 
     def close(self) -> None:
         """Close this end (the peer sees PeerGone); unlink the names if nobody attached."""
@@ -483,8 +324,7 @@ class ShmChannel:
             if self._waiter is not None and not self._waiter.done():
                 self._waiter.set_exception(RingError("the channel is closed"))
             self._close_fds()
-            self._buf = None
-            self._partial = None  # what had arrived of a message goes with the channel
+            self._rings.release()  # what had arrived of a message goes with the channel
             with contextlib.suppress(BufferError):
                 self._shm.close()
         if self._linked:

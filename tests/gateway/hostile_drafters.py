@@ -75,7 +75,7 @@ class RogueFrameDraft(draft_pb2_grpc.DraftServiceServicer):
         try:
             await channel.wait_attached(10)
             await channel.arecv(10)  # the first ProposeRequest
-            channel._write_some([memoryview((1 << 31).to_bytes(4, "little"))], 0)  # the prefix, never a body
+            channel._rings.write_some([memoryview((1 << 31).to_bytes(4, "little"))], 0)  # the prefix, never a body
             channel._ring_peer()
             self.frames_sent += 1
             await asyncio.sleep(5)

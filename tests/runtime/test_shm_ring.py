@@ -328,7 +328,7 @@ def test_try_send_racing_close_never_breaks_the_process():
 
 def _raw_prefix(ch: ShmChannel, length: int, body: bytes = b"") -> None:
     """What a rogue peer writes: a length prefix (and maybe some of a body), bypassing its own checks."""
-    ch._write_some([memoryview(length.to_bytes(4, "little")), memoryview(body)], 0)
+    ch._rings.write_some([memoryview(length.to_bytes(4, "little")), memoryview(body)], 0)
     ch._ring_peer()
 
 
