@@ -385,24 +385,25 @@ class MTPProposer(Proposer):
         return DraftBlock(token_ids=tuple(drafted), probs=probs)
 
     def _draft_chain_graphs(self, state: SessionState, num_tokens: int) -> DraftBlock:
-        """The same chain through mtp_graph.py: the catch-up feed (a graph, or eager for a long one), then the k draws
-        in one replay; the cache then holds the confirmed entries and the first k - 1 drafted ones, as after the eager
-        chain."""
+        """The same chain through mtp_graph.py: the catch-up feed (one replay; a long one several, feed_max entries
+        each), then the k draws in one replay; the cache then holds the confirmed entries and the first k - 1 drafted
+        ones, as after the eager chain."""
         fs: _MTPSession = state.family_state
         graphs, ids, L = self.chain_graphs, state.ids, len(state)
         keep = max(0, min(common_prefix_len(fs.tokens, ids) - 1, L - 2))
-        feed, out0 = None, None
-        if graphs.feeds(L - 1 - keep):
-            self.blocks.truncate(fs.key, keep)
-            feed = (ids[keep + 1: L].copy(), state.hidden_rows(keep, L - 1).to(self.device, self.dtype), keep)
-        else:
-            out0 = self._catch_up(state)
+        self.blocks.truncate(fs.key, keep)
         try:
             table = self.blocks.grow(fs.key, L - 2 + num_tokens)  # entries up to base + k - 1
         except OutOfBlocks as e:
             self.blocks.truncate(fs.key, keep)
             raise ProposerError(f"mtp drafter KV cache is full: {e}") from e
-        drafted, q = graphs.draft(table, L - 2, num_tokens, state.sampling, state.generator, feed, out0)
+        rows = state.hidden_rows(keep, L - 1).to(self.device, self.dtype)  # [L - 1 - keep, H]
+        while L - 1 - keep > graphs.feed_max:  # a long catch-up: feed replays of feed_max entries, then the rest's
+            m = graphs.feed_max
+            graphs.feed(table, L - 2, ids[keep + 1 : keep + 1 + m].copy(), rows[:m], keep)
+            keep, rows = keep + m, rows[m:]
+        drafted, q = graphs.draft(table, L - 2, num_tokens, state.sampling, state.generator,
+                                  (ids[keep + 1 : L].copy(), rows, keep))
         fs.tokens = ids[:L].copy()
         state.drop_hidden_before(L - 1 - ROLLBACK_ROWS)
         probs = None if q is None else to_target_probs(q, self.spec.block.vocab_size)

@@ -20,8 +20,9 @@ the drafter's own paged cache:
 
 Before the replays one host-to-device copy (pinned) brings the starts, the feed's token ids and the session's block
 table (grown first to cover every entry the chain writes), and one device copy the feed's rows; after them the
-chain's tokens (and q) are read once. A feed too long for the feed graphs (a prompt) runs eagerly and its output is
-copied into `out0`. Not captured (a CPU, or before capture()), the same bodies run eagerly over the same buffers: CPU
+chain's tokens (and q) are read once. A feed longer than the feed graphs (the tokens of steps adaptive skipped, a
+prompt) runs as several feed replays of feed_max entries, then one of the rest (never eagerly at a length met for the
+first time mid-request). Not captured (a CPU, or before capture()), the same bodies run eagerly over the same buffers: CPU
 tests compare them with the eager chain. Graphs are captured before any session holds blocks (warm-up and capture
 write scratch entries into block 0). The buffers, the paged metadata set on the device, the staging copy and the
 draws are model_graph.py's `PagedChainGraphs` (shared with the draft LM's chains).
@@ -148,8 +149,20 @@ class MTPChainGraphs(PagedChainGraphs):
             self._stage(table, base, None, 0)
             self.out0.copy_(out0[None])
         else:
-            ids, rows, start = feed
-            self._stage(table, base, ids, start)
-            self.rows[: len(ids)].copy_(rows)
-            self._run(("feed", len(ids)))
+            self.feed(table, base, *feed)
         return self._chain(k, sampling, generator)
+
+    @torch.inference_mode()
+    def feed(
+        self,
+        table: Sequence[int],  # the session's block table, covering entries < start + n
+        base: int,  # the pending token's entry (len(S) - 2)
+        ids: np.ndarray,  # [n <= feed_max] the confirmed tokens fed at entries start .. start + n - 1
+        rows: torch.Tensor,  # [n, H] their target rows
+        start: int,
+    ) -> None:
+        """One feed replay: n entries from the confirmed tokens and the target's rows (out0: the block's output at the
+        last; a long catch-up is several of these, then the propose's)."""
+        self._stage(table, base, ids, start)
+        self.rows[: len(ids)].copy_(rows)
+        self._run(("feed", len(ids)))

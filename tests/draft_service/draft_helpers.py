@@ -217,3 +217,23 @@ def with_graph_bodies(proposer, window: int = 256):
     for i in (1, 3, 0):
         proposer.blocks.free(holders[i])  # the next sessions take 0, 3, 1, then 4, 5, ...
     return proposer
+
+
+def skipped_catch_up_keys(live, eager, feats, vocab, skipped: int, k: int = 3) -> list[tuple]:
+    """A drafter left `skipped` tokens behind (steps adaptive skipped; their rows sent in one call) drafts, through its
+    graph bodies (`live`), the greedy block a fresh eager drafter drafts over the same S; returns the graph keys that
+    propose ran (recorded from live.chain_graphs._run)."""
+    rnd = random.Random(skipped)
+    ran = []
+    inner = live.chain_graphs._run
+    live.chain_graphs._run = lambda key: (ran.append(key), inner(key))[1]
+    seq = [rnd.randrange(vocab) for _ in range(5)]
+    live.start("s", seq, feats.rows(seq, 0, len(seq) - 1), SamplingParams())
+    live.propose("s", len(seq), [], None, k)
+    before = len(seq)
+    seq += [rnd.randrange(vocab) for _ in range(skipped)]
+    ran.clear()
+    got = live.propose("s", before, seq[before:], feats.rows(seq, before - 1, len(seq) - 1), k)
+    eager.start("f", seq, feats.rows(seq, 0, len(seq) - 1), SamplingParams())
+    assert got.token_ids == eager.propose("f", len(seq), [], None, k).token_ids
+    return ran

@@ -22,6 +22,7 @@ from draft_helpers import (
     check_sessions_take_turns,
     check_two_draws_follow_q,
     rollback_matches_fresh,
+    skipped_catch_up_keys,
 )
 from eagle3_helpers import TARGET_H, VOCAB, save_tiny_eagle3
 
@@ -361,22 +362,8 @@ def test_a_long_catch_up_runs_as_catch_up_replays_and_drafts_what_an_eager_draft
     call): the catch-up runs as replays of the captured catch-up sizes (largest first, the last part with the chain),
     not eagerly at a new length (a first use mid-request: the H200's EAGLE-3 probes paid 14-17 ms), and the block
     equals a fresh eager drafter's over the same S."""
-    import random
-
-    rnd = random.Random(skipped)
-    live, eager = _proposer(tiny, graphs=True), _proposer(tiny, graphs=False)
-    ran = []
-    inner = live.chain_graphs._run
-    live.chain_graphs._run = lambda key: (ran.append(key), inner(key))[1]
-    seq = [rnd.randrange(VOCAB) for _ in range(5)]
-    live.start("s", seq, FEATS.rows(seq, 0, len(seq) - 1), SamplingParams())
-    live.propose("s", len(seq), [], None, 3)
-    before = len(seq)
-    seq += [rnd.randrange(VOCAB) for _ in range(skipped)]
-    ran.clear()
-    got = live.propose("s", before, seq[before:], FEATS.rows(seq, before - 1, len(seq) - 1), 3)
-    eager.start("f", seq, FEATS.rows(seq, 0, len(seq) - 1), SamplingParams())
-    assert got.token_ids == eager.propose("f", len(seq), [], None, 3).token_ids
+    live = _proposer(tiny, graphs=True)
+    ran = skipped_catch_up_keys(live, _proposer(tiny, graphs=False), FEATS, VOCAB, skipped)
     assert all(key[0] != "catch_up" or key[1] in live.chain_graphs.long_sizes or key[1] <= 6 for key in ran)
     if skipped > 6:
         assert ran[0][0] == "catch_up" and ran[-1][0] == "block", ran

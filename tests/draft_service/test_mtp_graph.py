@@ -18,6 +18,7 @@ from draft_helpers import (
     check_graphs_draft_as_eager,
     check_two_draws_follow_q,
     rollback_matches_fresh,
+    skipped_catch_up_keys,
     with_graph_bodies,
 )
 
@@ -171,3 +172,17 @@ def test_captured_chains_in_bf16_mostly_draft_as_eager():
     graphs, eager = _demo_pair(demo_checkpoint("target"), "cuda", "bfloat16")
     assert graphs.chain_graphs.capture_errors == {} and graphs.chain_graphs.captured == 13
     check_graphs_draft_as_eager(engine, graphs, eager, PROMPTS, "bfloat16")
+
+
+@pytest.mark.parametrize("skipped", [6, 40])
+def test_a_long_catch_up_runs_as_feed_replays_and_drafts_what_an_eager_drafter_drafts(tiny_ckpt, skipped):
+    """Steps skipped while adaptive drafting was off leave the drafter `skipped` tokens behind (their rows sent in one
+    call): the catch-up runs as feed replays of feed_max entries, then the rest's with the chain, never eagerly at a
+    length met for the first time mid-request, and the block equals a fresh eager drafter's over the same S."""
+    target = tiny_ckpt("target_mtp")
+    live = with_graph_bodies(build_proposer(config(target)))
+    ran = skipped_catch_up_keys(live, build_proposer(config(target)), FakeFeatures(V, H), V, skipped)
+    feed_max = live.chain_graphs.feed_max
+    full = -(-skipped // feed_max) - 1  # feed_max-entry replays before the last feed (skipped entries to feed)
+    assert [key for key in ran if key[0] == "feed"] == [("feed", feed_max)] * full + [("feed", skipped - full * feed_max)]
+    assert all(key[0] in ("feed", "chain") for key in ran), ran
