@@ -16,7 +16,7 @@ from kernel_test_utils import HAS_CUDA, poison_cuda_allocator, random_moe_weight
 from test_quant_moe import _fp8_case, _int4_case
 
 from specserve.kernels.checks import triton_interpreting
-from specserve.kernels.fused_moe import HAS_TRITON, align_torch, align_triton, fused_moe
+from specserve.kernels.fused_moe import HAS_TRITON, align_torch, align_triton, fused_moe, moe_grouped_mm
 from specserve.kernels.moe_reference import NO_EXPERT, moe_reference, moe_reference_fixed_rows
 from specserve.kernels.quant_moe import fp8_moe, w4a16_moe
 from specserve.kernels.quant_reference import fp8_moe_reference, w4a16_moe_reference
@@ -78,6 +78,18 @@ def test_references_give_pad_rows_zero_and_the_real_rows_their_bits():
     # the gathering reference: the same bits as the unpadded rows (the pad rows add no row to any expert's GEMM)
     out = moe_reference(x, w13, w2, skip_ids, skip_w)
     assert torch.equal(out[:REAL], moe_reference(x[:REAL], w13, w2, skip_ids[:REAL], skip_w[:REAL]))
+    assert not out[REAL:].any()
+
+
+def test_grouped_mm_skips_pad_rows():
+    """The library path (long prefills; the CPU's fused MoE): pad rows add no rows to any expert's group."""
+    gen = torch.Generator().manual_seed(8)
+    e, h, i, k = 12, 64, 32, 4
+    w13, w2 = random_moe_weights(e, h, i, torch.bfloat16, gen, DEV)
+    x, (skip_ids, skip_w), _ = _padded(torch.randn(ROWS, h, generator=gen).to(DEV, torch.bfloat16),
+                                       *_routing(e, k, 9, DEV))
+    out = moe_grouped_mm(x, w13, w2, skip_ids, skip_w)
+    assert torch.equal(out[:REAL], moe_grouped_mm(x[:REAL], w13, w2, skip_ids[:REAL], skip_w[:REAL]))
     assert not out[REAL:].any()
 
 
