@@ -3,12 +3,11 @@
 Graphs are captured at start-up (before any session holds cache blocks: capture writes scratch K/V into the
 first blocks) for single-session steps of the configured sizes: T new tokens as a chain (T = 1 is plain decode,
 T = k + 1 verifies k drafted tokens) and, optionally, T-node trees. Each graph owns static input buffers (token
-ids, positions, cache slots and, in column 0 of a fourth row, the live row count: one [4, T] device tensor filled by
-one copy from pinned staging) and its attention
-backend's step buffers (block tables, lengths, tree mask), refilled by a host-side plan before every replay. A step
-with a graph is: plan, stage ids / positions / slots, replay, read the outputs (which stay valid until the next
-step). Any other step (prefill, batches of several sessions, contexts past the captured maximum, other capture
-layers) runs eagerly through the same model code.
+ids, positions, cache slots and, in column 0 of a fourth row, the live row count: one [4, T] device tensor filled
+by one copy from pinned staging) and its attention backend's step buffers (block tables, lengths, tree mask),
+refilled by a host-side plan before every replay. A step with a graph is: plan, stage ids / positions / slots,
+replay, read the outputs (which stay valid until the next step). Any other step (prefill, batches of several
+sessions, contexts past the captured maximum, other capture layers) runs eagerly through the same model code.
 
 Invariant steps (`invariant_rows` = R > 0, the target's `--invariant-steps`): every single-session step of at most
 R new tokens (decode, chain or tree verify) runs at R rows, its new tokens followed by pad rows (pad_step;
@@ -22,8 +21,8 @@ refilled each step), so the one captured graph skips as many rows as each step p
 
 Each graph also ends with the step's summary on the device (`_Graph.summary`, int64 [3]): the last accepted node of
 greedy verification when the step is a chain (the drafted tokens are ids[1:]), the target's argmax there (the next
-token) and the distinct (MoE layer, expert) pairs the step touched (pad rows: none). The engine reads those three numbers with one
-copy instead of running acceptance as separate eager ops (`RunOutput.summary`).
+token) and the distinct (MoE layer, expert) pairs the step touched (pad rows: none). The engine reads those three
+numbers with one copy instead of running acceptance as separate eager ops (`RunOutput.summary`).
 """
 
 from __future__ import annotations
