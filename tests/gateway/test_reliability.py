@@ -307,8 +307,18 @@ def test_target_killed_gives_unavailable_then_recovers(stack, refs):
     specs = [(i % 8, REF_LEN, ("model", "none")[i % 2]) for i in range(8)]
     deadline_s = 8.0
 
+    steps_before = stack.target_stats().steps
+
     def kill_target():
-        time.sleep(0.3)
+        # mid-stream: once half the requests hold a session at the target and it has verified a step per request
+        # (a fixed 0.3 s let every request finish first on a fast enough machine: the target-only half took
+        # 0.23-0.29 s, the drafted half 0.32-0.40 s, and in 1 of 10 runs none was left to fail)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            stats = stack.target_stats()
+            if stats.active_sessions >= len(specs) // 2 and stats.steps >= steps_before + len(specs):
+                break
+            time.sleep(0.005)
         stack.target.stop(signal.SIGKILL)
 
     results = run_concurrently(stack, [req(p, n, d) for p, n, d in specs], timeout=deadline_s, during=kill_target)
