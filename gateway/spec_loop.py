@@ -47,6 +47,7 @@ from specserve.gateway.detok import IncrementalText
 from specserve.gateway.stats import SpecStats
 from specserve.gateway.step_observer import StepObserver, VerifyWalls, drafted_confidence
 from specserve.runtime import tracing as names
+from specserve.runtime.device_stream import COMPLETE, mark_complete
 
 EMPTY_BLOCK = DraftBlock(token_ids=())
 
@@ -91,7 +92,7 @@ def check_block(block: DraftBlock, max_nodes: int, vocab_size: int) -> None:
 
 def consecutive_rows(parts: list[Hidden]) -> torch.Tensor | None:  # [sum of rows, F], or None
     """Tensors each starting where the one before ends in one buffer (same storage, strides and width), as one view of
-    it (no copy, no device work); None otherwise."""
+    it (no copy, no device work; complete, runtime/device_stream.py, when every part is); None otherwise."""
     first = parts[0]
     if not all(isinstance(p, torch.Tensor) and p.dim() == 2 for p in parts):
         return None
@@ -101,7 +102,8 @@ def consecutive_rows(parts: list[Hidden]) -> torch.Tensor | None:  # [sum of row
                 or p.storage_offset() != prev.storage_offset() + prev.shape[0] * prev.stride(0)):
             return None
     rows = sum(p.shape[0] for p in parts)
-    return first.as_strided((rows, first.shape[1]), first.stride(), first.storage_offset())
+    view = first.as_strided((rows, first.shape[1]), first.stride(), first.storage_offset())
+    return mark_complete(view) if all(getattr(p, COMPLETE, False) for p in parts) else view
 
 
 def truncate_chain(block: DraftBlock, k: int) -> DraftBlock:

@@ -39,6 +39,7 @@ from specserve.models.block_manager import BlockManager, KVUsage, OutOfBlocks
 from specserve.models.kv_cache import PagedKVCache
 from specserve.models.probs import make_generator, new_seed_key, target_probs
 from specserve.models.vocab import vocab_hash as checkpoint_vocab_hash
+from specserve.runtime.device_stream import mark_complete
 
 from .batch import BatchStep, StepTimer
 from .logprobs import prompt_logprobs, token_logprobs
@@ -273,7 +274,7 @@ class TargetEngine:
                                              logprobs=logprobs, own_rows=own_rows)
         return PrefillResult(
             next_token=first,
-            hidden=hidden_out[:n] if own_rows else out.captured,
+            hidden=mark_complete(hidden_out[:n]) if own_rows else out.captured,  # (written before the sync)
             timings=StepTimings(forward_ms=(t1 - t0) * 1e3, sample_ms=(t2 - t1) * 1e3),
             logprobs=first_lp,
             prompt_logprobs=prompt_lp,
@@ -420,7 +421,7 @@ class TargetEngine:
             emitted_lp = token_logprobs(run.logits.index_select(0, rows), tokens, s.logprobs.top)
         hidden = None
         if s.hidden_layers and len(committed) <= written:
-            hidden = sink[s.cached_len : s.cached_len + len(committed)]  # already there, complete
+            hidden = mark_complete(sink[s.cached_len : s.cached_len + len(committed)])  # written before the read
         elif s.hidden_layers:
             rows = self._to_device([step.start + j for j in committed])
             hidden = self._select_layers(out.captured.index_select(0, rows), capture, s.hidden_layers)

@@ -1,7 +1,9 @@
 """A model thread's own CUDA stream and the hand-over of tensors to it (specserve/runtime/device_stream.py). On the
 GPU (marked gpu, skipped without CUDA): a tensor still being written on the default stream is read, on the thread's
 own stream, only once written; and a tensor its maker frees while the stream has yet to read it keeps its memory.
-Each with its negative control, the same reads without the hand-over, which see the other values."""
+Each with its negative control, the same reads without the hand-over, which see the other values. And a tensor its
+maker marked complete (written before a host read) is read without waiting for work queued on the default stream
+since (another request's verify); its control, unmarked, waits."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ import threading
 import pytest
 import torch
 
-from specserve.runtime.device_stream import enter_own_stream, hand_over
+from specserve.runtime.device_stream import enter_own_stream, hand_over, mark_complete
 
 NEEDS_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 BUSY_CYCLES = 100_000_000  # torch.cuda._sleep: some 50 ms of one stream's time on any GPU, much longer than a hop
@@ -100,3 +102,26 @@ def test_a_tensor_freed_by_its_maker_keeps_its_memory_until_the_stream_read_it(h
         assert new.data_ptr() != address and bool((seen == 3.0).all())
     else:  # the freed block went to the default stream's next allocation, which wrote it before the read
         assert new.data_ptr() == address and bool((seen == 7.0).all())
+
+
+@pytest.mark.gpu
+@NEEDS_CUDA
+@pytest.mark.parametrize("complete", [True, False], ids=["marked-complete", "negative-control"])
+def test_a_tensor_marked_complete_is_read_without_waiting_for_the_default_stream(complete):
+    rows = torch.ones(N, device="cuda")
+    torch.cuda.synchronize()  # written, and the maker read that back: complete
+    if complete:
+        mark_complete(rows)
+    worker = _OwnStreamThread()
+    torch.cuda._sleep(BUSY_CYCLES)  # the default stream is busy with other work (another request's verify)
+
+    def read(stream):
+        seen = hand_over(rows, stream).sum()
+        done = torch.cuda.Event()
+        done.record(stream)
+        done.synchronize()  # this stream's read: at once when it waited for nothing
+        return float(seen), torch.cuda.default_stream().query()  # was the default stream still busy?
+
+    total, default_idle = worker.run(read)
+    torch.cuda.synchronize()
+    assert total == N and default_idle == (not complete)

@@ -359,12 +359,17 @@ def test_a_session_without_a_sink_returns_its_rows_as_one_buffer_of_its_own(load
         parts.append(got.hidden)
         kept.append(got.hidden.clone())
     assert all(torch.equal(p, k) for p, k in zip(parts, kept))  # earlier views survive the buffer's growth
+    from specserve.runtime.device_stream import COMPLETE
+
+    complete = [getattr(p, COMPLETE, False) for p in parts]  # written before the step's result was read
+    assert complete == [True] * 4 + [False] + [True] * 8, complete  # the tree's rows are written after it
     first_buffer = [p for p in parts if p.untyped_storage().data_ptr() == parts[0].untyped_storage().data_ptr()]
     assert 3 <= len(first_buffer) < len(parts)  # it grew
     for run in (first_buffer, parts[len(first_buffer):]):
         joined = consecutive_rows(run)
         assert joined is not None and joined.untyped_storage().data_ptr() == run[0].untyped_storage().data_ptr()
         assert torch.equal(joined, torch.cat(run))
+        assert getattr(joined, COMPLETE, False) == all(getattr(p, COMPLETE, False) for p in run)
     assert consecutive_rows(parts) is None  # across the growth: not one buffer (the gateway then joins them)
     h = eng.info().hidden_size
     captured = torch.randn(2, 3 * h)  # two rows of three layers (a union of drafters' layers)
