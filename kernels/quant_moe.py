@@ -12,6 +12,8 @@ weights and scales are read once per call when BM covers its rows (T <= 64). Act
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from specserve.kernels.checks import check_dim, check_same_device, check_tensor, require, triton_interpreting
@@ -122,8 +124,42 @@ def check_fp8_moe_args(
 
 
 W4A16_GEMV_MAX_TOKENS = 8  # up to here the W4A16 MoE runs as per-slot GEMVs (no tensor cores): BENCHMARKS.md
-GEMV_TILE = (32, 32)  # (output rows, packed words) of one GEMV program's tile
 GEMV_LANE_TOKENS = 4  # past W4A16_GEMV_MAX_TOKENS: program rows per k (a guess, not measured: a 4-token verify's slots)
+
+
+def _pow2(v: int) -> bool:
+    return v >= 1 and v & (v - 1) == 0
+
+
+@dataclass(frozen=True)
+class GemvTile:
+    """One W4A16 GEMV kernel's launch: a program computes `bn` output rows of a slot, walking the input `bkw` packed
+    words (8 * bkw columns) a step; `warps` and `stages` are Triton's num_warps and num_stages. A slot's reduction
+    order depends on the tile (bkw, the warps' layout) and never on the row count, so any tile keeps the GEMV
+    token-count invariant as long as every step runs the same one."""
+
+    bn: int = 32
+    bkw: int = 32
+    warps: int = 4
+    stages: int = 1
+
+    def __post_init__(self) -> None:
+        require(_pow2(self.bn) and _pow2(self.bkw) and _pow2(self.warps) and self.warps <= 32 and self.stages >= 1,
+                f"GemvTile needs bn, bkw and warps powers of two (warps <= 32) and stages >= 1, got {self}")
+
+    def label(self) -> str:
+        return f"bn{self.bn}_bkw{self.bkw}_w{self.warps}_s{self.stages}"
+
+
+@dataclass(frozen=True)
+class GemvTiles:
+    """The tile of each GEMV kernel: gate/up reads [2I, H / 8] words of an expert, down [H, I / 8]."""
+
+    gate_up: GemvTile = GemvTile()
+    down: GemvTile = GemvTile()
+
+
+GEMV_TILES = GemvTiles()  # the one tile each kernel runs (not tuned yet: `bench kernels --suite quant --gemv-sweep`)
 
 
 def quant_tile_config(num_tokens: int, int4: bool) -> MoETileConfig:
@@ -166,28 +202,70 @@ def _moe(hidden, w13, s13, w2, s2, topk_ids, topk_weights, e, inter, config, int
     return _sum_rows(per_slot.view(t, k, h), hidden.dtype, topk_ids.reshape(-1))
 
 
-def _w4a16_gemv(hidden, w13, s13, w2, s2, topk_ids, topk_weights, inter, group):
-    """A program row per (token, k) slot, no expert sort: for T <= W4A16_GEMV_MAX_TOKENS. Past that (the invariant
-    steps' 17 rows, most of them pad rows of NO_EXPERT) GEMV_LANE_TOKENS * K program rows take the slots in turn, so
-    pad slots cost a load in a running program, not programs of their own."""
+def gemv_lanes(num_tokens: int, top_k: int) -> int:
+    """Program rows of the GEMV: one a slot up to W4A16_GEMV_MAX_TOKENS tokens, past that (the invariant steps' 17
+    rows, most of them pad rows of NO_EXPERT) GEMV_LANE_TOKENS * K that take the slots in turn, so pad slots cost a
+    load in a running program, not programs of their own."""
+    n = num_tokens * top_k
+    return n if num_tokens <= W4A16_GEMV_MAX_TOKENS else min(n, GEMV_LANE_TOKENS * top_k)
+
+
+def w4a16_gemv_gate_up(
+    hidden: torch.Tensor,  # [T, H]
+    w13: torch.Tensor,  # [E, 2I, H / 8] int32
+    s13: torch.Tensor,  # [E, 2I, H / G]
+    ids: torch.Tensor,  # [T*K] expert of each flat slot
+    weights: torch.Tensor,  # [T*K] routing weight of each flat slot
+    group: int,
+    lanes: int,
+    tile: GemvTile,
+) -> torch.Tensor:  # [T*K, I] silu(gate) * up per slot
+    """The GEMV's first kernel, unchecked (w4a16_moe checks its arguments; the GEMV tile sweep calls it alone)."""
+    t, h = hidden.shape
+    n = ids.numel()
+    inter = w13.shape[1] // 2
+    act = torch.empty(n, inter, dtype=hidden.dtype, device=hidden.device)
+    quant_moe_triton.w4a16_gemv_gate_up_kernel[(lanes, triton.cdiv(inter, tile.bn))](
+        hidden, w13, s13, ids, weights, act, n, lanes, n // t, h, inter, hidden.stride(0), w13.stride(0),
+        w13.stride(1), s13.stride(0), s13.stride(1), act.stride(0), G=group, BN=tile.bn, BKW=tile.bkw,
+        num_warps=tile.warps, num_stages=tile.stages,
+    )
+    return act
+
+
+def w4a16_gemv_down(
+    act: torch.Tensor,  # [T*K, I]
+    w2: torch.Tensor,  # [E, H, I / 8] int32
+    s2: torch.Tensor,  # [E, H, I / G]
+    ids: torch.Tensor,  # [T*K]
+    weights: torch.Tensor,  # [T*K]
+    group: int,
+    lanes: int,
+    tile: GemvTile,
+) -> torch.Tensor:  # [T*K, H] fp32 weighted expert output per slot (a NO_EXPERT slot's row unwritten)
+    """The GEMV's second kernel, unchecked (as w4a16_gemv_gate_up)."""
+    n, inter = act.shape
+    h = w2.shape[1]
+    per_slot = torch.empty(n, h, dtype=torch.float32, device=act.device)
+    quant_moe_triton.w4a16_gemv_down_kernel[(lanes, triton.cdiv(h, tile.bn))](
+        act, w2, s2, ids, weights, per_slot, n, lanes, h, inter, act.stride(0), w2.stride(0), w2.stride(1),
+        s2.stride(0), s2.stride(1), per_slot.stride(0), G=group, BN=tile.bn, BKW=tile.bkw,
+        num_warps=tile.warps, num_stages=tile.stages,
+    )
+    return per_slot
+
+
+def _w4a16_gemv(hidden, w13, s13, w2, s2, topk_ids, topk_weights, group, tiles: GemvTiles):
+    """A program row per (token, k) slot, no expert sort (gemv_lanes: past W4A16_GEMV_MAX_TOKENS the rows take the
+    slots in turn), each kernel with its tile of `tiles`."""
     t, h = hidden.shape
     k = topk_ids.shape[1]
-    n = t * k
-    lanes = n if t <= W4A16_GEMV_MAX_TOKENS else min(n, GEMV_LANE_TOKENS * k)
+    lanes = gemv_lanes(t, k)
     ids = topk_ids.reshape(-1)  # [T*K]
-    act = torch.empty(n, inter, dtype=hidden.dtype, device=hidden.device)  # [T*K, I]
-    bn, bkw = GEMV_TILE
     weights = topk_weights.reshape(-1)  # [T*K]
-    quant_moe_triton.w4a16_gemv_gate_up_kernel[(lanes, triton.cdiv(inter, bn))](
-        hidden, w13, s13, ids, weights, act, n, lanes, k, h, inter, hidden.stride(0), w13.stride(0), w13.stride(1),
-        s13.stride(0), s13.stride(1), act.stride(0), G=group, BN=bn, BKW=bkw, num_warps=4, num_stages=1,
-    )
-    per_slot = torch.empty(n, h, dtype=torch.float32, device=hidden.device)  # [T*K, H]
-    quant_moe_triton.w4a16_gemv_down_kernel[(lanes, triton.cdiv(h, bn))](
-        act, w2, s2, ids, weights, per_slot, n, lanes, h, inter, act.stride(0), w2.stride(0), w2.stride(1),
-        s2.stride(0), s2.stride(1), per_slot.stride(0), G=group, BN=bn, BKW=bkw, num_warps=4, num_stages=1,
-    )
-    return _sum_rows(per_slot.view(t, k, h), hidden.dtype, topk_ids.reshape(-1))
+    act = w4a16_gemv_gate_up(hidden, w13, s13, ids, weights, group, lanes, tiles.gate_up)
+    per_slot = w4a16_gemv_down(act, w2, s2, ids, weights, group, lanes, tiles.down)
+    return _sum_rows(per_slot.view(t, k, h), hidden.dtype, ids)
 
 
 def _sum_rows(parts: torch.Tensor, dtype: torch.dtype,
@@ -212,16 +290,19 @@ def w4a16_moe(
     group_size: int = 32,
     config: MoETileConfig | None = None,
     gemv_max_tokens: int = W4A16_GEMV_MAX_TOKENS,
+    gemv_tiles: GemvTiles | None = None,
 ) -> torch.Tensor:  # [T, H]
     """Same function as quant_reference.w4a16_moe_reference (Triton on CUDA or under TRITON_INTERPRET).
 
     Up to gemv_max_tokens tokens (and no config given) the per-slot GEMVs run, else the expert-sorted dot path. The
     target's invariant steps raise it to their row count (Int4StackedExperts.gemv_max_tokens): the GEMV's rows do not
-    depend on T, and a step's pad rows (NO_EXPERT) then cost nothing, so a padded decode reads one token's experts."""
+    depend on T, and a step's pad rows (NO_EXPERT) then cost nothing, so a padded decode reads one token's experts.
+    gemv_tiles: the GEMV kernels' tiles (default GEMV_TILES; one engine must keep one, see GemvTile)."""
     t, _, e, inter = check_w4a16_args(hidden, w13_packed, w13_scale, w2_packed, w2_scale, topk_ids, topk_weights, group_size)
     _require_triton(hidden)
     if config is None and t <= gemv_max_tokens:
-        return _w4a16_gemv(hidden, w13_packed, w13_scale, w2_packed, w2_scale, topk_ids, topk_weights, inter, group_size)
+        return _w4a16_gemv(hidden, w13_packed, w13_scale, w2_packed, w2_scale, topk_ids, topk_weights, group_size,
+                           gemv_tiles or GEMV_TILES)
     return _moe(hidden, w13_packed, w13_scale, w2_packed, w2_scale, topk_ids, topk_weights, e, inter, config,
                 True, group_size, (1, 1))
 

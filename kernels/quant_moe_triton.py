@@ -243,7 +243,7 @@ def _int4_gemv_part(words, x_row, wcols, K):
     return part, xs
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N", "LANES"])  # one binary for every slot count: compiles once per tile
 def w4a16_gemv_gate_up_kernel(
     x_ptr,  # [T, H]
     wp_ptr,  # [E, 2I, H / 8] int32
@@ -300,7 +300,7 @@ def w4a16_gemv_gate_up_kernel(
             tl.store(act_ptr + tl.cast(slot, tl.int64) * stride_an + offs_n, act.to(act_ptr.dtype.element_ty), mask=nvalid)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N", "LANES"])
 def w4a16_gemv_down_kernel(
     act_ptr,  # [N, I]
     wp_ptr,  # [E, H, I / 8] int32

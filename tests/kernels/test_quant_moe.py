@@ -11,7 +11,7 @@ from kernel_test_utils import HAS_CUDA, poison_cuda_allocator, random_routing, r
 
 from specserve.kernels.checks import triton_interpreting
 from specserve.kernels.fused_moe import HAS_TRITON, MoETileConfig
-from specserve.kernels.quant_moe import fp8_linear, fp8_moe, w4a16_moe
+from specserve.kernels.quant_moe import GemvTile, GemvTiles, fp8_linear, fp8_moe, w4a16_moe
 from specserve.kernels.quant_reference import (
     fp8_linear_reference,
     fp8_moe_reference,
@@ -112,6 +112,24 @@ def test_w4a16_group_128_and_explicit_tiles() -> None:
     for group, config in ((32, cfg), (32 if TINY_ONLY else 128, None)):
         args = _int4_case(shape, 5, seed=7, group=group)
         assert rel_err(w4a16_moe(*args, group_size=group, config=config), w4a16_moe_reference(*args, group_size=group)) < TOL
+
+
+@pytest.mark.parametrize("tiles", [
+    GemvTiles(GemvTile(16, 64, 2, 1), GemvTile(64, 16, 8, 1)),
+    GemvTiles(GemvTile(64, 32, 4, 2), GemvTile(16, 32, 4, 3)),
+    GemvTiles(GemvTile(16, 8, 1, 1), GemvTile(32, 64, 4, 2)),
+], ids=["narrow-wide", "stages", "small"])
+def test_w4a16_gemv_with_other_tiles_matches_reference(tiles) -> None:
+    """The GEMV's tiles are parameters (the sweep, bench/gemv_sweep.py, tries others): any tile gives the reference's
+    function, one slot a program row (T = 3) and past W4A16_GEMV_MAX_TOKENS (T = 9, program rows in turn)."""
+    shape = "tiny" if TINY_ONLY else "kimi_k2_width"
+    for t in (3, 9):
+        args = _int4_case(shape, t, seed=40 + t)
+        ref = w4a16_moe_reference(*args, group_size=32)
+        poison_cuda_allocator()
+        out = w4a16_moe(*args, group_size=32, gemv_max_tokens=t, gemv_tiles=tiles)
+        _sync()
+        assert rel_err(out, ref) < TOL, (t, tiles)
 
 
 @pytest.mark.parametrize("shape", _shapes(MOE_SHAPES))
