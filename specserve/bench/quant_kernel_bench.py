@@ -1,6 +1,7 @@
 """GPU benchmark of the quantized kernels (W4A16 and FP8 fused MoE, FP8 dense GEMV) against their bytes floors.
 
 Run on the GPU machine:  specserve bench kernels --suite quant [--out DIR] [--quick]
+(`--gemv-sweep` runs bench/gemv_sweep.py in its place: the W4A16 GEMV's tiles, checked, then timed.)
 Rows: a Kimi-K2 layer in INT4 (384 experts, H 7168, I 2048, top-8, group 32); Qwen3-30B-A3B (8 layers, so the
 weights touched exceed L2) and a DeepSeek-V3 layer in FP8 blocks of 128; DeepSeek-V3's dense attention and
 shared-expert weights in FP8; T = 1..16 tokens (decode and verify). Synthetic weights: random packed words /

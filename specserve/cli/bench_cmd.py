@@ -72,6 +72,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "bench/quant_kernel_bench.py), allreduce (the TP collectives over --world-size ranks: "
                         "bench/allreduce_bench.py; gloo with --device cpu; writes allreduce.json for project)")
     p.add_argument("--quick", action="store_true", help="moe, quant: decode token counts only, no config sweep")
+    p.add_argument("--gemv-sweep", action="store_true",
+                   help="quant: sweep the W4A16 GEMV's tile at Kimi-K2.6 width instead (bench/gemv_sweep.py: every "
+                        "tile checked, then timed; best per kernel)")
     p.add_argument("--world-size", type=int, default=4, help="allreduce: ranks (one GPU each on CUDA)")
     p.add_argument("--tokens", type=_ints, default=(1, 2, 4, 8, 16), help="allreduce: rows T of [T, hidden]")
     p.add_argument("--hidden", type=int, default=7168, help="allreduce: hidden size (Kimi-K2: 7168)")
@@ -193,6 +196,10 @@ def _run_kernels(args: argparse.Namespace) -> int:
     unknown = [s for s in args.suite if s not in suites]
     if unknown:
         raise SpecserveError(f"--suite: choose from {', '.join(suites)}, got {','.join(args.suite)}")
+    if args.gemv_sweep:
+        if "quant" not in args.suite:
+            raise SpecserveError(f"--gemv-sweep runs in the quant suite; got --suite {','.join(args.suite)}")
+        suites["quant"] = "specserve.bench.gemv_sweep"
     kernels = [s for s in args.suite if s != "allreduce"]
     _check_device(args.device, needs_cuda="bench kernels times Triton and FlashInfer kernels" if kernels else None)
     import importlib
@@ -215,7 +222,8 @@ def _run_kernels(args: argparse.Namespace) -> int:
         results[name] = module.run(quick=args.quick, log=_log)
         tables.append(module.format_result(results[name]))
         env["bandwidth"] = {"bytes_per_s": results[name]["copy_bandwidth_Bps"]}
-    config = {"suite": args.suite, "quick": args.quick, "device": args.device, "allreduce": collectives}
+    config = {"suite": args.suite, "quick": args.quick, "gemv_sweep": args.gemv_sweep, "device": args.device,
+              "allreduce": collectives}
     _finish(args, "kernels", config, env, {"suites": results}, "\n\n".join(tables))
     return 0
 

@@ -99,6 +99,7 @@ def test_e2e_summary_has_the_schema(bench_run):
 @pytest.mark.parametrize("argv, message", [
     (["kernels", "--device", "cpu"], "bench kernels times Triton and FlashInfer kernels; it needs --device cuda"),
     (["kernels", "--suite", "moe,bogus", "--device", "cpu"], "--suite: choose from moe, quant"),
+    (["kernels", "--suite", "moe", "--gemv-sweep", "--device", "cpu"], "--gemv-sweep runs in the quant suite"),
     (["step", "--census", "--device", "cpu"], "needs a CUDA GPU"),
     (["step", "--model", "demo@no-such-model", "--device", "cpu", "--no-graphs", "--contexts", "4", "--max-k", "0",
       "--reps", "1", "--eager-reps", "0"], None),
