@@ -2,10 +2,12 @@
 
 Run on the GPU machine:  specserve bench kernels --suite quant --gemv-sweep [--out DIR]
 Shape: 384 experts, H 7168, I 2048, top-8, int4 in groups of 32 (random packed words and bf16 scales, random
-routing). For every tile of GRID, at T = 1, 4 and 8 tokens, the gate/up and down kernels are timed apart (CUDA
-events around each call, the calls queued behind a device sleep so launch gaps do not count; median of REPS after
-WARMUP, cycling over ROUTINGS routings so L2 does not hold the experts). Bytes = the packed words and scales of the
-distinct experts the routing touches (floors.int4_linear_bytes), TB/s = bytes / median time.
+routing). For every tile of GRID, at T = 1, 4 and 8 tokens, the gate/up and down kernels are timed apart as the
+invariant steps run them: T real rows padded to INVARIANT_ROWS with NO_EXPERT rows (the GEMV's program rows then take
+the slots in turn: gemv_lanes). CUDA events around each call, the calls queued behind a device sleep so launch gaps
+do not count; median of REPS after WARMUP, cycling over ROUTINGS routings so L2 does not hold the experts. Bytes =
+the packed words and scales of the distinct experts the routing touches (floors.int4_linear_bytes), TB/s = bytes /
+median time.
 
 Each tile is checked before it may win: (1) the MoE with that tile for both kernels equals the dequantizing
 reference (quant_reference.w4a16_moe_reference) within TOL at every T; (2) token-count invariance: the per-slot
@@ -64,6 +66,7 @@ class Case:
     dtype: torch.dtype
     weights: tuple  # w13 [E, 2I, H/8], s13 [E, 2I, H/G], w2 [E, H, I/8], s2 [E, H, I/G]
     steps: dict  # T -> list of (x [T, H], ids [T*K], weights [T*K]), ROUTINGS of them (the first one checked)
+    timed: dict  # T -> the same steps padded to INVARIANT_ROWS rows with NO_EXPERT rows (what the timing runs)
     refs: dict  # T -> [T, H] reference output of steps[T][0]
     distinct: dict  # T -> mean distinct experts over the routings
     invariant: tuple  # (x [R, H], ids [R*K], weights [R*K]) of the INVARIANT_ROWS-row step
@@ -93,7 +96,20 @@ def make_case(shape: SweepShape, tokens: Sequence[int], device: str, dtype: torc
     refs = {t: w4a16_moe_reference(x, *weights, ids.view(t, k), w.view(t, k), group_size=g)
             for t, ((x, ids, w), *_) in steps.items()}
     distinct = {t: sum(int(torch.unique(s[1]).numel()) for s in ss) / len(ss) for t, ss in steps.items()}
-    return Case(shape, dtype, weights, steps, refs, distinct, step(invariant_rows))
+    timed = {t: [_padded(s, invariant_rows, k) for s in ss] for t, ss in steps.items()}
+    return Case(shape, dtype, weights, steps, timed, refs, distinct, step(invariant_rows))
+
+
+def _padded(step, rows: int, k: int):
+    """A step of T real rows as an invariant step runs it: rows T.. copy the last row, routed to NO_EXPERT at 0."""
+    from specserve.kernels.moe_reference import NO_EXPERT
+
+    x, ids, w = step
+    pad = rows - x.shape[0]
+    if pad <= 0:
+        return step
+    return (torch.cat([x, x[-1:].expand(pad, -1)]), torch.cat([ids, ids.new_full((pad * k,), NO_EXPERT)]),
+            torch.cat([w, w.new_zeros(pad * k)]))
 
 
 def kernel_bytes(shape: SweepShape, kernel: str, experts: float) -> float:
@@ -192,8 +208,8 @@ def time_tile(case: Case, tile: GemvTile, reps: int = REPS, warmup: int = WARMUP
     w13, s13, w2, s2 = case.weights
     g, k = case.shape.group, case.shape.top_k
     out = {kernel: {} for kernel in KERNELS}
-    for t, steps in case.steps.items():
-        lanes = gemv_lanes(t, k)
+    for t, steps in case.timed.items():
+        lanes = gemv_lanes(steps[0][0].shape[0], k)
         acts = [_launch(case, s, GemvTiles(tile, tile))[0] for s in steps]
         fns = {"gate_up": lambda r: w4a16_gemv_gate_up(steps[r][0], w13, s13, steps[r][1], steps[r][2], g, lanes, tile),
                "down": lambda r: w4a16_gemv_down(acts[r], w2, s2, steps[r][1], steps[r][2], g, lanes, tile)}
@@ -245,7 +261,8 @@ def run_sweep(shape: SweepShape = K26, tokens: Sequence[int] = TOKENS, grid: Seq
     rows = []
     for tile in grid:
         rows.append(sweep_row(case, tile, reps, warmup))
-        log(f"  {tile.label()}: " + ("passed" if rows[-1]["passed"] else f"FAILED {rows[-1]['failures']}"))
+        log(f"  {tile.label()}: " + ("passed" if rows[-1]["passed"] else f"FAILED {rows[-1]['failures']}")
+            + f" ({time.time() - start:.1f} s)")
     best = best_configs(rows, [t for t in BEST_OVER if t in tokens] or list(tokens)[:1])
     pair = None  # the two winners together (each passed with itself in both kernels): checked once more
     if None not in best.values():
