@@ -159,7 +159,7 @@ class GemvTiles:
     down: GemvTile = GemvTile()
 
 
-GEMV_TILES = GemvTiles()  # the one tile each kernel runs (not tuned yet: `bench kernels --suite quant --gemv-sweep`)
+GEMV_TILES = GemvTiles(gate_up=GemvTile(16, 64, 2, 1), down=GemvTile(16, 64, 2, 1))  # the H200 sweep's best (BENCHMARKS.md)
 
 
 def quant_tile_config(num_tokens: int, int4: bool) -> MoETileConfig:
