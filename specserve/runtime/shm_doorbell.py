@@ -24,14 +24,21 @@ class Doorbell:
         self.peer_fd = -1  # the peer's doorbell (write end)
 
     def open_creator(self, name: str) -> None:
-        self.fd = os.open(fifo_path(name, "c"), os.O_RDONLY | os.O_NONBLOCK)
         # read-write: opening a FIFO's write end alone needs a reader there, and the attacher
         # unlinks the name as soon as it has opened it; what is written before it reads waits
-        self.peer_fd = os.open(fifo_path(name, "a"), os.O_RDWR | os.O_NONBLOCK)
+        self._open(fifo_path(name, "c"), fifo_path(name, "a"), os.O_RDWR)
 
     def open_attacher(self, name: str) -> None:
-        self.fd = os.open(fifo_path(name, "a"), os.O_RDONLY | os.O_NONBLOCK)
-        self.peer_fd = os.open(fifo_path(name, "c"), os.O_WRONLY | os.O_NONBLOCK)  # ENXIO: the creator closed its end
+        self._open(fifo_path(name, "a"), fifo_path(name, "c"), os.O_WRONLY)  # ENXIO: the creator closed its end
+
+    def _open(self, mine, peers, peer_mode: int) -> None:
+        """Both ends, or neither: a failed second open closes the first (no fd is left behind)."""
+        try:
+            self.fd = os.open(mine, os.O_RDONLY | os.O_NONBLOCK)
+            self.peer_fd = os.open(peers, peer_mode | os.O_NONBLOCK)
+        except BaseException:
+            self.close()
+            raise
 
     def ring(self) -> None:
         """One byte to the peer; OSError (BrokenPipeError, ...) when its read end is gone."""

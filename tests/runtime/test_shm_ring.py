@@ -383,3 +383,24 @@ def test_the_writer_refuses_a_message_over_the_peers_limit_and_the_channel_goes_
     assert a.recv(timeout=2) == b"y" * 1000
     a.close()
     b.close()
+
+
+@pytest.mark.parametrize("side", ["creator", "attacher"])
+def test_a_doorbell_whose_second_fifo_fails_to_open_leaves_no_fd(side: str) -> None:
+    """Only this end's FIFO exists, so the peer's open fails: the first fd is closed again (it leaked before)."""
+    from specserve.runtime.shm_doorbell import Doorbell
+    from specserve.runtime.shm_layout import fifo_path, unlink_names
+
+    name = f"specserve-bell-{os.getpid()}-{side}"
+    mine = fifo_path(name, "c" if side == "creator" else "a")
+    os.mkfifo(mine, 0o600)
+    bell = Doorbell()
+    before = len(os.listdir("/proc/self/fd"))
+    try:
+        with pytest.raises(FileNotFoundError):
+            getattr(bell, f"open_{side}")(name)
+        assert (bell.fd, bell.peer_fd) == (-1, -1)
+        assert len(os.listdir("/proc/self/fd")) == before
+    finally:
+        bell.close()
+        unlink_names(name)
