@@ -122,6 +122,7 @@ class CensusConfig:
     host_profile: bool = False  # also cProfile the host side of the steps
     device: str = "cuda"
     dtype: str = "bfloat16"
+    invariant_steps: bool | None = None  # EngineConfig.invariant_steps (--invariant-steps): None = the engine's default
 
     def __post_init__(self) -> None:
         bad = [m for m in self.modes if m not in MODES]
@@ -145,7 +146,8 @@ def profile_model(spec: str, mode: str, args: CensusConfig, bandwidth: float) ->
     ctx = args.context
     blocks = -(-(ctx + args.steps * 2 * (max(args.k) + 1) + 64) // 16) + 8
     engine = build_engine(EngineConfig(model=model, device=args.device, dtype=args.dtype, num_kv_blocks=blocks,
-                                       graph_max_draft=max(args.k), **MODES[mode]))
+                                       graph_max_draft=max(args.k), invariant_steps=args.invariant_steps,
+                                       **MODES[mode]))
     cfg = engine.config
     mb = model_bytes(engine.model, cfg)
     runner = engine.runner
@@ -163,7 +165,8 @@ def profile_model(spec: str, mode: str, args: CensusConfig, bandwidth: float) ->
         if args.host_profile:
             row["host_profile"] = host_profile(engine, sid, block, args.steps)
         row.update(model=spec, mode=mode, k=k, tokens=k + 1, context=engine.session(sid).cached_len,
-                   graph_replay=runner.graph_steps > graphs_before, num_layers=cfg.num_layers)
+                   graph_replay=runner.graph_steps > graphs_before, num_layers=cfg.num_layers,
+                   invariant_rows=runner.invariant_rows)  # 0: the step ran unpadded
         row["kernels_per_layer"] = row["kernels_per_step"] / cfg.num_layers
         sb = step_bytes(mb, k + 1, min(row["experts_touched"], mb.max_experts), row["context"])
         row["floor_bytes"] = sb.total
@@ -191,7 +194,8 @@ def run_census(args: CensusConfig) -> dict:
 def format_rows(rows: list[dict]) -> str:
     lines = []
     for r in rows:
-        lines.append(f"{r['model']} [{r['mode']}] k={r['k']} ctx={r['context']} graph={r['graph_replay']}: wall "
+        padded = f", invariant {r['invariant_rows']} rows" if r.get("invariant_rows") else ", not invariant"
+        lines.append(f"{r['model']} [{r['mode']}{padded}] k={r['k']} ctx={r['context']} graph={r['graph_replay']}: wall "
                      f"{r['wall_ms']:.3f} ms, {r['kernels_per_step']:.0f} kernels ({r['kernels_per_layer']:.1f}/layer) "
                      f"{r['kernel_ms_per_step']:.3f} ms, {r['dtoh_copies_per_step']:.1f} DtoH, floor "
                      f"{r['floor_ms']:.3f} ms ({r['wall_over_floor']:.1f}x)")

@@ -174,13 +174,14 @@ def _run_step(args: argparse.Namespace) -> int:
 def _run_census(args: argparse.Namespace) -> int:
     from specserve.bench import step_profile
     from specserve.bench.environment import environment
+    from specserve.target_service.factory import INVARIANT_STEPS
 
     _check_device(args.device)
     contexts = args.contexts or (512,)
     cfg = step_profile.CensusConfig(
         models=tuple(name_list(args.model)) if args.model else step_profile.DEFAULT_MODELS, k=args.k,
         modes=args.modes, context=contexts[0], steps=args.steps, host_profile=args.host_profile, device=args.device,
-        dtype=args.dtype)
+        dtype=args.dtype, invariant_steps=INVARIANT_STEPS[args.invariant_steps])
     env = environment(cfg.device)
     result = step_profile.run_census(cfg)
     env["bandwidth"] = result["bandwidth"]
