@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from specserve.bench.floors import int4_linear_bytes
+from specserve.bench.kernel_bench import rel_err
 from specserve.kernels.quant_moe import GEMV_TILES, GemvTile, GemvTiles
 
 KERNELS = ("gate_up", "down")
@@ -117,12 +118,6 @@ def kernel_bytes(shape: SweepShape, kernel: str, experts: float) -> float:
     h, i, g = shape.hidden, shape.inter, shape.group
     per_expert = int4_linear_bytes(2 * i, h, g) if kernel == "gate_up" else int4_linear_bytes(h, i, g)
     return experts * per_expert
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    """||out - ref|| / ||ref|| in fp64 (NaN never passes a < check)."""
-    out64, ref64 = out.double(), ref.double()
-    return float((out64 - ref64).norm() / ref64.norm())
 
 
 def check_reference(out: torch.Tensor, ref: torch.Tensor, tol: float = TOL) -> str | None:

@@ -18,7 +18,7 @@ import time
 import torch
 
 from specserve.bench.floors import fp8_linear_bytes, int4_linear_bytes
-from specserve.bench.kernel_bench import ROUTINGS, copy_bandwidth, graph_time_ms
+from specserve.bench.kernel_bench import ROUTINGS, copy_bandwidth, graph_time_ms, rel_err
 
 MOE_SHAPES = {  # name: (format, E, H, I, K, layers)
     "kimi_k2_int4": ("int4", 384, 7168, 2048, 8, 1),
@@ -83,7 +83,7 @@ def bench_moe(name: str, tokens: tuple[int, ...], bw: float) -> list[dict]:
 
         ms = graph_time_ms(call, ROUTINGS)
         out, want = call(0), call(0, reference)
-        err = float((out.double() - want.double()).norm() / want.double().norm())
+        err = rel_err(out, want)
         rows.append({"shape": name, "format": fmt, "tokens": t, "distinct_experts": distinct, "floor_ms": floor_ms,
                      "kernel_ms": ms, "x_floor": ms / floor_ms, "rel_err": err})
         print(f"  {name} T={t}: {ms:.4f} ms, floor {floor_ms:.4f} ({ms / floor_ms:.2f}x), err {err:.1e}", flush=True)
@@ -108,7 +108,7 @@ def bench_dense(tokens: tuple[int, ...], bw: float) -> list[dict]:
             x = torch.randn(t, kdim, device="cuda", dtype=torch.bfloat16, generator=gen)
             ms = graph_time_ms(lambda r, x=x: fp8_linear(x, *ws[r], BLOCK), copies)
             out, want = fp8_linear(x, *ws[0], BLOCK), fp8_linear_reference(x, *ws[0], BLOCK)
-            err = float((out.double() - want.double()).norm() / want.double().norm())
+            err = rel_err(out, want)
             rows.append({"shape": f"fp8_dense_{name}", "format": "fp8", "tokens": t, "floor_ms": floor_ms,
                          "kernel_ms": ms, "x_floor": ms / floor_ms, "rel_err": err})
             print(f"  dense {name} [{n}, {kdim}] T={t}: {ms:.4f} ms, floor {floor_ms:.4f} ({ms / floor_ms:.2f}x), "
