@@ -11,7 +11,8 @@ The engine is synchronous and not thread-safe: drive it from one thread. Every p
 its input before it changes any state, so a refused call leaves the engine as it was.
 
 A batched verify's bookkeeping (each session's share of the forward, its timer) is ``engine/batch.py``;
-the log-probabilities a session asks for, ``engine/logprobs.py``.
+the log-probabilities a session asks for, ``engine/logprobs.py``; the hidden rows a session reads (the engine's own
+row buffer, a drafter's layers among those captured), ``engine/hidden_rows.py``.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from specserve.models.vocab import vocab_hash as checkpoint_vocab_hash
 from specserve.runtime.device_stream import mark_complete
 
 from .batch import BatchStep, StepTimer
+from .hidden_rows import LayerColumns, grow_rows, new_rows
 from .logprobs import prompt_logprobs, token_logprobs
 from .model_runner import GraphOptions, ModelRunner, RunOutput, distinct_experts
 from .sampler import verify_step_device
@@ -67,7 +69,6 @@ __all__ = [
 ]
 
 _EMPTY = DraftBlock(token_ids=())
-OWN_ROWS_SPARE = 256  # rows past twice the prompt an engine-owned row buffer starts with (it doubles when full)
 
 
 def tokenizer_vocab_hash(tokenizer, vocab_size: int) -> str:
@@ -123,7 +124,7 @@ class TargetEngine:
         on_cuda = self.device.type == "cuda"
         self._summary_host = torch.zeros(3, dtype=torch.int64, pin_memory=on_cuda)  # a graph step's one read
         self._summary_read = torch.cuda.Event() if on_cuda else None
-        self._layer_index: dict[tuple, torch.Tensor] = {}  # (capture, wanted, device) -> wanted's columns in capture
+        self._columns = LayerColumns(config.hidden_size)  # a drafter's layers among a step's captured ones
         self._info = EngineInfo(
             model_type=config.model_type,
             vocab_size=config.vocab_size,
@@ -234,8 +235,7 @@ class TargetEngine:
         n = len(prompt)
         own_rows = hidden_out is None and bool(layers)
         if own_rows:  # the session's rows live in a buffer of the engine's (row i = position i), grown as it goes
-            hidden_out = torch.empty(min(self.max_context, 2 * n + OWN_ROWS_SPARE), len(layers) * self.config.hidden_size,
-                                     dtype=self.dtype, device=self.device)
+            hidden_out = new_rows(n, self.max_context, len(layers) * self.config.hidden_size, self.dtype, self.device)
         table = self.blocks.add(session_id, n)  # raises OutOfBlocks with nothing allocated
         try:
             t0 = time.perf_counter()
@@ -403,13 +403,13 @@ class TargetEngine:
         s, block, layout = step.session, step.block, step.layout
         t0 = time.perf_counter()
         if s.own_rows and layout.is_chain:
-            self._grow_rows(s, s.cached_len + layout.num_nodes)
+            grow_rows(s, s.cached_len + layout.num_nodes, self.max_context)
         sink, written = s.hidden_out, 0
         if sink is not None and layout.is_chain:  # node j is position cached_len + j: write before the read
             written = max(0, min(layout.num_nodes, sink.shape[0] - s.cached_len))
             if written:
                 rows_out = out.captured[step.start : step.start + written]
-                sink[s.cached_len : s.cached_len + written].copy_(self._select_layers(rows_out, capture, s.hidden_layers))
+                sink[s.cached_len : s.cached_len + written].copy_(self._columns.select(rows_out, capture, s.hidden_layers))
         last_node, nxt, experts = self._read_summary(step, run)
         path = layout.path_to(last_node)[1:]
         t1 = time.perf_counter()
@@ -424,10 +424,10 @@ class TargetEngine:
             hidden = mark_complete(sink[s.cached_len : s.cached_len + len(committed)])  # written before the read
         elif s.hidden_layers:
             rows = self._to_device([step.start + j for j in committed])
-            hidden = self._select_layers(out.captured.index_select(0, rows), capture, s.hidden_layers)
+            hidden = self._columns.select(out.captured.index_select(0, rows), capture, s.hidden_layers)
             if sink is not None and not layout.is_chain:  # a tree's path is known only now: write, then wait
                 if s.own_rows:
-                    self._grow_rows(s, s.cached_len + len(committed))
+                    grow_rows(s, s.cached_len + len(committed), self.max_context)
                     sink = s.hidden_out
                 fit = max(0, min(len(committed), sink.shape[0] - s.cached_len))
                 if fit:
@@ -459,36 +459,6 @@ class TargetEngine:
                                 compute_ms=(time.perf_counter() - started) * 1e3),
             logprobs=emitted_lp,
         )
-
-    def _select_layers(
-        self, captured: torch.Tensor, capture: tuple[int, ...], wanted: tuple[int, ...]
-    ) -> torch.Tensor:  # [N, len(capture) * H] -> [N, len(wanted) * H]
-        """The wanted layers' columns: a view where they are consecutive in `capture` (one drafter's layers among
-        several drafters' union), else one gather with an index made once per (capture, wanted) (no host-to-device copy
-        a step)."""
-        if capture == wanted:
-            return captured
-        h = self.config.hidden_size
-        at = [capture.index(i) for i in wanted]
-        if at == list(range(at[0], at[0] + len(at))):
-            return captured[:, at[0] * h : (at[0] + len(at)) * h]
-        key = (capture, wanted, captured.device)
-        idx = self._layer_index.get(key)
-        if idx is None:
-            idx = self._layer_index[key] = torch.tensor(at, device=captured.device)
-        cols = captured.view(captured.shape[0], len(capture), h)
-        return cols.index_select(1, idx).reshape(captured.shape[0], len(wanted) * h)
-
-    def _grow_rows(self, s: Session, rows: int) -> None:
-        """An engine-owned row buffer holding at least `rows` rows (doubled, capped at the context); rows already
-        returned stay valid (views keep the old buffer)."""
-        sink = s.hidden_out
-        if rows <= sink.shape[0]:
-            return
-        grown = torch.empty(min(self.max_context, max(rows, 2 * sink.shape[0])), sink.shape[1], dtype=sink.dtype,
-                            device=sink.device)
-        grown[: s.cached_len].copy_(sink[: s.cached_len])
-        s.hidden_out = grown
 
     # ---- lifecycle -------------------------------------------------------------------------------
     def release(self, session_id: str) -> bool:

@@ -342,9 +342,9 @@ def test_a_session_without_a_sink_returns_its_rows_as_one_buffer_of_its_own(load
     no copy; the buffer doubles when full and rows returned before stay valid. The rows equal those of a session
     with a sink of its own (the target service's path) step for step."""
     from specserve.gateway.spec_loop import consecutive_rows
-    from specserve.target_service.engine import engine as engine_module
+    from specserve.target_service.engine import hidden_rows
 
-    monkeypatch.setattr(engine_module, "OWN_ROWS_SPARE", 0, raising=False)  # the buffer starts at twice the prompt: it grows here
+    monkeypatch.setattr(hidden_rows, "OWN_ROWS_SPARE", 0)  # the buffer starts at twice the prompt: it grows here
     eng = _engine(load, "qwen3_moe")
     layers = (0, 1)
     width = len(layers) * eng.info().hidden_size
@@ -373,7 +373,7 @@ def test_a_session_without_a_sink_returns_its_rows_as_one_buffer_of_its_own(load
     assert consecutive_rows(parts) is None  # across the growth: not one buffer (the gateway then joins them)
     h = eng.info().hidden_size
     captured = torch.randn(2, 3 * h)  # two rows of three layers (a union of drafters' layers)
-    view = eng._select_layers(captured, (0, 1, 2), (1, 2))  # consecutive: a view, no copy
+    view = eng._columns.select(captured, (0, 1, 2), (1, 2))  # consecutive: a view, no copy
     assert view.untyped_storage().data_ptr() == captured.untyped_storage().data_ptr()
     assert torch.equal(view, captured[:, h:])
-    assert torch.equal(eng._select_layers(captured, (0, 1, 2), (2, 0)), torch.cat([captured[:, 2 * h:], captured[:, :h]], 1))
+    assert torch.equal(eng._columns.select(captured, (0, 1, 2), (2, 0)), torch.cat([captured[:, 2 * h:], captured[:, :h]], 1))
