@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from specserve.gateway.adaptive import VerifyCostModel
+from specserve.gateway.cost_models import VerifyCostModel
 
 
 def cost_model_error(steps: Sequence[dict], train_fraction: float = 0.7) -> dict:

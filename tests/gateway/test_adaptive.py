@@ -8,11 +8,9 @@ from specserve.gateway.adaptive import (
     AdaptiveConfig,
     AdaptiveSpeculation,
     ConfidenceCalibration,
-    DraftCostModel,
-    VerifyCostModel,
     expected_emitted,
-    nonneg_lstsq,
 )
+from specserve.gateway.cost_models import DraftCostModel, VerifyCostModel, nonneg_lstsq
 from specserve.gateway.probing import ProbePolicy
 
 
