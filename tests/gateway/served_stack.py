@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 import grpc
-from service_helpers import Proc, base_env
+from service_helpers import Proc, base_env, wait_until
 
 from specserve.protos.specserve.v1 import (
     draft_pb2,
@@ -108,16 +108,6 @@ def run_concurrently(stack: ServedStack, via: str, requests, timeout: float, dur
     return results
 
 
-def wait_until(cond, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.02)
-
-
 def wait_no_names(stack: ServedStack, timeout: float = 5.0) -> None:
     """No shared-memory name made since the stack started is left (within timeout)."""
-    deadline = time.monotonic() + timeout
-    while stack.new_names() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not stack.new_names(), stack.new_names()
+    wait_until(lambda: not stack.new_names(), timeout, lambda: f"shared-memory names left: {stack.new_names()}")

@@ -78,15 +78,16 @@ def base_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def wait_until(cond, timeout: float, what: str):
-    """cond()'s first truthy value, polled every 50 ms; AssertionError naming ``what`` after ``timeout`` s."""
+def wait_until(cond, timeout: float, what):
+    """cond()'s first truthy value, polled every 20 ms; AssertionError naming ``what`` (a string, or a
+    function that says what is still wrong when time is up) after ``timeout`` s."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         value = cond()
         if value:
             return value
-        time.sleep(0.05)
-    raise AssertionError(f"not within {timeout} s: {what}")
+        time.sleep(0.02)
+    raise AssertionError(f"not within {timeout} s: {what() if callable(what) else what}")
 
 
 # ---------------------------------------------------------------------------------- OTLP receiver

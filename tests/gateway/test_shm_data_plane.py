@@ -20,8 +20,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
-from served_stack import ServedStack, generate, req, run_concurrently, wait_no_names, wait_until
-from service_helpers import base_env
+from served_stack import ServedStack, generate, req, run_concurrently, wait_no_names
+from service_helpers import base_env, wait_until
 from stats_helpers import two_sample_pvalue
 
 from specserve.protos.specserve.v1 import (
