@@ -18,14 +18,16 @@ from specserve.kernels.attention_reference import (
     mla_attention_reference,
     paged_attention_reference,
 )
-from specserve.kernels.checks import KernelArgumentError
+from specserve.kernels.checks import KernelArgumentError, triton_interpreting
 from specserve.kernels.fused_moe import (
+    GROUPED_MM_ABOVE_TOKENS,
     HAS_TRITON,
     MoETileConfig,
     align_torch,
     check_routing_ids,
     fused_moe,
     moe_grouped_mm,
+    pick_backend,
 )
 from specserve.kernels.moe_reference import moe_reference
 from specserve.kernels.paged_batch import PagedBatch
@@ -63,7 +65,14 @@ def test_fused_moe_rejects_bad_arguments(mutate, match) -> None:
         fused_moe(*mutate(_moe_args()))
 
 
-def test_fused_moe_rejects_bad_backend_and_cpu_triton() -> None:
+@pytest.fixture
+def compiled_triton(monkeypatch):
+    """The wrappers as they dispatch without Triton's interpreter (the normal run), also in a run under
+    TRITON_INTERPRET=1: they read the variable at each call, and these tests launch no kernel."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+
+
+def test_fused_moe_rejects_bad_backend_and_cpu_triton(compiled_triton) -> None:
     args = _moe_args()
     with pytest.raises(KernelArgumentError, match="backend must be one of"):
         fused_moe(*args, backend="cuda-magic")
@@ -75,6 +84,15 @@ def test_fused_moe_rejects_bad_backend_and_cpu_triton() -> None:
         check_routing_ids(ids, 6)
 
 
+@pytest.mark.skipif(not (HAS_TRITON and triton_interpreting()), reason="needs triton and TRITON_INTERPRET=1")
+def test_under_the_interpreter_cpu_tensors_go_to_triton() -> None:
+    """The interpreter runs Triton kernels on CPU tensors, so there the wrapper takes them (no refusal) and
+    auto picks Triton up to GROUPED_MM_ABOVE_TOKENS tokens, as it does on CUDA."""
+    x = _moe_args()[0]
+    assert pick_backend(x) == "triton"
+    assert pick_backend(x.new_zeros(GROUPED_MM_ABOVE_TOKENS + 1, x.shape[1])) == "grouped_mm"
+
+
 def test_tile_config_validation() -> None:
     with pytest.raises(KernelArgumentError, match="power of two"):
         MoETileConfig(24, 32, 64, 4, 3, 32, 64, 4, 3)
@@ -83,7 +101,7 @@ def test_tile_config_validation() -> None:
 
 
 @pytest.mark.parametrize("t", [1, 4, 17])
-def test_grouped_mm_path_matches_reference_on_cpu(t: int) -> None:
+def test_grouped_mm_path_matches_reference_on_cpu(t: int, compiled_triton) -> None:
     x, w13, w2, ids, w = _moe_args(t=t, e=8, h=48, i=32, k=3, seed=t)
     ref = moe_reference(x, w13, w2, ids, w)
     assert rel_err(moe_grouped_mm(x, w13, w2, ids, w), ref) < 1e-2
