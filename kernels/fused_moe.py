@@ -217,7 +217,7 @@ def fused_moe_triton(
     out = torch.empty_like(hidden)
     bh = min(1024, triton_next_pow2(h))
     moe_triton.sum_topk_kernel[(t, triton.cdiv(h, bh))](per_slot, topk_ids.reshape(-1), out, h, TOPK=k, BH=bh, SKIP=True,
-                                                         num_warps=4)
+                                                         PARTS=1, num_warps=4)
     return out
 
 

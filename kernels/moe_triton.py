@@ -158,12 +158,13 @@ def moe_down_kernel(
 @triton.jit
 def sum_topk_kernel(
     src_ptr,  # [T, K, H] fp32
-    ids_ptr,  # [T, K] expert ids (read when SKIP): a slot of NO_EXPERT (< 0) adds 0, its src row is not read
+    ids_ptr,  # [T, K / PARTS] expert ids (read when SKIP): a slot of NO_EXPERT (< 0) adds 0, its src rows unread
     out_ptr,  # [T, H]
     H,
     TOPK: tl.constexpr,
     BH: tl.constexpr,
     SKIP: tl.constexpr,
+    PARTS: tl.constexpr,  # src rows a slot (the split W4A16 GEMV's input chunks; else 1)
 ):
     """out[t] = sum_k src[t, k] in fp32, cast to out's dtype (fixed order: deterministic)."""
     t = tl.program_id(0).to(tl.int64)
@@ -173,6 +174,6 @@ def sum_topk_kernel(
     for k in tl.static_range(TOPK):
         mk = m
         if SKIP:
-            mk = m & (tl.load(ids_ptr + t * TOPK + k) >= 0)
+            mk = m & (tl.load(ids_ptr + (t * TOPK + k) // PARTS) >= 0)
         acc += tl.load(src_ptr + (t * TOPK + k) * H + offs, mask=mk, other=0.0)
     tl.store(out_ptr + t * H + offs, acc.to(out_ptr.dtype.element_ty), mask=m)

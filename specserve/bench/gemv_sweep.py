@@ -2,7 +2,8 @@
 
 Run on the GPU machine:  specserve bench kernels --suite quant --gemv-sweep [--out DIR]
 Shape: 384 experts, H 7168, I 2048, top-8, int4 in groups of 32 (random packed words and bf16 scales, random
-routing). For every tile of GRID, at T = 1, 4 and 8 tokens, the gate/up and down kernels are timed apart as the
+routing). For every tile of GRID, at T = 1, 4 and 8 tokens, the gate/up and down kernels are timed apart (gate/up with its
+second pass when the tile splits the input, down with the top-k sum that adds the slots and chunks) as the
 invariant steps run them: T real rows padded to INVARIANT_ROWS with NO_EXPERT rows (the GEMV's program rows then take
 the slots in turn: gemv_lanes). CUDA events around each call, the calls queued behind a device sleep so launch gaps
 do not count; median of REPS after WARMUP, cycling over ROUTINGS routings so L2 does not hold the experts. Bytes =
@@ -37,14 +38,39 @@ BEST_OVER = (1, 4)  # decode and a 4-token verify: what the invariant steps run 
 INVARIANT_ROWS = 17  # the GPU's invariant row count (graph_max_draft 16 + 1)
 TOL = 1e-2  # relative error to the reference, as tests/kernels/test_quant_moe.py's W4A16 cases
 ROUTINGS, REPS, WARMUP = 8, 20, 3
-# (BN, BKW, warps, stages): today's tile first; narrower / wider output rows and input steps, 2-8 warps, and
-# 2-3 stages on the shapes that leave registers for them (an int4 GEMV: [BN, BKW] words and fp32 partial sums of
-# each of gate and up per program; BKW words = 8 * BKW input columns, 4 * BKW bytes a row a step)
-GRID = tuple(GemvTile(*c) for c in (
-    (32, 32, 4, 1), (16, 32, 4, 1), (64, 32, 4, 1), (32, 16, 4, 1), (32, 64, 4, 1), (16, 64, 4, 1), (64, 16, 4, 1),
-    (16, 16, 4, 1), (8, 64, 4, 1), (16, 32, 2, 1), (32, 32, 2, 1), (16, 64, 2, 1), (32, 32, 8, 1), (64, 32, 8, 1),
-    (64, 64, 8, 1), (32, 32, 4, 2), (32, 32, 4, 3), (16, 64, 4, 2), (32, 64, 4, 2), (64, 32, 4, 2),
-))
+# Today's tile first, then the kernels' (kernels/quant_gemv_triton.py) choices at K2.6 width. E = BN * BKW / (32 *
+# warps) packed words a thread holds per matrix a step: offline sm_90 builds of the kernels (ptxas register counts and
+# the inner loop's instructions per weight) give E = 8: ~96 registers, ~4.5 instructions a weight; E = 16: ~128 and
+# ~4.1; E = 32: 240-255 and ~3.9 (some shapes spill); prefetch adds ~40 registers. So: E 8-32 across BN 8-64, BKW
+# 16-128 and 1-8 warps; prefetch on E 8 and 16; split 2 / 4 (more programs for a one-token step); lanes 8 (a program
+# row per slot up to 8 tokens of a 17-row step, where lanes 4 gives 8 tokens two slots a row).
+_T = GemvTile
+GRID = (
+    _T(16, 64, 2, 1),
+    # E = 16
+    _T(64, 32, 4, 1), _T(32, 64, 4, 1), _T(16, 128, 4, 1), _T(64, 64, 8, 1), _T(32, 32, 2, 1), _T(64, 16, 2, 1),
+    _T(16, 32, 1, 1), _T(32, 16, 1, 1), _T(8, 64, 1, 1), _T(32, 128, 8, 1), _T(32, 32, 2, 2),
+    # E = 8
+    _T(32, 32, 4, 1), _T(64, 16, 4, 1), _T(16, 64, 4, 1), _T(16, 32, 2, 1), _T(8, 32, 1, 1), _T(16, 16, 1, 1),
+    _T(64, 32, 8, 1),
+    # E = 32
+    _T(64, 32, 2, 1), _T(64, 64, 4, 1), _T(64, 16, 1, 1), _T(32, 32, 1, 1), _T(64, 128, 8, 1),
+    # prefetch
+    _T(64, 32, 4, 1, prefetch=True), _T(32, 64, 4, 1, prefetch=True), _T(32, 32, 2, 1, prefetch=True),
+    _T(64, 16, 2, 1, prefetch=True), _T(32, 32, 4, 1, prefetch=True), _T(64, 16, 4, 1, prefetch=True),
+    _T(16, 64, 4, 1, prefetch=True), _T(16, 32, 2, 1, prefetch=True), _T(64, 64, 8, 1, prefetch=True),
+    # split
+    _T(64, 32, 4, 1, split=2), _T(64, 32, 4, 1, split=4), _T(32, 32, 4, 1, split=2), _T(32, 32, 4, 1, split=4),
+    _T(64, 64, 8, 1, split=2), _T(32, 32, 2, 1, split=2), _T(64, 16, 2, 1, split=4), _T(16, 64, 2, 1, split=2),
+    _T(64, 32, 2, 1, split=2), _T(64, 64, 4, 1, split=4),
+    # split and prefetch
+    _T(64, 32, 4, 1, split=2, prefetch=True), _T(32, 32, 4, 1, split=2, prefetch=True),
+    _T(32, 64, 4, 1, split=4, prefetch=True), _T(64, 16, 2, 1, split=2, prefetch=True),
+    _T(32, 32, 2, 1, split=4, prefetch=True),
+    # lanes
+    _T(64, 32, 4, 1, lanes=8), _T(32, 32, 4, 1, lanes=8), _T(64, 32, 4, 1, prefetch=True, lanes=8),
+    _T(32, 32, 2, 1, split=2, lanes=8), _T(64, 32, 4, 1, lanes=2),
+)
 
 
 @dataclass(frozen=True)
@@ -138,13 +164,12 @@ def check_invariant(what: str, full: torch.Tensor, alone: Sequence[torch.Tensor]
 
 def _launch(case: Case, step, tiles: GemvTiles):
     """(act [T*K, I], per_slot [T*K, H]) of one step with these tiles."""
-    from specserve.kernels.quant_moe import gemv_lanes, w4a16_gemv_down, w4a16_gemv_gate_up
+    from specserve.kernels.quant_moe import w4a16_gemv_down, w4a16_gemv_gate_up
 
     x, ids, w = step
     w13, s13, w2, s2 = case.weights
-    lanes = gemv_lanes(x.shape[0], case.shape.top_k)
-    act = w4a16_gemv_gate_up(x, w13, s13, ids, w, case.shape.group, lanes, tiles.gate_up)
-    return act, w4a16_gemv_down(act, w2, s2, ids, w, case.shape.group, lanes, tiles.down)
+    act = w4a16_gemv_gate_up(x, w13, s13, ids, w, case.shape.group, tiles.gate_up)
+    return act, w4a16_gemv_down(act, w2, s2, ids, w, case.shape.group, tiles.down, x.shape[0])
 
 
 def check_tiles(case: Case, tiles_at: Callable[[int], GemvTiles]) -> list[str]:
@@ -197,17 +222,26 @@ def median_ms(fn: Callable[[int], object], calls: int, cuda: bool, reps: int = R
 
 
 def time_tile(case: Case, tile: GemvTile, reps: int = REPS, warmup: int = WARMUP) -> dict:
-    """{kernel: {T: {ms, bytes, TBps}}} of one tile, both kernels running it."""
-    from specserve.kernels.quant_moe import gemv_lanes, w4a16_gemv_down, w4a16_gemv_gate_up
+    """{kernel: {T: {ms, bytes, TBps}}} of one tile, both kernels running it: gate/up with its second pass when split,
+    down with the top-k sum (which adds a split tile's chunks)."""
+    from specserve.kernels.quant_moe import w4a16_gemv_down, w4a16_gemv_gate_up, w4a16_gemv_sum
 
     w13, s13, w2, s2 = case.weights
-    g, k = case.shape.group, case.shape.top_k
+    g = case.shape.group
     out = {kernel: {} for kernel in KERNELS}
     for t, steps in case.timed.items():
-        lanes = gemv_lanes(steps[0][0].shape[0], k)
         acts = [_launch(case, s, GemvTiles(tile, tile))[0] for s in steps]
-        fns = {"gate_up": lambda r: w4a16_gemv_gate_up(steps[r][0], w13, s13, steps[r][1], steps[r][2], g, lanes, tile),
-               "down": lambda r: w4a16_gemv_down(acts[r], w2, s2, steps[r][1], steps[r][2], g, lanes, tile)}
+        rows = steps[0][0].shape[0]
+
+        def gate_up(r, steps=steps):
+            x, ids, w = steps[r]
+            return w4a16_gemv_gate_up(x, w13, s13, ids, w, g, tile)
+
+        def down(r, steps=steps, acts=acts, rows=rows):
+            x, ids, w = steps[r]
+            return w4a16_gemv_sum(w4a16_gemv_down(acts[r], w2, s2, ids, w, g, tile, rows), ids, rows, x.dtype)
+
+        fns = {"gate_up": gate_up, "down": down}
         for kernel, fn in fns.items():
             ms = median_ms(fn, len(steps), w13.is_cuda, reps, warmup)
             nbytes = kernel_bytes(case.shape, kernel, case.distinct[t])
@@ -244,7 +278,7 @@ def default_line(rows: Sequence[dict], best: dict) -> str | None:
     tiles = {r["config"]: r["tile"] for r in rows}
     if None in best.values():
         return None
-    args = {kernel: "GemvTile({bn}, {bkw}, {warps}, {stages})".format(**tiles[best[kernel]]) for kernel in KERNELS}
+    args = {kernel: GemvTile(**tiles[best[kernel]]).source() for kernel in KERNELS}
     return f"GEMV_TILES = GemvTiles(gate_up={args['gate_up']}, down={args['down']})"
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 from kernel_test_utils import HAS_CUDA, poison_cuda_allocator, random_moe_weights, random_routing
-from test_quant_moe import _fp8_case, _int4_case
+from test_quant_moe import GEMV_VARIANTS, _fp8_case, _int4_case
 
 from specserve.kernels.checks import triton_interpreting
 from specserve.kernels.fused_moe import HAS_TRITON, align_torch, align_triton, fused_moe, moe_grouped_mm
@@ -145,15 +145,16 @@ def test_fused_moe_skips_pad_rows():
 
 @pytest.mark.gpu
 @runs_triton
-@pytest.mark.parametrize("path", ["gemv", "dot"])
+@pytest.mark.parametrize("path", ["gemv", "dot", *GEMV_VARIANTS])
 def test_w4a16_moe_skips_pad_rows(path):
     shape = "tiny" if not HAS_CUDA else "kimi_k2_width"
     x, w13, s13, w2, s2, ids, weights = _int4_case(shape, ROWS, seed=13)
     x, skip, copy = _padded(x, ids, weights)
-    gemv = ROWS if path == "gemv" else 0
+    gemv = 0 if path == "dot" else ROWS
 
     def run(a, i_, w):
-        return w4a16_moe(a, w13, s13, w2, s2, i_, w, group_size=32, gemv_max_tokens=gemv)
+        return w4a16_moe(a, w13, s13, w2, s2, i_, w, group_size=32, gemv_max_tokens=gemv,
+                         gemv_tiles=GEMV_VARIANTS.get(path))
 
     _same_real_rows_and_zero_pads(run, x, skip, copy)
 
@@ -170,15 +171,19 @@ def test_fp8_moe_skips_pad_rows():
 
 @pytest.mark.gpu
 @runs_triton
-def test_w4a16_gemv_rows_do_not_depend_on_the_row_count():
+@pytest.mark.parametrize("variant", ["default", *GEMV_VARIANTS])
+def test_w4a16_gemv_rows_do_not_depend_on_the_row_count(variant):
     """The invariant steps run the W4A16 GEMV at every step of up to ROWS rows (CausalLM.set_invariant_rows): row j
-    of a ROWS-row call must be what row j gets alone. The negative control: the dot path at ROWS rows (what invariant
-    steps ran before) rounds differently from the GEMV alone."""
+    of a ROWS-row call must be what row j gets alone, under every GEMV choice (split chunks, prefetch, lanes). The
+    negative control: the dot path at ROWS rows (what invariant steps ran before) rounds differently from the GEMV
+    alone."""
     shape = "tiny" if not HAS_CUDA else "kimi_k2_width"
     x, w13, s13, w2, s2, ids, weights = _int4_case(shape, ROWS, seed=15)
     args = (w13, s13, w2, s2)
-    full = w4a16_moe(x, *args, ids, weights, group_size=32, gemv_max_tokens=ROWS)
-    alone = [w4a16_moe(x[j: j + 1], *args, ids[j: j + 1], weights[j: j + 1], group_size=32) for j in range(ROWS)]
+    tiles = GEMV_VARIANTS.get(variant)
+    full = w4a16_moe(x, *args, ids, weights, group_size=32, gemv_max_tokens=ROWS, gemv_tiles=tiles)
+    alone = [w4a16_moe(x[j: j + 1], *args, ids[j: j + 1], weights[j: j + 1], group_size=32, gemv_tiles=tiles)
+             for j in range(ROWS)]
     _sync()
     assert [j for j in range(ROWS) if not torch.equal(full[j], alone[j][0])] == []
     dot = w4a16_moe(x, *args, ids, weights, group_size=32, gemv_max_tokens=0)

@@ -114,11 +114,23 @@ def test_w4a16_group_128_and_explicit_tiles() -> None:
         assert rel_err(w4a16_moe(*args, group_size=group, config=config), w4a16_moe_reference(*args, group_size=group)) < TOL
 
 
+# The GEMV kernels' choices (GemvTile): input chunks (split), prefetch, program rows per k (lanes). At the tiny shape
+# (gate/up 12 words a row, down 8) they cover whole steps, a partial last step (bkw 8 of 12) and empty chunks (split 4)
+GEMV_VARIANTS = {
+    "split2": GemvTiles(GemvTile(16, 4, 1, 1, split=2), GemvTile(16, 4, 2, 1, split=2)),
+    "split4-prefetch": GemvTiles(GemvTile(16, 8, 2, 1, split=4, prefetch=True),
+                                 GemvTile(32, 4, 1, 1, split=4, prefetch=True)),
+    "prefetch-lanes": GemvTiles(GemvTile(16, 4, 1, 1, prefetch=True, lanes=1),
+                                GemvTile(16, 8, 4, 1, prefetch=True, lanes=8)),
+}
+
+
 @pytest.mark.parametrize("tiles", [
     GemvTiles(GemvTile(16, 64, 2, 1), GemvTile(64, 16, 8, 1)),
     GemvTiles(GemvTile(64, 32, 4, 2), GemvTile(16, 32, 4, 3)),
     GemvTiles(GemvTile(16, 8, 1, 1), GemvTile(32, 64, 4, 2)),
-], ids=["narrow-wide", "stages", "small"])
+    *GEMV_VARIANTS.values(),
+], ids=["narrow-wide", "stages", "small", *GEMV_VARIANTS])
 def test_w4a16_gemv_with_other_tiles_matches_reference(tiles) -> None:
     """The GEMV's tiles are parameters (the sweep, bench/gemv_sweep.py, tries others): any tile gives the reference's
     function, one slot a program row (T = 3) and past W4A16_GEMV_MAX_TOKENS (T = 9, program rows in turn)."""
@@ -130,6 +142,22 @@ def test_w4a16_gemv_with_other_tiles_matches_reference(tiles) -> None:
         out = w4a16_moe(*args, group_size=32, gemv_max_tokens=t, gemv_tiles=tiles)
         _sync()
         assert rel_err(out, ref) < TOL, (t, tiles)
+
+
+@pytest.mark.parametrize("variant", list(GEMV_VARIANTS))
+def test_w4a16_gemv_variants_give_weight_0_slots_nothing(variant: str) -> None:
+    """Expert parallelism's weight-0 slots on expert 0 (as above) under each GEMV choice: split chunks of a skipped
+    slot are 0, not unwritten, so its act row is 0 and its down rows add 0."""
+    shape = "tiny" if TINY_ONLY else "kimi_k2_width"
+    x, w13, s13, w2, s2, ids, weights = _int4_case(shape, 6, seed=60)
+    ids, weights = ids.clone(), weights.clone()
+    ids[:, 1:], weights[:, 1:] = 0, 0
+    ref = w4a16_moe_reference(x, w13, s13, w2, s2, ids, weights, group_size=32)
+    poison_cuda_allocator()
+    out = w4a16_moe(x, w13, s13, w2, s2, ids, weights, group_size=32, gemv_tiles=GEMV_VARIANTS[variant])
+    _sync()
+    assert rel_err(out, ref) < TOL
+
 
 
 @pytest.mark.parametrize("shape", _shapes(MOE_SHAPES))

@@ -65,9 +65,16 @@ def test_checks_reject_wrong_results():
 
 def test_gemv_tile_refuses_what_triton_cannot_tile():
     assert GemvTile() == GemvTiles().gate_up == GemvTiles().down  # today's tile: (32, 32), 4 warps, unpipelined
-    for bad in (dict(bn=24), dict(bkw=0), dict(warps=3), dict(warps=64), dict(stages=0)):
+    for bad in (dict(bn=24), dict(bkw=0), dict(warps=3), dict(warps=64), dict(stages=0), dict(split=0), dict(lanes=0)):
         with pytest.raises(KernelArgumentError, match="GemvTile needs"):
             GemvTile(**bad)
+
+
+def test_gemv_tile_labels_and_source() -> None:
+    tile = GemvTile(16, 64, 2, 1, split=4, prefetch=True, lanes=8)
+    assert tile.label() == "bn16_bkw64_w2_s1_k4_pf_l8" and GemvTile(16, 64, 2, 1).label() == "bn16_bkw64_w2_s1"
+    assert tile.source() == "GemvTile(16, 64, 2, 1, split=4, prefetch=True, lanes=8)"
+    assert eval(tile.source()) == tile and eval(GemvTile(8, 128, 1, 1).source()) == GemvTile(8, 128, 1, 1)
 
 
 @pytest.mark.gpu
