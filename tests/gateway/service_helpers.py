@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -16,15 +17,30 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 # ------------------------------------------------------------------------------------ processes
+# The child's first lines, then the CLI as `python -m specserve.cli.main` would run it: SIGTERM to the child when
+# the thread that started it ends (prctl PR_SET_PDEATHSIG = 1), so a test run that dies any way (SIGTERM, SIGKILL,
+# pytest-timeout's os._exit) leaves no service behind: a service stops on SIGTERM as on Proc.stop, its own
+# children with it (serve); a test process gone before the prctl took ends the child at once. In the child, not
+# a preexec_fn: that forks without vfork, and the test process's gRPC threads then break the child's event engine.
+_STOP_WITH_PARENT = (
+    "import ctypes, os, runpy, signal, sys; ctypes.CDLL(None).prctl(1, signal.SIGTERM, 0, 0, 0); "
+    "os.getppid() == int(sys.argv.pop(1)) or os._exit(1); "
+    "runpy.run_module('specserve.cli.main', run_name='__main__', alter_sys=True)"
+)
+
+
 class Proc:
-    """A specserve subcommand in its own process; stdout lines are collected by a reader thread."""
+    """A specserve subcommand in its own process; stdout lines are collected by a reader thread. Started
+    on the main thread only: the child lives no longer than the thread that started it (_STOP_WITH_PARENT)."""
 
     def __init__(self, role: str, argv: list[str], env: dict[str, str], merge_stderr: bool = True) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            raise RuntimeError("start a Proc on the main thread: its process stops when the starting thread ends")
         self.role, self.argv, self.env = role, argv, env
         self.lines: list[str] = []  # stdout (and stderr when merged)
         self.err_lines: list[str] = []
         self.popen = subprocess.Popen(
-            [sys.executable, "-m", "specserve.cli.main", role, *argv],
+            [sys.executable, "-c", _STOP_WITH_PARENT, str(os.getpid()), role, *argv],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT if merge_stderr else subprocess.PIPE,
             text=True,
@@ -58,8 +74,6 @@ class Proc:
         )
 
     def stop(self, sig=None, timeout: float = 30.0) -> int:
-        import signal
-
         if self.popen.poll() is None:
             self.popen.send_signal(sig or signal.SIGTERM)
             try:
