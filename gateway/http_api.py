@@ -296,9 +296,10 @@ class HttpApi:
         the echoed tokens are the scored ones; its size checked first and tokenized off the loop)."""
         out = []
         for req in api.prompts:
-            if req.prompt and self.servicer.tokenizer is not None:
+            text = req.prompt  # read once (each read decodes the field anew)
+            if text and self.servicer.tokenizer is not None:
                 try:
-                    req.prompt_ids.extend(await self.servicer.encode_prompt(req.prompt))
+                    req.prompt_ids.extend(await self.servicer.encode_prompt(text))
                 except InvalidRequest as exc:
                     raise ApiError(400, str(exc), "prompt") from None
                 req.ClearField("prompt")
@@ -443,7 +444,7 @@ class _Choices:
         if self.echo_ids is None:
             return ""
         prompt, req = self.choices[index]
-        return req.prompt if req.prompt else self.http._prompt_text(req, self.echo_ids[prompt])
+        return req.prompt or self.http._prompt_text(req, self.echo_ids[prompt])
 
     def start(self, index: int, first) -> LogprobsLog | None:
         """The choice's logprobs log (None unless asked), holding the echoed prompt's tokens."""

@@ -250,11 +250,11 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         now = asyncio.get_running_loop().time()
         deadline = now + time_remaining if time_remaining is not None else None  # admission waits count too
         try:
-            encoded = None
-            if request.prompt and not request.prompt_ids and self.tokenizer is not None:
-                encoded = await self.encode_prompt(request.prompt)  # off the loop
+            prompt, encoded = request.prompt, None  # read once (each read decodes the field anew)
+            if prompt and not request.prompt_ids and self.tokenizer is not None:
+                encoded = await self.encode_prompt(prompt)  # off the loop
             checked = validate_request(
-                request, info, self.drafts, self.default_draft, self.tokenizer, self.config.limits, encoded
+                request, info, self.drafts, self.default_draft, self.tokenizer, self.config.limits, encoded, prompt
             )
         except InvalidRequest as exc:
             self.metrics.record_rejected("invalid")

@@ -70,11 +70,20 @@ def max_token_bytes(tokenizer) -> int:
     return 4 * max(longest, 1)
 
 
+def utf8_size(text: str) -> int:
+    """``len(text.encode("utf-8", "surrogatepass"))``, without the copy for an ASCII text (its bytes are its
+    characters; ``isascii`` reads a flag of the string)."""
+    return len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass"))
+
+
 def check_prompt_bytes(text: str, target: target_pb2.TargetInfo, limits: RequestLimits, bytes_per_token: int) -> None:
     """Before tokenizing: a text whose bytes cannot fit in the prompt limit's tokens is refused at once,
-    so no prompt's size costs the gateway more than tokenizing what could be a valid prompt."""
+    so no prompt's size costs the gateway more than tokenizing what could be a valid prompt. A character is
+    1 to 4 bytes of UTF-8, so a text within a quarter of the limit in characters is not even measured."""
     tokens = limits.max_prompt_tokens or target.max_context
-    size = len(text.encode("utf-8", "surrogatepass"))
+    if 4 * len(text) <= tokens * bytes_per_token:
+        return
+    size = utf8_size(text)
     if size > tokens * bytes_per_token:
         limit = "(--max-prompt-tokens)" if limits.max_prompt_tokens else "(the model's context)"
         raise InvalidRequest("prompt", f"{size} bytes of text cannot fit in {tokens} tokens {limit}: a token of "
@@ -95,10 +104,14 @@ def validate_request(
     tokenizer=None,
     limits: RequestLimits | None = None,
     encoded: tuple[int, ...] | None = None,
+    prompt: str | None = None,
 ) -> GenerationRequest:
     """Raise InvalidRequest for the first bad field; return the request in engine terms. ``encoded``: the
-    text prompt's ids, tokenized already (off the event loop); else the prompt is tokenized here."""
+    text prompt's ids, tokenized already (off the event loop); else the prompt is tokenized here. ``prompt``:
+    ``req.prompt`` as the caller read it (None: read here); each read of a protobuf string field decodes its
+    bytes into a new string (a few ms for megabytes), so it is read once."""
     limits = limits or RequestLimits()
+    prompt = req.prompt if prompt is None else prompt
     if len(req.stop) > limits.max_stop_strings:
         raise InvalidRequest(
             "stop", f"{len(req.stop)} stop strings exceed the limit of {limits.max_stop_strings} (--max-stop-strings)"
@@ -113,17 +126,17 @@ def validate_request(
             "prompt_ids",
             f"{len(req.prompt_ids)} tokens exceed the limit of {limits.max_prompt_tokens} (--max-prompt-tokens)",
         )
-    if req.prompt and req.prompt_ids:
+    if prompt and req.prompt_ids:
         raise InvalidRequest("prompt", "give either prompt (text) or prompt_ids, not both")
     if req.prompt_ids:
         ids = tuple(int(t) for t in req.prompt_ids)
         bad = [t for t in ids if not 0 <= t < target.vocab_size]
         if bad:
             raise InvalidRequest("prompt_ids", f"ids {bad[:4]} outside the vocabulary [0, {target.vocab_size})")
-    elif req.prompt:
+    elif prompt:
         if tokenizer is None:
             raise InvalidRequest("prompt", "this gateway has no tokenizer; send prompt_ids")
-        ids = encoded if encoded is not None else encode_text(tokenizer, req.prompt)
+        ids = encoded if encoded is not None else encode_text(tokenizer, prompt)
         if not ids:
             raise InvalidRequest("prompt", "encodes to no tokens")
     else:

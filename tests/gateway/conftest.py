@@ -1,6 +1,7 @@
 """Fixtures for the service tests (helpers in service_helpers.py).
 
     tiny_target_dir -> Path        qwen3_moe, vocab 256, hidden 64, 2 layers, eos None, + byte tokenizer.json
+    byte_tokenizer -> Tokenizer    that tokenizer.json's tokenizer (ids 0..255, one byte each)
     otlp_receiver -> OtlpReceiver  a real OTLP collector: .endpoint, .snapshot() -> [SpanRecord], .metric_names
 """
 
@@ -51,6 +52,11 @@ def tiny_target_dir(tmp_path_factory) -> Path:
     save_tiny_hf("qwen3_moe", config, out)
     _byte_tokenizer().save(str(out / "tokenizer.json"))
     return out
+
+
+@pytest.fixture(scope="session")
+def byte_tokenizer():
+    return _byte_tokenizer()
 
 
 @pytest.fixture(scope="module")

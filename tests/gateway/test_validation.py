@@ -31,3 +31,4 @@ def test_out_of_range_values_are_refused_naming_the_field(fields, field):
 def test_bounds_themselves_are_accepted():
     assert check(tree_nodes=64, tree_top_k=MAX_TREE_TOP_K, tree_depth=4).tree == TreeSpec(64, MAX_TREE_TOP_K, 4)
     assert check(speculation=gateway_pb2.SPECULATION_ADAPTIVE).adaptive
+    assert check(stop=["\n", "x" * 256]).stop == ("\n", "x" * 256)  # ids and stop strings, no text prompt
