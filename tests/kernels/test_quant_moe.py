@@ -115,13 +115,20 @@ def test_w4a16_group_128_and_explicit_tiles() -> None:
 
 
 # The GEMV kernels' choices (GemvTile): input chunks (split), prefetch, program rows per k (lanes). At the tiny shape
-# (gate/up 12 words a row, down 8) they cover whole steps, a partial last step (bkw 8 of 12) and empty chunks (split 4)
+# (gate/up 12 words a row, down 8) they cover whole steps, a partial last step (bkw 8 of 12) and empty chunks (split 4);
+# at Kimi width (896 and 256 words) tiles of the sweep's grid, with uneven chunks (split 4 of 14 steps)
 GEMV_VARIANTS = {
     "split2": GemvTiles(GemvTile(16, 4, 1, 1, split=2), GemvTile(16, 4, 2, 1, split=2)),
     "split4-prefetch": GemvTiles(GemvTile(16, 8, 2, 1, split=4, prefetch=True),
                                  GemvTile(32, 4, 1, 1, split=4, prefetch=True)),
     "prefetch-lanes": GemvTiles(GemvTile(16, 4, 1, 1, prefetch=True, lanes=1),
                                 GemvTile(16, 8, 4, 1, prefetch=True, lanes=8)),
+} if TINY_ONLY else {
+    "split2": GemvTiles(GemvTile(64, 32, 4, 1, split=2), GemvTile(32, 32, 2, 1, split=2)),
+    "split4-prefetch": GemvTiles(GemvTile(32, 64, 4, 1, split=4, prefetch=True),
+                                 GemvTile(64, 16, 2, 1, split=4, prefetch=True)),
+    "prefetch-lanes": GemvTiles(GemvTile(64, 32, 4, 1, prefetch=True, lanes=1),
+                                GemvTile(32, 32, 4, 1, prefetch=True, lanes=8)),
 }
 
 
