@@ -33,16 +33,20 @@ def draw_tokens(
 
 
 def to_target_probs(
-    q: torch.Tensor,  # [N, Vd] over the draft vocabulary
+    q: torch.Tensor,  # [N, Vd] over the draft vocabulary (a device tensor is read back here)
     vocab_size: int,  # the target's
-    draft_to_target: torch.Tensor | None = None,  # [Vd] int64 target id of each draft id; None = same ids
+    draft_to_target: torch.Tensor | None = None,  # [Vd] int64 target id of each draft id (host, or read back); None = same ids
 ) -> torch.Tensor:  # [N, vocab_size] float32 on the CPU
-    q = q.float().cpu()
+    q = q.float()
+    if q.device.type != "cpu":
+        q = q.cpu()
     if draft_to_target is None:
         vd = q.shape[-1]
         if vd >= vocab_size:
             return q[:, :vocab_size].contiguous()
         return torch.nn.functional.pad(q, (0, vocab_size - vd))
+    if draft_to_target.device.type != "cpu":
+        draft_to_target = draft_to_target.cpu()
     out = torch.zeros(q.shape[0], vocab_size, dtype=torch.float32)
-    out[:, draft_to_target.cpu()] = q
+    out[:, draft_to_target] = q
     return out

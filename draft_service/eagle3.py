@@ -31,6 +31,7 @@ from specserve.draft_service.proposer import (
     DrafterConfigError,
     DrafterInfo,
     Proposer,
+    RowsNotFinite,
     SessionState,
     TreeSpec,
     common_prefix_len,
@@ -71,10 +72,12 @@ class Eagle3Proposer(Proposer):
     ) -> None:
         if len(hidden_layers) != 3:
             raise DrafterConfigError(f"EAGLE-3 fuses exactly 3 target layers, got {hidden_layers}")
+        head.fuse_projections()  # q/k/v and gate/up as one GEMM each (eagle3_head.py)
         self.head = head
         self.device = torch.device(config.device)
         self.dtype = config.dtype
         self.d2t_ids = head.draft_to_target()  # [Vd]
+        self.d2t_host = self.d2t_ids.cpu()  # [Vd] the same on the host (a sampled block's q is mapped there)
         self.vocab_size = head.cfg.vocab_size
         self.chain_graphs = None  # catch-up and chains as CUDA graphs (eagle3_graph.py), on CUDA
         if self.device.type == "cuda" and config.graph_window > 0:
@@ -186,10 +189,13 @@ class Eagle3Proposer(Proposer):
         if on_graphs:  # one replay: the deferred catch-up and the chain (or the chain alone)
             if graphs.owner is not fs:  # the catch-up ran eagerly: the window takes its result
                 graphs.load(fs, spec_k, spec_v, out)
-            drafted, q = graphs.draft(num_tokens, state.sampling, state.generator, catch_up=deferred)
+            drafted, q, rows_ok = graphs.draft(num_tokens, state.sampling, state.generator, catch_up=deferred,
+                                               rows_check=state.take_rows_check())
+            if not rows_ok:
+                raise RowsNotFinite("")
             if deferred:
                 self._keep_window_entries(fs, deferred)
-            probs = None if q is None else to_target_probs(q, self.vocab_size, self.d2t_ids)
+            probs = None if q is None else to_target_probs(q, self.vocab_size, self.d2t_host)
             return DraftBlock(token_ids=tuple(drafted), probs=probs)
         logits = self.head.logits(out[None])  # [1, Vd]
         positions = torch.arange(base + 1, base + num_tokens, device=self.device)  # [k - 1], made once
@@ -208,7 +214,7 @@ class Eagle3Proposer(Proposer):
             out = out[0]
             spec_k, spec_v = torch.cat([spec_k, k]), torch.cat([spec_v, v])
             logits = self.head.logits(out[None])
-        probs = None if not qs else to_target_probs(torch.cat(qs), self.vocab_size, self.d2t_ids)
+        probs = None if not qs else to_target_probs(torch.cat(qs), self.vocab_size, self.d2t_host)
         return DraftBlock(token_ids=tuple(torch.cat(drafted).tolist()), probs=probs)
 
     @torch.inference_mode()
@@ -223,7 +229,7 @@ class Eagle3Proposer(Proposer):
             if graphs.owner is not fs:  # the catch-up ran eagerly: the window takes its result
                 graphs.load(fs, fs.k[:ctx], fs.v[:ctx], root_out)
             tokens, parents, q = graphs.trees.draft(spec, state.sampling, state.generator)
-            probs = None if q is None else to_target_probs(q, self.vocab_size, self.d2t_ids)
+            probs = None if q is None else to_target_probs(q, self.vocab_size, self.d2t_host)
             return DraftBlock(token_ids=tuple(tokens), parents=tuple(parents), probs=probs)
         fed: list[int] = []  # nodes whose entries exist, in feeding order
         node_out: dict[int, torch.Tensor] = {-1: root_out}
@@ -257,10 +263,10 @@ class Eagle3Proposer(Proposer):
             return self.head.logits(out)
 
         tree = build_tree(self.head.logits(root_out[None])[0], expand, spec, state.sampling, state.generator)
-        target_ids = self.d2t_ids.cpu()[list(tree.tokens)].tolist() if tree.tokens else []
+        target_ids = self.d2t_host[list(tree.tokens)].tolist() if tree.tokens else []
         probs = None
         if tree.probs is not None:
-            probs = to_target_probs(tree.probs, self.vocab_size, self.d2t_ids)
+            probs = to_target_probs(tree.probs, self.vocab_size, self.d2t_host)
         return DraftBlock(token_ids=tuple(target_ids), parents=tree.parents, probs=probs)
 
 

@@ -32,6 +32,7 @@ against the eager chain (greedy: token for token; sampled: q and the law of the 
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from specserve.contract.types import SamplingParams
@@ -68,45 +69,43 @@ class Eagle3ChainGraphs(GraphBodies):
         self.cu_tokens = self.args[2:]  # [n_max] target ids of the confirmed tokens to feed
         self.cu_feats = torch.zeros(n_max, 3 * head.cfg.target_hidden_size, dtype=dtype, device=dev)  # [n_max, 3 Ht]
         self.out0 = torch.zeros(1, head.cfg.hidden_size, dtype=dtype, device=dev)  # head output at the pending token
-        self.tokens = torch.zeros(k_max, dtype=torch.int64, device=dev)  # [k_max] drafted target ids
+        if head.cfg.vocab_size > 2**24:
+            raise ValueError(f"vocab_size {head.cfg.vocab_size}: a sampled chain reads its ids back as float32 (<= 2^24)")
+        self.readback = torch.zeros(k_max + 1, dtype=torch.int64, device=dev)  # what a greedy propose reads: ...
+        self.tokens = self.readback[:k_max]  # [k_max] drafted target ids, then
+        self.rows_ok = self.readback[k_max:]  # [1] the rows check of the propose (proposer.py take_rows_check)
         self.sampler = GraphSampler(k_max, head.cfg.draft_vocab_size, dev)  # q over the draft vocabulary
         self._slot_ids = torch.arange(slots, device=dev)  # [P]
-        self._causal = torch.ones(n_max, n_max, dtype=torch.bool, device=dev).tril()  # [n_max, n_max]
+        self._rope = head.rope_rows(self._slot_ids, dtype)  # [P, 2, D] RoPE rows of every slot's position
         self.owner: object = None  # the session whose confirmed entries fill the window's first slots
         self.trees = Eagle3TreeGraphs(self, TREE_SPARE_SLOTS)  # whole trees over the same window (eagle3_tree_graph.py)
 
     # ---- what the graphs record (device ops only) ------------------------------------------------
     def _chain_body(self, k: int, sampled: bool) -> None:
         head = self.head
-        if k > 1:  # the k - 1 fed tokens' positions (= their slots), masks and RoPE tables, made once
+        if k > 1:  # the k - 1 fed tokens' positions (= their slots), biases and RoPE rows, made once
             pos = self.ctx + self._slot_ids[: k - 1]  # [k - 1]
-            visible = self._slot_ids[None] < pos[:, None]  # [k - 1, P]: confirmed entries and earlier drafts
-            masks = torch.cat([visible, visible.new_ones(k - 1, 1)], dim=1)  # [k - 1, P + 1] (own key last)
-            cos, sin = head.rotary.cos_sin(pos, self.out0.dtype)  # [k - 1, D / 2] each
+            bias = head.window_bias(pos, self._slot_ids, self.out0.dtype, per_row=True)  # [k - 1, Hkv, G, P]
+            rope = self._rope[pos]  # [k - 1, 2, D]
         out = self.out0
-        logits = head.logits(out)  # [1, Vd]
         for i in range(k):
-            draft_id = self.sampler.draw(logits, i, i + 1) if sampled else logits.argmax(dim=-1)  # [1]
-            target_id = self.d2t[draft_id]  # [1]
-            self.tokens[i : i + 1].copy_(target_id)
+            if sampled:
+                draft_id = self.sampler.draw(head.logits(out), i, i + 1)  # [1]
+            else:
+                draft_id = head.greedy_ids(out)  # [1]
+            torch.index_select(self.d2t, 0, draft_id, out=self.tokens[i : i + 1])  # its target id
             if i == k - 1:
                 break
-            out, key, value = head.step(head.embed(target_id), out, pos[i : i + 1], self.keys, self.values,
-                                        masks[i : i + 1], (cos[i : i + 1], sin[i : i + 1]))
-            self.keys.index_copy_(0, pos[i : i + 1], key)
-            self.values.index_copy_(0, pos[i : i + 1], value)
-            logits = head.logits(out)
+            out = head.window_step(head.embed(self.tokens[i : i + 1]), out, rope[i : i + 1], self.keys, self.values,
+                                   pos[i : i + 1], bias[i])
 
     def _catch_up_body(self, n: int) -> None:
         """Feed the n confirmed tokens in cu_tokens / cu_feats after the window's first `keep` entries."""
         pos = self.keep + self._slot_ids[:n]  # [n] draft positions == window slots
-        visible = (self._slot_ids < self.keep)[None].expand(n, -1)  # [n, P]
-        mask = torch.cat([visible, self._causal[:n, :n]], dim=1)  # [n, P + n]
         head = self.head
-        out, key, value = head.step(head.embed(self.cu_tokens[:n]), head.fuse(self.cu_feats[:n]), pos, self.keys,
-                                    self.values, mask)
-        self.keys.index_copy_(0, pos, key)
-        self.values.index_copy_(0, pos, value)
+        bias = head.window_bias(pos, self._slot_ids, self.out0.dtype, per_row=False)  # [Hkv, n * G, P]
+        out = head.window_step(head.embed(self.cu_tokens[:n]), head.fuse(self.cu_feats[:n]), self._rope[pos],
+                               self.keys, self.values, pos, bias)
         self.out0.copy_(out[n - 1 :])
 
     def _body(self, key: tuple) -> None:
@@ -201,12 +200,22 @@ class Eagle3ChainGraphs(GraphBodies):
         sampling: SamplingParams,
         generator: torch.Generator,  # the session's (sampled requests: seeds the replay's noise)
         catch_up: int = 0,  # n > 0: the catch-up of n tokens staged by catch_up(run=False) runs first, same replay
-    ) -> tuple[list[int], torch.Tensor | None]:  # k drafted target ids, q [k, Vd] float32 (sampled) or None
+        rows_check: torch.Tensor | None = None,  # 0-dim bool on the device (SessionState.take_rows_check), read back
+    ) -> tuple[list[int], torch.Tensor | None, bool]:  # k drafted target ids, q [k, Vd] float32 on the host (sampled)
+        # or None, whether rows_check held (True without one)
         """The chain after catch_up or load (window, ctx and out0 in place), or with the staged catch-up: one replay
-        either way (the catch-up + chain graphs of every (n, k, greedy | sampled) are captured with the others)."""
+        either way (the catch-up + chain graphs of every (n, k, greedy | sampled) are captured with the others), then
+        one device read: the tokens and the rows check (greedy), or q with them (sampled)."""
         sampled = not sampling.greedy
         if sampled:
             self.sampler.set(sampling, generator, k)
+        if rows_check is not None:
+            self.rows_ok.copy_(rows_check)
         self._run(("block", catch_up, k, sampled) if catch_up else ("chain", k, sampled))  # captured by capture()
-        tokens = self.tokens[:k].tolist()  # the chain's one device read (q follows it)
-        return tokens, (self.sampler.q[:k].clone() if sampled else None)
+        if not sampled:
+            values = self.readback.tolist()  # the propose's one device read
+            return values[:k], None, rows_check is None or values[-1] != 0
+        q = self.sampler.q[:k]  # [k, Vd] float32
+        host = torch.cat([q, self.tokens[:k, None].to(q.dtype), self.rows_ok.to(q.dtype).expand(k, 1)], dim=1).cpu()
+        host = host.numpy()  # [k, Vd + 2]: q, the drafted ids (exact in float32), the rows check; the one device read
+        return host[:, -2].astype(np.int64).tolist(), torch.from_numpy(host[:, :-2]), rows_check is None or host[0, -1] != 0

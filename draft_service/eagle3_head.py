@@ -20,6 +20,13 @@ One step at sequence position j: ``x = concat(input_layernorm(embed(t_j)), hidde
 fc(target features of position j - 1) (or, while drafting, the head's own output at the previous
 position), attention (rope at draft position j - 1), residual on f, MLP; the next-token logits are
 ``lm_head(norm(out))`` and ``out`` (pre-norm) is the next step's feature.
+
+For serving (`fuse_projections`, called by the proposer once the weights are final) q/k/v run as one GEMM and
+gate/up as another, over weights concatenated once (the separate linears then read views of them: no second copy).
+`window_step` is the pass the CUDA graphs record (eagle3_graph.py): its keys and values are written into a fixed
+window first, then it attends over the whole window under an additive bias (no concatenated copy of the window a
+pass), RoPE from a table of the window's positions in three kernels (q and k together), the MLP's residual added by
+its down projection's GEMM.
 """
 
 from __future__ import annotations
@@ -142,6 +149,37 @@ class Eagle3Head(nn.Module):
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64))
         self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))
         self.rotary = RotaryEmbedding(cfg.rope)
+        self._qkv: torch.Tensor | None = None  # [(Hq + 2 Hkv) D, 2H] q/k/v weights as one (fuse_projections)
+        self._qkv_bias: torch.Tensor | None = None
+        self._gate_up: torch.Tensor | None = None  # [2I, H] gate and up weights as one
+
+    @torch.no_grad()
+    def fuse_projections(self) -> None:
+        """q/k/v as one GEMM, gate/up as another (inference: call once the weights are final, in their dtype and on
+        their device; idempotent). The separate linears then hold views of the fused weights, so an in-place edit of
+        either is seen by both and no weight is stored twice."""
+        if self._qkv is not None:
+            return
+
+        def fuse(linears):
+            fused = torch.cat([m.weight for m in linears])
+            start = 0
+            for m in linears:
+                rows = m.weight.shape[0]
+                m.weight = nn.Parameter(fused[start : start + rows], requires_grad=False)
+                start += rows
+            return fused
+
+        attn = (self.q_proj, self.k_proj, self.v_proj)
+        if self.q_proj.bias is not None:
+            self._qkv_bias = torch.cat([m.bias for m in attn])
+            start = 0
+            for m in attn:
+                rows = m.bias.shape[0]
+                m.bias = nn.Parameter(self._qkv_bias[start : start + rows], requires_grad=False)
+                start += rows
+        self._qkv = fuse(attn)
+        self._gate_up = fuse((self.gate_proj, self.up_proj))
 
     def draft_to_target(self) -> torch.Tensor:  # [Vd] int64 target ids
         return torch.arange(self.cfg.draft_vocab_size, device=self.d2t.device) + self.d2t
@@ -154,6 +192,35 @@ class Eagle3Head(nn.Module):
     def fuse(self, features: torch.Tensor) -> torch.Tensor:  # [T, 3 * Ht] -> [T, H]
         return self.fc(features.to(self.fc.weight.dtype))
 
+    def _qkv_rope(
+        self,
+        x: torch.Tensor,  # [T, 2H] concat(input_layernorm(embeds), hidden_norm(feats))
+        rope: torch.Tensor,  # [T, 2, D] rope_rows of the T positions
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # q [T, Hq, D], k [T, Hkv, D] (both roped), v [T, Hkv, D]
+        a, t = self.cfg.attention, x.shape[0]
+        nq, nkv = a.num_heads, a.num_kv_heads
+        if self._qkv is not None:  # one GEMM; q and k roped together
+            y = F.linear(x, self._qkv, self._qkv_bias).view(t, nq + 2 * nkv, a.head_dim)
+            qk, v = y[:, : nq + nkv], y[:, nq + nkv :]
+        else:
+            qk = torch.cat([self.q_proj(x).view(t, nq, a.head_dim), self.k_proj(x).view(t, nkv, a.head_dim)], dim=1)
+            v = self.v_proj(x).view(t, nkv, a.head_dim)
+        qk = rotate(qk, rope)
+        return qk[:, :nq], qk[:, nq:], v
+
+    def _mlp(self, h: torch.Tensor) -> torch.Tensor:  # [T, H] -> gate/up activation [T, I]
+        y = self.post_attention_layernorm(h)
+        if self._gate_up is not None:
+            gate, up = F.linear(y, self._gate_up).chunk(2, dim=-1)
+            return F.silu(gate) * up
+        return F.silu(self.gate_proj(y)) * self.up_proj(y)
+
+    def rope_rows(self, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:  # [T] -> [T, 2, D]
+        """(cos, signed sin) of each position over a head's D dims, as `rotate` reads them: cos of pair i at dims i
+        and D/2 + i, sin as -sin at i and +sin at D/2 + i (the half-split layout)."""
+        cos, sin = self.rotary.cos_sin(positions, dtype)  # [T, D / 2] each
+        return torch.stack([torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)], dim=1)
+
     def step(
         self,
         embeds: torch.Tensor,  # [T, H] token embeddings
@@ -162,21 +229,65 @@ class Eagle3Head(nn.Module):
         past_k: torch.Tensor,  # [P, Hkv, D] keys this step may attend to (masked by `mask`)
         past_v: torch.Tensor,  # [P, Hkv, D]
         mask: torch.Tensor,  # [T, P + T] bool, True = may attend
-        rope: tuple[torch.Tensor, torch.Tensor] | None = None,  # (cos, sin) [T, D / 2] of `positions`, if made already
+        rope: torch.Tensor | None = None,  # [T, 2, D] rope_rows of `positions`, if made already
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # out [T, H], k [T, Hkv, D], v [T, Hkv, D]
         a, t = self.cfg.attention, embeds.shape[0]
         x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(feats)], dim=-1)  # [T, 2H]
-        q = self.q_proj(x).view(t, a.num_heads, a.head_dim)
-        k = self.k_proj(x).view(t, a.num_kv_heads, a.head_dim)
-        v = self.v_proj(x).view(t, a.num_kv_heads, a.head_dim)
-        cos, sin = self.rotary.cos_sin(positions, x.dtype) if rope is None else rope
-        q = RotaryEmbedding.apply(q, cos, sin, interleaved=False)
-        k = RotaryEmbedding.apply(k, cos, sin, interleaved=False)
+        q, k, v = self._qkv_rope(x, self.rope_rows(positions, x.dtype) if rope is None else rope)
         out = attend(q, torch.cat([past_k, k]), torch.cat([past_v, v]), mask, a.head_dim**-0.5)
         h = feats + self.o_proj(out.reshape(t, -1))
-        y = self.post_attention_layernorm(h)
-        h = h + self.down_proj(F.silu(self.gate_proj(y)) * self.up_proj(y))
-        return h, k, v
+        return h + self.down_proj(self._mlp(h)), k, v
+
+    def window_step(
+        self,
+        embeds: torch.Tensor,  # [T, H] token embeddings
+        feats: torch.Tensor,  # [T, H] fused target features or the head's own previous outputs (not written)
+        rope: torch.Tensor,  # [T, 2, D] rope_rows of the T positions
+        keys: torch.Tensor,  # [P, Hkv, D] the window: this step's keys are written at `slots` first
+        values: torch.Tensor,  # [P, Hkv, D]
+        slots: torch.Tensor,  # [T] int64 window slots of the T rows (their draft positions)
+        bias: torch.Tensor,  # [Hkv, T * G, P] window_bias: 0 where row t may attend, -inf elsewhere (overwritten)
+    ) -> torch.Tensor:  # out [T, H]
+        """One head pass over a fixed window (inference only; what eagle3_graph.py records): 24 kernels a drafted
+        token with the Triton norms, none of them a copy of the window."""
+        a, t = self.cfg.attention, embeds.shape[0]
+        g = a.num_heads // a.num_kv_heads
+        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(feats)], dim=-1)  # [T, 2H]
+        q, k, v = self._qkv_rope(x, rope)
+        keys.index_copy_(0, slots, k)
+        values.index_copy_(0, slots, v)
+        qg = q.reshape(t, a.num_kv_heads, g, a.head_dim).transpose(0, 1).reshape(a.num_kv_heads, t * g, a.head_dim)
+        scores = bias.baddbmm_(qg, keys.permute(1, 2, 0), alpha=a.head_dim**-0.5)  # [Hkv, T * G, P]
+        out = torch.bmm(torch.softmax(scores, dim=-1), values.transpose(0, 1))  # [Hkv, T * G, D]
+        out = out.view(a.num_kv_heads, t, g, a.head_dim).transpose(0, 1).reshape(t, -1)  # [T, Hq * D]
+        h = self.o_proj(out)
+        h += feats
+        return h.addmm_(self._mlp(h), self.down_proj.weight.t())
+
+    def window_bias(
+        self,
+        positions: torch.Tensor,  # [T] int64 draft positions (= window slots) of the T rows
+        slot_ids: torch.Tensor,  # [P] arange over the window
+        dtype: torch.dtype,
+        per_row: bool,  # True: [T, Hkv, G, P], row t's bias for a pass of its own (a chain); False: [Hkv, T * G, P]
+    ) -> torch.Tensor:
+        """window_step's bias: row t may attend to slots <= positions[t] (the confirmed entries, the rows before it
+        and itself, all written before it attends)."""
+        a = self.cfg.attention
+        g = a.num_heads // a.num_kv_heads
+        t, p = positions.shape[0], slot_ids.shape[0]
+        bias = torch.zeros(t, p, dtype=dtype, device=positions.device).masked_fill_(
+            slot_ids[None] > positions[:, None], float("-inf"))  # [T, P]
+        if per_row:
+            return bias[:, None, None].expand(t, a.num_kv_heads, g, p).contiguous()
+        return bias[None, :, None].expand(a.num_kv_heads, t, g, p).contiguous().view(a.num_kv_heads, t * g, p)
+
+    def greedy_ids(self, out: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T] int64 draft ids
+        """The argmax of logits(out) without its float copy and its -inf fill (the ids past draft_vocab_limit are
+        left out of the argmax instead): the same ids."""
+        logits = self.lm_head(self.norm(out))
+        limit = self.cfg.draft_vocab_limit
+        return (logits if limit is None else logits[:, :limit]).argmax(dim=-1)
 
     def logits(self, out: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, Vd] float32
         """Draft ids at or past cfg.draft_vocab_limit get -inf (in place: graph-safe)."""
@@ -185,6 +296,11 @@ class Eagle3Head(nn.Module):
         if limit is not None and limit < logits.shape[-1]:
             logits[:, limit:] = float("-inf")
         return logits
+
+
+def rotate(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:  # x [T, heads, D], rope [T, 2, D] -> [T, heads, D]
+    """Half-split RoPE (RotaryEmbedding.apply, interleaved=False) in three kernels: x cos + roll(x, D/2) signed sin."""
+    return torch.addcmul(x * rope[:, None, 0], x.roll(x.shape[-1] // 2, dims=-1), rope[:, None, 1])
 
 
 # checkpoint name -> module attribute path
@@ -219,7 +335,7 @@ def save_eagle3_head(head: Eagle3Head, out_dir: str | Path, with_embeddings: boo
     for ckpt, attr in _param_names(head).items():
         if ckpt == "embed_tokens.weight" and not with_embeddings:
             continue
-        tensors[ckpt] = state[attr].detach().contiguous().cpu()
+        tensors[ckpt] = state[attr].detach().cpu().clone()  # fused heads hold views of one tensor
     save_file(tensors, str(out / HEAD_FILE))
     (out / "config.json").write_text(json.dumps(head.cfg.raw, indent=2))
 

@@ -59,6 +59,7 @@ class StagedBuffer:
     def __init__(self, size: int, dtype: torch.dtype, device: torch.device) -> None:
         self.values = torch.zeros(size, dtype=dtype, device=device)  # [size] what the graphs read
         self._host = torch.zeros(size, dtype=dtype, pin_memory=device.type == "cuda")
+        self._host_array = self._host.numpy()  # [size] a view of the pinned memory
         self._copied = torch.cuda.Event() if device.type == "cuda" else None
 
     def host(self):  # -> np.ndarray [size], the staging memory to fill
@@ -66,7 +67,7 @@ class StagedBuffer:
         a read of its result)."""
         if self._copied is not None:
             self._copied.synchronize()
-        return self._host.numpy()
+        return self._host_array
 
     def send(self) -> None:
         self.values.copy_(self._host, non_blocking=True)

@@ -63,7 +63,8 @@ class GraphSampler:
         generator advances by one draw)."""
         self._staged.host()[:] = (sampling.temperature, float(sampling.top_k), sampling.top_p)
         self._staged.send()
-        self.generator.manual_seed(int(torch.randint(0, 2**62, (1,), generator=session_generator)))
+        seed = torch.randint(0, 2**62, (1,), generator=session_generator)  # a host tensor (the session's generator)
+        self.generator.manual_seed(int(seed.numpy()[0]) if seed.device.type == "cpu" else int(seed))
         self.noise[:rows].exponential_(generator=self.generator).clamp_min_(_TINY)
 
     def probs(self, logits: torch.Tensor) -> torch.Tensor:  # [N, V] -> [N, V] float32

@@ -20,6 +20,12 @@ Sync rule of ``propose(session_id, prefix_len, append_ids, append_hidden, ...)``
 3. Families compare their own cache against the new S (longest common prefix) and drop whatever does
    not match, so a drafter can never drift out of sync with the target.
 
+A session's hidden rows live in a row buffer on their device (``_RowBuffer``): appending copies the new rows into
+its tail (one copy, no allocation while there is room), dropping old rows moves its start (no copy). Rows are checked
+for NaN / inf: host rows before anything changes; rows on a GPU on the device, with no host wait mid-propose, their
+result read back with the drafted block (``SessionState.take_rows_check``; at the end of the propose if the family
+did not read it): rows that fail end the session (its caches were built from them) with a ProposerError.
+
 Families implement four hooks: ``_start_state``, ``_draft_chain``, ``_draft_tree`` (when they support
 trees) and ``_release_state``. Nothing here branches on family names (see ``registry.py``).
 """
@@ -160,6 +166,49 @@ class _TokenBuffer:
         return self._len
 
 
+ROW_SPARE = 32  # rows of room a session's row buffer keeps past twice its live rows when it moves them
+
+
+class _RowBuffer:
+    """A session's hidden rows [start, start + len) of one buffer on their device: append copies into the tail (a
+    buffer the caller gave, or one that is full, is first replaced by a new one holding the live rows: the caller's
+    tensor is never written), drop_front moves the start (a buffer left 3/4 empty is replaced by a small one, so a
+    prompt's rows are not held for the session's life). Views handed out stay valid: rows are never moved in place."""
+
+    def __init__(self, rows: torch.Tensor) -> None:  # [n, F], the caller's: not copied, never written
+        self._buf, self._start, self._len, self._owned = rows, 0, rows.shape[0], False
+
+    def __len__(self) -> int:
+        return self._len
+
+    @property
+    def rows(self) -> torch.Tensor:  # [len, F] view
+        return self._buf[self._start : self._start + self._len]
+
+    def truncate(self, n: int) -> None:
+        self._len = min(self._len, n)
+
+    @torch.inference_mode()  # its buffer may be one made in inference mode (a family's drop_front)
+    def append(self, rows: torch.Tensor) -> None:  # [m, F]
+        m = rows.shape[0]
+        if not self._owned or self._start + self._len + m > self._buf.shape[0]:
+            self._move(2 * (self._len + m) + ROW_SPARE)
+        self._buf[self._start + self._len : self._start + self._len + m].copy_(rows)
+        self._len += m
+
+    def drop_front(self, n: int) -> None:
+        n = min(n, self._len)
+        self._start, self._len = self._start + n, self._len - n
+        if self._buf.shape[0] > 4 * (self._len + ROW_SPARE):
+            self._move(2 * self._len + ROW_SPARE)
+
+    @torch.inference_mode()
+    def _move(self, capacity: int) -> None:
+        buf = self._buf.new_empty((capacity, self._buf.shape[1]))
+        buf[: self._len].copy_(self.rows)
+        self._buf, self._start, self._owned = buf, 0, True
+
+
 @dataclass
 class SessionState:
     """One session's copy of S, its hidden rows, sampling, RNG and the family's own state."""
@@ -167,11 +216,18 @@ class SessionState:
     tokens: _TokenBuffer  # S (confirmed by the target)
     sampling: SamplingParams
     generator: torch.Generator
-    hidden: torch.Tensor | None = None  # [hidden_end - hidden_start, F]: rows of positions
+    rows: _RowBuffer | None = None  # rows of positions [hidden_start, hidden_end)
     hidden_start: int = 0  # first position whose row is still kept (families may drop older rows)
     draft_tail: tuple[int, ...] = ()  # last drafted chain: speculative continuation of S
     family_state: Any = None
     proposals: int = field(default=0)
+    rows_check: torch.Tensor | None = None  # 0-dim bool on the device: appended GPU rows all finite (not read yet)
+
+    def take_rows_check(self) -> torch.Tensor | None:  # 0-dim bool on the device, or None
+        """The pending finiteness check of rows appended on a GPU, for the family to read back with its drafted block
+        (then it raises RowsNotFinite when it reads False); None when there is none."""
+        check, self.rows_check = self.rows_check, None
+        return check
 
     @property
     def ids(self) -> np.ndarray:  # [len(S)]
@@ -181,24 +237,32 @@ class SessionState:
         return len(self.tokens)
 
     @property
-    def hidden_end(self) -> int:
-        return self.hidden_start + (0 if self.hidden is None else self.hidden.shape[0])
+    def hidden(self) -> torch.Tensor | None:  # [hidden_end - hidden_start, F] view
+        return None if self.rows is None else self.rows.rows
 
-    def hidden_rows(self, start: int, end: int) -> torch.Tensor:  # [end - start, F]
-        if self.hidden is None or start < self.hidden_start or end > self.hidden_end:
+    @property
+    def hidden_end(self) -> int:
+        return self.hidden_start + (0 if self.rows is None else len(self.rows))
+
+    def hidden_rows(self, start: int, end: int) -> torch.Tensor:  # [end - start, F] view (valid for this propose)
+        if self.rows is None or start < self.hidden_start or end > self.hidden_end:
             raise ProposerError(
                 f"hidden rows [{start}, {end}) requested; session keeps [{self.hidden_start}, "
                 f"{self.hidden_end})"
             )
-        return self.hidden[start - self.hidden_start : end - self.hidden_start]
+        return self.rows.rows[start - self.hidden_start : end - self.hidden_start]
 
     def drop_hidden_before(self, pos: int) -> None:
         """Free rows of positions < pos (a family calls this once they live in its own cache)."""
-        if self.hidden is None or pos <= self.hidden_start:
+        if self.rows is None or pos <= self.hidden_start:
             return
         pos = min(pos, self.hidden_end)
-        self.hidden = self.hidden[pos - self.hidden_start :].clone()
+        self.rows.drop_front(pos - self.hidden_start)
         self.hidden_start = pos
+
+
+class RowsNotFinite(ProposerError):
+    """A family read back a False rows check (SessionState.take_rows_check): Proposer.propose ends the session."""
 
 
 def checkpoint_vocab(checkpoint_dir: Path) -> tuple[int, str]:
@@ -270,6 +334,14 @@ def draft_seed(request_seed: int | None) -> int:
 ROLLBACK_ROWS = 4
 
 
+def _all_finite(rows: torch.Tensor) -> bool:
+    """Whether every value is finite: host rows through numpy (no device involved), others on their device (the
+    host waits for it)."""
+    if rows.device.type == "cpu" and rows.dtype in (torch.float32, torch.float64, torch.float16):
+        return bool(np.isfinite(rows.numpy()).all())
+    return bool(torch.isfinite(rows).all())
+
+
 def common_prefix_len(a: np.ndarray, b: np.ndarray) -> int:
     """Length of the longest common prefix of two int arrays (vectorised)."""
     n = min(len(a), len(b))
@@ -306,7 +378,7 @@ class Proposer(ABC):
         gen.manual_seed(draft_seed(sampling.seed))
         state = SessionState(tokens=_TokenBuffer(token_ids), sampling=sampling, generator=gen)
         if self.info.needs_hidden_states:
-            state.hidden = self._check_hidden(hidden, len(token_ids) - 1, "start hidden")
+            state.rows = _RowBuffer(self._check_hidden(hidden, len(token_ids) - 1, "start hidden"))
         self._start_state(state)
         self._sessions[session_id] = state
 
@@ -322,6 +394,18 @@ class Proposer(ABC):
         state = self.session(session_id)
         self._sync(state, prefix_len, append_ids, append_hidden)
         state.proposals += 1
+        try:
+            block = self._draft(state, num_tokens, tree)
+            check = state.take_rows_check()  # the family did not read it with its block: read it now (no wait left)
+            if check is not None and not bool(check):
+                raise RowsNotFinite("")
+        except RowsNotFinite:
+            self.release(session_id)
+            raise ProposerError("append_hidden: hidden rows contain NaN or inf (checked on the device with the drafted "
+                                f"block; session {session_id!r} is released)") from None
+        return block
+
+    def _draft(self, state: SessionState, num_tokens: int, tree: TreeSpec | None) -> DraftBlock:
         if tree is not None:
             if not self.info.supports_tree:
                 raise ProposerError(f"drafter family {self.info.family!r} does not propose trees")
@@ -400,7 +484,7 @@ class Proposer(ABC):
                     f" {prefix_len}"
                 )
             if m:
-                new_rows = self._check_hidden(append_hidden, m, "append_hidden")
+                new_rows = self._check_hidden(append_hidden, m, "append_hidden", on_device=True)
         if prefix_len > n_old:  # the caller counts accepted drafted tokens into the prefix
             state.tokens.extend(tail[: prefix_len - n_old])
         else:
@@ -408,8 +492,12 @@ class Proposer(ABC):
         state.tokens.extend(append_ids)
         state.draft_tail = ()
         if self.info.needs_hidden_states:
-            old = state.hidden[: keep_end - state.hidden_start]
-            state.hidden = old if new_rows is None else torch.cat([old, new_rows.to(old.device)], dim=0)
+            state.rows.truncate(keep_end - state.hidden_start)
+            if new_rows is not None:
+                state.rows.append(new_rows)
+                if new_rows.device.type != "cpu":  # checked on the device, read back with the block
+                    check = torch.isfinite(new_rows).all()
+                    state.rows_check = check if state.rows_check is None else state.rows_check & check
 
     def _check_ids(self, ids: Sequence[int]) -> None:
         arr = np.asarray(ids, dtype=np.int64).reshape(-1)
@@ -421,7 +509,9 @@ class Proposer(ABC):
             t = int(arr[bad[0]])
             raise ProposerError(f"token id {t} outside the vocabulary [0, {vocab or 'inf'})")
 
-    def _check_hidden(self, hidden: torch.Tensor | None, rows: int, what: str) -> torch.Tensor:
+    def _check_hidden(self, hidden: torch.Tensor | None, rows: int, what: str, on_device: bool = False) -> torch.Tensor:
+        """Shape, width and (host rows, or `on_device` False) finiteness; with `on_device` the caller checks GPU rows'
+        finiteness on the device (no host wait here)."""
         if hidden is None:
             raise ProposerError(f"{what}: this drafter needs target hidden states, got None")
         if hidden.dim() != 2 or hidden.shape[0] != rows:
@@ -432,7 +522,7 @@ class Proposer(ABC):
                 f"{what}: expected feature width {width} ({len(self.info.hidden_layers)} layers x"
                 f" hidden size), got {hidden.shape[1]}"
             )
-        if not bool(torch.isfinite(hidden).all()):
+        if not (on_device and hidden.device.type != "cpu") and not _all_finite(hidden):
             raise ProposerError(f"{what}: hidden rows contain NaN or inf")
         return hidden
 
