@@ -26,6 +26,25 @@ def save_tiny_hf(model_type: str, kwargs: dict, out: Path, *, seed: int = 0, max
     return out
 
 
+# The service and target tests' tiny targets (vocab 256: one byte a token; hidden 64, 2 layers), before each
+# family's own fields; the qwen3_moe fields both use (with their own layers and mlp_only_layers).
+TINY_BASE = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    initializer_range=0.2,  # peaked logits and routing: no near-ties between HF and us
+    eos_token_id=None,
+    bos_token_id=None,
+    pad_token_id=None,
+    tie_word_embeddings=False,
+)
+TINY_QWEN3_MOE = dict(head_dim=16, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
+                      decoder_sparse_step=1)
+
 TINY_ZLAB_DFLASH = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
                         intermediate_size=48, vocab_size=64, block_size=5, rms_norm_eps=1e-6, rope_theta=10000.0)
 TINY_DEEPSEEK_MTP = dict(  # hidden 32, vocab 64, layers 0 (dense) and 1 (MoE), MTP layer 2

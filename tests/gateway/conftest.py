@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from service_helpers import OtlpReceiver
-from tiny_hf import save_tiny_hf
+from tiny_hf import TINY_BASE, TINY_QWEN3_MOE, save_tiny_hf
 
 
 def _byte_tokenizer():
@@ -28,27 +28,7 @@ def _byte_tokenizer():
 @pytest.fixture(scope="session")
 def tiny_target_dir(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("gw_ckpt") / "target"
-    config = dict(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=512,
-        initializer_range=0.2,
-        moe_intermediate_size=32,
-        num_experts=8,
-        num_experts_per_tok=2,
-        norm_topk_prob=True,
-        decoder_sparse_step=1,
-        mlp_only_layers=[],
-        eos_token_id=None,
-        bos_token_id=None,
-        pad_token_id=None,
-        tie_word_embeddings=False,
-    )
+    config = dict(TINY_BASE, **TINY_QWEN3_MOE, mlp_only_layers=[])
     save_tiny_hf("qwen3_moe", config, out)
     _byte_tokenizer().save(str(out / "tokenizer.json"))
     return out

@@ -33,27 +33,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny_hf import save_tiny_hf
+from tiny_hf import TINY_BASE, TINY_QWEN3_MOE, save_tiny_hf
 
 from specserve.models.attn_metadata import AttentionBatch
 from specserve.models.kv_cache import PagedKVCache
 
-_BASE = dict(
-    vocab_size=256,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=512,
-    initializer_range=0.2,  # peaked logits and routing: no near-ties between HF and us
-    eos_token_id=None,
-    bos_token_id=None,
-    pad_token_id=None,
-    tie_word_embeddings=False,
-)
 _DEEPSEEK = dict(
-    _BASE,
+    TINY_BASE,
     num_key_value_heads=4,  # transformers' MLA needs kv heads == heads
     moe_intermediate_size=32,
     n_routed_experts=8,
@@ -105,23 +91,13 @@ TINY_ARCHS: dict[str, tuple[str, dict]] = {
     ),
     "qwen3_moe": (
         "qwen3_moe",
-        dict(
-            _BASE,
-            num_hidden_layers=3,
-            head_dim=16,
-            moe_intermediate_size=32,
-            num_experts=8,
-            num_experts_per_tok=2,
-            norm_topk_prob=True,
-            decoder_sparse_step=1,
-            mlp_only_layers=[1],
-        ),
+        dict(TINY_BASE, **TINY_QWEN3_MOE, num_hidden_layers=3, mlp_only_layers=[1]),
     ),
-    "mixtral": ("mixtral", dict(_BASE, intermediate_size=64, num_local_experts=4, num_experts_per_tok=2, sliding_window=8)),
+    "mixtral": ("mixtral", dict(TINY_BASE, intermediate_size=64, num_local_experts=4, num_experts_per_tok=2, sliding_window=8)),
     "llama": (
         "llama",
         dict(
-            _BASE,
+            TINY_BASE,
             tie_word_embeddings=True,
             rope_parameters=dict(
                 rope_type="llama3",
@@ -133,7 +109,7 @@ TINY_ARCHS: dict[str, tuple[str, dict]] = {
             ),
         ),
     ),
-    "qwen3": ("qwen3", dict(_BASE, head_dim=32)),
+    "qwen3": ("qwen3", dict(TINY_BASE, head_dim=32)),
 }
 DERIVED = {"kimi_k2": "deepseek_v3"}
 ALL_NAMES = (*TINY_ARCHS, *DERIVED)
