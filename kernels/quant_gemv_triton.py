@@ -43,17 +43,26 @@ def _x(x_row, wcols, j: tl.constexpr, w_hi, EVEN_K: tl.constexpr):
 
 
 @triton.jit
-def _dot_words(words, x0, x1, x2, x3, x4, x5, x6, x7, exp_bits):
-    """[BN, BKW] fp32: sum_j (q_j - 8) * x_j of each word (x_j [BKW]: the word's input column 8w + j)."""
+def _x8(x_row, w0, w_hi, BKW: tl.constexpr, EVEN_K: tl.constexpr):
+    """The step's inputs: a tuple of 8 [BKW] fp32, j-th the inputs 8w + j of the step's words w."""
+    wcols = w0 + tl.arange(0, BKW)
+    return (_x(x_row, wcols, 0, w_hi, EVEN_K), _x(x_row, wcols, 1, w_hi, EVEN_K), _x(x_row, wcols, 2, w_hi, EVEN_K),
+            _x(x_row, wcols, 3, w_hi, EVEN_K), _x(x_row, wcols, 4, w_hi, EVEN_K), _x(x_row, wcols, 5, w_hi, EVEN_K),
+            _x(x_row, wcols, 6, w_hi, EVEN_K), _x(x_row, wcols, 7, w_hi, EVEN_K))
+
+
+@triton.jit
+def _dot_words(words, xs, exp_bits):
+    """[BN, BKW] fp32: sum_j (q_j - 8) * xs[j] of each word (xs: _x8's inputs of the step)."""
     hi = words >> 20  # nibbles 5..7 at bits 0..11 (the sign bits it shifts in are masked off)
-    p = _q_minus_8(words, 0, exp_bits) * x0[None, :]
-    p += _q_minus_8(words, 4, exp_bits) * x1[None, :]
-    p += _q_minus_8(words, 8, exp_bits) * x2[None, :]
-    p += _q_minus_8(words, 12, exp_bits) * x3[None, :]
-    p += _q_minus_8(words, 16, exp_bits) * x4[None, :]
-    p += _q_minus_8(hi, 0, exp_bits) * x5[None, :]
-    p += _q_minus_8(hi, 4, exp_bits) * x6[None, :]
-    p += _q_minus_8(hi, 8, exp_bits) * x7[None, :]
+    p = _q_minus_8(words, 0, exp_bits) * xs[0][None, :]
+    p += _q_minus_8(words, 4, exp_bits) * xs[1][None, :]
+    p += _q_minus_8(words, 8, exp_bits) * xs[2][None, :]
+    p += _q_minus_8(words, 12, exp_bits) * xs[3][None, :]
+    p += _q_minus_8(words, 16, exp_bits) * xs[4][None, :]
+    p += _q_minus_8(hi, 0, exp_bits) * xs[5][None, :]
+    p += _q_minus_8(hi, 4, exp_bits) * xs[6][None, :]
+    p += _q_minus_8(hi, 8, exp_bits) * xs[7][None, :]
     return p
 
 
@@ -120,7 +129,6 @@ def w4a16_gemv_gate_up_kernel(
     nvalid = offs_n < I
     rows_g = offs_n.to(tl.int64)[:, None]
     rows_u = rows_g + I
-    offs_w = tl.arange(0, BKW)
     w_lo = tl.program_id(2) * chunk
     for slot in range(tl.program_id(0), N, LANES):
         e = tl.load(ids_ptr + slot).to(tl.int64)
@@ -144,13 +152,9 @@ def w4a16_gemv_gate_up_kernel(
                 else:
                     words_g, s_g = _load_step(wp_e, ws_e, rows_g, nvalid, w0, w_hi, stride_wn, stride_sn, BKW, G, EVEN_K)
                     words_u, s_u = _load_step(wp_e, ws_e, rows_u, nvalid, w0, w_hi, stride_wn, stride_sn, BKW, G, EVEN_K)
-                wcols = w0 + offs_w
-                x0, x1, x2, x3 = (_x(x_row, wcols, 0, w_hi, EVEN_K), _x(x_row, wcols, 1, w_hi, EVEN_K),
-                                  _x(x_row, wcols, 2, w_hi, EVEN_K), _x(x_row, wcols, 3, w_hi, EVEN_K))
-                x4, x5, x6, x7 = (_x(x_row, wcols, 4, w_hi, EVEN_K), _x(x_row, wcols, 5, w_hi, EVEN_K),
-                                  _x(x_row, wcols, 6, w_hi, EVEN_K), _x(x_row, wcols, 7, w_hi, EVEN_K))
-                acc_g += _scaled(_dot_words(words_g, x0, x1, x2, x3, x4, x5, x6, x7, exp_bits), s_g, G)
-                acc_u += _scaled(_dot_words(words_u, x0, x1, x2, x3, x4, x5, x6, x7, exp_bits), s_u, G)
+                xs = _x8(x_row, w0, w_hi, BKW, EVEN_K)  # once a step for gate and up
+                acc_g += _scaled(_dot_words(words_g, xs, exp_bits), s_g, G)
+                acc_u += _scaled(_dot_words(words_u, xs, exp_bits), s_u, G)
             g = tl.sum(acc_g, axis=1)
             u = tl.sum(acc_u, axis=1)
             if SPLIT == 1:
@@ -221,7 +225,6 @@ def w4a16_gemv_down_kernel(
     offs_n = pid_n * BN + tl.arange(0, BN)
     nvalid = offs_n < H
     rows = offs_n.to(tl.int64)[:, None]
-    offs_w = tl.arange(0, BKW)
     w_lo = tl.program_id(2) * chunk
     for slot in range(tl.program_id(0), N, LANES):
         e = tl.load(ids_ptr + slot).to(tl.int64)
@@ -241,12 +244,7 @@ def w4a16_gemv_down_kernel(
                                             EVEN_K)
                 else:
                     words, s = _load_step(wp_e, ws_e, rows, nvalid, w0, w_hi, stride_wn, stride_sn, BKW, G, EVEN_K)
-                wcols = w0 + offs_w
-                a0, a1, a2, a3 = (_x(a_row, wcols, 0, w_hi, EVEN_K), _x(a_row, wcols, 1, w_hi, EVEN_K),
-                                  _x(a_row, wcols, 2, w_hi, EVEN_K), _x(a_row, wcols, 3, w_hi, EVEN_K))
-                a4, a5, a6, a7 = (_x(a_row, wcols, 4, w_hi, EVEN_K), _x(a_row, wcols, 5, w_hi, EVEN_K),
-                                  _x(a_row, wcols, 6, w_hi, EVEN_K), _x(a_row, wcols, 7, w_hi, EVEN_K))
-                acc += _scaled(_dot_words(words, a0, a1, a2, a3, a4, a5, a6, a7, exp_bits), s, G)
+                acc += _scaled(_dot_words(words, _x8(a_row, w0, w_hi, BKW, EVEN_K), exp_bits), s, G)
             out = tl.sum(acc, axis=1) * weight
             o_row = out_ptr + tl.cast(slot, tl.int64) * stride_on + tl.program_id(2) * H
             tl.store(o_row + offs_n, out, mask=nvalid)
