@@ -90,22 +90,24 @@ def _check_split_chunk(split_chunk: int, block_n: int) -> None:
             f"split_chunk must be 0 or a multiple of block_n = {block_n}, got {split_chunk!r}")
 
 
-def fixed_splits(max_kv_len: int, chunk: int = 256) -> tuple[int, int]:
-    """(num_splits, split_chunk) of token-count invariant steps over up to max_kv_len keys: ranges of a fixed size
-    (a multiple of 64, so of every block_n), at most MAX_SPLITS of them."""
-    chunk = max(chunk, -(-max_kv_len // MAX_SPLITS))
-    chunk = -(-chunk // 64) * 64
-    return max(1, -(-max_kv_len // chunk)), chunk
+def fixed_splits(max_kv_len: int, granule: int = 64) -> tuple[int, int]:
+    """(num_splits, split_chunk) of token-count invariant steps over up to max_kv_len keys: each row splits what it
+    sees into at most num_splits ranges of a multiple of `granule` keys (a multiple of 64, so of every block_n), sized
+    from that row's own visible length (paged_attention_triton._row_chunk). The split count is the same in every step
+    of a model, so a row's ranges are a function of the row alone."""
+    require(granule >= 64 and granule % 64 == 0, f"granule must be a positive multiple of 64, got {granule}")
+    return int(min(MAX_SPLITS, max(1, -(-max_kv_len // granule)))), granule
 
 
 def _combine(ws_acc: torch.Tensor, ws_ml: torch.Tensor, out: torch.Tensor, rows: PagedRows, split_chunk: int,
              n: int, heads: int, dv: int, splits: int, block_size: int) -> None:
-    """Merge the split partials into out [N, H, DV]: fixed ranges one at a time in order (up to the request's last),
+    """Merge the split partials into out [N, H, DV]: per-row ranges one at a time in order (up to the row's last),
     derived ranges all at once."""
     if split_chunk:
         _k.combine_fixed_splits_kernel[(n, heads)](
-            ws_acc, ws_ml, out, rows.row_request, rows.kv_lens, rows.num_requests, rows.max_blocks * block_size,
-            split_chunk, out.stride(0), out.stride(1), H=heads, DV=dv, DV_PAD=_pow2(dv), SPLITS=splits, num_warps=4,
+            ws_acc, ws_ml, out, rows.row_request, rows.row_index, rows.kv_lens, rows.new_starts, rows.num_requests,
+            rows.max_blocks * block_size, split_chunk, out.stride(0), out.stride(1), H=heads, DV=dv,
+            DV_PAD=_pow2(dv), SPLITS=splits, HAS_TREE=rows.tree_mask is not None, num_warps=4,
         )
         return
     _k.combine_splits_kernel[(n, heads)](
@@ -141,7 +143,7 @@ def paged_gqa_attention(
     out: torch.Tensor | None = None,  # [N, Hq, D] contiguous, q's dtype
     num_splits: int = 1,
     workspace: torch.Tensor | None = None,  # [>= N * Hq * num_splits * (D + 2)] fp32 (num_splits > 1)
-    split_chunk: int = 0,  # > 0: each split covers this many kv indices from split * split_chunk (fixed ranges)
+    split_chunk: int = 0,  # > 0: per-row ranges in multiples of it over what each row sees (fixed_splits)
     block_n: int | None = None,
     validate: bool = False,
 ) -> torch.Tensor:  # [N, Hq, D]
@@ -172,7 +174,7 @@ def paged_gqa_attention(
         rows.tree_paths.stride(0) if rows.tree_paths is not None else 0, out.stride(0), out.stride(1),
         BLOCK_SIZE=bs, HKV=hkv, D=d, G=g, G_PAD=_pow2(g), D_PAD=_pow2(d), BLOCK_N=bn,
         HAS_TREE=rows.tree_mask is not None, PATHS=rows.tree_paths is not None, SPLITS=num_splits,
-        PRECISION=_precision(q.dtype),
+        PRECISION=_precision(q.dtype), ROW_RANGES=split_chunk > 0,
         num_warps=4 if _pow2(d) <= 64 else 8,
     )
     if num_splits > 1:
@@ -190,7 +192,7 @@ def paged_mla_attention(
     out: torch.Tensor | None = None,  # [N, H, R] contiguous, q's dtype
     num_splits: int = 1,
     workspace: torch.Tensor | None = None,  # [>= N * H * num_splits * (R + 2)] fp32 (num_splits > 1)
-    split_chunk: int = 0,  # > 0: each split covers this many kv indices from split * split_chunk (fixed ranges)
+    split_chunk: int = 0,  # > 0: per-row ranges in multiples of it over what each row sees (fixed_splits)
     heads_per_program: int | None = None,
     block_n: int | None = None,
     validate: bool = False,
@@ -223,7 +225,7 @@ def paged_mla_attention(
         rows.tree_paths.stride(0) if rows.tree_paths is not None else 0, out.stride(0), out.stride(1),
         BLOCK_SIZE=bs, H=h, R=r, P=p, HB=hb, R_PAD=_pow2(r), P_PAD=_pow2(p), BLOCK_N=bn,
         HAS_TREE=rows.tree_mask is not None, PATHS=rows.tree_paths is not None, SPLITS=num_splits,
-        PRECISION=_precision(q_nope.dtype),
+        PRECISION=_precision(q_nope.dtype), ROW_RANGES=split_chunk > 0,
         num_warps=4 if r <= 128 else 8,
     )
     if num_splits > 1:

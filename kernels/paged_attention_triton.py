@@ -17,22 +17,46 @@ M_INIT = tl.constexpr(-1.0e30)  # finite start for the running max: an all-maske
 
 
 @triton.jit
+def _row_span(row, req_s, valid, row_idx_ptr, kv_lens_ptr, new_starts_ptr, kv_cap, HAS_TREE: tl.constexpr):
+    """(kv length of the row's request, kv indices the row itself can see: [0, seen)). A chain or path row j sees
+    its request's cached keys and new tokens 0..j, so seen = new_start + j + 1 (the length a one-token decode of that
+    token attends over); a row read through a tree mask may see any new token, so seen = the request's kv length."""
+    kv_len = tl.where(valid, tl.load(kv_lens_ptr + req_s), 0)
+    kv_len = tl.maximum(tl.minimum(kv_len, kv_cap), 0)
+    new_start = tl.where(valid, tl.load(new_starts_ptr + req_s), 0)  # (where: a 0-d value under the interpreter)
+    j = tl.where(valid, tl.load(row_idx_ptr + row), 0)
+    seen = kv_len if HAS_TREE else tl.minimum(new_start + j + 1, kv_len)
+    return kv_len, tl.maximum(seen, 0), new_start, j
+
+
+@triton.jit
+def _row_chunk(seen, split_chunk, SPLITS: tl.constexpr):
+    """Kv indices per split of a row with per-row ranges: the fewest multiples of split_chunk that cover `seen` in
+    SPLITS splits. A function of the row's own visible length alone, so a token's tiles are the same in a decode and
+    in any verify step that holds it (token-count invariant steps)."""
+    return tl.maximum(tl.cdiv(tl.cdiv(seen, SPLITS), split_chunk), 1) * split_chunk
+
+
+@triton.jit
 def _row_setup(row, row_req_ptr, row_idx_ptr, kv_lens_ptr, new_starts_ptr, num_requests, kv_cap, split, split_chunk,
-               SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
-    """(request (clamped to a valid one), new token index, new_start, this split's kv range [lo, hi)). split_chunk > 0
-    (a multiple of BLOCK_N) fixes each split's range to [split * split_chunk, ...) whatever the kv length, so a row's
-    tiles and their merge order do not depend on how many keys its request holds (invariant steps)."""
+               SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, HAS_TREE: tl.constexpr, ROW_RANGES: tl.constexpr):
+    """(request (clamped to a valid one), new token index, new_start, this split's kv range [lo, hi)). ROW_RANGES
+    (split_chunk > 0, a multiple of BLOCK_N): per-row ranges over what the row itself sees (_row_chunk), so a row's tiles and their
+    merge order depend on neither the step's rows nor how many keys its request holds (invariant steps); 0: the
+    request's kv length split evenly."""
     req = tl.load(row_req_ptr + row)
     valid = (req >= 0) & (req < num_requests)
     req_s = tl.where(valid, req, 0)
-    kv_len = tl.where(valid, tl.load(kv_lens_ptr + req_s), 0)
-    kv_len = tl.maximum(tl.minimum(kv_len, kv_cap), 0)
-    new_start = tl.load(new_starts_ptr + req_s)
-    j = tl.load(row_idx_ptr + row)
-    chunk = tl.cdiv(tl.cdiv(kv_len, SPLITS), BLOCK_N) * BLOCK_N
-    chunk = tl.where(split_chunk > 0, split_chunk, chunk)
-    lo = tl.minimum(split * chunk, kv_len)
-    hi = tl.minimum(lo + chunk, kv_len)
+    kv_len, seen, new_start, j = _row_span(row, req_s, valid, row_idx_ptr, kv_lens_ptr, new_starts_ptr, kv_cap,
+                                           HAS_TREE)
+    if ROW_RANGES:
+        chunk = _row_chunk(seen, split_chunk, SPLITS)
+        end = seen
+    else:
+        chunk = tl.cdiv(tl.cdiv(kv_len, SPLITS), BLOCK_N) * BLOCK_N
+        end = kv_len
+    lo = tl.minimum(split * chunk, end)
+    hi = tl.minimum(lo + chunk, end)
     return req_s, j, new_start, lo, hi
 
 
@@ -66,7 +90,7 @@ def _source(row, s, in_range, new_start, j, path_ptr, stride_path, PATHS: tl.con
 @triton.jit
 def _finish(acc, m_i, l_i, out_ptr, ws_acc_ptr, ws_ml_ptr, row, head, head_ok, offs_d, d_ok, split, keep,
             stride_on, stride_oh, SPLITS: tl.constexpr, H_TOTAL: tl.constexpr, DV: tl.constexpr):
-    """Normalise and store (one split), or store the partial into the split workspace (only where `keep`: a fixed
+    """Normalise and store (one split), or store the partial into the split workspace (only where `keep`: a per-row
     range past its request's keys stores nothing, combine_fixed_splits_kernel never reads it)."""
     if SPLITS == 1:
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -118,13 +142,14 @@ def gqa_rows_kernel(
     PATHS: tl.constexpr,  # new tokens read in path order (_source); row_idx = the row's depth; not with HAS_TREE
     SPLITS: tl.constexpr,
     PRECISION: tl.constexpr,
+    ROW_RANGES: tl.constexpr,  # split_chunk > 0: per-row split ranges (_row_setup)
 ):
     row = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     req, j, new_start, lo, hi = _row_setup(row, row_req_ptr, row_idx_ptr, kv_lens_ptr, new_starts_ptr,
                                            num_requests, max_blocks * BLOCK_SIZE, split, split_chunk, SPLITS,
-                                           BLOCK_N)
+                                           BLOCK_N, HAS_TREE, ROW_RANGES)
     offs_g = tl.arange(0, G_PAD)
     offs_d = tl.arange(0, D_PAD)
     offs_n = tl.arange(0, BLOCK_N)
@@ -157,7 +182,7 @@ def gqa_rows_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
     _finish(acc, m_i, l_i, out_ptr, ws_acc_ptr, ws_ml_ptr, row, head, head_ok, offs_d, d_ok, split,
-            tl.where(lo < tl.where(split_chunk > 0, hi, lo + 1), 1, 0), stride_on, stride_oh, SPLITS, HKV * G, D)
+            tl.where(lo < tl.where(ROW_RANGES, hi, lo + 1), 1, 0), stride_on, stride_oh, SPLITS, HKV * G, D)
 
 
 @triton.jit
@@ -201,13 +226,14 @@ def mla_rows_kernel(
     PATHS: tl.constexpr,  # new tokens read in path order (_source); row_idx = the row's depth; not with HAS_TREE
     SPLITS: tl.constexpr,
     PRECISION: tl.constexpr,
+    ROW_RANGES: tl.constexpr,  # split_chunk > 0: per-row split ranges (_row_setup)
 ):
     row = tl.program_id(0)
     hblk = tl.program_id(1)
     split = tl.program_id(2)
     req, j, new_start, lo, hi = _row_setup(row, row_req_ptr, row_idx_ptr, kv_lens_ptr, new_starts_ptr,
                                            num_requests, max_blocks * BLOCK_SIZE, split, split_chunk, SPLITS,
-                                           BLOCK_N)
+                                           BLOCK_N, HAS_TREE, ROW_RANGES)
     offs_h = tl.arange(0, HB)
     offs_r = tl.arange(0, R_PAD)
     offs_p = tl.arange(0, P_PAD)
@@ -242,7 +268,7 @@ def mla_rows_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(lat.dtype), lat, input_precision=PRECISION)
         m_i = m_new
     _finish(acc, m_i, l_i, out_ptr, ws_acc_ptr, ws_ml_ptr, row, head, head_ok, offs_r, r_ok, split,
-            tl.where(lo < tl.where(split_chunk > 0, hi, lo + 1), 1, 0), stride_on, stride_oh, SPLITS, H, R)
+            tl.where(lo < tl.where(ROW_RANGES, hi, lo + 1), 1, 0), stride_on, stride_oh, SPLITS, H, R)
 
 
 @triton.jit
@@ -281,27 +307,30 @@ def combine_fixed_splits_kernel(
     ws_ml_ptr,  # [N, H, SPLITS, 2] fp32
     out_ptr,  # [N, H, DV]
     row_req_ptr,  # [N] int32
+    row_idx_ptr,  # [N] int32
     kv_lens_ptr,  # [B] int32
+    new_starts_ptr,  # [B] int32
     num_requests,
     kv_cap,
-    split_chunk,  # kv indices per split (> 0)
+    split_chunk,  # the per-row ranges' granule (> 0, _row_chunk)
     stride_on,
     stride_oh,
     H: tl.constexpr,
     DV: tl.constexpr,
     DV_PAD: tl.constexpr,
     SPLITS: tl.constexpr,
+    HAS_TREE: tl.constexpr,
 ):
-    """The fixed-range splits of a row merged one at a time in split order, up to the last that holds its request's
-    keys. A split a row sees nothing of (m = M_INIT, l = 0, acc = 0) leaves the merged state exactly as it was, so a
-    row's result does not depend on how many keys its request holds past its own (token-count invariant steps)."""
+    """The per-row splits of a row merged one at a time in split order, up to the last that holds keys the row sees.
+    The splits and their order are functions of the row's own visible length (_row_span, _row_chunk), so a row's
+    result depends on neither the step's rows nor its request's kv length (token-count invariant steps)."""
     row = tl.program_id(0)
     head = tl.program_id(1)
     req = tl.load(row_req_ptr + row)
     valid = (req >= 0) & (req < num_requests)
-    kv_len = tl.where(valid, tl.load(kv_lens_ptr + tl.where(valid, req, 0)), 0)
-    kv_len = tl.maximum(tl.minimum(kv_len, kv_cap), 0)
-    used = tl.minimum(tl.cdiv(kv_len, split_chunk), SPLITS)
+    kv_len, seen, new_start, j = _row_span(row, tl.where(valid, req, 0), valid, row_idx_ptr, kv_lens_ptr,
+                                           new_starts_ptr, kv_cap, HAS_TREE)
+    used = tl.minimum(tl.cdiv(seen, _row_chunk(seen, split_chunk, SPLITS)), SPLITS)
     offs_d = tl.arange(0, DV_PAD)
     d_ok = offs_d < DV
     m = tl.full([DV_PAD], M_INIT, dtype=tl.float32)  # the same value in every lane

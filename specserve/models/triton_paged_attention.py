@@ -43,7 +43,7 @@ class RowsShape:
     max_blocks: int  # block-table entries per request
     max_new: int | None  # tree-mask columns; None = causal (no mask)
     num_splits: int  # split-kv chunks per row (1 = one launch per layer)
-    split_chunk: int = 0  # > 0: kv indices per split, fixed whatever the kv length (invariant steps)
+    split_chunk: int = 0  # > 0: per-row split ranges over what each row sees, in multiples of it (invariant steps)
     paths: bool = False  # trees as rows' paths (PagedRows.tree_paths: invariant steps), not as a mask
 
 
@@ -139,8 +139,9 @@ class TritonPagedBackend(PagedBackend):
     def __init__(self, attn_module: torch.nn.Module, block_size: int, device: torch.device | str,
                  invariant: bool = False, max_window: int = 0) -> None:
         super().__init__(block_size)
-        # invariant steps: split-kv ranges of a fixed size over up to max_window keys, the same in every step, so a
-        # row's tiles and the order they are merged in depend on neither the step's rows nor its kv length
+        # invariant steps: one split count for every step (from max_window) and per-row split ranges sized from what
+        # each row sees, so a row's tiles and the order they are merged in depend on neither the step's rows nor its
+        # request's kv length, and a short context still spreads over many programs
         self._fixed_splits = fixed_splits(max_window) if invariant else None
         cfg = attn_module.cfg
         self.scale = float(attn_module.scale)
