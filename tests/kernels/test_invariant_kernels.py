@@ -5,7 +5,7 @@ The step's form at batch 1 (target_service/engine/model_runner.py): every step r
 then pad rows copying the last one. So each check compares row j of a ROWS-row call with row 0 of a ROWS-row call
 whose rows are all row j (the same token decoded alone), with torch.equal:
 
-- the Triton paged attention (GQA and MLA, chains and trees): with fixed split-kv ranges and trees read in path order
+- the Triton paged attention (GQA and MLA, chains and trees): with per-row split-kv ranges and trees read in path order
   (PagedRows.tree_paths), a verify row equals the decode of its path over a cache holding that path at consecutive
   positions; runs on CUDA in bf16 and under TRITON_INTERPRET=1 on the CPU in fp16;
 - on CUDA: cuBLAS GEMMs, the fused MoE, the norm, RoPE + cache-write and router kernels, at a fixed row count.
