@@ -29,7 +29,6 @@ from opentelemetry import context as otel_context
 
 from specserve.contract.speculation import MAX_K, KTooLong, k_on_draft
 from specserve.errors import SpecserveError
-from specserve.gateway.adaptive import AdaptiveConfig, AdaptiveSpeculation
 from specserve.gateway.clients import RequestRejected, TargetUnavailable
 from specserve.gateway.draft_table import DraftTable
 from specserve.gateway.remote import RemoteTarget, TargetCallError
@@ -44,6 +43,7 @@ from specserve.gateway.validation import (
     max_token_bytes,
     validate_request,
 )
+from specserve.loop.adaptive import AdaptiveConfig, AdaptiveSpeculation
 from specserve.protos import convert
 from specserve.protos.specserve.v1 import gateway_pb2, gateway_pb2_grpc
 from specserve.runtime import tracing as tn

@@ -12,7 +12,7 @@ request's end still releases the drafter's session, started or not). After skipp
 (tokens and, for a drafter reading target hidden rows, their rows) in one call.
 
 Two optional policies change only *which* tokens are verified, never the acceptance rule:
-- adaptive speculation (gateway/adaptive.py) picks each step's chain length, 0 (drafting off) when it
+- adaptive speculation (specserve/loop/adaptive.py) picks each step's chain length, 0 (drafting off) when it
   does not pay, with a probe now and then (and, with draft-ahead, whether drafting ahead pays for its
   contention with the verify);
 - draft-ahead: while the target verifies block n, the drafter already drafts block n+1 assuming
@@ -41,11 +41,11 @@ from specserve.contract.types import (
     join_hidden,
 )
 from specserve.contract.types import check_block as contract_check_block
-from specserve.gateway.adaptive import AdaptiveSpeculation
 from specserve.gateway.clients import DraftClient, DraftError, TargetClient
 from specserve.gateway.detok import IncrementalText
 from specserve.gateway.stats import SpecStats
 from specserve.gateway.step_observer import StepObserver, VerifyWalls, drafted_confidence
+from specserve.loop.adaptive import AdaptiveSpeculation
 from specserve.runtime import tracing as names
 from specserve.runtime.device_stream import COMPLETE, mark_complete
 

@@ -2,7 +2,7 @@
 
 ``StepObserver`` keeps the loop (gateway/spec_loop.py) the algorithm: the loop tells it what happened, and it
 feeds the request's ``SpecStats``, the verify span's attributes, the per-step ``StepRecord`` (benchmark JSONL,
-metrics) and what adaptive speculation (gateway/adaptive.py) learns from each step.
+metrics) and what adaptive speculation (specserve/loop/adaptive.py) learns from each step.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import numpy as np
 import torch
 
 from specserve.contract.types import DraftBlock, VerifyResult
-from specserve.gateway.adaptive import AdaptiveSpeculation
 from specserve.gateway.stats import SpecStats
+from specserve.loop.adaptive import AdaptiveSpeculation
 from specserve.runtime import tracing as names
 
 

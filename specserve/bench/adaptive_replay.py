@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from specserve.gateway.adaptive import AdaptiveConfig, AdaptiveSpeculation
+from specserve.loop.adaptive import AdaptiveConfig, AdaptiveSpeculation
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """How well the adaptive chooser's verify cost model predicts steps it did not see.
 
-The model (gateway/adaptive.py, VerifyCostModel) is fitted on the first part of a run's verify steps
+The model (specserve/loop/adaptive.py, VerifyCostModel) is fitted on the first part of a run's verify steps
 (in the order they ran) and scored on the rest: median relative error |predicted - measured| /
 measured, overall and by the number of tokens in the verify forward. Run it on a bench's artifacts:
 
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from specserve.gateway.cost_models import VerifyCostModel
+from specserve.loop.cost_models import VerifyCostModel
 
 
 def cost_model_error(steps: Sequence[dict], train_fraction: float = 0.7) -> dict:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specserve.errors import SpecserveError
-from specserve.gateway.adaptive import expected_emitted
+from specserve.loop.adaptive import expected_emitted
 
 LABEL = "projection"
 

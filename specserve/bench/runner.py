@@ -79,7 +79,7 @@ class SpecRunner:
         """The process-wide adaptive chooser of one method (kept across its warm-up and prompts)."""
         if not spec.adaptive:
             return None
-        from specserve.gateway.adaptive import AdaptiveConfig, AdaptiveSpeculation
+        from specserve.loop.adaptive import AdaptiveConfig, AdaptiveSpeculation
 
         return AdaptiveSpeculation(AdaptiveConfig(max_k=spec.k))
 

@@ -11,7 +11,7 @@ from specserve.bench.runner import RequestResult
 def acceptance_by_position(steps: Sequence[dict]) -> dict:
     """Per drafted position i (0-based):
     conditional[i] = P(position i accepted | positions < i accepted and i was drafted) (the alpha_i of
-    gateway/adaptive.py); marginal[i] = P(position i accepted | i was drafted)."""
+    specserve/loop/adaptive.py); marginal[i] = P(position i accepted | i was drafted)."""
     max_k = max((s["drafted"] for s in steps), default=0)
     reached = [0] * max_k
     drafted = [0] * max_k

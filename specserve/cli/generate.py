@@ -60,9 +60,9 @@ def build_local(args: argparse.Namespace):
 
 async def _generate(args: argparse.Namespace) -> dict:
     from specserve.contract.types import GenerationRequest
-    from specserve.gateway.adaptive import AdaptiveConfig, AdaptiveSpeculation
     from specserve.gateway.local import LocalDraft, LocalTarget
     from specserve.gateway.spec_loop import FinalEvent, run_request
+    from specserve.loop.adaptive import AdaptiveConfig, AdaptiveSpeculation
 
     k = speculative_tokens(args, "generate") or DEFAULT_K
     tree = tree_from_args(args)

@@ -27,10 +27,10 @@ from specserve.contract.types import GenerationRequest
 from specserve.draft_service import registry
 from specserve.draft_service.ngram import NgramProposer
 from specserve.draft_service.proposer import DrafterConfig
-from specserve.gateway.adaptive import AdaptiveConfig, AdaptiveSpeculation
 from specserve.gateway.local import LocalDraft, LocalTarget
-from specserve.gateway.probing import ProbePolicy
 from specserve.gateway.spec_loop import FinalEvent, run_request
+from specserve.loop.adaptive import AdaptiveConfig, AdaptiveSpeculation
+from specserve.loop.probing import ProbePolicy
 from specserve.paths import demo_dir
 from specserve.target_service.factory import EngineConfig, build_engine
 
@@ -125,7 +125,7 @@ def _prompt(engine, text: str) -> tuple[int, ...]:
 @pytest.mark.parametrize("steps", [6, 12])
 def test_adaptive_turns_a_dear_drafter_off_and_runs_at_target_only_speed(demo_target, monkeypatch, steps, no_gc):
     """The slow drafter's extra time per propose is ``steps`` target steps (as measured here). Warm-up requests
-    run until the chooser has made its two early probes (gateway/probing.py: once per chooser, soon after
+    run until the chooser has made its two early probes (specserve/loop/probing.py: once per chooser, soon after
     speculation turned off; the first is forgiven as a possible one-off; test_adaptive.py checks them), so the
     attempts see only probes within the budget.
     Each attempt times PAIRS interleaved (target-only, adaptive) pairs, in alternating order, and takes the

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from specserve.bench.adaptive_replay import main, replay, step_model
-from specserve.gateway.adaptive import AdaptiveConfig, AdaptiveSpeculation
+from specserve.loop.adaptive import AdaptiveConfig, AdaptiveSpeculation
 
 
 def _row(drafter, drafted, accepted, verify_ms, draft_ms=0.0, speculation="fixed", ahead=False):

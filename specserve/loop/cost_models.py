@@ -1,4 +1,4 @@
-"""The chooser's cost models (gateway/adaptive.py): verify time fitted on tokens, distinct experts and drafting
+"""The chooser's cost models (specserve/loop/adaptive.py): verify time fitted on tokens, distinct experts and drafting
 ahead (VerifyCostModel), draft time per block size (DraftCostModel), both by least squares with coefficients >= 0
 (nonneg_lstsq). Their formulas are in adaptive.py's docstring."""
 

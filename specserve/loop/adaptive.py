@@ -1,7 +1,7 @@
 """MoE-aware adaptive speculation: pick the block size that maximises emitted tokens per second.
 
 Verify cost on an MoE target grows with the distinct experts a step reads, not only with its token
-count, so the cost model is fitted on both (plus what drafting ahead concurrently adds; gateway/cost_models.py):
+count, so the cost model is fitted on both (plus what drafting ahead concurrently adds; specserve/loop/cost_models.py):
 
     verify_ms(n, e, ahead) ~= a + b * n + c * e + d * ahead
         n = tokens in the forward (pending + drafted, tree nodes for a tree)
@@ -41,7 +41,7 @@ distribution is untouched.
 
 While speculation is off, a step does what a target-only step does (no drafter call: the drafter
 catches up on the skipped tokens at the next propose). Now and then a probe drafts anyway, so acceptance
-stays measured and speculation comes back on when it pays again; gateway/probing.py spaces the probes by
+stays measured and speculation comes back on when it pays again; specserve/loop/probing.py spaces the probes by
 their measured cost: a probe is made only while the probes so far, less the dearest (a dear probe may be a
 one-off), took at most about 1% of the skipped steps' time, the first few (exploring, at growing intervals)
 included, so a dear drafter costs a run of a few short requests two probes, then about 1%. A draft call that
@@ -58,8 +58,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from specserve.gateway.cost_models import DraftCostModel, VerifyCostModel
-from specserve.gateway.probing import ProbePolicy, ProbeSchedule
+from specserve.loop.cost_models import DraftCostModel, VerifyCostModel
+from specserve.loop.probing import ProbePolicy, ProbeSchedule
 
 AHEAD_PROBE_EVERY = 16  # every 16th step that could draft ahead does the opposite of the estimate
 
@@ -247,7 +247,7 @@ class AdaptiveSpeculation:
     def plan(self, limit: int, ahead: bool = False) -> tuple[int, bool]:
         """(k, probe) of a step about to draft up to ``limit`` tokens: ``choose_k``'s k when it is >= 1;
         else 0 (skip: the step is a target-only step) until ``probe_interval`` steps were skipped, then a
-        probe of ``ProbePolicy.tokens`` (gateway/probing.py). Shared by all requests of the drafter: probes
+        probe of ``ProbePolicy.tokens`` (specserve/loop/probing.py). Shared by all requests of the drafter: probes
         are spaced over all of its steps."""
         key = (limit, ahead, self.cost.version, self.draft.version, self.accept.version, self._overhead_used,
                self.probing.version)
@@ -263,7 +263,7 @@ class AdaptiveSpeculation:
         return min(self.config.probe.tokens, limit), True
 
     def probe_interval(self) -> int:
-        """Skipped steps before the next probe (gateway/probing.py), a skipped step costing the verify fit's
+        """Skipped steps before the next probe (specserve/loop/probing.py), a skipped step costing the verify fit's
         1-token step plus a skipped step's overhead; before any probe was timed its cost is the draft fit's."""
         step_ms = self.cost.predict(1) + self._overhead_used[0]
         return self.probing.interval(self.draft.predict(self.config.probe.tokens), step_ms)

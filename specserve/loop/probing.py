@@ -1,6 +1,6 @@
 """Probes: the draft calls a chooser that has turned speculation off still makes, to re-measure acceptance.
 
-While adaptive speculation (gateway/adaptive.py) is off, every step is a target-only step, except a probe of
+While adaptive speculation (specserve/loop/adaptive.py) is off, every step is a target-only step, except a probe of
 ``ProbePolicy.tokens`` drafted after ``interval`` skipped steps. A probe costs its draft call, the catch-up over
 the skipped stretch included, and that is what it may cost:
 

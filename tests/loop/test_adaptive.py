@@ -3,15 +3,15 @@
 import numpy as np
 import pytest
 
-from specserve.gateway.adaptive import (
+from specserve.loop.adaptive import (
     AHEAD_PROBE_EVERY,
     AdaptiveConfig,
     AdaptiveSpeculation,
     ConfidenceCalibration,
     expected_emitted,
 )
-from specserve.gateway.cost_models import DraftCostModel, VerifyCostModel, nonneg_lstsq
-from specserve.gateway.probing import ProbePolicy
+from specserve.loop.cost_models import DraftCostModel, VerifyCostModel, nonneg_lstsq
+from specserve.loop.probing import ProbePolicy
 
 
 def test_cost_model_recovers_linear_costs_and_reports_heldout_error() -> None:
