@@ -7,7 +7,6 @@ Both write this step's cache entries first, then for each sequence attend over i
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from specserve.models.attn_metadata import AttentionBatch
@@ -20,6 +19,7 @@ from specserve.models.layers import (
     RowParallelLinear,
     WeightShapeError,
     divide,
+    linear,
     merge_linears,
 )
 from specserve.models.rope import RotaryEmbedding, softmax_scale_multiplier
@@ -167,7 +167,7 @@ class GQAAttention(nn.Module):
 
         t, d, f = x.shape[0], self.cfg.head_dim, self.fused
         nq, nkv = self.num_heads * d, self.num_kv_heads * d
-        qkv = F.linear(x, f.weight, f.bias)  # [T, (Hq + 2 Hkv) D]
+        qkv = linear(x, f.weight, f.bias, use_kernel=True)  # [T, (Hq + 2 Hkv) D]
         q = qkv[:, :nq].view(t, self.num_heads, d)
         k = qkv[:, nq: nq + nkv].view(t, self.num_kv_heads, d)
         v = qkv[:, nq + nkv:].view(t, self.num_kv_heads, d)
@@ -274,7 +274,7 @@ class MLAAttention(nn.Module):
         from specserve.kernels.rope_cache import rope_cache_mla
 
         cfg, t, f = self.cfg, x.shape[0], self.fused
-        a = F.linear(x, f.weight, f.bias)  # [T, Q + R + Dr]
+        a = linear(x, f.weight, f.bias, use_kernel=True)  # [T, Q + R + Dr]
         width = a.shape[1] - cfg.kv_lora_rank - cfg.qk_rope_head_dim
         q = a[:, :width] if cfg.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(a[:, :width]))
         q = q.view(t, self.num_heads, cfg.qk_head_dim)

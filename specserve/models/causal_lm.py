@@ -146,13 +146,21 @@ class CausalLM(nn.Module):
           experts), their weights merged in place (layers.merge_linears);
         - QK-norm (MLA: the kv_a norm) + RoPE + the paged-cache write in one kernel (kernels/rope_cache.py), when
           the attention backend attends over a cache written beforehand (every paged backend does);
-        - the router after its gate GEMM in one kernel (kernels/router.py)."""
-        from specserve.models.layers import GatedMLP, RMSNorm
+        - the router after its gate GEMM in one kernel (kernels/router.py);
+        - a step's few rows through the skinny GEMM (kernels/skinny_gemm.py) in every projection but lm_head, SiLU *
+          up in the gate/up GEMM's epilogue and the routed experts' sum in the shared experts' down GEMM's."""
+        from specserve.models.layers import (
+            ColumnParallelLinear,
+            GatedMLP,
+            ReplicatedLinear,
+            RMSNorm,
+            RowParallelLinear,
+        )
         from specserve.models.moe import TopKRouter
 
         self.fused_layers = enabled
         for module in self.modules():
-            if isinstance(module, (RMSNorm, TopKRouter)):
+            if isinstance(module, (RMSNorm, TopKRouter, ReplicatedLinear, ColumnParallelLinear, RowParallelLinear)):
                 module.use_kernel = enabled
             elif isinstance(module, GatedMLP):
                 module.fuse(enabled)

@@ -53,6 +53,24 @@ def divide(n: int, size: int, what: str) -> int:
     return n // size
 
 
+def linear(
+    x: torch.Tensor,  # [T, in]
+    weight: torch.Tensor,  # [out, in]
+    bias: torch.Tensor | None = None,  # [out]
+    use_kernel: bool = False,
+    add: torch.Tensor | None = None,  # [T, out] added to the result (fused into the kernel's epilogue)
+) -> torch.Tensor:  # [T, out]
+    """x W^T (+ bias) (+ add): the skinny GEMM (kernels/skinny_gemm.py, one launch, row-count invariant) for a
+    step's few rows when use_kernel (the fused layers) and it can take the call, else F.linear."""
+    if use_kernel:
+        from specserve.kernels.skinny_gemm import can_run, skinny_linear
+
+        if can_run(x, weight):
+            return skinny_linear(x, weight, bias, add=add)
+    y = F.linear(x, weight, bias)
+    return y if add is None else y + add
+
+
 def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor) -> None:
     copy_checked(param.data, loaded)
 
@@ -108,9 +126,10 @@ class ReplicatedLinear(nn.Module):
         if bias:
             self.bias = new_param((out_features,))
             self.bias.weight_loader = default_weight_loader
+        self.use_kernel = False  # CausalLM.set_fused_layers: the skinny GEMM for a step's few rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.use_kernel)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -138,12 +157,13 @@ class ColumnParallelLinear(nn.Module):
         if bias:
             self.bias = new_param((local_out,))
             self.bias.weight_loader = self.weight_loader
+        self.use_kernel = False  # CausalLM.set_fused_layers: the skinny GEMM for a step's few rows
 
     def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor) -> None:
         copy_checked(param.data, shard(loaded, 0, self.shard_index, self.num_shards))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.use_kernel)
 
 
 class RowParallelLinear(nn.Module):
@@ -165,6 +185,7 @@ class RowParallelLinear(nn.Module):
         if bias:
             self.bias = new_param((out_features,))
             self.bias.weight_loader = default_weight_loader
+        self.use_kernel = False  # CausalLM.set_fused_layers: the skinny GEMM for a step's few rows
 
     def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor) -> None:
         if param.dim() == 1:  # bias: replicated, added once after the reduction
@@ -172,8 +193,10 @@ class RowParallelLinear(nn.Module):
         else:
             copy_checked(param.data, shard(loaded, 1, self.parallel.tp_rank, self.parallel.tp_size))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.linear(x, self.weight)
+    def forward(self, x: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:  # add [T, out]: summed in
+        """x [T, in_local] -> [T, out]; `add` (a partial sum of this rank's, e.g. the routed experts') is added before
+        the all-reduce, in the GEMM's epilogue on the kernel path."""
+        out = linear(x, self.weight, None, self.use_kernel, add)
         if self.reduce_results:
             all_reduce(out, self.parallel)
         return out if self.bias is None else out + self.bias
@@ -207,12 +230,19 @@ class GatedMLP(nn.Module):
         """gate and up in one GEMM over their weights merged in place (merge_linears), or two GEMMs."""
         self.gate_up = merge_linears([self.gate_proj, self.up_proj]) if enabled else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H]
+    def forward(self, x: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:  # x, add [T, H] -> [T, H]
+        """down(silu(gate(x)) * up(x)) (+ add, before down's all-reduce: the routed experts' partial output)."""
         if self.gate_up is not None:
-            gu = F.linear(x, *self.gate_up)  # [T, 2I]
+            weight, bias = self.gate_up  # [2I, H], [2I] or None
+            if self.down_proj.use_kernel:
+                from specserve.kernels.skinny_gemm import can_run, skinny_linear
+
+                if can_run(x, weight):  # SiLU * up in the gate/up GEMM's epilogue
+                    return self.down_proj(skinny_linear(x, weight, bias, epilogue="silu_mul"), add)
+            gu = F.linear(x, weight, bias)  # [T, 2I]
             inter = gu.shape[1] // 2
-            return self.down_proj(F.silu(gu[:, :inter]) * gu[:, inter:])
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+            return self.down_proj(F.silu(gu[:, :inter]) * gu[:, inter:], add)
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x), add)
 
 
 def vocab_range(vocab_size: int, parallel: ParallelConfig) -> tuple[int, int]:

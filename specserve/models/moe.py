@@ -65,9 +65,20 @@ class TopKRouter(nn.Module):
             n_group=cfg.n_group if sigmoid else 1, topk_group=cfg.topk_group if sigmoid else 1,
             norm_topk_prob=cfg.norm_topk_prob, routed_scaling_factor=cfg.routed_scaling_factor,
         )
-        logits = F.linear(x.float(), self._weight_f32()) if sigmoid else F.linear(x, self.weight)  # as the torch rules
+        logits = self._logits(x, sigmoid)
         bias = self.e_score_correction_bias if sigmoid and cfg.correction_bias else None
         return route(logits, rule, bias, live_rows=live_rows)
+
+    def _logits(self, x: torch.Tensor, sigmoid: bool) -> torch.Tensor:  # x [T, H] -> [T, E]
+        """The gate GEMM as the torch rules compute it (sigmoid: float32 products and sums, softmax: x's dtype). A
+        step's few rows go through the skinny GEMM: bf16 products are exact in float32, so the float32 logits differ
+        from the float32 GEMM's only in summation order, and one launch replaces the GEMM, its split-K reduce and x's
+        float32 copy."""
+        from specserve.kernels.skinny_gemm import can_run, skinny_linear
+
+        if can_run(x, self.weight):
+            return skinny_linear(x, self.weight, out_dtype=torch.float32 if sigmoid else None)
+        return F.linear(x.float(), self._weight_f32()) if sigmoid else F.linear(x, self.weight)
 
     def _weight_f32(self) -> torch.Tensor:  # [E, H] float32
         """The gate weight in float32 for the sigmoid rule, converted once (again only if the weight changes: the key
@@ -210,6 +221,6 @@ class MoEBlock(nn.Module):
         topk_ids, topk_weights = self.gate(x, live_rows)
         ids, weights = self.experts.localize(topk_ids, topk_weights)
         out = self.experts.run(self.experts_fn, x, ids, weights)
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
+        if self.shared_experts is not None:  # the routed sum added in the shared down GEMM's epilogue (fused layers)
+            out = self.shared_experts(x, add=out)
         return all_reduce(out, self.parallel), topk_ids

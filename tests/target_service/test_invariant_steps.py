@@ -76,7 +76,7 @@ def test_triton_steps_metadata_of_a_padded_step():
     from specserve.target_service.engine.model_runner import pad_step
 
     step = RowsStep(RowsShape(1, 8, 8, 8, *fixed_splits(1024), paths=True), torch.device("cpu"), 2, 16)
-    assert step.shape.num_splits == 4 and step.workspace.numel() == 8 * 2 * 4 * (16 + 2)  # rows x heads x splits
+    assert step.shape.num_splits == 16 and step.workspace.numel() == 8 * 2 * 16 * (16 + 2)  # rows x heads x splits
     tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dtype=torch.bool)
     for mask in (None, tree):
         own = torch.ones(4, 4, dtype=torch.bool).tril() if mask is None else mask
