@@ -101,13 +101,14 @@ def fixed_splits(max_kv_len: int, granule: int = 64) -> tuple[int, int]:
 
 def _combine(ws_acc: torch.Tensor, ws_ml: torch.Tensor, out: torch.Tensor, rows: PagedRows, split_chunk: int,
              n: int, heads: int, dv: int, splits: int, block_size: int) -> None:
-    """Merge the split partials into out [N, H, DV]: per-row ranges one at a time in order (up to the row's last),
-    derived ranges all at once."""
+    """Merge the split partials into out [N, H, DV]: per-row ranges (up to the row's last) or derived ranges."""
     if split_chunk:
-        _k.combine_fixed_splits_kernel[(n, heads)](
+        dv_block = min(_pow2(dv), 64)  # [S_PAD, 64] fp32 partials a program: no spills at 64 splits
+        _k.combine_fixed_splits_kernel[(n, heads, triton.cdiv(dv, dv_block))](
             ws_acc, ws_ml, out, rows.row_request, rows.row_index, rows.kv_lens, rows.new_starts, rows.num_requests,
             rows.max_blocks * block_size, split_chunk, out.stride(0), out.stride(1), H=heads, DV=dv,
-            DV_PAD=_pow2(dv), SPLITS=splits, HAS_TREE=rows.tree_mask is not None, num_warps=4,
+            DV_BLOCK=dv_block, SPLITS=splits, S_PAD=_pow2(splits, 2), HAS_TREE=rows.tree_mask is not None,
+            num_warps=4,
         )
         return
     _k.combine_splits_kernel[(n, heads)](

@@ -317,35 +317,31 @@ def combine_fixed_splits_kernel(
     stride_oh,
     H: tl.constexpr,
     DV: tl.constexpr,
-    DV_PAD: tl.constexpr,
+    DV_BLOCK: tl.constexpr,  # output columns per program (grid axis 2)
     SPLITS: tl.constexpr,
+    S_PAD: tl.constexpr,
     HAS_TREE: tl.constexpr,
 ):
-    """The per-row splits of a row merged one at a time in split order, up to the last that holds keys the row sees.
-    The splits and their order are functions of the row's own visible length (_row_span, _row_chunk), so a row's
-    result depends on neither the step's rows nor its request's kv length (token-count invariant steps)."""
+    """The per-row splits of a row merged at once: out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s over the
+    splits that hold keys the row sees (the others masked to exact zeros). Which splits those are, and the order of
+    every sum, are functions of the row's own visible length (_row_span, _row_chunk), so a row's result depends on
+    neither the step's rows nor its request's kv length (token-count invariant steps)."""
     row = tl.program_id(0)
     head = tl.program_id(1)
+    offs_d = tl.program_id(2) * DV_BLOCK + tl.arange(0, DV_BLOCK)
     req = tl.load(row_req_ptr + row)
     valid = (req >= 0) & (req < num_requests)
     kv_len, seen, new_start, j = _row_span(row, tl.where(valid, req, 0), valid, row_idx_ptr, kv_lens_ptr,
                                            new_starts_ptr, kv_cap, HAS_TREE)
     used = tl.minimum(tl.cdiv(seen, _row_chunk(seen, split_chunk, SPLITS)), SPLITS)
-    offs_d = tl.arange(0, DV_PAD)
+    offs_s = tl.arange(0, S_PAD)
+    s_ok = offs_s < used
+    base = ((row * H + head) * SPLITS + offs_s).to(tl.int64)  # [S_PAD]
+    m = tl.load(ws_ml_ptr + base * 2, mask=s_ok, other=M_INIT)
+    l_s = tl.load(ws_ml_ptr + base * 2 + 1, mask=s_ok, other=0.0)
     d_ok = offs_d < DV
-    m = tl.full([DV_PAD], M_INIT, dtype=tl.float32)  # the same value in every lane
-    total = tl.zeros([DV_PAD], dtype=tl.float32)
-    acc = tl.zeros([DV_PAD], dtype=tl.float32)
-    for s in range(0, used):
-        base = ((row * H + head) * SPLITS + s).to(tl.int64)
-        m_s = tl.load(ws_ml_ptr + base * 2)
-        l_s = tl.load(ws_ml_ptr + base * 2 + 1)
-        a_s = tl.load(ws_acc_ptr + base * DV + offs_d, mask=d_ok, other=0.0)
-        m_new = tl.maximum(m, m_s)
-        alpha = tl.exp2(m - m_new)
-        beta = tl.exp2(m_s - m_new)
-        total = total * alpha + l_s * beta
-        acc = acc * alpha + a_s * beta
-        m = m_new
-    o = acc / tl.where(total > 0, total, 1.0)
+    acc = tl.load(ws_acc_ptr + base[:, None] * DV + offs_d[None, :], mask=s_ok[:, None] & d_ok[None, :], other=0.0)
+    w = tl.where(s_ok, tl.exp2(m - tl.max(m, 0)), 0.0)  # [S_PAD]
+    total = tl.sum(w * l_s, 0)
+    o = tl.sum(acc * w[:, None], 0) / tl.where(total > 0, total, 1.0)
     tl.store(out_ptr + row * stride_on + head * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty), mask=d_ok)

@@ -6,9 +6,10 @@ Same function as skinny_gemm_reference.py (fp32 accumulation, one rounding to th
 
 Why: at M <= 32 every projection of a layer is a matrix-vector product bound by reading W once, and cuBLAS's
 kernels for these shapes read it at about a third of the bandwidth (BENCHMARKS.md, the fused-layer census), and
-need a split-K reduce and separate launches for SiLU * up and the residual adds. Here one program owns BLOCK_N
-output columns over all rows and the whole K (kernels/skinny_gemm_triton.py), so a row's bits do not depend on how
-many rows the step carries, and the epilogue costs no launch. No host syncs: CUDA-graph capturable.
+need a split-K reduce and separate launches for SiLU * up and the residual adds. Here programs own BLOCK_N output
+columns over all rows and a K range; a column block's last program sums the ranges in order and applies the
+epilogue (kernels/skinny_gemm_triton.py): one launch, and a row's bits do not depend on how many rows the step
+carries. No host syncs: CUDA-graph capturable (the counters are left at zero by every call).
 """
 
 from __future__ import annotations
@@ -34,18 +35,33 @@ MAX_ROWS = 32  # BLOCK_M: every call up to this many rows runs the same tiles (r
 
 @dataclass(frozen=True)
 class SkinnyTile:
-    """The kernel's tile; a function of the weight's shape only, never of M (row-count invariance)."""
+    """The kernel's tile and K split; a function of the weight's shape only, never of M (row-count invariance)."""
 
     block_n: int = 16
     block_k: int = 256
+    split_k: int = 1  # K ranges per column block, summed in order by the block's last program
     num_warps: int = 4
     num_stages: int = 4
 
 
+TARGET_PROGRAMS = 1024  # ~8 a multiprocessor on the H200's 132: enough loads in flight to stream a few MB at once
+MAX_SPLIT_K = 16
+
+
 def default_tile(n_out: int, k: int) -> SkinnyTile:
-    """The tile for an [n_out, k] weight (silu_mul: n_out gate columns): narrow column blocks keep >= ~1 program an
-    SM on the H200's 132 for every projection of the demos (n_out >= 2048)."""
-    return SkinnyTile(block_k=256 if k >= 256 else max(16, triton.next_power_of_2(k)))
+    """The tile for an [n_out, k] weight (silu_mul: n_out gate columns). A small weight's few column blocks each
+    split K, so its bytes are requested by many programs at once rather than streamed by a few (the census: one
+    program per 16 columns over the whole K ran a 2048 x 2048 projection at ~1 TB/s)."""
+    block_k = 256 if k >= 256 else max(16, triton.next_power_of_2(k))
+    blocks = -(-n_out // 16)
+    split = max(1, min(MAX_SPLIT_K, TARGET_PROGRAMS // blocks, -(-k // block_k)))
+    return SkinnyTile(block_k=block_k, split_k=split)
+
+
+def new_counters(device: torch.device | str, size: int = 8192) -> torch.Tensor:  # [size] int32 zeros
+    """The per-column-block arrival counters a model's skinny GEMMs share (each call leaves them at zero again; the
+    calls of one stream never overlap). A call with more column blocks than counters runs without a K split."""
+    return torch.zeros(size, dtype=torch.int32, device=device)
 
 
 def can_run(x: torch.Tensor, w: torch.Tensor) -> bool:
@@ -64,6 +80,7 @@ def skinny_linear(
     add: torch.Tensor | None = None,  # [M, N'] added before the rounding (a residual, the routed experts' sum)
     out: torch.Tensor | None = None,  # [M, N']
     out_dtype: torch.dtype | None = None,  # default x's dtype; float32 for a router's logits
+    counters: torch.Tensor | None = None,  # [>= column blocks] int32 zeros (new_counters); None: one per call
     tile: SkinnyTile | None = None,
 ) -> torch.Tensor:  # [M, N'] out_dtype; N' = N, or N / 2 for silu_mul
     x = check_tensor("x", x, 2, _DTYPES, contiguous=False)
@@ -94,14 +111,28 @@ def skinny_linear(
     require(tuple(out.shape) == (m, n_out) and out.stride(1) == 1,
             f"out must be [{m}, {n_out}] contiguous in its last dim, got {tuple(out.shape)}")
     named.append(("out", out))
+    if counters is not None:
+        check_tensor("counters", counters, 1, (torch.int32,))
+        named.append(("counters", counters))
     check_same_device(named)
     require(HAS_TRITON, "the skinny GEMM needs the triton package, which is not installed")
     require(x.is_cuda or triton_interpreting(), f"the skinny GEMM needs CUDA tensors, got x on {x.device}")
     t = tile or default_tile(n_out, k)
-    _k.skinny_gemm_kernel[(triton.cdiv(n_out, t.block_n),)](
-        x, w, bias if bias is not None else w, add if add is not None else out, out, m, k, n_out,
+    blocks = triton.cdiv(n_out, t.block_n)
+    split = t.split_k
+    if split > 1 and counters is None:
+        counters = new_counters(x.device, blocks)
+    if split > 1 and counters.numel() < blocks:
+        split = 1  # too few counters for this many column blocks: no K split
+    k_chunk = triton.cdiv(triton.cdiv(k, split), t.block_k) * t.block_k
+    split = triton.cdiv(k, k_chunk)  # no empty split
+    ws = torch.empty(split * (2 if epilogue == "silu_mul" else 1) * m * n_out if split > 1 else 1,
+                     dtype=torch.float32, device=x.device)
+    _k.skinny_gemm_kernel[(blocks, split)](
+        x, w, bias if bias is not None else w, add if add is not None else out, out, ws,
+        counters if split > 1 else ws, m, k, n_out, k_chunk,
         x.stride(0), w.stride(0), add.stride(0) if add is not None else 0, out.stride(0),
-        BLOCK_M=MAX_ROWS, BLOCK_N=t.block_n, BLOCK_K=t.block_k, SILU_MUL=epilogue == "silu_mul",
+        BLOCK_M=MAX_ROWS, BLOCK_N=t.block_n, BLOCK_K=t.block_k, SPLIT_K=split, SILU_MUL=epilogue == "silu_mul",
         HAS_BIAS=bias is not None, HAS_ADD=add is not None, PRECISION="ieee",
         num_warps=t.num_warps, num_stages=t.num_stages,
     )

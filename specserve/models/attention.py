@@ -111,13 +111,13 @@ class GQAAttention(nn.Module):
         self.attn_backend = None  # FlashInferBackend when CausalLM.set_attention_backend installed one
         self.fused = None  # FusedRope: one q/k/v GEMM and the fused QK-norm + RoPE + cache-write kernel
 
-    def fuse(self, rope_table: tuple[torch.Tensor, torch.Tensor] | None) -> None:
-        """Fused layers on (the model's shared cos / sin tables [P, D/2]) or off (None)."""
+    def fuse(self, rope_table: tuple[torch.Tensor, torch.Tensor] | None, skinny: torch.Tensor | None = None) -> None:
+        """Fused layers on (the model's shared cos / sin tables [P, D/2], its skinny-GEMM counters) or off (None)."""
         if rope_table is None:
             self.fused = None
             return
         weight, bias = merge_linears([self.q_proj, self.k_proj, self.v_proj])
-        self.fused = FusedRope(weight, bias, *rope_table)
+        self.fused = FusedRope(weight, bias, *rope_table, skinny)
 
     def forward(
         self,
@@ -167,7 +167,7 @@ class GQAAttention(nn.Module):
 
         t, d, f = x.shape[0], self.cfg.head_dim, self.fused
         nq, nkv = self.num_heads * d, self.num_kv_heads * d
-        qkv = linear(x, f.weight, f.bias, use_kernel=True)  # [T, (Hq + 2 Hkv) D]
+        qkv = linear(x, f.weight, f.bias, f.skinny)  # [T, (Hq + 2 Hkv) D]
         q = qkv[:, :nq].view(t, self.num_heads, d)
         k = qkv[:, nq: nq + nkv].view(t, self.num_kv_heads, d)
         v = qkv[:, nq + nkv:].view(t, self.num_kv_heads, d)
@@ -182,11 +182,13 @@ class GQAAttention(nn.Module):
 class FusedRope:
     """What a fused attention layer holds: the merged input projection and the model's cos / sin tables."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                 skinny: torch.Tensor | None = None) -> None:
         self.weight = weight  # [sum of the merged projections' outputs, H]
         self.bias = bias  # [same] or None
         self.cos = cos  # [max_positions, rope_dim / 2], the io dtype
         self.sin = sin
+        self.skinny = skinny  # the model's skinny-GEMM counters (layers.linear), or None: F.linear
 
 
 class MLAAttention(nn.Module):
@@ -218,14 +220,14 @@ class MLAAttention(nn.Module):
         self.attn_backend = None  # FlashInferBackend when CausalLM.set_attention_backend installed one
         self.fused = None  # FusedRope: q_a (or q) and kv_a in one GEMM, kv_a norm + RoPE + cache write in one kernel
 
-    def fuse(self, rope_table: tuple[torch.Tensor, torch.Tensor] | None) -> None:
-        """Fused layers on (the model's shared cos / sin tables [P, Dr/2]) or off (None)."""
+    def fuse(self, rope_table: tuple[torch.Tensor, torch.Tensor] | None, skinny: torch.Tensor | None = None) -> None:
+        """Fused layers on (the model's shared cos / sin tables [P, Dr/2], its skinny-GEMM counters) or off (None)."""
         if rope_table is None:
             self.fused = None
             return
         first = self.q_proj if self.cfg.q_lora_rank is None else self.q_a_proj
         weight, bias = merge_linears([first, self.kv_a_proj_with_mqa])
-        self.fused = FusedRope(weight, bias, *rope_table)
+        self.fused = FusedRope(weight, bias, *rope_table, skinny)
 
     def forward(
         self,
@@ -274,7 +276,7 @@ class MLAAttention(nn.Module):
         from specserve.kernels.rope_cache import rope_cache_mla
 
         cfg, t, f = self.cfg, x.shape[0], self.fused
-        a = linear(x, f.weight, f.bias, use_kernel=True)  # [T, Q + R + Dr]
+        a = linear(x, f.weight, f.bias, f.skinny)  # [T, Q + R + Dr]
         width = a.shape[1] - cfg.kv_lora_rank - cfg.qk_rope_head_dim
         q = a[:, :width] if cfg.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(a[:, :width]))
         q = q.view(t, self.num_heads, cfg.qk_head_dim)
@@ -298,12 +300,16 @@ class MLAAttention(nn.Module):
         cfg, backend = self.cfg, self.attn_backend
         w = self.kv_b_proj.weight.view(self.num_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
         w_uk, w_uv = w.split([cfg.qk_nope_head_dim, cfg.v_head_dim], dim=1)  # [Hq, Dn, R], [Hq, Dv, R]
-        q_latent = torch.einsum("thn,hnr->thr", q_nope, w_uk)  # [T, Hq, R]
+        # per-head products as batched GEMMs over strided views (no copy of the weights or of q): [Hq, T, R]
+        q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [T, Hq, R], contiguous in R
         if entries is None:
             out_latent = backend.mla_cached(self.layer, q_latent, q_rot, attn, kv_cache)  # [T, Hq, R]
         else:
             out_latent = backend.mla(self.layer, q_latent, q_rot, entries, attn, kv_cache)
-        return torch.einsum("thr,hvr->thv", out_latent, w_uv)
+        out = torch.empty(out_latent.shape[0], self.num_heads, cfg.v_head_dim, dtype=out_latent.dtype,
+                          device=out_latent.device)  # [T, Hq, Dv], written head by head through its transpose
+        torch.bmm(out_latent.transpose(0, 1), w_uv.transpose(1, 2), out=out.transpose(0, 1))
+        return out
 
     def _attend_sequence(
         self,

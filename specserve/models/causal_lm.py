@@ -149,6 +149,7 @@ class CausalLM(nn.Module):
         - the router after its gate GEMM in one kernel (kernels/router.py);
         - a step's few rows through the skinny GEMM (kernels/skinny_gemm.py) in every projection but lm_head, SiLU *
           up in the gate/up GEMM's epilogue and the routed experts' sum in the shared experts' down GEMM's."""
+        from specserve.kernels.skinny_gemm import new_counters
         from specserve.models.layers import (
             ColumnParallelLinear,
             GatedMLP,
@@ -159,18 +160,21 @@ class CausalLM(nn.Module):
         from specserve.models.moe import TopKRouter
 
         self.fused_layers = enabled
+        weight = self.model.embed_tokens.weight
+        skinny = new_counters(weight.device) if enabled else None  # one set: a model's GEMMs run one at a time
         for module in self.modules():
-            if isinstance(module, (RMSNorm, TopKRouter, ReplicatedLinear, ColumnParallelLinear, RowParallelLinear)):
+            if isinstance(module, (RMSNorm, TopKRouter)):
                 module.use_kernel = enabled
+            if isinstance(module, (TopKRouter, ReplicatedLinear, ColumnParallelLinear, RowParallelLinear)):
+                module.skinny = skinny
             elif isinstance(module, GatedMLP):
                 module.fuse(enabled)
         table = None
         if enabled:
-            weight = self.model.embed_tokens.weight
             rotary = self.model.layers[0].self_attn.rotary
             table = rotary.table(self.config.max_position_embeddings, weight.dtype, weight.device)
         for layer in self.model.layers:
-            layer.self_attn.fuse(table)
+            layer.self_attn.fuse(table, skinny)
 
     def set_attention_backend(self, backend) -> None:
         """Route every attention layer through `backend` (models/attn_backend.py: FlashInferBackend or

@@ -57,16 +57,16 @@ def linear(
     x: torch.Tensor,  # [T, in]
     weight: torch.Tensor,  # [out, in]
     bias: torch.Tensor | None = None,  # [out]
-    use_kernel: bool = False,
+    skinny: torch.Tensor | None = None,  # the model's skinny-GEMM counters (set_fused_layers); None: F.linear
     add: torch.Tensor | None = None,  # [T, out] added to the result (fused into the kernel's epilogue)
 ) -> torch.Tensor:  # [T, out]
     """x W^T (+ bias) (+ add): the skinny GEMM (kernels/skinny_gemm.py, one launch, row-count invariant) for a
-    step's few rows when use_kernel (the fused layers) and it can take the call, else F.linear."""
-    if use_kernel:
+    step's few rows when the fused layers gave the module their counters and it can take the call, else F.linear."""
+    if skinny is not None:
         from specserve.kernels.skinny_gemm import can_run, skinny_linear
 
         if can_run(x, weight):
-            return skinny_linear(x, weight, bias, add=add)
+            return skinny_linear(x, weight, bias, add=add, counters=skinny)
     y = F.linear(x, weight, bias)
     return y if add is None else y + add
 
@@ -126,10 +126,10 @@ class ReplicatedLinear(nn.Module):
         if bias:
             self.bias = new_param((out_features,))
             self.bias.weight_loader = default_weight_loader
-        self.use_kernel = False  # CausalLM.set_fused_layers: the skinny GEMM for a step's few rows
+        self.skinny = None  # CausalLM.set_fused_layers: the counters of the skinny GEMM for a step's few rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.use_kernel)
+        return linear(x, self.weight, self.bias, self.skinny)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -157,13 +157,13 @@ class ColumnParallelLinear(nn.Module):
         if bias:
             self.bias = new_param((local_out,))
             self.bias.weight_loader = self.weight_loader
-        self.use_kernel = False  # CausalLM.set_fused_layers: the skinny GEMM for a step's few rows
+        self.skinny = None  # CausalLM.set_fused_layers: the counters of the skinny GEMM for a step's few rows
 
     def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor) -> None:
         copy_checked(param.data, shard(loaded, 0, self.shard_index, self.num_shards))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.use_kernel)
+        return linear(x, self.weight, self.bias, self.skinny)
 
 
 class RowParallelLinear(nn.Module):
@@ -185,7 +185,7 @@ class RowParallelLinear(nn.Module):
         if bias:
             self.bias = new_param((out_features,))
             self.bias.weight_loader = default_weight_loader
-        self.use_kernel = False  # CausalLM.set_fused_layers: the skinny GEMM for a step's few rows
+        self.skinny = None  # CausalLM.set_fused_layers: the counters of the skinny GEMM for a step's few rows
 
     def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor) -> None:
         if param.dim() == 1:  # bias: replicated, added once after the reduction
@@ -196,7 +196,7 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:  # add [T, out]: summed in
         """x [T, in_local] -> [T, out]; `add` (a partial sum of this rank's, e.g. the routed experts') is added before
         the all-reduce, in the GEMM's epilogue on the kernel path."""
-        out = linear(x, self.weight, None, self.use_kernel, add)
+        out = linear(x, self.weight, None, self.skinny, add)
         if self.reduce_results:
             all_reduce(out, self.parallel)
         return out if self.bias is None else out + self.bias
@@ -234,11 +234,12 @@ class GatedMLP(nn.Module):
         """down(silu(gate(x)) * up(x)) (+ add, before down's all-reduce: the routed experts' partial output)."""
         if self.gate_up is not None:
             weight, bias = self.gate_up  # [2I, H], [2I] or None
-            if self.down_proj.use_kernel:
+            if self.down_proj.skinny is not None:
                 from specserve.kernels.skinny_gemm import can_run, skinny_linear
 
                 if can_run(x, weight):  # SiLU * up in the gate/up GEMM's epilogue
-                    return self.down_proj(skinny_linear(x, weight, bias, epilogue="silu_mul"), add)
+                    act = skinny_linear(x, weight, bias, epilogue="silu_mul", counters=self.down_proj.skinny)
+                    return self.down_proj(act, add)
             gu = F.linear(x, weight, bias)  # [T, 2I]
             inter = gu.shape[1] // 2
             return self.down_proj(F.silu(gu[:, :inter]) * gu[:, inter:], add)

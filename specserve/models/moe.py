@@ -43,6 +43,7 @@ class TopKRouter(nn.Module):
             self.e_score_correction_bias = new_param((cfg.num_experts,), dtype=torch.float32)
             self.e_score_correction_bias.weight_loader = lambda p, w: copy_checked(p.data, w)
         self.use_kernel = False  # CausalLM.set_fused_layers: the rule after the gate GEMM in one Triton launch
+        self.skinny = None  # CausalLM.set_fused_layers: the skinny GEMM's counters for the gate GEMM
 
     def forward(self, x: torch.Tensor, live_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H], live_rows [1] int64 on x's device or None (all T) -> (topk_ids [T, K] int64 (int32 from the
@@ -76,8 +77,8 @@ class TopKRouter(nn.Module):
         float32 copy."""
         from specserve.kernels.skinny_gemm import can_run, skinny_linear
 
-        if can_run(x, self.weight):
-            return skinny_linear(x, self.weight, out_dtype=torch.float32 if sigmoid else None)
+        if self.skinny is not None and can_run(x, self.weight):
+            return skinny_linear(x, self.weight, out_dtype=torch.float32 if sigmoid else None, counters=self.skinny)
         return F.linear(x.float(), self._weight_f32()) if sigmoid else F.linear(x, self.weight)
 
     def _weight_f32(self) -> torch.Tensor:  # [E, H] float32

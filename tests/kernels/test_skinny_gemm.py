@@ -62,9 +62,10 @@ def test_skinny_linear_matches_reference(n, k, epilogue, m, bias, add):
 @pytest.mark.parametrize("n,k,epilogue", SHAPES[:3])
 def test_skinny_linear_rows_do_not_depend_on_the_other_rows(n, k, epilogue):
     x, w, b, a, _ = _case(n, k, 17, epilogue, True, True, seed=3 * n + k)
-    full = skinny_linear(x, w, b, epilogue=epilogue, add=a)
+    tile = None if ON_CUDA else skinny_gemm.SkinnyTile(block_k=16, split_k=2)  # a K split here too
+    full = skinny_linear(x, w, b, epilogue=epilogue, add=a, tile=tile)
     for j in range(17):
-        alone = skinny_linear(x[j: j + 1], w, b, epilogue=epilogue, add=a[j: j + 1])
+        alone = skinny_linear(x[j: j + 1], w, b, epilogue=epilogue, add=a[j: j + 1], tile=tile)
         assert torch.equal(alone[0], full[j]), f"row {j} differs between a 17-row and a 1-row call"
 
 
@@ -81,12 +82,29 @@ def test_a_kernel_that_skips_the_last_k_block_is_caught(monkeypatch):
         def __getitem__(self, grid):
             def launch(*args, **kw):
                 args = list(args)
-                args[6] = max(1, args[6] - kw["BLOCK_K"])  # K
+                args[8] = max(1, args[8] - kw["BLOCK_K"])  # K
                 return real[grid](*args, **kw)
             return launch
 
     monkeypatch.setattr(skinny_gemm._k, "skinny_gemm_kernel", Truncated())
     assert rel_err(skinny_linear(x, w), ref) > 1e-2
+
+
+@pytest.mark.gpu
+@runs_kernels
+@pytest.mark.parametrize("split_k", [1, 3])
+def test_split_k_gives_the_reference_and_leaves_its_counters_at_zero(split_k):
+    """A K split (the last program of a column block sums the ranges in order) against the reference, twice on one
+    set of counters: each call leaves them at zero, so the second call (a graph replay) is right too."""
+    n, k, epilogue = next(shape for shape in SHAPES if shape[2] == "silu_mul")
+    counters = skinny_gemm.new_counters(DEVICE, 64)
+    tile = skinny_gemm.SkinnyTile(block_k=16 if not ON_CUDA else 256, split_k=split_k)
+    for seed in (1, 2):
+        x, w, b, a, n_out = _case(n, k, 5, epilogue, True, True, seed=seed)
+        out = nan_like((5, n_out), DEVICE, DTYPE)
+        skinny_linear(x, w, b, epilogue=epilogue, add=a, out=out, counters=counters, tile=tile)
+        assert rel_err(out, skinny_linear_reference(x, w, b, epilogue, a)) < 1e-2
+        assert not counters.any(), "a call left a counter set"
 
 
 def test_skinny_linear_refuses_bad_arguments():
