@@ -62,21 +62,14 @@ from safetensors.torch import save_file
 from torch import nn
 
 from specserve.contract.types import DraftBlock
+from specserve.draft_service.checkpoint_checks import target_name, target_vocab
 from specserve.draft_service.dflash_config import DFlashConfig, read_config
+from specserve.draft_service.drafter_config import DrafterConfig, DrafterInfo
+from specserve.draft_service.drafter_errors import DrafterConfigError, VocabMismatchError
 from specserve.draft_service.drafting import draw_tokens, to_target_probs
 from specserve.draft_service.graph_capture import capture_all_or_warn, use_norm_kernel
-from specserve.draft_service.proposer import (
-    ROLLBACK_ROWS,
-    DrafterConfig,
-    DrafterConfigError,
-    DrafterInfo,
-    Proposer,
-    SessionState,
-    VocabMismatchError,
-    common_prefix_len,
-    target_name,
-    target_vocab,
-)
+from specserve.draft_service.proposer import Proposer
+from specserve.draft_service.session_state import ROLLBACK_ROWS, SessionState, common_prefix_len
 from specserve.draft_service.target_tensors import read_target_tensors, read_tensors
 from specserve.models.attention import attend
 from specserve.models.config import RopeConfig

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import MISSING, dataclass
 
-from specserve.draft_service.proposer import DrafterConfigError
+from specserve.draft_service.drafter_errors import DrafterConfigError
 
 
 @dataclass(frozen=True)

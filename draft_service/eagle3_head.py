@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 from torch import nn
 
-from specserve.draft_service.proposer import DrafterConfigError
+from specserve.draft_service.drafter_errors import DrafterConfigError
 from specserve.draft_service.target_tensors import read_target_tensors, read_tensors
 from specserve.models.attention import attend
 from specserve.models.config import GQAConfig, ModelConfig, RopeConfig

@@ -26,22 +26,14 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from specserve.contract.types import DraftBlock
+from specserve.contract.types import DraftBlock, TreeSpec
+from specserve.draft_service.checkpoint_checks import check_same_vocab, checkpoint_vocab, target_name
+from specserve.draft_service.drafter_config import DrafterConfig, DrafterInfo
+from specserve.draft_service.drafter_errors import DrafterConfigError, ProposerError
 from specserve.draft_service.drafting import draw_tokens, to_target_probs
 from specserve.draft_service.graph_capture import capture_all_or_warn
-from specserve.draft_service.proposer import (
-    DrafterConfig,
-    DrafterConfigError,
-    DrafterInfo,
-    Proposer,
-    ProposerError,
-    SessionState,
-    TreeSpec,
-    check_same_vocab,
-    checkpoint_vocab,
-    common_prefix_len,
-    target_name,
-)
+from specserve.draft_service.proposer import Proposer
+from specserve.draft_service.session_state import SessionState, common_prefix_len
 from specserve.draft_service.tree import build_tree
 from specserve.models.attn_backend import paged_torch_unsupported
 from specserve.models.attn_metadata import AttentionBatch

@@ -51,19 +51,13 @@ from safetensors import safe_open
 from torch import nn
 
 from specserve.contract.types import DraftBlock
+from specserve.draft_service.checkpoint_checks import checkpoint_vocab
+from specserve.draft_service.drafter_config import DrafterConfig, DrafterInfo
+from specserve.draft_service.drafter_errors import DrafterConfigError, ProposerError
 from specserve.draft_service.drafting import draw_tokens, to_target_probs
 from specserve.draft_service.graph_capture import capture_all_or_warn, use_norm_kernel
-from specserve.draft_service.proposer import (
-    ROLLBACK_ROWS,
-    DrafterConfig,
-    DrafterConfigError,
-    DrafterInfo,
-    Proposer,
-    ProposerError,
-    SessionState,
-    checkpoint_vocab,
-    common_prefix_len,
-)
+from specserve.draft_service.proposer import Proposer
+from specserve.draft_service.session_state import ROLLBACK_ROWS, SessionState, common_prefix_len
 from specserve.models import weight_names
 from specserve.models.attn_metadata import AttentionBatch
 from specserve.models.block_manager import BlockManager, OutOfBlocks
@@ -421,7 +415,7 @@ def build_mtp_proposer(config: DrafterConfig) -> MTPProposer:
         raise DrafterConfigError("mtp reads the target's last layer (through its final norm); hidden_layers cannot be set")
     folder = config.checkpoint
     if is_scaled_demo(target):  # the demo's MTP layer at the demo@ target's size (scaled_mtp.py)
-        from specserve.draft_service.proposer import target_name, target_vocab
+        from specserve.draft_service.checkpoint_checks import target_name, target_vocab
         from specserve.draft_service.scaled_mtp import scaled_mtp_layer
 
         if folder is None:

@@ -13,7 +13,9 @@ from __future__ import annotations
 from types import MappingProxyType
 from typing import Callable, Mapping
 
-from specserve.draft_service.proposer import DrafterConfig, DrafterConfigError, Proposer
+from specserve.draft_service.drafter_config import DrafterConfig
+from specserve.draft_service.drafter_errors import DrafterConfigError
+from specserve.draft_service.proposer import Proposer
 
 ProposerFactory = Callable[[DrafterConfig], Proposer]
 

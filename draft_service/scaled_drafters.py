@@ -52,7 +52,7 @@ from types import MappingProxyType
 
 import torch
 
-from specserve.draft_service.proposer import DrafterConfigError
+from specserve.draft_service.drafter_errors import DrafterConfigError
 from specserve.models.config import GQAConfig, ModelConfig
 from specserve.models.model_names import ModelName
 from specserve.models.scaled_demo import constant_channel, demo_positions, parse_scaled_spec

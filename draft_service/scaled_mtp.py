@@ -33,8 +33,8 @@ from pathlib import Path
 
 import torch
 
+from specserve.draft_service.drafter_errors import DrafterConfigError
 from specserve.draft_service.mtp import MTPLayer, MTPSpec, load_mtp_layer
-from specserve.draft_service.proposer import DrafterConfigError
 from specserve.draft_service.scaled_drafters import _corner, _plain_norm, _project, _residual_norm, _wide_default_dtype
 from specserve.models.config import ModelConfig
 from specserve.models.model_names import ModelName

@@ -74,7 +74,7 @@ def resolve_drafter_checkpoints(config: BenchConfig, skipped: list[Skipped]) -> 
 
 
 def build_drafters(config: BenchConfig, engine, checkpoints: dict[str, Path], skipped: list[Skipped]) -> dict:
-    from specserve.draft_service.proposer import DrafterConfig
+    from specserve.draft_service.drafter_config import DrafterConfig
     from specserve.draft_service.registry import build_proposer
     proposers = {}
     target_hash = engine.info().vocab_hash

@@ -132,7 +132,7 @@ class _DeviceCounts:
 
 
 def build_drafter(family: str, args: argparse.Namespace):
-    from specserve.draft_service.proposer import DrafterConfig
+    from specserve.draft_service.drafter_config import DrafterConfig
     from specserve.draft_service.registry import build_proposer
     from specserve.paths import shipped_drafter
 

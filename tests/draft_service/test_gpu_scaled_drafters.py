@@ -16,7 +16,7 @@ from demo_helpers import chisquare_pvalue, demo_prompts, exact_demo_laws
 from draft_helpers import first_draft_q, lockstep
 
 from specserve.contract.types import SamplingParams, TreeSpec
-from specserve.draft_service.proposer import DrafterConfig
+from specserve.draft_service.drafter_config import DrafterConfig
 from specserve.draft_service.registry import build_proposer
 from specserve.paths import demo_checkpoint
 

@@ -11,7 +11,8 @@ from demo_helpers import demo_prompts
 from draft_helpers import first_draft_q, lockstep
 
 from specserve.contract.types import SamplingParams, TreeSpec
-from specserve.draft_service.proposer import DrafterConfig, DrafterConfigError
+from specserve.draft_service.drafter_config import DrafterConfig
+from specserve.draft_service.drafter_errors import DrafterConfigError
 from specserve.draft_service.registry import build_proposer
 from specserve.models.scaled_demo import build_scaled_demo, constant_channel, load_demo
 from specserve.models.vocab import vocab_hash

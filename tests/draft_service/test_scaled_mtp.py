@@ -17,7 +17,7 @@ from demo_helpers import demo_prompts
 from draft_helpers import first_draft_q, lockstep
 
 from specserve.contract.types import SamplingParams
-from specserve.draft_service.proposer import DrafterConfig
+from specserve.draft_service.drafter_config import DrafterConfig
 from specserve.draft_service.registry import build_proposer
 from specserve.models.attn_metadata import AttentionBatch
 from specserve.models.kv_cache import PagedKVCache
