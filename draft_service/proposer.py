@@ -23,7 +23,7 @@ Sync rule of ``propose(session_id, prefix_len, append_ids, append_hidden, ...)``
 3. Families compare their own cache against the new S (longest common prefix) and drop whatever does
    not match, so a drafter can never drift out of sync with the target.
 
-A session's hidden rows live in a row buffer on their device (``_RowBuffer``): appending copies the new rows into
+A session's hidden rows live in a row buffer on their device (``RowBuffer``): appending copies the new rows into
 its tail (one copy, no allocation while there is room), dropping old rows moves its start (no copy). Rows are checked
 for NaN / inf: host rows before anything changes; rows on a GPU on the device, with no host wait mid-propose, their
 result read back with the drafted block (``SessionState.take_rows_check``; at the end of the propose if the family
@@ -44,7 +44,7 @@ import torch
 from specserve.contract.types import DraftBlock, SamplingParams, TreeSpec
 from specserve.draft_service.drafter_config import DrafterInfo
 from specserve.draft_service.drafter_errors import ProposerError, RowsNotFinite
-from specserve.draft_service.session_state import SessionState, _RowBuffer, _TokenBuffer
+from specserve.draft_service.session_state import RowBuffer, SessionState, TokenBuffer
 
 
 def draft_seed(request_seed: int | None) -> int:
@@ -90,9 +90,9 @@ class Proposer(ABC):
         self._check_ids(token_ids)
         gen = torch.Generator(device=self._generator_device())
         gen.manual_seed(draft_seed(sampling.seed))
-        state = SessionState(tokens=_TokenBuffer(token_ids), sampling=sampling, generator=gen)
+        state = SessionState(tokens=TokenBuffer(token_ids), sampling=sampling, generator=gen)
         if self.info.needs_hidden_states:
-            state.rows = _RowBuffer(self._check_hidden(hidden, len(token_ids) - 1, "start hidden"))
+            state.rows = RowBuffer(self._check_hidden(hidden, len(token_ids) - 1, "start hidden"))
         self._start_state(state)
         self._sessions[session_id] = state
 

@@ -1,7 +1,7 @@
 """A session's state on the draft side: its copy of S (a token buffer), its hidden rows (a row buffer on their device),
 sampling, RNG and the family's own state (proposer.py says how a propose syncs them).
 
-A session's hidden rows live in a row buffer on their device (``_RowBuffer``): appending copies the new rows into
+A session's hidden rows live in a row buffer on their device (``RowBuffer``): appending copies the new rows into
 its tail (one copy, no allocation while there is room), dropping old rows moves its start (no copy).
 """
 
@@ -17,7 +17,7 @@ from specserve.contract.types import SamplingParams
 from specserve.draft_service.drafter_errors import ProposerError
 
 
-class _TokenBuffer:
+class TokenBuffer:
     """Growable int64 array (amortised O(1) append, O(1) truncate, zero-copy numpy view)."""
 
     def __init__(self, ids: Sequence[int]) -> None:
@@ -48,7 +48,7 @@ class _TokenBuffer:
 ROW_SPARE = 32  # rows of room a session's row buffer keeps past twice its live rows when it moves them
 
 
-class _RowBuffer:
+class RowBuffer:
     """A session's hidden rows [start, start + len) of one buffer on their device: append copies into the tail (a
     buffer the caller gave, or one that is full, is first replaced by a new one holding the live rows: the caller's
     tensor is never written), drop_front moves the start (a buffer left 3/4 empty is replaced by a small one, so a
@@ -92,10 +92,10 @@ class _RowBuffer:
 class SessionState:
     """One session's copy of S, its hidden rows, sampling, RNG and the family's own state."""
 
-    tokens: _TokenBuffer  # S (confirmed by the target)
+    tokens: TokenBuffer  # S (confirmed by the target)
     sampling: SamplingParams
     generator: torch.Generator
-    rows: _RowBuffer | None = None  # rows of positions [hidden_start, hidden_end)
+    rows: RowBuffer | None = None  # rows of positions [hidden_start, hidden_end)
     hidden_start: int = 0  # first position whose row is still kept (families may drop older rows)
     draft_tail: tuple[int, ...] = ()  # last drafted chain: speculative continuation of S
     family_state: Any = None
