@@ -4,8 +4,12 @@ and the check that a drafter's vocabulary is the target's; every failure is a Dr
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Callable, TypeVar
 
 from specserve.draft_service.drafter_errors import DrafterConfigError, VocabMismatchError
+from specserve.models.errors import ModelConfigError
+
+T = TypeVar("T")
 
 
 def checkpoint_vocab(checkpoint_dir: Path) -> tuple[int, str]:
@@ -60,3 +64,12 @@ def check_same_vocab(draft_dir: Path, target: Path) -> tuple[int, str]:
             f" target's ({t.hash}, vocab_size {t.limit}) at {target}"
         )
     return t.size, t.hash
+
+
+def scaled_drafter(build: Callable[[], T]) -> T:
+    """build(): the demo's drafter scaled to a demo@ target (models/scaled_drafters.py, scaled_mtp.py); a drafter that
+    does not scale (ModelConfigError) is a DrafterConfigError."""
+    try:
+        return build()
+    except ModelConfigError as e:
+        raise DrafterConfigError(str(e)) from e

@@ -62,7 +62,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from specserve.contract.types import DraftBlock
-from specserve.draft_service.checkpoint_checks import target_name, target_vocab
+from specserve.draft_service.checkpoint_checks import scaled_drafter, target_name, target_vocab
 from specserve.draft_service.dflash_config import DFlashConfig, read_config
 from specserve.draft_service.drafter_config import DrafterConfig, DrafterInfo
 from specserve.draft_service.drafter_errors import DrafterConfigError, VocabMismatchError
@@ -401,7 +401,8 @@ def build_dflash_proposer(config: DrafterConfig) -> DFlashProposer:
     if name is not None and name.scaled:  # the demo's drafter at the target's size (scaled_drafters.py)
         from specserve.draft_service.scaled_drafters import scaled_dflash
 
-        model = scaled_dflash(config.checkpoint, name, config.device, config.dtype)
+        demo = load_dflash(config.checkpoint, "cpu", torch.float32, name.folder)
+        model = scaled_drafter(lambda: scaled_dflash(demo, config.checkpoint, name, config.device, config.dtype))
     else:
         model = load_dflash(config.checkpoint, config.device, config.dtype, config.target_checkpoint)
     vocab_hash = f"size:{model.cfg.vocab_size}"

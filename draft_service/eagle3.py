@@ -265,7 +265,7 @@ class Eagle3Proposer(Proposer):
 
 def build_eagle3_proposer(config: DrafterConfig) -> Eagle3Proposer:
     """Registry factory: load the head, pick the target layers, check the vocabulary."""
-    from specserve.draft_service.checkpoint_checks import target_config, target_name, target_vocab
+    from specserve.draft_service.checkpoint_checks import scaled_drafter, target_config, target_name, target_vocab
 
     if config.checkpoint is None:
         raise DrafterConfigError("eagle3 needs checkpoint = the EAGLE-3 head folder")
@@ -273,7 +273,8 @@ def build_eagle3_proposer(config: DrafterConfig) -> Eagle3Proposer:
     if name is not None and name.scaled:  # the demo's head at the target's size (scaled_drafters.py)
         from specserve.draft_service.scaled_drafters import scaled_eagle3_head
 
-        head = scaled_eagle3_head(config.checkpoint, name, config.device, config.dtype)
+        demo = load_eagle3_head(config.checkpoint, name.folder, "cpu", torch.float32)
+        head = scaled_drafter(lambda: scaled_eagle3_head(demo, config.checkpoint, name, config.device, config.dtype))
     else:
         head = load_eagle3_head(config.checkpoint, config.target_checkpoint, config.device, config.dtype)
     vocab_hash = f"size:{head.cfg.vocab_size}"

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from specserve.contract.types import DraftBlock, TreeSpec
-from specserve.draft_service.checkpoint_checks import check_same_vocab, checkpoint_vocab, target_name
+from specserve.draft_service.checkpoint_checks import check_same_vocab, checkpoint_vocab, scaled_drafter, target_name
 from specserve.draft_service.drafter_config import DrafterConfig, DrafterInfo
 from specserve.draft_service.drafter_errors import DrafterConfigError, ProposerError
 from specserve.draft_service.drafting import draw_tokens, to_target_probs
@@ -251,7 +251,7 @@ def build_model_proposer(config: DrafterConfig) -> ModelProposer:
     if name is not None and name.scaled:  # the demo's draft LM at a draft's size for the target (scaled_drafters.py)
         from specserve.draft_service.scaled_drafters import scaled_draft_lm
 
-        model, mcfg = scaled_draft_lm(config.checkpoint, name, config.device, config.dtype)
+        model, mcfg = scaled_drafter(lambda: scaled_draft_lm(config.checkpoint, name, config.device, config.dtype))
         return ModelProposer(model, mcfg, config, vocab_size, vocab_hash)
     try:
         model, mcfg = load_model(config.checkpoint, config.device, config.dtype, progress=False)

@@ -415,12 +415,15 @@ def build_mtp_proposer(config: DrafterConfig) -> MTPProposer:
         raise DrafterConfigError("mtp reads the target's last layer (through its final norm); hidden_layers cannot be set")
     folder = config.checkpoint
     if is_scaled_demo(target):  # the demo's MTP layer at the demo@ target's size (scaled_mtp.py)
-        from specserve.draft_service.checkpoint_checks import target_name, target_vocab
+        from specserve.draft_service.checkpoint_checks import scaled_drafter, target_name, target_vocab
         from specserve.draft_service.scaled_mtp import scaled_mtp_layer
 
         if folder is None:
             raise DrafterConfigError(f"mtp with {target} scales the demo's MTP layer: give its folder (demo_model/mtp)")
-        layer, spec = scaled_mtp_layer(folder, target_name(target), config.device, config.dtype)
+        name = target_name(target)
+        demo, demo_spec = load_mtp_layer(name.folder, config.device, torch.float32, layer_dir=folder)
+        layer, spec = scaled_drafter(
+            lambda: scaled_mtp_layer(demo, demo_spec, folder, name, config.device, config.dtype))
         return MTPProposer(layer, spec, config, target_vocab(target).hash)
     if folder is not None and Path(folder).resolve() == Path(target).resolve():
         folder = None  # the target's own layer

@@ -52,8 +52,8 @@ from types import MappingProxyType
 
 import torch
 
-from specserve.draft_service.drafter_errors import DrafterConfigError
 from specserve.models.config import GQAConfig, ModelConfig
+from specserve.models.errors import ModelConfigError
 from specserve.models.model_names import ModelName
 from specserve.models.scaled_demo import constant_channel, demo_positions, parse_scaled_spec
 
@@ -170,19 +170,17 @@ def scaled_eagle3_layers(demo_layers: tuple[int, ...], target: ModelConfig, demo
 
 
 @torch.no_grad()
-def scaled_eagle3_head(head_dir: str | Path, target: ModelName, device: str | torch.device, dtype: torch.dtype):
-    """The demo-size EAGLE-3 head of `head_dir` (made for the demo that `target` embeds) at `target`'s width, on
-    `device` in `dtype` (module docstring)."""
-    from specserve.draft_service.eagle3_head import Eagle3Config, Eagle3Head, load_eagle3_head
-
+def scaled_eagle3_head(demo, head_dir: str | Path, target: ModelName, device: str | torch.device,
+                       dtype: torch.dtype):
+    """The demo-size EAGLE-3 head `demo` (loaded from `head_dir` on the CPU in float32, made for the demo that
+    `target` embeds) at `target`'s width, on `device` in `dtype`: a module of demo's class (module docstring)."""
     name, _ = parse_scaled_spec(target.name)
     shape = EAGLE3_SHAPES[name]
     tc, dc = target.config(), target.demo_config()
-    demo = load_eagle3_head(head_dir, target.folder, "cpu", torch.float32)
     d = demo.cfg
     hd, hw = d.hidden_size, tc.hidden_size
     if d.target_hidden_size != dc.hidden_size or hd != dc.hidden_size:
-        raise DrafterConfigError(
+        raise ModelConfigError(
             f"a demo@ target scales the demo's EAGLE-3 head (hidden {dc.hidden_size} over the demo's layers); the head "
             f"at {head_dir} has hidden {hd} over target layers of {d.target_hidden_size}")
     a = d.attention
@@ -194,25 +192,25 @@ def scaled_eagle3_head(head_dir: str | Path, target: ModelName, device: str | to
     if d.rope.rope_type != "default":
         bad.append(f"rope {d.rope.rope_type} (default only)")
     if bad:
-        raise DrafterConfigError(f"the demo's EAGLE-3 head does not scale to {target.name}: {', '.join(bad)}")
+        raise ModelConfigError(f"the demo's EAGLE-3 head does not scale to {target.name}: {', '.join(bad)}")
     kappa, _ = constant_channel(dc, hw)
     eps = (d.rms_norm_eps * hd - kappa * kappa) / hw
     if eps <= 0:
-        raise DrafterConfigError(f"the demo's EAGLE-3 eps {d.rms_norm_eps} leaves no room for the constant channel")
+        raise ModelConfigError(f"the demo's EAGLE-3 eps {d.rms_norm_eps} leaves no room for the constant channel")
     layers = scaled_eagle3_layers(tuple(i - 1 for i in d.aux_layers), tc, dc) if d.aux_layers else None
     raw = dict(d.raw or {}, hidden_size=hw, intermediate_size=shape.intermediate_size, num_attention_heads=wa.num_heads,
                num_key_value_heads=wa.num_kv_heads, head_dim=wa.head_dim, rms_norm_eps=eps, vocab_size=tc.vocab_size,
                draft_vocab_size=shape.draft_vocab_size, target_hidden_size=hw, draft_vocab_limit=d.draft_vocab_size)
     if layers is not None:
         raw["eagle_aux_hidden_state_layer_ids"] = [i + 1 for i in layers]
-    cfg = Eagle3Config(
+    cfg = type(d)(
         hidden_size=hw, intermediate_size=shape.intermediate_size, vocab_size=tc.vocab_size,
         draft_vocab_size=shape.draft_vocab_size, target_hidden_size=hw, rms_norm_eps=eps, attention=wa,
         rope=dataclasses.replace(d.rope, dim=wa.head_dim),
         aux_layers=tuple(i + 1 for i in layers) if layers is not None else None,
         raw=raw, draft_vocab_limit=d.draft_vocab_size,
     )
-    wide = _wide_default_dtype(dtype, device, lambda: Eagle3Head(cfg, with_embeddings=True))
+    wide = _wide_default_dtype(dtype, device, lambda: type(demo)(cfg, with_embeddings=True))
     _embed_eagle3(wide, demo, kappa)
     return wide.eval()
 
@@ -240,7 +238,7 @@ def _embed_eagle3(wide, demo, kappa: float) -> None:
     wide.t2d[wide.draft_to_target()] = True
     padded = wide.draft_to_target()[vd:]
     if len(padded) and int(padded.min()) < d.vocab_size:
-        raise DrafterConfigError("the padded draft ids would map onto the demo's target ids")
+        raise ModelConfigError("the padded draft ids would map onto the demo's target ids")
 
 
 # ---------------------------------------------------------------- the draft LM
@@ -292,7 +290,7 @@ def scaled_draft_lm(checkpoint: str | Path, target: ModelName, device: str | tor
     try:
         demo, dc = load_model(checkpoint, "cpu", torch.float32, progress=False)
     except (ValueError, RuntimeError) as e:
-        raise DrafterConfigError(f"cannot load the draft model {checkpoint}: {e}") from e
+        raise ModelConfigError(f"cannot load the draft model {checkpoint}: {e}") from e
     a = dc.attention
     wa = GQAConfig(num_heads=shape.num_heads, num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim)
     bad = [] if isinstance(a, GQAConfig) else ["a GQA attention"]
@@ -304,7 +302,7 @@ def scaled_draft_lm(checkpoint: str | Path, target: ModelName, device: str | tor
     if dc.moe is not None or dc.rope.rope_type != "default":
         bad.append("a dense llama with default rope")
     if bad:
-        raise DrafterConfigError(f"the draft LM {checkpoint} does not scale to {target.name}: {', '.join(bad)}")
+        raise ModelConfigError(f"the draft LM {checkpoint} does not scale to {target.name}: {', '.join(bad)}")
     hd, hw = dc.hidden_size, shape.hidden_size
     config = dataclasses.replace(
         dc, hidden_size=hw, num_layers=shape.num_layers, intermediate_size=shape.intermediate_size, attention=wa,
@@ -359,15 +357,13 @@ DFLASH_SHAPES: Mapping[str, DFlashShape] = MappingProxyType({
 
 
 @torch.no_grad()
-def scaled_dflash(checkpoint: str | Path, target: ModelName, device: str | torch.device, dtype: torch.dtype,
+def scaled_dflash(demo, checkpoint: str | Path, target: ModelName, device: str | torch.device, dtype: torch.dtype,
                   seed: int = 0):
-    """The demo-size DFlash drafter of `checkpoint` (made for the demo `target` embeds, sharing its head) at the
-    DFLASH_SHAPES size for `target`, on `device` in `dtype` (module docstring)."""
-    from specserve.draft_service.dflash import DFlashModel, load_dflash
-
+    """The demo-size DFlash drafter `demo` (loaded from `checkpoint` on the CPU in float32, made for the demo `target`
+    embeds, sharing its head) at the DFLASH_SHAPES size for `target`, on `device` in `dtype`: a module of demo's class
+    (module docstring)."""
     name, _ = parse_scaled_spec(target.name)
     shape, tc, dc = DFLASH_SHAPES[name], target.config(), target.demo_config()
-    demo = load_dflash(checkpoint, "cpu", torch.float32, target.folder)
     d = demo.cfg
     da = GQAConfig(num_heads=d.num_attention_heads, num_kv_heads=d.num_key_value_heads, head_dim=d.head_dim)
     wa = GQAConfig(num_heads=shape.num_heads, num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim)
@@ -381,14 +377,14 @@ def scaled_dflash(checkpoint: str | Path, target: ModelName, device: str | torch
     if not d.shared_target_head or d.qk_norm or d.mask_token_id is not None:
         bad.append("it must share the target's head, with a learned mask embedding and no qk norm")
     if bad:
-        raise DrafterConfigError(f"the DFlash drafter {checkpoint} does not scale to {target.name}: {', '.join(bad)}")
+        raise ModelConfigError(f"the DFlash drafter {checkpoint} does not scale to {target.name}: {', '.join(bad)}")
     positions = demo_positions(tc.num_layers, dc.num_layers)
     cfg = dataclasses.replace(
         d, hidden_size=hw, num_hidden_layers=shape.num_layers, num_attention_heads=wa.num_heads,
         num_key_value_heads=wa.num_kv_heads, head_dim=wa.head_dim, intermediate_size=shape.intermediate_size,
         vocab_size=tc.vocab_size, target_hidden_size=hw, rms_norm_eps=d.rms_norm_eps * hd / hw,
         target_layer_ids=tuple(positions[i] for i in d.target_layer_ids), logits_vocab_limit=d.vocab_size)
-    model = _wide_default_dtype(dtype, device, lambda: DFlashModel(cfg))
+    model = _wide_default_dtype(dtype, device, lambda: type(demo)(cfg))
     gen = torch.Generator(device=model.fc.weight.device).manual_seed(seed)
     for p in model.parameters():  # the silent layers' random weights (everything else is written below)
         p.normal_(0.0, 0.02, generator=gen)
