@@ -398,8 +398,8 @@ def build_dflash_proposer(config: DrafterConfig) -> DFlashProposer:
     if config.checkpoint is None:
         raise DrafterConfigError("dflash needs checkpoint = the DFlash drafter folder")
     name = target_name(config.target_checkpoint) if config.target_checkpoint is not None else None
-    if name is not None and name.scaled:  # the demo's drafter at the target's size (scaled_drafters.py)
-        from specserve.draft_service.scaled_drafters import scaled_dflash
+    if name is not None and name.scaled:  # the demo's drafter at the target's size (models/scaled_drafters.py)
+        from specserve.models.scaled_drafters import scaled_dflash
 
         demo = load_dflash(config.checkpoint, "cpu", torch.float32, name.folder)
         model = scaled_drafter(lambda: scaled_dflash(demo, config.checkpoint, name, config.device, config.dtype))

@@ -270,8 +270,8 @@ def build_eagle3_proposer(config: DrafterConfig) -> Eagle3Proposer:
     if config.checkpoint is None:
         raise DrafterConfigError("eagle3 needs checkpoint = the EAGLE-3 head folder")
     name = target_name(config.target_checkpoint) if config.target_checkpoint is not None else None
-    if name is not None and name.scaled:  # the demo's head at the target's size (scaled_drafters.py)
-        from specserve.draft_service.scaled_drafters import scaled_eagle3_head
+    if name is not None and name.scaled:  # the demo's head at the target's size (models/scaled_drafters.py)
+        from specserve.models.scaled_drafters import scaled_eagle3_head
 
         demo = load_eagle3_head(config.checkpoint, name.folder, "cpu", torch.float32)
         head = scaled_drafter(lambda: scaled_eagle3_head(demo, config.checkpoint, name, config.device, config.dtype))

@@ -248,8 +248,8 @@ def build_model_proposer(config: DrafterConfig) -> ModelProposer:
     else:
         vocab_size, vocab_hash = checkpoint_vocab(config.checkpoint)
     name = target_name(config.target_checkpoint) if config.target_checkpoint is not None else None
-    if name is not None and name.scaled:  # the demo's draft LM at a draft's size for the target (scaled_drafters.py)
-        from specserve.draft_service.scaled_drafters import scaled_draft_lm
+    if name is not None and name.scaled:  # the demo's draft LM at a draft's size for the target (models/scaled_drafters.py)
+        from specserve.models.scaled_drafters import scaled_draft_lm
 
         model, mcfg = scaled_drafter(lambda: scaled_draft_lm(config.checkpoint, name, config.device, config.dtype))
         return ModelProposer(model, mcfg, config, vocab_size, vocab_hash)

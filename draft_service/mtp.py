@@ -407,16 +407,16 @@ class MTPProposer(Proposer):
 def build_mtp_proposer(config: DrafterConfig) -> MTPProposer:
     """Registry factory: the MTP layer of ``config.target_checkpoint``, or of ``config.checkpoint`` (a folder
     holding only that layer, e.g. the shipped demo's ``mtp/``) read beside that target; with a demo@ target, that
-    folder's demo-size layer built at the target's size (draft_service/scaled_mtp.py)."""
+    folder's demo-size layer built at the target's size (models/scaled_mtp.py)."""
     target = config.target_checkpoint
     if target is None:
         raise DrafterConfigError("mtp reads the multi-token-prediction layer of the target: give the target checkpoint")
     if config.hidden_layers is not None:
         raise DrafterConfigError("mtp reads the target's last layer (through its final norm); hidden_layers cannot be set")
     folder = config.checkpoint
-    if is_scaled_demo(target):  # the demo's MTP layer at the demo@ target's size (scaled_mtp.py)
+    if is_scaled_demo(target):  # the demo's MTP layer at the demo@ target's size (models/scaled_mtp.py)
         from specserve.draft_service.checkpoint_checks import scaled_drafter, target_name, target_vocab
-        from specserve.draft_service.scaled_mtp import scaled_mtp_layer
+        from specserve.models.scaled_mtp import scaled_mtp_layer
 
         if folder is None:
             raise DrafterConfigError(f"mtp with {target} scales the demo's MTP layer: give its folder (demo_model/mtp)")

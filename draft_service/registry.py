@@ -4,7 +4,7 @@ Factories import their module lazily, so building an ``ngram`` drafter never imp
 
 The target decides the size: with a demo@ target (``DrafterConfig.target_checkpoint``, models/model_names.py) the
 eagle3, model, dflash and mtp factories build their demo-size checkpoint scaled to that target
-(draft_service/scaled_drafters.py, scaled_mtp.py); with a checkpoint folder they load it as it is. No family of its
+(models/scaled_drafters.py, scaled_mtp.py); with a checkpoint folder they load it as it is. No family of its
 own.
 """
 

@@ -84,7 +84,7 @@ def build_drafters(config: BenchConfig, engine, checkpoints: dict[str, Path], sk
         try:
             proposer = build_proposer(DrafterConfig(
                 family=family, checkpoint=checkpoints.get(family), target_checkpoint=Path(config.model),  # a demo@ name: the
-                # registry's factories scale the demo's drafters to it (draft_service/scaled_drafters.py)
+                # registry's factories scale the demo's drafters to it (models/scaled_drafters.py)
                 device=config.device, dtype=config.dtype, max_block_size=config.drafter_block_size,
             ))
         except BUILD_ERRORS as exc:

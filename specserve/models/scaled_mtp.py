@@ -33,11 +33,11 @@ from pathlib import Path
 
 import torch
 
-from specserve.draft_service.scaled_drafters import _corner, _plain_norm, _project, _residual_norm, _wide_default_dtype
 from specserve.models.config import ModelConfig
 from specserve.models.errors import ModelConfigError
 from specserve.models.model_names import ModelName
 from specserve.models.scaled_demo import embed_decoder_layer
+from specserve.models.scaled_weights import corner, plain_norm, project, residual_norm, wide_default_dtype
 
 CHANNEL = 2.0**-20  # tau: the embedding's channel value (exact in bf16); its square is far below float32 rounding
 
@@ -68,7 +68,7 @@ def scaled_mtp_layer(demo, demo_spec, folder: str | Path, target: ModelName, dev
         ("MoE", bool(db.moe_layers), bool(block.moe_layers))) if x != y]
     if bad:
         raise ModelConfigError(f"the MTP layer {folder} does not scale to {target.name}: {', '.join(bad)}")
-    wide = _wide_default_dtype(dtype, device, lambda: type(demo)(block, target_eps=tc.rms_norm_eps))
+    wide = wide_default_dtype(dtype, device, lambda: type(demo)(block, target_eps=tc.rms_norm_eps))
     init_random_(wide, seed)  # the experts no token is routed to keep random weights and routers (a real layer's)
     _embed_mtp(wide, demo, db, block)
     return wide.eval(), dataclasses.replace(demo_spec, num_target_layers=tc.num_layers, block=block)
@@ -77,13 +77,13 @@ def scaled_mtp_layer(demo, demo_spec, folder: str | Path, target: ModelName, dev
 def _embed_mtp(wide, demo, dc: ModelConfig, wc: ModelConfig) -> None:
     hd, hw = dc.hidden_size, wc.hidden_size
     emb = wide.embed_tokens.weight
-    _corner(emb, demo.embed_tokens.weight)
+    corner(emb, demo.embed_tokens.weight)
     emb[:, hd] = CHANNEL
-    _plain_norm(wide.enorm.weight, demo.enorm.weight, hw)  # weight 1 on the channel: tau / rms(e) passes
-    _residual_norm(wide.hnorm.weight, demo.hnorm.weight, hw)
-    _project(wide.eh_proj.weight, demo.eh_proj.weight, None, torch.cat([torch.arange(hd), hw + torch.arange(hd)]))
+    plain_norm(wide.enorm.weight, demo.enorm.weight, hw)  # weight 1 on the channel: tau / rms(e) passes
+    residual_norm(wide.hnorm.weight, demo.hnorm.weight, hw)
+    project(wide.eh_proj.weight, demo.eh_proj.weight, None, torch.cat([torch.arange(hd), hw + torch.arange(hd)]))
     wide.eh_proj.weight[hd, hd] = 1.0  # the block's channel: enorm's
     embed_decoder_layer(wide.block, demo.block, dc, wc, CHANNEL)
-    _residual_norm(wide.shared_head["norm"].weight, demo.shared_head["norm"].weight, hw)
-    _corner(wide.shared_head["head"].weight, demo.shared_head["head"].weight)
-    _residual_norm(wide.target_norm.weight, demo.target_norm.weight, hw)
+    residual_norm(wide.shared_head["norm"].weight, demo.shared_head["norm"].weight, hw)
+    corner(wide.shared_head["head"].weight, demo.shared_head["head"].weight)
+    residual_norm(wide.target_norm.weight, demo.target_norm.weight, hw)
