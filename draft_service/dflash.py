@@ -62,21 +62,14 @@ from safetensors.torch import save_file
 from torch import nn
 
 from specserve.contract.types import DraftBlock
+from specserve.draft_service.checkpoint_checks import scaled_drafter, target_name, target_vocab
 from specserve.draft_service.dflash_config import DFlashConfig, read_config
+from specserve.draft_service.drafter_config import DrafterConfig, DrafterInfo
+from specserve.draft_service.drafter_errors import DrafterConfigError, VocabMismatchError
 from specserve.draft_service.drafting import draw_tokens, to_target_probs
 from specserve.draft_service.graph_capture import capture_all_or_warn, use_norm_kernel
-from specserve.draft_service.proposer import (
-    ROLLBACK_ROWS,
-    DrafterConfig,
-    DrafterConfigError,
-    DrafterInfo,
-    Proposer,
-    SessionState,
-    VocabMismatchError,
-    common_prefix_len,
-    target_name,
-    target_vocab,
-)
+from specserve.draft_service.proposer import Proposer
+from specserve.draft_service.session_state import ROLLBACK_ROWS, SessionState, common_prefix_len
 from specserve.draft_service.target_tensors import read_target_tensors, read_tensors
 from specserve.models.attention import attend
 from specserve.models.config import RopeConfig
@@ -405,10 +398,11 @@ def build_dflash_proposer(config: DrafterConfig) -> DFlashProposer:
     if config.checkpoint is None:
         raise DrafterConfigError("dflash needs checkpoint = the DFlash drafter folder")
     name = target_name(config.target_checkpoint) if config.target_checkpoint is not None else None
-    if name is not None and name.scaled:  # the demo's drafter at the target's size (scaled_drafters.py)
-        from specserve.draft_service.scaled_drafters import scaled_dflash
+    if name is not None and name.scaled:  # the demo's drafter at the target's size (models/scaled_drafters.py)
+        from specserve.models.scaled_drafters import scaled_dflash
 
-        model = scaled_dflash(config.checkpoint, name, config.device, config.dtype)
+        demo = load_dflash(config.checkpoint, "cpu", torch.float32, name.folder)
+        model = scaled_drafter(lambda: scaled_dflash(demo, config.checkpoint, name, config.device, config.dtype))
     else:
         model = load_dflash(config.checkpoint, config.device, config.dtype, config.target_checkpoint)
     vocab_hash = f"size:{model.cfg.vocab_size}"

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import MISSING, dataclass
 
-from specserve.draft_service.proposer import DrafterConfigError
+from specserve.draft_service.drafter_errors import DrafterConfigError
 
 
 @dataclass(frozen=True)
@@ -44,7 +44,7 @@ class DFlashConfig:
     mask_token_id: int | None = None  # None: a learned mask_embedding; else that token's embedding
     context_layernorm: bool = True  # context rows pass each layer's input_layernorm before k/v_proj
     anchor_predicts_next: bool = True  # output at block position 0 gives drafted token 1 (else position 1)
-    # ids at or past this get -inf logits (a drafter over a padded vocabulary: scaled_drafters.py); None = none
+    # ids at or past this get -inf logits (a drafter over a padded vocabulary: models/scaled_drafters.py); None = none
     logits_vocab_limit: int | None = None
 
     def __post_init__(self) -> None:

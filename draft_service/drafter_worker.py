@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specserve.draft_service.proposer import ProposerError
+from specserve.draft_service.drafter_errors import ProposerError
 from specserve.errors import SpecserveError
 from specserve.protos import convert
 from specserve.protos.specserve.v1 import common_pb2

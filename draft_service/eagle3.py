@@ -21,21 +21,14 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from specserve.contract.types import DraftBlock
+from specserve.contract.types import DraftBlock, TreeSpec
+from specserve.draft_service.drafter_config import DrafterConfig, DrafterInfo
+from specserve.draft_service.drafter_errors import DrafterConfigError, RowsNotFinite
 from specserve.draft_service.drafting import draw_tokens, to_target_probs
 from specserve.draft_service.eagle3_head import Eagle3Head, load_eagle3_head
 from specserve.draft_service.graph_capture import capture_all_or_warn, use_norm_kernel
-from specserve.draft_service.proposer import (
-    ROLLBACK_ROWS,
-    DrafterConfig,
-    DrafterConfigError,
-    DrafterInfo,
-    Proposer,
-    RowsNotFinite,
-    SessionState,
-    TreeSpec,
-    common_prefix_len,
-)
+from specserve.draft_service.proposer import Proposer
+from specserve.draft_service.session_state import ROLLBACK_ROWS, SessionState, common_prefix_len
 from specserve.draft_service.tree import build_tree
 
 
@@ -272,15 +265,16 @@ class Eagle3Proposer(Proposer):
 
 def build_eagle3_proposer(config: DrafterConfig) -> Eagle3Proposer:
     """Registry factory: load the head, pick the target layers, check the vocabulary."""
-    from specserve.draft_service.proposer import target_config, target_name, target_vocab
+    from specserve.draft_service.checkpoint_checks import scaled_drafter, target_config, target_name, target_vocab
 
     if config.checkpoint is None:
         raise DrafterConfigError("eagle3 needs checkpoint = the EAGLE-3 head folder")
     name = target_name(config.target_checkpoint) if config.target_checkpoint is not None else None
-    if name is not None and name.scaled:  # the demo's head at the target's size (scaled_drafters.py)
-        from specserve.draft_service.scaled_drafters import scaled_eagle3_head
+    if name is not None and name.scaled:  # the demo's head at the target's size (models/scaled_drafters.py)
+        from specserve.models.scaled_drafters import scaled_eagle3_head
 
-        head = scaled_eagle3_head(config.checkpoint, name, config.device, config.dtype)
+        demo = load_eagle3_head(config.checkpoint, name.folder, "cpu", torch.float32)
+        head = scaled_drafter(lambda: scaled_eagle3_head(demo, config.checkpoint, name, config.device, config.dtype))
     else:
         head = load_eagle3_head(config.checkpoint, config.target_checkpoint, config.device, config.dtype)
     vocab_hash = f"size:{head.cfg.vocab_size}"
@@ -293,7 +287,7 @@ def build_eagle3_proposer(config: DrafterConfig) -> Eagle3Proposer:
         vocab = target_vocab(config.target_checkpoint)
         t_size, t_hash = vocab.size, vocab.hash
         if t_size != head.cfg.vocab_size:
-            from specserve.draft_service.proposer import VocabMismatchError
+            from specserve.draft_service.drafter_errors import VocabMismatchError
 
             raise VocabMismatchError(
                 f"EAGLE-3 head vocab_size {head.cfg.vocab_size} != target vocab_size {t_size}"

@@ -73,7 +73,7 @@ class Eagle3ChainGraphs(GraphBodies):
             raise ValueError(f"vocab_size {head.cfg.vocab_size}: a sampled chain reads its ids back as float32 (<= 2^24)")
         self.readback = torch.zeros(k_max + 1, dtype=torch.int64, device=dev)  # what a greedy propose reads: ...
         self.tokens = self.readback[:k_max]  # [k_max] drafted target ids, then
-        self.rows_ok = self.readback[k_max:]  # [1] the rows check of the propose (proposer.py take_rows_check)
+        self.rows_ok = self.readback[k_max:]  # [1] the rows check of the propose (session_state.py take_rows_check)
         self.sampler = GraphSampler(k_max, head.cfg.draft_vocab_size, dev)  # q over the draft vocabulary
         self._slot_ids = torch.arange(slots, device=dev)  # [P]
         self._rope = head.rope_rows(self._slot_ids, dtype)  # [P, 2, D] RoPE rows of every slot's position

@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 from torch import nn
 
-from specserve.draft_service.proposer import DrafterConfigError
+from specserve.draft_service.drafter_errors import DrafterConfigError
 from specserve.draft_service.target_tensors import read_target_tensors, read_tensors
 from specserve.models.attention import attend
 from specserve.models.config import GQAConfig, ModelConfig, RopeConfig
@@ -79,7 +79,7 @@ class Eagle3Config:
     rope: RopeConfig
     aux_layers: tuple[int, ...] | None = None  # target layers (our capture convention) if recorded
     raw: dict | None = None  # the config.json dict, written back by save
-    # draft ids at or past this get -inf logits (a head padded to a wider draft vocabulary: scaled_drafters.py)
+    # draft ids at or past this get -inf logits (a head padded to a wider draft vocabulary: models/scaled_drafters.py)
     draft_vocab_limit: int | None = None
 
     def __post_init__(self) -> None:

@@ -8,7 +8,7 @@ from the host. Here:
 - temperature, top_p and top_k live in one small device buffer, refilled before each replay (one host-to-device copy
   from pinned memory), so one graph serves every sampled request;
 - q is specserve.models.probs.target_probs' transform (temperature, then top-k, then top-p), its Python branches
-  turned into device-side conditions (`device_target_probs`; tests compare the two on the CPU);
+  turned into device-side conditions (`models.probs.device_target_probs`; tests compare the two on the CPU);
 - the drafted token is argmax(q / E) with E ~ Exp(1) drawn per vocabulary entry before the replay: P(argmax = x) =
   q(x), so the token is a draw from q, and q goes back for the target's verify. The noise comes from a generator on
   the graph's device, reseeded for every replay from the session's own generator (a seeded request stays
@@ -21,30 +21,9 @@ import torch
 
 from specserve.contract.types import SamplingParams
 from specserve.draft_service.graph_capture import StagedBuffer
+from specserve.models.probs import device_target_probs
 
 _TINY = 1e-30  # Exp(1) noise is clamped above 0: q(x) = 0 then scores 0, never 0 / 0
-
-
-def device_target_probs(
-    logits: torch.Tensor,  # [N, V]
-    temperature: torch.Tensor,  # 0-dim float32, > 0
-    top_k: torch.Tensor,  # 0-dim float32 holding an integer; 0 (or >= V) = off
-    top_p: torch.Tensor,  # 0-dim float32; 1.0 = off
-) -> torch.Tensor:  # [N, V] float32
-    """target_probs for a sampled request, with no host branch and no host read."""
-    x = logits.float()
-    n, vocab = x.shape
-    x = (x - x.max(dim=-1, keepdim=True).values) / temperature
-    k = top_k.long()
-    kth = x.sort(dim=-1, descending=True).values.gather(-1, (k - 1).clamp(0, vocab - 1).expand(n, 1))  # [N, 1]
-    x = x.masked_fill(((k > 0) & (k < vocab)) & (x < kth), float("-inf"))
-    probs = torch.softmax(x, dim=-1)
-    sorted_p, order = probs.sort(dim=-1, descending=True)
-    # drop a token when the mass strictly before it already reaches top_p (the first one stays); off at top_p = 1
-    drop = ((sorted_p.cumsum(-1) - sorted_p) >= top_p) & (top_p < 1.0)
-    nucleus = torch.zeros_like(probs).scatter_(-1, order, sorted_p.masked_fill(drop, 0.0))
-    nucleus = nucleus / nucleus.sum(-1, keepdim=True)
-    return torch.where(top_p < 1.0, nucleus, probs)
 
 
 class GraphSampler:

@@ -26,22 +26,14 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from specserve.contract.types import DraftBlock
+from specserve.contract.types import DraftBlock, TreeSpec
+from specserve.draft_service.checkpoint_checks import check_same_vocab, checkpoint_vocab, scaled_drafter, target_name
+from specserve.draft_service.drafter_config import DrafterConfig, DrafterInfo
+from specserve.draft_service.drafter_errors import DrafterConfigError, ProposerError
 from specserve.draft_service.drafting import draw_tokens, to_target_probs
 from specserve.draft_service.graph_capture import capture_all_or_warn
-from specserve.draft_service.proposer import (
-    DrafterConfig,
-    DrafterConfigError,
-    DrafterInfo,
-    Proposer,
-    ProposerError,
-    SessionState,
-    TreeSpec,
-    check_same_vocab,
-    checkpoint_vocab,
-    common_prefix_len,
-    target_name,
-)
+from specserve.draft_service.proposer import Proposer
+from specserve.draft_service.session_state import SessionState, common_prefix_len
 from specserve.draft_service.tree import build_tree
 from specserve.models.attn_backend import paged_torch_unsupported
 from specserve.models.attn_metadata import AttentionBatch
@@ -256,10 +248,10 @@ def build_model_proposer(config: DrafterConfig) -> ModelProposer:
     else:
         vocab_size, vocab_hash = checkpoint_vocab(config.checkpoint)
     name = target_name(config.target_checkpoint) if config.target_checkpoint is not None else None
-    if name is not None and name.scaled:  # the demo's draft LM at a draft's size for the target (scaled_drafters.py)
-        from specserve.draft_service.scaled_drafters import scaled_draft_lm
+    if name is not None and name.scaled:  # the demo's draft LM at a draft's size for the target (models/scaled_drafters.py)
+        from specserve.models.scaled_drafters import scaled_draft_lm
 
-        model, mcfg = scaled_draft_lm(config.checkpoint, name, config.device, config.dtype)
+        model, mcfg = scaled_drafter(lambda: scaled_draft_lm(config.checkpoint, name, config.device, config.dtype))
         return ModelProposer(model, mcfg, config, vocab_size, vocab_hash)
     try:
         model, mcfg = load_model(config.checkpoint, config.device, config.dtype, progress=False)

@@ -51,19 +51,13 @@ from safetensors import safe_open
 from torch import nn
 
 from specserve.contract.types import DraftBlock
+from specserve.draft_service.checkpoint_checks import checkpoint_vocab
+from specserve.draft_service.drafter_config import DrafterConfig, DrafterInfo
+from specserve.draft_service.drafter_errors import DrafterConfigError, ProposerError
 from specserve.draft_service.drafting import draw_tokens, to_target_probs
 from specserve.draft_service.graph_capture import capture_all_or_warn, use_norm_kernel
-from specserve.draft_service.proposer import (
-    ROLLBACK_ROWS,
-    DrafterConfig,
-    DrafterConfigError,
-    DrafterInfo,
-    Proposer,
-    ProposerError,
-    SessionState,
-    checkpoint_vocab,
-    common_prefix_len,
-)
+from specserve.draft_service.proposer import Proposer
+from specserve.draft_service.session_state import ROLLBACK_ROWS, SessionState, common_prefix_len
 from specserve.models import weight_names
 from specserve.models.attn_metadata import AttentionBatch
 from specserve.models.block_manager import BlockManager, OutOfBlocks
@@ -413,20 +407,23 @@ class MTPProposer(Proposer):
 def build_mtp_proposer(config: DrafterConfig) -> MTPProposer:
     """Registry factory: the MTP layer of ``config.target_checkpoint``, or of ``config.checkpoint`` (a folder
     holding only that layer, e.g. the shipped demo's ``mtp/``) read beside that target; with a demo@ target, that
-    folder's demo-size layer built at the target's size (draft_service/scaled_mtp.py)."""
+    folder's demo-size layer built at the target's size (models/scaled_mtp.py)."""
     target = config.target_checkpoint
     if target is None:
         raise DrafterConfigError("mtp reads the multi-token-prediction layer of the target: give the target checkpoint")
     if config.hidden_layers is not None:
         raise DrafterConfigError("mtp reads the target's last layer (through its final norm); hidden_layers cannot be set")
     folder = config.checkpoint
-    if is_scaled_demo(target):  # the demo's MTP layer at the demo@ target's size (scaled_mtp.py)
-        from specserve.draft_service.proposer import target_name, target_vocab
-        from specserve.draft_service.scaled_mtp import scaled_mtp_layer
+    if is_scaled_demo(target):  # the demo's MTP layer at the demo@ target's size (models/scaled_mtp.py)
+        from specserve.draft_service.checkpoint_checks import scaled_drafter, target_name, target_vocab
+        from specserve.models.scaled_mtp import scaled_mtp_layer
 
         if folder is None:
             raise DrafterConfigError(f"mtp with {target} scales the demo's MTP layer: give its folder (demo_model/mtp)")
-        layer, spec = scaled_mtp_layer(folder, target_name(target), config.device, config.dtype)
+        name = target_name(target)
+        demo, demo_spec = load_mtp_layer(name.folder, config.device, torch.float32, layer_dir=folder)
+        layer, spec = scaled_drafter(
+            lambda: scaled_mtp_layer(demo, demo_spec, folder, name, config.device, config.dtype))
         return MTPProposer(layer, spec, config, target_vocab(target).hash)
     if folder is not None and Path(folder).resolve() == Path(target).resolve():
         folder = None  # the target's own layer

@@ -24,13 +24,10 @@ from __future__ import annotations
 import numpy as np
 
 from specserve.contract.types import DraftBlock
-from specserve.draft_service.proposer import (
-    DrafterConfig,
-    DrafterInfo,
-    Proposer,
-    SessionState,
-    target_vocab,
-)
+from specserve.draft_service.checkpoint_checks import target_vocab
+from specserve.draft_service.drafter_config import DrafterConfig, DrafterInfo
+from specserve.draft_service.proposer import Proposer
+from specserve.draft_service.session_state import SessionState
 
 
 def find_ngram_continuation(

@@ -4,7 +4,7 @@ Factories import their module lazily, so building an ``ngram`` drafter never imp
 
 The target decides the size: with a demo@ target (``DrafterConfig.target_checkpoint``, models/model_names.py) the
 eagle3, model, dflash and mtp factories build their demo-size checkpoint scaled to that target
-(draft_service/scaled_drafters.py, scaled_mtp.py); with a checkpoint folder they load it as it is. No family of its
+(models/scaled_drafters.py, scaled_mtp.py); with a checkpoint folder they load it as it is. No family of its
 own.
 """
 
@@ -13,7 +13,9 @@ from __future__ import annotations
 from types import MappingProxyType
 from typing import Callable, Mapping
 
-from specserve.draft_service.proposer import DrafterConfig, DrafterConfigError, Proposer
+from specserve.draft_service.drafter_config import DrafterConfig
+from specserve.draft_service.drafter_errors import DrafterConfigError
+from specserve.draft_service.proposer import Proposer
 
 ProposerFactory = Callable[[DrafterConfig], Proposer]
 

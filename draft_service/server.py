@@ -12,6 +12,7 @@ import time
 import grpc
 from opentelemetry import trace
 
+from specserve.draft_service.drafter_errors import ProposerError
 from specserve.draft_service.drafter_worker import (
     DrafterFull,
     DrafterWorker,
@@ -20,7 +21,6 @@ from specserve.draft_service.drafter_worker import (
     UnmappableShare,
     WireRows,
 )
-from specserve.draft_service.proposer import ProposerError
 from specserve.errors import SpecserveError
 from specserve.protos import convert
 from specserve.protos.specserve.v1 import common_pb2, draft_pb2, draft_pb2_grpc

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from specserve.draft_service.proposer import DrafterConfigError
+from specserve.draft_service.drafter_errors import DrafterConfigError
 
 
 def read_tensors(file: str | Path, who: str, names: Collection[str] | None = None) -> dict[str, torch.Tensor]:
@@ -30,13 +30,13 @@ def read_target_tensors(target_dir: str | Path, names: Mapping[str, str], who: s
 
     A missing or unreadable target, or a tensor it lacks, raises DrafterConfigError naming ``who``; so does a demo@
     target (models/model_names.py), whose tensors exist only in the model built at load time: the drafters that read
-    them are built from the demo's and scaled to it (scaled_drafters.py)."""
-    from specserve.draft_service.proposer import target_name
+    them are built from the demo's and scaled to it (models/scaled_drafters.py)."""
+    from specserve.draft_service.checkpoint_checks import target_name
     from specserve.models.loader import checkpoint_files
 
     if target_name(target_dir).scaled:
         raise DrafterConfigError(f"{who} reads tensors from a checkpoint; {target_dir} is built at load time (its "
-                                 "drafters are the demo's, scaled to it: draft_service/scaled_drafters.py)")
+                                 "drafters are the demo's, scaled to it: models/scaled_drafters.py)")
     try:
         files = checkpoint_files(str(target_dir))
     except Exception as e:

@@ -74,7 +74,7 @@ def resolve_drafter_checkpoints(config: BenchConfig, skipped: list[Skipped]) -> 
 
 
 def build_drafters(config: BenchConfig, engine, checkpoints: dict[str, Path], skipped: list[Skipped]) -> dict:
-    from specserve.draft_service.proposer import DrafterConfig
+    from specserve.draft_service.drafter_config import DrafterConfig
     from specserve.draft_service.registry import build_proposer
     proposers = {}
     target_hash = engine.info().vocab_hash
@@ -84,7 +84,7 @@ def build_drafters(config: BenchConfig, engine, checkpoints: dict[str, Path], sk
         try:
             proposer = build_proposer(DrafterConfig(
                 family=family, checkpoint=checkpoints.get(family), target_checkpoint=Path(config.model),  # a demo@ name: the
-                # registry's factories scale the demo's drafters to it (draft_service/scaled_drafters.py)
+                # registry's factories scale the demo's drafters to it (models/scaled_drafters.py)
                 device=config.device, dtype=config.dtype, max_block_size=config.drafter_block_size,
             ))
         except BUILD_ERRORS as exc:

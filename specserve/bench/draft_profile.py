@@ -2,7 +2,7 @@
 [--drafters eagle3,model,dflash,ngram,mtp]`.
 
 For each drafter of the shipped demo (against `--model demo@NAME`: the demo's drafters scaled to that target,
-draft_service/scaled_drafters.py), it runs greedy speculative decoding against the target (the engine as it serves:
+models/scaled_drafters.py), it runs greedy speculative decoding against the target (the engine as it serves:
 CUDA graphs on a GPU) and times every `Proposer.propose` call on the host clock (its result is read back inside the
 call, so the device work is included). A second run of proposes goes through the torch profiler (on CUDA: device
 kernels and device-to-host copies that start inside a propose, counted per propose and per drafted token) with
@@ -132,7 +132,7 @@ class _DeviceCounts:
 
 
 def build_drafter(family: str, args: argparse.Namespace):
-    from specserve.draft_service.proposer import DrafterConfig
+    from specserve.draft_service.drafter_config import DrafterConfig
     from specserve.draft_service.registry import build_proposer
     from specserve.paths import shipped_drafter
 

@@ -108,7 +108,7 @@ class _Clients:
     """Per via, the target client and the drafter clients of one request."""
 
     def __init__(self, config: OverheadConfig, stack) -> None:
-        from specserve.draft_service.proposer import DrafterConfig
+        from specserve.draft_service.drafter_config import DrafterConfig
         from specserve.draft_service.registry import build_proposer
         from specserve.gateway.local import LocalDraft, LocalTarget
         from specserve.target_service.factory import EngineConfig, build_engine

@@ -247,7 +247,7 @@ def result_json(token_ids, text: str | None, finish_reason: str, stats: dict) ->
 
 def drafter_config_from_args(args: argparse.Namespace, target_checkpoint: Path):
     """The DrafterConfig of --draft/--draft-model; the shipped demo drafter when no --draft-model."""
-    from specserve.draft_service.proposer import DrafterConfig
+    from specserve.draft_service.drafter_config import DrafterConfig
     from specserve.paths import demo_checkpoint, shipped_drafter
 
     checkpoint = args.draft_model

@@ -63,18 +63,42 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor: 
     vocab = logits.shape[-1]
     if params.greedy:
         return torch.nn.functional.one_hot(logits.argmax(-1), vocab).float()
-    # shifted by the row max first: a tiny temperature then sends the other logits to -inf (weight 0)
-    # instead of overflowing the largest to +inf (NaN after softmax)
-    x = (logits - logits.max(dim=-1, keepdim=True).values) / params.temperature
+    x = _tempered(logits, params.temperature)
     if 0 < params.top_k < vocab:
         kth = torch.topk(x, params.top_k, dim=-1).values[..., -1:]
         x = x.masked_fill(x < kth, float("-inf"))
     probs = torch.softmax(x, dim=-1)
     if params.top_p < 1.0:
-        sorted_p, order = probs.sort(dim=-1, descending=True)
-        # drop a token when the mass strictly before it already reaches top_p (the first one stays)
-        drop = (sorted_p.cumsum(-1) - sorted_p) >= params.top_p
-        sorted_p = sorted_p.masked_fill(drop, 0.0)
-        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
-        probs = probs / probs.sum(-1, keepdim=True)
+        probs = _nucleus(probs, params.top_p)
     return probs
+
+
+def device_target_probs(
+    logits: torch.Tensor,  # [N, V]
+    temperature: torch.Tensor,  # 0-dim float32, > 0
+    top_k: torch.Tensor,  # 0-dim float32 holding an integer; 0 (or >= V) = off
+    top_p: torch.Tensor,  # 0-dim float32; 1.0 = off
+) -> torch.Tensor:  # [N, V] float32
+    """target_probs for a sampled request, with no host branch and no host read (the parameters device scalars: a
+    captured CUDA graph serves every sampled request, draft_service/graph_sampling.py)."""
+    x = _tempered(logits.float(), temperature)
+    n, vocab = x.shape
+    k = top_k.long()
+    kth = x.sort(dim=-1, descending=True).values.gather(-1, (k - 1).clamp(0, vocab - 1).expand(n, 1))  # [N, 1]
+    x = x.masked_fill(((k > 0) & (k < vocab)) & (x < kth), float("-inf"))
+    probs = torch.softmax(x, dim=-1)
+    return torch.where(top_p < 1.0, _nucleus(probs, top_p), probs)
+
+
+def _tempered(logits: torch.Tensor, temperature: float | torch.Tensor) -> torch.Tensor:  # [N, V] f32 -> [N, V]
+    # shifted by the row max first: a tiny temperature then sends the other logits to -inf (weight 0)
+    # instead of overflowing the largest to +inf (NaN after softmax)
+    return (logits - logits.max(dim=-1, keepdim=True).values) / temperature
+
+
+def _nucleus(probs: torch.Tensor, top_p: float | torch.Tensor) -> torch.Tensor:  # [N, V] -> [N, V], renormalised
+    sorted_p, order = probs.sort(dim=-1, descending=True)
+    # drop a token when the mass strictly before it already reaches top_p (the first one stays)
+    drop = (sorted_p.cumsum(-1) - sorted_p) >= top_p
+    kept = torch.zeros_like(probs).scatter_(-1, order, sorted_p.masked_fill(drop, 0.0))
+    return kept / kept.sum(-1, keepdim=True)

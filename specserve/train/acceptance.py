@@ -85,7 +85,7 @@ def speculative_greedy(engine, proposer, session_id: str, prompt: list[int], k: 
 
 def evaluate(demo: Path, families: list[str], k: int, max_new: int, num_prompts: int | None, device: str,
              dtype: str, denoise_steps: int | None = None) -> dict:
-    from specserve.draft_service.proposer import DrafterConfig
+    from specserve.draft_service.drafter_config import DrafterConfig
     from specserve.draft_service.registry import build_proposer
     from specserve.target_service.factory import EngineConfig, build_engine
 

@@ -139,7 +139,7 @@ def init_from_checkpoint(model, path, target_dir) -> None:
     """Copy the weights of a saved DFlash drafter into ``model`` (continuing its training); the saved
     config must equal the one being trained."""
     from specserve.draft_service.dflash import load_dflash
-    from specserve.draft_service.proposer import DrafterConfigError
+    from specserve.draft_service.drafter_errors import DrafterConfigError
 
     try:
         saved = load_dflash(path, target_dir=target_dir)

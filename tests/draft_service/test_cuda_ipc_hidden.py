@@ -47,7 +47,7 @@ def _target_process(device: str, target_dir, layers: tuple[int, ...], prompt: li
     "cpu",
 ])
 def test_drafter_process_reads_target_hidden_rows_through_cuda_ipc_and_drafts_the_same_block(device):
-    from specserve.draft_service.proposer import DrafterConfig
+    from specserve.draft_service.drafter_config import DrafterConfig
     from specserve.draft_service.registry import build_proposer
     from specserve.models.loader import load_tokenizer
     from specserve.paths import demo_checkpoint

@@ -17,7 +17,8 @@ from specserve.draft_service.dflash import (
     DFlashProposer,
     save_dflash,
 )
-from specserve.draft_service.proposer import DrafterConfig, DrafterConfigError
+from specserve.draft_service.drafter_config import DrafterConfig
+from specserve.draft_service.drafter_errors import DrafterConfigError
 from specserve.draft_service.registry import build_proposer
 
 VOCAB, TH, LAYERS = 40, 12, (0, 2)

@@ -23,7 +23,7 @@ from draft_helpers import (
 
 from specserve.contract.types import SamplingParams
 from specserve.draft_service.dflash import DFlashConfig, DFlashModel, DFlashProposer, save_dflash
-from specserve.draft_service.proposer import DrafterConfig
+from specserve.draft_service.drafter_config import DrafterConfig
 from specserve.draft_service.registry import build_proposer
 
 VOCAB, TH, LAYERS = 40, 12, (0, 2)

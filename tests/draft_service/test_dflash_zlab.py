@@ -21,7 +21,8 @@ from tiny_hf import save_zlab_dflash as write_zlab_dflash
 from specserve.contract.types import SamplingParams
 from specserve.draft_service.dflash import DFlashProposer
 from specserve.draft_service.dflash_config import spread_target_layers
-from specserve.draft_service.proposer import DrafterConfig, DrafterConfigError
+from specserve.draft_service.drafter_config import DrafterConfig
+from specserve.draft_service.drafter_errors import DrafterConfigError
 from specserve.draft_service.registry import build_proposer
 
 V, H = 64, 32  # tiny_ckpt("target_moe"): hidden 32, vocab 64, 3 layers, untied

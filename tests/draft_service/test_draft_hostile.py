@@ -9,8 +9,8 @@ import grpc
 import pytest
 from served import InProcessServer, assert_unparseable_bytes_refused
 
+from specserve.draft_service.drafter_config import DrafterConfig
 from specserve.draft_service.drafter_worker import DrafterWorker, DraftLimits
-from specserve.draft_service.proposer import DrafterConfig
 from specserve.draft_service.registry import build_proposer
 from specserve.draft_service.server import SERVICE_NAME, DraftServicer, add_draft_to_server
 from specserve.protos.specserve.v1 import draft_pb2, draft_pb2_grpc

@@ -11,8 +11,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from served import InProcessServer
 
 from specserve.contract.types import SamplingParams
+from specserve.draft_service.drafter_config import DrafterConfig
 from specserve.draft_service.drafter_worker import DrafterWorker
-from specserve.draft_service.proposer import DrafterConfig
 from specserve.draft_service.registry import build_proposer
 from specserve.draft_service.server import SERVICE_NAME, DraftServicer, add_draft_to_server
 from specserve.protos import convert

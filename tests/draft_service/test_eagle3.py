@@ -10,17 +10,13 @@ from draft_helpers import FakeFeatures, rollback_matches_fresh
 from eagle3_helpers import DRAFT_VOCAB, TARGET_H, TARGET_LAYERS, VOCAB, head_config, save_tiny_eagle3
 from safetensors.torch import load_file, save_file
 
-from specserve.contract.types import SamplingParams
+from specserve.contract.types import SamplingParams, TreeSpec
+from specserve.draft_service.drafter_config import DrafterConfig
+from specserve.draft_service.drafter_errors import DrafterConfigError, ProposerError
 from specserve.draft_service.eagle3 import Eagle3Proposer, default_eagle3_layers
 from specserve.draft_service.eagle3_head import (
     REQUIRED_TENSORS,
     save_eagle3_head,
-)
-from specserve.draft_service.proposer import (
-    DrafterConfig,
-    DrafterConfigError,
-    ProposerError,
-    TreeSpec,
 )
 from specserve.draft_service.registry import build_proposer
 

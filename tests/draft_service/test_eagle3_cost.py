@@ -20,7 +20,7 @@ from draft_helpers import FakeFeatures
 from eagle3_helpers import TARGET_H, VOCAB, save_tiny_eagle3
 
 from specserve.contract.types import SamplingParams
-from specserve.draft_service.proposer import DrafterConfig
+from specserve.draft_service.drafter_config import DrafterConfig
 from specserve.draft_service.registry import build_proposer
 
 KERNELS_PER_DRAFTED_TOKEN = 46  # the window pass (was 68.3)

@@ -27,8 +27,8 @@ from draft_helpers import (
 from eagle3_helpers import TARGET_H, VOCAB, save_tiny_eagle3
 
 from specserve.contract.types import SamplingParams, TreeSpec
+from specserve.draft_service.drafter_config import DrafterConfig
 from specserve.draft_service.eagle3 import Eagle3Proposer
-from specserve.draft_service.proposer import DrafterConfig
 from specserve.draft_service.registry import build_proposer
 from specserve.gateway.stats import SpecStats
 from specserve.paths import demo_checkpoint

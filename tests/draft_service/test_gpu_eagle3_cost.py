@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from specserve.contract.types import SamplingParams
-from specserve.draft_service.proposer import DrafterConfig, ProposerError
+from specserve.draft_service.drafter_config import DrafterConfig
+from specserve.draft_service.drafter_errors import ProposerError
 from specserve.draft_service.registry import build_proposer
 from specserve.paths import demo_checkpoint
 

@@ -10,7 +10,7 @@ import torch
 from draft_helpers import check_two_draws_follow_q
 
 from specserve.contract.types import SamplingParams
-from specserve.draft_service.proposer import DrafterConfig
+from specserve.draft_service.drafter_config import DrafterConfig
 from specserve.draft_service.registry import build_proposer
 from specserve.paths import demo_checkpoint
 

@@ -1,7 +1,7 @@
-"""The shipped demo drafters scaled to the demo at real size (draft_service/scaled_drafters.py), on the GPU in float32
+"""The shipped demo drafters scaled to the demo at real size (models/scaled_drafters.py), on the GPU in float32
 (skipped without CUDA): at full size each scaled drafter proposes the demo-size drafter's blocks (chains and trees)
 at every step, its function is the demo-size one's padded, and greedy speculation through it gives target-only's
-tokens (the MTP layer too: draft_service/scaled_mtp.py); Moonlight's shape, and K2.6's width (there the reference is
+tokens (the MTP layer too: models/scaled_mtp.py); Moonlight's shape, and K2.6's width (there the reference is
 the int4-quantized demo, as the target is). Sampled speculation through each (Moonlight) emits the demo's exact law,
 with a negative control."""
 
@@ -16,7 +16,7 @@ from demo_helpers import chisquare_pvalue, demo_prompts, exact_demo_laws
 from draft_helpers import first_draft_q, lockstep
 
 from specserve.contract.types import SamplingParams, TreeSpec
-from specserve.draft_service.proposer import DrafterConfig
+from specserve.draft_service.drafter_config import DrafterConfig
 from specserve.draft_service.registry import build_proposer
 from specserve.paths import demo_checkpoint
 
@@ -81,7 +81,7 @@ def test_full_size_scaled_drafter_proposes_the_demo_size_blocks_and_is_lossless(
 
 
 def test_full_size_scaled_mtp_proposes_the_demo_size_chains_and_is_lossless(engines):
-    """The demo's MTP layer at the target's size (draft_service/scaled_mtp.py): its first drafted token's law the
+    """The demo's MTP layer at the target's size (models/scaled_mtp.py): its first drafted token's law the
     demo-size layer's, every chain equal and greedy speculation target-only's (K2.6 width: against the int4-quantized
     demo-size layer, as the target is against the int4-quantized demo)."""
     from specserve.models.scaled_demo import quantize_layer_experts_

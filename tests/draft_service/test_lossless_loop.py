@@ -32,14 +32,14 @@ import torch
 from scipy.stats import chisquare
 from tiny_hf import save_zlab_dflash
 
-from specserve.contract.types import SamplingParams
+from specserve.contract.types import SamplingParams, TreeSpec
 from specserve.draft_service.dflash import DFlashConfig, DFlashModel, save_dflash
+from specserve.draft_service.drafter_config import DrafterConfig
 from specserve.draft_service.eagle3_head import (
     Eagle3Config,
     Eagle3Head,
     save_eagle3_head,
 )
-from specserve.draft_service.proposer import DrafterConfig, TreeSpec
 from specserve.draft_service.registry import build_proposer
 from specserve.draft_service.target_tensors import read_target_tensors
 from specserve.models.loader import load_model

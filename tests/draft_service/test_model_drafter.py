@@ -6,14 +6,10 @@ import pytest
 import torch
 from draft_helpers import FakeFeatures, rollback_matches_fresh
 
-from specserve.contract.types import SamplingParams
+from specserve.contract.types import SamplingParams, TreeSpec
+from specserve.draft_service.drafter_config import DrafterConfig
+from specserve.draft_service.drafter_errors import ProposerError, VocabMismatchError
 from specserve.draft_service.model_drafter import ModelProposer
-from specserve.draft_service.proposer import (
-    DrafterConfig,
-    ProposerError,
-    TreeSpec,
-    VocabMismatchError,
-)
 from specserve.draft_service.registry import build_proposer
 from specserve.models.probs import target_probs
 

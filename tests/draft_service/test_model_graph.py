@@ -20,8 +20,8 @@ from draft_helpers import (
 )
 
 from specserve.contract.types import SamplingParams
+from specserve.draft_service.drafter_config import DrafterConfig
 from specserve.draft_service.model_drafter import ModelProposer
-from specserve.draft_service.proposer import DrafterConfig
 from specserve.draft_service.registry import build_proposer
 from specserve.models.probs import target_probs
 

@@ -19,8 +19,9 @@ from draft_helpers import FakeFeatures, check_two_draws_follow_q, rollback_match
 from safetensors.torch import load_file, save_file
 
 from specserve.contract.types import SamplingParams
+from specserve.draft_service.drafter_config import DrafterConfig
+from specserve.draft_service.drafter_errors import DrafterConfigError
 from specserve.draft_service.mtp import MTPProposer
-from specserve.draft_service.proposer import DrafterConfig, DrafterConfigError
 from specserve.draft_service.registry import build_proposer
 from specserve.models.loader import load_model
 from specserve.target_service.engine.engine import TargetEngine

@@ -23,9 +23,9 @@ from draft_helpers import (
 )
 
 from specserve.contract.types import SamplingParams
+from specserve.draft_service.drafter_config import DrafterConfig
 from specserve.draft_service.mtp import MTPProposer
 from specserve.draft_service.mtp_graph import gathered_experts
-from specserve.draft_service.proposer import DrafterConfig
 from specserve.draft_service.registry import build_proposer
 from specserve.kernels.moe_reference import moe_reference
 from specserve.paths import demo_checkpoint

@@ -8,12 +8,9 @@ import numpy as np
 import pytest
 
 from specserve.contract.types import SamplingParams
+from specserve.draft_service.drafter_config import DrafterConfig
+from specserve.draft_service.drafter_errors import DrafterConfigError, ProposerError
 from specserve.draft_service.ngram import NgramProposer, find_ngram_continuation
-from specserve.draft_service.proposer import (
-    DrafterConfig,
-    DrafterConfigError,
-    ProposerError,
-)
 from specserve.draft_service.registry import PROPOSER_FACTORIES, build_proposer
 
 

@@ -1,4 +1,4 @@
-"""The shipped demo drafters scaled to a demo@ target (draft_service/scaled_drafters.py), CPU float32 at reduced width
+"""The shipped demo drafters scaled to a demo@ target (models/scaled_drafters.py), CPU float32 at reduced width
 (demo@small-moonlight, hidden 512): each scaled drafter computes the demo-size drafter's function padded (its outputs
 to 1e-4, its padded draft vocabulary never a token), and proposes exactly the demo-size drafter's blocks (chains and
 trees) at every step of a greedy speculation whose output equals the target-only one, on pinned held-out prompts."""
@@ -11,7 +11,8 @@ from demo_helpers import demo_prompts
 from draft_helpers import first_draft_q, lockstep
 
 from specserve.contract.types import SamplingParams, TreeSpec
-from specserve.draft_service.proposer import DrafterConfig, DrafterConfigError
+from specserve.draft_service.drafter_config import DrafterConfig
+from specserve.draft_service.drafter_errors import DrafterConfigError
 from specserve.draft_service.registry import build_proposer
 from specserve.models.scaled_demo import build_scaled_demo, constant_channel, load_demo
 from specserve.models.vocab import vocab_hash

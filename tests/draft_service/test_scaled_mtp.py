@@ -1,4 +1,4 @@
-"""The shipped demo's MTP layer scaled to a demo@ target (draft_service/scaled_mtp.py), CPU float32 at reduced width
+"""The shipped demo's MTP layer scaled to a demo@ target (models/scaled_mtp.py), CPU float32 at reduced width
 (the small- shapes, hidden 512): it has the target's layer shape, computes the demo-size layer's function padded (its
 block's output and logits to 1e-5 / 1e-4, the null experts chosen with weight 0, the padded vocabulary never a
 token), and proposes exactly the demo-size layer's chains at every step of a greedy speculation whose output equals
@@ -17,7 +17,7 @@ from demo_helpers import demo_prompts
 from draft_helpers import first_draft_q, lockstep
 
 from specserve.contract.types import SamplingParams
-from specserve.draft_service.proposer import DrafterConfig
+from specserve.draft_service.drafter_config import DrafterConfig
 from specserve.draft_service.registry import build_proposer
 from specserve.models.attn_metadata import AttentionBatch
 from specserve.models.kv_cache import PagedKVCache

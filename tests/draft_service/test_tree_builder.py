@@ -6,8 +6,7 @@ import numpy as np
 import torch
 from scipy.stats import chisquare
 
-from specserve.contract.types import SamplingParams
-from specserve.draft_service.proposer import TreeSpec
+from specserve.contract.types import SamplingParams, TreeSpec
 from specserve.draft_service.tree import build_tree
 from specserve.models.probs import target_probs
 

@@ -25,8 +25,8 @@ import torch
 
 from specserve.contract.types import GenerationRequest
 from specserve.draft_service import registry
+from specserve.draft_service.drafter_config import DrafterConfig
 from specserve.draft_service.ngram import NgramProposer
-from specserve.draft_service.proposer import DrafterConfig
 from specserve.gateway.local import LocalDraft, LocalTarget
 from specserve.gateway.spec_loop import FinalEvent, run_request
 from specserve.loop.adaptive import AdaptiveConfig, AdaptiveSpeculation

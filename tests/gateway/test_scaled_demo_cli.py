@@ -11,7 +11,8 @@ import pytest
 from service_helpers import Proc, base_env
 
 from specserve.cli.main import main
-from specserve.draft_service.proposer import DrafterConfigError, VocabMismatchError, check_same_vocab, target_vocab
+from specserve.draft_service.checkpoint_checks import check_same_vocab, target_vocab
+from specserve.draft_service.drafter_errors import DrafterConfigError, VocabMismatchError
 from specserve.draft_service.target_tensors import read_target_tensors
 from specserve.models.model_names import resolve_model
 from specserve.models.vocab import vocab_hash

@@ -16,7 +16,7 @@ import torch
 from stats_helpers import two_sample_pvalue
 
 from specserve.contract.types import DraftBlock, GenerationRequest, SamplingParams
-from specserve.draft_service.proposer import DrafterConfig
+from specserve.draft_service.drafter_config import DrafterConfig
 from specserve.draft_service.registry import build_proposer
 from specserve.gateway.local import LocalDraft, LocalTarget
 from specserve.gateway.spec_loop import FinalEvent, run_request

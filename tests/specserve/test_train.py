@@ -419,7 +419,7 @@ def test_mtp_trained_by_the_cli_drafts_what_its_training_passes_compute(demo):
     from safetensors.torch import load_file
 
     from specserve.contract.types import SamplingParams
-    from specserve.draft_service.proposer import DrafterConfig
+    from specserve.draft_service.drafter_config import DrafterConfig
     from specserve.draft_service.registry import build_proposer
     from specserve.models.loader import load_model
     from specserve.target_service.engine.engine import TargetEngine

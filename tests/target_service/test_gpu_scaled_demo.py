@@ -66,7 +66,7 @@ def test_moonlight_float32_greedy_is_the_demos(moonlight32):
 
 
 def _proposer(family: str):
-    from specserve.draft_service.proposer import DrafterConfig
+    from specserve.draft_service.drafter_config import DrafterConfig
     from specserve.draft_service.registry import build_proposer
 
     checkpoint = None if family == "ngram" else demo_checkpoint(family)

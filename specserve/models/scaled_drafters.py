@@ -44,7 +44,6 @@ size.
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,10 +51,20 @@ from types import MappingProxyType
 
 import torch
 
-from specserve.draft_service.proposer import DrafterConfigError
 from specserve.models.config import GQAConfig, ModelConfig
+from specserve.models.errors import ModelConfigError
 from specserve.models.model_names import ModelName
 from specserve.models.scaled_demo import constant_channel, demo_positions, parse_scaled_spec
+from specserve.models.scaled_weights import (
+    check_gqa,
+    corner,
+    gqa_,
+    mlp_,
+    plain_norm,
+    project,
+    residual_norm,
+    wide_default_dtype,
+)
 
 
 @dataclass(frozen=True)
@@ -78,88 +87,6 @@ EAGLE3_SHAPES: Mapping[str, Eagle3Shape] = MappingProxyType({
 })
 
 
-# ---------------------------------------------------------------- pieces (wide tensors written in place)
-
-
-def _corner(wide: torch.Tensor, demo: torch.Tensor, scale: float = 1.0) -> None:
-    """wide [R, C] = demo [r, c] * scale in its top-left corner, zero elsewhere."""
-    wide.zero_()
-    wide[: demo.shape[0], : demo.shape[1]] = (demo.float() * scale).to(wide.dtype)
-
-
-def _residual_norm(wide: torch.Tensor, demo: torch.Tensor, hidden_wide: int) -> None:
-    """An RMSNorm weight over a stream that carries the constant channel at dim len(demo): the demo's times
-    sqrt(H_demo / H_wide), zero on the channel (the demo's output, padded with zeros)."""
-    hd = demo.shape[0]
-    wide.fill_(1.0)
-    wide[:hd] = (demo.float() * math.sqrt(hd / hidden_wide)).to(wide.dtype)
-    wide[hd] = 0.0
-
-
-def _head_dims(head_dim: int, wide_dim: int) -> torch.Tensor:
-    """[head_dim] wide dim of each demo dim of a half-split rope head: i -> rho * i, D/2 + i -> D_w/2 + rho * i."""
-    rho, half = wide_dim // head_dim, head_dim // 2
-    i = torch.arange(half)
-    return torch.cat([rho * i, wide_dim // 2 + rho * i])
-
-
-def _heads(demo: GQAConfig, wide: GQAConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """(wide q head of each demo q head [Hq], wide kv head of each demo kv head [Hkv]): kv groups kept."""
-    g, gw = demo.num_heads // demo.num_kv_heads, wide.num_heads // wide.num_kv_heads
-    j = torch.arange(demo.num_heads)
-    return (j // g) * gw + j % g, torch.arange(demo.num_kv_heads)
-
-
-def _rows(heads: torch.Tensor, dims: torch.Tensor, wide_dim: int) -> torch.Tensor:
-    """[heads * len(dims)] wide row of each demo row (head-major)."""
-    return (heads[:, None] * wide_dim + dims[None, :]).flatten()
-
-
-def _project(wide: torch.Tensor, demo: torch.Tensor, rows: torch.Tensor | None = None,
-             cols: torch.Tensor | None = None, scale: float = 1.0) -> None:
-    """wide [R, C] zero but wide[rows[i], cols[j]] = demo[i, j] * scale (rows / cols default: the first ones)."""
-    wide.zero_()
-    r = (torch.arange(demo.shape[0]) if rows is None else rows).to(wide.device)
-    c = (torch.arange(demo.shape[1]) if cols is None else cols).to(wide.device)
-    wide[r[:, None], c[None, :]] = (demo.float() * scale).to(wide.dtype).to(wide.device)
-
-
-def _gqa_(wide, demo, d: GQAConfig, w: GQAConfig, cols: torch.Tensor | None = None) -> None:
-    """q/k/v/o_proj of a GQA layer (half-split rope) into its wide one: heads by kv group, rope dims pair to pair,
-    q scaled for the softmax scale; `cols`: the wide input column of each demo input column."""
-    q_heads, kv_heads = _heads(d, w)
-    dims, v_dims = _head_dims(d.head_dim, w.head_dim), torch.arange(d.head_dim)
-    _project(wide.q_proj.weight, demo.q_proj.weight, _rows(q_heads, dims, w.head_dim), cols,
-             math.sqrt(w.head_dim / d.head_dim))
-    _project(wide.k_proj.weight, demo.k_proj.weight, _rows(kv_heads, dims, w.head_dim), cols)
-    _project(wide.v_proj.weight, demo.v_proj.weight, _rows(kv_heads, v_dims, w.head_dim), cols)
-    _project(wide.o_proj.weight, demo.o_proj.weight, None, _rows(q_heads, v_dims, w.head_dim))
-
-
-def _mlp_(wide, demo) -> None:
-    for proj in ("gate_proj", "up_proj", "down_proj"):
-        _project(getattr(wide, proj).weight, getattr(demo, proj).weight)
-
-
-def _plain_norm(wide: torch.Tensor, demo: torch.Tensor, hidden_wide: int) -> None:
-    """An RMSNorm weight over a stream without the channel (the demo's padded with zeros; its eps
-    eps_demo * H_demo / H_wide): the demo's times sqrt(H_demo / H_wide)."""
-    hd = demo.shape[0]
-    wide.fill_(1.0)
-    wide[:hd] = (demo.float() * math.sqrt(hd / hidden_wide)).to(wide.dtype)
-
-
-def _check_gqa(d: GQAConfig, w: GQAConfig, what: str) -> list[str]:
-    """Why the demo's attention `d` does not embed in `w` (nothing when it does)."""
-    g, gw = d.num_heads // d.num_kv_heads, w.num_heads // w.num_kv_heads
-    bad = [f"{n} {x} > {y}" for n, x, y in (("kv heads", d.num_kv_heads, w.num_kv_heads), ("kv group", g, gw)) if x > y]
-    if w.head_dim % d.head_dim:
-        bad.append(f"head_dim {w.head_dim} is not a whole multiple of {d.head_dim}")
-    if d.bias or d.qk_norm or d.sliding_window:
-        bad.append("bias / qk norm / sliding window")
-    return [f"{what}: {b}" for b in bad]
-
-
 # ---------------------------------------------------------------- EAGLE-3
 
 
@@ -170,49 +97,47 @@ def scaled_eagle3_layers(demo_layers: tuple[int, ...], target: ModelConfig, demo
 
 
 @torch.no_grad()
-def scaled_eagle3_head(head_dir: str | Path, target: ModelName, device: str | torch.device, dtype: torch.dtype):
-    """The demo-size EAGLE-3 head of `head_dir` (made for the demo that `target` embeds) at `target`'s width, on
-    `device` in `dtype` (module docstring)."""
-    from specserve.draft_service.eagle3_head import Eagle3Config, Eagle3Head, load_eagle3_head
-
+def scaled_eagle3_head(demo, head_dir: str | Path, target: ModelName, device: str | torch.device,
+                       dtype: torch.dtype):
+    """The demo-size EAGLE-3 head `demo` (loaded from `head_dir` on the CPU in float32, made for the demo that
+    `target` embeds) at `target`'s width, on `device` in `dtype`: a module of demo's class (module docstring)."""
     name, _ = parse_scaled_spec(target.name)
     shape = EAGLE3_SHAPES[name]
     tc, dc = target.config(), target.demo_config()
-    demo = load_eagle3_head(head_dir, target.folder, "cpu", torch.float32)
     d = demo.cfg
     hd, hw = d.hidden_size, tc.hidden_size
     if d.target_hidden_size != dc.hidden_size or hd != dc.hidden_size:
-        raise DrafterConfigError(
+        raise ModelConfigError(
             f"a demo@ target scales the demo's EAGLE-3 head (hidden {dc.hidden_size} over the demo's layers); the head "
             f"at {head_dir} has hidden {hd} over target layers of {d.target_hidden_size}")
     a = d.attention
     wa = GQAConfig(num_heads=shape.num_heads, num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim, bias=False)
-    bad = _check_gqa(a, wa, "attention") + [f"{what} {x} > {y}" for what, x, y in (
+    bad = check_gqa(a, wa, "attention") + [f"{what} {x} > {y}" for what, x, y in (
         ("hidden", hd + 1, hw), ("intermediate", d.intermediate_size, shape.intermediate_size),
         ("draft vocabulary", d.draft_vocab_size, shape.draft_vocab_size),
         ("draft vocabulary", shape.draft_vocab_size, tc.vocab_size)) if x > y]
     if d.rope.rope_type != "default":
         bad.append(f"rope {d.rope.rope_type} (default only)")
     if bad:
-        raise DrafterConfigError(f"the demo's EAGLE-3 head does not scale to {target.name}: {', '.join(bad)}")
+        raise ModelConfigError(f"the demo's EAGLE-3 head does not scale to {target.name}: {', '.join(bad)}")
     kappa, _ = constant_channel(dc, hw)
     eps = (d.rms_norm_eps * hd - kappa * kappa) / hw
     if eps <= 0:
-        raise DrafterConfigError(f"the demo's EAGLE-3 eps {d.rms_norm_eps} leaves no room for the constant channel")
+        raise ModelConfigError(f"the demo's EAGLE-3 eps {d.rms_norm_eps} leaves no room for the constant channel")
     layers = scaled_eagle3_layers(tuple(i - 1 for i in d.aux_layers), tc, dc) if d.aux_layers else None
     raw = dict(d.raw or {}, hidden_size=hw, intermediate_size=shape.intermediate_size, num_attention_heads=wa.num_heads,
                num_key_value_heads=wa.num_kv_heads, head_dim=wa.head_dim, rms_norm_eps=eps, vocab_size=tc.vocab_size,
                draft_vocab_size=shape.draft_vocab_size, target_hidden_size=hw, draft_vocab_limit=d.draft_vocab_size)
     if layers is not None:
         raw["eagle_aux_hidden_state_layer_ids"] = [i + 1 for i in layers]
-    cfg = Eagle3Config(
+    cfg = type(d)(
         hidden_size=hw, intermediate_size=shape.intermediate_size, vocab_size=tc.vocab_size,
         draft_vocab_size=shape.draft_vocab_size, target_hidden_size=hw, rms_norm_eps=eps, attention=wa,
         rope=dataclasses.replace(d.rope, dim=wa.head_dim),
         aux_layers=tuple(i + 1 for i in layers) if layers is not None else None,
         raw=raw, draft_vocab_limit=d.draft_vocab_size,
     )
-    wide = _wide_default_dtype(dtype, device, lambda: Eagle3Head(cfg, with_embeddings=True))
+    wide = wide_default_dtype(dtype, device, lambda: type(demo)(cfg, with_embeddings=True))
     _embed_eagle3(wide, demo, kappa)
     return wide.eval()
 
@@ -221,7 +146,7 @@ def _embed_eagle3(wide, demo, kappa: float) -> None:
     d, w = demo.cfg, wide.cfg
     hd, hw = d.hidden_size, w.hidden_size
     emb = wide.embed_tokens.weight
-    _corner(emb, demo.embed_tokens.weight)
+    corner(emb, demo.embed_tokens.weight)
     emb[:, hd] = kappa  # the target's constant channel (models/scaled_demo.py)
     fc = wide.fc.weight  # [Hw, 3 Hw]
     fc.zero_()
@@ -229,10 +154,10 @@ def _embed_eagle3(wide, demo, kappa: float) -> None:
         fc[:hd, b * hw: b * hw + hd] = demo.fc.weight[:, b * hd: (b + 1) * hd].to(fc.dtype)
     fc[hd, hd] = 1.0  # the feature carries the channel: that of the first fused layer
     for norm in ("input_layernorm", "hidden_norm", "post_attention_layernorm", "norm"):
-        _residual_norm(getattr(wide, norm).weight, getattr(demo, norm).weight, hw)
-    _gqa_(wide, demo, d.attention, w.attention, cols=torch.cat([torch.arange(hd), hw + torch.arange(hd)]))
-    _mlp_(wide, demo)
-    _corner(wide.lm_head.weight, demo.lm_head.weight)
+        residual_norm(getattr(wide, norm).weight, getattr(demo, norm).weight, hw)
+    gqa_(wide, demo, d.attention, w.attention, cols=torch.cat([torch.arange(hd), hw + torch.arange(hd)]))
+    mlp_(wide, demo)
+    corner(wide.lm_head.weight, demo.lm_head.weight)
     vd = d.draft_vocab_size
     wide.d2t.zero_()  # padded draft id i -> target id i (past the demo's ids; never drafted)
     wide.d2t[:vd] = demo.d2t.to(wide.d2t.device)
@@ -240,7 +165,7 @@ def _embed_eagle3(wide, demo, kappa: float) -> None:
     wide.t2d[wide.draft_to_target()] = True
     padded = wide.draft_to_target()[vd:]
     if len(padded) and int(padded.min()) < d.vocab_size:
-        raise DrafterConfigError("the padded draft ids would map onto the demo's target ids")
+        raise ModelConfigError("the padded draft ids would map onto the demo's target ids")
 
 
 # ---------------------------------------------------------------- the draft LM
@@ -267,17 +192,6 @@ DRAFT_LM_SHAPES: Mapping[str, DraftLMShape] = MappingProxyType({
 })
 
 
-def _wide_default_dtype(dtype: torch.dtype, device, build):
-    """build() with `device` and `dtype` the defaults (the wide module made where and how it runs)."""
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            return build()
-    finally:
-        torch.set_default_dtype(old)
-
-
 @torch.no_grad()
 def scaled_draft_lm(checkpoint: str | Path, target: ModelName, device: str | torch.device, dtype: torch.dtype,
                     seed: int = 0):
@@ -292,11 +206,11 @@ def scaled_draft_lm(checkpoint: str | Path, target: ModelName, device: str | tor
     try:
         demo, dc = load_model(checkpoint, "cpu", torch.float32, progress=False)
     except (ValueError, RuntimeError) as e:
-        raise DrafterConfigError(f"cannot load the draft model {checkpoint}: {e}") from e
+        raise ModelConfigError(f"cannot load the draft model {checkpoint}: {e}") from e
     a = dc.attention
     wa = GQAConfig(num_heads=shape.num_heads, num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim)
     bad = [] if isinstance(a, GQAConfig) else ["a GQA attention"]
-    bad += _check_gqa(a, wa, "attention") if not bad else []
+    bad += check_gqa(a, wa, "attention") if not bad else []
     bad += [f"{n} {x} > {y}" for n, x, y in (
         ("hidden", dc.hidden_size, shape.hidden_size), ("layers", dc.num_layers, shape.num_layers),
         ("intermediate", dc.intermediate_size, shape.intermediate_size), ("vocab", dc.vocab_size, tc.vocab_size))
@@ -304,13 +218,13 @@ def scaled_draft_lm(checkpoint: str | Path, target: ModelName, device: str | tor
     if dc.moe is not None or dc.rope.rope_type != "default":
         bad.append("a dense llama with default rope")
     if bad:
-        raise DrafterConfigError(f"the draft LM {checkpoint} does not scale to {target.name}: {', '.join(bad)}")
+        raise ModelConfigError(f"the draft LM {checkpoint} does not scale to {target.name}: {', '.join(bad)}")
     hd, hw = dc.hidden_size, shape.hidden_size
     config = dataclasses.replace(
         dc, hidden_size=hw, num_layers=shape.num_layers, intermediate_size=shape.intermediate_size, attention=wa,
         rope=dataclasses.replace(dc.rope, dim=shape.head_dim), rms_norm_eps=dc.rms_norm_eps * hd / hw,
         vocab_size=tc.vocab_size, logits_vocab_limit=dc.vocab_size)
-    model = _wide_default_dtype(dtype, device, lambda: build_model(config))
+    model = wide_default_dtype(dtype, device, lambda: build_model(config))
     init_random_(model, seed)
     d, w = demo.model, model.model
     emb = w.embed_tokens.weight  # rows past the demo's ids stay random (their logits are -inf)
@@ -321,15 +235,15 @@ def scaled_draft_lm(checkpoint: str | Path, target: ModelName, device: str | tor
         head[: dc.vocab_size] = 0.0
         head[: dc.vocab_size, :hd] = (demo.lm_head.weight if demo.lm_head is not None
                                       else d.embed_tokens.weight).to(head.dtype)
-    _plain_norm(w.norm.weight, d.norm.weight, hw)
+    plain_norm(w.norm.weight, d.norm.weight, hw)
     positions = demo_positions(config.num_layers, dc.num_layers)
     for i, layer in enumerate(w.layers):
         if i in positions:
             dl = d.layers[positions.index(i)]
-            _plain_norm(layer.input_layernorm.weight, dl.input_layernorm.weight, hw)
-            _plain_norm(layer.post_attention_layernorm.weight, dl.post_attention_layernorm.weight, hw)
-            _gqa_(layer.self_attn, dl.self_attn, a, wa)
-            _mlp_(layer.mlp, dl.mlp)
+            plain_norm(layer.input_layernorm.weight, dl.input_layernorm.weight, hw)
+            plain_norm(layer.post_attention_layernorm.weight, dl.post_attention_layernorm.weight, hw)
+            gqa_(layer.self_attn, dl.self_attn, a, wa)
+            mlp_(layer.mlp, dl.mlp)
         else:  # a real layer that adds nothing
             layer.self_attn.o_proj.weight.zero_()
             layer.mlp.down_proj.weight.zero_()
@@ -359,20 +273,18 @@ DFLASH_SHAPES: Mapping[str, DFlashShape] = MappingProxyType({
 
 
 @torch.no_grad()
-def scaled_dflash(checkpoint: str | Path, target: ModelName, device: str | torch.device, dtype: torch.dtype,
+def scaled_dflash(demo, checkpoint: str | Path, target: ModelName, device: str | torch.device, dtype: torch.dtype,
                   seed: int = 0):
-    """The demo-size DFlash drafter of `checkpoint` (made for the demo `target` embeds, sharing its head) at the
-    DFLASH_SHAPES size for `target`, on `device` in `dtype` (module docstring)."""
-    from specserve.draft_service.dflash import DFlashModel, load_dflash
-
+    """The demo-size DFlash drafter `demo` (loaded from `checkpoint` on the CPU in float32, made for the demo `target`
+    embeds, sharing its head) at the DFLASH_SHAPES size for `target`, on `device` in `dtype`: a module of demo's class
+    (module docstring)."""
     name, _ = parse_scaled_spec(target.name)
     shape, tc, dc = DFLASH_SHAPES[name], target.config(), target.demo_config()
-    demo = load_dflash(checkpoint, "cpu", torch.float32, target.folder)
     d = demo.cfg
     da = GQAConfig(num_heads=d.num_attention_heads, num_kv_heads=d.num_key_value_heads, head_dim=d.head_dim)
     wa = GQAConfig(num_heads=shape.num_heads, num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim)
     hd, hw = d.hidden_size, tc.hidden_size
-    bad = _check_gqa(da, wa, "attention") + [f"{n} {x} > {y}" for n, x, y in (
+    bad = check_gqa(da, wa, "attention") + [f"{n} {x} > {y}" for n, x, y in (
         ("layers", d.num_hidden_layers, shape.num_layers), ("hidden", hd, hw),
         ("intermediate", d.intermediate_size, shape.intermediate_size)) if x > y]
     if d.target_hidden_size != dc.hidden_size or d.vocab_size != dc.vocab_size:
@@ -381,14 +293,14 @@ def scaled_dflash(checkpoint: str | Path, target: ModelName, device: str | torch
     if not d.shared_target_head or d.qk_norm or d.mask_token_id is not None:
         bad.append("it must share the target's head, with a learned mask embedding and no qk norm")
     if bad:
-        raise DrafterConfigError(f"the DFlash drafter {checkpoint} does not scale to {target.name}: {', '.join(bad)}")
+        raise ModelConfigError(f"the DFlash drafter {checkpoint} does not scale to {target.name}: {', '.join(bad)}")
     positions = demo_positions(tc.num_layers, dc.num_layers)
     cfg = dataclasses.replace(
         d, hidden_size=hw, num_hidden_layers=shape.num_layers, num_attention_heads=wa.num_heads,
         num_key_value_heads=wa.num_kv_heads, head_dim=wa.head_dim, intermediate_size=shape.intermediate_size,
         vocab_size=tc.vocab_size, target_hidden_size=hw, rms_norm_eps=d.rms_norm_eps * hd / hw,
         target_layer_ids=tuple(positions[i] for i in d.target_layer_ids), logits_vocab_limit=d.vocab_size)
-    model = _wide_default_dtype(dtype, device, lambda: DFlashModel(cfg))
+    model = wide_default_dtype(dtype, device, lambda: type(demo)(cfg))
     gen = torch.Generator(device=model.fc.weight.device).manual_seed(seed)
     for p in model.parameters():  # the silent layers' random weights (everything else is written below)
         p.normal_(0.0, 0.02, generator=gen)
@@ -399,22 +311,22 @@ def scaled_dflash(checkpoint: str | Path, target: ModelName, device: str | torch
 def _embed_dflash(wide, demo, positions: tuple[int, ...], da: GQAConfig, wa: GQAConfig) -> None:
     d, w = demo.cfg, wide.cfg
     hd, hw, ht = d.hidden_size, w.hidden_size, d.target_hidden_size
-    _corner(wide.embed_tokens.weight, demo.embed_tokens.weight)  # the target's, the channel left out
-    _corner(wide.lm_head.weight, demo.lm_head.weight)  # the target's (zero past the demo's ids; -inf there)
+    corner(wide.embed_tokens.weight, demo.embed_tokens.weight)  # the target's, the channel left out
+    corner(wide.lm_head.weight, demo.lm_head.weight)  # the target's (zero past the demo's ids; -inf there)
     wide.mask_embedding.zero_()
     wide.mask_embedding[:hd] = demo.mask_embedding.to(wide.mask_embedding.dtype)
     taps = len(d.target_layer_ids)
     cols = torch.cat([b * w.target_hidden_size + torch.arange(ht) for b in range(taps)])  # the channel ignored
-    _project(wide.fc.weight, demo.fc.weight, None, cols)
-    _plain_norm(wide.context_norm.weight, demo.context_norm.weight, hw)
-    _plain_norm(wide.norm.weight, demo.norm.weight, hw)
+    project(wide.fc.weight, demo.fc.weight, None, cols)
+    plain_norm(wide.context_norm.weight, demo.context_norm.weight, hw)
+    plain_norm(wide.norm.weight, demo.norm.weight, hw)
     for i, layer in enumerate(wide.layers):
         if i in positions:
             dl = demo.layers[positions.index(i)]
-            _plain_norm(layer.input_layernorm.weight, dl.input_layernorm.weight, hw)
-            _plain_norm(layer.post_attention_layernorm.weight, dl.post_attention_layernorm.weight, hw)
-            _gqa_(layer, dl, da, wa)
-            _mlp_(layer, dl)
+            plain_norm(layer.input_layernorm.weight, dl.input_layernorm.weight, hw)
+            plain_norm(layer.post_attention_layernorm.weight, dl.post_attention_layernorm.weight, hw)
+            gqa_(layer, dl, da, wa)
+            mlp_(layer, dl)
         else:  # a real layer that adds nothing to the block's stream (it still attends over the context)
             layer.input_layernorm.weight.fill_(1.0)
             layer.post_attention_layernorm.weight.fill_(1.0)

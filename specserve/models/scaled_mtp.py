@@ -33,12 +33,11 @@ from pathlib import Path
 
 import torch
 
-from specserve.draft_service.mtp import MTPLayer, MTPSpec, load_mtp_layer
-from specserve.draft_service.proposer import DrafterConfigError
-from specserve.draft_service.scaled_drafters import _corner, _plain_norm, _project, _residual_norm, _wide_default_dtype
 from specserve.models.config import ModelConfig
+from specserve.models.errors import ModelConfigError
 from specserve.models.model_names import ModelName
 from specserve.models.scaled_demo import embed_decoder_layer
+from specserve.models.scaled_weights import corner, plain_norm, project, residual_norm, wide_default_dtype
 
 CHANNEL = 2.0**-20  # tau: the embedding's channel value (exact in bf16); its square is far below float32 rounding
 
@@ -53,39 +52,38 @@ def scaled_mtp_config(target: ModelConfig, demo_block: ModelConfig) -> ModelConf
 
 
 @torch.no_grad()
-def scaled_mtp_layer(folder: str | Path, target: ModelName, device: str | torch.device, dtype: torch.dtype,
-                     seed: int = 0) -> tuple[MTPLayer, MTPSpec]:
-    """(layer, spec): the demo-size MTP layer of `folder` (layer N of the demo that `target` embeds) at `target`'s
-    size, on `device` in `dtype` (module docstring)."""
+def scaled_mtp_layer(demo, demo_spec, folder: str | Path, target: ModelName, device: str | torch.device,
+                     dtype: torch.dtype, seed: int = 0):
+    """(layer, spec): the demo-size MTP layer `demo` with its spec `demo_spec` (loaded from `folder`, layer N of the
+    demo that `target` embeds, in float32 on `device`: the MoE routers are written by index_put_, which takes values
+    on the destination's device only) at `target`'s size, on `device` in `dtype`: a layer of demo's class and a spec
+    of demo_spec's (module docstring)."""
     from specserve.models.presets import init_random_
 
     tc, dc = target.config(), target.demo_config()
-    # on the device the wide layer is built on: the MoE routers are written by index_put_, which takes values on
-    # the destination's device only (a CPU demo beside a CUDA layer failed there)
-    demo, demo_spec = load_mtp_layer(target.folder, device, torch.float32, layer_dir=folder)
     db = demo_spec.block
     block = scaled_mtp_config(tc, db)
     bad = [f"{what} {x} vs {y}" for what, x, y in (
         ("the demo's layers", demo_spec.num_target_layers, dc.num_layers), ("hidden", db.hidden_size, dc.hidden_size),
         ("MoE", bool(db.moe_layers), bool(block.moe_layers))) if x != y]
     if bad:
-        raise DrafterConfigError(f"the MTP layer {folder} does not scale to {target.name}: {', '.join(bad)}")
-    wide = _wide_default_dtype(dtype, device, lambda: MTPLayer(block, target_eps=tc.rms_norm_eps))
+        raise ModelConfigError(f"the MTP layer {folder} does not scale to {target.name}: {', '.join(bad)}")
+    wide = wide_default_dtype(dtype, device, lambda: type(demo)(block, target_eps=tc.rms_norm_eps))
     init_random_(wide, seed)  # the experts no token is routed to keep random weights and routers (a real layer's)
     _embed_mtp(wide, demo, db, block)
-    return wide.eval(), MTPSpec(num_target_layers=tc.num_layers, block=block)
+    return wide.eval(), dataclasses.replace(demo_spec, num_target_layers=tc.num_layers, block=block)
 
 
-def _embed_mtp(wide: MTPLayer, demo: MTPLayer, dc: ModelConfig, wc: ModelConfig) -> None:
+def _embed_mtp(wide, demo, dc: ModelConfig, wc: ModelConfig) -> None:
     hd, hw = dc.hidden_size, wc.hidden_size
     emb = wide.embed_tokens.weight
-    _corner(emb, demo.embed_tokens.weight)
+    corner(emb, demo.embed_tokens.weight)
     emb[:, hd] = CHANNEL
-    _plain_norm(wide.enorm.weight, demo.enorm.weight, hw)  # weight 1 on the channel: tau / rms(e) passes
-    _residual_norm(wide.hnorm.weight, demo.hnorm.weight, hw)
-    _project(wide.eh_proj.weight, demo.eh_proj.weight, None, torch.cat([torch.arange(hd), hw + torch.arange(hd)]))
+    plain_norm(wide.enorm.weight, demo.enorm.weight, hw)  # weight 1 on the channel: tau / rms(e) passes
+    residual_norm(wide.hnorm.weight, demo.hnorm.weight, hw)
+    project(wide.eh_proj.weight, demo.eh_proj.weight, None, torch.cat([torch.arange(hd), hw + torch.arange(hd)]))
     wide.eh_proj.weight[hd, hd] = 1.0  # the block's channel: enorm's
     embed_decoder_layer(wide.block, demo.block, dc, wc, CHANNEL)
-    _residual_norm(wide.shared_head["norm"].weight, demo.shared_head["norm"].weight, hw)
-    _corner(wide.shared_head["head"].weight, demo.shared_head["head"].weight)
-    _residual_norm(wide.target_norm.weight, demo.target_norm.weight, hw)
+    residual_norm(wide.shared_head["norm"].weight, demo.shared_head["norm"].weight, hw)
+    corner(wide.shared_head["head"].weight, demo.shared_head["head"].weight)
+    residual_norm(wide.target_norm.weight, demo.target_norm.weight, hw)
