@@ -32,6 +32,7 @@ class EngineConfig:
     attention_backend: str = "auto"  # auto | torch | flashinfer | triton_paged | paged_torch | reference (models/backends.py picks for auto)
     moe_backend: str = "auto"  # auto | torch | fused
     fused_layers: bool | None = None  # None: on with the fused MoE (models/backends.select_backends)
+    skinny_gemm: bool = True  # the fused layers' projections through kernels/skinny_gemm.py (False: cuBLAS)
     cuda_graphs: bool | None = None  # None: on when the chosen attention backend is graph-safe (GRAPH_ATTENTION)
     graph_max_draft: int = 16  # graphs for decode and chain verify of 1..graph_max_draft drafted tokens
     graph_tree_sizes: tuple[int, ...] = ()  # graphs for tree verify steps of these node counts
@@ -114,7 +115,7 @@ def build_model_for(cfg: EngineConfig):
         tokenizer = load_tokenizer(cfg.model)
     invariant = cfg.invariant_steps if cfg.tensor_parallel_size == 1 and cfg.bench_shard is None else False
     choice = select_backends(model_config, cfg.device, dtype, cfg.attention_backend, cfg.moe_backend,
-                             cfg.fused_layers, invariant)
+                             cfg.fused_layers, invariant, cfg.skinny_gemm)
     install_backends(model, choice, cfg.kv_block_size, cfg.device, dtype)
     return model, model_config, tokenizer, choice
 

@@ -106,6 +106,7 @@ MODES = MappingProxyType({  # name -> EngineConfig overrides
     "auto": MappingProxyType({}),  # the engine as it serves: FlashInfer or Triton paged attention, CUDA graphs
     "triton": MappingProxyType({"attention_backend": "triton_paged"}),  # Triton paged attention at any size
     "unfused": MappingProxyType({"fused_layers": False}),  # the graphs without the fused layers
+    "cublas": MappingProxyType({"skinny_gemm": False}),  # the fused layers with cuBLAS projections
     "eager": MappingProxyType({"attention_backend": "torch", "cuda_graphs": False}),  # per-sequence torch, no graphs
 })
 

@@ -60,7 +60,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--census", action="store_true",
                    help="count the kernels of a step instead (bench/step_profile.py): --k, --modes, --steps")
     p.add_argument("--k", type=_ints, default=(0, 3), help="--census: drafted tokens per step")
-    p.add_argument("--modes", type=name_list, default=("auto",), help="--census: engine modes (auto, triton, "
+    p.add_argument("--modes", type=name_list, default=("auto",), help="--census: engine modes (auto, cublas, triton, "
                                                                        "unfused, eager)")
     p.add_argument("--steps", type=positive_int, default=20, help="--census: profiled steps per point")
     p.add_argument("--host-profile", action="store_true", help="--census: also cProfile the host side")

@@ -33,6 +33,7 @@ class BackendChoice:
     moe: str  # "torch" | "fused"
     fused_layers: bool = False  # CausalLM.set_fused_layers: Triton norm / RoPE + cache write / router kernels
     invariant: bool = False  # token-count invariant steps: the attention and torch MoE below in their invariant form
+    skinny_gemm: bool = True  # with the fused layers: their projections through the skinny GEMM, else cuBLAS
 
     def __post_init__(self) -> None:
         if self.attention not in ("torch", "flashinfer", "triton_paged", "paged_torch", "reference"):
@@ -77,7 +78,8 @@ def invariant_attention(config, device: torch.device | str, requested: str) -> s
 
 
 def select_backends(config, device: torch.device | str, dtype: torch.dtype, attention: str = "auto",
-                    moe: str = "auto", fused_layers: bool | None = None, invariant: bool | None = False) -> BackendChoice:
+                    moe: str = "auto", fused_layers: bool | None = None, invariant: bool | None = False,
+                    skinny_gemm: bool = True) -> BackendChoice:
     """'auto' takes the fast backend where it can run; asking for a fast backend where it cannot is an error.
     fused_layers None: on with the fused MoE (bf16 / fp16 on CUDA); True: on (CUDA, any dtype); False: off.
     invariant (token-count invariant steps): None = on CUDA where the attention asked for allows it (auto picks an
@@ -103,7 +105,8 @@ def select_backends(config, device: torch.device | str, dtype: torch.dtype, atte
     if fused_layers and why_layers:
         raise AttentionBackendError(f"the fused layers cannot run here: {why_layers}")
     fused = (not why) if fused_layers is None else fused_layers
-    return BackendChoice(attention=att, moe="torch" if why else "fused", fused_layers=fused, invariant=invariant)
+    return BackendChoice(attention=att, moe="torch" if why else "fused", fused_layers=fused, invariant=invariant,
+                         skinny_gemm=skinny_gemm)
 
 
 def install_backends(model, choice: BackendChoice, block_size: int, device: torch.device | str,
@@ -115,6 +118,6 @@ def install_backends(model, choice: BackendChoice, block_size: int, device: torc
         model.set_experts_fn(fused_moe)
     else:
         model.set_experts_fn(moe_reference_fixed_rows if choice.invariant else moe_reference)
-    model.set_fused_layers(choice.fused_layers)
+    model.set_fused_layers(choice.fused_layers, skinny_gemm=choice.skinny_gemm)
     model.set_attention_backend(make_attention_backend(model, choice.attention, block_size, device, dtype,
                                                        invariant=choice.invariant))

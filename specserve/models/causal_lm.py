@@ -138,7 +138,7 @@ class CausalLM(nn.Module):
             if isinstance(module, Int4StackedExperts):
                 module.gemv_max_tokens = max(W4A16_GEMV_MAX_TOKENS, rows)
 
-    def set_fused_layers(self, enabled: bool) -> None:
+    def set_fused_layers(self, enabled: bool, skinny_gemm: bool = True) -> None:
         """The decode graph's fused layers (Triton kernels, CUDA only), or the plain-torch code everywhere:
 
         - every RMSNorm one launch, each residual add fused into the norm after it (kernels/norm.py);
@@ -148,7 +148,8 @@ class CausalLM(nn.Module):
           the attention backend attends over a cache written beforehand (every paged backend does);
         - the router after its gate GEMM in one kernel (kernels/router.py);
         - a step's few rows through the skinny GEMM (kernels/skinny_gemm.py) in every projection but lm_head, SiLU *
-          up in the gate/up GEMM's epilogue and the routed experts' sum in the shared experts' down GEMM's."""
+          up in the gate/up GEMM's epilogue and the routed experts' sum in the shared experts' down GEMM's (unless
+          skinny_gemm is False: cuBLAS then, as before)."""
         from specserve.kernels.skinny_gemm import new_counters
         from specserve.models.layers import (
             ColumnParallelLinear,
@@ -161,7 +162,7 @@ class CausalLM(nn.Module):
 
         self.fused_layers = enabled
         weight = self.model.embed_tokens.weight
-        skinny = new_counters(weight.device) if enabled else None  # one set: a model's GEMMs run one at a time
+        skinny = new_counters(weight.device) if enabled and skinny_gemm else None  # one set: GEMMs run one at a time
         for module in self.modules():
             if isinstance(module, (RMSNorm, TopKRouter)):
                 module.use_kernel = enabled
