@@ -6,6 +6,8 @@ Servicers only await (server.py is the gRPC servicer).
 
 from __future__ import annotations
 
+import asyncio
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -18,7 +20,14 @@ from specserve.protos import convert
 from specserve.protos.specserve.v1 import common_pb2
 from specserve.runtime import tracing as tn
 from specserve.runtime.device_stream import enter_own_stream
-from specserve.runtime.hidden_share import HiddenHandle, HiddenShareDenied, HiddenShareError, HiddenView
+from specserve.runtime.hidden_share import (
+    HOST_SHM,
+    HiddenHandle,
+    HiddenShareDenied,
+    HiddenShareError,
+    HiddenView,
+    fetch_segment,
+)
 from specserve.runtime.session_host import SessionHost, answered_by, build_on_thread
 from specserve.runtime.worker import OneThread
 
@@ -131,13 +140,26 @@ class DrafterWorker:
         self.active[session_id] = len(token_ids)
         self.host.touch(session_id)
         self.busy[session_id] = self.busy.get(session_id, 0) + 1
+        fetched = _Fetched()
         try:
-            await self.call(self._start_on_thread, session_id, token_ids, hidden, sampling, share)
+            if share is not None and share.kind == HOST_SHM:  # the segment's hand-over waits on the target: not
+                fetched.fd = await asyncio.to_thread(self._fetch, share)  # on the drafter's thread
+            await self.call(self._start_on_thread, session_id, token_ids, hidden, sampling, share, fetched)
         except BaseException:
             self._forget(session_id)
             raise
         finally:
+            fetched.close()
             self._done(session_id)
+
+    @staticmethod
+    def _fetch(share: HiddenHandle) -> int:
+        try:
+            return fetch_segment(share)
+        except HiddenShareDenied:
+            raise  # PERMISSION_DENIED: a name without its key (whoever listed /dev/shm)
+        except HiddenShareError as exc:
+            raise UnmappableShare(str(exc)) from None
 
     async def propose(
         self, session_id, prefix_len, append_ids, append_hidden, num_tokens, tree, answer=None
@@ -161,10 +183,11 @@ class DrafterWorker:
         self.proposals += 1
         return msg, compute_ms, answered
 
-    def _start_on_thread(self, session_id, token_ids, hidden, sampling, share: HiddenHandle | None) -> None:
+    def _start_on_thread(self, session_id, token_ids, hidden, sampling, share: HiddenHandle | None,
+                         fetched: _Fetched) -> None:
         if share is not None:
             try:
-                view = HiddenView.open(share)
+                view = HiddenView.open(share, fetched.take())
             except HiddenShareDenied:
                 raise  # PERMISSION_DENIED: a name without its key (whoever listed /dev/shm)
             except HiddenShareError as exc:
@@ -244,3 +267,19 @@ def observe_worker(worker: DrafterWorker) -> None:
         gauges={tn.DRAFT_SESSIONS: lambda: len(worker.active)},
         counters={tn.DRAFT_PROPOSALS: lambda: worker.proposals},
     )
+
+
+class _Fetched:
+    """A host_shm segment's descriptor between its fetch and the mapping that takes it (closed if nothing does)."""
+
+    def __init__(self) -> None:
+        self.fd = -1
+
+    def take(self) -> int:
+        fd, self.fd = self.fd, -1
+        return fd
+
+    def close(self) -> None:
+        fd = self.take()
+        if fd >= 0:
+            os.close(fd)

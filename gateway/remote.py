@@ -249,7 +249,7 @@ class RemoteTargetSession:
             )
         except grpc.aio.AioRpcError as exc:
             raise _target_error(exc) from None
-        self._shm = ShmClient.attach(resp.shm_channel)
+        self._shm = await ShmClient.attach(resp.shm_channel)
         self._last_step_end = time.perf_counter()
         return _result_of(convert.prefill_result_from_proto, resp)
 

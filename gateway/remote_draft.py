@@ -263,7 +263,7 @@ class RemoteDraft:
         if hidden is not None:
             req.hidden.CopyFrom(convert.tensor_to_proto(hidden))
         resp = await self._unary(self._ep.stub.StartSession, req)
-        self._shm = ShmClient.attach(resp.shm_channel, self._ep.reply_limit)
+        self._shm = await ShmClient.attach(resp.shm_channel, self._ep.reply_limit)
 
     async def propose(
         self,

@@ -12,6 +12,7 @@ import asyncio
 import dataclasses
 import math
 import sys
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -23,6 +24,7 @@ from specserve.protos.specserve.v1 import common_pb2
 from specserve.runtime import tracing as tn
 from specserve.runtime.admission import Admission, AdmissionConfig
 from specserve.runtime.errors import LimitExceeded
+from specserve.runtime.hidden_fds import FdServer
 from specserve.runtime.hidden_share import HiddenBuffer, HiddenShareError
 from specserve.runtime.session_host import SessionHost, StepOutcome, build_on_thread
 from specserve.runtime.worker import OneThread
@@ -96,6 +98,7 @@ class EngineWorker:
         self.active = self.host.sessions  # session id -> len(S)
         # session id -> its shared buffer of hidden rows (made, written and freed on the engine thread)
         self.shares: dict[str, HiddenBuffer] = self.host.buffers
+        self.fd_server = FdServer()  # offers the host_shm buffers' segments to their drafters (runtime/hidden_fds.py)
 
     @property
     def steps(self) -> int:
@@ -116,6 +119,7 @@ class EngineWorker:
 
     async def close(self) -> None:
         await self.host.close()
+        self.fd_server.close()
 
     async def call(self, fn, *args):
         """Run fn on the engine thread once it is free (calls run in arrival order; one whose caller
@@ -214,17 +218,20 @@ class EngineWorker:
         written into a new shared buffer of that many rows (its handle goes out once, in the reply)."""
         buffer = None
         if share_rows and hidden_layers:
+            # every refusal of the request first: a refused Prefill allocates nothing (#44: its buffer stayed mapped)
+            self.engine.check_prefill(session_id, prompt_ids, sampling, hidden_layers, logprobs)
             try:
                 buffer = HiddenBuffer.create(share_rows, len(hidden_layers) * self.engine.info().hidden_size,
-                                             self.engine.dtype, self.engine.device)
+                                             self.engine.dtype, self.engine.device, self.fd_server)
             except HiddenShareError as exc:
                 print(f"target: {exc}; session {session_id[:40]} sends its hidden rows as bytes", file=sys.stderr,
                       flush=True)
         try:
             res = self.engine.prefill(session_id, prompt_ids, sampling, hidden_layers,
                                       hidden_out=None if buffer is None else buffer.tensor, logprobs=logprobs)
-        except BaseException:
+        except BaseException as exc:
             if buffer is not None:
+                traceback.clear_frames(exc.__traceback__)  # the engine's frames view the buffer: let go, then unmap
                 buffer.close()
             raise
         if buffer is not None and res.hidden.shape[0] > buffer.rows:  # (sized above for the prompt and more)
@@ -247,7 +254,7 @@ class EngineWorker:
             return res
         buffer = self.shares.get(session_id)
         if buffer is not None:
-            buffer.unlink()  # its drafter has mapped it by now (or never will): no name stays in /dev/shm
+            buffer.withdraw()  # its drafter has taken it by now (or never will): no name stays in /dev/shm
             stop = self.engine.session(session_id).cached_len
             if stop <= buffer.rows:
                 return dataclasses.replace(res, hidden=SharedRows(stop - res.hidden.shape[0], stop))

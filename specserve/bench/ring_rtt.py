@@ -69,7 +69,7 @@ def _stats(samples_s: list[float]) -> dict:
 def bench_shm(mode: str, nbytes: int, n: int, warmup: int, spin_us: float) -> dict:
     cfg = RingConfig(spin_us=spin_us)
     ch = ShmChannel.create(cfg)
-    peer = _start_peer("--shm-peer", ch.name, mode, str(spin_us))
+    peer = _start_peer("--shm-peer", ch.ticket, mode, str(spin_us))
     payload = os.urandom(nbytes)
     try:
         if mode == "blocking":

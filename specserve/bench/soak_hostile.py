@@ -1,26 +1,53 @@
-"""The soak's hostile clients: a rogue draft service, half-open HTTP connections, garbage bytes, hang-ups
-and cancels (what `soak.py`'s hostile workers send beside the load; each returns what it got)."""
+"""The soak's hostile clients: rogue draft services (an oversized frame; a ring shrunk under the gateway), half-open
+HTTP connections, garbage bytes, hang-ups and cancels (what `soak.py`'s hostile workers send beside the load; each
+returns what it got)."""
 
 from __future__ import annotations
 
+import os
 import random
 import socket
+import stat
 import threading
 
 HTTP_READ_TIMEOUT_S = 2.0  # the gateway's --http-read-timeout-s: a half-open connection must close by then
-HOSTILE_KINDS = ("hang_up", "cancel", "garbage", "rogue_frame", "half_open")
+HOSTILE_KINDS = ("hang_up", "cancel", "garbage", "rogue_frame", "shrink_ring", "half_open")
+SHM_TAGS = ("/memfd:", "/dev/shm/specserve-")  # how a memfd and a named segment show in /proc/PID/fd
+
+
+def segment_fds() -> set[int]:
+    """This process's descriptors of shared-memory files (memfds, /dev/shm segments; no sockets, no FIFOs): what a
+    rogue drafter keeps of the segment it offers, to truncate it later."""
+    out = set()
+    for entry in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{entry}")
+            regular = stat.S_ISREG(os.stat(f"/proc/self/fd/{entry}").st_mode)
+        except OSError:
+            continue
+        if regular and target.startswith(SHM_TAGS):
+            out.add(int(entry))
+    return out
 
 
 class RogueDraft:
     """A rogue draft service in this process (its own thread and event loop): it offers each session a
-    shared-memory channel and answers the first proposal with a 4-byte length prefix claiming 2^31 bytes,
-    never a body; over gRPC it drafts nothing. Vocabulary-agnostic (size 0), so it fits any target."""
+    shared-memory channel and, once the gateway waits on it for the first proposal, attacks it. ``frame``: it
+    answers with a 4-byte length prefix claiming 2^31 bytes, never a body. ``shrink`` (#44): it truncates the
+    channel's segment to 0 bytes (through a descriptor it kept when it made the channel) and rings the doorbell, so
+    a gateway that read the ring would die of SIGBUS; the kernel refuses the truncation of a sealed segment
+    (``shrunk`` counts those it allowed: must stay 0). Over gRPC it drafts nothing. Vocabulary-agnostic (size 0),
+    so it fits any target."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, attack: str = "frame") -> None:
         import asyncio
 
-        self.address = address
+        if attack not in ("frame", "shrink"):
+            raise ValueError(f"attack must be frame or shrink, got {attack!r}")
+        self.address, self.attack = address, attack
         self.frames = 0
+        self.shrunk = 0  # truncations the kernel allowed (a segment a peer could shrink: a SIGBUS waiting)
+        self.shrinks_refused = 0
         self._loop = asyncio.new_event_loop()
         self._server = None
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
@@ -50,12 +77,36 @@ class RogueDraft:
                 return draft_pb2.DraftInfo(family="rogue", vocab_size=0, max_block_size=8)
 
             async def StartSession(self, request, context):
-                name = ""
+                ticket = ""
                 if request.want_shm:
+                    before = segment_fds()
                     channel = ShmChannel.create()
-                    asyncio.get_running_loop().create_task(self._claim_two_gib(channel))
-                    name = channel.name
-                return draft_pb2.StartSessionResponse(session_id=request.session_id, shm_channel=name)
+                    if rogue.attack == "shrink":
+                        kept = [os.dup(fd) for fd in segment_fds() - before]
+                        asyncio.get_running_loop().create_task(self._shrink(channel, kept))
+                    else:
+                        asyncio.get_running_loop().create_task(self._claim_two_gib(channel))
+                    ticket = channel.ticket
+                return draft_pb2.StartSessionResponse(session_id=request.session_id, shm_channel=ticket)
+
+            async def _shrink(self, channel, kept: list[int]) -> None:
+                try:
+                    await channel.wait_attached(10)
+                    await channel.arecv(30)  # the first proposal: the gateway now waits on the ring
+                    for fd in kept:
+                        try:
+                            os.ftruncate(fd, 0)
+                            rogue.shrunk += 1
+                        except PermissionError:
+                            rogue.shrinks_refused += 1
+                    channel._ring_peer()
+                    await asyncio.sleep(5)  # never answers, and never reads its own (maybe shrunk) mapping
+                except Exception:  # noqa: BLE001 - the gateway dropped the channel
+                    pass
+                finally:
+                    for fd in kept:
+                        os.close(fd)
+                    channel.close()
 
             async def _claim_two_gib(self, channel) -> None:
                 try:

@@ -11,7 +11,7 @@ their trace context in the same field.
 
 A frame is one byte of kind and then either a serialized message (``OK``) or, as a gRPC stream ends
 with a status, a u32 status code and its UTF-8 details (``STATUS``). Like a stream, a session's
-channel ends at the first error, when either side closes it or goes away (the doorbell FIFO's
+channel ends at the first error, when either side closes it or goes away (the doorbell pipe's
 end-of-file), or at the session's deadline; the service then releases the session as it does when
 a stream ends.
 """
@@ -29,7 +29,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from specserve.runtime.shm_layout import DEFAULT_MAX_MESSAGE, RingConfig, default_spin_us
-from specserve.runtime.shm_ring import MessageTooLarge, RingError, RingTimeout, ShmChannel
+from specserve.runtime.shm_ring import MessageTooLarge, PeerGone, RingError, RingTimeout, ShmChannel
 
 SHM_ENV = "SPECSERVE_SHM"  # "0": no shared-memory data plane (flag: --no-shm)
 OK, STATUS = 0, 1
@@ -153,7 +153,7 @@ class ShmSessions:
         self.attached = 0  # channels a caller attached to
 
     def offer(self, session_id: str, deadline_s: float | None) -> str:
-        """A channel name for this session ("" when none can be made: the session stays on gRPC)."""
+        """A channel ticket for this session ("" when none can be made: the session stays on gRPC)."""
         if not self.config.enabled:
             return ""
         self.close_session(session_id)
@@ -169,7 +169,7 @@ class ShmSessions:
         )
         self._tasks[session_id] = task
         task.add_done_callback(lambda t, sid=session_id: self._tasks.pop(sid, None) if self._tasks.get(sid) is t else None)
-        return channel.name
+        return channel.ticket
 
     @property
     def served(self) -> int:
@@ -220,13 +220,14 @@ class ShmSessions:
 
     async def _serve(self, session_id: str, channel: ShmChannel, deadline: float | None) -> None:
         attached = gone = False
+        offered = time.monotonic()
         try:
             try:
                 await channel.wait_attached(self.config.attach_timeout_s)
-            except RingTimeout:
-                channel.close()  # the names go now
+            except (RingTimeout, PeerGone):  # nobody came, or the caller took the segment and went (or refused it)
+                channel.close()  # the name goes now
                 # a caller going on over gRPC withdraws the offer at its first step (drop_offer cancels this)
-                await asyncio.sleep(self.config.abandon_s - self.config.attach_timeout_s)
+                await asyncio.sleep(max(0.0, self.config.abandon_s - (time.monotonic() - offered)))
                 gone = True
                 return
             attached = True
@@ -282,6 +283,11 @@ def _one_line(exc: BaseException, limit: int = 2000) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+def _close_opened(opening: asyncio.Future) -> None:
+    if not opening.cancelled() and opening.exception() is None:
+        opening.result().close()
+
+
 class ShmClient:
     """The caller's end of one session's channel: one request, then its response (the stream's
     ``exchange``). Any failure closes it; the caller maps it like the stream's."""
@@ -290,15 +296,22 @@ class ShmClient:
         self.channel = channel
 
     @classmethod
-    def attach(cls, name: str, max_message: int = DEFAULT_MAX_MESSAGE) -> ShmClient | None:
-        """None when the channel cannot be opened here (another host, or its service went).
-        ``max_message``: the largest reply read (a longer one is a RingError, the channel is dropped)."""
+    async def attach(cls, name: str, max_message: int = DEFAULT_MAX_MESSAGE) -> ShmClient | None:
+        """None when the channel cannot be opened here (another host, or its service went), or what its service
+        hands over is no sealed channel segment (ShmChannel.attach). ``max_message``: the largest reply read (a
+        longer one is a RingError, the channel is dropped). The hand-over runs on a worker thread: a service
+        that never hands its segment over costs this session the attach timeout, never the event loop."""
         if not name:
             return None
+        loop = asyncio.get_running_loop()
+        opening = loop.run_in_executor(None, ShmChannel.attach, name, session_ring(max_message, default_spin_us()))
         try:
-            return cls(ShmChannel.attach(name, session_ring(max_message, default_spin_us())))
+            return cls(await asyncio.shield(opening))
         except (OSError, RingError):
             return None
+        except asyncio.CancelledError:  # the channel the thread still opens is closed when it is there
+            opening.add_done_callback(_close_opened)
+            raise
 
     async def exchange(self, request, response_cls, timeout: float | None):
         """Raises StatusFrame (the service's status), RingTimeout, or RingError / PeerGone."""

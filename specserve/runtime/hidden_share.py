@@ -4,18 +4,20 @@ the buffer's handle (once per session) and which rows are new (a row range per s
 
 Two kinds behind one interface, picked from the target tensor's device:
 
-- ``host_shm``: a ``multiprocessing.shared_memory`` segment in /dev/shm holding the [rows, cols] tensor
-  (CPU targets; what CI tests). /dev/shm is world-listable, so the name is no secret: the segment
-  starts with a header (a magic and a 256-bit random key of the session), the handle carries the
-  name and the key, and the drafter maps a segment only when its header holds that magic and key
-  (compared in constant time); otherwise it refuses (PERMISSION_DENIED) and leaves the segment, name
-  included, alone, so whoever lists /dev/shm cannot have a session's rows mapped, unlink its buffer
-  or pass a ring segment off as one. Names and leaks as in shm_layout.py: the segment is created mode 0600 and
-  named ``specserve-<96-bit random token>``; the drafter unlinks the name as soon as it has mapped it,
-  and the target unlinks it at the session's first verify step (by then the drafter has attached or
-  never will) or at its end, so while the session runs nothing is left by name and a SIGKILL of
-  either side leaves nothing. Only a target killed between its Prefill reply and the drafter's attach
-  leaves the name (the same window as a ring's offer).
+- ``host_shm``: a sealed memfd holding the [rows, cols] tensor (CPU targets; what CI tests), which nobody, the
+  target included, can shrink under the drafter's mapping (specserve/runtime/shm_memfd.py). It has no name: the
+  target offers its descriptor at a socket of its own in /dev/shm (specserve/runtime/hidden_fds.py), to the one
+  caller that presents the session's 256-bit random key; the handle carries the socket's name and that key, and
+  the drafter fetches the descriptor (``fetch_segment``), checks its seals and size, and maps it (``HiddenView``)
+  only then. /dev/shm is world-listable, so the name is no secret: a caller with another key is hung up on
+  (PERMISSION_DENIED at the drafter), so whoever lists /dev/shm cannot have a session's rows mapped or its offer
+  taken, and a ring's socket never hands its segment to a drafter (nor a buffer's to a gateway: the hand-over's
+  byte says which). The segment still starts with a header (a magic and the key) that the drafter checks after
+  mapping. Names and leaks: the socket is created mode 0600 and named ``specserve-<96-bit random token>``; the
+  offer ends, and the name goes, when the drafter has taken the descriptor, at the session's first verify step
+  (by then the drafter has it or never will) or at the buffer's end, so while the session runs nothing is left
+  by name and a SIGKILL of either side leaves nothing. Only a target killed between its Prefill reply and the
+  drafter's fetch leaves the name (a socket; the same window as a ring's offer).
 - ``cuda_ipc``: a CUDA tensor's IPC handle, made and opened with torch.multiprocessing's reductions
   (``reduce_tensor`` / ``rebuild_cuda_tensor``). The handle's fields travel as JSON, never a pickle,
   so a handle from the wire cannot run code. Torch's IPC reference counter keeps the allocation alive
@@ -36,15 +38,23 @@ import os
 import re
 import secrets
 from dataclasses import dataclass
-from multiprocessing import resource_tracker
-from multiprocessing.shared_memory import SharedMemory
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from specserve.protos.specserve.v1 import common_pb2
+from specserve.runtime.hidden_fds import HIDDEN_TAG, TAKEN, FdServer
 from specserve.runtime.shm_layout import NAME_PREFIX, SHM_DIR
+from specserve.runtime.shm_memfd import (
+    KEY_BYTES,
+    HungUp,
+    Segment,
+    SegmentRefused,
+    ask_for_fds,
+    check_sealed,
+    make_sealed,
+)
 
 HIDDEN_SHARE_ENV = "SPECSERVE_HIDDEN_SHARE"  # "0": hidden rows always as bytes (flag: --no-hidden-share)
 HOST_SHM, CUDA_IPC = "host_shm", "cuda_ipc"
@@ -53,7 +63,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 _DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 MAX_HANDLE_BYTES = 4096
 _MAGIC = b"specserve-hidden-rows-v1"  # a host_shm segment's header: the magic, then the session's key
-_KEY_BYTES = 32
+_KEY_BYTES = KEY_BYTES
+FETCH_TIMEOUT_S = 2.0  # a drafter waits this long for the target to hand a buffer's segment over
 _HEADER = 64  # bytes before row 0 (a cache line; the rows stay 64-byte aligned)
 _SEGMENT_NAME = re.compile(re.escape(NAME_PREFIX) + "[0-9a-f]{24}")
 
@@ -131,22 +142,25 @@ class HiddenHandle:
 # ------------------------------------------------------------------------------------------ the target's end
 class HiddenBuffer:
     """The target's buffer of one session: ``tensor`` [rows, cols] in the engine's dtype on its device,
-    and the ``handle`` to hand over once. ``unlink`` removes a host_shm name (idempotent); ``close``
-    frees the buffer (the drafter's mapping, if any, stays valid until it closes its own)."""
+    and the ``handle`` to hand over once. ``withdraw`` ends a host_shm buffer's offer (its name goes;
+    idempotent); ``close`` frees the buffer (the drafter's mapping, if any, stays valid until it closes its own)."""
 
-    def __init__(self, tensor: torch.Tensor, handle: HiddenHandle, shm: SharedMemory | None) -> None:
+    def __init__(self, tensor: torch.Tensor, handle: HiddenHandle, shm: Segment | None,
+                 server: FdServer | None = None, offer: str = "") -> None:
         self.tensor = tensor  # [rows, cols]
         self.handle = handle
         self._shm = shm
-        self._linked = shm is not None
+        self._server, self._offer = server, offer
 
     @property
     def rows(self) -> int:
         return self.handle.rows
 
     @classmethod
-    def create(cls, rows: int, cols: int, dtype: torch.dtype, device: torch.device | str) -> HiddenBuffer:
-        """Raises HiddenShareError (a dtype with no name here, no room in /dev/shm, no device memory)."""
+    def create(cls, rows: int, cols: int, dtype: torch.dtype, device: torch.device | str,
+               server: FdServer | None = None) -> HiddenBuffer:
+        """Raises HiddenShareError (a dtype with no name here, no room for a segment, no device memory, no
+        ``server`` to offer a host_shm segment from)."""
         if dtype not in _DTYPE_NAMES:
             raise HiddenShareError(f"no hidden share for dtype {dtype}")
         name_of_dtype = _DTYPE_NAMES[dtype]
@@ -159,25 +173,31 @@ class HiddenBuffer:
             except RuntimeError as exc:  # out of device memory: this session's rows go as bytes
                 raise HiddenShareError(f"no device buffer of [{rows}, {cols}]: {str(exc)[:200]}") from None
             return cls(tensor, HiddenHandle(CUDA_IPC, rows, cols, name_of_dtype, _cuda_handle(tensor)), None)
-        name = NAME_PREFIX + secrets.token_hex(12)
+        if server is None:
+            raise HiddenShareError("no hidden share: nothing serves host_shm segments here")
         key = secrets.token_bytes(_KEY_BYTES)
         nbytes = rows * cols * dtype.itemsize
         try:
-            shm = _create_segment(name, _HEADER + nbytes)
+            fd = make_sealed("specserve-hidden", _HEADER + nbytes)
         except OSError as exc:
-            raise HiddenShareError(f"no /dev/shm segment of {nbytes} bytes: {exc}") from None
-        shm.buf[: len(_MAGIC) + _KEY_BYTES] = _MAGIC + key
+            raise HiddenShareError(f"no shared segment of {nbytes} bytes: {exc}") from None
+        try:
+            shm = Segment(fd, _HEADER + nbytes)
+            shm.buf[: len(_MAGIC) + _KEY_BYTES] = _MAGIC + key
+            name = server.offer(fd, key)  # the server holds the descriptor from here
+        except OSError as exc:
+            os.close(fd)
+            raise HiddenShareError(f"no shared segment of {nbytes} bytes: {exc}") from None
         handle = HiddenHandle(HOST_SHM, rows, cols, name_of_dtype, f"{name}:{key.hex()}".encode())
-        return cls(_segment_tensor(shm, rows, cols, dtype), handle, shm)
+        return cls(_segment_tensor(shm, rows, cols, dtype), handle, shm, server, name)
 
-    def unlink(self) -> None:
-        if self._linked:
-            self._linked = False
-            with contextlib.suppress(FileNotFoundError):
-                (SHM_DIR / _shm_name_and_key(self.handle)[0]).unlink()
+    def withdraw(self) -> None:
+        if self._offer:
+            offer, self._offer = self._offer, ""
+            self._server.withdraw(offer)
 
     def close(self) -> None:
-        self.unlink()
+        self.withdraw()
         on_cuda = self.tensor is not None and self.tensor.is_cuda
         self.tensor = None
         if on_cuda:  # memory a drafter still mapped waits in torch's IPC limbo: free what it has let go
@@ -187,8 +207,13 @@ class HiddenBuffer:
             with contextlib.suppress(BufferError):  # a view still alive: the mapping goes with it
                 shm.close()
 
+    @property
+    def mapped(self) -> bool:
+        """Whether this buffer's segment is still mapped here (tests: a close under a live view leaves it)."""
+        return self._shm is not None
 
-def _segment_tensor(shm: SharedMemory, rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor:  # [rows, cols]
+
+def _segment_tensor(shm: Segment, rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor:  # [rows, cols]
     """A tensor over the segment's rows (after its header) that pins its mapping: numpy holds a buffer
     export of it, so the segment cannot be unmapped (close raises BufferError) while any tensor over it
     lives (torch.frombuffer would not pin it: a close under a live tensor is a use after unmap)."""
@@ -199,7 +224,7 @@ def _segment_tensor(shm: SharedMemory, rows: int, cols: int, dtype: torch.dtype)
 def _shm_name_and_key(handle: HiddenHandle) -> tuple[str, bytes]:
     """A host_shm handle's segment name and key (HiddenShareError when it is not one)."""
     name, sep, key_hex = handle.handle.decode("utf-8", "replace").partition(":")
-    if not _SEGMENT_NAME.fullmatch(name):  # what create makes: never a ring's FIFO, never a path
+    if not _SEGMENT_NAME.fullmatch(name):  # what create makes: never a path
         raise HiddenShareError(f"hidden_share: {name[:70]!r} is not a specserve segment name")
     try:
         key = bytes.fromhex(key_hex)
@@ -208,25 +233,6 @@ def _shm_name_and_key(handle: HiddenHandle) -> tuple[str, bytes]:
     if not sep or len(key) != _KEY_BYTES:
         raise HiddenShareError(f"hidden_share: the handle of {name} carries no {_KEY_BYTES}-byte key")
     return name, key
-
-
-def _create_segment(name: str, nbytes: int) -> SharedMemory:
-    """A 0600 segment whose pages are allocated now (a full /dev/shm is an OSError here, never a SIGBUS)."""
-    shm = SharedMemory(name=name, create=True, size=nbytes)
-    resource_tracker.unregister(shm._name, "shared_memory")  # the name lives as long as the session, not the process
-    try:
-        fd = os.open(SHM_DIR / name, os.O_RDWR)
-        try:
-            os.fchmod(fd, 0o600)
-            os.posix_fallocate(fd, 0, nbytes)
-        finally:
-            os.close(fd)
-    except BaseException:
-        shm.close()
-        with contextlib.suppress(FileNotFoundError):
-            (SHM_DIR / name).unlink()
-        raise
-    return shm
 
 
 def _cuda_handle(tensor: torch.Tensor) -> bytes:
@@ -243,20 +249,62 @@ def _cuda_handle(tensor: torch.Tensor) -> bytes:
 
 
 # ----------------------------------------------------------------------------------------- the drafter's end
+def fetch_segment(handle: HiddenHandle, timeout: float = FETCH_TIMEOUT_S) -> int:
+    """A host_shm buffer's segment, from the target that offers it (blocking up to ``timeout``: call it off the
+    drafter's thread), checked before anything maps it: sealed against resizing (a drafter that maps memory whose
+    size a peer controls dies of SIGBUS when the peer truncates it), as large as the handle says, its header
+    holding the handle's key. Returns its descriptor (``HiddenView.open`` maps and closes it); the offer ends then.
+    Raises HiddenShareDenied when the offer's owner does not know the handle's key (or the segment's header says
+    another key), HiddenShareError when nothing offers it here (another host, a target gone, an offer taken or
+    withdrawn) or what is handed over is not that buffer's segment (the offer stays)."""
+    name, key = _shm_name_and_key(handle)
+    try:
+        sock, (fd,) = ask_for_fds(name, key, HIDDEN_TAG, 1, timeout)
+    except HungUp:
+        raise HiddenShareDenied(f"hidden_share: {name} is not the buffer this handle's key opens") from None
+    except SegmentRefused as exc:
+        raise HiddenShareError(f"hidden_share: {exc}") from None
+    except OSError as exc:
+        raise HiddenShareError(f"hidden_share: cannot open segment {name}: {exc.strerror or exc}") from None
+    with sock:
+        try:
+            _check_segment(fd, name, key, handle)
+            with contextlib.suppress(OSError):
+                sock.send(TAKEN)
+                sock.recv(1)  # the owner hangs up once the offer (and its name) is gone
+        except BaseException:
+            os.close(fd)
+            raise
+    return fd
+
+
+def _check_segment(fd: int, name: str, key: bytes, handle: HiddenHandle) -> None:
+    try:
+        size = check_sealed(fd)
+    except SegmentRefused as exc:
+        raise HiddenShareError(f"hidden_share: {name}: {exc}") from None
+    if size < _HEADER + handle.nbytes:
+        raise HiddenShareError(f"hidden_share: segment {name} has {max(0, size - _HEADER)} bytes of rows, the "
+                               f"handle's [{handle.rows}, {handle.cols}] {handle.dtype} needs {handle.nbytes}")
+    if not hmac.compare_digest(os.pread(fd, len(_MAGIC) + _KEY_BYTES, 0), _MAGIC + key):
+        raise HiddenShareDenied(f"hidden_share: segment {name} is not the buffer this handle's key opens")
+
+
 class HiddenView:
     """The drafter's mapping of one session's buffer. ``read(start, stop)`` copies rows out as float32 on
     the buffer's device (the values the byte path gives, so a drafter drafts exactly the same block)."""
 
-    def __init__(self, tensor: torch.Tensor, handle: HiddenHandle, shm: SharedMemory | None) -> None:
+    def __init__(self, tensor: torch.Tensor, handle: HiddenHandle, shm: Segment | None) -> None:
         self.tensor = tensor  # [rows, cols], the target's memory
         self.handle = handle
         self._shm = shm
 
     @classmethod
-    def open(cls, handle: HiddenHandle) -> HiddenView:
-        """Map the buffer (host_shm: and unlink its name at once). Raises HiddenShareError."""
+    def open(cls, handle: HiddenHandle, fd: int = -1) -> HiddenView:
+        """Map the buffer (host_shm: the descriptor ``fetch_segment`` gave, taken over and closed here; fetched
+        here when none is given). Raises HiddenShareError."""
         if handle.kind == HOST_SHM:
-            return cls._open_shm(handle)
+            return cls._open_shm(handle, fetch_segment(handle) if fd < 0 else fd)
         if not torch.cuda.is_available():
             raise HiddenShareError("hidden_share: a cuda_ipc buffer, but this process has no CUDA")
         try:
@@ -269,25 +317,12 @@ class HiddenView:
         return cls(tensor, handle, None)
 
     @classmethod
-    def _open_shm(cls, handle: HiddenHandle) -> HiddenView:
-        """Map the segment only if its header holds the handle's key; whatever is refused is left as it
-        was (never unlinked: it may be another session's buffer, or a ring)."""
-        name, key = _shm_name_and_key(handle)
+    def _open_shm(cls, handle: HiddenHandle, fd: int) -> HiddenView:
+        """Map a segment ``fetch_segment`` checked (sealed: its size cannot change since)."""
         try:
-            shm = SharedMemory(name=name, create=False)
-        except OSError as exc:
-            raise HiddenShareError(f"hidden_share: cannot open segment {name}: {exc.strerror or exc}") from None
-        resource_tracker.unregister(shm._name, "shared_memory")  # the target's, not ours to unlink at exit
-        header = bytes(shm.buf[: len(_MAGIC) + _KEY_BYTES]) if shm.size >= _HEADER else b""
-        if not hmac.compare_digest(header, _MAGIC + key):
-            shm.close()
-            raise HiddenShareDenied(f"hidden_share: segment {name} is not the buffer this handle's key opens")
-        if shm.size < _HEADER + handle.nbytes:  # not what the handle says: left to the target (it unlinks it)
-            shm.close()
-            raise HiddenShareError(f"hidden_share: segment {name} has {shm.size - _HEADER} bytes of rows, the "
-                                   f"handle's [{handle.rows}, {handle.cols}] {handle.dtype} needs {handle.nbytes}")
-        with contextlib.suppress(FileNotFoundError):
-            (SHM_DIR / name).unlink()  # mapped, and ours: nothing needs the name any more
+            shm = Segment(fd, _HEADER + handle.nbytes)
+        finally:
+            os.close(fd)  # the mapping holds the segment
         return cls(_segment_tensor(shm, handle.rows, handle.cols, DTYPES[handle.dtype]), handle, shm)
 
     def read(self, start: int, stop: int) -> torch.Tensor:  # [stop - start, cols] float32, a private copy

@@ -1,6 +1,6 @@
 """A shared-memory channel's segment at rest (specserve/runtime/shm_ring.py is the channel, shm_rings.py its
 rings): where each word of it lives, the u32 length prefix, the sizes and spin a channel end is made with
-(``RingConfig``), and the names the segment and its two FIFOs have in /dev/shm (room reserved up front, unlinked, listed).
+(``RingConfig``), and the one name a channel has in /dev/shm (its hand-over socket: unlinked, listed).
 
 Layout of the segment (``RingConfig.capacity`` = C bytes per direction)::
 
@@ -10,14 +10,17 @@ Layout of the segment (``RingConfig.capacity`` = C bytes per direction)::
     [512, 512 + C)    ring 0: creator -> attacher
     [512 + C, 512+2C) ring 1: attacher -> creator
 
-Names and leaks: the segment and both FIFOs are named ``specserve-<random token>`` in /dev/shm. The
-creator makes them and opens its FIFO; the attacher opens all three and unlinks them at once, so
-once both sides hold them nothing is left by name and a SIGKILL of either side leaves nothing in
-/dev/shm. A creator whose peer never attaches unlinks them itself (``ShmChannel.close``: the service
-does at its attach timeout, or as soon as the session's steps come over gRPC instead); an attacher that
-finds the creator gone unlinks them too. Only a creator killed while its offer waits for an attacher that
-never comes leaves them (the multiprocessing resource tracker is not used: it would unlink by process,
-not by channel, and it cannot remove FIFOs).
+The segment is a sealed memfd (specserve/runtime/shm_memfd.py): it has no name, its pages are allocated when it
+is made (no room is an OSError then, and that session stays on gRPC, never a SIGBUS later), and nobody, its
+creator included, can shrink it under a peer's mapping. The attacher gets its descriptor over the channel's socket
+and checks its seals and size before mapping it.
+
+Names and leaks: the channel's one name is its socket, ``specserve-<random token>`` in /dev/shm (mode 0600). The
+creator removes it when it takes the attacher (the attacher removes it too, once it holds the segment), so once
+both sides hold the channel nothing is left by name and a SIGKILL of either side leaves nothing. A creator whose
+peer never attaches removes it itself (``ShmChannel.close``: the service does at its attach timeout, or as soon as
+the session's steps come over gRPC instead). Only a creator killed while its offer waits for an attacher that
+never comes leaves the name (a socket: no memory stays with it).
 """
 
 from __future__ import annotations
@@ -61,30 +64,14 @@ class RingConfig:
             raise ValueError(f"spin_us must be >= 0, got {self.spin_us}")
 
 
-def fifo_path(name: str, side: str) -> Path:
-    return SHM_DIR / f"{name}.{side}"
-
-
 def unlink_names(name: str) -> None:
-    """Remove the segment and both FIFOs by name (whatever is still there)."""
-    for path in (SHM_DIR / name, fifo_path(name, "c"), fifo_path(name, "a")):
-        with contextlib.suppress(FileNotFoundError):
-            path.unlink()
-
-
-def reserve(name: str, size: int) -> None:
-    """Allocate the segment's pages now: a /dev/shm too small for it (a container's default 64 MiB)
-    is an OSError here, and the session stays on gRPC, instead of a SIGBUS at the first write
-    into a page the filesystem cannot back."""
-    fd = os.open(SHM_DIR / name, os.O_RDWR)
-    try:
-        os.posix_fallocate(fd, 0, size)
-    finally:
-        os.close(fd)
+    """Remove a channel's name (its hand-over socket) if it is still there."""
+    with contextlib.suppress(FileNotFoundError):
+        (SHM_DIR / name).unlink()
 
 
 def leftover_names() -> list[str]:
-    """What channels left in /dev/shm (tests assert it is nothing)."""
+    """What channels and hidden-row servers left in /dev/shm (tests assert it is nothing)."""
     if not SHM_DIR.is_dir():
         return []
     return sorted(p.name for p in SHM_DIR.iterdir() if p.name.startswith(NAME_PREFIX))

@@ -1,10 +1,15 @@
 """A duplex shared-memory channel between two processes of one host: two single-producer /
-single-consumer rings of length-prefixed messages in one ``multiprocessing.shared_memory`` segment,
-and a doorbell per side. The segment's layout, ``RingConfig``, and the names in /dev/shm (with who
-unlinks them when) are specserve/runtime/shm_layout.py; the rings and their messages (framing, limits, the order
-of stores) specserve/runtime/shm_rings.py; the doorbells (FIFOs, the peer's pulse)
-specserve/runtime/shm_doorbell.py; what it raises specserve/runtime/shm_errors.py. This module is one end:
-making and attaching it, waiting (spin, then the doorbell), and closing.
+single-consumer rings of length-prefixed messages in one sealed memfd segment, and a doorbell (a pipe) per
+side. The segment's layout, ``RingConfig``, and the channel's name in /dev/shm (with who
+unlinks it when) are specserve/runtime/shm_layout.py; the rings and their messages (framing, limits, the order
+of stores) specserve/runtime/shm_rings.py; the doorbells (the peer's pulse) and the segment's hand-over (a Unix
+socket) specserve/runtime/shm_doorbell.py; sealed segments specserve/runtime/shm_memfd.py; what it raises
+specserve/runtime/shm_errors.py. This module is one end: making and attaching it, waiting (spin, then the
+doorbell), and closing.
+
+No end maps memory whose size its peer controls: the creator seals the segment against resizing before anyone
+can see it, and the attacher maps only a segment whose seals and size it has checked, so a peer that tries to
+shrink it under us (the SIGBUS of issue #44) gets EPERM.
 
 The blocking API (``send`` / ``recv``) and the asyncio API (``asend`` / ``arecv``) may not be mixed on
 one channel end; each end is used by one thread (or one event loop) at a time.
@@ -15,19 +20,22 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import re
 import secrets
 import select
-import stat
 import threading
 import time
 from collections.abc import Iterator
-from multiprocessing import resource_tracker
-from multiprocessing.shared_memory import SharedMemory
 
-from specserve.runtime.shm_doorbell import Doorbell
+from specserve.runtime.shm_doorbell import Doorbell, close_fd
 from specserve.runtime.shm_errors import MessageTooLarge, PeerGone, RingError, RingTimeout
-from specserve.runtime.shm_layout import CONTROL, NAME_PREFIX, RingConfig, fifo_path, reserve, unlink_names
+from specserve.runtime.shm_layout import CONTROL, NAME_PREFIX, RingConfig, unlink_names
+from specserve.runtime.shm_memfd import KEY_BYTES, Segment, SegmentRefused, check_sealed, make_sealed
 from specserve.runtime.shm_rings import Rings
+
+_CHANNEL_NAME = re.compile(re.escape(NAME_PREFIX) + "[0-9a-f]{24}")  # what create makes: never a path
+_KEY_HEX = re.compile(f"[0-9a-f]{{{2 * KEY_BYTES}}}")
+ATTACH_TIMEOUT_S = 5.0  # an attacher waits this long for the creator to hand its segment over
 
 
 def _expire(waiter: asyncio.Future) -> None:
@@ -36,11 +44,12 @@ def _expire(waiter: asyncio.Future) -> None:
 
 
 class ShmChannel:
-    """One end of a duplex channel. ``create`` on one side (it gets a ``name`` to hand over),
-    ``attach(name)`` on the other."""
+    """One end of a duplex channel. ``create`` on one side (it gets a ``ticket`` to hand over),
+    ``attach(ticket)`` on the other."""
 
-    def __init__(self, shm: SharedMemory, name: str, creator: bool, capacity: int, config: RingConfig) -> None:
-        self.name = name
+    def __init__(self, shm: Segment, name: str, creator: bool, capacity: int, config: RingConfig) -> None:
+        self.name = name  # its socket's name in /dev/shm
+        self.ticket = ""  # creator: what the attacher needs, ``name:key`` (the service's reply carries it)
         self.creator = creator
         self.capacity = capacity
         self.max_message = config.max_message  # what this end reads
@@ -48,72 +57,92 @@ class ShmChannel:
         self._shm = shm
         self._rings = Rings(shm.buf, creator, capacity, config.max_message)
         self._bell = Doorbell()
+        self._segment_fd = -1  # the creator's, until the attacher has it
         self._attached = False
-        self._linked = creator  # the names still exist (the creator unlinks them if nobody attaches)
+        self._linked = creator  # the name still exists (the creator unlinks it if nobody attaches)
         self._closed = False
         self._peer_gone = False
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._watched = -1  # the descriptor ``_loop`` watches for this end (the hand-over's, then the doorbell pipe)
         self._waiter: asyncio.Future | None = None
         self._send_lock = threading.Lock()  # try_send (any thread) against close
 
     # ------------------------------------------------------------------------------ set-up
     @classmethod
     def create(cls, config: RingConfig | None = None) -> ShmChannel:
+        """Make the sealed segment and listen for the attacher at /dev/shm/<name> (OSError: no room, no /dev/shm)."""
         cfg = config or RingConfig()
-        name = NAME_PREFIX + secrets.token_hex(12)
-        shm = SharedMemory(name=name, create=True, size=CONTROL + 2 * cfg.capacity)
-        # the names' lifetime is the channel's (the attacher unlinks them, or close does), not the process's
-        resource_tracker.unregister(shm._name, "shared_memory")
+        name, key = NAME_PREFIX + secrets.token_hex(12), secrets.token_bytes(KEY_BYTES)
+        size = CONTROL + 2 * cfg.capacity
+        fd = make_sealed("specserve-ring", size)
         try:
-            reserve(name, shm.size)
-            shm.buf[:CONTROL] = bytes(CONTROL)
-            for side in ("c", "a"):
-                os.mkfifo(fifo_path(name, side), 0o600)
-            ch = cls(shm, name, True, cfg.capacity, cfg)
-            ch._rings.publish_limit()
-            ch._bell.open_creator(name)
+            shm = Segment(fd, size)
         except BaseException:
-            shm.close()
-            unlink_names(name)
+            os.close(fd)
+            raise
+        ch = cls(shm, name, True, cfg.capacity, cfg)
+        ch._segment_fd = fd
+        ch.ticket = f"{name}:{key.hex()}"
+        try:
+            ch._rings.publish_limit()
+            ch._bell.listen(name, key)
+        except BaseException:
+            ch._linked = False  # listen removes what it made
+            ch.close()
             raise
         return ch
 
     @classmethod
-    def attach(cls, name: str, config: RingConfig | None = None) -> ShmChannel:
-        """Open the peer's channel and unlink its names (raises OSError when it is not on this host,
-        or its creator is gone)."""
+    def attach(cls, ticket: str, config: RingConfig | None = None, timeout: float = ATTACH_TIMEOUT_S) -> ShmChannel:
+        """Connect to the creator's socket with the ticket's key, take its segment and map it once its seals and
+        size say nobody can shrink it, and unlink the name. Raises OSError when it is not on this host or its
+        creator is gone (or does not hand it over within ``timeout``, or knows another key), RingError when the
+        ticket is malformed or what it hands over is no sealed channel segment."""
         cfg = config or RingConfig()
-        if not name.startswith(NAME_PREFIX) or "/" in name or len(name) > 64:
-            raise RingError(f"not a specserve channel name: {name[:70]!r}")
-        fifo = fifo_path(name, "c")
-        if not stat.S_ISFIFO(os.stat(fifo).st_mode):
-            raise RingError(f"{fifo} is not a FIFO")
-        shm = SharedMemory(name=name, create=False)
-        resource_tracker.unregister(shm._name, "shared_memory")  # the creator's, not ours to unlink at exit
+        name, _, key_hex = ticket.partition(":")
+        if not _CHANNEL_NAME.fullmatch(name) or not _KEY_HEX.fullmatch(key_hex):
+            raise RingError(f"not a specserve channel ticket: {ticket[:70]!r}")
+        bell = Doorbell()
+        fd = -1
         try:
-            capacity = (shm.size - CONTROL) // 2  # the creator's (the attacher's config sets only the spin)
-            if capacity < 64 or capacity % 8 or shm.size != CONTROL + 2 * capacity:
-                raise RingError(f"segment {name} of {shm.size} bytes is not a channel")
-            ch = cls(shm, name, False, capacity, cfg)
-            ch._rings.publish_limit()
-            ch._bell.open_attacher(name)  # ENXIO: the creator closed its end
+            fd = bell.connect(name, bytes.fromhex(key_hex), timeout)
+            try:
+                size = check_sealed(fd)
+            except SegmentRefused as exc:
+                raise RingError(f"channel {name}: {exc}") from None
+            capacity = (size - CONTROL) // 2  # the creator's (the attacher's config sets only the spin)
+            if capacity < 64 or capacity % 8 or size != CONTROL + 2 * capacity:
+                raise RingError(f"segment {name} of {size} bytes is not a channel")
+            shm = Segment(fd, size)
         except BaseException:
-            if "ch" in locals():
-                ch._close_fds()
-            shm.close()
-            unlink_names(name)
+            bell.close()  # the name stays: whoever failed here may not be the one the offer is for
             raise
+        finally:
+            close_fd(fd)  # the mapping holds the segment
+        ch = cls(shm, name, False, capacity, cfg)
+        ch._bell = bell
+        ch._rings.publish_limit()
         unlink_names(name)  # both sides hold everything now: nothing stays in /dev/shm
         ch._attached = True
-        ch._ring_peer()  # tells the creator we are here
+        try:
+            ch._ring_peer()  # tells the creator we are here
+        except PeerGone:
+            ch.close()
+            raise
         return ch
 
-    def _on_attached(self) -> None:
-        """Creator: the peer rang for the first time (it has unlinked the names)."""
-        self._attached = True
+    def _accept(self) -> None:
+        """Creator: hand the segment to an attacher waiting at the socket (if one is); the name goes then."""
+        if not self._bell.accept(self._segment_fd):
+            return
+        self._segment_fd = close_fd(self._segment_fd)
         if self._linked:
             self._linked = False
-            unlink_names(self.name)  # the attacher did; this only makes sure
+            unlink_names(self.name)
+
+    def _on_attached(self) -> None:
+        """Creator: the peer rang for the first time (it has mapped the segment)."""
+        self._attached = True
 
     @property
     def attached(self) -> bool:
@@ -128,7 +157,13 @@ class ShmChannel:
             raise PeerGone(f"shared-memory peer went away: {exc}") from None
 
     def _drain_doorbell(self) -> None:
-        """Consume my doorbell's bytes; end-of-file means the peer is gone."""
+        """Consume my doorbell's bytes (the creator first takes a waiting attacher); end-of-file means the peer is
+        gone."""
+        if self._bell.listening:
+            self._unwatch()  # the descriptor a wait watches may close here (a caller dropped, the listener done)
+            self._accept()
+            if not self._bell.connected:
+                return
         rang, gone = self._bell.drain()
         if rang and not self.attached:
             self._on_attached()
@@ -257,20 +292,34 @@ class ShmChannel:
             return True
 
     # ------------------------------------------------------------------------------- asyncio
+    def _unwatch(self) -> None:
+        if self._loop is not None and self._watched >= 0 and not self._loop.is_closed():
+            with contextlib.suppress(Exception):
+                self._loop.remove_reader(self._watched)
+        self._watched = -1
+
+    def _watch(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Have ``loop`` call _on_doorbell when this end's descriptor is readable (the hand-over's, then the pipe)."""
+        if self._loop is not loop or self._watched != self._bell.fd:
+            self._unwatch()
+            self._loop = loop
+            if self._bell.fd >= 0:
+                loop.add_reader(self._bell.fd, self._on_doorbell)
+                self._watched = self._bell.fd
+
     def _on_doorbell(self) -> None:
         self._drain_doorbell()
-        if self._peer_gone and self._loop is not None:
-            self._loop.remove_reader(self._bell.fd)
+        if self._peer_gone:
+            self._unwatch()
+        elif self._loop is not None and self._watched != self._bell.fd:
+            self._watch(self._loop)  # the next step of the hand-over, or the doorbell once the attacher came
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
 
     async def _await_doorbell(self, deadline: float | None) -> None:
         loop = asyncio.get_running_loop()
-        if self._loop is not loop:
-            if self._loop is not None and not self._loop.is_closed():
-                self._loop.remove_reader(self._bell.fd)
-            self._loop = loop
-            loop.add_reader(self._bell.fd, self._on_doorbell)
+        if not self._peer_gone:
+            self._watch(loop)
         left = self._left(deadline)
         self._waiter = waiter = loop.create_future()
         # the timeout is a timer on the waiter itself: asyncio.wait_for would add a second future and
@@ -282,6 +331,14 @@ class ShmChannel:
             self._waiter = None
             if timer is not None:
                 timer.cancel()
+
+    def accept(self, timeout: float | None = None) -> None:
+        """Creator, blocking: until the peer attaches (RingTimeout when it does not in time)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self.attached:
+            self._check_usable()
+            self._block(deadline)
+        self._check_usable()
 
     async def wait_attached(self, timeout: float | None = None) -> None:
         """Creator: until the peer attaches (RingTimeout when it does not in time)."""
@@ -310,13 +367,12 @@ class ShmChannel:
 
     # ------------------------------------------------------------------------------- closing
     def _close_fds(self) -> None:
-        if self._loop is not None and self._bell.fd >= 0 and not self._loop.is_closed():
-            with contextlib.suppress(Exception):
-                self._loop.remove_reader(self._bell.fd)
+        self._unwatch()
         self._bell.close()
+        self._segment_fd = close_fd(self._segment_fd)
 
     def close(self) -> None:
-        """Close this end (the peer sees PeerGone); unlink the names if nobody attached."""
+        """Close this end (the peer sees PeerGone); unlink the name if nobody attached."""
         if self._closed:
             return
         with self._send_lock:  # a try_send in flight on another thread ends first

@@ -201,6 +201,25 @@ class TargetEngine:
             raise ContextTooLong(session.session_id, needed, self.max_context)
 
     # ---- prefill ---------------------------------------------------------------------------------
+    def check_prefill(self, session_id: str, prompt_ids: Sequence[int], sampling, hidden_layers, logprobs=None
+                      ) -> tuple[list[int], tuple[int, ...]]:
+        """Every refusal prefill makes of its arguments, before anything is allocated (a caller that allocates for
+        the session, as a shared row buffer, checks first): the prompt and the layers, checked."""
+        if session_id in self._sessions:
+            raise DuplicateSession(session_id)
+        prompt = [int(t) for t in prompt_ids]
+        if not prompt:
+            raise InvalidInput("prompt_ids: empty")
+        self._check_ids(prompt, "prompt_ids")
+        if len(prompt) + 1 > self.max_context:  # the pending token needs a position too
+            raise ContextTooLong(session_id, len(prompt) + 1, self.max_context)
+        layers = self.default_hidden_layers if hidden_layers is None else self._check_layers(tuple(hidden_layers))
+        if not isinstance(sampling, SamplingParams):
+            raise InvalidInput(f"sampling must be SamplingParams, got {type(sampling).__name__}")
+        if logprobs is not None and not isinstance(logprobs, LogprobsSpec):
+            raise InvalidInput(f"logprobs must be LogprobsSpec, got {type(logprobs).__name__}")
+        return prompt, layers
+
     def prefill(
         self,
         session_id: str,
@@ -215,19 +234,7 @@ class TargetEngine:
         for position i, before the step's result is read back (the same stream: complete on return). With
         ``logprobs`` the result carries the first token's log-probabilities (and the prompt's, if asked), and
         every verify of the session those of its emitted tokens (only then: no cost otherwise)."""
-        if session_id in self._sessions:
-            raise DuplicateSession(session_id)
-        prompt = [int(t) for t in prompt_ids]
-        if not prompt:
-            raise InvalidInput("prompt_ids: empty")
-        self._check_ids(prompt, "prompt_ids")
-        if len(prompt) + 1 > self.max_context:  # the pending token needs a position too
-            raise ContextTooLong(session_id, len(prompt) + 1, self.max_context)
-        layers = self.default_hidden_layers if hidden_layers is None else self._check_layers(tuple(hidden_layers))
-        if not isinstance(sampling, SamplingParams):
-            raise InvalidInput(f"sampling must be SamplingParams, got {type(sampling).__name__}")
-        if logprobs is not None and not isinstance(logprobs, LogprobsSpec):
-            raise InvalidInput(f"logprobs must be LogprobsSpec, got {type(logprobs).__name__}")
+        prompt, layers = self.check_prefill(session_id, prompt_ids, sampling, hidden_layers, logprobs)
         if hidden_out is not None and (hidden_out.dim() != 2 or hidden_out.shape[1] != len(layers) * self.config.hidden_size
                                        or hidden_out.device.type != self.device.type or not layers):
             raise InvalidInput(f"hidden_out: {tuple(hidden_out.shape)} on {hidden_out.device} is no row sink for "

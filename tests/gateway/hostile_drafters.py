@@ -68,7 +68,7 @@ class RogueFrameDraft(draft_pb2_grpc.DraftServiceServicer):
             channel = ShmChannel.create()
             self._channels.append(channel)
             asyncio.get_running_loop().create_task(self._rogue(channel))
-            name = channel.name
+            name = channel.ticket
         return draft_pb2.StartSessionResponse(session_id=request.session_id, shm_channel=name)
 
     async def _rogue(self, channel: ShmChannel) -> None:

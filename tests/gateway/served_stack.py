@@ -4,6 +4,8 @@ send through it."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import threading
 import time
 from pathlib import Path
@@ -61,11 +63,23 @@ class ServedStack:
         """Shared-memory names made since the stack started (by anyone on the machine)."""
         return set(leftover_names()) - self.before
 
-    def target_mapped(self) -> set[str]:
-        """Shared-memory names the target process has mapped now (/proc/PID/maps): this stack's own, whatever
-        other suites running on the machine at the same time create."""
-        maps = Path(f"/proc/{self.target.popen.pid}/maps").read_text()
-        return {line.rsplit("/dev/shm/", 1)[1].split(" ")[0] for line in maps.splitlines() if "/dev/shm/" in line}
+    def target_offers(self) -> set[str]:
+        """Names in /dev/shm at which the target process offers something now (its listening sockets there: a ring
+        waiting for its caller, a hidden buffer waiting for its drafter): this stack's own, whatever other suites
+        running on the machine at the same time create."""
+        pid = self.target.popen.pid
+        inodes = set()
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            with contextlib.suppress(OSError):
+                link = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if link.startswith("socket:["):
+                    inodes.add(link[len("socket:["):-1])
+        names = set()
+        for line in Path("/proc/net/unix").read_text().splitlines()[1:]:
+            parts = line.split()  # Num RefCount Protocol Flags Type St Inode Path
+            if len(parts) >= 8 and parts[6] in inodes and parts[7].startswith("/dev/shm/"):
+                names.add(parts[7].rsplit("/", 1)[1])
+        return names
 
     def close(self) -> None:
         for c in self.channels.values():

@@ -15,6 +15,7 @@ Tests that kill processes run last, in file order.
 
 from __future__ import annotations
 
+import asyncio
 import signal
 import time
 from collections import Counter
@@ -242,8 +243,8 @@ def test_a_caller_who_lists_dev_shm_cannot_map_or_unlink_a_sessions_buffer(stack
         pre = target.Prefill(target_pb2.PrefillRequest(session_id="victim", prompt_ids=prompt, hidden_layers=layers,
                                                        want_hidden_share=True, want_shm=True), timeout=30)
         assert pre.HasField("hidden_share") and pre.shm_channel
-        # what `ls /dev/shm` shows of this session (the target maps both; another suite's names are not its)
-        listed = sorted(n for n in (stack.new_names() - before) & stack.target_mapped() if "." not in n)
+        # what `ls /dev/shm` shows of this session (the target offers both; another suite's names are not its)
+        listed = sorted((stack.new_names() - before) & stack.target_offers())
         assert len(listed) == 2, listed  # the victim's buffer and its verify ring
         rows = common_pb2.HiddenRows(start=0, stop=len(prompt))
 
@@ -269,7 +270,7 @@ def test_a_caller_who_lists_dev_shm_cannot_map_or_unlink_a_sessions_buffer(stack
         block = draft.Propose(draft_pb2.ProposeRequest(session_id="victim", prefix_len=len(prompt) + 1, num_tokens=2),
                               timeout=30)
         assert len(block.draft.token_ids) == 2 and stack.draft_stats("dflash").hidden_rows_shared > 0
-        ring = ShmClient.attach(pre.shm_channel)
+        ring = asyncio.run(ShmClient.attach(pre.shm_channel))
         assert ring is not None  # the verify ring was not taken either
         ring.close()
         draft.Release(draft_pb2.DraftReleaseRequest(session_id="victim"), timeout=10)

@@ -7,11 +7,13 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
 
 from specserve.contract.types import SharedRows, join_hidden
+from specserve.runtime.hidden_fds import FdServer
 from specserve.runtime.hidden_share import (
     CUDA_IPC,
     HOST_SHM,
@@ -33,6 +35,14 @@ def _name(handle: HiddenHandle) -> str:
 
 
 @pytest.fixture
+def server():
+    """What offers this test's host_shm segments (the target service's EngineWorker owns one)."""
+    srv = FdServer()
+    yield srv
+    srv.close()
+
+
+@pytest.fixture
 def no_leftovers(monkeypatch):
     """Every segment a buffer of this test made is gone from /dev/shm at its end (names only of this
     test's buffers: other processes of the host may hold specserve names meanwhile)."""
@@ -50,15 +60,15 @@ def no_leftovers(monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_drafter_maps_the_targets_buffer_and_reads_its_rows_in_place(dtype, no_leftovers):
-    buf = HiddenBuffer.create(16, 6, dtype, "cpu")
+def test_a_drafter_maps_the_targets_buffer_and_reads_its_rows_in_place(dtype, no_leftovers, server):
+    buf = HiddenBuffer.create(16, 6, dtype, "cpu", server)
     assert buf.handle.kind == HOST_SHM == kind_for("cpu") and kind_for("cuda:0") == CUDA_IPC and kind_for("meta") == ""
     name = _name(buf.handle)
     assert (SHM_DIR / name).exists() and oct((SHM_DIR / name).stat().st_mode & 0o777) == "0o600"
     rows = torch.randn(5, 6).to(dtype)
     buf.tensor[2:7].copy_(rows)
     view = HiddenView.open(HiddenHandle.from_proto(buf.handle.to_proto()))  # as it comes over the wire
-    assert not (SHM_DIR / name).exists()  # mapped: the drafter unlinked the name at once
+    assert not (SHM_DIR / name).exists()  # handed over: the offer and its name went at once
     got = view.read(2, 7)
     assert got.dtype == torch.float32 and torch.equal(got, rows.float())  # what the bytes path gives
     buf.tensor[7].fill_(3.0)  # a later step's row: the mapping sees the target's writes
@@ -71,16 +81,16 @@ def test_a_drafter_maps_the_targets_buffer_and_reads_its_rows_in_place(dtype, no
     view.close()
 
 
-def test_the_target_unlinks_a_name_nobody_mapped(no_leftovers):
-    buf = HiddenBuffer.create(4, 4, torch.float32, "cpu")
-    buf.unlink()
+def test_the_target_unlinks_a_name_nobody_mapped(no_leftovers, server):
+    buf = HiddenBuffer.create(4, 4, torch.float32, "cpu", server)
+    buf.withdraw()
     with pytest.raises(HiddenShareError, match="cannot open segment"):
         HiddenView.open(buf.handle)
     buf.close()
 
 
-def test_bad_handles_and_rows_are_one_clear_error(no_leftovers):
-    buf = HiddenBuffer.create(8, 4, torch.float32, "cpu")
+def test_bad_handles_and_rows_are_one_clear_error(no_leftovers, server):
+    buf = HiddenBuffer.create(8, 4, torch.float32, "cpu", server)
     h = buf.handle
     with pytest.raises(HiddenShareError, match="kind"):
         HiddenHandle("tcp", 8, 4, "float32", h.handle)
@@ -94,7 +104,7 @@ def test_bad_handles_and_rows_are_one_clear_error(no_leftovers):
         HiddenView.open(HiddenHandle(HOST_SHM, 8, 4, "float32", b"../etc/passwd"))
     with pytest.raises(HiddenShareError, match="needs"):  # a handle promising more than the segment holds
         HiddenView.open(HiddenHandle(HOST_SHM, 800, 4, "float32", h.handle))
-    assert (SHM_DIR / _name(h)).exists()  # a failed mapping leaves the name to the target
+    assert (SHM_DIR / _name(h)).exists()  # a refused hand-over leaves the offer to the target
     view = HiddenView.open(h)
     for start, stop in ((0, 9), (5, 4), (-1, 2)):
         with pytest.raises(HiddenShareError, match="outside the shared buffer"):
@@ -105,14 +115,14 @@ def test_bad_handles_and_rows_are_one_clear_error(no_leftovers):
     buf.close()
 
 
-def test_a_name_without_its_key_maps_nothing_and_unlinks_nothing(no_leftovers):
+def test_a_name_without_its_key_maps_nothing_and_unlinks_nothing(no_leftovers, server):
     """#33: /dev/shm is world-listable, so a segment's name is no secret. A handle naming a session's
     buffer with no key, a wrong key, or a ring segment's name is refused; the segment stays where it
     was, and the handle the target gave (with its key) still maps it."""
     from specserve.runtime.hidden_share import HiddenShareDenied
     from specserve.runtime.shm_ring import ShmChannel
 
-    buf = HiddenBuffer.create(8, 4, torch.float32, "cpu")
+    buf = HiddenBuffer.create(8, 4, torch.float32, "cpu", server)
     name = _name(buf.handle)
     with pytest.raises(HiddenShareError, match="no 32-byte key"):
         HiddenView.open(HiddenHandle(HOST_SHM, 8, 4, "float32", name.encode()))
@@ -120,10 +130,19 @@ def test_a_name_without_its_key_maps_nothing_and_unlinks_nothing(no_leftovers):
         HiddenView.open(HiddenHandle(HOST_SHM, 8, 4, "float32", f"{name}:{'00' * 32}".encode()))
     ring = ShmChannel.create()
     try:
-        with pytest.raises(HiddenShareDenied):
-            HiddenView.open(HiddenHandle(HOST_SHM, 8, 4, "float32", f"{ring.name}:{'00' * 32}".encode()))
-        assert (SHM_DIR / ring.name).exists()
-        ShmChannel.attach(ring.name).close()  # the ring is still its own
+        got = []
+
+        def intruder_then_attacher() -> None:  # while the ring's creator waits for its attacher
+            with pytest.raises(HiddenShareDenied):
+                HiddenView.open(HiddenHandle(HOST_SHM, 8, 4, "float32", f"{ring.name}:{'00' * 32}".encode()))
+            assert (SHM_DIR / ring.name).exists()
+            got.append(ShmChannel.attach(ring.ticket))
+
+        t = threading.Thread(target=intruder_then_attacher)
+        t.start()
+        ring.accept(timeout=10)  # the ring is still its own
+        t.join(10)
+        got[0].close()
     finally:
         ring.close()
     assert (SHM_DIR / name).exists()
@@ -139,8 +158,9 @@ def test_flags_and_host_identity():
 
 _MAKER = """
 import sys, time, torch
+from specserve.runtime.hidden_fds import FdServer
 from specserve.runtime.hidden_share import HiddenBuffer
-buf = HiddenBuffer.create(8, 4, torch.float32, "cpu")
+buf = HiddenBuffer.create(8, 4, torch.float32, "cpu", FdServer())
 buf.tensor[:].fill_(7.0)
 print(buf.handle.handle.decode(), flush=True)
 time.sleep(600)
@@ -229,12 +249,15 @@ def test_cuda_ipc_buffer_of_another_process_is_read_in_place():
 
 _CLOSE_UNDER_A_VIEW = """
 import torch
+from specserve.runtime.hidden_fds import FdServer
 from specserve.runtime.hidden_share import HiddenBuffer
-buf = HiddenBuffer.create(64, 64, torch.float32, "cpu")
+server = FdServer()
+buf = HiddenBuffer.create(64, 64, torch.float32, "cpu", server)
 held = buf.tensor[8:16]
 buf.close()
 held.add_(1.0)  # the mapping is pinned while a tensor over it lives: no use after unmap
 assert float(held.sum()) == 8 * 64
+server.close()
 """
 
 

@@ -27,17 +27,26 @@ def nothing_left():
     assert set(leftover_names()) - before == set(), "a segment or FIFO left in /dev/shm"
 
 
+def attach_beside(a: ShmChannel, config: RingConfig | None = None) -> ShmChannel:
+    """Attach to ``a`` from a thread while ``a`` (its creator) takes the attacher here."""
+    got: list = []
+    t = threading.Thread(target=lambda: got.append(ShmChannel.attach(a.ticket, config)))
+    t.start()
+    a.accept(timeout=10)
+    t.join(10)
+    return got[0]
+
+
 def pair(config: RingConfig | None = None) -> tuple[ShmChannel, ShmChannel]:
     a = ShmChannel.create(config)
-    b = ShmChannel.attach(a.name, config)
-    return a, b
+    return a, attach_beside(a, config)
 
 
 def test_round_trip_both_ways_and_names_gone_once_attached():
     a = ShmChannel.create()
     assert a.name in leftover_names()  # offered, not yet attached
-    b = ShmChannel.attach(a.name)
-    assert not [n for n in leftover_names() if n.startswith(a.name)]  # the attacher unlinked all three
+    b = attach_beside(a)
+    assert not [n for n in leftover_names() if n.startswith(a.name)]  # its one name (the socket) went
     b.send(b"hello" * 40)
     assert a.recv(timeout=2) == b"hello" * 40
     a.send(b"")  # an empty message is a message
@@ -140,16 +149,16 @@ def test_closing_one_end_gives_peer_gone_and_a_closed_end_refuses():
 
 def test_creator_closing_before_anyone_attached_unlinks_everything():
     a = ShmChannel.create()
-    name = a.name
+    name, ticket = a.name, a.ticket
     a.close()
     assert not [n for n in leftover_names() if n.startswith(name)]
     with pytest.raises(OSError):
-        ShmChannel.attach(name)
+        ShmChannel.attach(ticket)
 
 
 def test_the_attacher_takes_the_creators_ring_size():
     a = ShmChannel.create(RingConfig(capacity=64))
-    b = ShmChannel.attach(a.name)  # its own config says 1 MiB: the segment's 64 bytes win
+    b = attach_beside(a)  # its own config says 1 MiB: the segment's 64 bytes win
     assert b.capacity == 64
     for i in range(20):
         a.send(bytes([i]) * 40, timeout=2)
@@ -162,7 +171,7 @@ def test_attach_refuses_names_that_are_not_ours():
     with pytest.raises(RingError):
         ShmChannel.attach("../etc/passwd")
     with pytest.raises(OSError):
-        ShmChannel.attach("specserve-" + "0" * 24)  # nobody offered it
+        ShmChannel.attach("specserve-" + "0" * 24 + ":" + "00" * 32)  # nobody offered it
 
 
 def test_wait_attached_times_out_when_nobody_comes():
@@ -192,7 +201,7 @@ def start_peer(name: str) -> subprocess.Popen:
 
 def test_peer_killed_mid_step_is_seen_at_once_and_leaves_nothing():
     a = ShmChannel.create()
-    peer = start_peer(a.name)
+    peer = start_peer(a.ticket)
     try:
         asyncio.run(a.wait_attached(timeout=30))
         a.send(b"abc" * 70)
@@ -220,7 +229,7 @@ CREATOR = textwrap.dedent(
     import sys, time
     from specserve.runtime.shm_ring import ShmChannel
     ch = ShmChannel.create()
-    print(ch.name, flush=True)
+    print(ch.ticket, flush=True)
     ch.send(ch.recv())
     time.sleep(3600)
     """
@@ -230,8 +239,9 @@ CREATOR = textwrap.dedent(
 def test_creator_killed_gives_peer_gone_and_leaves_nothing():
     proc = subprocess.Popen([sys.executable, "-c", CREATOR], stdout=subprocess.PIPE, text=True)
     try:
-        name = proc.stdout.readline().strip()
-        b = ShmChannel.attach(name)
+        ticket = proc.stdout.readline().strip()
+        name = ticket.partition(":")[0]
+        b = ShmChannel.attach(ticket)
         b.send(b"ping")
         assert b.recv(timeout=10) == b"ping"
         proc.send_signal(signal.SIGKILL)
@@ -371,7 +381,7 @@ def test_a_message_buffer_grows_only_with_the_bytes_that_arrived():
 
 def test_the_writer_refuses_a_message_over_the_peers_limit_and_the_channel_goes_on():
     a = ShmChannel.create(RingConfig(max_message=1000))
-    b = ShmChannel.attach(a.name, RingConfig(max_message=500))
+    b = attach_beside(a, RingConfig(max_message=500))
     with pytest.raises(MessageTooLarge, match="limit of 500"):
         a.send(b"x" * 501)
     assert not a.try_send(b"x" * 501)
@@ -385,22 +395,23 @@ def test_the_writer_refuses_a_message_over_the_peers_limit_and_the_channel_goes_
     b.close()
 
 
-@pytest.mark.parametrize("side", ["creator", "attacher"])
-def test_a_doorbell_whose_second_fifo_fails_to_open_leaves_no_fd(side: str) -> None:
-    """Only this end's FIFO exists, so the peer's open fails: the first fd is closed again (it leaked before)."""
-    from specserve.runtime.shm_doorbell import Doorbell
-    from specserve.runtime.shm_layout import fifo_path, unlink_names
+def test_an_attach_nobody_answers_leaves_no_fd() -> None:
+    """A name with no socket behind it, and a socket whose creator never hands a segment over: OSError, and the
+    attacher holds no descriptor after (the connection is closed again)."""
+    from specserve.runtime.shm_layout import unlink_names
+    from specserve.runtime.shm_memfd import listen_at
 
-    name = f"specserve-bell-{os.getpid()}-{side}"
-    mine = fifo_path(name, "c" if side == "creator" else "a")
-    os.mkfifo(mine, 0o600)
-    bell = Doorbell()
     before = len(os.listdir("/proc/self/fd"))
+    with pytest.raises(OSError):
+        ShmChannel.attach("specserve-" + "1" * 24 + ":" + "00" * 32, timeout=1)
+    name = "specserve-" + os.urandom(12).hex()
+    silent = listen_at(name)  # listens, never accepts
     try:
-        with pytest.raises(FileNotFoundError):
-            getattr(bell, f"open_{side}")(name)
-        assert (bell.fd, bell.peer_fd) == (-1, -1)
-        assert len(os.listdir("/proc/self/fd")) == before
+        t0 = time.monotonic()
+        with pytest.raises(OSError):
+            ShmChannel.attach(f"{name}:{'00' * 32}", timeout=0.3)
+        assert time.monotonic() - t0 < 3
+        assert len(os.listdir("/proc/self/fd")) == before + 1  # the silent listener only
     finally:
-        bell.close()
-        unlink_names(name)
+        silent.close()
+        unlink_names(name)  # the attacher leaves a name it could not use (it may not be the one it is for)

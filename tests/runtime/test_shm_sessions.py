@@ -34,7 +34,7 @@ def test_a_release_during_a_step_lets_the_step_finish_then_ends_the_channel():
 
         sessions = ShmSessions("unit", ShmOffer(), target_pb2.VerifyRequest, handle,
                                lambda exc: grpc.StatusCode.INTERNAL, on_end)
-        client = ShmClient.attach(sessions.offer("s", None))
+        client = await ShmClient.attach(sessions.offer("s", None))
         exchange = asyncio.ensure_future(
             client.exchange(target_pb2.VerifyRequest(session_id="s"), target_pb2.VerifyResponse, 10))
         await asyncio.wait_for(started.wait(), 10)

@@ -1,0 +1,14 @@
+"""What a process maps of shared memory, read from /proc (the #44 tests: the segments a service still maps after a
+refusal; what a hostile drafter keeps is specserve/bench/soak_hostile.segment_fds)."""
+
+from __future__ import annotations
+
+from specserve.runtime.shm_layout import SHM_DIR
+
+SEGMENT_TAGS = ("/memfd:", str(SHM_DIR / "specserve-"))  # how a memfd and a named segment show in /proc
+
+
+def mapped_segments(pid: int) -> list[str]:
+    """The shared-memory segments process ``pid`` maps now (one line of /proc/<pid>/maps each)."""
+    with open(f"/proc/{pid}/maps") as f:
+        return [line.strip() for line in f if any(tag in line for tag in SEGMENT_TAGS)]
