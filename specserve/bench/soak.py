@@ -10,7 +10,9 @@ service is SIGKILLed and restarted, or (every other time) frozen with SIGSTOP fo
 ``--hostile-workers`` threads meanwhile send the hostile mix: clients that hang up right after the final
 message, cancels mid-stream, garbage bytes to the gateway, the target and a draft, requests through a
 rogue drafter (served from this process) whose shared-memory reply is a bare length prefix claiming
-2^31 bytes (each must come back whole, target-only, with the reference tokens), and half-open HTTP
+2^31 bytes, requests through a rogue drafter that truncates its ring's segment under the gateway and rings it
+(#44: the kernel must refuse every truncation; each request must come back whole, target-only, with the
+reference tokens), and half-open HTTP
 connections to the gateway's API (part of a request's headers, never the rest: each must be closed
 within the gateway's read timeout; those clients are `soak_hostile.py`). At the end it
 prints requests served, errors by status, tokens lost (streams that differ from the reference or from
@@ -18,8 +20,8 @@ their usage; must be 0), what the hostile clients got, the sessions still open o
 draft once the load stopped (must be 0) and the peak RSS of each service process, and exits 1 if any
 token was lost, any session was left open, a garbage payload got anything but INVALID_ARGUMENT (or, from a
 draft being killed or frozen, UNAVAILABLE / DEADLINE_EXCEEDED), a rogue-drafted request was not served
-target-only with its reference tokens, a half-open connection stayed open, or any
-error other than RESOURCE_EXHAUSTED occurred.
+target-only with its reference tokens, a ring segment could be truncated, a half-open connection stayed open,
+or any error other than RESOURCE_EXHAUSTED occurred.
 """
 
 from __future__ import annotations
@@ -45,6 +47,8 @@ DRAFT_IDLE = ["--session-idle-timeout-s", "10"]
 GARBAGE_OUTCOMES = ("INVALID_ARGUMENT", "UNAVAILABLE", "DEADLINE_EXCEEDED")
 SESSIONS_SETTLE_S = 20.0  # after the load: how long open sessions may take to be released or expire
 ROGUE = "rogue"  # the rogue-frame drafter's name at the gateway
+SHRINKER = "shrinker"  # the ring-shrinking drafter's name at the gateway
+ROGUE_OF = {"rogue_frame": ROGUE, "shrink_ring": SHRINKER}  # hostile kind -> the rogue drafter it goes through
 
 
 def _free_port() -> int:
@@ -182,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
         draft_model = demo_checkpoint("model")
     log_dir = Path(os.environ.get("TMPDIR", "/tmp")) / f"specserve-soak-{os.getpid()}"
     log_dir.mkdir(parents=True, exist_ok=True)
-    ports = {name: _free_port() for name in ("target", "ngram", "model", "gateway", "http", ROGUE)}
+    ports = {name: _free_port() for name in ("target", "ngram", "model", "gateway", "http", ROGUE, SHRINKER)}
     addr = {name: f"127.0.0.1:{port}" for name, port in ports.items()}
     services: dict[str, Service] = {
         "target": Service("target", ["--model", str(model), "--listen", addr["target"], "--num-kv-blocks", "512"],
@@ -197,12 +201,13 @@ def main(argv: list[str] | None = None) -> int:
                                     "draft (model) listening on ")
         drafts.append("model")
     rogue = RogueDraft(addr[ROGUE])
+    shrinker = RogueDraft(addr[SHRINKER], attack="shrink")
     services["gateway"] = Service(
         "gateway",
         ["--target", addr["target"], "--model", str(model), "--host", "127.0.0.1", "--port", str(ports["gateway"]),
          "--max-sessions", str(args.max_sessions), "--max-queued", str(args.max_queued),
          "--http-port", str(ports["http"]), "--http-read-timeout-s", str(HTTP_READ_TIMEOUT_S),
-         *[a for d in [*drafts, ROGUE] if d != "none" for a in ("--draft-service", f"{d}={addr[d]}")]],
+         *[a for d in [*drafts, ROGUE, SHRINKER] if d != "none" for a in ("--draft-service", f"{d}={addr[d]}")]],
         log_dir, "gateway listening on ",
     )
     tally = Tally()
@@ -277,8 +282,8 @@ def main(argv: list[str] | None = None) -> int:
                 draft = rng.choice(drafts)
                 i = rng.randrange(len(prompts))
                 req = gateway_pb2.GenerateRequest(prompt=prompts[i], max_new_tokens=rng.randint(4, 32), draft=draft)
-                if kind == "rogue_frame":
-                    req.draft = ROGUE
+                if kind in ROGUE_OF:
+                    req.draft = ROGUE_OF[kind]
                     ids, final, err = _stream(stub, req, 60)
                     outcome = (err[0] if err is not None else "fallback" if final.stats.draft_fallback and
                                not _lost(ids, refs[i][:req.max_new_tokens], final) else "wrong")
@@ -316,12 +321,13 @@ def main(argv: list[str] | None = None) -> int:
             if name in services:
                 services[name].stop()
         rogue.close()
+        shrinker.close()
     unexpected = {k: v for k, v in tally.errors.items() if k not in ALLOWED_ERRORS}
     # garbage must get INVALID_ARGUMENT; UNAVAILABLE / DEADLINE_EXCEEDED: it hit a draft being killed or frozen
     bad_garbage = {k: v for k, v in tally.hostile.items()
                    if k.startswith("garbage") and k.split(": ")[1] not in GARBAGE_OUTCOMES}
     bad_hostile = {k: v for k, v in tally.hostile.items()
-                   if (k.startswith("rogue_frame") and k.split(": ")[1] not in ("fallback", *ALLOWED_ERRORS))
+                   if (k.split(": ")[0] in ROGUE_OF and k.split(": ")[1] not in ("fallback", *ALLOWED_ERRORS))
                    or k == "half_open: left_open"}
     summary = {
         "seconds": round(elapsed, 1),
@@ -336,6 +342,7 @@ def main(argv: list[str] | None = None) -> int:
         "peak_rss_mib": {name: round(svc.peak_kib / 1024, 1) for name, svc in services.items()},
         "hostile": dict(tally.hostile),
         "rogue_frames_sent": rogue.frames,
+        "ring_shrinks": {"refused": shrinker.shrinks_refused, "done": shrinker.shrunk},
         "sessions_left_open": left,
     }
     print(f"soak: {tally.served} requests served in {elapsed:.0f} s ({tally.tokens} tokens), "
@@ -344,7 +351,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"soak: hostile clients {dict(tally.hostile)}; sessions left open at the end {left}")
     print(json.dumps(summary, sort_keys=True))
     print(f"soak: logs in {log_dir}")
-    return 1 if tally.lost or unexpected or not tally.served or any(left.values()) or bad_garbage or bad_hostile else 0
+    return 1 if (tally.lost or unexpected or not tally.served or any(left.values()) or bad_garbage or bad_hostile
+                 or shrinker.shrunk) else 0
 
 
 def _open_sessions(addr: dict[str, str], drafts: list[str], settle_s: float) -> dict[str, int]:
