@@ -60,3 +60,21 @@ def test_every_python_folder_is_a_declared_package():
                 continue
             name = _name(init.parent, package_dir)
             assert name in packages, f"{init.relative_to(ROOT)} is in {name}, which packages does not declare"
+
+
+def test_no_artifacts_inside_the_packages():
+    """Benchmark artifacts live in benchmarks/results/, outside every package: the package folders hold Python,
+    declared package data and a few small notes, so a wheel carries no run's data (issue #45: 22 MB of results
+    used to ride along in specserve/bench/)."""
+    cfg = _setuptools()
+    package_dir = cfg["package-dir"]
+    data = {f for package, patterns in cfg["package-data"].items()
+            for pattern in patterns for f in _folder(package, package_dir).glob(pattern)}
+    extra = [f for root in set(package_dir.values()) for f in (ROOT / root).rglob("*")
+             if f.is_file() and "__pycache__" not in f.parts and f.suffix not in {".py", ".pyi", ".pyc", ".so"}
+             and f not in data]
+    total = sum(f.stat().st_size for f in extra)
+    biggest = sorted(extra, key=lambda f: -f.stat().st_size)[:3]
+    assert total < 256 * 1024, f"{len(extra)} non-Python files ({total} bytes) inside the packages, e.g. " + ", ".join(
+        str(f.relative_to(ROOT)) for f in biggest)
+    assert (ROOT / "benchmarks" / "results").is_dir()
