@@ -174,13 +174,13 @@ def run(args: argparse.Namespace) -> int:
                        ("--draft-metrics-port", args.draft_metrics_port)):
         if port is not None and not 0 <= port <= 65535:
             raise SpecserveError(f"{flag} must be in [0, 65535], got {port}")
-    from specserve.runtime.servers_common import check_free
+    if args.threads < 0:
+        raise SpecserveError(f"--threads must be >= 0, got {args.threads}")
+    from specserve.runtime.servers_common import check_free  # the flags' errors first, then the host's ports
 
     check_free([f"{args.host}:{p}" for p in (args.port, args.http_port) if p is not None]
                + [f"127.0.0.1:{p}" for p in (args.target_metrics_port, args.draft_metrics_port) if p is not None])
 
-    if args.threads < 0:
-        raise SpecserveError(f"--threads must be >= 0, got {args.threads}")
     threads = split_threads(args.threads or usable_cores(), args.draft)  # target, draft, gateway
 
     def pool(n: int) -> dict[str, str]:

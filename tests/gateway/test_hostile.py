@@ -210,7 +210,9 @@ def test_a_frozen_draft_trips_the_breaker_then_is_used_again(hostile):
             ids, final = hostile.generate(request)
             took.append(time.monotonic() - t0)
             assert ids == base and final.stats.draft_fallback
-        assert took[0] > 0.9 and max(took[1:]) < 0.5, took
+        # the first waits out the step timeout (1 s); the breaker's go target-only at once: a fraction of it,
+        # measured in the same run (a busy machine slows them alike)
+        assert took[0] > 0.9 and max(took[1:]) < 0.5 * took[0], took
     finally:
         os.kill(pid, signal.SIGCONT)
     deadline = time.monotonic() + 10

@@ -202,4 +202,11 @@ def test_threads_sizes_the_process_pool(capsys):
         assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
-    _one_line_error(capsys, ["serve", "--threads", "-1"], "specserve serve: error: --threads must be >= 0")
+    import socket
+
+    with socket.socket() as holder:  # a flag's error is decided from the flags: before the port is checked
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        _one_line_error(capsys, ["serve", "--threads", "-1", "--host", "127.0.0.1", "--port", str(port)],
+                        "specserve serve: error: --threads must be >= 0")
