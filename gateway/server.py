@@ -433,38 +433,46 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         await self._authorize(context, request)
         await self._check_admin(context)
         name, address = request.name, request.address
-        print(f"gateway: SetDraft {short(name, 64)!r} -> {short(address, 200)!r} from {context.peer()}",
-              file=sys.stderr, flush=True)
+        what = f"gateway: SetDraft {short(name, 64)!r} -> {short(address, 200)!r} from {context.peer()}"
+        remaining = context.time_remaining()
+        wait_s = self.config.set_draft_timeout_s if remaining is None else min(self.config.set_draft_timeout_s, 0.8 * remaining)
+        refused = await self._swap_draft(name, address, wait_s)
+        if refused is not None:  # logged as what it is: a swap that did not happen
+            code, message = refused
+            print(f"{what} failed: {code.name}: {short(message, 300)}", file=sys.stderr, flush=True)
+            await context.abort(code, message)
+        print(f"{what}: {'removed' if not address else 'in use'}", file=sys.stderr, flush=True)
+        return gateway_pb2.SetDraftResponse(name=name, address=address)
+
+    async def _swap_draft(self, name: str, address: str, wait_s: float) -> tuple[grpc.StatusCode, str] | None:
+        """Put, replace or (an empty address) remove draft ``name``, waiting up to ``wait_s`` for its service;
+        None when done, else why not."""
         if not name or name == NO_DRAFT:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"name: {name!r} is empty or reserved")
+            return grpc.StatusCode.INVALID_ARGUMENT, f"name: {name!r} is empty or reserved"
         if not address:
             self.drafts.remove(name)
             if self.default_draft == name:
                 self.default_draft = next(iter(self.drafts.addresses()), None)
-            return gateway_pb2.SetDraftResponse(name=name, address="")
+            return None
         try:
             ep = self.drafts.make(name, address)
         except SpecserveError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
         try:
-            remaining = context.time_remaining()
-            wait_s = self.config.set_draft_timeout_s if remaining is None else min(self.config.set_draft_timeout_s, 0.8 * remaining)
             info = await ep.fetch_info(wait_s, wait_for_ready=True)
         except grpc.aio.AioRpcError as exc:
             await ep.close()
-            await context.abort(
-                grpc.StatusCode.FAILED_PRECONDITION, f"address: no draft service reachable at {address}: {exc.details()}"
-            )
+            return grpc.StatusCode.FAILED_PRECONDITION, f"address: no draft service reachable at {address}: {exc.details()}"
         problem = incompatible(info, self.target.target_info)
         if problem:
             await ep.close()
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"address: {problem}")
+            return grpc.StatusCode.FAILED_PRECONDITION, f"address: {problem}"
         self.drafts.put(ep)
         self.metrics.register_draft(name)
         self._adaptive_by_draft.pop(name, None)  # a new drafter: its costs and acceptance start afresh
         if self.default_draft is None:
             self.default_draft = name
-        return gateway_pb2.SetDraftResponse(name=name, address=address)
+        return None
 
     async def ListDrafts(self, request, context):
         await self._authorize(context, request)

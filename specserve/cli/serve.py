@@ -73,6 +73,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_tls_arguments(parser)  # the gateway's public port (the inner hops are unix sockets in a private folder)
     parser.add_argument("--auth-token", default=None,
                         help="bearer token the gateway requires (default: $SPECSERVE_AUTH_TOKEN)")
+    parser.add_argument("--admin-token", default=None,
+                        help="allow SetDraft (`specserve client --set-draft`) for calls carrying this token, as the "
+                             "gateway's --admin-token (default: $SPECSERVE_ADMIN_TOKEN; unset: SetDraft off)")
 
 
 class _Children:
@@ -245,7 +248,8 @@ def run(args: argparse.Namespace) -> int:
             *[a for flag in ("cert", "key", "ca") if getattr(args, f"tls_{flag}") is not None
               for a in (f"--tls-{flag}", str(getattr(args, f"tls_{flag}")))],
         ], on_stdout=ready_line,  # the token goes by environment, never on a command line
-            extra_env={**pool(threads[2]), **({"SPECSERVE_AUTH_TOKEN": args.auth_token} if args.auth_token else {})})
+            extra_env={**pool(threads[2]), **({"SPECSERVE_AUTH_TOKEN": args.auth_token} if args.auth_token else {}),
+                       **({"SPECSERVE_ADMIN_TOKEN": args.admin_token} if args.admin_token else {})})
         deadline = time.monotonic() + args.startup_timeout_s
         _wait_healthy(target_addr, deadline, children, stop)
         if args.draft != "none":

@@ -12,6 +12,7 @@ from service_helpers import Proc, base_env
 from specserve.cli.main import main
 
 PROMPT_IDS = "5,17,99,5,17,3,42,7,5,17"
+ADMIN = "operator-secret"  # serve's --admin-token
 
 
 def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
@@ -23,7 +24,8 @@ def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
 
 @pytest.fixture(scope="module")
 def served(tiny_target_dir):
-    proc = Proc("serve", ["--model", str(tiny_target_dir), "--draft", "ngram", "--port", "0"], base_env(), merge_stderr=False)
+    proc = Proc("serve", ["--model", str(tiny_target_dir), "--draft", "ngram", "--port", "0", "--admin-token", ADMIN],
+                base_env(), merge_stderr=False)
     line = proc.wait_line("gateway listening on ", timeout=240)
     yield proc, line.split()[-1]
     proc.stop()
@@ -49,14 +51,24 @@ def test_client_json_matches_generate(served, tiny_target_dir, capsys):
     assert code == 0 and len(json.loads(out)["token_ids"]) == 5
 
 
-def test_client_admin_and_errors(served, capsys):
-    _, address = served
+def test_client_admin_and_errors(served, capsys, monkeypatch):
+    proc, address = served
+    monkeypatch.delenv("SPECSERVE_ADMIN_TOKEN", raising=False)
     code, out, _ = run_cli(capsys, "client", "--gateway", address, "--list-drafts")
     assert code == 0 and list(json.loads(out)) == ["ngram"]
-    # SetDraft is off unless the gateway has an --admin-token: refused, one line, no traceback
-    code, out, err = run_cli(capsys, "client", "--gateway", address, "--set-draft", "x=unix:/nonexistent/d.sock",
-                             "--timeout", "3")
+    # serve --admin-token reaches the gateway: without the token SetDraft is refused, one line, no traceback
+    swap = ["client", "--gateway", address, "--set-draft", "x=unix:/nonexistent/d.sock", "--timeout", "3"]
+    code, out, err = run_cli(capsys, *swap)
     assert code != 0 and err.count("\n") == 1 and "PERMISSION_DENIED" in err and "Traceback" not in err
+    assert "missing or wrong admin token" in err
+    # ... with it, the swap is tried, fails (nothing listens there) and is logged as a failure
+    code, out, err = run_cli(capsys, *swap, "--admin-token", ADMIN)
+    assert code != 0 and "FAILED_PRECONDITION" in err and "no draft service reachable" in err
+    deadline = time.monotonic() + 10
+    while not any("SetDraft 'x'" in line for line in proc.err_lines) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    (logged,) = [line for line in proc.err_lines if "SetDraft 'x'" in line]
+    assert "failed: FAILED_PRECONDITION: address: no draft service reachable" in logged, logged
     code, _, err = run_cli(capsys, "client", "--gateway", address, "--prompt-ids", "1,2", "--draft", "nosuch")
     assert code != 0 and err.count("\n") == 1 and "INVALID_ARGUMENT: draft:" in err
     code, _, err = run_cli(capsys, "client", "--gateway", address, "--max-new-tokens", "3")

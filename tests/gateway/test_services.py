@@ -349,6 +349,10 @@ def test_set_draft_and_broken_drafts_stay_lossless(stack, broken_drafts):
         stack.gw.SetDraft(gateway_pb2.SetDraftRequest(name="alien", address=broken_drafts["alien"]), timeout=10,
                           metadata=ADMIN)
     assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "vocabulary" in info.value.details()
+    (logged,) = [line for line in stack.gateway.lines if "gateway: SetDraft 'alien'" in line]
+    assert "failed: FAILED_PRECONDITION: address:" in logged, logged  # not logged like a swap that happened
+    swapped = [line for line in stack.gateway.lines if "gateway: SetDraft 'junk' -> 'unix" in line]
+    assert swapped and all(line.endswith(": in use") for line in swapped), swapped
     for name in ("junk", "slow"):
         stack.gw.SetDraft(gateway_pb2.SetDraftRequest(name=name, address=""), timeout=10, metadata=ADMIN)
     assert set(stack.gw.ListDrafts(gateway_pb2.ListDraftsRequest()).drafts) == {"ngram"}
