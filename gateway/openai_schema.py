@@ -72,9 +72,26 @@ def api_param(field: str | None, chat: bool) -> str | None:
     return {"max_new_tokens": "max_tokens"}.get(head, head)
 
 
+# what a validation message says in the wire's terms, said in the API's (it has no prompt_ids)
+_HTTP_WORDING = ((" (set prompt or prompt_ids)", ""), ("send prompt_ids", "send the prompt as token ids"))
+
+
+def api_message(message: str, field: str | None, param: str | None) -> str:
+    """A validation message (``field: problem``) in the API's field names: ``max_tokens: ...`` for
+    ``max_new_tokens: ...``, ``prompt`` (or ``messages``) for ``prompt_ids``, ``temperature`` for
+    ``sampling.temperature``."""
+    if field is None or param is None or not message.startswith(f"{field}: "):
+        return message
+    problem = message[len(field) + 2:]
+    for wire, api in _HTTP_WORDING:
+        problem = problem.replace(wire, api)
+    return f"{param}: {problem}"
+
+
 def from_gateway_error(code: grpc.StatusCode, message: str, field: str | None, chat: bool) -> ApiError:
-    """A GatewayError (gRPC status + message) as the API's error with its HTTP status."""
-    return ApiError(_HTTP_STATUS.get(code, 500), message, api_param(field, chat), code.name.lower())
+    """A GatewayError (gRPC status + message) as the API's error with its HTTP status, in the API's names."""
+    param = api_param(field, chat)
+    return ApiError(_HTTP_STATUS.get(code, 500), api_message(message, field, param), param, code.name.lower())
 
 
 def _bad(param: str, problem: str) -> ApiError:

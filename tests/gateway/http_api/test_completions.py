@@ -84,14 +84,23 @@ def test_bad_requests_wrong_token_and_unknown_model_get_the_api_statuses(served)
     with pytest.raises(openai.BadRequestError) as info:
         c.completions.create(model=m, prompt=PROMPT, max_tokens=5000)
     grpc_message = served.grpc_error(gateway_pb2.GenerateRequest(prompt=PROMPT, max_new_tokens=5000))
-    assert info.value.body["message"] == grpc_message == (
-        "max_new_tokens: 5000 exceeds the limit of 4000 (--max-output-tokens)"  # serve's flag, passed on
-    )
+    # the same check, each in its API's field names (serve's flag passed on)
+    assert grpc_message == "max_new_tokens: 5000 exceeds the limit of 4000 (--max-output-tokens)"
+    assert info.value.body["message"] == "max_tokens: 5000 exceeds the limit of 4000 (--max-output-tokens)"
     assert info.value.body["param"] == "max_tokens"
     with pytest.raises(openai.BadRequestError) as info:
+        c.chat.completions.create(model=m, messages=MESSAGES, max_tokens=5000)
+    assert info.value.body["message"].startswith("max_tokens: 5000 exceeds")
+    with pytest.raises(openai.BadRequestError) as info:
         c.completions.create(model=m, prompt=PROMPT, temperature=-1)
-    assert info.value.body["message"] == served.grpc_error(gateway_pb2.GenerateRequest(
-        prompt=PROMPT, max_new_tokens=16, sampling=common_pb2.SamplingParams(temperature=-1)))
+    assert served.grpc_error(gateway_pb2.GenerateRequest(
+        prompt=PROMPT, max_new_tokens=16, sampling=common_pb2.SamplingParams(temperature=-1))) == (
+        "sampling.temperature: must be >= 0, got -1.0")
+    assert info.value.body["message"] == "temperature: must be >= 0, got -1.0"
+    with pytest.raises(openai.BadRequestError) as info:
+        c.completions.create(model=m, prompt=[1, 10**6])  # token ids: the wire's prompt_ids, the API's prompt
+    assert info.value.body["message"].startswith("prompt: ids [1000000] outside the vocabulary")
+    assert info.value.body["param"] == "prompt"
     with pytest.raises(openai.BadRequestError, match="draft: unknown draft 'eagle9'"):
         c.completions.create(model=m, prompt=PROMPT, extra_body={"draft": "eagle9"})
     with pytest.raises(openai.BadRequestError, match="n: 65 is out of range"):
@@ -103,8 +112,9 @@ def test_bad_requests_wrong_token_and_unknown_model_get_the_api_statuses(served)
     assert served.grpc_error(gateway_pb2.GenerateRequest(
         prompt=PROMPT, max_new_tokens=4, logprobs=common_pb2.LogprobsSpec(top=21))) == (
         "logprobs.top: 21 alternatives, expected 0 .. 20")
-    with pytest.raises(openai.BadRequestError, match="prompt: empty"):
+    with pytest.raises(openai.BadRequestError, match="prompt: empty") as info:
         c.completions.create(model=m, prompt="")
+    assert "prompt_ids" not in info.value.body["message"]
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=f"{served.url}/v1", api_key="wrong", max_retries=0).completions.create(
             model=m, prompt=PROMPT)
