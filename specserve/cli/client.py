@@ -152,9 +152,9 @@ def _generate(stub, req, args: argparse.Namespace) -> int:
         print(result_json(ids, final.text if final.has_text else None, final.finish_reason, stats))
         return 0
     if final.has_text:
-        print()
+        print(flush=True)  # the completion's newline out before the summary (stdout and stderr may be one pipe)
     else:
-        print(",".join(map(str, ids)))
+        print(",".join(map(str, ids)), flush=True)
     print(
         f"[{len(ids)} tokens, {stats['tokens_per_s']:.1f} tok/s, mean accepted length "
         f"{stats['mean_accepted_length']:.2f}, finish {final.finish_reason}"

@@ -77,6 +77,23 @@ def test_client_admin_and_errors(served, capsys, monkeypatch):
     assert code != 0 and err.count("\n") == 1 and "Traceback" not in err
 
 
+def test_client_summary_is_a_line_of_its_own(served):
+    """The streamed completion, its newline, then the summary line (on stderr): in that order even when stdout
+    and stderr are one pipe, as in `specserve client ... 2>&1 | tee log`."""
+    import subprocess
+    import sys
+
+    _, address = served
+    out = subprocess.run([sys.executable, "-m", "specserve.cli.main", "client", "--gateway", address, "--prompt",
+                          "hello", "--max-new-tokens", "5", "--temperature", "0"], stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True, timeout=120,
+                         env={k: v for k, v in base_env().items() if k != "PYTHONUNBUFFERED"})  # as a user runs it
+    assert out.returncode == 0, out.stdout
+    lines = out.stdout.splitlines()
+    assert len(lines) >= 2 and lines[-1].startswith("[5 tokens, ") and lines[-1].endswith("]"), out.stdout
+    assert "[5 tokens" not in "".join(lines[:-1]), out.stdout
+
+
 def test_serve_refuses_more_drafted_tokens_than_its_draft_drafts(served, capsys):
     """serve's draft drafts at most --max-block-size (8) per block: k = 16 is refused naming that flag
     (it was silently drafted as 8); k = 8 is served as asked."""
