@@ -5,7 +5,9 @@ Tracing is on when OTEL_TRACES_EXPORTER is ``otlp``/``console``, or when it is u
 endpoint (OTEL_EXPORTER_OTLP_ENDPOINT / OTEL_EXPORTER_OTLP_TRACES_ENDPOINT) is set. With nothing set no
 provider is installed: the API's no-op tracer costs a function call per span. Metrics follow the same
 rule with OTEL_METRICS_EXPORTER / OTEL_EXPORTER_OTLP_METRICS_ENDPOINT. The service name is
-OTEL_SERVICE_NAME, else the service's default (specserve-target, specserve-draft, specserve-gateway).
+OTEL_SERVICE_NAME, else the service's default (specserve-target, specserve-draft, specserve-gateway); under
+`specserve serve` each child's is OTEL_SERVICE_NAME (default ``specserve``) with ``-target``, ``-draft`` or
+``-gateway`` appended (cli/serve.py). The console exporters write one JSON object a line.
 
 The glossary words (drafted, accepted, ...) are the ones of specserve/contract/types.py.
 """
@@ -150,6 +152,12 @@ def setup_telemetry(default_service_name: str, prometheus: bool = False) -> Tele
     return tel
 
 
+def _one_line(item) -> str:
+    """A span or a metrics batch as one line of JSON (the SDK's console default is indented over many lines,
+    which serve's per-line role prefix then cuts apart)."""
+    return item.to_json(indent=None) + "\n"
+
+
 def _span_exporter(kind: str):
     if kind == "otlp":
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import (
@@ -160,7 +168,7 @@ def _span_exporter(kind: str):
     if kind == "console":
         from opentelemetry.sdk.trace.export import ConsoleSpanExporter
 
-        return ConsoleSpanExporter()
+        return ConsoleSpanExporter(formatter=_one_line)  # one JSON object a line: parseable line by line
     raise ValueError(f"OTEL_TRACES_EXPORTER={kind!r}: specserve supports otlp, console or none")
 
 
@@ -174,7 +182,7 @@ def _metric_exporter(kind: str):
     if kind == "console":
         from opentelemetry.sdk.metrics.export import ConsoleMetricExporter
 
-        return ConsoleMetricExporter()
+        return ConsoleMetricExporter(formatter=_one_line)
     raise ValueError(f"OTEL_METRICS_EXPORTER={kind!r}: specserve supports otlp, console or none")
 
 
