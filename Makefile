@@ -12,10 +12,14 @@ TORCH ?= torch==2.13.0
 .PHONY: install lint demo test test-gpu protos soak bench clean
 
 $(STAMP): pyproject.toml
+	@echo "make install: 1/3 a virtual environment in $(VENV), pip upgraded"
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q $(TORCH)
-	$(PY) -m pip install -q -e '.[test,bench]'
+	@echo "make install: 2/3 $(TORCH) (a few minutes on a first install; pip's own lines follow)"
+	$(PY) -m pip install --progress-bar off $(TORCH) | grep -E '^(Collecting|Successfully)' || true
+	@echo "make install: 3/3 specserve and its test and bench extras"
+	$(PY) -m pip install --progress-bar off -e '.[test,bench]' | grep -E '^(Collecting|Successfully)' || true
+	$(PY) -c "import specserve, torch"  # the install's check (the grep above hides pip's exit status)
 	touch $(STAMP)
 
 install: $(STAMP)

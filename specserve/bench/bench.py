@@ -13,12 +13,10 @@ Artifacts under --out: steps.jsonl, requests.jsonl, verify_tax.jsonl, summary.js
 from __future__ import annotations
 
 import json
-import sys
 import time
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
 from specserve.bench import plots
 from specserve.bench.bandwidth import measure_copy_bandwidth
@@ -30,6 +28,7 @@ from specserve.bench.prompts import load_prompt_set
 from specserve.bench.result import make_summary, write_summary
 from specserve.bench.summary import summarize_method
 from specserve.errors import SpecserveError
+from specserve.progress import Progress
 
 WARMUP_TOKENS = 16
 # what a drafter or baseline may raise while being built: recorded as "skipped", never fatal
@@ -149,8 +148,7 @@ class _Bench:
 
     def tick(self, label: str) -> None:
         if self.bar is not None:
-            self.bar.set_postfix_str(label, refresh=False)
-            self.bar.update(1)
+            self.bar.update(label)
 
 
 def run_bench(config: BenchConfig, progress: bool = True) -> dict:
@@ -191,8 +189,7 @@ def run_bench(config: BenchConfig, progress: bool = True) -> dict:
     hf_methods = hf.methods() if hf is not None else []
     n_runs = len(methods) + len(hf_methods)
     total = n_runs * (len(prompts) + config.warmup) + len(config.k_sweep) * config.tax_repeats
-    b.bar = tqdm(total=total, desc="specserve bench", unit="run", file=sys.stderr,
-                 disable=None if progress else True)  # None: no bar when stderr is not a terminal
+    b.bar = Progress(total, "specserve bench", "run", enabled=progress)  # a bar, or a line every few s off a terminal
     served = None
     if any(v != "process" for v in config.via):
         from specserve.bench.served import ServedStack

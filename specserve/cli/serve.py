@@ -30,6 +30,7 @@ from specserve.cli.common import (
 )
 from specserve.contract.speculation import DEFAULT_MAX_BLOCK_SIZE
 from specserve.errors import SpecserveError
+from specserve.progress import EVERY_S, Heartbeat
 
 READY = "gateway listening on "
 HTTP_READY = "gateway http listening on "  # gateway_cmd.HTTP_READY
@@ -60,6 +61,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="verify with the drafter's probabilities q (default: proposal-only, see README)")
     parser.add_argument("--startup-timeout-s", type=float, default=600.0)
     parser.add_argument("--grace-s", type=float, default=10.0, help="seconds in-flight requests get on stop")
+    parser.add_argument("--progress-every-s", type=float, default=EVERY_S,
+                        help="seconds between two 'waiting for ...' lines while the services start")
     parser.add_argument("--no-shm", action="store_true",
                         help="every step over gRPC: no shared-memory data plane between the three (also SPECSERVE_SHM=0)")
     parser.add_argument("--no-hidden-share", action="store_true",
@@ -141,12 +144,14 @@ class _Stopped(Exception):
     """SIGINT/SIGTERM arrived while the services were starting."""
 
 
-def _wait_healthy(address: str, deadline: float, children: _Children, stop: threading.Event) -> None:
+def _wait_healthy(address: str, deadline: float, children: _Children, stop: threading.Event, role: str,
+                  heartbeat: Heartbeat) -> None:
     from specserve.runtime.healthcheck import wait_serving
 
     def check_abort() -> None:
         if stop.is_set():
             raise _Stopped
+        heartbeat.beat(f"specserve serve: waiting for the {role} to load its model and listen")
         dead = children.dead()
         if dead:
             raise SpecserveError(f"the {dead[0]} process exited with {children.procs[dead[0]].returncode} at start")
@@ -251,10 +256,12 @@ def run(args: argparse.Namespace) -> int:
             extra_env={**pool(threads[2]), **({"SPECSERVE_AUTH_TOKEN": args.auth_token} if args.auth_token else {}),
                        **({"SPECSERVE_ADMIN_TOKEN": args.admin_token} if args.admin_token else {})})
         deadline = time.monotonic() + args.startup_timeout_s
-        _wait_healthy(target_addr, deadline, children, stop)
+        heartbeat = Heartbeat(children.say, args.progress_every_s)  # a line every few s: starting may take a while
+        _wait_healthy(target_addr, deadline, children, stop, "target", heartbeat)
         if args.draft != "none":
-            _wait_healthy(draft_addr, deadline, children, stop)
+            _wait_healthy(draft_addr, deadline, children, stop, "draft", heartbeat)
         while not seen.wait(0.1):
+            heartbeat.beat("specserve serve: waiting for the gateway")
             if stop.is_set():
                 raise _Stopped
             dead = children.dead()

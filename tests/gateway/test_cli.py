@@ -24,7 +24,8 @@ def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
 
 @pytest.fixture(scope="module")
 def served(tiny_target_dir):
-    proc = Proc("serve", ["--model", str(tiny_target_dir), "--draft", "ngram", "--port", "0", "--admin-token", ADMIN],
+    proc = Proc("serve", ["--model", str(tiny_target_dir), "--draft", "ngram", "--port", "0", "--admin-token", ADMIN,
+                          "--progress-every-s", "0.2"],
                 base_env(), merge_stderr=False)
     line = proc.wait_line("gateway listening on ", timeout=240)
     yield proc, line.split()[-1]
@@ -75,6 +76,14 @@ def test_client_admin_and_errors(served, capsys, monkeypatch):
     assert code != 0 and err.count("\n") == 1 and "--prompt" in err
     code, _, err = run_cli(capsys, "client", "--gateway", "127.0.0.1:1", "--prompt-ids", "1,2", "--timeout", "2")
     assert code != 0 and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_serve_says_what_it_waits_for_while_it_starts(served):
+    """A line every --progress-every-s while the services load (it was silent for 5-30 s)."""
+    proc, _ = served
+    waits = [line for line in proc.err_lines if line.startswith("specserve serve: waiting for the ")]
+    assert any(line.startswith("specserve serve: waiting for the target to load its model and listen (") for line in waits), (
+        proc.err_lines[:20])
 
 
 def test_client_summary_is_a_line_of_its_own(served):
