@@ -361,11 +361,21 @@ def _projection(config: BenchConfig, methods: dict, steps: list[dict] = ()) -> d
     return out
 
 
+def plot_tag(model: str, dtype: str, where: str, speculation, fixed_ks, max_k: int) -> str:
+    """What every plot's title says of the run: model, dtype, machine, and the speculation modes it ran (fixed's
+    k, adaptive's cap: only those of modes that ran)."""
+    modes = []
+    if "fixed" in speculation:
+        modes.append(f"fixed k={','.join(map(str, fixed_ks))}")
+    if "adaptive" in speculation:
+        modes.append(f"adaptive cap {max_k}")
+    return ", ".join([Path(model).name, dtype, where, *modes])
+
+
 def _plots(b: _Bench, summary: dict, env: dict) -> list[str]:
     where = env["gpu"]["name"] if env.get("gpu") else env["cpu"]
     cfg = b.config
-    ks = ",".join(map(str, cfg.fixed_ks))
-    tag = f"{Path(cfg.model).name}, {cfg.dtype}, {where}, fixed k={ks}, adaptive cap {cfg.max_k}"
+    tag = plot_tag(cfg.model, cfg.dtype, where, cfg.speculation, cfg.fixed_ks, cfg.max_k)
     d = b.out / "plots"
     made = [
         plots.plot_tokens_per_s(b.methods, d / "tokens_per_s.png", f"decode tokens/s ({tag})"),

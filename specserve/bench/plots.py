@@ -143,14 +143,16 @@ def phase_steps_figure(step_rows: Sequence[dict], title: str, max_panels: int = 
         ax.set_ylabel("ms", fontsize=8)
     for ax in list(axes.flat)[len(names):]:
         ax.axis("off")
-    fig.suptitle(title, fontsize=10)
-    legend_h = 0.6 / fig.get_figheight()  # a strip of 0.6 inch under the title holds the legend
-    title_h = 0.45 / fig.get_figheight()
+    legend_h = 0.3 / fig.get_figheight()  # a strip of 0.3 inch under the title holds the legend
+    title_h = 0.35 / fig.get_figheight()
+    # the panels laid out first, into what the title and legend strips leave: tight_layout also makes room for a
+    # suptitle it sees, which reserved the strips twice (a blank band over the panels)
+    fig.tight_layout(rect=(0.0, 0.0, 1.0, 1.0 - title_h - legend_h))
+    fig.suptitle(title, fontsize=10, y=1.0 - 0.08 / fig.get_figheight(), va="top")
     if names:
         handles, labels = axes.flat[0].get_legend_handles_labels()
         fig.legend(handles, labels, loc="upper center", ncol=len(labels), fontsize=7, frameon=False,
                    bbox_to_anchor=(0.5, 1.0 - title_h))
-    fig.tight_layout(rect=(0.0, 0.0, 1.0, 1.0 - title_h - legend_h))
     return fig
 
 
