@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 # e.g. make install TORCH="torch==2.13.0 --index-url URL" for a build from another wheel index.
 TORCH ?= torch==2.13.0
 
-.PHONY: install lint demo test test-gpu protos soak bench clean
+.PHONY: install lint demo test test-gpu protos soak bench bench-h200 clean
 
 $(STAMP): pyproject.toml
 	@echo "make install: 1/3 a virtual environment in $(VENV), pip upgraded"
@@ -45,6 +45,14 @@ soak: $(STAMP)
 
 bench: $(STAMP)
 	$(VENV)/bin/specserve bench
+
+# BENCHMARKS.md's GPU headline table, every row, on one H200 (~15 min): artifacts in $(HEADLINE_OUT), the table
+# printed last. Needs no .venv: where the project is installed into the system python (the GPU machine), that is
+# the interpreter it runs (or name one: make bench-h200 BENCH_PY=python3).
+HEADLINE_OUT ?= bench_out/headline
+BENCH_PY ?= $(if $(wildcard $(PY)),$(PY),python3)
+bench-h200:
+	$(BENCH_PY) -m specserve.cli.main bench headline --out $(HEADLINE_OUT)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

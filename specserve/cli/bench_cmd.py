@@ -7,6 +7,7 @@
     specserve bench draft ...     where a drafter's time goes (bench/draft_profile.py)
     specserve bench overhead ...  per-step orchestration overhead: in process, over shared memory, gRPC only
     specserve bench project ...   the labelled Kimi-K2.6 projection from a step shard and an e2e run's acceptance
+    specserve bench headline ...  every row of BENCHMARKS.md's GPU headline, one H200, ~15 min (make bench-h200)
 
 Every subcommand takes the shared flags that apply to it (bench_flags.py: --model, --device, --dtype, --out, --seed,
 --json) and writes --out/summary.json in one schema (bench/result.py: the environment, commit and source hash,
@@ -109,6 +110,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--n", type=positive_int, default=3000, help="--ring: timed round trips per transport")
     p.add_argument("--warmup", type=int, default=300, help="--ring: untimed round trips first")
     p.add_argument("--spin-us", type=float, default=20.0, help="--ring: the spinning variants' spin (us)")
+
+    from specserve.cli import bench_headline
+
+    bench_headline.add_arguments(sub.add_parser(
+        "headline", help="every row of BENCHMARKS.md's GPU headline table, one H200, ~15 min (bench/headline.py)"))
 
     p = sub.add_parser("project", help="the labelled Kimi-K2.6 projection (bench/k2_projection.py; no device)")
     add_shared_arguments(p, out="bench_out/project", device=None, dtype=None, seed=False,
@@ -328,8 +334,14 @@ def _check_device(device: str, needs_cuda: str | None = None) -> None:
         raise SpecserveError(f"--device {device}: no CUDA device here (torch.cuda.is_available() is false)")
 
 
+def _run_headline(args: argparse.Namespace) -> int:
+    from specserve.cli.bench_headline import run_headline
+
+    return run_headline(args)
+
+
 RUNNERS = {"e2e": bench_e2e.run_e2e, "step": _run_step, "kernels": _run_kernels, "draft": _run_draft,
-           "overhead": _run_overhead, "project": _run_project}
+           "overhead": _run_overhead, "project": _run_project, "headline": _run_headline}
 
 
 def run(args: argparse.Namespace) -> int:
