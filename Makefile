@@ -41,7 +41,7 @@ protos: $(STAMP)
 	$(PY) -m specserve.protos.generate
 
 soak: $(STAMP)
-	$(PY) -m specserve.bench.soak --seconds 60
+	$(PY) -m specserve.tools.soak --seconds 60
 
 bench: $(STAMP)
 	$(VENV)/bin/specserve bench

@@ -171,13 +171,6 @@ def invariant_rows(cfg: EngineConfig) -> int:
     return rows if cfg.device.startswith("cuda") else -(-rows // CPU_ROWS) * CPU_ROWS
 
 
-def add_invariant_argument(parser) -> None:  # an argparse.ArgumentParser
-    """--invariant-steps auto|on|off (INVARIANT_STEPS), for every command that builds a target engine."""
-    parser.add_argument("--invariant-steps", choices=tuple(INVARIANT_STEPS), default="auto",
-                        help="token-count invariant target steps (greedy speculation then gives target-only's "
-                             "output bit for bit, bf16 included): auto = on a GPU, off on the CPU (64-row steps)")
-
-
 def invariant_flag(value: bool | None) -> str:
     """The --invariant-steps word of an EngineConfig.invariant_steps value."""
     return {v: k for k, v in INVARIANT_STEPS.items()}[value]

@@ -9,16 +9,14 @@ AdaptiveSpeculation driven the way gateway/spec_loop.py drives it (its plan: ski
 the drafted block with its cost sunk). Sequences do not diverge with k here (steps are drawn
 independently), which is what makes policies comparable on one recorded run.
 
-    python -m specserve.bench.adaptive_replay OUT/steps.jsonl --drafter model \
+    python -m specserve.tools.adaptive_replay OUT/steps.jsonl --drafter model \
         --draft-ms 1=5.14,2=8.02,3=10.45,4=14.07 [--steps 250 --seeds 20]
 """
 
 from __future__ import annotations
 
-import argparse
 import gzip
 import json
-import sys
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -112,32 +110,9 @@ def compare(model: StepModel, steps: int, seeds: int) -> dict[str, float]:
     return {name: round(float(np.mean(v)), 4) for name, v in out.items()}
 
 
-def _draft_ms(text: str) -> dict[int, float]:
-    try:
-        return {int(k): float(v) for k, v in (part.split("=") for part in text.split(","))}
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(f"expected K=MS,K=MS,..., got {text!r}") from e
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m specserve.bench.adaptive_replay", description=__doc__.splitlines()[0])
-    parser.add_argument("steps_jsonl", help="a bench's steps.jsonl (or steps.jsonl.gz)")
-    parser.add_argument("--drafter", required=True)
-    parser.add_argument("--draft-ms", type=_draft_ms, required=True, help="mean draft ms by k, e.g. 1=5.1,2=8.0")
-    parser.add_argument("--steps", type=int, default=250)
-    parser.add_argument("--seeds", type=int, default=20)
-    args = parser.parse_args(argv)
-    try:
-        opener = gzip.open if args.steps_jsonl.endswith(".gz") else open  # large committed artifacts are gzipped
-        with opener(args.steps_jsonl, "rt") as f:
-            rows = [json.loads(line) for line in f if line.strip()]
-        model = step_model(rows, args.drafter, args.draft_ms)
-    except (OSError, ValueError, KeyError) as e:
-        print(f"adaptive_replay: error: {e}", file=sys.stderr)
-        return 2
-    print(json.dumps(compare(model, args.steps, args.seeds)))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+def run(steps_jsonl: str, drafter: str, draft_ms: Mapping[int, float], steps: int = 250, seeds: int = 20) -> dict:
+    """compare() on a bench's steps.jsonl (or steps.jsonl.gz): fixed k and adaptive against target-only."""
+    opener = gzip.open if steps_jsonl.endswith(".gz") else open  # large committed artifacts are gzipped
+    with opener(steps_jsonl, "rt") as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    return compare(step_model(rows, drafter, draft_ms), steps, seeds)

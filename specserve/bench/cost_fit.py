@@ -4,16 +4,12 @@ The model (specserve/loop/adaptive.py, VerifyCostModel) is fitted on the first p
 (in the order they ran) and scored on the rest: median relative error |predicted - measured| /
 measured, overall and by the number of tokens in the verify forward. Run it on a bench's artifacts:
 
-    python -m specserve.bench.cost_fit OUT/steps.jsonl [--train-fraction 0.7]
+    python -m specserve.tools.cost_fit OUT/steps.jsonl [--train-fraction 0.7]
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import sys
 from collections.abc import Sequence
-from pathlib import Path
 
 import numpy as np
 
@@ -51,20 +47,3 @@ def cost_model_error(steps: Sequence[dict], train_fraction: float = 0.7) -> dict
         "p90_rel_error": round(float(np.percentile([abs(model.predict(n, e, ahead) - ms) / ms for n, e, ms, ahead in held], 90)), 4),
         "by_tokens": by_tokens,
     }
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m specserve.bench.cost_fit", description=__doc__.splitlines()[0])
-    parser.add_argument("steps", type=Path, help="steps.jsonl of a bench run")
-    parser.add_argument("--train-fraction", type=float, default=0.7)
-    args = parser.parse_args(argv)
-    if not args.steps.is_file():
-        print(f"cost_fit: error: {args.steps} does not exist", file=sys.stderr)
-        return 2
-    steps = [json.loads(line) for line in args.steps.read_text().splitlines() if line.strip()]
-    print(json.dumps(cost_model_error(steps, args.train_fraction), indent=1))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,4 +1,4 @@
-"""Where a drafter's time goes: `python -m specserve.bench.draft_profile [--model demo|demo@NAME|DIR]
+"""Where a drafter's time goes: `python -m specserve.tools.draft_profile [--model demo|demo@NAME|DIR]
 [--drafters eagle3,model,dflash,ngram,mtp]`.
 
 For each drafter of the shipped demo (against `--model demo@NAME`: the demo's drafters scaled to that target,
@@ -19,18 +19,19 @@ CPU as well (slowly; no kernels there, so the kernel and copy counts are null; t
 
 from __future__ import annotations
 
-import argparse
 import cProfile
 import json
 import pstats
 import statistics
-import sys
 import time
 import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from specserve.errors import SpecserveError
 
 DRAFTERS = ("eagle3", "model", "dflash", "ngram", "mtp")
 DEFAULT_DRAFTERS = ("eagle3", "model", "dflash", "ngram")
@@ -131,7 +132,7 @@ class _DeviceCounts:
         return kernels, copies
 
 
-def build_drafter(family: str, args: argparse.Namespace):
+def build_drafter(family: str, args: ProfileConfig):
     from specserve.draft_service.drafter_config import DrafterConfig
     from specserve.draft_service.registry import build_proposer
     from specserve.paths import shipped_drafter
@@ -148,7 +149,7 @@ def _target(model: str):
     return demo_checkpoint("target") if model == "demo" else model
 
 
-def _counted_run(engine, proposer, prompt: list[int], args: argparse.Namespace) -> dict:
+def _counted_run(engine, proposer, prompt: list[int], args: ProfileConfig) -> dict:
     """Kernels, copies and host syncs of one run of proposes (CUDA), or nulls (a CPU)."""
     cuda = args.device.startswith("cuda")
     counts = _DeviceCounts(cuda)
@@ -166,7 +167,7 @@ def _counted_run(engine, proposer, prompt: list[int], args: argparse.Namespace) 
             "host_syncs_per_propose": counts.syncs / calls, "dtoh_copies_per_propose": copies / calls}
 
 
-def profile_drafter(family: str, proposer, engine, args: argparse.Namespace) -> dict:
+def profile_drafter(family: str, proposer, engine, args: ProfileConfig) -> dict:
     prompts = [engine.tokenizer.encode(p).ids for p in PROMPTS]
     _run(engine, proposer, "warm-up", prompts[0], args.k, 16, tree=args.tree)  # JIT, autotuning, allocator, graphs
     ms, drafted, accepted, first = [], [], [], []
@@ -204,43 +205,39 @@ def profile_drafter(family: str, proposer, engine, args: argparse.Namespace) -> 
     return row
 
 
-def _tree_spec(text: str):
-    from specserve.contract.types import TreeSpec
-
-    try:
-        return TreeSpec(*(int(x) for x in text.split(",")))
-    except (TypeError, ValueError) as e:
-        raise argparse.ArgumentTypeError(f"want NUM_NODES,TOP_K,DEPTH (positive integers), got {text!r}: {e}") from e
-
-
 def _count(x: float | None, fmt: str) -> str:
     return "n/a" if x is None else format(x, fmt)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m specserve.bench.draft_profile", description=__doc__.split("\n")[0])
-    p.add_argument("--model", default="demo",
-                   help="the target: demo (the shipped demo), demo@NAME[:LAYERS] (the demo at a published shape, its "
-                        "drafters scaled to it) or a checkpoint folder")
-    p.add_argument("--drafters", default=",".join(DEFAULT_DRAFTERS), help=f"comma-separated, of {', '.join(DRAFTERS)}")
-    p.add_argument("--k", type=int, default=4, help="drafted tokens per propose")
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--dtype", default="bfloat16" if torch.cuda.is_available() else "float32",
-                   choices=("float32", "bfloat16"))
-    p.add_argument("--top", type=int, default=15, help="host functions listed per drafter")
-    p.add_argument("--tree", type=_tree_spec, default=None, metavar="NUM_NODES,TOP_K,DEPTH",
-                   help="propose EAGLE-2 trees of this shape instead of chains (drafters that draft trees)")
-    p.add_argument("--out", type=Path, default=None, help="write the rows here (JSON)")
-    args = p.parse_args(argv)
-    families = [f for f in args.drafters.split(",") if f]
+class DraftProfileError(SpecserveError):
+    """A setting the profile cannot run with (its message names the flag)."""
+
+
+@dataclass(frozen=True)
+class ProfileConfig:
+    """What to profile (tools/draft_profile.py and `specserve bench draft`: the flags)."""
+
+    model: str = "demo"  # demo, demo@NAME[:LAYERS] (its drafters scaled to it) or a checkpoint folder
+    drafters: tuple[str, ...] = DEFAULT_DRAFTERS
+    k: int = 4  # drafted tokens per propose
+    max_new_tokens: int = 64
+    device: str = "cpu"
+    dtype: str = "float32"
+    top: int = 15  # host functions listed per drafter
+    tree: object = None  # a TreeSpec: EAGLE-2 trees of this shape instead of chains
+    out: Path | None = None  # the rows (JSON)
+
+
+def run(args: ProfileConfig) -> int:
+    """Profile each drafter, print its lines, write the rows to ``args.out``; DraftProfileError for a bad setting."""
+    families = list(args.drafters)
     bad = [f for f in families if f not in DRAFTERS]
     if bad or not families:
-        p.error(f"--drafters: choose from {', '.join(DRAFTERS)}, got {args.drafters!r}")
+        raise DraftProfileError(f"--drafters: choose from {', '.join(DRAFTERS)}, got {','.join(args.drafters)!r}")
     if args.k < 1 or args.max_new_tokens < 2:
-        p.error("--k must be >= 1 and --max-new-tokens >= 2")
+        raise DraftProfileError("--k must be >= 1 and --max-new-tokens >= 2")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
-        p.error("--device cuda: no CUDA GPU is visible")
+        raise DraftProfileError("--device cuda: no CUDA GPU is visible")
     from specserve.models.errors import ModelConfigError
     from specserve.models.model_names import resolve_model
     from specserve.target_service.factory import EngineConfig, build_engine
@@ -248,13 +245,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         resolve_model(_target(args.model))
     except (ModelConfigError, ValueError) as e:
-        p.error(f"--model {args.model}: {e}")
+        raise DraftProfileError(f"--model {args.model}: {e}")
     engine = build_engine(EngineConfig(model=_target(args.model), device=args.device, dtype=args.dtype,
                                        num_kv_blocks=512))
     proposers = {f: build_drafter(f, args) for f in families}
     chains_only = [f for f, d in proposers.items() if args.tree is not None and not d.info.supports_tree]
     if chains_only:
-        p.error(f"--tree: {', '.join(chains_only)} draft chains only")
+        raise DraftProfileError(f"--tree: {', '.join(chains_only)} draft chains only")
     # the target's graphs also return the hidden layers EAGLE-3 / DFlash read (as the bench and `generate` do)
     engine.add_graph_layers(sorted({i for d in proposers.values() if d.info.needs_hidden_states
                                     for i in d.info.hidden_layers}))
@@ -275,7 +272,3 @@ def main(argv: list[str] | None = None) -> int:
             print(f"    host {h['own_us_per_propose']:7.1f} us own {h['cum_us_per_propose']:8.1f} us cum "
                   f"x{h['calls_per_propose']:.1f}  {h['function'][:80]}")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -4,7 +4,7 @@ used for every step before the data plane).
 
     specserve bench overhead --ring [--bytes 200] [--n 3000] [--out DIR]
 
-(`python -m specserve.bench.ring_rtt` is only the peers' entry point, started by this module.)
+(`python -m specserve.tools.ring_rtt_peer` is the peers' entry point, started by this module.)
 
 Each transport echoes ``--bytes`` bytes from a peer process ``--n`` times (after a warm-up) and
 reports the median, p90 and p99 in microseconds:
@@ -17,7 +17,6 @@ reports the median, p90 and p99 in microseconds:
 
 from __future__ import annotations
 
-import argparse
 import os
 import platform
 import statistics
@@ -105,7 +104,7 @@ def bench_shm(mode: str, nbytes: int, n: int, warmup: int, spin_us: float) -> di
 # -------------------------------------------------------------------------------- gRPC peers
 def _start_peer(*argv: str) -> subprocess.Popen:
     """A peer in its own process (as the services are: its own resource tracker too)."""
-    return subprocess.Popen([sys.executable, "-m", "specserve.bench.ring_rtt", *argv], stdout=subprocess.PIPE, text=True)
+    return subprocess.Popen([sys.executable, "-m", "specserve.tools.ring_rtt_peer", *argv], stdout=subprocess.PIPE, text=True)
 
 
 def _grpc_peer(address: str) -> None:
@@ -189,19 +188,9 @@ def format_result(results: dict, nbytes: int, n: int) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """The peers' entry point (started by _start_peer); the benchmark itself is `specserve bench overhead --ring`."""
-    parser = argparse.ArgumentParser(prog="python -m specserve.bench.ring_rtt", description=__doc__.splitlines()[0])
-    peer = parser.add_mutually_exclusive_group(required=True)
-    peer.add_argument("--shm-peer", nargs=3, metavar=("NAME", "MODE", "SPIN_US"))
-    peer.add_argument("--grpc-peer", metavar="ADDRESS")
-    args = parser.parse_args(argv)
-    if args.shm_peer:
-        _shm_peer(args.shm_peer[0], args.shm_peer[1], float(args.shm_peer[2]))
+def run_peer(shm_peer: tuple[str, str, str] | None, grpc_peer: str | None) -> None:
+    """A peer's loop (tools/ring_rtt_peer.py starts it in its own process): a ring's or a gRPC server's end."""
+    if shm_peer:
+        _shm_peer(shm_peer[0], shm_peer[1], float(shm_peer[2]))
     else:
-        _grpc_peer(args.grpc_peer)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+        _grpc_peer(grpc_peer)

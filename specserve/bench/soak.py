@@ -1,6 +1,6 @@
 """Soak: target, drafts and gateway on loopback under steady load and draft kills, for a set time.
 
-    python -m specserve.bench.soak --seconds 60        (make soak)
+    python -m specserve.tools.soak --seconds 60        (make soak)
 
 Starts `specserve target`, an ngram and a `model` draft service (the shipped demo drafter when it exists)
 and a gateway with small admission limits, all on 127.0.0.1. Worker threads send greedy requests with
@@ -26,7 +26,6 @@ or any error other than RESOURCE_EXHAUSTED occurred.
 
 from __future__ import annotations
 
-import argparse
 import collections
 import json
 import os
@@ -37,6 +36,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from specserve.bench.soak_hostile import HOSTILE_KINDS, HTTP_READ_TIMEOUT_S, RogueDraft, half_open, hostile_call
@@ -156,23 +156,25 @@ def _lost(ids: list[int], ref: list[int], final) -> int:
     return (len(ids) - same) + (len(ref) - same) + abs(final.usage.completion_tokens - len(ids))
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m specserve.bench.soak", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--seconds", type=float, default=60.0, help="how long to run the load")
-    parser.add_argument("--model", type=Path, default=None, help="target checkpoint (default: the shipped demo)")
-    parser.add_argument("--draft-model", type=Path, default=None,
-                        help="`model` drafter checkpoint (default: the shipped demo drafter; none -> ngram only)")
-    parser.add_argument("--workers", type=int, default=12, help="client threads sending requests back to back")
-    parser.add_argument("--max-sessions", type=int, default=8, help="gateway sessions (more queue)")
-    parser.add_argument("--max-queued", type=int, default=2, help="gateway queue (more: RESOURCE_EXHAUSTED)")
-    parser.add_argument("--max-new-tokens", type=int, default=48)
-    parser.add_argument("--kill-every-s", type=float, default=12.0,
-                        help="SIGKILL (or, every other time, SIGSTOP) a draft service this often")
-    parser.add_argument("--freeze-s", type=float, default=4.0, help="how long a frozen draft stays stopped")
-    parser.add_argument("--hostile-workers", type=int, default=3,
-                        help="threads sending hang-ups, cancels and garbage bytes")
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
+@dataclass(frozen=True)
+class SoakConfig:
+    """The soak's settings (tools/soak.py: their flags and help)."""
+
+    seconds: float = 60.0  # how long to run the load
+    model: Path | None = None  # target checkpoint (None: the shipped demo)
+    draft_model: Path | None = None  # `model` drafter checkpoint (None: the shipped demo drafter with the demo)
+    workers: int = 12  # client threads sending requests back to back
+    max_sessions: int = 8  # gateway sessions (more queue)
+    max_queued: int = 2  # gateway queue (more: RESOURCE_EXHAUSTED)
+    max_new_tokens: int = 48
+    kill_every_s: float = 12.0  # SIGKILL (or, every other time, SIGSTOP) a draft service this often
+    freeze_s: float = 4.0  # how long a frozen draft stays stopped
+    hostile_workers: int = 3  # threads sending hang-ups, cancels and garbage bytes
+    seed: int = 0
+
+
+def run(args: SoakConfig) -> int:
+    """The soak (module docstring); 0 when nothing was lost, 1 otherwise."""
 
     import grpc
 
@@ -386,7 +388,3 @@ def _prompts(model: Path) -> list[str]:
         texts = json.loads(path.read_text())[:8]
         return [t[:120] for t in texts]
     return ["def main():\n    ", "import os\n", "class Queue:\n    def __init__(self", "for i in range(10):\n"]
-
-
-if __name__ == "__main__":
-    sys.exit(main())

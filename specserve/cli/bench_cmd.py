@@ -32,7 +32,7 @@ STEP_MODELS = ("qwen3-30b-a3b", "kimi-k2-layer")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from specserve.target_service.factory import add_invariant_argument
+    from specserve.cli.common import add_invariant_argument
 
     bench_e2e.add_arguments(parser)  # bare `specserve bench --model ...` runs e2e
     # no abbreviations at this level: a subcommand's own flag (overhead's --n) would be read here as a prefix of
@@ -239,7 +239,7 @@ def _run_draft(args: argparse.Namespace) -> int:
     from specserve.bench import draft_profile
     from specserve.bench.environment import environment
 
-    # checked here, each in one line, before draft_profile's own argparse would print its usage with them
+    # checked here, each in one line, before anything loads
     if args.drafters:
         bad = [f for f in name_list(args.drafters) if f not in draft_profile.DRAFTERS]
         if bad:
@@ -256,12 +256,11 @@ def _run_draft(args: argparse.Namespace) -> int:
         except ModelConfigError as exc:
             raise SpecserveError(f"--model {args.model}: {exc}") from None
     rows_path = args.out / "draft_profile.json"
-    argv = ["--model", args.model, "--k", str(args.k), "--max-new-tokens", str(args.max_new_tokens),
-            "--device", args.device, "--dtype", args.dtype, "--top", str(args.top), "--out", str(rows_path)]
-    if args.drafters:
-        argv += ["--drafters", args.drafters]
     env = environment(args.device)
-    rc = draft_profile.main(argv)  # its entry point: it checks its flags, profiles, prints and writes its rows
+    rc = draft_profile.run(draft_profile.ProfileConfig(  # it profiles, prints and writes its rows
+        model=args.model, drafters=name_list(args.drafters) if args.drafters else draft_profile.DEFAULT_DRAFTERS,
+        k=args.k, max_new_tokens=args.max_new_tokens, device=args.device, dtype=args.dtype, top=args.top,
+        out=rows_path))
     if rc:
         return rc
     config = {"model": args.model, "drafters": args.drafters, "k": args.k, "max_new_tokens": args.max_new_tokens,

@@ -71,7 +71,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="size of the copy that measures bandwidth (default 1024 on GPU, 256 on CPU)")
     parser.add_argument("--num-kv-blocks", type=positive_int, default=4096)
     parser.add_argument("--kv-block-size", type=positive_int, default=16)
-    from specserve.target_service.factory import add_invariant_argument
+    from specserve.cli.common import add_invariant_argument
 
     add_invariant_argument(parser)
     parser.add_argument("--projection-timings", type=Path, default=None,

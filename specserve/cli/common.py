@@ -178,8 +178,6 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--enable-expert-parallel", action="store_true")
     parser.add_argument("--num-kv-blocks", type=positive_int, default=4096)
     parser.add_argument("--kv-block-size", type=positive_int, default=16)
-    from specserve.target_service.factory import add_invariant_argument
-
     add_invariant_argument(parser)
 
 
@@ -439,3 +437,13 @@ def shm_offer_from_args(args: argparse.Namespace):
                     hidden_share=hidden_share_allowed(args.no_hidden_share, os.environ),
                     ring=session_ring(args.max_message_bytes),  # a step's request: the gRPC stream's limit
                     attach_timeout_s=min(ShmOffer.attach_timeout_s, args.shm_abandon_s), abandon_s=args.shm_abandon_s)
+
+
+def add_invariant_argument(parser: argparse.ArgumentParser) -> None:
+    """--invariant-steps auto|on|off (target_service.factory.INVARIANT_STEPS), for every command that builds a
+    target engine."""
+    from specserve.target_service.factory import INVARIANT_STEPS
+
+    parser.add_argument("--invariant-steps", choices=tuple(INVARIANT_STEPS), default="auto",
+                        help="token-count invariant target steps (greedy speculation then gives target-only's "
+                             "output bit for bit, bf16 included): auto = on a GPU, off on the CPU (64-row steps)")

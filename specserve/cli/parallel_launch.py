@@ -22,7 +22,7 @@ def main(argv: list[str] | None = None) -> int:
         from specserve.cli.main import main as specserve_main
 
         return specserve_main(argv)
-    from specserve.target_service.parallel.worker import main as worker_main
+    from specserve.cli.parallel_worker import main as worker_main
 
     return worker_main([])
 

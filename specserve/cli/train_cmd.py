@@ -88,9 +88,7 @@ def run(args: argparse.Namespace) -> int:
         return _run_target(args)
     if args.train_command == "draft":
         return _run_draft(args)
-    from specserve.train.acceptance import run_eval
-
-    return run_eval(args)
+    return _run_eval(args)
 
 
 def _corpus(args):
@@ -265,3 +263,33 @@ def _add_eval_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--from-json", type=Path, default=None, help="skip measuring: reuse a report written by --out-json")
     p.add_argument("--write-card", type=Path, default=None,
                    help=f"replace the table between {acceptance.CARD_BEGIN} and {acceptance.CARD_END} in this markdown file")
+
+
+def _run_eval(args: argparse.Namespace) -> int:
+    import json
+
+    from specserve.paths import demo_dir
+    from specserve.train.acceptance import FAMILIES, AcceptanceError, card_table, evaluate, write_card
+
+    demo = args.demo_dir or demo_dir()
+    families = [f.strip() for f in args.drafters.split(",") if f.strip()]
+    bad = [f for f in families if f not in FAMILIES]
+    if bad or not families:
+        raise AcceptanceError(f"--drafters must name families among {FAMILIES}, got {args.drafters!r}")
+    if args.k < 1 or args.max_new_tokens < 1:
+        raise AcceptanceError("--k and --max-new-tokens must be >= 1")
+    if args.from_json is not None:
+        report = json.loads(args.from_json.read_text())
+    else:
+        report = evaluate(demo, families, args.k, args.max_new_tokens, args.num_prompts, args.device, args.dtype,
+                          args.denoise_steps)
+    print(card_table(report))
+    if args.out_json is not None:
+        args.out_json.write_text(json.dumps(report, indent=2) + "\n")
+    if args.write_card is not None:
+        write_card(args.write_card, report)
+    failed = [r["family"] for r in report["results"] if r["lossless_prompts"] != r["prompts"]]
+    if failed:
+        print(f"LOSSLESS CHECK FAILED for: {', '.join(failed)}")
+        return 1
+    return 0

@@ -9,7 +9,6 @@ recovered or bonus token), averaged over all verify steps of all prompts. Lossle
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
 from dataclasses import asdict, dataclass
@@ -154,30 +153,3 @@ def write_card(path: Path, report: dict) -> None:
     head, rest = text.split(CARD_BEGIN, 1)
     _, tail = rest.split(CARD_END, 1)
     path.write_text(f"{head}{CARD_BEGIN}\n{card_table(report)}\n{CARD_END}{tail}")
-
-
-def run_eval(args: argparse.Namespace) -> int:
-    from specserve.paths import demo_dir
-
-    demo = args.demo_dir or demo_dir()
-    families = [f.strip() for f in args.drafters.split(",") if f.strip()]
-    bad = [f for f in families if f not in FAMILIES]
-    if bad or not families:
-        raise AcceptanceError(f"--drafters must name families among {FAMILIES}, got {args.drafters!r}")
-    if args.k < 1 or args.max_new_tokens < 1:
-        raise AcceptanceError("--k and --max-new-tokens must be >= 1")
-    if args.from_json is not None:
-        report = json.loads(args.from_json.read_text())
-    else:
-        report = evaluate(demo, families, args.k, args.max_new_tokens, args.num_prompts, args.device, args.dtype,
-                          args.denoise_steps)
-    print(card_table(report))
-    if args.out_json is not None:
-        args.out_json.write_text(json.dumps(report, indent=2) + "\n")
-    if args.write_card is not None:
-        write_card(args.write_card, report)
-    failed = [r["family"] for r in report["results"] if r["lossless_prompts"] != r["prompts"]]
-    if failed:
-        print(f"LOSSLESS CHECK FAILED for: {', '.join(failed)}")
-        return 1
-    return 0

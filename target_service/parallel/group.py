@@ -68,7 +68,7 @@ class RankGroup:
         if rdv.rank != 0:
             raise rv.ParallelError(
                 f"this process is RANK={rdv.rank}; only rank 0 serves callers: start ranks >= 1 with "
-                f"`python -m {WORKER_MODULE}` (or specserve.cli.parallel_launch)"
+                "`python -m specserve.cli.parallel_worker` (or specserve.cli.parallel_launch)"
             )
 
     def _spawn(self, rdv: rv.Rendezvous) -> None:

@@ -4,12 +4,11 @@ Started either by rank 0 itself (``spawned_worker``, one process per local rank)
 on any host with the env:// variables set::
 
     RANK=1 WORLD_SIZE=2 LOCAL_RANK=1 MASTER_ADDR=host0 MASTER_PORT=29500 \\
-        python -m specserve.target_service.parallel.worker [--model /path/if/mounted/elsewhere]
+        python -m specserve.cli.parallel_worker [--model /path/if/mounted/elsewhere]
 """
 
 from __future__ import annotations
 
-import argparse
 import multiprocessing
 import os
 import sys
@@ -133,22 +132,3 @@ def spawned_worker(rdv: rv.Rendezvous, device_index: int | None, threads: int) -
         code = 1
     if code:
         sys.exit(code)  # multiprocessing turns it into the exit code (and still runs its finalizers)
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="a worker rank (RANK >= 1) of a parallel specserve target")
-    parser.add_argument("--model", default=None, help="checkpoint folder on this host (default: rank 0's path)")
-    args = parser.parse_args(argv)
-    rdv = rv.Rendezvous.from_env()
-    if rdv is None or rdv.rank == 0:
-        print("set RANK (>= 1), WORLD_SIZE, MASTER_ADDR, MASTER_PORT (and LOCAL_RANK) for a worker", file=sys.stderr)
-        return 2
-    try:
-        return serve(rdv, checkpoint=args.model)
-    except rv.ParallelError as e:
-        print(f"specserve worker rank {rdv.rank}: error: {e}", file=sys.stderr)
-        return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -3,8 +3,9 @@
 import numpy as np
 import pytest
 
-from specserve.bench.adaptive_replay import main, replay, step_model
+from specserve.bench.adaptive_replay import replay, step_model
 from specserve.loop.adaptive import AdaptiveConfig, AdaptiveSpeculation
+from specserve.tools.adaptive_replay import main
 
 
 def _row(drafter, drafted, accepted, verify_ms, draft_ms=0.0, speculation="fixed", ahead=False):

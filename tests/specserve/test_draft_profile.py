@@ -1,4 +1,4 @@
-"""The drafter census (specserve/bench/draft_profile.py) on the CPU: real demo target, real drafters."""
+"""The drafter census (specserve/bench/draft_profile.py, its flags in tools/draft_profile.py) on the CPU: real demo target, real drafters."""
 
 from __future__ import annotations
 
@@ -7,12 +7,13 @@ import json
 import pytest
 
 from specserve.bench import draft_profile
+from specserve.tools.draft_profile import main
 
 
 def test_profiles_drafters_and_writes_rows_of_the_schema(tmp_path, capsys):
     out = tmp_path / "draft_profile.json"
     argv = ["--drafters", "ngram,eagle3", "--max-new-tokens", "8", "--top", "4", "--out", str(out)]
-    assert draft_profile.main(argv) == 0
+    assert main(argv) == 0
     rows = json.loads(out.read_text())["rows"]
     assert [r["drafter"] for r in rows] == ["ngram", "eagle3"]
     for row in rows:
@@ -30,7 +31,7 @@ def test_profiles_drafters_and_writes_rows_of_the_schema(tmp_path, capsys):
 def test_profiles_trees(tmp_path, capsys):
     out = tmp_path / "draft_profile.json"
     argv = ["--drafters", "eagle3", "--tree", "6,2,3", "--max-new-tokens", "6", "--top", "2", "--out", str(out)]
-    assert draft_profile.main(argv) == 0
+    assert main(argv) == 0
     (row,) = json.loads(out.read_text())["rows"]
     assert row["tree"] == [6, 2, 3] and row["proposes"] > 0 and row["mean_accepted_length"] >= 1.0
     assert "eagle3 tree 6,2,3 on demo" in capsys.readouterr().out
@@ -45,6 +46,6 @@ def test_profiles_trees(tmp_path, capsys):
 ])
 def test_bad_flags_are_one_line(argv, message, capsys):
     with pytest.raises(SystemExit) as exc:
-        draft_profile.main(argv)
+        main(argv)
     assert exc.value.code == 2
     assert message in capsys.readouterr().err

@@ -65,7 +65,7 @@ def test_env_rendezvous_start_on_loopback(tiny_checkpoint, capsys):
 
 
 def test_a_worker_rank_needs_the_env_variables(monkeypatch, capsys):
-    from specserve.target_service.parallel.worker import main as worker_main
+    from specserve.cli.parallel_worker import main as worker_main
 
     monkeypatch.delenv("RANK", raising=False)
     assert worker_main([]) == 2 and "set RANK" in capsys.readouterr().err

@@ -1,0 +1,41 @@
+"""Offline replay of chain-length policies on a bench run's steps.jsonl (bench/adaptive_replay.py):
+
+    python -m specserve.tools.adaptive_replay OUT/steps.jsonl --drafter model \\
+        --draft-ms 1=5.14,2=8.02,3=10.45,4=14.07 [--steps 250 --seeds 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from specserve.bench.adaptive_replay import run
+
+
+def _draft_ms(text: str) -> dict[int, float]:
+    try:
+        return {int(k): float(v) for k, v in (part.split("=") for part in text.split(","))}
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"expected K=MS,K=MS,..., got {text!r}") from e
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m specserve.tools.adaptive_replay", description=__doc__.splitlines()[0])
+    parser.add_argument("steps_jsonl", help="a bench's steps.jsonl (or steps.jsonl.gz)")
+    parser.add_argument("--drafter", required=True)
+    parser.add_argument("--draft-ms", type=_draft_ms, required=True, help="mean draft ms by k, e.g. 1=5.1,2=8.0")
+    parser.add_argument("--steps", type=int, default=250)
+    parser.add_argument("--seeds", type=int, default=20)
+    args = parser.parse_args(argv)
+    try:
+        result = run(args.steps_jsonl, args.drafter, args.draft_ms, args.steps, args.seeds)
+    except (OSError, ValueError, KeyError) as e:
+        print(f"adaptive_replay: error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
