@@ -58,7 +58,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_request_limit_arguments(limits)
     parser.add_argument("--draft-step-timeout-s", type=float, default=5.0)
     parser.add_argument("--trust-draft-probs", action="store_true",
-                        help="verify with the drafter's probabilities q (default: proposal-only, see README)")
+                        help="verify with the drafter's probabilities q (default: proposal-only, see docs/operations.md)")
     parser.add_argument("--startup-timeout-s", type=float, default=600.0)
     parser.add_argument("--grace-s", type=float, default=10.0, help="seconds in-flight requests get on stop")
     parser.add_argument("--progress-every-s", type=float, default=EVERY_S,

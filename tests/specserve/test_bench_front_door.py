@@ -15,7 +15,7 @@ from specserve.bench.result import ENVIRONMENT_KEYS, SCHEMA_VERSION, SUMMARY_KEY
 from specserve.cli.main import build_parser, main
 
 ROOT = Path(__file__).resolve().parents[2]
-DOCS = ("README.md", "BENCHMARKS.md", "ARCHITECTURE.md", "Makefile")
+DOCS = ("README.md", "BENCHMARKS.md", "ARCHITECTURE.md", "Makefile", *sorted(f"docs/{p.name}" for p in (ROOT / "docs").glob("*.md")))
 # modules whose flags and output moved behind `specserve bench` (their `python -m` entry points are gone)
 MOVED = ("step_bench", "step_profile", "kernel_bench", "quant_kernel_bench", "serve_overhead", "k2_projection",
          "draft_profile", "ring_rtt", "projection ", "allreduce_bench")
