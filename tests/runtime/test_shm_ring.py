@@ -13,6 +13,7 @@ import threading
 import time
 
 import pytest
+from shm_helpers import left_behind
 
 from specserve.runtime.shm_layout import SHM_DIR, RingConfig, leftover_names
 from specserve.runtime.shm_ring import MessageTooLarge, PeerGone, RingError, RingTimeout, ShmChannel
@@ -24,7 +25,7 @@ pytestmark = pytest.mark.skipif(not SHM_DIR.is_dir(), reason="no /dev/shm on thi
 def nothing_left():
     before = set(leftover_names())
     yield
-    assert set(leftover_names()) - before == set(), "a segment or FIFO left in /dev/shm"
+    assert left_behind(before) == set(), "a segment or FIFO left in /dev/shm"
 
 
 def attach_beside(a: ShmChannel, config: RingConfig | None = None) -> ShmChannel:
