@@ -100,6 +100,7 @@ def draft_block_to_proto(block: DraftBlock) -> common_pb2.DraftBlock:
     if block.probs is not None:
         msg.probs.CopyFrom(tensor_to_proto(block.probs))
         msg.has_probs = True
+    msg.confidence.extend(block.confidence)
     return msg
 
 
@@ -118,7 +119,7 @@ def draft_block_from_proto(
     if vocab_size is not None:
         check_block_values(ids, probs, vocab_size, field)
     try:
-        return DraftBlock(token_ids=ids, parents=parents, probs=probs)
+        return DraftBlock(token_ids=ids, parents=parents, probs=probs, confidence=tuple(msg.confidence))
     except ValueError as e:
         raise ConversionError(f"{field}: {e}") from None
 

@@ -65,9 +65,18 @@ class DraftBlock:
     token_ids: tuple[int, ...]  # [n]
     parents: tuple[int, ...] | None = None  # [n] or None for a chain
     probs: torch.Tensor | None = None  # [n, vocab] float32 draft distribution q of each node; None = one-hot
+    # [n] a chain's chance that each drafted token is accepted given the ones before it were (a drafter's confidence
+    # head: draft_service/dspark.py); () = none. It only guides how many are verified (contract/verify_length.py)
+    confidence: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         n = len(self.token_ids)
+        if self.confidence:
+            if len(self.confidence) != n or self.parents is not None:
+                raise ValueError(f"confidence has {len(self.confidence)} entries for a {n}-token "
+                                 f"{'chain' if self.parents is None else 'tree'} (chains only, one per token)")
+            if not all(0.0 <= c <= 1.0 for c in self.confidence):  # NaN fails too
+                raise ValueError("confidence: every entry must be in [0, 1]")
         if self.parents is not None:
             if len(self.parents) != n:
                 raise ValueError(f"parents has {len(self.parents)} entries for {n} tokens")

@@ -47,18 +47,20 @@ class HiddenRows(_message.Message):
     def __init__(self, start: _Optional[int] = ..., stop: _Optional[int] = ...) -> None: ...
 
 class DraftBlock(_message.Message):
-    __slots__ = ("token_ids", "parents", "is_tree", "probs", "has_probs")
+    __slots__ = ("token_ids", "parents", "is_tree", "probs", "has_probs", "confidence")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PARENTS_FIELD_NUMBER: _ClassVar[int]
     IS_TREE_FIELD_NUMBER: _ClassVar[int]
     PROBS_FIELD_NUMBER: _ClassVar[int]
     HAS_PROBS_FIELD_NUMBER: _ClassVar[int]
+    CONFIDENCE_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     parents: _containers.RepeatedScalarFieldContainer[int]
     is_tree: bool
     probs: Tensor
     has_probs: bool
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., parents: _Optional[_Iterable[int]] = ..., is_tree: _Optional[bool] = ..., probs: _Optional[_Union[Tensor, _Mapping]] = ..., has_probs: _Optional[bool] = ...) -> None: ...
+    confidence: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., parents: _Optional[_Iterable[int]] = ..., is_tree: _Optional[bool] = ..., probs: _Optional[_Union[Tensor, _Mapping]] = ..., has_probs: _Optional[bool] = ..., confidence: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class StepTimings(_message.Message):
     __slots__ = ("queue_ms", "forward_ms", "sample_ms", "total_ms", "compute_ms")
