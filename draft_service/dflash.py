@@ -153,6 +153,25 @@ class DFlashModel(nn.Module):
         ctx_mask: torch.Tensor | None = None,  # [b, P] bool; None = every block query sees all context
         given: torch.Tensor | None = None,  # [m] int64 known tokens at block positions 1..m (m <= b - 1)
     ) -> torch.Tensor:  # [cfg.drafts_per_block, V] float32: logits of drafted tokens 1, 2, ...
+        return self.head_logits(self.block_hidden(first_token, first_pos, ctx_kv, ctx_mask, given))
+
+    def head_logits(self, z: torch.Tensor) -> torch.Tensor:  # [N, H] final-normed rows -> [N, V] float32
+        """The output head over final-normed rows: lm_head, logits past ``logits_vocab_limit`` at -inf."""
+        logits = self.lm_head(z).float()
+        limit = self.cfg.logits_vocab_limit
+        if limit is not None and limit < logits.shape[-1]:
+            logits[:, limit:] = float("-inf")  # in place: graph-safe
+        return logits
+
+    def block_hidden(
+        self,
+        first_token: torch.Tensor,  # [1] int64, the pending token
+        first_pos: int | torch.Tensor,  # its position (int, or 0-dim int64 device tensor)
+        ctx_kv: list[tuple[torch.Tensor, torch.Tensor]],  # per layer ([P, Hkv, D], [P, Hkv, D])
+        ctx_mask: torch.Tensor | None = None,  # [b, P] bool
+        given: torch.Tensor | None = None,  # [m] int64
+    ) -> torch.Tensor:  # [cfg.drafts_per_block, H]: the final-normed rows of drafted tokens 1, 2, ...
+        """block_logits' rows before the output head (the arguments are block_logits')."""
         c, b = self.cfg, self.cfg.block_size
         known = first_token if given is None else torch.cat([first_token, given])  # [1 + m]
         if len(known) > b:
@@ -176,10 +195,8 @@ class DFlashModel(nn.Module):
             x = x + layer.o_proj(out.reshape(b, -1))
             y = layer.post_attention_layernorm(x)
             x = x + layer.down_proj(F.silu(layer.gate_proj(y)) * layer.up_proj(y))
-        logits = self.lm_head(self.norm(x)).float()  # [b, V]
-        if c.logits_vocab_limit is not None and c.logits_vocab_limit < logits.shape[-1]:
-            logits[:, c.logits_vocab_limit:] = float("-inf")  # in place: graph-safe
-        return logits if c.anchor_predicts_next else logits[1:]
+        z = self.norm(x)  # [b, H]
+        return z if c.anchor_predicts_next else z[1:]
 
 
 SHARED_TENSORS = {"embed_tokens.weight": "model.embed_tokens.weight", "lm_head.weight": "lm_head.weight"}
@@ -190,13 +207,17 @@ def _saved_names(cfg: DFlashConfig, state_names) -> list[str]:
     return [k for k in state_names if not (cfg.shared_target_head and k in SHARED_TENSORS)]
 
 
+def dflash_tensors(model: DFlashModel) -> dict[str, torch.Tensor]:
+    """The tensors model.safetensors holds, by checkpoint name (CPU, contiguous)."""
+    state = model.state_dict()
+    return {_ckpt_name(k): state[k].detach().contiguous().cpu() for k in _saved_names(model.cfg, state)}
+
+
 def save_dflash(model: DFlashModel, out_dir: str | Path) -> None:
     """Write config.json + model.safetensors (the layout in the module docstring)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    state = model.state_dict()
-    tensors = {_ckpt_name(k): state[k].detach().contiguous().cpu() for k in _saved_names(model.cfg, state)}
-    save_file(tensors, str(out / WEIGHTS_FILE))
+    save_file(dflash_tensors(model), str(out / WEIGHTS_FILE))
     (out / "config.json").write_text(json.dumps(model.cfg.to_dict(), indent=2))
 
 
@@ -236,13 +257,25 @@ def load_dflash(
     target_dir: str | Path | None = None,  # required when the checkpoint has shared_target_head
 ) -> DFlashModel:
     path = Path(path)
+    cfg, renames = read_config(read_config_json(path, "dflash"))
+    return load_block(cfg, renames, path, device, dtype, target_dir)
+
+
+def read_config_json(path: Path, what: str) -> dict:
+    """config.json of a drafter folder; a missing or malformed one is a DrafterConfigError naming it."""
     try:
-        raw = json.loads((path / "config.json").read_text(encoding="utf-8"))
+        return json.loads((path / "config.json").read_text(encoding="utf-8"))
     except FileNotFoundError as e:
-        raise DrafterConfigError(f"dflash: no config.json in {path}") from e
+        raise DrafterConfigError(f"{what}: no config.json in {path}") from e
     except json.JSONDecodeError as e:
-        raise DrafterConfigError(f"dflash: {path / 'config.json'} is not valid JSON: {e}") from e
-    cfg, renames = read_config(raw)
+        raise DrafterConfigError(f"{what}: {path / 'config.json'} is not valid JSON: {e}") from e
+
+
+def load_block(
+    cfg: DFlashConfig, renames: dict[str, str], path: Path, device: str | torch.device, dtype: torch.dtype,
+    target_dir: str | Path | None,
+) -> DFlashModel:
+    """A DFlashModel of ``cfg`` with the tensors of path/model.safetensors (and the target's head when shared)."""
     if not (path / WEIGHTS_FILE).is_file():
         raise DrafterConfigError(f"dflash: no {WEIGHTS_FILE} in {path}")
     shared = {}
@@ -261,13 +294,13 @@ def load_dflash(
     for attr, name in saved.items():
         if name not in tensors:
             raise DrafterConfigError(f"dflash checkpoint {path} lacks tensor {name}")
-        _copy_checked(state[attr], tensors[name], f"dflash tensor {name}")
+        copy_checked(state[attr], tensors[name], f"dflash tensor {name}")
     for attr, src in shared.items():
-        _copy_checked(state[attr], src, f"target tensor {SHARED_TENSORS[attr]} (of {target_dir})")
+        copy_checked(state[attr], src, f"target tensor {SHARED_TENSORS[attr]} (of {target_dir})")
     return model.to(dtype=dtype).eval()
 
 
-def _copy_checked(param: torch.Tensor, src: torch.Tensor, what: str) -> None:
+def copy_checked(param: torch.Tensor, src: torch.Tensor, what: str) -> None:
     if tuple(src.shape) != tuple(param.shape):
         raise DrafterConfigError(f"{what} has shape {tuple(src.shape)}, expected {tuple(param.shape)}")
     param.copy_(src)
@@ -305,6 +338,8 @@ class _DFlashSession:
 
 
 class DFlashProposer(Proposer):
+    FAMILY = "dflash"  # DrafterInfo.family (dspark.py's proposer is this one with its own drafting)
+
     def __init__(self, model: DFlashModel, config: DrafterConfig, hidden_layers: tuple[int, ...], vocab_hash: str) -> None:
         self.model = model
         # passes per block (module docstring); a serve-time override goes through DFlashConfig's checks
@@ -316,7 +351,7 @@ class DFlashProposer(Proposer):
             self.block_graphs = self._capture_graphs(config)
         super().__init__(
             DrafterInfo(
-                family="dflash",
+                family=self.FAMILY,
                 vocab_size=self.vocab_size,
                 vocab_hash=vocab_hash,
                 max_block_size=min(config.max_block_size, model.cfg.drafts_per_block),
@@ -376,11 +411,19 @@ class DFlashProposer(Proposer):
         fs.tokens = ids[: L - 1].copy()
         fs.window_rows = L - 1 if on_graphs else min(fs.window_rows, keep)
         state.drop_hidden_before(L - 1 - ROLLBACK_ROWS)
-        if on_graphs:
-            drafted, q = graphs.draft(num_tokens, state.sampling, state.generator)
-            probs = None if q is None else to_target_probs(q, self.vocab_size)
-            return DraftBlock(token_ids=tuple(drafted), probs=probs)
-        first = torch.as_tensor(ids[L - 1 : L], device=self.device)
+        return self._graph_block(state, num_tokens) if on_graphs else self._eager_block(state, num_tokens)
+
+    def _graph_block(self, state: SessionState, num_tokens: int) -> DraftBlock:
+        """The block's passes as graph replays, after the context is in the window."""
+        drafted, q = self.block_graphs.draft(num_tokens, state.sampling, state.generator)
+        probs = None if q is None else to_target_probs(q, self.vocab_size)
+        return DraftBlock(token_ids=tuple(drafted), probs=probs)
+
+    def _eager_block(self, state: SessionState, num_tokens: int) -> DraftBlock:
+        """The block's passes eagerly over the session's context K/V."""
+        fs: _DFlashSession = state.family_state
+        L = len(state)
+        first = torch.as_tensor(state.ids[L - 1 : L], device=self.device)
         kv = fs.kv
         passes = min(self.passes, num_tokens)
         tokens, qs = first.new_zeros(0), []
@@ -405,13 +448,18 @@ def build_dflash_proposer(config: DrafterConfig) -> DFlashProposer:
         model = scaled_drafter(lambda: scaled_dflash(demo, config.checkpoint, name, config.device, config.dtype))
     else:
         model = load_dflash(config.checkpoint, config.device, config.dtype, config.target_checkpoint)
-    vocab_hash = f"size:{model.cfg.vocab_size}"
+    return DFlashProposer(model, config, *block_identity(model.cfg, config, "dflash"))
+
+
+def block_identity(cfg: DFlashConfig, config: DrafterConfig, family: str) -> tuple[tuple[int, ...], str]:
+    """(the target layers a block drafter reads, its vocab hash), its vocabulary checked against the target's."""
+    vocab_hash = f"size:{cfg.vocab_size}"
     if config.target_checkpoint is not None:
         vocab = target_vocab(config.target_checkpoint)
         vocab_hash = vocab.hash
-        if vocab.size != model.cfg.vocab_size:
-            raise VocabMismatchError(f"dflash vocab_size {model.cfg.vocab_size} != target vocab_size {vocab.size}")
-    layers = config.hidden_layers or model.cfg.target_layer_ids
-    if len(layers) != len(model.cfg.target_layer_ids):
-        raise DrafterConfigError(f"dflash was trained on {len(model.cfg.target_layer_ids)} target layers, got {layers}")
-    return DFlashProposer(model, config, tuple(layers), vocab_hash)
+        if vocab.size != cfg.vocab_size:
+            raise VocabMismatchError(f"{family} vocab_size {cfg.vocab_size} != target vocab_size {vocab.size}")
+    layers = config.hidden_layers or cfg.target_layer_ids
+    if len(layers) != len(cfg.target_layer_ids):
+        raise DrafterConfigError(f"{family} was trained on {len(cfg.target_layer_ids)} target layers, got {layers}")
+    return tuple(layers), vocab_hash

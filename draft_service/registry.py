@@ -3,8 +3,8 @@
 Factories import their module lazily, so building an ``ngram`` drafter never imports model code.
 
 The target decides the size: with a demo@ target (``DrafterConfig.target_checkpoint``, models/model_names.py) the
-eagle3, model, dflash and mtp factories build their demo-size checkpoint scaled to that target
-(models/scaled_drafters.py, scaled_mtp.py); with a checkpoint folder they load it as it is. No family of its
+eagle3, model, dflash, dspark and mtp factories build their demo-size checkpoint scaled to that target
+(models/scaled_drafters.py, scaled_dspark.py, scaled_mtp.py); with a checkpoint folder they load it as it is. No family of its
 own.
 """
 
@@ -44,6 +44,12 @@ def _dflash(config: DrafterConfig) -> Proposer:
     return build_dflash_proposer(config)
 
 
+def _dspark(config: DrafterConfig) -> Proposer:
+    from specserve.draft_service.dspark import build_dspark_proposer
+
+    return build_dspark_proposer(config)
+
+
 def _mtp(config: DrafterConfig) -> Proposer:
     from specserve.draft_service.mtp import build_mtp_proposer
 
@@ -51,7 +57,7 @@ def _mtp(config: DrafterConfig) -> Proposer:
 
 
 PROPOSER_FACTORIES: Mapping[str, ProposerFactory] = MappingProxyType(
-    {"ngram": _ngram, "model": _model, "eagle3": _eagle3, "dflash": _dflash, "mtp": _mtp}
+    {"ngram": _ngram, "model": _model, "eagle3": _eagle3, "dflash": _dflash, "dspark": _dspark, "mtp": _mtp}
 )
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import torch
 
 from specserve.contract.types import DraftBlock, SamplingParams, TreeSpec
@@ -21,6 +22,15 @@ class FakeFeatures:
         idx = torch.as_tensor(list(ids[start:end]), dtype=torch.int64)
         scale = 1.0 + 0.01 * torch.arange(start, end, dtype=torch.float64)[:, None]
         return (self.table[idx] * scale).float()
+
+
+@torch.no_grad()
+def randomize_(module: torch.nn.Module, seed: int, scale: float = 0.4) -> torch.nn.Module:
+    """Every parameter of `module` drawn N(0, scale^2) from `seed` (a random drafter for tests); returns it."""
+    gen = torch.Generator().manual_seed(seed)
+    for p in module.parameters():
+        p.copy_(torch.randn(p.shape, generator=gen) * scale)
+    return module
 
 
 def block_tokens(block: DraftBlock) -> tuple:
@@ -83,8 +93,9 @@ def check_sessions_take_turns(eager, graphs, feats, vocab: int, steps: int = 4) 
             p.start(sid, seq, feats.rows(seq, 0, len(seq) - 1), SamplingParams())
     for step in range(steps):
         for sid, seq in seqs.items():
-            want = eager.propose(sid, len(seq), [], None, 4)
-            assert graphs.propose(sid, len(seq), [], None, 4) == want, f"step {step} session {sid}"
+            want, got = eager.propose(sid, len(seq), [], None, 4), graphs.propose(sid, len(seq), [], None, 4)
+            assert got.token_ids == want.token_ids and got.probs is want.probs is None, f"step {step} session {sid}"
+            assert np.allclose(got.confidence, want.confidence, rtol=0, atol=1e-5), f"step {step} session {sid}"
             grown = seq + [want.token_ids[0], (step * 7 + len(seq)) % vocab]
             for p in (eager, graphs):
                 p.propose(sid, len(seq), grown[len(seq):], feats.rows(grown, len(seq) - 1, len(grown) - 1), 0)
@@ -180,6 +191,7 @@ def lockstep(engines, drafters, prompt: list[int], k: int, max_new: int, tree: T
         while len(emitted) < max_new:
             blocks = [p.propose("s", prefix, append, h, k, tree) for p, h in zip(drafters, hidden)]
             assert (blocks[0].token_ids, blocks[0].parents) == (blocks[1].token_ids, blocks[1].parents), steps
+            assert np.allclose(blocks[0].confidence, blocks[1].confidence, rtol=0, atol=1e-4), steps
             res = [e.verify("s", b) for e, b in zip(engines, blocks)]
             assert (res[0].accepted_ids, res[0].next_token) == (res[1].accepted_ids, res[1].next_token)
             prefix, append, hidden = len(seq), (*res[1].accepted_ids, res[1].next_token), (res[0].hidden, res[1].hidden)

@@ -35,6 +35,7 @@ from tiny_hf import save_zlab_dflash
 from specserve.contract.types import SamplingParams, TreeSpec
 from specserve.draft_service.dflash import DFlashConfig, DFlashModel, save_dflash
 from specserve.draft_service.drafter_config import DrafterConfig
+from specserve.draft_service.dspark import DSparkConfig, DSparkModel, save_dspark
 from specserve.draft_service.eagle3_head import (
     Eagle3Config,
     Eagle3Head,
@@ -78,6 +79,19 @@ def _eagle3_dir(root, target_dir):
         head.lm_head.weight.copy_(last["lm_head"][keep])
     save_eagle3_head(head, root / "eagle3")  # embeddings come from the target checkpoint
     return root / "eagle3"
+
+
+def _dspark_dir(root, num_layers):
+    torch.manual_seed(7)
+    cfg = DFlashConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+                       intermediate_size=32, vocab_size=VOCAB, block_size=4, target_hidden_size=32,
+                       target_layer_ids=(0, num_layers - 1))
+    model = DSparkModel(DSparkConfig(cfg, 4))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn_like(p) * 0.4)
+    save_dspark(model, root / "dspark")
+    return root / "dspark"
 
 
 def _dflash_dir(root, num_layers, denoise_steps=1):
@@ -128,6 +142,7 @@ def _world(tiny_ckpt, tmp_path_factory, kind):
         "eagle3": DrafterConfig(family="eagle3", checkpoint=_eagle3_dir(root, target), **base),
         "dflash": DrafterConfig(family="dflash", checkpoint=_dflash_dir(root, layers), **base),
         "dflash_denoise": DrafterConfig(family="dflash", checkpoint=_dflash_dir(root, layers, 2), **base),
+        "dspark": DrafterConfig(family="dspark", checkpoint=_dspark_dir(root, layers), **base),
         "dflash_zlab": DrafterConfig(family="dflash", checkpoint=save_zlab_dflash(root / "zlab", (0, layers - 1)), **base),
         "mtp": DrafterConfig(family="mtp", **base),  # the target's own layer (only mtp_world's target has one)
     }
@@ -136,7 +151,7 @@ def _world(tiny_ckpt, tmp_path_factory, kind):
     return engine, configs, target
 
 
-GRAPH_DRAFTERS = ("model", "eagle3", "dflash", "dflash_denoise")
+GRAPH_DRAFTERS = ("model", "eagle3", "dflash", "dflash_denoise", "dspark")
 GPU = (pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"))
 
 
@@ -182,7 +197,7 @@ def run_loop(engine, proposer, sid, prompt, sampling, max_new, k=3, tree=None, s
     return out, drafted, accepted
 
 
-@pytest.mark.parametrize("name", ["ngram", "model", "eagle3", "dflash", "dflash_denoise"] + _graph_variants())
+@pytest.mark.parametrize("name", ["ngram", "model", "eagle3", "dflash", "dflash_denoise", "dspark"] + _graph_variants())
 def test_greedy_output_equals_target_only(world, name):
     engine_factory, configs, _ = world
     engine, proposer = engine_factory(), make_proposer(configs, name)
@@ -265,7 +280,7 @@ def _exact_second_token_dist(target_dir, sampling) -> torch.Tensor:  # [V]
     "world_name,name,tree",
     [("dense_world", n, t) for n, t in [("ngram", None), ("model", None), ("model", TREE), ("model", CUT_TREE),
                                         ("eagle3", None), ("eagle3", TREE), ("dflash", None),
-                                        ("dflash_denoise", None), ("dflash_zlab", None)]]
+                                        ("dflash_denoise", None), ("dflash_zlab", None), ("dspark", None)]]
     + [("mtp_world", "mtp", None)]
     + [pytest.param(*p.values, None, marks=p.marks) if hasattr(p, "values") else (*p, None)
        for p in _graph_variants("dense_world")]
@@ -297,7 +312,8 @@ def test_sampled_first_verify_token_follows_target(request, world_name, name, tr
 
 @pytest.mark.parametrize(
     "world_name,name",
-    [("dense_world", n) for n in ["model", "eagle3", "dflash", "dflash_denoise", "dflash_zlab"]] + [("mtp_world", "mtp")]
+    [("dense_world", n) for n in ["model", "eagle3", "dflash", "dflash_denoise", "dflash_zlab", "dspark"]]
+    + [("mtp_world", "mtp")]
     + _graph_variants("dense_world"),
 )
 def test_sampled_second_verified_token_follows_target(request, world_name, name):
@@ -332,3 +348,4 @@ def test_sampled_second_verified_token_follows_target(request, world_name, name)
     pval = _chisquare_pvalue(counts, expected, runs)
     assert pval > 1e-3, f"{name}: p={pval:.2e}, first drafted token accepted in {first_accepted}/{runs}"
     assert first_accepted > 0  # drafted token 2 was on trial
+
