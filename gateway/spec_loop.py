@@ -111,7 +111,7 @@ def truncate_chain(block: DraftBlock, k: int) -> DraftBlock:
     if k >= len(block) or not block.is_chain:
         return block
     probs = None if block.probs is None else block.probs[:k]
-    return DraftBlock(token_ids=block.token_ids[:k], probs=probs)
+    return DraftBlock(token_ids=block.token_ids[:k], probs=probs, confidence=block.confidence[:k])
 
 
 class _DraftSync:
@@ -183,6 +183,7 @@ class _Run:
         self.in_step = False  # the drafter holds S but the last step's tokens (that step drafted)
         self.step_started = 0.0  # perf_counter at the current step's propose
         self.draft_session = draft  # released at the end even if the request fell back to target-only
+        self.cut_confidence = None  # [n] confidence of the drafted tokens this step's verify length cut, or None
 
     def fallback(self, span, exc: Exception) -> None:
         """Drop the drafter for the rest of the request."""
@@ -203,14 +204,19 @@ class _Run:
             return True
         return self.adaptive.plan_ahead(k) if decide else self.adaptive.ahead_pays(k)
 
-    def truncate(self, block: DraftBlock, sunk_ms: float) -> DraftBlock:
-        """Adaptive: the block is paid for (``sunk_ms``); keep the prefix that pays. At least one
-        drafted token is verified, so the acceptance estimates keep learning."""
+    def truncate(self, block: DraftBlock, sunk_ms: float, probe: bool = False) -> DraftBlock:
+        """Adaptive: the block is paid for (``sunk_ms``); verify the prefix that pays by each position's confidence
+        (contract/verify_length.py), none of it included: then the step is a target-only step. A probe verifies at
+        least one token (it is there to measure). The cut tokens' confidence goes to the step's observations."""
+        self.cut_confidence = None
         if self.adaptive is None or not block.is_chain or not len(block):
             return block
         ahead = self.ahead_planned(len(block))
-        k = self.adaptive.choose_k(len(block), drafted_confidence(block), sunk_ms=sunk_ms, ahead=ahead)
-        return truncate_chain(block, max(1, k))
+        confidence = drafted_confidence(block)
+        k = self.adaptive.choose_k(len(block), confidence, sunk_ms=sunk_ms, ahead=ahead, least=int(probe))
+        if confidence is not None and k < len(block):
+            self.cut_confidence = confidence[k:]
+        return truncate_chain(block, k)
 
     async def propose(self, span) -> DraftBlock:
         self.step_started = time.perf_counter()
@@ -247,7 +253,7 @@ class _Run:
             return EMPTY_BLOCK
         ms = (time.perf_counter() - t0) * 1e3
         self.observer.drafted(k, ms, steady=steady, probe=probe)
-        return self.truncate(block, sunk_ms=ms)
+        return self.truncate(block, sunk_ms=ms, probe=probe)
 
     async def draft_next_ahead(self, block: DraftBlock) -> tuple[DraftBlock, float] | None:
         """Draft block n+1 while block n is verified, assuming block n is accepted in full; with its ms."""
@@ -280,14 +286,15 @@ class _Run:
         finally:
             drafted_ahead = await ahead_task if ahead_task is not None else None
         walls = VerifyWalls(len(self.seq), verify_wall_ms, (time.perf_counter() - t0) * 1e3, ahead=ahead_task is not None,
-                            step_started=self.step_started)
+                            step_started=self.step_started, cut_confidence=self.cut_confidence)
+        self.cut_confidence = None
         if drafted_ahead is not None:
             ahead, ahead_ms = drafted_ahead
             self.sync.verified_ahead(len(self.seq), len(res.accepted_ids))
             hit = len(res.accepted_ids) == len(block) and ahead.token_ids[:1] == (res.next_token,)
             if hit:  # its first token was the bonus token: the rest is the next block
                 probs = None if ahead.probs is None else ahead.probs[1:]
-                self.ahead = DraftBlock(token_ids=ahead.token_ids[1:], probs=probs)
+                self.ahead = DraftBlock(token_ids=ahead.token_ids[1:], probs=probs, confidence=ahead.confidence[1:])
             walls = dataclasses.replace(walls, ahead_hit=hit, ahead_ms=ahead_ms)
         self.observer.verified(block, res, walls)
         self.sync.add_hidden(res.hidden)

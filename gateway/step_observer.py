@@ -54,11 +54,17 @@ class VerifyWalls:
     ahead_hit: bool | None = None  # the block drafted ahead is usable (None: none came back)
     ahead_ms: float = 0.0  # the drafter's time on it
     step_started: float | None = None  # perf_counter when the step's propose began (its overhead: the rest)
+    cut_confidence: np.ndarray | None = None  # [n] confidence of drafted tokens the verify length cut (not verified)
 
 
-def drafted_confidence(block: DraftBlock) -> np.ndarray | None:
-    """q of each drafted token: the drafter's own estimate that the target agrees."""
-    if block.probs is None or not block.is_chain or not len(block):
+def drafted_confidence(block: DraftBlock) -> np.ndarray | None:  # [n] float, or None
+    """Each drafted token's chance of acceptance as the drafter sees it: its confidence head's (DraftBlock.confidence),
+    else its q of the token; None for a tree or a drafter with neither."""
+    if not block.is_chain or not len(block):
+        return None
+    if block.confidence:
+        return np.asarray(block.confidence, dtype=float)
+    if block.probs is None:
         return None
     ids = torch.tensor(block.token_ids, dtype=torch.long)
     return block.probs[torch.arange(len(ids)), ids].float().numpy()
@@ -133,4 +139,5 @@ class StepObserver:
             self.adaptive.observe_verify(
                 len(block), len(res.accepted_ids), res.experts_touched, walls.step_ms,
                 confidence=drafted_confidence(block), ahead=walls.ahead, overhead_ms=overhead,
+                unverified=walls.cut_confidence,
             )

@@ -33,11 +33,15 @@ probabilities; else from a running per-position acceptance estimate.
     overhead(k) = running mean of (step wall - draft - verify) of steps that drafted (k >= 1) or did
                   not (k = 0): a drafted step also pays the propose call's hop, checks and truncation
 
+The rule itself is contract/verify_length.py's (pure, over a precomputed table of step costs by k: ``step_costs``).
 Before drafting, k maximises E[emitted | k] / (draft_ms(k) + verify_ms(k + 1) + overhead(k)); k = 0 is
 target-only's rate 1 / (verify_ms(1) + overhead(0)), so speculation is off whenever it does not pay.
-After a block is drafted its cost is sunk: the truncation maximises E[emitted | k] / (sunk_ms +
-verify_ms(k + 1)). Only which tokens are verified changes; the acceptance rule does not, so the output
-distribution is untouched.
+After a block is drafted its cost is sunk: the verify length maximises E[emitted | k] / (sunk_ms +
+verify_ms(k + 1)) from each drafted position's confidence, k = 0 included (a block nobody is confident in is not
+verified; a probe verifies at least one token). The positions cut count as expected observations in the
+per-position estimate (AcceptanceEstimator.observe), so a drafter whose blocks are cut to nothing stops being
+asked. Only which tokens are verified changes; the acceptance rule does not, so the output distribution is
+untouched.
 
 While speculation is off, a step does what a target-only step does (no drafter call: the drafter
 catches up on the skipped tokens at the next propose). Now and then a probe drafts anyway, so acceptance
@@ -58,6 +62,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from specserve.contract.verify_length import StepCosts, best_length
 from specserve.loop.cost_models import DraftCostModel, VerifyCostModel
 from specserve.loop.probing import ProbePolicy, ProbeSchedule
 
@@ -118,15 +123,26 @@ class AcceptanceEstimator:
             mean = out[i] = (self.hits[i] + self._weight * mean) / (self.trials[i] + self._weight)
         return out
 
-    def observe(self, num_drafted: int, num_accepted: int) -> None:
-        # positions 0..num_accepted-1 were accepted; position num_accepted (if drafted) was refused
+    def observe(self, num_drafted: int, num_accepted: int, unverified: Sequence[float] = ()) -> None:
+        """Positions 0..num_accepted-1 were accepted; position num_accepted (if drafted) was refused. ``unverified``:
+        the chances (calibrated confidence) of drafted positions num_drafted.. that the step did not verify
+        (contract/verify_length.py cut them): when every verified one was accepted they count as expected
+        observations, position i weighted by the chance of reaching it, so a drafter whose blocks are cut to nothing
+        still teaches the estimate that drafting does not pay."""
         seen = min(num_drafted, num_accepted + 1, len(self.hits))
-        if seen == 0:
+        soft = list(unverified)[: max(0, len(self.hits) - num_drafted)] if num_accepted == num_drafted else []
+        if seen == 0 and not soft:
             return
         self.hits *= self._keep
         self.trials *= self._keep
         self.hits[: min(seen, num_accepted)] += 1.0
         self.trials[:seen] += 1.0
+        reach = 1.0
+        for i, a in enumerate(soft, start=num_drafted):
+            a = min(max(float(a), 0.0), 1.0)
+            self.hits[i] += reach * a
+            self.trials[i] += reach
+            reach *= a
         self.version += 1
 
 
@@ -160,16 +176,6 @@ class ConfidenceCalibration:
         q = np.clip(np.asarray(q, dtype=float), 0.0, 1.0)
         b = self._bin(q)
         return (self.hits[b] + self._prior * q) / (self.trials[b] + self._prior)
-
-
-def expected_emitted(alpha: Sequence[float]) -> list[float]:
-    """E[emitted | k] for k = 0..len(alpha): 1 + sum_{i<k} prod_{j<=i} alpha_j. Plain floats: with a
-    handful of positions numpy's per-call overhead would dominate the chooser's step."""
-    out, run = [1.0], 1.0
-    for a in alpha:
-        run *= float(a)
-        out.append(out[-1] + run)
-    return out
 
 
 class AdaptiveSpeculation:
@@ -213,17 +219,19 @@ class AdaptiveSpeculation:
     def observe_verify(
         self, num_drafted: int, num_accepted: int, experts: int, ms: float,
         confidence: np.ndarray | None = None, ahead: bool = False, overhead_ms: float | None = None,
+        unverified: np.ndarray | None = None,
     ) -> None:
-        """One verified chain; ``confidence`` [num_drafted] is q of its tokens, ``ahead`` whether the
-        drafter drafted the next block meanwhile, ``overhead_ms`` the step's time outside its draft and
-        verify calls."""
+        """One verified chain; ``confidence`` [num_drafted] is the confidence of its tokens (a confidence head's, or
+        q), ``ahead`` whether the drafter drafted the next block meanwhile, ``overhead_ms`` the step's time outside
+        its draft and verify calls, ``unverified`` the confidence of the drafted tokens the step cut."""
         if overhead_ms is not None:
             self.observe_overhead(num_drafted > 0, overhead_ms)
         version = self.cost.version
         self.cost.observe(num_drafted + 1, experts, ms, ahead)
         if self.cost.version != version:
             self._overhead_used = tuple(self.overhead_ms)
-        self.accept.observe(num_drafted, num_accepted)
+        soft = () if unverified is None or not len(unverified) else self.calibration(unverified).tolist()
+        self.accept.observe(num_drafted, num_accepted, soft)
         if confidence is not None and len(confidence) == num_drafted:
             self.calibration.observe(confidence, num_accepted)
 
@@ -277,40 +285,36 @@ class AdaptiveSpeculation:
 
     def choose_k(
         self, limit: int, confidence: np.ndarray | None = None, sunk_ms: float | None = None, ahead: bool = False,
+        least: int = 0,
     ) -> int:
-        """Best k in [0, min(limit, max_k)].
+        """Best k in [least, min(limit, max_k)] by contract/verify_length.py's rule over ``step_costs``' table.
 
         Before drafting (``sunk_ms`` None) a step costs draft_ms(k) + verify_ms(k + 1) + overhead(k); to
-        truncate a block already drafted, it costs sunk_ms + verify_ms(k + 1). ``ahead``: a step with k >= 1
-        drafts the next block meanwhile (its verify pays the contention); ``confidence[i]`` is the
-        drafter's q of token i. A choice before drafting without confidence is cached until an estimate
-        it reads changes (a step that skips drafting then costs a lookup)."""
+        cut a block already drafted, it costs sunk_ms + verify_ms(k + 1), k = 0 (verify none of it) included.
+        ``ahead``: a step with k >= 1 drafts the next block meanwhile (its verify pays the contention);
+        ``confidence[i]``: the drafter's confidence in token i (a confidence head's, or its q), calibrated. A choice
+        before drafting without confidence is cached until an estimate it reads changes (a step that skips drafting
+        then costs a lookup)."""
         kmax = max(0, min(limit, self.config.max_k))
         if kmax == 0:
             return 0
         key = None
         if confidence is None and sunk_ms is None:
-            key = (kmax, bool(ahead), self.cost.version, self.draft.version, self.accept.version, self._overhead_used)
+            key = (kmax, bool(ahead), self.cost.version, self.draft.version, self.accept.version, self._overhead_used,
+                   least)
             if self._choice_cache is not None and self._choice_cache[0] == key:
                 return self._choice_cache[1]
-        gain = expected_emitted(self.alpha(kmax, confidence).tolist())
-        verify = self._verify_costs(kmax, bool(ahead))
-        draft_ms = self.draft.costs(kmax)
-        over0, over1 = self._overhead_used if sunk_ms is None else (0.0, 0.0)
-        best_k, best_rate = 0, -1.0
-        for k in range(kmax + 1):
-            draft = max(sunk_ms, 0.0) if sunk_ms is not None else (draft_ms[k] + over1 if k else over0)
-            rate = gain[k] / (draft + verify[k])
-            if rate > best_rate:  # first best, like argmax
-                best_k, best_rate = k, rate
+        k = best_length(self.alpha(kmax, confidence).tolist(), self.step_costs(kmax, bool(ahead)), sunk_ms, least)
         if key is not None:
-            self._choice_cache = (key, best_k)
-        return best_k
+            self._choice_cache = (key, k)
+        return k
 
-    def _verify_costs(self, kmax: int, ahead: bool) -> list[float]:
-        """Predicted verify ms of k = 0..kmax [kmax + 1], cached until the verify model is refitted."""
-        key = (kmax, ahead, self.cost.version)
+    def step_costs(self, kmax: int, ahead: bool = False) -> StepCosts:
+        """The table contract/verify_length.py reads: verify ms of k + 1 tokens (expected experts) and draft ms of k,
+        k = 0..kmax, and the step overheads; cached until a cost model changes."""
+        key = (kmax, ahead, self.cost.version, self.draft.version, self._overhead_used)
         if self._cost_cache is None or self._cost_cache[0] != key:
             ks = np.arange(kmax + 1)
-            self._cost_cache = (key, self.cost.predict_many(ks + 1, (ks > 0) & ahead).tolist())
+            verify = tuple(self.cost.predict_many(ks + 1, (ks > 0) & ahead).tolist())
+            self._cost_cache = (key, StepCosts(verify, tuple(self.draft.costs(kmax)), tuple(self._overhead_used)))
         return self._cost_cache[1]

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import random
 
 import numpy as np
 import pytest
@@ -32,7 +33,8 @@ import torch
 from scipy.stats import chisquare
 from tiny_hf import save_zlab_dflash
 
-from specserve.contract.types import SamplingParams, TreeSpec
+from specserve.contract.types import DraftBlock, SamplingParams, TreeSpec
+from specserve.contract.verify_length import StepCosts, best_length
 from specserve.draft_service.dflash import DFlashConfig, DFlashModel, save_dflash
 from specserve.draft_service.drafter_config import DrafterConfig
 from specserve.draft_service.dspark import DSparkConfig, DSparkModel, save_dspark
@@ -43,6 +45,8 @@ from specserve.draft_service.eagle3_head import (
 )
 from specserve.draft_service.registry import build_proposer
 from specserve.draft_service.target_tensors import read_target_tensors
+from specserve.gateway.spec_loop import truncate_chain
+from specserve.gateway.step_observer import drafted_confidence
 from specserve.models.loader import load_model
 from specserve.models.probs import target_probs
 from specserve.target_service.engine.engine import TargetEngine
@@ -349,3 +353,69 @@ def test_sampled_second_verified_token_follows_target(request, world_name, name)
     assert pval > 1e-3, f"{name}: p={pval:.2e}, first drafted token accepted in {first_accepted}/{runs}"
     assert first_accepted > 0  # drafted token 2 was on trial
 
+
+# ---------------------------------------------------------------- per-step verify length (contract/verify_length.py)
+VERIFY_LENGTH = [("world", n) for n in ("ngram", "model", "eagle3", "dflash", "dspark")] + [("mtp_world", "mtp")]
+
+
+def _cut_by_rule(block, rnd: random.Random, used: set) -> DraftBlock:
+    """The prefix the verify-length rule picks for this block on a random cost table (verify growing with the tokens,
+    a random sunk draft time), from the block's own confidence (DSpark's head, else q), else random chances: any
+    length 0..len(block) comes up."""
+    conf = drafted_confidence(block)
+    alpha = conf.tolist() if conf is not None and rnd.random() < 0.5 else [rnd.random() for _ in range(len(block))]
+    growth = rnd.choice([0.0, 0.2, 1.0, 3.0])
+    costs = StepCosts(tuple(1.0 + growth * k for k in range(len(block) + 1)), (0.0,) * (len(block) + 1))
+    k = best_length(alpha, costs, sunk_ms=rnd.uniform(0.0, 2.0))
+    used.add(k)
+    return truncate_chain(block, k)
+
+
+@pytest.mark.parametrize("world_name,name", VERIFY_LENGTH)
+def test_greedy_output_with_per_step_verify_length_equals_target_only(request, world_name, name):
+    engine_factory, configs, _ = request.getfixturevalue(world_name)
+    engine, proposer = engine_factory(), make_proposer(configs, name)
+    want = engine.generate_greedy(PROMPT, 24)
+    rnd, used = random.Random(3), set()
+    sid = "vl"
+    layers = proposer.info.hidden_layers if proposer.info.needs_hidden_states else ()
+    pre = engine.prefill(sid, PROMPT, SamplingParams(), layers)
+    seq = list(PROMPT) + [pre.next_token]
+    proposer.start(sid, seq, pre.hidden, SamplingParams())
+    known, hidden = len(seq), None
+    while len(seq) - len(PROMPT) < 24:
+        block = _cut_by_rule(proposer.propose(sid, known, seq[known:], hidden, 4), rnd, used)
+        known = len(seq)
+        res = engine.verify(sid, block)
+        seq, hidden = seq + list(res.emitted), res.hidden
+    engine.release(sid), proposer.release(sid)
+    assert seq[len(PROMPT) :][:24] == want
+    assert 0 in used and max(used) >= 2 or name == "ngram"  # target-only steps and longer prefixes both came up
+
+
+@pytest.mark.parametrize("world_name,name", [("dense_world", n) for n in ("ngram", "model", "eagle3", "dflash", "dspark")]
+                         + [("mtp_world", "mtp")])
+def test_sampled_first_token_with_per_step_verify_length_follows_target(request, world_name, name):
+    """The first token a verify emits when each session's block is cut by the rule (from its q / confidence): the
+    target's exact law; the same counts against the law at another temperature are refused (the negative control:
+    the test has the power to fail)."""
+    engine_factory, configs, target = request.getfixturevalue(world_name)
+    sampling = dict(temperature=1.0, top_k=8)
+    expected = _exact_second_token_dist(target, SamplingParams(**sampling))
+    engine, proposer = engine_factory(), make_proposer(configs, name)
+    layers = proposer.info.hidden_layers if proposer.info.needs_hidden_states else ()
+    counts, items, rnd, used, runs = np.zeros(VOCAB), [], random.Random(5), set(), 300
+    for i in range(runs):
+        sid, s = f"v{i}", SamplingParams(seed=7000 + i, **sampling)
+        pre = engine.prefill(sid, PROMPT, s, layers)
+        proposer.start(sid, PROMPT + [pre.next_token], pre.hidden, s)
+        items.append((sid, _cut_by_rule(proposer.propose(sid, len(PROMPT) + 1, [], None, 3), rnd, used)))
+    for (sid, _), res in zip(items, engine.verify_batch(items)):
+        counts[res.emitted[0]] += 1
+        engine.release(sid), proposer.release(sid)
+    assert counts[(expected == 0).numpy()].sum() == 0, "emitted a token the target cannot sample"
+    pval = _chisquare_pvalue(counts, expected, runs)
+    assert pval > 1e-3, f"{name}: p={pval:.2e}, lengths {sorted(used)}"
+    other = _exact_second_token_dist(target, SamplingParams(temperature=0.5, top_k=8))
+    assert _chisquare_pvalue(counts, other, runs) < 1e-3  # the negative control
+    assert 0 in used and len(used) >= 3  # cut to nothing, and to several lengths

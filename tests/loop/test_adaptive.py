@@ -3,12 +3,12 @@
 import numpy as np
 import pytest
 
+from specserve.contract.verify_length import expected_emitted
 from specserve.loop.adaptive import (
     AHEAD_PROBE_EVERY,
     AdaptiveConfig,
     AdaptiveSpeculation,
     ConfidenceCalibration,
-    expected_emitted,
 )
 from specserve.loop.cost_models import DraftCostModel, VerifyCostModel, nonneg_lstsq
 from specserve.loop.probing import ProbePolicy
