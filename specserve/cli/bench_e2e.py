@@ -58,7 +58,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="run each fixed-k method once per k, e.g. 1,2,3,4 (default: --num-speculative-tokens); "
                              "adaptive caps k at the largest of these and --num-speculative-tokens")
     parser.add_argument("--prompts", type=positive_int, default=None, help="first N prompts of the pinned set (default: all)")
-    parser.add_argument("--prompt-set", default="v1", help="pinned prompt set name or a .json path")
+    parser.add_argument("--prompt-set", default="v1", help="pinned prompt set name (specserve/bench/prompts/: v1, code "
+                        "and docstrings; prose-v1, natural-language prose) or a .json path")
     parser.add_argument("--speculation", choices=("fixed", "adaptive", "both"), default="both")
     parser.add_argument("--draft-ahead", choices=("on", "off", "both"), default="both")
     parser.add_argument("--k-sweep", type=int_list("integers", "integer"), default=(0, 1, 2, 3, 4, 6, 8, 12, 16),

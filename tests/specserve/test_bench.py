@@ -163,6 +163,22 @@ def test_prompt_set_is_pinned_and_interleaved():
         load_prompt_set(limit=len(full.prompts) + 1)
 
 
+def test_prose_set_is_pinned_natural_language_and_taken_by_name():
+    """prose-v1 (issue #43): English prose only, no code; pinned by its bytes (an edit changes the fingerprint and
+    fails here: add prose-v2.json instead); `bench --prompt-set prose-v1` runs it."""
+    from specserve.cli.bench_e2e import add_arguments
+
+    prose = load_prompt_set("prose-v1")
+    assert prose.sha256 == "52cafc6ba1aec95cb77993ec156c9fad87a096b1e0d2f861c6ae9e09de3a389c"
+    assert len(prose.prompts) == 12 and {p.kind for p in prose.prompts} == {"prose"}
+    code_marks = ("def ", "import ", "class ", '"""', "()", "):", "    ", "=")
+    assert not [p.id for p in prose.prompts if any(m in p.text for m in code_marks)]
+    assert not {p.text for p in prose.prompts} & {p.text for p in load_prompt_set().prompts}
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert parser.parse_args(["--prompt-set", "prose-v1"]).prompt_set == "prose-v1"
+
+
 def test_plan_skips_draft_ahead_for_hidden_state_drafters(tmp_path):
     cfg = BenchConfig(model=tmp_path, out=tmp_path, drafters=("none", "ngram", "eagle3"),
                       speculation=("fixed", "adaptive"), draft_ahead=(False, True))
