@@ -71,7 +71,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--sd-batch-size", type=int, default=256, help="prompts generated at once")
     p.add_argument("--sd-cache", type=Path, default=None, help="folder to cache self-distilled sequences in")
     p.add_argument("--init-from", type=Path, default=None,
-                   help="continue from this saved drafter (same family and arch; dflash, mtp) instead of random weights")
+                   help="continue from this saved drafter (same family and arch; dflash, dspark, mtp) instead of random "
+                        "weights; dspark also takes a dflash drafter of its block's arch (its block starts there)")
     _add_run_args(p, steps=1500, batch=64, lr=3e-3,
                   time_limit_help="the training loop finishes its LR decay and stops by then (self-distillation "
                                   "before it and the held-out measurement after it are not counted)")

@@ -17,7 +17,7 @@ from pathlib import Path
 from specserve.errors import SpecserveError
 from specserve.gateway.stats import SpecStats
 
-FAMILIES = ("ngram", "model", "eagle3", "dflash", "mtp")
+FAMILIES = ("ngram", "model", "eagle3", "dflash", "dspark", "mtp")
 CARD_BEGIN = "<!-- acceptance:begin -->"
 CARD_END = "<!-- acceptance:end -->"
 

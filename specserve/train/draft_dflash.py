@@ -159,7 +159,13 @@ def init_from_checkpoint(model, path, target_dir) -> None:
 def blocks_logits(model, ids: torch.Tensor, feats: torch.Tensor, anchors: torch.Tensor,
                   given: torch.Tensor | None = None) -> torch.Tensor:
     """ids [G, T], feats [G, T, F], anchors [G, A] (1 <= a <= T - b), given [G, A] int (m: the block's
-    true tokens a+1..a+m replace its first m masks; None = 0) -> logits [G, A, b, V] float32.
+    true tokens a+1..a+m replace its first m masks; None = 0) -> logits [G, A, b, V] float32."""
+    return model.lm_head(blocks_hidden(model, ids, feats, anchors, given)).float()
+
+
+def blocks_hidden(model, ids: torch.Tensor, feats: torch.Tensor, anchors: torch.Tensor,
+                  given: torch.Tensor | None = None) -> torch.Tensor:
+    """blocks_logits' rows before the output head: [G, A, b, H] final-normed (the arguments are blocks_logits').
 
     Each block attends to its own sequence's context keys before its anchor plus its own b keys. The
     context part is one batched matmul per sequence (all A * b queries against its T context keys,
@@ -198,7 +204,7 @@ def blocks_logits(model, ids: torch.Tensor, feats: torch.Tensor, anchors: torch.
         x = x + layer.o_proj(out.reshape(G, A, b, hq * d))
         y = layer.post_attention_layernorm(x)
         x = x + layer.down_proj(F.silu(layer.gate_proj(y)) * layer.up_proj(y))
-    return model.lm_head(model.norm(x)).float()  # [G, A, b, V]
+    return model.norm(x)  # [G, A, b, H]
 
 
 def chain_follows(ids: torch.Tensor, greedy: torch.Tensor) -> torch.Tensor:
@@ -228,8 +234,14 @@ def block_loss(model, ids, feats, probs, greedy, anchors, decay: float, chain_la
     token after each position), anchors [G, A], given [G, A] or None ->
     (weighted soft cross entropy, agreement [b] of each block output on the greedy-chain blocks where
     it counts, on the device). Outputs whose answer is given (i < m) count nowhere."""
-    b = model.cfg.block_size
-    logits = blocks_logits(model, ids, feats, anchors, given)  # [G, A, b, V]
+    return logits_loss(blocks_logits(model, ids, feats, anchors, given), ids, probs, greedy, anchors, decay,
+                       chain_labels, given)
+
+
+def logits_loss(logits, ids, probs, greedy, anchors, decay: float, chain_labels: bool = False,
+                given: torch.Tensor | None = None):
+    """block_loss of the blocks' logits [G, A, b, V] (the other arguments are block_loss')."""
+    b = logits.shape[2]
     idx = anchors[:, :, None] + torch.arange(b, device=ids.device)  # [G, A, b] label positions a + i
     labels = torch.gather(probs, 1, idx.reshape(ids.shape[0], -1, 1).expand(-1, -1, probs.shape[-1]))
     labels = labels.view_as(logits)
@@ -276,6 +288,21 @@ def train_dflash_job(job) -> dict:
     model = build_dflash(job.target, spec, layers)
     if job.init_from is not None:
         init_from_checkpoint(model, job.init_from, job.target_dir)
+
+    def loss(ids, feats, probs, greedy, anchors, gen):
+        given = None
+        if spec.given_tokens:
+            given = torch.randint(0, spec.given_tokens + 1, anchors.shape, generator=gen, device=ids.device)
+        return block_loss(model, ids, feats, probs, greedy, anchors, spec.position_decay, spec.chain_labels, given)
+
+    return train_block_job(job, model, spec, layers, loss, "train_dflash", save_dflash, asdict(spec))
+
+
+def train_block_job(job, model, spec: DFlashSpec, layers: tuple[int, ...], loss, log_name: str, save,
+                    arch: dict) -> dict:
+    """The run a block drafter's trainer (DFlash's, DSpark's: draft_dspark.py) shares: ``model`` trained on the device
+    with ``loss(ids, feats, probs, greedy, anchors, gen) -> (loss, agreement)`` over anchors drawn per group
+    (``sample_anchors``), its held-out agreement measured, then saved in bfloat16 by ``save(model, out_dir)``."""
     model = model.to(job.device).train()
     group = min(spec.group, job.batch_size)
 
@@ -284,19 +311,14 @@ def train_dflash_job(job) -> dict:
 
         def loss_fn(ids, feats, probs):
             greedy = probs.argmax(-1)  # [G, T]
-            anchors = sample_anchors(gen, ids, greedy, spec)
-            given = None
-            if spec.given_tokens:
-                given = torch.randint(0, spec.given_tokens + 1, anchors.shape, generator=gen, device=ids.device)
-            return block_loss(model, ids, feats, probs, greedy, anchors, spec.position_decay, spec.chain_labels,
-                              given)
+            return loss(ids, feats, probs, greedy, sample_anchors(gen, ids, greedy, spec), gen)
 
         return loss_fn
 
-    run = train_on_target_features(job, model, layers, group, loss_with_anchors(job.seed), "train_dflash")
+    run = train_on_target_features(job, model, layers, group, loss_with_anchors(job.seed), log_name)
     heldout = heldout_agreement(job, model, layers, group, loss_with_anchors(job.seed + 7))
     model.to("cpu").to(torch.bfloat16)
-    save_dflash(model, job.out_dir)
+    save(model, job.out_dir)
     return {"steps_run": run["steps_run"], "stopped_by": run["stopped_by"], "train_seconds": run["train_seconds"],
             "target_layer_ids": list(layers), "last_agreement_by_position": run["last_agreement"],
-            "heldout_agreement_by_position": heldout, "arch": asdict(spec)}
+            "heldout_agreement_by_position": heldout, "arch": arch}

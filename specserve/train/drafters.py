@@ -89,6 +89,12 @@ def _train_dflash(job: DraftJob) -> dict:
     return train_dflash_job(job)
 
 
+def _train_dspark(job: DraftJob) -> dict:
+    from specserve.train.draft_dspark import train_dspark_job
+
+    return train_dspark_job(job)
+
+
 def _train_mtp(job: DraftJob) -> dict:
     from specserve.train.draft_mtp import train_mtp_job
 
@@ -96,9 +102,10 @@ def _train_mtp(job: DraftJob) -> dict:
 
 
 DRAFT_TRAINERS: Mapping[str, Callable[[DraftJob], dict]] = MappingProxyType(
-    {"model": _train_model, "eagle3": _train_eagle3, "dflash": _train_dflash, "mtp": _train_mtp}
+    {"model": _train_model, "eagle3": _train_eagle3, "dflash": _train_dflash, "dspark": _train_dspark,
+     "mtp": _train_mtp}
 )
-RESUMABLE = frozenset({"dflash", "mtp"})  # families whose trainer honours DraftJob.init_from
+RESUMABLE = frozenset({"dflash", "dspark", "mtp"})  # families whose trainer honours DraftJob.init_from
 
 
 def check_resumable(family: str, init_from: Path | None, out_dir: Path | None = None) -> None:

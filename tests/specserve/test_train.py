@@ -33,6 +33,9 @@ DRAFT_ARCH = {
                "--arch", "num_kv_heads=1", "--arch", "head_dim=16", "--arch", "intermediate_size=32",
                "--arch", "block_size=3", "--arch", "anchors=4", "--arch", "group=2"],
     "mtp": ["--arch", "ttt_steps=2", "--arch", "group=2"],
+    "dspark": ["--arch", "hidden_size=32", "--arch", "num_layers=1", "--arch", "num_heads=2",
+               "--arch", "num_kv_heads=1", "--arch", "head_dim=16", "--arch", "intermediate_size=32",
+               "--arch", "block_size=3", "--arch", "anchors=4", "--arch", "group=2", "--arch", "markov_rank=4"],
 }
 SHARED_DFLASH = [*DRAFT_ARCH["dflash"], "--arch", "shared_target_head=1", "--arch", "num_layers=2"]
 SD = ["--sd-prompts", "4", "--sd-prompt-len", "8", "--sd-new-tokens", "8", "--sd-batch-size", "4"]
@@ -103,7 +106,7 @@ def test_target_loads_in_transformers_and_engine_with_same_logits(demo):
     torch.testing.assert_close(scores, ref[len(prompt):], rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("family", ["ngram", "model", "eagle3", "dflash", "mtp"])
+@pytest.mark.parametrize("family", ["ngram", "model", "eagle3", "dflash", "dspark", "mtp"])
 def test_each_drafter_loads_and_is_lossless(demo, family):
     from specserve.train.acceptance import evaluate
 
@@ -196,7 +199,7 @@ def test_shipped_demo_fits_the_budget_and_loads_in_engine_and_transformers():
     root = demo_dir()
     if not (root / "target" / "config.json").is_file():
         pytest.skip("no shipped demo_model/ in this checkout")
-    assert sum(p.stat().st_size for p in root.rglob("*") if p.is_file()) <= 27 * 2**20  # 25 MiB before mtp/
+    assert sum(p.stat().st_size for p in root.rglob("*") if p.is_file()) <= 32 * 2**20  # 25 before mtp/, 27 dspark/
     hf = AutoModelForCausalLM.from_pretrained(str(root / "target"), dtype=torch.float32).eval()
     ours, config = load_model(root / "target", dtype=torch.float32, progress=False)
     engine = TargetEngine(ours, config, None, num_blocks=4, block_size=16)
@@ -296,7 +299,7 @@ def test_dflash_init_from_continues_a_saved_drafter(demo, tmp_path, capsys):
     assert "another DFlash config" in err and "shared_target_head" in err and "Traceback" not in err
     assert main(["train", "draft", "--family", "eagle3", "--target", str(demo / "target"), "--out",
                  str(tmp_path / "e"), "--init-from", str(demo / "eagle3")]) == 2
-    assert "--init-from is supported for dflash, mtp, not 'eagle3'" in capsys.readouterr().err
+    assert "--init-from is supported for dflash, dspark, mtp, not 'eagle3'" in capsys.readouterr().err
     assert not (tmp_path / "e").exists()  # refused before anything was written
     assert main([*base, "--out", str(tmp_path / "resumed"), "--init-from", str(tmp_path / "resumed")]) == 2
     assert "write the continued drafter elsewhere" in capsys.readouterr().err
@@ -452,3 +455,32 @@ def test_mtp_trained_by_the_cli_drafts_what_its_training_passes_compute(demo):
     # drafted token p is drawn from pass p's output at entry L - 2 + (p - 1)
     want = torch.stack([layer.logits(out[0, len(seq) - 2 + p]).softmax(-1) for p, out in enumerate(outs)])
     torch.testing.assert_close(block.probs.float(), want, rtol=1e-4, atol=1e-5)
+
+
+def test_dspark_trains_from_a_dflash_block_and_drafts_with_confidence(demo, tmp_path, capsys):
+    """`train draft --family dspark --init-from DFLASH`: the block starts at the DFlash drafter's (one small step stays
+    close to it), the Markov and confidence heads are saved beside it, and the folder drafts with a confidence per
+    token; a DFlash of another arch is a one-line error before any training."""
+    from safetensors.torch import load_file
+
+    from specserve.contract.types import SamplingParams
+    from specserve.draft_service.proposer import DrafterConfig
+    from specserve.draft_service.registry import build_proposer
+
+    dspark = [a for a in SHARED_DFLASH if a != "--arch"]
+    args = [str(x) for x in ("train", "draft", "--family", "dspark", "--target", demo / "target", "--steps", "1",
+                             "--batch-size", "4", "--lr", "1e-4", *SD, *CORPUS)]
+    args += [x for a in dspark for x in ("--arch", a)] + ["--arch", "markov_rank=4"]
+    init = demo / "shared" / "dflash"
+    assert main([*args, "--out", str(tmp_path / "ds"), "--init-from", str(init)]) == 0
+    block, got = load_file(str(init / "model.safetensors")), load_file(str(tmp_path / "ds" / "model.safetensors"))
+    assert {"markov.out.weight", "confidence.w_lp"} <= set(got) and set(block) <= set(got)
+    assert max(float((got[k].float() - block[k].float()).abs().max()) for k in block) < 0.01
+    p = build_proposer(DrafterConfig(family="dspark", checkpoint=tmp_path / "ds", target_checkpoint=demo / "target"))
+    p.start("s", [5, 6, 7, 8], torch.zeros(3, len(p.info.hidden_layers) * 32), SamplingParams())
+    out = p.propose("s", 4, [], None, 2)
+    assert len(out.token_ids) == len(out.confidence) == 2 and all(0 <= c <= 1 for c in out.confidence)
+    capsys.readouterr()
+    assert main([*args, "--out", str(tmp_path / "x"), "--init-from", str(demo / "dflash")]) == 2
+    err = capsys.readouterr().err
+    assert "another DFlash config" in err and "Traceback" not in err
