@@ -12,7 +12,7 @@ head (prev_1 = the pending token, prev_i = drafted token i - 1):
 
 lm_head runs once over the block's rows (one GEMM, as DFlash's); the Markov head adds a [V, r] GEMV a position. c_i is
 the head's estimate that x_i is accepted given x_1..x_{i-1} were: it goes out as DraftBlock.confidence and sets how
-many tokens a step verifies (contract/verify_length.py). q_i is the distribution x_i was drawn from given the tokens
+many tokens a step verifies (specserve/loop/verify_length.py). q_i is the distribution x_i was drawn from given the tokens
 drawn before it (they are all the Markov head saw), so sampled verification stays lossless.
 
 Checkpoint layout (``save_dspark`` / ``load_dspark``): config.json = the block's DFlash config.json (dflash.py's

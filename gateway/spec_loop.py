@@ -206,7 +206,7 @@ class _Run:
 
     def truncate(self, block: DraftBlock, sunk_ms: float, probe: bool = False) -> DraftBlock:
         """Adaptive: the block is paid for (``sunk_ms``); verify the prefix that pays by each position's confidence
-        (contract/verify_length.py), none of it included: then the step is a target-only step. A probe verifies at
+        (specserve/loop/verify_length.py), none of it included: then the step is a target-only step. A probe verifies at
         least one token (it is there to measure). The cut tokens' confidence goes to the step's observations."""
         self.cut_confidence = None
         if self.adaptive is None or not block.is_chain or not len(block):

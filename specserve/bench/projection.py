@@ -22,8 +22,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from specserve.contract.verify_length import expected_emitted
 from specserve.errors import SpecserveError
+from specserve.loop.verify_length import expected_emitted
 
 LABEL = "projection"
 

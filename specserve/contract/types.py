@@ -66,7 +66,7 @@ class DraftBlock:
     parents: tuple[int, ...] | None = None  # [n] or None for a chain
     probs: torch.Tensor | None = None  # [n, vocab] float32 draft distribution q of each node; None = one-hot
     # [n] a chain's chance that each drafted token is accepted given the ones before it were (a drafter's confidence
-    # head: draft_service/dspark.py); () = none. It only guides how many are verified (contract/verify_length.py)
+    # head: draft_service/dspark.py); () = none. It only guides how many are verified (specserve/loop/verify_length.py)
     confidence: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:

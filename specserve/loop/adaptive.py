@@ -33,7 +33,7 @@ probabilities; else from a running per-position acceptance estimate.
     overhead(k) = running mean of (step wall - draft - verify) of steps that drafted (k >= 1) or did
                   not (k = 0): a drafted step also pays the propose call's hop, checks and truncation
 
-The rule itself is contract/verify_length.py's (pure, over a precomputed table of step costs by k: ``step_costs``).
+The rule itself is specserve/loop/verify_length.py's (pure, over a precomputed table of step costs by k: ``step_costs``).
 Before drafting, k maximises E[emitted | k] / (draft_ms(k) + verify_ms(k + 1) + overhead(k)); k = 0 is
 target-only's rate 1 / (verify_ms(1) + overhead(0)), so speculation is off whenever it does not pay.
 After a block is drafted its cost is sunk: the verify length maximises E[emitted | k] / (sunk_ms +
@@ -62,9 +62,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from specserve.contract.verify_length import StepCosts, best_length
 from specserve.loop.cost_models import DraftCostModel, VerifyCostModel
 from specserve.loop.probing import ProbePolicy, ProbeSchedule
+from specserve.loop.verify_length import StepCosts, best_length
 
 AHEAD_PROBE_EVERY = 16  # every 16th step that could draft ahead does the opposite of the estimate
 
@@ -126,7 +126,7 @@ class AcceptanceEstimator:
     def observe(self, num_drafted: int, num_accepted: int, unverified: Sequence[float] = ()) -> None:
         """Positions 0..num_accepted-1 were accepted; position num_accepted (if drafted) was refused. ``unverified``:
         the chances (calibrated confidence) of drafted positions num_drafted.. that the step did not verify
-        (contract/verify_length.py cut them): when every verified one was accepted they count as expected
+        (specserve/loop/verify_length.py cut them): when every verified one was accepted they count as expected
         observations, position i weighted by the chance of reaching it, so a drafter whose blocks are cut to nothing
         still teaches the estimate that drafting does not pay."""
         seen = min(num_drafted, num_accepted + 1, len(self.hits))
@@ -287,7 +287,7 @@ class AdaptiveSpeculation:
         self, limit: int, confidence: np.ndarray | None = None, sunk_ms: float | None = None, ahead: bool = False,
         least: int = 0,
     ) -> int:
-        """Best k in [least, min(limit, max_k)] by contract/verify_length.py's rule over ``step_costs``' table.
+        """Best k in [least, min(limit, max_k)] by specserve/loop/verify_length.py's rule over ``step_costs``' table.
 
         Before drafting (``sunk_ms`` None) a step costs draft_ms(k) + verify_ms(k + 1) + overhead(k); to
         cut a block already drafted, it costs sunk_ms + verify_ms(k + 1), k = 0 (verify none of it) included.
@@ -310,7 +310,7 @@ class AdaptiveSpeculation:
         return k
 
     def step_costs(self, kmax: int, ahead: bool = False) -> StepCosts:
-        """The table contract/verify_length.py reads: verify ms of k + 1 tokens (expected experts) and draft ms of k,
+        """The table specserve/loop/verify_length.py reads: verify ms of k + 1 tokens (expected experts) and draft ms of k,
         k = 0..kmax, and the step overheads; cached until a cost model changes."""
         key = (kmax, ahead, self.cost.version, self.draft.version, self._overhead_used)
         if self._cost_cache is None or self._cost_cache[0] != key:

@@ -8,7 +8,7 @@ so training sees what serving sees. The loss of the block and the Markov head is
 (``logits_loss``) of the Markov-corrected logits. The confidence head is trained beside it, on detached inputs (it
 never pulls the drafter), by binary cross entropy against whether output i's argmax is the target's greedy token,
 over the greedy-chain blocks where output i counts: its c_i estimates acceptance of drafted token i given 0..i-1 were
-accepted, which is what the verify-length rule (contract/verify_length.py) reads.
+accepted, which is what the verify-length rule (specserve/loop/verify_length.py) reads.
 
 ``--init-from DIR``: a saved DSpark drafter (continued), or a DFlash drafter (its block becomes this one's, the Markov
 and confidence heads start fresh; its denoise passes are dropped: DSpark drafts in one pass). The block's --arch keys

@@ -34,7 +34,6 @@ from scipy.stats import chisquare
 from tiny_hf import save_zlab_dflash
 
 from specserve.contract.types import DraftBlock, SamplingParams, TreeSpec
-from specserve.contract.verify_length import StepCosts, best_length
 from specserve.draft_service.dflash import DFlashConfig, DFlashModel, save_dflash
 from specserve.draft_service.drafter_config import DrafterConfig
 from specserve.draft_service.dspark import DSparkConfig, DSparkModel, save_dspark
@@ -47,6 +46,7 @@ from specserve.draft_service.registry import build_proposer
 from specserve.draft_service.target_tensors import read_target_tensors
 from specserve.gateway.spec_loop import truncate_chain
 from specserve.gateway.step_observer import drafted_confidence
+from specserve.loop.verify_length import StepCosts, best_length
 from specserve.models.loader import load_model
 from specserve.models.probs import target_probs
 from specserve.target_service.engine.engine import TargetEngine
@@ -354,7 +354,7 @@ def test_sampled_second_verified_token_follows_target(request, world_name, name)
     assert first_accepted > 0  # drafted token 2 was on trial
 
 
-# ---------------------------------------------------------------- per-step verify length (contract/verify_length.py)
+# ---------------------------------------------------------------- per-step verify length (specserve/loop/verify_length.py)
 VERIFY_LENGTH = [("world", n) for n in ("ngram", "model", "eagle3", "dflash", "dspark")] + [("mtp_world", "mtp")]
 
 

@@ -3,7 +3,6 @@
 import numpy as np
 import pytest
 
-from specserve.contract.verify_length import expected_emitted
 from specserve.loop.adaptive import (
     AHEAD_PROBE_EVERY,
     AdaptiveConfig,
@@ -12,6 +11,7 @@ from specserve.loop.adaptive import (
 )
 from specserve.loop.cost_models import DraftCostModel, VerifyCostModel, nonneg_lstsq
 from specserve.loop.probing import ProbePolicy
+from specserve.loop.verify_length import expected_emitted
 
 
 def test_cost_model_recovers_linear_costs_and_reports_heldout_error() -> None:

@@ -1,4 +1,4 @@
-"""The per-step verify length (specserve/contract/verify_length.py, wired into specserve/loop/adaptive.py and the loop's cut):
+"""The per-step verify length (specserve/loop/verify_length.py, wired into specserve/loop/adaptive.py and the loop's cut):
 the rule against brute force over random tables, 0 when nothing is worth verifying, and in the real loop on the
 shipped demo (real target engine, real DSpark proposer in process) a drafter confident in nothing runs target-only
 steps, with target-only's tokens."""
@@ -13,7 +13,6 @@ import pytest
 import torch
 
 from specserve.contract.types import GenerationRequest
-from specserve.contract.verify_length import StepCosts, best_length, expected_emitted
 from specserve.draft_service.dflash import load_block, read_config_json
 from specserve.draft_service.dflash_config import read_config
 from specserve.draft_service.drafter_config import DrafterConfig
@@ -21,6 +20,7 @@ from specserve.draft_service.dspark import DSparkConfig, DSparkModel, DSparkProp
 from specserve.gateway.local import LocalDraft, LocalTarget
 from specserve.gateway.spec_loop import FinalEvent, run_request
 from specserve.loop.adaptive import AdaptiveConfig, AdaptiveSpeculation
+from specserve.loop.verify_length import StepCosts, best_length, expected_emitted
 from specserve.paths import demo_dir
 from specserve.target_service.factory import EngineConfig, build_engine
 
