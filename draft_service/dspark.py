@@ -197,7 +197,7 @@ class DSparkProposer(DFlashProposer):
     def _graph_block(self, state: SessionState, num_tokens: int) -> DraftBlock:
         drafted, q, conf = self.block_graphs.draft(num_tokens, state.sampling, state.generator)
         probs = None if q is None else to_target_probs(q, self.vocab_size)
-        return DraftBlock(token_ids=tuple(drafted), probs=probs, confidence=tuple(conf))
+        return DraftBlock(token_ids=tuple(drafted), probs=probs, confidence=clamped(conf))
 
     def _eager_block(self, state: SessionState, num_tokens: int) -> DraftBlock:
         fs, L = state.family_state, len(state)
@@ -215,7 +215,12 @@ class DSparkProposer(DFlashProposer):
         probs = None if not qs else to_target_probs(torch.cat(qs), self.vocab_size)
         both = torch.cat([tokens.float(), conf.float()]).tolist()  # one read of ids (exact below 2^24) and c
         return DraftBlock(token_ids=tuple(int(t) for t in both[:num_tokens]), probs=probs,
-                          confidence=tuple(min(max(c, 0.0), 1.0) for c in both[num_tokens:]))
+                          confidence=clamped(both[num_tokens:]))
+
+
+def clamped(conf: list[float]) -> tuple[float, ...]:
+    """Confidences as DraftBlock takes them: in [0, 1], a NaN (a broken head) 0 (verify none of it)."""
+    return tuple(min(max(c, 0.0), 1.0) if c == c else 0.0 for c in conf)
 
 
 def build_dspark_proposer(config: DrafterConfig) -> DSparkProposer:

@@ -34,11 +34,10 @@ class DSparkBlockGraphs(DFlashBlockGraphs):
     @torch.inference_mode()
     def draft(
         self, k: int, sampling: SamplingParams, generator: torch.Generator,
-    ) -> tuple[list[int], torch.Tensor | None, list[float]]:  # k ids, q [k, V] (sampled) or None, k confidences
+    ) -> tuple[list[int], torch.Tensor | None, list[float]]:  # k ids, q [k, V] (sampled) or None, k confidences (raw)
         sampled = not sampling.greedy
         if sampled:
             self.sampler.set(sampling, generator, k)
         self._run(("block", k, sampled))
         both = self.out[: 2 * k].tolist()  # the block's one device read (q follows it)
-        conf = [min(max(c, 0.0), 1.0) for c in both[k:]]
-        return [int(t) for t in both[:k]], (self.sampler.q[:k].clone() if sampled else None), conf
+        return [int(t) for t in both[:k]], (self.sampler.q[:k].clone() if sampled else None), both[k:]

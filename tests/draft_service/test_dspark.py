@@ -201,3 +201,17 @@ def test_training_form_is_the_proposers_on_greedy_chain_blocks(saved):
     assert logits.argmax(-1).tolist() == tokens
     c = torch.sigmoid(model.confidence.logit(rows[0, 0], u, torch.log_softmax(logits, -1).max(-1).values))
     assert c.tolist() == pytest.approx(conf, abs=1e-5)
+
+
+def test_a_broken_confidence_head_drafts_with_confidence_zero(saved):
+    """NaN out of the confidence head (a broken checkpoint) gives confidence 0 (verify none of it), not a refused
+    block or a crash; the tokens are unchanged."""
+    model, path = saved
+    p, feats, seq = build_proposer(cfg_for(path)), FakeFeatures(VOCAB, len(LAYERS) * TH), [3, 9, 14, 1, 7]
+    _start(p, seq, feats, SamplingParams())
+    want = p.propose("s", len(seq), [], None, 3)
+    with torch.no_grad():
+        p.spark.confidence.w_lp.fill_(float("nan"))
+    _start(p, seq, feats, SamplingParams(), sid="n")
+    got = p.propose("n", len(seq), [], None, 3)
+    assert got.token_ids == want.token_ids and got.confidence == (0.0, 0.0, 0.0)
