@@ -58,7 +58,7 @@ ADMIN_METADATA = "specserve-admin-token"  # SetDraft's credential, separate from
 def too_long_block(checked, draft_info) -> str:
     """The INVALID_ARGUMENT message of a request for more drafted tokens than its draft drafts per block."""
     limit = "its --max-block-size (serve and draft)"
-    if draft_info.family == "dflash":
+    if draft_info.family in ("dflash", "dspark"):  # block drafters: a block holds at most block_size tokens
         limit += " or its checkpoint's block_size"
     return (f"num_speculative_tokens: {checked.num_speculative_tokens} exceeds the {draft_info.max_block_size} "
             f"tokens draft {checked.draft_name!r} ({draft_info.family}) drafts per block; {limit} sets that")

@@ -10,7 +10,7 @@ from types import MappingProxyType
 from specserve.contract.speculation import block_size_for
 from specserve.errors import SpecserveError
 
-DRAFTERS = ("none", "ngram", "model", "eagle3", "dflash", "mtp")  # the order methods run in
+DRAFTERS = ("none", "ngram", "model", "eagle3", "dflash", "dspark", "mtp")  # the order methods run in
 CHECKPOINT_FREE = frozenset({"none", "ngram", "mtp"})  # drafters that need no checkpoint of their own (mtp: the target's layer)
 SPECULATION_MODES = ("fixed", "adaptive")
 

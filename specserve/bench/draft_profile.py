@@ -33,8 +33,8 @@ import torch
 
 from specserve.errors import SpecserveError
 
-DRAFTERS = ("eagle3", "model", "dflash", "ngram", "mtp")
-DEFAULT_DRAFTERS = ("eagle3", "model", "dflash", "ngram")
+DRAFTERS = ("eagle3", "model", "dflash", "dspark", "ngram", "mtp")
+DEFAULT_DRAFTERS = ("eagle3", "model", "dflash", "dspark", "ngram")
 PROMPTS = ("def parse_args(argv):\n", "class Stack:\n    def push(self, x):", "import os\nimport sys\n\n\ndef main():")
 ROW_KEYS = (  # one row per drafter (--out); counts are null where they cannot be taken (a CPU)
     "drafter", "model", "k", "tree", "device", "dtype", "proposes", "propose_ms_median", "ms_per_drafted_token_median",

@@ -18,7 +18,7 @@ DEMO_PROMPT = "def read_config(path):\n    "
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--draft", default="model", choices=("none", "ngram", "model", "eagle3", "dflash"))
+    parser.add_argument("--draft", default="model", choices=("none", "ngram", "model", "eagle3", "dflash", "dspark"))
     parser.add_argument("--prompt", default=DEMO_PROMPT)
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--port", type=int, default=50071)

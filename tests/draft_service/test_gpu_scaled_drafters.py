@@ -62,7 +62,8 @@ TREE = TreeSpec(num_nodes=16, top_k=2, depth=5)
 
 @pytest.mark.parametrize("family, tree", [
     ("eagle3", None), ("eagle3", TREE), ("model", None), ("model", TREE), ("dflash", None),  # DFlash drafts chains
-], ids=["eagle3-chain", "eagle3-tree", "model-chain", "model-tree", "dflash-chain"])
+    ("dspark", None),
+], ids=["eagle3-chain", "eagle3-tree", "model-chain", "model-tree", "dflash-chain", "dspark-chain"])
 def test_full_size_scaled_drafter_proposes_the_demo_size_blocks_and_is_lossless(engines, family, tree):
     spec, pair = engines
     drafters = _drafters(family, spec)
@@ -104,7 +105,7 @@ def test_full_size_scaled_mtp_proposes_the_demo_size_chains_and_is_lossless(engi
         torch.cuda.empty_cache()
 
 
-@pytest.mark.parametrize("family", ["eagle3", "model", "dflash", "mtp"])
+@pytest.mark.parametrize("family", ["eagle3", "model", "dflash", "dspark", "mtp"])
 def test_full_size_scaled_drafter_sampled_first_verified_token_follows_the_demo(engines, family):
     """The first token a verify of the scaled drafter's sampled block emits, over many seeds, against the demo's
     exact law of that token (the scaled drafters report their q: verified with it); negative control: the law of

@@ -125,7 +125,7 @@ def test_bad_calls_raise_clear_errors():
         build_proposer(DrafterConfig(family="medusa"))
     with pytest.raises(DrafterConfigError, match="ngram_min_n"):
         DrafterConfig(family="ngram", ngram_min_n=3, ngram_max_n=2)
-    assert set(PROPOSER_FACTORIES) == {"ngram", "model", "eagle3", "dflash", "mtp"}
+    assert set(PROPOSER_FACTORIES) == {"ngram", "model", "eagle3", "dflash", "dspark", "mtp"}
 
 
 def test_ngram_reports_target_vocab(tmp_path):

@@ -1,7 +1,8 @@
 """The shipped demo drafters scaled to a demo@ target (models/scaled_drafters.py), CPU float32 at reduced width
 (demo@small-moonlight, hidden 512): each scaled drafter computes the demo-size drafter's function padded (its outputs
 to 1e-4, its padded draft vocabulary never a token), and proposes exactly the demo-size drafter's blocks (chains and
-trees) at every step of a greedy speculation whose output equals the target-only one, on pinned held-out prompts."""
+trees) at every step of a greedy speculation whose output equals the target-only one, on pinned held-out prompts
+(DSpark: its confidences too, to 1e-4)."""
 
 from __future__ import annotations
 
@@ -59,7 +60,7 @@ def eagle3(built):
 def test_scaled_drafters_have_a_realistic_shape_and_the_demos_layers(built):
     """Each at the target's wire vocabulary and tokenizer; those that read target rows read the layers the demo's
     moved to: demo layers (1, 2, 4) of 5 sit at (1, 3, 6) of the 7-layer target (demo_positions: 0, 1, 3, 4, 6)."""
-    for family in ("eagle3", "model", "dflash"):
+    for family in ("eagle3", "model", "dflash", "dspark"):
         demo, wide = built(family)
         assert (wide.info.vocab_size, wide.info.vocab_hash) == (8192, vocab_hash(demo_checkpoint("target")))
         assert demo.info.hidden_layers == ((1, 2, 4) if family != "model" else ())
@@ -72,6 +73,9 @@ def test_scaled_drafters_have_a_realistic_shape_and_the_demos_layers(built):
         384, 4, 96, 8192, 4096)
     df = built("dflash")[1].model.cfg
     assert (df.hidden_size, df.num_hidden_layers, df.head_dim, df.block_size) == (512, 4, 128, 5)
+    ds = built("dspark")[1].spark
+    assert (ds.block.cfg.hidden_size, ds.block.cfg.num_hidden_layers, ds.spark_cfg.markov_rank) == (512, 4, 64)
+    assert ds.markov.out.weight.shape == (8192, 64)
 
 
 @torch.no_grad()
@@ -101,7 +105,7 @@ def test_scaled_eagle3_head_computes_the_demo_heads_function(eagle3, engines, pr
     assert torch.isneginf(logits[1][:, 4096:]).all()
 
 
-@pytest.mark.parametrize("family", ["eagle3", "model", "dflash"])
+@pytest.mark.parametrize("family", ["eagle3", "model", "dflash", "dspark"])
 def test_scaled_drafter_gives_the_demo_size_distribution(built, engines, prompts, family):
     """The law of a sampled drafted token: the demo-size drafter's to 1e-5, no mass past the demo's ids."""
     for prompt in prompts:
@@ -112,8 +116,8 @@ def test_scaled_drafter_gives_the_demo_size_distribution(built, engines, prompts
 
 @pytest.mark.parametrize("family, tree", [
     ("eagle3", None), ("eagle3", TreeSpec(num_nodes=8, top_k=2, depth=4)),
-    ("model", None), ("model", TreeSpec(num_nodes=8, top_k=2, depth=4)), ("dflash", None),
-], ids=["eagle3-chain", "eagle3-tree", "model-chain", "model-tree", "dflash-chain"])
+    ("model", None), ("model", TreeSpec(num_nodes=8, top_k=2, depth=4)), ("dflash", None), ("dspark", None),
+], ids=["eagle3-chain", "eagle3-tree", "model-chain", "model-tree", "dflash-chain", "dspark-chain"])
 def test_scaled_drafter_proposes_the_demo_size_blocks(built, engines, prompts, family, tree):
     for prompt in prompts if tree is None else prompts[:1]:
         emitted = lockstep(engines, built(family), prompt, 4, NEW_TOKENS, tree)

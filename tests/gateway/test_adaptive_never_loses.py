@@ -305,7 +305,7 @@ class _Recorded:
         return block
 
 
-@pytest.mark.parametrize("family", ["eagle3", "dflash", "mtp", "model"])
+@pytest.mark.parametrize("family", ["eagle3", "dflash", "dspark", "mtp", "model"])
 def test_a_drafter_that_skipped_steps_catches_up_to_what_an_in_step_one_drafts(demo_target, family):
     """Speculation off with a probe every 3rd step: each probe's drafter was started lazily or missed the
     last 2 steps (their tokens and, for eagle3 / dflash / mtp, their target hidden rows, sent in one call).

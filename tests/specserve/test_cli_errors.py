@@ -143,7 +143,7 @@ def test_help_shows_defaults(capsys):
     assert info.value.code == 0
     flat = " ".join(out.split())
     for shown in ("--num-kv-blocks NUM_KV_BLOCKS default: 4096", "--max-new-tokens MAX_NEW_TOKENS default: 64",
-                  "--draft {none,ngram,model,eagle3,dflash,mtp} default: none", "(default: cpu)"):
+                  "--draft {none,ngram,model,eagle3,dflash,dspark,mtp} default: none", "(default: cpu)"):
         assert shown in flat, shown
 
 
