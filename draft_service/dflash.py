@@ -51,6 +51,7 @@ eagerly.
 
 from __future__ import annotations
 
+import importlib
 import json
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -438,17 +439,23 @@ class DFlashProposer(Proposer):
 
 
 def build_dflash_proposer(config: DrafterConfig) -> DFlashProposer:
-    if config.checkpoint is None:
-        raise DrafterConfigError("dflash needs checkpoint = the DFlash drafter folder")
-    name = target_name(config.target_checkpoint) if config.target_checkpoint is not None else None
-    if name is not None and name.scaled:  # the demo's drafter at the target's size (models/scaled_drafters.py)
-        from specserve.models.scaled_drafters import scaled_dflash
-
-        demo = load_dflash(config.checkpoint, "cpu", torch.float32, name.folder)
-        model = scaled_drafter(lambda: scaled_dflash(demo, config.checkpoint, name, config.device, config.dtype))
-    else:
-        model = load_dflash(config.checkpoint, config.device, config.dtype, config.target_checkpoint)
+    model = load_block_drafter(config, "dflash", load_dflash, "specserve.models.scaled_drafters:scaled_dflash")
     return DFlashProposer(model, config, *block_identity(model.cfg, config, "dflash"))
+
+
+def load_block_drafter(config: DrafterConfig, family: str, load, scaler: str):
+    """The model of a block drafter's folder (DFlash, DSpark): ``load(path, device, dtype, target_dir)`` as it is, or
+    for a demo@ target its demo-size model scaled to the target by ``scaler`` ("module:function", imported only then:
+    models/scaled_drafters.py, scaled_dspark.py; a drafter that does not scale is a DrafterConfigError)."""
+    if config.checkpoint is None:
+        raise DrafterConfigError(f"{family} needs checkpoint = the {family} drafter folder")
+    name = target_name(config.target_checkpoint) if config.target_checkpoint is not None else None
+    if name is None or not name.scaled:
+        return load(config.checkpoint, config.device, config.dtype, config.target_checkpoint)
+    module, function = scaler.split(":")
+    scale = getattr(importlib.import_module(module), function)
+    demo = load(config.checkpoint, "cpu", torch.float32, name.folder)
+    return scaled_drafter(lambda: scale(demo, config.checkpoint, name, config.device, config.dtype))
 
 
 def block_identity(cfg: DFlashConfig, config: DrafterConfig, family: str) -> tuple[tuple[int, ...], str]:

@@ -38,7 +38,6 @@ from safetensors.torch import save_file
 from torch import nn
 
 from specserve.contract.types import DraftBlock
-from specserve.draft_service.checkpoint_checks import scaled_drafter, target_name
 from specserve.draft_service.dflash import (
     WEIGHTS_FILE,
     DFlashModel,
@@ -47,6 +46,7 @@ from specserve.draft_service.dflash import (
     copy_checked,
     dflash_tensors,
     load_block,
+    load_block_drafter,
     read_config_json,
 )
 from specserve.draft_service.dflash_config import DFlashConfig
@@ -224,14 +224,5 @@ def clamped(conf: list[float]) -> tuple[float, ...]:
 
 
 def build_dspark_proposer(config: DrafterConfig) -> DSparkProposer:
-    if config.checkpoint is None:
-        raise DrafterConfigError("dspark needs checkpoint = the DSpark drafter folder")
-    name = target_name(config.target_checkpoint) if config.target_checkpoint is not None else None
-    if name is not None and name.scaled:  # the demo's drafter at the target's size (models/scaled_dspark.py)
-        from specserve.models.scaled_dspark import scaled_dspark
-
-        demo = load_dspark(config.checkpoint, "cpu", torch.float32, name.folder)
-        model = scaled_drafter(lambda: scaled_dspark(demo, config.checkpoint, name, config.device, config.dtype))
-    else:
-        model = load_dspark(config.checkpoint, config.device, config.dtype, config.target_checkpoint)
+    model = load_block_drafter(config, "dspark", load_dspark, "specserve.models.scaled_dspark:scaled_dspark")
     return DSparkProposer(model, config, *block_identity(model.block.cfg, config, "dspark"))

@@ -74,8 +74,8 @@ def init_dspark_from(model, path, target_dir) -> None:
     import json
     from pathlib import Path
 
+    from specserve.draft_service.drafter_errors import DrafterConfigError
     from specserve.draft_service.dspark import load_dspark
-    from specserve.draft_service.proposer import DrafterConfigError
 
     raw = json.loads((Path(path) / "config.json").read_text()) if (Path(path) / "config.json").is_file() else {}
     if raw.get("model_type") != "dspark":

@@ -464,7 +464,7 @@ def test_dspark_trains_from_a_dflash_block_and_drafts_with_confidence(demo, tmp_
     from safetensors.torch import load_file
 
     from specserve.contract.types import SamplingParams
-    from specserve.draft_service.proposer import DrafterConfig
+    from specserve.draft_service.drafter_config import DrafterConfig
     from specserve.draft_service.registry import build_proposer
 
     dspark = [a for a in SHARED_DFLASH if a != "--arch"]
