@@ -95,8 +95,8 @@ def test_bad_requests_wrong_token_and_unknown_model_get_the_api_statuses(served)
         c.completions.create(model=m, prompt=PROMPT, temperature=-1)
     assert served.grpc_error(gateway_pb2.GenerateRequest(
         prompt=PROMPT, max_new_tokens=16, sampling=common_pb2.SamplingParams(temperature=-1))) == (
-        "sampling.temperature: must be >= 0, got -1.0")
-    assert info.value.body["message"] == "temperature: must be >= 0, got -1.0"
+        "sampling.temperature: must be a finite number >= 0, got -1.0")
+    assert info.value.body["message"] == "temperature: must be a finite number >= 0, got -1.0"
     with pytest.raises(openai.BadRequestError) as info:
         c.completions.create(model=m, prompt=[1, 10**6])  # token ids: the wire's prompt_ids, the API's prompt
     assert info.value.body["message"].startswith("prompt: ids [1000000] outside the vocabulary")
