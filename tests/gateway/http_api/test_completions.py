@@ -130,6 +130,22 @@ def test_bad_requests_wrong_token_and_unknown_model_get_the_api_statuses(served)
     assert httpx.get(f"{served.url}/v1/nothing").json()["error"]["message"].startswith("no such route")
 
 
+@pytest.mark.parametrize("route,body,param", [
+    ("completions", '{"model": "%s", "prompt": "def \\ud800(x):"}', "prompt"),
+    ("completions", '{"model": "%s", "prompt": "x", "stop": ["\\n", "\\udfff"]}', "stop[1]"),
+    ("chat/completions", '{"model": "%s", "messages": [{"role": "user", "content": "\\ud800"}]}', "messages[0].content"),
+])
+def test_a_lone_surrogate_is_a_400_naming_the_field(served, route, body, param):
+    """JSON's \\ud800 escape decodes to a lone surrogate, which no UTF-8 text holds (issue #44 finding 7; before:
+    a plain-text 500 from the protobuf string field)."""
+    r = httpx.post(f"{served.url}/v1/{route}", content=(body % served.model).encode(),
+                   headers={"authorization": f"Bearer {TOKEN}", "content-type": "application/json"}, timeout=30)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and error["type"] == "invalid_request_error"
+    assert error["message"].startswith(f"{param}: character ") and "lone surrogate" in error["message"]
+
+
 def test_speculation_settings_ride_as_extra_fields(served):
     base = served.client.completions.create(model=served.model, prompt=PROMPT, max_tokens=10, temperature=0,
                                             extra_body={"draft": "none"})
