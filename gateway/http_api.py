@@ -235,6 +235,10 @@ class HttpApi:
         return Response(self.telemetry.prometheus_text() + relayed, headers={"content-type": CONTENT_TYPE_LATEST})
 
     # ---------------------------------------------------------------------------- generation
+    def authorized(self, headers: list[tuple[bytes, bytes]]) -> bool:
+        """Whether a request's raw headers carry the clients' token (the HTTP server keeps such a connection's place)."""
+        return self.servicer.token_ok(next((v for k, v in headers if k == b"authorization"), None))
+
     def _authorize(self, request: Request) -> None:
         if not self.servicer.token_ok(request.headers.get("authorization")):
             raise ApiError(401, UNAUTHENTICATED_MESSAGE, code="invalid_api_key")

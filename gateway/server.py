@@ -48,6 +48,7 @@ from specserve.protos import convert
 from specserve.protos.specserve.v1 import gateway_pb2, gateway_pb2_grpc
 from specserve.runtime import tracing as tn
 from specserve.runtime.admission import Admission, AdmissionConfig, AdmissionRefused
+from specserve.runtime.grpc_guard import UNAUTHENTICATED_MESSAGE
 from specserve.runtime.metrics import SpecMetrics
 from specserve.runtime.servers_common import TlsFiles, check_address, short
 
@@ -113,7 +114,6 @@ class GatewayConfig:
             raise ValueError(f"trusted drafts {unknown} are not among the drafts {sorted(self.drafts)}")
 
 
-UNAUTHENTICATED_MESSAGE = "authorization: missing or wrong bearer token"
 
 
 class GatewayError(SpecserveError):

@@ -140,6 +140,8 @@ def run(args: argparse.Namespace) -> int:
         grace_s=args.grace_s,
         max_message_bytes=args.max_message_bytes,
         tls=tls_from_args(args),
+        auth_token=config.auth_token,  # checked before a request is read (the servicer checks it again)
+        other_connections=args.http_max_connections if args.http_port is not None else 0,
     )
     tokenizer = chat_template = http = None
     if args.model is not None:
@@ -194,7 +196,7 @@ async def _serve(config, server_config, tokenizer, connect_timeout_s: float, htt
         from specserve.runtime.http_serving import HttpServer
 
         api = HttpApi(servicer, telemetry, chat_template, server_config.max_message_bytes)
-        http_server = HttpServer(api.app(), http)
+        http_server = HttpServer(api.app(), http, authorized=api.authorized)
         try:
             await http_server.start()
         except SpecserveError:
