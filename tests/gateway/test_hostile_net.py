@@ -237,3 +237,90 @@ def test_idle_http_sockets_make_way_for_a_client_that_sends_its_request(net):
         finally:
             for s in flood:
                 s.close()
+
+
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process so far (/proc/PID/stat)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_a_scrape_flood_costs_the_target_nothing_and_honest_requests_little(net):
+    """Finding 8: /metrics takes the clients' token (401 without), and relays the target's series from a cache
+    refreshed at most once per --metrics-interval-s (5 s): 16 threads scraping with the token for 2 s cost the target
+    < 0.1 s of CPU (before: a GetStats on the target per scrape), and an honest request's median latency during
+    the flood stays within 1.2x of its median without (pairs of windows, flood off / on, alternated; the ratio of
+    two quiet windows is printed as the noise bound)."""
+    assert httpx.get(f"{net.url}/metrics", timeout=10).status_code == 401
+    headers = {"authorization": f"Bearer {TOKEN}"}
+    first = httpx.get(f"{net.url}/metrics", headers=headers, timeout=10)
+    assert first.status_code == 200 and 'specserve_upstream_up{draft="",service="target"} 1.0' in first.text
+    stop = threading.Event()
+    scrapes = [0]
+
+    def scraper() -> None:
+        with httpx.Client(base_url=net.url, headers=headers, timeout=30) as c:
+            while not stop.is_set():
+                assert c.get("/metrics").status_code in (200, 429)
+                scrapes[0] += 1
+
+    def flood(seconds: float, during=None):
+        stop.clear()
+        threads = [threading.Thread(target=scraper, daemon=True) for _ in range(16)]
+        for t in threads:
+            t.start()
+        time.sleep(seconds)
+        out = during() if during is not None else None
+        stop.set()
+        for t in threads:
+            t.join(30)
+        return out
+
+    def honest(n: int = 15) -> float:
+        took = []
+        with grpc.insecure_channel(net.gateway_tcp, options=channel_options()) as ch:
+            stub = gateway_pb2_grpc.GatewayStub(ch)
+            for _ in range(n):
+                t0 = time.perf_counter()
+                stub.GenerateUnary(gateway_pb2.GenerateRequest(prompt_ids=PROMPT_IDS, max_new_tokens=2, draft="none"),
+                                   metadata=bearer_metadata(TOKEN), timeout=30)
+                took.append(time.perf_counter() - t0)
+        return sorted(took)[n // 2]
+
+    cpu0 = _cpu_s(net.target.popen.pid)
+    flood(2.0)
+    target_cpu = _cpu_s(net.target.popen.pid) - cpu0
+    quiet, loud = [honest(5)], []
+    for _ in range(2):
+        quiet.append(honest())
+        loud.append(flood(0.3, honest))
+    print(f"honest median: quiet {[round(q * 1e3, 1) for q in quiet]} ms, flood {[round(x * 1e3, 1) for x in loud]} "
+          f"ms; {scrapes[0]} scrapes; target CPU {target_cpu:.3f} s; noise (quiet/quiet) {quiet[2] / quiet[1]:.2f}")
+    assert scrapes[0] > 16
+    assert target_cpu < 0.1
+    assert min(loud) < 1.2 * max(quiet[1:]), (quiet, loud)
+
+
+def test_one_request_holds_at_most_its_share_of_the_sessions(net):
+    """Finding 9: the HTTP API's choices (prompts x n) are one request's sessions: at most a quarter of the gateway's
+    --max-sessions (8 here: 2), and their output tokens together at most --max-output-tokens (4096). Before: n up
+    to 64 of any length (n = 64 x 2000 tokens held 32 target sessions for a minute)."""
+    headers = {"authorization": f"Bearer {TOKEN}"}
+    model = httpx.get(f"{net.url}/v1/models", headers=headers, timeout=10).json()["data"][0]["id"]
+
+    def post(**body):
+        return httpx.post(f"{net.url}/v1/completions", headers=headers, timeout=60,
+                          json={"model": model, "prompt": PROMPT_IDS, "temperature": 0, **body})
+
+    too_many = post(n=3, max_tokens=2)
+    assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "n"
+    assert "make 3 choices; one request may hold 2 sessions" in too_many.json()["error"]["message"]
+    two_prompts = post(prompt=[PROMPT_IDS, PROMPT_IDS], n=2, max_tokens=2)
+    assert two_prompts.status_code == 400 and two_prompts.json()["error"]["param"] == "n"
+    too_long = post(n=2, max_tokens=2500)
+    assert too_long.status_code == 400 and too_long.json()["error"]["param"] == "max_tokens"
+    assert "2 choices x 2500 tokens exceed the 4096 output tokens" in too_long.json()["error"]["message"]
+    ok = post(n=2, max_tokens=3)
+    assert ok.status_code == 200 and [c["index"] for c in ok.json()["choices"]] == [0, 1]
+    assert ok.json()["usage"]["completion_tokens"] == 6
