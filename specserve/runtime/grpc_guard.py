@@ -100,6 +100,12 @@ def fd_budget(fd_limit: int, listeners: int, others: int = 0) -> int:
     return max(16, spare // max(1, listeners))
 
 
+# specserve's own channels close a connection idle this long themselves (gRPC's client idle timeout, which may fire up
+# to twice as late), well before a server's idle_s: their connections never meet the server's idle close, whose
+# GOAWAY gRPC logs at the client and which a call starting at that moment could meet
+CLIENT_IDLE_S = 3.0
+
+
 @dataclass(frozen=True)
 class ConnectionLimits:
     max_connections: int | None = None  # per listen address; None: fd_budget at start
@@ -107,6 +113,8 @@ class ConnectionLimits:
     idle_s: float = 10.0  # no call in flight for this long: closed (GOAWAY; the client reconnects when it calls)
 
     def __post_init__(self) -> None:
+        if self.idle_s <= 2 * CLIENT_IDLE_S:
+            raise ValueError(f"idle_s must be > {2 * CLIENT_IDLE_S} (twice the clients' idle close), got {self.idle_s}")
         if self.max_connections is not None and self.max_connections < 1:
             raise ValueError(f"max_connections must be >= 1, got {self.max_connections}")
         for name in ("handshake_s", "idle_s"):
