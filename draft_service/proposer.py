@@ -243,3 +243,7 @@ class Proposer(ABC):
     def _hidden_width(self) -> int | None:
         """Expected F of hidden rows, or None to skip the check."""
         return None
+
+    def hidden_width(self) -> int | None:
+        """The F of the hidden rows it reads (None: not stated); sizes the draft service's receive limit."""
+        return self._hidden_width()

@@ -3,7 +3,7 @@
     POST /v1/completions, POST /v1/chat/completions   (stream: server-sent events, then ``data: [DONE]``)
     GET  /v1/models                                    the served model and its drafts
     GET  /health                                       200 while the target answers its health check
-    GET  /metrics                                      Prometheus text of the gateway's OpenTelemetry metrics
+    GET  /metrics                                      Prometheus text of the gateway's OpenTelemetry metrics (token)
 
 Every generation goes through ``GatewayServicer.generate``, the per-request path of gRPC Generate
 (validation, admission, spec loop, spans, metrics); this module only translates bodies
@@ -16,13 +16,11 @@ parent of the request's spans, so an HTTP request is one trace across gateway, d
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import sys
 import time
 import uuid
 
-import grpc
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
@@ -30,7 +28,8 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from specserve.gateway.chat_template import ChatTemplate, ChatTemplateError
-from specserve.gateway.metrics_relay import relay_text
+from specserve.gateway.http_streaming import EventStream, Generation, gather_all, sse, until_disconnect
+from specserve.gateway.metrics_relay import ScrapeCache, ScrapePacer, ScrapesBusy, relay_text
 from specserve.gateway.openai_schema import (
     EXTENSION,
     FINISH_REASONS,
@@ -52,6 +51,7 @@ from specserve.runtime import tracing as tn
 HEALTH_TIMEOUT_S = 1.0
 _PARSE_ON_LOOP_BYTES = 256 * 1024  # a body up to this is parsed on the loop (< 1 ms), a larger one on a thread
 IGNORED_HEADER = "specserve-ignored-fields"  # names the body fields a response did not act on
+METRICS_INTERVAL_S = 5.0  # the relayed series on /metrics are at most this old (--metrics-interval-s)
 
 
 def _error(exc: ApiError) -> JSONResponse:
@@ -59,107 +59,17 @@ def _error(exc: ApiError) -> JSONResponse:
     return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
 
 
-def _sse(body: dict | str) -> bytes:
-    return f"data: {body if isinstance(body, str) else json.dumps(body, ensure_ascii=False)}\n\n".encode()
-
-
-async def _disconnected(receive) -> None:
-    """Return once the client has gone (the request body was read already)."""
-    while (await receive())["type"] != "http.disconnect":
-        pass
-
-
-async def _until_disconnect(receive, coro):
-    """coro's result, or None (coro cancelled) when the client goes first."""
-    work = asyncio.ensure_future(coro)
-    gone = asyncio.ensure_future(_disconnected(receive))
-    try:
-        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for task in (work, gone):
-            if not task.done():
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
-    return None if work.cancelled() else work.result()
-
-
-_END = object()
-
-
-class _Generation:
-    """One request's GatewayServicer.generate, iterated by a task of its own (its spans and the OTel
-    context they attach stay in one task, as under gRPC); messages reach the HTTP handler through a
-    small queue (backpressure). ``close()`` waits for a request whose final message was taken to end
-    (it releases its sessions), and cancels one that has not got there (which releases them too)."""
-
-    def __init__(self, messages) -> None:
-        self._final_taken = False
-        self._queue: asyncio.Queue = asyncio.Queue(maxsize=64)
-        self._task = asyncio.get_running_loop().create_task(self._run(messages), name="http-generation")
-
-    async def _run(self, messages) -> None:
-        try:
-            async with contextlib.aclosing(messages):
-                async for msg in messages:
-                    await self._queue.put(msg)
-            await self._queue.put(_END)
-        except GatewayError as exc:
-            await self._queue.put(exc)
-        except Exception as exc:  # noqa: BLE001 - a bug: the handler answers INTERNAL instead of waiting forever
-            await self._queue.put(GatewayError(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}"))
-
-    async def next(self):
-        """The next GenerateResponse; raises the request's GatewayError."""
-        item = await self._queue.get()
-        if isinstance(item, GatewayError):
-            raise item
-        if item is _END:
-            raise GatewayError(grpc.StatusCode.INTERNAL, "the request ended without a final message")
-        self._final_taken = item.HasField("final")
-        return item
-
-    async def close(self) -> None:
-        if not self._task.done() and not self._final_taken:
-            self._task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._task
-
-
-class _EventStream(Response):
-    """A server-sent-event response from an async iterator of bytes; a client that disconnects
-    cancels it (and with it the request's generations)."""
-
-    def __init__(self, events, generations: list[_Generation], headers: dict | None = None) -> None:  # chunked
-        self.status_code, self.background = 200, None
-        self.raw_headers = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")]
-        self.raw_headers += [(k.encode(), v.encode()) for k, v in (headers or {}).items()]
-        self.events = events
-        self.generations = generations
-
-    async def __call__(self, scope, receive, send) -> None:
-        async def stream() -> None:
-            await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
-            async for chunk in self.events:
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
-
-        try:
-            with contextlib.suppress(OSError):  # the client went away while a chunk was sent
-                await _until_disconnect(receive, stream())
-        finally:
-            await self.events.aclose()
-            for generation in self.generations:
-                await generation.close()
-
-
 class HttpApi:
     """The routes, over one GatewayServicer."""
 
     def __init__(
-        self, servicer: GatewayServicer, telemetry, chat_template: ChatTemplate | None, max_body_bytes: int = 4 << 20
+        self, servicer: GatewayServicer, telemetry, chat_template: ChatTemplate | None, max_body_bytes: int = 4 << 20,
+        metrics_interval_s: float = METRICS_INTERVAL_S,
     ) -> None:
         self.servicer = servicer
+        self.relayed = ScrapeCache(  # the target's and drafts' series, asked for at most once an interval
+            lambda: relay_text(servicer.target, servicer.drafts.endpoints()), metrics_interval_s)
+        self.scrapes = ScrapePacer()  # one /metrics at a time, 10 a second at most
         self.max_body_bytes = max_body_bytes  # the gateway's --max-message-bytes
         self.telemetry = telemetry
         self.chat_template = chat_template
@@ -227,14 +137,26 @@ class HttpApi:
             return _error(ApiError(503, f"the target service at {self.servicer.target.address} is not serving"))
         return JSONResponse({"status": "ok"})
 
-    async def metrics(self, _request: Request) -> Response:
-        """The gateway's own series, then the target's and drafts' relayed from their GetStats."""
+    async def metrics(self, request: Request) -> Response:
+        """The gateway's own series, then the target's and drafts' relayed from their GetStats (cached: at most one
+        GetStats a service per interval). Takes the clients' token when one is set; scrapes take turns (ScrapePacer)."""
         from prometheus_client import CONTENT_TYPE_LATEST
 
-        relayed = await relay_text(self.servicer.target, self.servicer.drafts.endpoints())
-        return Response(self.telemetry.prometheus_text() + relayed, headers={"content-type": CONTENT_TYPE_LATEST})
+        try:
+            self._authorize(request)
+            async with self.scrapes.turn():
+                body = self.telemetry.prometheus_text() + await self.relayed.get()
+        except ApiError as exc:
+            return _error(exc)
+        except ScrapesBusy as exc:
+            return _error(ApiError(429, f"/metrics: {exc}; scrape less often"))
+        return Response(body, headers={"content-type": CONTENT_TYPE_LATEST})
 
     # ---------------------------------------------------------------------------- generation
+    def authorized(self, headers: list[tuple[bytes, bytes]]) -> bool:
+        """Whether a request's raw headers carry the clients' token (the HTTP server keeps such a connection's place)."""
+        return self.servicer.token_ok(next((v for k, v in headers if k == b"authorization"), None))
+
     def _authorize(self, request: Request) -> None:
         if not self.servicer.token_ok(request.headers.get("authorization")):
             raise ApiError(401, UNAUTHENTICATED_MESSAGE, code="invalid_api_key")
@@ -259,6 +181,7 @@ class HttpApi:
         except RecursionError:
             raise ApiError(400, "request body: not valid JSON (nested too deeply)") from None
         api = parse_request(body, chat)
+        self._check_share(api)
         if api.model != self.servicer.model_name:
             raise ApiError(
                 404, f"model: {api.model!r} does not exist (this gateway serves {self.servicer.model_name!r})",
@@ -267,6 +190,20 @@ class HttpApi:
         if chat:
             await self._render_chat(api)
         return api
+
+    def _check_share(self, api: ApiRequest) -> None:
+        """One request's choices hold at most its share of the sessions, and their output tokens together at most
+        --max-output-tokens (each choice is a request of its own to admission and to the target)."""
+        config = self.servicer.config
+        choices, share = len(api.prompts) * api.n, config.max_choices
+        if choices > share:
+            raise ApiError(400, f"n: {len(api.prompts)} prompt(s) x n = {api.n} make {choices} choices; one request may "
+                                f"hold {share} sessions (a quarter of the gateway's --max-sessions {config.max_sessions})",
+                           "n")
+        limit, each = config.limits.max_new_tokens, api.request.max_new_tokens
+        if choices > 1 and not api.fill_max_tokens and choices * each > limit:
+            raise ApiError(400, f"max_tokens: {choices} choices x {each} tokens exceed the {limit} output tokens one "
+                                "request may ask for (--max-output-tokens)", "max_tokens")
 
     async def _render_chat(self, api: ApiRequest) -> None:
         """Chat: the prompt is the conversation rendered by the checkpoint's chat template, tokenized as
@@ -287,9 +224,9 @@ class HttpApi:
         except InvalidRequest as exc:
             raise ApiError(400, str(exc).replace("prompt:", "messages:", 1), "messages") from None
         api.request.prompt_ids.extend(ids)
-        if api.fill_max_tokens:
+        if api.fill_max_tokens:  # the room left, the output limit shared by the choices
             info, limit = self.servicer.target.target_info, self.servicer.config.limits.max_new_tokens
-            api.request.max_new_tokens = max(1, min(limit, info.max_context - len(ids)))
+            api.request.max_new_tokens = max(1, min(limit // api.n, info.max_context - len(ids)))
 
     async def _echo_ids(self, api: ApiRequest) -> list[list[int]]:
         """Echo: each prompt's token ids (a text prompt tokenized here as validation would, and sent as ids, so
@@ -325,14 +262,14 @@ class HttpApi:
                             self.servicer.model_name)
         parent = tn.context_from_metadata(request.headers.items())
         choices = api.choices()
-        gens = [_Generation(self.servicer.generate(req, parent)) for _, req in choices]
+        gens = [Generation(self.servicer.generate(req, parent)) for _, req in choices]
         view = _Choices(self, api, choices, echo_ids)
         streaming = False
         try:
             # the first message of every choice decides between an error status and a 200: validation, admission
             # and the prefill all come before it
             try:
-                firsts = await _until_disconnect(request.receive, _all([g.next() for g in gens]))
+                firsts = await until_disconnect(request.receive, gather_all([g.next() for g in gens]))
             except GatewayError as exc:
                 return _error(from_gateway_error(exc.code, str(exc), exc.field, chat))
             if firsts is None:
@@ -340,8 +277,8 @@ class HttpApi:
             headers = {IGNORED_HEADER: ", ".join(api.ignored)} if api.ignored else None
             if api.stream:
                 streaming = True
-                return _EventStream(self._events(api, head, view, firsts, gens), gens, headers)
-            whole = await _until_disconnect(request.receive, self._whole(api, head, view, firsts, gens))
+                return EventStream(self._events(api, head, view, firsts, gens), gens, headers)
+            whole = await until_disconnect(request.receive, self._whole(api, head, view, firsts, gens))
             if whole is None:
                 return Response(status_code=499)
             if headers:
@@ -360,7 +297,7 @@ class HttpApi:
                   f"each response names them in its {IGNORED_HEADER} header)", file=sys.stderr, flush=True)
 
     async def _whole(self, api: ApiRequest, head: ResponseHead, view: _Choices, firsts, gens) -> Response:
-        async def one(index: int, msg, generation: _Generation) -> ChoiceResult:
+        async def one(index: int, msg, generation: Generation) -> ChoiceResult:
             ids: list[int] = []
             log = view.start(index, msg)
             while not msg.HasField("final"):
@@ -370,7 +307,7 @@ class HttpApi:
             return view.result(index, msg.final, ids, log)
 
         try:
-            results = await _all([one(i, f, g) for i, (f, g) in enumerate(zip(firsts, gens))])
+            results = await gather_all([one(i, f, g) for i, (f, g) in enumerate(zip(firsts, gens))])
         except GatewayError as exc:
             return _error(from_gateway_error(exc.code, str(exc), exc.field, api.chat))
         return JSONResponse(head.whole(results, view.usage([r.final for r in results], results)))
@@ -382,7 +319,7 @@ class HttpApi:
         usage = api.include_usage
         queue: asyncio.Queue = asyncio.Queue()
 
-        async def pump(index: int, first, generation: _Generation) -> None:
+        async def pump(index: int, first, generation: Generation) -> None:
             msg = first
             try:
                 while True:
@@ -404,20 +341,20 @@ class HttpApi:
                 echo = view.echo_text(index)
                 if api.chat or echo or logs[index] is not None and logs[index].tokens:
                     part = None if logs[index] is None or not logs[index].tokens else logs[index].body()
-                    yield _sse(head.chunk(echo if not api.chat else "", first=True, usage=usage, index=index,
+                    yield sse(head.chunk(echo if not api.chat else "", first=True, usage=usage, index=index,
                                           logprobs=part))
             left = len(gens)
             while left:
                 index, msg = await queue.get()
                 if isinstance(msg, GatewayError):
-                    yield _sse(from_gateway_error(msg.code, str(msg), msg.field, api.chat).body())
+                    yield sse(from_gateway_error(msg.code, str(msg), msg.field, api.chat).body())
                     return
                 if not msg.HasField("final"):
                     ids[index].extend(msg.delta.token_ids)
                     part = view.add(logs[index], msg.delta)
                     piece = "" if api.score_only else texts[index].push(msg.delta.text)
                     if piece or part is not None:
-                        yield _sse(head.chunk(piece, usage=usage, index=index, logprobs=part))
+                        yield sse(head.chunk(piece, usage=usage, index=index, logprobs=part))
                     continue
                 final = finals[index] = msg.final
                 left -= 1
@@ -425,13 +362,13 @@ class HttpApi:
                 last = head.chunk(rest or None if api.chat else rest, FINISH_REASONS.get(final.finish_reason, "stop"),
                                   usage=usage, index=index)
                 last[EXTENSION] = stats_extension(final, [] if api.score_only else ids[index])
-                yield _sse(last)
+                yield sse(last)
         finally:
             for p in pumps:
                 p.cancel()
         if usage:
-            yield _sse(head.usage_chunk(view.usage(finals)))
-        yield _sse("[DONE]")
+            yield sse(head.usage_chunk(view.usage(finals)))
+        yield sse("[DONE]")
 
 
 class _Choices:
@@ -479,19 +416,3 @@ class _Choices:
             prompts[prompt] = final.usage.prompt_tokens
         done = 0 if self.api.score_only else sum(f.usage.completion_tokens for f in finals)
         return usage_body(list(finals), sum(prompts.values()), done)
-
-
-async def _all(coros: list):
-    """Every coroutine's result, in order; the first to raise cancels the others and raises."""
-    tasks = [asyncio.ensure_future(c) for c in coros]
-    try:
-        done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
-        for t in done:
-            if t.exception() is not None:
-                raise t.exception()
-        return [t.result() for t in tasks]
-    finally:
-        for t in tasks:
-            if not t.done():
-                t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)

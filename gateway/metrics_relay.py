@@ -2,6 +2,12 @@
 scrape time, over the channels the gateway already holds (so it works wherever the gateway reaches them:
 ``serve``'s unix sockets, compose, other hosts; no port of theirs needs to be reachable).
 
+``ScrapeCache`` keeps the relayed text: a scrape within ``interval_s`` of the last refresh gets it as it was, and
+scrapes that come while a refresh runs wait for that one, so a flood of scrapes asks the services at most once an
+interval (the gateway's own series are rendered at each scrape). ``ScrapePacer`` answers scrapes one at a time, at
+least ``gap_s`` apart (10 a second: a Prometheus scrapes every 15 s or so), and refuses scrapes past ``max_waiting``
+waiting ones: a flood of scrapes then waits, asleep, instead of taking the event loop from the requests.
+
 Series (Prometheus names): ``specserve_upstream_up{service, draft}`` (1: it answered GetStats within the
 timeout), the target's ``specserve_target_sessions``, ``_kv_blocks_total``, ``_kv_blocks_used``,
 ``_kv_cache_usage_ratio`` (used / total), ``_verify_steps_total``, ``_shm_steps_total``, ``_hidden_buffers``,
@@ -12,6 +18,9 @@ target's and the draft's own names (their ``--metrics-port``) are the same where
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 from specserve.protos.specserve.v1 import draft_pb2, target_pb2
 
@@ -78,3 +87,66 @@ async def relay_text(target, drafts: dict, timeout_s: float = RELAY_TIMEOUT_S) -
             shm.add_metric((n,), float(s.shm_proposals))
         families += [sessions, proposals, shm]
     return generate_latest(_Families(families))
+
+
+class ScrapeCache:
+    """``render()``'s bytes, rendered at most once per ``interval_s`` (0: at each call, concurrent calls sharing one
+    render); a render that fails is not kept."""
+
+    def __init__(self, render: Callable[[], Awaitable[bytes]], interval_s: float,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if interval_s < 0:
+            raise ValueError(f"interval_s must be >= 0, got {interval_s}")
+        self._render, self.interval_s, self._clock = render, interval_s, clock
+        self._body: bytes | None = None
+        self._at = 0.0
+        self._running: asyncio.Task | None = None
+        self.renders = 0  # how many times it rendered (tests, and a reader who wonders)
+
+    async def get(self) -> bytes:
+        if self._body is not None and self._clock() - self._at < self.interval_s:
+            return self._body
+        if self._running is None:
+            self._running = asyncio.get_running_loop().create_task(self._refresh())
+        return await asyncio.shield(self._running)  # one caller's cancel leaves the render to the others
+
+    async def _refresh(self) -> bytes:
+        try:
+            body = await self._render()
+            self.renders += 1
+            self._body, self._at = body, self._clock()
+            return body
+        finally:
+            self._running = None
+
+
+class ScrapesBusy(Exception):
+    """More scrapes are waiting than the pacer lets wait."""
+
+
+class ScrapePacer:
+    """Scrapes in turn (FIFO), one at a time and at least ``gap_s`` apart; past ``max_waiting`` waiting: ScrapesBusy."""
+
+    def __init__(self, gap_s: float = 0.1, max_waiting: int = 32) -> None:
+        self.gap_s, self.max_waiting = gap_s, max_waiting
+        self.waiting = 0
+        self._lock = asyncio.Lock()
+        self._next = 0.0  # the loop's time before which no scrape starts
+
+    @contextlib.asynccontextmanager
+    async def turn(self) -> AsyncIterator[None]:
+        if self.waiting >= self.max_waiting:
+            raise ScrapesBusy(f"{self.waiting} scrapes are waiting their turn")
+        self.waiting += 1
+        try:
+            await self._lock.acquire()
+        finally:
+            self.waiting -= 1
+        loop = asyncio.get_running_loop()
+        try:
+            if self._next > loop.time():
+                await asyncio.sleep(self._next - loop.time())
+            yield
+        finally:
+            self._next = loop.time() + self.gap_s
+            self._lock.release()

@@ -214,10 +214,39 @@ def _messages(body: dict) -> tuple[dict, ...]:
     return tuple(out)
 
 
+def _not_unicode(body) -> tuple[str, int] | None:
+    """(where, character index) of the first string of a parsed body that is no Unicode text: JSON's ``\\ud800``
+    escapes decode to lone surrogates, which cannot be UTF-8 (protobuf strings, the tokenizer). Walked without
+    recursion; ASCII strings are passed by a flag of the string, others encoded once."""
+    todo = [("", body)]
+    while todo:
+        where, value = todo.pop()
+        if isinstance(value, str):
+            if not value.isascii():
+                try:
+                    value.encode("utf-8")
+                except UnicodeEncodeError as exc:
+                    return where or "request body", exc.start
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                todo.append((where, key))  # a key is text too
+                key = key.encode("utf-8", "backslashreplace").decode() if isinstance(key, str) else key  # printable
+                name = f"{where}.{key}" if where else str(key)
+                todo.append((name, item))
+        elif isinstance(value, list):
+            todo.extend((f"{where}[{i}]", item) for i, item in enumerate(value))
+    return None
+
+
 def parse_request(body, chat: bool) -> ApiRequest:
     """Check the API's shape of a request body and build its GenerateRequest; raises ApiError (400)."""
     if not isinstance(body, dict):
         raise ApiError(400, "request body: expected a JSON object")
+    bad = _not_unicode(body)
+    if bad is not None:
+        where, at = bad
+        raise _bad(where, f"character {at} is a lone surrogate (a \\ud800-\\udfff escape without its pair), "
+                          "not Unicode text")
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise _bad("model", "required (the served model's name, see GET /v1/models)")

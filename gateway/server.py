@@ -48,11 +48,13 @@ from specserve.protos import convert
 from specserve.protos.specserve.v1 import gateway_pb2, gateway_pb2_grpc
 from specserve.runtime import tracing as tn
 from specserve.runtime.admission import Admission, AdmissionConfig, AdmissionRefused
+from specserve.runtime.grpc_guard import UNAUTHENTICATED_MESSAGE
 from specserve.runtime.metrics import SpecMetrics
 from specserve.runtime.servers_common import TlsFiles, check_address, short
 
 SERVICE_NAME = gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name
 ADMIN_METADATA = "specserve-admin-token"  # SetDraft's credential, separate from the clients' bearer token
+REQUEST_SHARE = 4  # one request holds at most 1 / REQUEST_SHARE of the running sessions (GatewayConfig.max_choices)
 
 
 def too_long_block(checked, draft_info) -> str:
@@ -88,6 +90,12 @@ class GatewayConfig:
     hidden_share: bool = True
     served_model_name: str | None = None  # the model's name in responses and the HTTP API (None: the target's)
 
+    @property
+    def max_choices(self) -> int:
+        """Sessions one request may hold at once (the HTTP API's prompts x n): a quarter of max_sessions, so one
+        request never holds them all."""
+        return max(1, self.max_sessions // REQUEST_SHARE)
+
     def __post_init__(self) -> None:
         check_address(self.target_address)
         for name in ("auth_token", "downstream_token", "admin_token"):
@@ -113,7 +121,6 @@ class GatewayConfig:
             raise ValueError(f"trusted drafts {unknown} are not among the drafts {sorted(self.drafts)}")
 
 
-UNAUTHENTICATED_MESSAGE = "authorization: missing or wrong bearer token"
 
 
 class GatewayError(SpecserveError):
@@ -417,16 +424,22 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         await context.abort(grpc.StatusCode.INTERNAL, "the request ended without a final message")
 
     # -------------------------------------------------------------------------------- admin
+    def _is_admin(self, context) -> bool:
+        """Whether the call carries the admin token (never, with none set)."""
+        if self._admin_token is None:
+            return False
+        given = b""
+        for key, value in context.invocation_metadata() or ():
+            if key == ADMIN_METADATA:
+                given = value if isinstance(value, bytes) else value.encode("utf-8", "replace")
+        return hmac.compare_digest(given, self._admin_token)
+
     async def _check_admin(self, context) -> None:
         if self._admin_token is None:
             await context.abort(
                 grpc.StatusCode.PERMISSION_DENIED, "SetDraft is off: start the gateway with --admin-token to allow it"
             )
-        given = b""
-        for key, value in context.invocation_metadata() or ():
-            if key == ADMIN_METADATA:
-                given = value if isinstance(value, bytes) else value.encode("utf-8", "replace")
-        if not hmac.compare_digest(given, self._admin_token):
+        if not self._is_admin(context):
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, f"{ADMIN_METADATA}: missing or wrong admin token")
 
     async def SetDraft(self, request, context):
@@ -475,6 +488,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         return None
 
     async def ListDrafts(self, request, context):
+        """The drafts' names; their services' addresses only to a caller with the admin token (else "")."""
         await self._authorize(context, request)
-        return gateway_pb2.ListDraftsResponse(drafts=self.drafts.addresses())
+        admin = self._is_admin(context)
+        return gateway_pb2.ListDraftsResponse(
+            drafts={name: address if admin else "" for name, address in self.drafts.addresses().items()})
 

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Container
 from dataclasses import dataclass
 
 from specserve.contract.speculation import MAX_K
-from specserve.contract.types import GenerationRequest, TreeSpec
+from specserve.contract.types import BadSampling, GenerationRequest, TreeSpec
 from specserve.errors import SpecserveError
 from specserve.protos import convert
 from specserve.protos.specserve.v1 import gateway_pb2, target_pb2
@@ -162,17 +161,10 @@ def validate_request(
             f"of {target.max_context}",
         )
 
-    s = req.sampling
-    if not (math.isfinite(s.temperature) and s.temperature >= 0):
-        raise InvalidRequest("sampling.temperature", f"must be >= 0, got {s.temperature}")
-    if not (math.isfinite(s.top_p) and 0.0 <= s.top_p <= 1.0):  # 0 on the wire = unset = 1.0
-        raise InvalidRequest("sampling.top_p", f"must be in (0, 1], got {s.top_p}")
-    if s.top_k < 0:
-        raise InvalidRequest("sampling.top_k", f"must be >= 0, got {s.top_k}")
-    try:  # the wire's own reading (top_p 0 = unset, seed optional): protos/convert.py
-        sampling = convert.sampling_from_proto(s, "sampling")
-    except convert.ConversionError as exc:
-        raise InvalidRequest("sampling", str(exc).removeprefix("sampling: ")) from None
+    try:  # the contract's one check (SamplingParams), on the wire's reading (top_p 0 = unset): protos/convert.py
+        sampling = convert.sampling_params(req.sampling)
+    except BadSampling as exc:
+        raise InvalidRequest(f"sampling.{exc.field}", str(exc).removeprefix(f"{exc.field}: ")) from None
 
     if req.draft == NO_DRAFT:
         draft_name = None

@@ -82,14 +82,19 @@ def sampling_to_proto(s: SamplingParams) -> common_pb2.SamplingParams:
     return msg
 
 
-def sampling_from_proto(msg: common_pb2.SamplingParams, field: str = "sampling") -> SamplingParams:
-    """Wire -> SamplingParams; top_p 0 on the wire means unset (1.0)."""
+def sampling_params(msg: common_pb2.SamplingParams) -> SamplingParams:
+    """Wire -> SamplingParams; top_p 0 on the wire means unset (1.0). Raises the contract's BadSampling."""
     top_p = msg.top_p if msg.top_p != 0.0 else 1.0
     seed = msg.seed if msg.HasField("seed") else None
+    return SamplingParams(temperature=msg.temperature, top_p=top_p, top_k=msg.top_k, seed=seed)
+
+
+def sampling_from_proto(msg: common_pb2.SamplingParams, field: str = "sampling") -> SamplingParams:
+    """``sampling_params``, its refusal a ConversionError naming ``field.<setting>`` (the services' INVALID_ARGUMENT)."""
     try:
-        return SamplingParams(temperature=msg.temperature, top_p=top_p, top_k=msg.top_k, seed=seed)
+        return sampling_params(msg)
     except ValueError as e:
-        raise ConversionError(f"{field}: {e}") from None
+        raise ConversionError(f"{field}.{e}") from None
 
 
 # --------------------------------------------------------------------------------- draft blocks

@@ -14,13 +14,14 @@ rogue drafter (served from this process) whose shared-memory reply is a bare len
 (#44: the kernel must refuse every truncation; each request must come back whole, target-only, with the
 reference tokens), and half-open HTTP
 connections to the gateway's API (part of a request's headers, never the rest: each must be closed
-within the gateway's read timeout; those clients are `soak_hostile.py`). At the end it
+within the gateway's read timeout), and floods of 300 idle TCP connections to the gateway's gRPC port (each
+must be closed within its handshake timeout; those clients are `soak_hostile.py`). At the end it
 prints requests served, errors by status, tokens lost (streams that differ from the reference or from
 their usage; must be 0), what the hostile clients got, the sessions still open on the target and each
 draft once the load stopped (must be 0) and the peak RSS of each service process, and exits 1 if any
 token was lost, any session was left open, a garbage payload got anything but INVALID_ARGUMENT (or, from a
 draft being killed or frozen, UNAVAILABLE / DEADLINE_EXCEEDED), a rogue-drafted request was not served
-target-only with its reference tokens, a ring segment could be truncated, a half-open connection stayed open,
+target-only with its reference tokens, a ring segment could be truncated, a half-open connection or a flooding one stayed open,
 or any error other than RESOURCE_EXHAUSTED occurred.
 """
 
@@ -39,7 +40,14 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from specserve.bench.soak_hostile import HOSTILE_KINDS, HTTP_READ_TIMEOUT_S, RogueDraft, half_open, hostile_call
+from specserve.bench.soak_hostile import (
+    HOSTILE_KINDS,
+    HTTP_READ_TIMEOUT_S,
+    RogueDraft,
+    connection_flood,
+    half_open,
+    hostile_call,
+)
 
 ALLOWED_ERRORS = ("RESOURCE_EXHAUSTED",)  # refusals past the admission queue are expected under load
 # a frozen draft's sessions whose release the gateway skipped (its breaker was open) expire this soon
@@ -293,6 +301,8 @@ def run(args: SoakConfig) -> int:
                         time.sleep(0.2)
                 elif kind == "half_open":
                     outcome = half_open(ports["http"])
+                elif kind == "conn_flood":
+                    outcome = connection_flood(ports["gateway"])
                 else:
                     outcome = hostile_call(kind, addr["gateway"], req, rng, garbage_to)
                 with tally.lock:
@@ -330,7 +340,7 @@ def run(args: SoakConfig) -> int:
                    if k.startswith("garbage") and k.split(": ")[1] not in GARBAGE_OUTCOMES}
     bad_hostile = {k: v for k, v in tally.hostile.items()
                    if (k.split(": ")[0] in ROGUE_OF and k.split(": ")[1] not in ("fallback", *ALLOWED_ERRORS))
-                   or k == "half_open: left_open"}
+                   or k in ("half_open: left_open", "conn_flood: held")}
     summary = {
         "seconds": round(elapsed, 1),
         "requests_served": tally.served,

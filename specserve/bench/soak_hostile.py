@@ -1,5 +1,5 @@
 """The soak's hostile clients: rogue draft services (an oversized frame; a ring shrunk under the gateway), half-open
-HTTP connections, garbage bytes, hang-ups and cancels (what `soak.py`'s hostile workers send beside the load; each
+HTTP connections, floods of idle gRPC connections, garbage bytes, hang-ups and cancels (what `soak.py`'s hostile workers send beside the load; each
 returns what it got)."""
 
 from __future__ import annotations
@@ -11,7 +11,9 @@ import stat
 import threading
 
 HTTP_READ_TIMEOUT_S = 2.0  # the gateway's --http-read-timeout-s: a half-open connection must close by then
-HOSTILE_KINDS = ("hang_up", "cancel", "garbage", "rogue_frame", "shrink_ring", "half_open")
+HOSTILE_KINDS = ("hang_up", "cancel", "garbage", "rogue_frame", "shrink_ring", "half_open", "conn_flood")
+FLOOD_CONNECTIONS = 300  # idle TCP connections one conn_flood opens to the gateway's gRPC port
+FLOOD_CLOSED_WITHIN_S = 3.0 + 3.0  # the gRPC handshake timeout (runtime/grpc_guard.py) and slack
 SHM_TAGS = ("/memfd:", "/dev/shm/specserve-")  # how a memfd and a named segment show in /proc/PID/fd
 
 
@@ -152,6 +154,45 @@ def half_open(http_port: int) -> str:
         except ConnectionResetError:
             pass
     return "closed"
+
+
+def connection_flood(port: int, count: int = FLOOD_CONNECTIONS) -> str:
+    """``count`` TCP connections to a gRPC port that never send a byte: "dropped" when the server has closed every
+    one within FLOOD_CLOSED_WITHIN_S (its handshake timeout), else "held"."""
+    import resource
+    import time
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < 4 * count and soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))  # this process's own sockets
+    socks = []
+    try:
+        for _ in range(count):
+            sock = socket.socket()
+            sock.setblocking(False)
+            try:
+                sock.connect(("127.0.0.1", port))
+            except BlockingIOError:
+                pass
+            socks.append(sock)
+        open_ = list(socks)
+        deadline = time.monotonic() + FLOOD_CLOSED_WITHIN_S
+        while open_ and time.monotonic() < deadline:
+            time.sleep(0.2)
+            still = []
+            for sock in open_:
+                try:
+                    if sock.recv(1 << 12):
+                        still.append(sock)  # bytes (a SETTINGS frame): not closed yet
+                except BlockingIOError:
+                    still.append(sock)
+                except OSError:
+                    pass  # reset: closed
+            open_ = still
+        return "dropped" if not open_ else "held"
+    finally:
+        for sock in socks:
+            sock.close()
 
 
 def hostile_call(kind: str, gateway: str, req, rng: random.Random, garbage_to) -> str:

@@ -32,14 +32,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout", type=float, default=None, help="request deadline in seconds (default: none)")
     parser.add_argument("--set-draft", type=_named_address, default=None, metavar="NAME=ADDRESS",
                         help="point draft NAME at a draft service address (empty address removes it)")
-    parser.add_argument("--list-drafts", action="store_true", help="print the gateway's drafts as JSON")
+    parser.add_argument("--list-drafts", action="store_true",
+                        help="print the gateway's drafts as JSON (their addresses only with --admin-token)")
     from specserve.cli.common import add_tls_arguments
 
     add_tls_arguments(parser, side="client")
     parser.add_argument("--auth-token", default=None,
                         help="bearer token the gateway requires (default: $SPECSERVE_AUTH_TOKEN)")
     parser.add_argument("--admin-token", default=None,
-                        help="the gateway's --admin-token, for --set-draft (default: $SPECSERVE_ADMIN_TOKEN)")
+                        help="the gateway's --admin-token, for --set-draft and --list-drafts' addresses "
+                             "(default: $SPECSERVE_ADMIN_TOKEN)")
 
 
 def _metadata(args: argparse.Namespace) -> tuple[tuple[str, str], ...]:
@@ -67,20 +69,20 @@ def run(args: argparse.Namespace) -> int:
     if args.timeout is not None and not args.timeout > 0:
         raise SpecserveError(f"--timeout must be > 0, got {args.timeout}")
     md = _metadata(args)
+    import os
+
+    admin = args.admin_token if args.admin_token is not None else os.environ.get("SPECSERVE_ADMIN_TOKEN")
+    admin_md = (("specserve-admin-token", admin),) if admin else ()  # SetDraft; ListDrafts' addresses
     with sync_channel(args.gateway, tls_from_args(args)) as channel:
         stub = gateway_pb2_grpc.GatewayStub(channel)
         if args.set_draft is not None:
             name, address = args.set_draft
-            import os
-
-            admin = args.admin_token if args.admin_token is not None else os.environ.get("SPECSERVE_ADMIN_TOKEN")
-            admin_md = (("specserve-admin-token", admin),) if admin else ()
             resp = _call(stub.SetDraft, gateway_pb2.SetDraftRequest(name=name, address=address), timeout=args.timeout,
                          metadata=md + admin_md)
             print(json.dumps({"name": resp.name, "address": resp.address}))
             return 0
         if args.list_drafts:
-            resp = _call(stub.ListDrafts, gateway_pb2.ListDraftsRequest(), timeout=args.timeout, metadata=md)
+            resp = _call(stub.ListDrafts, gateway_pb2.ListDraftsRequest(), timeout=args.timeout, metadata=md + admin_md)
             print(json.dumps(dict(resp.drafts), sort_keys=True))
             return 0
         if args.prompt is None and args.prompt_ids is None:

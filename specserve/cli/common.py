@@ -379,6 +379,7 @@ def checkpoint_errors_as_user_errors(fn, *args):
 
 _HTTP_LIMITS = (  # flag, HttpConfig field, type, help
     ("--http-read-timeout-s", "read_timeout_s", float, "a request's headers and body must arrive within this (408, closed)"),
+    ("--http-first-request-s", "first_request_s", float, "a new connection that sends nothing for this long is closed"),
     ("--http-keep-alive-s", "keep_alive_s", float, "an idle keep-alive connection closes after this"),
     ("--http-max-connections", "max_connections", int, "open HTTP connections at most; one more is closed at once"),
     ("--http-limit-concurrency", "limit_concurrency", int, "connections or requests past which a request gets 503"),

@@ -94,6 +94,18 @@ def draft_limits(args: argparse.Namespace):
         raise SpecserveError(f"draft limits: {exc}") from None
 
 
+def _sized(server_config, worker, needs_hidden: bool):
+    """The server's receive limit: the largest honest request at this drafter's sizes, within --max-message-bytes."""
+    import dataclasses
+
+    from specserve.runtime.grpc_guard import draft_receive_bytes
+
+    honest = draft_receive_bytes(worker.limits.max_total_tokens, worker.proposer.hidden_width(), needs_hidden)
+    if honest is None:
+        return server_config
+    return dataclasses.replace(server_config, max_receive_bytes=min(server_config.max_message_bytes, honest))
+
+
 async def _serve(config, server_config, limits=None, metrics_http=None, shm=None) -> None:
     from specserve.draft_service.drafter_worker import DrafterWorker, observe_worker
     from specserve.draft_service.registry import build_proposer
@@ -107,6 +119,7 @@ async def _serve(config, server_config, limits=None, metrics_http=None, shm=None
     observe_worker(worker)
     companions = await start_metrics_server(metrics_http, telemetry, "draft")
     servicer = DraftServicer(worker, shm=shm)
+    server_config = _sized(server_config, worker, servicer.info.needs_hidden_states)
 
     async def on_stop() -> None:
         await servicer.shm.close()

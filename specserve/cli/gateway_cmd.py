@@ -52,6 +52,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also serve the OpenAI-compatible HTTP API and /metrics on --host at this port "
                              "(0 = any free port; default: off)")
     add_http_limit_arguments(parser)
+    parser.add_argument("--metrics-interval-s", type=float, default=5.0,
+                        help="GET /metrics asks the target and drafts for their state at most once this often (0: at "
+                             "each scrape; scrapes at once still share one ask)")
     parser.add_argument("--draft-step-timeout-s", type=float, default=5.0,
                         help="a proposal slower than this drops the draft for that request")
     parser.add_argument("--draft-breaker-failures", type=positive_int, default=3,
@@ -140,6 +143,8 @@ def run(args: argparse.Namespace) -> int:
         grace_s=args.grace_s,
         max_message_bytes=args.max_message_bytes,
         tls=tls_from_args(args),
+        auth_token=config.auth_token,  # checked before a request is read (the servicer checks it again)
+        other_connections=args.http_max_connections if args.http_port is not None else 0,
     )
     tokenizer = chat_template = http = None
     if args.model is not None:
@@ -153,12 +158,16 @@ def run(args: argparse.Namespace) -> int:
             chat_template = load_chat_template(folder)
     if args.http_port is not None:
         http = http_config_from_args(args, args.host, args.http_port, args.grace_s)
-    run_async(_serve(config, server_config, tokenizer, args.connect_timeout_s, http, chat_template))
+    if not args.metrics_interval_s >= 0:
+        raise SpecserveError(f"--metrics-interval-s must be >= 0, got {args.metrics_interval_s}")
+    run_async(_serve(config, server_config, tokenizer, args.connect_timeout_s, http, chat_template,
+                     args.metrics_interval_s))
     exit_now(0)
     return 0
 
 
-async def _serve(config, server_config, tokenizer, connect_timeout_s: float, http=None, chat_template=None) -> None:
+async def _serve(config, server_config, tokenizer, connect_timeout_s: float, http=None, chat_template=None,
+                 metrics_interval_s: float = 5.0) -> None:
     import grpc
 
     from specserve.gateway.remote import RemoteTarget
@@ -193,8 +202,8 @@ async def _serve(config, server_config, tokenizer, connect_timeout_s: float, htt
         from specserve.gateway.http_api import HttpApi
         from specserve.runtime.http_serving import HttpServer
 
-        api = HttpApi(servicer, telemetry, chat_template, server_config.max_message_bytes)
-        http_server = HttpServer(api.app(), http)
+        api = HttpApi(servicer, telemetry, chat_template, server_config.max_message_bytes, metrics_interval_s)
+        http_server = HttpServer(api.app(), http, authorized=api.authorized)
         try:
             await http_server.start()
         except SpecserveError:

@@ -88,6 +88,16 @@ def _engine_with_graph_layers(engine_config, graph_layers: tuple[int, ...]):
     return engine
 
 
+def _sized(server_config, info, max_draft_tokens: int):
+    """The server's receive limit: the largest honest request at this model's sizes, within --max-message-bytes."""
+    import dataclasses
+
+    from specserve.runtime.grpc_guard import target_receive_bytes
+
+    honest = target_receive_bytes(info.vocab_size, info.max_context, max_draft_tokens, info.num_layers)
+    return dataclasses.replace(server_config, max_receive_bytes=min(server_config.max_message_bytes, honest))
+
+
 async def _serve(
     engine_config, server_config, tensor_parallel_size: int, limits=None, metrics_http=None, shm=None,
     graph_layers: tuple[int, ...] = (),
@@ -104,6 +114,7 @@ async def _serve(
     companions = await start_metrics_server(metrics_http, telemetry, "target")
     servicer = TargetServicer(worker, model_name=Path(engine_config.model).name, tensor_parallel_size=tensor_parallel_size,
                                shm=shm)
+    server_config = _sized(server_config, servicer.info, worker.limits.max_draft_tokens)
 
     async def on_stop() -> None:
         await servicer.shm.close()

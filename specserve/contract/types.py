@@ -19,6 +19,7 @@ Speculative-decoding glossary, used unchanged in code, protos, metric names and 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -31,9 +32,20 @@ from specserve.contract.speculation import DEFAULT_K
 MIN_SAMPLED_TEMPERATURE = 1.1754943508222875e-38
 
 
+class BadSampling(ValueError):
+    """A sampling setting no request may have; ``field`` names it (temperature, top_p, top_k)."""
+
+    def __init__(self, field: str, problem: str) -> None:
+        super().__init__(f"{field}: {problem}")
+        self.field = field
+
+
 @dataclass(frozen=True)
 class SamplingParams:
-    """Per-request sampling settings; temperature 0 (or below MIN_SAMPLED_TEMPERATURE) means greedy."""
+    """Per-request sampling settings; temperature 0 (or below MIN_SAMPLED_TEMPERATURE) means greedy.
+
+    The one check of these rules: the gateway (gateway/validation.py), the target and the draft (their
+    sampling_from_proto) all refuse through it, with the same message."""
 
     temperature: float = 0.0
     top_p: float = 1.0
@@ -41,12 +53,12 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        if not self.temperature >= 0.0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0.0):
+            raise BadSampling("temperature", f"must be a finite number >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:  # NaN and inf fail this too
+            raise BadSampling("top_p", f"must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+            raise BadSampling("top_k", f"must be >= 0, got {self.top_k}")
 
     @property
     def greedy(self) -> bool:

@@ -7,11 +7,15 @@ stops the gRPC server and the HTTP server together (``serve_until_signal``'s com
 draining its in-flight requests for the grace period.
 
 Limits (``HttpConfig``), so that connections cost the service nothing they do not use: a request's
-headers and body must arrive within ``read_timeout_s`` of its first byte (of the connection, for
-the first request; a connection that sends nothing is closed too: 408, then the connection closes),
-an idle keep-alive connection closes after ``keep_alive_s``, at most ``max_connections`` are open at
-once (a connection past that is closed as soon as it is accepted), and past ``limit_concurrency``
-connections or requests a new request gets 503 (uvicorn's own limit).
+headers and body must arrive within ``read_timeout_s`` of its first byte; a connection that sends nothing
+is closed after ``first_request_s`` (408, then the connection closes), an idle keep-alive connection after
+``keep_alive_s``; past ``limit_concurrency`` connections or requests a new request gets 503 (uvicorn's own
+limit). At most ``max_connections`` are open at once, and connections that have not yet sent an authorized
+request (``HttpServer``'s ``authorized``: the gateway's bearer token; without one, any request) hold at most
+half of the smaller of the two limits: past either, a new connection closes the oldest such connection that
+has no request running (none: the new one is closed as soon as it is accepted). So idle or unauthenticated
+sockets never take the places of clients that have shown their token, nor lock out a new client that sends
+its request at once.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from specserve.errors import SpecserveError
@@ -30,6 +35,7 @@ class HttpConfig:
     port: int = 0  # 0 = any free port
     grace_s: float = 10.0  # in-flight requests get this long on stop
     read_timeout_s: float = 30.0  # a request's headers and body, from its first byte
+    first_request_s: float = 5.0  # a new connection's first byte
     keep_alive_s: float = 5.0  # an idle keep-alive connection closes after this
     max_connections: int = 1024  # open at once, keep-alive ones included; one more is closed at accept
     limit_concurrency: int = 512  # connections or requests past which a new request gets 503
@@ -39,7 +45,7 @@ class HttpConfig:
             raise SpecserveError(f"HTTP port must be in [0, 65535], got {self.port}")
         if self.grace_s < 0:
             raise ValueError(f"grace_s must be >= 0, got {self.grace_s}")
-        for name in ("read_timeout_s", "keep_alive_s"):
+        for name in ("read_timeout_s", "first_request_s", "keep_alive_s"):
             if not getattr(self, name) > 0:
                 raise SpecserveError(f"HTTP {name} must be > 0, got {getattr(self, name)}")
         for name in ("max_connections", "limit_concurrency"):
@@ -66,36 +72,57 @@ def _bind(host: str, port: int) -> socket.socket:
 _TIMED_OUT = b"HTTP/1.1 408 Request Timeout\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
 
 
-def _limited(protocol_class: type, config: HttpConfig) -> type:
-    """uvicorn's HTTP protocol with a read timeout per request and a cap on open connections."""
+def _limited(protocol_class: type, config: HttpConfig, authorized: Callable[[list], bool] | None) -> type:
+    """uvicorn's HTTP protocol with a read timeout per request and caps on open connections."""
+    unproven: dict = {}  # this server's connections without an authorized request yet, oldest first
+    share = max(1, min(config.max_connections, config.limit_concurrency) // 2)
 
     class Limited(protocol_class):
         _read_timer = None
+        _silent = True  # no byte received yet
 
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
-            if len(self.connections) > config.max_connections:
+            unproven[self] = None
+            if (len(unproven) > share or len(self.connections) > config.max_connections) and not self._evict():
                 transport.close()  # connection_lost forgets it
                 return
-            self._arm()
+            self._arm(min(config.first_request_s, config.read_timeout_s))
+
+        def _evict(self) -> bool:
+            """Close the oldest connection without an authorized request and with none running; False: none."""
+            for other in unproven:
+                cycle = other.cycle
+                if other is not self and (cycle is None or cycle.response_complete):
+                    other.transport.close()
+                    unproven.pop(other, None)
+                    return True
+            return False
 
         def data_received(self, data: bytes) -> None:
             cycle = self.cycle
+            if self._silent:
+                self._silent = False
+                self._disarm()
             if self._read_timer is None and (cycle is None or cycle.response_complete):
                 self._arm()  # a new request's first bytes
             reading = cycle is not None and cycle.more_body
             super().data_received(data)
             now = self.cycle
+            if now is not None and now is not cycle and self in unproven:
+                if authorized is None or authorized(now.scope["headers"]):
+                    unproven.pop(self, None)
             if now is not None and not now.more_body and (now is not cycle or reading):
                 self._disarm()  # its headers and body are in
 
         def connection_lost(self, exc) -> None:
+            unproven.pop(self, None)
             self._disarm()
             super().connection_lost(exc)
 
-        def _arm(self) -> None:
+        def _arm(self, seconds: float | None = None) -> None:
             self._disarm()
-            self._read_timer = self.loop.call_later(config.read_timeout_s, self._read_timed_out)
+            self._read_timer = self.loop.call_later(seconds or config.read_timeout_s, self._read_timed_out)
 
         def _disarm(self) -> None:
             if self._read_timer is not None:
@@ -117,7 +144,9 @@ def _limited(protocol_class: type, config: HttpConfig) -> type:
 class HttpServer:
     """uvicorn on the running event loop; ``start()`` returns the bound URL, ``stop()`` drains."""
 
-    def __init__(self, app, config: HttpConfig) -> None:
+    def __init__(self, app, config: HttpConfig, authorized: Callable[[list], bool] | None = None) -> None:
+        """``authorized(headers)``: whether a request's headers (lower-case byte pairs) show the clients' credential;
+        a connection whose request does keeps its place (None: any request does)."""
         import uvicorn
 
         class _Server(uvicorn.Server):
@@ -136,7 +165,7 @@ class HttpServer:
 
         base = uvicorn_config()
         base.load()  # picks the HTTP protocol (h11, or httptools where installed)
-        self._server = _Server(uvicorn_config(_limited(base.http_protocol_class, config)))
+        self._server = _Server(uvicorn_config(_limited(base.http_protocol_class, config, authorized)))
         self._task: asyncio.Task | None = None
         self.url = ""
 

@@ -3,6 +3,8 @@
 - grpc.aio server on uvloop, bound to TCP (``HOST:PORT``) and/or Unix-domain (``unix:/path``) addresses;
 - grpc.health.v1 health (SERVING once bound, NOT_SERVING while draining) and server reflection;
 - keepalive that keeps idle long-lived streams open, raised message-size limits (draft probs are MBs);
+- what runs before any handler (runtime/grpc_guard.py): the bearer token checked before a request is read, the
+  receive limit, connection caps per listen address;
 - graceful SIGTERM/SIGINT: stop accepting, let in-flight calls finish within a grace period, then run
   the service's own shutdown (engine thread, tracing flush);
 - optional TLS on every listen address (``TlsFiles``): with a CA the server requires and checks the
@@ -17,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import os
 import signal
 from collections.abc import Awaitable, Callable, Sequence
@@ -31,6 +32,7 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
 from specserve.errors import SpecserveError
+from specserve.runtime.grpc_guard import CLIENT_IDLE_S, BearerAuth, ConnectionLimits
 
 MAX_MESSAGE_BYTES = 512 * 1024 * 1024
 
@@ -176,48 +178,9 @@ def registration(pb2_module, service: str) -> tuple[str, Callable]:
     return descriptor.full_name, lenient_adder(descriptor)
 
 
-OPEN_SERVICES = ("grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection")  # no token needed
-
-
 def bearer_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
     """The metadata a client sends for a service started with ``--auth-token token`` (none: ())."""
     return (("authorization", f"Bearer {token}"),) if token else ()
-
-
-def bearer_matches(metadata, token: bytes) -> bool:
-    """Whether the call's metadata carries ``authorization: Bearer <token>`` (constant-time compare)."""
-    given = b""
-    for key, value in metadata or ():
-        if key == "authorization":
-            raw = value if isinstance(value, bytes) else value.encode("utf-8", "replace")
-            given = raw[len(b"Bearer ") :] if raw[:7].lower() == b"bearer " else b""
-            break
-    return hmac.compare_digest(given, token)
-
-
-class BearerAuth(grpc.aio.ServerInterceptor):
-    """Every call but health and reflection must carry the bearer token, or gets UNAUTHENTICATED."""
-
-    def __init__(self, token: str) -> None:
-        self._token = token.encode()
-
-    async def intercept_service(self, continuation, details):
-        handler = await continuation(details)
-        if handler is None or details.method.lstrip("/").startswith(OPEN_SERVICES):
-            return handler
-        if bearer_matches(details.invocation_metadata, self._token):
-            return handler
-
-        async def deny(request, context):
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "authorization: missing or wrong bearer token")
-
-        kind = {
-            (False, False): grpc.unary_unary_rpc_method_handler,
-            (False, True): grpc.unary_stream_rpc_method_handler,
-            (True, False): grpc.stream_unary_rpc_method_handler,
-            (True, True): grpc.stream_stream_rpc_method_handler,
-        }[(handler.request_streaming, handler.response_streaming)]
-        return kind(deny, handler.request_deserializer, handler.response_serializer)
 
 
 def tls_or_none(cert=None, key=None, ca=None) -> TlsFiles | None:
@@ -275,8 +238,14 @@ def _limits_and_keepalive(max_message_bytes: int) -> list[tuple[str, int]]:
     ]
 
 
-def server_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
-    return _limits_and_keepalive(max_message_bytes) + [
+def server_options(max_message_bytes: int = MAX_MESSAGE_BYTES, max_receive_bytes: int | None = None
+                   ) -> list[tuple[str, int]]:
+    """``max_receive_bytes``: a lower limit on the requests it reads (None: max_message_bytes)."""
+    options = _limits_and_keepalive(max_message_bytes)
+    if max_receive_bytes is not None:
+        options = [o for o in options if o[0] != "grpc.max_receive_message_length"]
+        options.append(("grpc.max_receive_message_length", max_receive_bytes))
+    return options + [
         ("grpc.http2.min_recv_ping_interval_without_data_ms", _KEEPALIVE_MS // 2),
         ("grpc.http2.max_ping_strikes", 0),
         ("grpc.so_reuseport", 0),
@@ -296,7 +265,12 @@ def channel_options(max_message_bytes: int = MAX_MESSAGE_BYTES, max_receive_byte
         ("grpc.initial_reconnect_backoff_ms", 100),
         ("grpc.min_reconnect_backoff_ms", 100),
         ("grpc.max_reconnect_backoff_ms", 1000),
-        ("grpc.enable_retries", 0),
+        # transparent retries only (no retry policy is configured): a call that a server's GOAWAY refused unread is
+        # sent again on a new connection. Servers close a connection idle for ConnectionLimits.idle_s; a call that
+        # starts as that GOAWAY goes out failed UNAVAILABLE without them (1-2 calls in 300 timed at the edge, 0 in
+        # 600); the client idle close below keeps this channel's connections from meeting it at all
+        ("grpc.enable_retries", 1),
+        ("grpc.client_idle_timeout_ms", int(CLIENT_IDLE_S * 1000)),  # before any server's idle close (grpc_guard)
     ]
 
 
@@ -339,12 +313,18 @@ class ServerConfig:
     max_message_bytes: int = MAX_MESSAGE_BYTES
     tls: TlsFiles | None = None  # None: plaintext
     auth_token: str | None = field(default=None, repr=False)  # None: no bearer token required
+    # the largest request read (None: max_message_bytes); the services set their largest honest message's size
+    max_receive_bytes: int | None = None
+    connections: ConnectionLimits = field(default_factory=ConnectionLimits)  # per listen address
+    other_connections: int = 0  # descriptors an HTTP server beside it may hold (out of the listeners' budget)
 
     def __post_init__(self) -> None:
         if self.auth_token is not None and not self.auth_token.strip():
             raise ValueError("the auth token is empty")
         if self.max_message_bytes < 1024:
             raise ValueError(f"max_message_bytes must be >= 1024, got {self.max_message_bytes}")
+        if self.max_receive_bytes is not None and not 1024 <= self.max_receive_bytes <= self.max_message_bytes:
+            raise ValueError(f"max_receive_bytes must be in [1024, {self.max_message_bytes}], got {self.max_receive_bytes}")
         if self.tls is not None and self.tls.cert is None:
             raise TlsError("a TLS server needs a certificate and key (--tls-cert, --tls-key)")
         if not self.addresses:
@@ -377,7 +357,9 @@ class RunningServer:
 async def start_server(config: ServerConfig, bindings: Sequence[ServiceBinding]) -> RunningServer:
     """Register bindings + health + reflection, bind every address, start, and mark SERVING."""
     interceptors = [BearerAuth(config.auth_token)] if config.auth_token is not None else []
-    server = grpc.aio.server(options=server_options(config.max_message_bytes), interceptors=interceptors)
+    options = server_options(config.max_message_bytes, config.max_receive_bytes)
+    options += config.connections.options(len(config.addresses), config.other_connections)
+    server = grpc.aio.server(options=options, interceptors=interceptors)
     health = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     names = [b.full_name for b in bindings]

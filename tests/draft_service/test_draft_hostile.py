@@ -132,3 +132,14 @@ def test_a_proposal_that_waited_past_its_budget_is_dropped(served):
     busy.result(10)
     assert len(served.stub.Propose(req, timeout=10).draft.token_ids) == 2
     served.release_all(["late"])
+
+
+def test_infinite_temperature_is_refused_by_the_draft_itself(served):
+    """The same refusal as the gateway's and the target's (the contract's SamplingParams, issue #44)."""
+    request = draft_pb2.StartSessionRequest(session_id="inf", token_ids=[1, 2, 3])
+    request.sampling.temperature = float("inf")
+    with pytest.raises(grpc.RpcError) as info:
+        served.stub.StartSession(request, timeout=10)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "sampling.temperature: must be a finite number >= 0" in info.value.details()
+    assert served.active() == 0

@@ -29,7 +29,7 @@ def test_sampling_roundtrip_and_unset_top_p():
     assert convert.sampling_from_proto(convert.sampling_to_proto(s)) == s
     assert convert.sampling_from_proto(common_pb2.SamplingParams()).top_p == 1.0
     assert convert.sampling_from_proto(common_pb2.SamplingParams()).seed is None
-    with pytest.raises(convert.ConversionError, match="sampling: temperature"):
+    with pytest.raises(convert.ConversionError, match="sampling.temperature: must be a finite number"):
         convert.sampling_from_proto(common_pb2.SamplingParams(temperature=-1))
 
 

@@ -151,7 +151,7 @@ def test_bearer_token(secure, certs, capsys):
             stub.ListDrafts(gateway_pb2.ListDraftsRequest(), timeout=10)
         assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
         assert dict(stub.ListDrafts(gateway_pb2.ListDraftsRequest(), timeout=10, metadata=auth()).drafts) == {
-            "ngram": secure.draft_addr
+            "ngram": ""  # names only: the addresses need the admin token (issue #44)
         }
         health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)  # no token
         assert health.status == health_pb2.HealthCheckResponse.SERVING

@@ -135,7 +135,8 @@ def test_draft_and_target_only_agree_greedy(stack):
     assert not fin1.stats.draft_fallback and fin1.stats.steps >= 1
     assert fin1.stats.steps <= len(base) - 1
     assert fin1.has_text and unary.text == fin1.text  # byte tokenizer: text is there
-    assert stack.gw.ListDrafts(gateway_pb2.ListDraftsRequest()).drafts == {"ngram": stack.draft_addr}
+    assert stack.gw.ListDrafts(gateway_pb2.ListDraftsRequest(), metadata=ADMIN).drafts == {"ngram": stack.draft_addr}
+    assert stack.gw.ListDrafts(gateway_pb2.ListDraftsRequest()).drafts == {"ngram": ""}  # names only (issue #44)
 
 
 def test_one_trace_across_three_services(stack, otlp_receiver):

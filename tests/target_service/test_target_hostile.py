@@ -114,3 +114,17 @@ def test_unparseable_bytes_and_huge_inputs_get_short_invalid_argument(served):
         served.stub.Prefill(req, timeout=10)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and len(info.value.details()) < 1200
     assert served.active() == 0
+
+
+@pytest.mark.parametrize("setting,value", [("temperature", float("inf")), ("temperature", float("nan")),
+                                           ("top_p", float("inf")), ("top_p", float("nan"))])
+def test_non_finite_sampling_is_refused_by_the_target_itself(served, setting, value):
+    """A direct gRPC caller (no gateway before it) gets the gateway's refusal: the contract's SamplingParams
+    is the one check (issue #44; before, temperature = inf passed ``not t >= 0`` and the session opened)."""
+    request = target_pb2.PrefillRequest(session_id="inf", prompt_ids=PROMPT)
+    setattr(request.sampling, setting, value)
+    with pytest.raises(grpc.RpcError) as info:
+        served.stub.Prefill(request, timeout=10)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert f"sampling.{setting}: must be" in info.value.details()
+    assert served.active() == 0

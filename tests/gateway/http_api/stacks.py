@@ -35,8 +35,9 @@ MESSAGES = [{"role": "system", "content": "You write Python."}, {"role": "user",
 
 
 def scrape(url: str) -> dict[str, float]:
-    """/metrics parsed by prometheus_client: sample name (+ sorted labels but otel_scope_*) -> value."""
-    text = httpx.get(f"{url}/metrics", timeout=10).text
+    """/metrics parsed by prometheus_client: sample name (+ sorted labels but otel_scope_*) -> value (the served
+    stack's gateway takes its token there)."""
+    text = httpx.get(f"{url}/metrics", headers={"authorization": f"Bearer {TOKEN}"}, timeout=10).text
     out: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
@@ -113,7 +114,7 @@ class TinyStack:
         # the gateway waits for the target itself (--connect-timeout-s)
         self.gateway = Proc("gateway", ["--target", t_addr, "--draft-service", f"ngram={d_addr}", "--model", str(ckpt),
                                         "--port", "0", "--http-port", "0", "--max-sessions", "1", "--max-queued", "0",
-                                        "--served-model-name", "tiny-served"], env)
+                                        "--served-model-name", "tiny-served", "--metrics-interval-s", "0"], env)
         self.model = "tiny-served"
 
     def ready(self) -> TinyStack:

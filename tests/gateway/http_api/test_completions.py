@@ -95,8 +95,8 @@ def test_bad_requests_wrong_token_and_unknown_model_get_the_api_statuses(served)
         c.completions.create(model=m, prompt=PROMPT, temperature=-1)
     assert served.grpc_error(gateway_pb2.GenerateRequest(
         prompt=PROMPT, max_new_tokens=16, sampling=common_pb2.SamplingParams(temperature=-1))) == (
-        "sampling.temperature: must be >= 0, got -1.0")
-    assert info.value.body["message"] == "temperature: must be >= 0, got -1.0"
+        "sampling.temperature: must be a finite number >= 0, got -1.0")
+    assert info.value.body["message"] == "temperature: must be a finite number >= 0, got -1.0"
     with pytest.raises(openai.BadRequestError) as info:
         c.completions.create(model=m, prompt=[1, 10**6])  # token ids: the wire's prompt_ids, the API's prompt
     assert info.value.body["message"].startswith("prompt: ids [1000000] outside the vocabulary")
@@ -128,6 +128,22 @@ def test_bad_requests_wrong_token_and_unknown_model_get_the_api_statuses(served)
                      headers={"authorization": f"Bearer {TOKEN}"})
     assert big.status_code == 413 and "(--max-message-bytes)" in big.json()["error"]["message"]
     assert httpx.get(f"{served.url}/v1/nothing").json()["error"]["message"].startswith("no such route")
+
+
+@pytest.mark.parametrize("route,body,param", [
+    ("completions", '{"model": "%s", "prompt": "def \\ud800(x):"}', "prompt"),
+    ("completions", '{"model": "%s", "prompt": "x", "stop": ["\\n", "\\udfff"]}', "stop[1]"),
+    ("chat/completions", '{"model": "%s", "messages": [{"role": "user", "content": "\\ud800"}]}', "messages[0].content"),
+])
+def test_a_lone_surrogate_is_a_400_naming_the_field(served, route, body, param):
+    """JSON's \\ud800 escape decodes to a lone surrogate, which no UTF-8 text holds (issue #44 finding 7; before:
+    a plain-text 500 from the protobuf string field)."""
+    r = httpx.post(f"{served.url}/v1/{route}", content=(body % served.model).encode(),
+                   headers={"authorization": f"Bearer {TOKEN}", "content-type": "application/json"}, timeout=30)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and error["type"] == "invalid_request_error"
+    assert error["message"].startswith(f"{param}: character ") and "lone surrogate" in error["message"]
 
 
 def test_speculation_settings_ride_as_extra_fields(served):

@@ -55,7 +55,8 @@ def test_a_known_ttft_lands_in_its_bucket_and_every_latency_is_observed(served):
     ttft = resp.model_extra["specserve"]["ttft_s"]
     after = wait_until(lambda: (m := scrape(served.url)) and total(m, "specserve_request_ttft_seconds_count")
                        > total(before, "specserve_request_ttft_seconds_count") and m, 10, "the request counted")
-    names = [f.name for f in text_string_to_metric_families(httpx.get(f"{served.url}/metrics", timeout=10).text)]
+    text = httpx.get(f"{served.url}/metrics", headers={"authorization": f"Bearer {TOKEN}"}, timeout=10).text
+    names = [f.name for f in text_string_to_metric_families(text)]
     assert len(names) == len(set(names))  # an observed histogram replaced its empty series (same name)
     b0, b1 = _buckets(before, "specserve_request_ttft_seconds"), _buckets(after, "specserve_request_ttft_seconds")
     assert sorted(b1) == [*LATENCY_S, float("inf")]
