@@ -28,6 +28,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -35,7 +36,6 @@ from specserve.contract.types import (
     BadProbs,
     DraftBlock,
     GenerationRequest,
-    Hidden,
     InvalidBlock,
     TokenLogprobs,
     join_hidden,
@@ -48,6 +48,9 @@ from specserve.gateway.step_observer import StepObserver, VerifyWalls, drafted_c
 from specserve.loop.adaptive import AdaptiveSpeculation
 from specserve.runtime import tracing as names
 from specserve.runtime.device_stream import COMPLETE, mark_complete
+
+if TYPE_CHECKING:
+    from specserve.contract.types import Hidden
 
 EMPTY_BLOCK = DraftBlock(token_ids=())
 

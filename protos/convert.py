@@ -2,6 +2,9 @@
 
 Every ``from_proto`` direction validates what arrived on the wire and raises ``ConversionError``
 (a ValueError) naming the field; servers map it to INVALID_ARGUMENT.
+
+numpy and torch are imported only by the two tensor conversions: a process that converts no tensor (``specserve
+client``; the gateway's own messages) never loads them.
 """
 
 from __future__ import annotations
@@ -9,13 +12,10 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
-
-import numpy as np
-import torch
+from typing import TYPE_CHECKING
 
 from specserve.contract.types import (
     DraftBlock,
-    Hidden,
     InvalidBlock,
     LogprobsSpec,
     PrefillResult,
@@ -29,7 +29,12 @@ from specserve.contract.types import (
 )
 from specserve.protos.specserve.v1 import common_pb2, draft_pb2, target_pb2
 
-_F32_LE = np.dtype("<f4")
+if TYPE_CHECKING:
+    import torch
+
+    from specserve.contract.types import Hidden
+
+_F32_LE = "<f4"  # the wire's float32 byte order (a numpy dtype string)
 
 
 class ConversionError(ValueError):
@@ -49,6 +54,8 @@ def tensor_to_proto(t: torch.Tensor | None) -> common_pb2.Tensor | None:
     """A tensor of any float dtype / device -> little-endian float32 row-major bytes (None -> None)."""
     if t is None:
         return None
+    import torch
+
     arr = t.detach().to(device="cpu", dtype=torch.float32).contiguous().numpy()
     return common_pb2.Tensor(shape=list(arr.shape), data=arr.astype(_F32_LE, copy=False).tobytes())
 
@@ -63,6 +70,9 @@ def tensor_from_proto(msg: common_pb2.Tensor, field: str = "tensor") -> torch.Te
         raise ConversionError(
             f"{field}: {len(msg.data)} bytes of data for shape {shape} (expected {4 * numel})"
         )
+    import numpy as np
+    import torch
+
     arr = np.frombuffer(msg.data, dtype=_F32_LE).astype(np.float32, copy=True).reshape(shape)
     return torch.from_numpy(arr)
 
