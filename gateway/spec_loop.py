@@ -41,11 +41,11 @@ from specserve.contract.types import (
     join_hidden,
 )
 from specserve.contract.types import check_block as contract_check_block
-from specserve.gateway.clients import DraftClient, DraftError, TargetClient
 from specserve.gateway.detok import IncrementalText
-from specserve.gateway.stats import SpecStats
-from specserve.gateway.step_observer import StepObserver, VerifyWalls, drafted_confidence
 from specserve.loop.adaptive import AdaptiveSpeculation
+from specserve.loop.clients import DraftClient, DraftError, TargetClient
+from specserve.loop.stats import SpecStats
+from specserve.loop.step_observer import StepObserver, VerifyWalls, drafted_confidence
 from specserve.runtime import tracing as names
 from specserve.runtime.device_stream import COMPLETE, mark_complete
 
