@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specserve.contract.types import SharedRows
 from specserve.draft_service.drafter_errors import ProposerError
 from specserve.errors import SpecserveError
 from specserve.protos import convert
@@ -48,19 +49,9 @@ class UnmappableShare(SpecserveError):
 
 
 @dataclass(frozen=True)
-class SharedRowsToRead:
-    """Rows [start, stop) of the session's mapped buffer, then ``tail`` [m, F] (rows that came as bytes):
-    read on the drafter thread (a device copy), as one [stop - start + m, F] float32 tensor."""
-
-    start: int
-    stop: int
-    tail: torch.Tensor | None = None
-
-
-@dataclass(frozen=True)
 class WireRows:
-    """A request's hidden rows still in their wire message: ``decode()`` (a tensor, a SharedRowsToRead or
-    None) runs on the drafter thread, not on the event loop (rows as bytes are [n, layers * hidden] float32)."""
+    """A request's hidden rows still in their wire message: ``decode()`` (a tensor, a SharedRows of the session's
+    mapped buffer, or None) runs on the drafter thread, not on the event loop (rows as bytes are [n, layers * hidden] float32)."""
 
     decode: Callable[[], object]
 
@@ -99,7 +90,7 @@ class _Proposal:
     asked_at: float
     prefix_len: int
     append_ids: list[int]
-    append_hidden: object  # a tensor, WireRows, SharedRowsToRead or None
+    append_hidden: object  # a tensor, WireRows, SharedRows or None
     num_tokens: int
     tree: object  # TreeSpec | None
     new_len: int
@@ -158,7 +149,7 @@ class DrafterWorker:
             )
 
     async def start(self, session_id, token_ids, hidden, sampling, share: HiddenHandle | None = None) -> None:
-        """hidden: the rows as a tensor, or (with ``share``, the target's buffer) a SharedRowsToRead of it."""
+        """hidden: the rows as a tensor, or (with ``share``, the target's buffer) a SharedRows of it."""
         if session_id in self.active:  # a restarted request re-opens: drop the stale copy first
             await self.release(session_id)
         if len(self.active) >= self.limits.max_sessions:
@@ -225,11 +216,12 @@ class DrafterWorker:
             raise
 
     def _rows(self, session_id: str, hidden):
-        """On the drafter thread: the rows of a WireRows (decoded here), and the tensor of a SharedRowsToRead
-        (read from the session's buffer)."""
+        """On the drafter thread: the rows of a WireRows (decoded here), and the tensor of a SharedRows (rows
+        [start, stop) read from the session's mapped buffer, a device copy, then its tail: one
+        [stop - start + m, F] tensor)."""
         if isinstance(hidden, WireRows):
             hidden = hidden.decode()
-        if not isinstance(hidden, SharedRowsToRead):
+        if not isinstance(hidden, SharedRows):
             return hidden
         view = self.views.get(session_id)
         if view is None:

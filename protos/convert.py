@@ -235,6 +235,30 @@ def hidden_from_proto(msg, handle: common_pb2.HiddenShare | None = None) -> Hidd
         raise ConversionError(str(exc)) from None
 
 
+def request_hidden_from_proto(request, tensor_field: str, rows_field: str) -> Hidden | None:
+    """A draft request's hidden rows (StartSession: hidden / hidden_rows; Propose: append_hidden / append_rows): the
+    tensor of ``tensor_field``, or, ``rows_field`` set, that range of the session's shared buffer with the tensor's
+    rows after it as its tail (rows that came as bytes). Decoding copies the bytes: a servicer runs it on the model's
+    thread."""
+    tensor = optional_tensor(request, tensor_field)
+    if not request.HasField(rows_field):
+        return tensor
+    r = getattr(request, rows_field)
+    try:
+        return SharedRows(int(r.start), int(r.stop), tail=tensor)
+    except ValueError:
+        raise ConversionError(f"{rows_field}: [{r.start}, {r.stop}) is not a row range") from None
+
+
+def propose_response_to_proto(session_id: str, block: common_pb2.DraftBlock, total_ms: float,
+                              compute_ms: float) -> draft_pb2.ProposeResponse:
+    """A proposal's reply: its block (already a message: encoded on the drafter thread) and its times."""
+    return draft_pb2.ProposeResponse(
+        session_id=session_id, draft=block,
+        timings=common_pb2.StepTimings(forward_ms=total_ms, total_ms=total_ms, compute_ms=compute_ms),
+    )
+
+
 # ------------------------------------------------------------------------- prefill and verify
 def prefill_result_to_proto(session_id: str, res: PrefillResult, total_ms: float) -> target_pb2.PrefillResponse:
     out = target_pb2.PrefillResponse(
