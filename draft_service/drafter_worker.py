@@ -1,6 +1,10 @@
 """The draft's proposer on its own thread (runtime/worker.py ``OneThread``): sessions, their token limits,
 idle expiry and the mapped hidden-row buffers.
 
+A proposal is a step of the session host (runtime/session_host.py), like the target's verify: one queue, one
+in-flight count, one reply path (a shared-memory caller's reply leaves from the drafter thread). Proposals run
+one at a time (``max_batch=1``: a drafter batches nothing, and each reply leaves as soon as its block is there).
+
 Servicers only await (server.py is the gRPC servicer).
 """
 
@@ -14,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specserve.contract.types import SharedRows
 from specserve.draft_service.drafter_errors import ProposerError
 from specserve.errors import SpecserveError
 from specserve.protos import convert
@@ -28,7 +33,7 @@ from specserve.runtime.hidden_share import (
     HiddenView,
     fetch_segment,
 )
-from specserve.runtime.session_host import SessionHost, answered_by, build_on_thread
+from specserve.runtime.session_host import SessionHost, build_on_thread
 from specserve.runtime.worker import OneThread
 
 DEFAULT_MAX_DRAFT_TOKENS = 256  # tokens (chain length or tree nodes) one proposal may ask for
@@ -44,19 +49,9 @@ class UnmappableShare(SpecserveError):
 
 
 @dataclass(frozen=True)
-class SharedRowsToRead:
-    """Rows [start, stop) of the session's mapped buffer, then ``tail`` [m, F] (rows that came as bytes):
-    read on the drafter thread (a device copy), as one [stop - start + m, F] float32 tensor."""
-
-    start: int
-    stop: int
-    tail: torch.Tensor | None = None
-
-
-@dataclass(frozen=True)
 class WireRows:
-    """A request's hidden rows still in their wire message: ``decode()`` (a tensor, a SharedRowsToRead or
-    None) runs on the drafter thread, not on the event loop (rows as bytes are [n, layers * hidden] float32)."""
+    """A request's hidden rows still in their wire message: ``decode()`` (a tensor, a SharedRows of the session's
+    mapped buffer, or None) runs on the drafter thread, not on the event loop (rows as bytes are [n, layers * hidden] float32)."""
 
     decode: Callable[[], object]
 
@@ -87,6 +82,29 @@ class DraftLimits:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
 
 
+@dataclass(frozen=True)
+class _Proposal:
+    """One propose step's input (the host's payload): asked at ``asked_at`` (time.monotonic); the session
+    will hold ``new_len`` tokens of S once it has drafted."""
+
+    asked_at: float
+    prefix_len: int
+    append_ids: list[int]
+    append_hidden: object  # a tensor, WireRows, SharedRows or None
+    num_tokens: int
+    tree: object  # TreeSpec | None
+    new_len: int
+
+
+@dataclass(frozen=True)
+class _Proposed:
+    """One propose step's result: the block as its wire message and the proposer's own ms."""
+
+    message: common_pb2.DraftBlock
+    compute_ms: float
+    new_len: int
+
+
 class DrafterWorker:
     """Owns the proposer on one thread (its SessionHost, runtime/session_host.py); every proposer call runs
     there, one at a time. Counts the tokens each session holds (refusing sessions and growth beyond
@@ -95,9 +113,9 @@ class DrafterWorker:
     def __init__(self, proposer, thread: OneThread | None = None, limits: DraftLimits | None = None) -> None:
         self.proposer = proposer
         self.limits = limits or DraftLimits()
-        self.host = SessionHost("draft", thread or OneThread("drafter"), self.limits.session_idle_timeout_s)
+        self.host = SessionHost("draft", thread or OneThread("drafter"), self.limits.session_idle_timeout_s,
+                                run_batch=self._run_proposals, max_batch=1, settle=self._settle)
         self.active = self.host.sessions  # session id -> len(S) it holds
-        self.busy: dict[str, int] = {}  # session id -> calls in flight
         self.proposals = 0
         # session id -> its mapping of the target's hidden-row buffer (opened, read and closed on the drafter thread)
         self.views: dict[str, HiddenView] = self.host.buffers
@@ -117,7 +135,7 @@ class DrafterWorker:
         return cls(proposer, thread, limits)
 
     def start_expiry(self) -> None:
-        self.host.start_expiry(self.release, lambda sid: sid not in self.busy)
+        self.host.start_expiry(self.release, lambda sid: True)
 
     async def call(self, fn, *args):
         return await self.host.call(fn, *args)
@@ -131,15 +149,14 @@ class DrafterWorker:
             )
 
     async def start(self, session_id, token_ids, hidden, sampling, share: HiddenHandle | None = None) -> None:
-        """hidden: the rows as a tensor, or (with ``share``, the target's buffer) a SharedRowsToRead of it."""
+        """hidden: the rows as a tensor, or (with ``share``, the target's buffer) a SharedRows of it."""
         if session_id in self.active:  # a restarted request re-opens: drop the stale copy first
             await self.release(session_id)
         if len(self.active) >= self.limits.max_sessions:
             raise DrafterFull(f"{len(self.active)} sessions open, the limit is {self.limits.max_sessions} (--max-sessions)")
         self._check_room(session_id, len(token_ids))
         self.active[session_id] = len(token_ids)
-        self.host.touch(session_id)
-        self.busy[session_id] = self.busy.get(session_id, 0) + 1
+        self.host.enter(session_id)
         fetched = _Fetched()
         try:
             if share is not None and share.kind == HOST_SHM:  # the segment's hand-over waits on the target: not
@@ -150,7 +167,7 @@ class DrafterWorker:
             raise
         finally:
             fetched.close()
-            self._done(session_id)
+            self.host.leave(session_id)
 
     @staticmethod
     def _fetch(share: HiddenHandle) -> int:
@@ -171,17 +188,16 @@ class DrafterWorker:
             raise ProposerError(f"session_id {session_id!r} is not open (StartSession first)")
         new_len = max(0, prefix_len) + len(append_ids)
         self._check_room(session_id, new_len)
-        self.host.touch(session_id)
-        self.busy[session_id] = self.busy.get(session_id, 0) + 1
-        try:
-            msg, compute_ms, answered = await self.call(self._propose_to_proto, time.monotonic(), answer, session_id,
-                                                        prefix_len, append_ids, append_hidden, num_tokens, tree)
-        finally:
-            self._done(session_id)
-        if session_id in self.active:
-            self.active[session_id] = new_len
+        step = _Proposal(time.monotonic(), prefix_len, append_ids, append_hidden, num_tokens, tree, new_len)
+        host_answer = None if answer is None else (lambda res, queue_ms, batch: answer(res.message, res.compute_ms))
+        out = await self.host.step(session_id, step, host_answer)
+        return out.result.message, out.result.compute_ms, out.answered
+
+    def _settle(self, session_id: str, res: _Proposed) -> None:
+        """On the loop, when a proposal has run: the tokens the session now holds."""
         self.proposals += 1
-        return msg, compute_ms, answered
+        if session_id in self.active:
+            self.active[session_id] = res.new_len
 
     def _start_on_thread(self, session_id, token_ids, hidden, sampling, share: HiddenHandle | None,
                          fetched: _Fetched) -> None:
@@ -200,11 +216,12 @@ class DrafterWorker:
             raise
 
     def _rows(self, session_id: str, hidden):
-        """On the drafter thread: the rows of a WireRows (decoded here), and the tensor of a SharedRowsToRead
-        (read from the session's buffer)."""
+        """On the drafter thread: the rows of a WireRows (decoded here), and the tensor of a SharedRows (rows
+        [start, stop) read from the session's mapped buffer, a device copy, then its tail: one
+        [stop - start + m, F] tensor)."""
         if isinstance(hidden, WireRows):
             hidden = hidden.decode()
-        if not isinstance(hidden, SharedRowsToRead):
+        if not isinstance(hidden, SharedRows):
             return hidden
         view = self.views.get(session_id)
         if view is None:
@@ -220,39 +237,38 @@ class DrafterWorker:
         self.host.close_buffer(session_id)
         self.proposer.release(session_id)
 
-    def _done(self, session_id: str) -> None:
-        left = self.busy.get(session_id, 1) - 1
-        if left > 0:
-            self.busy[session_id] = left
-        else:
-            self.busy.pop(session_id, None)
-        if session_id in self.active:
-            self.host.touch(session_id)
-
     def _forget(self, session_id: str) -> None:
         self.active.pop(session_id, None)
         self.host.last_used.pop(session_id, None)
 
-    def _propose_to_proto(self, asked_at: float, answer, *args) -> tuple[common_pb2.DraftBlock, float, bool]:
-        """On the drafter thread: propose and serialize (probs may be MBs and on the device; the copy
-        to host and the byte packing stay off the event loop). A proposal that waited here past the
-        time budget (the thread was busy with others) is dropped: the work queue cannot pile up."""
-        waited = time.monotonic() - asked_at
+    def _run_proposals(self, pairs: list[tuple[str, _Proposal]]) -> list:
+        """On the drafter thread: the host's batch (one proposal: max_batch=1), each result or its error."""
+        out: list = []
+        for session_id, step in pairs:
+            try:
+                out.append(self._propose_on_thread(session_id, step))
+            except Exception as exc:  # noqa: BLE001 - returned to that session's caller
+                out.append(exc)
+        return out
+
+    def _propose_on_thread(self, session_id: str, step: _Proposal) -> _Proposed:
+        """Propose and serialize (probs may be MBs and on the device; the copy to host and the byte packing
+        stay off the event loop). A proposal that waited here past the time budget (the thread was busy with
+        others) is dropped: the work queue cannot pile up."""
+        waited = time.monotonic() - step.asked_at
         if waited > self.limits.propose_budget_s:
             raise ProposeExpired(
                 f"waited {waited:.1f} s for the drafter, over the budget of {self.limits.propose_budget_s} s "
                 "(--propose-budget-s)"
             )
-        session_id, prefix_len, append_ids, append_hidden, num_tokens, tree = args
-        rows = self._rows(session_id, append_hidden)
+        rows = self._rows(session_id, step.append_hidden)
         t0 = time.perf_counter()
-        block = self.proposer.propose(session_id, prefix_len, append_ids, rows, num_tokens, tree)
+        block = self.proposer.propose(session_id, step.prefix_len, step.append_ids, rows, step.num_tokens, step.tree)
         compute_ms = (time.perf_counter() - t0) * 1e3
-        msg = convert.draft_block_to_proto(block)
-        return msg, compute_ms, answered_by(answer, msg, compute_ms)
+        return _Proposed(convert.draft_block_to_proto(block), compute_ms, step.new_len)
 
     async def release(self, session_id: str) -> bool:
-        if not self.host.forget(session_id):
+        if not self.host.forget(session_id, ProposerError(f"session_id {session_id[:40]!r} was released")):
             return False
         await self.host.release_on_thread(self._release_on_thread, session_id)
         return True

@@ -12,18 +12,18 @@ import time
 import grpc
 from opentelemetry import trace
 
+from specserve.contract.types import SharedRows
 from specserve.draft_service.drafter_errors import ProposerError
 from specserve.draft_service.drafter_worker import (
     DrafterFull,
     DrafterWorker,
     ProposeExpired,
-    SharedRowsToRead,
     UnmappableShare,
     WireRows,
 )
 from specserve.errors import SpecserveError
 from specserve.protos import convert
-from specserve.protos.specserve.v1 import common_pb2, draft_pb2, draft_pb2_grpc
+from specserve.protos.specserve.v1 import draft_pb2, draft_pb2_grpc
 from specserve.runtime import tracing as tn
 from specserve.runtime.data_plane import ShmOffer
 from specserve.runtime.errors import LimitExceeded, status_for
@@ -60,22 +60,18 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         self.host_id = host_id()
         self.hidden_rows_as_bytes = 0  # rows received as bytes (GetStats; written on the drafter thread)
 
-    def _hidden_of(self, request, tensor_field: str, rows_field: str, tensor_what: str) -> WireRows:
+    def _hidden_of(self, request, tensor_field: str, rows_field: str) -> WireRows:
         """A request's hidden rows, decoded on the drafter thread (``_decode_hidden``)."""
-        return WireRows(functools.partial(self._decode_hidden, request, tensor_field, rows_field, tensor_what))
+        return WireRows(functools.partial(self._decode_hidden, request, tensor_field, rows_field))
 
-    def _decode_hidden(self, request, tensor_field: str, rows_field: str, tensor_what: str):
-        """On the drafter thread: the tensor of ``tensor_field``, or (``rows_field`` set) the rows to read
-        from the session's shared buffer, followed by the tensor's rows."""
-        tensor = convert.optional_tensor(request, tensor_field, tensor_what)
+    def _decode_hidden(self, request, tensor_field: str, rows_field: str):
+        """On the drafter thread: the request's rows (convert.request_hidden_from_proto), those that came as bytes
+        counted."""
+        hidden = convert.request_hidden_from_proto(request, tensor_field, rows_field)
+        tensor = hidden.tail if isinstance(hidden, SharedRows) else hidden
         if tensor is not None:
             self.hidden_rows_as_bytes += int(tensor.shape[0]) if tensor.dim() else 0
-        if not request.HasField(rows_field):
-            return tensor
-        r = getattr(request, rows_field)
-        if not 0 <= r.start <= r.stop:
-            raise convert.ConversionError(f"{rows_field}: [{r.start}, {r.stop}) is not a row range")
-        return SharedRowsToRead(int(r.start), int(r.stop), tensor)
+        return hidden
 
     async def GetInfo(self, request, context):
         return convert.info_to_proto(draft_pb2.DraftInfo, self.info, hidden_share_kinds=list(self.hidden_kinds),
@@ -104,7 +100,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
                         raise convert.ConversionError("hidden_rows: unset beside hidden_share")
                 elif request.HasField("hidden_rows"):
                     raise convert.ConversionError("hidden_rows: set without hidden_share")
-                hidden = self._hidden_of(request, "hidden", "hidden_rows", "hidden")
+                hidden = self._hidden_of(request, "hidden", "hidden_rows")
                 sampling = convert.sampling_from_proto(request.sampling)
                 await self.worker.start(request.session_id, list(request.token_ids), hidden, sampling, share)
             except Exception as exc:  # noqa: BLE001 - mapped to a status
@@ -112,16 +108,6 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
                 await self.steps.abort(context, exc)
             channel = self.shm.offer(request.session_id, None) if request.want_shm else ""
             return draft_pb2.StartSessionResponse(session_id=request.session_id, shm_channel=channel)
-
-    @staticmethod
-    def _propose_response(request, block: common_pb2.DraftBlock, received: float, compute_ms: float):
-        """A proposal's reply (on the loop, or on the drafter thread when that answers a shared-memory caller)."""
-        total_ms = (time.perf_counter() - received) * 1e3
-        return draft_pb2.ProposeResponse(
-            session_id=request.session_id,
-            draft=block,
-            timings=common_pb2.StepTimings(forward_ms=total_ms, total_ms=total_ms, compute_ms=compute_ms),
-        )
 
     async def _propose_one(self, request, call_ctx, send=None):
         """One proposal (raises; StepServing maps exceptions to a status). ``send`` (a shared-memory session's
@@ -132,7 +118,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             span.set_attribute(tn.ATTR_SESSION, request.session_id)
             span.set_attribute(tn.ATTR_DRAFT_FAMILY, self.info.family)
             span.set_attribute(tn.ATTR_K, request.num_tokens)
-            hidden = self._hidden_of(request, "append_hidden", "append_rows", "append_hidden")
+            hidden = self._hidden_of(request, "append_hidden", "append_rows")
             tree = None
             if request.is_tree:
                 tree = convert.tree_spec_from_proto(request.tree)
@@ -152,7 +138,9 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
                     f"{'tree.num_nodes' if tree is not None else 'num_tokens'}: {asked} exceeds the limit of "
                     f"{self.limits.max_draft_tokens} (--max-draft-tokens)"
                 )
-            reply = StepReply(lambda msg, compute_ms: self._propose_response(request, msg, received, compute_ms), send)
+            # the reply is made on the loop, or on the drafter thread when that answers a shared-memory caller
+            reply = StepReply(lambda msg, compute_ms: convert.propose_response_to_proto(
+                request.session_id, msg, (time.perf_counter() - received) * 1e3, compute_ms), send)
             block, compute_ms, answered = await self.worker.propose(
                 request.session_id, request.prefix_len, list(request.append_ids), hidden, request.num_tokens, tree,
                 reply.answer,

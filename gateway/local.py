@@ -20,7 +20,7 @@ from specserve.contract.types import (
     SamplingParams,
     VerifyResult,
 )
-from specserve.gateway.clients import DraftError
+from specserve.loop.clients import DraftError
 from specserve.runtime.device_stream import enter_own_stream, hand_over
 from specserve.runtime.worker import OneThread
 

@@ -1,4 +1,4 @@
-"""Remote adapters: the TargetClient protocol of gateway/clients.py over gRPC, and the bidi-stream plumbing the
+"""Remote adapters: the TargetClient protocol of specserve/loop/clients.py over gRPC, and the bidi-stream plumbing the
 draft's adapter (gateway/remote_draft.py) shares.
 
 One ``RemoteTarget`` / ``RemoteDraftEndpoint`` per service address (one channel, shared by all
@@ -44,7 +44,7 @@ from specserve.contract.types import (
     SamplingParams,
     VerifyResult,
 )
-from specserve.gateway.clients import RequestRejected, TargetUnavailable
+from specserve.loop.clients import RequestRejected, TargetUnavailable
 from specserve.protos import convert
 from specserve.protos.specserve.v1 import (
     target_pb2,

@@ -1,4 +1,4 @@
-"""Remote draft adapter: the DraftClient protocol of gateway/clients.py over gRPC (see gateway/remote.py for the
+"""Remote draft adapter: the DraftClient protocol of specserve/loop/clients.py over gRPC (see gateway/remote.py for the
 target's, the shared bidi-stream plumbing and the data plane).
 
 One ``RemoteDraftEndpoint`` per draft service address (one channel, shared by all requests);
@@ -38,9 +38,9 @@ from specserve.contract.types import (
     SamplingParams,
     SharedRows,
 )
-from specserve.gateway.clients import DraftError
 from specserve.gateway.remote import RELEASE_TIMEOUT_S, BidiStream, Deadline
 from specserve.gateway.spec_loop import MalformedDraft
+from specserve.loop.clients import DraftError
 from specserve.models.probs import derive_seed, new_seed_key
 from specserve.protos import convert
 from specserve.protos.specserve.v1 import (

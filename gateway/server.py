@@ -29,7 +29,6 @@ from opentelemetry import context as otel_context
 
 from specserve.contract.speculation import MAX_K, KTooLong, k_on_draft
 from specserve.errors import SpecserveError
-from specserve.gateway.clients import RequestRejected, TargetUnavailable
 from specserve.gateway.draft_table import DraftTable
 from specserve.gateway.remote import RemoteTarget, TargetCallError
 from specserve.gateway.remote_draft import BreakerConfig, incompatible
@@ -44,6 +43,7 @@ from specserve.gateway.validation import (
     validate_request,
 )
 from specserve.loop.adaptive import AdaptiveConfig, AdaptiveSpeculation
+from specserve.loop.clients import RequestRejected, TargetUnavailable
 from specserve.protos import convert
 from specserve.protos.specserve.v1 import gateway_pb2, gateway_pb2_grpc
 from specserve.runtime import tracing as tn

@@ -28,6 +28,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -35,19 +36,21 @@ from specserve.contract.types import (
     BadProbs,
     DraftBlock,
     GenerationRequest,
-    Hidden,
     InvalidBlock,
     TokenLogprobs,
     join_hidden,
 )
 from specserve.contract.types import check_block as contract_check_block
-from specserve.gateway.clients import DraftClient, DraftError, TargetClient
 from specserve.gateway.detok import IncrementalText
-from specserve.gateway.stats import SpecStats
-from specserve.gateway.step_observer import StepObserver, VerifyWalls, drafted_confidence
 from specserve.loop.adaptive import AdaptiveSpeculation
+from specserve.loop.clients import DraftClient, DraftError, TargetClient
+from specserve.loop.stats import SpecStats
+from specserve.loop.step_observer import StepObserver, VerifyWalls, drafted_confidence
 from specserve.runtime import tracing as names
 from specserve.runtime.device_stream import COMPLETE, mark_complete
+
+if TYPE_CHECKING:
+    from specserve.contract.types import Hidden
 
 EMPTY_BLOCK = DraftBlock(token_ids=())
 

@@ -2,6 +2,9 @@
 
 Every ``from_proto`` direction validates what arrived on the wire and raises ``ConversionError``
 (a ValueError) naming the field; servers map it to INVALID_ARGUMENT.
+
+numpy and torch are imported only by the two tensor conversions: a process that converts no tensor (``specserve
+client``; the gateway's own messages) never loads them.
 """
 
 from __future__ import annotations
@@ -9,13 +12,10 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
-
-import numpy as np
-import torch
+from typing import TYPE_CHECKING
 
 from specserve.contract.types import (
     DraftBlock,
-    Hidden,
     InvalidBlock,
     LogprobsSpec,
     PrefillResult,
@@ -29,7 +29,12 @@ from specserve.contract.types import (
 )
 from specserve.protos.specserve.v1 import common_pb2, draft_pb2, target_pb2
 
-_F32_LE = np.dtype("<f4")
+if TYPE_CHECKING:
+    import torch
+
+    from specserve.contract.types import Hidden
+
+_F32_LE = "<f4"  # the wire's float32 byte order (a numpy dtype string)
 
 
 class ConversionError(ValueError):
@@ -49,6 +54,8 @@ def tensor_to_proto(t: torch.Tensor | None) -> common_pb2.Tensor | None:
     """A tensor of any float dtype / device -> little-endian float32 row-major bytes (None -> None)."""
     if t is None:
         return None
+    import torch
+
     arr = t.detach().to(device="cpu", dtype=torch.float32).contiguous().numpy()
     return common_pb2.Tensor(shape=list(arr.shape), data=arr.astype(_F32_LE, copy=False).tobytes())
 
@@ -63,6 +70,9 @@ def tensor_from_proto(msg: common_pb2.Tensor, field: str = "tensor") -> torch.Te
         raise ConversionError(
             f"{field}: {len(msg.data)} bytes of data for shape {shape} (expected {4 * numel})"
         )
+    import numpy as np
+    import torch
+
     arr = np.frombuffer(msg.data, dtype=_F32_LE).astype(np.float32, copy=True).reshape(shape)
     return torch.from_numpy(arr)
 
@@ -229,6 +239,30 @@ def hidden_from_proto(msg, handle: common_pb2.HiddenShare | None = None) -> Hidd
         return SharedRows(int(msg.hidden_rows.start), int(msg.hidden_rows.stop), handle=handle)
     except ValueError as exc:
         raise ConversionError(str(exc)) from None
+
+
+def request_hidden_from_proto(request, tensor_field: str, rows_field: str) -> Hidden | None:
+    """A draft request's hidden rows (StartSession: hidden / hidden_rows; Propose: append_hidden / append_rows): the
+    tensor of ``tensor_field``, or, ``rows_field`` set, that range of the session's shared buffer with the tensor's
+    rows after it as its tail (rows that came as bytes). Decoding copies the bytes: a servicer runs it on the model's
+    thread."""
+    tensor = optional_tensor(request, tensor_field)
+    if not request.HasField(rows_field):
+        return tensor
+    r = getattr(request, rows_field)
+    try:
+        return SharedRows(int(r.start), int(r.stop), tail=tensor)
+    except ValueError:
+        raise ConversionError(f"{rows_field}: [{r.start}, {r.stop}) is not a row range") from None
+
+
+def propose_response_to_proto(session_id: str, block: common_pb2.DraftBlock, total_ms: float,
+                              compute_ms: float) -> draft_pb2.ProposeResponse:
+    """A proposal's reply: its block (already a message: encoded on the drafter thread) and its times."""
+    return draft_pb2.ProposeResponse(
+        session_id=session_id, draft=block,
+        timings=common_pb2.StepTimings(forward_ms=total_ms, total_ms=total_ms, compute_ms=compute_ms),
+    )
 
 
 # ------------------------------------------------------------------------- prefill and verify

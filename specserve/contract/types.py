@@ -15,6 +15,9 @@ Speculative-decoding glossary, used unchanged in code, protos, metric names and 
   token was accepted.
 - **emitted** tokens of a step: accepted + one (recovered or bonus). The recovered or bonus token
   becomes the new pending token. "Accepted length" of a step = accepted + 1.
+
+torch is imported only by the functions that compute on tensors (``join_hidden``, ``check_block``): a process that
+only speaks the wire (``specserve client``, the gateway's conversions) never loads it.
 """
 
 from __future__ import annotations
@@ -22,10 +25,12 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-
-import torch
+from typing import TYPE_CHECKING
 
 from specserve.contract.speculation import DEFAULT_K
+
+if TYPE_CHECKING:
+    import torch
 
 # Temperatures below the smallest normal float32 cannot scale float32 logits (the quotient overflows
 # and the distribution becomes NaN); such a request decodes as greedy, the limit of sampling as T -> 0.
@@ -137,13 +142,16 @@ class SharedRows:
         return self.stop - self.start + (0 if self.tail is None else int(self.tail.shape[0]))
 
 
-Hidden = torch.Tensor | SharedRows  # a step's hidden rows: the rows, or where they are
+if TYPE_CHECKING:
+    Hidden = torch.Tensor | SharedRows  # a step's hidden rows: the rows, or where they are (for annotations only)
 
 
 def join_hidden(parts: Sequence[Hidden]) -> Hidden:
     """Consecutive steps' hidden rows as one: tensors are concatenated, contiguous ranges merged, and
     rows that came as bytes after a range become its tail (a range after bytes cannot be: a session
     whose buffer overflowed sends bytes from then on)."""
+    import torch
+
     if all(isinstance(p, torch.Tensor) for p in parts):
         return parts[0] if len(parts) == 1 else torch.cat(list(parts), dim=0)
     first = parts[0]
@@ -297,6 +305,8 @@ def check_block(
     finite, non-negative [n, vocab_size] tensor whose rows each sum to 1 (within PROB_SUM_TOLERANCE) and give
     each drafted token q(x) > 0 (a q(x) of 0 would make min(1, p/q) accept x whatever p says). Raises
     InvalidBlock naming the problem (BadProbs for a problem of probs)."""
+    import torch
+
     n = len(token_ids)
     if max_nodes is not None and n > max_nodes:
         raise InvalidBlock(f"drafted {n} tokens, asked for at most {max_nodes}")

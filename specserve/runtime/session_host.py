@@ -10,7 +10,8 @@ One host per service (instance state; the draft's DrafterWorker and the target's
   callers' futures directly. Calls and batches take the thread in arrival order (a batch's place is its
   oldest step's);
 - **the session table**: the len(S) each open session holds (-1 while it is being opened), the loop time of
-  its last call, and the idle expiry that releases a session no call touched for ``idle_timeout_s``;
+  its last call, its calls in flight (``enter``/``leave``; every ``step`` counts itself), and the idle expiry
+  that releases a session no call touched for ``idle_timeout_s`` and none is in flight for;
 - **the sessions' hidden-row buffers** (the target's ``HiddenBuffer``, the draft's ``HiddenView``): closed
   with their session, and all of them at ``close``, so nothing stays in /dev/shm;
 - **replies that leave from the model's thread** (``answered_by``): a shared-memory session's reply is
@@ -105,6 +106,7 @@ class SessionHost:
         self._run_batch, self._settle = run_batch, settle
         self.sessions: dict[str, int] = {}  # session id -> len(S) it holds (-1 while it is being opened)
         self.last_used: dict[str, float] = {}  # session id -> loop time of its last call
+        self.in_flight: dict[str, int] = {}  # session id -> its calls not answered yet (absent: none)
         # session id -> its hidden-row buffer (made, used and closed on the model's thread; all closed at close)
         self.buffers: dict[str, Any] = {}
         self.expired = 0  # sessions released by the idle timeout
@@ -119,9 +121,24 @@ class SessionHost:
     def touch(self, session_id: str) -> None:
         self.last_used[session_id] = asyncio.get_running_loop().time()
 
+    def enter(self, session_id: str) -> None:
+        """A call of the session starts (it cannot expire until it ``leave``s)."""
+        self.in_flight[session_id] = self.in_flight.get(session_id, 0) + 1
+        self.touch(session_id)
+
+    def leave(self, session_id: str) -> None:
+        """A call of the session has its answer (its idle time counts from now)."""
+        left = self.in_flight.get(session_id, 1) - 1
+        if left > 0:
+            self.in_flight[session_id] = left
+        else:
+            self.in_flight.pop(session_id, None)
+        if session_id in self.sessions:
+            self.touch(session_id)
+
     def start_expiry(self, release: Callable[[str], Awaitable[object]], may_expire: Callable[[str], bool]) -> None:
         """Release (``release(session_id)``) the sessions no call touched for ``idle_timeout_s`` that
-        ``may_expire`` lets go and that have no step waiting (a client or gateway that went away without
+        ``may_expire`` lets go and that have no call in flight (a client or gateway that went away without
         releasing cannot hold the model's memory for ever)."""
         self._reaper = asyncio.get_running_loop().create_task(
             self._expire_idle(release, may_expire), name=f"{self.role}-idle-sessions"
@@ -133,9 +150,8 @@ class SessionHost:
         while True:
             await asyncio.sleep(min(max(timeout / 4, 0.05), 10.0))
             now = loop.time()
-            queued = {q.session_id for q in self._queue}
             for sid, used in list(self.last_used.items()):
-                if now - used > timeout and may_expire(sid) and sid not in queued:
+                if now - used > timeout and may_expire(sid) and sid not in self.in_flight:
                     self.expired += 1
                     print(f"{self.role}: session {sid[:40]} released after {now - used:.0f} s idle", flush=True)
                     await release(sid)
@@ -203,8 +219,12 @@ class SessionHost:
         encode and send."""
         fut = asyncio.get_running_loop().create_future()
         self._queue.append(_Step(session_id, payload, fut, answer))
-        self._dispatch()
-        return await fut
+        self.enter(session_id)
+        try:
+            self._dispatch()
+            return await fut
+        finally:
+            self.leave(session_id)
 
     def _dispatch(self) -> None:
         """On the loop: give the thread its next job if it is free: the oldest waiting call, or every
@@ -230,9 +250,18 @@ class SessionHost:
                 return
 
     def _take_batch(self) -> list[_Step]:
-        items = [q for q in self._queue[: self.max_batch] if not q.future.done()]
+        """The next batch's steps; one whose session is gone meanwhile fails (its caller hears of it)."""
+        taken = self._queue[: self.max_batch]
         del self._queue[: self.max_batch]
-        return [q for q in items if q.session_id in self.sessions]
+        items = []
+        for q in taken:
+            if q.future.done():
+                continue
+            if q.session_id in self.sessions:
+                items.append(q)
+            else:
+                q.future.set_exception(RuntimeError(f"session {q.session_id[:40]} was released"))
+        return items
 
     def _call_done(self, fut: asyncio.Future, result, error: BaseException | None) -> None:
         self._busy = False

@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from specserve.errors import SpecserveError
-from specserve.gateway.stats import SpecStats
+from specserve.loop.stats import SpecStats
 
 FAMILIES = ("ngram", "model", "eagle3", "dflash", "dspark", "mtp")
 CARD_BEGIN = "<!-- acceptance:begin -->"

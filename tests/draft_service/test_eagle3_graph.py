@@ -30,7 +30,7 @@ from specserve.contract.types import SamplingParams, TreeSpec
 from specserve.draft_service.drafter_config import DrafterConfig
 from specserve.draft_service.eagle3 import Eagle3Proposer
 from specserve.draft_service.registry import build_proposer
-from specserve.gateway.stats import SpecStats
+from specserve.loop.stats import SpecStats
 from specserve.paths import demo_checkpoint
 from specserve.target_service.factory import EngineConfig, build_engine
 from specserve.train.acceptance import speculative_greedy

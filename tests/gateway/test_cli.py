@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -50,6 +52,28 @@ def test_client_json_matches_generate(served, tiny_target_dir, capsys):
     code, out, _ = run_cli(capsys, "client", "--gateway", address, "--prompt", "hello", "--max-new-tokens", "5",
                            "--draft", "none", "--json")
     assert code == 0 and len(json.loads(out)["token_ids"]) == 5
+
+
+# a client process: one request through the gateway, then which heavy modules it loaded
+_CLIENT_LOADS = """
+import sys
+from specserve.cli.main import main
+code = main(["client", "--gateway", sys.argv[1], "--prompt-ids", "1,2,3", "--max-new-tokens", "1", "--json"])
+print(sorted(m for m in ("torch", "numpy") if m in sys.modules))
+sys.exit(code)
+"""
+
+
+def test_client_never_loads_torch_or_numpy(served):
+    """`specserve client` speaks only the wire: neither torch nor numpy is imported for a request (they cost seconds
+    of a one-token request's wall time), yet the request is served."""
+    _, address = served
+    out = subprocess.run([sys.executable, "-c", _CLIENT_LOADS, address], capture_output=True, text=True, timeout=60,
+                         env=base_env())
+    assert out.returncode == 0, out.stderr
+    reply, loaded = out.stdout.strip().splitlines()
+    assert len(json.loads(reply)["token_ids"]) == 1
+    assert loaded == "[]"
 
 
 def test_client_admin_and_errors(served, capsys, monkeypatch):

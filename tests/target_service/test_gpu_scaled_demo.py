@@ -76,7 +76,7 @@ def _proposer(family: str):
 
 @pytest.mark.parametrize("family", DRAFTERS)
 def test_moonlight_greedy_speculation_is_lossless(moonlight32, family):
-    from specserve.gateway.stats import SpecStats
+    from specserve.loop.stats import SpecStats
     from specserve.train.acceptance import speculative_greedy
 
     engine, _ = moonlight32

@@ -7,19 +7,21 @@ its own thread; a remote adapter (gateway/remote.py) calls the gRPC service.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-import torch
-
-from specserve.contract.types import (
-    DraftBlock,
-    LogprobsSpec,
-    PrefillResult,
-    SamplingParams,
-    SharedRows,
-    VerifyResult,
-)
 from specserve.errors import SpecserveError
+
+if TYPE_CHECKING:
+    import torch
+
+    from specserve.contract.types import (
+        DraftBlock,
+        LogprobsSpec,
+        PrefillResult,
+        SamplingParams,
+        SharedRows,
+        VerifyResult,
+    )
 
 
 class DraftError(Exception):

@@ -12,11 +12,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
 from specserve.contract.types import DraftBlock, VerifyResult
-from specserve.gateway.stats import SpecStats
 from specserve.loop.adaptive import AdaptiveSpeculation
+from specserve.loop.stats import SpecStats
 from specserve.runtime import tracing as names
 
 
@@ -66,8 +65,7 @@ def drafted_confidence(block: DraftBlock) -> np.ndarray | None:  # [n] float, or
         return np.asarray(block.confidence, dtype=float)
     if block.probs is None:
         return None
-    ids = torch.tensor(block.token_ids, dtype=torch.long)
-    return block.probs[torch.arange(len(ids)), ids].float().numpy()
+    return block.probs[list(range(len(block))), list(block.token_ids)].float().numpy()
 
 
 class StepObserver:
