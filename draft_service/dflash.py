@@ -243,7 +243,9 @@ def read_target_head(target_dir: str | Path) -> dict[str, torch.Tensor]:
     try:
         tied = ModelConfig.from_file(str(target_dir)).tie_word_embeddings
     except Exception as e:
-        raise DrafterConfigError(f"dflash shares the target's embeddings and lm_head, but the target {target_dir}: {e}") from e
+        raise DrafterConfigError(
+            f"dflash shares the target's embeddings and lm_head, but the target {target_dir}: {e}"
+        ) from e
     names = {k: v for k, v in SHARED_TENSORS.items() if not (tied and k == "lm_head.weight")}
     found = read_target_tensors(target_dir, names, "dflash shared_target_head")
     if tied:
@@ -273,7 +275,11 @@ def read_config_json(path: Path, what: str) -> dict:
 
 
 def load_block(
-    cfg: DFlashConfig, renames: dict[str, str], path: Path, device: str | torch.device, dtype: torch.dtype,
+    cfg: DFlashConfig,
+    renames: dict[str, str],
+    path: Path,
+    device: str | torch.device,
+    dtype: torch.dtype,
     target_dir: str | Path | None,
 ) -> DFlashModel:
     """A DFlashModel of ``cfg`` with the tensors of path/model.safetensors (and the target's head when shared)."""
@@ -341,7 +347,9 @@ class _DFlashSession:
 class DFlashProposer(Proposer):
     FAMILY = "dflash"  # DrafterInfo.family (dspark.py's proposer is this one with its own drafting)
 
-    def __init__(self, model: DFlashModel, config: DrafterConfig, hidden_layers: tuple[int, ...], vocab_hash: str) -> None:
+    def __init__(
+        self, model: DFlashModel, config: DrafterConfig, hidden_layers: tuple[int, ...], vocab_hash: str
+    ) -> None:
         self.model = model
         # passes per block (module docstring); a serve-time override goes through DFlashConfig's checks
         self.passes = replace(model.cfg, denoise_steps=config.denoise_steps or model.cfg.denoise_steps).denoise_steps
@@ -383,8 +391,9 @@ class DFlashProposer(Proposer):
         cap = max(64, 2 * len(state))
 
         def empty() -> torch.Tensor:
-            return torch.zeros(cap, c.num_key_value_heads, c.head_dim, dtype=self.model.fc.weight.dtype,
-                               device=self.device)
+            return torch.zeros(
+                cap, c.num_key_value_heads, c.head_dim, dtype=self.model.fc.weight.dtype, device=self.device
+            )
 
         layers = range(c.num_hidden_layers)
         state.family_state = _DFlashSession(keys=[empty() for _ in layers], values=[empty() for _ in layers])

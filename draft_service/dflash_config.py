@@ -49,9 +49,18 @@ class DFlashConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "target_layer_ids", tuple(int(i) for i in self.target_layer_ids))
-        for name in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-                     "head_dim", "intermediate_size", "vocab_size", "block_size", "target_hidden_size",
-                     "denoise_steps"):
+        for name in (
+            "hidden_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "intermediate_size",
+            "vocab_size",
+            "block_size",
+            "target_hidden_size",
+            "denoise_steps",
+        ):
             if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
                 raise DrafterConfigError(f"dflash config: {name} must be a positive int, got {getattr(self, name)!r}")
         if self.num_attention_heads % self.num_key_value_heads:
@@ -59,12 +68,15 @@ class DFlashConfig:
         if not self.target_layer_ids or min(self.target_layer_ids) < 0:
             raise DrafterConfigError(f"dflash config: bad target_layer_ids {self.target_layer_ids}")
         if self.mask_token_id is not None and not 0 <= self.mask_token_id < self.vocab_size:
-            raise DrafterConfigError(f"dflash config: mask_token_id {self.mask_token_id} outside [0, {self.vocab_size})")
+            raise DrafterConfigError(
+                f"dflash config: mask_token_id {self.mask_token_id} outside [0, {self.vocab_size})"
+            )
         if self.mask_token_id is not None and not self.shared_target_head:
             raise DrafterConfigError("dflash config: mask_token_id needs the target's embeddings (shared_target_head)")
         if self.logits_vocab_limit is not None and not 0 < self.logits_vocab_limit <= self.vocab_size:
             raise DrafterConfigError(
-                f"dflash config: logits_vocab_limit {self.logits_vocab_limit} outside [1, {self.vocab_size}]")
+                f"dflash config: logits_vocab_limit {self.logits_vocab_limit} outside [1, {self.vocab_size}]"
+            )
         if self.drafts_per_block < 1:
             raise DrafterConfigError(f"dflash config: block_size {self.block_size} drafts no token")
         if self.denoise_steps > self.block_size - 1:
@@ -72,7 +84,9 @@ class DFlashConfig:
                 f"dflash config: denoise_steps {self.denoise_steps} > block_size - 1 = {self.block_size - 1}"
             )
         if not isinstance(self.shared_target_head, bool):
-            raise DrafterConfigError(f"dflash config: shared_target_head must be true or false, got {self.shared_target_head!r}")
+            raise DrafterConfigError(
+                f"dflash config: shared_target_head must be true or false, got {self.shared_target_head!r}"
+            )
         if self.shared_target_head and self.hidden_size != self.target_hidden_size:
             raise DrafterConfigError(
                 f"dflash config: shared_target_head needs hidden_size == target_hidden_size (the target's embeddings"
@@ -87,8 +101,15 @@ class DFlashConfig:
     def to_dict(self) -> dict:
         """Our layout's config.json; fields at their defaults are left out (older files stay byte-equal)."""
         fields = self.__dataclass_fields__
-        optional = ("shared_target_head", "denoise_steps", "qk_norm", "mask_token_id", "context_layernorm",
-                    "anchor_predicts_next", "logits_vocab_limit")
+        optional = (
+            "shared_target_head",
+            "denoise_steps",
+            "qk_norm",
+            "mask_token_id",
+            "context_layernorm",
+            "anchor_predicts_next",
+            "logits_vocab_limit",
+        )
         d = {k: getattr(self, k) for k in fields if k not in optional or getattr(self, k) != fields[k].default}
         return dict(d, model_type="dflash", target_layer_ids=list(self.target_layer_ids))
 
@@ -124,9 +145,18 @@ def zlab_config(raw: dict) -> DFlashConfig:
     """DFlashConfig of a config.json in z-lab's layout (module docstring); one line naming what is missing."""
     extra = raw.get("dflash_config")
     if not isinstance(extra, dict):
-        raise DrafterConfigError("dflash (z-lab layout) config.json lacks dflash_config {mask_token_id, target_layer_ids}")
-    need = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size",
-            "vocab_size", "block_size")
+        raise DrafterConfigError(
+            "dflash (z-lab layout) config.json lacks dflash_config {mask_token_id, target_layer_ids}"
+        )
+    need = (
+        "hidden_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "intermediate_size",
+        "vocab_size",
+        "block_size",
+    )
     missing = [k for k in need if k not in raw] + [f"dflash_config.{k}" for k in ("mask_token_id",) if k not in extra]
     ids = extra.get("target_layer_ids")
     num_target = extra.get("num_target_layers", raw.get("num_target_layers"))
@@ -135,28 +165,44 @@ def zlab_config(raw: dict) -> DFlashConfig:
     if missing:
         raise DrafterConfigError(f"dflash (z-lab layout) config.json lacks {', '.join(missing)}")
     if not isinstance(extra["mask_token_id"], int):
-        raise DrafterConfigError(f"dflash (z-lab layout): dflash_config.mask_token_id must be a token id, got {extra['mask_token_id']!r}")
+        raise DrafterConfigError(
+            f"dflash (z-lab layout): dflash_config.mask_token_id must be a token id, got {extra['mask_token_id']!r}"
+        )
     kinds = set(raw.get("layer_types") or ["full_attention"])
     if kinds != {"full_attention"}:
-        raise DrafterConfigError(f"dflash (z-lab layout): only full_attention layers are supported, got layer_types {sorted(kinds)}")
+        raise DrafterConfigError(
+            f"dflash (z-lab layout): only full_attention layers are supported, got layer_types {sorted(kinds)}"
+        )
     for key, ok in (("rope_scaling", None), ("attention_bias", False), ("hidden_act", "silu")):
         if raw.get(key, ok) not in (ok, None):
             raise DrafterConfigError(f"dflash (z-lab layout): {key} {raw[key]!r} is not supported (only {ok!r})")
     rope = raw.get("rope_parameters") or {}  # transformers 5 writes rope_theta there
     if rope.get("rope_type", "default") != "default":
-        raise DrafterConfigError(f"dflash (z-lab layout): rope_type {rope['rope_type']!r} is not supported (only 'default')")
+        raise DrafterConfigError(
+            f"dflash (z-lab layout): rope_type {rope['rope_type']!r} is not supported (only 'default')"
+        )
     theta = raw.get("rope_theta", rope.get("rope_theta", 10000.0))
     h = raw["hidden_size"]
     if ids is None:
         ids = spread_target_layers(num_target, raw["num_hidden_layers"])
     return DFlashConfig(
-        hidden_size=h, num_hidden_layers=raw["num_hidden_layers"], num_attention_heads=raw["num_attention_heads"],
-        num_key_value_heads=raw["num_key_value_heads"], head_dim=raw.get("head_dim") or h // raw["num_attention_heads"],
-        intermediate_size=raw["intermediate_size"], vocab_size=raw["vocab_size"], block_size=raw["block_size"],
+        hidden_size=h,
+        num_hidden_layers=raw["num_hidden_layers"],
+        num_attention_heads=raw["num_attention_heads"],
+        num_key_value_heads=raw["num_key_value_heads"],
+        head_dim=raw.get("head_dim") or h // raw["num_attention_heads"],
+        intermediate_size=raw["intermediate_size"],
+        vocab_size=raw["vocab_size"],
+        block_size=raw["block_size"],
         target_hidden_size=h,  # fc reads taps x hidden_size: the drafter is as wide as its target
-        target_layer_ids=tuple(ids), rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-        rope_theta=float(theta), shared_target_head=True, qk_norm=True,
-        mask_token_id=extra["mask_token_id"], context_layernorm=False, anchor_predicts_next=False,
+        target_layer_ids=tuple(ids),
+        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        rope_theta=float(theta),
+        shared_target_head=True,
+        qk_norm=True,
+        mask_token_id=extra["mask_token_id"],
+        context_layernorm=False,
+        anchor_predicts_next=False,
     )
 
 

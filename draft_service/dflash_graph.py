@@ -66,8 +66,9 @@ class DFlashBlockGraphs(GraphBodies):
         kv = list(zip(self.keys, self.values))
         passes, fixed = min(self.passes, k), 0
         for step in range(passes):
-            logits = self.model.block_logits(self.first, self.first_pos, kv, ctx_mask=ctx_mask,
-                                             given=self.tokens[:fixed])  # [drafts_per_block, V]
+            logits = self.model.block_logits(
+                self.first, self.first_pos, kv, ctx_mask=ctx_mask, given=self.tokens[:fixed]
+            )  # [drafts_per_block, V]
             end = fixed + 1 if step < passes - 1 else k
             rows = logits[fixed:end]
             tok = self.sampler.draw(rows, fixed, end) if sampled else rows.argmax(dim=-1)  # [end - fixed]

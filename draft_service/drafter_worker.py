@@ -113,8 +113,14 @@ class DrafterWorker:
     def __init__(self, proposer, thread: OneThread | None = None, limits: DraftLimits | None = None) -> None:
         self.proposer = proposer
         self.limits = limits or DraftLimits()
-        self.host = SessionHost("draft", thread or OneThread("drafter"), self.limits.session_idle_timeout_s,
-                                run_batch=self._run_proposals, max_batch=1, settle=self._settle)
+        self.host = SessionHost(
+            "draft",
+            thread or OneThread("drafter"),
+            self.limits.session_idle_timeout_s,
+            run_batch=self._run_proposals,
+            max_batch=1,
+            settle=self._settle,
+        )
         self.active = self.host.sessions  # session id -> len(S) it holds
         self.proposals = 0
         # session id -> its mapping of the target's hidden-row buffer (opened, read and closed on the drafter thread)
@@ -153,7 +159,9 @@ class DrafterWorker:
         if session_id in self.active:  # a restarted request re-opens: drop the stale copy first
             await self.release(session_id)
         if len(self.active) >= self.limits.max_sessions:
-            raise DrafterFull(f"{len(self.active)} sessions open, the limit is {self.limits.max_sessions} (--max-sessions)")
+            raise DrafterFull(
+                f"{len(self.active)} sessions open, the limit is {self.limits.max_sessions} (--max-sessions)"
+            )
         self._check_room(session_id, len(token_ids))
         self.active[session_id] = len(token_ids)
         self.host.enter(session_id)
@@ -199,8 +207,9 @@ class DrafterWorker:
         if session_id in self.active:
             self.active[session_id] = res.new_len
 
-    def _start_on_thread(self, session_id, token_ids, hidden, sampling, share: HiddenHandle | None,
-                         fetched: _Fetched) -> None:
+    def _start_on_thread(
+        self, session_id, token_ids, hidden, sampling, share: HiddenHandle | None, fetched: _Fetched
+    ) -> None:
         if share is not None:
             try:
                 view = HiddenView.open(share, fetched.take())
@@ -225,8 +234,10 @@ class DrafterWorker:
             return hidden
         view = self.views.get(session_id)
         if view is None:
-            raise HiddenShareError(f"hidden rows [{hidden.start}, {hidden.stop}) of a shared buffer, but session "
-                                   f"{session_id[:40]!r} maps none (StartSession gave no hidden_share)")
+            raise HiddenShareError(
+                f"hidden rows [{hidden.start}, {hidden.stop}) of a shared buffer, but session "
+                f"{session_id[:40]!r} maps none (StartSession gave no hidden_share)"
+            )
         rows = view.read(hidden.start, hidden.stop)
         self.hidden_rows_shared += hidden.stop - hidden.start
         if hidden.tail is not None:

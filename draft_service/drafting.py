@@ -35,7 +35,8 @@ def draw_tokens(
 def to_target_probs(
     q: torch.Tensor,  # [N, Vd] over the draft vocabulary (a device tensor is read back here)
     vocab_size: int,  # the target's
-    draft_to_target: torch.Tensor | None = None,  # [Vd] int64 target id of each draft id (host, or read back); None = same ids
+    draft_to_target: torch.Tensor
+    | None = None,  # [Vd] int64 target id of each draft id (host, or read back); None = same ids
 ) -> torch.Tensor:  # [N, vocab_size] float32 on the CPU
     q = q.float()
     if q.device.type != "cpu":

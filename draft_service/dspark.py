@@ -68,8 +68,9 @@ class DSparkConfig:
         if not isinstance(self.markov_rank, int) or self.markov_rank <= 0:
             raise DrafterConfigError(f"dspark config: markov_rank must be a positive int, got {self.markov_rank!r}")
         if self.block.denoise_steps != 1:
-            raise DrafterConfigError(f"dspark config: the block runs in one pass (denoise_steps 1), got "
-                                     f"{self.block.denoise_steps}")
+            raise DrafterConfigError(
+                f"dspark config: the block runs in one pass (denoise_steps 1), got {self.block.denoise_steps}"
+            )
 
     def to_dict(self) -> dict:
         return dict(self.block.to_dict(), model_type="dspark", markov_rank=self.markov_rank)
@@ -184,8 +185,9 @@ class DSparkProposer(DFlashProposer):
 
     def __init__(self, model: DSparkModel, config: DrafterConfig, hidden_layers: tuple[int, ...], vocab_hash: str):
         if config.denoise_steps not in (None, 1):
-            raise DrafterConfigError(f"dspark drafts its block in one pass; --denoise-steps {config.denoise_steps} "
-                                     "does not apply")
+            raise DrafterConfigError(
+                f"dspark drafts its block in one pass; --denoise-steps {config.denoise_steps} does not apply"
+            )
         self.spark = model
         super().__init__(model.block, config, hidden_layers, vocab_hash)
 
@@ -214,8 +216,9 @@ class DSparkProposer(DFlashProposer):
         tokens, conf = self.spark.chain(z, first, draw)
         probs = None if not qs else to_target_probs(torch.cat(qs), self.vocab_size)
         both = torch.cat([tokens.float(), conf.float()]).tolist()  # one read of ids (exact below 2^24) and c
-        return DraftBlock(token_ids=tuple(int(t) for t in both[:num_tokens]), probs=probs,
-                          confidence=clamped(both[num_tokens:]))
+        return DraftBlock(
+            token_ids=tuple(int(t) for t in both[:num_tokens]), probs=probs, confidence=clamped(both[num_tokens:])
+        )
 
 
 def clamped(conf: list[float]) -> tuple[float, ...]:

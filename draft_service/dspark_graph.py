@@ -33,7 +33,10 @@ class DSparkBlockGraphs(DFlashBlockGraphs):
 
     @torch.inference_mode()
     def draft(
-        self, k: int, sampling: SamplingParams, generator: torch.Generator,
+        self,
+        k: int,
+        sampling: SamplingParams,
+        generator: torch.Generator,
     ) -> tuple[list[int], torch.Tensor | None, list[float]]:  # k ids, q [k, V] (sampled) or None, k confidences (raw)
         sampled = not sampling.greedy
         if sampled:

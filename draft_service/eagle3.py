@@ -140,7 +140,9 @@ class Eagle3Proposer(Proposer):
         fs.tokens = ids[1:L].copy()
         state.drop_hidden_before(L - 1 - ROLLBACK_ROWS)
         while graphs is not None and n_new > graphs.k_max + 1 and (m := graphs.long_piece(keep, n_new)):
-            _, k, v = graphs.catch_up(fs, fs.k, fs.v, keep, ids[keep + 1 : keep + 1 + m], feats[:m])  # a long one's part
+            _, k, v = graphs.catch_up(
+                fs, fs.k, fs.v, keep, ids[keep + 1 : keep + 1 + m], feats[:m]
+            )  # a long one's part
             fs.k[keep : keep + m], fs.v[keep : keep + m] = k, v
             keep, n_new, feats = keep + m, n_new - m, feats[m:]
         if graphs is not None and graphs.catch_up_fits(keep, n_new):  # one replay (eagle3_graph.py)
@@ -182,8 +184,9 @@ class Eagle3Proposer(Proposer):
         if on_graphs:  # one replay: the deferred catch-up and the chain (or the chain alone)
             if graphs.owner is not fs:  # the catch-up ran eagerly: the window takes its result
                 graphs.load(fs, spec_k, spec_v, out)
-            drafted, q, rows_ok = graphs.draft(num_tokens, state.sampling, state.generator, catch_up=deferred,
-                                               rows_check=state.take_rows_check())
+            drafted, q, rows_ok = graphs.draft(
+                num_tokens, state.sampling, state.generator, catch_up=deferred, rows_check=state.take_rows_check()
+            )
             if not rows_ok:
                 raise RowsNotFinite("")
             if deferred:
@@ -202,8 +205,9 @@ class Eagle3Proposer(Proposer):
             if i == num_tokens - 1:
                 break
             mask = torch.ones(1, spec_k.shape[0] + 1, dtype=torch.bool, device=self.device)
-            out, k, v = self.head.step(self.head.embed(target_id), out[None], positions[i : i + 1], spec_k, spec_v,
-                                       mask)
+            out, k, v = self.head.step(
+                self.head.embed(target_id), out[None], positions[i : i + 1], spec_k, spec_v, mask
+            )
             out = out[0]
             spec_k, spec_v = torch.cat([spec_k, k]), torch.cat([spec_v, v])
             logits = self.head.logits(out[None])
@@ -289,9 +293,7 @@ def build_eagle3_proposer(config: DrafterConfig) -> Eagle3Proposer:
         if t_size != head.cfg.vocab_size:
             from specserve.draft_service.drafter_errors import VocabMismatchError
 
-            raise VocabMismatchError(
-                f"EAGLE-3 head vocab_size {head.cfg.vocab_size} != target vocab_size {t_size}"
-            )
+            raise VocabMismatchError(f"EAGLE-3 head vocab_size {head.cfg.vocab_size} != target vocab_size {t_size}")
         vocab_hash = t_hash
         target = target_config(config.target_checkpoint)
         if target.hidden_size != head.cfg.target_hidden_size:

@@ -70,7 +70,9 @@ class Eagle3ChainGraphs(GraphBodies):
         self.cu_feats = torch.zeros(n_max, 3 * head.cfg.target_hidden_size, dtype=dtype, device=dev)  # [n_max, 3 Ht]
         self.out0 = torch.zeros(1, head.cfg.hidden_size, dtype=dtype, device=dev)  # head output at the pending token
         if head.cfg.vocab_size > 2**24:
-            raise ValueError(f"vocab_size {head.cfg.vocab_size}: a sampled chain reads its ids back as float32 (<= 2^24)")
+            raise ValueError(
+                f"vocab_size {head.cfg.vocab_size}: a sampled chain reads its ids back as float32 (<= 2^24)"
+            )
         self.readback = torch.zeros(k_max + 1, dtype=torch.int64, device=dev)  # what a greedy propose reads: ...
         self.tokens = self.readback[:k_max]  # [k_max] drafted target ids, then
         self.rows_ok = self.readback[k_max:]  # [1] the rows check of the propose (session_state.py take_rows_check)
@@ -96,16 +98,30 @@ class Eagle3ChainGraphs(GraphBodies):
             torch.index_select(self.d2t, 0, draft_id, out=self.tokens[i : i + 1])  # its target id
             if i == k - 1:
                 break
-            out = head.window_step(head.embed(self.tokens[i : i + 1]), out, rope[i : i + 1], self.keys, self.values,
-                                   pos[i : i + 1], bias[i])
+            out = head.window_step(
+                head.embed(self.tokens[i : i + 1]),
+                out,
+                rope[i : i + 1],
+                self.keys,
+                self.values,
+                pos[i : i + 1],
+                bias[i],
+            )
 
     def _catch_up_body(self, n: int) -> None:
         """Feed the n confirmed tokens in cu_tokens / cu_feats after the window's first `keep` entries."""
         pos = self.keep + self._slot_ids[:n]  # [n] draft positions == window slots
         head = self.head
         bias = head.window_bias(pos, self._slot_ids, self.out0.dtype, per_row=False)  # [Hkv, n * G, P]
-        out = head.window_step(head.embed(self.cu_tokens[:n]), head.fuse(self.cu_feats[:n]), self._rope[pos],
-                               self.keys, self.values, pos, bias)
+        out = head.window_step(
+            head.embed(self.cu_tokens[:n]),
+            head.fuse(self.cu_feats[:n]),
+            self._rope[pos],
+            self.keys,
+            self.values,
+            pos,
+            bias,
+        )
         self.out0.copy_(out[n - 1 :])
 
     def _body(self, key: tuple) -> None:
@@ -120,8 +136,12 @@ class Eagle3ChainGraphs(GraphBodies):
     def _keys(self) -> list[tuple]:
         """Every shape a chain propose replays, largest first: the catch-up + chain blocks (n, k) for every catch-up a
         verified chain leaves (n <= k_max + 1), the chains alone, the catch-ups alone."""
-        blocks = [("block", n, k, s) for k in range(self.k_max, 0, -1) for n in range(self.k_max + 1, 0, -1)
-                  for s in (True, False)]
+        blocks = [
+            ("block", n, k, s)
+            for k in range(self.k_max, 0, -1)
+            for n in range(self.k_max + 1, 0, -1)
+            for s in (True, False)
+        ]
         chains = [("chain", k, s) for k in range(self.k_max, 0, -1) for s in (True, False)]
         catch_ups = [("catch_up", n) for n in (*reversed(self.long_sizes), *range(self.k_max + 1, 0, -1))]
         return blocks + chains + catch_ups
@@ -218,4 +238,8 @@ class Eagle3ChainGraphs(GraphBodies):
         q = self.sampler.q[:k]  # [k, Vd] float32
         host = torch.cat([q, self.tokens[:k, None].to(q.dtype), self.rows_ok.to(q.dtype).expand(k, 1)], dim=1).cpu()
         host = host.numpy()  # [k, Vd + 2]: q, the drafted ids (exact in float32), the rows check; the one device read
-        return host[:, -2].astype(np.int64).tolist(), torch.from_numpy(host[:, :-2]), rows_check is None or host[0, -1] != 0
+        return (
+            host[:, -2].astype(np.int64).tolist(),
+            torch.from_numpy(host[:, :-2]),
+            rows_check is None or host[0, -1] != 0,
+        )

@@ -277,7 +277,8 @@ class Eagle3Head(nn.Module):
         g = a.num_heads // a.num_kv_heads
         t, p = positions.shape[0], slot_ids.shape[0]
         bias = torch.zeros(t, p, dtype=dtype, device=positions.device).masked_fill_(
-            slot_ids[None] > positions[:, None], float("-inf"))  # [T, P]
+            slot_ids[None] > positions[:, None], float("-inf")
+        )  # [T, P]
         if per_row:
             return bias[:, None, None].expand(t, a.num_kv_heads, g, p).contiguous()
         return bias[None, :, None].expand(a.num_kv_heads, t, g, p).contiguous().view(a.num_kv_heads, t * g, p)
@@ -367,7 +368,9 @@ def load_eagle3_head(
             raise DrafterConfigError(
                 "EAGLE-3 head has no embed_tokens.weight; give the target checkpoint to read them from"
             )
-        tensors.update(read_target_tensors(target_dir, {"embed_tokens.weight": "model.embed_tokens.weight"}, "EAGLE-3 head"))
+        tensors.update(
+            read_target_tensors(target_dir, {"embed_tokens.weight": "model.embed_tokens.weight"}, "EAGLE-3 head")
+        )
     with torch.device(device):
         head = Eagle3Head(cfg, with_embeddings=True)
     params = dict(head.state_dict())
@@ -376,9 +379,7 @@ def load_eagle3_head(
             raise DrafterConfigError(f"EAGLE-3 head {weights} lacks tensor {ckpt}")
         src, dst = tensors[ckpt], params[attr]
         if tuple(src.shape) != tuple(dst.shape):
-            raise DrafterConfigError(
-                f"EAGLE-3 tensor {ckpt} has shape {tuple(src.shape)}, expected {tuple(dst.shape)}"
-            )
+            raise DrafterConfigError(f"EAGLE-3 tensor {ckpt} has shape {tuple(src.shape)}, expected {tuple(dst.shape)}")
         dst.copy_(src)
     d2t_ids = head.draft_to_target()
     if int(d2t_ids.min()) < 0 or int(d2t_ids.max()) >= cfg.vocab_size:

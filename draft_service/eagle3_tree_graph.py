@@ -56,14 +56,19 @@ class Eagle3TreeGraphs(GraphBodies):
 
     def fits(self, ctx: int, spec: TreeSpec) -> bool:
         c = self.chain
-        return (ctx <= c.window and (spec.depth - 1) * spec.top_k <= self.spare_slots
-                and spec.top_k <= c.head.cfg.draft_vocab_size)
+        return (
+            ctx <= c.window
+            and (spec.depth - 1) * spec.top_k <= self.spare_slots
+            and spec.top_k <= c.head.cfg.draft_vocab_size
+        )
 
     def _out(self, key: tuple) -> tuple[torch.Tensor, torch.Tensor]:
         if key not in self._outputs:
             m = min(key[1], tree_nodes(TreeSpec(key[1], key[2], key[3])))
-            self._outputs[key] = (torch.zeros(1 + 2 * m, dtype=torch.int64, device=self.device),
-                                  torch.zeros(m, self.chain.head.cfg.draft_vocab_size, device=self.device))
+            self._outputs[key] = (
+                torch.zeros(1 + 2 * m, dtype=torch.int64, device=self.device),
+                torch.zeros(m, self.chain.head.cfg.draft_vocab_size, device=self.device),
+            )
         return self._outputs[key]
 
     # ---- what a graph records (device ops only) --------------------------------------------------
@@ -93,8 +98,13 @@ class Eagle3TreeGraphs(GraphBodies):
         ctx = c.ctx
         noise = self.sampler.noise if sampled else None
         out0 = c.out0  # [1, H]
-        root = self._children(head.logits(out0), torch.zeros(1, dtype=torch.float64, device=dev),
-                              torch.ones(1, dtype=torch.bool, device=dev), k, None if noise is None else noise[:1])
+        root = self._children(
+            head.logits(out0),
+            torch.zeros(1, dtype=torch.float64, device=dev),
+            torch.ones(1, dtype=torch.bool, device=dev),
+            k,
+            None if noise is None else noise[:1],
+        )
         tok, cum, score, valid = (t.reshape(-1) for t in root[:4])  # [K] each: level 1
         declared = [root[4].reshape(k, -1)] if sampled else []
         parent = torch.full((k,), -1, dtype=torch.int64, device=dev)
@@ -114,7 +124,8 @@ class Eagle3TreeGraphs(GraphBodies):
             feats = torch.where((ps >= 0)[:, None], fed_out[ps.clamp(min=0)], out0.expand(k, -1))  # [K, H]
             ancestors = anc[chosen]  # [K, F]
             seen = (slot_ids < ctx)[None] | torch.zeros(k, slot_ids.shape[0], dtype=torch.bool, device=dev).scatter_(
-                1, fed_slots[None].expand(k, -1), ancestors)  # [K, P]
+                1, fed_slots[None].expand(k, -1), ancestors
+            )  # [K, P]
             mask = torch.cat([seen, eye_k], dim=1)  # [K, P + K]
             pos = (ctx - 1 + (d - 1)).expand(k)
             out, key_rows, value_rows = head.step(head.embed(c.d2t[tok[chosen]]), feats, pos, c.keys, c.values, mask)
@@ -122,8 +133,9 @@ class Eagle3TreeGraphs(GraphBodies):
             c.keys.index_copy_(0, slots, key_rows)
             c.values.index_copy_(0, slots, value_rows)
             fed_out[f0 : f0 + k] = out
-            kids = self._children(head.logits(out), cum[chosen], valid[chosen], k,
-                                  None if noise is None else noise[1 + f0 : 1 + f0 + k])
+            kids = self._children(
+                head.logits(out), cum[chosen], valid[chosen], k, None if noise is None else noise[1 + f0 : 1 + f0 + k]
+            )
             tok = torch.cat([tok, kids[0].reshape(-1)])
             cum, score, valid = (torch.cat([a, b.reshape(-1)]) for a, b in zip((cum, score, valid), kids[1:4]))
             if sampled:
@@ -138,8 +150,7 @@ class Eagle3TreeGraphs(GraphBodies):
         keep = valid[order]
         kept = torch.where(keep, order, order + n).sort().values  # valid ones first, in node order
         kept = torch.where(kept < n, kept, kept - n)
-        renumber = torch.full((n,), -1, dtype=torch.int64, device=dev).scatter_(
-            0, kept, torch.arange(m, device=dev))
+        renumber = torch.full((n,), -1, dtype=torch.int64, device=dev).scatter_(0, kept, torch.arange(m, device=dev))
         par = parent[kept]
         result, q_out = self._out(key)
         result[:1].copy_(keep.sum().reshape(1))

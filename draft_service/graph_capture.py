@@ -35,7 +35,9 @@ def capture_all_or_warn(graphs, what: str):  # graphs: an object with capture();
     try:
         graphs.capture()
     except Exception as e:
-        warnings.warn(f"{what}: CUDA graphs not captured, run eager: {type(e).__name__}: {e}", RuntimeWarning, stacklevel=4)
+        warnings.warn(
+            f"{what}: CUDA graphs not captured, run eager: {type(e).__name__}: {e}", RuntimeWarning, stacklevel=4
+        )
         return None
     return graphs
 
@@ -115,8 +117,9 @@ class GraphBodies:
         torch.cuda.current_stream(dev).wait_stream(stream)
         with self._context():
             for key in keys:
-                capture_or_record(type(self).__name__, key, lambda: self._body(key), self._pool, self._graphs,
-                                  self.capture_errors)
+                capture_or_record(
+                    type(self).__name__, key, lambda: self._body(key), self._pool, self._graphs, self.capture_errors
+                )
         torch.cuda.current_stream(dev).synchronize()  # this thread's stream: a target's work on the GPU goes on
 
     def _capture_late(self, key: tuple, limit: int) -> None:

@@ -56,8 +56,12 @@ class ModelProposer(Proposer):
         dtype = next(model.parameters()).dtype
         self.blocks = BlockManager(config.kv_num_blocks, config.kv_block_size)
         self.kv = PagedKVCache(
-            model_config.num_layers, config.kv_num_blocks, config.kv_block_size,
-            model.kv_entry_shape(), dtype, self.device,
+            model_config.num_layers,
+            config.kv_num_blocks,
+            config.kv_block_size,
+            model.kv_entry_shape(),
+            dtype,
+            self.device,
         )
         self.chain_graphs = None  # chains as CUDA graphs (model_graph.py), on CUDA
         why = self._graphs_unsupported(model_config, config)
@@ -99,8 +103,7 @@ class ModelProposer(Proposer):
             window = min(window, self.mcfg.max_position_embeddings)
         bs = self.blocks.block_size
         window = max(window // bs * bs, -(-(k_max + 1) // bs) * bs)  # whole blocks; a feed holds up to k_max + 1 tokens
-        return ModelChainGraphs(self.model, self.kv, self.blocks.block_size, window, width, k_max, k_max + 1,
-                                attention)
+        return ModelChainGraphs(self.model, self.kv, self.blocks.block_size, window, width, k_max, k_max + 1, attention)
 
     def _capture_graphs(self, config: DrafterConfig):
         from specserve.models.attn_backend import triton_paged_unsupported
@@ -248,7 +251,9 @@ def build_model_proposer(config: DrafterConfig) -> ModelProposer:
     else:
         vocab_size, vocab_hash = checkpoint_vocab(config.checkpoint)
     name = target_name(config.target_checkpoint) if config.target_checkpoint is not None else None
-    if name is not None and name.scaled:  # the demo's draft LM at a draft's size for the target (models/scaled_drafters.py)
+    if (
+        name is not None and name.scaled
+    ):  # the demo's draft LM at a draft's size for the target (models/scaled_drafters.py)
         from specserve.models.scaled_drafters import scaled_draft_lm
 
         model, mcfg = scaled_drafter(lambda: scaled_draft_lm(config.checkpoint, name, config.device, config.dtype))

@@ -54,8 +54,17 @@ class PagedChainGraphs(GraphBodies):
     tokens over a drafter's paged cache: the static buffers and the device-side paged metadata they share. A subclass
     gives `_feed_body(n)` and `_chain_body(k, sampled)` (and `_context()`: its model through `backend`)."""
 
-    def __init__(self, backend, device: torch.device, block_size: int, window: int, vocab: int, k_max: int,
-                 feed_max: int, attention: str) -> None:  # attention: "triton_paged" | "paged_torch"
+    def __init__(
+        self,
+        backend,
+        device: torch.device,
+        block_size: int,
+        window: int,
+        vocab: int,
+        k_max: int,
+        feed_max: int,
+        attention: str,
+    ) -> None:  # attention: "triton_paged" | "paged_torch"
         super().__init__(device)
         self.backend, self.block_size, self.vocab = backend, block_size, vocab
         self.k_max, self.feed_max, self.attention = k_max, feed_max, attention
@@ -106,8 +115,9 @@ class PagedChainGraphs(GraphBodies):
         else:
             step.context_lens.copy_(pos[:1])
         # a fresh batch object per forward: its slot_mapping is this forward's slots; its host lengths are unused
-        attn = AttentionBatch(query_lens=(t,), context_lens=(0,), block_tables=((0,),), slot_mapping=slots,
-                              tree_masks=(None,))
+        attn = AttentionBatch(
+            query_lens=(t,), context_lens=(0,), block_tables=((0,),), slot_mapping=slots, tree_masks=(None,)
+        )
         self.backend.bind(attn, step)
         return attn
 
@@ -146,7 +156,9 @@ class PagedChainGraphs(GraphBodies):
         h[2 + self.feed_max : 2 + self.feed_max + len(table)] = table
         self._staged.send()
 
-    def _chain(self, k: int, sampling: SamplingParams, generator: torch.Generator) -> tuple[list[int], torch.Tensor | None]:
+    def _chain(
+        self, k: int, sampling: SamplingParams, generator: torch.Generator
+    ) -> tuple[list[int], torch.Tensor | None]:
         """The chain's replay after the feed: k drafted ids (the propose's one device read; q [k, V] follows it)."""
         sampled = not sampling.greedy
         if sampled:
@@ -160,8 +172,17 @@ class ModelChainGraphs(PagedChainGraphs):
     """Feed graphs for 1..feed_max tokens and chain graphs for 1..k_max drafted tokens, greedy and sampled, sharing one
     set of static buffers and one memory pool."""
 
-    def __init__(self, model, kv: PagedKVCache, block_size: int, window: int, vocab: int, k_max: int,
-                 feed_max: int, attention: str = "paged_torch") -> None:  # attention: "triton_paged" | "paged_torch"
+    def __init__(
+        self,
+        model,
+        kv: PagedKVCache,
+        block_size: int,
+        window: int,
+        vocab: int,
+        k_max: int,
+        feed_max: int,
+        attention: str = "paged_torch",
+    ) -> None:  # attention: "triton_paged" | "paged_torch"
         backend = paged_backend(attention, model.model.layers[0].self_attn, block_size, kv.device)
         super().__init__(backend, kv.device, block_size, window, vocab, k_max, feed_max, attention)
         self.model, self.kv = model, kv

@@ -137,7 +137,7 @@ class MTPLayer(nn.Module):
     def logits(self, h: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, V] float32
         logits = self.shared_head["head"](self.shared_head["norm"](h))
         if self.vocab_limit is not None and self.vocab_limit < logits.shape[-1]:
-            logits[:, self.vocab_limit:] = float("-inf")  # in place: graph-safe
+            logits[:, self.vocab_limit :] = float("-inf")  # in place: graph-safe
         return logits
 
 
@@ -147,30 +147,35 @@ def _param_for(name: str, spec: MTPSpec) -> weight_names.Target | None:
         return weight_names.Target("target_norm.weight")
     if not name.startswith(spec.prefix):
         return None
-    rest = name[len(spec.prefix):]
+    rest = name[len(spec.prefix) :]
     if rest.split(".")[0] in _OWN:
         return weight_names.Target(rest)
     num_experts = spec.block.moe.num_experts if spec.block.moe else 0
     t = weight_names.resolve(f"model.layers.0.{rest}", 1, False, num_experts)  # the block as a layer 0
-    return None if t is None else replace(t, param="block." + t.param[len("model.layers.0."):])
+    return None if t is None else replace(t, param="block." + t.param[len("model.layers.0.") :])
 
 
 def _checkpoint_name(param: str, piece, spec: MTPSpec) -> str:
     if param == "target_norm.weight":
         return _TARGET_NORM
     if param.startswith("block."):
-        return weight_names.checkpoint_name(spec.prefix + param[len("block."):], piece)
+        return weight_names.checkpoint_name(spec.prefix + param[len("block.") :], piece)
     return spec.prefix + param
 
 
 # parameters a separate MTP folder may leave to the target -> the target's tensor (the head: its embedding when tied)
-_SHARED = {"embed_tokens.weight": "model.embed_tokens.weight", "shared_head.head.weight": "lm_head.weight",
-           "target_norm.weight": _TARGET_NORM}
+_SHARED = {
+    "embed_tokens.weight": "model.embed_tokens.weight",
+    "shared_head.head.weight": "lm_head.weight",
+    "target_norm.weight": _TARGET_NORM,
+}
 _MATCH_TARGET = ("num_hidden_layers", "hidden_size", "vocab_size")  # config fields a folder must share with the target
 
 
 def load_mtp_layer(
-    target_dir: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+    target_dir: str | Path,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
     layer_dir: str | Path | None = None,
 ) -> tuple[MTPLayer, MTPSpec]:
     """Layer N of the target checkpoint (and the target's final norm), or of ``layer_dir`` (a folder holding
@@ -189,11 +194,16 @@ def load_mtp_layer(
     finally:
         torch.set_default_dtype(old)
     params = dict(layer.named_parameters())
-    local = {f"{n}.{p}": m.local_experts() for n, m in layer.named_modules() if isinstance(m, StackedExperts)
-             for p in ("w13", "w2")}
+    local = {
+        f"{n}.{p}": m.local_experts()
+        for n, m in layer.named_modules()
+        if isinstance(m, StackedExperts)
+        for p in ("w13", "w2")
+    }
     needed = {n: weight_names.required_pieces(n, local.get(n)) for n in params}
-    any_of_layer = _fill(source, lambda name: [t for t in (_param_for(name, spec),) if t is not None], params, needed,
-                         spec.prefix)
+    any_of_layer = _fill(
+        source, lambda name: [t for t in (_param_for(name, spec),) if t is not None], params, needed, spec.prefix
+    )
     if not any_of_layer:
         raise DrafterConfigError(  # config.json names the layer but no tensor of it is there (stripped)
             f"{'MTP folder' if layer_dir is not None else 'target checkpoint'} {source} says num_nextn_predict_layers"
@@ -201,19 +211,30 @@ def load_mtp_layer(
             " keeps that layer"
         )
     if layer_dir is not None:  # the shared tensors the folder left out, from the target
-        tied = bool(json.loads((Path(target_dir) / "config.json").read_text(encoding="utf-8")).get("tie_word_embeddings"))
+        tied = bool(
+            json.loads((Path(target_dir) / "config.json").read_text(encoding="utf-8")).get("tie_word_embeddings")
+        )
         sources = dict(_SHARED, **({"shared_head.head.weight": "model.embed_tokens.weight"} if tied else {}))
         wanted: dict[str, list[str]] = {}
         for param, name in sources.items():
             if needed[param]:
                 wanted.setdefault(name, []).append(param)
         if wanted:
-            _fill(Path(target_dir), lambda name: [weight_names.Target(p) for p in wanted.get(name, ())], params, needed,
-                  None)
+            _fill(
+                Path(target_dir),
+                lambda name: [weight_names.Target(p) for p in wanted.get(name, ())],
+                params,
+                needed,
+                None,
+            )
     missing = [_checkpoint_name(p, piece, spec) for p, pieces in needed.items() for piece in sorted(pieces, key=str)]
     if missing:
         shown = ", ".join(missing[:4]) + (f" (+{len(missing) - 4} more)" if len(missing) > 4 else "")
-        where = f"MTP folder {source} (with target {target_dir})" if layer_dir is not None else f"target checkpoint {source}"
+        where = (
+            f"MTP folder {source} (with target {target_dir})"
+            if layer_dir is not None
+            else f"target checkpoint {source}"
+        )
         raise DrafterConfigError(f"{where} lacks MTP tensor(s): {shown}")
     return layer.eval(), spec
 
@@ -251,11 +272,15 @@ def _fill(checkpoint: Path, targets_of, params: dict, needed: dict, layer_prefix
                 for target in targets_of(name):
                     param = params.get(target.param)
                     if param is None:
-                        raise DrafterConfigError(f"mtp: unexpected tensor {name} in {file} (no parameter {target.param})")
+                        raise DrafterConfigError(
+                            f"mtp: unexpected tensor {name} in {file} (no parameter {target.param})"
+                        )
                     try:
                         param.weight_loader(param, CheckpointSlice.of(f.get_slice(name)), **target.kwargs)
                     except Exception as e:  # a shape that does not fit, or bytes that cannot be read
-                        raise DrafterConfigError(f"mtp: tensor {name} in {file} does not fit or cannot be read: {e}") from e
+                        raise DrafterConfigError(
+                            f"mtp: tensor {name} in {file} does not fit or cannot be read: {e}"
+                        ) from e
                     needed[target.param].difference_update(target.pieces)
     return any_of_layer
 
@@ -271,8 +296,9 @@ class MTPProposer(Proposer):
         self.layer, self.spec = layer, spec
         self.device, self.dtype = torch.device(config.device), config.dtype
         self.blocks = BlockManager(config.kv_num_blocks, config.kv_block_size)
-        self.cache = PagedKVCache(1, config.kv_num_blocks, config.kv_block_size, spec.block.kv_entry_shape,
-                                  config.dtype, self.device)
+        self.cache = PagedKVCache(
+            1, config.kv_num_blocks, config.kv_block_size, spec.block.kv_entry_shape, config.dtype, self.device
+        )
         super().__init__(
             DrafterInfo(
                 family="mtp",
@@ -318,9 +344,12 @@ class MTPProposer(Proposer):
 
         bs = self.blocks.block_size
         window = min(window, self.cache.num_blocks * bs)
-        window = max(window // bs * bs, -(-(k_max + 1) // bs) * bs)  # whole blocks; a feed holds up to k_max + 1 entries
-        return MTPChainGraphs(self.layer, self.cache, bs, window, self.spec.block.vocab_size, k_max, k_max + 1,
-                              attention)
+        window = max(
+            window // bs * bs, -(-(k_max + 1) // bs) * bs
+        )  # whole blocks; a feed holds up to k_max + 1 entries
+        return MTPChainGraphs(
+            self.layer, self.cache, bs, window, self.spec.block.vocab_size, k_max, k_max + 1, attention
+        )
 
     def _hidden_width(self) -> int:
         return self.spec.block.hidden_size
@@ -396,8 +425,9 @@ class MTPProposer(Proposer):
             m = graphs.feed_max
             graphs.feed(table, L - 2, ids[keep + 1 : keep + 1 + m].copy(), rows[:m], keep)
             keep, rows = keep + m, rows[m:]
-        drafted, q = graphs.draft(table, L - 2, num_tokens, state.sampling, state.generator,
-                                  (ids[keep + 1 : L].copy(), rows, keep))
+        drafted, q = graphs.draft(
+            table, L - 2, num_tokens, state.sampling, state.generator, (ids[keep + 1 : L].copy(), rows, keep)
+        )
         fs.tokens = ids[:L].copy()
         state.drop_hidden_before(L - 1 - ROLLBACK_ROWS)
         probs = None if q is None else to_target_probs(q, self.spec.block.vocab_size)
@@ -412,7 +442,9 @@ def build_mtp_proposer(config: DrafterConfig) -> MTPProposer:
     if target is None:
         raise DrafterConfigError("mtp reads the multi-token-prediction layer of the target: give the target checkpoint")
     if config.hidden_layers is not None:
-        raise DrafterConfigError("mtp reads the target's last layer (through its final norm); hidden_layers cannot be set")
+        raise DrafterConfigError(
+            "mtp reads the target's last layer (through its final norm); hidden_layers cannot be set"
+        )
     folder = config.checkpoint
     if is_scaled_demo(target):  # the demo's MTP layer at the demo@ target's size (models/scaled_mtp.py)
         from specserve.draft_service.checkpoint_checks import scaled_drafter, target_name, target_vocab
@@ -423,14 +455,17 @@ def build_mtp_proposer(config: DrafterConfig) -> MTPProposer:
         name = target_name(target)
         demo, demo_spec = load_mtp_layer(name.folder, config.device, torch.float32, layer_dir=folder)
         layer, spec = scaled_drafter(
-            lambda: scaled_mtp_layer(demo, demo_spec, folder, name, config.device, config.dtype))
+            lambda: scaled_mtp_layer(demo, demo_spec, folder, name, config.device, config.dtype)
+        )
         return MTPProposer(layer, spec, config, target_vocab(target).hash)
     if folder is not None and Path(folder).resolve() == Path(target).resolve():
         folder = None  # the target's own layer
     if folder is not None and not (Path(folder) / "config.json").is_file():
         raise DrafterConfigError(f"no MTP folder (config.json) at {folder}")
     if folder is not None and not (Path(target) / "config.json").is_file():  # e.g. a demo@ name, built at load time
-        raise DrafterConfigError(f"the MTP folder {folder} is layer N of a target checkpoint folder; {target} is not one")
+        raise DrafterConfigError(
+            f"the MTP folder {folder} is layer N of a target checkpoint folder; {target} is not one"
+        )
     layer, spec = load_mtp_layer(target, config.device, config.dtype, layer_dir=folder)
     _, vocab_hash = checkpoint_vocab(target)
     return MTPProposer(layer, spec, config, vocab_hash)

@@ -77,8 +77,17 @@ class MTPChainGraphs(PagedChainGraphs):
     one set of static buffers and one memory pool (`chain_start`: the pending token's entry, base; drafted token
     i + 2 reads entry base + 1 + i)."""
 
-    def __init__(self, layer, kv: PagedKVCache, block_size: int, window: int, vocab: int, k_max: int,
-                 feed_max: int, attention: str = "paged_torch") -> None:  # attention: "triton_paged" | "paged_torch"
+    def __init__(
+        self,
+        layer,
+        kv: PagedKVCache,
+        block_size: int,
+        window: int,
+        vocab: int,
+        k_max: int,
+        feed_max: int,
+        attention: str = "paged_torch",
+    ) -> None:  # attention: "triton_paged" | "paged_torch"
         dev = kv.device
         backend = paged_backend(attention, layer.block.self_attn, block_size, dev)
         super().__init__(backend, dev, block_size, window, vocab, k_max, feed_max, attention)
@@ -89,8 +98,9 @@ class MTPChainGraphs(PagedChainGraphs):
         self.out0 = torch.zeros(1, hidden, dtype=kv.dtype, device=dev)  # [1, H] the block's output at the pending token
 
     # ---- what the graphs record (device ops only) ------------------------------------------------
-    def _step(self, tokens: torch.Tensor, previous: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor,
-              kv_len: torch.Tensor) -> torch.Tensor:
+    def _step(
+        self, tokens: torch.Tensor, previous: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, kv_len: torch.Tensor
+    ) -> torch.Tensor:
         """tokens [T] at consecutive entries pos [T] (slots [T], kv_len [1] = pos[-1] + 1) -> the block's output [T, H]."""
         return self.layer.step(tokens, previous, pos, self._attend(tokens.shape[0], pos, slots, kv_len), self.kv)
 
@@ -98,7 +108,7 @@ class MTPChainGraphs(PagedChainGraphs):
         self._bind_table(n)
         pos, slots, kv_lens = self._placed(self.feed_start, n)
         out = self._step(self.feed_ids[:n], self.layer.target_norm(self.rows[:n]), pos, slots, kv_lens[-1:])
-        self.out0.copy_(out[n - 1:])
+        self.out0.copy_(out[n - 1 :])
 
     def _chain_body(self, k: int, sampled: bool) -> None:
         if k > 1:  # the k - 1 chained entries' positions, slots and lengths, computed once
@@ -110,7 +120,7 @@ class MTPChainGraphs(PagedChainGraphs):
             tok = self._draw(logits, i, sampled)  # [1]
             if i == k - 1:
                 break
-            h = self._step(tok, h, pos[i: i + 1], slots[i: i + 1], kv_lens[i: i + 1])
+            h = self._step(tok, h, pos[i : i + 1], slots[i : i + 1], kv_lens[i : i + 1])
             logits = self.layer.logits(h)
 
     @contextlib.contextmanager

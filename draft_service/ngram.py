@@ -88,9 +88,7 @@ class NgramProposer(Proposer):
         self.max_n = config.ngram_max_n
 
     def _draft_chain(self, state: SessionState, num_tokens: int) -> DraftBlock:
-        return DraftBlock(
-            token_ids=find_ngram_continuation(state.ids, self.min_n, self.max_n, num_tokens)
-        )
+        return DraftBlock(token_ids=find_ngram_continuation(state.ids, self.min_n, self.max_n, num_tokens))
 
 
 def build_ngram_proposer(config: DrafterConfig) -> NgramProposer:

@@ -69,7 +69,9 @@ class Proposer(ABC):
     """A drafter. Synchronous; driven from one draft thread (no locking inside)."""
 
     info: DrafterInfo
-    device: torch.device = torch.device("cpu")  # where it computes (a family on a GPU sets its own); its thread's stream
+    device: torch.device = torch.device(
+        "cpu"
+    )  # where it computes (a family on a GPU sets its own); its thread's stream
 
     def __init__(self, info: DrafterInfo) -> None:
         self.info = info
@@ -115,8 +117,10 @@ class Proposer(ABC):
                 raise RowsNotFinite("")
         except RowsNotFinite:
             self.release(session_id)
-            raise ProposerError("append_hidden: hidden rows contain NaN or inf (checked on the device with the drafted "
-                                f"block; session {session_id!r} is released)") from None
+            raise ProposerError(
+                "append_hidden: hidden rows contain NaN or inf (checked on the device with the drafted "
+                f"block; session {session_id!r} is released)"
+            ) from None
         return block
 
     def _draft(self, state: SessionState, num_tokens: int, tree: TreeSpec | None) -> DraftBlock:
@@ -178,8 +182,7 @@ class Proposer(ABC):
         n_old, tail = len(state), state.draft_tail
         if not 0 <= prefix_len <= n_old + len(tail):
             raise ProposerError(
-                f"prefix_len {prefix_len} out of range: session holds {n_old} tokens"
-                f" + {len(tail)} drafted"
+                f"prefix_len {prefix_len} out of range: session holds {n_old} tokens + {len(tail)} drafted"
             )
         new_len = prefix_len + len(append_ids)
         if new_len < 1:

@@ -65,7 +65,5 @@ def build_proposer(config: DrafterConfig) -> Proposer:
     """Build the drafter ``config.family`` names; unknown family -> DrafterConfigError."""
     factory = PROPOSER_FACTORIES.get(config.family)
     if factory is None:
-        raise DrafterConfigError(
-            f"unknown drafter family {config.family!r}; known: {sorted(PROPOSER_FACTORIES)}"
-        )
+        raise DrafterConfigError(f"unknown drafter family {config.family!r}; known: {sorted(PROPOSER_FACTORIES)}")
     return factory(config)

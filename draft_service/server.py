@@ -38,10 +38,16 @@ INPUT_ERRORS: tuple[type[BaseException], ...] = (ValueError, SpecserveError, Pro
 
 
 def _status_for(exc: BaseException) -> grpc.StatusCode:
-    return status_for(exc, INPUT_ERRORS, ((DrafterFull, grpc.StatusCode.RESOURCE_EXHAUSTED),
-                                          (ProposeExpired, grpc.StatusCode.DEADLINE_EXCEEDED),
-                                          (HiddenShareDenied, grpc.StatusCode.PERMISSION_DENIED),
-                                          (UnmappableShare, grpc.StatusCode.FAILED_PRECONDITION)))
+    return status_for(
+        exc,
+        INPUT_ERRORS,
+        (
+            (DrafterFull, grpc.StatusCode.RESOURCE_EXHAUSTED),
+            (ProposeExpired, grpc.StatusCode.DEADLINE_EXCEEDED),
+            (HiddenShareDenied, grpc.StatusCode.PERMISSION_DENIED),
+            (UnmappableShare, grpc.StatusCode.FAILED_PRECONDITION),
+        ),
+    )
 
 
 class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
@@ -51,8 +57,9 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         self.info = worker.proposer.info
         self._tracer = tn.tracer()
         # its proposals as a unary call, a stream and (a caller on this host) a shared-memory channel
-        self.steps = StepServing("draft", shm, draft_pb2.ProposeRequest, self._propose_one, _status_for,
-                                 self.worker.release)
+        self.steps = StepServing(
+            "draft", shm, draft_pb2.ProposeRequest, self._propose_one, _status_for, self.worker.release
+        )
         self.shm = self.steps.shm
         # the target hidden-row buffers it can map (runtime/hidden_share.py), for a drafter that reads rows
         needs = self.info.needs_hidden_states and self.shm.config.shares_hidden
@@ -74,12 +81,15 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         return hidden
 
     async def GetInfo(self, request, context):
-        return convert.info_to_proto(draft_pb2.DraftInfo, self.info, hidden_share_kinds=list(self.hidden_kinds),
-                                     host_id=self.host_id)
+        return convert.info_to_proto(
+            draft_pb2.DraftInfo, self.info, hidden_share_kinds=list(self.hidden_kinds), host_id=self.host_id
+        )
 
     async def StartSession(self, request, context):
         parent = tn.context_from_metadata(context.invocation_metadata())
-        with self._tracer.start_as_current_span(tn.SPAN_DRAFT_START, context=parent, kind=trace.SpanKind.SERVER) as span:
+        with self._tracer.start_as_current_span(
+            tn.SPAN_DRAFT_START, context=parent, kind=trace.SpanKind.SERVER
+        ) as span:
             span.set_attribute(tn.ATTR_SESSION, request.session_id)
             span.set_attribute(tn.ATTR_DRAFT_FAMILY, self.info.family)
             try:
@@ -90,12 +100,15 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
                 share = None
                 if request.HasField("hidden_share"):
                     if not self.hidden_kinds:
-                        raise UnmappableShare("hidden_share: this draft service maps no shared buffers (its drafter "
-                                              "reads no hidden rows, or --no-hidden-share)")
+                        raise UnmappableShare(
+                            "hidden_share: this draft service maps no shared buffers (its drafter "
+                            "reads no hidden rows, or --no-hidden-share)"
+                        )
                     share = HiddenHandle.from_proto(request.hidden_share)
                     if share.kind not in self.hidden_kinds:
-                        raise UnmappableShare(f"hidden_share: a {share.kind} buffer; this draft service maps "
-                                              f"{list(self.hidden_kinds)}")
+                        raise UnmappableShare(
+                            f"hidden_share: a {share.kind} buffer; this draft service maps {list(self.hidden_kinds)}"
+                        )
                     if not request.HasField("hidden_rows"):
                         raise convert.ConversionError("hidden_rows: unset beside hidden_share")
                 elif request.HasField("hidden_rows"):
@@ -139,10 +152,19 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
                     f"{self.limits.max_draft_tokens} (--max-draft-tokens)"
                 )
             # the reply is made on the loop, or on the drafter thread when that answers a shared-memory caller
-            reply = StepReply(lambda msg, compute_ms: convert.propose_response_to_proto(
-                request.session_id, msg, (time.perf_counter() - received) * 1e3, compute_ms), send)
+            reply = StepReply(
+                lambda msg, compute_ms: convert.propose_response_to_proto(
+                    request.session_id, msg, (time.perf_counter() - received) * 1e3, compute_ms
+                ),
+                send,
+            )
             block, compute_ms, answered = await self.worker.propose(
-                request.session_id, request.prefix_len, list(request.append_ids), hidden, request.num_tokens, tree,
+                request.session_id,
+                request.prefix_len,
+                list(request.append_ids),
+                hidden,
+                request.num_tokens,
+                tree,
                 reply.answer,
             )
             span.set_attribute(tn.ATTR_TREE_SIZE, len(block.token_ids) if block.is_tree else 0)
@@ -160,8 +182,12 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         return draft_pb2.DraftReleaseResponse(released=released)
 
     async def GetStats(self, request, context):
-        return draft_pb2.DraftStats(active_sessions=len(self.worker.active), proposals=self.worker.proposals,
-                                    shm_proposals=self.shm.served, shm_channels=self.shm.attached,
-                                    hidden_rows_shared=self.worker.hidden_rows_shared,
-                                    hidden_rows_as_bytes=self.hidden_rows_as_bytes,
-                                    hidden_buffers=len(self.worker.views))
+        return draft_pb2.DraftStats(
+            active_sessions=len(self.worker.active),
+            proposals=self.worker.proposals,
+            shm_proposals=self.shm.served,
+            shm_channels=self.shm.attached,
+            hidden_rows_shared=self.worker.hidden_rows_shared,
+            hidden_rows_as_bytes=self.hidden_rows_as_bytes,
+            hidden_buffers=len(self.worker.views),
+        )

@@ -126,8 +126,7 @@ class SessionState:
     def hidden_rows(self, start: int, end: int) -> torch.Tensor:  # [end - start, F] view (valid for this propose)
         if self.rows is None or start < self.hidden_start or end > self.hidden_end:
             raise ProposerError(
-                f"hidden rows [{start}, {end}) requested; session keeps [{self.hidden_start}, "
-                f"{self.hidden_end})"
+                f"hidden rows [{start}, {end}) requested; session keeps [{self.hidden_start}, {self.hidden_end})"
             )
         return self.rows.rows[start - self.hidden_start : end - self.hidden_start]
 

@@ -35,8 +35,10 @@ def read_target_tensors(target_dir: str | Path, names: Mapping[str, str], who: s
     from specserve.models.loader import checkpoint_files
 
     if target_name(target_dir).scaled:
-        raise DrafterConfigError(f"{who} reads tensors from a checkpoint; {target_dir} is built at load time (its "
-                                 "drafters are the demo's, scaled to it: models/scaled_drafters.py)")
+        raise DrafterConfigError(
+            f"{who} reads tensors from a checkpoint; {target_dir} is built at load time (its "
+            "drafters are the demo's, scaled to it: models/scaled_drafters.py)"
+        )
     try:
         files = checkpoint_files(str(target_dir))
     except Exception as e:

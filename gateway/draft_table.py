@@ -45,8 +45,16 @@ class DraftTable:
 
     def make(self, name: str, address: str, trusted: bool = False) -> RemoteDraftEndpoint:
         return RemoteDraftEndpoint(
-            name, check_address(address), self.step_timeout_s, self.tls, self.target_info, trusted=trusted,
-            breaker=self.breaker, token=self.token, shm=self.shm, hidden_share=self.hidden_share,
+            name,
+            check_address(address),
+            self.step_timeout_s,
+            self.tls,
+            self.target_info,
+            trusted=trusted,
+            breaker=self.breaker,
+            token=self.token,
+            shm=self.shm,
+            hidden_share=self.hidden_share,
         )
 
     def put(self, endpoint: RemoteDraftEndpoint) -> None:

@@ -63,12 +63,17 @@ class HttpApi:
     """The routes, over one GatewayServicer."""
 
     def __init__(
-        self, servicer: GatewayServicer, telemetry, chat_template: ChatTemplate | None, max_body_bytes: int = 4 << 20,
+        self,
+        servicer: GatewayServicer,
+        telemetry,
+        chat_template: ChatTemplate | None,
+        max_body_bytes: int = 4 << 20,
         metrics_interval_s: float = METRICS_INTERVAL_S,
     ) -> None:
         self.servicer = servicer
         self.relayed = ScrapeCache(  # the target's and drafts' series, asked for at most once an interval
-            lambda: relay_text(servicer.target, servicer.drafts.endpoints()), metrics_interval_s)
+            lambda: relay_text(servicer.target, servicer.drafts.endpoints()), metrics_interval_s
+        )
         self.scrapes = ScrapePacer()  # one /metrics at a time, 10 a second at most
         self.max_body_bytes = max_body_bytes  # the gateway's --max-message-bytes
         self.telemetry = telemetry
@@ -103,8 +108,13 @@ class HttpApi:
 
     def _model_card(self) -> dict:
         drafts = self.servicer.drafts.addresses()
-        return {"id": self.servicer.model_name, "object": "model", "created": self.started, "owned_by": "specserve",
-                "specserve": {"drafts": sorted(drafts), "default_draft": self.servicer.default_draft}}
+        return {
+            "id": self.servicer.model_name,
+            "object": "model",
+            "created": self.started,
+            "owned_by": "specserve",
+            "specserve": {"drafts": sorted(drafts), "default_draft": self.servicer.default_draft},
+        }
 
     async def models(self, request: Request) -> Response:
         try:
@@ -118,8 +128,12 @@ class HttpApi:
             self._authorize(request)
             name = request.path_params["model_id"]
             if name != self.servicer.model_name:
-                raise ApiError(404, f"model: {name!r} does not exist (this gateway serves "
-                                    f"{self.servicer.model_name!r})", "model", "model_not_found")
+                raise ApiError(
+                    404,
+                    f"model: {name!r} does not exist (this gateway serves {self.servicer.model_name!r})",
+                    "model",
+                    "model_not_found",
+                )
         except ApiError as exc:
             return _error(exc)
         return JSONResponse(self._model_card())
@@ -168,8 +182,9 @@ class HttpApi:
             async for part in request.stream():
                 raw += part
                 if len(raw) > self.max_body_bytes:
-                    raise ApiError(413, f"request body: more than the limit of {self.max_body_bytes} bytes "
-                                        "(--max-message-bytes)")
+                    raise ApiError(
+                        413, f"request body: more than the limit of {self.max_body_bytes} bytes (--max-message-bytes)"
+                    )
         except ClientDisconnect:  # gone, or closed at the read timeout: nobody reads the answer
             raise ApiError(408, "request body: the connection ended before the body did") from None
         try:  # a large body is parsed on a thread, but json.loads holds the GIL for its whole call (~10 ms for 4 MB
@@ -184,8 +199,10 @@ class HttpApi:
         self._check_share(api)
         if api.model != self.servicer.model_name:
             raise ApiError(
-                404, f"model: {api.model!r} does not exist (this gateway serves {self.servicer.model_name!r})",
-                "model", "model_not_found",
+                404,
+                f"model: {api.model!r} does not exist (this gateway serves {self.servicer.model_name!r})",
+                "model",
+                "model_not_found",
             )
         if chat:
             await self._render_chat(api)
@@ -197,21 +214,32 @@ class HttpApi:
         config = self.servicer.config
         choices, share = len(api.prompts) * api.n, config.max_choices
         if choices > share:
-            raise ApiError(400, f"n: {len(api.prompts)} prompt(s) x n = {api.n} make {choices} choices; one request may "
-                                f"hold {share} sessions (a quarter of the gateway's --max-sessions {config.max_sessions})",
-                           "n")
+            raise ApiError(
+                400,
+                f"n: {len(api.prompts)} prompt(s) x n = {api.n} make {choices} choices; one request may "
+                f"hold {share} sessions (a quarter of the gateway's --max-sessions {config.max_sessions})",
+                "n",
+            )
         limit, each = config.limits.max_new_tokens, api.request.max_new_tokens
         if choices > 1 and not api.fill_max_tokens and choices * each > limit:
-            raise ApiError(400, f"max_tokens: {choices} choices x {each} tokens exceed the {limit} output tokens one "
-                                "request may ask for (--max-output-tokens)", "max_tokens")
+            raise ApiError(
+                400,
+                f"max_tokens: {choices} choices x {each} tokens exceed the {limit} output tokens one "
+                "request may ask for (--max-output-tokens)",
+                "max_tokens",
+            )
 
     async def _render_chat(self, api: ApiRequest) -> None:
         """Chat: the prompt is the conversation rendered by the checkpoint's chat template, tokenized as
         transformers' apply_chat_template does (the template writes any special tokens itself)."""
         name = self.servicer.model_name
         if self.chat_template is None:
-            raise ApiError(400, f"messages: the model {name!r} has no chat template (tokenizer_config.json "
-                                "chat_template); use /v1/completions", "messages")
+            raise ApiError(
+                400,
+                f"messages: the model {name!r} has no chat template (tokenizer_config.json "
+                "chat_template); use /v1/completions",
+                "messages",
+            )
         tokenizer = self.servicer.tokenizer
         if tokenizer is None:
             raise ApiError(400, "messages: this gateway has no tokenizer (start it with --model)", "messages")
@@ -258,8 +286,9 @@ class HttpApi:
             echo_ids = await self._echo_ids(api) if api.echo else None
         except ApiError as exc:
             return _error(exc)
-        head = ResponseHead(chat, f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", int(time.time()),
-                            self.servicer.model_name)
+        head = ResponseHead(
+            chat, f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", int(time.time()), self.servicer.model_name
+        )
         parent = tn.context_from_metadata(request.headers.items())
         choices = api.choices()
         gens = [Generation(self.servicer.generate(req, parent)) for _, req in choices]
@@ -293,8 +322,12 @@ class HttpApi:
         new = [n for n in names if n not in self._warned]
         if new:
             self._warned.update(new)
-            print(f"gateway: HTTP request fields ignored (not acted on): {', '.join(new)} (said once per field; "
-                  f"each response names them in its {IGNORED_HEADER} header)", file=sys.stderr, flush=True)
+            print(
+                f"gateway: HTTP request fields ignored (not acted on): {', '.join(new)} (said once per field; "
+                f"each response names them in its {IGNORED_HEADER} header)",
+                file=sys.stderr,
+                flush=True,
+            )
 
     async def _whole(self, api: ApiRequest, head: ResponseHead, view: _Choices, firsts, gens) -> Response:
         async def one(index: int, msg, generation: Generation) -> ChoiceResult:
@@ -341,8 +374,9 @@ class HttpApi:
                 echo = view.echo_text(index)
                 if api.chat or echo or logs[index] is not None and logs[index].tokens:
                     part = None if logs[index] is None or not logs[index].tokens else logs[index].body()
-                    yield sse(head.chunk(echo if not api.chat else "", first=True, usage=usage, index=index,
-                                          logprobs=part))
+                    yield sse(
+                        head.chunk(echo if not api.chat else "", first=True, usage=usage, index=index, logprobs=part)
+                    )
             left = len(gens)
             while left:
                 index, msg = await queue.get()
@@ -359,8 +393,12 @@ class HttpApi:
                 final = finals[index] = msg.final
                 left -= 1
                 rest = "" if api.score_only else texts[index].finish(final.text)
-                last = head.chunk(rest or None if api.chat else rest, FINISH_REASONS.get(final.finish_reason, "stop"),
-                                  usage=usage, index=index)
+                last = head.chunk(
+                    rest or None if api.chat else rest,
+                    FINISH_REASONS.get(final.finish_reason, "stop"),
+                    usage=usage,
+                    index=index,
+                )
                 last[EXTENSION] = stats_extension(final, [] if api.score_only else ids[index])
                 yield sse(last)
         finally:

@@ -108,7 +108,6 @@ class EventStream(Response):
                 await generation.close()
 
 
-
 async def gather_all(coros: list):
     """Every coroutine's result, in order; the first to raise cancels the others and raises."""
     tasks = [asyncio.ensure_future(c) for c in coros]

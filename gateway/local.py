@@ -34,11 +34,16 @@ class LocalTarget(OneThread):
         return self.engine.info()
 
     async def prefill(
-        self, session_id: str, prompt_ids: Sequence[int], sampling: SamplingParams, hidden_layers: tuple[int, ...],
+        self,
+        session_id: str,
+        prompt_ids: Sequence[int],
+        sampling: SamplingParams,
+        hidden_layers: tuple[int, ...],
         logprobs: LogprobsSpec | None = None,
     ) -> PrefillResult:
-        return await self.call(self.engine.prefill, session_id, list(prompt_ids), sampling, tuple(hidden_layers), None,
-                               logprobs)
+        return await self.call(
+            self.engine.prefill, session_id, list(prompt_ids), sampling, tuple(hidden_layers), None, logprobs
+        )
 
     async def verify(self, session_id: str, block: DraftBlock) -> VerifyResult:
         return await self.call(self.engine.verify, session_id, block)
@@ -63,8 +68,9 @@ class LocalDraft(OneThread):
         self.proposer.start(session_id, token_ids, hand_over(hidden, self.stream), sampling)
 
     def _propose(self, session_id, prefix_len, append_ids, append_hidden, num_tokens, tree) -> DraftBlock:
-        return self.proposer.propose(session_id, prefix_len, append_ids, hand_over(append_hidden, self.stream),
-                                     num_tokens, tree)
+        return self.proposer.propose(
+            session_id, prefix_len, append_ids, hand_over(append_hidden, self.stream), num_tokens, tree
+        )
 
     async def _guarded(self, fn, *args):
         try:
@@ -79,8 +85,9 @@ class LocalDraft(OneThread):
         await self._guarded(self._start, session_id, list(token_ids), hidden, sampling)
 
     async def propose(self, session_id, prefix_len, append_ids, append_hidden, num_tokens, tree=None) -> DraftBlock:
-        return await self._guarded(self._propose, session_id, prefix_len, list(append_ids), append_hidden, num_tokens,
-                                   tree)
+        return await self._guarded(
+            self._propose, session_id, prefix_len, list(append_ids), append_hidden, num_tokens, tree
+        )
 
     async def release(self, session_id: str) -> None:
         await self._guarded(self.proposer.release, session_id)

@@ -53,8 +53,11 @@ async def relay_text(target, drafts: dict, timeout_s: float = RELAY_TIMEOUT_S) -
         *(_ask(drafts[n].stub.GetStats, draft_pb2.DraftStatsRequest(), drafts[n].auth, timeout_s) for n in names),
     )
     t, by_draft = answers[0], dict(zip(names, answers[1:]))
-    up = GaugeMetricFamily("specserve_upstream_up", "Whether a service answered the gateway's GetStats at this scrape",
-                           labels=("service", "draft"))
+    up = GaugeMetricFamily(
+        "specserve_upstream_up",
+        "Whether a service answered the gateway's GetStats at this scrape",
+        labels=("service", "draft"),
+    )
     up.add_metric(("target", ""), float(t is not None))
     for n in names:
         up.add_metric(("draft", n), float(by_draft[n] is not None))
@@ -64,23 +67,37 @@ async def relay_text(target, drafts: dict, timeout_s: float = RELAY_TIMEOUT_S) -
         for name, kind, help_, value in (
             ("specserve_target_sessions", GaugeMetricFamily, "Open target sessions", t.active_sessions),
             ("specserve_target_kv_blocks_total", GaugeMetricFamily, "KV-cache blocks in all", t.kv_blocks_total),
-            ("specserve_target_kv_blocks_used", GaugeMetricFamily, "KV-cache blocks holding a session's tokens",
-             t.kv_blocks_used),
+            (
+                "specserve_target_kv_blocks_used",
+                GaugeMetricFamily,
+                "KV-cache blocks holding a session's tokens",
+                t.kv_blocks_used,
+            ),
             ("specserve_target_kv_cache_usage_ratio", GaugeMetricFamily, "KV-cache blocks used / blocks in all", usage),
             ("specserve_target_verify_steps", CounterMetricFamily, "Verify steps the target served", t.steps),
-            ("specserve_target_shm_steps", CounterMetricFamily, "Verify steps answered over shared memory",
-             t.shm_steps),
-            ("specserve_target_hidden_buffers", GaugeMetricFamily, "Sessions' shared hidden-row buffers open",
-             t.hidden_buffers),
+            (
+                "specserve_target_shm_steps",
+                CounterMetricFamily,
+                "Verify steps answered over shared memory",
+                t.shm_steps,
+            ),
+            (
+                "specserve_target_hidden_buffers",
+                GaugeMetricFamily,
+                "Sessions' shared hidden-row buffers open",
+                t.hidden_buffers,
+            ),
         ):
             families.append(kind(name, help_, value=float(value)))
     answered = [(n, s) for n, s in by_draft.items() if s is not None]
     if answered:
         sessions = GaugeMetricFamily("specserve_draft_sessions", "Open draft sessions", labels=("draft",))
-        proposals = CounterMetricFamily("specserve_draft_proposals", "Proposals the draft service served",
-                                        labels=("draft",))
-        shm = CounterMetricFamily("specserve_draft_shm_proposals", "Proposals answered over shared memory",
-                                  labels=("draft",))
+        proposals = CounterMetricFamily(
+            "specserve_draft_proposals", "Proposals the draft service served", labels=("draft",)
+        )
+        shm = CounterMetricFamily(
+            "specserve_draft_shm_proposals", "Proposals answered over shared memory", labels=("draft",)
+        )
         for n, s in answered:
             sessions.add_metric((n,), float(s.active_sessions))
             proposals.add_metric((n,), float(s.proposals))
@@ -93,8 +110,9 @@ class ScrapeCache:
     """``render()``'s bytes, rendered at most once per ``interval_s`` (0: at each call, concurrent calls sharing one
     render); a render that fails is not kept."""
 
-    def __init__(self, render: Callable[[], Awaitable[bytes]], interval_s: float,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, render: Callable[[], Awaitable[bytes]], interval_s: float, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         if interval_s < 0:
             raise ValueError(f"interval_s must be >= 0, got {interval_s}")
         self._render, self.interval_s, self._clock = render, interval_s, clock

@@ -31,23 +31,56 @@ INT32 = 2**31
 MAX_CHOICES = 64  # prompts x n of one request (each choice is a request of its own to admission)
 # fields of the API that change the output and that specserve does not serve: allowed only at these values
 _UNSERVED = {
-    "best_of": (None, 1), "suffix": (None, ""), "presence_penalty": (None, 0), "frequency_penalty": (None, 0),
-    "logit_bias": (None, {}), "tools": (None, []), "functions": (None, []), "tool_choice": (None, "none"),
+    "best_of": (None, 1),
+    "suffix": (None, ""),
+    "presence_penalty": (None, 0),
+    "frequency_penalty": (None, 0),
+    "logit_bias": (None, {}),
+    "tools": (None, []),
+    "functions": (None, []),
+    "tool_choice": (None, "none"),
     "response_format": (None, {"type": "text"}),
 }
-_SERVED = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "n", "stream", "stream_options",
-           "logprobs", "draft", "num_speculative_tokens", "tree_nodes", "tree_top_k", "tree_depth", "speculation",
-           "draft_ahead", *_UNSERVED}
+_SERVED = {
+    "model",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "seed",
+    "stop",
+    "n",
+    "stream",
+    "stream_options",
+    "logprobs",
+    "draft",
+    "num_speculative_tokens",
+    "tree_nodes",
+    "tree_top_k",
+    "tree_depth",
+    "speculation",
+    "draft_ahead",
+    *_UNSERVED,
+}
 _SERVED_COMPLETIONS = _SERVED | {"prompt", "echo"}
 _SERVED_CHAT = _SERVED | {"messages", "max_completion_tokens", "top_logprobs"}
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}  # gateway -> API
 _HTTP_STATUS = {
-    grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.FAILED_PRECONDITION: 400, grpc.StatusCode.OUT_OF_RANGE: 400,
-    grpc.StatusCode.UNAUTHENTICATED: 401, grpc.StatusCode.NOT_FOUND: 404, grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
-    grpc.StatusCode.UNAVAILABLE: 503, grpc.StatusCode.DEADLINE_EXCEEDED: 504,
+    grpc.StatusCode.INVALID_ARGUMENT: 400,
+    grpc.StatusCode.FAILED_PRECONDITION: 400,
+    grpc.StatusCode.OUT_OF_RANGE: 400,
+    grpc.StatusCode.UNAUTHENTICATED: 401,
+    grpc.StatusCode.NOT_FOUND: 404,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
+    grpc.StatusCode.UNAVAILABLE: 503,
+    grpc.StatusCode.DEADLINE_EXCEEDED: 504,
 }
-_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-                429: "rate_limit_error", 503: "service_unavailable_error"}
+_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    429: "rate_limit_error",
+    503: "service_unavailable_error",
+}
 
 
 class ApiError(SpecserveError):
@@ -82,7 +115,7 @@ def api_message(message: str, field: str | None, param: str | None) -> str:
     ``sampling.temperature``."""
     if field is None or param is None or not message.startswith(f"{field}: "):
         return message
-    problem = message[len(field) + 2:]
+    problem = message[len(field) + 2 :]
     for wire, api in _HTTP_WORDING:
         problem = problem.replace(wire, api)
     return f"{param}: {problem}"
@@ -245,8 +278,9 @@ def parse_request(body, chat: bool) -> ApiRequest:
     bad = _not_unicode(body)
     if bad is not None:
         where, at = bad
-        raise _bad(where, f"character {at} is a lone surrogate (a \\ud800-\\udfff escape without its pair), "
-                          "not Unicode text")
+        raise _bad(
+            where, f"character {at} is a lone surrogate (a \\ud800-\\udfff escape without its pair), not Unicode text"
+        )
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise _bad("model", "required (the served model's name, see GET /v1/models)")
@@ -317,8 +351,20 @@ def parse_request(body, chat: bool) -> ApiRequest:
         prompts = _prompts(body, req)
     if len(prompts) * n > MAX_CHOICES:
         raise _bad("n", f"{len(prompts)} prompts x n = {n} make more than {MAX_CHOICES} choices")
-    return ApiRequest(chat, model, stream, include_usage, messages, tuple(prompts), fill_max_tokens=max_tokens is None,
-                      n=n, logprobs=logprobs, echo=echo, score_only=score_only, ignored=ignored)
+    return ApiRequest(
+        chat,
+        model,
+        stream,
+        include_usage,
+        messages,
+        tuple(prompts),
+        fill_max_tokens=max_tokens is None,
+        n=n,
+        logprobs=logprobs,
+        echo=echo,
+        score_only=score_only,
+        ignored=ignored,
+    )
 
 
 def _logprobs(body: dict, chat: bool) -> int | None:
@@ -387,8 +433,10 @@ class LogprobsLog:
         start = len(self.tokens)
         top = lp.top
         for i in range(len(lp.token_ids) if count is None else min(count, len(lp.token_ids))):
-            alternatives = [(self._text(t), float(v)) for t, v in zip(lp.top_ids[i * top : (i + 1) * top],
-                                                                     lp.top_logprobs[i * top : (i + 1) * top])]
+            alternatives = [
+                (self._text(t), float(v))
+                for t, v in zip(lp.top_ids[i * top : (i + 1) * top], lp.top_logprobs[i * top : (i + 1) * top])
+            ]
             self._put(self._text(lp.token_ids[i]), float(lp.logprobs[i]), alternatives)
         return self.body(start)
 
@@ -402,14 +450,22 @@ class LogprobsLog:
     def body(self, start: int = 0) -> dict:
         tokens, lps, tops = self.tokens[start:], self.logprobs[start:], self.tops[start:]
         if not self.chat:
-            return {"tokens": tokens, "token_logprobs": lps,
-                    "top_logprobs": [None if t is None else dict(t) for t in tops], "text_offset": self.offsets[start:]}
+            return {
+                "tokens": tokens,
+                "token_logprobs": lps,
+                "top_logprobs": [None if t is None else dict(t) for t in tops],
+                "text_offset": self.offsets[start:],
+            }
 
         def entry(text: str, logprob: float) -> dict:
             return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
 
-        return {"content": [{**entry(t, lp), "top_logprobs": [entry(a, v) for a, v in top or ()]}
-                            for t, lp, top in zip(tokens, lps, tops)]}
+        return {
+            "content": [
+                {**entry(t, lp), "top_logprobs": [entry(a, v) for a, v in top or ()]}
+                for t, lp, top in zip(tokens, lps, tops)
+            ]
+        }
 
 
 @dataclass
@@ -423,8 +479,9 @@ class ChoiceResult:
     logprobs: LogprobsLog | None = None
 
 
-def usage_body(finals: list[gateway_pb2.FinalMessage], prompt_tokens: int | None = None,
-               completion_tokens: int | None = None) -> dict:
+def usage_body(
+    finals: list[gateway_pb2.FinalMessage], prompt_tokens: int | None = None, completion_tokens: int | None = None
+) -> dict:
     """Usage of a request: prompt tokens once per prompt (``prompt_tokens``, default each final's), completion
     tokens of every choice."""
     p = sum(f.usage.prompt_tokens for f in finals) if prompt_tokens is None else prompt_tokens
@@ -444,13 +501,24 @@ class ResponseHead:
     def _base(self, kind: str) -> dict:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
 
-    def _choice(self, index: int, text: str | None, finish: str | None, first: bool = False, whole: bool = False,
-                logprobs: dict | None = None) -> dict:
+    def _choice(
+        self,
+        index: int,
+        text: str | None,
+        finish: str | None,
+        first: bool = False,
+        whole: bool = False,
+        logprobs: dict | None = None,
+    ) -> dict:
         if not self.chat:
             return {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
         if whole:
-            return {"index": index, "message": {"role": "assistant", "content": text or ""}, "logprobs": logprobs,
-                    "finish_reason": finish}
+            return {
+                "index": index,
+                "message": {"role": "assistant", "content": text or ""},
+                "logprobs": logprobs,
+                "finish_reason": finish,
+            }
         delta = {} if text is None else {"content": text}
         if first:
             delta = {"role": "assistant", **delta}
@@ -461,8 +529,13 @@ class ResponseHead:
         body = self._base("chat.completion" if self.chat else "text_completion")
         body["choices"] = []
         for c in choices:
-            choice = self._choice(c.index, c.text, FINISH_REASONS.get(c.final.finish_reason, "stop"), whole=True,
-                                  logprobs=None if c.logprobs is None else c.logprobs.body())
+            choice = self._choice(
+                c.index,
+                c.text,
+                FINISH_REASONS.get(c.final.finish_reason, "stop"),
+                whole=True,
+                logprobs=None if c.logprobs is None else c.logprobs.body(),
+            )
             choice[EXTENSION] = stats_extension(c.final, c.token_ids)
             body["choices"].append(choice)
         body["usage"] = usage
@@ -470,8 +543,15 @@ class ResponseHead:
             body[EXTENSION] = body["choices"][0][EXTENSION]
         return body
 
-    def chunk(self, text: str | None, finish: str | None = None, first: bool = False, usage=False, index: int = 0,
-              logprobs: dict | None = None) -> dict:
+    def chunk(
+        self,
+        text: str | None,
+        finish: str | None = None,
+        first: bool = False,
+        usage=False,
+        index: int = 0,
+        logprobs: dict | None = None,
+    ) -> dict:
         """One streamed chunk (``usage``: the field is there, null, when the request asked for usage)."""
         body = self._base("chat.completion.chunk" if self.chat else "text_completion")
         body["choices"] = [self._choice(index, text, finish, first=first, logprobs=logprobs)]

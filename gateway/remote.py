@@ -179,7 +179,10 @@ class RemoteTarget:
         return self.target_info
 
     def session(
-        self, deadline: float | None, metrics: StepRecorder | None = None, reserve_tokens: int | None = None,
+        self,
+        deadline: float | None,
+        metrics: StepRecorder | None = None,
+        reserve_tokens: int | None = None,
         share_hidden: bool = False,
     ) -> RemoteTargetSession:
         """reserve_tokens: the most tokens the session may occupy (the target reserves KV blocks for them);
@@ -194,7 +197,11 @@ class RemoteTargetSession:
     """TargetClient for one request: prefill (unary), verify steps (one VerifyStream), release."""
 
     def __init__(
-        self, target: RemoteTarget, deadline: float | None, metrics: StepRecorder | None, reserve_tokens: int | None = None,
+        self,
+        target: RemoteTarget,
+        deadline: float | None,
+        metrics: StepRecorder | None,
+        reserve_tokens: int | None = None,
         share_hidden: bool = False,
     ) -> None:
         self._target = target
@@ -230,7 +237,11 @@ class RemoteTargetSession:
         return self._target.target_info
 
     async def prefill(
-        self, session_id: str, prompt_ids: Sequence[int], sampling: SamplingParams, hidden_layers: tuple[int, ...],
+        self,
+        session_id: str,
+        prompt_ids: Sequence[int],
+        sampling: SamplingParams,
+        hidden_layers: tuple[int, ...],
         logprobs: LogprobsSpec | None = None,
     ) -> PrefillResult:
         req = target_pb2.PrefillRequest(

@@ -98,8 +98,12 @@ class _Breaker:
         self.is_open = True
         self.opened += 1
         ep = self.endpoint
-        print(f"gateway: draft {ep.name} at {ep.address} failed {self.consecutive} times in a row; requests go "
-              "target-only until it answers again", file=sys.stderr, flush=True)
+        print(
+            f"gateway: draft {ep.name} at {ep.address} failed {self.consecutive} times in a row; requests go "
+            "target-only until it answers again",
+            file=sys.stderr,
+            flush=True,
+        )
         self._probe = asyncio.get_running_loop().create_task(self._probe_until_up(), name=f"probe-{ep.name}")
 
     async def _probe_until_up(self) -> None:
@@ -107,7 +111,9 @@ class _Breaker:
         while True:
             await asyncio.sleep(every)
             try:
-                await self.endpoint.stub.GetInfo(draft_pb2.DraftInfoRequest(), timeout=every, metadata=self.endpoint.auth)
+                await self.endpoint.stub.GetInfo(
+                    draft_pb2.DraftInfoRequest(), timeout=every, metadata=self.endpoint.auth
+                )
             except grpc.aio.AioRpcError:
                 continue
             self.is_open, self.consecutive = False, 0
@@ -180,9 +186,14 @@ class RemoteDraftEndpoint:
         they run on the same host, the draft maps the target's kind); as its last GetInfo said."""
         info = self.last_info
         return bool(
-            self.hidden_share and info is not None and target_info is not None and info.needs_hidden_states
-            and target_info.hidden_share_kind and target_info.hidden_share_kind in info.hidden_share_kinds
-            and target_info.host_id and target_info.host_id == info.host_id
+            self.hidden_share
+            and info is not None
+            and target_info is not None
+            and info.needs_hidden_states
+            and target_info.hidden_share_kind
+            and target_info.hidden_share_kind in info.hidden_share_kinds
+            and target_info.host_id
+            and target_info.host_id == info.host_id
         )
 
     def session(self, deadline: float | None) -> RemoteDraft:
@@ -230,9 +241,15 @@ class RemoteDraft:
             shared = isinstance(request, draft_pb2.StartSessionRequest) and request.HasField("hidden_share")
             if exc.code() == grpc.StatusCode.FAILED_PRECONDITION and shared:
                 self._ep.hidden_share = False  # it cannot map the target's buffers: bytes from now on
-                print(f"gateway: draft {self._ep.name} cannot map the target's hidden-row buffers "
-                      f"({exc.details()}); its sessions get hidden rows as bytes", file=sys.stderr, flush=True)
-            raise DraftError(f"draft {self._ep.name} at {self._ep.address}: {exc.code().name}: {exc.details()}") from None
+                print(
+                    f"gateway: draft {self._ep.name} cannot map the target's hidden-row buffers "
+                    f"({exc.details()}); its sessions get hidden rows as bytes",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            raise DraftError(
+                f"draft {self._ep.name} at {self._ep.address}: {exc.code().name}: {exc.details()}"
+            ) from None
         except DraftError:
             raise
         except Exception as exc:  # noqa: BLE001 - any failure of the draft only drops speculation
@@ -253,7 +270,9 @@ class RemoteDraft:
         self, session_id: str, token_ids: Sequence[int], hidden: torch.Tensor | None, sampling: SamplingParams
     ) -> None:
         req = draft_pb2.StartSessionRequest(
-            session_id=session_id, token_ids=list(token_ids), sampling=self._ep.draft_sampling(sampling),
+            session_id=session_id,
+            token_ids=list(token_ids),
+            sampling=self._ep.draft_sampling(sampling),
             want_shm=self._ep.asks_shm(),
         )
         if isinstance(hidden, SharedRows):  # in the target's buffer: relay its handle and the range

@@ -62,8 +62,10 @@ def too_long_block(checked, draft_info) -> str:
     limit = "its --max-block-size (serve and draft)"
     if draft_info.family in ("dflash", "dspark"):  # block drafters: a block holds at most block_size tokens
         limit += " or its checkpoint's block_size"
-    return (f"num_speculative_tokens: {checked.num_speculative_tokens} exceeds the {draft_info.max_block_size} "
-            f"tokens draft {checked.draft_name!r} ({draft_info.family}) drafts per block; {limit} sets that")
+    return (
+        f"num_speculative_tokens: {checked.num_speculative_tokens} exceeds the {draft_info.max_block_size} "
+        f"tokens draft {checked.draft_name!r} ({draft_info.family}) drafts per block; {limit} sets that"
+    )
 
 
 @dataclass(frozen=True)
@@ -119,8 +121,6 @@ class GatewayConfig:
         unknown = sorted(self.trusted_drafts - set(self.drafts))
         if unknown:
             raise ValueError(f"trusted drafts {unknown} are not among the drafts {sorted(self.drafts)}")
-
-
 
 
 class GatewayError(SpecserveError):
@@ -181,8 +181,13 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self.tokenizer = tokenizer
         self._token_bytes = max_token_bytes(tokenizer) if tokenizer is not None else 0  # the prompt's byte pre-check
         self.drafts = DraftTable(
-            config.draft_step_timeout_s, config.downstream_tls, target.target_info, config.draft_breaker,
-            config.downstream_token, config.shm, config.hidden_share,
+            config.draft_step_timeout_s,
+            config.downstream_tls,
+            target.target_info,
+            config.draft_breaker,
+            config.downstream_token,
+            config.shm,
+            config.hidden_share,
         )
         for name, address in config.drafts.items():
             self.drafts.put(self.drafts.make(name, address, trusted=name in config.trusted_drafts))
@@ -195,10 +200,12 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
 
     def observe(self) -> None:
         """Export the admission state (running and queued requests) as observable gauges."""
-        tn.observe_service(gauges={
-            tn.GATEWAY_REQUESTS_RUNNING: lambda: self.admission.active,
-            tn.GATEWAY_REQUESTS_QUEUED: lambda: self.admission.queued,
-        })
+        tn.observe_service(
+            gauges={
+                tn.GATEWAY_REQUESTS_RUNNING: lambda: self.admission.active,
+                tn.GATEWAY_REQUESTS_QUEUED: lambda: self.admission.queued,
+            }
+        )
 
     def token_ok(self, authorization: str | bytes | None) -> bool:
         """Whether an ``authorization`` value (``Bearer <token>``) carries the token (always, with none set)."""
@@ -314,8 +321,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             k = k_on_draft(checked.num_speculative_tokens, most)  # refused above `most`, never drafted shorter
         except KTooLong:
             self.drafts.release(endpoint)
-            raise GatewayError(grpc.StatusCode.INVALID_ARGUMENT, too_long_block(checked, endpoint.last_info),
-                               "num_speculative_tokens") from None
+            raise GatewayError(
+                grpc.StatusCode.INVALID_ARGUMENT, too_long_block(checked, endpoint.last_info), "num_speculative_tokens"
+            ) from None
         tree = checked.tree if endpoint is not None else None
         if tree is not None and endpoint.last_info is not None and not endpoint.last_info.supports_tree:
             self.drafts.release(endpoint)
@@ -382,7 +390,11 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     def _final(self, event: FinalEvent, draft_name: str | None, arrived: float) -> gateway_pb2.GenerateResponse:
         stats = event.stats.as_dict()
         self.metrics.record_request(
-            stats, event.finish_reason, draft_name or NO_DRAFT, event.prompt_tokens, event.completion_tokens,
+            stats,
+            event.finish_reason,
+            draft_name or NO_DRAFT,
+            event.prompt_tokens,
+            event.completion_tokens,
             e2e_s=time.perf_counter() - arrived,
         )
         return gateway_pb2.GenerateResponse(
@@ -448,7 +460,11 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         name, address = request.name, request.address
         what = f"gateway: SetDraft {short(name, 64)!r} -> {short(address, 200)!r} from {context.peer()}"
         remaining = context.time_remaining()
-        wait_s = self.config.set_draft_timeout_s if remaining is None else min(self.config.set_draft_timeout_s, 0.8 * remaining)
+        wait_s = (
+            self.config.set_draft_timeout_s
+            if remaining is None
+            else min(self.config.set_draft_timeout_s, 0.8 * remaining)
+        )
         refused = await self._swap_draft(name, address, wait_s)
         if refused is not None:  # logged as what it is: a swap that did not happen
             code, message = refused
@@ -475,7 +491,10 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             info = await ep.fetch_info(wait_s, wait_for_ready=True)
         except grpc.aio.AioRpcError as exc:
             await ep.close()
-            return grpc.StatusCode.FAILED_PRECONDITION, f"address: no draft service reachable at {address}: {exc.details()}"
+            return (
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"address: no draft service reachable at {address}: {exc.details()}",
+            )
         problem = incompatible(info, self.target.target_info)
         if problem:
             await ep.close()
@@ -492,5 +511,5 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         await self._authorize(context, request)
         admin = self._is_admin(context)
         return gateway_pb2.ListDraftsResponse(
-            drafts={name: address if admin else "" for name, address in self.drafts.addresses().items()})
-
+            drafts={name: address if admin else "" for name, address in self.drafts.addresses().items()}
+        )

@@ -101,8 +101,12 @@ def consecutive_rows(parts: list[Hidden]) -> torch.Tensor | None:  # [sum of row
         return None
     storage = first.untyped_storage().data_ptr()
     for prev, p in zip(parts, parts[1:]):
-        if (p.untyped_storage().data_ptr() != storage or p.stride() != first.stride() or p.shape[1] != first.shape[1]
-                or p.storage_offset() != prev.storage_offset() + prev.shape[0] * prev.stride(0)):
+        if (
+            p.untyped_storage().data_ptr() != storage
+            or p.stride() != first.stride()
+            or p.shape[1] != first.shape[1]
+            or p.storage_offset() != prev.storage_offset() + prev.shape[0] * prev.stride(0)
+        ):
             return None
     rows = sum(p.shape[0] for p in parts)
     view = first.as_strided((rows, first.shape[1]), first.stride(), first.storage_offset())
@@ -157,7 +161,9 @@ class _DraftSync:
         self.known = len(seq)
         return block
 
-    async def propose_ahead(self, draft: DraftClient, sid: str, seq: list[int], block: DraftBlock, k: int) -> DraftBlock:
+    async def propose_ahead(
+        self, draft: DraftClient, sid: str, seq: list[int], block: DraftBlock, k: int
+    ) -> DraftBlock:
         """Block n+1 while block n is verified: S + block n as if accepted in full (k + 1 tokens: the first
         is the drafter's guess of the bonus token)."""
         return await draft.propose(sid, self.known, seq[self.known :] + list(block.token_ids), None, k + 1, None)
@@ -196,7 +202,9 @@ class _Run:
 
     def chain_limit(self) -> int:
         remaining = self.request.max_new_tokens - len(self.emitted)
-        return max(0, min(self.request.num_speculative_tokens, remaining - 1, self.info.max_context - len(self.seq) - 1))
+        return max(
+            0, min(self.request.num_speculative_tokens, remaining - 1, self.info.max_context - len(self.seq) - 1)
+        )
 
     def ahead_planned(self, k: int, decide: bool = False) -> bool:
         """Whether a step verifying a chain of k >= 1 tokens drafts the next block meanwhile (adaptive:
@@ -288,8 +296,14 @@ class _Run:
                 self.observer.verify_span(vspan, block, res)
         finally:
             drafted_ahead = await ahead_task if ahead_task is not None else None
-        walls = VerifyWalls(len(self.seq), verify_wall_ms, (time.perf_counter() - t0) * 1e3, ahead=ahead_task is not None,
-                            step_started=self.step_started, cut_confidence=self.cut_confidence)
+        walls = VerifyWalls(
+            len(self.seq),
+            verify_wall_ms,
+            (time.perf_counter() - t0) * 1e3,
+            ahead=ahead_task is not None,
+            step_started=self.step_started,
+            cut_confidence=self.cut_confidence,
+        )
         self.cut_confidence = None
         if drafted_ahead is not None:
             ahead, ahead_ms = drafted_ahead
@@ -367,8 +381,9 @@ async def run_request(
         run.sync = _DraftSync(needs_hidden=bool(hidden_layers))
         try:
             with tracer.start_as_current_span(names.SPAN_PREFILL):
-                pre = await target.prefill(sid, request.prompt_ids, request.sampling, hidden_layers,
-                                           logprobs=request.logprobs)
+                pre = await target.prefill(
+                    sid, request.prompt_ids, request.sampling, hidden_layers, logprobs=request.logprobs
+                )
             run.seq = list(request.prompt_ids) + [pre.next_token]
             run.sync.add_hidden(pre.hidden)
             run.stats.first_token()

@@ -52,8 +52,7 @@ def _tree(req: gateway_pb2.GenerateRequest, draft_name: str | None) -> TreeSpec 
         if req.tree_top_k or req.tree_depth:
             raise InvalidRequest("tree_nodes", "must be > 0 when tree_top_k or tree_depth is set")
         return None
-    for field, most in (("tree_nodes", MAX_K), ("tree_top_k", MAX_TREE_TOP_K),
-                        ("tree_depth", MAX_TREE_DEPTH)):
+    for field, most in (("tree_nodes", MAX_K), ("tree_top_k", MAX_TREE_TOP_K), ("tree_depth", MAX_TREE_DEPTH)):
         if getattr(req, field) > most:
             raise InvalidRequest(field, f"must be in [0, {most}], got {getattr(req, field)}")
     if draft_name is None:
@@ -85,8 +84,11 @@ def check_prompt_bytes(text: str, target: target_pb2.TargetInfo, limits: Request
     size = utf8_size(text)
     if size > tokens * bytes_per_token:
         limit = "(--max-prompt-tokens)" if limits.max_prompt_tokens else "(the model's context)"
-        raise InvalidRequest("prompt", f"{size} bytes of text cannot fit in {tokens} tokens {limit}: a token of "
-                                       f"this tokenizer stands for at most {bytes_per_token} bytes")
+        raise InvalidRequest(
+            "prompt",
+            f"{size} bytes of text cannot fit in {tokens} tokens {limit}: a token of "
+            f"this tokenizer stands for at most {bytes_per_token} bytes",
+        )
 
 
 def encode_text(tokenizer, text: str, add_special_tokens: bool = True) -> tuple[int, ...]:
@@ -178,9 +180,7 @@ def validate_request(
     if req.speculation not in gateway_pb2.Speculation.values():
         raise InvalidRequest("speculation", f"unknown value {req.speculation}")
     if not 0 <= req.num_speculative_tokens <= MAX_K:
-        raise InvalidRequest(
-            "num_speculative_tokens", f"must be in [0, {MAX_K}], got {req.num_speculative_tokens}"
-        )
+        raise InvalidRequest("num_speculative_tokens", f"must be in [0, {MAX_K}], got {req.num_speculative_tokens}")
     try:
         logprobs = convert.logprobs_spec_from_proto(req)
     except convert.ConversionError as exc:

@@ -64,8 +64,10 @@ class AttnDims:
 
     def __post_init__(self) -> None:
         require(self.dtype in _DTYPES, f"dtype must be bf16 or fp16, got {self.dtype}")
-        require(self.num_kv_heads >= 1 and self.num_heads % self.num_kv_heads == 0,
-                f"num_heads ({self.num_heads}) must be a positive multiple of num_kv_heads ({self.num_kv_heads})")
+        require(
+            self.num_kv_heads >= 1 and self.num_heads % self.num_kv_heads == 0,
+            f"num_heads ({self.num_heads}) must be a positive multiple of num_kv_heads ({self.num_kv_heads})",
+        )
 
 
 @dataclass(frozen=True)
@@ -87,8 +89,11 @@ class GraphShape:
         return not self.tree and all(q == 1 for q in self.query_lens)
 
     def matches(self, batch: PagedBatch) -> bool:
-        return (batch.query_lens == self.query_lens and batch.has_tree == self.tree
-                and int(batch.kv_lens.max()) <= self.max_kv_len)
+        return (
+            batch.query_lens == self.query_lens
+            and batch.has_tree == self.tree
+            and int(batch.kv_lens.max()) <= self.max_kv_len
+        )
 
 
 def pack_tree_mask(batch: PagedBatch) -> torch.Tensor:  # [bytes] uint8, CPU
@@ -108,7 +113,7 @@ def pack_tree_mask(batch: PagedBatch) -> torch.Tensor:  # [bytes] uint8, CPU
         pad = (-bits.numel()) % 8
         padded = torch.cat([bits, torch.zeros(pad, dtype=torch.bool)]).view(-1, 8).to(torch.int32)
         packed = (padded * weights).sum(-1).to(torch.uint8)
-        out[offsets[b]: offsets[b] + packed.numel()] = packed
+        out[offsets[b] : offsets[b] + packed.numel()] = packed
     return out
 
 
@@ -128,8 +133,9 @@ def new_workspace(device: torch.device | str) -> torch.Tensor:  # [WORKSPACE_BYT
     return torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
 
 
-def check_query(name: str, q: torch.Tensor, rows: int, heads: int, dim: int, dtype: torch.dtype,
-                device: torch.device) -> None:
+def check_query(
+    name: str, q: torch.Tensor, rows: int, heads: int, dim: int, dtype: torch.dtype, device: torch.device
+) -> None:
     """q must be [rows, heads, dim] of the planned dtype on the wrapper's device (last dim contiguous)."""
     check_tensor(name, q, 3, (dtype,), contiguous=False)
     require(q.stride(-1) == 1, f"{name} must be contiguous in its last dim, strides {q.stride()}")
@@ -142,8 +148,14 @@ def check_query(name: str, q: torch.Tensor, rows: int, heads: int, dim: int, dty
 class StepAttention:
     """FlashInfer wrappers for one step (eager: any shape; graph: the one GraphShape), planned per step."""
 
-    def __init__(self, dims: AttnDims, block_size: int, device: torch.device | str,
-                 workspace: torch.Tensor | None = None, graph: GraphShape | None = None) -> None:
+    def __init__(
+        self,
+        dims: AttnDims,
+        block_size: int,
+        device: torch.device | str,
+        workspace: torch.Tensor | None = None,
+        graph: GraphShape | None = None,
+    ) -> None:
         require(HAS_FLASHINFER, f"flashinfer is not importable here ({FLASHINFER_IMPORT_ERROR or 'not installed'})")
         self.dims, self.block_size, self.graph = dims, block_size, graph
         self.device = _cuda_device(device)
@@ -170,20 +182,37 @@ class StepAttention:
             reqs = sum(g.query_lens) if g.tree else b  # a tree: one request per new token
             nnz = reqs * g.max_kv_len if g.tree else pages
             return flashinfer.mla.BatchMLAPagedAttentionWrapper(
-                self._workspace, use_cuda_graph=True, qo_indptr=_i32(reqs + 1, dev), kv_indptr=_i32(reqs + 1, dev),
-                kv_indices=_i32(nnz, dev), kv_len_arr=_i32(reqs, dev), backend="auto")
+                self._workspace,
+                use_cuda_graph=True,
+                qo_indptr=_i32(reqs + 1, dev),
+                kv_indptr=_i32(reqs + 1, dev),
+                kv_indices=_i32(nnz, dev),
+                kv_len_arr=_i32(reqs, dev),
+                backend="auto",
+            )
         if g.decode:
             return flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-                self._workspace, "NHD", use_cuda_graph=True, use_tensor_cores=True,
-                paged_kv_indptr_buffer=_i32(b + 1, dev), paged_kv_indices_buffer=_i32(pages, dev),
-                paged_kv_last_page_len_buffer=_i32(b, dev))
+                self._workspace,
+                "NHD",
+                use_cuda_graph=True,
+                use_tensor_cores=True,
+                paged_kv_indptr_buffer=_i32(b + 1, dev),
+                paged_kv_indices_buffer=_i32(pages, dev),
+                paged_kv_last_page_len_buffer=_i32(b, dev),
+            )
         mask_bytes = sum(g.query_lens) * g.max_kv_len + 16 if g.tree else None
         return flashinfer.BatchPrefillWithPagedKVCacheWrapper(
-            self._workspace, "NHD", use_cuda_graph=True, qo_indptr_buf=_i32(b + 1, dev),
-            paged_kv_indptr_buf=_i32(b + 1, dev), paged_kv_indices_buf=_i32(pages, dev),
+            self._workspace,
+            "NHD",
+            use_cuda_graph=True,
+            qo_indptr_buf=_i32(b + 1, dev),
+            paged_kv_indptr_buf=_i32(b + 1, dev),
+            paged_kv_indices_buf=_i32(pages, dev),
             paged_kv_last_page_len_buf=_i32(b, dev),
             custom_mask_buf=torch.zeros(mask_bytes, dtype=torch.uint8, device=dev) if g.tree else None,
-            mask_indptr_buf=_i32(b + 1, dev) if g.tree else None, backend="fa2")
+            mask_indptr_buf=_i32(b + 1, dev) if g.tree else None,
+            backend="fa2",
+        )
 
     def _eager_wrapper(self, kind: str):
         w = self._wrappers.get(kind)
@@ -200,12 +229,15 @@ class StepAttention:
     def plan(self, batch: PagedBatch) -> None:
         """Host-side planning for this step (plus small host-to-device copies); call before run / replay."""
         d = self.dims
-        require(batch.block_size == self.block_size,
-                f"batch block_size {batch.block_size} != the wrappers' block_size {self.block_size}")
+        require(
+            batch.block_size == self.block_size,
+            f"batch block_size {batch.block_size} != the wrappers' block_size {self.block_size}",
+        )
         if self.graph is not None and not self.graph.matches(batch):
             raise KernelArgumentError(
                 f"step {batch.query_lens} (tree {batch.has_tree}, kv {batch.kv_lens.tolist()}) does not fit the "
-                f"graph shape {self.graph}")
+                f"graph shape {self.graph}"
+            )
         kind = self._kind_of(batch.is_decode and not batch.has_tree, batch.has_tree)
         w = self._wrappers[kind] if self.graph is not None else self._eager_wrapper(kind)
         if d.mla:
@@ -216,16 +248,50 @@ class StepAttention:
             else:
                 qo, kv_indptr, kv_indices, kv_lens = batch.qo_indptr, batch.kv_indptr, batch.kv_indices, batch.kv_lens
                 page = batch.block_size
-            w.plan(qo, kv_indptr, kv_indices, kv_lens, d.num_heads, d.head_dim, d.rope_dim, page,
-                   not self._token_pages, d.sm_scale, d.dtype, d.dtype)
+            w.plan(
+                qo,
+                kv_indptr,
+                kv_indices,
+                kv_lens,
+                d.num_heads,
+                d.head_dim,
+                d.rope_dim,
+                page,
+                not self._token_pages,
+                d.sm_scale,
+                d.dtype,
+                d.dtype,
+            )
         elif kind == "decode":
-            w.plan(batch.kv_indptr, batch.kv_indices, batch.last_page_lens(), d.num_heads, d.num_kv_heads,
-                   d.head_dim, batch.block_size, q_data_type=d.dtype, kv_data_type=d.dtype, sm_scale=d.sm_scale)
+            w.plan(
+                batch.kv_indptr,
+                batch.kv_indices,
+                batch.last_page_lens(),
+                d.num_heads,
+                d.num_kv_heads,
+                d.head_dim,
+                batch.block_size,
+                q_data_type=d.dtype,
+                kv_data_type=d.dtype,
+                sm_scale=d.sm_scale,
+            )
         else:
             packed = pack_tree_mask(batch) if batch.has_tree else None
-            w.plan(batch.qo_indptr, batch.kv_indptr, batch.kv_indices, batch.last_page_lens(), d.num_heads,
-                   d.num_kv_heads, d.head_dim, batch.block_size, packed_custom_mask=packed, causal=packed is None,
-                   sm_scale=d.sm_scale, q_data_type=d.dtype, kv_data_type=d.dtype)
+            w.plan(
+                batch.qo_indptr,
+                batch.kv_indptr,
+                batch.kv_indices,
+                batch.last_page_lens(),
+                d.num_heads,
+                d.num_kv_heads,
+                d.head_dim,
+                batch.block_size,
+                packed_custom_mask=packed,
+                causal=packed is None,
+                sm_scale=d.sm_scale,
+                q_data_type=d.dtype,
+                kv_data_type=d.dtype,
+            )
         self._active = w
         self._batch = batch
 

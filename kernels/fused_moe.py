@@ -113,10 +113,13 @@ def check_moe_args(
         topk_weights.shape == topk_ids.shape,
         f"topk_weights shape {tuple(topk_weights.shape)} must equal topk_ids shape {tuple(topk_ids.shape)}",
     )
-    require(w13.dtype == hidden.dtype and w2.dtype == hidden.dtype,
-            f"hidden, w13, w2 must share a dtype, got {hidden.dtype}, {w13.dtype}, {w2.dtype}")
-    check_same_device([("hidden", hidden), ("w13", w13), ("w2", w2), ("topk_ids", topk_ids),
-                       ("topk_weights", topk_weights)])
+    require(
+        w13.dtype == hidden.dtype and w2.dtype == hidden.dtype,
+        f"hidden, w13, w2 must share a dtype, got {hidden.dtype}, {w13.dtype}, {w2.dtype}",
+    )
+    check_same_device(
+        [("hidden", hidden), ("w13", w13), ("w2", w2), ("topk_ids", topk_ids), ("topk_weights", topk_weights)]
+    )
     return t, h, e, inter, topk_ids.shape[1]
 
 
@@ -177,8 +180,18 @@ def align_triton(
     num_blocks = torch.empty(1, dtype=torch.int32, device=dev)
     scratch = torch.empty(n_pad, dtype=torch.int32, device=dev)
     moe_triton.moe_align_kernel[(1,)](
-        flat, sorted_slot, block_expert, num_blocks, scratch, n, num_experts, maxb * bm,
-        N_PAD=n_pad, BM=bm, FILL=1024, num_warps=4 if n_pad <= 1024 else 8,
+        flat,
+        sorted_slot,
+        block_expert,
+        num_blocks,
+        scratch,
+        n,
+        num_experts,
+        maxb * bm,
+        N_PAD=n_pad,
+        BM=bm,
+        FILL=1024,
+        num_warps=4 if n_pad <= 1024 else 8,
     )
     return sorted_slot, block_expert, num_blocks
 
@@ -204,20 +217,53 @@ def fused_moe_triton(
     maxb = block_expert.numel()
     act = torch.empty(maxb * cfg.bm, inter, dtype=hidden.dtype, device=hidden.device)  # [MAXP, I]
     moe_triton.moe_gate_up_kernel[(maxb, triton.cdiv(inter, cfg.gu_bn))](
-        hidden, w13, act, sorted_slot, block_expert, num_blocks, n, k, h, inter,
-        hidden.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
-        BM=cfg.bm, BN=cfg.gu_bn, BK=cfg.gu_bk, num_warps=cfg.gu_warps, num_stages=cfg.gu_stages,
+        hidden,
+        w13,
+        act,
+        sorted_slot,
+        block_expert,
+        num_blocks,
+        n,
+        k,
+        h,
+        inter,
+        hidden.stride(0),
+        w13.stride(0),
+        w13.stride(1),
+        act.stride(0),
+        BM=cfg.bm,
+        BN=cfg.gu_bn,
+        BK=cfg.gu_bk,
+        num_warps=cfg.gu_warps,
+        num_stages=cfg.gu_stages,
     )
     per_slot = torch.empty(n, h, dtype=torch.float32, device=hidden.device)  # [T*K, H]
     moe_triton.moe_down_kernel[(maxb, triton.cdiv(h, cfg.dn_bn))](
-        act, w2, topk_weights.reshape(-1), per_slot, sorted_slot, block_expert, num_blocks, n, h, inter,
-        act.stride(0), w2.stride(0), w2.stride(1), per_slot.stride(0),
-        BM=cfg.bm, BN=cfg.dn_bn, BK=cfg.dn_bk, num_warps=cfg.dn_warps, num_stages=cfg.dn_stages,
+        act,
+        w2,
+        topk_weights.reshape(-1),
+        per_slot,
+        sorted_slot,
+        block_expert,
+        num_blocks,
+        n,
+        h,
+        inter,
+        act.stride(0),
+        w2.stride(0),
+        w2.stride(1),
+        per_slot.stride(0),
+        BM=cfg.bm,
+        BN=cfg.dn_bn,
+        BK=cfg.dn_bk,
+        num_warps=cfg.dn_warps,
+        num_stages=cfg.dn_stages,
     )
     out = torch.empty_like(hidden)
     bh = min(1024, triton_next_pow2(h))
-    moe_triton.sum_topk_kernel[(t, triton.cdiv(h, bh))](per_slot, topk_ids.reshape(-1), out, h, TOPK=k, BH=bh, SKIP=True,
-                                                         PARTS=1, num_warps=4)
+    moe_triton.sum_topk_kernel[(t, triton.cdiv(h, bh))](
+        per_slot, topk_ids.reshape(-1), out, h, TOPK=k, BH=bh, SKIP=True, PARTS=1, num_warps=4
+    )
     return out
 
 
@@ -238,7 +284,8 @@ def moe_grouped_mm(
     order = torch.argsort(key, stable=True)  # [N]
     tok = order // k  # [N]
     counts = torch.zeros(e + 1, dtype=torch.int32, device=flat.device).index_add_(
-        0, key, torch.ones_like(key, dtype=torch.int32))[:e]
+        0, key, torch.ones_like(key, dtype=torch.int32)
+    )[:e]
     offs = torch.cumsum(counts, 0, dtype=torch.int32)  # [E]
     gu = torch._grouped_mm(hidden[tok], w13.transpose(1, 2), offs=offs)  # [N, 2I]
     act = F.silu(gu[:, :inter]) * gu[:, inter:]  # [N, I]
@@ -284,6 +331,7 @@ def fused_moe(
     if chosen == "grouped_mm":
         return moe_grouped_mm(hidden, w13, w2, topk_ids, topk_weights)
     require(HAS_TRITON, "backend 'triton' needs the triton package, which is not installed")
-    require(hidden.is_cuda or triton_interpreting(),
-            f"the Triton MoE needs CUDA tensors, got hidden on {hidden.device}")
+    require(
+        hidden.is_cuda or triton_interpreting(), f"the Triton MoE needs CUDA tensors, got hidden on {hidden.device}"
+    )
     return fused_moe_triton(hidden, w13, w2, topk_ids, topk_weights, config)

@@ -77,8 +77,20 @@ def rms_norm(
         return out
     block, rows, warps = _block(h)
     _k.rms_norm_kernel[(triton.cdiv(t, rows),)](
-        x, weight, out, t, float(eps), x.stride(0), 0, out.stride(0), 0,
-        H=h, HEADS=1, BLOCK=block, ROWS=rows, num_warps=warps,
+        x,
+        weight,
+        out,
+        t,
+        float(eps),
+        x.stride(0),
+        0,
+        out.stride(0),
+        0,
+        H=h,
+        HEADS=1,
+        BLOCK=block,
+        ROWS=rows,
+        num_warps=warps,
     )
     return out
 
@@ -106,9 +118,21 @@ def fused_add_rms_norm(
         return out, residual_out
     block, rows, warps = _block(h)
     _k.add_rms_norm_kernel[(triton.cdiv(t, rows),)](
-        x, residual, weight, out, residual_out, t, float(eps),
-        x.stride(0), residual.stride(0), out.stride(0), residual_out.stride(0),
-        H=h, BLOCK=block, ROWS=rows, num_warps=warps,
+        x,
+        residual,
+        weight,
+        out,
+        residual_out,
+        t,
+        float(eps),
+        x.stride(0),
+        residual.stride(0),
+        out.stride(0),
+        residual_out.stride(0),
+        H=h,
+        BLOCK=block,
+        ROWS=rows,
+        num_warps=warps,
     )
     return out, residual_out
 
@@ -131,7 +155,19 @@ def head_rms_norm(
         return out
     block, rows, warps = _block(d)
     _k.rms_norm_kernel[(triton.cdiv(n * heads, rows),)](
-        x, weight, out, n * heads, float(eps), x.stride(0), x.stride(1), out.stride(0), out.stride(1),
-        H=d, HEADS=heads, BLOCK=block, ROWS=rows, num_warps=warps,
+        x,
+        weight,
+        out,
+        n * heads,
+        float(eps),
+        x.stride(0),
+        x.stride(1),
+        out.stride(0),
+        out.stride(1),
+        H=d,
+        HEADS=heads,
+        BLOCK=block,
+        ROWS=rows,
+        num_warps=warps,
     )
     return out

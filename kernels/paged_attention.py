@@ -63,8 +63,9 @@ def _out_buffer(out: torch.Tensor | None, shape: tuple[int, ...], like: torch.Te
     return out
 
 
-def _workspace(workspace: torch.Tensor | None, n: int, heads: int, splits: int, dv: int,
-               device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def _workspace(
+    workspace: torch.Tensor | None, n: int, heads: int, splits: int, dv: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(acc [N*H*S*Dv], m/l [N*H*S*2]) fp32 views; allocated when not given."""
     need = n * heads * splits * (dv + 2)
     if workspace is None:
@@ -78,16 +79,22 @@ def _workspace(workspace: torch.Tensor | None, n: int, heads: int, splits: int, 
 
 def _check_launch(rows: PagedRows, tensors: list[tuple[str, torch.Tensor]], num_splits: int) -> None:
     require(HAS_TRITON, "the Triton paged attention needs the triton package, which is not installed")
-    require(tensors[0][1].is_cuda or triton_interpreting(),
-            f"the Triton paged attention needs CUDA tensors, got {tensors[0][0]} on {tensors[0][1].device}")
+    require(
+        tensors[0][1].is_cuda or triton_interpreting(),
+        f"the Triton paged attention needs CUDA tensors, got {tensors[0][0]} on {tensors[0][1].device}",
+    )
     check_same_device(tensors + [("row metadata", rows.row_request)])
-    require(isinstance(num_splits, int) and 1 <= num_splits <= MAX_SPLITS,
-            f"num_splits must be an int in [1, {MAX_SPLITS}], got {num_splits!r}")
+    require(
+        isinstance(num_splits, int) and 1 <= num_splits <= MAX_SPLITS,
+        f"num_splits must be an int in [1, {MAX_SPLITS}], got {num_splits!r}",
+    )
 
 
 def _check_split_chunk(split_chunk: int, block_n: int) -> None:
-    require(isinstance(split_chunk, int) and split_chunk >= 0 and split_chunk % block_n == 0,
-            f"split_chunk must be 0 or a multiple of block_n = {block_n}, got {split_chunk!r}")
+    require(
+        isinstance(split_chunk, int) and split_chunk >= 0 and split_chunk % block_n == 0,
+        f"split_chunk must be 0 or a multiple of block_n = {block_n}, got {split_chunk!r}",
+    )
 
 
 def fixed_splits(max_kv_len: int, granule: int = 64) -> tuple[int, int]:
@@ -99,21 +106,55 @@ def fixed_splits(max_kv_len: int, granule: int = 64) -> tuple[int, int]:
     return int(min(MAX_SPLITS, max(1, -(-max_kv_len // granule)))), granule
 
 
-def _combine(ws_acc: torch.Tensor, ws_ml: torch.Tensor, out: torch.Tensor, rows: PagedRows, split_chunk: int,
-             n: int, heads: int, dv: int, splits: int, block_size: int) -> None:
+def _combine(
+    ws_acc: torch.Tensor,
+    ws_ml: torch.Tensor,
+    out: torch.Tensor,
+    rows: PagedRows,
+    split_chunk: int,
+    n: int,
+    heads: int,
+    dv: int,
+    splits: int,
+    block_size: int,
+) -> None:
     """Merge the split partials into out [N, H, DV]: per-row ranges (up to the row's last) or derived ranges."""
     if split_chunk:
         dv_block = min(_pow2(dv), 64)  # [S_PAD, 64] fp32 partials a program: no spills at 64 splits
         _k.combine_fixed_splits_kernel[(n, heads, triton.cdiv(dv, dv_block))](
-            ws_acc, ws_ml, out, rows.row_request, rows.row_index, rows.kv_lens, rows.new_starts, rows.num_requests,
-            rows.max_blocks * block_size, split_chunk, out.stride(0), out.stride(1), H=heads, DV=dv,
-            DV_BLOCK=dv_block, SPLITS=splits, S_PAD=_pow2(splits, 2), HAS_TREE=rows.tree_mask is not None,
+            ws_acc,
+            ws_ml,
+            out,
+            rows.row_request,
+            rows.row_index,
+            rows.kv_lens,
+            rows.new_starts,
+            rows.num_requests,
+            rows.max_blocks * block_size,
+            split_chunk,
+            out.stride(0),
+            out.stride(1),
+            H=heads,
+            DV=dv,
+            DV_BLOCK=dv_block,
+            SPLITS=splits,
+            S_PAD=_pow2(splits, 2),
+            HAS_TREE=rows.tree_mask is not None,
             num_warps=4,
         )
         return
     _k.combine_splits_kernel[(n, heads)](
-        ws_acc, ws_ml, out, out.stride(0), out.stride(1),
-        H=heads, DV=dv, DV_PAD=_pow2(dv), SPLITS=splits, S_PAD=_pow2(splits, 2), num_warps=4,
+        ws_acc,
+        ws_ml,
+        out,
+        out.stride(0),
+        out.stride(1),
+        H=heads,
+        DV=dv,
+        DV_PAD=_pow2(dv),
+        SPLITS=splits,
+        S_PAD=_pow2(splits, 2),
+        num_warps=4,
     )
 
 
@@ -121,8 +162,18 @@ def _meta_args(rows: PagedRows) -> tuple:
     tree = rows.tree_mask.view(torch.uint8) if rows.tree_mask is not None else rows.row_index
     paths = rows.tree_paths if rows.tree_paths is not None else rows.row_index
     max_new = rows.tree_mask.shape[1] if rows.tree_mask is not None else 0
-    return (rows.block_tables, rows.kv_lens, rows.new_starts, rows.row_request, rows.row_index, tree, paths,
-            rows.num_requests, rows.max_blocks, max_new)
+    return (
+        rows.block_tables,
+        rows.kv_lens,
+        rows.new_starts,
+        rows.row_request,
+        rows.row_index,
+        tree,
+        paths,
+        rows.num_requests,
+        rows.max_blocks,
+        max_new,
+    )
 
 
 def _precision(dtype: torch.dtype) -> str:
@@ -169,13 +220,33 @@ def paged_gqa_attention(
     _check_split_chunk(split_chunk, bn)
     ws_acc, ws_ml = _workspace(workspace, n, hq, num_splits, d, q.device) if num_splits > 1 else (out, out)
     _k.gqa_rows_kernel[(n, hkv, num_splits)](
-        q, kv_cache, out, ws_acc, ws_ml, *_meta_args(rows), scale * LOG2E, split_chunk,
-        q.stride(0), q.stride(1), rows.block_tables.stride(0),
+        q,
+        kv_cache,
+        out,
+        ws_acc,
+        ws_ml,
+        *_meta_args(rows),
+        scale * LOG2E,
+        split_chunk,
+        q.stride(0),
+        q.stride(1),
+        rows.block_tables.stride(0),
         rows.tree_mask.stride(0) if rows.tree_mask is not None else 0,
-        rows.tree_paths.stride(0) if rows.tree_paths is not None else 0, out.stride(0), out.stride(1),
-        BLOCK_SIZE=bs, HKV=hkv, D=d, G=g, G_PAD=_pow2(g), D_PAD=_pow2(d), BLOCK_N=bn,
-        HAS_TREE=rows.tree_mask is not None, PATHS=rows.tree_paths is not None, SPLITS=num_splits,
-        PRECISION=_precision(q.dtype), ROW_RANGES=split_chunk > 0,
+        rows.tree_paths.stride(0) if rows.tree_paths is not None else 0,
+        out.stride(0),
+        out.stride(1),
+        BLOCK_SIZE=bs,
+        HKV=hkv,
+        D=d,
+        G=g,
+        G_PAD=_pow2(g),
+        D_PAD=_pow2(d),
+        BLOCK_N=bn,
+        HAS_TREE=rows.tree_mask is not None,
+        PATHS=rows.tree_paths is not None,
+        SPLITS=num_splits,
+        PRECISION=_precision(q.dtype),
+        ROW_RANGES=split_chunk > 0,
         num_warps=4 if _pow2(d) <= 64 else 8,
     )
     if num_splits > 1:
@@ -220,13 +291,37 @@ def paged_mla_attention(
     _check_split_chunk(split_chunk, bn)
     ws_acc, ws_ml = _workspace(workspace, n, h, num_splits, r, q_nope.device) if num_splits > 1 else (out, out)
     _k.mla_rows_kernel[(n, triton.cdiv(h, hb), num_splits)](
-        q_nope, q_pe, cache, out, ws_acc, ws_ml, *_meta_args(rows), float(sm_scale) * LOG2E, split_chunk,
-        q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), rows.block_tables.stride(0),
+        q_nope,
+        q_pe,
+        cache,
+        out,
+        ws_acc,
+        ws_ml,
+        *_meta_args(rows),
+        float(sm_scale) * LOG2E,
+        split_chunk,
+        q_nope.stride(0),
+        q_nope.stride(1),
+        q_pe.stride(0),
+        q_pe.stride(1),
+        rows.block_tables.stride(0),
         rows.tree_mask.stride(0) if rows.tree_mask is not None else 0,
-        rows.tree_paths.stride(0) if rows.tree_paths is not None else 0, out.stride(0), out.stride(1),
-        BLOCK_SIZE=bs, H=h, R=r, P=p, HB=hb, R_PAD=_pow2(r), P_PAD=_pow2(p), BLOCK_N=bn,
-        HAS_TREE=rows.tree_mask is not None, PATHS=rows.tree_paths is not None, SPLITS=num_splits,
-        PRECISION=_precision(q_nope.dtype), ROW_RANGES=split_chunk > 0,
+        rows.tree_paths.stride(0) if rows.tree_paths is not None else 0,
+        out.stride(0),
+        out.stride(1),
+        BLOCK_SIZE=bs,
+        H=h,
+        R=r,
+        P=p,
+        HB=hb,
+        R_PAD=_pow2(r),
+        P_PAD=_pow2(p),
+        BLOCK_N=bn,
+        HAS_TREE=rows.tree_mask is not None,
+        PATHS=rows.tree_paths is not None,
+        SPLITS=num_splits,
+        PRECISION=_precision(q_nope.dtype),
+        ROW_RANGES=split_chunk > 0,
         num_warps=4 if r <= 128 else 8,
     )
     if num_splits > 1:

@@ -38,8 +38,21 @@ def _row_chunk(seen, split_chunk, SPLITS: tl.constexpr):
 
 
 @triton.jit
-def _row_setup(row, row_req_ptr, row_idx_ptr, kv_lens_ptr, new_starts_ptr, num_requests, kv_cap, split, split_chunk,
-               SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, HAS_TREE: tl.constexpr, ROW_RANGES: tl.constexpr):
+def _row_setup(
+    row,
+    row_req_ptr,
+    row_idx_ptr,
+    kv_lens_ptr,
+    new_starts_ptr,
+    num_requests,
+    kv_cap,
+    split,
+    split_chunk,
+    SPLITS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HAS_TREE: tl.constexpr,
+    ROW_RANGES: tl.constexpr,
+):
     """(request (clamped to a valid one), new token index, new_start, this split's kv range [lo, hi)). ROW_RANGES
     (split_chunk > 0, a multiple of BLOCK_N): per-row ranges over what the row itself sees (_row_chunk), so a row's tiles and their
     merge order depend on neither the step's rows nor how many keys its request holds (invariant steps); 0: the
@@ -47,8 +60,9 @@ def _row_setup(row, row_req_ptr, row_idx_ptr, kv_lens_ptr, new_starts_ptr, num_r
     req = tl.load(row_req_ptr + row)
     valid = (req >= 0) & (req < num_requests)
     req_s = tl.where(valid, req, 0)
-    kv_len, seen, new_start, j = _row_span(row, req_s, valid, row_idx_ptr, kv_lens_ptr, new_starts_ptr, kv_cap,
-                                           HAS_TREE)
+    kv_len, seen, new_start, j = _row_span(
+        row, req_s, valid, row_idx_ptr, kv_lens_ptr, new_starts_ptr, kv_cap, HAS_TREE
+    )
     if ROW_RANGES:
         chunk = _row_chunk(seen, split_chunk, SPLITS)
         end = seen
@@ -88,8 +102,26 @@ def _source(row, s, in_range, new_start, j, path_ptr, stride_path, PATHS: tl.con
 
 
 @triton.jit
-def _finish(acc, m_i, l_i, out_ptr, ws_acc_ptr, ws_ml_ptr, row, head, head_ok, offs_d, d_ok, split, keep,
-            stride_on, stride_oh, SPLITS: tl.constexpr, H_TOTAL: tl.constexpr, DV: tl.constexpr):
+def _finish(
+    acc,
+    m_i,
+    l_i,
+    out_ptr,
+    ws_acc_ptr,
+    ws_ml_ptr,
+    row,
+    head,
+    head_ok,
+    offs_d,
+    d_ok,
+    split,
+    keep,
+    stride_on,
+    stride_oh,
+    SPLITS: tl.constexpr,
+    H_TOTAL: tl.constexpr,
+    DV: tl.constexpr,
+):
     """Normalise and store (one split), or store the partial into the split workspace (only where `keep`: a per-row
     range past its request's keys stores nothing, combine_fixed_splits_kernel never reads it)."""
     if SPLITS == 1:
@@ -99,8 +131,7 @@ def _finish(acc, m_i, l_i, out_ptr, ws_acc_ptr, ws_ml_ptr, row, head, head_ok, o
     else:
         base = (row * H_TOTAL + head) * SPLITS + split  # [G] partial index of (row, head, split)
         ok = head_ok & ((head * 0 + keep) > 0)  # keep: int32 0 / 1 (a vector compare keeps the mask boolean)
-        tl.store(ws_acc_ptr + base[:, None].to(tl.int64) * DV + offs_d[None, :], acc,
-                 mask=ok[:, None] & d_ok[None, :])
+        tl.store(ws_acc_ptr + base[:, None].to(tl.int64) * DV + offs_d[None, :], acc, mask=ok[:, None] & d_ok[None, :])
         tl.store(ws_ml_ptr + base.to(tl.int64) * 2, m_i, mask=ok)
         tl.store(ws_ml_ptr + base.to(tl.int64) * 2 + 1, l_i, mask=ok)
 
@@ -147,17 +178,32 @@ def gqa_rows_kernel(
     row = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
-    req, j, new_start, lo, hi = _row_setup(row, row_req_ptr, row_idx_ptr, kv_lens_ptr, new_starts_ptr,
-                                           num_requests, max_blocks * BLOCK_SIZE, split, split_chunk, SPLITS,
-                                           BLOCK_N, HAS_TREE, ROW_RANGES)
+    req, j, new_start, lo, hi = _row_setup(
+        row,
+        row_req_ptr,
+        row_idx_ptr,
+        kv_lens_ptr,
+        new_starts_ptr,
+        num_requests,
+        max_blocks * BLOCK_SIZE,
+        split,
+        split_chunk,
+        SPLITS,
+        BLOCK_N,
+        HAS_TREE,
+        ROW_RANGES,
+    )
     offs_g = tl.arange(0, G_PAD)
     offs_d = tl.arange(0, D_PAD)
     offs_n = tl.arange(0, BLOCK_N)
     head = kvh * G + offs_g
     head_ok = offs_g < G
     d_ok = offs_d < D
-    q = tl.load(q_ptr + row * stride_qn + head[:, None] * stride_qh + offs_d[None, :],
-                mask=head_ok[:, None] & d_ok[None, :], other=0.0)
+    q = tl.load(
+        q_ptr + row * stride_qn + head[:, None] * stride_qh + offs_d[None, :],
+        mask=head_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )
     m_i = tl.full([G_PAD], M_INIT, dtype=tl.float32)
     l_i = tl.zeros([G_PAD], dtype=tl.float32)
     acc = tl.zeros([G_PAD, D_PAD], dtype=tl.float32)
@@ -181,8 +227,26 @@ def gqa_rows_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
-    _finish(acc, m_i, l_i, out_ptr, ws_acc_ptr, ws_ml_ptr, row, head, head_ok, offs_d, d_ok, split,
-            tl.where(lo < tl.where(ROW_RANGES, hi, lo + 1), 1, 0), stride_on, stride_oh, SPLITS, HKV * G, D)
+    _finish(
+        acc,
+        m_i,
+        l_i,
+        out_ptr,
+        ws_acc_ptr,
+        ws_ml_ptr,
+        row,
+        head,
+        head_ok,
+        offs_d,
+        d_ok,
+        split,
+        tl.where(lo < tl.where(ROW_RANGES, hi, lo + 1), 1, 0),
+        stride_on,
+        stride_oh,
+        SPLITS,
+        HKV * G,
+        D,
+    )
 
 
 @triton.jit
@@ -231,9 +295,21 @@ def mla_rows_kernel(
     row = tl.program_id(0)
     hblk = tl.program_id(1)
     split = tl.program_id(2)
-    req, j, new_start, lo, hi = _row_setup(row, row_req_ptr, row_idx_ptr, kv_lens_ptr, new_starts_ptr,
-                                           num_requests, max_blocks * BLOCK_SIZE, split, split_chunk, SPLITS,
-                                           BLOCK_N, HAS_TREE, ROW_RANGES)
+    req, j, new_start, lo, hi = _row_setup(
+        row,
+        row_req_ptr,
+        row_idx_ptr,
+        kv_lens_ptr,
+        new_starts_ptr,
+        num_requests,
+        max_blocks * BLOCK_SIZE,
+        split,
+        split_chunk,
+        SPLITS,
+        BLOCK_N,
+        HAS_TREE,
+        ROW_RANGES,
+    )
     offs_h = tl.arange(0, HB)
     offs_r = tl.arange(0, R_PAD)
     offs_p = tl.arange(0, P_PAD)
@@ -242,10 +318,16 @@ def mla_rows_kernel(
     head_ok = head < H
     r_ok = offs_r < R
     p_ok = offs_p < P
-    qn = tl.load(qn_ptr + row * stride_qnn + head[:, None] * stride_qnh + offs_r[None, :],
-                 mask=head_ok[:, None] & r_ok[None, :], other=0.0)
-    qp = tl.load(qp_ptr + row * stride_qpn + head[:, None] * stride_qph + offs_p[None, :],
-                 mask=head_ok[:, None] & p_ok[None, :], other=0.0)
+    qn = tl.load(
+        qn_ptr + row * stride_qnn + head[:, None] * stride_qnh + offs_r[None, :],
+        mask=head_ok[:, None] & r_ok[None, :],
+        other=0.0,
+    )
+    qp = tl.load(
+        qp_ptr + row * stride_qpn + head[:, None] * stride_qph + offs_p[None, :],
+        mask=head_ok[:, None] & p_ok[None, :],
+        other=0.0,
+    )
     m_i = tl.full([HB], M_INIT, dtype=tl.float32)
     l_i = tl.zeros([HB], dtype=tl.float32)
     acc = tl.zeros([HB, R_PAD], dtype=tl.float32)
@@ -267,8 +349,26 @@ def mla_rows_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(lat.dtype), lat, input_precision=PRECISION)
         m_i = m_new
-    _finish(acc, m_i, l_i, out_ptr, ws_acc_ptr, ws_ml_ptr, row, head, head_ok, offs_r, r_ok, split,
-            tl.where(lo < tl.where(ROW_RANGES, hi, lo + 1), 1, 0), stride_on, stride_oh, SPLITS, H, R)
+    _finish(
+        acc,
+        m_i,
+        l_i,
+        out_ptr,
+        ws_acc_ptr,
+        ws_ml_ptr,
+        row,
+        head,
+        head_ok,
+        offs_r,
+        r_ok,
+        split,
+        tl.where(lo < tl.where(ROW_RANGES, hi, lo + 1), 1, 0),
+        stride_on,
+        stride_oh,
+        SPLITS,
+        H,
+        R,
+    )
 
 
 @triton.jit
@@ -293,8 +393,11 @@ def combine_splits_kernel(
     base = (row * H + head) * SPLITS + offs_s  # [S_PAD]
     m = tl.load(ws_ml_ptr + base.to(tl.int64) * 2, mask=s_ok, other=M_INIT)
     l_s = tl.load(ws_ml_ptr + base.to(tl.int64) * 2 + 1, mask=s_ok, other=0.0)
-    acc = tl.load(ws_acc_ptr + base[:, None].to(tl.int64) * DV + offs_d[None, :],
-                  mask=s_ok[:, None] & (offs_d < DV)[None, :], other=0.0)
+    acc = tl.load(
+        ws_acc_ptr + base[:, None].to(tl.int64) * DV + offs_d[None, :],
+        mask=s_ok[:, None] & (offs_d < DV)[None, :],
+        other=0.0,
+    )
     w = tl.exp2(m - tl.max(m, 0))  # [S_PAD]
     total = tl.sum(w * l_s, 0)
     o = tl.sum(acc * w[:, None], 0) / tl.where(total > 0, total, 1.0)
@@ -331,8 +434,9 @@ def combine_fixed_splits_kernel(
     offs_d = tl.program_id(2) * DV_BLOCK + tl.arange(0, DV_BLOCK)
     req = tl.load(row_req_ptr + row)
     valid = (req >= 0) & (req < num_requests)
-    kv_len, seen, new_start, j = _row_span(row, tl.where(valid, req, 0), valid, row_idx_ptr, kv_lens_ptr,
-                                           new_starts_ptr, kv_cap, HAS_TREE)
+    kv_len, seen, new_start, j = _row_span(
+        row, tl.where(valid, req, 0), valid, row_idx_ptr, kv_lens_ptr, new_starts_ptr, kv_cap, HAS_TREE
+    )
     used = tl.minimum(tl.cdiv(seen, _row_chunk(seen, split_chunk, SPLITS)), SPLITS)
     offs_s = tl.arange(0, S_PAD)
     s_ok = offs_s < used

@@ -38,8 +38,11 @@ class PagedBatch:
                 f"query_lens ({b}), context_lens ({len(self.context_lens)}) and tree_masks "
                 f"({len(self.tree_masks)}) must have one entry per request"
             )
-        for name, t, n in (("qo_indptr", self.qo_indptr, b + 1), ("kv_indptr", self.kv_indptr, b + 1),
-                           ("kv_lens", self.kv_lens, b)):
+        for name, t, n in (
+            ("qo_indptr", self.qo_indptr, b + 1),
+            ("kv_indptr", self.kv_indptr, b + 1),
+            ("kv_lens", self.kv_lens, b),
+        ):
             if t.dtype != torch.int32 or t.dim() != 1 or t.numel() != n or t.device.type != "cpu":
                 raise KernelArgumentError(f"{name} must be a CPU int32 vector of {n}, got {t.dtype} {tuple(t.shape)}")
         if any(q < 1 for q in self.query_lens):
@@ -129,7 +132,7 @@ class PagedBatch:
 
     def token_slots(self, b: int) -> torch.Tensor:  # [kv_len] int64
         """Flat cache slots (block * block_size + offset) of request b's kv_len tokens, in order."""
-        blocks = self.kv_indices[int(self.kv_indptr[b]): int(self.kv_indptr[b + 1])].long()
+        blocks = self.kv_indices[int(self.kv_indptr[b]) : int(self.kv_indptr[b + 1])].long()
         pos = torch.arange(int(self.kv_lens[b]))
         return blocks[pos // self.block_size] * self.block_size + pos % self.block_size
 

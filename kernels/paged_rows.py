@@ -43,15 +43,22 @@ class PagedRows:
         check_tensor("row_request", self.row_request, 1, i32)
         check_tensor("row_index", self.row_index, 1, i32)
         b = self.block_tables.shape[0]
-        require(b >= 1 and self.block_tables.shape[1] >= 1,
-                f"block_tables must be [B >= 1, max_blocks >= 1], got {tuple(self.block_tables.shape)}")
+        require(
+            b >= 1 and self.block_tables.shape[1] >= 1,
+            f"block_tables must be [B >= 1, max_blocks >= 1], got {tuple(self.block_tables.shape)}",
+        )
         check_dim("kv_lens", self.kv_lens, 0, b, "the number of requests B = block_tables.shape[0]")
         check_dim("new_starts", self.new_starts, 0, b, "the number of requests B = block_tables.shape[0]")
         n = self.row_request.shape[0]
         require(n >= 1, "row_request must hold at least one row")
         check_dim("row_index", self.row_index, 0, n, "the number of rows N = row_request.shape[0]")
-        named = [("block_tables", self.block_tables), ("kv_lens", self.kv_lens), ("new_starts", self.new_starts),
-                 ("row_request", self.row_request), ("row_index", self.row_index)]
+        named = [
+            ("block_tables", self.block_tables),
+            ("kv_lens", self.kv_lens),
+            ("new_starts", self.new_starts),
+            ("row_request", self.row_request),
+            ("row_index", self.row_index),
+        ]
         if self.tree_mask is not None:
             check_tensor("tree_mask", self.tree_mask, 2, (torch.bool,))
             check_dim("tree_mask", self.tree_mask, 0, n, "the number of rows N = row_request.shape[0]")
@@ -124,16 +131,20 @@ class PagedRows:
             need = bt[b, : -(-n // block_size)]
             if need.numel():
                 lo, hi = int(need.min()), int(need.max())
-                require(lo >= 0 and hi < num_blocks,
-                        f"block_tables[{b}] holds block ids in [{lo}, {hi}], cache has {num_blocks} blocks")
+                require(
+                    lo >= 0 and hi < num_blocks,
+                    f"block_tables[{b}] holds block ids in [{lo}, {hi}], cache has {num_blocks} blocks",
+                )
         for i in range(self.num_rows):
             b = int(rr[i])
             require(-1 <= b < self.num_requests, f"row_request[{i}] = {b} outside [-1, {self.num_requests})")
             if b < 0 or int(kv[b]) == 0:  # the two forms of a padding row
                 continue
             j = int(ri[i])
-            require(j >= 0 and int(ns[b]) + j < int(kv[b]),
-                    f"row {i}: new token {j} of request {b} is not among its kv_lens - new_starts new tokens")
+            require(
+                j >= 0 and int(ns[b]) + j < int(kv[b]),
+                f"row {i}: new token {j} of request {b} is not among its kv_lens - new_starts new tokens",
+            )
             if self.tree_mask is not None:
                 require(j < self.tree_mask.shape[1], f"row_index[{i}] = {j} >= tree_mask width")
 
@@ -157,9 +168,11 @@ class PagedRows:
         num_requests = b if num_requests is None else num_requests
         max_blocks = max(max(nb), 1) if max_blocks is None else max_blocks
         max_new = max(batch.query_lens) if max_new is None else max_new
-        require(num_rows >= n and num_requests >= b and max_blocks >= max(nb) and max_new >= max(batch.query_lens),
-                f"padded sizes (rows {num_rows}, requests {num_requests}, blocks {max_blocks}, new {max_new}) are "
-                f"below the batch's ({n}, {b}, {max(nb)}, {max(batch.query_lens)})")
+        require(
+            num_rows >= n and num_requests >= b and max_blocks >= max(nb) and max_new >= max(batch.query_lens),
+            f"padded sizes (rows {num_rows}, requests {num_requests}, blocks {max_blocks}, new {max_new}) are "
+            f"below the batch's ({n}, {b}, {max(nb)}, {max(batch.query_lens)})",
+        )
         tables = torch.zeros(num_requests, max_blocks, dtype=torch.int32)
         kv_lens = torch.zeros(num_requests, dtype=torch.int32)
         starts = torch.zeros(num_requests, dtype=torch.int32)
@@ -168,18 +181,24 @@ class PagedRows:
         use_tree = batch.has_tree if tree is None else tree
         mask = torch.zeros(num_rows, max_new, dtype=torch.bool) if use_tree else None
         for i in range(b):
-            tables[i, : nb[i]] = batch.kv_indices[int(batch.kv_indptr[i]): int(batch.kv_indptr[i + 1])]
+            tables[i, : nb[i]] = batch.kv_indices[int(batch.kv_indptr[i]) : int(batch.kv_indptr[i + 1])]
             kv_lens[i] = batch.kv_lens[i]
             starts[i] = batch.context_lens[i]
             s, q = int(batch.qo_indptr[i]), batch.query_lens[i]
-            row_req[s: s + q] = i
-            row_idx[s: s + q] = torch.arange(q, dtype=torch.int32)
+            row_req[s : s + q] = i
+            row_idx[s : s + q] = torch.arange(q, dtype=torch.int32)
             if mask is not None:
                 own = batch.tree_masks[i]
-                mask[s: s + q, :q] = own if own is not None else torch.ones(q, q, dtype=torch.bool).tril()
+                mask[s : s + q, :q] = own if own is not None else torch.ones(q, q, dtype=torch.bool).tril()
         dev = torch.device(device)
-        return cls(tables.to(dev), kv_lens.to(dev), starts.to(dev), row_req.to(dev), row_idx.to(dev),
-                   None if mask is None else mask.to(dev))
+        return cls(
+            tables.to(dev),
+            kv_lens.to(dev),
+            starts.to(dev),
+            row_req.to(dev),
+            row_idx.to(dev),
+            None if mask is None else mask.to(dev),
+        )
 
     def with_paths(self) -> PagedRows:
         """The same rows in the tree_paths form (token-count invariant steps; causal rows get their chains)."""
@@ -189,8 +208,15 @@ class PagedRows:
             mask = torch.arange(max(1, int(idx.max()) + 1))[None, :] <= idx[:, None]
         paths, depth = tree_paths_of(mask)
         dev = self.device
-        return PagedRows(self.block_tables, self.kv_lens, self.new_starts, self.row_request,
-                         depth.clamp(min=0).to(torch.int32).to(dev), None, paths.to(torch.int32).to(dev))
+        return PagedRows(
+            self.block_tables,
+            self.kv_lens,
+            self.new_starts,
+            self.row_request,
+            depth.clamp(min=0).to(torch.int32).to(dev),
+            None,
+            paths.to(torch.int32).to(dev),
+        )
 
 
 def tree_paths_of(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # [n, w] bool -> ([n, w], [n]) int64
@@ -202,28 +228,42 @@ def tree_paths_of(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # [
     return paths, counts - 1
 
 
-def allocate_rows(num_requests: int, num_rows: int, max_blocks: int, max_new: int | None,
-                  device: torch.device | str) -> PagedRows:
+def allocate_rows(
+    num_requests: int, num_rows: int, max_blocks: int, max_new: int | None, device: torch.device | str
+) -> PagedRows:
     """Static buffers for a captured step: every row padding (-1), every request empty; max_new=None: causal."""
-    require(min(num_requests, num_rows, max_blocks) >= 1 and (max_new is None or max_new >= 1),
-            f"sizes must be >= 1, got {num_requests}, {num_rows}, {max_blocks}, {max_new}")
+    require(
+        min(num_requests, num_rows, max_blocks) >= 1 and (max_new is None or max_new >= 1),
+        f"sizes must be >= 1, got {num_requests}, {num_rows}, {max_blocks}, {max_new}",
+    )
 
     def i32(*shape: int) -> torch.Tensor:
         return torch.zeros(shape, dtype=torch.int32, device=device)
 
     mask = None if max_new is None else torch.zeros(num_rows, max_new, dtype=torch.bool, device=device)
-    return PagedRows(i32(num_requests, max_blocks), i32(num_requests), i32(num_requests),
-                     torch.full((num_rows,), -1, dtype=torch.int32, device=device), i32(num_rows), mask)
+    return PagedRows(
+        i32(num_requests, max_blocks),
+        i32(num_requests),
+        i32(num_requests),
+        torch.full((num_rows,), -1, dtype=torch.int32, device=device),
+        i32(num_rows),
+        mask,
+    )
 
 
 def write_rows_(rows: PagedRows, batch: PagedBatch) -> None:
     """Fill static buffers (from allocate_rows) with a host batch: one host build, one copy per field, no
     allocation on the device; the batch must fit the buffers' sizes (KernelArgumentError otherwise)."""
     require(rows.tree_mask is not None or not batch.has_tree, "the batch has a tree mask but the buffers are causal")
-    src = PagedRows.from_batch(batch, "cpu", num_rows=rows.num_rows, num_requests=rows.num_requests,
-                               max_blocks=rows.max_blocks,
-                               max_new=rows.tree_mask.shape[1] if rows.tree_mask is not None else None,
-                               tree=rows.tree_mask is not None)
+    src = PagedRows.from_batch(
+        batch,
+        "cpu",
+        num_rows=rows.num_rows,
+        num_requests=rows.num_requests,
+        max_blocks=rows.max_blocks,
+        max_new=rows.tree_mask.shape[1] if rows.tree_mask is not None else None,
+        tree=rows.tree_mask is not None,
+    )
     for name in ("block_tables", "kv_lens", "new_starts", "row_request", "row_index", "tree_mask"):
         dst = getattr(rows, name)
         if dst is not None:

@@ -46,9 +46,16 @@ def _x(x_row, wcols, j: tl.constexpr, w_hi, EVEN_K: tl.constexpr):
 def _x8(x_row, w0, w_hi, BKW: tl.constexpr, EVEN_K: tl.constexpr):
     """The step's inputs: a tuple of 8 [BKW] fp32, j-th the inputs 8w + j of the step's words w."""
     wcols = w0 + tl.arange(0, BKW)
-    return (_x(x_row, wcols, 0, w_hi, EVEN_K), _x(x_row, wcols, 1, w_hi, EVEN_K), _x(x_row, wcols, 2, w_hi, EVEN_K),
-            _x(x_row, wcols, 3, w_hi, EVEN_K), _x(x_row, wcols, 4, w_hi, EVEN_K), _x(x_row, wcols, 5, w_hi, EVEN_K),
-            _x(x_row, wcols, 6, w_hi, EVEN_K), _x(x_row, wcols, 7, w_hi, EVEN_K))
+    return (
+        _x(x_row, wcols, 0, w_hi, EVEN_K),
+        _x(x_row, wcols, 1, w_hi, EVEN_K),
+        _x(x_row, wcols, 2, w_hi, EVEN_K),
+        _x(x_row, wcols, 3, w_hi, EVEN_K),
+        _x(x_row, wcols, 4, w_hi, EVEN_K),
+        _x(x_row, wcols, 5, w_hi, EVEN_K),
+        _x(x_row, wcols, 6, w_hi, EVEN_K),
+        _x(x_row, wcols, 7, w_hi, EVEN_K),
+    )
 
 
 @triton.jit
@@ -67,8 +74,9 @@ def _dot_words(words, xs, exp_bits):
 
 
 @triton.jit
-def _load_step(wp_e, ws_e, rows, nvalid, w0, w_hi, stride_wn, stride_sn, BKW: tl.constexpr, G: tl.constexpr,
-               EVEN_K: tl.constexpr):
+def _load_step(
+    wp_e, ws_e, rows, nvalid, w0, w_hi, stride_wn, stride_sn, BKW: tl.constexpr, G: tl.constexpr, EVEN_K: tl.constexpr
+):
     """The step at word column w0 of rows (int64 [BN, 1]): packed words [BN, BKW] int32 and their groups' scales
     [BN, BKW * 8 / G] (a group's G / 8 words share one; words from w_hi on, and rows past nvalid, read as 0)."""
     NG: tl.constexpr = BKW * 8 // G
@@ -145,13 +153,19 @@ def w4a16_gemv_gate_up_kernel(
             for w0 in range(w_lo, w_hi, BKW):
                 if PREFETCH:
                     words_g, s_g, words_u, s_u = nxt_g, nxt_sg, nxt_u, nxt_su
-                    nxt_g, nxt_sg = _load_step(wp_e, ws_e, rows_g, nvalid, w0 + BKW, w_hi, stride_wn, stride_sn, BKW,
-                                               G, EVEN_K)
-                    nxt_u, nxt_su = _load_step(wp_e, ws_e, rows_u, nvalid, w0 + BKW, w_hi, stride_wn, stride_sn, BKW,
-                                               G, EVEN_K)
+                    nxt_g, nxt_sg = _load_step(
+                        wp_e, ws_e, rows_g, nvalid, w0 + BKW, w_hi, stride_wn, stride_sn, BKW, G, EVEN_K
+                    )
+                    nxt_u, nxt_su = _load_step(
+                        wp_e, ws_e, rows_u, nvalid, w0 + BKW, w_hi, stride_wn, stride_sn, BKW, G, EVEN_K
+                    )
                 else:
-                    words_g, s_g = _load_step(wp_e, ws_e, rows_g, nvalid, w0, w_hi, stride_wn, stride_sn, BKW, G, EVEN_K)
-                    words_u, s_u = _load_step(wp_e, ws_e, rows_u, nvalid, w0, w_hi, stride_wn, stride_sn, BKW, G, EVEN_K)
+                    words_g, s_g = _load_step(
+                        wp_e, ws_e, rows_g, nvalid, w0, w_hi, stride_wn, stride_sn, BKW, G, EVEN_K
+                    )
+                    words_u, s_u = _load_step(
+                        wp_e, ws_e, rows_u, nvalid, w0, w_hi, stride_wn, stride_sn, BKW, G, EVEN_K
+                    )
                 xs = _x8(x_row, w0, w_hi, BKW, EVEN_K)  # once a step for gate and up
                 acc_g += _scaled(_dot_words(words_g, xs, exp_bits), s_g, G)
                 acc_u += _scaled(_dot_words(words_u, xs, exp_bits), s_u, G)
@@ -159,8 +173,11 @@ def w4a16_gemv_gate_up_kernel(
             u = tl.sum(acc_u, axis=1)
             if SPLIT == 1:
                 act = g * tl.sigmoid(g) * u
-                tl.store(out_ptr + tl.cast(slot, tl.int64) * stride_on + offs_n, act.to(out_ptr.dtype.element_ty),
-                         mask=nvalid)
+                tl.store(
+                    out_ptr + tl.cast(slot, tl.int64) * stride_on + offs_n,
+                    act.to(out_ptr.dtype.element_ty),
+                    mask=nvalid,
+                )
             else:
                 o_row = out_ptr + (tl.cast(slot, tl.int64) * SPLIT + tl.program_id(2)) * (2 * I)
                 tl.store(o_row + offs_n, g, mask=nvalid)
@@ -240,8 +257,9 @@ def w4a16_gemv_down_kernel(
             for w0 in range(w_lo, w_hi, BKW):
                 if PREFETCH:
                     words, s = nxt, nxt_s
-                    nxt, nxt_s = _load_step(wp_e, ws_e, rows, nvalid, w0 + BKW, w_hi, stride_wn, stride_sn, BKW, G,
-                                            EVEN_K)
+                    nxt, nxt_s = _load_step(
+                        wp_e, ws_e, rows, nvalid, w0 + BKW, w_hi, stride_wn, stride_sn, BKW, G, EVEN_K
+                    )
                 else:
                     words, s = _load_step(wp_e, ws_e, rows, nvalid, w0, w_hi, stride_wn, stride_sn, BKW, G, EVEN_K)
                 acc += _scaled(_dot_words(words, _x8(a_row, w0, w_hi, BKW, EVEN_K), exp_bits), s, G)

@@ -45,8 +45,10 @@ def _check_routing(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: t
     check_tensor("topk_ids", topk_ids, 2, _ID_DTYPES)
     check_tensor("topk_weights", topk_weights, 2, _SCALE_DTYPES)
     check_dim("topk_ids", topk_ids, 0, hidden.shape[0], "number of tokens T = hidden.shape[0]")
-    require(topk_weights.shape == topk_ids.shape,
-            f"topk_weights shape {tuple(topk_weights.shape)} must equal topk_ids shape {tuple(topk_ids.shape)}")
+    require(
+        topk_weights.shape == topk_ids.shape,
+        f"topk_weights shape {tuple(topk_weights.shape)} must equal topk_ids shape {tuple(topk_ids.shape)}",
+    )
 
 
 def _require_triton(hidden: torch.Tensor) -> None:
@@ -74,19 +76,38 @@ def check_w4a16_args(
     t, h = hidden.shape
     e, two_i, _ = w13_packed.shape
     inter = two_i // 2
-    require(t >= 1 and two_i % 2 == 0 and two_i > 0, f"need T >= 1 and w13 rows 2*I, got {tuple(hidden.shape)}, {two_i}")
-    require(h % group_size == 0 and inter % group_size == 0,
-            f"H = {h} and I = {inter} must be multiples of group_size {group_size}")
+    require(
+        t >= 1 and two_i % 2 == 0 and two_i > 0, f"need T >= 1 and w13 rows 2*I, got {tuple(hidden.shape)}, {two_i}"
+    )
+    require(
+        h % group_size == 0 and inter % group_size == 0,
+        f"H = {h} and I = {inter} must be multiples of group_size {group_size}",
+    )
     check_dim("w13_packed", w13_packed, 2, h // 8, "H / 8 words")
-    require(tuple(w13_scale.shape) == (e, two_i, h // group_size),
-            f"w13_scale shape {tuple(w13_scale.shape)} must be {(e, two_i, h // group_size)}")
-    require(tuple(w2_packed.shape) == (e, h, inter // 8),
-            f"w2_packed shape {tuple(w2_packed.shape)} must be {(e, h, inter // 8)}")
-    require(tuple(w2_scale.shape) == (e, h, inter // group_size),
-            f"w2_scale shape {tuple(w2_scale.shape)} must be {(e, h, inter // group_size)}")
+    require(
+        tuple(w13_scale.shape) == (e, two_i, h // group_size),
+        f"w13_scale shape {tuple(w13_scale.shape)} must be {(e, two_i, h // group_size)}",
+    )
+    require(
+        tuple(w2_packed.shape) == (e, h, inter // 8),
+        f"w2_packed shape {tuple(w2_packed.shape)} must be {(e, h, inter // 8)}",
+    )
+    require(
+        tuple(w2_scale.shape) == (e, h, inter // group_size),
+        f"w2_scale shape {tuple(w2_scale.shape)} must be {(e, h, inter // group_size)}",
+    )
     _check_routing(hidden, topk_ids, topk_weights)
-    check_same_device([("hidden", hidden), ("w13_packed", w13_packed), ("w13_scale", w13_scale), ("w2_packed", w2_packed),
-                       ("w2_scale", w2_scale), ("topk_ids", topk_ids), ("topk_weights", topk_weights)])
+    check_same_device(
+        [
+            ("hidden", hidden),
+            ("w13_packed", w13_packed),
+            ("w13_scale", w13_scale),
+            ("w2_packed", w2_packed),
+            ("w2_scale", w2_scale),
+            ("topk_ids", topk_ids),
+            ("topk_weights", topk_weights),
+        ]
+    )
     return t, h, e, inter
 
 
@@ -111,15 +132,26 @@ def check_fp8_moe_args(
     t, h = hidden.shape
     e, two_i, _ = w13.shape
     inter = two_i // 2
-    require(t >= 1 and two_i % 2 == 0 and two_i > 0, f"need T >= 1 and w13 rows 2*I, got {tuple(hidden.shape)}, {two_i}")
+    require(
+        t >= 1 and two_i % 2 == 0 and two_i > 0, f"need T >= 1 and w13 rows 2*I, got {tuple(hidden.shape)}, {two_i}"
+    )
     check_dim("w13", w13, 2, h, "hidden size H = hidden.shape[1]")
     require(tuple(w2.shape) == (e, h, inter), f"w2 shape {tuple(w2.shape)} must be {(e, h, inter)}")
     for name, s, rows, cols in (("w13_scale_inv", w13_scale_inv, two_i, h), ("w2_scale_inv", w2_scale_inv, h, inter)):
         want = (e, _ceil(rows, bo), _ceil(cols, bi))
         require(tuple(s.shape) == want, f"{name} shape {tuple(s.shape)} must be {want} (blocks of {list(block)})")
     _check_routing(hidden, topk_ids, topk_weights)
-    check_same_device([("hidden", hidden), ("w13", w13), ("w13_scale_inv", w13_scale_inv), ("w2", w2),
-                       ("w2_scale_inv", w2_scale_inv), ("topk_ids", topk_ids), ("topk_weights", topk_weights)])
+    check_same_device(
+        [
+            ("hidden", hidden),
+            ("w13", w13),
+            ("w13_scale_inv", w13_scale_inv),
+            ("w2", w2),
+            ("w2_scale_inv", w2_scale_inv),
+            ("topk_ids", topk_ids),
+            ("topk_weights", topk_weights),
+        ]
+    )
     return t, h, e, inter
 
 
@@ -150,9 +182,16 @@ class GemvTile:
     lanes: int = GEMV_LANE_TOKENS
 
     def __post_init__(self) -> None:
-        require(_pow2(self.bn) and _pow2(self.bkw) and _pow2(self.warps) and self.warps <= 32 and self.stages >= 1
-                and self.split >= 1 and self.lanes >= 1,
-                f"GemvTile needs bn, bkw and warps powers of two (warps <= 32), stages, split and lanes >= 1, got {self}")
+        require(
+            _pow2(self.bn)
+            and _pow2(self.bkw)
+            and _pow2(self.warps)
+            and self.warps <= 32
+            and self.stages >= 1
+            and self.split >= 1
+            and self.lanes >= 1,
+            f"GemvTile needs bn, bkw and warps powers of two (warps <= 32), stages, split and lanes >= 1, got {self}",
+        )
 
     def label(self) -> str:
         """bn16_bkw64_w2_s1, then _k<split>, _pf and _l<lanes> where they are not the defaults."""
@@ -162,8 +201,9 @@ class GemvTile:
 
     def source(self) -> str:
         """The tile as Python (GemvTile(16, 64, 2, 1, split=2, prefetch=True)): the sweep's default line."""
-        extra = "".join(f", {f.name}={getattr(self, f.name)!r}" for f in fields(self)[4:]
-                        if getattr(self, f.name) != f.default)
+        extra = "".join(
+            f", {f.name}={getattr(self, f.name)!r}" for f in fields(self)[4:] if getattr(self, f.name) != f.default
+        )
         return f"GemvTile({self.bn}, {self.bkw}, {self.warps}, {self.stages}{extra})"
 
 
@@ -175,7 +215,9 @@ class GemvTiles:
     down: GemvTile = GemvTile()
 
 
-GEMV_TILES = GemvTiles(gate_up=GemvTile(16, 64, 2, 1), down=GemvTile(16, 64, 2, 1))  # the H200 sweep's best (BENCHMARKS.md)
+GEMV_TILES = GemvTiles(
+    gate_up=GemvTile(16, 64, 2, 1), down=GemvTile(16, 64, 2, 1)
+)  # the H200 sweep's best (BENCHMARKS.md)
 
 
 def quant_tile_config(num_tokens: int, int4: bool) -> MoETileConfig:
@@ -205,15 +247,53 @@ def _moe(hidden, w13, s13, w2, s2, topk_ids, topk_weights, e, inter, config, int
     consts = dict(INT4=int4, G=group, BO=block[0], BI=block[1], BM=cfg.bm)
     act = torch.empty(maxb * cfg.bm, inter, dtype=hidden.dtype, device=hidden.device)  # [MAXP, I]
     quant_moe_triton.quant_moe_gate_up_kernel[(maxb, triton.cdiv(inter, cfg.gu_bn))](
-        hidden, w13, s13, act, sorted_slot, block_expert, num_blocks, n, k, h, inter,
-        hidden.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1), act.stride(0),
-        BN=cfg.gu_bn, BK=gu_bk, num_warps=cfg.gu_warps, num_stages=cfg.gu_stages, **consts,
+        hidden,
+        w13,
+        s13,
+        act,
+        sorted_slot,
+        block_expert,
+        num_blocks,
+        n,
+        k,
+        h,
+        inter,
+        hidden.stride(0),
+        w13.stride(0),
+        w13.stride(1),
+        s13.stride(0),
+        s13.stride(1),
+        act.stride(0),
+        BN=cfg.gu_bn,
+        BK=gu_bk,
+        num_warps=cfg.gu_warps,
+        num_stages=cfg.gu_stages,
+        **consts,
     )
     per_slot = torch.empty(n, h, dtype=torch.float32, device=hidden.device)  # [T*K, H]
     quant_moe_triton.quant_moe_down_kernel[(maxb, triton.cdiv(h, cfg.dn_bn))](
-        act, w2, s2, topk_weights.reshape(-1), per_slot, sorted_slot, block_expert, num_blocks, n, h, inter,
-        act.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), per_slot.stride(0),
-        BN=cfg.dn_bn, BK=dn_bk, num_warps=cfg.dn_warps, num_stages=cfg.dn_stages, **consts,
+        act,
+        w2,
+        s2,
+        topk_weights.reshape(-1),
+        per_slot,
+        sorted_slot,
+        block_expert,
+        num_blocks,
+        n,
+        h,
+        inter,
+        act.stride(0),
+        w2.stride(0),
+        w2.stride(1),
+        s2.stride(0),
+        s2.stride(1),
+        per_slot.stride(0),
+        BN=cfg.dn_bn,
+        BK=dn_bk,
+        num_warps=cfg.dn_warps,
+        num_stages=cfg.dn_stages,
+        **consts,
     )
     return _sum_rows(per_slot.view(t, k, h), hidden.dtype, topk_ids.reshape(-1))
 
@@ -252,15 +332,39 @@ def w4a16_gemv_gate_up(
     act = torch.empty(n, inter, dtype=hidden.dtype, device=hidden.device)
     out = act if tile.split == 1 else torch.empty(n, tile.split, 2 * inter, dtype=torch.float32, device=hidden.device)
     quant_gemv_triton.w4a16_gemv_gate_up_kernel[(lanes, triton.cdiv(inter, tile.bn), tile.split)](
-        hidden, w13, s13, ids, weights, out, n, lanes, n // t, h, inter, chunk, quant_gemv_triton.EXP_BITS,
-        hidden.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1), act.stride(0), G=group,
-        BN=tile.bn, BKW=tile.bkw, SPLIT=tile.split, PREFETCH=tile.prefetch, EVEN_K=even, num_warps=tile.warps,
+        hidden,
+        w13,
+        s13,
+        ids,
+        weights,
+        out,
+        n,
+        lanes,
+        n // t,
+        h,
+        inter,
+        chunk,
+        quant_gemv_triton.EXP_BITS,
+        hidden.stride(0),
+        w13.stride(0),
+        w13.stride(1),
+        s13.stride(0),
+        s13.stride(1),
+        act.stride(0),
+        G=group,
+        BN=tile.bn,
+        BKW=tile.bkw,
+        SPLIT=tile.split,
+        PREFETCH=tile.prefetch,
+        EVEN_K=even,
+        num_warps=tile.warps,
         num_stages=tile.stages,
     )
     if tile.split > 1:
         ba = min(1024, triton_next_pow2(inter))
         quant_gemv_triton.w4a16_gemv_act_kernel[(n, triton.cdiv(inter, ba))](
-            out, ids, act, inter, act.stride(0), SPLIT=tile.split, BA=ba, num_warps=4)
+            out, ids, act, inter, act.stride(0), SPLIT=tile.split, BA=ba, num_warps=4
+        )
     return act
 
 
@@ -281,9 +385,31 @@ def w4a16_gemv_down(
     chunk, even = _gemv_chunk(inter // 8, tile, group)
     per_slot = torch.empty(n, tile.split, h, dtype=torch.float32, device=act.device)
     quant_gemv_triton.w4a16_gemv_down_kernel[(lanes, triton.cdiv(h, tile.bn), tile.split)](
-        act, w2, s2, ids, weights, per_slot, n, lanes, h, inter, chunk, quant_gemv_triton.EXP_BITS, act.stride(0),
-        w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), per_slot.stride(0), G=group, BN=tile.bn,
-        BKW=tile.bkw, SPLIT=tile.split, PREFETCH=tile.prefetch, EVEN_K=even, num_warps=tile.warps,
+        act,
+        w2,
+        s2,
+        ids,
+        weights,
+        per_slot,
+        n,
+        lanes,
+        h,
+        inter,
+        chunk,
+        quant_gemv_triton.EXP_BITS,
+        act.stride(0),
+        w2.stride(0),
+        w2.stride(1),
+        s2.stride(0),
+        s2.stride(1),
+        per_slot.stride(0),
+        G=group,
+        BN=tile.bn,
+        BKW=tile.bkw,
+        SPLIT=tile.split,
+        PREFETCH=tile.prefetch,
+        EVEN_K=even,
+        num_warps=tile.warps,
         num_stages=tile.stages,
     )
     return per_slot
@@ -310,15 +436,17 @@ def w4a16_gemv_sum(
     return _sum_rows(per_slot.view(num_tokens, n // num_tokens * split, h), dtype, ids, split)
 
 
-def _sum_rows(parts: torch.Tensor, dtype: torch.dtype, ids: torch.Tensor | None = None,
-              per_id: int = 1) -> torch.Tensor:  # [T, S, H] fp32 (ids [T, S / per_id]) -> [T, H]
+def _sum_rows(
+    parts: torch.Tensor, dtype: torch.dtype, ids: torch.Tensor | None = None, per_id: int = 1
+) -> torch.Tensor:  # [T, S, H] fp32 (ids [T, S / per_id]) -> [T, H]
     """Sum over S in a fixed order (deterministic), cast to dtype; with ids, a part of NO_EXPERT adds 0 unread
     (per_id consecutive parts share an id: the split GEMV's chunks of one slot)."""
     t, s, h = parts.shape
     out = torch.empty(t, h, dtype=dtype, device=parts.device)
     bh = min(1024, triton_next_pow2(h))
-    moe_triton.sum_topk_kernel[(t, triton.cdiv(h, bh))](parts, parts if ids is None else ids, out, h, TOPK=s, BH=bh,
-                                                         SKIP=ids is not None, PARTS=per_id, num_warps=4)
+    moe_triton.sum_topk_kernel[(t, triton.cdiv(h, bh))](
+        parts, parts if ids is None else ids, out, h, TOPK=s, BH=bh, SKIP=ids is not None, PARTS=per_id, num_warps=4
+    )
     return out
 
 
@@ -341,13 +469,37 @@ def w4a16_moe(
     target's invariant steps raise it to their row count (Int4StackedExperts.gemv_max_tokens): the GEMV's rows do not
     depend on T, and a step's pad rows (NO_EXPERT) then cost nothing, so a padded decode reads one token's experts.
     gemv_tiles: the GEMV kernels' tiles (default GEMV_TILES; one engine must keep one, see GemvTile)."""
-    t, _, e, inter = check_w4a16_args(hidden, w13_packed, w13_scale, w2_packed, w2_scale, topk_ids, topk_weights, group_size)
+    t, _, e, inter = check_w4a16_args(
+        hidden, w13_packed, w13_scale, w2_packed, w2_scale, topk_ids, topk_weights, group_size
+    )
     _require_triton(hidden)
     if config is None and t <= gemv_max_tokens:
-        return _w4a16_gemv(hidden, w13_packed, w13_scale, w2_packed, w2_scale, topk_ids, topk_weights, group_size,
-                           gemv_tiles or GEMV_TILES)
-    return _moe(hidden, w13_packed, w13_scale, w2_packed, w2_scale, topk_ids, topk_weights, e, inter, config,
-                True, group_size, (1, 1))
+        return _w4a16_gemv(
+            hidden,
+            w13_packed,
+            w13_scale,
+            w2_packed,
+            w2_scale,
+            topk_ids,
+            topk_weights,
+            group_size,
+            gemv_tiles or GEMV_TILES,
+        )
+    return _moe(
+        hidden,
+        w13_packed,
+        w13_scale,
+        w2_packed,
+        w2_scale,
+        topk_ids,
+        topk_weights,
+        e,
+        inter,
+        config,
+        True,
+        group_size,
+        (1, 1),
+    )
 
 
 def fp8_moe(
@@ -364,8 +516,9 @@ def fp8_moe(
     """Same function as quant_reference.fp8_moe_reference."""
     _, _, e, inter = check_fp8_moe_args(hidden, w13, w13_scale_inv, w2, w2_scale_inv, topk_ids, topk_weights, block)
     _require_triton(hidden)
-    return _moe(hidden, w13, w13_scale_inv, w2, w2_scale_inv, topk_ids, topk_weights, e, inter, config,
-                False, 8, tuple(block))
+    return _moe(
+        hidden, w13, w13_scale_inv, w2, w2_scale_inv, topk_ids, topk_weights, e, inter, config, False, 8, tuple(block)
+    )
 
 
 def fp8_linear(
@@ -384,7 +537,10 @@ def fp8_linear(
     require(t >= 1, "x must hold at least one row")
     check_dim("weight", weight, 1, k, "input features = x.shape[1]")
     want = (_ceil(n, block[0]), _ceil(k, block[1]))
-    require(tuple(scale_inv.shape) == want, f"scale_inv shape {tuple(scale_inv.shape)} must be {want} (blocks of {list(block)})")
+    require(
+        tuple(scale_inv.shape) == want,
+        f"scale_inv shape {tuple(scale_inv.shape)} must be {want} (blocks of {list(block)})",
+    )
     check_same_device([("x", x), ("weight", weight), ("scale_inv", scale_inv)])
     _require_triton(x)
     bm = max(16, min(64, triton_next_pow2(t)))
@@ -394,8 +550,26 @@ def fp8_linear(
     # [T, SPLIT, N] fp32 partials when K is split, summed below
     dst = y if split == 1 else torch.empty(t, split, n, dtype=torch.float32, device=x.device)
     quant_moe_triton.fp8_linear_kernel[(triton.cdiv(t, bm), triton.cdiv(n, bn), split)](
-        x, weight, scale_inv, dst, t, n, k, k_chunk, x.stride(0), weight.stride(0), scale_inv.stride(0), y.stride(0),
-        BO=block[0], BI=block[1], BM=bm, BN=bn, BK=bk, SPLIT=split, num_warps=4, num_stages=2,
+        x,
+        weight,
+        scale_inv,
+        dst,
+        t,
+        n,
+        k,
+        k_chunk,
+        x.stride(0),
+        weight.stride(0),
+        scale_inv.stride(0),
+        y.stride(0),
+        BO=block[0],
+        BI=block[1],
+        BM=bm,
+        BN=bn,
+        BK=bk,
+        SPLIT=split,
+        num_warps=4,
+        num_stages=2,
     )
     return y if split == 1 else _sum_rows(dst, x.dtype)
 

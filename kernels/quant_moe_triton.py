@@ -50,8 +50,22 @@ def _fp8_scaled_tile(w_ptr, s_ptr, offs_n, nvalid, cols, K, stride_wn, stride_sn
 
 
 @triton.jit
-def _fp8_dot(acc, x, w_ptr, s_ptr, offs_n, nvalid, k0, cols, K, stride_wn, stride_sn,
-             BO: tl.constexpr, BI: tl.constexpr, BK: tl.constexpr):
+def _fp8_dot(
+    acc,
+    x,
+    w_ptr,
+    s_ptr,
+    offs_n,
+    nvalid,
+    k0,
+    cols,
+    K,
+    stride_wn,
+    stride_sn,
+    BO: tl.constexpr,
+    BI: tl.constexpr,
+    BK: tl.constexpr,
+):
     """acc [BM, BN] += x [BM, BK] @ W[offs_n, cols]^T for an FP8 block-scaled W."""
     if BI % BK == 0:  # the tile lies in one scale block column: scale the partial dot per output row
         m = nvalid[:, None] & (cols < K)[None, :]

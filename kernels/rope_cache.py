@@ -47,8 +47,9 @@ def _view3(name: str, x: object, dtype: torch.dtype | None, tokens: int | None, 
     return t
 
 
-def _check_tables(positions: object, cos: object, sin: object, slot_mapping: object, t: int, half: int,
-                  dtype: torch.dtype) -> None:
+def _check_tables(
+    positions: object, cos: object, sin: object, slot_mapping: object, t: int, half: int, dtype: torch.dtype
+) -> None:
     check_tensor("positions", positions, 1, _INT)
     check_dim("positions", positions, 0, t, "the number of tokens T")
     check_tensor("slot_mapping", slot_mapping, 1, _INT)
@@ -56,14 +57,18 @@ def _check_tables(positions: object, cos: object, sin: object, slot_mapping: obj
     for name, tab in (("cos", cos), ("sin", sin)):
         check_tensor(name, tab, 2, (dtype,))
         check_dim(name, tab, 1, half, "rope_dim / 2")
-    require(cos.shape == sin.shape and cos.shape[0] >= 1, f"cos {tuple(cos.shape)} and sin {tuple(sin.shape)} "
-            "must be equal non-empty [max_positions, rope_dim / 2] tables")
+    require(
+        cos.shape == sin.shape and cos.shape[0] >= 1,
+        f"cos {tuple(cos.shape)} and sin {tuple(sin.shape)} "
+        "must be equal non-empty [max_positions, rope_dim / 2] tables",
+    )
 
 
 def _check_launch(first: torch.Tensor) -> None:
     require(HAS_TRITON, "the Triton RoPE + cache write needs the triton package, which is not installed")
-    require(first.is_cuda or triton_interpreting(), f"the Triton RoPE + cache write needs CUDA tensors, got "
-            f"{first.device}")
+    require(
+        first.is_cuda or triton_interpreting(), f"the Triton RoPE + cache write needs CUDA tensors, got {first.device}"
+    )
 
 
 def _norm_weight(name: str, w: torch.Tensor | None, size: int, dtype: torch.dtype) -> None:
@@ -120,10 +125,17 @@ def rope_cache_gqa(
     check_dim("kv_cache", kv_cache, 4, d, "the head dim D")
     _norm_weight("q_norm_weight", q_norm_weight, d, q.dtype)
     _norm_weight("k_norm_weight", k_norm_weight, d, q.dtype)
-    named = [("q", q), ("k", k), ("v", v), ("positions", positions), ("cos", cos), ("sin", sin),
-             ("kv_cache", kv_cache), ("slot_mapping", slot_mapping)]
-    named += [(n, w) for n, w in (("q_norm_weight", q_norm_weight), ("k_norm_weight", k_norm_weight))
-              if w is not None]
+    named = [
+        ("q", q),
+        ("k", k),
+        ("v", v),
+        ("positions", positions),
+        ("cos", cos),
+        ("sin", sin),
+        ("kv_cache", kv_cache),
+        ("slot_mapping", slot_mapping),
+    ]
+    named += [(n, w) for n, w in (("q_norm_weight", q_norm_weight), ("k_norm_weight", k_norm_weight)) if w is not None]
     check_same_device(named)
     _check_launch(q)
     q_out = _q_out("q_out", q_out, q)
@@ -134,12 +146,37 @@ def rope_cache_gqa(
     half = d // 2
     hq_pad, hkv_pad, half_pad = (triton.next_power_of_2(x) for x in (hq, hkv, half))
     _k.rope_cache_gqa_kernel[(t,)](
-        q, k, v, positions, cos, sin, kv_cache, slot_mapping, q_out,
-        q_norm_weight if q_norm_weight is not None else q, k_norm_weight if k_norm_weight is not None else q,
-        cos.shape[0], float(eps), q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        q_out.stride(0), q_out.stride(1), cos.stride(0),
-        HQ=hq, HKV=hkv, HALF=half, HQ_PAD=hq_pad, HKV_PAD=hkv_pad, HALF_PAD=half_pad, INTERLEAVED=interleaved,
-        Q_NORM=q_norm_weight is not None, K_NORM=k_norm_weight is not None,
+        q,
+        k,
+        v,
+        positions,
+        cos,
+        sin,
+        kv_cache,
+        slot_mapping,
+        q_out,
+        q_norm_weight if q_norm_weight is not None else q,
+        k_norm_weight if k_norm_weight is not None else q,
+        cos.shape[0],
+        float(eps),
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        q_out.stride(0),
+        q_out.stride(1),
+        cos.stride(0),
+        HQ=hq,
+        HKV=hkv,
+        HALF=half,
+        HQ_PAD=hq_pad,
+        HKV_PAD=hkv_pad,
+        HALF_PAD=half_pad,
+        INTERLEAVED=interleaved,
+        Q_NORM=q_norm_weight is not None,
+        K_NORM=k_norm_weight is not None,
         num_warps=1 if hq_pad * half_pad <= 256 else 4 if hq_pad * half_pad <= 4096 else 8,
         enable_fp_fusion=False,  # keep each product rounded (see NO_FMA)
     )
@@ -175,8 +212,16 @@ def rope_cache_mla(
     check_tensor("cache", cache, 3, _DTYPES)
     check_dim("cache", cache, 2, r + p, "kv_lora_rank + rope_dim (latent.shape[1] + q_pe.shape[2])")
     _norm_weight("latent_norm_weight", latent_norm_weight, r, q_pe.dtype)
-    named = [("q_pe", q_pe), ("k_pe", k_pe), ("latent", latent), ("positions", positions), ("cos", cos),
-             ("sin", sin), ("cache", cache), ("slot_mapping", slot_mapping)]
+    named = [
+        ("q_pe", q_pe),
+        ("k_pe", k_pe),
+        ("latent", latent),
+        ("positions", positions),
+        ("cos", cos),
+        ("sin", sin),
+        ("cache", cache),
+        ("slot_mapping", slot_mapping),
+    ]
     if latent_norm_weight is not None:
         named.append(("latent_norm_weight", latent_norm_weight))
     check_same_device(named)
@@ -189,11 +234,32 @@ def rope_cache_mla(
     half = p // 2
     h_pad, r_pad, half_pad = (triton.next_power_of_2(x) for x in (h, r, half))
     _k.rope_cache_mla_kernel[(t,)](
-        q_pe, k_pe, latent, positions, cos, sin, cache, slot_mapping, q_pe_out,
+        q_pe,
+        k_pe,
+        latent,
+        positions,
+        cos,
+        sin,
+        cache,
+        slot_mapping,
+        q_pe_out,
         latent_norm_weight if latent_norm_weight is not None else latent,
-        cos.shape[0], float(eps), q_pe.stride(0), q_pe.stride(1), k_pe.stride(0), latent.stride(0),
-        q_pe_out.stride(0), q_pe_out.stride(1), cos.stride(0),
-        H=h, R=r, HALF=half, H_PAD=h_pad, R_PAD=r_pad, HALF_PAD=half_pad, INTERLEAVED=interleaved,
+        cos.shape[0],
+        float(eps),
+        q_pe.stride(0),
+        q_pe.stride(1),
+        k_pe.stride(0),
+        latent.stride(0),
+        q_pe_out.stride(0),
+        q_pe_out.stride(1),
+        cos.stride(0),
+        H=h,
+        R=r,
+        HALF=half,
+        H_PAD=h_pad,
+        R_PAD=r_pad,
+        HALF_PAD=half_pad,
+        INTERLEAVED=interleaved,
         L_NORM=latent_norm_weight is not None,
         num_warps=1 if h_pad * half_pad + r_pad <= 512 else 4,
         enable_fp_fusion=False,  # keep each product rounded (see NO_FMA)

@@ -38,8 +38,7 @@ def _load_halves(ptr, row_off, offs_i, mask, HALF: tl.constexpr, INTERLEAVED: tl
 
 
 @triton.jit
-def _norm_halves(x1, x2, w_ptr, offs_i, i_ok, eps, HALF: tl.constexpr, INTERLEAVED: tl.constexpr,
-                 DT: tl.constexpr):
+def _norm_halves(x1, x2, w_ptr, offs_i, i_ok, eps, HALF: tl.constexpr, INTERLEAVED: tl.constexpr, DT: tl.constexpr):
     """RMSNorm of each head (row) over both halves: weight * round(x * rstd), rounded."""
     rstd = tl.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / (2 * HALF) + eps)
     i1, i2 = _halves(offs_i, HALF, INTERLEAVED)

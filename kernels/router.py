@@ -30,8 +30,9 @@ MAX_EXPERTS = 4096
 MAX_TOP_K = 64
 
 
-def _out(name: str, buf: torch.Tensor | None, shape: tuple[int, int], dtype: torch.dtype,
-         like: torch.Tensor) -> torch.Tensor:
+def _out(
+    name: str, buf: torch.Tensor | None, shape: tuple[int, int], dtype: torch.dtype, like: torch.Tensor
+) -> torch.Tensor:
     if buf is None:
         return torch.empty(shape, dtype=dtype, device=like.device)
     check_tensor(name, buf, 2, (dtype,))
@@ -54,8 +55,10 @@ def route(
     require(logits.stride(1) == 1, f"logits must be contiguous in its last dim, strides {logits.stride()}")
     t, e = logits.shape
     check_dim("logits", logits, 1, cfg.num_experts, "cfg.num_experts")
-    require(e <= MAX_EXPERTS and cfg.top_k <= MAX_TOP_K,
-            f"at most {MAX_EXPERTS} experts and top_k {MAX_TOP_K}, got {e} and {cfg.top_k}")
+    require(
+        e <= MAX_EXPERTS and cfg.top_k <= MAX_TOP_K,
+        f"at most {MAX_EXPERTS} experts and top_k {MAX_TOP_K}, got {e} and {cfg.top_k}",
+    )
     named = [("logits", logits)]
     if correction_bias is not None:
         check_tensor("correction_bias", correction_bias, 1, _LOGIT_DTYPES)
@@ -76,12 +79,28 @@ def route(
     per_group = e // cfg.n_group
     g_pad, pg_pad = triton.next_power_of_2(cfg.n_group), triton.next_power_of_2(per_group)
     _k.router_kernel[(t,)](
-        logits, correction_bias if correction_bias is not None else logits, topk_ids, topk_weights,
-        live_rows if live_rows is not None else topk_ids, logits.stride(0), topk_ids.stride(0), topk_weights.stride(0),
-        float(cfg.routed_scaling_factor), cfg.renorm_eps,
-        E=e, K=k, K_PAD=triton.next_power_of_2(k), N_GROUP=cfg.n_group, PER_GROUP=per_group,
-        TOPK_GROUP=cfg.topk_group, G_PAD=g_pad, PG_PAD=pg_pad, SIGMOID=cfg.scoring == "sigmoid",
-        HAS_BIAS=correction_bias is not None, RENORM=cfg.norm_topk_prob, HAS_LIVE=live_rows is not None,
+        logits,
+        correction_bias if correction_bias is not None else logits,
+        topk_ids,
+        topk_weights,
+        live_rows if live_rows is not None else topk_ids,
+        logits.stride(0),
+        topk_ids.stride(0),
+        topk_weights.stride(0),
+        float(cfg.routed_scaling_factor),
+        cfg.renorm_eps,
+        E=e,
+        K=k,
+        K_PAD=triton.next_power_of_2(k),
+        N_GROUP=cfg.n_group,
+        PER_GROUP=per_group,
+        TOPK_GROUP=cfg.topk_group,
+        G_PAD=g_pad,
+        PG_PAD=pg_pad,
+        SIGMOID=cfg.scoring == "sigmoid",
+        HAS_BIAS=correction_bias is not None,
+        RENORM=cfg.norm_topk_prob,
+        HAS_LIVE=live_rows is not None,
         num_warps=1 if g_pad * pg_pad <= 128 else 2 if g_pad * pg_pad <= 512 else 4,
     )
     return topk_ids, topk_weights

@@ -40,7 +40,8 @@ class RouterConfig:
         if self.num_experts % self.n_group or self.topk_group > self.n_group:
             raise KernelArgumentError(
                 f"need num_experts % n_group == 0 and topk_group <= n_group, got {self.num_experts}, "
-                f"{self.n_group}, {self.topk_group}")
+                f"{self.n_group}, {self.topk_group}"
+            )
         if self.top_k > self.topk_group * (self.num_experts // self.n_group):
             raise KernelArgumentError(f"top_k {self.top_k} exceeds the experts in {self.topk_group} groups")
         if not self.routed_scaling_factor > 0:

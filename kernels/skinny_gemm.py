@@ -66,9 +66,16 @@ def new_counters(device: torch.device | str, size: int = 8192) -> torch.Tensor: 
 
 def can_run(x: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether skinny_linear takes this call (the fused layers fall back to F.linear otherwise)."""
-    return (HAS_TRITON and x.dim() == 2 and 1 <= x.shape[0] <= MAX_ROWS and x.dtype in _DTYPES
-            and w.dtype == x.dtype and (x.is_cuda or triton_interpreting()) and w.is_contiguous()
-            and x.stride(1) == 1)
+    return (
+        HAS_TRITON
+        and x.dim() == 2
+        and 1 <= x.shape[0] <= MAX_ROWS
+        and x.dtype in _DTYPES
+        and w.dtype == x.dtype
+        and (x.is_cuda or triton_interpreting())
+        and w.is_contiguous()
+        and x.stride(1) == 1
+    )
 
 
 def skinny_linear(
@@ -100,16 +107,20 @@ def skinny_linear(
         named.append(("bias", bias))
     if add is not None:
         check_tensor("add", add, 2, (x.dtype,), contiguous=False)
-        require(tuple(add.shape) == (m, n_out) and add.stride(1) == 1,
-                f"add must be [{m}, {n_out}] contiguous in its last dim, got {tuple(add.shape)} {add.stride()}")
+        require(
+            tuple(add.shape) == (m, n_out) and add.stride(1) == 1,
+            f"add must be [{m}, {n_out}] contiguous in its last dim, got {tuple(add.shape)} {add.stride()}",
+        )
         named.append(("add", add))
     out_dtype = out_dtype or x.dtype
     require(out_dtype in (x.dtype, torch.float32), f"out_dtype must be x's dtype or float32, got {out_dtype}")
     if out is None:
         out = torch.empty(m, n_out, dtype=out_dtype, device=x.device)
     check_tensor("out", out, 2, (out_dtype,), contiguous=False)
-    require(tuple(out.shape) == (m, n_out) and out.stride(1) == 1,
-            f"out must be [{m}, {n_out}] contiguous in its last dim, got {tuple(out.shape)}")
+    require(
+        tuple(out.shape) == (m, n_out) and out.stride(1) == 1,
+        f"out must be [{m}, {n_out}] contiguous in its last dim, got {tuple(out.shape)}",
+    )
     named.append(("out", out))
     if counters is not None:
         check_tensor("counters", counters, 1, (torch.int32,))
@@ -126,14 +137,36 @@ def skinny_linear(
         split = 1  # too few counters for this many column blocks: no K split
     k_chunk = triton.cdiv(triton.cdiv(k, split), t.block_k) * t.block_k
     split = triton.cdiv(k, k_chunk)  # no empty split
-    ws = torch.empty(split * (2 if epilogue == "silu_mul" else 1) * m * n_out if split > 1 else 1,
-                     dtype=torch.float32, device=x.device)
+    ws = torch.empty(
+        split * (2 if epilogue == "silu_mul" else 1) * m * n_out if split > 1 else 1,
+        dtype=torch.float32,
+        device=x.device,
+    )
     _k.skinny_gemm_kernel[(blocks, split)](
-        x, w, bias if bias is not None else w, add if add is not None else out, out, ws,
-        counters if split > 1 else ws, m, k, n_out, k_chunk,
-        x.stride(0), w.stride(0), add.stride(0) if add is not None else 0, out.stride(0),
-        BLOCK_M=MAX_ROWS, BLOCK_N=t.block_n, BLOCK_K=t.block_k, SPLIT_K=split, SILU_MUL=epilogue == "silu_mul",
-        HAS_BIAS=bias is not None, HAS_ADD=add is not None, PRECISION="ieee",
-        num_warps=t.num_warps, num_stages=t.num_stages,
+        x,
+        w,
+        bias if bias is not None else w,
+        add if add is not None else out,
+        out,
+        ws,
+        counters if split > 1 else ws,
+        m,
+        k,
+        n_out,
+        k_chunk,
+        x.stride(0),
+        w.stride(0),
+        add.stride(0) if add is not None else 0,
+        out.stride(0),
+        BLOCK_M=MAX_ROWS,
+        BLOCK_N=t.block_n,
+        BLOCK_K=t.block_k,
+        SPLIT_K=split,
+        SILU_MUL=epilogue == "silu_mul",
+        HAS_BIAS=bias is not None,
+        HAS_ADD=add is not None,
+        PRECISION="ieee",
+        num_warps=t.num_warps,
+        num_stages=t.num_stages,
     )
     return out

@@ -1,8 +1,8 @@
 """Pure-torch reference of the skinny GEMM (kernels/skinny_gemm.py): y = x W^T (+ bias) in fp32, then its epilogue.
 
-  skinny_linear_reference(x [M, K], w [N, K], bias [N] | None, epilogue, add [M, N'] | None) -> [M, N']
-      epilogue "none": N' = N;  "silu_mul": W holds gate rows then up rows, N' = N / 2, y = silu(gate) * up;
-      add (any epilogue): y + add, added in fp32 before the one rounding to the io dtype.
+skinny_linear_reference(x [M, K], w [N, K], bias [N] | None, epilogue, add [M, N'] | None) -> [M, N']
+    epilogue "none": N' = N;  "silu_mul": W holds gate rows then up rows, N' = N / 2, y = silu(gate) * up;
+    add (any epilogue): y + add, added in fp32 before the one rounding to the io dtype.
 """
 
 from __future__ import annotations

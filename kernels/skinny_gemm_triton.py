@@ -15,8 +15,23 @@ import triton.language as tl
 
 
 @triton.jit
-def _epilogue_store(acc, acc_up, offs_m, offs_n, m_ok, n_ok, bias_ptr, add_ptr, out_ptr, N_OUT, stride_am,
-                    stride_om, SILU_MUL: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_ADD: tl.constexpr):
+def _epilogue_store(
+    acc,
+    acc_up,
+    offs_m,
+    offs_n,
+    m_ok,
+    n_ok,
+    bias_ptr,
+    add_ptr,
+    out_ptr,
+    N_OUT,
+    stride_am,
+    stride_om,
+    SILU_MUL: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_ADD: tl.constexpr,
+):
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         if SILU_MUL:
@@ -79,8 +94,23 @@ def skinny_gemm_kernel(
             u = tl.load(up_rows + k[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
             acc_up = tl.dot(x, u, acc_up, input_precision=PRECISION)
     if SPLIT_K == 1:
-        _epilogue_store(acc, acc_up, offs_m, offs_n, m_ok, n_ok, bias_ptr, add_ptr, out_ptr, N_OUT, stride_am,
-                        stride_om, SILU_MUL, HAS_BIAS, HAS_ADD)
+        _epilogue_store(
+            acc,
+            acc_up,
+            offs_m,
+            offs_n,
+            m_ok,
+            n_ok,
+            bias_ptr,
+            add_ptr,
+            out_ptr,
+            N_OUT,
+            stride_am,
+            stride_om,
+            SILU_MUL,
+            HAS_BIAS,
+            HAS_ADD,
+        )
     else:
         parts: tl.constexpr = 2 if SILU_MUL else 1
         ok = m_ok[:, None] & n_ok[None, :]
@@ -97,8 +127,22 @@ def skinny_gemm_kernel(
             for s in range(SPLIT_K):
                 acc += tl.load(ws_ptr + (s * parts) * plane + tile, mask=ok, other=0.0, cache_modifier=".cg")
                 if SILU_MUL:
-                    acc_up += tl.load(ws_ptr + (s * parts + 1) * plane + tile, mask=ok, other=0.0,
-                                      cache_modifier=".cg")
-            _epilogue_store(acc, acc_up, offs_m, offs_n, m_ok, n_ok, bias_ptr, add_ptr, out_ptr, N_OUT, stride_am,
-                            stride_om, SILU_MUL, HAS_BIAS, HAS_ADD)
+                    acc_up += tl.load(ws_ptr + (s * parts + 1) * plane + tile, mask=ok, other=0.0, cache_modifier=".cg")
+            _epilogue_store(
+                acc,
+                acc_up,
+                offs_m,
+                offs_n,
+                m_ok,
+                n_ok,
+                bias_ptr,
+                add_ptr,
+                out_ptr,
+                N_OUT,
+                stride_am,
+                stride_om,
+                SILU_MUL,
+                HAS_BIAS,
+                HAS_ADD,
+            )
             tl.atomic_xchg(counter_ptr + pid, 0, sem="relaxed", scope="gpu")  # ready for the next call

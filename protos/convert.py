@@ -67,9 +67,7 @@ def tensor_from_proto(msg: common_pb2.Tensor, field: str = "tensor") -> torch.Te
         raise ConversionError(f"{field}: negative dimension in shape {shape}")
     numel = math.prod(shape)
     if len(msg.data) != 4 * numel:
-        raise ConversionError(
-            f"{field}: {len(msg.data)} bytes of data for shape {shape} (expected {4 * numel})"
-        )
+        raise ConversionError(f"{field}: {len(msg.data)} bytes of data for shape {shape} (expected {4 * numel})")
     import numpy as np
     import torch
 
@@ -139,9 +137,7 @@ def draft_block_from_proto(
         raise ConversionError(f"{field}: {e}") from None
 
 
-def check_block_values(
-    ids: Sequence[int], probs: torch.Tensor | None, vocab_size: int, field: str = "draft"
-) -> None:
+def check_block_values(ids: Sequence[int], probs: torch.Tensor | None, vocab_size: int, field: str = "draft") -> None:
     """Raise ConversionError unless the block passes the contract's check_block."""
     try:
         check_block(ids, probs, vocab_size)
@@ -162,8 +158,13 @@ def timings_to_proto(t: StepTimings, total_ms: float = 0.0, queue_ms: float | No
 
 
 def timings_from_proto(msg: common_pb2.StepTimings) -> StepTimings:
-    return StepTimings(queue_ms=msg.queue_ms, forward_ms=msg.forward_ms, sample_ms=msg.sample_ms, total_ms=msg.total_ms,
-                       compute_ms=msg.compute_ms)
+    return StepTimings(
+        queue_ms=msg.queue_ms,
+        forward_ms=msg.forward_ms,
+        sample_ms=msg.sample_ms,
+        total_ms=msg.total_ms,
+        compute_ms=msg.compute_ms,
+    )
 
 
 # ------------------------------------------------------------------------------------- trees
@@ -190,8 +191,11 @@ def logprobs_spec_from_proto(parent, name: str = "logprobs") -> LogprobsSpec | N
 def token_logprobs_to_proto(lp: TokenLogprobs) -> common_pb2.TokenLogprobs:
     top = len(lp.top_ids[0]) if lp.top_ids else 0
     return common_pb2.TokenLogprobs(
-        token_ids=list(lp.token_ids), logprobs=list(lp.logprobs), top=top,
-        top_ids=[t for row in lp.top_ids for t in row], top_logprobs=[v for row in lp.top_logprobs for v in row],
+        token_ids=list(lp.token_ids),
+        logprobs=list(lp.logprobs),
+        top=top,
+        top_ids=[t for row in lp.top_ids for t in row],
+        top_logprobs=[v for row in lp.top_logprobs for v in row],
     )
 
 
@@ -202,12 +206,15 @@ def token_logprobs_from_proto(parent, name: str = "logprobs") -> TokenLogprobs |
     msg = getattr(parent, name)
     n, top = len(msg.token_ids), msg.top
     if len(msg.logprobs) != n or top < 0 or len(msg.top_ids) != n * top or len(msg.top_logprobs) != n * top:
-        raise ConversionError(f"{name}: {n} tokens, {len(msg.logprobs)} logprobs and {len(msg.top_ids)} top ids "
-                              f"do not fit top = {top}")
+        raise ConversionError(
+            f"{name}: {n} tokens, {len(msg.logprobs)} logprobs and {len(msg.top_ids)} top ids do not fit top = {top}"
+        )
     ids, values = list(msg.top_ids), list(msg.top_logprobs)
     rows = range(n) if top else range(0)
     return TokenLogprobs(
-        tuple(msg.token_ids), tuple(msg.logprobs), tuple(tuple(ids[i * top : (i + 1) * top]) for i in rows),
+        tuple(msg.token_ids),
+        tuple(msg.logprobs),
+        tuple(tuple(ids[i * top : (i + 1) * top]) for i in rows),
         tuple(tuple(values[i * top : (i + 1) * top]) for i in rows),
     )
 
@@ -256,11 +263,13 @@ def request_hidden_from_proto(request, tensor_field: str, rows_field: str) -> Hi
         raise ConversionError(f"{rows_field}: [{r.start}, {r.stop}) is not a row range") from None
 
 
-def propose_response_to_proto(session_id: str, block: common_pb2.DraftBlock, total_ms: float,
-                              compute_ms: float) -> draft_pb2.ProposeResponse:
+def propose_response_to_proto(
+    session_id: str, block: common_pb2.DraftBlock, total_ms: float, compute_ms: float
+) -> draft_pb2.ProposeResponse:
     """A proposal's reply: its block (already a message: encoded on the drafter thread) and its times."""
     return draft_pb2.ProposeResponse(
-        session_id=session_id, draft=block,
+        session_id=session_id,
+        draft=block,
         timings=common_pb2.StepTimings(forward_ms=total_ms, total_ms=total_ms, compute_ms=compute_ms),
     )
 

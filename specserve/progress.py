@@ -16,8 +16,15 @@ class Progress:
     """``done``/``total`` units on ``stream`` (stderr): tqdm's bar when the stream is a terminal, else a line
     ``DESC: DONE/TOTAL UNITs, LABEL, T s`` at most every ``every_s`` seconds and one at close."""
 
-    def __init__(self, total: int, desc: str, unit: str, stream: TextIO | None = None, every_s: float = EVERY_S,
-                 enabled: bool = True) -> None:
+    def __init__(
+        self,
+        total: int,
+        desc: str,
+        unit: str,
+        stream: TextIO | None = None,
+        every_s: float = EVERY_S,
+        enabled: bool = True,
+    ) -> None:
         self.stream = sys.stderr if stream is None else stream
         self.total, self.desc, self.unit, self.every_s = total, desc, unit, every_s
         self.done, self.label = 0, ""
@@ -49,8 +56,9 @@ class Progress:
     def _line(self) -> None:
         self.last = time.monotonic()
         label = f", {self.label}" if self.label else ""
-        _write_line(self.stream, f"{self.desc}: {self.done}/{self.total} {self.unit}s{label}, "
-                                 f"{self.last - self.start:.0f} s")
+        _write_line(
+            self.stream, f"{self.desc}: {self.done}/{self.total} {self.unit}s{label}, {self.last - self.start:.0f} s"
+        )
 
 
 class Heartbeat:

@@ -93,8 +93,14 @@ class EngineWorker:
             AdmissionConfig(self.limits.max_sessions, self.limits.max_queued, capacity=usage.num_blocks)
         )
         self.reserved: dict[str, int] = {}  # session id -> KV blocks reserved at admission
-        self.host = SessionHost("target", thread or OneThread("target-engine"), self.limits.session_idle_timeout_s,
-                                run_batch=self._run_batch, max_batch=max_batch, settle=self._settle)
+        self.host = SessionHost(
+            "target",
+            thread or OneThread("target-engine"),
+            self.limits.session_idle_timeout_s,
+            run_batch=self._run_batch,
+            max_batch=max_batch,
+            settle=self._settle,
+        )
         self.active = self.host.sessions  # session id -> len(S)
         # session id -> its shared buffer of hidden rows (made, written and freed on the engine thread)
         self.shares: dict[str, HiddenBuffer] = self.host.buffers
@@ -158,9 +164,14 @@ class EngineWorker:
             self._unreserve(session_id)
             raise UnknownSession(session_id)
         try:
-            rows = min(self.max_context, max(reserve_tokens or self.max_context, len(prompt_ids) + 1)) if share_hidden else 0
-            result = await self.call(self._prefill_on_host, session_id, prompt_ids, sampling, hidden_layers, rows,
-                                     logprobs)
+            rows = (
+                min(self.max_context, max(reserve_tokens or self.max_context, len(prompt_ids) + 1))
+                if share_hidden
+                else 0
+            )
+            result = await self.call(
+                self._prefill_on_host, session_id, prompt_ids, sampling, hidden_layers, rows, logprobs
+            )
         except asyncio.CancelledError:
             # the caller went away; the prefill itself still runs to its end on the engine thread
             self.active.pop(session_id, None)
@@ -187,7 +198,9 @@ class EngineWorker:
         finally:
             self._unreserve(session_id)
 
-    async def verify(self, session_id: str, block: DraftBlock | WireBlock, answer: Answer | None = None) -> VerifyOutcome:
+    async def verify(
+        self, session_id: str, block: DraftBlock | WireBlock, answer: Answer | None = None
+    ) -> VerifyOutcome:
         """Queue one session's step. ``answer`` (optional) runs on the engine thread as soon as the
         session's result is there (before the loop hears of it); it must only encode and send."""
         if len(block) > self.limits.max_draft_tokens:
@@ -221,14 +234,28 @@ class EngineWorker:
             # every refusal of the request first: a refused Prefill allocates nothing (#44: its buffer stayed mapped)
             self.engine.check_prefill(session_id, prompt_ids, sampling, hidden_layers, logprobs)
             try:
-                buffer = HiddenBuffer.create(share_rows, len(hidden_layers) * self.engine.info().hidden_size,
-                                             self.engine.dtype, self.engine.device, self.fd_server)
+                buffer = HiddenBuffer.create(
+                    share_rows,
+                    len(hidden_layers) * self.engine.info().hidden_size,
+                    self.engine.dtype,
+                    self.engine.device,
+                    self.fd_server,
+                )
             except HiddenShareError as exc:
-                print(f"target: {exc}; session {session_id[:40]} sends its hidden rows as bytes", file=sys.stderr,
-                      flush=True)
+                print(
+                    f"target: {exc}; session {session_id[:40]} sends its hidden rows as bytes",
+                    file=sys.stderr,
+                    flush=True,
+                )
         try:
-            res = self.engine.prefill(session_id, prompt_ids, sampling, hidden_layers,
-                                      hidden_out=None if buffer is None else buffer.tensor, logprobs=logprobs)
+            res = self.engine.prefill(
+                session_id,
+                prompt_ids,
+                sampling,
+                hidden_layers,
+                hidden_out=None if buffer is None else buffer.tensor,
+                logprobs=logprobs,
+            )
         except BaseException as exc:
             if buffer is not None:
                 traceback.clear_frames(exc.__traceback__)  # the engine's frames view the buffer: let go, then unmap

@@ -29,7 +29,9 @@ class EngineConfig:
     kv_block_size: int = 16
     tensor_parallel_size: int = 1
     enable_expert_parallel: bool = False
-    attention_backend: str = "auto"  # auto | torch | flashinfer | triton_paged | paged_torch | reference (models/backends.py picks for auto)
+    attention_backend: str = (
+        "auto"  # auto | torch | flashinfer | triton_paged | paged_torch | reference (models/backends.py picks for auto)
+    )
     moe_backend: str = "auto"  # auto | torch | fused
     fused_layers: bool | None = None  # None: on with the fused MoE (models/backends.select_backends)
     skinny_gemm: bool = True  # the fused layers' projections through kernels/skinny_gemm.py (False: cuBLAS)
@@ -66,8 +68,9 @@ class EngineConfig:
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise SpecserveError("--device cuda was asked for but no CUDA GPU is visible")
         if self.graph_max_draft < 0 or any(n < 1 for n in self.graph_tree_sizes):
-            raise SpecserveError(f"graph sizes must be positive, got max draft {self.graph_max_draft}, "
-                                 f"trees {self.graph_tree_sizes}")
+            raise SpecserveError(
+                f"graph sizes must be positive, got max draft {self.graph_max_draft}, trees {self.graph_tree_sizes}"
+            )
         if self.cuda_graphs and not self.device.startswith("cuda"):
             raise SpecserveError("--cuda-graphs needs --device cuda")
         if self.invariant_steps and (self.tensor_parallel_size > 1 or self.bench_shard is not None):
@@ -77,12 +80,15 @@ class EngineConfig:
             if not 0 <= rank < size or size < 2:
                 raise SpecserveError(f"--shard R/N needs N >= 2 and 0 <= R < N, got {rank}/{size}")
             if not (is_synthetic(self.model) or is_scaled_demo(self.model)) or self.tensor_parallel_size != 1:
-                raise SpecserveError("--shard is for synthetic presets and demo@ models in one process (benchmarks "
-                                     f"only), not with {self.model} at --tensor-parallel-size "
-                                     f"{self.tensor_parallel_size}")
+                raise SpecserveError(
+                    "--shard is for synthetic presets and demo@ models in one process (benchmarks "
+                    f"only), not with {self.model} at --tensor-parallel-size "
+                    f"{self.tensor_parallel_size}"
+                )
             if is_scaled_demo(self.model) and not self.enable_expert_parallel:
-                raise SpecserveError("--shard of a demo@ model splits its routed experts whole: it needs expert "
-                                     "parallelism")
+                raise SpecserveError(
+                    "--shard of a demo@ model splits its routed experts whole: it needs expert parallelism"
+                )
 
 
 def build_model_for(cfg: EngineConfig):
@@ -97,25 +103,36 @@ def build_model_for(cfg: EngineConfig):
     if cfg.bench_shard is not None:  # one rank's shard alone: collectives off (benchmarks only)
         from specserve.models.config import ParallelConfig
 
-        parallel = ParallelConfig(tp_rank=cfg.bench_shard[0], tp_size=cfg.bench_shard[1],
-                                  ep=cfg.enable_expert_parallel, collectives=False)
+        parallel = ParallelConfig(
+            tp_rank=cfg.bench_shard[0], tp_size=cfg.bench_shard[1], ep=cfg.enable_expert_parallel, collectives=False
+        )
     if is_scaled_demo(cfg.model):
         from specserve.models.model_names import resolve_model
 
         demo = resolve_model(cfg.model)
-        model, model_config = build_scaled_demo(str(cfg.model), demo.folder, device=cfg.device, dtype=dtype,
-                                                seed=cfg.seed, parallel=parallel)
+        model, model_config = build_scaled_demo(
+            str(cfg.model), demo.folder, device=cfg.device, dtype=dtype, seed=cfg.seed, parallel=parallel
+        )
         tokenizer = load_tokenizer(demo.tokenizer_folder)
     elif is_synthetic(cfg.model):
-        model, model_config = build_synthetic_model(str(cfg.model), device=cfg.device, dtype=dtype,
-                                                    parallel=parallel, seed=cfg.seed)
+        model, model_config = build_synthetic_model(
+            str(cfg.model), device=cfg.device, dtype=dtype, parallel=parallel, seed=cfg.seed
+        )
         tokenizer = None
     else:
         model, model_config = load_model(cfg.model, device=cfg.device, dtype=dtype)
         tokenizer = load_tokenizer(cfg.model)
     invariant = cfg.invariant_steps if cfg.tensor_parallel_size == 1 and cfg.bench_shard is None else False
-    choice = select_backends(model_config, cfg.device, dtype, cfg.attention_backend, cfg.moe_backend,
-                             cfg.fused_layers, invariant, cfg.skinny_gemm)
+    choice = select_backends(
+        model_config,
+        cfg.device,
+        dtype,
+        cfg.attention_backend,
+        cfg.moe_backend,
+        cfg.fused_layers,
+        invariant,
+        cfg.skinny_gemm,
+    )
     install_backends(model, choice, cfg.kv_block_size, cfg.device, dtype)
     return model, model_config, tokenizer, choice
 
@@ -145,8 +162,11 @@ def build_engine(cfg: EngineConfig):
     model, model_config, tokenizer, choice = build_model_for(cfg)
     graphs = cfg.cuda_graphs
     if graphs is None:  # on where every step is capturable: graph-safe attention and (if any) the fused MoE
-        graphs = (cfg.device.startswith("cuda") and choice.attention in GRAPH_ATTENTION
-                  and (model_config.moe is None or choice.moe == "fused"))
+        graphs = (
+            cfg.device.startswith("cuda")
+            and choice.attention in GRAPH_ATTENTION
+            and (model_config.moe is None or choice.moe == "fused")
+        )
     options = None
     if graphs:
         options = GraphOptions(chain_sizes=tuple(range(1, cfg.graph_max_draft + 2)), tree_sizes=cfg.graph_tree_sizes)

@@ -80,8 +80,9 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         self.tensor_parallel_size = tensor_parallel_size
         self._tracer = tn.tracer()
         # its verify steps as a unary call, a stream and (a caller on this host) a shared-memory channel
-        self.steps = StepServing("target", shm, target_pb2.VerifyRequest, self._verify_one, _status_for,
-                                 self.worker.release)
+        self.steps = StepServing(
+            "target", shm, target_pb2.VerifyRequest, self._verify_one, _status_for, self.worker.release
+        )
         self.shm = self.steps.shm
         # hidden rows of sessions whose caller asked: in a buffer their drafter maps (runtime/hidden_share.py)
         self.hidden_kind = kind_for(worker.engine.device) if self.shm.config.shares_hidden else ""
@@ -101,9 +102,14 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
 
     # -------------------------------------------------------------------------------- RPCs
     async def GetInfo(self, request, context):
-        return convert.info_to_proto(target_pb2.TargetInfo, self.info, tensor_parallel_size=self.tensor_parallel_size,
-                                     model_name=self.model_name, hidden_share_kind=self.hidden_kind,
-                                     host_id=self.host_id)
+        return convert.info_to_proto(
+            target_pb2.TargetInfo,
+            self.info,
+            tensor_parallel_size=self.tensor_parallel_size,
+            model_name=self.model_name,
+            hidden_share_kind=self.hidden_kind,
+            host_id=self.host_id,
+        )
 
     async def Prefill(self, request, context):
         received = time.perf_counter()
@@ -119,7 +125,12 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                 sampling = convert.sampling_from_proto(request.sampling)
                 share = bool(request.want_hidden_share and self.hidden_kind and layers)
                 res = await self.worker.prefill(
-                    request.session_id, ids, sampling, layers, _reserve_tokens(context.invocation_metadata()), share,
+                    request.session_id,
+                    ids,
+                    sampling,
+                    layers,
+                    _reserve_tokens(context.invocation_metadata()),
+                    share,
                     logprobs=convert.logprobs_spec_from_proto(request),
                 )
             except Exception as exc:  # noqa: BLE001 - mapped to a status
@@ -132,11 +143,18 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                 out.shm_channel = self.shm.offer(request.session_id, context.time_remaining())
             return out
 
-    def _verify_response(self, request, drafted: int, res: VerifyResult, received: float, queue_ms: float,
-                         batch_size: int) -> target_pb2.VerifyResponse:
+    def _verify_response(
+        self, request, drafted: int, res: VerifyResult, received: float, queue_ms: float, batch_size: int
+    ) -> target_pb2.VerifyResponse:
         """A step's reply (on the loop, or on the engine thread when that answers a shared-memory caller)."""
-        resp = convert.verify_result_to_proto(request.session_id, res, res.num_drafted or drafted,
-                                              (time.perf_counter() - received) * 1e3, queue_ms, batch_size)
+        resp = convert.verify_result_to_proto(
+            request.session_id,
+            res,
+            res.num_drafted or drafted,
+            (time.perf_counter() - received) * 1e3,
+            queue_ms,
+            batch_size,
+        )
         self._count_hidden(res.hidden)
         return resp
 
@@ -151,8 +169,12 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             span.set_attribute(tn.ATTR_SESSION, request.session_id)
             span.set_attribute(tn.ATTR_K, len(block))
             span.set_attribute(tn.ATTR_TREE_SIZE, len(block) if request.draft.is_tree else 0)
-            reply = StepReply(lambda res, queue_ms, batch_size: self._verify_response(
-                request, len(block), res, received, queue_ms, batch_size), send)
+            reply = StepReply(
+                lambda res, queue_ms, batch_size: self._verify_response(
+                    request, len(block), res, received, queue_ms, batch_size
+                ),
+                send,
+            )
             out = await self.worker.verify(request.session_id, block, reply.answer)
             res = out.result
             span.set_attribute(tn.ATTR_ACCEPTED, len(res.accepted_ids))

@@ -27,8 +27,9 @@ def exact_demo_laws(prompt: list[int], sampling: SamplingParams) -> tuple[torch.
 
     from specserve.models.probs import target_probs
 
-    hf = AutoModelForCausalLM.from_pretrained(demo_checkpoint("target"), dtype=torch.float64,
-                                              experts_implementation="eager").eval()
+    hf = AutoModelForCausalLM.from_pretrained(
+        demo_checkpoint("target"), dtype=torch.float64, experts_implementation="eager"
+    ).eval()
     with torch.no_grad():
         p1 = target_probs(hf(torch.tensor([prompt])).logits[0, -1:], sampling)[0].double()
         support = torch.nonzero(p1).flatten()

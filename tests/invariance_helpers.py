@@ -13,8 +13,11 @@ TREE_TOKENS = 3  # parents of the tree built from the greedy continuation (and s
 
 
 def engine_for(model: str, dtype: str, invariant: bool, device: str = "cpu"):
-    return build_engine(EngineConfig(model=model, dtype=dtype, device=device, num_kv_blocks=64,
-                                     invariant_steps=invariant, max_context=512))
+    return build_engine(
+        EngineConfig(
+            model=model, dtype=dtype, device=device, num_kv_blocks=64, invariant_steps=invariant, max_context=512
+        )
+    )
 
 
 def decode_logits(engine, prompt: list[int], steps: int) -> tuple[list[int], list[torch.Tensor]]:
@@ -72,7 +75,7 @@ def greedy_speculation(engine, prompt: list[int], reference: list[int], k: int) 
     engine.prefill("spec", prompt)
     out = [engine.session("spec").pending_token]
     while len(out) < len(reference):
-        draft = [t if (len(out) + i) % 3 else (t + 1) % 200 for i, t in enumerate(reference[len(out):len(out) + k])]
+        draft = [t if (len(out) + i) % 3 else (t + 1) % 200 for i, t in enumerate(reference[len(out) : len(out) + k])]
         result = engine.verify("spec", DraftBlock(token_ids=tuple(draft)))
         out += [*result.accepted_ids, result.next_token]
     engine.release("spec")

@@ -31,14 +31,30 @@ KIMI_IGNORE = ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", r"re:.*ml
 
 def int4_config(group_size: int = 32) -> dict:
     """quantization_config of Kimi-K2-Thinking (compressed-tensors writes it this way)."""
-    weights = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": group_size,
-               "dynamic": False, "actorder": None, "block_structure": None, "observer": "minmax", "observer_kwargs": {}}
+    weights = {
+        "num_bits": 4,
+        "type": "int",
+        "symmetric": True,
+        "strategy": "group",
+        "group_size": group_size,
+        "dynamic": False,
+        "actorder": None,
+        "block_structure": None,
+        "observer": "minmax",
+        "observer_kwargs": {},
+    }
     return {
         "quant_method": "compressed-tensors",
         "format": "pack-quantized",
         "quantization_status": "compressed",
-        "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": None,
-                                      "output_activations": None}},
+        "config_groups": {
+            "group_0": {
+                "targets": ["Linear"],
+                "weights": weights,
+                "input_activations": None,
+                "output_activations": None,
+            }
+        },
         "ignore": KIMI_IGNORE,
         "kv_cache_scheme": None,
     }
@@ -71,8 +87,15 @@ def _bf16_unless_bias(name: str, t: torch.Tensor) -> torch.Tensor:
     return t if name.endswith("e_score_correction_bias") else t.to(torch.bfloat16)
 
 
-def write_int4(src: Path, out: Path, *, group_size: int = 32, shape_dtype: torch.dtype = torch.int64,
-               wrapper: bool = False, shards: int = 3) -> tuple[Path, Path]:
+def write_int4(
+    src: Path,
+    out: Path,
+    *,
+    group_size: int = 32,
+    shape_dtype: torch.dtype = torch.int64,
+    wrapper: bool = False,
+    shards: int = 3,
+) -> tuple[Path, Path]:
     from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
     from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
@@ -99,8 +122,12 @@ def write_int4(src: Path, out: Path, *, group_size: int = 32, shape_dtype: torch
     save_file(reference, str(ref / "model.safetensors"))
     if wrapper:
         text = {**config, "quantization_config": int4_config(group_size)}
-        config = {"model_type": "kimi_k25", "architectures": ["KimiK25ForConditionalGeneration"], "text_config": text,
-                  "vision_config": {"hidden_size": 8}}
+        config = {
+            "model_type": "kimi_k25",
+            "architectures": ["KimiK25ForConditionalGeneration"],
+            "text_config": text,
+            "vision_config": {"hidden_size": 8},
+        }
         stored = {f"language_model.{n}": t for n, t in stored.items()}
         stored["vision_tower.patch_embed.weight"] = torch.zeros(8, 8, dtype=torch.bfloat16)
         stored["mm_projector.proj.weight"] = torch.zeros(8, 8, dtype=torch.bfloat16)
@@ -135,8 +162,15 @@ def _fp8_quantized(name: str, t: torch.Tensor) -> bool:
     return t.dim() == 2 and name.endswith(".weight") and not name.endswith(unquantized)
 
 
-def write_fp8(src: Path, out: Path, *, block: tuple[int, int] = (128, 128), scale_dtype: torch.dtype = torch.float32,
-              not_converted: tuple[str, ...] = (), shards: int = 3) -> tuple[Path, Path]:
+def write_fp8(
+    src: Path,
+    out: Path,
+    *,
+    block: tuple[int, int] = (128, 128),
+    scale_dtype: torch.dtype = torch.float32,
+    not_converted: tuple[str, ...] = (),
+    shards: int = 3,
+) -> tuple[Path, Path]:
     """not_converted: module names left in bf16 and listed as modules_to_not_convert (Qwen's FP8 key)."""
     config, tensors, ref = _start(src, out)
     stored, reference = {}, {}

@@ -56,8 +56,13 @@ def step_model(rows: Iterable[dict], drafter: str, draft_ms: Mapping[int, float]
     max_k = max(r["drafted"] for r in own)
     # a step that drafted fewer than max_k with draft time spent: the drafter proposed no more (ngram)
     blocks = tuple((r["drafted"], r["accepted"]) for r in own if r["drafted"] == max_k or r["draft_ms"] > 0)
-    return StepModel(blocks, max_k, {n: tuple(v) for n, v in verify.items()},
-                     {n: float(np.mean(v)) for n, v in experts.items()}, dict(draft_ms))
+    return StepModel(
+        blocks,
+        max_k,
+        {n: tuple(v) for n, v in verify.items()},
+        {n: float(np.mean(v)) for n, v in experts.items()},
+        dict(draft_ms),
+    )
 
 
 @dataclass(frozen=True)

@@ -64,11 +64,15 @@ def format_result(report: dict) -> str:
     lines = [f"{report['world_size']} ranks, {report['backend']}, {report['device']}; per call, median (p10-p90) us"]
     gathers = {p["tokens"]: p for p in report["all_gather_logits"]}
     for p in report["all_reduce"]:
-        line = (f"T={p['tokens']:>3} all_reduce {p['bytes']:>8} B: {p['median_us']:.1f} "
-                f"({p['p10_us']:.1f}-{p['p90_us']:.1f}) [{p['mode']}]")
+        line = (
+            f"T={p['tokens']:>3} all_reduce {p['bytes']:>8} B: {p['median_us']:.1f} "
+            f"({p['p10_us']:.1f}-{p['p90_us']:.1f}) [{p['mode']}]"
+        )
         g = gathers.get(p["tokens"])
         if g is not None:
-            line += f"; logits all_gather {g['bytes']} B/rank: {g['median_us']:.1f} ({g['p10_us']:.1f}-{g['p90_us']:.1f})"
+            line += (
+                f"; logits all_gather {g['bytes']} B/rank: {g['median_us']:.1f} ({g['p10_us']:.1f}-{g['p90_us']:.1f})"
+            )
         lines.append(line)
     return "\n".join(lines)
 
@@ -101,8 +105,10 @@ def _time_samples(op, args, device, dist, torch) -> tuple[list[float], str]:
                     op()
             torch.cuda.synchronize(device)
         except Exception as exc:  # noqa: BLE001 (every rank must agree on the mode, whatever went wrong)
-            print(f"allreduce_bench: CUDA graph capture failed ({type(exc).__name__}: {exc}); timing eager calls",
-                  file=sys.stderr)
+            print(
+                f"allreduce_bench: CUDA graph capture failed ({type(exc).__name__}: {exc}); timing eager calls",
+                file=sys.stderr,
+            )
             graph, ok = None, torch.zeros(1, device=device)
         dist.all_reduce(ok, op=dist.ReduceOp.MIN)
         if float(ok) == 1.0:
@@ -132,9 +138,15 @@ def _time_samples(op, args, device, dist, torch) -> tuple[list[float], str]:
 
 
 def _point(tokens: int, nbytes: int, samples: list[float], mode: str) -> dict:
-    return {"tokens": tokens, "bytes": nbytes, "mode": mode, "median_us": round(statistics.median(samples), 3),
-            "p10_us": round(_percentile(samples, 0.1), 3), "p90_us": round(_percentile(samples, 0.9), 3),
-            "samples": len(samples)}
+    return {
+        "tokens": tokens,
+        "bytes": nbytes,
+        "mode": mode,
+        "median_us": round(statistics.median(samples), 3),
+        "p10_us": round(_percentile(samples, 0.1), 3),
+        "p90_us": round(_percentile(samples, 0.9), 3),
+        "samples": len(samples),
+    }
 
 
 def _rank_main(rank: int, args: AllReduceConfig, port: int, out_path: str) -> None:
@@ -151,8 +163,13 @@ def _rank_main(rank: int, args: AllReduceConfig, port: int, out_path: str) -> No
     else:
         torch.set_num_threads(1)
         device = torch.device("cpu")
-    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=args.world_size, device_id=device if cuda else None)
+    dist.init_process_group(
+        "nccl" if cuda else "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=args.world_size,
+        device_id=device if cuda else None,
+    )
     try:
         reduce_points, gather_points = [], []
         gen = torch.Generator(device=device).manual_seed(rank)
@@ -171,7 +188,7 @@ def _rank_main(rank: int, args: AllReduceConfig, port: int, out_path: str) -> No
                 "schema": SCHEMA,
                 "label": "measurement",
                 "what": f"all_reduce of [T, {args.hidden}] bf16 and all_gather of [T, ceil({args.vocab} / N)] float32 "
-                        f"across N = {args.world_size} ranks of one host; rank 0's time per call",
+                f"across N = {args.world_size} ranks of one host; rank 0's time per call",
                 "world_size": args.world_size,
                 "backend": dist.get_backend(),
                 "device": torch.cuda.get_device_name(device) if cuda else "cpu",
@@ -200,14 +217,16 @@ def run(args: AllReduceConfig, out: Path) -> dict:
     if args.device == "cuda":
         have = torch.cuda.device_count()
         if have < args.world_size:
-            raise AllReduceBenchError(f"--world-size {args.world_size} needs {args.world_size} GPUs, "
-                                      f"this host shows {have}")
+            raise AllReduceBenchError(
+                f"--world-size {args.world_size} needs {args.world_size} GPUs, this host shows {have}"
+            )
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / "allreduce.json"
     path.unlink(missing_ok=True)
-    ctx = mp.start_processes(_rank_main, args=(args, _free_port(), str(path)), nprocs=args.world_size, join=False,
-                             start_method="spawn")
+    ctx = mp.start_processes(
+        _rank_main, args=(args, _free_port(), str(path)), nprocs=args.world_size, join=False, start_method="spawn"
+    )
     deadline = time.monotonic() + JOIN_TIMEOUT_S
     try:
         while not ctx.join(timeout=5):  # raises ProcessRaisedException / ProcessExitedException when a rank fails

@@ -75,23 +75,32 @@ def resolve_drafter_checkpoints(config: BenchConfig, skipped: list[Skipped]) -> 
 def build_drafters(config: BenchConfig, engine, checkpoints: dict[str, Path], skipped: list[Skipped]) -> dict:
     from specserve.draft_service.drafter_config import DrafterConfig
     from specserve.draft_service.registry import build_proposer
+
     proposers = {}
     target_hash = engine.info().vocab_hash
     for family in config.drafters:
         if family == "none" or (family not in CHECKPOINT_FREE and family not in checkpoints):
             continue
         try:
-            proposer = build_proposer(DrafterConfig(
-                family=family, checkpoint=checkpoints.get(family), target_checkpoint=Path(config.model),  # a demo@ name: the
-                # registry's factories scale the demo's drafters to it (models/scaled_drafters.py)
-                device=config.device, dtype=config.dtype, max_block_size=config.drafter_block_size,
-            ))
+            proposer = build_proposer(
+                DrafterConfig(
+                    family=family,
+                    checkpoint=checkpoints.get(family),
+                    target_checkpoint=Path(config.model),  # a demo@ name: the
+                    # registry's factories scale the demo's drafters to it (models/scaled_drafters.py)
+                    device=config.device,
+                    dtype=config.dtype,
+                    max_block_size=config.drafter_block_size,
+                )
+            )
         except BUILD_ERRORS as exc:
             skipped.append(Skipped(family, f"drafter did not build: {_reason(exc)}"))
             continue
         draft_hash = proposer.info.vocab_hash
         if draft_hash and draft_hash != target_hash:
-            skipped.append(Skipped(family, f"vocabulary {draft_hash[:16]} differs from the target's {target_hash[:16]}"))
+            skipped.append(
+                Skipped(family, f"vocabulary {draft_hash[:16]} differs from the target's {target_hash[:16]}")
+            )
             continue
         proposers[family] = proposer
     return proposers
@@ -138,12 +147,23 @@ class _Bench:
         for r in results:
             _write_jsonl(self.out / "steps.jsonl", r.steps)
             self.all_steps.extend(r.steps)
-        _write_jsonl(self.out / "requests.jsonl", [{
-            "method": r.method, "prompt": r.prompt_id, "prompt_tokens": r.prompt_tokens,
-            "completion_tokens": r.completion_tokens, "finish_reason": r.finish_reason,
-            "ttft_s": round(r.ttft_s, 6), "decode_s": round(r.decode_s, 6), "token_ids": list(r.token_ids),
-            "stats": r.stats,
-        } for r in results])
+        _write_jsonl(
+            self.out / "requests.jsonl",
+            [
+                {
+                    "method": r.method,
+                    "prompt": r.prompt_id,
+                    "prompt_tokens": r.prompt_tokens,
+                    "completion_tokens": r.completion_tokens,
+                    "finish_reason": r.finish_reason,
+                    "ttft_s": round(r.ttft_s, 6),
+                    "decode_s": round(r.decode_s, 6),
+                    "token_ids": list(r.token_ids),
+                    "stats": r.stats,
+                }
+                for r in results
+            ],
+        )
         self.methods[name] = {**meta, **summarize_method(results, self.reference)}
 
     def tick(self, label: str) -> None:
@@ -168,14 +188,22 @@ def run_bench(config: BenchConfig, progress: bool = True) -> dict:
     env = environment(config.device)
     bandwidth = measure_copy_bandwidth(config.device, config.copy_bytes)
     env["bandwidth"] = bandwidth.as_dict()
-    engine = build_engine(EngineConfig(model=Path(config.model), device=config.device, dtype=config.dtype,
-                                       num_kv_blocks=config.num_kv_blocks, kv_block_size=config.kv_block_size,
-                                       invariant_steps=config.invariant_steps))
+    engine = build_engine(
+        EngineConfig(
+            model=Path(config.model),
+            device=config.device,
+            dtype=config.dtype,
+            num_kv_blocks=config.num_kv_blocks,
+            kv_block_size=config.kv_block_size,
+            invariant_steps=config.invariant_steps,
+        )
+    )
     mb = _model_bytes(engine)
     checkpoints = resolve_drafter_checkpoints(config, b.skipped)
     proposers = build_drafters(config, engine, checkpoints, b.skipped)
-    graph_layers = tuple(sorted({i for p in proposers.values() if p.info.needs_hidden_states
-                                 for i in p.info.hidden_layers}))
+    graph_layers = tuple(
+        sorted({i for p in proposers.values() if p.info.needs_hidden_states for i in p.info.hidden_layers})
+    )
     engine.add_graph_layers(graph_layers)  # (and the served target's: ServedStack passes them on)
     methods, more_skipped = plan_methods(
         config, {f: True for f in proposers}, {f: p.info.needs_hidden_states for f, p in proposers.items()}
@@ -203,12 +231,22 @@ def run_bench(config: BenchConfig, progress: bool = True) -> dict:
         raise
     try:
         _run_interleaved(b, _method_runs(config, runner, methods, hf, hf_methods), prompts)
-        stream = token_stream([ids for _, ids in _all_prompt_ids(config, tokenizer)],
-                              config.tax_context + max(config.k_sweep) + config.tax_repeats + 2)
+        stream = token_stream(
+            [ids for _, ids in _all_prompt_ids(config, tokenizer)],
+            config.tax_context + max(config.k_sweep) + config.tax_repeats + 2,
+        )
         tax_path = b.out / "verify_tax.jsonl"
         tax = measure_verify_tax(
-            engine, stream, config.k_sweep, config.tax_context, config.tax_repeats, mb, bandwidth.bytes_per_s,
-            config.device, on_sample=lambda row: _write_jsonl(tax_path, [row]), progress=lambda: b.tick("verify tax"),
+            engine,
+            stream,
+            config.k_sweep,
+            config.tax_context,
+            config.tax_repeats,
+            mb,
+            bandwidth.bytes_per_s,
+            config.device,
+            on_sample=lambda row: _write_jsonl(tax_path, [row]),
+            progress=lambda: b.tick("verify tax"),
         )
         served_stats = served.service_stats() if served is not None else None
     finally:
@@ -220,21 +258,29 @@ def run_bench(config: BenchConfig, progress: bool = True) -> dict:
     projection = _projection(config, b.methods, b.all_steps)
     from specserve.bench.cost_fit import cost_model_error
 
-    summary = make_summary("e2e", config, env, {
-        "prompt_set": {"name": prompt_set.name, "sha256": prompt_set.sha256,
-                       "prompts": [{"id": pid, "tokens": len(ids)} for pid, ids in prompts]},
-        "engine": engine_description(engine),
-        "model_bytes": mb.as_dict(),
-        "methods": b.methods,
-        "comparison": compare_methods({k: v for k, v in b.methods.items() if v.get("via", "process") == "process"}),
-        "via": via_comparison(b.methods),
-        "served_stats": served_stats,
-        "skipped": [s.as_dict() for s in b.skipped],
-        "verify_tax": {"context_len": config.tax_context + 1, "repeats": config.tax_repeats, "points": tax},
-        "projection": projection,
-        "cost_model": cost_model_error(b.all_steps),
-        "wall_s": round(time.perf_counter() - started, 3),
-    })
+    summary = make_summary(
+        "e2e",
+        config,
+        env,
+        {
+            "prompt_set": {
+                "name": prompt_set.name,
+                "sha256": prompt_set.sha256,
+                "prompts": [{"id": pid, "tokens": len(ids)} for pid, ids in prompts],
+            },
+            "engine": engine_description(engine),
+            "model_bytes": mb.as_dict(),
+            "methods": b.methods,
+            "comparison": compare_methods({k: v for k, v in b.methods.items() if v.get("via", "process") == "process"}),
+            "via": via_comparison(b.methods),
+            "served_stats": served_stats,
+            "skipped": [s.as_dict() for s in b.skipped],
+            "verify_tax": {"context_len": config.tax_context + 1, "repeats": config.tax_repeats, "points": tax},
+            "projection": projection,
+            "cost_model": cost_model_error(b.all_steps),
+            "wall_s": round(time.perf_counter() - started, 3),
+        },
+    )
     if config.plots:
         summary["plots"] = _plots(b, summary, env)
     write_summary(b.out, summary)
@@ -247,10 +293,19 @@ def _method_runs(config: BenchConfig, runner, methods: list[MethodSpec], hf, hf_
     for spec in methods:
         for via in config.via:
             chooser = runner.new_chooser(spec)  # process-wide: kept across the method's warm-up and prompts
-            meta = {"kind": "specserve", "drafter": spec.drafter, "speculation": spec.speculation,
-                    "draft_ahead": spec.draft_ahead, "k": spec.k, "via": via, "base_method": spec.name}
+            meta = {
+                "kind": "specserve",
+                "drafter": spec.drafter,
+                "speculation": spec.speculation,
+                "draft_ahead": spec.draft_ahead,
+                "k": spec.k,
+                "via": via,
+                "base_method": spec.name,
+            }
             name = spec.name if via == "process" else f"{spec.name}@{via}"
-            runs.append((name, meta, lambda pid, ids, n, spec=spec, c=chooser, via=via: runner.run(spec, pid, ids, c, n, via)))
+            runs.append(
+                (name, meta, lambda pid, ids, n, spec=spec, c=chooser, via=via: runner.run(spec, pid, ids, c, n, via))
+            )
     for m in hf_methods:
         meta = {"kind": "transformers", "drafter": m.name.split("/", 1)[1]}
         runs.append((m.name, meta, lambda pid, ids, n, m=m: hf.run(m, pid, ids, n, config.seed)))
@@ -306,8 +361,11 @@ def via_comparison(methods: dict) -> dict:
         if m.get("kind") != "specserve" or "base_method" not in m:
             continue
         row = out.setdefault(m["base_method"], {})
-        row[m["via"]] = {"tokens_per_s": m.get("tokens_per_s"), "per_step_ms": m.get("per_step_ms"),
-                         "matches_target_only": m.get("matches_target_only")}
+        row[m["via"]] = {
+            "tokens_per_s": m.get("tokens_per_s"),
+            "per_step_ms": m.get("per_step_ms"),
+            "matches_target_only": m.get("matches_target_only"),
+        }
     for row in out.values():
         base = (row.get("process") or {}).get("tokens_per_s")
         for via, r in row.items():
@@ -334,8 +392,13 @@ def _build_hf(config: BenchConfig, engine, checkpoints: dict[str, Path], skipped
 
     assistant = checkpoints.get("model")
     try:
-        hf = HFBaseline(Path(config.model), config.device, DTYPES[config.dtype], engine.info().eos_token_ids,
-                        config.num_speculative_tokens)
+        hf = HFBaseline(
+            Path(config.model),
+            config.device,
+            DTYPES[config.dtype],
+            engine.info().eos_token_ids,
+            config.num_speculative_tokens,
+        )
     except BUILD_ERRORS as exc:
         skipped.append(Skipped("hf/*", f"transformers could not load {config.model}: {_reason(exc)}"))
         return None
@@ -351,8 +414,11 @@ def _build_hf(config: BenchConfig, engine, checkpoints: dict[str, Path], skipped
 
 def _projection(config: BenchConfig, methods: dict, steps: list[dict] = ()) -> dict:
     if config.projection_timings is None:
-        return {"label": "projection", "included": False,
-                "reason": "no GPU synthetic-model timings given (--projection-timings FILE)"}
+        return {
+            "label": "projection",
+            "included": False,
+            "reason": "no GPU synthetic-model timings given (--projection-timings FILE)",
+        }
     from specserve.bench.projection import load_shape_timings, project_run
 
     timings = load_shape_timings(config.projection_timings, config.projection_model, config.projection_context)
@@ -379,9 +445,13 @@ def _plots(b: _Bench, summary: dict, env: dict) -> list[str]:
     d = b.out / "plots"
     made = [
         plots.plot_tokens_per_s(b.methods, d / "tokens_per_s.png", f"decode tokens/s ({tag})"),
-        plots.plot_verify_tax(summary["verify_tax"]["points"], summary["model_bytes"]["num_moe_layers"]
-                              * summary["model_bytes"]["num_experts"], d / "verify_tax.png",
-                              f"verify tax at context {summary['verify_tax']['context_len']} ({tag})", b.all_steps),
+        plots.plot_verify_tax(
+            summary["verify_tax"]["points"],
+            summary["model_bytes"]["num_moe_layers"] * summary["model_bytes"]["num_experts"],
+            d / "verify_tax.png",
+            f"verify tax at context {summary['verify_tax']['context_len']} ({tag})",
+            b.all_steps,
+        ),
         plots.plot_phase_breakdown(b.methods, d / "phase_breakdown.png", f"per-step phases ({tag})"),
         plots.plot_phase_steps(b.all_steps, d / "phase_steps.png", f"per-step phases, first prompt ({tag})"),
     ]

@@ -45,13 +45,22 @@ def adaptive_vs_fixed(methods: Mapping[str, dict], baseline: float | None) -> li
         }
         if best is not None:
             name, m = best
-            row["best_fixed"] = {"method": name, "k": m.get("k"), "tokens_per_s": m["tokens_per_s"],
-                                 "vs_target_only": _ratio(m["tokens_per_s"], baseline)}
+            row["best_fixed"] = {
+                "method": name,
+                "k": m.get("k"),
+                "tokens_per_s": m["tokens_per_s"],
+                "vs_target_only": _ratio(m["tokens_per_s"], baseline),
+            }
         if g["adaptive"] is not None:
             name, m = g["adaptive"]
             tps = m.get("tokens_per_s")
-            row["adaptive"] = {"method": name, "max_k": m.get("k"), "tokens_per_s": tps,
-                               "vs_target_only": _ratio(tps, baseline), "chosen_k": m.get("chosen_k", {})}
+            row["adaptive"] = {
+                "method": name,
+                "max_k": m.get("k"),
+                "tokens_per_s": tps,
+                "vs_target_only": _ratio(tps, baseline),
+                "chosen_k": m.get("chosen_k", {}),
+            }
             row["adaptive_over_best_fixed"] = _ratio(tps, best[1]["tokens_per_s"] if best else None)
         rows.append(row)
     return rows
@@ -73,19 +82,21 @@ def draft_ahead_on_off(methods: Mapping[str, dict]) -> list[dict]:
         if on is None:
             continue
         stats = on.get("draft_ahead_stats") or {}
-        rows.append({
-            "method": name,
-            "off_tokens_per_s": off.get("tokens_per_s"),
-            "on_tokens_per_s": on.get("tokens_per_s"),
-            "on_over_off": _ratio(on.get("tokens_per_s"), off.get("tokens_per_s")),
-            "ahead_hits": stats.get("hits"),
-            "ahead_ms": stats.get("ahead_ms"),
-            "hidden_ms": stats.get("hidden_ms"),
-            "wait_ms": stats.get("wait_ms"),
-            "off_verify_ms": _verify_ms(off),
-            "on_verify_ms": _verify_ms(on),
-            "steps": on.get("steps"),
-        })
+        rows.append(
+            {
+                "method": name,
+                "off_tokens_per_s": off.get("tokens_per_s"),
+                "on_tokens_per_s": on.get("tokens_per_s"),
+                "on_over_off": _ratio(on.get("tokens_per_s"), off.get("tokens_per_s")),
+                "ahead_hits": stats.get("hits"),
+                "ahead_ms": stats.get("ahead_ms"),
+                "hidden_ms": stats.get("hidden_ms"),
+                "wait_ms": stats.get("wait_ms"),
+                "off_verify_ms": _verify_ms(off),
+                "on_verify_ms": _verify_ms(on),
+                "steps": on.get("steps"),
+            }
+        )
     return rows
 
 
@@ -114,27 +125,37 @@ def _hist(h: Mapping[str, int]) -> str:
 
 def format_comparison(comparison: dict, title: str, note: str = "") -> str:
     """Markdown: adaptive against the best fixed k per drafter, then draft-ahead on against off."""
-    lines = [f"### {title}", ""] + ([note, ""] if note else []) + [
-        f"target-only: {_num(comparison.get('target_only_tokens_per_s'))} tok/s; (x) = vs target-only; "
-        "chosen k = histogram of drafted tokens per step (k:steps)",
-        "",
-        "| drafter | draft-ahead | tok/s by fixed k | best fixed k | best fixed tok/s | adaptive (cap) tok/s"
-        " | adaptive / best fixed | adaptive chosen k |",
-        "|---|---|---|---:|---:|---:|---:|---|",
-    ]
+    lines = (
+        [f"### {title}", ""]
+        + ([note, ""] if note else [])
+        + [
+            f"target-only: {_num(comparison.get('target_only_tokens_per_s'))} tok/s; (x) = vs target-only; "
+            "chosen k = histogram of drafted tokens per step (k:steps)",
+            "",
+            "| drafter | draft-ahead | tok/s by fixed k | best fixed k | best fixed tok/s | adaptive (cap) tok/s"
+            " | adaptive / best fixed | adaptive chosen k |",
+            "|---|---|---|---:|---:|---:|---:|---|",
+        ]
+    )
     for r in comparison["adaptive_vs_fixed"]:
         by_k = " ".join(f"k{k}: {_num(v)}" for k, v in r["fixed_tokens_per_s_by_k"].items()) or "-"
         best, ada = r["best_fixed"], r["adaptive"]
-        lines.append("| " + " | ".join([
-            r["drafter"],
-            "on" if r["draft_ahead"] else "off",
-            by_k,
-            str(best["k"]) if best else "-",
-            f"{_num(best['tokens_per_s'])} ({_x(best['vs_target_only'])})" if best else "-",
-            f"{_num(ada['tokens_per_s'])} ({_x(ada['vs_target_only'])}) (cap {ada['max_k']})" if ada else "-",
-            _x(r["adaptive_over_best_fixed"]),
-            _hist(ada["chosen_k"]) if ada else "-",
-        ]) + " |")
+        lines.append(
+            "| "
+            + " | ".join(
+                [
+                    r["drafter"],
+                    "on" if r["draft_ahead"] else "off",
+                    by_k,
+                    str(best["k"]) if best else "-",
+                    f"{_num(best['tokens_per_s'])} ({_x(best['vs_target_only'])})" if best else "-",
+                    f"{_num(ada['tokens_per_s'])} ({_x(ada['vs_target_only'])}) (cap {ada['max_k']})" if ada else "-",
+                    _x(r["adaptive_over_best_fixed"]),
+                    _hist(ada["chosen_k"]) if ada else "-",
+                ]
+            )
+            + " |"
+        )
     if comparison.get("draft_ahead"):
         lines += [
             "",
@@ -143,10 +164,21 @@ def format_comparison(comparison: dict, title: str, note: str = "") -> str:
             "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for r in comparison["draft_ahead"]:
-            lines.append("| " + " | ".join([
-                r["method"], _num(r["off_tokens_per_s"]), _num(r["on_tokens_per_s"]), _x(r["on_over_off"]),
-                f"{r['ahead_hits']} / {r['steps']}" if r["ahead_hits"] is not None else "-",
-                _num(r["ahead_ms"]), _num(r["hidden_ms"]), _num(r.get("wait_ms")),
-                f"{_num(r.get('off_verify_ms'), '.2f')} -> {_num(r.get('on_verify_ms'), '.2f')}",
-            ]) + " |")
+            lines.append(
+                "| "
+                + " | ".join(
+                    [
+                        r["method"],
+                        _num(r["off_tokens_per_s"]),
+                        _num(r["on_tokens_per_s"]),
+                        _x(r["on_over_off"]),
+                        f"{r['ahead_hits']} / {r['steps']}" if r["ahead_hits"] is not None else "-",
+                        _num(r["ahead_ms"]),
+                        _num(r["hidden_ms"]),
+                        _num(r.get("wait_ms")),
+                        f"{_num(r.get('off_verify_ms'), '.2f')} -> {_num(r.get('on_verify_ms'), '.2f')}",
+                    ]
+                )
+                + " |"
+            )
     return "\n".join(lines)

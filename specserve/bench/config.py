@@ -11,7 +11,9 @@ from specserve.contract.speculation import block_size_for
 from specserve.errors import SpecserveError
 
 DRAFTERS = ("none", "ngram", "model", "eagle3", "dflash", "dspark", "mtp")  # the order methods run in
-CHECKPOINT_FREE = frozenset({"none", "ngram", "mtp"})  # drafters that need no checkpoint of their own (mtp: the target's layer)
+CHECKPOINT_FREE = frozenset(
+    {"none", "ngram", "mtp"}
+)  # drafters that need no checkpoint of their own (mtp: the target's layer)
 SPECULATION_MODES = ("fixed", "adaptive")
 
 
@@ -68,10 +70,19 @@ class BenchConfig:
             raise BenchConfigError(f"speculation modes must be among {SPECULATION_MODES}, got {self.speculation}")
         if not self.draft_ahead:
             raise BenchConfigError("draft_ahead needs at least one setting")
-        for name in ("max_new_tokens", "num_speculative_tokens", "tax_context", "tax_repeats", "num_kv_blocks", "kv_block_size"):
+        for name in (
+            "max_new_tokens",
+            "num_speculative_tokens",
+            "tax_context",
+            "tax_repeats",
+            "num_kv_blocks",
+            "kv_block_size",
+        ):
             if getattr(self, name) <= 0:
                 raise BenchConfigError(f"{name} must be > 0, got {getattr(self, name)}")
-        if not isinstance(self.fixed_ks, (tuple, list)) or any(isinstance(k, bool) or not isinstance(k, int) or k <= 0 for k in self.fixed_ks):
+        if not isinstance(self.fixed_ks, (tuple, list)) or any(
+            isinstance(k, bool) or not isinstance(k, int) or k <= 0 for k in self.fixed_ks
+        ):
             raise BenchConfigError(f"fixed_ks must be positive integers (drafted tokens per step), got {self.fixed_ks}")
         object.__setattr__(self, "fixed_ks", tuple(sorted(set(self.fixed_ks))) or (self.num_speculative_tokens,))
         if self.warmup < 0:
@@ -144,8 +155,10 @@ class MethodSpec:
         if self.drafter not in DRAFTERS:
             raise BenchConfigError(f"unknown drafter {self.drafter!r}; known: {', '.join(DRAFTERS)}")
         if (self.k == 0) != (self.drafter == "none") or self.k < 0:
-            raise BenchConfigError(f"a method drafts k >= 1 tokens (k = 0 only for target-only), got "
-                                   f"drafter {self.drafter!r} with k = {self.k}")
+            raise BenchConfigError(
+                f"a method drafts k >= 1 tokens (k = 0 only for target-only), got "
+                f"drafter {self.drafter!r} with k = {self.k}"
+            )
 
     @property
     def name(self) -> str:
@@ -189,7 +202,9 @@ def plan_methods(
                 for ahead in config.draft_ahead:
                     spec = MethodSpec(drafter, adaptive=mode == "adaptive", draft_ahead=ahead, k=k)
                     if ahead and needs_hidden.get(drafter, False):
-                        skipped.append(Skipped(spec.name, "draft-ahead does not apply to drafters that read target hidden states"))
+                        skipped.append(
+                            Skipped(spec.name, "draft-ahead does not apply to drafters that read target hidden states")
+                        )
                         continue
                     methods.append(spec)
     return methods, skipped

@@ -23,8 +23,11 @@ def cost_model_error(steps: Sequence[dict], train_fraction: float = 0.7) -> dict
     (the drafter drafted the next block during this verify; absent in older runs) is the model's
     contention term.
     """
-    rows = [(int(s["drafted"]) + 1, int(s["experts_touched"]), float(s["verify_ms"]), bool(s.get("ahead", False)))
-            for s in steps if not s.get("tree") and s.get("verify_ms", 0) > 0]
+    rows = [
+        (int(s["drafted"]) + 1, int(s["experts_touched"]), float(s["verify_ms"]), bool(s.get("ahead", False)))
+        for s in steps
+        if not s.get("tree") and s.get("verify_ms", 0) > 0
+    ]
     if len(rows) < 10:
         return {"included": False, "reason": f"only {len(rows)} steps"}
     cut = int(len(rows) * train_fraction)
@@ -41,9 +44,15 @@ def cost_model_error(steps: Sequence[dict], train_fraction: float = 0.7) -> dict
         "included": True,
         "train_steps": cut,
         "heldout_steps": len(held),
-        "coef_ms": {"a": round(float(model.coef[0]), 4), "per_token": round(float(model.coef[1]), 5),
-                    "per_expert": round(float(model.coef[2]), 6), "ahead": round(float(model.coef[3]), 4)},
+        "coef_ms": {
+            "a": round(float(model.coef[0]), 4),
+            "per_token": round(float(model.coef[1]), 5),
+            "per_expert": round(float(model.coef[2]), 6),
+            "ahead": round(float(model.coef[3]), 4),
+        },
         "median_rel_error": round(model.heldout_error(held), 4),
-        "p90_rel_error": round(float(np.percentile([abs(model.predict(n, e, ahead) - ms) / ms for n, e, ms, ahead in held], 90)), 4),
+        "p90_rel_error": round(
+            float(np.percentile([abs(model.predict(n, e, ahead) - ms) / ms for n, e, ms, ahead in held], 90)), 4
+        ),
         "by_tokens": by_tokens,
     }

@@ -37,9 +37,22 @@ DRAFTERS = ("eagle3", "model", "dflash", "dspark", "ngram", "mtp")
 DEFAULT_DRAFTERS = ("eagle3", "model", "dflash", "dspark", "ngram")
 PROMPTS = ("def parse_args(argv):\n", "class Stack:\n    def push(self, x):", "import os\nimport sys\n\n\ndef main():")
 ROW_KEYS = (  # one row per drafter (--out); counts are null where they cannot be taken (a CPU)
-    "drafter", "model", "k", "tree", "device", "dtype", "proposes", "propose_ms_median", "ms_per_drafted_token_median",
-    "kernels_per_propose", "kernels_per_drafted_token", "host_syncs_per_propose", "dtoh_copies_per_propose",
-    "first_propose_ms_mean", "mean_accepted_length", "host_profile",
+    "drafter",
+    "model",
+    "k",
+    "tree",
+    "device",
+    "dtype",
+    "proposes",
+    "propose_ms_median",
+    "ms_per_drafted_token_median",
+    "kernels_per_propose",
+    "kernels_per_drafted_token",
+    "host_syncs_per_propose",
+    "dtoh_copies_per_propose",
+    "first_propose_ms_mean",
+    "mean_accepted_length",
+    "host_profile",
 )
 
 # around(call) runs one propose call (a zero-argument function) and returns its result
@@ -50,8 +63,9 @@ def _plain(call: Callable[[], object]) -> object:
     return call()
 
 
-def _run(engine, proposer, session_id: str, prompt: list[int], k: int, max_new: int,
-         around: Around = _plain, tree=None) -> tuple[list[float], list[int], list[int]]:
+def _run(
+    engine, proposer, session_id: str, prompt: list[int], k: int, max_new: int, around: Around = _plain, tree=None
+) -> tuple[list[float], list[int], list[int]]:
     """(ms per propose, drafted per propose, accepted per propose) of one greedy request (chains, or trees of the
     TreeSpec `tree`)."""
     from specserve.contract.types import SamplingParams
@@ -85,9 +99,15 @@ def _run(engine, proposer, session_id: str, prompt: list[int], k: int, max_new: 
 def _host_rows(profiler: cProfile.Profile, calls: int, top: int) -> list[dict]:
     stats = pstats.Stats(profiler).stats  # {(file, line, name): (calls, primitive calls, own s, cumulative s, callers)}
     rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
-    return [{"function": f"{Path(f).name}:{line}({name})", "calls_per_propose": c / calls,
-             "own_us_per_propose": own / calls * 1e6, "cum_us_per_propose": cum / calls * 1e6}
-            for (f, line, name), (_, c, own, cum, _) in rows]
+    return [
+        {
+            "function": f"{Path(f).name}:{line}({name})",
+            "calls_per_propose": c / calls,
+            "own_us_per_propose": own / calls * 1e6,
+            "cum_us_per_propose": cum / calls * 1e6,
+        }
+        for (f, line, name), (_, c, own, cum, _) in rows
+    ]
 
 
 class _DeviceCounts:
@@ -116,8 +136,11 @@ class _DeviceCounts:
     def device_events(self, prof) -> tuple[int, int]:
         """(kernels, device-to-host copies) that start inside a propose range (the device is idle between: a propose
         and a verify each end on a read of their result)."""
-        ranges = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
-                        if e.name == self.RANGE and e.device_type == torch.autograd.DeviceType.CPU)
+        ranges = sorted(
+            (e.time_range.start, e.time_range.end)
+            for e in prof.events()
+            if e.name == self.RANGE and e.device_type == torch.autograd.DeviceType.CPU
+        )
         kernels = copies = 0
         for e in prof.events():
             if e.device_type != torch.autograd.DeviceType.CUDA or e.name == self.RANGE:  # the range's device copy
@@ -137,10 +160,16 @@ def build_drafter(family: str, args: ProfileConfig):
     from specserve.draft_service.registry import build_proposer
     from specserve.paths import shipped_drafter
 
-    return build_proposer(DrafterConfig(
-        family, checkpoint=shipped_drafter(family), target_checkpoint=_target(args.model), device=args.device,
-        dtype=args.dtype, max_block_size=args.k,
-    ))
+    return build_proposer(
+        DrafterConfig(
+            family,
+            checkpoint=shipped_drafter(family),
+            target_checkpoint=_target(args.model),
+            device=args.device,
+            dtype=args.dtype,
+            max_block_size=args.k,
+        )
+    )
 
 
 def _target(model: str):
@@ -160,11 +189,19 @@ def _counted_run(engine, proposer, prompt: list[int], args: ProfileConfig) -> di
             torch.cuda.synchronize()
     calls, tokens = max(1, len(drafted)), max(1, sum(drafted))
     if not cuda:
-        return {"kernels_per_propose": None, "kernels_per_drafted_token": None, "host_syncs_per_propose": None,
-                "dtoh_copies_per_propose": None}
+        return {
+            "kernels_per_propose": None,
+            "kernels_per_drafted_token": None,
+            "host_syncs_per_propose": None,
+            "dtoh_copies_per_propose": None,
+        }
     kernels, copies = counts.device_events(prof)
-    return {"kernels_per_propose": kernels / calls, "kernels_per_drafted_token": kernels / tokens,
-            "host_syncs_per_propose": counts.syncs / calls, "dtoh_copies_per_propose": copies / calls}
+    return {
+        "kernels_per_propose": kernels / calls,
+        "kernels_per_drafted_token": kernels / tokens,
+        "host_syncs_per_propose": counts.syncs / calls,
+        "dtoh_copies_per_propose": copies / calls,
+    }
 
 
 def profile_drafter(family: str, proposer, engine, args: ProfileConfig) -> dict:
@@ -190,9 +227,12 @@ def profile_drafter(family: str, proposer, engine, args: ProfileConfig) -> dict:
     calls = len(_run(engine, proposer, "profiled", prompts[0], args.k, args.max_new_tokens, profiled, args.tree)[0])
     per_token = [t / d for t, d in zip(ms, drafted) if d]
     row = {
-        "drafter": family, "model": args.model, "k": args.k,
+        "drafter": family,
+        "model": args.model,
+        "k": args.k,
         "tree": None if args.tree is None else [args.tree.num_nodes, args.tree.top_k, args.tree.depth],
-        "device": args.device, "dtype": args.dtype,
+        "device": args.device,
+        "dtype": args.dtype,
         "proposes": len(ms),
         "propose_ms_median": statistics.median(ms) if ms else 0.0,
         "ms_per_drafted_token_median": statistics.median(per_token) if per_token else 0.0,
@@ -246,29 +286,35 @@ def run(args: ProfileConfig) -> int:
         resolve_model(_target(args.model))
     except (ModelConfigError, ValueError) as e:
         raise DraftProfileError(f"--model {args.model}: {e}")
-    engine = build_engine(EngineConfig(model=_target(args.model), device=args.device, dtype=args.dtype,
-                                       num_kv_blocks=512))
+    engine = build_engine(
+        EngineConfig(model=_target(args.model), device=args.device, dtype=args.dtype, num_kv_blocks=512)
+    )
     proposers = {f: build_drafter(f, args) for f in families}
     chains_only = [f for f, d in proposers.items() if args.tree is not None and not d.info.supports_tree]
     if chains_only:
         raise DraftProfileError(f"--tree: {', '.join(chains_only)} draft chains only")
     # the target's graphs also return the hidden layers EAGLE-3 / DFlash read (as the bench and `generate` do)
-    engine.add_graph_layers(sorted({i for d in proposers.values() if d.info.needs_hidden_states
-                                    for i in d.info.hidden_layers}))
+    engine.add_graph_layers(
+        sorted({i for d in proposers.values() if d.info.needs_hidden_states for i in d.info.hidden_layers})
+    )
     rows = [profile_drafter(f, d, engine, args) for f, d in proposers.items()]
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"rows": rows}, indent=1))
     for r in rows:
         shape = f"k={r['k']}" if r["tree"] is None else "tree " + ",".join(map(str, r["tree"]))
-        print(f"\n{r['drafter']} {shape} on {r['model']} ({r['device']}, {r['dtype']}): {r['propose_ms_median']:.3f} "
-              f"ms per propose, {r['ms_per_drafted_token_median']:.3f} ms per drafted token, "
-              f"{_count(r['kernels_per_drafted_token'], '.1f')} kernels per drafted token, "
-              f"{_count(r['host_syncs_per_propose'], '.1f')} host syncs and "
-              f"{_count(r['dtoh_copies_per_propose'], '.1f')} device-to-host copies per propose, mean accepted length "
-              f"{r['mean_accepted_length']:.2f}, first propose {r['first_propose_ms_mean']:.2f} ms, "
-              f"{r['proposes']} proposes")
+        print(
+            f"\n{r['drafter']} {shape} on {r['model']} ({r['device']}, {r['dtype']}): {r['propose_ms_median']:.3f} "
+            f"ms per propose, {r['ms_per_drafted_token_median']:.3f} ms per drafted token, "
+            f"{_count(r['kernels_per_drafted_token'], '.1f')} kernels per drafted token, "
+            f"{_count(r['host_syncs_per_propose'], '.1f')} host syncs and "
+            f"{_count(r['dtoh_copies_per_propose'], '.1f')} device-to-host copies per propose, mean accepted length "
+            f"{r['mean_accepted_length']:.2f}, first propose {r['first_propose_ms_mean']:.2f} ms, "
+            f"{r['proposes']} proposes"
+        )
         for h in r["host_profile"]:
-            print(f"    host {h['own_us_per_propose']:7.1f} us own {h['cum_us_per_propose']:8.1f} us cum "
-                  f"x{h['calls_per_propose']:.1f}  {h['function'][:80]}")
+            print(
+                f"    host {h['own_us_per_propose']:7.1f} us own {h['cum_us_per_propose']:8.1f} us cum "
+                f"x{h['calls_per_propose']:.1f}  {h['function'][:80]}"
+            )
     return 0

@@ -22,8 +22,14 @@ import torch
 PACKAGES = ("torch", "triton", "flashinfer-python", "transformers", "numpy", "specserve")
 REPO_ROOT = Path(__file__).resolve().parents[2]
 # The project's packages (pyproject's package-dir roots); their *.py and *.proto files are its source.
-SOURCE_PACKAGES = ("specserve", "specserve.gateway", "specserve.draft_service", "specserve.target_service",
-                   "specserve.kernels", "specserve.protos")
+SOURCE_PACKAGES = (
+    "specserve",
+    "specserve.gateway",
+    "specserve.draft_service",
+    "specserve.target_service",
+    "specserve.kernels",
+    "specserve.protos",
+)
 SOURCE_SUFFIXES = (".py", ".proto")
 UNKNOWN = "unknown"
 # The commit the run is of, as `git describe --always --dirty` prints it where the tree was copied from; it
@@ -69,8 +75,10 @@ def given_commit(value: str) -> dict:
     """{commit, dirty, source} of a SPECSERVE_GIT_COMMIT value: a commit id, "-dirty" when the tree had changes."""
     match = _GIVEN_COMMIT.fullmatch(value.strip())
     if match is None:
-        raise ValueError(f"{GIT_COMMIT_ENV}: {value[:60]!r} is not a commit (7 to 40 hex digits, then -dirty or "
-                         "nothing: what `git describe --always --dirty` prints)")
+        raise ValueError(
+            f"{GIT_COMMIT_ENV}: {value[:60]!r} is not a commit (7 to 40 hex digits, then -dirty or "
+            "nothing: what `git describe --always --dirty` prints)"
+        )
     return {"commit": match["commit"].lower(), "dirty": match["dirty"] is not None, "source": GIT_COMMIT_ENV}
 
 

@@ -48,28 +48,64 @@ _T = GemvTile
 GRID = (
     _T(16, 64, 2, 1),
     # E = 16
-    _T(64, 32, 4, 1), _T(32, 64, 4, 1), _T(16, 128, 4, 1), _T(64, 64, 8, 1), _T(32, 32, 2, 1), _T(64, 16, 2, 1),
-    _T(16, 32, 1, 1), _T(32, 16, 1, 1), _T(8, 64, 1, 1), _T(32, 128, 8, 1), _T(32, 32, 2, 2),
+    _T(64, 32, 4, 1),
+    _T(32, 64, 4, 1),
+    _T(16, 128, 4, 1),
+    _T(64, 64, 8, 1),
+    _T(32, 32, 2, 1),
+    _T(64, 16, 2, 1),
+    _T(16, 32, 1, 1),
+    _T(32, 16, 1, 1),
+    _T(8, 64, 1, 1),
+    _T(32, 128, 8, 1),
+    _T(32, 32, 2, 2),
     # E = 8
-    _T(32, 32, 4, 1), _T(64, 16, 4, 1), _T(16, 64, 4, 1), _T(16, 32, 2, 1), _T(8, 32, 1, 1), _T(16, 16, 1, 1),
+    _T(32, 32, 4, 1),
+    _T(64, 16, 4, 1),
+    _T(16, 64, 4, 1),
+    _T(16, 32, 2, 1),
+    _T(8, 32, 1, 1),
+    _T(16, 16, 1, 1),
     _T(64, 32, 8, 1),
     # E = 32
-    _T(64, 32, 2, 1), _T(64, 64, 4, 1), _T(64, 16, 1, 1), _T(32, 32, 1, 1), _T(64, 128, 8, 1),
+    _T(64, 32, 2, 1),
+    _T(64, 64, 4, 1),
+    _T(64, 16, 1, 1),
+    _T(32, 32, 1, 1),
+    _T(64, 128, 8, 1),
     # prefetch
-    _T(64, 32, 4, 1, prefetch=True), _T(32, 64, 4, 1, prefetch=True), _T(32, 32, 2, 1, prefetch=True),
-    _T(64, 16, 2, 1, prefetch=True), _T(32, 32, 4, 1, prefetch=True), _T(64, 16, 4, 1, prefetch=True),
-    _T(16, 64, 4, 1, prefetch=True), _T(16, 32, 2, 1, prefetch=True), _T(64, 64, 8, 1, prefetch=True),
+    _T(64, 32, 4, 1, prefetch=True),
+    _T(32, 64, 4, 1, prefetch=True),
+    _T(32, 32, 2, 1, prefetch=True),
+    _T(64, 16, 2, 1, prefetch=True),
+    _T(32, 32, 4, 1, prefetch=True),
+    _T(64, 16, 4, 1, prefetch=True),
+    _T(16, 64, 4, 1, prefetch=True),
+    _T(16, 32, 2, 1, prefetch=True),
+    _T(64, 64, 8, 1, prefetch=True),
     # split
-    _T(64, 32, 4, 1, split=2), _T(64, 32, 4, 1, split=4), _T(32, 32, 4, 1, split=2), _T(32, 32, 4, 1, split=4),
-    _T(64, 64, 8, 1, split=2), _T(32, 32, 2, 1, split=2), _T(64, 16, 2, 1, split=4), _T(16, 64, 2, 1, split=2),
-    _T(64, 32, 2, 1, split=2), _T(64, 64, 4, 1, split=4),
+    _T(64, 32, 4, 1, split=2),
+    _T(64, 32, 4, 1, split=4),
+    _T(32, 32, 4, 1, split=2),
+    _T(32, 32, 4, 1, split=4),
+    _T(64, 64, 8, 1, split=2),
+    _T(32, 32, 2, 1, split=2),
+    _T(64, 16, 2, 1, split=4),
+    _T(16, 64, 2, 1, split=2),
+    _T(64, 32, 2, 1, split=2),
+    _T(64, 64, 4, 1, split=4),
     # split and prefetch
-    _T(64, 32, 4, 1, split=2, prefetch=True), _T(32, 32, 4, 1, split=2, prefetch=True),
-    _T(32, 64, 4, 1, split=4, prefetch=True), _T(64, 16, 2, 1, split=2, prefetch=True),
+    _T(64, 32, 4, 1, split=2, prefetch=True),
+    _T(32, 32, 4, 1, split=2, prefetch=True),
+    _T(32, 64, 4, 1, split=4, prefetch=True),
+    _T(64, 16, 2, 1, split=2, prefetch=True),
     _T(32, 32, 2, 1, split=4, prefetch=True),
     # lanes
-    _T(64, 32, 4, 1, lanes=8), _T(32, 32, 4, 1, lanes=8), _T(64, 32, 4, 1, prefetch=True, lanes=8),
-    _T(32, 32, 2, 1, split=2, lanes=8), _T(64, 32, 4, 1, lanes=2),
+    _T(64, 32, 4, 1, lanes=8),
+    _T(32, 32, 4, 1, lanes=8),
+    _T(64, 32, 4, 1, prefetch=True, lanes=8),
+    _T(32, 32, 2, 1, split=2, lanes=8),
+    _T(64, 32, 4, 1, lanes=2),
 )
 
 
@@ -99,8 +135,15 @@ class Case:
     invariant: tuple  # (x [R, H], ids [R*K], weights [R*K]) of the INVARIANT_ROWS-row step
 
 
-def make_case(shape: SweepShape, tokens: Sequence[int], device: str, dtype: torch.dtype, routings: int = ROUTINGS,
-              invariant_rows: int = INVARIANT_ROWS, seed: int = 0) -> Case:
+def make_case(
+    shape: SweepShape,
+    tokens: Sequence[int],
+    device: str,
+    dtype: torch.dtype,
+    routings: int = ROUTINGS,
+    invariant_rows: int = INVARIANT_ROWS,
+    seed: int = 0,
+) -> Case:
     from specserve.kernels.quant_reference import w4a16_moe_reference
 
     e, h, i, k, g = shape.experts, shape.hidden, shape.inter, shape.top_k, shape.group
@@ -120,8 +163,10 @@ def make_case(shape: SweepShape, tokens: Sequence[int], device: str, dtype: torc
         return x, ids.reshape(-1).contiguous(), (w / w.sum(-1, keepdim=True)).reshape(-1).contiguous()
 
     steps = {t: [step(t) for _ in range(routings)] for t in tokens}
-    refs = {t: w4a16_moe_reference(x, *weights, ids.view(t, k), w.view(t, k), group_size=g)
-            for t, ((x, ids, w), *_) in steps.items()}
+    refs = {
+        t: w4a16_moe_reference(x, *weights, ids.view(t, k), w.view(t, k), group_size=g)
+        for t, ((x, ids, w), *_) in steps.items()
+    }
     distinct = {t: sum(int(torch.unique(s[1]).numel()) for s in ss) / len(ss) for t, ss in steps.items()}
     timed = {t: [_padded(s, invariant_rows, k) for s in ss] for t, ss in steps.items()}
     return Case(shape, dtype, weights, steps, timed, refs, distinct, step(invariant_rows))
@@ -135,8 +180,11 @@ def _padded(step, rows: int, k: int):
     pad = rows - x.shape[0]
     if pad <= 0:
         return step
-    return (torch.cat([x, x[-1:].expand(pad, -1)]), torch.cat([ids, ids.new_full((pad * k,), NO_EXPERT)]),
-            torch.cat([w, w.new_zeros(pad * k)]))
+    return (
+        torch.cat([x, x[-1:].expand(pad, -1)]),
+        torch.cat([ids, ids.new_full((pad * k,), NO_EXPERT)]),
+        torch.cat([w, w.new_zeros(pad * k)]),
+    )
 
 
 def kernel_bytes(shape: SweepShape, kernel: str, experts: float) -> float:
@@ -158,7 +206,7 @@ def check_invariant(what: str, full: torch.Tensor, alone: Sequence[torch.Tensor]
     """full [R*K, C]: a step's per-slot rows; alone[j] [K, C]: row j's slots as a step of its own. None when every
     row's slots are bitwise equal, else which rows differ."""
     k = alone[0].shape[0]
-    bad = [j for j, a in enumerate(alone) if not torch.equal(full[j * k: (j + 1) * k], a)]
+    bad = [j for j, a in enumerate(alone) if not torch.equal(full[j * k : (j + 1) * k], a)]
     return None if not bad else f"{what}: rows {bad} of the {len(alone)}-row step differ from themselves alone"
 
 
@@ -180,18 +228,29 @@ def check_tiles(case: Case, tiles_at: Callable[[int], GemvTiles]) -> list[str]:
     failures = []
     for t, ((x, ids, w), *_) in case.steps.items():
         k = case.shape.top_k
-        out = w4a16_moe(x, *case.weights, ids.view(t, k), w.view(t, k), group_size=case.shape.group,
-                        gemv_max_tokens=t, gemv_tiles=tiles_at(t))
+        out = w4a16_moe(
+            x,
+            *case.weights,
+            ids.view(t, k),
+            w.view(t, k),
+            group_size=case.shape.group,
+            gemv_max_tokens=t,
+            gemv_tiles=tiles_at(t),
+        )
         failure = check_reference(out, case.refs[t])
         if failure:
             failures.append(f"T={t}: {failure}")
     x, ids, w = case.invariant
     rows, k = x.shape[0], case.shape.top_k
     full_act, full_out = _launch(case, case.invariant, tiles_at(rows))
-    alone = [_launch(case, (x[j: j + 1], ids[j * k: (j + 1) * k], w[j * k: (j + 1) * k]), tiles_at(1))
-             for j in range(rows)]
-    for what, full, parts in (("gate_up act", full_act, [a for a, _ in alone]),
-                              ("down rows", full_out, [o for _, o in alone])):
+    alone = [
+        _launch(case, (x[j : j + 1], ids[j * k : (j + 1) * k], w[j * k : (j + 1) * k]), tiles_at(1))
+        for j in range(rows)
+    ]
+    for what, full, parts in (
+        ("gate_up act", full_act, [a for a, _ in alone]),
+        ("down rows", full_out, [o for _, o in alone]),
+    ):
         failure = check_invariant(what, full, parts)
         if failure:
             failures.append(failure)
@@ -267,8 +326,7 @@ def best_configs(rows: Sequence[dict], over: Sequence[int] = BEST_OVER) -> dict:
     best = {}
     for kernel in KERNELS:
         passing = [r for r in rows if r["passed"] and all(t in r["times"][kernel] for t in over)]
-        best[kernel] = min(passing, key=lambda r: sum(r["times"][kernel][t]["ms"] for t in over),
-                           default=None)
+        best[kernel] = min(passing, key=lambda r: sum(r["times"][kernel][t]["ms"] for t in over), default=None)
         best[kernel] = best[kernel]["config"] if best[kernel] else None
     return best
 
@@ -282,26 +340,47 @@ def default_line(rows: Sequence[dict], best: dict) -> str | None:
     return f"GEMV_TILES = GemvTiles(gate_up={args['gate_up']}, down={args['down']})"
 
 
-def run_sweep(shape: SweepShape = K26, tokens: Sequence[int] = TOKENS, grid: Sequence[GemvTile] = GRID,
-              device: str = "cuda", dtype: torch.dtype = torch.bfloat16, reps: int = REPS, warmup: int = WARMUP,
-              routings: int = ROUTINGS, invariant_rows: int = INVARIANT_ROWS, log=print) -> dict:
+def run_sweep(
+    shape: SweepShape = K26,
+    tokens: Sequence[int] = TOKENS,
+    grid: Sequence[GemvTile] = GRID,
+    device: str = "cuda",
+    dtype: torch.dtype = torch.bfloat16,
+    reps: int = REPS,
+    warmup: int = WARMUP,
+    routings: int = ROUTINGS,
+    invariant_rows: int = INVARIANT_ROWS,
+    log=print,
+) -> dict:
     start = time.time()
     case = make_case(shape, tokens, device, dtype, routings, invariant_rows)
     rows = []
     for tile in grid:
         rows.append(sweep_row(case, tile, reps, warmup))
-        log(f"  {tile.label()}: " + ("passed" if rows[-1]["passed"] else f"FAILED {rows[-1]['failures']}")
-            + f" ({time.time() - start:.1f} s)")
+        log(
+            f"  {tile.label()}: "
+            + ("passed" if rows[-1]["passed"] else f"FAILED {rows[-1]['failures']}")
+            + f" ({time.time() - start:.1f} s)"
+        )
     best = best_configs(rows, [t for t in BEST_OVER if t in tokens] or list(tokens)[:1])
     pair = None  # the two winners together (each passed with itself in both kernels): checked once more
     if None not in best.values():
         tiles = {r["config"]: GemvTile(**r["tile"]) for r in rows}
         pair = check_tiles(case, lambda rows_: GemvTiles(tiles[best["gate_up"]], tiles[best["down"]]))
         log("  best pair: " + ("passed" if not pair else f"FAILED {pair}"))
-    return {"shape": dataclasses.asdict(shape), "tokens": list(tokens), "best_over": list(BEST_OVER),
-            "tolerance": TOL, "invariant_rows": invariant_rows, "default": GEMV_TILES.gate_up.label(),
-            "rows": rows, "best": best, "best_pair_failures": pair,
-            "best_line": default_line(rows, best) if not pair else None, "seconds": time.time() - start}
+    return {
+        "shape": dataclasses.asdict(shape),
+        "tokens": list(tokens),
+        "best_over": list(BEST_OVER),
+        "tolerance": TOL,
+        "invariant_rows": invariant_rows,
+        "default": GEMV_TILES.gate_up.label(),
+        "rows": rows,
+        "best": best,
+        "best_pair_failures": pair,
+        "best_line": default_line(rows, best) if not pair else None,
+        "seconds": time.time() - start,
+    }
 
 
 def run(quick: bool = False, log=print) -> dict:
@@ -324,8 +403,9 @@ def format_result(result: dict) -> str:
         for r in result["rows"]:
             mark = "*" if result["best"][kernel] == r["config"] else " "
             if r["passed"]:
-                cells = " ".join(f"{r['times'][kernel][t]['ms']:9.4f} ({r['times'][kernel][t]['TBps']:4.2f})"
-                                 for t in tokens)
+                cells = " ".join(
+                    f"{r['times'][kernel][t]['ms']:9.4f} ({r['times'][kernel][t]['TBps']:4.2f})" for t in tokens
+                )
                 total = f"{sum(r['times'][kernel][t]['ms'] for t in over):10.4f}"
                 status = "best" if mark == "*" else "passed"
             else:
@@ -333,8 +413,10 @@ def format_result(result: dict) -> str:
                 total, status = f"{'-':>10}", "FAILED: " + "; ".join(r["failures"])[:160]
             lines.append(f"{mark:8} {r['config']:22} {cells} {total}  {status}")
         lines.append("")
-    lines.append(f"best: gate_up {result['best']['gate_up']}, down {result['best']['down']} "
-                 f"(default {result['default']}); {result['seconds']:.1f} s")
+    lines.append(
+        f"best: gate_up {result['best']['gate_up']}, down {result['best']['down']} "
+        f"(default {result['default']}); {result['seconds']:.1f} s"
+    )
     if result.get("best_pair_failures"):
         lines.append(f"the two best together FAILED: {result['best_pair_failures']}")
     if result["best_line"]:

@@ -25,8 +25,18 @@ from pathlib import Path
 
 MOONLIGHT = "demo@moonlight-16b-a3b"
 K26 = "demo@kimi-k2.6:6"
-_E2E = ("--device", "cuda", "--dtype", "bfloat16", "--draft-ahead", "off", "--speculation", "both", "--no-hf",
-        "--no-plots")
+_E2E = (
+    "--device",
+    "cuda",
+    "--dtype",
+    "bfloat16",
+    "--draft-ahead",
+    "off",
+    "--speculation",
+    "both",
+    "--no-hf",
+    "--no-plots",
+)
 
 
 @dataclass(frozen=True)
@@ -42,9 +52,27 @@ def stages(out: Path) -> list[Stage]:
     """The headline's runs, in order (the projection reads the shard's and k26's summaries)."""
 
     def e2e(name: str, model: str, drafters: str, ks: str, prompts: int, tokens: int, via: bool, what: str) -> Stage:
-        return Stage(name, ("bench", "--model", model, "--drafters", drafters, "--fixed-k", ks, "--prompts",
-                            str(prompts), "--max-new-tokens", str(tokens), *(("--via", "serve") if via else ()),
-                            *_E2E, "--out", str(out / name)), what)
+        return Stage(
+            name,
+            (
+                "bench",
+                "--model",
+                model,
+                "--drafters",
+                drafters,
+                "--fixed-k",
+                ks,
+                "--prompts",
+                str(prompts),
+                "--max-new-tokens",
+                str(tokens),
+                *(("--via", "serve") if via else ()),
+                *_E2E,
+                "--out",
+                str(out / name),
+            ),
+            what,
+        )
 
     return [
         e2e("moon-a", MOONLIGHT, "none,ngram,eagle3,model", "1,2,4", 4, 64, True, "Moonlight, n-gram / EAGLE-3 / LM"),
@@ -52,14 +80,61 @@ def stages(out: Path) -> list[Stage]:
         e2e("k26", K26, "none,ngram,eagle3,model,dflash,mtp", "1,2,4", 2, 48, False, "K2.6 width, in process"),
         e2e("k26-serve-a", K26, "none,ngram,eagle3", "1,2", 2, 32, True, "K2.6 width through serve, n-gram / EAGLE-3"),
         e2e("k26-serve-b", K26, "none,model", "1,2", 2, 32, True, "K2.6 width through serve, LM"),
-        Stage("census", ("bench", "step", "--census", "--model", f"{MOONLIGHT},demo@kimi-k2.6:12", "--k", "0,3",
-                         "--steps", "10", "--out", str(out / "census")), "kernel census"),
-        Stage("k26-shard", ("bench", "step", "--model", "demo@kimi-k2.6:6,demo@kimi-k2.6:12", "--shard", "0/4",
-                            "--contexts", "10240", "--max-k", "8", "--reps", "10", "--eager-reps", "0",
-                            "--out", str(out / "k26-shard")), "one rank's K2.6 shard"),
-        Stage("k26-projection", ("bench", "project", "--step", str(out / "k26-shard" / "summary.json"),
-                                 "--acceptance", str(out / "k26" / "summary.json"), "--context", "10240",
-                                 "--out", str(out / "k26-projection")), "K2.6 on 4 GPUs, projected"),
+        Stage(
+            "census",
+            (
+                "bench",
+                "step",
+                "--census",
+                "--model",
+                f"{MOONLIGHT},demo@kimi-k2.6:12",
+                "--k",
+                "0,3",
+                "--steps",
+                "10",
+                "--out",
+                str(out / "census"),
+            ),
+            "kernel census",
+        ),
+        Stage(
+            "k26-shard",
+            (
+                "bench",
+                "step",
+                "--model",
+                "demo@kimi-k2.6:6,demo@kimi-k2.6:12",
+                "--shard",
+                "0/4",
+                "--contexts",
+                "10240",
+                "--max-k",
+                "8",
+                "--reps",
+                "10",
+                "--eager-reps",
+                "0",
+                "--out",
+                str(out / "k26-shard"),
+            ),
+            "one rank's K2.6 shard",
+        ),
+        Stage(
+            "k26-projection",
+            (
+                "bench",
+                "project",
+                "--step",
+                str(out / "k26-shard" / "summary.json"),
+                "--acceptance",
+                str(out / "k26" / "summary.json"),
+                "--context",
+                "10240",
+                "--out",
+                str(out / "k26-projection"),
+            ),
+            "K2.6 on 4 GPUs, projected",
+        ),
     ]
 
 
@@ -104,14 +179,23 @@ def _row(runs: Sequence[Mapping]) -> dict:
             shm = ways.get("serve-shm")
             if shm and "/fixed/" in name and (served is None or shm["tokens_per_s"] / t0 > served[0]):
                 served = (shm["tokens_per_s"] / t0, name)
-    return {"target_only": (min(base), max(base)) if base else None, "best": best, "served": served,
-            "adaptive": adaptive, "same": min(same) if same else None}
+    return {
+        "target_only": (min(base), max(base)) if base else None,
+        "best": best,
+        "served": served,
+        "adaptive": adaptive,
+        "same": min(same) if same else None,
+    }
 
 
 def _cells(target: str, row: dict) -> str:
     lo_hi = row["target_only"]
-    t0 = "-" if lo_hi is None else (f"{lo_hi[0]:.1f} tok/s" if abs(lo_hi[1] - lo_hi[0]) < 0.05 else
-                                    f"{lo_hi[0]:.1f}-{lo_hi[1]:.1f} tok/s") + f" ({1e3 / lo_hi[1]:.2f} ms a step)"
+    t0 = (
+        "-"
+        if lo_hi is None
+        else (f"{lo_hi[0]:.1f} tok/s" if abs(lo_hi[1] - lo_hi[0]) < 0.05 else f"{lo_hi[0]:.1f}-{lo_hi[1]:.1f} tok/s")
+        + f" ({1e3 / lo_hi[1]:.2f} ms a step)"
+    )
     best = "-" if row["best"] is None else f"{_label(row['best'][1])}: {row['best'][0]:.2f}x"
     served = "-" if row["served"] is None else f"{_label(row['served'][1])}: {row['served'][0]:.2f}x"
     adaptive = ", ".join(f"{k} {v:.2f}x" for k, v in sorted(row["adaptive"].items())) or "-"
@@ -121,8 +205,11 @@ def _cells(target: str, row: dict) -> str:
 
 def headline_table(out: Path) -> str:
     """The headline table from the stages' summaries under ``out`` (a stage not run shows '-' or is left out)."""
-    lines = ["| target | target-only | best fixed drafter, in process | through `serve`, shared memory | "
-             "adaptive vs best fixed k | same output |", "|---|---:|---|---|---|---:|"]
+    lines = [
+        "| target | target-only | best fixed drafter, in process | through `serve`, shared memory | "
+        "adaptive vs best fixed k | same output |",
+        "|---|---:|---|---|---|---:|",
+    ]
     moon = [s for s in (_load(out, "moon-a"), _load(out, "moon-b")) if s]
     k26 = [s for s in (_load(out, "k26"),) if s]
     k26_served = [s for s in (_load(out, "k26-serve-a"), _load(out, "k26-serve-b")) if s]
@@ -132,22 +219,32 @@ def headline_table(out: Path) -> str:
         row = _row(k26) if k26 else _row(k26_served)
         if k26_served:
             served = _row(k26_served)
-            row = {**row, "served": served["served"],
-                   "same": min(x for x in (row["same"], served["same"]) if x is not None)}
+            row = {
+                **row,
+                "served": served["served"],
+                "same": min(x for x in (row["same"], served["same"]) if x is not None),
+            }
         lines.append(_cells(f"`{K26}`", row))
     proj = _load(out, "k26-projection")
     if proj and proj.get("projection_target_only_tokens_per_s"):
         t0 = proj["projection_target_only_tokens_per_s"]
         step = (proj.get("projection_step_ms_by_k") or {}).get("0", {}).get("step_ms")
-        best = max(((v["tokens_per_s"], k, v["k"]) for k, v in (proj.get("projection_best_k") or {}).items()),
-                   default=None)
+        best = max(
+            ((v["tokens_per_s"], k, v["k"]) for k, v in (proj.get("projection_best_k") or {}).items()), default=None
+        )
         best_cell = "-" if best is None else f"{_label(best[1].split('/')[0])} k={best[2]}: {best[0]:.1f} tok/s"
-        lines.append(f"| Kimi-K2.6 on 4 GPUs, **PROJECTION** from one rank's shard | "
-                     f"{'' if step is None else f'{step:.1f} ms a decode, '}{t0:.1f} tok/s | {best_cell} | - | - | - |")
+        lines.append(
+            f"| Kimi-K2.6 on 4 GPUs, **PROJECTION** from one rank's shard | "
+            f"{'' if step is None else f'{step:.1f} ms a decode, '}{t0:.1f} tok/s | {best_cell} | - | - | - |"
+        )
     census = _load(out, "census")
     if census:
         lines.append("")
-        lines.append("census (k = 0 / 3): " + "; ".join(
-            f"{r['model']} k={r['k']}: {r['wall_ms']:.2f} ms ({r['wall_over_floor']:.1f}x its floor)"
-            for r in census.get("rows", [])))
+        lines.append(
+            "census (k = 0 / 3): "
+            + "; ".join(
+                f"{r['model']} k={r['k']}: {r['wall_ms']:.2f} ms ({r['wall_over_floor']:.1f}x its floor)"
+                for r in census.get("rows", [])
+            )
+        )
     return "\n".join(lines)

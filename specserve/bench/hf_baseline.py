@@ -73,8 +73,11 @@ class HFBaseline:
     def _generate_kwargs(self, max_new_tokens: int) -> dict:
         """Greedy, explicit stop ids (the engine's), no sampling knobs from the checkpoint."""
         return {
-            "max_new_tokens": max_new_tokens, "do_sample": False, "num_beams": 1,
-            "eos_token_id": self.eos or None, "pad_token_id": self.eos[0] if self.eos else 0,
+            "max_new_tokens": max_new_tokens,
+            "do_sample": False,
+            "num_beams": 1,
+            "eos_token_id": self.eos or None,
+            "pad_token_id": self.eos[0] if self.eos else 0,
         }
 
     def methods(self) -> list[HFMethod]:
@@ -85,7 +88,9 @@ class HFBaseline:
         return out
 
     @torch.inference_mode()
-    def run(self, method: HFMethod, prompt_id: str, prompt_ids: Sequence[int], max_new_tokens: int, seed: int) -> RequestResult:
+    def run(
+        self, method: HFMethod, prompt_id: str, prompt_ids: Sequence[int], max_new_tokens: int, seed: int
+    ) -> RequestResult:
         torch.manual_seed(seed)
         ids = torch.tensor([list(prompt_ids)], dtype=torch.long, device=self.device)
         kwargs = {}
@@ -97,14 +102,24 @@ class HFBaseline:
         _sync(self.device)
         t0 = time.perf_counter()
         out = self.model.generate(
-            ids, attention_mask=torch.ones_like(ids), streamer=streamer, **self._generate_kwargs(max_new_tokens), **kwargs,
+            ids,
+            attention_mask=torch.ones_like(ids),
+            streamer=streamer,
+            **self._generate_kwargs(max_new_tokens),
+            **kwargs,
         )
         _sync(self.device)
         t_end = time.perf_counter()
-        new = tuple(int(t) for t in out[0, ids.shape[1]:].tolist())
+        new = tuple(int(t) for t in out[0, ids.shape[1] :].tolist())
         t_first = streamer.first_token_at or t_end
         finish = "eos" if new and new[-1] in self.eos else "length"
         return RequestResult(
-            method=method.name, prompt_id=prompt_id, prompt_tokens=len(prompt_ids), token_ids=new,
-            finish_reason=finish, ttft_s=t_first - t0, decode_s=t_end - t_first, stats={},
+            method=method.name,
+            prompt_id=prompt_id,
+            prompt_tokens=len(prompt_ids),
+            token_ids=new,
+            finish_reason=finish,
+            ttft_s=t_first - t0,
+            decode_s=t_end - t_first,
+            stats={},
         )

@@ -66,9 +66,9 @@ RECORD_WIDTHS = {0: "forward_ms_at_10k_context", 3: "eagle_4_token_verify_ms", 8
 PUBLISHED_ALLREDUCE = {
     "us_per_call": 6.0,
     "source": "NVIDIA/nccl GitHub issue #1259 (2024-04-22): nccl-tests all_reduce_perf with CUDA graphs on an HGX "
-              "8 x H100 (NCCL 2.20.5, NCCL_ALGO=NVLSTree), 2 GPUs: about 6 us per all-reduce of 128 B - 64 KiB",
+    "8 x H100 (NCCL 2.20.5, NCCL_ALGO=NVLSTree), 2 GPUs: about 6 us per all-reduce of 128 B - 64 KiB",
     "caveats": "H100 not H200, 2 ranks not 4, NVLink SHARP (multicast), which this project keeps off; one figure for "
-               "every T (a [16, 7168] bf16 tensor is 224 KiB). A stand-in until allreduce_bench runs on the host.",
+    "every T (a [16, 7168] bf16 tensor is 224 KiB). A stand-in until allreduce_bench runs on the host.",
 }
 
 SYNTHETIC_NOTES = (
@@ -147,8 +147,10 @@ def shard_fit(report: Mapping, model: str | None = None, context: int | None = N
     for r in chosen:
         by_layers[int(r["layers"])] = r
     if len(by_layers) < 2:
-        raise _fail(f"the shard rows of {model} have one layer count ({sorted(by_layers)}); `bench step` needs two or "
-                    f"more (e.g. --models {model}:1,{model}:4) to separate the per-layer step from the fixed part")
+        raise _fail(
+            f"the shard rows of {model} have one layer count ({sorted(by_layers)}); `bench step` needs two or "
+            f"more (e.g. --models {model}:1,{model}:4) to separate the per-layer step from the fixed part"
+        )
 
     def base(row: Mapping) -> int:  # step_bench's --contexts value: the tokens the decode step attends over
         return int(row["context"]) - int(row["k"]) + 1
@@ -159,8 +161,9 @@ def shard_fit(report: Mapping, model: str | None = None, context: int | None = N
     if context is None:
         context = max(common)
     if context not in common:
-        raise _fail(f"the shard rows of {model} have no context {context} at every layer count; they share "
-                    f"{sorted(common)}")
+        raise _fail(
+            f"the shard rows of {model} have no context {context} at every layer count; they share {sorted(common)}"
+        )
     times: dict[int, list[tuple[int, float]]] = {}
     for layers, r in sorted(by_layers.items()):
         for row in r["rows"]:
@@ -175,18 +178,31 @@ def shard_fit(report: Mapping, model: str | None = None, context: int | None = N
         my = sum(y for _, y in pts) / n
         slope = sum((x - mx) * (y - my) for x, y in pts) / sum((x - mx) ** 2 for x, _ in pts)
         if slope <= 0:
-            raise _fail(f"the shard step of {model} does not grow with layers at k = {k} (points {pts}): the rows "
-                        "are too noisy to project; rerun `specserve bench step` with more --reps or layer counts further apart")
+            raise _fail(
+                f"the shard step of {model} does not grow with layers at k = {k} (points {pts}): the rows "
+                "are too noisy to project; rerun `specserve bench step` with more --reps or layer counts further apart"
+            )
         fixed = my - slope * mx
         residual = max(abs(y - fixed - slope * x) for x, y in pts)  # 0 with two layer counts; a check with more
-        by_k[k] = {"fixed_ms": fixed, "per_layer_ms": slope, "max_abs_residual_ms": residual,
-                   "points": [list(p) for p in pts]}
+        by_k[k] = {
+            "fixed_ms": fixed,
+            "per_layer_ms": slope,
+            "max_abs_residual_ms": residual,
+            "points": [list(p) for p in pts],
+        }
     if 0 not in by_k:
         raise _fail(f"the shard rows of {model} have no decode (k = 0) step at context {context}")
     first = next(iter(by_layers.values()))
-    return {"model": model, "context": context, "shard": dict(first["shard"]), "layer_counts": sorted(by_layers),
-            "device": str(report.get("device_name") or ""), "lm_head_bytes": first.get("lm_head_bytes"),
-            "bandwidth_bytes_per_s": (report.get("bandwidth") or {}).get("bytes_per_s"), "by_k": by_k}
+    return {
+        "model": model,
+        "context": context,
+        "shard": dict(first["shard"]),
+        "layer_counts": sorted(by_layers),
+        "device": str(report.get("device_name") or ""),
+        "lm_head_bytes": first.get("lm_head_bytes"),
+        "bandwidth_bytes_per_s": (report.get("bandwidth") or {}).get("bytes_per_s"),
+        "by_k": by_k,
+    }
 
 
 def _at(points: Mapping[int, float], t: int) -> float | None:
@@ -224,8 +240,10 @@ class Collectives:
             raise _fail(f"the allreduce report reduced [T, {width}]; the model's hidden size is {hidden}")
         if not self.reduce_us or any(v <= 0 for v in self.reduce_us.values()):
             raise _fail("the allreduce report holds no positive all_reduce times")
-        self.source = (f"measured: specserve.bench.allreduce_bench, {world} ranks, {report.get('backend')}, "
-                       f"{report.get('device')}, {report.get('date_utc')}")
+        self.source = (
+            f"measured: specserve.bench.allreduce_bench, {world} ranks, {report.get('backend')}, "
+            f"{report.get('device')}, {report.get('date_utc')}"
+        )
         self.caveats = ""
         self.mode = ", ".join(modes)
 
@@ -250,15 +268,27 @@ def project_steps_ms(fit: Mapping, collectives: Collectives, layers: int = LAYER
         layers_ms = layers * f["per_layer_ms"]
         ar_ms = layers * ALLREDUCES_PER_LAYER * ar / 1e3
         total = f["fixed_ms"] + layers_ms + ar_ms + gather / 1e3
-        out[k] = {"tokens": k + 1, "fixed_ms": round(f["fixed_ms"], 4), "per_layer_ms": round(f["per_layer_ms"], 4),
-                  "layers_ms": round(layers_ms, 4), "all_reduce_us_per_call": round(ar, 3),
-                  "all_reduce_ms": round(ar_ms, 4), "logits_all_gather_ms": round(gather / 1e3, 4),
-                  "step_ms": round(total, 4)}
+        out[k] = {
+            "tokens": k + 1,
+            "fixed_ms": round(f["fixed_ms"], 4),
+            "per_layer_ms": round(f["per_layer_ms"], 4),
+            "layers_ms": round(layers_ms, 4),
+            "all_reduce_us_per_call": round(ar, 3),
+            "all_reduce_ms": round(ar_ms, 4),
+            "logits_all_gather_ms": round(gather / 1e3, 4),
+            "step_ms": round(total, 4),
+        }
     return out, dropped
 
 
-def build(shard_report: Mapping, allreduce_report: Mapping | None, methods: Mapping, steps: Sequence[dict],
-          model: str | None = None, context: int | None = None) -> dict:
+def build(
+    shard_report: Mapping,
+    allreduce_report: Mapping | None,
+    methods: Mapping,
+    steps: Sequence[dict],
+    model: str | None = None,
+    context: int | None = None,
+) -> dict:
     """The whole labelled projection (every key starts with "projection")."""
     fit = shard_fit(shard_report, model, context)
     collectives = Collectives(allreduce_report, fit["shard"]["size"])
@@ -267,7 +297,7 @@ def build(shard_report: Mapping, allreduce_report: Mapping | None, methods: Mapp
         raise _fail("no collective time for T = 1: the allreduce report must measure --tokens 1")
     timings = ShapeTimings(
         shape=f"Kimi-K2.6 ({LAYERS} layers) on {fit['shard']['size']} GPUs, projected from {fit['model']} shard "
-              f"{fit['shard']['rank']}/{fit['shard']['size']}, context {fit['context']}",
+        f"{fit['shard']['rank']}/{fit['shard']['size']}, context {fit['context']}",
         source="specserve.bench.k2_projection: fixed + layers x per-layer shard step + collectives",
         device=fit["device"],
         verify_ms_by_k={k: v["step_ms"] for k, v in step_ms.items()},
@@ -291,16 +321,29 @@ def build(shard_report: Mapping, allreduce_report: Mapping | None, methods: Mapp
             record_vs[f"k{k}_tokens_{k + 1}"] = {"projection_step_ms": step_ms[k]["step_ms"], "record": RECORD[key]}
     out = {
         "projection_label": "PROJECTION, not a measurement",
-        "projection_notes": list(notes_for(fit["model"])) + ([collectives.caveats] if collectives.caveats else []) + dropped,
+        "projection_notes": list(notes_for(fit["model"]))
+        + ([collectives.caveats] if collectives.caveats else [])
+        + dropped,
         "projection_inputs": {
-            "shard_model": fit["model"], "shard": fit["shard"], "layer_counts": fit["layer_counts"],
-            "context": fit["context"], "device": fit["device"], "step_time": "step_bench graph_ms",
-            "collectives": collectives.source, "collective_mode": collectives.mode,
+            "shard_model": fit["model"],
+            "shard": fit["shard"],
+            "layer_counts": fit["layer_counts"],
+            "context": fit["context"],
+            "device": fit["device"],
+            "step_time": "step_bench graph_ms",
+            "collectives": collectives.source,
+            "collective_mode": collectives.mode,
             "acceptance_methods": sorted(acceptance),
         },
-        "projection_model": {"layers": LAYERS, "tp_size": fit["shard"]["size"],
-                             "all_reduces_per_layer": ALLREDUCES_PER_LAYER, "hidden": HIDDEN, "vocab": VOCAB,
-                             "lm_head_shard_bytes": fit["lm_head_bytes"], "lm_head_shard_floor_ms": lm_floor},
+        "projection_model": {
+            "layers": LAYERS,
+            "tp_size": fit["shard"]["size"],
+            "all_reduces_per_layer": ALLREDUCES_PER_LAYER,
+            "hidden": HIDDEN,
+            "vocab": VOCAB,
+            "lm_head_shard_bytes": fit["lm_head_bytes"],
+            "lm_head_shard_floor_ms": lm_floor,
+        },
         "projection_fit": {str(k): v for k, v in fit["by_k"].items()},
         "projection_step_ms_by_k": {str(k): v for k, v in step_ms.items()},
         "projection_target_only_tokens_per_s": curves["baseline_tokens_per_s"],
@@ -325,9 +368,11 @@ def format_lines(p: Mapping) -> list[str]:
         "projection | step ms by drafted k = fixed + layers x per-layer + all-reduces + logits gather",
     ]
     for k, s in p["projection_step_ms_by_k"].items():
-        lines.append(f"projection |   k={k:>2} ({s['tokens']:>2} tokens): {s['step_ms']:.3f} = {s['fixed_ms']:.3f} + "
-                     f"{model['layers']} x {s['per_layer_ms']:.4f} + {model['layers'] * model['all_reduces_per_layer']}"
-                     f" x {s['all_reduce_us_per_call']:.1f} us + {s['logits_all_gather_ms']:.3f}")
+        lines.append(
+            f"projection |   k={k:>2} ({s['tokens']:>2} tokens): {s['step_ms']:.3f} = {s['fixed_ms']:.3f} + "
+            f"{model['layers']} x {s['per_layer_ms']:.4f} + {model['layers'] * model['all_reduces_per_layer']}"
+            f" x {s['all_reduce_us_per_call']:.1f} us + {s['logits_all_gather_ms']:.3f}"
+        )
     lines.append(f"projection | target-only (k = 0): {p['projection_target_only_tokens_per_s']:.1f} tok/s")
     for name, points in p["projection_tokens_per_s_by_k"].items():
         curve = " ".join(f"k{q['k']}: {q['tokens_per_s']:.1f}" for q in points)
@@ -335,10 +380,12 @@ def format_lines(p: Mapping) -> list[str]:
         tail = f" | best k = {best['k']}: {best['tokens_per_s']:.1f} tok/s" if best else ""
         lines.append(f"projection | {name} acceptance: {curve}{tail}")
     rec = p["projection_reference_record"]
-    lines.append(f"projection | published record (not ours, {rec['hardware']}): {rec['tokens_per_s_single_stream']} "
-                 f"tok/s single-stream; forward {rec['forward_ms_at_10k_context']} ms at 10k context; EAGLE 4-token "
-                 f"verify {rec['eagle_4_token_verify_ms'][0]}-{rec['eagle_4_token_verify_ms'][1]} ms; DFlash 9-token "
-                 f"verify {rec['dflash_9_token_verify_ms'][0]}-{rec['dflash_9_token_verify_ms'][1]} ms")
+    lines.append(
+        f"projection | published record (not ours, {rec['hardware']}): {rec['tokens_per_s_single_stream']} "
+        f"tok/s single-stream; forward {rec['forward_ms_at_10k_context']} ms at 10k context; EAGLE 4-token "
+        f"verify {rec['eagle_4_token_verify_ms'][0]}-{rec['eagle_4_token_verify_ms'][1]} ms; DFlash 9-token "
+        f"verify {rec['dflash_9_token_verify_ms'][0]}-{rec['dflash_9_token_verify_ms'][1]} ms"
+    )
     for width, v in p["projection_vs_record"].items():
         r = v["record"]
         r_txt = f"{r[0]}-{r[1]}" if isinstance(r, list) else f"{r}"
@@ -348,9 +395,9 @@ def format_lines(p: Mapping) -> list[str]:
     return lines
 
 
-
-def run_projection(step: Path, acceptance: Path, allreduce: Path | None = None, model: str | None = None,
-                   context: int | None = None) -> dict:
+def run_projection(
+    step: Path, acceptance: Path, allreduce: Path | None = None, model: str | None = None, context: int | None = None
+) -> dict:
     """The projection from the files the front door names (a bad or missing file: a ProjectionError naming it)."""
     shard = _read_json(step, "--step")
     collectives = _read_json(allreduce, "--allreduce") if allreduce is not None else None

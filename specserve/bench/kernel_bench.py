@@ -88,10 +88,11 @@ def bench_shape(name: str, tokens: tuple[int, ...], bw: float, sweep: bool, with
 
     e, h, i, k, layers = SHAPES[name]
     gen = torch.Generator(device="cuda").manual_seed(0)
-    w13 = [torch.randn(e, 2 * i, h, device="cuda", dtype=torch.bfloat16, generator=gen).mul_(h**-0.5)
-           for _ in range(layers)]
-    w2 = [torch.randn(e, h, i, device="cuda", dtype=torch.bfloat16, generator=gen).mul_(i**-0.5)
-          for _ in range(layers)]
+    w13 = [
+        torch.randn(e, 2 * i, h, device="cuda", dtype=torch.bfloat16, generator=gen).mul_(h**-0.5)
+        for _ in range(layers)
+    ]
+    w2 = [torch.randn(e, h, i, device="cuda", dtype=torch.bfloat16, generator=gen).mul_(i**-0.5) for _ in range(layers)]
     bytes_per_expert = 3 * h * i * w13[0].element_size()
     rows = []
     for t in tokens:
@@ -121,10 +122,16 @@ def bench_shape(name: str, tokens: tuple[int, ...], bw: float, sweep: bool, with
                 ms = graph_time_ms(lambda r, c=cfg: call(r, backend="triton", config=c), ROUTINGS)
                 if ms == ms and (best_ms is None or ms < best_ms):
                     best, best_ms = cfg, ms
-        rows.append(Row(name, t, distinct, floor_ms, fused_ms, gmm_ms, ref_ms, err,
-                        str(asdict(best)) if best else None, best_ms))
-        print(f"  {name} T={t}: fused {fused_ms:.4f} ms, grouped_mm {gmm_ms:.4f}, floor {floor_ms:.4f}, "
-              f"err {err:.2e}" + (f", best sweep {best_ms:.4f} {best}" if best else ""), flush=True)
+        rows.append(
+            Row(
+                name, t, distinct, floor_ms, fused_ms, gmm_ms, ref_ms, err, str(asdict(best)) if best else None, best_ms
+            )
+        )
+        print(
+            f"  {name} T={t}: fused {fused_ms:.4f} ms, grouped_mm {gmm_ms:.4f}, floor {floor_ms:.4f}, "
+            f"err {err:.2e}" + (f", best sweep {best_ms:.4f} {best}" if best else ""),
+            flush=True,
+        )
     w13.clear()  # free this shape's weights before the next one
     w2.clear()
     torch.cuda.empty_cache()
@@ -164,7 +171,7 @@ def bench_attention(bw: float) -> list[dict]:
     for name, kind, b, q, ctx, tree in ATTN_CASES:
         per_req = -(-(ctx + q) // block)
         perm = torch.randperm(b * per_req, device="cpu").tolist()
-        tables = [perm[i * per_req:(i + 1) * per_req] for i in range(b)]
+        tables = [perm[i * per_req : (i + 1) * per_req] for i in range(b)]
         masks = None
         if tree:
             masks = []
@@ -197,11 +204,20 @@ def bench_attention(bw: float) -> list[dict]:
         eager_ms = triton.testing.do_bench(fast, warmup=10, rep=60, return_mode="median")
         graph_ms = graph_time_ms(lambda r_, f=fast: f(), 1)
         ref_ms = triton.testing.do_bench(ref, warmup=3, rep=30, return_mode="median")
-        row = {"case": f"{name} B={b} q={q} ctx={ctx}", "floor_ms": kv_bytes / bw * 1e3, "graph_ms": graph_ms,
-               "eager_ms": eager_ms, "reference_ms": ref_ms, "rel_err": err}
+        row = {
+            "case": f"{name} B={b} q={q} ctx={ctx}",
+            "floor_ms": kv_bytes / bw * 1e3,
+            "graph_ms": graph_ms,
+            "eager_ms": eager_ms,
+            "reference_ms": ref_ms,
+            "rel_err": err,
+        }
         rows.append(row)
-        print(f"  {row['case']}: graph {graph_ms:.4f} ms eager {eager_ms:.4f} ref {ref_ms:.3f} "
-              f"floor {row['floor_ms']:.4f} err {err:.1e}", flush=True)
+        print(
+            f"  {row['case']}: graph {graph_ms:.4f} ms eager {eager_ms:.4f} ref {ref_ms:.3f} "
+            f"floor {row['floor_ms']:.4f} err {err:.1e}",
+            flush=True,
+        )
     return rows
 
 
@@ -219,9 +235,11 @@ def sweep_configs(t: int, cfg_cls) -> list:
 
 
 def format_table(bw: float, rows: list[Row]) -> str:
-    lines = [f"copy bandwidth {bw / 1e12:.2f} TB/s (read+write)",
-             f"{'shape':14} {'T':>5} {'experts':>7} {'floor ms':>9} {'fused ms':>9} {'x floor':>7} "
-             f"{'gmm ms':>8} {'x floor':>7} {'ref ms':>8} {'best ms':>8} {'err':>8}"]
+    lines = [
+        f"copy bandwidth {bw / 1e12:.2f} TB/s (read+write)",
+        f"{'shape':14} {'T':>5} {'experts':>7} {'floor ms':>9} {'fused ms':>9} {'x floor':>7} "
+        f"{'gmm ms':>8} {'x floor':>7} {'ref ms':>8} {'best ms':>8} {'err':>8}",
+    ]
     for r in rows:
         ref = f"{r.reference_ms:8.3f}" if r.reference_ms is not None else f"{'-':>8}"
         best = f"{r.best_config_ms:8.4f}" if r.best_config_ms is not None else f"{'-':>8}"
@@ -243,15 +261,23 @@ def run(quick: bool = False, log=print) -> dict:
     for name in SHAPES:
         rows += bench_shape(name, TOKENS, bw, sweep=not quick, with_ref=True)
         if not quick:
-            rows += bench_shape(name, LARGE_TOKENS if name != "kimi_k2" else LARGE_TOKENS[:2], bw, sweep=False,
-                                with_ref=False)
+            rows += bench_shape(
+                name, LARGE_TOKENS if name != "kimi_k2" else LARGE_TOKENS[:2], bw, sweep=False, with_ref=False
+            )
     attn = bench_attention(bw)
-    return {"copy_bandwidth_Bps": bw, "rows": [asdict(r) for r in rows], "attention": attn,
-            "seconds": time.time() - start}
+    return {
+        "copy_bandwidth_Bps": bw,
+        "rows": [asdict(r) for r in rows],
+        "attention": attn,
+        "seconds": time.time() - start,
+    }
 
 
 def format_result(result: dict) -> str:
-    lines = [f"{a['case']:38} graph {a['graph_ms']:.4f} ms  eager {a['eager_ms']:.4f}  ref {a['reference_ms']:.3f}  "
-             f"floor {a['floor_ms']:.4f}  err {a['rel_err']:.1e}" for a in result["attention"]]
+    lines = [
+        f"{a['case']:38} graph {a['graph_ms']:.4f} ms  eager {a['eager_ms']:.4f}  ref {a['reference_ms']:.3f}  "
+        f"floor {a['floor_ms']:.4f}  err {a['rel_err']:.1e}"
+        for a in result["attention"]
+    ]
     lines.append(format_table(result["copy_bandwidth_Bps"], [Row(**r) for r in result["rows"]]))
     return "\n".join(lines)

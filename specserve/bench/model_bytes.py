@@ -28,9 +28,16 @@ def _role_table():
     from specserve.models.quant_experts import Fp8StackedExperts, Int4StackedExperts
 
     # module type -> role; order does not matter (deepest match wins)
-    table = {RMSNorm: "norm", Embedding: "embedding", GatedMLP: "dense_mlp", TopKRouter: "router",
-             StackedExperts: "routed_experts", Int4StackedExperts: "routed_experts", Fp8StackedExperts: "routed_experts",
-             MoEBlock: "other"}
+    table = {
+        RMSNorm: "norm",
+        Embedding: "embedding",
+        GatedMLP: "dense_mlp",
+        TopKRouter: "router",
+        StackedExperts: "routed_experts",
+        Int4StackedExperts: "routed_experts",
+        Fp8StackedExperts: "routed_experts",
+        MoEBlock: "other",
+    }
     table.update({cls: "attention" for cls in ATTENTION_CLASSES.values()})
     return table, MoEBlock, GatedMLP, StackedExperts
 

@@ -39,16 +39,29 @@ def plot_tokens_per_s(methods: dict, path: Path, title: str) -> Path:
     return path
 
 
-def plot_verify_tax(points: Sequence[dict], max_experts: int, path: Path, title: str,
-                    step_rows: Sequence[dict] = ()) -> Path:
+def plot_verify_tax(
+    points: Sequence[dict], max_experts: int, path: Path, title: str, step_rows: Sequence[dict] = ()
+) -> Path:
     plt = _plt()
     ks = [p["k"] for p in points]
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     if step_rows:  # verify steps seen during generation (context varies), for reference
-        ax.scatter([s["drafted"] for s in step_rows], [s["verify_ms"] for s in step_rows], s=4, alpha=0.15,
-                   color="#999999", label="generation steps (any context)")
-    ax.fill_between(ks, [p["verify_ms_p25"] for p in points], [p["verify_ms_p75"] for p in points],
-                    color="#dd8452", alpha=0.25, linewidth=0)
+        ax.scatter(
+            [s["drafted"] for s in step_rows],
+            [s["verify_ms"] for s in step_rows],
+            s=4,
+            alpha=0.15,
+            color="#999999",
+            label="generation steps (any context)",
+        )
+    ax.fill_between(
+        ks,
+        [p["verify_ms_p25"] for p in points],
+        [p["verify_ms_p75"] for p in points],
+        color="#dd8452",
+        alpha=0.25,
+        linewidth=0,
+    )
     ax.plot(ks, [p["verify_ms_median"] for p in points], "o-", color="#dd8452", label="verify ms (median, IQR)")
     ax.plot(ks, [p["floor_ms"] for p in points], "s--", color="#2f7d32", label="bytes floor (dense + experts + KV)")
     ax.set_xlabel("drafted tokens k (forward feeds k + 1)")
@@ -88,8 +101,15 @@ def plot_phase_breakdown(methods: dict, path: Path, title: str) -> Path:
         vals = [max(methods[m]["per_step_ms"][label], 0.0) for m in names]
         ax.bar(names, vals, bottom=bottom, color=color, label=label)
         bottom = [b + v for b, v in zip(bottom, vals)]
-    ax.scatter(names, [methods[m]["per_step_ms"]["floor"] for m in names], marker="_", s=600, color="#2f7d32",
-               label="bytes floor", zorder=3)
+    ax.scatter(
+        names,
+        [methods[m]["per_step_ms"]["floor"] for m in names],
+        marker="_",
+        s=600,
+        color="#2f7d32",
+        label="bytes floor",
+        zorder=3,
+    )
     for i, m in enumerate(names):
         frac = methods[m].get("floor_fraction_of_step")
         if frac is not None:
@@ -141,7 +161,7 @@ def phase_steps_figure(step_rows: Sequence[dict], title: str, max_panels: int = 
         ax.set_title(f"{name} ({steps[0]['prompt']})", fontsize=9)
         ax.set_xlabel("step", fontsize=8)
         ax.set_ylabel("ms", fontsize=8)
-    for ax in list(axes.flat)[len(names):]:
+    for ax in list(axes.flat)[len(names) :]:
         ax.axis("off")
     legend_h = 0.3 / fig.get_figheight()  # a strip of 0.3 inch under the title holds the legend
     title_h = 0.35 / fig.get_figheight()
@@ -151,8 +171,15 @@ def phase_steps_figure(step_rows: Sequence[dict], title: str, max_panels: int = 
     fig.suptitle(title, fontsize=10, y=1.0 - 0.08 / fig.get_figheight(), va="top")
     if names:
         handles, labels = axes.flat[0].get_legend_handles_labels()
-        fig.legend(handles, labels, loc="upper center", ncol=len(labels), fontsize=7, frameon=False,
-                   bbox_to_anchor=(0.5, 1.0 - title_h))
+        fig.legend(
+            handles,
+            labels,
+            loc="upper center",
+            ncol=len(labels),
+            fontsize=7,
+            frameon=False,
+            bbox_to_anchor=(0.5, 1.0 - title_h),
+        )
     return fig
 
 
@@ -161,7 +188,9 @@ def plot_projection(projection: dict, path: Path) -> Path:
     fig, ax = plt.subplots(figsize=(7, 4))
     for method, points in projection["methods"].items():
         if points:
-            ax.plot([p["k"] for p in points], [p["tokens_per_s"] for p in points], "o--", label=f"{method} (projection)")
+            ax.plot(
+                [p["k"] for p in points], [p["tokens_per_s"] for p in points], "o--", label=f"{method} (projection)"
+            )
     for method, m in (projection.get("per_method") or {}).items():
         hist = m.get("chosen_k") or {}
         if m.get("speculation") == "adaptive" and m.get("tokens_per_s") and hist:
@@ -170,8 +199,9 @@ def plot_projection(projection: dict, path: Path) -> Path:
     ax.axhline(projection["baseline_tokens_per_s"], color="#999999", linestyle=":", label="target-only (measured step)")
     ax.set_xlabel("drafted tokens k")
     ax.set_ylabel("tokens/s (PROJECTION)")
-    ax.set_title(f"PROJECTION for {projection['shape']}: its measured step times x the demo model's acceptance",
-                 fontsize=9)
+    ax.set_title(
+        f"PROJECTION for {projection['shape']}: its measured step times x the demo model's acceptance", fontsize=9
+    )
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

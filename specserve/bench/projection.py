@@ -103,8 +103,13 @@ def fixed_acceptance(methods: Mapping[str, dict]) -> dict[str, Sequence[float | 
     the largest k (the one that measured the most positions); keyed by that method's name."""
     best: dict[str, tuple[int, str]] = {}
     for name, m in methods.items():
-        if (m.get("kind") == "specserve" and m.get("drafter") != "none" and m.get("speculation") == "fixed"
-                and not m.get("draft_ahead") and "acceptance_by_position" in m):
+        if (
+            m.get("kind") == "specserve"
+            and m.get("drafter") != "none"
+            and m.get("speculation") == "fixed"
+            and not m.get("draft_ahead")
+            and "acceptance_by_position" in m
+        ):
             k = int(m.get("k") or 0)
             if m["drafter"] not in best or k > best[m["drafter"]][0]:
                 best[m["drafter"]] = (k, name)
@@ -125,8 +130,14 @@ def project(timings: ShapeTimings, acceptance: Mapping[str, Sequence[float | Non
                 continue
             step_ms = timings.verify_ms_by_k[k] + timings.draft_ms_by_k.get(k, 0.0)
             emitted = expected_emitted(known[:k])[-1]
-            points.append({"k": k, "expected_emitted": round(emitted, 4), "step_ms": step_ms,
-                           "tokens_per_s": round(emitted * 1e3 / step_ms, 3)})
+            points.append(
+                {
+                    "k": k,
+                    "expected_emitted": round(emitted, 4),
+                    "step_ms": step_ms,
+                    "tokens_per_s": round(emitted * 1e3 / step_ms, 3),
+                }
+            )
         lines[method] = points
     return {
         "label": LABEL,
@@ -142,6 +153,7 @@ def project(timings: ShapeTimings, acceptance: Mapping[str, Sequence[float | Non
 def step_ms_at(timings: ShapeTimings, drafted: int) -> float | None:
     """The shape's step time with ``drafted`` tokens (+ draft time when timed): measured, or linear
     between the nearest measured k on either side; None beyond the largest measured k."""
+
     def at(table: Mapping[int, float], k: int) -> float | None:
         if k in table:
             return table[k]
@@ -184,8 +196,14 @@ def project_steps(timings: ShapeTimings, methods: Mapping[str, dict], steps: Seq
             tokens = sum(int(r["accepted"]) + 1 for r in rows)
             total_ms = sum(times)
             tps = tokens * 1e3 / total_ms
-            entry.update({"emitted": tokens, "projected_ms": round(total_ms, 3), "tokens_per_s": round(tps, 3),
-                          "vs_target_only": round(tps / base, 4)})
+            entry.update(
+                {
+                    "emitted": tokens,
+                    "projected_ms": round(total_ms, 3),
+                    "tokens_per_s": round(tps, 3),
+                    "vs_target_only": round(tps / base, 4),
+                }
+            )
         out[name] = entry
     return out
 
@@ -200,28 +218,47 @@ def project_run(timings: ShapeTimings, methods: Mapping[str, dict], steps: Seque
     # without draft time, a draft-ahead method projects like its plain twin: compare the plain ones only
     compared = {n: m for n, m in out["per_method"].items() if timings.draft_ms_by_k or not m.get("draft_ahead")}
     out["comparison"] = compare_methods(compared, out["baseline_tokens_per_s"], draft_ahead=False)
-    out["notes"] = ("PROJECTION, not a measurement: the measured model's acceptance and chosen k, step by step, "
-                    "priced at the step times measured for " + timings.shape + ". Adaptive chose its k with "
-                    "the measured model's costs, not this shape's. "
-                    + ("Draft time included." if timings.draft_ms_by_k else
-                       "Draft time is not included (no drafter of this size was timed), so draft-ahead "
-                       "on/off is not compared here."))
+    out["notes"] = (
+        "PROJECTION, not a measurement: the measured model's acceptance and chosen k, step by step, "
+        "priced at the step times measured for " + timings.shape + ". Adaptive chose its k with "
+        "the measured model's costs, not this shape's. "
+        + (
+            "Draft time included."
+            if timings.draft_ms_by_k
+            else "Draft time is not included (no drafter of this size was timed), so draft-ahead "
+            "on/off is not compared here."
+        )
+    )
     return out
 
 
 def timings_from_verify_tax(points: Sequence[dict], shape: str, source: str, device: str) -> ShapeTimings:
     """ShapeTimings from measure_verify_tax() points: the hook a synthetic-model GPU run uses (build an
     engine with the larger shape, sweep it with specserve.bench.verify_tax, then save_shape_timings)."""
-    return ShapeTimings(shape=shape, source=source, device=device,
-                        verify_ms_by_k={int(p["k"]): float(p["verify_ms_median"]) for p in points}, draft_ms_by_k={})
+    return ShapeTimings(
+        shape=shape,
+        source=source,
+        device=device,
+        verify_ms_by_k={int(p["k"]): float(p["verify_ms_median"]) for p in points},
+        draft_ms_by_k={},
+    )
 
 
 def save_shape_timings(timings: ShapeTimings, path: Path) -> None:
-    Path(path).write_text(json.dumps({
-        "shape": timings.shape, "source": timings.source, "device": timings.device,
-        "verify_ms_by_k": {str(k): v for k, v in sorted(timings.verify_ms_by_k.items())},
-        "draft_ms_by_k": {str(k): v for k, v in sorted(timings.draft_ms_by_k.items())},
-    }, indent=2) + "\n", encoding="utf-8")
+    Path(path).write_text(
+        json.dumps(
+            {
+                "shape": timings.shape,
+                "source": timings.source,
+                "device": timings.device,
+                "verify_ms_by_k": {str(k): v for k, v in sorted(timings.verify_ms_by_k.items())},
+                "draft_ms_by_k": {str(k): v for k, v in sorted(timings.draft_ms_by_k.items())},
+            },
+            indent=2,
+        )
+        + "\n",
+        encoding="utf-8",
+    )
 
 
 def load_run(summary_path: Path) -> tuple[dict, list[dict]]:
@@ -234,6 +271,9 @@ def load_run(summary_path: Path) -> tuple[dict, list[dict]]:
         if m.get("kind") == "specserve" and "k" not in m:
             m["k"] = 0 if m.get("drafter") == "none" else k
     steps_path = Path(summary_path).parent / "steps.jsonl"
-    steps = [json.loads(line) for line in steps_path.read_text(encoding="utf-8").splitlines()
-             if line.strip()] if steps_path.exists() else []
+    steps = (
+        [json.loads(line) for line in steps_path.read_text(encoding="utf-8").splitlines() if line.strip()]
+        if steps_path.exists()
+        else []
+    )
     return methods, steps

@@ -26,8 +26,13 @@ MOE_SHAPES = {  # name: (format, E, H, I, K, layers)
     "deepseek_v3_fp8": ("fp8", 256, 7168, 2048, 8, 1),
 }
 DENSE_SHAPES = {  # DeepSeek-V3 / Kimi-K2 per layer (out, in)
-    "q_a": (1536, 7168), "q_b": (24576, 1536), "kv_a": (576, 7168), "kv_b": (32768, 512), "o_proj": (7168, 16384),
-    "shared_gate_up": (4096, 7168), "shared_down": (7168, 2048),
+    "q_a": (1536, 7168),
+    "q_b": (24576, 1536),
+    "kv_a": (576, 7168),
+    "kv_b": (32768, 512),
+    "o_proj": (7168, 16384),
+    "shared_gate_up": (4096, 7168),
+    "shared_down": (7168, 2048),
 }
 TOKENS = (1, 2, 4, 8, 16)
 GROUP, BLOCK = 32, (128, 128)
@@ -54,8 +59,12 @@ def _weights(fmt: str, e: int, h: int, i: int, gen: torch.Generator):
         return words(e, 2 * i, h // 8), scale(e, 2 * i, h // GROUP), words(e, h, i // 8), scale(e, h, i // GROUP)
     bo, bi = BLOCK
     scale = lambda *s: torch.rand(*s, device="cuda", generator=gen) * 2e-3  # noqa: E731
-    return (_random_fp8((e, 2 * i, h), gen), scale(e, -(-2 * i // bo), -(-h // bi)),
-            _random_fp8((e, h, i), gen), scale(e, -(-h // bo), -(-i // bi)))
+    return (
+        _random_fp8((e, 2 * i, h), gen),
+        scale(e, -(-2 * i // bo), -(-h // bi)),
+        _random_fp8((e, h, i), gen),
+        scale(e, -(-h // bo), -(-i // bi)),
+    )
 
 
 def bench_moe(name: str, tokens: tuple[int, ...], bw: float) -> list[dict]:
@@ -84,8 +93,18 @@ def bench_moe(name: str, tokens: tuple[int, ...], bw: float) -> list[dict]:
         ms = graph_time_ms(call, ROUTINGS)
         out, want = call(0), call(0, reference)
         err = rel_err(out, want)
-        rows.append({"shape": name, "format": fmt, "tokens": t, "distinct_experts": distinct, "floor_ms": floor_ms,
-                     "kernel_ms": ms, "x_floor": ms / floor_ms, "rel_err": err})
+        rows.append(
+            {
+                "shape": name,
+                "format": fmt,
+                "tokens": t,
+                "distinct_experts": distinct,
+                "floor_ms": floor_ms,
+                "kernel_ms": ms,
+                "x_floor": ms / floor_ms,
+                "rel_err": err,
+            }
+        )
         print(f"  {name} T={t}: {ms:.4f} ms, floor {floor_ms:.4f} ({ms / floor_ms:.2f}x), err {err:.1e}", flush=True)
     weights.clear()
     torch.cuda.empty_cache()
@@ -101,18 +120,32 @@ def bench_dense(tokens: tuple[int, ...], bw: float) -> list[dict]:
     rows = []
     for name, (n, kdim) in DENSE_SHAPES.items():
         copies = ROUTINGS  # distinct weights per graph replay, so L2 holds none of them
-        ws = [(_random_fp8((n, kdim), gen), torch.rand(-(-n // bo), -(-kdim // bi), device="cuda", generator=gen) * 2e-3)
-              for _ in range(copies)]
+        ws = [
+            (_random_fp8((n, kdim), gen), torch.rand(-(-n // bo), -(-kdim // bi), device="cuda", generator=gen) * 2e-3)
+            for _ in range(copies)
+        ]
         floor_ms = fp8_linear_bytes(n, kdim, BLOCK) / bw * 1e3
         for t in tokens:
             x = torch.randn(t, kdim, device="cuda", dtype=torch.bfloat16, generator=gen)
             ms = graph_time_ms(lambda r, x=x: fp8_linear(x, *ws[r], BLOCK), copies)
             out, want = fp8_linear(x, *ws[0], BLOCK), fp8_linear_reference(x, *ws[0], BLOCK)
             err = rel_err(out, want)
-            rows.append({"shape": f"fp8_dense_{name}", "format": "fp8", "tokens": t, "floor_ms": floor_ms,
-                         "kernel_ms": ms, "x_floor": ms / floor_ms, "rel_err": err})
-            print(f"  dense {name} [{n}, {kdim}] T={t}: {ms:.4f} ms, floor {floor_ms:.4f} ({ms / floor_ms:.2f}x), "
-                  f"err {err:.1e}", flush=True)
+            rows.append(
+                {
+                    "shape": f"fp8_dense_{name}",
+                    "format": "fp8",
+                    "tokens": t,
+                    "floor_ms": floor_ms,
+                    "kernel_ms": ms,
+                    "x_floor": ms / floor_ms,
+                    "rel_err": err,
+                }
+            )
+            print(
+                f"  dense {name} [{n}, {kdim}] T={t}: {ms:.4f} ms, floor {floor_ms:.4f} ({ms / floor_ms:.2f}x), "
+                f"err {err:.1e}",
+                flush=True,
+            )
     return rows
 
 
@@ -129,6 +162,8 @@ def run(quick: bool = False, log=print) -> dict:
 def format_result(result: dict) -> str:
     lines = [f"{'shape':26} {'T':>3} {'floor ms':>9} {'kernel ms':>9} {'x floor':>7} {'err':>8}"]
     for r in result["rows"]:
-        lines.append(f"{r['shape']:26} {r['tokens']:3d} {r['floor_ms']:9.4f} {r['kernel_ms']:9.4f} "
-                     f"{r['x_floor']:7.2f} {r['rel_err']:8.1e}")
+        lines.append(
+            f"{r['shape']:26} {r['tokens']:3d} {r['floor_ms']:9.4f} {r['kernel_ms']:9.4f} "
+            f"{r['x_floor']:7.2f} {r['rel_err']:8.1e}"
+        )
     return "\n".join(lines)

@@ -37,8 +37,13 @@ def make_summary(bench: str, config, environment: dict, results: Mapping) -> dic
     clash = sorted(set(SUMMARY_KEYS) & set(results))
     if clash:
         raise ValueError(f"bench results may not carry the summary's own keys {clash}")
-    head = {"schema_version": SCHEMA_VERSION, "bench": bench, "command": " ".join(sys.argv),
-            "config": jsonable(config), "environment": environment}
+    head = {
+        "schema_version": SCHEMA_VERSION,
+        "bench": bench,
+        "command": " ".join(sys.argv),
+        "config": jsonable(config),
+        "environment": environment,
+    }
     return {**head, **results}
 
 

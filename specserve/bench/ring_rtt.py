@@ -61,8 +61,12 @@ def _shm_peer(name: str, mode: str, spin_us: float) -> None:
 def _stats(samples_s: list[float]) -> dict:
     us = sorted(s * 1e6 for s in samples_s)
     pick = lambda q: us[min(len(us) - 1, int(q * len(us)))]  # noqa: E731
-    return {"median_us": round(statistics.median(us), 2), "p90_us": round(pick(0.9), 2), "p99_us": round(pick(0.99), 2),
-            "n": len(us)}
+    return {
+        "median_us": round(statistics.median(us), 2),
+        "p90_us": round(pick(0.9), 2),
+        "p99_us": round(pick(0.99), 2),
+        "n": len(us),
+    }
 
 
 def bench_shm(mode: str, nbytes: int, n: int, warmup: int, spin_us: float) -> dict:
@@ -104,7 +108,9 @@ def bench_shm(mode: str, nbytes: int, n: int, warmup: int, spin_us: float) -> di
 # -------------------------------------------------------------------------------- gRPC peers
 def _start_peer(*argv: str) -> subprocess.Popen:
     """A peer in its own process (as the services are: its own resource tracker too)."""
-    return subprocess.Popen([sys.executable, "-m", "specserve.tools.ring_rtt_peer", *argv], stdout=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "specserve.tools.ring_rtt_peer", *argv], stdout=subprocess.PIPE, text=True
+    )
 
 
 def _grpc_peer(address: str) -> None:
@@ -119,7 +125,9 @@ def _grpc_peer(address: str) -> None:
 
         server = grpc.aio.server(options=server_options())
         handler = grpc.stream_stream_rpc_method_handler(echo)
-        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("specserve.bench.Echo", {"Echo": handler}),))
+        server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler("specserve.bench.Echo", {"Echo": handler}),)
+        )
         server.add_insecure_port(address)
         await server.start()
         print("ready", flush=True)
@@ -164,12 +172,13 @@ def bench_grpc(nbytes: int, n: int, warmup: int) -> dict:
     return _stats(times)
 
 
-
 def run(nbytes: int = 200, n: int = 3000, warmup: int = 300, spin_us: float = 20.0) -> dict:
     """The round trip of every transport, by name (each against its own peer process)."""
     if nbytes < 1 or n < 1 or warmup < 0 or spin_us < 0:
-        raise ValueError(f"the ring round trip needs --bytes and --n >= 1, --warmup and --spin-us >= 0, got "
-                         f"{nbytes}, {n}, {warmup}, {spin_us}")
+        raise ValueError(
+            f"the ring round trip needs --bytes and --n >= 1, --warmup and --spin-us >= 0, got "
+            f"{nbytes}, {n}, {warmup}, {spin_us}"
+        )
     spin = f"spin{spin_us:g}"
     return {
         "shm-async": bench_shm("async", nbytes, n, warmup, 0.0),
@@ -181,8 +190,10 @@ def run(nbytes: int = 200, n: int = 3000, warmup: int = 300, spin_us: float = 20
 
 
 def format_result(results: dict, nbytes: int, n: int) -> str:
-    lines = [f"round trip of {nbytes} bytes, {n} times ({os.cpu_count()} CPUs, Python {platform.python_version()})",
-             f"{'transport':<18} {'median us':>10} {'p90 us':>9} {'p99 us':>9}"]
+    lines = [
+        f"round trip of {nbytes} bytes, {n} times ({os.cpu_count()} CPUs, Python {platform.python_version()})",
+        f"{'transport':<18} {'median us':>10} {'p90 us':>9} {'p99 us':>9}",
+    ]
     for name, r in results.items():
         lines.append(f"{name:<18} {r['median_us']:>10.1f} {r['p90_us']:>9.1f} {r['p99_us']:>9.1f}")
     return "\n".join(lines)

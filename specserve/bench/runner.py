@@ -84,7 +84,12 @@ class SpecRunner:
         return AdaptiveSpeculation(AdaptiveConfig(max_k=spec.k))
 
     def run(
-        self, spec: MethodSpec, prompt_id: str, prompt_ids: Sequence[int], chooser, max_new_tokens: int | None = None,
+        self,
+        spec: MethodSpec,
+        prompt_id: str,
+        prompt_ids: Sequence[int],
+        chooser,
+        max_new_tokens: int | None = None,
         via: str = "process",
     ) -> RequestResult:
         return self.loop.run_until_complete(self._run(spec, prompt_id, tuple(prompt_ids), chooser, max_new_tokens, via))
@@ -99,7 +104,13 @@ class SpecRunner:
         return remote_target.session(None, share_hidden=share), None if endpoint is None else endpoint.session(None)
 
     async def _run(
-        self, spec: MethodSpec, prompt_id: str, prompt_ids: tuple[int, ...], chooser, max_new_tokens, via: str = "process"
+        self,
+        spec: MethodSpec,
+        prompt_id: str,
+        prompt_ids: tuple[int, ...],
+        chooser,
+        max_new_tokens,
+        via: str = "process",
     ) -> RequestResult:
         from specserve.contract.types import SamplingParams
         from specserve.gateway.spec_loop import (
@@ -136,8 +147,13 @@ class SpecRunner:
         t_first = None
         final = None
         async for event in run_request(
-            request, target, draft, target_info=self.info, adaptive=chooser,
-            session_id=f"bench-{self._counter}", on_step=on_step,
+            request,
+            target,
+            draft,
+            target_info=self.info,
+            adaptive=chooser,
+            session_id=f"bench-{self._counter}",
+            on_step=on_step,
         ):
             if t_first is None:
                 t_first = mark[0] = time.perf_counter()

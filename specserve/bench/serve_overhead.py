@@ -115,9 +115,16 @@ class _Clients:
 
         self.stack = stack
         self.deadline_s = config.deadline_s
-        engine = build_engine(EngineConfig(model=config.model, device=config.device, dtype=config.dtype,
-                                           num_kv_blocks=config.num_kv_blocks, kv_block_size=config.kv_block_size,
-                                           invariant_steps=config.invariant_steps))
+        engine = build_engine(
+            EngineConfig(
+                model=config.model,
+                device=config.device,
+                dtype=config.dtype,
+                num_kv_blocks=config.num_kv_blocks,
+                kv_block_size=config.kv_block_size,
+                invariant_steps=config.invariant_steps,
+            )
+        )
         self.info = engine.info()
         self.local_target = LocalTarget(engine)
         self.proposers: dict[str, _TimedProposer] = {}
@@ -125,9 +132,17 @@ class _Clients:
         for family in config.drafters:
             if family == "none":
                 continue
-            proposer = _TimedProposer(build_proposer(DrafterConfig(
-                family=family, target_checkpoint=Path(config.model), device=config.device, dtype=config.dtype,
-                max_block_size=config.drafter_block_size)))
+            proposer = _TimedProposer(
+                build_proposer(
+                    DrafterConfig(
+                        family=family,
+                        target_checkpoint=Path(config.model),
+                        device=config.device,
+                        dtype=config.dtype,
+                        max_block_size=config.drafter_block_size,
+                    )
+                )
+            )
             self.proposers[family] = proposer
             self.local_drafts[family] = LocalDraft(proposer)
 
@@ -152,9 +167,14 @@ async def _one_request(clients: _Clients, via: str, drafter: str, k: int, prompt
     from specserve.contract.types import GenerationRequest, SamplingParams
     from specserve.gateway.spec_loop import FinalEvent, run_request
 
-    request = GenerationRequest(prompt_ids=prompt, max_new_tokens=max_new_tokens, sampling=SamplingParams(),
-                                num_speculative_tokens=0 if drafter == "none" else k, adaptive=False,
-                                draft_ahead=False)
+    request = GenerationRequest(
+        prompt_ids=prompt,
+        max_new_tokens=max_new_tokens,
+        sampling=SamplingParams(),
+        num_speculative_tokens=0 if drafter == "none" else k,
+        adaptive=False,
+        draft_ahead=False,
+    )
     target, draft, draft_compute = clients.session(via, drafter)
     rows: list[dict] = []
     mark = [0.0]
@@ -166,10 +186,19 @@ async def _one_request(clients: _Clients, via: str, drafter: str, k: int, prompt
         draft_ms, seen[0] = total - seen[0], total
         draft_wall = rec.draft_ms
         draft_service = getattr(draft, "service_ms", 0.0)  # summed; only its per-step delta is used below
-        rows.append({"wall_ms": (now - mark[0]) * 1e3, "engine_ms": rec.verify_compute_ms, "draft_ms": draft_ms,
-                     "verify_wall_ms": rec.verify_wall_ms, "verify_service_ms": rec.verify_service_ms,
-                     "draft_wall_ms": draft_wall, "draft_service_total": draft_service, "drafted": rec.drafted,
-                     "accepted": rec.accepted})
+        rows.append(
+            {
+                "wall_ms": (now - mark[0]) * 1e3,
+                "engine_ms": rec.verify_compute_ms,
+                "draft_ms": draft_ms,
+                "verify_wall_ms": rec.verify_wall_ms,
+                "verify_service_ms": rec.verify_service_ms,
+                "draft_wall_ms": draft_wall,
+                "draft_service_total": draft_service,
+                "drafted": rec.drafted,
+                "accepted": rec.accepted,
+            }
+        )
         mark[0] = now
 
     tokens: tuple[int, ...] = ()
@@ -189,8 +218,11 @@ def _us(values: list[float]) -> dict:
     if not values:
         return {"median": 0.0, "mean": 0.0, "p90": 0.0}
     s = sorted(values)
-    return {"median": round(statistics.median(s) * 1e3, 1), "mean": round(statistics.fmean(s) * 1e3, 1),
-            "p90": round(s[min(len(s) - 1, int(0.9 * len(s)))] * 1e3, 1)}
+    return {
+        "median": round(statistics.median(s) * 1e3, 1),
+        "mean": round(statistics.fmean(s) * 1e3, 1),
+        "p90": round(s[min(len(s) - 1, int(0.9 * len(s)))] * 1e3, 1),
+    }
 
 
 def summarize(rows: list[dict], via: str) -> dict:
@@ -233,8 +265,9 @@ async def _run_all(config: OverheadConfig, clients: _Clients) -> dict:
                     t0 = time.perf_counter()
                     for prompt in prompts:
                         n += 1
-                        r, toks = await _one_request(clients, via, drafter, config.k, prompt, config.max_new_tokens,
-                                                     f"ovh-{n}")
+                        r, toks = await _one_request(
+                            clients, via, drafter, config.k, prompt, config.max_new_tokens, f"ovh-{n}"
+                        )
                         rows.setdefault(key, []).extend(r)
                         tokens.setdefault(key, []).append(toks)
                     wall[key] = wall.get(key, 0.0) + time.perf_counter() - t0
@@ -281,9 +314,11 @@ def run(config: OverheadConfig) -> dict:
 
 
 def table(result: dict) -> str:
-    lines = ["| method | via | tok/s | step wall us | engine us | proposer us | overhead us (median / mean / p90) "
-             "| vs process us | of which transport us | same tokens |",
-             "|---|---|---:|---:|---:|---:|---|---:|---:|---:|"]
+    lines = [
+        "| method | via | tok/s | step wall us | engine us | proposer us | overhead us (median / mean / p90) "
+        "| vs process us | of which transport us | same tokens |",
+        "|---|---|---:|---:|---:|---:|---|---:|---:|---:|",
+    ]
     for method, vias in result["methods"].items():
         for via, s in vias.items():
             o = s["overhead_us"]
@@ -291,5 +326,6 @@ def table(result: dict) -> str:
                 f"| {method} | {via} | {s['tokens_per_s']} | {s['wall_us']['median']} | "
                 f"{s['engine_compute_us']['median']} | {s['draft_compute_us']['median']} | "
                 f"{o['median']} / {o['mean']} / {o['p90']} | {s.get('overhead_vs_process_us', '-')} | "
-                f"{s['transport_us']['median']} | {'yes' if s['same_tokens'] else 'NO'} |")
+                f"{s['transport_us']['median']} | {'yes' if s['same_tokens'] else 'NO'} |"
+            )
     return "\n".join(lines)

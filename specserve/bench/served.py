@@ -30,8 +30,14 @@ class ServedStackError(RuntimeError):
 class ServedStack:
     """The service processes of a bench run, and per via the gateway's remote adapters to them."""
 
-    def __init__(self, config, checkpoints: dict[str, Path], families: list[str], start_timeout_s: float = 600.0,
-                 graph_layers: tuple[int, ...] = ()) -> None:
+    def __init__(
+        self,
+        config,
+        checkpoints: dict[str, Path],
+        families: list[str],
+        start_timeout_s: float = 600.0,
+        graph_layers: tuple[int, ...] = (),
+    ) -> None:
         self.config = config
         self.folder = Path(tempfile.mkdtemp(prefix="specserve-bench-"))
         self.procs: dict[str, subprocess.Popen] = {}
@@ -42,15 +48,39 @@ class ServedStack:
         model = ["--model", str(config.model), "--device", config.device, "--dtype", config.dtype]
         try:
             layers = ["--graph-hidden-layers", ",".join(map(str, graph_layers))] if graph_layers else []
-            self._start("target", ["target", *model, "--listen", self.target_address,
-                                   "--num-kv-blocks", str(config.num_kv_blocks),
-                                   "--kv-block-size", str(config.kv_block_size), *layers,
-                                   "--invariant-steps", invariant_flag(config.invariant_steps)])
+            self._start(
+                "target",
+                [
+                    "target",
+                    *model,
+                    "--listen",
+                    self.target_address,
+                    "--num-kv-blocks",
+                    str(config.num_kv_blocks),
+                    "--kv-block-size",
+                    str(config.kv_block_size),
+                    *layers,
+                    "--invariant-steps",
+                    invariant_flag(config.invariant_steps),
+                ],
+            )
             for family in families:
                 address = f"unix:{self.folder}/{family}.sock"
                 ckpt = ["--draft-model", str(checkpoints[family])] if family in checkpoints else []
-                self._start(f"draft-{family}", ["draft", "--draft", family, *ckpt, *model, "--listen", address,
-                                                "--max-block-size", str(config.drafter_block_size)])
+                self._start(
+                    f"draft-{family}",
+                    [
+                        "draft",
+                        "--draft",
+                        family,
+                        *ckpt,
+                        *model,
+                        "--listen",
+                        address,
+                        "--max-block-size",
+                        str(config.drafter_block_size),
+                    ],
+                )
                 self.draft_addresses[family] = address
             self._wait_serving(start_timeout_s)
         except BaseException:
@@ -66,8 +96,10 @@ class ServedStack:
         env = {"OMP_NUM_THREADS": str(torch.get_num_threads()), **os.environ, "PYTHONUNBUFFERED": "1"}
         env.pop("SPECSERVE_SHM", None)  # the services offer; each via decides on the caller's side
         self.procs[role] = subprocess.Popen(
-            [sys.executable, "-m", "specserve.cli.main", *argv], stdout=subprocess.DEVNULL,
-            stderr=open(self.folder / f"{role}.log", "w"), env=env,  # noqa: SIM115 - closed with the process
+            [sys.executable, "-m", "specserve.cli.main", *argv],
+            stdout=subprocess.DEVNULL,
+            stderr=open(self.folder / f"{role}.log", "w"),
+            env=env,  # noqa: SIM115 - closed with the process
         )
 
     def _wait_serving(self, timeout_s: float) -> None:
@@ -95,8 +127,9 @@ class ServedStack:
             await target.fetch_info(60.0)
             self.targets[via] = target
             self.drafts[via] = {
-                family: RemoteDraftEndpoint(family, address, step_timeout_s=60.0, target_info=target.target_info,
-                                            shm=shm)
+                family: RemoteDraftEndpoint(
+                    family, address, step_timeout_s=60.0, target_info=target.target_info, shm=shm
+                )
                 for family, address in self.draft_addresses.items()
             }
             for ep in self.drafts[via].values():  # as the gateway at start: what it maps (hidden-row buffers)
@@ -117,14 +150,25 @@ class ServedStack:
 
         with grpc.insecure_channel(self.target_address) as ch:
             t = target_pb2_grpc.TargetServiceStub(ch).GetStats(target_pb2.TargetStatsRequest(), timeout=10)
-        out = {"target": {"steps": t.steps, "shm_steps": t.shm_steps, "shm_channels": t.shm_channels,
-                          "hidden_rows_shared": t.hidden_rows_shared, "hidden_rows_as_bytes": t.hidden_rows_as_bytes}}
+        out = {
+            "target": {
+                "steps": t.steps,
+                "shm_steps": t.shm_steps,
+                "shm_channels": t.shm_channels,
+                "hidden_rows_shared": t.hidden_rows_shared,
+                "hidden_rows_as_bytes": t.hidden_rows_as_bytes,
+            }
+        }
         for family, address in self.draft_addresses.items():
             with grpc.insecure_channel(address) as ch:
                 d = draft_pb2_grpc.DraftServiceStub(ch).GetStats(draft_pb2.DraftStatsRequest(), timeout=10)
-            out[f"draft-{family}"] = {"proposals": d.proposals, "shm_proposals": d.shm_proposals,
-                                      "shm_channels": d.shm_channels, "hidden_rows_shared": d.hidden_rows_shared,
-                                      "hidden_rows_as_bytes": d.hidden_rows_as_bytes}
+            out[f"draft-{family}"] = {
+                "proposals": d.proposals,
+                "shm_proposals": d.shm_proposals,
+                "shm_channels": d.shm_channels,
+                "hidden_rows_shared": d.hidden_rows_shared,
+                "hidden_rows_as_bytes": d.hidden_rows_as_bytes,
+            }
         return out
 
     def close(self) -> None:

@@ -90,8 +90,12 @@ class Service:
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
         env = {k: v for k, v in env.items() if not k.startswith("OTEL_")}
         self.log = open(self.log_path, "a")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen([sys.executable, "-m", "specserve.cli.main", self.role, *self.argv],
-                                     stdout=self.log, stderr=subprocess.STDOUT, env=env)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "specserve.cli.main", self.role, *self.argv],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
 
     def wait_ready(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -199,26 +203,63 @@ def run(args: SoakConfig) -> int:
     ports = {name: _free_port() for name in ("target", "ngram", "model", "gateway", "http", ROGUE, SHRINKER)}
     addr = {name: f"127.0.0.1:{port}" for name, port in ports.items()}
     services: dict[str, Service] = {
-        "target": Service("target", ["--model", str(model), "--listen", addr["target"], "--num-kv-blocks", "512"],
-                          log_dir, "target listening on "),
-        "ngram": Service("draft", ["--draft", "ngram", "--model", str(model), "--listen", addr["ngram"],
-                                   *DRAFT_IDLE], log_dir, "draft (ngram) listening on "),
+        "target": Service(
+            "target",
+            ["--model", str(model), "--listen", addr["target"], "--num-kv-blocks", "512"],
+            log_dir,
+            "target listening on ",
+        ),
+        "ngram": Service(
+            "draft",
+            ["--draft", "ngram", "--model", str(model), "--listen", addr["ngram"], *DRAFT_IDLE],
+            log_dir,
+            "draft (ngram) listening on ",
+        ),
     }
     drafts = ["ngram", "none"]
     if draft_model is not None:
-        services["model"] = Service("draft", ["--draft", "model", "--draft-model", str(draft_model), "--model",
-                                              str(model), "--listen", addr["model"], *DRAFT_IDLE], log_dir,
-                                    "draft (model) listening on ")
+        services["model"] = Service(
+            "draft",
+            [
+                "--draft",
+                "model",
+                "--draft-model",
+                str(draft_model),
+                "--model",
+                str(model),
+                "--listen",
+                addr["model"],
+                *DRAFT_IDLE,
+            ],
+            log_dir,
+            "draft (model) listening on ",
+        )
         drafts.append("model")
     rogue = RogueDraft(addr[ROGUE])
     shrinker = RogueDraft(addr[SHRINKER], attack="shrink")
     services["gateway"] = Service(
         "gateway",
-        ["--target", addr["target"], "--model", str(model), "--host", "127.0.0.1", "--port", str(ports["gateway"]),
-         "--max-sessions", str(args.max_sessions), "--max-queued", str(args.max_queued),
-         "--http-port", str(ports["http"]), "--http-read-timeout-s", str(HTTP_READ_TIMEOUT_S),
-         *[a for d in [*drafts, ROGUE, SHRINKER] if d != "none" for a in ("--draft-service", f"{d}={addr[d]}")]],
-        log_dir, "gateway listening on ",
+        [
+            "--target",
+            addr["target"],
+            "--model",
+            str(model),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(ports["gateway"]),
+            "--max-sessions",
+            str(args.max_sessions),
+            "--max-queued",
+            str(args.max_queued),
+            "--http-port",
+            str(ports["http"]),
+            "--http-read-timeout-s",
+            str(HTTP_READ_TIMEOUT_S),
+            *[a for d in [*drafts, ROGUE, SHRINKER] if d != "none" for a in ("--draft-service", f"{d}={addr[d]}")],
+        ],
+        log_dir,
+        "gateway listening on ",
     )
     tally = Tally()
     stop = threading.Event()
@@ -230,21 +271,25 @@ def run(args: SoakConfig) -> int:
         prompts = _prompts(model)
         refs = []
         for text in prompts:  # greedy references, target-only, one at a time
-            ids, final, err = _stream(stub, gateway_pb2.GenerateRequest(prompt=text, max_new_tokens=args.max_new_tokens,
-                                                                        draft="none"), 120)
+            ids, final, err = _stream(
+                stub, gateway_pb2.GenerateRequest(prompt=text, max_new_tokens=args.max_new_tokens, draft="none"), 120
+            )
             if err is not None:
                 raise RuntimeError(f"reference request failed: {err}")
             refs.append(ids)
-        print(f"soak: {len(services)} services up, {len(prompts)} references; load for {args.seconds:.0f} s "
-              f"with {args.workers} workers, drafts {drafts}, a draft SIGKILL every {args.kill_every_s:.0f} s",
-              flush=True)
+        print(
+            f"soak: {len(services)} services up, {len(prompts)} references; load for {args.seconds:.0f} s "
+            f"with {args.workers} workers, drafts {drafts}, a draft SIGKILL every {args.kill_every_s:.0f} s",
+            flush=True,
+        )
 
         def worker(seed: int) -> None:
             rng = random.Random(seed)
             while not stop.is_set():
                 i, n, draft = rng.randrange(len(prompts)), rng.randint(1, args.max_new_tokens), rng.choice(drafts)
-                req = gateway_pb2.GenerateRequest(prompt=prompts[i], max_new_tokens=n, draft=draft,
-                                                  num_speculative_tokens=rng.choice((2, 4, 6)))
+                req = gateway_pb2.GenerateRequest(
+                    prompt=prompts[i], max_new_tokens=n, draft=draft, num_speculative_tokens=rng.choice((2, 4, 6))
+                )
                 ids, final, err = _stream(stub, req, 60)
                 with tally.lock:
                     if err is not None:
@@ -270,8 +315,10 @@ def run(args: SoakConfig) -> int:
                 victim = services[name]
                 k += 1
                 if k % 2 == 0:  # a frozen draft: the gateway's breaker must stop waiting for it
-                    print(f"soak: t+{time.monotonic() - t0:.0f}s SIGSTOP draft {name} for {args.freeze_s:.0f} s",
-                          flush=True)
+                    print(
+                        f"soak: t+{time.monotonic() - t0:.0f}s SIGSTOP draft {name} for {args.freeze_s:.0f} s",
+                        flush=True,
+                    )
                     victim.proc.send_signal(signal.SIGSTOP)
                     stop.wait(args.freeze_s)
                     victim.proc.send_signal(signal.SIGCONT)
@@ -284,9 +331,11 @@ def run(args: SoakConfig) -> int:
 
         def hostile(seed: int) -> None:
             rng = random.Random(seed)
-            garbage_to = [(addr["gateway"], "/specserve.v1.Gateway/GenerateUnary"),
-                          (addr["target"], "/specserve.v1.TargetService/Prefill"),
-                          (addr["ngram"], "/specserve.v1.DraftService/StartSession")]
+            garbage_to = [
+                (addr["gateway"], "/specserve.v1.Gateway/GenerateUnary"),
+                (addr["target"], "/specserve.v1.TargetService/Prefill"),
+                (addr["ngram"], "/specserve.v1.DraftService/StartSession"),
+            ]
             while not stop.is_set():
                 kind = rng.choice(HOSTILE_KINDS)
                 draft = rng.choice(drafts)
@@ -295,8 +344,13 @@ def run(args: SoakConfig) -> int:
                 if kind in ROGUE_OF:
                     req.draft = ROGUE_OF[kind]
                     ids, final, err = _stream(stub, req, 60)
-                    outcome = (err[0] if err is not None else "fallback" if final.stats.draft_fallback and
-                               not _lost(ids, refs[i][:req.max_new_tokens], final) else "wrong")
+                    outcome = (
+                        err[0]
+                        if err is not None
+                        else "fallback"
+                        if final.stats.draft_fallback and not _lost(ids, refs[i][: req.max_new_tokens], final)
+                        else "wrong"
+                    )
                     if err is not None and err[0] in ALLOWED_ERRORS:
                         time.sleep(0.2)
                 elif kind == "half_open":
@@ -314,9 +368,13 @@ def run(args: SoakConfig) -> int:
                     svc.sample()
 
         t0 = time.monotonic()
-        threads = [threading.Thread(target=worker, args=(args.seed * 1000 + w,), daemon=True) for w in range(args.workers)]
-        threads += [threading.Thread(target=hostile, args=(args.seed * 1000 + 500 + w,), daemon=True)
-                    for w in range(args.hostile_workers)]
+        threads = [
+            threading.Thread(target=worker, args=(args.seed * 1000 + w,), daemon=True) for w in range(args.workers)
+        ]
+        threads += [
+            threading.Thread(target=hostile, args=(args.seed * 1000 + 500 + w,), daemon=True)
+            for w in range(args.hostile_workers)
+        ]
         threads += [threading.Thread(target=faults, daemon=True), threading.Thread(target=sampler, daemon=True)]
         for t in threads:
             t.start()
@@ -336,11 +394,15 @@ def run(args: SoakConfig) -> int:
         shrinker.close()
     unexpected = {k: v for k, v in tally.errors.items() if k not in ALLOWED_ERRORS}
     # garbage must get INVALID_ARGUMENT; UNAVAILABLE / DEADLINE_EXCEEDED: it hit a draft being killed or frozen
-    bad_garbage = {k: v for k, v in tally.hostile.items()
-                   if k.startswith("garbage") and k.split(": ")[1] not in GARBAGE_OUTCOMES}
-    bad_hostile = {k: v for k, v in tally.hostile.items()
-                   if (k.split(": ")[0] in ROGUE_OF and k.split(": ")[1] not in ("fallback", *ALLOWED_ERRORS))
-                   or k in ("half_open: left_open", "conn_flood: held")}
+    bad_garbage = {
+        k: v for k, v in tally.hostile.items() if k.startswith("garbage") and k.split(": ")[1] not in GARBAGE_OUTCOMES
+    }
+    bad_hostile = {
+        k: v
+        for k, v in tally.hostile.items()
+        if (k.split(": ")[0] in ROGUE_OF and k.split(": ")[1] not in ("fallback", *ALLOWED_ERRORS))
+        or k in ("half_open: left_open", "conn_flood: held")
+    }
     summary = {
         "seconds": round(elapsed, 1),
         "requests_served": tally.served,
@@ -357,14 +419,27 @@ def run(args: SoakConfig) -> int:
         "ring_shrinks": {"refused": shrinker.shrinks_refused, "done": shrinker.shrunk},
         "sessions_left_open": left,
     }
-    print(f"soak: {tally.served} requests served in {elapsed:.0f} s ({tally.tokens} tokens), "
-          f"errors by status {dict(tally.errors) or '{}'}, tokens lost {tally.lost}, "
-          f"peak RSS MiB {summary['peak_rss_mib']}")
+    print(
+        f"soak: {tally.served} requests served in {elapsed:.0f} s ({tally.tokens} tokens), "
+        f"errors by status {dict(tally.errors) or '{}'}, tokens lost {tally.lost}, "
+        f"peak RSS MiB {summary['peak_rss_mib']}"
+    )
     print(f"soak: hostile clients {dict(tally.hostile)}; sessions left open at the end {left}")
     print(json.dumps(summary, sort_keys=True))
     print(f"soak: logs in {log_dir}")
-    return 1 if (tally.lost or unexpected or not tally.served or any(left.values()) or bad_garbage or bad_hostile
-                 or shrinker.shrunk) else 0
+    return (
+        1
+        if (
+            tally.lost
+            or unexpected
+            or not tally.served
+            or any(left.values())
+            or bad_garbage
+            or bad_hostile
+            or shrinker.shrunk
+        )
+        else 0
+    )
 
 
 def _open_sessions(addr: dict[str, str], drafts: list[str], settle_s: float) -> dict[str, int]:

@@ -131,8 +131,9 @@ class LocalRouting:
     def __init__(self, model, first_expert: int, num_local: int) -> None:
         self.first, self.num_local = first_expert, num_local
         self.ids: list[torch.Tensor] = []  # one [T, K] global expert ids per MoE layer
-        self._handles = [layer.mlp.gate.register_forward_hook(self._hook)
-                         for layer in model.model.layers if layer.is_moe]
+        self._handles = [
+            layer.mlp.gate.register_forward_hook(self._hook) for layer in model.model.layers if layer.is_moe
+        ]
 
     def _hook(self, module, inputs, output) -> None:
         self.ids.append(output[0].detach().to("cpu", torch.int64))
@@ -170,12 +171,22 @@ def bench_model(spec: str, args: StepBenchConfig, bandwidth: float, log) -> dict
     max_ctx = max(args.contexts) + args.max_k + 8
     blocks = -(-(max_ctx + 2 * args.max_k + 64) // args.block_size) + 4
     t0 = time.perf_counter()
-    engine = build_engine(EngineConfig(
-        model=name, device=args.device, dtype=args.dtype, num_kv_blocks=blocks,
-        kv_block_size=args.block_size, cuda_graphs=False if args.no_graphs else None, graph_max_draft=args.max_k,
-        max_context=max_ctx + 2 * args.max_k + 32, bench_shard=args.shard, enable_expert_parallel=parallel is not None,
-        seed=args.seed, invariant_steps=args.invariant_steps,
-    ))
+    engine = build_engine(
+        EngineConfig(
+            model=name,
+            device=args.device,
+            dtype=args.dtype,
+            num_kv_blocks=blocks,
+            kv_block_size=args.block_size,
+            cuda_graphs=False if args.no_graphs else None,
+            graph_max_draft=args.max_k,
+            max_context=max_ctx + 2 * args.max_k + 32,
+            bench_shard=args.shard,
+            enable_expert_parallel=parallel is not None,
+            seed=args.seed,
+            invariant_steps=args.invariant_steps,
+        )
+    )
     build_s = time.perf_counter() - t0
     spec = row_label(spec)
     runner = engine.runner
@@ -240,16 +251,32 @@ def bench_model(spec: str, args: StepBenchConfig, bandwidth: float, log) -> dict
             if target is not None:
                 row["target_x_floor"] = target
             rows.append(row)
-            log(f"  ctx {cached} k {k}: " + ", ".join(f"{key} {row[key]:.3f}" for key in
-                                                     ("floor_ms", "graph_ms", "replay_ms", "eager_ms") if key in row))
+            log(
+                f"  ctx {cached} k {k}: "
+                + ", ".join(
+                    f"{key} {row[key]:.3f}" for key in ("floor_ms", "graph_ms", "replay_ms", "eager_ms") if key in row
+                )
+            )
         engine.release(sid)
-    info = {"model": spec, "layers": config.num_layers, "attention": backend, "experts_fn": moe_fn, "build_s": build_s,
-            "graphs": len(runner.graph_keys), "capture_errors": {str(k): v for k, v in runner.capture_errors.items()},
-            "weight_bytes": roles, "kv_entry_bytes": kv_entry_bytes, "rows": rows}
+    info = {
+        "model": spec,
+        "layers": config.num_layers,
+        "attention": backend,
+        "experts_fn": moe_fn,
+        "build_s": build_s,
+        "graphs": len(runner.graph_keys),
+        "capture_errors": {str(k): v for k, v in runner.capture_errors.items()},
+        "weight_bytes": roles,
+        "kv_entry_bytes": kv_entry_bytes,
+        "rows": rows,
+    }
     if parallel is not None:
         info["shard"] = {"rank": parallel.tp_rank, "size": parallel.tp_size, "ep": True, "collectives": False}
-        info["lm_head_bytes"] = sum(p.numel() * p.element_size() for p in engine.model.lm_head.parameters()) \
-            if engine.model.lm_head is not None else 0
+        info["lm_head_bytes"] = (
+            sum(p.numel() * p.element_size() for p in engine.model.lm_head.parameters())
+            if engine.model.lm_head is not None
+            else 0
+        )
     del engine, runner
     gc.collect()
     if device.type == "cuda":
@@ -258,22 +285,32 @@ def bench_model(spec: str, args: StepBenchConfig, bandwidth: float, log) -> dict
 
 
 def format_table(results: list[dict], bandwidth: float) -> str:
-    lines = [f"copy bandwidth {bandwidth / 1e12:.2f} TB/s (read+write); times in ms; x floor uses replay (graph) time",
-             "| model | ctx | k | experts | floor | eager | graph step | replay | x floor | target | graph==eager |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = [
+        f"copy bandwidth {bandwidth / 1e12:.2f} TB/s (read+write); times in ms; x floor uses replay (graph) time",
+        "| model | ctx | k | experts | floor | eager | graph step | replay | x floor | target | graph==eager |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for res in results:
         if "error" in res:
             lines.append(f"| {res['model']} | error: {res['error'][:120]} |")
             continue
-        name = res["model"] if "shard" not in res else f"{res['model']} [shard {res['shard']['rank']}/{res['shard']['size']}]"
+        name = (
+            res["model"]
+            if "shard" not in res
+            else f"{res['model']} [shard {res['shard']['rank']}/{res['shard']['size']}]"
+        )
         for r in res["rows"]:
+
             def f(key: str, fmt: str = "{:.3f}") -> str:
                 return fmt.format(r[key]) if key in r else "-"
+
             eq = "-" if "graph_argmax_equal" not in r else ("yes" if r["graph_argmax_equal"] else "NO")
             experts = r["experts_touched"] if "experts_local" not in r else f"{r['experts_local']} here"
-            lines.append(f"| {name} | {r['context']} | {r['k']} | {experts} | {f('floor_ms')} | "
-                         f"{f('eager_ms')} | {f('graph_ms')} | {f('replay_ms')} | {f('x_floor', '{:.2f}')} | "
-                         f"{f('target_x_floor', '{:.2f}')} | {eq} |")
+            lines.append(
+                f"| {name} | {r['context']} | {r['k']} | {experts} | {f('floor_ms')} | "
+                f"{f('eager_ms')} | {f('graph_ms')} | {f('replay_ms')} | {f('x_floor', '{:.2f}')} | "
+                f"{f('target_x_floor', '{:.2f}')} | {eq} |"
+            )
     return "\n".join(lines)
 
 

@@ -65,9 +65,15 @@ def host_profile(engine, session_id: str, block, steps: int, top: int = 20) -> l
     prof.disable()
     stats = pstats.Stats(prof).stats  # {(file, line, name): (calls, primitive calls, own s, cumulative s, callers)}
     rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
-    return [{"function": f"{Path(f).name}:{line}({name})", "calls_per_step": c / steps,
-             "own_us_per_step": own / steps * 1e6, "cum_us_per_step": cum / steps * 1e6}
-            for (f, line, name), (_, c, own, cum, _) in rows]
+    return [
+        {
+            "function": f"{Path(f).name}:{line}({name})",
+            "calls_per_step": c / steps,
+            "own_us_per_step": own / steps * 1e6,
+            "cum_us_per_step": cum / steps * 1e6,
+        }
+        for (f, line, name), (_, c, own, cum, _) in rows
+    ]
 
 
 def census(engine, session_id: str, block, steps: int) -> dict:
@@ -96,19 +102,22 @@ def census(engine, session_id: str, block, steps: int) -> dict:
         "dtoh_copies_per_step": _dtoh_copies(prof) / steps,
         "experts_touched": experts,
         "top_kernels": [
-            {"name": name[:120], "per_step": len(ts) / steps, "ms_per_step": sum(ts) / steps / 1e3}
-            for name, ts in top
+            {"name": name[:120], "per_step": len(ts) / steps, "ms_per_step": sum(ts) / steps / 1e3} for name, ts in top
         ],
     }
 
 
-MODES = MappingProxyType({  # name -> EngineConfig overrides
-    "auto": MappingProxyType({}),  # the engine as it serves: FlashInfer or Triton paged attention, CUDA graphs
-    "triton": MappingProxyType({"attention_backend": "triton_paged"}),  # Triton paged attention at any size
-    "unfused": MappingProxyType({"fused_layers": False}),  # the graphs without the fused layers
-    "cublas": MappingProxyType({"skinny_gemm": False}),  # the fused layers with cuBLAS projections
-    "eager": MappingProxyType({"attention_backend": "torch", "cuda_graphs": False}),  # per-sequence torch, no graphs
-})
+MODES = MappingProxyType(
+    {  # name -> EngineConfig overrides
+        "auto": MappingProxyType({}),  # the engine as it serves: FlashInfer or Triton paged attention, CUDA graphs
+        "triton": MappingProxyType({"attention_backend": "triton_paged"}),  # Triton paged attention at any size
+        "unfused": MappingProxyType({"fused_layers": False}),  # the graphs without the fused layers
+        "cublas": MappingProxyType({"skinny_gemm": False}),  # the fused layers with cuBLAS projections
+        "eager": MappingProxyType(
+            {"attention_backend": "torch", "cuda_graphs": False}
+        ),  # per-sequence torch, no graphs
+    }
+)
 
 
 @dataclass(frozen=True)
@@ -146,9 +155,17 @@ def profile_model(spec: str, mode: str, args: CensusConfig, bandwidth: float) ->
     model = demo_checkpoint("target") if spec == "demo" else model_name(spec)
     ctx = args.context
     blocks = -(-(ctx + args.steps * 2 * (max(args.k) + 1) + 64) // 16) + 8
-    engine = build_engine(EngineConfig(model=model, device=args.device, dtype=args.dtype, num_kv_blocks=blocks,
-                                       graph_max_draft=max(args.k), invariant_steps=args.invariant_steps,
-                                       **MODES[mode]))
+    engine = build_engine(
+        EngineConfig(
+            model=model,
+            device=args.device,
+            dtype=args.dtype,
+            num_kv_blocks=blocks,
+            graph_max_draft=max(args.k),
+            invariant_steps=args.invariant_steps,
+            **MODES[mode],
+        )
+    )
     cfg = engine.config
     mb = model_bytes(engine.model, cfg)
     runner = engine.runner
@@ -165,9 +182,16 @@ def profile_model(spec: str, mode: str, args: CensusConfig, bandwidth: float) ->
         row = census(engine, sid, block, args.steps)
         if args.host_profile:
             row["host_profile"] = host_profile(engine, sid, block, args.steps)
-        row.update(model=spec, mode=mode, k=k, tokens=k + 1, context=engine.session(sid).cached_len,
-                   graph_replay=runner.graph_steps > graphs_before, num_layers=cfg.num_layers,
-                   invariant_rows=runner.invariant_rows)  # 0: the step ran unpadded
+        row.update(
+            model=spec,
+            mode=mode,
+            k=k,
+            tokens=k + 1,
+            context=engine.session(sid).cached_len,
+            graph_replay=runner.graph_steps > graphs_before,
+            num_layers=cfg.num_layers,
+            invariant_rows=runner.invariant_rows,
+        )  # 0: the step ran unpadded
         row["kernels_per_layer"] = row["kernels_per_step"] / cfg.num_layers
         sb = step_bytes(mb, k + 1, min(row["experts_touched"], mb.max_experts), row["context"])
         row["floor_bytes"] = sb.total
@@ -196,13 +220,17 @@ def format_rows(rows: list[dict]) -> str:
     lines = []
     for r in rows:
         padded = f", invariant {r['invariant_rows']} rows" if r.get("invariant_rows") else ", not invariant"
-        lines.append(f"{r['model']} [{r['mode']}{padded}] k={r['k']} ctx={r['context']} graph={r['graph_replay']}: wall "
-                     f"{r['wall_ms']:.3f} ms, {r['kernels_per_step']:.0f} kernels ({r['kernels_per_layer']:.1f}/layer) "
-                     f"{r['kernel_ms_per_step']:.3f} ms, {r['dtoh_copies_per_step']:.1f} DtoH, floor "
-                     f"{r['floor_ms']:.3f} ms ({r['wall_over_floor']:.1f}x)")
+        lines.append(
+            f"{r['model']} [{r['mode']}{padded}] k={r['k']} ctx={r['context']} graph={r['graph_replay']}: wall "
+            f"{r['wall_ms']:.3f} ms, {r['kernels_per_step']:.0f} kernels ({r['kernels_per_layer']:.1f}/layer) "
+            f"{r['kernel_ms_per_step']:.3f} ms, {r['dtoh_copies_per_step']:.1f} DtoH, floor "
+            f"{r['floor_ms']:.3f} ms ({r['wall_over_floor']:.1f}x)"
+        )
         for t in r["top_kernels"][:6]:
             lines.append(f"    {t['ms_per_step']:.4f} ms  x{t['per_step']:.0f}  {t['name'][:90]}")
         for h in r.get("host_profile", [])[:12]:
-            lines.append(f"    host {h['own_us_per_step']:7.1f} us own {h['cum_us_per_step']:8.1f} us cum "
-                         f"x{h['calls_per_step']:.0f}  {h['function'][:70]}")
+            lines.append(
+                f"    host {h['own_us_per_step']:7.1f} us own {h['cum_us_per_step']:8.1f} us cum "
+                f"x{h['calls_per_step']:.0f}  {h['function'][:70]}"
+            )
     return "\n".join(lines)

@@ -73,35 +73,37 @@ def summarize_method(results: Sequence[RequestResult], reference: dict[str, tupl
     wall = sum(s["wall_ms"] for s in steps)
     floor = sum(s["floor_ms"] for s in steps)
     verify = sum(s["verify_ms"] for s in steps)
-    out.update({
-        "steps": n,
-        "mean_accepted_length": round((accepted + n) / n, 4),
-        "acceptance_rate": round(accepted / drafted, 4) if drafted else None,
-        # the drafter's cost per token it drafted (draft ms of all steps over their drafted tokens)
-        "draft_ms_per_drafted_token": round(sum(s["draft_ms"] for s in steps) / drafted, 4) if drafted else None,
-        "acceptance_by_position": acceptance_by_position(steps),
-        "chosen_k": _histogram(s["drafted"] for s in steps),
-        "per_step_ms": {
-            "wall": round(wall / n, 4),
-            "draft": round(sum(s["draft_ms"] for s in steps) / n, 4),
-            "verify": round(verify / n, 4),
-            "overhead": round(sum(s["overhead_ms"] for s in steps) / n, 4),
-            "transport": round(sum(s.get("transport_ms", 0.0) for s in steps) / n, 4),
-            "floor": round(floor / n, 5),
-        },
-        "verify_ms_source": "+".join(sorted({s["verify_ms_source"] for s in steps})),
-        "experts_touched_mean": _mean(s["experts_touched"] for s in steps),
-        "floor_fraction_of_step": round(floor / wall, 4) if wall > 0 else None,
-        "floor_fraction_of_verify": round(floor / verify, 4) if verify > 0 else None,
-        "draft_ahead_stats": {
-            "hits": sum(r.stats.get("draft_ahead_hits", 0) for r in results),
-            "ahead_ms": round(sum(r.stats.get("draft_ahead_ms", 0.0) for r in results), 3),
-            "hidden_ms": round(sum(r.stats.get("draft_hidden_ms", 0.0) for r in results), 3),
-            # the steps' wait for their block drafted ahead after the verify came back: ahead_ms - wait_ms overlapped
-            "wait_ms": round(sum(s.get("ahead_wait_ms", 0.0) for s in steps), 3),
-        },
-        "draft_fallbacks": sum(bool(r.stats.get("draft_fallback")) for r in results),
-    })
+    out.update(
+        {
+            "steps": n,
+            "mean_accepted_length": round((accepted + n) / n, 4),
+            "acceptance_rate": round(accepted / drafted, 4) if drafted else None,
+            # the drafter's cost per token it drafted (draft ms of all steps over their drafted tokens)
+            "draft_ms_per_drafted_token": round(sum(s["draft_ms"] for s in steps) / drafted, 4) if drafted else None,
+            "acceptance_by_position": acceptance_by_position(steps),
+            "chosen_k": _histogram(s["drafted"] for s in steps),
+            "per_step_ms": {
+                "wall": round(wall / n, 4),
+                "draft": round(sum(s["draft_ms"] for s in steps) / n, 4),
+                "verify": round(verify / n, 4),
+                "overhead": round(sum(s["overhead_ms"] for s in steps) / n, 4),
+                "transport": round(sum(s.get("transport_ms", 0.0) for s in steps) / n, 4),
+                "floor": round(floor / n, 5),
+            },
+            "verify_ms_source": "+".join(sorted({s["verify_ms_source"] for s in steps})),
+            "experts_touched_mean": _mean(s["experts_touched"] for s in steps),
+            "floor_fraction_of_step": round(floor / wall, 4) if wall > 0 else None,
+            "floor_fraction_of_verify": round(floor / verify, 4) if verify > 0 else None,
+            "draft_ahead_stats": {
+                "hits": sum(r.stats.get("draft_ahead_hits", 0) for r in results),
+                "ahead_ms": round(sum(r.stats.get("draft_ahead_ms", 0.0) for r in results), 3),
+                "hidden_ms": round(sum(r.stats.get("draft_hidden_ms", 0.0) for r in results), 3),
+                # the steps' wait for their block drafted ahead after the verify came back: ahead_ms - wait_ms overlapped
+                "wait_ms": round(sum(s.get("ahead_wait_ms", 0.0) for s in steps), 3),
+            },
+            "draft_fallbacks": sum(bool(r.stats.get("draft_fallback")) for r in results),
+        }
+    )
     return out
 
 

@@ -79,28 +79,42 @@ def measure_verify_tax(
             wall.append(wall_ms)
             experts.append(res.experts_touched)
             if on_sample is not None:
-                on_sample({"k": k, "repeat": r - warmup, "context_len": context + 1, "verify_ms": round(ms[-1], 4),
-                           "verify_wall_ms": round(wall_ms, 4), "experts_touched": res.experts_touched,
-                           "accepted": len(res.accepted_ids)})
+                on_sample(
+                    {
+                        "k": k,
+                        "repeat": r - warmup,
+                        "context_len": context + 1,
+                        "verify_ms": round(ms[-1], 4),
+                        "verify_wall_ms": round(wall_ms, 4),
+                        "experts_touched": res.experts_touched,
+                        "accepted": len(res.accepted_ids),
+                    }
+                )
             if progress is not None:
                 progress()
         med_experts = statistics.median(experts)
         nbytes = step_bytes(model_bytes, k + 1, int(round(med_experts)), context + 1)
         floor = floor_ms(nbytes.total, bandwidth)
         med = statistics.median(ms)
-        points.append({
-            "k": k,
-            "tokens": k + 1,
-            "verify_ms_median": round(med, 4),
-            "verify_ms_p25": round(_quantile(ms, 0.25), 4),
-            "verify_ms_p75": round(_quantile(ms, 0.75), 4),
-            "verify_wall_ms_median": round(statistics.median(wall), 4),
-            "verify_ms_source": "+".join(sorted(sources)),
-            "experts_touched_median": med_experts,
-            "floor_bytes": nbytes.total,
-            "floor_bytes_by_part": {"dense": nbytes.dense, "embedding": nbytes.embedding,
-                                    "experts": nbytes.experts, "kv": nbytes.kv},
-            "floor_ms": round(floor, 5),
-            "floor_fraction": round(floor / med, 4) if med > 0 else None,
-        })
+        points.append(
+            {
+                "k": k,
+                "tokens": k + 1,
+                "verify_ms_median": round(med, 4),
+                "verify_ms_p25": round(_quantile(ms, 0.25), 4),
+                "verify_ms_p75": round(_quantile(ms, 0.75), 4),
+                "verify_wall_ms_median": round(statistics.median(wall), 4),
+                "verify_ms_source": "+".join(sorted(sources)),
+                "experts_touched_median": med_experts,
+                "floor_bytes": nbytes.total,
+                "floor_bytes_by_part": {
+                    "dense": nbytes.dense,
+                    "embedding": nbytes.embedding,
+                    "experts": nbytes.experts,
+                    "kv": nbytes.kv,
+                },
+                "floor_ms": round(floor, 5),
+                "floor_fraction": round(floor / med, 4) if med > 0 else None,
+            }
+        )
     return points

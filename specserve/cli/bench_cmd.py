@@ -43,39 +43,67 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     bench_e2e.add_arguments(sub.add_parser("e2e", help="end to end: every method on the pinned prompts (default)"))
 
     p = sub.add_parser("step", help="one target step's time against its bytes floor (GPU; CPU with --no-graphs)")
-    add_shared_arguments(p, out="bench_out/step", device="cuda", dtype="bfloat16",
-                         model_help="comma-separated model names: demo@NAME[:LAYERS], synthetic:NAME[:LAYERS] or a "
-                                    "bare preset NAME[:LAYERS] (synthetic); default "
-                                    f"{','.join(STEP_MODELS)} (--census: demo,synthetic:qwen3-30b-a3b)")
+    add_shared_arguments(
+        p,
+        out="bench_out/step",
+        device="cuda",
+        dtype="bfloat16",
+        model_help="comma-separated model names: demo@NAME[:LAYERS], synthetic:NAME[:LAYERS] or a "
+        "bare preset NAME[:LAYERS] (synthetic); default "
+        f"{','.join(STEP_MODELS)} (--census: demo,synthetic:qwen3-30b-a3b)",
+    )
     p.add_argument("--models", dest="model", help=argparse.SUPPRESS)  # the name step_bench took
-    p.add_argument("--contexts", type=_ints, default=None,
-                   help="cached tokens before the step, comma-separated (default 128,4096; --census: 512)")
+    p.add_argument(
+        "--contexts",
+        type=_ints,
+        default=None,
+        help="cached tokens before the step, comma-separated (default 128,4096; --census: 512)",
+    )
     p.add_argument("--max-k", type=int, default=16, help="largest number of drafted tokens")
     p.add_argument("--reps", type=positive_int, default=20, help="timed steps per point with CUDA graphs")
     p.add_argument("--eager-reps", type=int, default=3, help="timed eager steps per point (0: skip eager)")
     p.add_argument("--kv-block-size", "--block-size", type=positive_int, default=16)
     p.add_argument("--no-graphs", action="store_true", help="eager only (CPU smoke runs)")
     add_invariant_argument(p)
-    p.add_argument("--shard", type=shard_arg, default=None, metavar="R/N",
-                   help="time only rank R of an N-way TP shard (routed experts EP), collectives skipped")
-    p.add_argument("--census", action="store_true",
-                   help="count the kernels of a step instead (bench/step_profile.py): --k, --modes, --steps")
+    p.add_argument(
+        "--shard",
+        type=shard_arg,
+        default=None,
+        metavar="R/N",
+        help="time only rank R of an N-way TP shard (routed experts EP), collectives skipped",
+    )
+    p.add_argument(
+        "--census",
+        action="store_true",
+        help="count the kernels of a step instead (bench/step_profile.py): --k, --modes, --steps",
+    )
     p.add_argument("--k", type=_ints, default=(0, 3), help="--census: drafted tokens per step")
-    p.add_argument("--modes", type=name_list, default=("auto",), help="--census: engine modes (auto, cublas, triton, "
-                                                                       "unfused, eager)")
+    p.add_argument(
+        "--modes",
+        type=name_list,
+        default=("auto",),
+        help="--census: engine modes (auto, cublas, triton, unfused, eager)",
+    )
     p.add_argument("--steps", type=positive_int, default=20, help="--census: profiled steps per point")
     p.add_argument("--host-profile", action="store_true", help="--census: also cProfile the host side")
 
     p = sub.add_parser("kernels", help="MoE, attention, quantized kernels and collectives against their floors (GPU)")
     add_shared_arguments(p, out="bench_out/kernels", device="cuda", dtype=None, seed=False)
-    p.add_argument("--suite", type=name_list, default=("moe", "quant"),
-                   help="moe (fused MoE and attention: bench/kernel_bench.py), quant (W4A16 / FP8: "
-                        "bench/quant_kernel_bench.py), allreduce (the TP collectives over --world-size ranks: "
-                        "bench/allreduce_bench.py; gloo with --device cpu; writes allreduce.json for project)")
+    p.add_argument(
+        "--suite",
+        type=name_list,
+        default=("moe", "quant"),
+        help="moe (fused MoE and attention: bench/kernel_bench.py), quant (W4A16 / FP8: "
+        "bench/quant_kernel_bench.py), allreduce (the TP collectives over --world-size ranks: "
+        "bench/allreduce_bench.py; gloo with --device cpu; writes allreduce.json for project)",
+    )
     p.add_argument("--quick", action="store_true", help="moe, quant: decode token counts only, no config sweep")
-    p.add_argument("--gemv-sweep", action="store_true",
-                   help="quant: sweep the W4A16 GEMV's tile at Kimi-K2.6 width instead (bench/gemv_sweep.py: every "
-                        "tile checked, then timed; best per kernel)")
+    p.add_argument(
+        "--gemv-sweep",
+        action="store_true",
+        help="quant: sweep the W4A16 GEMV's tile at Kimi-K2.6 width instead (bench/gemv_sweep.py: every "
+        "tile checked, then timed; best per kernel)",
+    )
     p.add_argument("--world-size", type=int, default=4, help="allreduce: ranks (one GPU each on CUDA)")
     p.add_argument("--tokens", type=_ints, default=(1, 2, 4, 8, 16), help="allreduce: rows T of [T, hidden]")
     p.add_argument("--hidden", type=int, default=7168, help="allreduce: hidden size (Kimi-K2: 7168)")
@@ -86,26 +114,40 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--no-graphs", action="store_true", help="allreduce: time eager calls even on CUDA")
 
     p = sub.add_parser("draft", help="where each drafter's time goes (bench/draft_profile.py)")
-    add_shared_arguments(p, out="bench_out/draft", model_default="demo", seed=False,
-                         model_help="demo, or demo@NAME[:LAYERS] (its drafters scaled to that target)")
+    add_shared_arguments(
+        p,
+        out="bench_out/draft",
+        model_default="demo",
+        seed=False,
+        model_help="demo, or demo@NAME[:LAYERS] (its drafters scaled to that target)",
+    )
     p.add_argument("--drafters", default=None, help="comma-separated drafter families (default: draft_profile's)")
-    p.add_argument("--k", "--num-speculative-tokens", type=positive_int, default=DEFAULT_K,
-                   help="drafted tokens per propose")
+    p.add_argument(
+        "--k", "--num-speculative-tokens", type=positive_int, default=DEFAULT_K, help="drafted tokens per propose"
+    )
     p.add_argument("--max-new-tokens", type=positive_int, default=64)
     p.add_argument("--top", type=positive_int, default=15, help="host functions listed per drafter")
 
     p = sub.add_parser("overhead", help="per-step orchestration overhead: in process, shared memory, gRPC only")
     add_shared_arguments(p, out="bench_out/overhead", model_help=MODEL_HELP)
     p.add_argument("--drafters", type=name_list, default=("none", "ngram"), help="none and / or ngram")
-    p.add_argument("--k", "--num-speculative-tokens", type=positive_int, default=DEFAULT_K,
-                   help="drafted tokens per step of a drafter method")
+    p.add_argument(
+        "--k",
+        "--num-speculative-tokens",
+        type=positive_int,
+        default=DEFAULT_K,
+        help="drafted tokens per step of a drafter method",
+    )
     p.add_argument("--requests", type=positive_int, default=3, help="prompts per method, via and round")
     p.add_argument("--max-new-tokens", type=positive_int, default=64)
     p.add_argument("--rounds", type=positive_int, default=2, help="interleaved rounds over every method and via")
     p.add_argument("--deadline-s", type=float, default=120.0, help="each served request's deadline")
-    p.add_argument("--ring", action="store_true",
-                   help="the transports alone instead: one small message's round trip through the shared-memory "
-                        "ring against a gRPC unix-socket stream (bench/ring_rtt.py): --bytes, --n, --warmup, --spin-us")
+    p.add_argument(
+        "--ring",
+        action="store_true",
+        help="the transports alone instead: one small message's round trip through the shared-memory "
+        "ring against a gRPC unix-socket stream (bench/ring_rtt.py): --bytes, --n, --warmup, --spin-us",
+    )
     p.add_argument("--bytes", type=positive_int, default=200, help="--ring: message size")
     p.add_argument("--n", type=positive_int, default=3000, help="--ring: timed round trips per transport")
     p.add_argument("--warmup", type=int, default=300, help="--ring: untimed round trips first")
@@ -113,23 +155,47 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     from specserve.cli import bench_headline
 
-    bench_headline.add_arguments(sub.add_parser(
-        "headline", help="every row of BENCHMARKS.md's GPU headline table, one H200, ~15 min (bench/headline.py)"))
+    bench_headline.add_arguments(
+        sub.add_parser(
+            "headline", help="every row of BENCHMARKS.md's GPU headline table, one H200, ~15 min (bench/headline.py)"
+        )
+    )
 
     p = sub.add_parser("project", help="the labelled Kimi-K2.6 projection (bench/k2_projection.py; no device)")
-    add_shared_arguments(p, out="bench_out/project", device=None, dtype=None, seed=False,
-                         model_help="which model of the step rows (default demo@kimi-k2.6, else kimi-k2-layer-int4, "
-                                    "when present)")
-    p.add_argument("--step", "--shard-step", type=Path, required=True,
-                   help="summary.json of `specserve bench step --shard 0/4` (or an older step_bench.json)")
+    add_shared_arguments(
+        p,
+        out="bench_out/project",
+        device=None,
+        dtype=None,
+        seed=False,
+        model_help="which model of the step rows (default demo@kimi-k2.6, else kimi-k2-layer-int4, when present)",
+    )
+    p.add_argument(
+        "--step",
+        "--shard-step",
+        type=Path,
+        required=True,
+        help="summary.json of `specserve bench step --shard 0/4` (or an older step_bench.json)",
+    )
     p.add_argument("--acceptance", type=Path, required=True, help="summary.json of a `specserve bench e2e` run")
-    p.add_argument("--allreduce", type=Path, default=None,
-                   help="allreduce.json of `specserve bench kernels --suite allreduce --world-size 4`")
-    p.add_argument("--context", type=int, default=None,
-                   help="which of the step's contexts (default the largest; --shape: the smallest)")
-    p.add_argument("--shape", action="store_true",
-                   help="project onto the step's own model instead (bench/projection.py: every method of the e2e run "
-                        "replayed at its step times), not Kimi-K2.6 on 4 GPUs")
+    p.add_argument(
+        "--allreduce",
+        type=Path,
+        default=None,
+        help="allreduce.json of `specserve bench kernels --suite allreduce --world-size 4`",
+    )
+    p.add_argument(
+        "--context",
+        type=int,
+        default=None,
+        help="which of the step's contexts (default the largest; --shape: the smallest)",
+    )
+    p.add_argument(
+        "--shape",
+        action="store_true",
+        help="project onto the step's own model instead (bench/projection.py: every method of the e2e run "
+        "replayed at its step times), not Kimi-K2.6 on 4 GPUs",
+    )
 
 
 def _log(msg: str) -> None:
@@ -158,10 +224,19 @@ def _run_step(args: argparse.Namespace) -> int:
 
     _check_device(args.device)
     cfg = step_bench.StepBenchConfig(
-        models=tuple(name_list(args.model)) if args.model else STEP_MODELS, contexts=args.contexts or (128, 4096),
-        max_k=args.max_k, reps=args.reps, eager_reps=args.eager_reps, device=args.device, dtype=args.dtype,
-        block_size=args.kv_block_size, no_graphs=args.no_graphs, shard=args.shard, seed=args.seed,
-        invariant_steps=INVARIANT_STEPS[args.invariant_steps])
+        models=tuple(name_list(args.model)) if args.model else STEP_MODELS,
+        contexts=args.contexts or (128, 4096),
+        max_k=args.max_k,
+        reps=args.reps,
+        eager_reps=args.eager_reps,
+        device=args.device,
+        dtype=args.dtype,
+        block_size=args.kv_block_size,
+        no_graphs=args.no_graphs,
+        shard=args.shard,
+        seed=args.seed,
+        invariant_steps=INVARIANT_STEPS[args.invariant_steps],
+    )
     env = environment(cfg.device)
 
     def save(report: dict) -> None:
@@ -185,9 +260,16 @@ def _run_census(args: argparse.Namespace) -> int:
     _check_device(args.device)
     contexts = args.contexts or (512,)
     cfg = step_profile.CensusConfig(
-        models=tuple(name_list(args.model)) if args.model else step_profile.DEFAULT_MODELS, k=args.k,
-        modes=args.modes, context=contexts[0], steps=args.steps, host_profile=args.host_profile, device=args.device,
-        dtype=args.dtype, invariant_steps=INVARIANT_STEPS[args.invariant_steps])
+        models=tuple(name_list(args.model)) if args.model else step_profile.DEFAULT_MODELS,
+        k=args.k,
+        modes=args.modes,
+        context=contexts[0],
+        steps=args.steps,
+        host_profile=args.host_profile,
+        device=args.device,
+        dtype=args.dtype,
+        invariant_steps=INVARIANT_STEPS[args.invariant_steps],
+    )
     env = environment(cfg.device)
     result = step_profile.run_census(cfg)
     env["bandwidth"] = result["bandwidth"]
@@ -198,8 +280,11 @@ def _run_census(args: argparse.Namespace) -> int:
 def _run_kernels(args: argparse.Namespace) -> int:
     from specserve.bench.environment import environment
 
-    suites = {"moe": "specserve.bench.kernel_bench", "quant": "specserve.bench.quant_kernel_bench",
-              "allreduce": "specserve.bench.allreduce_bench"}
+    suites = {
+        "moe": "specserve.bench.kernel_bench",
+        "quant": "specserve.bench.quant_kernel_bench",
+        "allreduce": "specserve.bench.allreduce_bench",
+    }
     unknown = [s for s in args.suite if s not in suites]
     if unknown:
         raise SpecserveError(f"--suite: choose from {', '.join(suites)}, got {','.join(args.suite)}")
@@ -216,8 +301,16 @@ def _run_kernels(args: argparse.Namespace) -> int:
     collectives = None
     if "allreduce" in args.suite:  # checked before anything runs
         collectives = allreduce_bench.AllReduceConfig(
-            world_size=args.world_size, tokens=args.tokens, hidden=args.hidden, vocab=args.vocab, reps=args.reps,
-            calls=args.calls, warmup=args.warmup, device=args.device.partition(":")[0], no_graphs=args.no_graphs)
+            world_size=args.world_size,
+            tokens=args.tokens,
+            hidden=args.hidden,
+            vocab=args.vocab,
+            reps=args.reps,
+            calls=args.calls,
+            warmup=args.warmup,
+            device=args.device.partition(":")[0],
+            no_graphs=args.no_graphs,
+        )
     env = environment(args.device)
     results, tables = {}, []
     for name in args.suite:
@@ -229,8 +322,13 @@ def _run_kernels(args: argparse.Namespace) -> int:
         results[name] = module.run(quick=args.quick, log=_log)
         tables.append(module.format_result(results[name]))
         env["bandwidth"] = {"bytes_per_s": results[name]["copy_bandwidth_Bps"]}
-    config = {"suite": args.suite, "quick": args.quick, "gemv_sweep": args.gemv_sweep, "device": args.device,
-              "allreduce": collectives}
+    config = {
+        "suite": args.suite,
+        "quick": args.quick,
+        "gemv_sweep": args.gemv_sweep,
+        "device": args.device,
+        "allreduce": collectives,
+    }
     _finish(args, "kernels", config, env, {"suites": results}, "\n\n".join(tables))
     return 0
 
@@ -257,14 +355,29 @@ def _run_draft(args: argparse.Namespace) -> int:
             raise SpecserveError(f"--model {args.model}: {exc}") from None
     rows_path = args.out / "draft_profile.json"
     env = environment(args.device)
-    rc = draft_profile.run(draft_profile.ProfileConfig(  # it profiles, prints and writes its rows
-        model=args.model, drafters=name_list(args.drafters) if args.drafters else draft_profile.DEFAULT_DRAFTERS,
-        k=args.k, max_new_tokens=args.max_new_tokens, device=args.device, dtype=args.dtype, top=args.top,
-        out=rows_path))
+    rc = draft_profile.run(
+        draft_profile.ProfileConfig(  # it profiles, prints and writes its rows
+            model=args.model,
+            drafters=name_list(args.drafters) if args.drafters else draft_profile.DEFAULT_DRAFTERS,
+            k=args.k,
+            max_new_tokens=args.max_new_tokens,
+            device=args.device,
+            dtype=args.dtype,
+            top=args.top,
+            out=rows_path,
+        )
+    )
     if rc:
         return rc
-    config = {"model": args.model, "drafters": args.drafters, "k": args.k, "max_new_tokens": args.max_new_tokens,
-              "device": args.device, "dtype": args.dtype, "top": args.top}
+    config = {
+        "model": args.model,
+        "drafters": args.drafters,
+        "k": args.k,
+        "max_new_tokens": args.max_new_tokens,
+        "device": args.device,
+        "dtype": args.dtype,
+        "top": args.top,
+    }
     rows = json.loads(rows_path.read_text(encoding="utf-8"))["rows"]
     _finish(args, "draft", config, env, {"rows": rows}, f"rows: {rows_path}")
     return 0
@@ -278,9 +391,17 @@ def _run_overhead(args: argparse.Namespace) -> int:
     if args.ring:
         return _run_ring(args)
     cfg = serve_overhead.OverheadConfig(
-        model=args.model or str(demo_checkpoint("target")), device=args.device, dtype=args.dtype,
-        drafters=args.drafters, k=args.k, requests=args.requests, max_new_tokens=args.max_new_tokens,
-        rounds=args.rounds, deadline_s=args.deadline_s, seed=args.seed)
+        model=args.model or str(demo_checkpoint("target")),
+        device=args.device,
+        dtype=args.dtype,
+        drafters=args.drafters,
+        k=args.k,
+        requests=args.requests,
+        max_new_tokens=args.max_new_tokens,
+        rounds=args.rounds,
+        deadline_s=args.deadline_s,
+        seed=args.seed,
+    )
     env = environment(cfg.device)
     result = serve_overhead.run(cfg)
     _finish(args, "overhead", cfg, env, result, serve_overhead.table(result))
@@ -294,8 +415,9 @@ def _run_ring(args: argparse.Namespace) -> int:
     config = {"bytes": args.bytes, "n": args.n, "warmup": args.warmup, "spin_us": args.spin_us}
     env = environment("cpu")
     results = ring_rtt.run(args.bytes, args.n, args.warmup, args.spin_us)
-    _finish(args, "overhead-ring", config, env, {"results": results},
-            ring_rtt.format_result(results, args.bytes, args.n))
+    _finish(
+        args, "overhead-ring", config, env, {"results": results}, ring_rtt.format_result(results, args.bytes, args.n)
+    )
     return 0
 
 
@@ -303,8 +425,14 @@ def _run_project(args: argparse.Namespace) -> int:
     from specserve.bench import k2_projection
     from specserve.bench.environment import environment
 
-    config = {"step": args.step, "acceptance": args.acceptance, "allreduce": args.allreduce, "model": args.model,
-              "context": args.context, "shape": args.shape}
+    config = {
+        "step": args.step,
+        "acceptance": args.acceptance,
+        "allreduce": args.allreduce,
+        "model": args.model,
+        "context": args.context,
+        "shape": args.shape,
+    }
     if args.shape:
         from specserve.bench.compare import format_comparison
         from specserve.bench.projection import load_run, load_shape_timings, project_run
@@ -315,8 +443,11 @@ def _run_project(args: argparse.Namespace) -> int:
             raise SpecserveError(f"--acceptance file {args.acceptance} is not an e2e summary.json: {exc!r}") from None
         result = {"projection": project_run(load_shape_timings(args.step, args.model, args.context), methods, steps)}
         p = result["projection"]
-        table = format_comparison(p["comparison"], f"PROJECTION (not measured) for {p['shape']}: adaptive against the "
-                                  "best fixed k", note=p["notes"])
+        table = format_comparison(
+            p["comparison"],
+            f"PROJECTION (not measured) for {p['shape']}: adaptive against the best fixed k",
+            note=p["notes"],
+        )
         _finish(args, "project-shape", config, environment("cpu"), result, table)
         return 0
     result = k2_projection.run_projection(args.step, args.acceptance, args.allreduce, args.model, args.context)
@@ -339,8 +470,15 @@ def _run_headline(args: argparse.Namespace) -> int:
     return run_headline(args)
 
 
-RUNNERS = {"e2e": bench_e2e.run_e2e, "step": _run_step, "kernels": _run_kernels, "draft": _run_draft,
-           "overhead": _run_overhead, "project": _run_project, "headline": _run_headline}
+RUNNERS = {
+    "e2e": bench_e2e.run_e2e,
+    "step": _run_step,
+    "kernels": _run_kernels,
+    "draft": _run_draft,
+    "overhead": _run_overhead,
+    "project": _run_project,
+    "headline": _run_headline,
+}
 
 
 def run(args: argparse.Namespace) -> int:

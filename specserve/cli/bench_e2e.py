@@ -33,8 +33,9 @@ def _fixed_ks(text: str) -> tuple[int, ...]:
     except argparse.ArgumentTypeError:
         values = ()
     if not values or min(values) <= 0:
-        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers (drafted tokens per step), "
-                                         f"got {text!r}")
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated positive integers (drafted tokens per step), got {text!r}"
+        )
     return values
 
 
@@ -43,49 +44,98 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from specserve.bench.config import DRAFTERS
     from specserve.cli.bench_flags import add_shared_arguments
 
-    add_shared_arguments(parser, model_type=Path, out="bench_out",
-                         model_help="target checkpoint folder, or demo@NAME[:LAYERS] (the shipped demo at a published "
-                                    "model's size: moonlight-16b-a3b, kimi-k2.6); default: the shipped demo")
-    parser.add_argument("--draft-models", type=_draft_models, action="append", default=[], metavar="FAMILY=DIR",
-                        help="drafter checkpoints, e.g. model=DIR,eagle3=DIR (default: the shipped demo's, "
-                             "only when --model is not given)")
-    parser.add_argument("--drafters", default=",".join(DRAFTERS),
-                        help=f"comma-separated drafters to run, in order (default: {','.join(DRAFTERS)})")
+    add_shared_arguments(
+        parser,
+        model_type=Path,
+        out="bench_out",
+        model_help="target checkpoint folder, or demo@NAME[:LAYERS] (the shipped demo at a published "
+        "model's size: moonlight-16b-a3b, kimi-k2.6); default: the shipped demo",
+    )
+    parser.add_argument(
+        "--draft-models",
+        type=_draft_models,
+        action="append",
+        default=[],
+        metavar="FAMILY=DIR",
+        help="drafter checkpoints, e.g. model=DIR,eagle3=DIR (default: the shipped demo's, "
+        "only when --model is not given)",
+    )
+    parser.add_argument(
+        "--drafters",
+        default=",".join(DRAFTERS),
+        help=f"comma-separated drafters to run, in order (default: {','.join(DRAFTERS)})",
+    )
     parser.add_argument("--max-new-tokens", type=positive_int, default=128)
-    parser.add_argument("--num-speculative-tokens", "--k", type=positive_int, default=DEFAULT_K,
-                        help=f"draft block size k of the fixed methods when --fixed-k is not given (default {DEFAULT_K})")
-    parser.add_argument("--fixed-k", type=_fixed_ks, default=None, metavar="K[,K...]",
-                        help="run each fixed-k method once per k, e.g. 1,2,3,4 (default: --num-speculative-tokens); "
-                             "adaptive caps k at the largest of these and --num-speculative-tokens")
-    parser.add_argument("--prompts", type=positive_int, default=None, help="first N prompts of the pinned set (default: all)")
-    parser.add_argument("--prompt-set", default="v1", help="pinned prompt set name (specserve/bench/prompts/: v1, code "
-                        "and docstrings; prose-v1, natural-language prose) or a .json path")
+    parser.add_argument(
+        "--num-speculative-tokens",
+        "--k",
+        type=positive_int,
+        default=DEFAULT_K,
+        help=f"draft block size k of the fixed methods when --fixed-k is not given (default {DEFAULT_K})",
+    )
+    parser.add_argument(
+        "--fixed-k",
+        type=_fixed_ks,
+        default=None,
+        metavar="K[,K...]",
+        help="run each fixed-k method once per k, e.g. 1,2,3,4 (default: --num-speculative-tokens); "
+        "adaptive caps k at the largest of these and --num-speculative-tokens",
+    )
+    parser.add_argument(
+        "--prompts", type=positive_int, default=None, help="first N prompts of the pinned set (default: all)"
+    )
+    parser.add_argument(
+        "--prompt-set",
+        default="v1",
+        help="pinned prompt set name (specserve/bench/prompts/: v1, code "
+        "and docstrings; prose-v1, natural-language prose) or a .json path",
+    )
     parser.add_argument("--speculation", choices=("fixed", "adaptive", "both"), default="both")
     parser.add_argument("--draft-ahead", choices=("on", "off", "both"), default="both")
-    parser.add_argument("--k-sweep", type=int_list("integers", "integer"), default=(0, 1, 2, 3, 4, 6, 8, 12, 16),
-                        help="drafted-token counts of the verify-tax curve (default 0,1,2,3,4,6,8,12,16)")
+    parser.add_argument(
+        "--k-sweep",
+        type=int_list("integers", "integer"),
+        default=(0, 1, 2, 3, 4, 6, 8, 12, 16),
+        help="drafted-token counts of the verify-tax curve (default 0,1,2,3,4,6,8,12,16)",
+    )
     parser.add_argument("--tax-context", type=positive_int, default=256, help="cached tokens for the verify-tax curve")
     parser.add_argument("--tax-repeats", type=positive_int, default=10, help="repeats per k (median reported)")
     parser.add_argument("--warmup", type=int, default=1, help="unrecorded warm-up requests per method")
     parser.add_argument("--no-hf", action="store_true", help="skip the Hugging Face transformers baselines")
-    parser.add_argument("--bandwidth-mib", type=positive_int, default=None,
-                        help="size of the copy that measures bandwidth (default 1024 on GPU, 256 on CPU)")
+    parser.add_argument(
+        "--bandwidth-mib",
+        type=positive_int,
+        default=None,
+        help="size of the copy that measures bandwidth (default 1024 on GPU, 256 on CPU)",
+    )
     parser.add_argument("--num-kv-blocks", type=positive_int, default=4096)
     parser.add_argument("--kv-block-size", type=positive_int, default=16)
     from specserve.cli.common import add_invariant_argument
 
     add_invariant_argument(parser)
-    parser.add_argument("--projection-timings", type=Path, default=None,
-                        help="GPU step timings for the labelled projection line: the summary.json of "
-                             "`specserve bench step` (or an older step_bench.json), or the simple format of "
-                             "specserve/bench/projection.py")
+    parser.add_argument(
+        "--projection-timings",
+        type=Path,
+        default=None,
+        help="GPU step timings for the labelled projection line: the summary.json of "
+        "`specserve bench step` (or an older step_bench.json), or the simple format of "
+        "specserve/bench/projection.py",
+    )
     parser.add_argument("--projection-model", default=None, help="model of a step_bench.json (default qwen3-30b-a3b)")
-    parser.add_argument("--projection-context", type=positive_int, default=None,
-                        help="context of a step_bench.json (default: its smallest)")
-    parser.add_argument("--via", choices=("process", "serve"), default="process",
-                        help="serve: every method also through service processes (target + draft), once over the "
-                             "shared-memory data plane and once gRPC-only, beside the in-process run "
-                             "(per-step overhead of each in summary.json 'via' and the printed table)")
+    parser.add_argument(
+        "--projection-context",
+        type=positive_int,
+        default=None,
+        help="context of a step_bench.json (default: its smallest)",
+    )
+    parser.add_argument(
+        "--via",
+        choices=("process", "serve"),
+        default="process",
+        help="serve: every method also through service processes (target + draft), once over the "
+        "shared-memory data plane and once gRPC-only, beside the in-process run "
+        "(per-step overhead of each in summary.json 'via' and the printed table)",
+    )
     parser.add_argument("--no-plots", action="store_true")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
 
@@ -167,20 +217,24 @@ def format_table(summary: dict) -> str:
 
 def format_via(via: dict) -> str:
     """In one process against the service processes (shared memory, gRPC only), per method."""
-    lines = ["In one process against the service processes: tok/s and per-step overhead "
-             "(step wall - draft - verify, ms)", "",
-             "| method | via | tok/s | vs in-process | step ms: wall (draft / verify / overhead) | of which transport |"
-             " same output |",
-             "|---|---|---:|---:|---|---:|---:|"]
+    lines = [
+        "In one process against the service processes: tok/s and per-step overhead (step wall - draft - verify, ms)",
+        "",
+        "| method | via | tok/s | vs in-process | step ms: wall (draft / verify / overhead) | of which transport |"
+        " same output |",
+        "|---|---|---:|---:|---|---:|---:|",
+    ]
     for name, row in via.items():
         for where, r in row.items():
             ph = r.get("per_step_ms")
             phases = f"{ph['wall']:.3f} ({ph['draft']:.3f} / {ph['verify']:.3f} / {ph['overhead']:.3f})" if ph else "-"
             frac = r.get("fraction_of_process")
             transport = "-" if where == "process" or not ph else f"{ph.get('transport', 0.0):.3f}"
-            lines.append(f"| {name} | {where} | {_fmt(r.get('tokens_per_s'), '.1f')} | "
-                         f"{'-' if frac is None else f'{frac:.3f}'} | {phases} | {transport} | "
-                         f"{_fmt(r.get('matches_target_only'), '.2f')} |")
+            lines.append(
+                f"| {name} | {where} | {_fmt(r.get('tokens_per_s'), '.1f')} | "
+                f"{'-' if frac is None else f'{frac:.3f}'} | {phases} | {transport} | "
+                f"{_fmt(r.get('matches_target_only'), '.2f')} |"
+            )
     return "\n".join(lines)
 
 
@@ -200,9 +254,13 @@ def run_e2e(args: argparse.Namespace) -> int:
         blocks.append(format_via(summary["via"]))
     projection = summary.get("projection") or {}
     if projection.get("included"):
-        blocks.append(format_comparison(
-            projection["comparison"], f"PROJECTION (not measured) for {projection['shape']}: adaptive against the "
-            "best fixed k", note=projection["notes"]))
+        blocks.append(
+            format_comparison(
+                projection["comparison"],
+                f"PROJECTION (not measured) for {projection['shape']}: adaptive against the best fixed k",
+                note=projection["notes"],
+            )
+        )
     (args.out / "table.md").write_text("\n\n".join(blocks) + "\n")
     print("\n\n".join(blocks))
     for s in summary["skipped"]:

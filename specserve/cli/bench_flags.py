@@ -10,9 +10,17 @@ from specserve.cli.common import device_arg
 DTYPES = ("float32", "bfloat16")
 
 
-def add_shared_arguments(parser: argparse.ArgumentParser, *, out: str, model_help: str | None = None,
-                         model_type=str, model_default=None, device: str | None = "cpu",
-                         dtype: str | None = "float32", seed: bool = True) -> None:
+def add_shared_arguments(
+    parser: argparse.ArgumentParser,
+    *,
+    out: str,
+    model_help: str | None = None,
+    model_type=str,
+    model_default=None,
+    device: str | None = "cpu",
+    dtype: str | None = "float32",
+    seed: bool = True,
+) -> None:
     """--model, --device, --dtype, --out, --seed and --json (a None / False argument leaves its flag out)."""
     if model_help is not None:
         parser.add_argument("--model", type=model_type, default=model_default, help=model_help)
@@ -20,8 +28,12 @@ def add_shared_arguments(parser: argparse.ArgumentParser, *, out: str, model_hel
         parser.add_argument("--device", type=device_arg, default=device, help="cpu, cuda or cuda:N")
     if dtype is not None:
         parser.add_argument("--dtype", choices=DTYPES, default=dtype)
-    parser.add_argument("--out", type=Path, default=Path(out),
-                        help="artifacts folder: summary.json (one schema for every subcommand) and its own files")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=Path(out),
+        help="artifacts folder: summary.json (one schema for every subcommand) and its own files",
+    )
     if seed:
         parser.add_argument("--seed", type=int, default=0, help="seed of weights, prompts and sampling")
     parser.add_argument("--json", action="store_true", help="print summary.json instead of the table")

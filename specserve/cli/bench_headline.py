@@ -19,8 +19,12 @@ HEARTBEAT_S = 30.0  # seconds between two "still running" lines of a stage
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--out", type=Path, default=Path("bench_out/headline"),
-                        help="artifacts folder: one folder per stage, logs/, headline.md, headline.json")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=Path("bench_out/headline"),
+        help="artifacts folder: one folder per stage, logs/, headline.md, headline.json",
+    )
     parser.add_argument("--only", default=None, help="comma-separated stage names to run (default: all, in order)")
     parser.add_argument("--dry-run", action="store_true", help="print each stage's command and run nothing")
     parser.add_argument("--table-only", action="store_true", help="print the table from OUT's summaries, run nothing")
@@ -47,13 +51,17 @@ def run_headline(args: argparse.Namespace) -> int:
         record = {}
         start = time.monotonic()
         for i, s in enumerate(plan, 1):
-            print(f"headline: [{i}/{len(plan)}] {s.name}: {s.what} (log: {args.out / 'logs' / s.name}.log)",
-                  file=sys.stderr, flush=True)
+            print(
+                f"headline: [{i}/{len(plan)}] {s.name}: {s.what} (log: {args.out / 'logs' / s.name}.log)",
+                file=sys.stderr,
+                flush=True,
+            )
             t0 = time.monotonic()
             beat = Heartbeat(every_s=HEARTBEAT_S)
             with open(args.out / "logs" / f"{s.name}.log", "w") as log:
-                proc = subprocess.Popen([sys.executable, "-m", "specserve.cli.main", *s.argv], stdout=log,
-                                        stderr=subprocess.STDOUT)
+                proc = subprocess.Popen(
+                    [sys.executable, "-m", "specserve.cli.main", *s.argv], stdout=log, stderr=subprocess.STDOUT
+                )
                 while proc.poll() is None:
                     time.sleep(0.5)
                     beat.beat(f"headline: {s.name} running")
@@ -61,8 +69,12 @@ def run_headline(args: argparse.Namespace) -> int:
             record[s.name] = {"argv": list(s.argv), "rc": proc.returncode, "wall_s": round(wall, 1)}
             if proc.returncode != 0:
                 failed.append(s.name)
-            print(f"headline: {s.name} {'done' if proc.returncode == 0 else f'FAILED (exit {proc.returncode})'} "
-                  f"in {wall:.0f} s", file=sys.stderr, flush=True)
+            print(
+                f"headline: {s.name} {'done' if proc.returncode == 0 else f'FAILED (exit {proc.returncode})'} "
+                f"in {wall:.0f} s",
+                file=sys.stderr,
+                flush=True,
+            )
         record["total_wall_s"] = round(time.monotonic() - start, 1)
         (args.out / "headline.json").write_text(json.dumps(record, indent=2) + "\n")
     table = headline_table(args.out)

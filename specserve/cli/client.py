@@ -28,20 +28,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     for group in parser._mutually_exclusive_groups:
         if any(a.dest == "prompt" for a in group._group_actions):
             group.required = False
-    parser.add_argument("--draft", default="", help='registered draft name ("none" = target only; default: the gateway\'s)')
+    parser.add_argument(
+        "--draft", default="", help='registered draft name ("none" = target only; default: the gateway\'s)'
+    )
     parser.add_argument("--timeout", type=float, default=None, help="request deadline in seconds (default: none)")
-    parser.add_argument("--set-draft", type=_named_address, default=None, metavar="NAME=ADDRESS",
-                        help="point draft NAME at a draft service address (empty address removes it)")
-    parser.add_argument("--list-drafts", action="store_true",
-                        help="print the gateway's drafts as JSON (their addresses only with --admin-token)")
+    parser.add_argument(
+        "--set-draft",
+        type=_named_address,
+        default=None,
+        metavar="NAME=ADDRESS",
+        help="point draft NAME at a draft service address (empty address removes it)",
+    )
+    parser.add_argument(
+        "--list-drafts",
+        action="store_true",
+        help="print the gateway's drafts as JSON (their addresses only with --admin-token)",
+    )
     from specserve.cli.common import add_tls_arguments
 
     add_tls_arguments(parser, side="client")
-    parser.add_argument("--auth-token", default=None,
-                        help="bearer token the gateway requires (default: $SPECSERVE_AUTH_TOKEN)")
-    parser.add_argument("--admin-token", default=None,
-                        help="the gateway's --admin-token, for --set-draft and --list-drafts' addresses "
-                             "(default: $SPECSERVE_ADMIN_TOKEN)")
+    parser.add_argument(
+        "--auth-token", default=None, help="bearer token the gateway requires (default: $SPECSERVE_AUTH_TOKEN)"
+    )
+    parser.add_argument(
+        "--admin-token",
+        default=None,
+        help="the gateway's --admin-token, for --set-draft and --list-drafts' addresses "
+        "(default: $SPECSERVE_ADMIN_TOKEN)",
+    )
 
 
 def _metadata(args: argparse.Namespace) -> tuple[tuple[str, str], ...]:
@@ -77,8 +91,12 @@ def run(args: argparse.Namespace) -> int:
         stub = gateway_pb2_grpc.GatewayStub(channel)
         if args.set_draft is not None:
             name, address = args.set_draft
-            resp = _call(stub.SetDraft, gateway_pb2.SetDraftRequest(name=name, address=address), timeout=args.timeout,
-                         metadata=md + admin_md)
+            resp = _call(
+                stub.SetDraft,
+                gateway_pb2.SetDraftRequest(name=name, address=address),
+                timeout=args.timeout,
+                metadata=md + admin_md,
+            )
             print(json.dumps({"name": resp.name, "address": resp.address}))
             return 0
         if args.list_drafts:
@@ -101,7 +119,9 @@ def build_request(args: argparse.Namespace):
         draft=args.draft,
         num_speculative_tokens=speculative_tokens(args, "client") or 0,  # 0: the gateway's default
         stop=list(args.stop),
-        speculation=gateway_pb2.SPECULATION_ADAPTIVE if args.speculation == "adaptive" else gateway_pb2.SPECULATION_FIXED,
+        speculation=gateway_pb2.SPECULATION_ADAPTIVE
+        if args.speculation == "adaptive"
+        else gateway_pb2.SPECULATION_FIXED,
         draft_ahead=args.draft_ahead == "on",
         tree_nodes=args.tree_nodes,
         tree_top_k=args.tree_top_k,

@@ -12,9 +12,11 @@ from specserve.errors import SpecserveError
 NO_DRAFT_FOLDER = ("ngram", "mtp")  # families that need no --draft-model (mtp reads the target's own layer, or the
 # shipped demo's mtp/ beside the demo target, scaled to a demo@ one)
 
-MODEL_HELP = ("target checkpoint folder, or demo@NAME[:LAYERS] (the shipped demo in a published model's shape: "
-              "moonlight-16b-a3b, kimi-k2.6, small-moonlight, small-kimi-k2.6), or synthetic:NAME[:LAYERS] "
-              "(default: the shipped demo)")
+MODEL_HELP = (
+    "target checkpoint folder, or demo@NAME[:LAYERS] (the shipped demo in a published model's shape: "
+    "moonlight-16b-a3b, kimi-k2.6, small-moonlight, small-kimi-k2.6), or synthetic:NAME[:LAYERS] "
+    "(default: the shipped demo)"
+)
 
 
 def model_name(model: Path | None):
@@ -31,9 +33,13 @@ def model_name(model: Path | None):
 
 
 def add_threads_argument(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--threads", type=int, default=0,
-                        help="torch / OpenMP threads of this process (0: as torch decides, every core it may use; "
-                             "serve splits its cores between its three processes)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="torch / OpenMP threads of this process (0: as torch decides, every core it may use; "
+        "serve splits its cores between its three processes)",
+    )
 
 
 def apply_threads(threads: int) -> None:
@@ -72,8 +78,12 @@ def speculative_tokens(args: argparse.Namespace, command: str) -> int | None:
 
     k = args.num_speculative_tokens
     if k is not None and args.draft == "none":
-        print(f"specserve {command}: warning: --num-speculative-tokens {k} has no effect with --draft none "
-              "(target-only decoding)", file=sys.stderr, flush=True)
+        print(
+            f"specserve {command}: warning: --num-speculative-tokens {k} has no effect with --draft none "
+            "(target-only decoding)",
+            file=sys.stderr,
+            flush=True,
+        )
     return k
 
 
@@ -115,20 +125,31 @@ def add_prompt_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--max-new-tokens", type=positive_int, default=64)
-    parser.add_argument("--num-speculative-tokens", type=positive_int, default=None,
-                        help=f"draft block size k (default {DEFAULT_K}; with --draft none it has no "
-                             "effect, and a warning says so)")
+    parser.add_argument(
+        "--num-speculative-tokens",
+        type=positive_int,
+        default=None,
+        help=f"draft block size k (default {DEFAULT_K}; with --draft none it has no effect, and a warning says so)",
+    )
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    parser.add_argument("--tree-nodes", type=int, default=0,
-                        help="draft a dynamic tree of this many nodes instead of a chain (model, eagle3)")
+    parser.add_argument(
+        "--tree-nodes",
+        type=int,
+        default=0,
+        help="draft a dynamic tree of this many nodes instead of a chain (model, eagle3)",
+    )
     parser.add_argument("--tree-top-k", type=int, default=0, help="children expanded per tree node (default 2)")
     parser.add_argument("--tree-depth", type=int, default=0, help="tree levels (default 4)")
     parser.add_argument(
-        "--speculation", choices=("fixed", "adaptive"), default="fixed",
+        "--speculation",
+        choices=("fixed", "adaptive"),
+        default="fixed",
         help="fixed k, or choose k per step from the verify cost model and acceptance (k is then the cap)",
     )
     parser.add_argument(
-        "--draft-ahead", choices=("on", "off"), default="off",
+        "--draft-ahead",
+        choices=("on", "off"),
+        default="off",
         help="draft block n+1 while block n is verified (drafters without target hidden states)",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
@@ -155,8 +176,10 @@ def check_target_placement(device: str, dtype: str) -> str:
     bfloat16), and so is a CUDA device this machine does not have."""
     dtype = dtype_for(device, dtype)
     if device.startswith("cuda") and dtype == "float32":
-        raise SpecserveError("--dtype float32 on CUDA: the target would run eagerly, without CUDA graphs (about 40x "
-                             "slower per step than bfloat16); use --dtype bfloat16 (the default on CUDA)")
+        raise SpecserveError(
+            "--dtype float32 on CUDA: the target would run eagerly, without CUDA graphs (about 40x "
+            "slower per step than bfloat16); use --dtype bfloat16 (the default on CUDA)"
+        )
     if device.startswith("cuda"):
         import torch
 
@@ -172,8 +195,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     """The target engine's flags (`generate`, `target`, and `serve`, which forwards them)."""
     parser.add_argument("--model", type=Path, default=None, help=MODEL_HELP)
     parser.add_argument("--device", type=device_arg, default="cpu", help="cpu, cuda or cuda:N")
-    parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
-                        help="auto: bfloat16 on CUDA, float32 on the CPU (float32 on CUDA is refused: no CUDA graphs)")
+    parser.add_argument(
+        "--dtype",
+        choices=("auto", "float32", "bfloat16"),
+        default="auto",
+        help="auto: bfloat16 on CUDA, float32 on the CPU (float32 on CUDA is refused: no CUDA graphs)",
+    )
     parser.add_argument("--tensor-parallel-size", type=positive_int, default=1)
     parser.add_argument("--enable-expert-parallel", action="store_true")
     parser.add_argument("--num-kv-blocks", type=positive_int, default=4096)
@@ -192,8 +219,12 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def add_denoise_argument(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--denoise-steps", type=positive_int, default=None,
-                        help="dflash: passes per drafted block (default: the checkpoint's denoise_steps)")
+    parser.add_argument(
+        "--denoise-steps",
+        type=positive_int,
+        default=None,
+        help="dflash: passes per drafted block (default: the checkpoint's denoise_steps)",
+    )
 
 
 def engine_config_from_args(args: argparse.Namespace):
@@ -262,8 +293,11 @@ def drafter_config_from_args(args: argparse.Namespace, target_checkpoint: Path):
         target_checkpoint=target_checkpoint,
         device=args.device,
         dtype=dtype_for(args.device, args.dtype),
-        max_block_size=(block_size_for(getattr(args, "num_speculative_tokens", None) or DEFAULT_K)
-                        if hasattr(args, "num_speculative_tokens") else DEFAULT_MAX_BLOCK_SIZE),
+        max_block_size=(
+            block_size_for(getattr(args, "num_speculative_tokens", None) or DEFAULT_K)
+            if hasattr(args, "num_speculative_tokens")
+            else DEFAULT_MAX_BLOCK_SIZE
+        ),
         denoise_steps=args.denoise_steps,
     )
 
@@ -284,11 +318,17 @@ def tree_from_args(args: argparse.Namespace):
 def add_tls_arguments(parser: argparse.ArgumentParser, prefix: str = "tls", side: str = "server") -> None:
     """--{prefix}-cert/-key/-ca. Server side: CA given = clients must present a certificate it signed."""
     if side == "server":
-        helps = ("PEM certificate this service presents (enables TLS)", "PEM private key of --tls-cert",
-                 "PEM CA bundle: require and verify client certificates (mutual TLS)")
+        helps = (
+            "PEM certificate this service presents (enables TLS)",
+            "PEM private key of --tls-cert",
+            "PEM CA bundle: require and verify client certificates (mutual TLS)",
+        )
     else:
-        helps = ("PEM client certificate (for servers that require one)", "PEM private key of the client certificate",
-                 "PEM CA bundle that signs the server's certificate (enables TLS)")
+        helps = (
+            "PEM client certificate (for servers that require one)",
+            "PEM private key of the client certificate",
+            "PEM CA bundle that signs the server's certificate (enables TLS)",
+        )
     for part, text in zip(("cert", "key", "ca"), helps):
         parser.add_argument(f"--{prefix}-{part}", type=Path, default=None, help=text)
 
@@ -304,27 +344,50 @@ def add_listen_arguments(parser: argparse.ArgumentParser, default: str, max_mess
     from specserve.runtime.servers_common import MAX_MESSAGE_BYTES
 
     parser.add_argument(
-        "--listen", action="append", default=None,
+        "--listen",
+        action="append",
+        default=None,
         help=f"HOST:PORT or unix:/path to listen on (repeatable; default {default}, loopback only)",
     )
     parser.add_argument("--grace-s", type=float, default=10.0, help="seconds in-flight calls get on SIGTERM")
-    parser.add_argument("--max-message-bytes", type=positive_int, default=max_message_bytes or MAX_MESSAGE_BYTES,
-                        help="largest gRPC message received or sent (bigger: RESOURCE_EXHAUSTED)")
+    parser.add_argument(
+        "--max-message-bytes",
+        type=positive_int,
+        default=max_message_bytes or MAX_MESSAGE_BYTES,
+        help="largest gRPC message received or sent (bigger: RESOURCE_EXHAUSTED)",
+    )
     add_tls_arguments(parser)
-    parser.add_argument("--auth-token", default=None,
-                        help=f"require 'authorization: Bearer TOKEN' on every call but health (default: ${SERVICE_TOKEN_ENV}; "
-                             "the gateway sends it with --downstream-auth-token)")
-    parser.add_argument("--metrics-port", type=int, default=None,
-                        help="serve GET /metrics (Prometheus text) on 127.0.0.1 at this port (0 = any; default: off)")
-    parser.add_argument("--no-shm", action="store_true",
-                        help="never offer a caller on this host the shared-memory data plane: every step over gRPC "
-                             "(also SPECSERVE_SHM=0)")
-    parser.add_argument("--no-hidden-share", action="store_true",
-                        help="never keep (target) or map (draft) a session's hidden rows in a shared buffer: they go "
-                             "as bytes (also SPECSERVE_HIDDEN_SHARE=0)")
-    parser.add_argument("--shm-abandon-s", type=float, default=30.0,
-                        help="a caller offered a shared-memory channel that neither attaches nor steps over gRPC "
-                             "within this many seconds is taken for gone and its session released")
+    parser.add_argument(
+        "--auth-token",
+        default=None,
+        help=f"require 'authorization: Bearer TOKEN' on every call but health (default: ${SERVICE_TOKEN_ENV}; "
+        "the gateway sends it with --downstream-auth-token)",
+    )
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="serve GET /metrics (Prometheus text) on 127.0.0.1 at this port (0 = any; default: off)",
+    )
+    parser.add_argument(
+        "--no-shm",
+        action="store_true",
+        help="never offer a caller on this host the shared-memory data plane: every step over gRPC "
+        "(also SPECSERVE_SHM=0)",
+    )
+    parser.add_argument(
+        "--no-hidden-share",
+        action="store_true",
+        help="never keep (target) or map (draft) a session's hidden rows in a shared buffer: they go "
+        "as bytes (also SPECSERVE_HIDDEN_SHARE=0)",
+    )
+    parser.add_argument(
+        "--shm-abandon-s",
+        type=float,
+        default=30.0,
+        help="a caller offered a shared-memory channel that neither attaches nor steps over gRPC "
+        "within this many seconds is taken for gone and its session released",
+    )
 
 
 SERVICE_TOKEN_ENV = "SPECSERVE_SERVICE_TOKEN"
@@ -359,8 +422,13 @@ def server_config_from_args(args: argparse.Namespace, addresses: tuple[str, ...]
     from specserve.runtime.servers_common import ServerConfig, check_free
 
     token = args.auth_token if args.auth_token is not None else os.environ.get(SERVICE_TOKEN_ENV) or None
-    config = ServerConfig(addresses=addresses, grace_s=args.grace_s, max_message_bytes=args.max_message_bytes,
-                          tls=tls_from_args(args), auth_token=token)
+    config = ServerConfig(
+        addresses=addresses,
+        grace_s=args.grace_s,
+        max_message_bytes=args.max_message_bytes,
+        tls=tls_from_args(args),
+        auth_token=token,
+    )
     metrics = () if getattr(args, "metrics_port", None) is None else (f"127.0.0.1:{args.metrics_port}",)
     check_free((*addresses, *metrics))  # a busy port: one line now, not after the model loaded
     return config
@@ -378,7 +446,12 @@ def checkpoint_errors_as_user_errors(fn, *args):
 
 
 _HTTP_LIMITS = (  # flag, HttpConfig field, type, help
-    ("--http-read-timeout-s", "read_timeout_s", float, "a request's headers and body must arrive within this (408, closed)"),
+    (
+        "--http-read-timeout-s",
+        "read_timeout_s",
+        float,
+        "a request's headers and body must arrive within this (408, closed)",
+    ),
     ("--http-first-request-s", "first_request_s", float, "a new connection that sends nothing for this long is closed"),
     ("--http-keep-alive-s", "keep_alive_s", float, "an idle keep-alive connection closes after this"),
     ("--http-max-connections", "max_connections", int, "open HTTP connections at most; one more is closed at once"),
@@ -389,8 +462,9 @@ _HTTP_LIMITS = (  # flag, HttpConfig field, type, help
 def add_request_limit_arguments(limits) -> None:
     """The gateway's request limits (gateway and serve), on an argument group."""
     limits.add_argument("--max-sessions", type=positive_int, default=64, help="requests running at once")
-    limits.add_argument("--max-queued", type=int, default=64,
-                        help="requests waiting for a running slot; more get RESOURCE_EXHAUSTED")
+    limits.add_argument(
+        "--max-queued", type=int, default=64, help="requests waiting for a running slot; more get RESOURCE_EXHAUSTED"
+    )
     limits.add_argument("--max-prompt-tokens", type=int, default=0, help="prompt tokens (0 = the model's context)")
     limits.add_argument("--max-output-tokens", type=positive_int, default=4096, help="max_new_tokens of a request")
 
@@ -417,8 +491,12 @@ def http_config_from_args(args: argparse.Namespace, host: str, port: int, grace_
     from specserve.runtime.http_serving import HttpConfig
 
     try:
-        return HttpConfig(host=host, port=port, grace_s=grace_s,
-                          **{name: getattr(args, _dest(flag)) for flag, name, _, _ in _HTTP_LIMITS})
+        return HttpConfig(
+            host=host,
+            port=port,
+            grace_s=grace_s,
+            **{name: getattr(args, _dest(flag)) for flag, name, _, _ in _HTTP_LIMITS},
+        )
     except ValueError as exc:
         raise SpecserveError(str(exc)) from None
 
@@ -434,10 +512,13 @@ def shm_offer_from_args(args: argparse.Namespace):
     if not args.shm_abandon_s > 0:
         raise SpecserveError(f"--shm-abandon-s must be > 0, got {args.shm_abandon_s}")
 
-    return ShmOffer(enabled=shm_allowed(args.no_shm, os.environ),
-                    hidden_share=hidden_share_allowed(args.no_hidden_share, os.environ),
-                    ring=session_ring(args.max_message_bytes),  # a step's request: the gRPC stream's limit
-                    attach_timeout_s=min(ShmOffer.attach_timeout_s, args.shm_abandon_s), abandon_s=args.shm_abandon_s)
+    return ShmOffer(
+        enabled=shm_allowed(args.no_shm, os.environ),
+        hidden_share=hidden_share_allowed(args.no_hidden_share, os.environ),
+        ring=session_ring(args.max_message_bytes),  # a step's request: the gRPC stream's limit
+        attach_timeout_s=min(ShmOffer.attach_timeout_s, args.shm_abandon_s),
+        abandon_s=args.shm_abandon_s,
+    )
 
 
 def add_invariant_argument(parser: argparse.ArgumentParser) -> None:
@@ -445,6 +526,10 @@ def add_invariant_argument(parser: argparse.ArgumentParser) -> None:
     target engine."""
     from specserve.target_service.factory import INVARIANT_STEPS
 
-    parser.add_argument("--invariant-steps", choices=tuple(INVARIANT_STEPS), default="auto",
-                        help="token-count invariant target steps (greedy speculation then gives target-only's "
-                             "output bit for bit, bf16 included): auto = on a GPU, off on the CPU (64-row steps)")
+    parser.add_argument(
+        "--invariant-steps",
+        choices=tuple(INVARIANT_STEPS),
+        default="auto",
+        help="token-count invariant target steps (greedy speculation then gives target-only's "
+        "output bit for bit, bf16 included): auto = on a GPU, off on the CPU (64-row steps)",
+    )

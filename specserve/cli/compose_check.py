@@ -20,8 +20,10 @@ def problem(env: Mapping[str, str], models: Path = Path("/models")) -> str | Non
     from specserve.draft_service.registry import PROPOSER_FACTORIES  # specserve draft --draft's choices
 
     if not (models / "target" / "config.json").is_file():
-        return (f"no target checkpoint at {models / 'target'} (SPECSERVE_MODELS names the host folder "
-                f"mounted at {models}; it must hold target/config.json)")
+        return (
+            f"no target checkpoint at {models / 'target'} (SPECSERVE_MODELS names the host folder "
+            f"mounted at {models}; it must hold target/config.json)"
+        )
     family = env.get("SPECSERVE_DRAFT") or "ngram"
     if family not in PROPOSER_FACTORIES:
         return f"SPECSERVE_DRAFT={family}: expected one of {', '.join(PROPOSER_FACTORIES)}"
@@ -29,16 +31,20 @@ def problem(env: Mapping[str, str], models: Path = Path("/models")) -> str | Non
 
     draft_model = env.get("SPECSERVE_DRAFT_MODEL") or ""
     if family not in NO_DRAFT_FOLDER and not draft_model:
-        return (f"SPECSERVE_DRAFT={family} needs SPECSERVE_DRAFT_MODEL, its checkpoint folder as the container "
-                f"sees it (e.g. {models / family})")
+        return (
+            f"SPECSERVE_DRAFT={family} needs SPECSERVE_DRAFT_MODEL, its checkpoint folder as the container "
+            f"sees it (e.g. {models / family})"
+        )
     if draft_model and not (Path(draft_model) / "config.json").is_file():
         return f"SPECSERVE_DRAFT_MODEL={draft_model}: no config.json there (host folders are mounted at {models})"
     device = env.get("SPECSERVE_DRAFT_DEVICE") or "cpu"
     if device != "cpu" and not (device == "cuda" or device.startswith("cuda:")):
         return f"SPECSERVE_DRAFT_DEVICE={device}: expected cpu or cuda"
     if device != "cpu" and env.get("SPECSERVE_DRAFT_GPU") != "reserved":
-        return (f"SPECSERVE_DRAFT_DEVICE={device}: the draft container reserves no GPU; add "
-                f"-f docker-compose.yml -f {GPU_OVERRIDE} to docker compose")
+        return (
+            f"SPECSERVE_DRAFT_DEVICE={device}: the draft container reserves no GPU; add "
+            f"-f docker-compose.yml -f {GPU_OVERRIDE} to docker compose"
+        )
     return None
 
 

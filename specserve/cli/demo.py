@@ -52,9 +52,20 @@ def run(args: argparse.Namespace) -> int:
         ready = _wait_for_line(serve, "gateway listening on", args.timeout)
         print(ready, file=sys.stderr)
         client = subprocess.run(
-            [*exe, "client", "--gateway", f"127.0.0.1:{args.port}", "--prompt", args.prompt,
-             "--max-new-tokens", str(args.max_new_tokens), "--json"],
-            capture_output=True, text=True, timeout=args.timeout,
+            [
+                *exe,
+                "client",
+                "--gateway",
+                f"127.0.0.1:{args.port}",
+                "--prompt",
+                args.prompt,
+                "--max-new-tokens",
+                str(args.max_new_tokens),
+                "--json",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=args.timeout,
         )
         if client.returncode != 0:
             print(client.stderr.strip(), file=sys.stderr)

@@ -30,31 +30,49 @@ def add_drafter_arguments(parser: argparse.ArgumentParser) -> None:
 
     parser.add_argument("--draft", choices=tuple(PROPOSER_FACTORIES), default="ngram", help="drafter family")
     parser.add_argument("--draft-model", type=Path, default=None, help="drafter checkpoint folder")
-    parser.add_argument("--max-block-size", type=positive_int, default=DEFAULT_MAX_BLOCK_SIZE,
-                        help="most tokens one proposal may draft")
+    parser.add_argument(
+        "--max-block-size", type=positive_int, default=DEFAULT_MAX_BLOCK_SIZE, help="most tokens one proposal may draft"
+    )
     add_denoise_argument(parser)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_drafter_arguments(parser)
-    parser.add_argument("--model", type=Path, default=None,
-                        help="the target: its checkpoint folder or demo@NAME[:LAYERS] (vocabulary, layers; default: "
-                             "the shipped demo)")
+    parser.add_argument(
+        "--model",
+        type=Path,
+        default=None,
+        help="the target: its checkpoint folder or demo@NAME[:LAYERS] (vocabulary, layers; default: the shipped demo)",
+    )
     parser.add_argument("--device", type=device_arg, default="cpu", help="cpu, cuda or cuda:N")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     add_listen_arguments(parser, DEFAULT_LISTEN)
     add_threads_argument(parser)
-    parser.add_argument("--max-draft-tokens", type=positive_int, default=256,
-                        help="most tokens (chain length or tree nodes) one proposal may ask for")
+    parser.add_argument(
+        "--max-draft-tokens",
+        type=positive_int,
+        default=256,
+        help="most tokens (chain length or tree nodes) one proposal may ask for",
+    )
     parser.add_argument("--max-tree-top-k", type=positive_int, default=16, help="most children per tree node")
-    parser.add_argument("--max-sessions", type=positive_int, default=64,
-                        help="open sessions; more StartSessions get RESOURCE_EXHAUSTED")
-    parser.add_argument("--max-total-tokens", type=positive_int, default=262144,
-                        help="tokens held over all sessions (bounds the drafter's memory)")
-    parser.add_argument("--session-idle-timeout-s", type=float, default=300.0,
-                        help="release a session no call touched for this long")
-    parser.add_argument("--propose-budget-s", type=float, default=5.0,
-                        help="a proposal still waiting for the drafter after this long is dropped (DEADLINE_EXCEEDED)")
+    parser.add_argument(
+        "--max-sessions", type=positive_int, default=64, help="open sessions; more StartSessions get RESOURCE_EXHAUSTED"
+    )
+    parser.add_argument(
+        "--max-total-tokens",
+        type=positive_int,
+        default=262144,
+        help="tokens held over all sessions (bounds the drafter's memory)",
+    )
+    parser.add_argument(
+        "--session-idle-timeout-s", type=float, default=300.0, help="release a session no call touched for this long"
+    )
+    parser.add_argument(
+        "--propose-budget-s",
+        type=float,
+        default=5.0,
+        help="a proposal still waiting for the drafter after this long is dropped (DEADLINE_EXCEEDED)",
+    )
 
 
 def drafter_config(args: argparse.Namespace):
@@ -86,10 +104,14 @@ def draft_limits(args: argparse.Namespace):
     from specserve.errors import SpecserveError
 
     try:
-        return DraftLimits(max_sessions=args.max_sessions, max_total_tokens=args.max_total_tokens,
-                           session_idle_timeout_s=args.session_idle_timeout_s,
-                           max_draft_tokens=args.max_draft_tokens, max_tree_top_k=args.max_tree_top_k,
-                           propose_budget_s=args.propose_budget_s)
+        return DraftLimits(
+            max_sessions=args.max_sessions,
+            max_total_tokens=args.max_total_tokens,
+            session_idle_timeout_s=args.session_idle_timeout_s,
+            max_draft_tokens=args.max_draft_tokens,
+            max_tree_top_k=args.max_tree_top_k,
+            propose_budget_s=args.propose_budget_s,
+        )
     except ValueError as exc:
         raise SpecserveError(f"draft limits: {exc}") from None
 

@@ -35,59 +35,109 @@ def _named_address(text: str) -> tuple[str, str]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", required=True, help="target service address (HOST:PORT or unix:/path)")
     parser.add_argument(
-        "--draft-service", type=_named_address, action="append", default=[], metavar="NAME=ADDRESS",
+        "--draft-service",
+        type=_named_address,
+        action="append",
+        default=[],
+        metavar="NAME=ADDRESS",
         help="a draft service requests can name (repeatable; the first is the default)",
     )
     parser.add_argument("--default-draft", default=None, help="draft name used when a request names none")
-    parser.add_argument("--model", type=Path, default=None,
-                        help="the target's checkpoint folder or demo@NAME[:LAYERS]: whose tokenizer.json to use")
-    parser.add_argument("--served-model-name", default=None,
-                        help="the model's name in responses and the HTTP API's model field (default: the target's "
-                             "checkpoint folder name)")
+    parser.add_argument(
+        "--model",
+        type=Path,
+        default=None,
+        help="the target's checkpoint folder or demo@NAME[:LAYERS]: whose tokenizer.json to use",
+    )
+    parser.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the model's name in responses and the HTTP API's model field (default: the target's "
+        "checkpoint folder name)",
+    )
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=50051)
     parser.add_argument("--listen", action="append", default=[], help="extra HOST:PORT or unix:/path to listen on")
     add_threads_argument(parser)
-    parser.add_argument("--http-port", type=int, default=None,
-                        help="also serve the OpenAI-compatible HTTP API and /metrics on --host at this port "
-                             "(0 = any free port; default: off)")
+    parser.add_argument(
+        "--http-port",
+        type=int,
+        default=None,
+        help="also serve the OpenAI-compatible HTTP API and /metrics on --host at this port "
+        "(0 = any free port; default: off)",
+    )
     add_http_limit_arguments(parser)
-    parser.add_argument("--metrics-interval-s", type=float, default=5.0,
-                        help="GET /metrics asks the target and drafts for their state at most once this often (0: at "
-                             "each scrape; scrapes at once still share one ask)")
-    parser.add_argument("--draft-step-timeout-s", type=float, default=5.0,
-                        help="a proposal slower than this drops the draft for that request")
-    parser.add_argument("--draft-breaker-failures", type=positive_int, default=3,
-                        help="draft timeouts in a row after which a draft is not asked (probed each second) until it answers")
-    parser.add_argument("--connect-timeout-s", type=float, default=600.0,
-                        help="seconds to wait for the target service at start")
+    parser.add_argument(
+        "--metrics-interval-s",
+        type=float,
+        default=5.0,
+        help="GET /metrics asks the target and drafts for their state at most once this often (0: at "
+        "each scrape; scrapes at once still share one ask)",
+    )
+    parser.add_argument(
+        "--draft-step-timeout-s",
+        type=float,
+        default=5.0,
+        help="a proposal slower than this drops the draft for that request",
+    )
+    parser.add_argument(
+        "--draft-breaker-failures",
+        type=positive_int,
+        default=3,
+        help="draft timeouts in a row after which a draft is not asked (probed each second) until it answers",
+    )
+    parser.add_argument(
+        "--connect-timeout-s", type=float, default=600.0, help="seconds to wait for the target service at start"
+    )
     parser.add_argument("--grace-s", type=float, default=10.0, help="seconds in-flight calls get on SIGTERM")
-    parser.add_argument("--no-shm", action="store_true",
-                        help="every verify / propose step over gRPC, never the shared-memory data plane with services "
-                             "on this host (also SPECSERVE_SHM=0)")
-    parser.add_argument("--no-hidden-share", action="store_true",
-                        help="EAGLE-3 / DFlash hidden rows as bytes through the gateway, never a target buffer the "
-                             "draft maps (also SPECSERVE_HIDDEN_SHARE=0)")
+    parser.add_argument(
+        "--no-shm",
+        action="store_true",
+        help="every verify / propose step over gRPC, never the shared-memory data plane with services "
+        "on this host (also SPECSERVE_SHM=0)",
+    )
+    parser.add_argument(
+        "--no-hidden-share",
+        action="store_true",
+        help="EAGLE-3 / DFlash hidden rows as bytes through the gateway, never a target buffer the "
+        "draft maps (also SPECSERVE_HIDDEN_SHARE=0)",
+    )
     limits = parser.add_argument_group("limits (beyond them: INVALID_ARGUMENT or RESOURCE_EXHAUSTED naming the limit)")
     add_request_limit_arguments(limits)
     limits.add_argument("--max-stop-strings", type=int, default=16, help="stop strings per request")
     limits.add_argument("--max-stop-length", type=int, default=256, help="characters per stop string")
-    limits.add_argument("--max-message-bytes", type=positive_int, default=DEFAULT_MAX_MESSAGE_BYTES,
-                        help="largest request message (bigger: RESOURCE_EXHAUSTED from gRPC)")
+    limits.add_argument(
+        "--max-message-bytes",
+        type=positive_int,
+        default=DEFAULT_MAX_MESSAGE_BYTES,
+        help="largest request message (bigger: RESOURCE_EXHAUSTED from gRPC)",
+    )
     security = parser.add_argument_group("security")
     add_tls_arguments(security)
     add_tls_arguments(security, prefix="downstream-tls", side="client")
-    security.add_argument("--auth-token", default=None,
-                          help=f"require 'authorization: Bearer TOKEN' on every call (default: ${AUTH_ENV})")
-    security.add_argument("--downstream-auth-token", default=None,
-                          help="bearer token sent to the target and draft services (their --auth-token; "
-                               "default: $SPECSERVE_DOWNSTREAM_TOKEN)")
-    security.add_argument("--admin-token", default=None,
-                          help="allow SetDraft for calls carrying the metadata 'specserve-admin-token: TOKEN' (a "
-                               "credential apart from --auth-token; default: $SPECSERVE_ADMIN_TOKEN; unset: SetDraft off)")
-    security.add_argument("--trust-draft-probs", action="append", default=[], metavar="NAME",
-                          help="verify this --draft-service with its probabilities q (more accepted tokens under "
-                               "sampling; lossless only if the drafter is honest). Others: proposal-only (repeatable)")
+    security.add_argument(
+        "--auth-token", default=None, help=f"require 'authorization: Bearer TOKEN' on every call (default: ${AUTH_ENV})"
+    )
+    security.add_argument(
+        "--downstream-auth-token",
+        default=None,
+        help="bearer token sent to the target and draft services (their --auth-token; "
+        "default: $SPECSERVE_DOWNSTREAM_TOKEN)",
+    )
+    security.add_argument(
+        "--admin-token",
+        default=None,
+        help="allow SetDraft for calls carrying the metadata 'specserve-admin-token: TOKEN' (a "
+        "credential apart from --auth-token; default: $SPECSERVE_ADMIN_TOKEN; unset: SetDraft off)",
+    )
+    security.add_argument(
+        "--trust-draft-probs",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="verify this --draft-service with its probabilities q (more accepted tokens under "
+        "sampling; lossless only if the drafter is honest). Others: proposal-only (repeatable)",
+    )
 
 
 def _flag_or_env(value: str | None, env: str) -> str | None:
@@ -136,8 +186,13 @@ def run(args: argparse.Namespace) -> int:
             raise SpecserveError(f"{flag} must be in [0, 65535], got {port}")
     from specserve.runtime.servers_common import check_free
 
-    check_free((f"{args.host}:{args.port}", *args.listen,
-                *([f"{args.host}:{args.http_port}"] if args.http_port is not None else [])))
+    check_free(
+        (
+            f"{args.host}:{args.port}",
+            *args.listen,
+            *([f"{args.host}:{args.http_port}"] if args.http_port is not None else []),
+        )
+    )
     server_config = ServerConfig(
         addresses=(f"{args.host}:{args.port}", *args.listen),
         grace_s=args.grace_s,
@@ -160,14 +215,22 @@ def run(args: argparse.Namespace) -> int:
         http = http_config_from_args(args, args.host, args.http_port, args.grace_s)
     if not args.metrics_interval_s >= 0:
         raise SpecserveError(f"--metrics-interval-s must be >= 0, got {args.metrics_interval_s}")
-    run_async(_serve(config, server_config, tokenizer, args.connect_timeout_s, http, chat_template,
-                     args.metrics_interval_s))
+    run_async(
+        _serve(config, server_config, tokenizer, args.connect_timeout_s, http, chat_template, args.metrics_interval_s)
+    )
     exit_now(0)
     return 0
 
 
-async def _serve(config, server_config, tokenizer, connect_timeout_s: float, http=None, chat_template=None,
-                 metrics_interval_s: float = 5.0) -> None:
+async def _serve(
+    config,
+    server_config,
+    tokenizer,
+    connect_timeout_s: float,
+    http=None,
+    chat_template=None,
+    metrics_interval_s: float = 5.0,
+) -> None:
     import grpc
 
     from specserve.gateway.remote import RemoteTarget
@@ -242,8 +305,12 @@ async def _check_drafts(servicer) -> None:
         try:
             info = await ep.fetch_info(DRAFT_CHECK_TIMEOUT_S, wait_for_ready=True)
         except grpc.aio.AioRpcError as exc:
-            print(f"gateway: draft {name} at {ep.address} not reachable yet ({exc.code().name}); "
-                  "requests go target-only until it is", file=sys.stderr, flush=True)
+            print(
+                f"gateway: draft {name} at {ep.address} not reachable yet ({exc.code().name}); "
+                "requests go target-only until it is",
+                file=sys.stderr,
+                flush=True,
+            )
             continue
         finally:
             servicer.drafts.release(ep)

@@ -50,9 +50,7 @@ def build_local(args: argparse.Namespace):
         proposer = build_proposer(drafter_config_from_args(args, target_checkpoint=model))
         target_hash, draft_hash = engine.info().vocab_hash, proposer.info.vocab_hash
         if draft_hash and target_hash != draft_hash:
-            raise SpecserveError(
-                f"drafter vocabulary {draft_hash[:12]} does not match the target's {target_hash[:12]}"
-            )
+            raise SpecserveError(f"drafter vocabulary {draft_hash[:12]} does not match the target's {target_hash[:12]}")
         if proposer.info.needs_hidden_states:
             engine.add_graph_layers(proposer.info.hidden_layers)
     return engine, proposer
@@ -68,13 +66,17 @@ async def _generate(args: argparse.Namespace) -> dict:
     tree = tree_from_args(args)
     engine, proposer = build_local(args)
     if tree is not None and (proposer is None or not proposer.info.supports_tree):
-        raise SpecserveError(f"--tree-nodes needs a drafter that drafts trees (model, eagle3), not --draft {args.draft}")
+        raise SpecserveError(
+            f"--tree-nodes needs a drafter that drafts trees (model, eagle3), not --draft {args.draft}"
+        )
     tokenizer = getattr(engine, "tokenizer", None)
     prompt_ids = prompt_ids_from_args(args, tokenizer)
     context = engine.info().max_context
     if len(prompt_ids) + args.max_new_tokens > context:  # refused up front, as the gateway refuses it
-        raise SpecserveError(f"--max-new-tokens: {args.max_new_tokens} new tokens after a {len(prompt_ids)}-token "
-                             f"prompt exceed the model's context of {context}")
+        raise SpecserveError(
+            f"--max-new-tokens: {args.max_new_tokens} new tokens after a {len(prompt_ids)}-token "
+            f"prompt exceed the model's context of {context}"
+        )
     request = GenerationRequest(
         prompt_ids=prompt_ids,
         max_new_tokens=args.max_new_tokens,

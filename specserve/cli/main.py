@@ -24,7 +24,10 @@ SUBCOMMANDS = MappingProxyType(
         "draft": ("specserve.cli.draft_cmd", "start a draft service"),
         "gateway": ("specserve.cli.gateway_cmd", "start the gateway"),
         "client": ("specserve.cli.client", "call a running gateway"),
-        "bench": ("specserve.cli.bench_cmd", "the benchmarks: e2e (the default), step, kernels, draft, overhead, project"),
+        "bench": (
+            "specserve.cli.bench_cmd",
+            "the benchmarks: e2e (the default), step, kernels, draft, overhead, project",
+        ),
         "train": ("specserve.cli.train_cmd", "train the demo tokenizer, target and drafters"),
     }
 )
@@ -121,6 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     except (SpecserveError, *USER_ERRORS) as exc:
         print(f"specserve {args.command}: error: {exc}", file=sys.stderr)
         return 2
+
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -26,17 +26,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_engine_arguments(parser)
     add_listen_arguments(parser, DEFAULT_LISTEN)
     add_threads_argument(parser)
-    parser.add_argument("--max-sessions", type=positive_int, default=64,
-                        help="open sessions; more Prefills wait in the admission queue")
-    parser.add_argument("--max-queued", type=int, default=64,
-                        help="Prefills waiting for a session or KV blocks; more get RESOURCE_EXHAUSTED")
-    parser.add_argument("--max-draft-tokens", type=positive_int, default=256,
-                        help="most tokens (chain or tree nodes) in one verified draft block")
-    parser.add_argument("--session-idle-timeout-s", type=float, default=300.0,
-                        help="release a session no call touched for this long")
-    parser.add_argument("--graph-hidden-layers", type=_layer_list, default=(),
-                        help="comma-separated target layers whose hidden rows drafters read (EAGLE-3, DFlash): CUDA "
-                             "graphs are also captured returning them, so those sessions' steps replay graphs too")
+    parser.add_argument(
+        "--max-sessions", type=positive_int, default=64, help="open sessions; more Prefills wait in the admission queue"
+    )
+    parser.add_argument(
+        "--max-queued",
+        type=int,
+        default=64,
+        help="Prefills waiting for a session or KV blocks; more get RESOURCE_EXHAUSTED",
+    )
+    parser.add_argument(
+        "--max-draft-tokens",
+        type=positive_int,
+        default=256,
+        help="most tokens (chain or tree nodes) in one verified draft block",
+    )
+    parser.add_argument(
+        "--session-idle-timeout-s", type=float, default=300.0, help="release a session no call touched for this long"
+    )
+    parser.add_argument(
+        "--graph-hidden-layers",
+        type=_layer_list,
+        default=(),
+        help="comma-separated target layers whose hidden rows drafters read (EAGLE-3, DFlash): CUDA "
+        "graphs are also captured returning them, so those sessions' steps replay graphs too",
+    )
 
 
 def _layer_list(text: str) -> tuple[int, ...]:
@@ -61,14 +75,26 @@ def run(args: argparse.Namespace) -> int:
     from specserve.errors import SpecserveError
 
     try:
-        limits = TargetLimits(max_sessions=args.max_sessions, max_queued=args.max_queued,
-                              max_draft_tokens=args.max_draft_tokens, session_idle_timeout_s=args.session_idle_timeout_s)
+        limits = TargetLimits(
+            max_sessions=args.max_sessions,
+            max_queued=args.max_queued,
+            max_draft_tokens=args.max_draft_tokens,
+            session_idle_timeout_s=args.session_idle_timeout_s,
+        )
     except ValueError as exc:
         raise SpecserveError(f"target limits: {exc}") from None
     metrics_http = metrics_http_from_args(args)
     checkpoint_errors_as_user_errors(
-        run_async, _serve(engine_config, server_config, args.tensor_parallel_size, limits, metrics_http,
-                          shm_offer_from_args(args), args.graph_hidden_layers)
+        run_async,
+        _serve(
+            engine_config,
+            server_config,
+            args.tensor_parallel_size,
+            limits,
+            metrics_http,
+            shm_offer_from_args(args),
+            args.graph_hidden_layers,
+        ),
     )
     exit_now(0)
     return 0
@@ -99,7 +125,12 @@ def _sized(server_config, info, max_draft_tokens: int):
 
 
 async def _serve(
-    engine_config, server_config, tensor_parallel_size: int, limits=None, metrics_http=None, shm=None,
+    engine_config,
+    server_config,
+    tensor_parallel_size: int,
+    limits=None,
+    metrics_http=None,
+    shm=None,
     graph_layers: tuple[int, ...] = (),
 ) -> None:
     from specserve.runtime.servers_common import ServiceBinding, serve_until_signal
@@ -112,8 +143,9 @@ async def _serve(
     worker.start()
     observe_worker(worker)
     companions = await start_metrics_server(metrics_http, telemetry, "target")
-    servicer = TargetServicer(worker, model_name=Path(engine_config.model).name, tensor_parallel_size=tensor_parallel_size,
-                               shm=shm)
+    servicer = TargetServicer(
+        worker, model_name=Path(engine_config.model).name, tensor_parallel_size=tensor_parallel_size, shm=shm
+    )
     server_config = _sized(server_config, servicer.info, worker.limits.max_draft_tokens)
 
     async def on_stop() -> None:

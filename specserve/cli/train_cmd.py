@@ -48,16 +48,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p = sub.add_parser("target", help="train the DeepSeek-V3-architecture MoE target")
     p.add_argument("--tokenizer", type=Path, required=True, help="tokenizer.json or its folder")
     p.add_argument("--seq-len", type=int, default=512, help="tokens per training window (default 512)")
-    p.add_argument("--eval-every", type=int, default=500,
-                   help="steps between validation passes; the best pass's weights are kept (default 500)")
+    p.add_argument(
+        "--eval-every",
+        type=int,
+        default=500,
+        help="steps between validation passes; the best pass's weights are kept (default 500)",
+    )
     p.add_argument("--eval-windows", type=int, default=256, help="validation windows per pass (default 256)")
     p.add_argument("--num-prompts", type=int, default=32, help="held-out code prompts to store")
-    p.add_argument("--micro-batch-size", type=int, default=None,
-                   help="sequences per forward/backward, gradients accumulated to the same step: memory follows "
-                        f"this, not --batch-size (default: the whole batch on cuda, {CPU_MICRO_BATCH} on cpu)")
-    _add_run_args(p, steps=2000, batch=64, lr=3e-3,
-                  time_limit_help="the whole command ends by then: training stops early enough for the final "
-                                  "evaluations and saving (its LR decay finishes in the time it gets)")
+    p.add_argument(
+        "--micro-batch-size",
+        type=int,
+        default=None,
+        help="sequences per forward/backward, gradients accumulated to the same step: memory follows "
+        f"this, not --batch-size (default: the whole batch on cuda, {CPU_MICRO_BATCH} on cpu)",
+    )
+    _add_run_args(
+        p,
+        steps=2000,
+        batch=64,
+        lr=3e-3,
+        time_limit_help="the whole command ends by then: training stops early enough for the final "
+        "evaluations and saving (its LR decay finishes in the time it gets)",
+    )
     _add_corpus_args(p)
 
     p = sub.add_parser("draft", help="train a drafter against a trained target")
@@ -70,12 +83,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--sd-new-tokens", type=int, default=128, help="tokens the target generates per prompt")
     p.add_argument("--sd-batch-size", type=int, default=256, help="prompts generated at once")
     p.add_argument("--sd-cache", type=Path, default=None, help="folder to cache self-distilled sequences in")
-    p.add_argument("--init-from", type=Path, default=None,
-                   help="continue from this saved drafter (same family and arch; dflash, dspark, mtp) instead of random "
-                        "weights; dspark also takes a dflash drafter of its block's arch (its block starts there)")
-    _add_run_args(p, steps=1500, batch=64, lr=3e-3,
-                  time_limit_help="the training loop finishes its LR decay and stops by then (self-distillation "
-                                  "before it and the held-out measurement after it are not counted)")
+    p.add_argument(
+        "--init-from",
+        type=Path,
+        default=None,
+        help="continue from this saved drafter (same family and arch; dflash, dspark, mtp) instead of random "
+        "weights; dspark also takes a dflash drafter of its block's arch (its block starts there)",
+    )
+    _add_run_args(
+        p,
+        steps=1500,
+        batch=64,
+        lr=3e-3,
+        time_limit_help="the training loop finishes its LR decay and stops by then (self-distillation "
+        "before it and the held-out measurement after it are not counted)",
+    )
     _add_corpus_args(p)
 
     p = sub.add_parser("eval-acceptance", help="measure acceptance and check losslessness on held-out prompts")
@@ -106,9 +128,13 @@ def _run_tokenizer(args) -> int:
     corpus = _corpus(args)
     tok = train_tokenizer(corpus.texts("train"), TokenizerSpec(vocab_size=args.vocab_size))
     save_tokenizer(tok, args.out)
-    info = {"python": corpus.python_version, "train_files": len(corpus.train_files),
-            "valid_files": len(corpus.valid_files), "heldout_files": len(corpus.heldout_files),
-            "vocab_size": tok.get_vocab_size()}
+    info = {
+        "python": corpus.python_version,
+        "train_files": len(corpus.train_files),
+        "valid_files": len(corpus.valid_files),
+        "heldout_files": len(corpus.heldout_files),
+        "vocab_size": tok.get_vocab_size(),
+    }
     write_json(args.out / "tokenizer_info.json", info)
     log("tokenizer", out=str(args.out), **info)
     return 0
@@ -151,8 +177,13 @@ def _run_target(args) -> int:
     valid_stream = encode_stream(tok, corpus.texts("valid"))
     heldout_texts = corpus.texts("heldout")
     heldout_stream = encode_stream(tok, heldout_texts)
-    log("corpus", python=corpus.python_version, train_tokens=len(train_stream), valid_tokens=len(valid_stream),
-        heldout_tokens=len(heldout_stream))
+    log(
+        "corpus",
+        python=corpus.python_version,
+        train_tokens=len(train_stream),
+        valid_tokens=len(valid_stream),
+        heldout_tokens=len(heldout_stream),
+    )
     spec = apply_arch(TargetSpec(vocab_size=tok.get_vocab_size()), parse_arch(args.arch))
     model = DeepseekV3ForCausalLM(spec.hf_config())
     n_params = sum(p.numel() for p in model.parameters())
@@ -160,17 +191,33 @@ def _run_target(args) -> int:
     micro = args.micro_batch_size
     if micro is None and device.type == "cpu":
         micro = min(CPU_MICRO_BATCH, args.batch_size)
-    tspec = LMTrainSpec(steps=args.steps, batch_size=args.batch_size, micro_batch_size=micro,
-                        seq_len=args.seq_len, lr=args.lr,
-                        eval_every=args.eval_every, eval_windows=args.eval_windows,
-                        time_limit_s=args.time_limit_s, seed=args.seed)
+    tspec = LMTrainSpec(
+        steps=args.steps,
+        batch_size=args.batch_size,
+        micro_batch_size=micro,
+        seq_len=args.seq_len,
+        lr=args.lr,
+        eval_every=args.eval_every,
+        eval_windows=args.eval_windows,
+        time_limit_s=args.time_limit_s,
+        seed=args.seed,
+    )
     from specserve.train.data import eval_windows
     from specserve.train.target import heldout_loss
 
     full_windows = eval_windows(heldout_stream, tspec.seq_len)
     deadline = started + args.time_limit_s if args.time_limit_s is not None else None
-    summary = train_lm(model, train_stream, valid_stream, tspec, device, log,
-                       load_tracker_rate=tspec.bias_update_rate, deadline=deadline, after_windows=len(full_windows))
+    summary = train_lm(
+        model,
+        train_stream,
+        valid_stream,
+        tspec,
+        device,
+        log,
+        load_tracker_rate=tspec.bias_update_rate,
+        deadline=deadline,
+        after_windows=len(full_windows),
+    )
     uni = unigram_cross_entropy(train_stream, heldout_stream, spec.vocab_size)
     final = heldout_loss(model, full_windows, device)
     save_bf16_pretrained(model, args.out)
@@ -181,21 +228,37 @@ def _run_target(args) -> int:
 
     info = {
         **run_info(args),
-        "corpus": {"python": corpus.python_version, "root": str(corpus.root), "train_files": len(corpus.train_files),
-                   "valid_files": len(corpus.valid_files), "heldout_files": len(corpus.heldout_files),
-                   "train_tokens": int(len(train_stream)), "valid_tokens": int(len(valid_stream)),
-                   "heldout_tokens": int(len(heldout_stream))},
+        "corpus": {
+            "python": corpus.python_version,
+            "root": str(corpus.root),
+            "train_files": len(corpus.train_files),
+            "valid_files": len(corpus.valid_files),
+            "heldout_files": len(corpus.heldout_files),
+            "train_tokens": int(len(train_stream)),
+            "valid_tokens": int(len(valid_stream)),
+            "heldout_tokens": int(len(heldout_stream)),
+        },
         "params": n_params,
         "arch": spec.__dict__,
         "train": {**tspec.__dict__, **summary},
-        "heldout": {"loss": final, "perplexity": math.exp(final), "windows": int(len(full_windows)),
-                    "unigram_loss": uni, "unigram_perplexity": math.exp(uni)},
+        "heldout": {
+            "loss": final,
+            "perplexity": math.exp(final),
+            "windows": int(len(full_windows)),
+            "unigram_loss": uni,
+            "unigram_perplexity": math.exp(uni),
+        },
         "checkpoint": checkpoint_summary(args.out),
         "device": str(device) + (f" ({torch.cuda.get_device_name()})" if device.type == "cuda" else ""),
     }
     write_json(args.out / "train_info.json", info)
-    log("done", heldout_loss=final, heldout_ppl=math.exp(final), unigram_ppl=math.exp(uni),
-        mib=info["checkpoint"]["mib"])
+    log(
+        "done",
+        heldout_loss=final,
+        heldout_ppl=math.exp(final),
+        unigram_ppl=math.exp(uni),
+        mib=info["checkpoint"]["mib"],
+    )
     return 0
 
 
@@ -237,13 +300,32 @@ def _run_draft(args) -> int:
     sd_held = replace(sd, num_prompts=max(8, sd.num_prompts // 16), seed=args.seed + 2)
     held = self_distill_sequences(target, heldout_stream, sd_held, device, cache and cache / "heldout.pt")
     log("self_distill", sequences=len(seqs), length=seqs.shape[1], heldout_sequences=len(held))
-    job = DraftJob(target=target, target_dir=args.target, train_stream=train_stream, sequences=seqs,
-                   heldout_sequences=held, out_dir=args.out, device=device, log=log, steps=args.steps,
-                   batch_size=args.batch_size, lr=args.lr, time_limit_s=args.time_limit_s, seed=args.seed,
-                   arch=parse_arch(args.arch), init_from=args.init_from)
+    job = DraftJob(
+        target=target,
+        target_dir=args.target,
+        train_stream=train_stream,
+        sequences=seqs,
+        heldout_sequences=held,
+        out_dir=args.out,
+        device=device,
+        log=log,
+        steps=args.steps,
+        batch_size=args.batch_size,
+        lr=args.lr,
+        time_limit_s=args.time_limit_s,
+        seed=args.seed,
+        arch=parse_arch(args.arch),
+        init_from=args.init_from,
+    )
     summary = train_drafter(args.family, job)
-    info = {**run_info(args), "python": corpus.python_version, "family": args.family, "train": summary,
-            "self_distill": sd.__dict__, "checkpoint": checkpoint_summary(args.out)}
+    info = {
+        **run_info(args),
+        "python": corpus.python_version,
+        "family": args.family,
+        "train": summary,
+        "self_distill": sd.__dict__,
+        "checkpoint": checkpoint_summary(args.out),
+    }
     write_json(args.out / "train_info.json", info)
     log("done", family=args.family, mib=info["checkpoint"]["mib"])
     return 0
@@ -252,7 +334,9 @@ def _run_draft(args) -> int:
 def _add_eval_arguments(p: argparse.ArgumentParser) -> None:
     from specserve.train import acceptance
 
-    p.add_argument("--demo-dir", type=Path, default=None, help="folder with target/ and drafter folders (default: shipped)")
+    p.add_argument(
+        "--demo-dir", type=Path, default=None, help="folder with target/ and drafter folders (default: shipped)"
+    )
     p.add_argument("--drafters", default=",".join(acceptance.FAMILIES), help="comma-separated families to measure")
     p.add_argument("--k", type=int, default=4, help="drafted tokens per step")
     p.add_argument("--max-new-tokens", type=int, default=64)
@@ -262,8 +346,12 @@ def _add_eval_arguments(p: argparse.ArgumentParser) -> None:
     add_denoise_argument(p)
     p.add_argument("--out-json", type=Path, default=None)
     p.add_argument("--from-json", type=Path, default=None, help="skip measuring: reuse a report written by --out-json")
-    p.add_argument("--write-card", type=Path, default=None,
-                   help=f"replace the table between {acceptance.CARD_BEGIN} and {acceptance.CARD_END} in this markdown file")
+    p.add_argument(
+        "--write-card",
+        type=Path,
+        default=None,
+        help=f"replace the table between {acceptance.CARD_BEGIN} and {acceptance.CARD_END} in this markdown file",
+    )
 
 
 def _run_eval(args: argparse.Namespace) -> int:
@@ -282,8 +370,9 @@ def _run_eval(args: argparse.Namespace) -> int:
     if args.from_json is not None:
         report = json.loads(args.from_json.read_text())
     else:
-        report = evaluate(demo, families, args.k, args.max_new_tokens, args.num_prompts, args.device, args.dtype,
-                          args.denoise_steps)
+        report = evaluate(
+            demo, families, args.k, args.max_new_tokens, args.num_prompts, args.device, args.dtype, args.denoise_steps
+        )
     print(card_table(report))
     if args.out_json is not None:
         args.out_json.write_text(json.dumps(report, indent=2) + "\n")

@@ -90,8 +90,10 @@ class DraftBlock:
         n = len(self.token_ids)
         if self.confidence:
             if len(self.confidence) != n or self.parents is not None:
-                raise ValueError(f"confidence has {len(self.confidence)} entries for a {n}-token "
-                                 f"{'chain' if self.parents is None else 'tree'} (chains only, one per token)")
+                raise ValueError(
+                    f"confidence has {len(self.confidence)} entries for a {n}-token "
+                    f"{'chain' if self.parents is None else 'tree'} (chains only, one per token)"
+                )
             if not all(0.0 <= c <= 1.0 for c in self.confidence):  # NaN fails too
                 raise ValueError("confidence: every entry must be in [0, 1]")
         if self.parents is not None:
@@ -198,7 +200,12 @@ class TokenLogprobs:
 
     def __post_init__(self) -> None:
         n = len(self.token_ids)
-        if len(self.logprobs) != n or len(self.top_ids) != len(self.top_logprobs) or self.top_ids and len(self.top_ids) != n:
+        if (
+            len(self.logprobs) != n
+            or len(self.top_ids) != len(self.top_logprobs)
+            or self.top_ids
+            and len(self.top_ids) != n
+        ):
             raise ValueError(f"token logprobs: {n} tokens, {len(self.logprobs)} logprobs, {len(self.top_ids)} top rows")
 
     def __len__(self) -> int:

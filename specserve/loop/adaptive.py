@@ -93,8 +93,10 @@ class AdaptiveConfig:
         if self.draft_window < 1:
             raise ValueError(f"draft_window must be >= 1, got {self.draft_window}")
         if self.accept_memory < 1.0 or self.accept_prior_weight <= 0.0:
-            raise ValueError(f"accept_memory must be >= 1 and accept_prior_weight > 0, got {self.accept_memory}, "
-                             f"{self.accept_prior_weight}")
+            raise ValueError(
+                f"accept_memory must be >= 1 and accept_prior_weight > 0, got {self.accept_memory}, "
+                f"{self.accept_prior_weight}"
+            )
         if not 0.0 <= self.prior_accept <= 1.0:
             raise ValueError(f"prior_accept must be in [0, 1], got {self.prior_accept}")
         if self.calibration_bins < 1 or self.calibration_prior <= 0:
@@ -186,7 +188,9 @@ class AdaptiveSpeculation:
         self.config = config
         self.cost = VerifyCostModel(config.window, config.refit_every)
         self.draft = DraftCostModel(config.draft_window)
-        self.accept = AcceptanceEstimator(config.max_k, config.prior_accept, config.accept_memory, config.accept_prior_weight)
+        self.accept = AcceptanceEstimator(
+            config.max_k, config.prior_accept, config.accept_memory, config.accept_prior_weight
+        )
         self.calibration = ConfidenceCalibration(config.calibration_bins, config.calibration_prior, config.window)
         self.ahead_hit_rate = 0.5  # running share of ahead blocks that were used
         self._ahead_steps = 0
@@ -217,8 +221,14 @@ class AdaptiveSpeculation:
         self.overhead_ms[i] = ms if self._overhead_seen[i] == 1 else old + self.config.ema * (ms - old)
 
     def observe_verify(
-        self, num_drafted: int, num_accepted: int, experts: int, ms: float,
-        confidence: np.ndarray | None = None, ahead: bool = False, overhead_ms: float | None = None,
+        self,
+        num_drafted: int,
+        num_accepted: int,
+        experts: int,
+        ms: float,
+        confidence: np.ndarray | None = None,
+        ahead: bool = False,
+        overhead_ms: float | None = None,
         unverified: np.ndarray | None = None,
     ) -> None:
         """One verified chain; ``confidence`` [num_drafted] is the confidence of its tokens (a confidence head's, or
@@ -257,8 +267,15 @@ class AdaptiveSpeculation:
         else 0 (skip: the step is a target-only step) until ``probe_interval`` steps were skipped, then a
         probe of ``ProbePolicy.tokens`` (specserve/loop/probing.py). Shared by all requests of the drafter: probes
         are spaced over all of its steps."""
-        key = (limit, ahead, self.cost.version, self.draft.version, self.accept.version, self._overhead_used,
-               self.probing.version)
+        key = (
+            limit,
+            ahead,
+            self.cost.version,
+            self.draft.version,
+            self.accept.version,
+            self._overhead_used,
+            self.probing.version,
+        )
         if self._plan_cache is None or self._plan_cache[0] != key:  # else nothing it reads has changed
             k = self.choose_k(limit, ahead=ahead)
             self._plan_cache = (key, k, self.probe_interval() if k == 0 else 0)
@@ -284,7 +301,11 @@ class AdaptiveSpeculation:
         return alpha
 
     def choose_k(
-        self, limit: int, confidence: np.ndarray | None = None, sunk_ms: float | None = None, ahead: bool = False,
+        self,
+        limit: int,
+        confidence: np.ndarray | None = None,
+        sunk_ms: float | None = None,
+        ahead: bool = False,
         least: int = 0,
     ) -> int:
         """Best k in [least, min(limit, max_k)] by specserve/loop/verify_length.py's rule over ``step_costs``' table.
@@ -300,8 +321,15 @@ class AdaptiveSpeculation:
             return 0
         key = None
         if confidence is None and sunk_ms is None:
-            key = (kmax, bool(ahead), self.cost.version, self.draft.version, self.accept.version, self._overhead_used,
-                   least)
+            key = (
+                kmax,
+                bool(ahead),
+                self.cost.version,
+                self.draft.version,
+                self.accept.version,
+                self._overhead_used,
+                least,
+            )
             if self._choice_cache is not None and self._choice_cache[0] == key:
                 return self._choice_cache[1]
         k = best_length(self.alpha(kmax, confidence).tolist(), self.step_costs(kmax, bool(ahead)), sunk_ms, least)

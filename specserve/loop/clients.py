@@ -40,7 +40,11 @@ class TargetClient(Protocol):
     async def info(self): ...  # -> TargetInfo-like: vocab_size, vocab_hash, max_context, eos_token_ids, model_type
 
     async def prefill(
-        self, session_id: str, prompt_ids: Sequence[int], sampling: SamplingParams, hidden_layers: tuple[int, ...],
+        self,
+        session_id: str,
+        prompt_ids: Sequence[int],
+        sampling: SamplingParams,
+        hidden_layers: tuple[int, ...],
         logprobs: LogprobsSpec | None = None,
     ) -> PrefillResult: ...
 
@@ -53,7 +57,11 @@ class DraftClient(Protocol):
     async def info(self): ...  # -> DrafterInfo-like: family, vocab_hash, hidden_layers, needs_hidden_states, ...
 
     async def start(
-        self, session_id: str, token_ids: Sequence[int], hidden: torch.Tensor | SharedRows | None, sampling: SamplingParams
+        self,
+        session_id: str,
+        token_ids: Sequence[int],
+        hidden: torch.Tensor | SharedRows | None,
+        sampling: SamplingParams,
     ) -> None: ...
 
     async def propose(

@@ -125,7 +125,10 @@ class VerifyCostModel:
     def predict_many(self, n_tokens: np.ndarray, ahead: np.ndarray | bool = False) -> np.ndarray:
         """Predicted ms for each n [K] (expected experts), ``ahead`` [K] or one flag for all."""
         n = np.asarray(n_tokens, dtype=float)
-        x = np.stack([np.ones_like(n), n, self.expected_experts(n), np.broadcast_to(np.asarray(ahead, dtype=float), n.shape)], axis=-1)
+        x = np.stack(
+            [np.ones_like(n), n, self.expected_experts(n), np.broadcast_to(np.asarray(ahead, dtype=float), n.shape)],
+            axis=-1,
+        )
         return np.maximum(x @ self.coef, 1e-6)
 
     def predict(self, n_tokens: int, experts: float | None = None, ahead: bool = False) -> float:
@@ -136,7 +139,9 @@ class VerifyCostModel:
         """Median relative error |predicted - measured| / measured over steps the fit did not see.
 
         Each step is (n, e, ms) or (n, e, ms, ahead)."""
-        errs = [abs(self.predict(s[0], s[1], bool(s[3]) if len(s) > 3 else False) - s[2]) / s[2] for s in steps if s[2] > 0]
+        errs = [
+            abs(self.predict(s[0], s[1], bool(s[3]) if len(s) > 3 else False) - s[2]) / s[2] for s in steps if s[2] > 0
+        ]
         return float(np.median(errs)) if errs else float("nan")
 
 
@@ -177,7 +182,7 @@ class DraftCostModel:
         if not pts:
             return
         if len(pts) == 1:
-            (k, ms), = pts
+            ((k, ms),) = pts
             self.coef = np.array([0.0, max(ms / k, 0.0)])
             return
         m = len(pts)

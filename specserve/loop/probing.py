@@ -45,7 +45,9 @@ class ProbePolicy:
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_interval <= self.max_interval:
-            raise ValueError(f"probe intervals must satisfy 1 <= min <= max, got {self.min_interval}, {self.max_interval}")
+            raise ValueError(
+                f"probe intervals must satisfy 1 <= min <= max, got {self.min_interval}, {self.max_interval}"
+            )
         if not 0.0 < self.max_cost_fraction <= 1.0:
             raise ValueError(f"max_cost_fraction must be in (0, 1], got {self.max_cost_fraction}")
         if self.tokens < 1:

@@ -73,7 +73,10 @@ class StepObserver:
     ``on_step(StepRecord)``: called after every verify step, or None."""
 
     def __init__(
-        self, stats: SpecStats, adaptive: AdaptiveSpeculation | None, on_step: Callable[[StepRecord], None] | None,
+        self,
+        stats: SpecStats,
+        adaptive: AdaptiveSpeculation | None,
+        on_step: Callable[[StepRecord], None] | None,
         tree: bool,
     ) -> None:
         self.stats, self.adaptive, self.on_step, self.tree = stats, adaptive, on_step, tree
@@ -135,7 +138,12 @@ class StepObserver:
             if walls.step_started is not None:
                 overhead = max(0.0, (time.perf_counter() - walls.step_started) * 1e3 - draft_ms - walls.step_ms)
             self.adaptive.observe_verify(
-                len(block), len(res.accepted_ids), res.experts_touched, walls.step_ms,
-                confidence=drafted_confidence(block), ahead=walls.ahead, overhead_ms=overhead,
+                len(block),
+                len(res.accepted_ids),
+                res.experts_touched,
+                walls.step_ms,
+                confidence=drafted_confidence(block),
+                ahead=walls.ahead,
+                overhead_ms=overhead,
                 unverified=walls.cut_confidence,
             )

@@ -33,8 +33,10 @@ class StepCosts:
 
     def __post_init__(self) -> None:
         if not self.verify_ms or len(self.draft_ms) != len(self.verify_ms):
-            raise ValueError(f"verify_ms and draft_ms need K + 1 >= 1 entries each, got {len(self.verify_ms)} and "
-                             f"{len(self.draft_ms)}")
+            raise ValueError(
+                f"verify_ms and draft_ms need K + 1 >= 1 entries each, got {len(self.verify_ms)} and "
+                f"{len(self.draft_ms)}"
+            )
         if len(self.overhead_ms) != 2:
             raise ValueError(f"overhead_ms is (target-only, drafted), got {self.overhead_ms!r}")
 

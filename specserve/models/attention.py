@@ -36,7 +36,7 @@ def new_token_mask(attn: AttentionBatch, b: int, device: torch.device) -> torch.
 def zero_pad_rows(out: torch.Tensor, attn: AttentionBatch) -> None:  # out [T + pad_rows, ...], in place
     """A pad row attends to nothing: its output is 0, as in the Triton paged attention (AttentionBatch.pad_rows)."""
     if attn.pad_rows:
-        out[attn.num_tokens:] = 0
+        out[attn.num_tokens :] = 0
 
 
 def sliding_window_mask(
@@ -92,7 +92,9 @@ def kv_head_shards(num_kv_heads: int, parallel: ParallelConfig) -> tuple[int, in
 class GQAAttention(nn.Module):
     """Cache entry per token: [2, num_kv_heads, head_dim] = (roped k, v)."""
 
-    def __init__(self, cfg: GQAConfig, rope: RopeConfig, hidden: int, eps: float, layer: int, parallel: ParallelConfig) -> None:
+    def __init__(
+        self, cfg: GQAConfig, rope: RopeConfig, hidden: int, eps: float, layer: int, parallel: ParallelConfig
+    ) -> None:
         super().__init__()
         self.cfg, self.layer = cfg, layer
         self.num_heads = divide(cfg.num_heads, parallel.tp_size, "num_heads")
@@ -150,7 +152,9 @@ class GQAAttention(nn.Module):
             keys = torch.cat([cached[:, 0], k[s:e]])
             values = torch.cat([cached[:, 1], v[s:e]])
             mask = new_token_mask(attn, b, x.device)
-            mask = sliding_window_mask(mask, positions[s:e], key_positions(ctx, positions[s:e]), self.cfg.sliding_window)
+            mask = sliding_window_mask(
+                mask, positions[s:e], key_positions(ctx, positions[s:e]), self.cfg.sliding_window
+            )
             out[s:e] = attend(q[s:e], keys, values, mask, self.scale)
         zero_pad_rows(out, attn)
         return self.o_proj(out.view(t, -1))
@@ -169,21 +173,36 @@ class GQAAttention(nn.Module):
         nq, nkv = self.num_heads * d, self.num_kv_heads * d
         qkv = linear(x, f.weight, f.bias, f.skinny)  # [T, (Hq + 2 Hkv) D]
         q = qkv[:, :nq].view(t, self.num_heads, d)
-        k = qkv[:, nq: nq + nkv].view(t, self.num_kv_heads, d)
-        v = qkv[:, nq + nkv:].view(t, self.num_kv_heads, d)
+        k = qkv[:, nq : nq + nkv].view(t, self.num_kv_heads, d)
+        v = qkv[:, nq + nkv :].view(t, self.num_kv_heads, d)
         norm = self.cfg.qk_norm
-        q = rope_cache_gqa(q, k, v, positions, f.cos, f.sin, kv_cache.layers[self.layer], attn.slot_mapping,
-                           q_norm_weight=self.q_norm.weight if norm else None,
-                           k_norm_weight=self.k_norm.weight if norm else None,
-                           eps=self.q_norm.eps if norm else 1e-6)  # [T, Hq, D] roped (and normed)
+        q = rope_cache_gqa(
+            q,
+            k,
+            v,
+            positions,
+            f.cos,
+            f.sin,
+            kv_cache.layers[self.layer],
+            attn.slot_mapping,
+            q_norm_weight=self.q_norm.weight if norm else None,
+            k_norm_weight=self.k_norm.weight if norm else None,
+            eps=self.q_norm.eps if norm else 1e-6,
+        )  # [T, Hq, D] roped (and normed)
         return self.o_proj(self.attn_backend.gqa_cached(self.layer, q, attn, kv_cache).reshape(t, -1))
 
 
 class FusedRope:
     """What a fused attention layer holds: the merged input projection and the model's cos / sin tables."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
-                 skinny: torch.Tensor | None = None) -> None:
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        skinny: torch.Tensor | None = None,
+    ) -> None:
         self.weight = weight  # [sum of the merged projections' outputs, H]
         self.bias = bias  # [same] or None
         self.cos = cos  # [max_positions, rope_dim / 2], the io dtype
@@ -198,7 +217,9 @@ class MLAAttention(nn.Module):
     an absorbed-weights kernel can replace `_attend_sequence` later without changing the cache layout.
     """
 
-    def __init__(self, cfg: MLAConfig, rope: RopeConfig, hidden: int, eps: float, layer: int, parallel: ParallelConfig) -> None:
+    def __init__(
+        self, cfg: MLAConfig, rope: RopeConfig, hidden: int, eps: float, layer: int, parallel: ParallelConfig
+    ) -> None:
         super().__init__()
         self.cfg, self.layer = cfg, layer
         self.num_heads = divide(cfg.num_heads, parallel.tp_size, "num_heads")
@@ -261,7 +282,9 @@ class MLAAttention(nn.Module):
             if s == e:
                 continue
             cached = kv_cache.gather(self.layer, attn.block_tables[b], attn.context_lens[b]).to(x.dtype)
-            out[s:e] = self._attend_sequence(q[s:e], torch.cat([cached, entries[s:e]]), new_token_mask(attn, b, x.device))
+            out[s:e] = self._attend_sequence(
+                q[s:e], torch.cat([cached, entries[s:e]]), new_token_mask(attn, b, x.device)
+            )
         zero_pad_rows(out, attn)
         return self.o_proj(out.view(t, -1))
 
@@ -281,11 +304,21 @@ class MLAAttention(nn.Module):
         q = a[:, :width] if cfg.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(a[:, :width]))
         q = q.view(t, self.num_heads, cfg.qk_head_dim)
         q_nope, q_rot = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
-        latent = a[:, width: width + cfg.kv_lora_rank]  # [T, R] before kv_a_layernorm
-        k_rot = a[:, width + cfg.kv_lora_rank:]  # [T, Dr]
-        q_pe = rope_cache_mla(q_rot, k_rot, latent, positions, f.cos, f.sin, kv_cache.layers[self.layer],
-                              attn.slot_mapping, interleaved=cfg.rope_interleave,
-                              latent_norm_weight=self.kv_a_layernorm.weight, eps=self.kv_a_layernorm.eps)
+        latent = a[:, width : width + cfg.kv_lora_rank]  # [T, R] before kv_a_layernorm
+        k_rot = a[:, width + cfg.kv_lora_rank :]  # [T, Dr]
+        q_pe = rope_cache_mla(
+            q_rot,
+            k_rot,
+            latent,
+            positions,
+            f.cos,
+            f.sin,
+            kv_cache.layers[self.layer],
+            attn.slot_mapping,
+            interleaved=cfg.rope_interleave,
+            latent_norm_weight=self.kv_a_layernorm.weight,
+            eps=self.kv_a_layernorm.eps,
+        )
         return self.o_proj(self._attend_absorbed(q_nope, q_pe, None, attn, kv_cache).reshape(t, -1))
 
     def _attend_absorbed(
@@ -306,8 +339,9 @@ class MLAAttention(nn.Module):
             out_latent = backend.mla_cached(self.layer, q_latent, q_rot, attn, kv_cache)  # [T, Hq, R]
         else:
             out_latent = backend.mla(self.layer, q_latent, q_rot, entries, attn, kv_cache)
-        out = torch.empty(out_latent.shape[0], self.num_heads, cfg.v_head_dim, dtype=out_latent.dtype,
-                          device=out_latent.device)  # [T, Hq, Dv], written head by head through its transpose
+        out = torch.empty(
+            out_latent.shape[0], self.num_heads, cfg.v_head_dim, dtype=out_latent.dtype, device=out_latent.device
+        )  # [T, Hq, Dv], written head by head through its transpose
         torch.bmm(out_latent.transpose(0, 1), w_uv.transpose(1, 2), out=out.transpose(0, 1))
         return out
 

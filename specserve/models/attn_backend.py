@@ -80,8 +80,9 @@ def triton_paged_unsupported(config: ModelConfig, device: torch.device | str) ->
     return paged_torch_unsupported(config)  # same coverage: GQA without a sliding window, and MLA
 
 
-def select_attention_backend(config: ModelConfig, device: torch.device | str, dtype: torch.dtype,
-                             requested: str = "auto") -> str:
+def select_attention_backend(
+    config: ModelConfig, device: torch.device | str, dtype: torch.dtype, requested: str = "auto"
+) -> str:
     """'torch', 'flashinfer', 'triton_paged' or 'paged_torch'. 'auto' takes FlashInfer where it can run, else on CUDA
     the Triton paged attention of any head size (specserve/models/triton_paged_attention.py), else the graph-safe
     torch paged attention (paged_torch_attention.py), else the per-sequence torch path; asking for one where it
@@ -115,17 +116,21 @@ def attn_dims_of(attn_module: torch.nn.Module, dtype: torch.dtype) -> AttnDims:
     """The kernels' per-rank attention sizes of one of the model's attention layers."""
     cfg = attn_module.cfg
     if isinstance(cfg, MLAConfig):
-        return AttnDims(True, attn_module.num_heads, 1, cfg.kv_lora_rank, cfg.qk_rope_head_dim,
-                        float(attn_module.scale), dtype)
-    return AttnDims(False, attn_module.num_heads, attn_module.num_kv_heads, cfg.head_dim, 0,
-                    float(attn_module.scale), dtype)
+        return AttnDims(
+            True, attn_module.num_heads, 1, cfg.kv_lora_rank, cfg.qk_rope_head_dim, float(attn_module.scale), dtype
+        )
+    return AttnDims(
+        False, attn_module.num_heads, attn_module.num_kv_heads, cfg.head_dim, 0, float(attn_module.scale), dtype
+    )
 
 
 def paged_batch_of(attn: AttentionBatch, block_size: int) -> PagedBatch:
     """The kernels' CSR metadata of an AttentionBatch (host only; a batch without pad rows)."""
     if attn.pad_rows:
-        raise AttentionBackendError(f"this attention backend cannot pad a step ({attn.pad_rows} pad rows): the "
-                                    "invariant steps run on triton_paged or paged_torch")
+        raise AttentionBackendError(
+            f"this attention backend cannot pad a step ({attn.pad_rows} pad rows): the "
+            "invariant steps run on triton_paged or paged_torch"
+        )
     return PagedBatch.build(attn.query_lens, attn.context_lens, attn.block_tables, block_size, attn.tree_masks)
 
 
@@ -136,8 +141,9 @@ class FlashInferBackend(PagedBackend):
     error = AttentionBackendError
     what = "FlashInfer attention"
 
-    def __init__(self, attn_module: torch.nn.Module, block_size: int, device: torch.device | str,
-                 dtype: torch.dtype) -> None:
+    def __init__(
+        self, attn_module: torch.nn.Module, block_size: int, device: torch.device | str, dtype: torch.dtype
+    ) -> None:
         if not HAS_FLASHINFER:
             raise AttentionBackendError(f"flashinfer is not importable ({FLASHINFER_IMPORT_ERROR or 'not installed'})")
         dev = torch.device(device)
@@ -162,8 +168,9 @@ class FlashInferBackend(PagedBackend):
         """q [T, Hq, D] over a cache that already holds this step's K/V -> [T, Hq, D]."""
         return self._planned(attn).run_gqa(q.contiguous(), kv_cache.layers[layer])
 
-    def mla_cached(self, layer: int, q_nope: torch.Tensor, q_pe: torch.Tensor, attn: AttentionBatch,
-                   kv_cache: PagedKVCache) -> torch.Tensor:
+    def mla_cached(
+        self, layer: int, q_nope: torch.Tensor, q_pe: torch.Tensor, attn: AttentionBatch, kv_cache: PagedKVCache
+    ) -> torch.Tensor:
         """Absorbed MLA over a cache that already holds this step's entries -> [T, H, R]."""
         return self._planned(attn).run_mla(q_nope.contiguous(), q_pe.contiguous(), kv_cache.layers[layer])
 
@@ -190,15 +197,22 @@ class ReferencePagedBackend(PagedBackend):
 
         return paged_attention_reference(q, kv_cache.layers[layer], self._planned(attn), self.scale)
 
-    def mla_cached(self, layer: int, q_nope: torch.Tensor, q_pe: torch.Tensor, attn: AttentionBatch,
-                   kv_cache: PagedKVCache) -> torch.Tensor:
+    def mla_cached(
+        self, layer: int, q_nope: torch.Tensor, q_pe: torch.Tensor, attn: AttentionBatch, kv_cache: PagedKVCache
+    ) -> torch.Tensor:
         from specserve.kernels.attention_reference import mla_attention_reference
 
         return mla_attention_reference(q_nope, q_pe, kv_cache.layers[layer], self._planned(attn), self.scale)
 
 
-def make_attention_backend(model: torch.nn.Module, kind: str, block_size: int, device: torch.device | str,
-                           dtype: torch.dtype, invariant: bool = False):
+def make_attention_backend(
+    model: torch.nn.Module,
+    kind: str,
+    block_size: int,
+    device: torch.device | str,
+    dtype: torch.dtype,
+    invariant: bool = False,
+):
     """The backend object for a kind from select_attention_backend ('torch' -> None) or 'reference'; invariant:
     its token-count invariant form (triton_paged and paged_torch only)."""
     if invariant and kind not in ("triton_paged", "paged_torch"):
@@ -213,8 +227,9 @@ def make_attention_backend(model: torch.nn.Module, kind: str, block_size: int, d
     if kind == "triton_paged":
         from specserve.models.triton_paged_attention import TritonPagedBackend
 
-        return TritonPagedBackend(attn_module, block_size, device, invariant=invariant,
-                                  max_window=model.config.max_position_embeddings)
+        return TritonPagedBackend(
+            attn_module, block_size, device, invariant=invariant, max_window=model.config.max_position_embeddings
+        )
     if kind == "paged_torch":
         from specserve.models.paged_torch_attention import PagedTorchBackend
 

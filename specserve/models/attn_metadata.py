@@ -46,7 +46,9 @@ class AttentionBatch:
             if len(getattr(self, name)) != b:
                 raise AttentionBatchError(f"{name} has {len(getattr(self, name))} entries for {b} sequences")
         if any(q < 0 for q in self.query_lens) or any(c < 0 for c in self.context_lens):
-            raise AttentionBatchError(f"negative length in query_lens={self.query_lens} context_lens={self.context_lens}")
+            raise AttentionBatchError(
+                f"negative length in query_lens={self.query_lens} context_lens={self.context_lens}"
+            )
         if self.slot_mapping.dim() != 1 or self.slot_mapping.dtype != torch.int64:
             raise AttentionBatchError(
                 f"slot_mapping must be a 1-D int64 tensor, got {tuple(self.slot_mapping.shape)} {self.slot_mapping.dtype}"
@@ -56,8 +58,9 @@ class AttentionBatch:
         if self.pad_rows and self.live_rows is None:
             raise AttentionBatchError(f"pad_rows = {self.pad_rows} needs live_rows (the device count the MoE skips by)")
         if self.live_rows is not None and (self.live_rows.shape != (1,) or self.live_rows.dtype != torch.int64):
-            raise AttentionBatchError(f"live_rows must be a [1] int64 tensor, got {tuple(self.live_rows.shape)} "
-                                      f"{self.live_rows.dtype}")
+            raise AttentionBatchError(
+                f"live_rows must be a [1] int64 tensor, got {tuple(self.live_rows.shape)} {self.live_rows.dtype}"
+            )
         if self.slot_mapping.numel() != self.num_rows:
             raise AttentionBatchError(
                 f"slot_mapping has {self.slot_mapping.numel()} entries for {self.num_tokens} new tokens and "

@@ -41,8 +41,9 @@ class BackendChoice:
         if self.moe not in ("torch", "fused"):
             raise AttentionBackendError(f"unknown MoE backend {self.moe!r}")
         if self.invariant and self.attention not in INVARIANT_ATTENTION:
-            raise AttentionBackendError(f"invariant steps need one of the attention backends {INVARIANT_ATTENTION}, "
-                                        f"not {self.attention!r}")
+            raise AttentionBackendError(
+                f"invariant steps need one of the attention backends {INVARIANT_ATTENTION}, not {self.attention!r}"
+            )
 
 
 def fused_moe_unsupported(device: torch.device | str, dtype: torch.dtype) -> str:
@@ -77,9 +78,16 @@ def invariant_attention(config, device: torch.device | str, requested: str) -> s
     return requested if requested in INVARIANT_ATTENTION else ""
 
 
-def select_backends(config, device: torch.device | str, dtype: torch.dtype, attention: str = "auto",
-                    moe: str = "auto", fused_layers: bool | None = None, invariant: bool | None = False,
-                    skinny_gemm: bool = True) -> BackendChoice:
+def select_backends(
+    config,
+    device: torch.device | str,
+    dtype: torch.dtype,
+    attention: str = "auto",
+    moe: str = "auto",
+    fused_layers: bool | None = None,
+    invariant: bool | None = False,
+    skinny_gemm: bool = True,
+) -> BackendChoice:
     """'auto' takes the fast backend where it can run; asking for a fast backend where it cannot is an error.
     fused_layers None: on with the fused MoE (bf16 / fp16 on CUDA); True: on (CUDA, any dtype); False: off.
     invariant (token-count invariant steps): None = on CUDA where the attention asked for allows it (auto picks an
@@ -94,8 +102,10 @@ def select_backends(config, device: torch.device | str, dtype: torch.dtype, atte
     if invariant is not False:
         inv = invariant_attention(config, device, attention)
         if invariant and not inv:
-            raise AttentionBackendError(f"invariant steps need the attention backend auto or one of "
-                                        f"{INVARIANT_ATTENTION} that runs this model, not {attention!r}")
+            raise AttentionBackendError(
+                f"invariant steps need the attention backend auto or one of "
+                f"{INVARIANT_ATTENTION} that runs this model, not {attention!r}"
+            )
         invariant, attention = bool(inv), inv or attention
     att = "reference" if attention == "reference" else select_attention_backend(config, device, dtype, attention)
     why = fused_moe_unsupported(device, dtype) if moe != "torch" else "asked for torch"
@@ -105,12 +115,14 @@ def select_backends(config, device: torch.device | str, dtype: torch.dtype, atte
     if fused_layers and why_layers:
         raise AttentionBackendError(f"the fused layers cannot run here: {why_layers}")
     fused = (not why) if fused_layers is None else fused_layers
-    return BackendChoice(attention=att, moe="torch" if why else "fused", fused_layers=fused, invariant=invariant,
-                         skinny_gemm=skinny_gemm)
+    return BackendChoice(
+        attention=att, moe="torch" if why else "fused", fused_layers=fused, invariant=invariant, skinny_gemm=skinny_gemm
+    )
 
 
-def install_backends(model, choice: BackendChoice, block_size: int, device: torch.device | str,
-                     dtype: torch.dtype) -> None:
+def install_backends(
+    model, choice: BackendChoice, block_size: int, device: torch.device | str, dtype: torch.dtype
+) -> None:
     """Point the model's MoE layers and attention layers at the chosen implementations."""
     if choice.moe == "fused":  # fixed tiles at a fixed row count and a fixed-order top-k sum: invariant as it is
         from specserve.kernels.fused_moe import fused_moe
@@ -119,5 +131,6 @@ def install_backends(model, choice: BackendChoice, block_size: int, device: torc
     else:
         model.set_experts_fn(moe_reference_fixed_rows if choice.invariant else moe_reference)
     model.set_fused_layers(choice.fused_layers, skinny_gemm=choice.skinny_gemm)
-    model.set_attention_backend(make_attention_backend(model, choice.attention, block_size, device, dtype,
-                                                       invariant=choice.invariant))
+    model.set_attention_backend(
+        make_attention_backend(model, choice.attention, block_size, device, dtype, invariant=choice.invariant)
+    )

@@ -37,7 +37,9 @@ class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer: int, parallel: ParallelConfig, experts_fn: ExpertsFn) -> None:
         super().__init__()
         attn_cls = ATTENTION_CLASSES[type(config.attention)]
-        self.self_attn = attn_cls(config.attention, config.rope, config.hidden_size, config.rms_norm_eps, layer, parallel)
+        self.self_attn = attn_cls(
+            config.attention, config.rope, config.hidden_size, config.rms_norm_eps, layer, parallel
+        )
         self.is_moe = layer in config.moe_layers
         if self.is_moe:
             experts = packed_experts(config, parallel)  # None: float experts (int4 ones load dequantized)
@@ -109,8 +111,8 @@ class CausalLM(nn.Module):
         self.model = DecoderModel(config, self.parallel, experts_fn)
         self.attn_backend = None  # None: plain-torch attention; else see set_attention_backend
         self.fused_layers = False  # set_fused_layers
-        self.lm_head = None if config.tie_word_embeddings else ParallelLMHead(
-            config.hidden_size, config.vocab_size, self.parallel
+        self.lm_head = (
+            None if config.tie_word_embeddings else ParallelLMHead(config.hidden_size, config.vocab_size, self.parallel)
         )
 
     def kv_entry_shape(self) -> tuple[int, ...]:
@@ -236,9 +238,16 @@ class CausalLM(nn.Module):
             routed_experts=experts if experts is None or experts.dtype == torch.int64 else experts.long(),
         )
 
-    def _layers_fused(self, x: torch.Tensor, positions: torch.Tensor, attn: AttentionBatch, kv_cache: PagedKVCache,
-                      capture_layers: tuple[int, ...], captured: dict[int, torch.Tensor],
-                      routed: list[torch.Tensor]) -> torch.Tensor:  # x [T, H] embeddings -> [T, H] final-normed
+    def _layers_fused(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        attn: AttentionBatch,
+        kv_cache: PagedKVCache,
+        capture_layers: tuple[int, ...],
+        captured: dict[int, torch.Tensor],
+        routed: list[torch.Tensor],
+    ) -> torch.Tensor:  # x [T, H] embeddings -> [T, H] final-normed
         from specserve.kernels.norm import fused_add_rms_norm
 
         residual = None

@@ -181,7 +181,9 @@ class ModelConfig:
         if self.moe is not None and any(not 0 <= i < self.num_layers for i in self.moe.layers):
             raise ModelConfigError(f"MoE layers {self.moe.layers} outside [0, {self.num_layers})")
         if self.logits_vocab_limit is not None and not 0 < self.logits_vocab_limit <= self.vocab_size:
-            raise ModelConfigError(f"logits_vocab_limit must be in (0, {self.vocab_size}], got {self.logits_vocab_limit}")
+            raise ModelConfigError(
+                f"logits_vocab_limit must be in (0, {self.vocab_size}], got {self.logits_vocab_limit}"
+            )
 
     @property
     def kv_entry_shape(self) -> tuple[int, ...]:
@@ -266,7 +268,9 @@ def _rope(raw: Mapping[str, Any], dim: int, default_theta: float) -> RopeConfig:
     )
 
 
-def _common(raw: Mapping[str, Any], attention: GQAConfig | MLAConfig, rope: RopeConfig, moe: MoEConfig | None) -> ModelConfig:
+def _common(
+    raw: Mapping[str, Any], attention: GQAConfig | MLAConfig, rope: RopeConfig, moe: MoEConfig | None
+) -> ModelConfig:
     eos = raw.get("eos_token_id")
     eos_ids = () if eos is None else (tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),))
     return ModelConfig(

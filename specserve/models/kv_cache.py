@@ -65,7 +65,9 @@ class PagedKVCache:
             return
         lo = -1 if allow_skip else 0
         if int(slots.min()) < lo or int(slots.max()) >= self.num_slots:
-            raise KVCacheError(f"slot out of range [{lo}, {self.num_slots}): min {int(slots.min())}, max {int(slots.max())}")
+            raise KVCacheError(
+                f"slot out of range [{lo}, {self.num_slots}): min {int(slots.min())}, max {int(slots.max())}"
+            )
 
     def write(self, layer: int, slots: torch.Tensor, entries: torch.Tensor) -> None:
         """slots [T] int64 (-1 = skip), entries [T, *entry_shape]."""

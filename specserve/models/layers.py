@@ -89,9 +89,9 @@ def merge_linears(linears: list[nn.Module]) -> tuple[torch.Tensor, torch.Tensor 
     start = 0
     for m in linears:
         rows = m.weight.shape[0]
-        m.weight.data = weight[start: start + rows]
+        m.weight.data = weight[start : start + rows]
         if bias is not None:
-            m.bias.data = bias[start: start + rows]
+            m.bias.data = bias[start : start + rows]
         start += rows
     return weight, bias
 
@@ -171,7 +171,12 @@ class RowParallelLinear(nn.Module):
     (``reduce_results=False``: the caller reduces, e.g. once for routed + shared experts)."""
 
     def __init__(
-        self, in_features: int, out_features: int, parallel: ParallelConfig, bias: bool = False, reduce_results: bool = True
+        self,
+        in_features: int,
+        out_features: int,
+        parallel: ParallelConfig,
+        bias: bool = False,
+        reduce_results: bool = True,
     ) -> None:
         super().__init__()
         self.parallel = parallel

@@ -90,7 +90,9 @@ def load_weights(model: CausalLM, files: list[str], progress: bool = True) -> No
         for p in ("w13", "w2")
     }
     needed = {  # a parameter `loaded_with` another (int4 experts' scales) has no checkpoint tensor of its own
-        name: weight_names.required_pieces(name, local.get(name)) for name, p in params.items() if not hasattr(p, "loaded_with")
+        name: weight_names.required_pieces(name, local.get(name))
+        for name, p in params.items()
+        if not hasattr(p, "loaded_with")
     }
     num_experts = config.moe.num_experts if config.moe else 0
     with contextlib.ExitStack() as stack:
@@ -103,7 +105,9 @@ def load_weights(model: CausalLM, files: list[str], progress: bool = True) -> No
             names_of[file] = list(handle.keys())
             handles.update(dict.fromkeys(names_of[file], handle))
         # disable=None: no bar when stderr is not a terminal (a log file, or `specserve serve`'s pipe)
-        bar = tqdm(files, desc="loading checkpoint shards", unit="file", file=sys.stderr, disable=None if progress else True)
+        bar = tqdm(
+            files, desc="loading checkpoint shards", unit="file", file=sys.stderr, disable=None if progress else True
+        )
         for file in bar:
             for stored in names_of[file]:
                 if not stored.startswith(prefix) or quant_sources.is_companion(stored, quant):
@@ -120,7 +124,9 @@ def load_weights(model: CausalLM, files: list[str], progress: bool = True) -> No
                     continue
                 param = params.get(target.param)
                 if param is None:
-                    raise CheckpointError(f"unexpected tensor {stored} in {file}: the model has no parameter {target.param}")
+                    raise CheckpointError(
+                        f"unexpected tensor {stored} in {file}: the model has no parameter {target.param}"
+                    )
                 try:
                     param.weight_loader(param, tensor, **target.kwargs)  # reads (its part of) the tensor
                 except WeightShapeError as e:
@@ -129,7 +135,9 @@ def load_weights(model: CausalLM, files: list[str], progress: bool = True) -> No
                     raise CheckpointError(f"cannot read tensor {stored} from {file} (corrupt file?): {e}") from e
                 needed[target.param].difference_update(target.pieces)
                 del tensor
-    missing = [weight_names.checkpoint_name(p, piece) for p, pieces in needed.items() for piece in sorted(pieces, key=str)]
+    missing = [
+        weight_names.checkpoint_name(p, piece) for p, pieces in needed.items() for piece in sorted(pieces, key=str)
+    ]
     if missing:
         shown = ", ".join(missing[:5]) + (f" (+{len(missing) - 5} more)" if len(missing) > 5 else "")
         raise CheckpointError(f"checkpoint {', '.join(files)} lacks tensor(s): {shown}")

@@ -37,7 +37,9 @@ class ModelName:
     """A resolved model name (`resolve_model`)."""
 
     name: str  # as given
-    folder: Path | None  # the checkpoint folder its weights and tokenizer come from (demo@: the demo's; synthetic: none)
+    folder: (
+        Path | None
+    )  # the checkpoint folder its weights and tokenizer come from (demo@: the demo's; synthetic: none)
     scaled: bool = False  # a demo@ name: the demo embedded in a published shape
 
     def config(self) -> ModelConfig:

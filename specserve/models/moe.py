@@ -62,9 +62,13 @@ class TopKRouter(nn.Module):
         cfg = self.cfg
         sigmoid = cfg.scoring == "sigmoid"
         rule = RouterConfig(  # the softmax rule ignores groups and bias, as _softmax does
-            num_experts=cfg.num_experts, top_k=cfg.top_k, scoring=cfg.scoring,
-            n_group=cfg.n_group if sigmoid else 1, topk_group=cfg.topk_group if sigmoid else 1,
-            norm_topk_prob=cfg.norm_topk_prob, routed_scaling_factor=cfg.routed_scaling_factor,
+            num_experts=cfg.num_experts,
+            top_k=cfg.top_k,
+            scoring=cfg.scoring,
+            n_group=cfg.n_group if sigmoid else 1,
+            topk_group=cfg.topk_group if sigmoid else 1,
+            norm_topk_prob=cfg.norm_topk_prob,
+            routed_scaling_factor=cfg.routed_scaling_factor,
         )
         logits = self._logits(x, sigmoid)
         bias = self.e_score_correction_bias if sigmoid and cfg.correction_bias else None
@@ -162,14 +166,18 @@ class StackedExperts(nn.Module):
     def _tp_slice(self, w: torch.Tensor, dim: int) -> torch.Tensor:
         return w if self.parallel.ep else shard(w, dim, self.parallel.tp_rank, self.parallel.tp_size)
 
-    def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor, expert: int | None = None, shard_id: str = "") -> None:
+    def weight_loader(
+        self, param: torch.Tensor, loaded: torch.Tensor, expert: int | None = None, shard_id: str = ""
+    ) -> None:
         """One expert's gate/up [I, H] or down [H, I] (expert given), or all experts fused: gate_up
         [E, 2I, H] / down [E, H, I] (expert None). Experts outside this rank are skipped."""
         if shard_id not in EXPERT_SHARDS:
             raise WeightShapeError(f"unknown expert shard {shard_id!r}")
         if expert is None:
             if loaded.dim() != 3 or loaded.shape[0] != self.num_experts:
-                raise WeightShapeError(f"fused experts tensor has shape {tuple(loaded.shape)}, expected {self.num_experts} experts")
+                raise WeightShapeError(
+                    f"fused experts tensor has shape {tuple(loaded.shape)}, expected {self.num_experts} experts"
+                )
             for e in self.local_experts():
                 if shard_id == "gate_up":
                     full = loaded.shape[1] // 2

@@ -41,8 +41,15 @@ class PagedBackend:
             raise self.error(f"{self.what} ran on a batch it was not prepared for")
         return self._step
 
-    def gqa(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn: AttentionBatch,
-            kv_cache: PagedKVCache) -> torch.Tensor:
+    def gqa(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        attn: AttentionBatch,
+        kv_cache: PagedKVCache,
+    ) -> torch.Tensor:
         """Write k, v [T, Hkv, D] at attn.slot_mapping, then attend: q [T, Hq, D] -> [T, Hq, D]."""
         kv_cache.write_step(layer, attn.slot_mapping, torch.stack([k, v], dim=1), attn.may_skip_rows)  # [T, 2, Hkv, D]
         return self.gqa_cached(layer, q, attn, kv_cache)
@@ -50,12 +57,20 @@ class PagedBackend:
     def gqa_cached(self, layer: int, q: torch.Tensor, attn: AttentionBatch, kv_cache: PagedKVCache) -> torch.Tensor:
         raise NotImplementedError
 
-    def mla(self, layer: int, q_nope: torch.Tensor, q_pe: torch.Tensor, entries: torch.Tensor,
-            attn: AttentionBatch, kv_cache: PagedKVCache) -> torch.Tensor:
+    def mla(
+        self,
+        layer: int,
+        q_nope: torch.Tensor,
+        q_pe: torch.Tensor,
+        entries: torch.Tensor,
+        attn: AttentionBatch,
+        kv_cache: PagedKVCache,
+    ) -> torch.Tensor:
         """Write entries [T, R + P] at attn.slot_mapping, then absorbed MLA: q_nope [T, H, R], q_pe [T, H, P] -> [T, H, R]."""
         kv_cache.write_step(layer, attn.slot_mapping, entries, attn.may_skip_rows)  # [T, R + P]
         return self.mla_cached(layer, q_nope, q_pe, attn, kv_cache)
 
-    def mla_cached(self, layer: int, q_nope: torch.Tensor, q_pe: torch.Tensor, attn: AttentionBatch,
-                   kv_cache: PagedKVCache) -> torch.Tensor:
+    def mla_cached(
+        self, layer: int, q_nope: torch.Tensor, q_pe: torch.Tensor, attn: AttentionBatch, kv_cache: PagedKVCache
+    ) -> torch.Tensor:
         raise NotImplementedError

@@ -69,16 +69,21 @@ class PagedStep:
         self.depth = torch.zeros(t, dtype=torch.int64, device=device)  # [T] new tokens the row sees, minus one
         self.path = torch.zeros(t, q, dtype=torch.int64, device=device)  # [T, Q] the new tokens it sees, in order
         self._host = {  # staging copies (pinned on CUDA, so the copies never synchronise)
-            name: torch.zeros(buf.shape, dtype=buf.dtype, pin_memory=pinned)
-            for name, buf in self._buffers().items()
+            name: torch.zeros(buf.shape, dtype=buf.dtype, pin_memory=pinned) for name, buf in self._buffers().items()
         }
         # marks the last copies out of the staging buffers: refilling them waits for it (never in practice: a step
         # ends with a device-to-host read of its results, long after its metadata copies ran)
         self._copied = torch.cuda.Event() if device.type == "cuda" else None
 
     def _buffers(self) -> dict[str, torch.Tensor]:
-        return {"block_tables": self.block_tables, "context_lens": self.context_lens,
-                "row_request": self.row_request, "new_mask": self.new_mask, "depth": self.depth, "path": self.path}
+        return {
+            "block_tables": self.block_tables,
+            "context_lens": self.context_lens,
+            "row_request": self.row_request,
+            "new_mask": self.new_mask,
+            "depth": self.depth,
+            "path": self.path,
+        }
 
     def fill(self, attn: AttentionBatch, block_size: int) -> None:
         """Write attn's metadata into the staging copies on the host, then copy them to the device buffers."""
@@ -107,7 +112,7 @@ class PagedStep:
         if attn.pad_rows:  # pad rows read the last new token's keys (no cheaper row in dense ops; ignored anyway)
             last = attn.num_tokens - 1
             for name in ("row_request", "new_mask", "depth", "path"):
-                h[name][attn.num_tokens:] = h[name][last]
+                h[name][attn.num_tokens :] = h[name][last]
         for name, buf in self._buffers().items():
             buf.copy_(h[name], non_blocking=True)
         if self._copied is not None:
@@ -116,7 +121,10 @@ class PagedStep:
     def key_mask(self, block_size: int) -> torch.Tensor:  # [T, NB * block_size] bool
         """Which window positions each new token may see (device ops only)."""
         window = self.shape.num_blocks * block_size
-        rel = torch.arange(window, device=self.context_lens.device)[None, :] - self.context_lens[self.row_request][:, None]
+        rel = (
+            torch.arange(window, device=self.context_lens.device)[None, :]
+            - self.context_lens[self.row_request][:, None]
+        )
         q = self.shape.max_new
         in_new = (rel >= 0) & (rel < q)
         new_ok = torch.gather(self.new_mask, 1, rel.clamp(0, q - 1)) & in_new
@@ -145,14 +153,16 @@ class PagedTorchBackend(PagedBackend):
     error = PagedTorchError
     what = "paged torch attention"
 
-    def __init__(self, attn_module: torch.nn.Module, block_size: int, device: torch.device | str,
-                 invariant: bool = False) -> None:
+    def __init__(
+        self, attn_module: torch.nn.Module, block_size: int, device: torch.device | str, invariant: bool = False
+    ) -> None:
         super().__init__(block_size)
         self.invariant = invariant  # rows in position order, fixed-chunk reductions (the module docstring)
         self.scale = float(attn_module.scale)
         self.mla_dims = (
             (attn_module.cfg.kv_lora_rank, attn_module.cfg.qk_rope_head_dim)
-            if isinstance(attn_module.cfg, MLAConfig) else None
+            if isinstance(attn_module.cfg, MLAConfig)
+            else None
         )
         self.device = torch.device(device)
 
@@ -160,8 +170,12 @@ class PagedTorchBackend(PagedBackend):
         """The buffers of a CUDA-graph step (shape: kernels.attention.GraphShape)."""
         q = max(shape.query_lens)
         nb = -(-shape.max_kv_len // self.block_size)
-        return PagedStep(StepShape(len(shape.query_lens), sum(shape.query_lens), q, nb), self.device,
-                         pinned=self.device.type == "cuda", paths=self.invariant)
+        return PagedStep(
+            StepShape(len(shape.query_lens), sum(shape.query_lens), q, nb),
+            self.device,
+            pinned=self.device.type == "cuda",
+            paths=self.invariant,
+        )
 
     def _plan(self, attn: AttentionBatch, step: PagedStep | None) -> PagedStep:
         """Fill this step's buffers (a new eager step's, or a graph runner's)."""
@@ -186,17 +200,23 @@ class PagedTorchBackend(PagedBackend):
         qg = q.float().view(t, hkv, hq // hkv, d)  # [T, Hkv, G, D]
         if self.invariant:
             keys, seen = self._ordered(kv, step)  # [T, W', 2, Hkv, D], [T, W']
-            out = _chunked_softmax(lambda c: torch.einsum("tkgd,tckd->tkgc", qg, keys[:, c, 0].float()) * self.scale,
-                                   lambda p, c: torch.einsum("tkgc,tckd->tkgd", p, keys[:, c, 1].float()),
-                                   seen[:, None, None, :], keys.shape[1], (t, hkv, hq // hkv, d), q.device)
+            out = _chunked_softmax(
+                lambda c: torch.einsum("tkgd,tckd->tkgc", qg, keys[:, c, 0].float()) * self.scale,
+                lambda p, c: torch.einsum("tkgc,tckd->tkgd", p, keys[:, c, 1].float()),
+                seen[:, None, None, :],
+                keys.shape[1],
+                (t, hkv, hq // hkv, d),
+                q.device,
+            )
             return out.reshape(t, hq, d).to(q.dtype)
         scores = torch.einsum("tkgd,twkd->tkgw", qg, kv[:, :, 0].float()) * self.scale
         scores = scores.masked_fill(~step.key_mask(self.block_size)[:, None, None, :], float("-inf"))
         out = torch.einsum("tkgw,twkd->tkgd", torch.softmax(scores, dim=-1), kv[:, :, 1].float())
         return out.reshape(t, hq, d).to(q.dtype)
 
-    def mla_cached(self, layer: int, q_nope: torch.Tensor, q_pe: torch.Tensor, attn: AttentionBatch,
-                   kv_cache: PagedKVCache) -> torch.Tensor:
+    def mla_cached(
+        self, layer: int, q_nope: torch.Tensor, q_pe: torch.Tensor, attn: AttentionBatch, kv_cache: PagedKVCache
+    ) -> torch.Tensor:
         """Absorbed MLA over a cache that already holds this step's entries -> [T, H, R]."""
         step = self._planned(attn)
         r = q_nope.shape[-1]
@@ -205,14 +225,24 @@ class PagedTorchBackend(PagedBackend):
             keys, seen = self._ordered(win, step)  # [T, W', R + P], [T, W']
             qn, qp = q_nope.float(), q_pe.float()
             out = _chunked_softmax(
-                lambda c: (torch.einsum("thr,tcr->thc", qn, keys[:, c, :r])
-                           + torch.einsum("thp,tcp->thc", qp, keys[:, c, r:])) * self.scale,
+                lambda c: (
+                    (
+                        torch.einsum("thr,tcr->thc", qn, keys[:, c, :r])
+                        + torch.einsum("thp,tcp->thc", qp, keys[:, c, r:])
+                    )
+                    * self.scale
+                ),
                 lambda p, c: torch.einsum("thc,tcr->thr", p, keys[:, c, :r]),
-                seen[:, None, :], keys.shape[1], tuple(q_nope.shape), q_nope.device)
+                seen[:, None, :],
+                keys.shape[1],
+                tuple(q_nope.shape),
+                q_nope.device,
+            )
             return out.to(q_nope.dtype)
         latent, k_pe = win[..., :r], win[..., r:]
-        scores = (torch.einsum("thr,twr->thw", q_nope.float(), latent)
-                  + torch.einsum("thp,twp->thw", q_pe.float(), k_pe)) * self.scale
+        scores = (
+            torch.einsum("thr,twr->thw", q_nope.float(), latent) + torch.einsum("thp,twp->thw", q_pe.float(), k_pe)
+        ) * self.scale
         scores = scores.masked_fill(~step.key_mask(self.block_size)[:, None, :], float("-inf"))
         return torch.einsum("thw,twr->thr", torch.softmax(scores, dim=-1), latent).to(q_nope.dtype)
 
@@ -229,8 +259,9 @@ class PagedTorchBackend(PagedBackend):
         return torch.gather(window, 1, index), seen
 
 
-def _chunked_softmax(scores, values, seen: torch.Tensor, width: int, out_shape: tuple[int, ...],
-                     device: torch.device) -> torch.Tensor:  # out_shape, float32
+def _chunked_softmax(
+    scores, values, seen: torch.Tensor, width: int, out_shape: tuple[int, ...], device: torch.device
+) -> torch.Tensor:  # out_shape, float32
     """softmax(scores) @ values over `width` key positions, INVARIANT_CHUNK at a time in order (online softmax).
 
     scores(c) -> [..., C] for the chunk slice c, values(p, c) -> [..., Dv] (p: [..., C]); seen [..., width] bool

@@ -47,8 +47,17 @@ SYNTHETIC_PREFIX = "synthetic:"
 DEFAULT_STD = 0.02
 
 
-def _qwen3_moe(layers: int, hidden: int, heads: int, kv_heads: int, head_dim: int, experts: int, top_k: int,
-               moe_inter: int, vocab: int) -> ModelConfig:
+def _qwen3_moe(
+    layers: int,
+    hidden: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    experts: int,
+    top_k: int,
+    moe_inter: int,
+    vocab: int,
+) -> ModelConfig:
     return ModelConfig(
         model_type="qwen3_moe",
         vocab_size=vocab,
@@ -58,14 +67,33 @@ def _qwen3_moe(layers: int, hidden: int, heads: int, kv_heads: int, head_dim: in
         rms_norm_eps=1e-6,
         attention=GQAConfig(num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, qk_norm=True),
         rope=RopeConfig(rope_type="default", theta=1e6, dim=head_dim),
-        moe=MoEConfig(num_experts=experts, top_k=top_k, intermediate_size=moe_inter, layers=tuple(range(layers)),
-                      scoring="softmax", norm_topk_prob=True),
+        moe=MoEConfig(
+            num_experts=experts,
+            top_k=top_k,
+            intermediate_size=moe_inter,
+            layers=tuple(range(layers)),
+            scoring="softmax",
+            norm_topk_prob=True,
+        ),
         max_position_embeddings=40960,
     )
 
 
-def _kimi_k2(layers: int, hidden: int, heads: int, q_lora: int, kv_lora: int, rope: int, nope: int, v: int,
-             experts: int, top_k: int, moe_inter: int, vocab: int, first_dense: int) -> ModelConfig:
+def _kimi_k2(
+    layers: int,
+    hidden: int,
+    heads: int,
+    q_lora: int,
+    kv_lora: int,
+    rope: int,
+    nope: int,
+    v: int,
+    experts: int,
+    top_k: int,
+    moe_inter: int,
+    vocab: int,
+    first_dense: int,
+) -> ModelConfig:
     return ModelConfig(
         model_type="kimi_k2",
         vocab_size=vocab,
@@ -73,58 +101,109 @@ def _kimi_k2(layers: int, hidden: int, heads: int, q_lora: int, kv_lora: int, ro
         num_layers=layers,
         intermediate_size=hidden * 18432 // 7168,
         rms_norm_eps=1e-6,
-        attention=MLAConfig(num_heads=heads, q_lora_rank=q_lora, kv_lora_rank=kv_lora, qk_nope_head_dim=nope,
-                            qk_rope_head_dim=rope, v_head_dim=v, rope_interleave=True),
-        rope=RopeConfig(rope_type="yarn", theta=50000.0, dim=rope, factor=32.0, original_max_position_embeddings=4096,
-                        beta_fast=1.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0),
-        moe=MoEConfig(num_experts=experts, top_k=top_k, intermediate_size=moe_inter,
-                      layers=tuple(range(first_dense, layers)), scoring="sigmoid", norm_topk_prob=True,
-                      routed_scaling_factor=2.827, correction_bias=True, n_shared_experts=1),
+        attention=MLAConfig(
+            num_heads=heads,
+            q_lora_rank=q_lora,
+            kv_lora_rank=kv_lora,
+            qk_nope_head_dim=nope,
+            qk_rope_head_dim=rope,
+            v_head_dim=v,
+            rope_interleave=True,
+        ),
+        rope=RopeConfig(
+            rope_type="yarn",
+            theta=50000.0,
+            dim=rope,
+            factor=32.0,
+            original_max_position_embeddings=4096,
+            beta_fast=1.0,
+            beta_slow=1.0,
+            mscale=1.0,
+            mscale_all_dim=1.0,
+        ),
+        moe=MoEConfig(
+            num_experts=experts,
+            top_k=top_k,
+            intermediate_size=moe_inter,
+            layers=tuple(range(first_dense, layers)),
+            scoring="sigmoid",
+            norm_topk_prob=True,
+            routed_scaling_factor=2.827,
+            correction_bias=True,
+            n_shared_experts=1,
+        ),
         max_position_embeddings=131072,
     )
 
 
 # Kimi-K2-Thinking's quantization_config: int4 routed experts, everything else bf16.
-KIMI_INT4 = Int4PackConfig(group_size=32, ignore=("lm_head", "re:.*self_attn.*", "re:.*shared_experts.*",
-                                                  r"re:.*mlp\.(gate|up|gate_up|down)_proj.*"))
+KIMI_INT4 = Int4PackConfig(
+    group_size=32,
+    ignore=("lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", r"re:.*mlp\.(gate|up|gate_up|down)_proj.*"),
+)
 _KIMI = {
     "kimi-k2-layer": _kimi_k2(1, 7168, 64, 1536, 512, 64, 128, 128, 384, 8, 2048, 163840, first_dense=0),
     "mini-kimi-k2": _kimi_k2(2, 1024, 16, 256, 512, 64, 128, 128, 16, 4, 256, 4096, first_dense=1),
     "tiny-kimi-k2": _kimi_k2(2, 64, 4, 24, 16, 8, 16, 16, 8, 2, 32, 256, first_dense=1),
 }
 
-def _moonlight(layers: int, hidden: int, heads: int, kv_lora: int, rope: int, nope: int, v: int, experts: int,
-               top_k: int, moe_inter: int, shared: int, inter: int, vocab: int) -> ModelConfig:
+
+def _moonlight(
+    layers: int,
+    hidden: int,
+    heads: int,
+    kv_lora: int,
+    rope: int,
+    nope: int,
+    v: int,
+    experts: int,
+    top_k: int,
+    moe_inter: int,
+    shared: int,
+    inter: int,
+    vocab: int,
+) -> ModelConfig:
     """DeepSeek-V3 architecture at Moonlight's settings (no q_lora, sigmoid noaux routing, one dense layer)."""
-    base = _kimi_k2(layers, hidden, heads, None, kv_lora, rope, nope, v, experts, top_k, moe_inter, vocab, first_dense=1)
+    base = _kimi_k2(
+        layers, hidden, heads, None, kv_lora, rope, nope, v, experts, top_k, moe_inter, vocab, first_dense=1
+    )
     return dataclasses.replace(
-        base, model_type="deepseek_v3", intermediate_size=inter, rms_norm_eps=1e-5,
-        rope=RopeConfig(rope_type="default", theta=50000.0, dim=rope), max_position_embeddings=8192,
-        moe=dataclasses.replace(base.moe, routed_scaling_factor=2.446, n_shared_experts=shared))
+        base,
+        model_type="deepseek_v3",
+        intermediate_size=inter,
+        rms_norm_eps=1e-5,
+        rope=RopeConfig(rope_type="default", theta=50000.0, dim=rope),
+        max_position_embeddings=8192,
+        moe=dataclasses.replace(base.moe, routed_scaling_factor=2.446, n_shared_experts=shared),
+    )
 
 
 _QWEN3_30B = _qwen3_moe(48, 2048, 32, 4, 128, 128, 8, 768, 151936)
 _TINY_QWEN = _qwen3_moe(2, 64, 4, 2, 16, 8, 2, 32, 256)
 
 # The frozen preset table: name -> full-depth config (cut by NAME:LAYERS).
-PRESETS: Mapping[str, ModelConfig] = MappingProxyType({
-    "qwen3-30b-a3b": _QWEN3_30B,
-    "kimi-k2-layer": _KIMI["kimi-k2-layer"],
-    "mini-qwen3-moe": _qwen3_moe(2, 1024, 16, 4, 128, 16, 4, 256, 4096),
-    "mini-kimi-k2": _KIMI["mini-kimi-k2"],
-    "tiny-qwen3-moe": _TINY_QWEN,
-    "tiny-kimi-k2": _KIMI["tiny-kimi-k2"],
-    "moonlight-16b-a3b": _moonlight(27, 2048, 16, 512, 64, 128, 128, 64, 6, 1408, 2, 11264, 163840),
-    "kimi-k2.6": dataclasses.replace(_kimi_k2(61, 7168, 64, 1536, 512, 64, 128, 128, 384, 8, 2048, 163840, first_dense=1),
-                                     quantization=KIMI_INT4),
-    "small-moonlight": _moonlight(7, 512, 8, 128, 32, 64, 64, 32, 6, 128, 2, 1024, 8192),
-    "small-kimi-k2.6": dataclasses.replace(_kimi_k2(6, 512, 8, 256, 128, 32, 64, 64, 48, 8, 128, 8192, first_dense=1),
-                                           quantization=KIMI_INT4),
-    **{f"{name}-int4": dataclasses.replace(_KIMI[name], quantization=KIMI_INT4) for name in _KIMI},
-    "qwen3-30b-a3b-fp8": dataclasses.replace(_QWEN3_30B, quantization=Fp8BlockConfig()),
-    "kimi-k2-layer-fp8": dataclasses.replace(_KIMI["kimi-k2-layer"], quantization=Fp8BlockConfig()),
-    "tiny-qwen3-moe-fp8": dataclasses.replace(_TINY_QWEN, quantization=Fp8BlockConfig(block=(16, 16))),
-})
+PRESETS: Mapping[str, ModelConfig] = MappingProxyType(
+    {
+        "qwen3-30b-a3b": _QWEN3_30B,
+        "kimi-k2-layer": _KIMI["kimi-k2-layer"],
+        "mini-qwen3-moe": _qwen3_moe(2, 1024, 16, 4, 128, 16, 4, 256, 4096),
+        "mini-kimi-k2": _KIMI["mini-kimi-k2"],
+        "tiny-qwen3-moe": _TINY_QWEN,
+        "tiny-kimi-k2": _KIMI["tiny-kimi-k2"],
+        "moonlight-16b-a3b": _moonlight(27, 2048, 16, 512, 64, 128, 128, 64, 6, 1408, 2, 11264, 163840),
+        "kimi-k2.6": dataclasses.replace(
+            _kimi_k2(61, 7168, 64, 1536, 512, 64, 128, 128, 384, 8, 2048, 163840, first_dense=1), quantization=KIMI_INT4
+        ),
+        "small-moonlight": _moonlight(7, 512, 8, 128, 32, 64, 64, 32, 6, 128, 2, 1024, 8192),
+        "small-kimi-k2.6": dataclasses.replace(
+            _kimi_k2(6, 512, 8, 256, 128, 32, 64, 64, 48, 8, 128, 8192, first_dense=1), quantization=KIMI_INT4
+        ),
+        **{f"{name}-int4": dataclasses.replace(_KIMI[name], quantization=KIMI_INT4) for name in _KIMI},
+        "qwen3-30b-a3b-fp8": dataclasses.replace(_QWEN3_30B, quantization=Fp8BlockConfig()),
+        "kimi-k2-layer-fp8": dataclasses.replace(_KIMI["kimi-k2-layer"], quantization=Fp8BlockConfig()),
+        "tiny-qwen3-moe-fp8": dataclasses.replace(_TINY_QWEN, quantization=Fp8BlockConfig(block=(16, 16))),
+    }
+)
 
 
 def is_synthetic(model: object) -> bool:
@@ -135,7 +214,7 @@ def is_synthetic(model: object) -> bool:
 def split_named_spec(spec: str, prefix: str, names: Mapping[str, object], what: str) -> tuple[str, int | None]:
     """'[prefix]NAME' or '[prefix]NAME:LAYERS' -> (NAME, LAYERS or None); NAME one of `names` (`what` names them in
     the error)."""
-    body = spec[len(prefix):] if spec.startswith(prefix) else spec
+    body = spec[len(prefix) :] if spec.startswith(prefix) else spec
     name, sep, layers = body.partition(":")
     if name not in names:
         raise ModelConfigError(f"unknown {what} {name!r} in {spec!r}; choose from {', '.join(sorted(names))}")
@@ -184,7 +263,9 @@ def random_generator(device: torch.device, seed: int, std: float = DEFAULT_STD) 
 
 
 @torch.no_grad()
-def random_fill_(p: torch.Tensor, name: str, gen: torch.Generator, std: float = DEFAULT_STD, int4: bool = False) -> None:
+def random_fill_(
+    p: torch.Tensor, name: str, gen: torch.Generator, std: float = DEFAULT_STD, int4: bool = False
+) -> None:
     """One parameter of init_random_ (by its name's ending), drawn from `gen`'s stream."""
     if name.endswith("norm.weight"):
         p.normal_(1.0, std, generator=gen)
@@ -192,7 +273,8 @@ def random_fill_(p: torch.Tensor, name: str, gen: torch.Generator, std: float = 
         p.random_(-(2**31), 2**31 - 1, generator=gen)
     elif p.element_size() == 1:  # e4m3 experts: random finite values (|v| <= 1.875), scales below
         p.view(torch.uint8).random_(0, 0x40, generator=gen).bitwise_or_(
-            torch.randint(0, 2, p.shape, generator=gen, device=p.device, dtype=torch.uint8) << 7)
+            torch.randint(0, 2, p.shape, generator=gen, device=p.device, dtype=torch.uint8) << 7
+        )
     elif name.endswith("_scale"):  # quantized experts' scales, so that weights come out at about std
         p.normal_(0.0, std / (4.6 if int4 else 1.0), generator=gen)  # int4 q in [-8, 7]
     else:
@@ -221,8 +303,9 @@ def build_synthetic_model(
     return model.eval(), config
 
 
-def parameter_bytes(config: ModelConfig, dtype: torch.dtype = torch.bfloat16,
-                    parallel: ParallelConfig | None = None) -> dict[str, int]:
+def parameter_bytes(
+    config: ModelConfig, dtype: torch.dtype = torch.bfloat16, parallel: ParallelConfig | None = None
+) -> dict[str, int]:
     """Weight bytes by role: 'dense' (read in full every step: attention, norms, routers, dense and shared MLPs,
     lm_head), 'embed' (the input table: a step reads only its tokens' rows), 'expert' (one routed expert of one
     layer), 'moe_layers' (how many layers have routed experts) and 'local_experts' (routed experts per layer held

@@ -19,7 +19,9 @@ from typing import Any
 
 from specserve.models.errors import ModelConfigError
 
-SUPPORTED = "compressed-tensors (pack-quantized int4, symmetric group weights) and fp8 (block-scaled, dynamic activations)"
+SUPPORTED = (
+    "compressed-tensors (pack-quantized int4, symmetric group weights) and fp8 (block-scaled, dynamic activations)"
+)
 
 
 _NEVER_QUANTIZED = ("lm_head", "mlp.gate", "embed_tokens")
@@ -84,7 +86,9 @@ def parse_quantization(raw: Mapping[str, Any] | None) -> QuantConfig | None:
         return _compressed_tensors(raw)
     if method == "fp8":
         return _fp8(raw)
-    raise ModelConfigError(f"quantized checkpoints with quant_method {method!r} are not supported; supported: {SUPPORTED}")
+    raise ModelConfigError(
+        f"quantized checkpoints with quant_method {method!r} are not supported; supported: {SUPPORTED}"
+    )
 
 
 def _compressed_tensors(raw: Mapping[str, Any]) -> Int4PackConfig:

@@ -101,8 +101,12 @@ class Int4StackedExperts(_QuantizedExperts):
         e, i, g = self.num_local, self.inter, self.quant.group_size
         if i % g or hidden % g:
             raise WeightShapeError(f"int4 experts need H ({hidden}) and I per rank ({i}) in whole groups of {g}")
-        self._register(new_param((e, 2 * i, hidden // 8), torch.int32), new_param((e, 2 * i, hidden // g), torch.bfloat16),
-                       new_param((e, hidden, i // 8), torch.int32), new_param((e, hidden, i // g), torch.bfloat16))
+        self._register(
+            new_param((e, 2 * i, hidden // 8), torch.int32),
+            new_param((e, 2 * i, hidden // g), torch.bfloat16),
+            new_param((e, hidden, i // 8), torch.int32),
+            new_param((e, hidden, i // g), torch.bfloat16),
+        )
 
     def _stored(self, view) -> tuple[torch.Tensor, torch.Tensor]:
         return int4_packed(view)
@@ -126,8 +130,12 @@ class Fp8StackedExperts(_QuantizedExperts):
         if i % bo:
             raise WeightShapeError(f"fp8 experts need I per rank ({i}) in whole row blocks of {bo}")
         fp8 = torch.float8_e4m3fn
-        self._register(new_param((e, 2 * i, hidden), fp8), new_param((e, 2 * i // bo, -(-hidden // bi)), torch.float32),
-                       new_param((e, hidden, i), fp8), new_param((e, -(-hidden // bo), -(-i // bi)), torch.float32))
+        self._register(
+            new_param((e, 2 * i, hidden), fp8),
+            new_param((e, 2 * i // bo, -(-hidden // bi)), torch.float32),
+            new_param((e, hidden, i), fp8),
+            new_param((e, -(-hidden // bo), -(-i // bi)), torch.float32),
+        )
 
     def _stored(self, view) -> tuple[torch.Tensor, torch.Tensor]:
         return fp8_packed(view)

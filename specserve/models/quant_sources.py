@@ -74,14 +74,15 @@ class Int4Source:
         w = dequant_int4(packed, scale, g, c1 - g0 * g)[:, c0 - g0 * g :]
         return _drop(w, spans)
 
-
     def packed(self, key: Any) -> tuple[torch.Tensor, torch.Tensor]:  # ([rows, cols / 8] int32, [rows, cols / G])
         """The stored words and scales of a 2-d view whose columns start and end on group boundaries."""
         spans = _spans(key, self.shape)
         (r0, r1, dropped_r), (c0, c1, dropped_c) = spans
         g = self.group_size
         if dropped_r or dropped_c or c0 % g or (c1 % g and c1 != self.shape[1]):
-            raise WeightShapeError(f"int4 columns {c0}..{c1} of {list(self.shape)} do not start and end on groups of {g}")
+            raise WeightShapeError(
+                f"int4 columns {c0}..{c1} of {list(self.shape)} do not start and end on groups of {g}"
+            )
         return self.packed_words[r0:r1, c0 // 8 : _ceil(c1, 8)], self.scale[r0:r1, c0 // g : _ceil(c1, g)]
 
 
@@ -125,7 +126,9 @@ def fp8_packed(view: CheckpointSlice) -> tuple[torch.Tensor, torch.Tensor]:
     (r0, r1, _), (c0, c1, _) = spans
     (bo, bi), (rows, cols) = src.block, src.shape
     if r0 % bo or c0 % bi or (r1 % bo and r1 != rows) or (c1 % bi and c1 != cols):
-        raise WeightShapeError(f"fp8 view rows {r0}..{r1}, columns {c0}..{c1} of {list(src.shape)} cut blocks of {list(src.block)}")
+        raise WeightShapeError(
+            f"fp8 view rows {r0}..{r1}, columns {c0}..{c1} of {list(src.shape)} cut blocks of {list(src.block)}"
+        )
     return src.weight[r0:r1, c0:c1], src.scale_inv[r0 // bo : _ceil(r1, bo), c0 // bi : _ceil(c1, bi)]
 
 

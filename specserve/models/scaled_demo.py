@@ -63,14 +63,16 @@ class ScaledShape:
     q_lora_rank: int | None = None  # the q path's rank where the published model has none (same bytes as its q_proj)
 
 
-SHAPES: Mapping[str, ScaledShape] = MappingProxyType({
-    # q_proj 2048 x 3072 = 6.29 M weights; q_a + q_b at rank 1216: 2048 * 1216 + 1216 * 3072 = 6.23 M.
-    "moonlight-16b-a3b": ScaledShape("moonlight-16b-a3b", 27, q_lora_rank=1216),
-    # 12 of 61 layers: 9.3 GB a layer with int4 experts; 12 layers + embeddings + lm_head fill ~117 GB.
-    "kimi-k2.6": ScaledShape("kimi-k2.6", 12),
-    "small-moonlight": ScaledShape("small-moonlight", 7, q_lora_rank=256),
-    "small-kimi-k2.6": ScaledShape("small-kimi-k2.6", 6),
-})
+SHAPES: Mapping[str, ScaledShape] = MappingProxyType(
+    {
+        # q_proj 2048 x 3072 = 6.29 M weights; q_a + q_b at rank 1216: 2048 * 1216 + 1216 * 3072 = 6.23 M.
+        "moonlight-16b-a3b": ScaledShape("moonlight-16b-a3b", 27, q_lora_rank=1216),
+        # 12 of 61 layers: 9.3 GB a layer with int4 experts; 12 layers + embeddings + lm_head fill ~117 GB.
+        "kimi-k2.6": ScaledShape("kimi-k2.6", 12),
+        "small-moonlight": ScaledShape("small-moonlight", 7, q_lora_rank=256),
+        "small-kimi-k2.6": ScaledShape("small-kimi-k2.6", 6),
+    }
+)
 
 
 def is_scaled_demo(model: object) -> bool:
@@ -86,8 +88,9 @@ def parse_scaled_spec(spec: str) -> tuple[str, int | None]:
 def demo_positions(num_layers: int, demo_layers: int) -> tuple[int, ...]:
     """Wide layer of each demo layer: 0 -> 0, the others spread evenly over 1..num_layers - 1 (the last one last)."""
     if num_layers < demo_layers:
-        raise ModelConfigError(f"the demo has {demo_layers} layers; the wide model needs at least as many, "
-                               f"got {num_layers}")
+        raise ModelConfigError(
+            f"the demo has {demo_layers} layers; the wide model needs at least as many, got {num_layers}"
+        )
     if demo_layers <= 2:
         return tuple(range(demo_layers))[:1] + tuple(num_layers - 1 for _ in range(demo_layers - 1))
     span = num_layers - 2
@@ -110,15 +113,27 @@ def scaled_config(spec: str, demo: ModelConfig) -> ModelConfig:
     _check_fits(demo, pub, shape, n)
     dm, pm = demo.moe, pub.moe
     nulls = pm.top_k - dm.top_k
-    moe = dataclasses.replace(pm, layers=tuple(range(pm.layers[0], n)), n_group=2 * dm.n_group,
-                              topk_group=dm.topk_group + (1 if nulls else 0))
-    attention = dataclasses.replace(pub.attention, q_lora_rank=shape.q_lora_rank or pub.attention.q_lora_rank,
-                                    rope_interleave=demo.attention.rope_interleave)
+    moe = dataclasses.replace(
+        pm, layers=tuple(range(pm.layers[0], n)), n_group=2 * dm.n_group, topk_group=dm.topk_group + (1 if nulls else 0)
+    )
+    attention = dataclasses.replace(
+        pub.attention,
+        q_lora_rank=shape.q_lora_rank or pub.attention.q_lora_rank,
+        rope_interleave=demo.attention.rope_interleave,
+    )
     rope = RopeConfig(rope_type="default", theta=demo.rope.theta, dim=pub.attention.qk_rope_head_dim)
     return dataclasses.replace(
-        pub, model_type=demo.model_type, num_layers=n, moe=moe, attention=attention, rope=rope,
-        rms_norm_eps=constant_channel(demo, pub.hidden_size)[1], bos_token_id=demo.bos_token_id,
-        eos_token_ids=demo.eos_token_ids, logits_vocab_limit=demo.vocab_size, tie_word_embeddings=False,
+        pub,
+        model_type=demo.model_type,
+        num_layers=n,
+        moe=moe,
+        attention=attention,
+        rope=rope,
+        rms_norm_eps=constant_channel(demo, pub.hidden_size)[1],
+        bos_token_id=demo.bos_token_id,
+        eos_token_ids=demo.eos_token_ids,
+        logits_vocab_limit=demo.vocab_size,
+        tie_word_embeddings=False,
     )
 
 
@@ -134,14 +149,20 @@ def _check_fits(demo: ModelConfig, pub: ModelConfig, shape: ScaledShape, n: int)
         raise ModelConfigError("the demo at real size needs sigmoid routing with a correction bias, renormalised")
     if dm.layers != tuple(range(1, demo.num_layers)) or pm.layers[0] != 1:
         raise ModelConfigError("the demo at real size needs layer 0 dense and every later layer MoE, in both")
-    pairs = [("hidden", demo.hidden_size + 1, pub.hidden_size), ("vocab", demo.vocab_size, pub.vocab_size),
-             ("dense intermediate", demo.intermediate_size, pub.intermediate_size),
-             ("heads", d.num_heads, w.num_heads), ("q_lora", d.q_lora_rank, shape.q_lora_rank or w.q_lora_rank),
-             ("kv_lora", d.kv_lora_rank, w.kv_lora_rank), ("nope", d.qk_nope_head_dim, w.qk_nope_head_dim),
-             ("rope", d.qk_rope_head_dim, w.qk_rope_head_dim), ("v", d.v_head_dim, w.v_head_dim),
-             ("expert intermediate", dm.intermediate_size, pm.intermediate_size),
-             ("shared intermediate", dm.intermediate_size * dm.n_shared_experts,
-              pm.intermediate_size * pm.n_shared_experts), ("top_k", dm.top_k, pm.top_k)]
+    pairs = [
+        ("hidden", demo.hidden_size + 1, pub.hidden_size),
+        ("vocab", demo.vocab_size, pub.vocab_size),
+        ("dense intermediate", demo.intermediate_size, pub.intermediate_size),
+        ("heads", d.num_heads, w.num_heads),
+        ("q_lora", d.q_lora_rank, shape.q_lora_rank or w.q_lora_rank),
+        ("kv_lora", d.kv_lora_rank, w.kv_lora_rank),
+        ("nope", d.qk_nope_head_dim, w.qk_nope_head_dim),
+        ("rope", d.qk_rope_head_dim, w.qk_rope_head_dim),
+        ("v", d.v_head_dim, w.v_head_dim),
+        ("expert intermediate", dm.intermediate_size, pm.intermediate_size),
+        ("shared intermediate", dm.intermediate_size * dm.n_shared_experts, pm.intermediate_size * pm.n_shared_experts),
+        ("top_k", dm.top_k, pm.top_k),
+    ]
     small = [f"{what} {a} > {b}" for what, a, b in pairs if a > b]
     if small:
         raise ModelConfigError(f"the demo does not fit {shape.published}: {', '.join(small)}")
@@ -150,13 +171,16 @@ def _check_fits(demo: ModelConfig, pub: ModelConfig, shape: ScaledShape, n: int)
     groups = 2 * dm.n_group
     per_group = pm.num_experts // groups if pm.num_experts % groups == 0 else 0
     if per_group < max(dm.num_experts // dm.n_group, pm.top_k - dm.top_k):
-        raise ModelConfigError(f"{pm.num_experts} experts do not split into {groups} groups that hold the demo's "
-                               f"groups and {pm.top_k - dm.top_k} null experts")
+        raise ModelConfigError(
+            f"{pm.num_experts} experts do not split into {groups} groups that hold the demo's "
+            f"groups and {pm.top_k - dm.top_k} null experts"
+        )
     quant = pub.quantization
     if quant is not None and not isinstance(quant, Int4PackConfig):
         raise ModelConfigError(f"the demo at real size quantizes experts to int4 only, not {quant.method}")
-    if isinstance(quant, Int4PackConfig) and (demo.hidden_size % quant.group_size
-                                              or dm.intermediate_size % quant.group_size):
+    if isinstance(quant, Int4PackConfig) and (
+        demo.hidden_size % quant.group_size or dm.intermediate_size % quant.group_size
+    ):
         raise ModelConfigError(f"the demo's expert dims are not whole int4 groups of {quant.group_size}")
     demo_positions(n, demo.num_layers)
 
@@ -208,7 +232,9 @@ def quantize_layer_experts_(layer, demo: ModelConfig, wide: ModelConfig) -> None
 # ---------------------------------------------------------------- building
 
 
-def load_demo(path: str | Path, device: str | torch.device, dtype: torch.dtype = torch.float32) -> tuple[CausalLM, ModelConfig]:
+def load_demo(
+    path: str | Path, device: str | torch.device, dtype: torch.dtype = torch.float32
+) -> tuple[CausalLM, ModelConfig]:
     from specserve.models.loader import load_model
 
     return load_model(path, device=device, dtype=dtype, progress=False)
@@ -250,8 +276,15 @@ def _allocate(config: ModelConfig, parallel: ParallelConfig | None, device, dtyp
         torch.set_default_dtype(old)
 
 
-def _build_shard(shard: CausalLM, embedder: _Embedder, config: ModelConfig, parallel: ParallelConfig, device,
-                 dtype: torch.dtype, seed: int) -> None:
+def _build_shard(
+    shard: CausalLM,
+    embedder: _Embedder,
+    config: ModelConfig,
+    parallel: ParallelConfig,
+    device,
+    dtype: torch.dtype,
+    seed: int,
+) -> None:
     """Fill `shard` with its slices of the unsharded wide model: the random stream drawn in the unsharded model's
     parameter order (embedding, each layer, final norm, lm_head), one full layer at a time."""
     from specserve.models.causal_lm import DecoderLayer
@@ -319,8 +352,14 @@ def embed_decoder_layer(wide_layer, demo_layer, demo: ModelConfig, wide: ModelCo
 class _Embedder:
     """Writes the demo's weights into the wide model (module docstring); one method per part."""
 
-    def __init__(self, demo: CausalLM | None, dc: ModelConfig, wide: CausalLM | None, wc: ModelConfig,
-                 channel: float | None = None) -> None:
+    def __init__(
+        self,
+        demo: CausalLM | None,
+        dc: ModelConfig,
+        wide: CausalLM | None,
+        wc: ModelConfig,
+        channel: float | None = None,
+    ) -> None:
         self.demo, self.dc, self.wide, self.wc = demo, dc, wide, wc
         self.hd, self.hw = dc.hidden_size, wc.hidden_size
         self.kappa = constant_channel(dc, wc.hidden_size)[0] if channel is None else channel
@@ -391,8 +430,9 @@ class _Embedder:
     def _layer(self, wl, dl) -> None:
         self._residual_norm(wl.input_layernorm.weight, dl.input_layernorm.weight, channel=0.0)
         # the null experts' routers read the channel after this norm: h = (1 / kappa) * kappa / rms = 1 / rms
-        self._residual_norm(wl.post_attention_layernorm.weight, dl.post_attention_layernorm.weight,
-                            channel=1.0 / self.kappa)
+        self._residual_norm(
+            wl.post_attention_layernorm.weight, dl.post_attention_layernorm.weight, channel=1.0 / self.kappa
+        )
         self._attention(wl.self_attn, dl.self_attn)
         if wl.is_moe:
             self._moe(wl.mlp, dl.mlp)
@@ -454,14 +494,14 @@ class _Embedder:
         ex, dx = wm.experts, dm.experts
         quant = self.wc.quantization
         for e_d, e_w in enumerate(demo_ids.tolist()):
-            gate, up = dx.w13[e_d, : dcfg.intermediate_size], dx.w13[e_d, dcfg.intermediate_size:]
+            gate, up = dx.w13[e_d, : dcfg.intermediate_size], dx.w13[e_d, dcfg.intermediate_size :]
             if isinstance(quant, Int4PackConfig):
                 self._int4_expert(ex, e_w, gate, up, dx.w2[e_d].float() * down, quant.group_size)
             else:
                 inter = ex.w13.shape[1] // 2
                 ex.w13.data[e_w].zero_()
                 ex.w13.data[e_w, : gate.shape[0], : self.hd] = gate.to(ex.w13.dtype)
-                ex.w13.data[e_w, inter: inter + up.shape[0], : self.hd] = up.to(ex.w13.dtype)
+                ex.w13.data[e_w, inter : inter + up.shape[0], : self.hd] = up.to(ex.w13.dtype)
                 self._corner(ex.w2[e_w], dx.w2[e_d], down)
         for e_w in null_ids.tolist():
             (ex.w2_scale if isinstance(quant, Int4PackConfig) else ex.w2).data[e_w].zero_()
@@ -478,8 +518,8 @@ class _Embedder:
         ex.w2_scale.data[e].zero_()
         for rows, w in ((0, gate), (inter, up)):
             packed, scale = quantize_int4(w, group)
-            ex.w13.data[e, rows: rows + w.shape[0], : hd // 8] = packed.to(ex.w13.device)
-            ex.w13_scale.data[e, rows: rows + w.shape[0], :gw] = scale.to(ex.w13_scale.device)
+            ex.w13.data[e, rows : rows + w.shape[0], : hd // 8] = packed.to(ex.w13.device)
+            ex.w13_scale.data[e, rows : rows + w.shape[0], :gw] = scale.to(ex.w13_scale.device)
         packed, scale = quantize_int4(down, group)  # [H_d, I_d]
         ex.w2.data[e, :hd, : down.shape[1] // 8] = packed.to(ex.w2.device)
         ex.w2_scale.data[e, :hd, : down.shape[1] // group] = scale.to(ex.w2_scale.device)

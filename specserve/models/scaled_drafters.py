@@ -78,13 +78,15 @@ class Eagle3Shape:
     draft_vocab_size: int
 
 
-EAGLE3_SHAPES: Mapping[str, Eagle3Shape] = MappingProxyType({
-    "moonlight-16b-a3b": Eagle3Shape(32, 4, 128, 6144, 32000),
-    "kimi-k2.6": Eagle3Shape(64, 8, 128, 18432, 32000),
-    # CPU sizes (hidden 512, vocabulary 8192): the draft vocabulary still padded past the demo's 4096
-    "small-moonlight": Eagle3Shape(8, 2, 128, 1024, 6144),
-    "small-kimi-k2.6": Eagle3Shape(8, 2, 128, 1024, 6144),
-})
+EAGLE3_SHAPES: Mapping[str, Eagle3Shape] = MappingProxyType(
+    {
+        "moonlight-16b-a3b": Eagle3Shape(32, 4, 128, 6144, 32000),
+        "kimi-k2.6": Eagle3Shape(64, 8, 128, 18432, 32000),
+        # CPU sizes (hidden 512, vocabulary 8192): the draft vocabulary still padded past the demo's 4096
+        "small-moonlight": Eagle3Shape(8, 2, 128, 1024, 6144),
+        "small-kimi-k2.6": Eagle3Shape(8, 2, 128, 1024, 6144),
+    }
+)
 
 
 # ---------------------------------------------------------------- EAGLE-3
@@ -97,8 +99,7 @@ def scaled_eagle3_layers(demo_layers: tuple[int, ...], target: ModelConfig, demo
 
 
 @torch.no_grad()
-def scaled_eagle3_head(demo, head_dir: str | Path, target: ModelName, device: str | torch.device,
-                       dtype: torch.dtype):
+def scaled_eagle3_head(demo, head_dir: str | Path, target: ModelName, device: str | torch.device, dtype: torch.dtype):
     """The demo-size EAGLE-3 head `demo` (loaded from `head_dir` on the CPU in float32, made for the demo that
     `target` embeds) at `target`'s width, on `device` in `dtype`: a module of demo's class (module docstring)."""
     name, _ = parse_scaled_spec(target.name)
@@ -109,13 +110,20 @@ def scaled_eagle3_head(demo, head_dir: str | Path, target: ModelName, device: st
     if d.target_hidden_size != dc.hidden_size or hd != dc.hidden_size:
         raise ModelConfigError(
             f"a demo@ target scales the demo's EAGLE-3 head (hidden {dc.hidden_size} over the demo's layers); the head "
-            f"at {head_dir} has hidden {hd} over target layers of {d.target_hidden_size}")
+            f"at {head_dir} has hidden {hd} over target layers of {d.target_hidden_size}"
+        )
     a = d.attention
     wa = GQAConfig(num_heads=shape.num_heads, num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim, bias=False)
-    bad = check_gqa(a, wa, "attention") + [f"{what} {x} > {y}" for what, x, y in (
-        ("hidden", hd + 1, hw), ("intermediate", d.intermediate_size, shape.intermediate_size),
-        ("draft vocabulary", d.draft_vocab_size, shape.draft_vocab_size),
-        ("draft vocabulary", shape.draft_vocab_size, tc.vocab_size)) if x > y]
+    bad = check_gqa(a, wa, "attention") + [
+        f"{what} {x} > {y}"
+        for what, x, y in (
+            ("hidden", hd + 1, hw),
+            ("intermediate", d.intermediate_size, shape.intermediate_size),
+            ("draft vocabulary", d.draft_vocab_size, shape.draft_vocab_size),
+            ("draft vocabulary", shape.draft_vocab_size, tc.vocab_size),
+        )
+        if x > y
+    ]
     if d.rope.rope_type != "default":
         bad.append(f"rope {d.rope.rope_type} (default only)")
     if bad:
@@ -125,17 +133,33 @@ def scaled_eagle3_head(demo, head_dir: str | Path, target: ModelName, device: st
     if eps <= 0:
         raise ModelConfigError(f"the demo's EAGLE-3 eps {d.rms_norm_eps} leaves no room for the constant channel")
     layers = scaled_eagle3_layers(tuple(i - 1 for i in d.aux_layers), tc, dc) if d.aux_layers else None
-    raw = dict(d.raw or {}, hidden_size=hw, intermediate_size=shape.intermediate_size, num_attention_heads=wa.num_heads,
-               num_key_value_heads=wa.num_kv_heads, head_dim=wa.head_dim, rms_norm_eps=eps, vocab_size=tc.vocab_size,
-               draft_vocab_size=shape.draft_vocab_size, target_hidden_size=hw, draft_vocab_limit=d.draft_vocab_size)
+    raw = dict(
+        d.raw or {},
+        hidden_size=hw,
+        intermediate_size=shape.intermediate_size,
+        num_attention_heads=wa.num_heads,
+        num_key_value_heads=wa.num_kv_heads,
+        head_dim=wa.head_dim,
+        rms_norm_eps=eps,
+        vocab_size=tc.vocab_size,
+        draft_vocab_size=shape.draft_vocab_size,
+        target_hidden_size=hw,
+        draft_vocab_limit=d.draft_vocab_size,
+    )
     if layers is not None:
         raw["eagle_aux_hidden_state_layer_ids"] = [i + 1 for i in layers]
     cfg = type(d)(
-        hidden_size=hw, intermediate_size=shape.intermediate_size, vocab_size=tc.vocab_size,
-        draft_vocab_size=shape.draft_vocab_size, target_hidden_size=hw, rms_norm_eps=eps, attention=wa,
+        hidden_size=hw,
+        intermediate_size=shape.intermediate_size,
+        vocab_size=tc.vocab_size,
+        draft_vocab_size=shape.draft_vocab_size,
+        target_hidden_size=hw,
+        rms_norm_eps=eps,
+        attention=wa,
         rope=dataclasses.replace(d.rope, dim=wa.head_dim),
         aux_layers=tuple(i + 1 for i in layers) if layers is not None else None,
-        raw=raw, draft_vocab_limit=d.draft_vocab_size,
+        raw=raw,
+        draft_vocab_limit=d.draft_vocab_size,
     )
     wide = wide_default_dtype(dtype, device, lambda: type(demo)(cfg, with_embeddings=True))
     _embed_eagle3(wide, demo, kappa)
@@ -151,7 +175,7 @@ def _embed_eagle3(wide, demo, kappa: float) -> None:
     fc = wide.fc.weight  # [Hw, 3 Hw]
     fc.zero_()
     for b in range(3):
-        fc[:hd, b * hw: b * hw + hd] = demo.fc.weight[:, b * hd: (b + 1) * hd].to(fc.dtype)
+        fc[:hd, b * hw : b * hw + hd] = demo.fc.weight[:, b * hd : (b + 1) * hd].to(fc.dtype)
     fc[hd, hd] = 1.0  # the feature carries the channel: that of the first fused layer
     for norm in ("input_layernorm", "hidden_norm", "post_attention_layernorm", "norm"):
         residual_norm(getattr(wide, norm).weight, getattr(demo, norm).weight, hw)
@@ -183,18 +207,21 @@ class DraftLMShape:
     intermediate_size: int
 
 
-DRAFT_LM_SHAPES: Mapping[str, DraftLMShape] = MappingProxyType({
-    # ~0.55 B parameters with the 163840-token tied embeddings: a small same-tokenizer draft for either target
-    "moonlight-16b-a3b": DraftLMShape(1536, 12, 16, 4, 96, 4096),
-    "kimi-k2.6": DraftLMShape(1536, 12, 16, 4, 96, 4096),
-    "small-moonlight": DraftLMShape(384, 4, 4, 2, 96, 1024),
-    "small-kimi-k2.6": DraftLMShape(384, 4, 4, 2, 96, 1024),
-})
+DRAFT_LM_SHAPES: Mapping[str, DraftLMShape] = MappingProxyType(
+    {
+        # ~0.55 B parameters with the 163840-token tied embeddings: a small same-tokenizer draft for either target
+        "moonlight-16b-a3b": DraftLMShape(1536, 12, 16, 4, 96, 4096),
+        "kimi-k2.6": DraftLMShape(1536, 12, 16, 4, 96, 4096),
+        "small-moonlight": DraftLMShape(384, 4, 4, 2, 96, 1024),
+        "small-kimi-k2.6": DraftLMShape(384, 4, 4, 2, 96, 1024),
+    }
+)
 
 
 @torch.no_grad()
-def scaled_draft_lm(checkpoint: str | Path, target: ModelName, device: str | torch.device, dtype: torch.dtype,
-                    seed: int = 0):
+def scaled_draft_lm(
+    checkpoint: str | Path, target: ModelName, device: str | torch.device, dtype: torch.dtype, seed: int = 0
+):
     """(model, config): the demo-size llama draft LM of `checkpoint` at the DRAFT_LM_SHAPES size for `target`, on
     `device` in `dtype` (module docstring)."""
     from specserve.models.causal_lm import build_model
@@ -211,19 +238,32 @@ def scaled_draft_lm(checkpoint: str | Path, target: ModelName, device: str | tor
     wa = GQAConfig(num_heads=shape.num_heads, num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim)
     bad = [] if isinstance(a, GQAConfig) else ["a GQA attention"]
     bad += check_gqa(a, wa, "attention") if not bad else []
-    bad += [f"{n} {x} > {y}" for n, x, y in (
-        ("hidden", dc.hidden_size, shape.hidden_size), ("layers", dc.num_layers, shape.num_layers),
-        ("intermediate", dc.intermediate_size, shape.intermediate_size), ("vocab", dc.vocab_size, tc.vocab_size))
-        if x > y]
+    bad += [
+        f"{n} {x} > {y}"
+        for n, x, y in (
+            ("hidden", dc.hidden_size, shape.hidden_size),
+            ("layers", dc.num_layers, shape.num_layers),
+            ("intermediate", dc.intermediate_size, shape.intermediate_size),
+            ("vocab", dc.vocab_size, tc.vocab_size),
+        )
+        if x > y
+    ]
     if dc.moe is not None or dc.rope.rope_type != "default":
         bad.append("a dense llama with default rope")
     if bad:
         raise ModelConfigError(f"the draft LM {checkpoint} does not scale to {target.name}: {', '.join(bad)}")
     hd, hw = dc.hidden_size, shape.hidden_size
     config = dataclasses.replace(
-        dc, hidden_size=hw, num_layers=shape.num_layers, intermediate_size=shape.intermediate_size, attention=wa,
-        rope=dataclasses.replace(dc.rope, dim=shape.head_dim), rms_norm_eps=dc.rms_norm_eps * hd / hw,
-        vocab_size=tc.vocab_size, logits_vocab_limit=dc.vocab_size)
+        dc,
+        hidden_size=hw,
+        num_layers=shape.num_layers,
+        intermediate_size=shape.intermediate_size,
+        attention=wa,
+        rope=dataclasses.replace(dc.rope, dim=shape.head_dim),
+        rms_norm_eps=dc.rms_norm_eps * hd / hw,
+        vocab_size=tc.vocab_size,
+        logits_vocab_limit=dc.vocab_size,
+    )
     model = wide_default_dtype(dtype, device, lambda: build_model(config))
     init_random_(model, seed)
     d, w = demo.model, model.model
@@ -233,8 +273,9 @@ def scaled_draft_lm(checkpoint: str | Path, target: ModelName, device: str | tor
     if model.lm_head is not None:
         head = model.lm_head.weight
         head[: dc.vocab_size] = 0.0
-        head[: dc.vocab_size, :hd] = (demo.lm_head.weight if demo.lm_head is not None
-                                      else d.embed_tokens.weight).to(head.dtype)
+        head[: dc.vocab_size, :hd] = (demo.lm_head.weight if demo.lm_head is not None else d.embed_tokens.weight).to(
+            head.dtype
+        )
     plain_norm(w.norm.weight, d.norm.weight, hw)
     positions = demo_positions(config.num_layers, dc.num_layers)
     for i, layer in enumerate(w.layers):
@@ -264,17 +305,20 @@ class DFlashShape:
     intermediate_size: int
 
 
-DFLASH_SHAPES: Mapping[str, DFlashShape] = MappingProxyType({
-    "moonlight-16b-a3b": DFlashShape(5, 32, 4, 128, 6144),
-    "kimi-k2.6": DFlashShape(5, 64, 8, 128, 18432),
-    "small-moonlight": DFlashShape(4, 8, 2, 128, 1024),
-    "small-kimi-k2.6": DFlashShape(4, 8, 2, 128, 1024),
-})
+DFLASH_SHAPES: Mapping[str, DFlashShape] = MappingProxyType(
+    {
+        "moonlight-16b-a3b": DFlashShape(5, 32, 4, 128, 6144),
+        "kimi-k2.6": DFlashShape(5, 64, 8, 128, 18432),
+        "small-moonlight": DFlashShape(4, 8, 2, 128, 1024),
+        "small-kimi-k2.6": DFlashShape(4, 8, 2, 128, 1024),
+    }
+)
 
 
 @torch.no_grad()
-def scaled_dflash(demo, checkpoint: str | Path, target: ModelName, device: str | torch.device, dtype: torch.dtype,
-                  seed: int = 0):
+def scaled_dflash(
+    demo, checkpoint: str | Path, target: ModelName, device: str | torch.device, dtype: torch.dtype, seed: int = 0
+):
     """The demo-size DFlash drafter `demo` (loaded from `checkpoint` on the CPU in float32, made for the demo `target`
     embeds, sharing its head) at the DFLASH_SHAPES size for `target`, on `device` in `dtype`: a module of demo's class
     (module docstring)."""
@@ -284,22 +328,39 @@ def scaled_dflash(demo, checkpoint: str | Path, target: ModelName, device: str |
     da = GQAConfig(num_heads=d.num_attention_heads, num_kv_heads=d.num_key_value_heads, head_dim=d.head_dim)
     wa = GQAConfig(num_heads=shape.num_heads, num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim)
     hd, hw = d.hidden_size, tc.hidden_size
-    bad = check_gqa(da, wa, "attention") + [f"{n} {x} > {y}" for n, x, y in (
-        ("layers", d.num_hidden_layers, shape.num_layers), ("hidden", hd, hw),
-        ("intermediate", d.intermediate_size, shape.intermediate_size)) if x > y]
+    bad = check_gqa(da, wa, "attention") + [
+        f"{n} {x} > {y}"
+        for n, x, y in (
+            ("layers", d.num_hidden_layers, shape.num_layers),
+            ("hidden", hd, hw),
+            ("intermediate", d.intermediate_size, shape.intermediate_size),
+        )
+        if x > y
+    ]
     if d.target_hidden_size != dc.hidden_size or d.vocab_size != dc.vocab_size:
-        bad.append(f"it reads target rows of {d.target_hidden_size} and a vocabulary of {d.vocab_size}, not the "
-                   f"demo's {dc.hidden_size} and {dc.vocab_size}")
+        bad.append(
+            f"it reads target rows of {d.target_hidden_size} and a vocabulary of {d.vocab_size}, not the "
+            f"demo's {dc.hidden_size} and {dc.vocab_size}"
+        )
     if not d.shared_target_head or d.qk_norm or d.mask_token_id is not None:
         bad.append("it must share the target's head, with a learned mask embedding and no qk norm")
     if bad:
         raise ModelConfigError(f"the DFlash drafter {checkpoint} does not scale to {target.name}: {', '.join(bad)}")
     positions = demo_positions(tc.num_layers, dc.num_layers)
     cfg = dataclasses.replace(
-        d, hidden_size=hw, num_hidden_layers=shape.num_layers, num_attention_heads=wa.num_heads,
-        num_key_value_heads=wa.num_kv_heads, head_dim=wa.head_dim, intermediate_size=shape.intermediate_size,
-        vocab_size=tc.vocab_size, target_hidden_size=hw, rms_norm_eps=d.rms_norm_eps * hd / hw,
-        target_layer_ids=tuple(positions[i] for i in d.target_layer_ids), logits_vocab_limit=d.vocab_size)
+        d,
+        hidden_size=hw,
+        num_hidden_layers=shape.num_layers,
+        num_attention_heads=wa.num_heads,
+        num_key_value_heads=wa.num_kv_heads,
+        head_dim=wa.head_dim,
+        intermediate_size=shape.intermediate_size,
+        vocab_size=tc.vocab_size,
+        target_hidden_size=hw,
+        rms_norm_eps=d.rms_norm_eps * hd / hw,
+        target_layer_ids=tuple(positions[i] for i in d.target_layer_ids),
+        logits_vocab_limit=d.vocab_size,
+    )
     model = wide_default_dtype(dtype, device, lambda: type(demo)(cfg))
     gen = torch.Generator(device=model.fc.weight.device).manual_seed(seed)
     for p in model.parameters():  # the silent layers' random weights (everything else is written below)

@@ -28,24 +28,29 @@ from specserve.models.scaled_demo import parse_scaled_spec
 from specserve.models.scaled_drafters import scaled_dflash
 from specserve.models.scaled_weights import corner, wide_default_dtype
 
-DSPARK_MARKOV_RANKS: Mapping[str, int] = MappingProxyType({
-    "moonlight-16b-a3b": 256,
-    "kimi-k2.6": 256,
-    "small-moonlight": 64,
-    "small-kimi-k2.6": 64,
-})
+DSPARK_MARKOV_RANKS: Mapping[str, int] = MappingProxyType(
+    {
+        "moonlight-16b-a3b": 256,
+        "kimi-k2.6": 256,
+        "small-moonlight": 64,
+        "small-kimi-k2.6": 64,
+    }
+)
 
 
 @torch.no_grad()
-def scaled_dspark(demo, checkpoint: str | Path, target: ModelName, device: str | torch.device, dtype: torch.dtype,
-                  seed: int = 0):
+def scaled_dspark(
+    demo, checkpoint: str | Path, target: ModelName, device: str | torch.device, dtype: torch.dtype, seed: int = 0
+):
     """The demo-size DSpark drafter `demo` (loaded from `checkpoint` on the CPU in float32) at `target`'s size, on
     `device` in `dtype`: a module of demo's class (module docstring)."""
     name, _ = parse_scaled_spec(target.name)
     rank = DSPARK_MARKOV_RANKS[name]
     if demo.spark_cfg.markov_rank > rank:
-        raise ModelConfigError(f"the DSpark drafter {checkpoint} does not scale to {target.name}: markov_rank "
-                               f"{demo.spark_cfg.markov_rank} > {rank}")
+        raise ModelConfigError(
+            f"the DSpark drafter {checkpoint} does not scale to {target.name}: markov_rank "
+            f"{demo.spark_cfg.markov_rank} > {rank}"
+        )
     block = scaled_dflash(demo.block, checkpoint, target, device, dtype, seed)
     cfg = dataclasses.replace(demo.spark_cfg, block=block.cfg, markov_rank=rank)
     wide = wide_default_dtype(dtype, device, lambda: type(demo)(cfg, block))

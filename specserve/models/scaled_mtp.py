@@ -47,13 +47,25 @@ def scaled_mtp_config(target: ModelConfig, demo_block: ModelConfig) -> ModelConf
     target's width, logits past the demo's ids -inf."""
     moe = dataclasses.replace(target.moe, layers=(0,)) if target.moe is not None else None
     hd, hw = demo_block.hidden_size, target.hidden_size
-    return dataclasses.replace(target, num_layers=1, moe=moe, rms_norm_eps=demo_block.rms_norm_eps * hd / hw,
-                               logits_vocab_limit=demo_block.vocab_size)
+    return dataclasses.replace(
+        target,
+        num_layers=1,
+        moe=moe,
+        rms_norm_eps=demo_block.rms_norm_eps * hd / hw,
+        logits_vocab_limit=demo_block.vocab_size,
+    )
 
 
 @torch.no_grad()
-def scaled_mtp_layer(demo, demo_spec, folder: str | Path, target: ModelName, device: str | torch.device,
-                     dtype: torch.dtype, seed: int = 0):
+def scaled_mtp_layer(
+    demo,
+    demo_spec,
+    folder: str | Path,
+    target: ModelName,
+    device: str | torch.device,
+    dtype: torch.dtype,
+    seed: int = 0,
+):
     """(layer, spec): the demo-size MTP layer `demo` with its spec `demo_spec` (loaded from `folder`, layer N of the
     demo that `target` embeds, in float32 on `device`: the MoE routers are written by index_put_, which takes values
     on the destination's device only) at `target`'s size, on `device` in `dtype`: a layer of demo's class and a spec
@@ -63,9 +75,15 @@ def scaled_mtp_layer(demo, demo_spec, folder: str | Path, target: ModelName, dev
     tc, dc = target.config(), target.demo_config()
     db = demo_spec.block
     block = scaled_mtp_config(tc, db)
-    bad = [f"{what} {x} vs {y}" for what, x, y in (
-        ("the demo's layers", demo_spec.num_target_layers, dc.num_layers), ("hidden", db.hidden_size, dc.hidden_size),
-        ("MoE", bool(db.moe_layers), bool(block.moe_layers))) if x != y]
+    bad = [
+        f"{what} {x} vs {y}"
+        for what, x, y in (
+            ("the demo's layers", demo_spec.num_target_layers, dc.num_layers),
+            ("hidden", db.hidden_size, dc.hidden_size),
+            ("MoE", bool(db.moe_layers), bool(block.moe_layers)),
+        )
+        if x != y
+    ]
     if bad:
         raise ModelConfigError(f"the MTP layer {folder} does not scale to {target.name}: {', '.join(bad)}")
     wide = wide_default_dtype(dtype, device, lambda: type(demo)(block, target_eps=tc.rms_norm_eps))

@@ -45,8 +45,13 @@ def rows(heads: torch.Tensor, dims: torch.Tensor, wide_dim: int) -> torch.Tensor
     return (heads[:, None] * wide_dim + dims[None, :]).flatten()
 
 
-def project(wide: torch.Tensor, demo: torch.Tensor, rows: torch.Tensor | None = None,
-             cols: torch.Tensor | None = None, scale: float = 1.0) -> None:
+def project(
+    wide: torch.Tensor,
+    demo: torch.Tensor,
+    rows: torch.Tensor | None = None,
+    cols: torch.Tensor | None = None,
+    scale: float = 1.0,
+) -> None:
     """wide [R, C] zero but wide[rows[i], cols[j]] = demo[i, j] * scale (rows / cols default: the first ones)."""
     wide.zero_()
     r = (torch.arange(demo.shape[0]) if rows is None else rows).to(wide.device)
@@ -59,8 +64,13 @@ def gqa_(wide, demo, d: GQAConfig, w: GQAConfig, cols: torch.Tensor | None = Non
     q scaled for the softmax scale; `cols`: the wide input column of each demo input column."""
     q_heads, kv_heads = heads(d, w)
     dims, v_dims = head_dims(d.head_dim, w.head_dim), torch.arange(d.head_dim)
-    project(wide.q_proj.weight, demo.q_proj.weight, rows(q_heads, dims, w.head_dim), cols,
-             math.sqrt(w.head_dim / d.head_dim))
+    project(
+        wide.q_proj.weight,
+        demo.q_proj.weight,
+        rows(q_heads, dims, w.head_dim),
+        cols,
+        math.sqrt(w.head_dim / d.head_dim),
+    )
     project(wide.k_proj.weight, demo.k_proj.weight, rows(kv_heads, dims, w.head_dim), cols)
     project(wide.v_proj.weight, demo.v_proj.weight, rows(kv_heads, v_dims, w.head_dim), cols)
     project(wide.o_proj.weight, demo.o_proj.weight, None, rows(q_heads, v_dims, w.head_dim))
@@ -88,7 +98,6 @@ def check_gqa(d: GQAConfig, w: GQAConfig, what: str) -> list[str]:
     if d.bias or d.qk_norm or d.sliding_window:
         bad.append("bias / qk norm / sliding window")
     return [f"{what}: {b}" for b in bad]
-
 
 
 def wide_default_dtype(dtype: torch.dtype, device, build):

@@ -67,7 +67,7 @@ class RowsStep:
         self.rows = PagedRows(tables.view(b, nb), kv_lens, starts, row_req, row_idx, tree, paths)
         view = self._ints_host.numpy()  # numpy views of the pinned staging, one per field
         offsets = np.cumsum((0,) + self._sizes)
-        self._h = [view[offsets[i]: offsets[i + 1]] for i in range(5)]
+        self._h = [view[offsets[i] : offsets[i + 1]] for i in range(5)]
         self._h[0] = self._h[0].reshape(b, nb)
         self._h_mask = None if self._mask_host is None else self._mask_host.numpy()
         # paths of a chain (row i: new tokens 0..i, then zeros): the tree_paths form of a causal request, built once
@@ -76,8 +76,7 @@ class RowsStep:
         # split-kv partial results: [N * heads * splits * (width + 2)] fp32, allocated once per step shape
         self.workspace = None
         if shape.num_splits > 1:
-            self.workspace = torch.empty(n * heads * shape.num_splits * (width + 2), dtype=torch.float32,
-                                         device=device)
+            self.workspace = torch.empty(n * heads * shape.num_splits * (width + 2), dtype=torch.float32, device=device)
         # the last copies out of the staging buffers: refilling them first waits for it (never in practice: a step
         # ends with a device-to-host read of its results, long after its metadata copies ran)
         self._copied = torch.cuda.Event() if pinned else None
@@ -85,7 +84,11 @@ class RowsStep:
     def fill(self, attn: AttentionBatch, block_size: int) -> None:
         """Write attn's metadata into the host staging, then copy it to the device buffers (asynchronously)."""
         s = self.shape
-        if attn.num_seqs > s.num_requests or attn.num_rows > s.num_rows or max(attn.query_lens) > (s.max_new or 1 << 30):
+        if (
+            attn.num_seqs > s.num_requests
+            or attn.num_rows > s.num_rows
+            or max(attn.query_lens) > (s.max_new or 1 << 30)
+        ):
             raise TritonPagedError(f"step {attn.query_lens} does not fit the step shape {s}")
         if s.max_new is None and any(m is not None for m in attn.tree_masks):
             raise TritonPagedError("a tree step in a causal (mask-free) step shape")
@@ -136,8 +139,14 @@ class TritonPagedBackend(PagedBackend):
     error = TritonPagedError
     what = "Triton paged attention"
 
-    def __init__(self, attn_module: torch.nn.Module, block_size: int, device: torch.device | str,
-                 invariant: bool = False, max_window: int = 0) -> None:
+    def __init__(
+        self,
+        attn_module: torch.nn.Module,
+        block_size: int,
+        device: torch.device | str,
+        invariant: bool = False,
+        max_window: int = 0,
+    ) -> None:
         super().__init__(block_size)
         # invariant steps: one split count for every step (from max_window) and per-row split ranges sized from what
         # each row sees, so a row's tiles and the order they are merged in depend on neither the step's rows nor its
@@ -158,8 +167,9 @@ class TritonPagedBackend(PagedBackend):
         programs = num_rows * self.num_kv_heads
         fixed = self._fixed_splits if num_rows <= INVARIANT_MAX_ROWS else None  # prefills: the usual split count
         splits, chunk = fixed or (num_splits_for(max(max_kv, self._split_window), programs), 0)
-        shape = RowsShape(num_requests, num_rows, -(-max_kv // self.block_size), max_new, splits, chunk,
-                          paths=fixed is not None)
+        shape = RowsShape(
+            num_requests, num_rows, -(-max_kv // self.block_size), max_new, splits, chunk, paths=fixed is not None
+        )
         return RowsStep(shape, self.device, self.num_heads, self.width)
 
     def new_graph_step(self, shape) -> RowsStep:
@@ -185,14 +195,28 @@ class TritonPagedBackend(PagedBackend):
     def gqa_cached(self, layer: int, q: torch.Tensor, attn: AttentionBatch, kv_cache: PagedKVCache) -> torch.Tensor:
         """q [T, Hq, D] over a cache that already holds this step's K/V -> [T, Hq, D]."""
         step = self._planned(attn)
-        return paged_gqa_attention(q, kv_cache.layers[layer], step.rows, self.scale,
-                                   num_splits=step.shape.num_splits, workspace=step.workspace,
-                                   split_chunk=step.shape.split_chunk)
+        return paged_gqa_attention(
+            q,
+            kv_cache.layers[layer],
+            step.rows,
+            self.scale,
+            num_splits=step.shape.num_splits,
+            workspace=step.workspace,
+            split_chunk=step.shape.split_chunk,
+        )
 
-    def mla_cached(self, layer: int, q_nope: torch.Tensor, q_pe: torch.Tensor, attn: AttentionBatch,
-                   kv_cache: PagedKVCache) -> torch.Tensor:
+    def mla_cached(
+        self, layer: int, q_nope: torch.Tensor, q_pe: torch.Tensor, attn: AttentionBatch, kv_cache: PagedKVCache
+    ) -> torch.Tensor:
         """Absorbed MLA over a cache that already holds this step's entries -> [T, H, R]."""
         step = self._planned(attn)
-        return paged_mla_attention(q_nope, q_pe, kv_cache.layers[layer], step.rows, self.scale,
-                                   num_splits=step.shape.num_splits, workspace=step.workspace,
-                                   split_chunk=step.shape.split_chunk)
+        return paged_mla_attention(
+            q_nope,
+            q_pe,
+            kv_cache.layers[layer],
+            step.rows,
+            self.scale,
+            num_splits=step.shape.num_splits,
+            workspace=step.workspace,
+            split_chunk=step.shape.split_chunk,
+        )

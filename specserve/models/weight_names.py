@@ -39,7 +39,11 @@ def resolve(name: str, num_layers: int, tied_embeddings: bool, num_experts: int)
     m = _PER_EXPERT.match(name)
     if m:
         shard_id, expert = _PROJ_TO_SHARD[m["proj"]], int(m["expert"])
-        return Target(f"{m['prefix']}.{_SHARD_TO_PARAM[shard_id]}", {"expert": expert, "shard_id": shard_id}, ((expert, shard_id),))
+        return Target(
+            f"{m['prefix']}.{_SHARD_TO_PARAM[shard_id]}",
+            {"expert": expert, "shard_id": shard_id},
+            ((expert, shard_id),),
+        )
     m = _FUSED.match(name)
     if m:
         shard_id = "gate_up" if m["proj"] == "gate_up_proj" else "down"

@@ -160,15 +160,20 @@ class ShmSessions:
         try:
             channel = ShmChannel.create(self.config.ring)
         except OSError as exc:
-            print(f"{self.role}: no shared-memory channel ({exc}); session {session_id[:40]} uses gRPC",
-                  file=sys.stderr, flush=True)
+            print(
+                f"{self.role}: no shared-memory channel ({exc}); session {session_id[:40]} uses gRPC",
+                file=sys.stderr,
+                flush=True,
+            )
             return ""
         deadline = None if deadline_s is None else time.monotonic() + deadline_s
         task = asyncio.get_running_loop().create_task(
             self._serve(session_id, channel, deadline), name=f"{self.role}-shm-{session_id[:16]}"
         )
         self._tasks[session_id] = task
-        task.add_done_callback(lambda t, sid=session_id: self._tasks.pop(sid, None) if self._tasks.get(sid) is t else None)
+        task.add_done_callback(
+            lambda t, sid=session_id: self._tasks.pop(sid, None) if self._tasks.get(sid) is t else None
+        )
         return channel.ticket
 
     @property
@@ -237,7 +242,9 @@ class ShmSessions:
             while True:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
-                    await channel.asend(encode_status(grpc.StatusCode.DEADLINE_EXCEEDED, "the session's deadline passed"))
+                    await channel.asend(
+                        encode_status(grpc.StatusCode.DEADLINE_EXCEEDED, "the session's deadline passed")
+                    )
                     return
                 try:
                     frame = await channel.arecv(left)

@@ -107,7 +107,9 @@ class FdServer:
         callers: dict[socket.socket, _Caller] = {}
         try:
             while True:
-                timeout = None if not callers else max(0.0, min(c.deadline for c in callers.values()) - time.monotonic())
+                timeout = (
+                    None if not callers else max(0.0, min(c.deadline for c in callers.values()) - time.monotonic())
+                )
                 for key, _ in sel.select(timeout):
                     what, obj = key.data
                     if what == "wake":

@@ -119,7 +119,9 @@ class HiddenHandle:
         if self.kind not in KINDS:
             raise HiddenShareError(f"hidden_share.kind: {self.kind[:40]!r} is not one of {list(KINDS)}")
         if self.rows < 1 or self.cols < 1:
-            raise HiddenShareError(f"hidden_share.shape: [{self.rows}, {self.cols}] is not a [rows >= 1, cols >= 1] buffer")
+            raise HiddenShareError(
+                f"hidden_share.shape: [{self.rows}, {self.cols}] is not a [rows >= 1, cols >= 1] buffer"
+            )
         if self.dtype not in DTYPES:
             raise HiddenShareError(f"hidden_share.dtype: {self.dtype[:40]!r} is not one of {sorted(DTYPES)}")
         if not 0 < len(self.handle) <= MAX_HANDLE_BYTES:
@@ -130,7 +132,9 @@ class HiddenHandle:
         return self.rows * self.cols * DTYPES[self.dtype].itemsize
 
     def to_proto(self) -> common_pb2.HiddenShare:
-        return common_pb2.HiddenShare(kind=self.kind, shape=[self.rows, self.cols], dtype=self.dtype, handle=self.handle)
+        return common_pb2.HiddenShare(
+            kind=self.kind, shape=[self.rows, self.cols], dtype=self.dtype, handle=self.handle
+        )
 
     @classmethod
     def from_proto(cls, msg: common_pb2.HiddenShare) -> HiddenHandle:
@@ -145,8 +149,14 @@ class HiddenBuffer:
     and the ``handle`` to hand over once. ``withdraw`` ends a host_shm buffer's offer (its name goes;
     idempotent); ``close`` frees the buffer (the drafter's mapping, if any, stays valid until it closes its own)."""
 
-    def __init__(self, tensor: torch.Tensor, handle: HiddenHandle, shm: Segment | None,
-                 server: FdServer | None = None, offer: str = "") -> None:
+    def __init__(
+        self,
+        tensor: torch.Tensor,
+        handle: HiddenHandle,
+        shm: Segment | None,
+        server: FdServer | None = None,
+        offer: str = "",
+    ) -> None:
         self.tensor = tensor  # [rows, cols]
         self.handle = handle
         self._shm = shm
@@ -157,8 +167,9 @@ class HiddenBuffer:
         return self.handle.rows
 
     @classmethod
-    def create(cls, rows: int, cols: int, dtype: torch.dtype, device: torch.device | str,
-               server: FdServer | None = None) -> HiddenBuffer:
+    def create(
+        cls, rows: int, cols: int, dtype: torch.dtype, device: torch.device | str, server: FdServer | None = None
+    ) -> HiddenBuffer:
         """Raises HiddenShareError (a dtype with no name here, no room for a segment, no device memory, no
         ``server`` to offer a host_shm segment from)."""
         if dtype not in _DTYPE_NAMES:
@@ -239,12 +250,36 @@ def _cuda_handle(tensor: torch.Tensor) -> bytes:
     from torch.multiprocessing.reductions import reduce_tensor
 
     _, args = reduce_tensor(tensor)
-    (_, size, stride, offset, _, _, device, handle, storage_bytes, storage_offset, _, ref_handle, ref_offset,
-     event_handle, event_sync) = args
-    fields = dict(size=list(size), stride=list(stride), offset=int(offset), device=int(device),
-                  handle=bytes(handle).hex(), storage_bytes=int(storage_bytes), storage_offset=int(storage_offset),
-                  ref_handle=bytes(ref_handle).hex(), ref_offset=int(ref_offset),
-                  event_handle=bytes(event_handle or b"").hex(), event_sync=bool(event_sync))
+    (
+        _,
+        size,
+        stride,
+        offset,
+        _,
+        _,
+        device,
+        handle,
+        storage_bytes,
+        storage_offset,
+        _,
+        ref_handle,
+        ref_offset,
+        event_handle,
+        event_sync,
+    ) = args
+    fields = dict(
+        size=list(size),
+        stride=list(stride),
+        offset=int(offset),
+        device=int(device),
+        handle=bytes(handle).hex(),
+        storage_bytes=int(storage_bytes),
+        storage_offset=int(storage_offset),
+        ref_handle=bytes(ref_handle).hex(),
+        ref_offset=int(ref_offset),
+        event_handle=bytes(event_handle or b"").hex(),
+        event_sync=bool(event_sync),
+    )
     return json.dumps(fields, separators=(",", ":")).encode()
 
 
@@ -284,8 +319,10 @@ def _check_segment(fd: int, name: str, key: bytes, handle: HiddenHandle) -> None
     except SegmentRefused as exc:
         raise HiddenShareError(f"hidden_share: {name}: {exc}") from None
     if size < _HEADER + handle.nbytes:
-        raise HiddenShareError(f"hidden_share: segment {name} has {max(0, size - _HEADER)} bytes of rows, the "
-                               f"handle's [{handle.rows}, {handle.cols}] {handle.dtype} needs {handle.nbytes}")
+        raise HiddenShareError(
+            f"hidden_share: segment {name} has {max(0, size - _HEADER)} bytes of rows, the "
+            f"handle's [{handle.rows}, {handle.cols}] {handle.dtype} needs {handle.nbytes}"
+        )
     if not hmac.compare_digest(os.pread(fd, len(_MAGIC) + _KEY_BYTES, 0), _MAGIC + key):
         raise HiddenShareDenied(f"hidden_share: segment {name} is not the buffer this handle's key opens")
 
@@ -312,8 +349,10 @@ class HiddenView:
         except (ValueError, KeyError, TypeError, RuntimeError) as exc:
             raise HiddenShareError(f"hidden_share: cannot open the cuda_ipc handle: {str(exc)[:200]}") from None
         if tuple(tensor.shape) != (handle.rows, handle.cols) or tensor.dtype != DTYPES[handle.dtype]:
-            raise HiddenShareError(f"hidden_share: the cuda_ipc buffer is {tuple(tensor.shape)} {tensor.dtype}, "
-                                   f"the handle says [{handle.rows}, {handle.cols}] {handle.dtype}")
+            raise HiddenShareError(
+                f"hidden_share: the cuda_ipc buffer is {tuple(tensor.shape)} {tensor.dtype}, "
+                f"the handle says [{handle.rows}, {handle.cols}] {handle.dtype}"
+            )
         return cls(tensor, handle, None)
 
     @classmethod
@@ -346,8 +385,19 @@ def _open_cuda(handle: HiddenHandle) -> torch.Tensor:
     f = json.loads(handle.handle.decode())
     dtype = DTYPES[handle.dtype]
     return rebuild_cuda_tensor(
-        torch.Tensor, torch.Size(int(x) for x in f["size"]), tuple(int(x) for x in f["stride"]), int(f["offset"]),
-        torch.storage.TypedStorage, dtype, int(f["device"]), bytes.fromhex(f["handle"]), int(f["storage_bytes"]),
-        int(f["storage_offset"]), False, bytes.fromhex(f["ref_handle"]), int(f["ref_offset"]),
-        bytes.fromhex(f["event_handle"]) or None, bool(f["event_sync"]),
+        torch.Tensor,
+        torch.Size(int(x) for x in f["size"]),
+        tuple(int(x) for x in f["stride"]),
+        int(f["offset"]),
+        torch.storage.TypedStorage,
+        dtype,
+        int(f["device"]),
+        bytes.fromhex(f["handle"]),
+        int(f["storage_bytes"]),
+        int(f["storage_offset"]),
+        False,
+        bytes.fromhex(f["ref_handle"]),
+        int(f["ref_offset"]),
+        bytes.fromhex(f["event_handle"]) or None,
+        bool(f["event_sync"]),
     )

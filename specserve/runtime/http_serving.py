@@ -158,9 +158,16 @@ class HttpServer:
 
         def uvicorn_config(http="auto") -> uvicorn.Config:
             return uvicorn.Config(
-                app, log_config=None, log_level="warning", access_log=False, lifespan="off",
-                timeout_graceful_shutdown=config.grace_s, server_header=False, http=http,
-                timeout_keep_alive=config.keep_alive_s, limit_concurrency=config.limit_concurrency,
+                app,
+                log_config=None,
+                log_level="warning",
+                access_log=False,
+                lifespan="off",
+                timeout_graceful_shutdown=config.grace_s,
+                server_header=False,
+                http=http,
+                timeout_keep_alive=config.keep_alive_s,
+                limit_concurrency=config.limit_concurrency,
             )
 
         base = uvicorn_config()

@@ -80,64 +80,149 @@ class Instrument:
         return f"{base}_{suffix}" if suffix and not base.endswith("_" + suffix) else base
 
 
-_PROMETHEUS_UNITS = {"s": "seconds", "ms": "milliseconds", "{token}": "", "{request}": "", "{token}/s": "per_second",
-                     "{session}": "", "{block}": "", "{step}": "", "{proposal}": "", "1": "ratio"}
+_PROMETHEUS_UNITS = {
+    "s": "seconds",
+    "ms": "milliseconds",
+    "{token}": "",
+    "{request}": "",
+    "{token}/s": "per_second",
+    "{session}": "",
+    "{block}": "",
+    "{step}": "",
+    "{proposal}": "",
+    "1": "ratio",
+}
 
 # ---------------------------------------------------------------------------------------- gateway
-DRAFTED = Instrument("specserve.spec.drafted", "counter", "{token}", "Drafted tokens sent to the target for verification",
-                     labels=(DRAFT_LABEL,))
-ACCEPTED = Instrument("specserve.spec.accepted", "counter", "{token}",
-                      "Drafted tokens the target accepted (acceptance rate = accepted / drafted)", labels=(DRAFT_LABEL,))
-ACCEPTED_LENGTH_H = Instrument("specserve.spec.accepted_length", "histogram", "{token}",
-                               "Tokens emitted per verify step (accepted + 1)", ACCEPTED_LENGTH, (DRAFT_LABEL,))
-ACCEPTED_PER_POSITION = Instrument("specserve.spec.accepted_per_position", "counter", "{token}",
-                                   "Acceptances of drafted position i (label position)", labels=(DRAFT_LABEL, "position"))
-STEP_LATENCY = Instrument("specserve.spec.step_latency", "histogram", "ms",
-                          "Wall time of one speculative step (propose + verify) as the gateway sees it", STEP_MS,
-                          (DRAFT_LABEL,))
-REQUEST_TOKENS_PER_S = Instrument("specserve.request.tokens", "histogram", "{token}/s",
-                                  "Decode throughput of a request: tokens after the first over the time after the first",
-                                  TOKENS_PER_S)
-TTFT = Instrument("specserve.request.ttft", "histogram", "s",
-                  "Time to first token: the request's arrival (admission queue included) to its first token", LATENCY_S)
-E2E = Instrument("specserve.request.e2e_latency", "histogram", "s",
-                 "End-to-end latency of a finished request: arrival to final message", LATENCY_S)
-INTER_TOKEN = Instrument("specserve.request.inter_token_latency", "histogram", "s",
-                         "Inter-token latency: the gap between two deltas shared by the tokens of the later one "
-                         "(one observation per output token after the first)", INTER_TOKEN_S)
-QUEUE_TIME = Instrument("specserve.request.queue_time", "histogram", "s",
-                        "Time a request waited for admission (a running slot)", LATENCY_S)
-PROMPT_TOKENS_H = Instrument("specserve.request.prompt_tokens", "histogram", "{token}", "Prompt tokens of a finished request",
-                             TOKEN_COUNTS)
-COMPLETION_TOKENS_H = Instrument("specserve.request.completion_tokens", "histogram", "{token}",
-                                 "Completion tokens of a finished request", TOKEN_COUNTS)
-REQUESTS = Instrument("specserve.requests", "counter", "{request}", "Finished requests",
-                      labels=(FINISH_LABEL, DRAFT_LABEL))
-REJECTED = Instrument("specserve.requests.rejected", "counter", "{request}",
-                      "Requests refused before they ran (reason: invalid = a bad field, busy = the admission queue "
-                      "was full)", labels=(REASON_LABEL,))
-CANCELLED = Instrument("specserve.requests.cancelled", "counter", "{request}",
-                       "Admitted requests the client cancelled or hung up on before their final message")
-FAILED = Instrument("specserve.requests.failed", "counter", "{request}",
-                    "Admitted requests that ended with an error status (code: the gRPC status)", labels=(CODE_LABEL,))
+DRAFTED = Instrument(
+    "specserve.spec.drafted",
+    "counter",
+    "{token}",
+    "Drafted tokens sent to the target for verification",
+    labels=(DRAFT_LABEL,),
+)
+ACCEPTED = Instrument(
+    "specserve.spec.accepted",
+    "counter",
+    "{token}",
+    "Drafted tokens the target accepted (acceptance rate = accepted / drafted)",
+    labels=(DRAFT_LABEL,),
+)
+ACCEPTED_LENGTH_H = Instrument(
+    "specserve.spec.accepted_length",
+    "histogram",
+    "{token}",
+    "Tokens emitted per verify step (accepted + 1)",
+    ACCEPTED_LENGTH,
+    (DRAFT_LABEL,),
+)
+ACCEPTED_PER_POSITION = Instrument(
+    "specserve.spec.accepted_per_position",
+    "counter",
+    "{token}",
+    "Acceptances of drafted position i (label position)",
+    labels=(DRAFT_LABEL, "position"),
+)
+STEP_LATENCY = Instrument(
+    "specserve.spec.step_latency",
+    "histogram",
+    "ms",
+    "Wall time of one speculative step (propose + verify) as the gateway sees it",
+    STEP_MS,
+    (DRAFT_LABEL,),
+)
+REQUEST_TOKENS_PER_S = Instrument(
+    "specserve.request.tokens",
+    "histogram",
+    "{token}/s",
+    "Decode throughput of a request: tokens after the first over the time after the first",
+    TOKENS_PER_S,
+)
+TTFT = Instrument(
+    "specserve.request.ttft",
+    "histogram",
+    "s",
+    "Time to first token: the request's arrival (admission queue included) to its first token",
+    LATENCY_S,
+)
+E2E = Instrument(
+    "specserve.request.e2e_latency",
+    "histogram",
+    "s",
+    "End-to-end latency of a finished request: arrival to final message",
+    LATENCY_S,
+)
+INTER_TOKEN = Instrument(
+    "specserve.request.inter_token_latency",
+    "histogram",
+    "s",
+    "Inter-token latency: the gap between two deltas shared by the tokens of the later one "
+    "(one observation per output token after the first)",
+    INTER_TOKEN_S,
+)
+QUEUE_TIME = Instrument(
+    "specserve.request.queue_time", "histogram", "s", "Time a request waited for admission (a running slot)", LATENCY_S
+)
+PROMPT_TOKENS_H = Instrument(
+    "specserve.request.prompt_tokens", "histogram", "{token}", "Prompt tokens of a finished request", TOKEN_COUNTS
+)
+COMPLETION_TOKENS_H = Instrument(
+    "specserve.request.completion_tokens",
+    "histogram",
+    "{token}",
+    "Completion tokens of a finished request",
+    TOKEN_COUNTS,
+)
+REQUESTS = Instrument(
+    "specserve.requests", "counter", "{request}", "Finished requests", labels=(FINISH_LABEL, DRAFT_LABEL)
+)
+REJECTED = Instrument(
+    "specserve.requests.rejected",
+    "counter",
+    "{request}",
+    "Requests refused before they ran (reason: invalid = a bad field, busy = the admission queue was full)",
+    labels=(REASON_LABEL,),
+)
+CANCELLED = Instrument(
+    "specserve.requests.cancelled",
+    "counter",
+    "{request}",
+    "Admitted requests the client cancelled or hung up on before their final message",
+)
+FAILED = Instrument(
+    "specserve.requests.failed",
+    "counter",
+    "{request}",
+    "Admitted requests that ended with an error status (code: the gRPC status)",
+    labels=(CODE_LABEL,),
+)
 PROMPT_TOKENS = Instrument("specserve.prompt_tokens", "counter", "{token}", "Prompt tokens of finished requests")
-COMPLETION_TOKENS = Instrument("specserve.completion_tokens", "counter", "{token}",
-                               "Completion tokens of finished requests")
-GATEWAY_REQUESTS_RUNNING_I = Instrument("specserve.gateway.requests_running", "gauge", "{request}",
-                                        "Admitted requests running now")
-GATEWAY_REQUESTS_QUEUED_I = Instrument("specserve.gateway.requests_queued", "gauge", "{request}",
-                                       "Requests waiting for admission now")
+COMPLETION_TOKENS = Instrument(
+    "specserve.completion_tokens", "counter", "{token}", "Completion tokens of finished requests"
+)
+GATEWAY_REQUESTS_RUNNING_I = Instrument(
+    "specserve.gateway.requests_running", "gauge", "{request}", "Admitted requests running now"
+)
+GATEWAY_REQUESTS_QUEUED_I = Instrument(
+    "specserve.gateway.requests_queued", "gauge", "{request}", "Requests waiting for admission now"
+)
 
 # ---------------------------------------------------------------------------- target and draft
 TARGET_SESSIONS_I = Instrument("specserve.target.sessions", "gauge", "{session}", "Open target sessions")
-TARGET_KV_BLOCKS_RESERVED_I = Instrument("specserve.target.kv_blocks_reserved", "gauge", "{block}",
-                                         "KV-cache blocks reserved by the open sessions at admission")
+TARGET_KV_BLOCKS_RESERVED_I = Instrument(
+    "specserve.target.kv_blocks_reserved",
+    "gauge",
+    "{block}",
+    "KV-cache blocks reserved by the open sessions at admission",
+)
 TARGET_KV_BLOCKS_TOTAL_I = Instrument("specserve.target.kv_blocks_total", "gauge", "{block}", "KV-cache blocks in all")
-TARGET_VERIFY_STEPS_I = Instrument("specserve.target.verify_steps", "observable_counter", "{step}",
-                                   "Verify steps the target served")
+TARGET_VERIFY_STEPS_I = Instrument(
+    "specserve.target.verify_steps", "observable_counter", "{step}", "Verify steps the target served"
+)
 DRAFT_SESSIONS_I = Instrument("specserve.draft.sessions", "gauge", "{session}", "Open draft sessions")
-DRAFT_PROPOSALS_I = Instrument("specserve.draft.proposals", "observable_counter", "{proposal}",
-                               "Proposals the draft service served")
+DRAFT_PROPOSALS_I = Instrument(
+    "specserve.draft.proposals", "observable_counter", "{proposal}", "Proposals the draft service served"
+)
 
 # names of the observable instruments (the readings are the services')
 GATEWAY_REQUESTS_RUNNING = GATEWAY_REQUESTS_RUNNING_I.name
@@ -150,21 +235,48 @@ DRAFT_SESSIONS = DRAFT_SESSIONS_I.name
 DRAFT_PROPOSALS = DRAFT_PROPOSALS_I.name
 
 GATEWAY_INSTRUMENTS = (
-    DRAFTED, ACCEPTED, ACCEPTED_LENGTH_H, ACCEPTED_PER_POSITION, STEP_LATENCY, REQUEST_TOKENS_PER_S, TTFT, E2E,
-    INTER_TOKEN, QUEUE_TIME, PROMPT_TOKENS_H, COMPLETION_TOKENS_H, REQUESTS, REJECTED, CANCELLED, FAILED,
-    PROMPT_TOKENS, COMPLETION_TOKENS, GATEWAY_REQUESTS_RUNNING_I, GATEWAY_REQUESTS_QUEUED_I,
+    DRAFTED,
+    ACCEPTED,
+    ACCEPTED_LENGTH_H,
+    ACCEPTED_PER_POSITION,
+    STEP_LATENCY,
+    REQUEST_TOKENS_PER_S,
+    TTFT,
+    E2E,
+    INTER_TOKEN,
+    QUEUE_TIME,
+    PROMPT_TOKENS_H,
+    COMPLETION_TOKENS_H,
+    REQUESTS,
+    REJECTED,
+    CANCELLED,
+    FAILED,
+    PROMPT_TOKENS,
+    COMPLETION_TOKENS,
+    GATEWAY_REQUESTS_RUNNING_I,
+    GATEWAY_REQUESTS_QUEUED_I,
 )
-SERVICE_INSTRUMENTS = {i.name: i for i in (
-    GATEWAY_REQUESTS_RUNNING_I, GATEWAY_REQUESTS_QUEUED_I, TARGET_SESSIONS_I, TARGET_KV_BLOCKS_RESERVED_I,
-    TARGET_KV_BLOCKS_TOTAL_I, TARGET_VERIFY_STEPS_I, DRAFT_SESSIONS_I, DRAFT_PROPOSALS_I,
-)}
+SERVICE_INSTRUMENTS = {
+    i.name: i
+    for i in (
+        GATEWAY_REQUESTS_RUNNING_I,
+        GATEWAY_REQUESTS_QUEUED_I,
+        TARGET_SESSIONS_I,
+        TARGET_KV_BLOCKS_RESERVED_I,
+        TARGET_KV_BLOCKS_TOTAL_I,
+        TARGET_VERIFY_STEPS_I,
+        DRAFT_SESSIONS_I,
+        DRAFT_PROPOSALS_I,
+    )
+}
 
 
 def _make(meter, inst: Instrument):
     if inst.kind == "counter":
         return meter.create_counter(inst.name, unit=inst.unit, description=inst.help)
-    return meter.create_histogram(inst.name, unit=inst.unit, description=inst.help,
-                                  explicit_bucket_boundaries_advisory=list(inst.buckets))
+    return meter.create_histogram(
+        inst.name, unit=inst.unit, description=inst.help, explicit_bucket_boundaries_advisory=list(inst.buckets)
+    )
 
 
 class StepRecorder:
@@ -229,8 +341,9 @@ class SpecMetrics:
         """Each histogram and the label sets it has from the start (ZeroFilled fills the empty ones)."""
         with self._lock:
             drafts = tuple({DRAFT_LABEL: d} for d in self._drafts)
-        return [(i, drafts if i.labels == (DRAFT_LABEL,) else ({},))
-                for i in GATEWAY_INSTRUMENTS if i.kind == "histogram"]
+        return [
+            (i, drafts if i.labels == (DRAFT_LABEL,) else ({},)) for i in GATEWAY_INSTRUMENTS if i.kind == "histogram"
+        ]
 
     def steps(self, draft: str) -> StepRecorder:
         return StepRecorder(self, draft)
@@ -243,7 +356,12 @@ class SpecMetrics:
                 self.inter_token.record(each)
 
     def record_request(
-        self, stats: Mapping, finish_reason: str, draft_name: str, prompt_tokens: int = 0, completion_tokens: int = 0,
+        self,
+        stats: Mapping,
+        finish_reason: str,
+        draft_name: str,
+        prompt_tokens: int = 0,
+        completion_tokens: int = 0,
         e2e_s: float | None = None,
     ) -> None:
         """A finished request. stats: the JSON stats dict (steps, accepted_per_position, tokens_per_s, ttft_s)."""
@@ -284,12 +402,14 @@ def observe_service(
 
     for name, read in (gauges or {}).items():
         inst = SERVICE_INSTRUMENTS.get(name)
-        meter.create_observable_gauge(name, callbacks=[callback(read)], unit=inst.unit if inst else "",
-                                      description=inst.help if inst else "")
+        meter.create_observable_gauge(
+            name, callbacks=[callback(read)], unit=inst.unit if inst else "", description=inst.help if inst else ""
+        )
     for name, read in (counters or {}).items():
         inst = SERVICE_INSTRUMENTS.get(name)
-        meter.create_observable_counter(name, callbacks=[callback(read)], unit=inst.unit if inst else "",
-                                        description=inst.help if inst else "")
+        meter.create_observable_counter(
+            name, callbacks=[callback(read)], unit=inst.unit if inst else "", description=inst.help if inst else ""
+        )
 
 
 # ---------------------------------------------------------------------------- Prometheus view
@@ -319,8 +439,11 @@ class ZeroFilled:
                     family = HistogramMetricFamily(name, inst.help, unit=inst.prometheus_unit)
                     by_name[name] = family
                     families.append(family)
-                present = {frozenset((k, v) for k, v in s.labels.items() if not k.startswith("otel_scope"))
-                           for s in family.samples if s.name.endswith("_count")}
+                present = {
+                    frozenset((k, v) for k, v in s.labels.items() if not k.startswith("otel_scope"))
+                    for s in family.samples
+                    if s.name.endswith("_count")
+                }
                 for labels in label_sets:
                     if frozenset(labels.items()) in present:
                         continue

@@ -89,7 +89,9 @@ class TlsFiles:
 
     def channel_credentials(self) -> grpc.ChannelCredentials:
         return grpc.ssl_channel_credentials(
-            root_certificates=self._read(self.ca), private_key=self._read(self.key), certificate_chain=self._read(self.cert)
+            root_certificates=self._read(self.ca),
+            private_key=self._read(self.key),
+            certificate_chain=self._read(self.cert),
         )
 
 
@@ -120,6 +122,7 @@ def _lenient_parse(message_cls):
 
 def _checked_unary(fn, streaming_reply: bool):
     if streaming_reply:
+
         async def handler(request, context):
             if isinstance(request, MalformedMessage):
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.problem)
@@ -127,10 +130,12 @@ def _checked_unary(fn, streaming_reply: bool):
                 async for reply in replies:
                     yield reply
     else:
+
         async def handler(request, context):
             if isinstance(request, MalformedMessage):
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.problem)
             return await fn(request, context)
+
     return handler
 
 
@@ -145,6 +150,7 @@ def _checked_stream(fn):
         async with contextlib.aclosing(fn(requests(), context)) as replies:  # closed here when the call ends
             async for reply in replies:
                 yield reply
+
     return handler
 
 
@@ -238,8 +244,9 @@ def _limits_and_keepalive(max_message_bytes: int) -> list[tuple[str, int]]:
     ]
 
 
-def server_options(max_message_bytes: int = MAX_MESSAGE_BYTES, max_receive_bytes: int | None = None
-                   ) -> list[tuple[str, int]]:
+def server_options(
+    max_message_bytes: int = MAX_MESSAGE_BYTES, max_receive_bytes: int | None = None
+) -> list[tuple[str, int]]:
     """``max_receive_bytes``: a lower limit on the requests it reads (None: max_message_bytes)."""
     options = _limits_and_keepalive(max_message_bytes)
     if max_receive_bytes is not None:
@@ -252,8 +259,9 @@ def server_options(max_message_bytes: int = MAX_MESSAGE_BYTES, max_receive_bytes
     ]
 
 
-def channel_options(max_message_bytes: int = MAX_MESSAGE_BYTES, max_receive_bytes: int | None = None
-                    ) -> list[tuple[str, int]]:
+def channel_options(
+    max_message_bytes: int = MAX_MESSAGE_BYTES, max_receive_bytes: int | None = None
+) -> list[tuple[str, int]]:
     """Client side: the same limits and keepalive, and a short reconnect backoff so that a restarted
     service is used again within about a second. ``max_receive_bytes``: a lower limit on what this
     channel reads (gRPC checks a message's length prefix against it before allocating)."""
@@ -286,9 +294,12 @@ def _secure_options(address: str, max_receive_bytes: int | None = None) -> list:
 
 def aio_channel(address: str, tls: TlsFiles | None = None, max_receive_bytes: int | None = None) -> grpc.aio.Channel:
     if tls is None:
-        return grpc.aio.insecure_channel(check_address(address), options=channel_options(max_receive_bytes=max_receive_bytes))
-    return grpc.aio.secure_channel(check_address(address), tls.channel_credentials(),
-                                   options=_secure_options(address, max_receive_bytes))
+        return grpc.aio.insecure_channel(
+            check_address(address), options=channel_options(max_receive_bytes=max_receive_bytes)
+        )
+    return grpc.aio.secure_channel(
+        check_address(address), tls.channel_credentials(), options=_secure_options(address, max_receive_bytes)
+    )
 
 
 def sync_channel(address: str, tls: TlsFiles | None = None) -> grpc.Channel:
@@ -324,7 +335,9 @@ class ServerConfig:
         if self.max_message_bytes < 1024:
             raise ValueError(f"max_message_bytes must be >= 1024, got {self.max_message_bytes}")
         if self.max_receive_bytes is not None and not 1024 <= self.max_receive_bytes <= self.max_message_bytes:
-            raise ValueError(f"max_receive_bytes must be in [1024, {self.max_message_bytes}], got {self.max_receive_bytes}")
+            raise ValueError(
+                f"max_receive_bytes must be in [1024, {self.max_message_bytes}], got {self.max_receive_bytes}"
+            )
         if self.tls is not None and self.tls.cert is None:
             raise TlsError("a TLS server needs a certificate and key (--tls-cert, --tls-key)")
         if not self.addresses:

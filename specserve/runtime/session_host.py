@@ -245,8 +245,9 @@ class SessionHost:
                 started = time.perf_counter()
                 pairs = [(q.session_id, q.payload) for q in items]
                 answers = [(q.answer, (started - q.enqueued) * 1e3) for q in items]
-                self.thread.submit(self._run_and_answer, (pairs, answers),
-                                   lambda res, err: self._batch_done(items, started, res, err))
+                self.thread.submit(
+                    self._run_and_answer, (pairs, answers), lambda res, err: self._batch_done(items, started, res, err)
+                )
                 return
 
     def _take_batch(self) -> list[_Step]:

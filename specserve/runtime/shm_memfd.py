@@ -63,8 +63,9 @@ def check_sealed(fd: int) -> int:
     except OSError:  # EINVAL: a file that cannot carry seals (not a memfd)
         raise SegmentRefused("the segment handed over cannot be sealed (not a memfd)") from None
     if seals & SEALS != SEALS:
-        raise SegmentRefused(f"the segment handed over is not sealed against resizing (seals {seals:#x}, "
-                             f"needs {SEALS:#x})")
+        raise SegmentRefused(
+            f"the segment handed over is not sealed against resizing (seals {seals:#x}, needs {SEALS:#x})"
+        )
     return st.st_size
 
 
@@ -132,8 +133,9 @@ def ask_for_fds(name: str, key: bytes, tag: bytes, count: int, timeout: float) -
     if got != tag or len(fds) != count:
         close_all(fds)
         sock.close()
-        raise SegmentRefused(f"{name} handed over {len(fds)} descriptors under tag {got!r} (expected {count} "
-                             f"under {tag!r})")
+        raise SegmentRefused(
+            f"{name} handed over {len(fds)} descriptors under tag {got!r} (expected {count} under {tag!r})"
+        )
     return sock, fds
 
 

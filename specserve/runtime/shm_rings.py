@@ -139,8 +139,9 @@ class Rings:
                 freed = True
                 (length,) = U32.unpack(hdr)
                 if length > self.max_message:  # refused before a byte of it is allocated
-                    raise MessageTooLarge(f"the peer sent a message of {length} bytes; this end reads at most "
-                                          f"{self.max_message}")
+                    raise MessageTooLarge(
+                        f"the peer sent a message of {length} bytes; this end reads at most {self.max_message}"
+                    )
                 self._partial, self._partial_len = bytearray(), length
                 avail -= LEN
             n = min(self._partial_len - len(self._partial), avail)

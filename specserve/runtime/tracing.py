@@ -28,14 +28,14 @@ TRACER_NAME = "specserve"
 # The gateway's spec loop opens the request, prefill, draft.*, target.verify and accept_stream spans
 # (kind INTERNAL); the target and draft services open spans of the same names (kind SERVER) as
 # children of the caller's span, carrying what only the service knows (batch size, queue time).
-SPAN_REQUEST = "gateway.request"          # one Generate call, first byte to final message
-SPAN_PREFILL = "target.prefill"           # prompt forward + first pending token
-SPAN_DRAFT_START = "draft.start"          # draft session start (prompt + hidden states)
-SPAN_DRAFT_PROPOSE = "draft.propose"      # one proposal (per step)
-SPAN_TARGET_VERIFY = "target.verify"      # one verify of a session (per step)
+SPAN_REQUEST = "gateway.request"  # one Generate call, first byte to final message
+SPAN_PREFILL = "target.prefill"  # prompt forward + first pending token
+SPAN_DRAFT_START = "draft.start"  # draft session start (prompt + hidden states)
+SPAN_DRAFT_PROPOSE = "draft.propose"  # one proposal (per step)
+SPAN_TARGET_VERIFY = "target.verify"  # one verify of a session (per step)
 SPAN_ACCEPT_STREAM = "gateway.accept_stream"  # apply emitted tokens, detokenize, stop checks, stream
 SPAN_TARGET_BATCH = "target.verify_batch"  # target: one batched forward over several sessions
-SPAN_RELEASE = "release"                  # target/draft: free a session
+SPAN_RELEASE = "release"  # target/draft: free a session
 
 # ---------------------------------------------------------------------------- attribute keys
 # OpenTelemetry GenAI semantic conventions where they exist
@@ -52,15 +52,15 @@ ATTR_SESSION = "specserve.session_id"
 ATTR_DRAFT_NAME = "specserve.draft.name"
 ATTR_DRAFT_FAMILY = "specserve.draft.family"
 ATTR_DRAFT_FALLBACK = "specserve.draft.fallback"  # the draft failed; target-only from there on
-ATTR_K = "specserve.spec.k"                       # drafted tokens asked for / offered
-ATTR_TREE_SIZE = "specserve.spec.tree_size"       # drafted tree nodes (0 for a chain)
-ATTR_ACCEPTED = "specserve.spec.accepted"         # accepted drafted tokens this step
-ATTR_EMITTED = "specserve.spec.emitted"           # accepted + 1
+ATTR_K = "specserve.spec.k"  # drafted tokens asked for / offered
+ATTR_TREE_SIZE = "specserve.spec.tree_size"  # drafted tree nodes (0 for a chain)
+ATTR_ACCEPTED = "specserve.spec.accepted"  # accepted drafted tokens this step
+ATTR_EMITTED = "specserve.spec.emitted"  # accepted + 1
 ATTR_MEAN_ACCEPTED_LENGTH = "specserve.spec.mean_accepted_length"
-ATTR_FORWARD_MS = "specserve.target.forward_ms"   # device forward time (CUDA events on GPU)
+ATTR_FORWARD_MS = "specserve.target.forward_ms"  # device forward time (CUDA events on GPU)
 ATTR_SAMPLE_MS = "specserve.target.sample_ms"
-ATTR_QUEUE_MS = "specserve.queue_ms"              # waiting for the engine / drafter thread
-ATTR_BATCH_SIZE = "specserve.target.batch_size"   # sessions verified in the same forward
+ATTR_QUEUE_MS = "specserve.queue_ms"  # waiting for the engine / drafter thread
+ATTR_BATCH_SIZE = "specserve.target.batch_size"  # sessions verified in the same forward
 ATTR_EXPERTS_TOUCHED = "specserve.target.experts_touched"
 
 TRACES_ENV = ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
@@ -251,4 +251,3 @@ from specserve.runtime.metrics import (  # noqa: E402, F401 - re-exported for th
     SpecMetrics,
     observe_service,
 )
-

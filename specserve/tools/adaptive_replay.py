@@ -21,7 +21,9 @@ def _draft_ms(text: str) -> dict[int, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m specserve.tools.adaptive_replay", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m specserve.tools.adaptive_replay", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("steps_jsonl", help="a bench's steps.jsonl (or steps.jsonl.gz)")
     parser.add_argument("--drafter", required=True)
     parser.add_argument("--draft-ms", type=_draft_ms, required=True, help="mean draft ms by k, e.g. 1=5.1,2=8.0")

@@ -1,6 +1,6 @@
 """The adaptive chooser's verify cost model scored on steps it did not see (bench/cost_fit.py):
 
-    python -m specserve.tools.cost_fit OUT/steps.jsonl [--train-fraction 0.7]
+python -m specserve.tools.cost_fit OUT/steps.jsonl [--train-fraction 0.7]
 """
 
 from __future__ import annotations

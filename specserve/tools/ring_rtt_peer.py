@@ -10,7 +10,9 @@ from specserve.bench.ring_rtt import run_peer
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m specserve.tools.ring_rtt_peer", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m specserve.tools.ring_rtt_peer", description=__doc__.splitlines()[0]
+    )
     peer = parser.add_mutually_exclusive_group(required=True)
     peer.add_argument("--shm-peer", nargs=3, metavar=("NAME", "MODE", "SPIN_US"))
     peer.add_argument("--grpc-peer", metavar="ADDRESS")

@@ -54,8 +54,9 @@ def load_prompts(target_dir: Path, tokenizer, limit: int | None) -> list[list[in
     return prompts
 
 
-def speculative_greedy(engine, proposer, session_id: str, prompt: list[int], k: int, max_new: int,
-                       stats: SpecStats) -> list[int]:
+def speculative_greedy(
+    engine, proposer, session_id: str, prompt: list[int], k: int, max_new: int, stats: SpecStats
+) -> list[int]:
     """Emitted tokens [>= max_new] of one greedy request; every verify step is recorded in ``stats``."""
     from specserve.contract.types import SamplingParams
 
@@ -82,8 +83,16 @@ def speculative_greedy(engine, proposer, session_id: str, prompt: list[int], k: 
     return emitted
 
 
-def evaluate(demo: Path, families: list[str], k: int, max_new: int, num_prompts: int | None, device: str,
-             dtype: str, denoise_steps: int | None = None) -> dict:
+def evaluate(
+    demo: Path,
+    families: list[str],
+    k: int,
+    max_new: int,
+    num_prompts: int | None,
+    device: str,
+    dtype: str,
+    denoise_steps: int | None = None,
+) -> dict:
     from specserve.draft_service.drafter_config import DrafterConfig
     from specserve.draft_service.registry import build_proposer
     from specserve.target_service.factory import EngineConfig, build_engine
@@ -101,23 +110,44 @@ def evaluate(demo: Path, families: list[str], k: int, max_new: int, num_prompts:
         ckpt = None if family == "ngram" else demo / family
         if ckpt is not None and not (ckpt / "config.json").is_file():
             raise AcceptanceError(f"no {family} checkpoint at {ckpt}")
-        proposer = build_proposer(DrafterConfig(family=family, checkpoint=ckpt, target_checkpoint=target_dir,
-                                                device=device, dtype=dtype, max_block_size=k,
-                                                denoise_steps=denoise_steps))
+        proposer = build_proposer(
+            DrafterConfig(
+                family=family,
+                checkpoint=ckpt,
+                target_checkpoint=target_dir,
+                device=device,
+                dtype=dtype,
+                max_block_size=k,
+                denoise_steps=denoise_steps,
+            )
+        )
         t0 = time.monotonic()
         stats, lossless = SpecStats(), 0
         for i, (prompt, ref) in enumerate(zip(prompts, reference)):
             out = speculative_greedy(engine, proposer, f"{family}-{i}", prompt, k, max_new, stats)
             lossless += int(out[:max_new] == ref[:max_new])
-        results.append(DrafterResult(
-            family=family, prompts=len(prompts), verify_steps=stats.steps, drafted=stats.drafted,
-            accepted=stats.accepted, mean_accepted_length=stats.mean_accepted_length,
-            acceptance_rate=stats.acceptance_rate, lossless_prompts=lossless, seconds=round(time.monotonic() - t0, 2),
-            accepted_per_position=tuple(stats.accepted_per_position),
-        ))
+        results.append(
+            DrafterResult(
+                family=family,
+                prompts=len(prompts),
+                verify_steps=stats.steps,
+                drafted=stats.drafted,
+                accepted=stats.accepted,
+                mean_accepted_length=stats.mean_accepted_length,
+                acceptance_rate=stats.acceptance_rate,
+                lossless_prompts=lossless,
+                seconds=round(time.monotonic() - t0, 2),
+                accepted_per_position=tuple(stats.accepted_per_position),
+            )
+        )
     return {
-        "k": k, "max_new_tokens": max_new, "prompts": len(prompts), "device": device, "dtype": dtype,
-        "target_only_seconds": round(ref_seconds, 2), "denoise_steps": denoise_steps,
+        "k": k,
+        "max_new_tokens": max_new,
+        "prompts": len(prompts),
+        "device": device,
+        "dtype": dtype,
+        "target_only_seconds": round(ref_seconds, 2),
+        "denoise_steps": denoise_steps,
         "results": [asdict(r) for r in results],
     }
 
@@ -133,8 +163,10 @@ def card_table(report: dict) -> str:
         "| --- | --- | --- | --- | --- | --- |",
     ]
     for r in report["results"]:
-        lines.append(f"| {r['family']} | {r['mean_accepted_length']:.2f} | {r['acceptance_rate']:.3f} | "
-                     f"{_position_shares(r)} | {r['verify_steps']} | {r['lossless_prompts']}/{r['prompts']} |")
+        lines.append(
+            f"| {r['family']} | {r['mean_accepted_length']:.2f} | {r['acceptance_rate']:.3f} | "
+            f"{_position_shares(r)} | {r['verify_steps']} | {r['lossless_prompts']}/{r['prompts']} |"
+        )
     return "\n".join(lines)
 
 

@@ -121,8 +121,14 @@ class Progress:
 
         self.steps, self.tokens_per_step, self.time_limit_s = steps, tokens_per_step, time_limit_s
         self.t0, self.loss = time.monotonic(), float("nan")
-        self.bar = tqdm(total=steps, desc=desc, unit="step", file=sys.stderr, disable=None,
-                        bar_format="{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} [{elapsed}{postfix}]")
+        self.bar = tqdm(
+            total=steps,
+            desc=desc,
+            unit="step",
+            file=sys.stderr,
+            disable=None,
+            bar_format="{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} [{elapsed}{postfix}]",
+        )
 
     def step(self, step: int, loss: float | None = None) -> None:
         """Step ``step`` is done; ``loss`` when the loop has read one (a read is a host sync on a GPU)."""
@@ -134,8 +140,11 @@ class Progress:
         eta = (self.steps - step) * elapsed / max(step, 1)
         if self.time_limit_s is not None:
             eta = min(eta, max(0.0, self.time_limit_s - elapsed))
-        self.bar.set_postfix_str(f"loss {self.loss:.3f}, {step * self.tokens_per_step / elapsed:,.0f} tok/s, "
-                                 f"eta {int(eta) // 60}:{int(eta) % 60:02d}", refresh=False)
+        self.bar.set_postfix_str(
+            f"loss {self.loss:.3f}, {step * self.tokens_per_step / elapsed:,.0f} tok/s, "
+            f"eta {int(eta) // 60}:{int(eta) % 60:02d}",
+            refresh=False,
+        )
         self.bar.update(1)
 
     def close(self) -> None:

@@ -27,8 +27,9 @@ def load_target(path: Path, device: torch.device):
 
 
 @torch.no_grad()
-def greedy_continue(model, prompts: torch.Tensor, new_tokens: int, batch_size: int,
-                    device: torch.device) -> torch.Tensor:
+def greedy_continue(
+    model, prompts: torch.Tensor, new_tokens: int, batch_size: int, device: torch.device
+) -> torch.Tensor:
     """prompts [N, P] int64 -> [N, P + new_tokens] greedy continuations (EOS does not stop)."""
     outs = []
     for i in range(0, len(prompts), batch_size):
@@ -53,8 +54,10 @@ def target_outputs(model, ids: torch.Tensor, layers: tuple[int, ...] = ()):
     captured: dict[int, torch.Tensor] = {}
     handles = []
     for i in layers:
+
         def hook(module, inputs, output, i=i):
             captured[i] = output[0] if isinstance(output, tuple) else output
+
         handles.append(model.model.layers[i].register_forward_hook(hook))
     try:
         with autocast(ids.device):
@@ -79,8 +82,9 @@ class SelfDistillSpec:
             raise TrainError("self-distillation sizes must be >= 1")
 
 
-def self_distill_sequences(model, train_stream: np.ndarray, spec: SelfDistillSpec,
-                           device: torch.device, cache: Path | None = None) -> torch.Tensor:
+def self_distill_sequences(
+    model, train_stream: np.ndarray, spec: SelfDistillSpec, device: torch.device, cache: Path | None = None
+) -> torch.Tensor:
     """[N, prompt_len + new_tokens]: random training-text prompts continued greedily by the target
     (the distribution the drafters meet at temperature 0). ``cache``: a .pt file reused when it was
     made with the same spec (several drafters trained in one session share it; stored as int16 when the
@@ -109,8 +113,9 @@ class MixedBatches:
     """Batches of length-T sequences: a ``selfdistill_frac`` share from the self-distilled set, the rest
     random corpus windows of the same length."""
 
-    def __init__(self, seqs: torch.Tensor, train_stream: np.ndarray, batch_size: int,
-                 selfdistill_frac: float, seed: int) -> None:
+    def __init__(
+        self, seqs: torch.Tensor, train_stream: np.ndarray, batch_size: int, selfdistill_frac: float, seed: int
+    ) -> None:
         if not 0.0 <= selfdistill_frac <= 1.0:
             raise TrainError(f"selfdistill_frac must be in [0, 1], got {selfdistill_frac}")
         self.seqs = seqs  # [N, T]

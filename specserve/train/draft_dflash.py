@@ -84,8 +84,9 @@ class DFlashSpec:
         if self.block_size < 2:
             raise TrainError("block_size must be >= 2")
         if not 0 <= self.given_tokens <= self.block_size - 2:
-            raise TrainError(f"DFlashSpec.given_tokens must be in 0..block_size - 2 = {self.block_size - 2}, "
-                             f"got {self.given_tokens}")
+            raise TrainError(
+                f"DFlashSpec.given_tokens must be in 0..block_size - 2 = {self.block_size - 2}, got {self.given_tokens}"
+            )
 
 
 def resolve_spec(spec: DFlashSpec, target_config) -> DFlashSpec:
@@ -145,9 +146,11 @@ def init_from_checkpoint(model, path, target_dir) -> None:
         saved = load_dflash(path, target_dir=target_dir)
     except DrafterConfigError as e:
         raise TrainError(f"--init-from {path}: {e}") from e
-    diff = [f"{k} {getattr(saved.cfg, k)!r} (training {getattr(model.cfg, k)!r})"
-            for k in model.cfg.__dataclass_fields__
-            if k != "denoise_steps" and getattr(saved.cfg, k) != getattr(model.cfg, k)]  # same weights either way
+    diff = [
+        f"{k} {getattr(saved.cfg, k)!r} (training {getattr(model.cfg, k)!r})"
+        for k in model.cfg.__dataclass_fields__
+        if k != "denoise_steps" and getattr(saved.cfg, k) != getattr(model.cfg, k)
+    ]  # same weights either way
     if diff:
         raise TrainError(f"--init-from {path} has another DFlash config: {'; '.join(diff)}")
     state = model.state_dict()
@@ -156,15 +159,17 @@ def init_from_checkpoint(model, path, target_dir) -> None:
             state[name].copy_(value)
 
 
-def blocks_logits(model, ids: torch.Tensor, feats: torch.Tensor, anchors: torch.Tensor,
-                  given: torch.Tensor | None = None) -> torch.Tensor:
+def blocks_logits(
+    model, ids: torch.Tensor, feats: torch.Tensor, anchors: torch.Tensor, given: torch.Tensor | None = None
+) -> torch.Tensor:
     """ids [G, T], feats [G, T, F], anchors [G, A] (1 <= a <= T - b), given [G, A] int (m: the block's
     true tokens a+1..a+m replace its first m masks; None = 0) -> logits [G, A, b, V] float32."""
     return model.lm_head(blocks_hidden(model, ids, feats, anchors, given)).float()
 
 
-def blocks_hidden(model, ids: torch.Tensor, feats: torch.Tensor, anchors: torch.Tensor,
-                  given: torch.Tensor | None = None) -> torch.Tensor:
+def blocks_hidden(
+    model, ids: torch.Tensor, feats: torch.Tensor, anchors: torch.Tensor, given: torch.Tensor | None = None
+) -> torch.Tensor:
     """blocks_logits' rows before the output head: [G, A, b, H] final-normed (the arguments are blocks_logits').
 
     Each block attends to its own sequence's context keys before its anchor plus its own b keys. The
@@ -215,8 +220,9 @@ def chain_follows(ids: torch.Tensor, greedy: torch.Tensor) -> torch.Tensor:
     return follows
 
 
-def greedy_chain_mask(ids: torch.Tensor, greedy: torch.Tensor, idx: torch.Tensor,
-                      given: torch.Tensor | None = None) -> torch.Tensor:
+def greedy_chain_mask(
+    ids: torch.Tensor, greedy: torch.Tensor, idx: torch.Tensor, given: torch.Tensor | None = None
+) -> torch.Tensor:
     """ids [G, T], greedy [G, T], idx [G, A, b] label positions a + i, given [G, A] (m; None = 0) ->
     [G, A, b] bool: the tokens output i does not see, a+m+1..a+i, all equal the target's argmax at the
     position before (outputs 0..m are always True)."""
@@ -228,18 +234,29 @@ def greedy_chain_mask(ids: torch.Tensor, greedy: torch.Tensor, idx: torch.Tensor
     return on_chain.cumprod(-1).bool()
 
 
-def block_loss(model, ids, feats, probs, greedy, anchors, decay: float, chain_labels: bool = False,
-               given: torch.Tensor | None = None):
+def block_loss(
+    model,
+    ids,
+    feats,
+    probs,
+    greedy,
+    anchors,
+    decay: float,
+    chain_labels: bool = False,
+    given: torch.Tensor | None = None,
+):
     """ids [G, T], feats [G, T, F], probs [G, T, V], greedy [G, T] (probs' argmax: the target's next
     token after each position), anchors [G, A], given [G, A] or None ->
     (weighted soft cross entropy, agreement [b] of each block output on the greedy-chain blocks where
     it counts, on the device). Outputs whose answer is given (i < m) count nowhere."""
-    return logits_loss(blocks_logits(model, ids, feats, anchors, given), ids, probs, greedy, anchors, decay,
-                       chain_labels, given)
+    return logits_loss(
+        blocks_logits(model, ids, feats, anchors, given), ids, probs, greedy, anchors, decay, chain_labels, given
+    )
 
 
-def logits_loss(logits, ids, probs, greedy, anchors, decay: float, chain_labels: bool = False,
-                given: torch.Tensor | None = None):
+def logits_loss(
+    logits, ids, probs, greedy, anchors, decay: float, chain_labels: bool = False, given: torch.Tensor | None = None
+):
     """block_loss of the blocks' logits [G, A, b, V] (the other arguments are block_loss')."""
     b = logits.shape[2]
     idx = anchors[:, :, None] + torch.arange(b, device=ids.device)  # [G, A, b] label positions a + i
@@ -298,8 +315,9 @@ def train_dflash_job(job) -> dict:
     return train_block_job(job, model, spec, layers, loss, "train_dflash", save_dflash, asdict(spec))
 
 
-def train_block_job(job, model, spec: DFlashSpec, layers: tuple[int, ...], loss, log_name: str, save,
-                    arch: dict) -> dict:
+def train_block_job(
+    job, model, spec: DFlashSpec, layers: tuple[int, ...], loss, log_name: str, save, arch: dict
+) -> dict:
     """The run a block drafter's trainer (DFlash's, DSpark's: draft_dspark.py) shares: ``model`` trained on the device
     with ``loss(ids, feats, probs, greedy, anchors, gen) -> (loss, agreement)`` over anchors drawn per group
     (``sample_anchors``), its held-out agreement measured, then saved in bfloat16 by ``save(model, out_dir)``."""
@@ -319,6 +337,12 @@ def train_block_job(job, model, spec: DFlashSpec, layers: tuple[int, ...], loss,
     heldout = heldout_agreement(job, model, layers, group, loss_with_anchors(job.seed + 7))
     model.to("cpu").to(torch.bfloat16)
     save(model, job.out_dir)
-    return {"steps_run": run["steps_run"], "stopped_by": run["stopped_by"], "train_seconds": run["train_seconds"],
-            "target_layer_ids": list(layers), "last_agreement_by_position": run["last_agreement"],
-            "heldout_agreement_by_position": heldout, "arch": arch}
+    return {
+        "steps_run": run["steps_run"],
+        "stopped_by": run["stopped_by"],
+        "train_seconds": run["train_seconds"],
+        "target_layer_ids": list(layers),
+        "last_agreement_by_position": run["last_agreement"],
+        "heldout_agreement_by_position": heldout,
+        "arch": arch,
+    }

@@ -86,7 +86,9 @@ def init_dspark_from(model, path, target_dir) -> None:
     except DrafterConfigError as e:
         raise TrainError(f"--init-from {path}: {e}") from e
     if saved.spark_cfg != model.spark_cfg:
-        raise TrainError(f"--init-from {path} has another DSpark config: {saved.spark_cfg} (training {model.spark_cfg})")
+        raise TrainError(
+            f"--init-from {path} has another DSpark config: {saved.spark_cfg} (training {model.spark_cfg})"
+        )
     model.load_state_dict(saved.state_dict())
 
 
@@ -127,5 +129,6 @@ def train_dspark_job(job) -> dict:
     def loss(ids, feats, probs, greedy, anchors, gen):
         return dspark_loss(model, ids, feats, probs, greedy, anchors, block_spec.position_decay, spec.confidence_weight)
 
-    return train_block_job(job, model, block_spec, layers, loss, "train_dspark", save_dspark,
-                           dict(asdict(block_spec), **asdict(spec)))
+    return train_block_job(
+        job, model, block_spec, layers, loss, "train_dspark", save_dspark, dict(asdict(block_spec), **asdict(spec))
+    )

@@ -171,6 +171,12 @@ def train_eagle3_job(job) -> dict:
     heldout = heldout_agreement(job, head, layers, group, loss_fn)
     head.to("cpu").to(torch.bfloat16)
     save_eagle3_head(head, job.out_dir, with_embeddings=False)
-    return {"steps_run": run["steps_run"], "stopped_by": run["stopped_by"], "train_seconds": run["train_seconds"],
-            "capture_layers": list(layers), "last_agreement_by_pass": run["last_agreement"],
-            "heldout_agreement_by_pass": heldout, "arch": asdict(spec)}
+    return {
+        "steps_run": run["steps_run"],
+        "stopped_by": run["stopped_by"],
+        "train_seconds": run["train_seconds"],
+        "capture_layers": list(layers),
+        "last_agreement_by_pass": run["last_agreement"],
+        "heldout_agreement_by_pass": heldout,
+        "arch": asdict(spec),
+    }

@@ -87,8 +87,9 @@ def greedy_agreement(draft_logits: torch.Tensor, target_logits: torch.Tensor) ->
     return float((draft_logits.argmax(-1) == target_logits.argmax(-1)).float().mean())
 
 
-def train_draft_model(draft, target, batches: MixedBatches, spec: DistillSpec, device: torch.device,
-                      log: Logger) -> dict:
+def train_draft_model(
+    draft, target, batches: MixedBatches, spec: DistillSpec, device: torch.device, log: Logger
+) -> dict:
     draft.to(device).train()
     opt = make_optimizer(draft.parameters(), spec.lr, spec.weight_decay, device)
     sched = spec.schedule()

@@ -95,8 +95,9 @@ class MTPTrainLayer(nn.Module):
         lm_head = target.lm_head.weight if getattr(target, "lm_head", None) is not None else None
         embed = target.model.embed_tokens.weight
         self.register_buffer("embed", embed.detach().float().cpu().clone(), persistent=False)  # [V, H]
-        self.register_buffer("head", (embed if lm_head is None else lm_head).detach().float().cpu().clone(),
-                             persistent=False)  # [V, H]
+        self.register_buffer(
+            "head", (embed if lm_head is None else lm_head).detach().float().cpu().clone(), persistent=False
+        )  # [V, H]
         with torch.no_grad():
             last = target.model.layers[n - 1].state_dict()
             self.block.load_state_dict({k: v.float().cpu() for k, v in last.items()})
@@ -122,8 +123,12 @@ class MTPTrainLayer(nn.Module):
     def published_state_dict(self) -> dict[str, torch.Tensor]:
         """Tensors under the published names ``model.layers.N.*`` (routed experts one by one)."""
         prefix = f"model.layers.{self.num_target_layers}."
-        out = {prefix + "enorm.weight": self.enorm.weight, prefix + "hnorm.weight": self.hnorm.weight,
-               prefix + "eh_proj.weight": self.eh_proj.weight, prefix + "shared_head.norm.weight": self.head_norm.weight}
+        out = {
+            prefix + "enorm.weight": self.enorm.weight,
+            prefix + "hnorm.weight": self.hnorm.weight,
+            prefix + "eh_proj.weight": self.eh_proj.weight,
+            prefix + "shared_head.norm.weight": self.head_norm.weight,
+        }
         for name, value in self.block.state_dict().items():
             if name == "mlp.experts.gate_up_proj":  # [E, 2I, H]: gate rows, then up rows
                 for e, w in enumerate(value):
@@ -187,8 +192,14 @@ def mtp_pass_outputs(layer: MTPTrainLayer, ids: torch.Tensor, feats: torch.Tenso
         previous = torch.cat([out[:, :1], out[:, :-1]], dim=1)  # entry e reads this pass's output at e - 1
 
 
-def mtp_ttt_loss(layer: MTPTrainLayer, ids: torch.Tensor, feats: torch.Tensor, probs: torch.Tensor,
-                 masks: list[torch.Tensor], spec: MTPTrainSpec) -> tuple[torch.Tensor, torch.Tensor]:
+def mtp_ttt_loss(
+    layer: MTPTrainLayer,
+    ids: torch.Tensor,
+    feats: torch.Tensor,
+    probs: torch.Tensor,
+    masks: list[torch.Tensor],
+    spec: MTPTrainSpec,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """ids [G, T], feats [G, T, H], probs [G, T, V] (the target's) -> (weighted loss, per-pass argmax agreement [P])."""
     n = ids.shape[1] - 1
     pos = torch.arange(n, device=ids.device)
@@ -221,8 +232,10 @@ def save_mtp_layer(layer: MTPTrainLayer, out_dir: Path) -> None:
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    tensors = {k: (v.float() if k.endswith("e_score_correction_bias") else v.to(torch.bfloat16)).cpu().contiguous()
-               for k, v in layer.published_state_dict().items()}
+    tensors = {
+        k: (v.float() if k.endswith("e_score_correction_bias") else v.to(torch.bfloat16)).cpu().contiguous()
+        for k, v in layer.published_state_dict().items()
+    }
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     (out_dir / "config.json").write_text(json.dumps(mtp_config(layer.config), indent=2, sort_keys=True) + "\n")
 
@@ -244,6 +257,11 @@ def train_mtp_job(job) -> dict:
     run = train_on_target_features(job, layer, layers, group, loss_fn, "train_mtp")
     heldout = heldout_agreement(job, layer, layers, group, loss_fn)
     save_mtp_layer(layer.to("cpu"), job.out_dir)
-    return {"steps_run": run["steps_run"], "stopped_by": run["stopped_by"], "train_seconds": run["train_seconds"],
-            "last_agreement_by_pass": run["last_agreement"], "heldout_agreement_by_pass": heldout,
-            "arch": asdict(spec)}
+    return {
+        "steps_run": run["steps_run"],
+        "stopped_by": run["stopped_by"],
+        "train_seconds": run["train_seconds"],
+        "last_agreement_by_pass": run["last_agreement"],
+        "heldout_agreement_by_pass": heldout,
+        "arch": asdict(spec),
+    }

@@ -51,8 +51,9 @@ def _train_model(job: DraftJob) -> dict:
     spec = apply_arch(DraftModelSpec(vocab_size=job.target.config.vocab_size), job.arch)
     torch.manual_seed(job.seed)
     draft = LlamaForCausalLM(spec.hf_config())
-    dspec = DistillSpec(steps=job.steps, batch_size=job.batch_size, lr=job.lr,
-                        time_limit_s=job.time_limit_s, seed=job.seed)
+    dspec = DistillSpec(
+        steps=job.steps, batch_size=job.batch_size, lr=job.lr, time_limit_s=job.time_limit_s, seed=job.seed
+    )
     batches = MixedBatches(job.sequences, job.train_stream, dspec.batch_size, dspec.selfdistill_frac, job.seed)
     summary = train_draft_model(draft, job.target, batches, dspec, job.device, job.log)
     summary["heldout_greedy_agreement"] = heldout_agreement_lm(draft, job)
@@ -102,8 +103,13 @@ def _train_mtp(job: DraftJob) -> dict:
 
 
 DRAFT_TRAINERS: Mapping[str, Callable[[DraftJob], dict]] = MappingProxyType(
-    {"model": _train_model, "eagle3": _train_eagle3, "dflash": _train_dflash, "dspark": _train_dspark,
-     "mtp": _train_mtp}
+    {
+        "model": _train_model,
+        "eagle3": _train_eagle3,
+        "dflash": _train_dflash,
+        "dspark": _train_dspark,
+        "mtp": _train_mtp,
+    }
 )
 RESUMABLE = frozenset({"dflash", "dspark", "mtp"})  # families whose trainer honours DraftJob.init_from
 

@@ -20,8 +20,7 @@ from specserve.train.distill import MixedBatches, target_outputs
 LossFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
-def train_on_target_features(job, module: torch.nn.Module, layers, group: int, loss_fn: LossFn,
-                             log_name: str) -> dict:
+def train_on_target_features(job, module: torch.nn.Module, layers, group: int, loss_fn: LossFn, log_name: str) -> dict:
     """Run the schedule of ``job`` (steps and time limit); return steps run, stop reason, time, last agreement."""
     batches = MixedBatches(job.sequences, job.train_stream, job.batch_size, 0.75, job.seed)
     params = [p for p in module.parameters() if p.requires_grad]
@@ -53,8 +52,12 @@ def train_on_target_features(job, module: torch.nn.Module, layers, group: int, l
         else:
             progress.step(step)
     progress.close()
-    return {"steps_run": step, "stopped_by": "steps" if step >= job.steps else "time_limit",
-            "train_seconds": round(time.monotonic() - t0, 1), "last_agreement": _rounded(agree, 3)}
+    return {
+        "steps_run": step,
+        "stopped_by": "steps" if step >= job.steps else "time_limit",
+        "train_seconds": round(time.monotonic() - t0, 1),
+        "last_agreement": _rounded(agree, 3),
+    }
 
 
 def _rounded(agree: torch.Tensor | None, digits: int) -> list[float]:

@@ -121,7 +121,9 @@ class LMTrainSpec:
         if self.steps < 1 or self.batch_size < 1 or self.seq_len < 2 or self.eval_every < 1:
             raise TrainError("steps, batch_size, eval_every must be >= 1 and seq_len >= 2")
         if self.micro_batch_size is not None and not 1 <= self.micro_batch_size <= self.batch_size:
-            raise TrainError(f"micro_batch_size must be in [1, batch_size {self.batch_size}], got {self.micro_batch_size}")
+            raise TrainError(
+                f"micro_batch_size must be in [1, batch_size {self.batch_size}], got {self.micro_batch_size}"
+            )
 
     def schedule(self) -> Schedule:
         return Schedule(self.lr, self.steps, self.warmup, time_limit_s=self.time_limit_s)
@@ -220,8 +222,17 @@ class RouterLoadTracker:
             h.remove()
 
 
-def train_lm(model, train_stream, valid_stream, spec: LMTrainSpec, device: torch.device, log: Logger,
-             load_tracker_rate: float | None = None, deadline: float | None = None, after_windows: int = 0) -> dict:
+def train_lm(
+    model,
+    train_stream,
+    valid_stream,
+    spec: LMTrainSpec,
+    device: torch.device,
+    log: Logger,
+    load_tracker_rate: float | None = None,
+    deadline: float | None = None,
+    after_windows: int = 0,
+) -> dict:
     """Plain next-token LM training on random windows, early-stopped on the validation stream: the
     weights of the best validation evaluation are restored at the end. Returns the run's summary.
 
@@ -261,8 +272,14 @@ def train_lm(model, train_stream, valid_stream, spec: LMTrainSpec, device: torch
         logged = step % 50 == 0 or step == 1
         if logged:
             loss_val = float(loss.detach())
-            log("train", step=step, loss=loss_val, lr=lr, max_load_ratio=imbalance,
-                tok_per_s=round(step * spec.batch_size * spec.seq_len / (time.monotonic() - t0)))
+            log(
+                "train",
+                step=step,
+                loss=loss_val,
+                lr=lr,
+                max_load_ratio=imbalance,
+                tok_per_s=round(step * spec.batch_size * spec.seq_len / (time.monotonic() - t0)),
+            )
         progress.step(step, loss_val if logged else None)
         if step % spec.eval_every == 0:
             best = _evaluate(model, ev, device, step, history, best, log)
@@ -299,8 +316,10 @@ def _loop_time_limit(model, windows, device, deadline: float, after_windows: int
     remaining = deadline - time.monotonic()
     log("time_budget", seconds_left=round(remaining, 1), final_eval_reserve_s=round(reserve, 1))
     if remaining <= reserve:
-        raise TrainError(f"--time-limit-s leaves no time to train: {max(remaining, 0):.0f} s are left after loading, "
-                         f"and the final evaluations need about {reserve:.0f} s")
+        raise TrainError(
+            f"--time-limit-s leaves no time to train: {max(remaining, 0):.0f} s are left after loading, "
+            f"and the final evaluations need about {reserve:.0f} s"
+        )
     return remaining - reserve
 
 

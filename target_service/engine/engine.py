@@ -114,8 +114,14 @@ class TargetEngine:
             config.num_layers, num_blocks, block_size, model.kv_entry_shape(), param.dtype, self.device
         )
         self._sessions: dict[str, Session] = {}
-        self.runner = ModelRunner(model, self.kv_cache, block_size=block_size, max_context=self.max_context,
-                                  device=self.device, invariant_rows=invariant_rows)
+        self.runner = ModelRunner(
+            model,
+            self.kv_cache,
+            block_size=block_size,
+            max_context=self.max_context,
+            device=self.device,
+            invariant_rows=invariant_rows,
+        )
         self._graph_options = cuda_graphs
         if cuda_graphs is not None:
             self.runner.capture(cuda_graphs)  # before any session: capture writes scratch K/V
@@ -201,8 +207,9 @@ class TargetEngine:
             raise ContextTooLong(session.session_id, needed, self.max_context)
 
     # ---- prefill ---------------------------------------------------------------------------------
-    def check_prefill(self, session_id: str, prompt_ids: Sequence[int], sampling, hidden_layers, logprobs=None
-                      ) -> tuple[list[int], tuple[int, ...]]:
+    def check_prefill(
+        self, session_id: str, prompt_ids: Sequence[int], sampling, hidden_layers, logprobs=None
+    ) -> tuple[list[int], tuple[int, ...]]:
         """Every refusal prefill makes of its arguments, before anything is allocated (a caller that allocates for
         the session, as a shared row buffer, checks first): the prompt and the layers, checked."""
         if session_id in self._sessions:
@@ -235,10 +242,16 @@ class TargetEngine:
         ``logprobs`` the result carries the first token's log-probabilities (and the prompt's, if asked), and
         every verify of the session those of its emitted tokens (only then: no cost otherwise)."""
         prompt, layers = self.check_prefill(session_id, prompt_ids, sampling, hidden_layers, logprobs)
-        if hidden_out is not None and (hidden_out.dim() != 2 or hidden_out.shape[1] != len(layers) * self.config.hidden_size
-                                       or hidden_out.device.type != self.device.type or not layers):
-            raise InvalidInput(f"hidden_out: {tuple(hidden_out.shape)} on {hidden_out.device} is no row sink for "
-                               f"{len(layers)} layers of {self.config.hidden_size} on {self.device}")
+        if hidden_out is not None and (
+            hidden_out.dim() != 2
+            or hidden_out.shape[1] != len(layers) * self.config.hidden_size
+            or hidden_out.device.type != self.device.type
+            or not layers
+        ):
+            raise InvalidInput(
+                f"hidden_out: {tuple(hidden_out.shape)} on {hidden_out.device} is no row sink for "
+                f"{len(layers)} layers of {self.config.hidden_size} on {self.device}"
+            )
         n = len(prompt)
         own_rows = hidden_out is None and bool(layers)
         if own_rows:  # the session's rows live in a buffer of the engine's (row i = position i), grown as it goes
@@ -277,8 +290,9 @@ class TargetEngine:
         except BaseException:
             self.blocks.free(session_id)
             raise
-        self._sessions[session_id] = Session(session_id, sampling, gen, layers, n, first, hidden_out=hidden_out,
-                                             logprobs=logprobs, own_rows=own_rows)
+        self._sessions[session_id] = Session(
+            session_id, sampling, gen, layers, n, first, hidden_out=hidden_out, logprobs=logprobs, own_rows=own_rows
+        )
         return PrefillResult(
             next_token=first,
             hidden=mark_complete(hidden_out[:n]) if own_rows else out.captured,  # (written before the sync)
@@ -397,11 +411,13 @@ class TargetEngine:
             last, nxt, experts = self._summary_host.tolist()
             return last, nxt, experts
         tokens = self._to_device(block.token_ids)
-        last, nxt_t = verify_step_device(layout, tokens, run.logits[step.start : step.end], block.probs, s.sampling,
-                                         s.generator)
+        last, nxt_t = verify_step_device(
+            layout, tokens, run.logits[step.start : step.end], block.probs, s.sampling, s.generator
+        )
         routed = run.out.routed_experts
-        experts_t = distinct_experts(None if routed is None else routed[:, step.start : step.end],
-                                     self._num_experts, last.device)
+        experts_t = distinct_experts(
+            None if routed is None else routed[:, step.start : step.end], self._num_experts, last.device
+        )
         last, nxt, experts = torch.stack([last, nxt_t, experts_t]).tolist()
         return last, nxt, experts
 
@@ -416,7 +432,9 @@ class TargetEngine:
             written = max(0, min(layout.num_nodes, sink.shape[0] - s.cached_len))
             if written:
                 rows_out = out.captured[step.start : step.start + written]
-                sink[s.cached_len : s.cached_len + written].copy_(self._columns.select(rows_out, capture, s.hidden_layers))
+                sink[s.cached_len : s.cached_len + written].copy_(
+                    self._columns.select(rows_out, capture, s.hidden_layers)
+                )
         last_node, nxt, experts = self._read_summary(step, run)
         path = layout.path_to(last_node)[1:]
         t1 = time.perf_counter()
@@ -462,8 +480,9 @@ class TargetEngine:
             hidden=hidden,
             num_drafted=len(block),
             experts_touched=experts,
-            timings=StepTimings(forward_ms=timer.ms(), sample_ms=(t1 - t0) * 1e3,
-                                compute_ms=(time.perf_counter() - started) * 1e3),
+            timings=StepTimings(
+                forward_ms=timer.ms(), sample_ms=(t1 - t0) * 1e3, compute_ms=(time.perf_counter() - started) * 1e3
+            ),
             logprobs=emitted_lp,
         )
 

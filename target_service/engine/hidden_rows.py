@@ -11,8 +11,9 @@ from .session import Session
 OWN_ROWS_SPARE = 256  # rows past twice the prompt an engine-owned row buffer starts with (it doubles when full)
 
 
-def new_rows(prompt_len: int, max_context: int, width: int, dtype: torch.dtype,
-             device: torch.device) -> torch.Tensor:  # [rows, width]
+def new_rows(
+    prompt_len: int, max_context: int, width: int, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:  # [rows, width]
     """An engine-owned row buffer for a prompt of prompt_len tokens (uninitialised)."""
     return torch.empty(min(max_context, 2 * prompt_len + OWN_ROWS_SPARE), width, dtype=dtype, device=device)
 
@@ -23,8 +24,9 @@ def grow_rows(s: Session, rows: int, max_context: int) -> None:
     sink = s.hidden_out
     if rows <= sink.shape[0]:
         return
-    grown = torch.empty(min(max_context, max(rows, 2 * sink.shape[0])), sink.shape[1], dtype=sink.dtype,
-                        device=sink.device)
+    grown = torch.empty(
+        min(max_context, max(rows, 2 * sink.shape[0])), sink.shape[1], dtype=sink.dtype, device=sink.device
+    )
     grown[: s.cached_len].copy_(sink[: s.cached_len])
     s.hidden_out = grown
 

@@ -75,8 +75,9 @@ def distinct_experts(routed: torch.Tensor | None, num_experts: int, device: torc
     return seen[:-1].sum()
 
 
-def chain_summary(ids: torch.Tensor, pos: torch.Tensor, logits: torch.Tensor, routed: torch.Tensor | None,
-                  num_experts: int) -> torch.Tensor:  # [3] int64
+def chain_summary(
+    ids: torch.Tensor, pos: torch.Tensor, logits: torch.Tensor, routed: torch.Tensor | None, num_experts: int
+) -> torch.Tensor:  # [3] int64
     """(last accepted node, next token, distinct experts) of greedy verification of the chain ids [T] = pending
     token + drafted tokens at positions pos [T], given its logits [T, V]: device ops only, so a graph can end with
     it. Pad rows repeat the last position, so a row whose position does not grow is never accepted (nor are the
@@ -98,8 +99,9 @@ class RunOutput:
     summary: torch.Tensor | None  # [3] int64 on the device (chain_summary) when a graph ran; None for eager steps
 
 
-def pad_step(ids: Sequence[int], pos: Sequence[int], attn: AttentionBatch,
-             rows: int) -> tuple[list[int], list[int], AttentionBatch]:
+def pad_step(
+    ids: Sequence[int], pos: Sequence[int], attn: AttentionBatch, rows: int
+) -> tuple[list[int], list[int], AttentionBatch]:
     """The step padded to `rows` rows: pad rows repeat its last new token's id and position, write no K/V (slot -1)
     and are skipped from the live count on (AttentionBatch.pad_rows, live_rows: [1] on the host here; the runner
     moves it, or refills its graph's)."""
@@ -107,16 +109,22 @@ def pad_step(ids: Sequence[int], pos: Sequence[int], attn: AttentionBatch,
     slots = attn.slot_mapping
     slots = torch.cat([slots, torch.full((pad,), -1, dtype=slots.dtype, device=slots.device)])
     live = torch.tensor([attn.num_tokens], dtype=torch.int64)
-    return (list(ids) + [ids[-1]] * pad, list(pos) + [pos[-1]] * pad,
-            dataclasses.replace(attn, slot_mapping=slots, pad_rows=pad, live_rows=live))
+    return (
+        list(ids) + [ids[-1]] * pad,
+        list(pos) + [pos[-1]] * pad,
+        dataclasses.replace(attn, slot_mapping=slots, pad_rows=pad, live_rows=live),
+    )
 
 
 def first_rows(run: RunOutput, n: int) -> RunOutput:
     """The first n rows of a padded step's outputs (views)."""
     out = run.out
     out = dataclasses.replace(
-        out, hidden=out.hidden[:n], captured=None if out.captured is None else out.captured[:n],
-        routed_experts=None if out.routed_experts is None else out.routed_experts[:, :n])
+        out,
+        hidden=out.hidden[:n],
+        captured=None if out.captured is None else out.captured[:n],
+        routed_experts=None if out.routed_experts is None else out.routed_experts[:, :n],
+    )
     return RunOutput(out, run.logits[:n], run.captured_layers, run.summary)
 
 
@@ -133,8 +141,16 @@ class _Graph:
 
 
 class ModelRunner:
-    def __init__(self, model, kv_cache: PagedKVCache, *, block_size: int, max_context: int,
-                 device: torch.device | str, invariant_rows: int = 0) -> None:
+    def __init__(
+        self,
+        model,
+        kv_cache: PagedKVCache,
+        *,
+        block_size: int,
+        max_context: int,
+        device: torch.device | str,
+        invariant_rows: int = 0,
+    ) -> None:
         if invariant_rows < 0:
             raise GraphCaptureError(f"invariant_rows must be >= 0, got {invariant_rows}")
         self.model = model
@@ -171,8 +187,9 @@ class ModelRunner:
         return RunOutput(out, self.model.compute_logits(out.hidden), capture, None)
 
     # ---- one step --------------------------------------------------------------------------------
-    def run(self, ids: Sequence[int], pos: Sequence[int], attn: AttentionBatch,
-            capture: tuple[int, ...] = ()) -> RunOutput:
+    def run(
+        self, ids: Sequence[int], pos: Sequence[int], attn: AttentionBatch, capture: tuple[int, ...] = ()
+    ) -> RunOutput:
         """One forward over the T new tokens of `attn` (its slot_mapping may be on the host). A graph serves the step
         when it was captured for the step's shape and returns at least the hidden layers asked for."""
         n = attn.num_tokens
@@ -183,8 +200,9 @@ class ModelRunner:
         tree = any(m is not None for m in attn.tree_masks)
         return self._run(ids, pos, attn, capture, (tuple(int(q) for q in attn.query_lens), tree))
 
-    def _run(self, ids: Sequence[int], pos: Sequence[int], attn: AttentionBatch, capture: tuple[int, ...],
-             shape: tuple) -> RunOutput:
+    def _run(
+        self, ids: Sequence[int], pos: Sequence[int], attn: AttentionBatch, capture: tuple[int, ...], shape: tuple
+    ) -> RunOutput:
         g, used = self._graph_serving(shape, capture)
         longest = max(c + q for c, q in zip(attn.context_lens, attn.query_lens))
         if g is None or not self.use_graphs or longest > self.max_context:
@@ -238,8 +256,10 @@ class ModelRunner:
         if self.device.type != "cuda":
             raise GraphCaptureError(f"CUDA graphs need a CUDA device, the engine runs on {self.device}")
         if getattr(self.model, "attn_backend", None) is None or not hasattr(self.model.attn_backend, "new_graph_step"):
-            raise GraphCaptureError("CUDA graphs need a graph-safe attention backend (flashinfer, triton_paged or paged_torch; the "
-                                    "per-sequence torch attention reads lengths on the host)")
+            raise GraphCaptureError(
+                "CUDA graphs need a graph-safe attention backend (flashinfer, triton_paged or paged_torch; the "
+                "per-sequence torch attention reads lengths on the host)"
+            )
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         if tuple(options.capture_layers) not in self._capture_sets:
@@ -257,8 +277,11 @@ class ModelRunner:
                 self._graphs[key] = self._capture_one(t, bool(tree), tuple(options.capture_layers), tree == PADDED)
             except Exception as e:  # that shape stays eager; the engine still serves it
                 self.capture_errors[key] = f"{type(e).__name__}: {e}"
-                warnings.warn(f"CUDA graph for {t} new tokens (tree {tree}) not captured, runs eager: {e}",
-                              RuntimeWarning, stacklevel=2)
+                warnings.warn(
+                    f"CUDA graph for {t} new tokens (tree {tree}) not captured, runs eager: {e}",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
         torch.cuda.synchronize(self.device)
 
     def _capture_one(self, t: int, tree: bool, capture: tuple[int, ...], padded: bool) -> _Graph:
@@ -267,13 +290,25 @@ class ModelRunner:
         dev = self.device
         # [4, T]: the graph reads its ids, positions and cache slots (scratch: no session holds blocks yet) from here,
         # and a padded graph its live row count (the rows from it on skip their experts; see the module docstring)
-        inputs = torch.stack([torch.zeros(t, dtype=torch.int64), torch.arange(t), torch.arange(t),
-                              torch.full((t,), t, dtype=torch.int64)]).to(dev)
+        inputs = torch.stack(
+            [
+                torch.zeros(t, dtype=torch.int64),
+                torch.arange(t),
+                torch.arange(t),
+                torch.full((t,), t, dtype=torch.int64),
+            ]
+        ).to(dev)
         ids, pos, slots = inputs[0], inputs[1], inputs[2]
         table = tuple(range(-(-t // self.block_size)))
         mask = torch.ones(t, t, dtype=torch.bool).tril() if tree else None
-        attn = AttentionBatch(query_lens=(t,), context_lens=(0,), block_tables=(table,), slot_mapping=slots,
-                              tree_masks=(mask,), live_rows=inputs[3, :1] if padded else None)
+        attn = AttentionBatch(
+            query_lens=(t,),
+            context_lens=(0,),
+            block_tables=(table,),
+            slot_mapping=slots,
+            tree_masks=(mask,),
+            live_rows=inputs[3, :1] if padded else None,
+        )
         backend = self.model.attn_backend
         step = None
         if backend is not None:

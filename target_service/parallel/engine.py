@@ -114,7 +114,9 @@ def check_split(config: ModelConfig, parallel: ParallelConfig) -> None:
             build_model(config, parallel)
     except ValueError as e:
         mode = "expert" if parallel.ep else "tensor"
-        raise ParallelError(f"{config.model_type} does not split over {parallel.tp_size} ranks ({mode} parallel): {e}") from None
+        raise ParallelError(
+            f"{config.model_type} does not split over {parallel.tp_size} ranks ({mode} parallel): {e}"
+        ) from None
 
 
 class ParallelTargetEngine(TargetEngine):
@@ -141,13 +143,22 @@ class ParallelTargetEngine(TargetEngine):
             raise ParallelError("CUDA graphs are not supported with tensor parallelism (the ranks run eagerly)")
         checkpoint = os.fspath(checkpoint)
         if not os.path.isdir(checkpoint):
-            raise ParallelError(f"a parallel target needs a checkpoint folder (each rank reads its shards), got {checkpoint}")
+            raise ParallelError(
+                f"a parallel target needs a checkpoint folder (each rank reads its shards), got {checkpoint}"
+            )
         config = ModelConfig.from_file(checkpoint)
         check_split(config, ParallelConfig(0, tensor_parallel_size, expert_parallel))
         choice = select_backends(config, torch.device(device), DTYPES[dtype], attention_backend, moe_backend)
         spec = ShardSpec(
-            os.path.abspath(checkpoint), dtype, torch.device(device).type, tensor_parallel_size,
-            expert_parallel, num_blocks, block_size, choice.attention, choice.moe,
+            os.path.abspath(checkpoint),
+            dtype,
+            torch.device(device).type,
+            tensor_parallel_size,
+            expert_parallel,
+            num_blocks,
+            block_size,
+            choice.attention,
+            choice.moe,
         )
         self.parallel_spec = spec
         self._group = RankGroup(spec, device)

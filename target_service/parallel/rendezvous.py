@@ -80,7 +80,9 @@ def open_store(rdv: Rendezvous, timeout: timedelta) -> dist.TCPStore:
             rdv.master_addr, rdv.master_port, rdv.world_size, is_master, timeout=timeout, wait_for_workers=False
         )
     except (RuntimeError, OSError) as e:
-        raise ParallelError(f"cannot {'host' if is_master else 'reach'} the store at {rdv.master_addr}:{rdv.master_port}: {e}") from e
+        raise ParallelError(
+            f"cannot {'host' if is_master else 'reach'} the store at {rdv.master_addr}:{rdv.master_port}: {e}"
+        ) from e
 
 
 def wait_for_ranks(
@@ -122,7 +124,9 @@ def ensure_no_group() -> None:
     if dist.is_initialized():
         gc.collect()  # a parallel engine nobody references any more leaves the groups when collected
     if dist.is_initialized():
-        raise ParallelError("torch.distributed is already initialised in this process (close the other parallel target first)")
+        raise ParallelError(
+            "torch.distributed is already initialised in this process (close the other parallel target first)"
+        )
 
 
 def init_groups(store: dist.TCPStore, rdv: Rendezvous, device: torch.device) -> dist.ProcessGroup:

@@ -29,8 +29,14 @@ _COMMON = dict(
     pad_token_id=None,
     tie_word_embeddings=False,
 )
-_MOE = dict(moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True,
-            decoder_sparse_step=1, mlp_only_layers=[])
+_MOE = dict(
+    moe_intermediate_size=16,
+    num_experts=4,
+    num_experts_per_tok=2,
+    norm_topk_prob=True,
+    decoder_sparse_step=1,
+    mlp_only_layers=[],
+)
 KINDS = {
     "target_moe": ("qwen3_moe", dict(_COMMON, **_MOE, vocab_size=64, num_hidden_layers=3), 0),
     "target_dense": ("llama", dict(_COMMON, vocab_size=64, num_hidden_layers=3), 4),
@@ -41,8 +47,12 @@ KINDS = {
 
 
 def _tokenizer_json(vocab: int) -> str:
-    return json.dumps({"model": {"type": "WordLevel", "vocab": {f"t{i}": i for i in range(vocab)}, "unk_token": "t0"},
-                       "added_tokens": []})
+    return json.dumps(
+        {
+            "model": {"type": "WordLevel", "vocab": {f"t{i}": i for i in range(vocab)}, "unk_token": "t0"},
+            "added_tokens": [],
+        }
+    )
 
 
 @pytest.fixture(scope="session")

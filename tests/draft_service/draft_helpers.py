@@ -98,7 +98,7 @@ def check_sessions_take_turns(eager, graphs, feats, vocab: int, steps: int = 4) 
             assert np.allclose(got.confidence, want.confidence, rtol=0, atol=1e-5), f"step {step} session {sid}"
             grown = seq + [want.token_ids[0], (step * 7 + len(seq)) % vocab]
             for p in (eager, graphs):
-                p.propose(sid, len(seq), grown[len(seq):], feats.rows(grown, len(seq) - 1, len(grown) - 1), 0)
+                p.propose(sid, len(seq), grown[len(seq) :], feats.rows(grown, len(seq) - 1, len(grown) - 1), 0)
             seq[:] = grown
 
 
@@ -135,8 +135,9 @@ def check_two_draws_follow_q(proposer, seq, rows, runs: int) -> None:
     assert draws_pvalue(seconds[top], q2[other]) < 1e-3  # ... and the test tells the two apart
 
 
-def paired_greedy(engine, verified, shadow, sid: str, prompt, k: int, max_new: int,
-                  tree: TreeSpec | None = None) -> tuple[list[int], int, int]:
+def paired_greedy(
+    engine, verified, shadow, sid: str, prompt, k: int, max_new: int, tree: TreeSpec | None = None
+) -> tuple[list[int], int, int]:
     """A greedy loop that verifies `verified`'s blocks (chains, or trees of `tree`) while `shadow` gets the same syncs
     and drafts on the same sequence each step: (emitted tokens, steps whose two blocks were equal, steps)."""
     sampling = SamplingParams()
@@ -160,8 +161,9 @@ def paired_greedy(engine, verified, shadow, sid: str, prompt, k: int, max_new: i
     return emitted, same, steps
 
 
-def check_graphs_draft_as_eager(engine, graphs, eager, prompts, dtype: str, k: int = 4, max_new: int = 40,
-                                tree: TreeSpec | None = None) -> None:
+def check_graphs_draft_as_eager(
+    engine, graphs, eager, prompts, dtype: str, k: int = 4, max_new: int = 40, tree: TreeSpec | None = None
+) -> None:
     """paired_greedy over each prompt text, the captured graphs' blocks verified, the eager proposer's beside them:
     float32: every block equal and the output = target-only; bf16 (sums round differently, near-ties may split): at
     least 90 % of the blocks equal; either way the drafts were accepted (fewer steps than tokens)."""
@@ -171,7 +173,9 @@ def check_graphs_draft_as_eager(engine, graphs, eager, prompts, dtype: str, k: i
         emitted, s, n = paired_greedy(engine, graphs, eager, f"p{i}", prompt, k, max_new, tree)
         same, steps = same + s, steps + n
         if dtype == "float32":
-            assert emitted[:max_new] == engine.generate_greedy(prompt, max_new), f"prompt {i}: output differs from target-only"
+            assert emitted[:max_new] == engine.generate_greedy(prompt, max_new), (
+                f"prompt {i}: output differs from target-only"
+            )
     assert same >= (steps if dtype == "float32" else 0.9 * steps), f"{same} of {steps} blocks equal"
     assert steps < len(prompts) * (max_new - 1)  # the drafts were accepted: fewer steps than tokens
 
@@ -180,8 +184,10 @@ def lockstep(engines, drafters, prompt: list[int], k: int, max_new: int, tree: T
     """Greedy speculation on both targets at once, each drafter synced from its own target: every block (and every
     verify result) equal; returns the scaled side's emitted tokens."""
     sampling = SamplingParams()
-    pre = [e.prefill("s", prompt, sampling, p.info.hidden_layers if p.info.needs_hidden_states else ())
-           for e, p in zip(engines, drafters)]
+    pre = [
+        e.prefill("s", prompt, sampling, p.info.hidden_layers if p.info.needs_hidden_states else ())
+        for e, p in zip(engines, drafters)
+    ]
     assert pre[0].next_token == pre[1].next_token
     seq = list(prompt) + [pre[0].next_token]
     for p, r in zip(drafters, pre):

@@ -47,8 +47,14 @@ def write_target(tmp_path, embed: torch.Tensor):
     """A target checkpoint folder with just what the head needs: config.json + embeddings."""
     tdir = tmp_path / "target"
     tdir.mkdir()
-    cfg = {"model_type": "llama", "vocab_size": VOCAB, "hidden_size": TARGET_H, "num_hidden_layers": TARGET_LAYERS,
-           "intermediate_size": 24, "num_attention_heads": 2}
+    cfg = {
+        "model_type": "llama",
+        "vocab_size": VOCAB,
+        "hidden_size": TARGET_H,
+        "num_hidden_layers": TARGET_LAYERS,
+        "intermediate_size": 24,
+        "num_attention_heads": 2,
+    }
     (tdir / "config.json").write_text(json.dumps(cfg))
     save_file({"model.embed_tokens.weight": embed.contiguous()}, str(tdir / "model.safetensors"))
     return tdir

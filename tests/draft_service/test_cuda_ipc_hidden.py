@@ -25,7 +25,9 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def _target_process(device: str, target_dir, layers: tuple[int, ...], prompt: list[int], to_drafter, from_drafter) -> None:
+def _target_process(
+    device: str, target_dir, layers: tuple[int, ...], prompt: list[int], to_drafter, from_drafter
+) -> None:
     """Prefill on the device; hand the rows over as an IPC handle (and a host copy); keep them alive."""
     from specserve.target_service.factory import EngineConfig, build_engine
 
@@ -41,11 +43,16 @@ def _target_process(device: str, target_dir, layers: tuple[int, ...], prompt: li
     assert from_drafter.get(timeout=600) == "bye"
 
 
-@pytest.mark.parametrize("device", [
-    pytest.param("cuda", marks=[pytest.mark.gpu,
-                                pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]),
-    "cpu",
-])
+@pytest.mark.parametrize(
+    "device",
+    [
+        pytest.param(
+            "cuda",
+            marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")],
+        ),
+        "cpu",
+    ],
+)
 def test_drafter_process_reads_target_hidden_rows_through_cuda_ipc_and_drafts_the_same_block(device):
     from specserve.draft_service.drafter_config import DrafterConfig
     from specserve.draft_service.registry import build_proposer
@@ -53,8 +60,16 @@ def test_drafter_process_reads_target_hidden_rows_through_cuda_ipc_and_drafts_th
     from specserve.paths import demo_checkpoint
 
     target_dir = demo_checkpoint("target")
-    proposer = build_proposer(DrafterConfig("eagle3", checkpoint=demo_checkpoint("eagle3"), target_checkpoint=target_dir,
-                                            device=device, dtype="float32", max_block_size=K))
+    proposer = build_proposer(
+        DrafterConfig(
+            "eagle3",
+            checkpoint=demo_checkpoint("eagle3"),
+            target_checkpoint=target_dir,
+            device=device,
+            dtype="float32",
+            max_block_size=K,
+        )
+    )
     layers = tuple(proposer.info.hidden_layers)
     prompt = load_tokenizer(target_dir).encode(PROMPT_TEXT).ids
     ctx = torch.multiprocessing.get_context("spawn")

@@ -26,9 +26,18 @@ VOCAB, TH, LAYERS = 40, 12, (0, 2)
 
 def random_dflash(seed=0) -> DFlashModel:
     torch.manual_seed(seed)
-    cfg = DFlashConfig(hidden_size=16, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=4,
-                       intermediate_size=32, vocab_size=VOCAB, block_size=5, target_hidden_size=TH,
-                       target_layer_ids=LAYERS)
+    cfg = DFlashConfig(
+        hidden_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=4,
+        intermediate_size=32,
+        vocab_size=VOCAB,
+        block_size=5,
+        target_hidden_size=TH,
+        target_layer_ids=LAYERS,
+    )
     model = DFlashModel(cfg)
     with torch.no_grad():
         for p in model.parameters():
@@ -71,7 +80,7 @@ def test_block_is_one_forward_and_non_causal(saved):
     _, path = saved
     p = build_proposer(cfg_for(path))
     calls = []
-    p.model.block_logits = (lambda f: (lambda *a, **k: calls.append(1) or f(*a, **k)))(p.model.block_logits)
+    p.model.block_logits = (lambda f: lambda *a, **k: calls.append(1) or f(*a, **k))(p.model.block_logits)
     feats = FakeFeatures(VOCAB, len(LAYERS) * TH)
     seq = [1, 2, 3, 4, 5, 6]
     p.start("s", seq, feats.rows(seq, 0, 5), SamplingParams(temperature=1.0, seed=0))
@@ -104,9 +113,19 @@ TARGET_V, TARGET_H = 64, 32  # tiny_ckpt("target_moe"): qwen3_moe, hidden 32, vo
 
 def shared_dflash(seed=0, hidden=TARGET_H) -> DFlashModel:
     torch.manual_seed(seed)
-    cfg = DFlashConfig(hidden_size=hidden, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                       head_dim=8, intermediate_size=48, vocab_size=TARGET_V, block_size=4,
-                       target_hidden_size=TARGET_H, target_layer_ids=(0, 2), shared_target_head=True)
+    cfg = DFlashConfig(
+        hidden_size=hidden,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        intermediate_size=48,
+        vocab_size=TARGET_V,
+        block_size=4,
+        target_hidden_size=TARGET_H,
+        target_layer_ids=(0, 2),
+        shared_target_head=True,
+    )
     model = DFlashModel(cfg)
     with torch.no_grad():
         for p in model.parameters():
@@ -135,8 +154,11 @@ def test_shared_head_saves_without_it_and_loads_it_from_the_target(tiny_ckpt, tm
     assert "norm.weight" in saved_names and "layers.1.mlp.down_proj.weight" in saved_names
     assert json.loads((tmp_path / "d" / "config.json").read_text())["shared_target_head"] is True
 
-    p = build_proposer(DrafterConfig(family="dflash", checkpoint=tmp_path / "d", target_checkpoint=target,
-                                     dtype="float32", max_block_size=4))
+    p = build_proposer(
+        DrafterConfig(
+            family="dflash", checkpoint=tmp_path / "d", target_checkpoint=target, dtype="float32", max_block_size=4
+        )
+    )
     assert p.model.cfg.shared_target_head
     torch.testing.assert_close(p.model.embed_tokens.weight, t["model.embed_tokens.weight"], rtol=0, atol=0)
     torch.testing.assert_close(p.model.lm_head.weight, t["lm_head.weight"], rtol=0, atol=0)
@@ -161,8 +183,9 @@ def test_shared_head_config_errors(tiny_ckpt, tmp_path):
         DFlashConfig.from_dict(raw)
     save_dflash(shared_dflash(), tmp_path / "d")  # vocab 64 against a target of vocab 72
     with pytest.raises(DrafterConfigError, match=r"model.embed_tokens.weight .* shape \(72, 32\)"):
-        build_proposer(DrafterConfig(family="dflash", checkpoint=tmp_path / "d",
-                                     target_checkpoint=tiny_ckpt("draft_other_vocab")))
+        build_proposer(
+            DrafterConfig(family="dflash", checkpoint=tmp_path / "d", target_checkpoint=tiny_ckpt("draft_other_vocab"))
+        )
 
 
 def test_shared_head_of_a_tied_target_is_its_embeddings(tmp_path):
@@ -170,8 +193,16 @@ def test_shared_head_of_a_tied_target_is_its_embeddings(tmp_path):
 
     from specserve.draft_service.dflash import read_target_head
 
-    kw = dict(hidden_size=32, intermediate_size=32, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
-              num_hidden_layers=1, vocab_size=TARGET_V, tie_word_embeddings=True)
+    kw = dict(
+        hidden_size=32,
+        intermediate_size=32,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        num_hidden_layers=1,
+        vocab_size=TARGET_V,
+        tie_word_embeddings=True,
+    )
     target = save_tiny_hf("llama", kw, tmp_path / "tied")
     head = read_target_head(target)
     assert head["lm_head.weight"] is head["embed_tokens.weight"]
@@ -222,8 +253,9 @@ def test_denoise_passes_fix_one_token_each_then_the_rest(tmp_path, sampled):
     save_dflash(model, tmp_path / "d")
     p = build_proposer(cfg_for(tmp_path / "d"))
     calls = []
-    p.model.block_logits = (lambda f: (lambda *a, **k: calls.append(k["given"].tolist()) or f(*a, **k)))(
-        p.model.block_logits)
+    p.model.block_logits = (lambda f: lambda *a, **k: calls.append(k["given"].tolist()) or f(*a, **k))(
+        p.model.block_logits
+    )
     feats = FakeFeatures(VOCAB, len(LAYERS) * TH)
     seq = [1, 2, 3, 4, 5, 6]
     sampling = SamplingParams(temperature=1.0, seed=3) if sampled else SamplingParams()
@@ -233,8 +265,9 @@ def test_denoise_passes_fix_one_token_each_then_the_rest(tmp_path, sampled):
     assert calls == [[], t[:1], t[:2]] and len(t) == 4
     m, kv = p.model, p.session("s").family_state.kv
     with torch.no_grad():
-        rows = [m.block_logits(torch.tensor([6]), 5, kv, given=torch.tensor(t[:n], dtype=torch.int64))
-                for n in range(3)]
+        rows = [
+            m.block_logits(torch.tensor([6]), 5, kv, given=torch.tensor(t[:n], dtype=torch.int64)) for n in range(3)
+        ]
     want = torch.stack([rows[0][0], rows[1][1], rows[2][2], rows[2][3]])  # [4, V]
     if sampled:
         torch.testing.assert_close(block.probs, torch.softmax(want.double(), -1).float(), rtol=1e-5, atol=1e-6)
@@ -250,7 +283,7 @@ def test_serve_time_denoise_steps_override_the_checkpoint(saved):
     _, path = saved  # a one-pass checkpoint, block 5
     p = build_proposer(cfg_for(path, denoise_steps=3))
     calls = []
-    p.model.block_logits = (lambda f: (lambda *a, **k: calls.append(1) or f(*a, **k)))(p.model.block_logits)
+    p.model.block_logits = (lambda f: lambda *a, **k: calls.append(1) or f(*a, **k))(p.model.block_logits)
     feats = FakeFeatures(VOCAB, len(LAYERS) * TH)
     seq = [1, 2, 3, 4, 5, 6]
     p.start("s", seq, feats.rows(seq, 0, 5), SamplingParams())

@@ -33,9 +33,19 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 @pytest.fixture(scope="module", params=[1, 3], ids=["one_pass", "three_passes"])
 def ckpt(request, tmp_path_factory):
     torch.manual_seed(0)
-    cfg = DFlashConfig(hidden_size=16, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=4,
-                       intermediate_size=32, vocab_size=VOCAB, block_size=5, target_hidden_size=TH,
-                       target_layer_ids=LAYERS, denoise_steps=request.param)
+    cfg = DFlashConfig(
+        hidden_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=4,
+        intermediate_size=32,
+        vocab_size=VOCAB,
+        block_size=5,
+        target_hidden_size=TH,
+        target_layer_ids=LAYERS,
+        denoise_steps=request.param,
+    )
     model = DFlashModel(cfg)
     with torch.no_grad():
         for p in model.parameters():
@@ -66,14 +76,16 @@ def test_graph_passes_draft_what_the_eager_proposer_drafts(ckpt, live):
 
 
 def test_sampled_graph_blocks_sync_like_fresh_ones(ckpt):
-    rollback_matches_fresh(lambda: proposer(ckpt, graphs=True), FakeFeatures(VOCAB, len(LAYERS) * TH), VOCAB,
-                           steps=8, sampled=True)
+    rollback_matches_fresh(
+        lambda: proposer(ckpt, graphs=True), FakeFeatures(VOCAB, len(LAYERS) * TH), VOCAB, steps=8, sampled=True
+    )
 
 
 def test_window_rows_follow_the_session_that_drafts(ckpt):
     """Two sessions take turns on one window (each draft must copy its own rows in), greedy, against eager."""
-    check_sessions_take_turns(proposer(ckpt, graphs=False), proposer(ckpt, graphs=True),
-                              FakeFeatures(VOCAB, len(LAYERS) * TH), VOCAB)
+    check_sessions_take_turns(
+        proposer(ckpt, graphs=False), proposer(ckpt, graphs=True), FakeFeatures(VOCAB, len(LAYERS) * TH), VOCAB
+    )
 
 
 @pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
@@ -94,7 +106,7 @@ def test_context_kv_is_extended_by_the_new_rows_not_recomputed(ckpt, graphs):
     for step in range(5):
         accepted = list(block.token_ids[: step % 3])
         grown = seq + accepted + [(step * 5 + 3) % VOCAB]
-        block = p.propose("s", len(seq), grown[len(seq):], feats.rows(grown, len(seq) - 1, len(grown) - 1), 4)
+        block = p.propose("s", len(seq), grown[len(seq) :], feats.rows(grown, len(seq) - 1, len(grown) - 1), 4)
         assert rows[-1] == len(accepted) + 1, f"step {step}: {rows}"
         seq = grown
     assert rows[0] == 9 and len(rows) == 6  # the prompt's rows once, then only the new ones
@@ -137,8 +149,10 @@ def test_sampled_graph_q_is_each_pass_row(ckpt):
     t, m, kv = list(block.token_ids), p.model, p.session("s").family_state.kv
     passes = p.passes
     with torch.no_grad():
-        rows = [m.block_logits(torch.tensor([6]), 5, kv, given=torch.tensor(t[:n], dtype=torch.int64))
-                for n in range(passes)]
+        rows = [
+            m.block_logits(torch.tensor([6]), 5, kv, given=torch.tensor(t[:n], dtype=torch.int64))
+            for n in range(passes)
+        ]
     want = torch.stack([rows[min(i, passes - 1)][i] for i in range(4)])  # token i: the row of the pass that fixed it
     torch.testing.assert_close(block.probs, torch.softmax(want.double(), -1).float(), rtol=1e-5, atol=1e-6)
 
@@ -170,9 +184,17 @@ PROMPTS = ("def parse_args(argv):\n", "class Stack:\n    def push(self, x):", "i
 def _demo_proposer(dtype, window):
     from specserve.paths import demo_checkpoint
 
-    return build_proposer(DrafterConfig("dflash", checkpoint=demo_checkpoint("dflash"),
-                                        target_checkpoint=demo_checkpoint("target"), device="cuda", dtype=dtype,
-                                        max_block_size=4, graph_window=window))
+    return build_proposer(
+        DrafterConfig(
+            "dflash",
+            checkpoint=demo_checkpoint("dflash"),
+            target_checkpoint=demo_checkpoint("target"),
+            device="cuda",
+            dtype=dtype,
+            max_block_size=4,
+            graph_window=window,
+        )
+    )
 
 
 @pytest.mark.gpu

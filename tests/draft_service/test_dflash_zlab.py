@@ -37,7 +37,7 @@ def _rope(x, pos, theta):  # x [T, heads, D]: rotate the two halves (Qwen3)
     d = x.shape[-1]
     ang = pos.double()[:, None] * theta ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)[None]  # [T, D/2]
     cos, sin = torch.cat([ang.cos()] * 2, -1)[:, None], torch.cat([ang.sin()] * 2, -1)[:, None]
-    return x * cos + torch.cat([-x[..., d // 2:], x[..., : d // 2]], -1) * sin
+    return x * cos + torch.cat([-x[..., d // 2 :], x[..., : d // 2]], -1) * sin
 
 
 def reference_block(ckpt: Path, embed, head, feats, anchor: int, given=()):  # -> [block_size - 1, V]
@@ -51,20 +51,29 @@ def reference_block(ckpt: Path, embed, head, feats, anchor: int, given=()):  # -
     x = embed.double()[ids]  # [b, H]
     block_pos, all_pos = torch.arange(p, p + b), torch.arange(p + b)
     for n in range(cfg["num_hidden_layers"]):
-        L = {k[len(f"layers.{n}."):]: v for k, v in w.items() if k.startswith(f"layers.{n}.")}
+        L = {k[len(f"layers.{n}.") :]: v for k, v in w.items() if k.startswith(f"layers.{n}.")}
         hb = _rms(x, L["input_layernorm.weight"], eps)
-        q = _rope(_rms((hb @ L["self_attn.q_proj.weight"].T).view(b, nh, d), L["self_attn.q_norm.weight"], eps),
-                  block_pos, theta)
+        q = _rope(
+            _rms((hb @ L["self_attn.q_proj.weight"].T).view(b, nh, d), L["self_attn.q_norm.weight"], eps),
+            block_pos,
+            theta,
+        )
         kv_in = torch.cat([ctx, hb])  # [P + b, H]: keys and values from concat(T, block)
-        k = _rope(_rms((kv_in @ L["self_attn.k_proj.weight"].T).view(p + b, nkv, d), L["self_attn.k_norm.weight"], eps),
-                  all_pos, theta)
+        k = _rope(
+            _rms((kv_in @ L["self_attn.k_proj.weight"].T).view(p + b, nkv, d), L["self_attn.k_norm.weight"], eps),
+            all_pos,
+            theta,
+        )
         v = (kv_in @ L["self_attn.v_proj.weight"].T).view(p + b, nkv, d)
         k, v = k.repeat_interleave(nh // nkv, 1), v.repeat_interleave(nh // nkv, 1)
         att = torch.softmax(torch.einsum("qhd,khd->hqk", q, k) / d**0.5, -1)  # no mask: non-causal
         x = x + torch.einsum("hqk,khd->qhd", att, v).reshape(b, nh * d) @ L["self_attn.o_proj.weight"].T
         h2 = _rms(x, L["post_attention_layernorm.weight"], eps)
-        x = x + (torch.nn.functional.silu(h2 @ L["mlp.gate_proj.weight"].T) * (h2 @ L["mlp.up_proj.weight"].T)) \
+        x = (
+            x
+            + (torch.nn.functional.silu(h2 @ L["mlp.gate_proj.weight"].T) * (h2 @ L["mlp.up_proj.weight"].T))
             @ L["mlp.down_proj.weight"].T
+        )
     return (_rms(x, w["norm.weight"], eps) @ head.double().T)[1:]
 
 
@@ -139,19 +148,26 @@ def test_a_wrong_layout_names_what_is_missing(zlab, tiny_ckpt, tmp_path):
         return str(e.value)
 
     assert "lacks dflash_config.mask_token_id" in config_error(lambda r: r["dflash_config"].pop("mask_token_id"))
-    assert "target_layer_ids (or num_target_layers)" in config_error(lambda r: r["dflash_config"].pop("target_layer_ids"))
+    assert "target_layer_ids (or num_target_layers)" in config_error(
+        lambda r: r["dflash_config"].pop("target_layer_ids")
+    )
     assert "lacks block_size" in config_error(lambda r: r.pop("block_size"))
     assert "lacks dflash_config" in config_error(lambda r: r.pop("dflash_config"))
     assert "only full_attention" in config_error(lambda r: r.update(layer_types=["sliding_attention"] * 2))
-    assert "rope_type 'yarn' is not supported" in config_error(lambda r: r.update(rope_parameters={"rope_type": "yarn"}))
+    assert "rope_type 'yarn' is not supported" in config_error(
+        lambda r: r.update(rope_parameters={"rope_type": "yarn"})
+    )
     assert "mask_token_id 64 outside [0, 64)" in config_error(lambda r: r["dflash_config"].update(mask_token_id=64))
     # what the loader said before it knew this layout, now with the layout it expected
     assert "or architectures ['DFlashDraftModel'] (z-lab's), got model_type 'qwen3'" in config_error(
-        lambda r: r.pop("architectures"))
+        lambda r: r.pop("architectures")
+    )
     with pytest.raises(DrafterConfigError, match="give the target checkpoint"):
         build_proposer(DrafterConfig(family="dflash", checkpoint=write_zlab_dflash(tmp_path / "nt")))
     wrong = write_zlab_dflash(tmp_path / "w", hidden_size=16)  # the target's embeddings are [64, 32]
-    with pytest.raises(DrafterConfigError, match=r"model\.embed_tokens\.weight .* shape \(64, 32\), expected \(64, 16\)"):
+    with pytest.raises(
+        DrafterConfigError, match=r"model\.embed_tokens\.weight .* shape \(64, 32\), expected \(64, 16\)"
+    ):
         build_proposer(cfg_for(wrong, target))
 
 

@@ -17,8 +17,9 @@ from specserve.protos.specserve.v1 import draft_pb2, draft_pb2_grpc
 from specserve.runtime.servers_common import ServiceBinding
 
 IDLE_S = 0.6
-LIMITS = DraftLimits(max_sessions=3, max_total_tokens=60, session_idle_timeout_s=IDLE_S, max_tree_top_k=4,
-                     propose_budget_s=0.5)
+LIMITS = DraftLimits(
+    max_sessions=3, max_total_tokens=60, session_idle_timeout_s=IDLE_S, max_tree_top_k=4, propose_budget_s=0.5
+)
 
 
 class HostileDraft(InProcessServer):
@@ -35,8 +36,9 @@ class HostileDraft(InProcessServer):
         return self.stub.GetStats(draft_pb2.DraftStatsRequest(), timeout=10).active_sessions
 
     def start(self, sid: str, n: int) -> None:
-        self.stub.StartSession(draft_pb2.StartSessionRequest(session_id=sid, token_ids=[1 + i % 50 for i in range(n)]),
-                               timeout=10)
+        self.stub.StartSession(
+            draft_pb2.StartSessionRequest(session_id=sid, token_ids=[1 + i % 50 for i in range(n)]), timeout=10
+        )
 
     def release_all(self, sids) -> None:
         for sid in sids:
@@ -82,13 +84,19 @@ def test_tokens_beyond_the_budget_are_refused_at_start_and_at_propose(served):
 
 def test_tree_parameters_are_bounded(served):
     served.start("t", 5)
-    huge = draft_pb2.ProposeRequest(session_id="t", prefix_len=5, num_tokens=0, is_tree=True,
-                                    tree=draft_pb2.TreeSpec(num_nodes=8, top_k=1000000, depth=2))
+    huge = draft_pb2.ProposeRequest(
+        session_id="t",
+        prefix_len=5,
+        num_tokens=0,
+        is_tree=True,
+        tree=draft_pb2.TreeSpec(num_nodes=8, top_k=1000000, depth=2),
+    )
     t0 = time.monotonic()
     assert code_of(lambda: served.stub.Propose(huge, timeout=10)) == grpc.StatusCode.INVALID_ARGUMENT
     assert time.monotonic() - t0 < 2.0
-    fine = draft_pb2.ProposeRequest(session_id="t", prefix_len=5, num_tokens=0, is_tree=True,
-                                    tree=draft_pb2.TreeSpec(num_nodes=8, top_k=4, depth=2))
+    fine = draft_pb2.ProposeRequest(
+        session_id="t", prefix_len=5, num_tokens=0, is_tree=True, tree=draft_pb2.TreeSpec(num_nodes=8, top_k=4, depth=2)
+    )
     assert 1 <= len(served.stub.Propose(fine, timeout=10).draft.token_ids) <= 8
     served.release_all(["t"])
 
@@ -111,8 +119,9 @@ def test_an_idle_session_expires_and_a_busy_one_stays(served):
 
 
 def test_unparseable_bytes_get_invalid_argument(served):
-    assert_unparseable_bytes_refused(served.channel, "specserve.v1.DraftService", ("StartSession", "Propose", "Release"),
-                                     "ProposeStream")
+    assert_unparseable_bytes_refused(
+        served.channel, "specserve.v1.DraftService", ("StartSession", "Propose", "Release"), "ProposeStream"
+    )
     huge = draft_pb2.ProposeRequest(session_id="x" * 20_000, num_tokens=2)  # echoed in "not open"
     with pytest.raises(grpc.RpcError) as info:
         served.stub.Propose(huge, timeout=10)

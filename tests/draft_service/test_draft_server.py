@@ -46,7 +46,11 @@ def test_info_and_health(served):
     info = served.stub.GetInfo(draft_pb2.DraftInfoRequest(), timeout=10)
     local = build_proposer(CONFIG).info
     assert (info.family, info.max_block_size, info.needs_hidden_states, info.supports_tree) == (
-        local.family, local.max_block_size, local.needs_hidden_states, local.supports_tree)
+        local.family,
+        local.max_block_size,
+        local.needs_hidden_states,
+        local.supports_tree,
+    )
     health = health_pb2_grpc.HealthStub(served.channel)
     assert health.Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=5).status == 1
 
@@ -82,8 +86,16 @@ def test_errors_are_invalid_argument(served):
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "token_ids" in info.value.details()
     stub.StartSession(draft_pb2.StartSessionRequest(session_id="e", token_ids=SEQ), timeout=10)
     with pytest.raises(grpc.RpcError) as info:
-        stub.Propose(draft_pb2.ProposeRequest(session_id="e", prefix_len=len(SEQ), num_tokens=2, is_tree=True,
-                                              tree=draft_pb2.TreeSpec(num_nodes=0, top_k=1, depth=1)), timeout=10)
+        stub.Propose(
+            draft_pb2.ProposeRequest(
+                session_id="e",
+                prefix_len=len(SEQ),
+                num_tokens=2,
+                is_tree=True,
+                tree=draft_pb2.TreeSpec(num_nodes=0, top_k=1, depth=1),
+            ),
+            timeout=10,
+        )
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "tree" in info.value.details()
     ok = stub.Propose(draft_pb2.ProposeRequest(session_id="e", prefix_len=len(SEQ), num_tokens=2), timeout=10)
     assert len(ok.draft.token_ids) <= 2

@@ -28,9 +28,18 @@ VOCAB, TH, LAYERS, RANK = 40, 12, (0, 2), 6
 
 
 def random_dspark(seed: int = 0) -> DSparkModel:
-    block = DFlashConfig(hidden_size=16, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=4,
-                         intermediate_size=32, vocab_size=VOCAB, block_size=5, target_hidden_size=TH,
-                         target_layer_ids=LAYERS)
+    block = DFlashConfig(
+        hidden_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=4,
+        intermediate_size=32,
+        vocab_size=VOCAB,
+        block_size=5,
+        target_hidden_size=TH,
+        target_layer_ids=LAYERS,
+    )
     model = randomize_(DSparkModel(DSparkConfig(block, RANK)), seed)
     with torch.no_grad():
         model.markov.out.weight.mul_(8.0)  # a Markov correction that changes the argmax often
@@ -73,8 +82,12 @@ def reference_rows(m: DSparkModel, feats: torch.Tensor, pending: int) -> torch.T
     cpos, bpos = torch.arange(P), P + torch.arange(b)
     for L in blk.layers:
         hc, h = _rms(ctx, L.input_layernorm.weight, c.rms_norm_eps), _rms(x, L.input_layernorm.weight, c.rms_norm_eps)
-        k = torch.cat([_rope((hc @ L.k_proj.weight.T).view(P, -1, d), cpos, c.rope_theta),
-                       _rope((h @ L.k_proj.weight.T).view(b, -1, d), bpos, c.rope_theta)])  # [P + b, Hkv, D]
+        k = torch.cat(
+            [
+                _rope((hc @ L.k_proj.weight.T).view(P, -1, d), cpos, c.rope_theta),
+                _rope((h @ L.k_proj.weight.T).view(b, -1, d), bpos, c.rope_theta),
+            ]
+        )  # [P + b, Hkv, D]
         v = torch.cat([(hc @ L.v_proj.weight.T).view(P, -1, d), (h @ L.v_proj.weight.T).view(b, -1, d)])
         q = _rope((h @ L.q_proj.weight.T).view(b, -1, d), bpos, c.rope_theta)  # [b, Hq, D]
         k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
@@ -116,8 +129,7 @@ def test_block_markov_and_confidence_match_the_reference(saved, graphs):
     feats, seq = FakeFeatures(VOCAB, len(LAYERS) * TH), [3, 9, 14, 1, 7, 22, 5]
     z = reference_rows(model, feats.rows(seq, 0, len(seq) - 1), seq[-1])
     kv = model.block.context_kv(feats.rows(seq, 0, len(seq) - 1), torch.arange(len(seq) - 1))
-    torch.testing.assert_close(model.block.block_hidden(torch.tensor(seq[-1:]), len(seq) - 1, kv), z,
-                               rtol=0, atol=1e-5)
+    torch.testing.assert_close(model.block.block_hidden(torch.tensor(seq[-1:]), len(seq) - 1, kv), z, rtol=0, atol=1e-5)
     _start(p, seq, feats, SamplingParams())
     block = p.propose("s", len(seq), [], None, 5)
     want_tokens, want_conf, _ = reference_chain(model, z, seq[-1])
@@ -132,8 +144,9 @@ def test_block_markov_and_confidence_match_the_reference(saved, graphs):
         _, conf, logits = reference_chain(model, z, seq[-1], list(block.token_ids))
         from specserve.models.probs import target_probs
 
-        torch.testing.assert_close(block.probs, target_probs(logits, SamplingParams(temperature=0.8, top_k=20)),
-                                   rtol=0, atol=1e-5)
+        torch.testing.assert_close(
+            block.probs, target_probs(logits, SamplingParams(temperature=0.8, top_k=20)), rtol=0, atol=1e-5
+        )
         assert block.confidence == pytest.approx(conf, abs=1e-5)
 
 
@@ -177,8 +190,14 @@ def test_rollback_matches_fresh_drafter(saved):
     model, path = saved
     feats = FakeFeatures(VOCAB, len(LAYERS) * TH)
     for sampled, steps, seed in ((True, 8, 0), (False, 6, 1)):
-        rollback_matches_fresh(lambda: DSparkProposer(model, cfg_for(path), LAYERS, ""), feats, VOCAB, steps=steps,
-                               sampled=sampled, seed=seed)
+        rollback_matches_fresh(
+            lambda: DSparkProposer(model, cfg_for(path), LAYERS, ""),
+            feats,
+            VOCAB,
+            steps=steps,
+            sampled=sampled,
+            seed=seed,
+        )
 
 
 @torch.no_grad()

@@ -27,8 +27,9 @@ def saved(tmp_path):
 
 
 def make_config(hdir, tdir, **kw):
-    return DrafterConfig(family="eagle3", checkpoint=hdir, target_checkpoint=tdir, dtype="float64",
-                         max_block_size=6, **kw)
+    return DrafterConfig(
+        family="eagle3", checkpoint=hdir, target_checkpoint=tdir, dtype="float64", max_block_size=6, **kw
+    )
 
 
 def test_saved_layout_is_the_published_one(saved):
@@ -109,8 +110,12 @@ def test_embeddings_from_head_when_present(saved, tmp_path):
 
 @pytest.mark.parametrize(
     "tree,sampled",
-    [(None, True), (None, False), (TreeSpec(num_nodes=10, top_k=3, depth=4), False),
-     (TreeSpec(num_nodes=10, top_k=3, depth=4), True)],
+    [
+        (None, True),
+        (None, False),
+        (TreeSpec(num_nodes=10, top_k=3, depth=4), False),
+        (TreeSpec(num_nodes=10, top_k=3, depth=4), True),
+    ],
 )
 def test_rollback_matches_fresh_drafter(saved, tree, sampled):
     _, hdir, tdir = saved

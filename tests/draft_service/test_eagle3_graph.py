@@ -47,13 +47,24 @@ def test_eagle3_chain_graphs_draft_what_the_eager_chain_drafts():
     target = demo_checkpoint("target")
     engine = build_engine(EngineConfig(model=target, device="cuda", dtype="float32", cuda_graphs=False))
     proposers = {
-        window: build_proposer(DrafterConfig("eagle3", checkpoint=demo_checkpoint("eagle3"), target_checkpoint=target,
-                                             device="cuda", dtype="float32", max_block_size=4, graph_window=window))
+        window: build_proposer(
+            DrafterConfig(
+                "eagle3",
+                checkpoint=demo_checkpoint("eagle3"),
+                target_checkpoint=target,
+                device="cuda",
+                dtype="float32",
+                max_block_size=4,
+                graph_window=window,
+            )
+        )
         for window in (0, 1024)
     }
     assert proposers[0].chain_graphs is None and proposers[1024].chain_graphs is not None
     tok = engine.tokenizer
-    prompts = [tok.encode(t).ids for t in ("def parse_args(argv):\n", "class Stack:\n    def push(self, x):", "import os\n")]
+    prompts = [
+        tok.encode(t).ids for t in ("def parse_args(argv):\n", "class Stack:\n    def push(self, x):", "import os\n")
+    ]
     for i, prompt in enumerate(prompts):
         want = engine.generate_greedy(prompt, 40)
         per_step = {}
@@ -73,10 +84,12 @@ def test_static_window_passes_match_the_eager_chain_on_cpu():
 
     target = demo_checkpoint("target")
     engine = build_engine(EngineConfig(model=target))
-    eager = build_proposer(DrafterConfig("eagle3", checkpoint=demo_checkpoint("eagle3"), target_checkpoint=target,
-                                         max_block_size=4))
-    windowed = build_proposer(DrafterConfig("eagle3", checkpoint=demo_checkpoint("eagle3"), target_checkpoint=target,
-                                            max_block_size=4))
+    eager = build_proposer(
+        DrafterConfig("eagle3", checkpoint=demo_checkpoint("eagle3"), target_checkpoint=target, max_block_size=4)
+    )
+    windowed = build_proposer(
+        DrafterConfig("eagle3", checkpoint=demo_checkpoint("eagle3"), target_checkpoint=target, max_block_size=4)
+    )
     assert eager.chain_graphs is None  # CPU: no graphs unless given
     windowed.chain_graphs = Eagle3ChainGraphs(windowed.head, windowed.d2t_ids, window=256, k_max=4)
     prompt = engine.tokenizer.encode("def parse_args(argv):\n").ids
@@ -184,8 +197,12 @@ def test_chain_past_the_window_drafts_eagerly(tiny):
     assert graphs.propose("s", 7, [], None, 4) == eager.propose("s", 7, [], None, 4)
 
 
-TREES = [TreeSpec(num_nodes=10, top_k=3, depth=4), TreeSpec(num_nodes=3, top_k=4, depth=2),
-         TreeSpec(num_nodes=40, top_k=2, depth=5), TreeSpec(num_nodes=5, top_k=1, depth=4)]
+TREES = [
+    TreeSpec(num_nodes=10, top_k=3, depth=4),
+    TreeSpec(num_nodes=3, top_k=4, depth=2),
+    TreeSpec(num_nodes=40, top_k=2, depth=5),
+    TreeSpec(num_nodes=5, top_k=1, depth=4),
+]
 
 
 @pytest.mark.parametrize("tree", TREES, ids=lambda t: f"{t.num_nodes}-{t.top_k}-{t.depth}")
@@ -213,8 +230,10 @@ def test_sampled_tree_body_declares_draws_without_replacement(sharp):
     request whose q has fewer tokens than top_k (top_k = 2 < the tree's 3) keeps only real draws."""
     p = _proposer(sharp, graphs=True)
     seq = [10, 20, 30, 40, 2, 8]
-    for sampling, spec in ((SamplingParams(temperature=1.0, seed=3), TreeSpec(num_nodes=12, top_k=3, depth=3)),
-                           (SamplingParams(temperature=1.0, top_k=2, seed=3), TreeSpec(num_nodes=12, top_k=3, depth=3))):
+    for sampling, spec in (
+        (SamplingParams(temperature=1.0, seed=3), TreeSpec(num_nodes=12, top_k=3, depth=3)),
+        (SamplingParams(temperature=1.0, top_k=2, seed=3), TreeSpec(num_nodes=12, top_k=3, depth=3)),
+    ):
         p.start("s", seq, FEATS.rows(seq, 0, 5), sampling)
         block = p.propose("s", 6, [], None, 0, spec)
         p.release("s")
@@ -253,9 +272,17 @@ def test_sampled_tree_cut_keeps_the_first_draws(sharp):
 
 # ---------------------------------------------------------------- GPU: captured graphs
 def _demo_proposer(window: int):  # the shipped demo's head, float32 on the GPU
-    return build_proposer(DrafterConfig("eagle3", checkpoint=demo_checkpoint("eagle3"),
-                                        target_checkpoint=demo_checkpoint("target"), device="cuda", dtype="float32",
-                                        max_block_size=4, graph_window=window))
+    return build_proposer(
+        DrafterConfig(
+            "eagle3",
+            checkpoint=demo_checkpoint("eagle3"),
+            target_checkpoint=demo_checkpoint("target"),
+            device="cuda",
+            dtype="float32",
+            max_block_size=4,
+            graph_window=window,
+        )
+    )
 
 
 @pytest.mark.gpu
@@ -297,8 +324,7 @@ def test_captured_trees_draft_what_the_eager_builder_drafts():
     engine = build_engine(EngineConfig(model=demo_checkpoint("target"), device="cuda", dtype="float32"))
     graphs, eager = _demo_proposer(1024), _demo_proposer(0)
     tree = TreeSpec(num_nodes=16, top_k=2, depth=4)
-    check_graphs_draft_as_eager(engine, graphs, eager, ("def parse_args(argv):\n", "import os\n"), "float32",
-                                tree=tree)
+    check_graphs_draft_as_eager(engine, graphs, eager, ("def parse_args(argv):\n", "import os\n"), "float32", tree=tree)
     assert graphs.chain_graphs.trees.captured == 1 and graphs.chain_graphs.trees.capture_errors == {}
     bodies = _demo_proposer(1024)
     bodies.chain_graphs.trees._pool = None  # never captured: the body runs eagerly over the same buffers
@@ -308,8 +334,10 @@ def test_captured_trees_draft_what_the_eager_builder_drafts():
     for p in (graphs, bodies):
         p.start("t", seq, feats[: len(seq) - 1], SamplingParams(temperature=0.8, top_k=50, seed=3))
     for step, spec in enumerate((tree, TreeSpec(num_nodes=6, top_k=4, depth=2))):
-        a, b = (p.propose("t", len(seq) + step, [7 + step], feats[len(seq) - 1 + step : len(seq) + step], 0, spec)
-                for p in (graphs, bodies))
+        a, b = (
+            p.propose("t", len(seq) + step, [7 + step], feats[len(seq) - 1 + step : len(seq) + step], 0, spec)
+            for p in (graphs, bodies)
+        )
         assert (a.token_ids, a.parents) == (b.token_ids, b.parents)
         torch.testing.assert_close(a.probs, b.probs, atol=1e-5, rtol=1e-4)
 
@@ -344,8 +372,16 @@ def test_the_built_drafter_captured_every_block_and_captures_nothing_while_draft
     proposes replay them without capturing more (before: each (n, k) captured on first use, mid-request)."""
     target = demo_checkpoint("target")
     engine = build_engine(EngineConfig(model=target, device="cuda", dtype="float32", cuda_graphs=False))
-    proposer = build_proposer(DrafterConfig("eagle3", checkpoint=demo_checkpoint("eagle3"), target_checkpoint=target,
-                                            device="cuda", dtype="float32", max_block_size=4))
+    proposer = build_proposer(
+        DrafterConfig(
+            "eagle3",
+            checkpoint=demo_checkpoint("eagle3"),
+            target_checkpoint=target,
+            device="cuda",
+            dtype="float32",
+            max_block_size=4,
+        )
+    )
     graphs = proposer.chain_graphs
     assert graphs is not None and not graphs.capture_errors, graphs.capture_errors
     assert graphs.captured == len(graphs._keys())

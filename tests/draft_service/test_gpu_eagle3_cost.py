@@ -29,8 +29,16 @@ def demo():
 
     target = demo_checkpoint("target")
     engine = build_engine(EngineConfig(model=target, device="cuda", dtype="bfloat16", num_kv_blocks=256))
-    proposer = build_proposer(DrafterConfig("eagle3", checkpoint=demo_checkpoint("eagle3"), target_checkpoint=target,
-                                            device="cuda", dtype="bfloat16", max_block_size=4))
+    proposer = build_proposer(
+        DrafterConfig(
+            "eagle3",
+            checkpoint=demo_checkpoint("eagle3"),
+            target_checkpoint=target,
+            device="cuda",
+            dtype="bfloat16",
+            max_block_size=4,
+        )
+    )
     engine.add_graph_layers(sorted(proposer.info.hidden_layers))
     assert proposer.chain_graphs is not None and not proposer.chain_graphs.capture_errors
     return engine, proposer

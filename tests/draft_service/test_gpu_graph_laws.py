@@ -26,9 +26,16 @@ def engine():
 
 @pytest.mark.parametrize("family", ["eagle3", "model", "dflash"])
 def test_captured_sampled_draws_follow_their_q(engine, family):
-    proposer = build_proposer(DrafterConfig(family, checkpoint=demo_checkpoint(family),
-                                            target_checkpoint=demo_checkpoint("target"), device="cuda",
-                                            dtype="float32", max_block_size=4))
+    proposer = build_proposer(
+        DrafterConfig(
+            family,
+            checkpoint=demo_checkpoint(family),
+            target_checkpoint=demo_checkpoint("target"),
+            device="cuda",
+            dtype="float32",
+            max_block_size=4,
+        )
+    )
     graphs = proposer.chain_graphs if family != "dflash" else proposer.block_graphs
     assert graphs is not None and graphs.captured > 0 and graphs.capture_errors == {}
     prompt = engine.tokenizer.encode("def parse_args(argv):\n").ids

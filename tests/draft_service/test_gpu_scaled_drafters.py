@@ -42,7 +42,9 @@ def _engines(spec: str):
     return demo, wide
 
 
-@pytest.fixture(scope="module", params=["demo@moonlight-16b-a3b", "demo@kimi-k2.6:6"])  # 6 layers: float32 room for both heads
+@pytest.fixture(
+    scope="module", params=["demo@moonlight-16b-a3b", "demo@kimi-k2.6:6"]
+)  # 6 layers: float32 room for both heads
 def engines(request):
     pair = _engines(request.param)
     yield request.param, pair
@@ -52,18 +54,36 @@ def engines(request):
 
 
 def _drafters(family: str, spec: str):
-    return tuple(build_proposer(DrafterConfig(family=family, checkpoint=demo_checkpoint(family), target_checkpoint=t,
-                                              device="cuda", dtype="float32", max_block_size=9))
-                 for t in (demo_checkpoint("target"), spec))
+    return tuple(
+        build_proposer(
+            DrafterConfig(
+                family=family,
+                checkpoint=demo_checkpoint(family),
+                target_checkpoint=t,
+                device="cuda",
+                dtype="float32",
+                max_block_size=9,
+            )
+        )
+        for t in (demo_checkpoint("target"), spec)
+    )
 
 
 TREE = TreeSpec(num_nodes=16, top_k=2, depth=5)
 
 
-@pytest.mark.parametrize("family, tree", [
-    ("eagle3", None), ("eagle3", TREE), ("model", None), ("model", TREE), ("dflash", None),  # DFlash drafts chains
-    ("dspark", None),
-], ids=["eagle3-chain", "eagle3-tree", "model-chain", "model-tree", "dflash-chain", "dspark-chain"])
+@pytest.mark.parametrize(
+    "family, tree",
+    [
+        ("eagle3", None),
+        ("eagle3", TREE),
+        ("model", None),
+        ("model", TREE),
+        ("dflash", None),  # DFlash drafts chains
+        ("dspark", None),
+    ],
+    ids=["eagle3-chain", "eagle3-tree", "model-chain", "model-tree", "dflash-chain", "dspark-chain"],
+)
 def test_full_size_scaled_drafter_proposes_the_demo_size_blocks_and_is_lossless(engines, family, tree):
     spec, pair = engines
     drafters = _drafters(family, spec)
@@ -72,7 +92,7 @@ def test_full_size_scaled_drafter_proposes_the_demo_size_blocks_and_is_lossless(
             if tree is None:  # the law of a sampled drafted token: the demo-size one's, nothing past the demo's ids
                 demo_q, wide_q = (first_draft_q(e, p, prompt) for e, p in zip(pair, drafters))
                 torch.testing.assert_close(wide_q[: demo_q.shape[0]], demo_q, rtol=0, atol=1e-4)
-                assert (wide_q[demo_q.shape[0]:] == 0).all()
+                assert (wide_q[demo_q.shape[0] :] == 0).all()
             emitted = lockstep(pair, drafters, prompt, 4, NEW_TOKENS, tree)
             assert emitted == pair[1].generate_greedy(prompt, NEW_TOKENS)
     finally:
@@ -96,7 +116,7 @@ def test_full_size_scaled_mtp_proposes_the_demo_size_chains_and_is_lossless(engi
         for prompt in demo_prompts():
             demo_q, wide_q = (first_draft_q(e, p, prompt) for e, p in zip(pair, drafters))
             torch.testing.assert_close(wide_q[: demo_q.shape[0]], demo_q, rtol=0, atol=1e-4)
-            assert (wide_q[demo_q.shape[0]:] == 0).all()
+            assert (wide_q[demo_q.shape[0] :] == 0).all()
             emitted = lockstep(pair, drafters, prompt, 4, NEW_TOKENS)
             assert emitted == pair[1].generate_greedy(prompt, NEW_TOKENS)
     finally:

@@ -61,9 +61,18 @@ CUT_TREE = TreeSpec(num_nodes=3, top_k=4, depth=2)
 
 def _eagle3_dir(root, target_dir):
     torch.manual_seed(5)
-    raw = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4,
-           "num_key_value_heads": 2, "rms_norm_eps": 1e-5, "vocab_size": VOCAB, "draft_vocab_size": 48,
-           "target_hidden_size": 32, "hidden_act": "silu"}
+    raw = {
+        "model_type": "llama",
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-5,
+        "vocab_size": VOCAB,
+        "draft_vocab_size": 48,
+        "target_hidden_size": 32,
+        "hidden_act": "silu",
+    }
     head = Eagle3Head(Eagle3Config.from_dict(raw))
     with torch.no_grad():
         for p in head.parameters():
@@ -87,9 +96,18 @@ def _eagle3_dir(root, target_dir):
 
 def _dspark_dir(root, num_layers):
     torch.manual_seed(7)
-    cfg = DFlashConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=8,
-                       intermediate_size=32, vocab_size=VOCAB, block_size=4, target_hidden_size=32,
-                       target_layer_ids=(0, num_layers - 1))
+    cfg = DFlashConfig(
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+        intermediate_size=32,
+        vocab_size=VOCAB,
+        block_size=4,
+        target_hidden_size=32,
+        target_layer_ids=(0, num_layers - 1),
+    )
     model = DSparkModel(DSparkConfig(cfg, 4))
     with torch.no_grad():
         for p in model.parameters():
@@ -100,9 +118,19 @@ def _dspark_dir(root, num_layers):
 
 def _dflash_dir(root, num_layers, denoise_steps=1):
     torch.manual_seed(6)
-    cfg = DFlashConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=8,
-                       intermediate_size=32, vocab_size=VOCAB, block_size=4, target_hidden_size=32,
-                       target_layer_ids=(0, num_layers - 1), denoise_steps=denoise_steps)
+    cfg = DFlashConfig(
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+        intermediate_size=32,
+        vocab_size=VOCAB,
+        block_size=4,
+        target_hidden_size=32,
+        target_layer_ids=(0, num_layers - 1),
+        denoise_steps=denoise_steps,
+    )
     model = DFlashModel(cfg)
     with torch.no_grad():
         for p in model.parameters():
@@ -147,7 +175,9 @@ def _world(tiny_ckpt, tmp_path_factory, kind):
         "dflash": DrafterConfig(family="dflash", checkpoint=_dflash_dir(root, layers), **base),
         "dflash_denoise": DrafterConfig(family="dflash", checkpoint=_dflash_dir(root, layers, 2), **base),
         "dspark": DrafterConfig(family="dspark", checkpoint=_dspark_dir(root, layers), **base),
-        "dflash_zlab": DrafterConfig(family="dflash", checkpoint=save_zlab_dflash(root / "zlab", (0, layers - 1)), **base),
+        "dflash_zlab": DrafterConfig(
+            family="dflash", checkpoint=save_zlab_dflash(root / "zlab", (0, layers - 1)), **base
+        ),
         "mtp": DrafterConfig(family="mtp", **base),  # the target's own layer (only mtp_world's target has one)
     }
     for name in GRAPH_DRAFTERS:  # on the GPU, with their captured graphs (built only by the tests that run there)
@@ -177,8 +207,9 @@ def _graph_variants(world_name=None):
     names = [f"{n}_graphs" for n in GRAPH_DRAFTERS] + [pytest.param(f"{n}_cuda", marks=GPU) for n in GRAPH_DRAFTERS]
     if world_name is None:
         return names
-    return [pytest.param(world_name, n.values[0], marks=n.marks) if hasattr(n, "values") else (world_name, n)
-            for n in names]
+    return [
+        pytest.param(world_name, n.values[0], marks=n.marks) if hasattr(n, "values") else (world_name, n) for n in names
+    ]
 
 
 def run_loop(engine, proposer, sid, prompt, sampling, max_new, k=3, tree=None, steps=None):
@@ -213,8 +244,9 @@ def test_greedy_output_equals_target_only(world, name):
         assert drafted > 0 or name == "ngram"
 
 
-@pytest.mark.parametrize("world_name,name", [("world", "dflash_zlab"), ("mtp_world", "dflash_zlab"),
-                                             ("mtp_world", "mtp")])
+@pytest.mark.parametrize(
+    "world_name,name", [("world", "dflash_zlab"), ("mtp_world", "dflash_zlab"), ("mtp_world", "mtp")]
+)
 def test_published_layouts_greedy_output_equals_target_only_for_k_1_to_4(request, world_name, name):
     engine_factory, configs, _ = request.getfixturevalue(world_name)
     engine, proposer = engine_factory(), build_proposer(configs[name])
@@ -282,12 +314,26 @@ def _exact_second_token_dist(target_dir, sampling) -> torch.Tensor:  # [V]
 
 @pytest.mark.parametrize(
     "world_name,name,tree",
-    [("dense_world", n, t) for n, t in [("ngram", None), ("model", None), ("model", TREE), ("model", CUT_TREE),
-                                        ("eagle3", None), ("eagle3", TREE), ("dflash", None),
-                                        ("dflash_denoise", None), ("dflash_zlab", None), ("dspark", None)]]
+    [
+        ("dense_world", n, t)
+        for n, t in [
+            ("ngram", None),
+            ("model", None),
+            ("model", TREE),
+            ("model", CUT_TREE),
+            ("eagle3", None),
+            ("eagle3", TREE),
+            ("dflash", None),
+            ("dflash_denoise", None),
+            ("dflash_zlab", None),
+            ("dspark", None),
+        ]
+    ]
     + [("mtp_world", "mtp", None)]
-    + [pytest.param(*p.values, None, marks=p.marks) if hasattr(p, "values") else (*p, None)
-       for p in _graph_variants("dense_world")]
+    + [
+        pytest.param(*p.values, None, marks=p.marks) if hasattr(p, "values") else (*p, None)
+        for p in _graph_variants("dense_world")
+    ]
     + [("dense_world", "eagle3_graphs", TREE)]  # eagle3_tree_graph.py (its cut: test_eagle3_graph.py, in seconds)
     + [pytest.param("dense_world", "eagle3_cuda", t, marks=GPU) for t in (TREE, CUT_TREE)],
 )
@@ -393,8 +439,10 @@ def test_greedy_output_with_per_step_verify_length_equals_target_only(request, w
     assert 0 in used and max(used) >= 2 or name == "ngram"  # target-only steps and longer prefixes both came up
 
 
-@pytest.mark.parametrize("world_name,name", [("dense_world", n) for n in ("ngram", "model", "eagle3", "dflash", "dspark")]
-                         + [("mtp_world", "mtp")])
+@pytest.mark.parametrize(
+    "world_name,name",
+    [("dense_world", n) for n in ("ngram", "model", "eagle3", "dflash", "dspark")] + [("mtp_world", "mtp")],
+)
 def test_sampled_first_token_with_per_step_verify_length_follows_target(request, world_name, name):
     """The first token a verify emits when each session's block is cut by the rule (from its q / confidence): the
     target's exact law; the same counts against the law at another temperature are refused (the negative control:

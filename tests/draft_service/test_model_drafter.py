@@ -16,8 +16,14 @@ from specserve.models.probs import target_probs
 
 def config(tiny_ckpt, draft="draft_llama", **kw):
     kw = dict(dict(dtype="float64", kv_num_blocks=64), **kw)
-    return DrafterConfig(family="model", checkpoint=tiny_ckpt(draft), target_checkpoint=tiny_ckpt("target_moe"),
-                         max_block_size=6, kv_block_size=4, **kw)
+    return DrafterConfig(
+        family="model",
+        checkpoint=tiny_ckpt(draft),
+        target_checkpoint=tiny_ckpt("target_moe"),
+        max_block_size=6,
+        kv_block_size=4,
+        **kw,
+    )
 
 
 def test_info_and_vocab_refusal(tiny_ckpt):

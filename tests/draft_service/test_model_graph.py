@@ -71,8 +71,14 @@ def test_sampled_graph_chains_sync_like_fresh_ones(tiny_ckpt):
     cfg = config(tiny_ckpt)
     model, mcfg = load_model(cfg.checkpoint, dtype=torch.float64, progress=False)
     info = build_proposer(cfg).info
-    rollback_matches_fresh(lambda: with_graph_bodies(ModelProposer(model, mcfg, cfg, info.vocab_size, info.vocab_hash)),
-                           None, 64, steps=10, k=4, sampled=True)
+    rollback_matches_fresh(
+        lambda: with_graph_bodies(ModelProposer(model, mcfg, cfg, info.vocab_size, info.vocab_hash)),
+        None,
+        64,
+        steps=10,
+        k=4,
+        sampled=True,
+    )
 
 
 def test_sampled_graph_q_is_the_sampling_transform_of_the_draft_logits(tiny_ckpt):
@@ -149,9 +155,17 @@ def _demo_engine(dtype):
 def _demo_proposer(dtype, window):
     from specserve.paths import demo_checkpoint
 
-    return build_proposer(DrafterConfig("model", checkpoint=demo_checkpoint("model"),
-                                        target_checkpoint=demo_checkpoint("target"), device="cuda", dtype=dtype,
-                                        max_block_size=4, graph_window=window))
+    return build_proposer(
+        DrafterConfig(
+            "model",
+            checkpoint=demo_checkpoint("model"),
+            target_checkpoint=demo_checkpoint("target"),
+            device="cuda",
+            dtype=dtype,
+            max_block_size=4,
+            graph_window=window,
+        )
+    )
 
 
 PROMPTS = ("def parse_args(argv):\n", "class Stack:\n    def push(self, x):", "import os\n")

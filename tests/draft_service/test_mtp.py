@@ -31,8 +31,9 @@ V, H, N = 64, 32, 2
 
 
 def cfg_for(target, **kw):
-    return DrafterConfig(family="mtp", target_checkpoint=target, max_block_size=4, kv_block_size=4, kv_num_blocks=256,
-                         **kw)
+    return DrafterConfig(
+        family="mtp", target_checkpoint=target, max_block_size=4, kv_block_size=4, kv_num_blocks=256, **kw
+    )
 
 
 def _rms(x, w, eps=1e-6):
@@ -45,22 +46,31 @@ def reference_chain(target, seq, k, forced=None):  # -> (drafted [k], logits [k,
     from transformers import AutoModelForCausalLM
 
     main = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float64, experts_implementation="eager").eval()
-    big = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float64, num_hidden_layers=N + 1,
-                                               experts_implementation="eager").eval()
+    big = AutoModelForCausalLM.from_pretrained(
+        target, dtype=torch.float64, num_hidden_layers=N + 1, experts_implementation="eager"
+    ).eval()
     block, rotary = big.model.layers[N], big.model.rotary_emb  # layer N's decoder block, as transformers runs it
-    w = {k[len(f"model.layers.{N}."):]: v.double() for k, v in load_file(str(target / "model.safetensors")).items()
-         if k.startswith(f"model.layers.{N}.")}
+    w = {
+        k[len(f"model.layers.{N}.") :]: v.double()
+        for k, v in load_file(str(target / "model.safetensors")).items()
+        if k.startswith(f"model.layers.{N}.")
+    }
     with torch.no_grad():
         hidden = main.model(torch.tensor([seq[:-1]])).last_hidden_state[0]  # [L-1, H]: final, after the norm
         tokens, previous, drafted, rows = list(seq[1:]), hidden, [], []
         for _ in range(k):
             n = len(tokens)
-            x = torch.cat([_rms(w["embed_tokens.weight"][tokens], w["enorm.weight"]),
-                           _rms(previous, w["hnorm.weight"])], -1) @ w["eh_proj.weight"].T  # [n, H]
+            x = (
+                torch.cat(
+                    [_rms(w["embed_tokens.weight"][tokens], w["enorm.weight"]), _rms(previous, w["hnorm.weight"])], -1
+                )
+                @ w["eh_proj.weight"].T
+            )  # [n, H]
             pos = torch.arange(n)[None]
             causal = torch.full((n, n), float("-inf"), dtype=torch.float64).triu(1)[None, None]
-            out = block(x[None], attention_mask=causal, position_ids=pos,
-                        position_embeddings=rotary(x[None], pos))[0]  # [n, H]
+            out = block(x[None], attention_mask=causal, position_ids=pos, position_embeddings=rotary(x[None], pos))[
+                0
+            ]  # [n, H]
             logits = _rms(out[-1], w["shared_head.norm.weight"]) @ w["shared_head.head.weight"].T
             drafted.append(int(logits.argmax()) if forced is None else forced[len(drafted)])
             rows.append(logits)
@@ -74,7 +84,12 @@ def test_reference_step_matches_an_independent_implementation(tiny_ckpt):
     engine = TargetEngine(model, mcfg, num_blocks=256, block_size=4)
     p = build_proposer(cfg_for(target, dtype="float64"))
     assert isinstance(p, MTPProposer)
-    assert (p.info.family, p.info.hidden_layers, p.info.needs_hidden_states, p.info.has_probs) == ("mtp", (N - 1,), True, True)
+    assert (p.info.family, p.info.hidden_layers, p.info.needs_hidden_states, p.info.has_probs) == (
+        "mtp",
+        (N - 1,),
+        True,
+        True,
+    )
     assert p.spec.block.moe_layers == (0,)  # layer N is MoE (first_k_dense_replace 1), as in DeepSeek-V3
     pre = engine.prefill("s", PROMPT, SamplingParams(), p.info.hidden_layers)
     seq = PROMPT + [pre.next_token]
@@ -106,16 +121,26 @@ def test_draws_follow_the_reported_q(tiny_ckpt):
 
 
 def test_a_wrong_layout_names_what_is_missing(tiny_ckpt, tmp_path):
-    with pytest.raises(DrafterConfigError, match=r"has no multi-token-prediction layer \(config.json num_nextn_predict"):
+    with pytest.raises(
+        DrafterConfigError, match=r"has no multi-token-prediction layer \(config.json num_nextn_predict"
+    ):
         build_proposer(cfg_for(tiny_ckpt("target_moe")))
     with pytest.raises(DrafterConfigError, match="give the target checkpoint"):
         build_proposer(DrafterConfig(family="mtp"))
-    with pytest.raises(DrafterConfigError, match=r"has no multi-token-prediction layer \(config.json num_nextn_predict"):
-        build_proposer(cfg_for(tiny_ckpt("target_mtp"), checkpoint=tiny_ckpt("draft_llama")))  # a folder, not an MTP one
+    with pytest.raises(
+        DrafterConfigError, match=r"has no multi-token-prediction layer \(config.json num_nextn_predict"
+    ):
+        build_proposer(
+            cfg_for(tiny_ckpt("target_mtp"), checkpoint=tiny_ckpt("draft_llama"))
+        )  # a folder, not an MTP one
     with pytest.raises(DrafterConfigError, match="hidden_layers cannot be set"):
         build_proposer(cfg_for(tiny_ckpt("target_mtp"), hidden_layers=(0,)))
-    for name in (f"model.layers.{N}.eh_proj.weight", f"model.layers.{N}.self_attn.kv_b_proj.weight",
-                 f"model.layers.{N}.mlp.experts.3.up_proj.weight", "model.norm.weight"):
+    for name in (
+        f"model.layers.{N}.eh_proj.weight",
+        f"model.layers.{N}.self_attn.kv_b_proj.weight",
+        f"model.layers.{N}.mlp.experts.3.up_proj.weight",
+        "model.norm.weight",
+    ):
         broken = tmp_path / name
         shutil.copytree(tiny_ckpt("target_mtp"), broken)
         tensors = load_file(str(broken / "model.safetensors"))
@@ -126,9 +151,13 @@ def test_a_wrong_layout_names_what_is_missing(tiny_ckpt, tmp_path):
         assert f"lacks MTP tensor(s): {name}" in str(e.value) and "\n" not in str(e.value)
     shutil.copytree(tiny_ckpt("target_mtp"), tmp_path / "stripped")  # config names the layer, no tensor of it
     tensors = load_file(str(tmp_path / "stripped" / "model.safetensors"))
-    save_file({k: v for k, v in tensors.items() if not k.startswith(f"model.layers.{N}.")},
-              str(tmp_path / "stripped" / "model.safetensors"))
-    with pytest.raises(DrafterConfigError, match=rf"holds no tensor of its multi-token-prediction layer \(model.layers.{N}.\*\)"):
+    save_file(
+        {k: v for k, v in tensors.items() if not k.startswith(f"model.layers.{N}.")},
+        str(tmp_path / "stripped" / "model.safetensors"),
+    )
+    with pytest.raises(
+        DrafterConfigError, match=rf"holds no tensor of its multi-token-prediction layer \(model.layers.{N}.\*\)"
+    ):
         build_proposer(cfg_for(tmp_path / "stripped"))
     shutil.copytree(tiny_ckpt("target_mtp"), tmp_path / "shape")
     tensors = load_file(str(tmp_path / "shape" / "model.safetensors"))
@@ -152,13 +181,17 @@ def _split(target, root):
     tensors = load_file(str(target / "model.safetensors"))
     prefix = f"model.layers.{N}."
     shutil.copytree(target, root / "target")
-    save_file({k: v for k, v in tensors.items() if not k.startswith(prefix)}, str(root / "target" / "model.safetensors"))
+    save_file(
+        {k: v for k, v in tensors.items() if not k.startswith(prefix)}, str(root / "target" / "model.safetensors")
+    )
     cfg = json.loads((target / "config.json").read_text())
     (root / "target" / "config.json").write_text(json.dumps(dict(cfg, num_nextn_predict_layers=0)))
     (root / "mtp").mkdir()
     shared = (prefix + "embed_tokens.weight", prefix + "shared_head.head.weight")
-    save_file({k: v for k, v in tensors.items() if k.startswith(prefix) and k not in shared},
-              str(root / "mtp" / "model.safetensors"))
+    save_file(
+        {k: v for k, v in tensors.items() if k.startswith(prefix) and k not in shared},
+        str(root / "mtp" / "model.safetensors"),
+    )
     (root / "mtp" / "config.json").write_text(json.dumps(cfg))
     return root / "target", root / "mtp"
 

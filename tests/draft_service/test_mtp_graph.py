@@ -46,12 +46,15 @@ def test_gathered_experts_compute_the_moe_reference():
     g = torch.Generator().manual_seed(0)
     t, h, e, i, k = 7, 16, 6, 12, 3
     x = torch.randn(t, h, generator=g, dtype=torch.float64)
-    w13, w2 = torch.randn(e, 2 * i, h, generator=g, dtype=torch.float64), torch.randn(e, h, i, generator=g,
-                                                                                         dtype=torch.float64)
+    w13, w2 = (
+        torch.randn(e, 2 * i, h, generator=g, dtype=torch.float64),
+        torch.randn(e, h, i, generator=g, dtype=torch.float64),
+    )
     ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
     weights = torch.rand(t, k, generator=g, dtype=torch.float64)
-    torch.testing.assert_close(gathered_experts(x, w13, w2, ids, weights), moe_reference(x, w13, w2, ids, weights),
-                               rtol=1e-5, atol=1e-4)  # outputs ~ 50
+    torch.testing.assert_close(
+        gathered_experts(x, w13, w2, ids, weights), moe_reference(x, w13, w2, ids, weights), rtol=1e-5, atol=1e-4
+    )  # outputs ~ 50
 
 
 def test_cpu_drafter_has_no_graphs_unless_given(tiny_ckpt):
@@ -80,15 +83,13 @@ def _maker(target, graphs: str):
 def test_graph_bodies_draft_what_the_eager_chain_drafts(tiny_ckpt):
     """Greedy: a long-lived session through the bodies, after every random accept / rollback step, drafts the block a
     fresh eager session drafts (feed bodies for short catch-ups, the eager catch-up for the prompt)."""
-    rollback_matches_fresh(_maker(tiny_ckpt("target_mtp"), "live"), FakeFeatures(V, H), V, steps=14, k=5,
-                           sampled=False)
+    rollback_matches_fresh(_maker(tiny_ckpt("target_mtp"), "live"), FakeFeatures(V, H), V, steps=14, k=5, sampled=False)
 
 
 def test_sampled_graph_chains_sync_like_fresh_ones(tiny_ckpt):
     """Sampled: the noise follows the session's generator, so a live session's blocks (tokens and q) equal a fresh
     session's reseeded alike, through rollbacks."""
-    rollback_matches_fresh(_maker(tiny_ckpt("target_mtp"), "all"), FakeFeatures(V, H), V, steps=10, k=4,
-                           sampled=True)
+    rollback_matches_fresh(_maker(tiny_ckpt("target_mtp"), "all"), FakeFeatures(V, H), V, steps=10, k=4, sampled=True)
 
 
 def test_sampled_graph_q_is_the_eager_chains(tiny_ckpt):
@@ -104,8 +105,9 @@ def test_sampled_graph_q_is_the_eager_chains(tiny_ckpt):
         blocks.append(p.propose("s", len(prompt), [], None, 3))
     torch.testing.assert_close(blocks[1].probs[0], blocks[0].probs[0], rtol=1e-6, atol=1e-7)
     assert all(blocks[1].probs[i, t] > 0 for i, t in enumerate(blocks[1].token_ids))
-    check_two_draws_follow_q(with_graph_bodies(build_proposer(config(target, kv_num_blocks=16)), window=16), prompt,
-                             rows, runs=1200)
+    check_two_draws_follow_q(
+        with_graph_bodies(build_proposer(config(target, kv_num_blocks=16)), window=16), prompt, rows, runs=1200
+    )
 
 
 def test_chain_past_the_window_drafts_eagerly(tiny_ckpt):
@@ -122,9 +124,19 @@ def test_chain_past_the_window_drafts_eagerly(tiny_ckpt):
 
 def _demo_pair(target, device: str = "cpu", dtype: str = "float32", window: int = 1024):
     """(the shipped demo MTP through its graphs: bodies on a CPU, captured on CUDA; the same layer eager)."""
+
     def build(w):
-        return build_proposer(DrafterConfig(family="mtp", checkpoint=demo_checkpoint("mtp"), target_checkpoint=target,
-                                            device=device, dtype=dtype, max_block_size=4, graph_window=w))
+        return build_proposer(
+            DrafterConfig(
+                family="mtp",
+                checkpoint=demo_checkpoint("mtp"),
+                target_checkpoint=target,
+                device=device,
+                dtype=dtype,
+                max_block_size=4,
+                graph_window=w,
+            )
+        )
 
     graphs, eager = build(window), build(0)
     if device == "cpu":
@@ -184,5 +196,7 @@ def test_a_long_catch_up_runs_as_feed_replays_and_drafts_what_an_eager_drafter_d
     ran = skipped_catch_up_keys(live, build_proposer(config(target)), FakeFeatures(V, H), V, skipped)
     feed_max = live.chain_graphs.feed_max
     full = -(-skipped // feed_max) - 1  # feed_max-entry replays before the last feed (skipped entries to feed)
-    assert [key for key in ran if key[0] == "feed"] == [("feed", feed_max)] * full + [("feed", skipped - full * feed_max)]
+    assert [key for key in ran if key[0] == "feed"] == [("feed", feed_max)] * full + [
+        ("feed", skipped - full * feed_max)
+    ]
     assert all(key[0] in ("feed", "chain") for key in ran), ran

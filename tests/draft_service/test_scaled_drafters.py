@@ -34,16 +34,19 @@ def prompts() -> list[list[int]]:
 def engines() -> tuple[TargetEngine, TargetEngine]:
     """(the demo target, the demo@small-moonlight target), float32 on the CPU."""
     demo = TargetEngine(*load_demo(demo_checkpoint("target"), "cpu"), None, num_blocks=64, block_size=16)
-    wide = TargetEngine(*build_scaled_demo(SCALED, demo_checkpoint("target"), dtype=torch.float32), None,
-                        num_blocks=64, block_size=16)
+    wide = TargetEngine(
+        *build_scaled_demo(SCALED, demo_checkpoint("target"), dtype=torch.float32), None, num_blocks=64, block_size=16
+    )
     return demo, wide
 
 
 def _drafters(family: str):
     """(the demo-size drafter for the demo target, the same checkpoint for the demo@ target: scaled)."""
     ckpt = demo_checkpoint(family)
-    return tuple(build_proposer(DrafterConfig(family=family, checkpoint=ckpt, target_checkpoint=t, max_block_size=8))
-                 for t in (demo_checkpoint("target"), SCALED))
+    return tuple(
+        build_proposer(DrafterConfig(family=family, checkpoint=ckpt, target_checkpoint=t, max_block_size=8))
+        for t in (demo_checkpoint("target"), SCALED)
+    )
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +73,12 @@ def test_scaled_drafters_have_a_realistic_shape_and_the_demos_layers(built):
     assert (cfg.attention.num_heads, cfg.attention.num_kv_heads, cfg.attention.head_dim) == (8, 2, 128)
     lm = built("model")[1].mcfg
     assert (lm.hidden_size, lm.num_layers, lm.attention.head_dim, lm.vocab_size, lm.logits_vocab_limit) == (
-        384, 4, 96, 8192, 4096)
+        384,
+        4,
+        96,
+        8192,
+        4096,
+    )
     df = built("dflash")[1].model.cfg
     assert (df.hidden_size, df.num_hidden_layers, df.head_dim, df.block_size) == (512, 4, 128, 5)
     ds = built("dspark")[1].spark
@@ -114,10 +122,18 @@ def test_scaled_drafter_gives_the_demo_size_distribution(built, engines, prompts
         assert (wide[4096:] == 0).all()
 
 
-@pytest.mark.parametrize("family, tree", [
-    ("eagle3", None), ("eagle3", TreeSpec(num_nodes=8, top_k=2, depth=4)),
-    ("model", None), ("model", TreeSpec(num_nodes=8, top_k=2, depth=4)), ("dflash", None), ("dspark", None),
-], ids=["eagle3-chain", "eagle3-tree", "model-chain", "model-tree", "dflash-chain", "dspark-chain"])
+@pytest.mark.parametrize(
+    "family, tree",
+    [
+        ("eagle3", None),
+        ("eagle3", TreeSpec(num_nodes=8, top_k=2, depth=4)),
+        ("model", None),
+        ("model", TreeSpec(num_nodes=8, top_k=2, depth=4)),
+        ("dflash", None),
+        ("dspark", None),
+    ],
+    ids=["eagle3-chain", "eagle3-tree", "model-chain", "model-tree", "dflash-chain", "dspark-chain"],
+)
 def test_scaled_drafter_proposes_the_demo_size_blocks(built, engines, prompts, family, tree):
     for prompt in prompts if tree is None else prompts[:1]:
         emitted = lockstep(engines, built(family), prompt, 4, NEW_TOKENS, tree)

@@ -37,8 +37,9 @@ def prompts() -> list[list[int]]:
 
 
 def _mtp(target) -> object:
-    return build_proposer(DrafterConfig(family="mtp", checkpoint=demo_checkpoint("mtp"), target_checkpoint=target,
-                                        max_block_size=8))
+    return build_proposer(
+        DrafterConfig(family="mtp", checkpoint=demo_checkpoint("mtp"), target_checkpoint=target, max_block_size=8)
+    )
 
 
 @pytest.fixture(scope="module", params=SHAPES)
@@ -98,10 +99,10 @@ def test_scaled_mtp_step_computes_the_demo_layers_function(pair, prompts):
     finally:
         hook.remove()
     torch.testing.assert_close(hw[:, :HD], hd, rtol=0, atol=1e-5)
-    assert (hw[:, HD] > 0).all() and (hw[:, HD + 1:] == 0).all()
+    assert (hw[:, HD] > 0).all() and (hw[:, HD + 1 :] == 0).all()
     torch.testing.assert_close(lw[:, :4096], ld, rtol=0, atol=1e-4)
     assert torch.isneginf(lw[:, 4096:]).all()
-    (ids, weights), = routed
+    ((ids, weights),) = routed
     wm, dm = gate.cfg, mtps[0].layer.block.mlp.gate.cfg
     nulls = dm.n_group * (wm.num_experts // wm.n_group) + torch.arange(wm.top_k - dm.top_k)
     is_null = (ids[..., None] == nulls).any(-1)  # [T, K]
@@ -120,8 +121,9 @@ def _eh_proj_column(layer) -> None:
     layer.eh_proj.weight[:HD, layer.config.hidden_size] *= 1.01  # hnorm's first dim, 1% off
 
 
-@pytest.mark.parametrize("break_it", [_silence_channel, _unscaled_enorm, _eh_proj_column],
-                         ids=["no-channel", "unscaled-enorm", "eh-proj"])
+@pytest.mark.parametrize(
+    "break_it", [_silence_channel, _unscaled_enorm, _eh_proj_column], ids=["no-channel", "unscaled-enorm", "eh-proj"]
+)
 def test_a_broken_scaled_weight_moves_the_block(pair, prompts, break_it):
     """Negative control for the step test: with one scaled weight broken (the channel gone: the null experts get
     score 1/2 and the demo's weights are renormalised; enorm not rescaled; one eh_proj weight 1% off) the block's
@@ -130,8 +132,9 @@ def test_a_broken_scaled_weight_moves_the_block(pair, prompts, break_it):
     broken = copy.deepcopy(mtps[1].layer)
     with torch.no_grad():
         break_it(broken)
-    (hd, _), (hw, _) = (_step(layer, prompts[0], _rows(e, p, prompts[0]))
-                        for e, p, layer in zip(engines, mtps, (mtps[0].layer, broken)))
+    (hd, _), (hw, _) = (
+        _step(layer, prompts[0], _rows(e, p, prompts[0])) for e, p, layer in zip(engines, mtps, (mtps[0].layer, broken))
+    )
     assert (hw[:, :HD] - hd).abs().max() > 1e-3
 
 
@@ -156,8 +159,20 @@ def test_generate_with_a_demo_at_target_drafts_with_the_scaled_mtp(capsys):
     it; output equal to target-only's and its drafts accepted."""
     from specserve.cli.main import main
 
-    flags = ["generate", "--model", "demo@small-moonlight", "--prompt", "def read_config(path):\n    ",
-             "--max-new-tokens", "16", "--json", "--num-speculative-tokens", "2", "--device", "cpu"]
+    flags = [
+        "generate",
+        "--model",
+        "demo@small-moonlight",
+        "--prompt",
+        "def read_config(path):\n    ",
+        "--max-new-tokens",
+        "16",
+        "--json",
+        "--num-speculative-tokens",
+        "2",
+        "--device",
+        "cpu",
+    ]
     outputs = {}
     for draft in ("none", "mtp"):
         assert main([*flags, "--draft", draft]) == 0

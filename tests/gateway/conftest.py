@@ -1,8 +1,8 @@
 """Fixtures for the service tests (helpers in service_helpers.py).
 
-    tiny_target_dir -> Path        qwen3_moe, vocab 256, hidden 64, 2 layers, eos None, + byte tokenizer.json
-    byte_tokenizer -> Tokenizer    that tokenizer.json's tokenizer (ids 0..255, one byte each)
-    otlp_receiver -> OtlpReceiver  a real OTLP collector: .endpoint, .snapshot() -> [SpanRecord], .metric_names
+tiny_target_dir -> Path        qwen3_moe, vocab 256, hidden 64, 2 layers, eos None, + byte tokenizer.json
+byte_tokenizer -> Tokenizer    that tokenizer.json's tokenizer (ids 0..255, one byte each)
+otlp_receiver -> OtlpReceiver  a real OTLP collector: .endpoint, .snapshot() -> [SpanRecord], .metric_names
 """
 
 from __future__ import annotations

@@ -47,10 +47,20 @@ class RawCall:
         self.trailers = b""
         self.reset = False
         self.closed = False
-        headers = [(":method", "POST"), (":scheme", "http"), (":path", path), (":authority", "x"),
-                   ("content-type", "application/grpc"), ("te", "trailers"), *metadata]
-        self.sock.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + _frame(SETTINGS, 0, 0)
-                          + _frame(HEADERS, END_HEADERS, 1, b"".join(_literal(k, v) for k, v in headers)))
+        headers = [
+            (":method", "POST"),
+            (":scheme", "http"),
+            (":path", path),
+            (":authority", "x"),
+            ("content-type", "application/grpc"),
+            ("te", "trailers"),
+            *metadata,
+        ]
+        self.sock.sendall(
+            b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+            + _frame(SETTINGS, 0, 0)
+            + _frame(HEADERS, END_HEADERS, 1, b"".join(_literal(k, v) for k, v in headers))
+        )
         self.started = time.perf_counter()
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
@@ -71,15 +81,20 @@ class RawCall:
             buf += chunk
             while len(buf) >= 9 and len(buf) >= 9 + int.from_bytes(buf[:3], "big"):
                 size = int.from_bytes(buf[:3], "big")
-                kind, flags, stream, payload = buf[3], buf[4], int.from_bytes(buf[5:9], "big") & 0x7FFFFFFF, buf[9:9 + size]
-                buf = buf[9 + size:]
+                kind, flags, stream, payload = (
+                    buf[3],
+                    buf[4],
+                    int.from_bytes(buf[5:9], "big") & 0x7FFFFFFF,
+                    buf[9 : 9 + size],
+                )
+                buf = buf[9 + size :]
                 self._on_frame(kind, flags, stream, payload)
 
     def _on_frame(self, kind: int, flags: int, stream: int, payload: bytes) -> None:
         with self._lock:
             if kind == SETTINGS and not flags & ACK:
                 for i in range(0, len(payload), 6):
-                    key, value = struct.unpack(">HI", payload[i:i + 6])
+                    key, value = struct.unpack(">HI", payload[i : i + 6])
                     if key == 4:  # SETTINGS_INITIAL_WINDOW_SIZE
                         self.stream_window += value - 65535
                 self._send(_frame(SETTINGS, ACK, 0))
@@ -122,7 +137,7 @@ class RawCall:
                 size = min(FRAME, self.stream_window, self.conn_window, total - sent)
                 self.stream_window -= size
                 self.conn_window -= size
-            chunk = body[sent:sent + size] if sent < len(body) else b""
+            chunk = body[sent : sent + size] if sent < len(body) else b""
             chunk += filler[: size - len(chunk)]
             flags = END_STREAM if sent + size == total else 0
             try:

@@ -40,12 +40,23 @@ class ServedStack:
         self.target_addr = f"unix:{socks}/t.sock"
         self.drafts = {d: f"unix:{socks}/{d}.sock" for d in drafts}
         self.target = Proc("target", [*target_args, "--listen", self.target_addr], self.env)
-        self.draft_procs = {d: Proc("draft", [*args, "--listen", self.drafts[d]], self.env) for d, args in drafts.items()}
-        gw_args = ["--target", self.target_addr, "--port", "0", "--draft-step-timeout-s", str(step_timeout_s),
-                   *[a for n, addr in self.drafts.items() for a in ("--draft-service", f"{n}={addr}")]]
+        self.draft_procs = {
+            d: Proc("draft", [*args, "--listen", self.drafts[d]], self.env) for d, args in drafts.items()
+        }
+        gw_args = [
+            "--target",
+            self.target_addr,
+            "--port",
+            "0",
+            "--draft-step-timeout-s",
+            str(step_timeout_s),
+            *[a for n, addr in self.drafts.items() for a in ("--draft-service", f"{n}={addr}")],
+        ]
         self.gateways = {k: Proc("gateway", gw_args, env) for k, env in gateway_envs.items()}
-        self.addr = {k: p.wait_line("gateway listening on ", timeout=start_timeout_s).split()[-1]
-                     for k, p in self.gateways.items()}
+        self.addr = {
+            k: p.wait_line("gateway listening on ", timeout=start_timeout_s).split()[-1]
+            for k, p in self.gateways.items()
+        }
         for name, proc in self.draft_procs.items():
             proc.wait_line(f"draft ({name}) listening on ", timeout=start_timeout_s)
         self.channels = {k: grpc.insecure_channel(a, options=channel_options()) for k, a in self.addr.items()}
@@ -73,7 +84,7 @@ class ServedStack:
             with contextlib.suppress(OSError):
                 link = os.readlink(f"/proc/{pid}/fd/{fd}")
                 if link.startswith("socket:["):
-                    inodes.add(link[len("socket:["):-1])
+                    inodes.add(link[len("socket:[") : -1])
         names = set()
         for line in Path("/proc/net/unix").read_text().splitlines()[1:]:
             parts = line.split()  # Num RefCount Protocol Flags Type St Inode Path

@@ -72,7 +72,9 @@ class FirstUseNgram(NgramProposer):
         return super()._draft_chain(state, num_tokens)
 
 
-CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")])
+CUDA = pytest.param(
+    "cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+)
 
 
 @pytest.fixture(scope="module", params=["cpu", CUDA])
@@ -81,7 +83,9 @@ def demo_target(request):
     root = demo_dir()
     if not (root / "target" / "config.json").is_file():
         pytest.skip("no shipped demo_model/ in this checkout")
-    engine = build_engine(EngineConfig(model=root / "target", device=request.param, num_kv_blocks=256, kv_block_size=16))
+    engine = build_engine(
+        EngineConfig(model=root / "target", device=request.param, num_kv_blocks=256, kv_block_size=16)
+    )
     target = LocalTarget(engine)
     yield engine, target, request.param
     target.close()
@@ -101,8 +105,13 @@ def no_gc():
 def _drafter(monkeypatch, family: str, extra_s: float):
     """Build ``family`` through the registry; ``slow-ngram`` and ``first-use-ngram`` (``extra_s`` dear) are
     registered here first, as a user adds a drafter."""
-    factories = dict(registry.PROPOSER_FACTORIES, **{"slow-ngram": functools.partial(SlowNgram, extra_s=extra_s),
-                                                     "first-use-ngram": functools.partial(FirstUseNgram, extra_s=extra_s)})
+    factories = dict(
+        registry.PROPOSER_FACTORIES,
+        **{
+            "slow-ngram": functools.partial(SlowNgram, extra_s=extra_s),
+            "first-use-ngram": functools.partial(FirstUseNgram, extra_s=extra_s),
+        },
+    )
     monkeypatch.setattr(registry, "PROPOSER_FACTORIES", MappingProxyType(factories))
     return LocalDraft(registry.build_proposer(DrafterConfig(family=family, max_block_size=8)))
 
@@ -140,7 +149,7 @@ def test_adaptive_turns_a_dear_drafter_off_and_runs_at_target_only_speed(demo_ta
         ratios, chosen = [], {}
         for i in range(PAIRS):
             tps = {}
-            for name in (("target-only", "adaptive") if i % 2 else ("adaptive", "target-only")):
+            for name in ("target-only", "adaptive") if i % 2 else ("adaptive", "target-only"):
                 final, tps[name] = await _timed(target, draft if name == "adaptive" else None, prompt, chooser, n)
                 assert final.token_ids == base.token_ids, name
                 if name == "adaptive":
@@ -150,8 +159,10 @@ def test_adaptive_turns_a_dear_drafter_off_and_runs_at_target_only_speed(demo_ta
         return statistics.median(ratios), ratios, chosen
 
     def probing() -> str:
-        return (f"{chooser.probing.probes} probes of ~{chooser.probing.probe_ms} ms, every {chooser.probe_interval()} "
-                f"skipped steps of ~{chooser.cost.predict(1) + chooser.overhead_ms[0]:.3f} ms")
+        return (
+            f"{chooser.probing.probes} probes of ~{chooser.probing.probe_ms} ms, every {chooser.probe_interval()} "
+            f"skipped steps of ~{chooser.cost.predict(1) + chooser.overhead_ms[0]:.3f} ms"
+        )
 
     async def go():
         base, _ = await _timed(target, None, prompt, None, n)  # warm-up; the reference tokens
@@ -173,7 +184,9 @@ def test_adaptive_turns_a_dear_drafter_off_and_runs_at_target_only_speed(demo_ta
             draft.close()
 
     ratio, ratios = asyncio.run(go())
-    assert ratio >= 0.95, f"adaptive / target-only tokens/s: median {ratio:.3f} of {[round(r, 3) for r in ratios]}; {probing()}"
+    assert ratio >= 0.95, (
+        f"adaptive / target-only tokens/s: median {ratio:.3f} of {[round(r, 3) for r in ratios]}; {probing()}"
+    )
 
 
 SHORT_RUN = 4  # timed requests of a short run, after one warm-up (the H200 bench's: 4 prompts + 1)
@@ -221,7 +234,7 @@ def test_adaptive_stays_at_target_only_speed_over_a_few_short_requests(demo_targ
                 ratios = []
                 for i in range(SHORT_PAIRS):
                     out = {}
-                    for name in (("target-only", "adaptive") if i % 2 else ("adaptive", "target-only")):
+                    for name in ("target-only", "adaptive") if i % 2 else ("adaptive", "target-only"):
                         out[name] = await run(draft if name == "adaptive" else None)
                     tps_adaptive, wall_ms, chooser, timed = out["adaptive"]
                     # the budget's share of the same run's wall time; the schedule pays a probe off with the
@@ -231,7 +244,8 @@ def test_adaptive_stays_at_target_only_speed_over_a_few_short_requests(demo_targ
                     unpaid = (chooser.probing.probe_ms or 0.0) if timed["probes"] else 0.0
                     assert timed["probe_ms"] <= PROBE_NOISE * budget * wall_ms + unpaid, (
                         f"the timed requests' {timed['probes']} probes cost {timed['probe_ms']:.0f} ms of "
-                        f"{wall_ms:.0f} ms (one probe: {unpaid:.0f} ms)")
+                        f"{wall_ms:.0f} ms (one probe: {unpaid:.0f} ms)"
+                    )
                     drafted = sum(c for k, c in timed["chosen"].items() if k)
                     assert drafted <= timed["probes"], f"adaptive drafted on {drafted} steps of {timed['chosen']}"
                     ratios.append(tps_adaptive / out["target-only"][0])
@@ -317,8 +331,9 @@ def test_a_drafter_that_skipped_steps_catches_up_to_what_an_in_step_one_drafts(d
         pytest.skip(f"no shipped demo_model/{family}/")
 
     def drafter():
-        config = DrafterConfig(family=family, checkpoint=root / family, target_checkpoint=root / "target", device=device,
-                               max_block_size=8)
+        config = DrafterConfig(
+            family=family, checkpoint=root / family, target_checkpoint=root / "target", device=device, max_block_size=8
+        )
         return _Recorded(registry.build_proposer(config))
 
     in_step, skipping = drafter(), drafter()
@@ -332,9 +347,11 @@ def test_a_drafter_that_skipped_steps_catches_up_to_what_an_in_step_one_drafts(d
         drafts = LocalDraft(in_step), LocalDraft(skipping)
         try:
             outs = []
-            for request, draft in ((GenerationRequest(prompt, 56), None),
-                                   (GenerationRequest(prompt, 56, num_speculative_tokens=1), drafts[0]),
-                                   (GenerationRequest(prompt, 56, num_speculative_tokens=4, adaptive=True), drafts[1])):
+            for request, draft in (
+                (GenerationRequest(prompt, 56), None),
+                (GenerationRequest(prompt, 56, num_speculative_tokens=1), drafts[0]),
+                (GenerationRequest(prompt, 56, num_speculative_tokens=4, adaptive=True), drafts[1]),
+            ):
                 async for event in run_request(request, target, draft, adaptive=chooser):
                     final = event
                 outs.append(final)

@@ -9,9 +9,17 @@ from specserve.tools.adaptive_replay import main
 
 
 def _row(drafter, drafted, accepted, verify_ms, draft_ms=0.0, speculation="fixed", ahead=False):
-    return {"drafter": drafter, "speculation": speculation, "draft_ahead": ahead, "drafted": drafted,
-            "accepted": accepted, "verify_ms": verify_ms, "draft_ms": draft_ms, "experts_touched": 8 + 4 * drafted,
-            "tree": False}
+    return {
+        "drafter": drafter,
+        "speculation": speculation,
+        "draft_ahead": ahead,
+        "drafted": drafted,
+        "accepted": accepted,
+        "verify_ms": verify_ms,
+        "draft_ms": draft_ms,
+        "experts_touched": 8 + 4 * drafted,
+        "tree": False,
+    }
 
 
 def _rows(accepted_of_4, verify_ms=10.0):

@@ -26,9 +26,23 @@ def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
 
 @pytest.fixture(scope="module")
 def served(tiny_target_dir):
-    proc = Proc("serve", ["--model", str(tiny_target_dir), "--draft", "ngram", "--port", "0", "--admin-token", ADMIN,
-                          "--progress-every-s", "0.2"],
-                base_env(), merge_stderr=False)
+    proc = Proc(
+        "serve",
+        [
+            "--model",
+            str(tiny_target_dir),
+            "--draft",
+            "ngram",
+            "--port",
+            "0",
+            "--admin-token",
+            ADMIN,
+            "--progress-every-s",
+            "0.2",
+        ],
+        base_env(),
+        merge_stderr=False,
+    )
     line = proc.wait_line("gateway listening on ", timeout=240)
     yield proc, line.split()[-1]
     proc.stop()
@@ -46,11 +60,24 @@ def test_client_json_matches_generate(served, tiny_target_dir, capsys):
     assert remote["token_ids"] == local["token_ids"] and len(remote["token_ids"]) == 20
     assert remote["text"] == local["text"] and remote["finish_reason"] == local["finish_reason"] == "length"
     assert remote["stats"].keys() == local["stats"].keys()
-    assert {"steps", "mean_accepted_length", "accepted_per_position", "tokens_per_s", "ttft_s"} <= remote["stats"].keys()
+    assert {"steps", "mean_accepted_length", "accepted_per_position", "tokens_per_s", "ttft_s"} <= remote[
+        "stats"
+    ].keys()
     assert remote["stats"]["accepted_per_position"] == local["stats"]["accepted_per_position"]
     # a text prompt through the gateway's tokenizer, and target-only: the same tokens again
-    code, out, _ = run_cli(capsys, "client", "--gateway", address, "--prompt", "hello", "--max-new-tokens", "5",
-                           "--draft", "none", "--json")
+    code, out, _ = run_cli(
+        capsys,
+        "client",
+        "--gateway",
+        address,
+        "--prompt",
+        "hello",
+        "--max-new-tokens",
+        "5",
+        "--draft",
+        "none",
+        "--json",
+    )
     assert code == 0 and len(json.loads(out)["token_ids"]) == 5
 
 
@@ -68,8 +95,9 @@ def test_client_never_loads_torch_or_numpy(served):
     """`specserve client` speaks only the wire: neither torch nor numpy is imported for a request (they cost seconds
     of a one-token request's wall time), yet the request is served."""
     _, address = served
-    out = subprocess.run([sys.executable, "-c", _CLIENT_LOADS, address], capture_output=True, text=True, timeout=60,
-                         env=base_env())
+    out = subprocess.run(
+        [sys.executable, "-c", _CLIENT_LOADS, address], capture_output=True, text=True, timeout=60, env=base_env()
+    )
     assert out.returncode == 0, out.stderr
     reply, loaded = out.stdout.strip().splitlines()
     assert len(json.loads(reply)["token_ids"]) == 1
@@ -106,8 +134,9 @@ def test_serve_says_what_it_waits_for_while_it_starts(served):
     """A line every --progress-every-s while the services load (it was silent for 5-30 s)."""
     proc, _ = served
     waits = [line for line in proc.err_lines if line.startswith("specserve serve: waiting for the ")]
-    assert any(line.startswith("specserve serve: waiting for the target to load its model and listen (") for line in waits), (
-        proc.err_lines[:20])
+    assert any(
+        line.startswith("specserve serve: waiting for the target to load its model and listen (") for line in waits
+    ), proc.err_lines[:20]
 
 
 def test_client_summary_is_a_line_of_its_own(served):
@@ -117,10 +146,27 @@ def test_client_summary_is_a_line_of_its_own(served):
     import sys
 
     _, address = served
-    out = subprocess.run([sys.executable, "-m", "specserve.cli.main", "client", "--gateway", address, "--prompt",
-                          "hello", "--max-new-tokens", "5", "--temperature", "0"], stdout=subprocess.PIPE,
-                         stderr=subprocess.STDOUT, text=True, timeout=120,
-                         env={k: v for k, v in base_env().items() if k != "PYTHONUNBUFFERED"})  # as a user runs it
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "specserve.cli.main",
+            "client",
+            "--gateway",
+            address,
+            "--prompt",
+            "hello",
+            "--max-new-tokens",
+            "5",
+            "--temperature",
+            "0",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=120,
+        env={k: v for k, v in base_env().items() if k != "PYTHONUNBUFFERED"},
+    )  # as a user runs it
     assert out.returncode == 0, out.stdout
     lines = out.stdout.splitlines()
     assert len(lines) >= 2 and lines[-1].startswith("[5 tokens, ") and lines[-1].endswith("]"), out.stdout
@@ -163,6 +209,7 @@ def test_serve_prints_one_line_and_stops_all_three(served):
         assert f"[{role}] {role} stopped" in proc.err_lines
     # stderr: whole lines, each named by the child it came from (a draft's ready line was glued onto a bar)
     assert any(line.startswith("[draft] draft (ngram) listening on unix:") for line in proc.err_lines)
-    assert all(line.startswith(("[target] ", "[draft] ", "[gateway] ", "specserve serve: "))
-               for line in proc.err_lines), proc.err_lines
+    assert all(
+        line.startswith(("[target] ", "[draft] ", "[gateway] ", "specserve serve: ")) for line in proc.err_lines
+    ), proc.err_lines
     assert not any("\r" in line or "%|" in line for line in proc.err_lines)  # no progress bars

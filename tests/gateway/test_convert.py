@@ -66,8 +66,12 @@ def test_draft_block_confidence_round_trip_and_garbage():
     [0, 1], NaN or on a tree is refused, naming the field."""
     block = DraftBlock(token_ids=(1, 2, 3), confidence=(0.75, 0.5, 0.125))
     assert convert.draft_block_from_proto(convert.draft_block_to_proto(block), vocab_size=10) == block
-    for ids, conf, tree in (((1, 2), (0.5,), False), ((1, 2), (0.5, 1.5), False), ((1, 2), (0.5, math.nan), False),
-                            ((1, 2), (0.5, 0.5), True)):
+    for ids, conf, tree in (
+        ((1, 2), (0.5,), False),
+        ((1, 2), (0.5, 1.5), False),
+        ((1, 2), (0.5, math.nan), False),
+        ((1, 2), (0.5, 0.5), True),
+    ):
         msg = common_pb2.DraftBlock(token_ids=ids, confidence=conf, is_tree=tree, parents=[-1, 0] if tree else [])
         with pytest.raises(convert.ConversionError, match="draft: confidence"):
             convert.draft_block_from_proto(msg, vocab_size=10)

@@ -39,15 +39,26 @@ def _demo(part: str):
 
 
 def _engine(dtype: str):
-    engine = build_engine(EngineConfig(model=_demo("target"), device="cuda", dtype=dtype, num_kv_blocks=256,
-                                       kv_block_size=16, invariant_steps=True))
+    engine = build_engine(
+        EngineConfig(
+            model=_demo("target"), device="cuda", dtype=dtype, num_kv_blocks=256, kv_block_size=16, invariant_steps=True
+        )
+    )
     assert engine.runner.invariant_rows > 0
     return engine
 
 
 def _drafter(family: str, dtype: str):
-    return registry.build_proposer(DrafterConfig(family=family, checkpoint=_demo(family), target_checkpoint=_demo("target"),
-                                                 device="cuda", dtype=dtype, max_block_size=8))
+    return registry.build_proposer(
+        DrafterConfig(
+            family=family,
+            checkpoint=_demo(family),
+            target_checkpoint=_demo("target"),
+            device="cuda",
+            dtype=dtype,
+            max_block_size=8,
+        )
+    )
 
 
 def _generate(target, draft, prompt, new_tokens: int, k: int = 4, ahead: bool = False) -> FinalEvent:

@@ -55,11 +55,27 @@ class Stack(ServedStack):
         self.prompts = [tok.encode(t).ids for t in TEXTS]
         place = ["--device", device, *extra]
         abandon = ["--shm-abandon-s", "4"]  # a gateway killed before it attached: its sessions go after 4 s
-        drafts = {d: ["--draft", d, "--draft-model", str(demo_checkpoint(d)), "--model", str(self.target_dir), *place[:2],
-                      *abandon] for d in DRAFTS}
-        super().__init__(socks, ["--model", str(self.target_dir), *place, *abandon], drafts,
-                         {"share": base_env(), "bytes": base_env(SPECSERVE_HIDDEN_SHARE="0")},
-                         step_timeout_s=20, start_timeout_s=300)
+        drafts = {
+            d: [
+                "--draft",
+                d,
+                "--draft-model",
+                str(demo_checkpoint(d)),
+                "--model",
+                str(self.target_dir),
+                *place[:2],
+                *abandon,
+            ]
+            for d in DRAFTS
+        }
+        super().__init__(
+            socks,
+            ["--model", str(self.target_dir), *place, *abandon],
+            drafts,
+            {"share": base_env(), "bytes": base_env(SPECSERVE_HIDDEN_SHARE="0")},
+            step_timeout_s=20,
+            start_timeout_s=300,
+        )
 
     def target_stub(self, ch):
         return target_pb2_grpc.TargetServiceStub(ch)
@@ -79,10 +95,6 @@ def one_process(stack):
 
     engine = build_engine(EngineConfig(model=stack.target_dir))
     return {i: engine.generate_greedy(p, N_NEW) for i, p in enumerate(stack.prompts)}
-
-
-
-
 
 
 def counts(stack: Stack) -> dict[str, int]:
@@ -178,8 +190,12 @@ def test_bad_handles_and_row_ranges_get_one_line_and_the_right_status(stack):
     with grpc.insecure_channel(stack.target_addr) as tch, grpc.insecure_channel(stack.drafts["eagle3"]) as dch:
         target, draft = stack.target_stub(tch), draft_pb2_grpc.DraftServiceStub(dch)
         layers = list(draft.GetInfo(draft_pb2.DraftInfoRequest(), timeout=5).hidden_layers)
-        pre = target.Prefill(target_pb2.PrefillRequest(session_id="bad-share", prompt_ids=prompt, hidden_layers=layers,
-                                                       want_hidden_share=True), timeout=30)
+        pre = target.Prefill(
+            target_pb2.PrefillRequest(
+                session_id="bad-share", prompt_ids=prompt, hidden_layers=layers, want_hidden_share=True
+            ),
+            timeout=30,
+        )
         assert pre.HasField("hidden_share") and not pre.HasField("hidden") and pre.hidden_share.kind == "host_shm"
         assert (pre.hidden_rows.start, pre.hidden_rows.stop) == (0, len(prompt))
         rows = common_pb2.HiddenRows(start=0, stop=len(prompt))
@@ -200,8 +216,12 @@ def test_bad_handles_and_row_ranges_get_one_line_and_the_right_status(stack):
             assert "\n" not in details and "Traceback" not in details
             return details
 
-        gone = common_pb2.HiddenShare(kind="host_shm", shape=list(pre.hidden_share.shape), dtype=pre.hidden_share.dtype,
-                                      handle=b"specserve-000000000000000000000000:" + b"00" * 32)
+        gone = common_pb2.HiddenShare(
+            kind="host_shm",
+            shape=list(pre.hidden_share.shape),
+            dtype=pre.hidden_share.dtype,
+            handle=b"specserve-000000000000000000000000:" + b"00" * 32,
+        )
         assert "cannot open segment" in refused(lambda: start("s1", gone), grpc.StatusCode.FAILED_PRECONDITION)
         cuda = common_pb2.HiddenShare(kind="cuda_ipc", shape=[8, 8], dtype="float32", handle=b"{}")
         refused(lambda: start("s2", cuda), grpc.StatusCode.FAILED_PRECONDITION)  # a CPU draft maps host_shm only
@@ -216,10 +236,12 @@ def test_bad_handles_and_row_ranges_get_one_line_and_the_right_status(stack):
         start("good", pre.hidden_share)
         past = draft_pb2.ProposeRequest(session_id="good", prefix_len=len(prompt) + 1, num_tokens=2)
         past.append_rows.start, past.append_rows.stop = 10**6, 10**6 + 1
-        assert "outside the shared buffer" in refused(lambda: draft.Propose(past, timeout=30),
-                                                      grpc.StatusCode.INVALID_ARGUMENT)
-        block = draft.Propose(draft_pb2.ProposeRequest(session_id="good", prefix_len=len(prompt) + 1, num_tokens=2),
-                              timeout=30)
+        assert "outside the shared buffer" in refused(
+            lambda: draft.Propose(past, timeout=30), grpc.StatusCode.INVALID_ARGUMENT
+        )
+        block = draft.Propose(
+            draft_pb2.ProposeRequest(session_id="good", prefix_len=len(prompt) + 1, num_tokens=2), timeout=30
+        )
         assert len(block.draft.token_ids) == 2  # the session is still fine
         for sid in ("s1", "s2", "s3", "s4", "s5", "good"):
             draft.Release(draft_pb2.DraftReleaseRequest(session_id=sid), timeout=10)
@@ -240,8 +262,12 @@ def test_a_caller_who_lists_dev_shm_cannot_map_or_unlink_a_sessions_buffer(stack
     with grpc.insecure_channel(stack.target_addr) as tch, grpc.insecure_channel(stack.drafts["dflash"]) as dch:
         target, draft = stack.target_stub(tch), draft_pb2_grpc.DraftServiceStub(dch)
         layers = list(draft.GetInfo(draft_pb2.DraftInfoRequest(), timeout=5).hidden_layers)
-        pre = target.Prefill(target_pb2.PrefillRequest(session_id="victim", prompt_ids=prompt, hidden_layers=layers,
-                                                       want_hidden_share=True, want_shm=True), timeout=30)
+        pre = target.Prefill(
+            target_pb2.PrefillRequest(
+                session_id="victim", prompt_ids=prompt, hidden_layers=layers, want_hidden_share=True, want_shm=True
+            ),
+            timeout=30,
+        )
         assert pre.HasField("hidden_share") and pre.shm_channel
         # what `ls /dev/shm` shows of this session (the target offers both; another suite's names are not its)
         listed = sorted((stack.new_names() - before) & stack.target_offers())
@@ -267,8 +293,9 @@ def test_a_caller_who_lists_dev_shm_cannot_map_or_unlink_a_sessions_buffer(stack
         r.hidden_share.CopyFrom(pre.hidden_share)
         r.hidden_rows.CopyFrom(rows)
         draft.StartSession(r, timeout=30)  # the victim's own handle maps
-        block = draft.Propose(draft_pb2.ProposeRequest(session_id="victim", prefix_len=len(prompt) + 1, num_tokens=2),
-                              timeout=30)
+        block = draft.Propose(
+            draft_pb2.ProposeRequest(session_id="victim", prefix_len=len(prompt) + 1, num_tokens=2), timeout=30
+        )
         assert len(block.draft.token_ids) == 2 and stack.draft_stats("dflash").hidden_rows_shared > 0
         ring = asyncio.run(ShmClient.attach(pre.shm_channel))
         assert ring is not None  # the verify ring was not taken either
@@ -295,8 +322,12 @@ def test_a_draft_that_cannot_map_costs_one_request_its_speculation_then_gets_byt
         try:
             await ep.fetch_info(10.0)
             assert ep.maps_hidden_of(target_info)  # same host, a kind it maps
-            gone = common_pb2.HiddenShare(kind="host_shm", shape=[64, 768], dtype="float32",
-                                          handle=b"specserve-111111111111111111111111:" + b"11" * 32)
+            gone = common_pb2.HiddenShare(
+                kind="host_shm",
+                shape=[64, 768],
+                dtype="float32",
+                handle=b"specserve-111111111111111111111111:" + b"11" * 32,
+            )
             session = ep.session(None)
             with pytest.raises(DraftError, match="FAILED_PRECONDITION"):
                 await session.start("unmappable", [1, 2, 3], SharedRows(0, 2, handle=gone), SamplingParams())
@@ -313,8 +344,6 @@ def buffers(stack: Stack, draft: str) -> tuple[int, int]:
     return stack.target_stats().hidden_buffers, stack.draft_stats(draft).hidden_buffers
 
 
-
-
 def test_cancel_and_deadline_free_the_buffer_on_both_sides(stack):
     assert buffers(stack, "dflash") == (0, 0)
     call = stack.gw["share"].Generate(req(stack.prompts[1], 400, "dflash"), timeout=60)
@@ -326,10 +355,6 @@ def test_cancel_and_deadline_free_the_buffer_on_both_sides(stack):
     assert code == grpc.StatusCode.DEADLINE_EXCEEDED
     wait_until(lambda: buffers(stack, "dflash") == (0, 0), 2.0, "both freed the buffer after the deadline")
     wait_no_names(stack)
-
-
-
-
 
 
 # ------------------------------------------------------------------------------------------ faults
@@ -355,13 +380,19 @@ def test_gateway_killed_with_sessions_in_flight_leaves_no_buffer(stack):
     the services' --shm-abandon-s (4 s here) the target holds no session and no buffer, the drafts map
     none, nothing stays in /dev/shm, and the restarted gateway shares buffers again. Before, a session
     whose gateway died before attaching waited for the idle expiry (300 s) with its buffer."""
+
     def state():
-        return (stack.target_stats().active_sessions, stack.target_stats().hidden_buffers,
-                [stack.draft_stats(d).hidden_buffers for d in DRAFTS])
+        return (
+            stack.target_stats().active_sessions,
+            stack.target_stats().hidden_buffers,
+            [stack.draft_stats(d).hidden_buffers for d in DRAFTS],
+        )
 
     for round_ in range(3):
-        calls = [stack.gw["share"].Generate(req(stack.prompts[i % len(stack.prompts)], 300, DRAFTS[i % 2]), timeout=60)
-                 for i in range(6)]
+        calls = [
+            stack.gw["share"].Generate(req(stack.prompts[i % len(stack.prompts)], 300, DRAFTS[i % 2]), timeout=60)
+            for i in range(6)
+        ]
         if round_:  # the first round kills at once: Prefills in flight
             deadline = time.monotonic() + 30
             while stack.target_stats().hidden_buffers < 2 * round_ and time.monotonic() < deadline:
@@ -399,7 +430,9 @@ def test_drafter_killed_mid_session_goes_on_target_only_losslessly(stack, one_pr
         seen.append((stack.target_stats().active_sessions, stack.new_names()))  # while the requests go on
 
     seen = []
-    results = run_concurrently(stack, "share", [req(stack.prompts[p], n, "eagle3", k=2) for p in specs], 120.0, kill_draft)
+    results = run_concurrently(
+        stack, "share", [req(stack.prompts[p], n, "eagle3", k=2) for p in specs], 120.0, kill_draft
+    )
     assert seen[0][0] > 0 and not seen[0][1], seen  # no name of a running session's buffer in /dev/shm
     assert [r[2] for r in results] == [None] * len(specs)
     for p, (ids, final, _, _) in zip(specs, results):
@@ -423,8 +456,12 @@ def test_cuda_target_hands_its_device_rows_over_as_cuda_ipc_and_gives_the_tokens
         assert info.hidden_share_kind == "cuda_ipc"
         for d in DRAFTS:
             with grpc.insecure_channel(gpu.drafts[d]) as ch:
-                assert "cuda_ipc" in draft_pb2_grpc.DraftServiceStub(ch).GetInfo(draft_pb2.DraftInfoRequest(),
-                                                                                 timeout=10).hidden_share_kinds
+                assert (
+                    "cuda_ipc"
+                    in draft_pb2_grpc.DraftServiceStub(ch)
+                    .GetInfo(draft_pb2.DraftInfoRequest(), timeout=10)
+                    .hidden_share_kinds
+                )
         results = {}
         for via in ("bytes", "share"):
             before = counts(gpu)

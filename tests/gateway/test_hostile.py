@@ -53,19 +53,50 @@ class HostileStack:
             self.fakes.serve(draft_pb2_grpc.add_DraftServiceServicer_to_server, rogue, hostile[f"rogue_{mode}"])
         gateway_drafts = {**self.drafts, **hostile, "liar_trusted": hostile["liar"]}
         auth = ["--auth-token", TOKEN, "--grace-s", "1"]
-        self.target = Proc("target", ["--model", str(ckpt), "--listen", self.target_addr, "--num-kv-blocks", "256",
-                                      *auth], {**self.env, "SPECSERVE_SEED_KEY": SEED_KEY})
+        self.target = Proc(
+            "target",
+            ["--model", str(ckpt), "--listen", self.target_addr, "--num-kv-blocks", "256", *auth],
+            {**self.env, "SPECSERVE_SEED_KEY": SEED_KEY},
+        )
         self.draft_procs = {
-            "ngram": Proc("draft", ["--draft", "ngram", "--model", str(ckpt), "--listen", self.drafts["ngram"], *auth],
-                          self.env),
-            "model": Proc("draft", ["--draft", "model", "--draft-model", str(ckpt), "--model", str(ckpt),
-                                    "--listen", self.drafts["model"], *auth], self.env),
+            "ngram": Proc(
+                "draft", ["--draft", "ngram", "--model", str(ckpt), "--listen", self.drafts["ngram"], *auth], self.env
+            ),
+            "model": Proc(
+                "draft",
+                [
+                    "--draft",
+                    "model",
+                    "--draft-model",
+                    str(ckpt),
+                    "--model",
+                    str(ckpt),
+                    "--listen",
+                    self.drafts["model"],
+                    *auth,
+                ],
+                self.env,
+            ),
         }
         self.gateway = Proc(
             "gateway",
-            ["--target", self.target_addr, *[a for n, addr in gateway_drafts.items() for a in ("--draft-service", f"{n}={addr}")],
-             "--port", "0", "--draft-step-timeout-s", "1", "--trust-draft-probs", "liar_trusted",
-             "--draft-breaker-failures", "2", "--downstream-auth-token", TOKEN, "--grace-s", "1"],
+            [
+                "--target",
+                self.target_addr,
+                *[a for n, addr in gateway_drafts.items() for a in ("--draft-service", f"{n}={addr}")],
+                "--port",
+                "0",
+                "--draft-step-timeout-s",
+                "1",
+                "--trust-draft-probs",
+                "liar_trusted",
+                "--draft-breaker-failures",
+                "2",
+                "--downstream-auth-token",
+                TOKEN,
+                "--grace-s",
+                "1",
+            ],
             self.env,
         )
         self.gateway_addr = self.gateway.wait_line("gateway listening on ", timeout=180).split()[-1]
@@ -75,12 +106,18 @@ class HostileStack:
     def open_sessions(self) -> dict[str, int]:
         out = {}
         with grpc.insecure_channel(self.target_addr) as ch:
-            out["target"] = target_pb2_grpc.TargetServiceStub(ch).GetStats(
-                target_pb2.TargetStatsRequest(), timeout=5, metadata=AUTH).active_sessions
+            out["target"] = (
+                target_pb2_grpc.TargetServiceStub(ch)
+                .GetStats(target_pb2.TargetStatsRequest(), timeout=5, metadata=AUTH)
+                .active_sessions
+            )
         for name, addr in self.drafts.items():
             with grpc.insecure_channel(addr) as ch:
-                out[name] = draft_pb2_grpc.DraftServiceStub(ch).GetStats(
-                    draft_pb2.DraftStatsRequest(), timeout=5, metadata=AUTH).active_sessions
+                out[name] = (
+                    draft_pb2_grpc.DraftServiceStub(ch)
+                    .GetStats(draft_pb2.DraftStatsRequest(), timeout=5, metadata=AUTH)
+                    .active_sessions
+                )
         return out
 
     def wait_no_sessions(self, timeout: float = 5.0) -> None:
@@ -146,12 +183,28 @@ def test_target_and_drafts_refuse_calls_without_the_token(hostile):
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     calls = [
-        (hostile.target_addr, lambda ch, md: target_pb2_grpc.TargetServiceStub(ch).Prefill(
-            target_pb2.PrefillRequest(session_id="intruder", prompt_ids=[1, 2]), timeout=5, metadata=md)),
-        (hostile.drafts["ngram"], lambda ch, md: draft_pb2_grpc.DraftServiceStub(ch).StartSession(
-            draft_pb2.StartSessionRequest(session_id="intruder", token_ids=[1, 2]), timeout=5, metadata=md)),
-        (hostile.drafts["model"], lambda ch, md: next(iter(draft_pb2_grpc.DraftServiceStub(ch).ProposeStream(
-            iter([draft_pb2.ProposeRequest(session_id="intruder", num_tokens=2)]), timeout=5, metadata=md)))),
+        (
+            hostile.target_addr,
+            lambda ch, md: target_pb2_grpc.TargetServiceStub(ch).Prefill(
+                target_pb2.PrefillRequest(session_id="intruder", prompt_ids=[1, 2]), timeout=5, metadata=md
+            ),
+        ),
+        (
+            hostile.drafts["ngram"],
+            lambda ch, md: draft_pb2_grpc.DraftServiceStub(ch).StartSession(
+                draft_pb2.StartSessionRequest(session_id="intruder", token_ids=[1, 2]), timeout=5, metadata=md
+            ),
+        ),
+        (
+            hostile.drafts["model"],
+            lambda ch, md: next(
+                iter(
+                    draft_pb2_grpc.DraftServiceStub(ch).ProposeStream(
+                        iter([draft_pb2.ProposeRequest(session_id="intruder", num_tokens=2)]), timeout=5, metadata=md
+                    )
+                )
+            ),
+        ),
     ]
     for address, call in calls:
         with grpc.insecure_channel(address) as ch:
@@ -171,8 +224,9 @@ def _forced_share(hostile, draft: str) -> tuple[float, bool]:
     """Share of FORCED among the tokens of sampled requests drafted by ``draft``; any fallback."""
     ids, fallback = [], False
     for seed in range(4):
-        request = gateway_pb2.GenerateRequest(prompt_ids=PROMPT, max_new_tokens=24, draft=draft,
-                                              num_speculative_tokens=4)
+        request = gateway_pb2.GenerateRequest(
+            prompt_ids=PROMPT, max_new_tokens=24, draft=draft, num_speculative_tokens=4
+        )
         request.sampling.temperature = 1.0
         request.sampling.seed = seed
         got, final = hostile.generate(request)
@@ -232,7 +286,9 @@ def _position_one(hostile, seeds, draft: str, tell: bool) -> Counter:
     a time (each session's draws depend on its own seed only)."""
 
     def one(seed: int) -> int:
-        request = gateway_pb2.GenerateRequest(prompt_ids=PROMPT, max_new_tokens=3, draft=draft, num_speculative_tokens=1)
+        request = gateway_pb2.GenerateRequest(
+            prompt_ids=PROMPT, max_new_tokens=3, draft=draft, num_speculative_tokens=1
+        )
         request.sampling.temperature = MIRROR_SAMPLING["temperature"]
         request.sampling.top_k = MIRROR_SAMPLING["top_k"]
         request.sampling.seed = seed
@@ -289,9 +345,11 @@ def test_the_same_seed_gives_the_same_output_on_the_same_target(hostile):
     """What a seed guarantees (models/probs.py): the same seeded sampled request twice through the same
     target and draft gives the same tokens (drafted by the model draft, sampled too); another seed
     other tokens."""
+
     def run(seed: int) -> list[int]:
-        request = gateway_pb2.GenerateRequest(prompt_ids=PROMPT, max_new_tokens=24, draft="model",
-                                              num_speculative_tokens=3)
+        request = gateway_pb2.GenerateRequest(
+            prompt_ids=PROMPT, max_new_tokens=24, draft="model", num_speculative_tokens=3
+        )
         request.sampling.temperature, request.sampling.seed = 1.0, seed
         ids, final = hostile.generate(request)
         assert not final.stats.draft_fallback
@@ -318,8 +376,9 @@ def test_a_rogue_drafters_oversized_frame_costs_the_gateway_no_memory_and_falls_
     sends 8 MiB over gRPC, past what any block's q needs): the gateway's peak RSS grows by less than
     16 MB, every request falls back to target-only with the target-only tokens, and nothing stays open."""
     base, _ = hostile.generate(gateway_pb2.GenerateRequest(prompt_ids=PROMPT, max_new_tokens=12, draft="none"))
-    request = gateway_pb2.GenerateRequest(prompt_ids=PROMPT, max_new_tokens=12, draft=f"rogue_{mode}",
-                                          num_speculative_tokens=4)
+    request = gateway_pb2.GenerateRequest(
+        prompt_ids=PROMPT, max_new_tokens=12, draft=f"rogue_{mode}", num_speculative_tokens=4
+    )
     hostile.generate(request)  # warm: the gateway's own first-use allocations are not the rogue's
     pid = hostile.gateway.popen.pid
     before = _rss_kb(pid)
@@ -362,10 +421,12 @@ def test_a_stop_with_sessions_open_is_quiet(hostile):
     next(stream)
     with grpc.insecure_channel(hostile.drafts["model"]) as ch:
         draft_pb2_grpc.DraftServiceStub(ch).StartSession(
-            draft_pb2.StartSessionRequest(session_id="left", token_ids=PROMPT), timeout=10, metadata=AUTH)
+            draft_pb2.StartSessionRequest(session_id="left", token_ids=PROMPT), timeout=10, metadata=AUTH
+        )
     gw_ch = grpc.insecure_channel(hostile.gateway_addr)
     call = gateway_pb2_grpc.GatewayStub(gw_ch).Generate(
-        gateway_pb2.GenerateRequest(prompt_ids=PROMPT, max_new_tokens=150, draft="model"), timeout=60)
+        gateway_pb2.GenerateRequest(prompt_ids=PROMPT, max_new_tokens=150, draft="model"), timeout=60
+    )
     next(call)
     assert hostile.open_sessions()["target"] == 2
     try:
@@ -376,6 +437,9 @@ def test_a_stop_with_sessions_open_is_quiet(hostile):
         gw_ch.close()
     for proc in (hostile.gateway, *hostile.draft_procs.values(), hostile.target):
         assert proc.popen.returncode == 0, (proc.role, proc.lines[-20:])
-        noise = [line for line in proc.lines
-                 if any(word in line for word in ("Traceback", "never retrieved", "Failed to detach", "Error"))]
+        noise = [
+            line
+            for line in proc.lines
+            if any(word in line for word in ("Traceback", "never retrieved", "Failed to detach", "Error"))
+        ]
         assert not noise, (proc.role, noise[:5])

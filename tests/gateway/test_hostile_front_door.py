@@ -37,9 +37,26 @@ class FrontDoor:
         env = base_env()
         self.target_addr = f"unix:{socks}/t.sock"
         self.target = Proc("target", ["--model", str(ckpt), "--listen", self.target_addr, "--grace-s", "1"], env)
-        self.gateway = Proc("gateway", [
-            "--target", self.target_addr, "--model", str(ckpt), "--port", "0", "--http-port", "0", "--grace-s", "1",
-            "--http-read-timeout-s", str(READ_TIMEOUT_S), "--http-max-connections", str(MAX_CONNECTIONS)], env)
+        self.gateway = Proc(
+            "gateway",
+            [
+                "--target",
+                self.target_addr,
+                "--model",
+                str(ckpt),
+                "--port",
+                "0",
+                "--http-port",
+                "0",
+                "--grace-s",
+                "1",
+                "--http-read-timeout-s",
+                str(READ_TIMEOUT_S),
+                "--http-max-connections",
+                str(MAX_CONNECTIONS),
+            ],
+            env,
+        )
         self.url = self.gateway.wait_line("gateway http listening on ", timeout=180).split()[-1]
         self.grpc_addr = self.gateway.wait_line("gateway listening on ", timeout=60).split()[-1]
         self.host, port = self.url.removeprefix("http://").rsplit(":", 1)
@@ -100,13 +117,16 @@ def test_a_4mb_prompt_leaves_other_requests_their_latency(door):
             door.generate(big_request)
         codes.append((info.value.code(), info.value.details()))
 
-    bodies = {echo: json.dumps({"model": model, "prompt": BIG, "max_tokens": 4, "echo": echo}).encode()
-              for echo in (False, True)}  # encoded before the clock runs: this process's own work is not measured
+    bodies = {
+        echo: json.dumps({"model": model, "prompt": BIG, "max_tokens": 4, "echo": echo}).encode()
+        for echo in (False, True)
+    }  # encoded before the clock runs: this process's own work is not measured
     big_request = gateway_pb2.GenerateRequest(prompt=BIG, max_new_tokens=4, draft="none")
 
     def big_http(echo: bool = False):
-        r = httpx.post(f"{door.url}/v1/completions", content=bodies[echo], timeout=60,
-                       headers={"content-type": "application/json"})
+        r = httpx.post(
+            f"{door.url}/v1/completions", content=bodies[echo], timeout=60, headers={"content-type": "application/json"}
+        )
         codes.append((r.status_code, r.json()["error"]["message"]))
 
     def poll() -> list[float]:
@@ -142,7 +162,10 @@ def test_a_4mb_prompt_leaves_other_requests_their_latency(door):
     assert loop_cpu < 0.3 and max(took) < 0.1 + waited and small < 1.0 + waited, (loop_cpu, waited, took, small)
     assert len(codes) == 3
     for code, message in codes:
-        assert code in (grpc.StatusCode.INVALID_ARGUMENT, 400) and "bytes of text cannot fit" in message, (code, message)
+        assert code in (grpc.StatusCode.INVALID_ARGUMENT, 400) and "bytes of text cannot fit" in message, (
+            code,
+            message,
+        )
 
 
 def test_a_text_prompt_that_could_fit_is_still_served(door):
@@ -181,8 +204,10 @@ def test_half_open_connections_are_closed_within_the_read_timeout(door):
     The gateway's open descriptors come back to where they were, and requests go on. Before #33 they
     stayed open indefinitely."""
     fds = door.fds()
-    partial_body = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                    b"Content-Length: 1000\r\n\r\n{\"model\": ")
+    partial_body = (
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b'Content-Length: 1000\r\n\r\n{"model": '
+    )
     kinds = [b"", b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Le", partial_body]
     t0 = time.monotonic()
     socks = [(kind, _half_open(door, kind)) for kind in kinds for _ in range(10)]
@@ -230,8 +255,7 @@ def test_idle_connections_past_their_share_are_closed_at_once(door):
 def test_deeply_nested_json_is_a_400_in_the_apis_error_shape(door):
     """100k levels of nesting: 400 with the API's error object (before #33: a plain-text 500)."""
     body = b"[" * 100_000 + b"]" * 100_000
-    r = httpx.post(f"{door.url}/v1/completions", content=body, headers={"content-type": "application/json"},
-                   timeout=30)
+    r = httpx.post(f"{door.url}/v1/completions", content=body, headers={"content-type": "application/json"}, timeout=30)
     assert r.status_code == 400, (r.status_code, r.text[:200])
     error = r.json()["error"]
     assert set(error) >= {"message", "type", "param", "code"} and "nested too deeply" in error["message"]

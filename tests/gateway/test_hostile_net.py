@@ -45,13 +45,49 @@ class NetStack:
     def __init__(self, ckpt, socks) -> None:
         env = base_env()
         self.target_unix = f"unix:{socks}/t.sock"
-        self.target = Proc("target", ["--model", str(ckpt), "--listen", "127.0.0.1:0", "--listen", self.target_unix,
-                                      "--auth-token", INNER, "--grace-s", "1"], env)
+        self.target = Proc(
+            "target",
+            [
+                "--model",
+                str(ckpt),
+                "--listen",
+                "127.0.0.1:0",
+                "--listen",
+                self.target_unix,
+                "--auth-token",
+                INNER,
+                "--grace-s",
+                "1",
+            ],
+            env,
+        )
         self.gateway_unix = f"unix:{socks}/g.sock"
-        self.gateway = Proc("gateway", [
-            "--target", self.target_unix, "--model", str(ckpt), "--port", "0", "--listen", self.gateway_unix,
-            "--http-port", "0", "--grace-s", "1", "--auth-token", TOKEN, "--downstream-auth-token", INNER,
-            "--http-max-connections", str(HTTP_MAX_CONNECTIONS), "--max-sessions", "8"], env)
+        self.gateway = Proc(
+            "gateway",
+            [
+                "--target",
+                self.target_unix,
+                "--model",
+                str(ckpt),
+                "--port",
+                "0",
+                "--listen",
+                self.gateway_unix,
+                "--http-port",
+                "0",
+                "--grace-s",
+                "1",
+                "--auth-token",
+                TOKEN,
+                "--downstream-auth-token",
+                INNER,
+                "--http-max-connections",
+                str(HTTP_MAX_CONNECTIONS),
+                "--max-sessions",
+                "8",
+            ],
+            env,
+        )
         resource.prlimit(self.gateway.popen.pid, resource.RLIMIT_NOFILE, (FD_LIMIT, FD_LIMIT))  # before it serves
         self.target_tcp = self.target.wait_line("target listening on ", timeout=180).split()[-2]
         self.url = self.gateway.wait_line("gateway http listening on ", timeout=180).split()[-1]
@@ -73,7 +109,9 @@ def _generate(address: str, timeout: float = 30.0):
     with grpc.insecure_channel(address, options=channel_options()) as ch:
         return gateway_pb2_grpc.GatewayStub(ch).GenerateUnary(
             gateway_pb2.GenerateRequest(prompt_ids=PROMPT_IDS, max_new_tokens=2, draft="none"),
-            metadata=bearer_metadata(TOKEN), timeout=timeout)
+            metadata=bearer_metadata(TOKEN),
+            timeout=timeout,
+        )
 
 
 def _prefill_head(message_len: int) -> bytes:
@@ -121,8 +159,9 @@ def test_unauthenticated_400mb_calls_are_refused_unread(net):
     assert max(peak) - base < 100, f"target RSS {base:.0f} -> {max(peak):.0f} MB"
     with grpc.insecure_channel(net.target_tcp, options=channel_options()) as ch:
         t0 = time.perf_counter()
-        info = target_pb2_grpc.TargetServiceStub(ch).GetInfo(target_pb2.TargetInfoRequest(),
-                                                              metadata=bearer_metadata(INNER), timeout=10)
+        info = target_pb2_grpc.TargetServiceStub(ch).GetInfo(
+            target_pb2.TargetInfoRequest(), metadata=bearer_metadata(INNER), timeout=10
+        )
         assert info.vocab_size > 0 and time.perf_counter() - t0 < 1.0
 
 
@@ -134,8 +173,11 @@ def test_an_authenticated_request_above_the_largest_honest_one_is_refused_by_siz
         stub = target_pb2_grpc.TargetServiceStub(ch)
         info = stub.GetInfo(target_pb2.TargetInfoRequest(), metadata=bearer_metadata(INNER), timeout=10)
         with pytest.raises(grpc.RpcError) as refused:
-            stub.Prefill(target_pb2.PrefillRequest(session_id="x" * (8 << 20), prompt_ids=[1]),
-                         metadata=bearer_metadata(INNER), timeout=10)
+            stub.Prefill(
+                target_pb2.PrefillRequest(session_id="x" * (8 << 20), prompt_ids=[1]),
+                metadata=bearer_metadata(INNER),
+                timeout=10,
+            )
         assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         whole = target_pb2.PrefillRequest(session_id="whole", prompt_ids=[info.vocab_size - 1] * info.max_context)
         with pytest.raises(grpc.RpcError) as long:
@@ -283,8 +325,11 @@ def test_a_scrape_flood_costs_the_target_nothing_and_honest_requests_little(net)
             stub = gateway_pb2_grpc.GatewayStub(ch)
             for _ in range(n):
                 t0 = time.perf_counter()
-                stub.GenerateUnary(gateway_pb2.GenerateRequest(prompt_ids=PROMPT_IDS, max_new_tokens=2, draft="none"),
-                                   metadata=bearer_metadata(TOKEN), timeout=30)
+                stub.GenerateUnary(
+                    gateway_pb2.GenerateRequest(prompt_ids=PROMPT_IDS, max_new_tokens=2, draft="none"),
+                    metadata=bearer_metadata(TOKEN),
+                    timeout=30,
+                )
                 took.append(time.perf_counter() - t0)
         return sorted(took)[n // 2]
 
@@ -295,8 +340,10 @@ def test_a_scrape_flood_costs_the_target_nothing_and_honest_requests_little(net)
     for _ in range(2):
         quiet.append(honest())
         loud.append(flood(0.3, honest))
-    print(f"honest median: quiet {[round(q * 1e3, 1) for q in quiet]} ms, flood {[round(x * 1e3, 1) for x in loud]} "
-          f"ms; {scrapes[0]} scrapes; target CPU {target_cpu:.3f} s; noise (quiet/quiet) {quiet[2] / quiet[1]:.2f}")
+    print(
+        f"honest median: quiet {[round(q * 1e3, 1) for q in quiet]} ms, flood {[round(x * 1e3, 1) for x in loud]} "
+        f"ms; {scrapes[0]} scrapes; target CPU {target_cpu:.3f} s; noise (quiet/quiet) {quiet[2] / quiet[1]:.2f}"
+    )
     assert scrapes[0] > 16
     assert target_cpu < 0.1
     assert min(loud) < 1.2 * max(quiet[1:]), (quiet, loud)
@@ -310,8 +357,12 @@ def test_one_request_holds_at_most_its_share_of_the_sessions(net):
     model = httpx.get(f"{net.url}/v1/models", headers=headers, timeout=10).json()["data"][0]["id"]
 
     def post(**body):
-        return httpx.post(f"{net.url}/v1/completions", headers=headers, timeout=60,
-                          json={"model": model, "prompt": PROMPT_IDS, "temperature": 0, **body})
+        return httpx.post(
+            f"{net.url}/v1/completions",
+            headers=headers,
+            timeout=60,
+            json={"model": model, "prompt": PROMPT_IDS, "temperature": 0, **body},
+        )
 
     too_many = post(n=3, max_tokens=2)
     assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "n"

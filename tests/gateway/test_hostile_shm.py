@@ -44,11 +44,36 @@ class ShmStack:
         shrink_addr = f"unix:{socks}/shrink.sock"
         self.shrinker = RogueDraft(shrink_addr, attack="shrink")
         self.target = Proc("target", ["--model", str(target_dir), "--listen", self.target_addr], env)
-        self.eagle3 = Proc("draft", ["--draft", "eagle3", "--draft-model", str(demo_checkpoint("eagle3")),
-                                     "--model", str(target_dir), "--listen", self.eagle3_addr], env)
-        self.gateway = Proc("gateway", ["--target", self.target_addr, "--port", "0", "--draft-step-timeout-s", "2",
-                                        "--draft-service", f"eagle3={self.eagle3_addr}",
-                                        "--draft-service", f"shrink={shrink_addr}"], env)
+        self.eagle3 = Proc(
+            "draft",
+            [
+                "--draft",
+                "eagle3",
+                "--draft-model",
+                str(demo_checkpoint("eagle3")),
+                "--model",
+                str(target_dir),
+                "--listen",
+                self.eagle3_addr,
+            ],
+            env,
+        )
+        self.gateway = Proc(
+            "gateway",
+            [
+                "--target",
+                self.target_addr,
+                "--port",
+                "0",
+                "--draft-step-timeout-s",
+                "2",
+                "--draft-service",
+                f"eagle3={self.eagle3_addr}",
+                "--draft-service",
+                f"shrink={shrink_addr}",
+            ],
+            env,
+        )
         self.gateway_addr = self.gateway.wait_line("gateway listening on ", timeout=300).split()[-1]
         self.eagle3.wait_line("draft (eagle3) listening on ", timeout=300)
         self.target_ch = grpc.insecure_channel(self.target_addr)
@@ -87,10 +112,12 @@ def test_a_draft_that_shrinks_its_ring_cannot_kill_the_gateway(stack):
     with the target-only tokens."""
     long_req = gateway_pb2.GenerateRequest(prompt_ids=PROMPT, max_new_tokens=96, draft="none")
     long_base, _ = _generate(stack.gateway_addr, long_req)
-    short = gateway_pb2.GenerateRequest(prompt_ids=PROMPT[:8], max_new_tokens=8, draft="shrink",
-                                        num_speculative_tokens=4)
-    short_base, _ = _generate(stack.gateway_addr, gateway_pb2.GenerateRequest(
-        prompt_ids=PROMPT[:8], max_new_tokens=8, draft="none"))
+    short = gateway_pb2.GenerateRequest(
+        prompt_ids=PROMPT[:8], max_new_tokens=8, draft="shrink", num_speculative_tokens=4
+    )
+    short_base, _ = _generate(
+        stack.gateway_addr, gateway_pb2.GenerateRequest(prompt_ids=PROMPT[:8], max_new_tokens=8, draft="none")
+    )
     attacks = stack.shrinker.shrinks_refused + stack.shrinker.shrunk
     streamed: list[int] = []
     errors: list[BaseException] = []
@@ -125,8 +152,10 @@ def test_a_draft_that_shrinks_its_ring_cannot_kill_the_gateway(stack):
 
 
 def _prefill(stack, sid: str, prompt, layers, share: bool = True):
-    return stack.target_stub.Prefill(target_pb2.PrefillRequest(session_id=sid, prompt_ids=prompt, hidden_layers=layers,
-                                                               want_hidden_share=share), timeout=60)
+    return stack.target_stub.Prefill(
+        target_pb2.PrefillRequest(session_id=sid, prompt_ids=prompt, hidden_layers=layers, want_hidden_share=share),
+        timeout=60,
+    )
 
 
 def _eagle3_layers(stack) -> list[int]:
@@ -227,8 +256,9 @@ def test_a_draft_survives_a_hidden_segment_shrunk_under_it(stack, how):
             assert exc.code() == grpc.StatusCode.FAILED_PRECONDITION, exc
         os.ftruncate(fd, 0)  # under the draft's mapping, if it made one
         if started:
-            step = draft_pb2.ProposeRequest(session_id="intruder", prefix_len=len(PROMPT) + 1, num_tokens=2,
-                                            append_ids=[5])
+            step = draft_pb2.ProposeRequest(
+                session_id="intruder", prefix_len=len(PROMPT) + 1, num_tokens=2, append_ids=[5]
+            )
             step.append_rows.start, step.append_rows.stop = len(PROMPT), len(PROMPT) + 1
             with pytest.raises(grpc.RpcError):
                 stack.draft_stub.Propose(step, timeout=30)
@@ -238,7 +268,9 @@ def test_a_draft_survives_a_hidden_segment_shrunk_under_it(stack, how):
     finally:
         os.close(fd)
         (SHM_DIR / name).unlink(missing_ok=True)
-    ids, final = _generate(stack.gateway_addr, gateway_pb2.GenerateRequest(
-        prompt_ids=PROMPT, max_new_tokens=12, draft="eagle3", num_speculative_tokens=3))
+    ids, final = _generate(
+        stack.gateway_addr,
+        gateway_pb2.GenerateRequest(prompt_ids=PROMPT, max_new_tokens=12, draft="eagle3", num_speculative_tokens=3),
+    )
     assert len(ids) == 12 and not final.stats.draft_fallback
     stack.draft_stub.Release(draft_pb2.DraftReleaseRequest(session_id="intruder"), timeout=10)

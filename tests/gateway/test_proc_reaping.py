@@ -43,8 +43,12 @@ def _descendants(pid: int) -> set[int]:
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
 def test_a_killed_test_run_leaves_no_service(tmp_path, sig):
-    starter = subprocess.Popen([sys.executable, "-c", STARTER, str(HERE), str(tmp_path / "d.sock")],
-                               stdout=subprocess.PIPE, text=True, env=base_env())
+    starter = subprocess.Popen(
+        [sys.executable, "-c", STARTER, str(HERE), str(tmp_path / "d.sock")],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=base_env(),
+    )
     service = None
     try:
         service = int(starter.stdout.readline())
@@ -52,8 +56,11 @@ def test_a_killed_test_run_leaves_no_service(tmp_path, sig):
         assert service in started
         starter.send_signal(sig)
         assert starter.wait(10) == -sig
-        wait_until(lambda: not any(_alive(p) for p in started), 5.0,
-                   lambda: f"processes the killed run started still run: {[p for p in started if _alive(p)]}")
+        wait_until(
+            lambda: not any(_alive(p) for p in started),
+            5.0,
+            lambda: f"processes the killed run started still run: {[p for p in started if _alive(p)]}",
+        )
     finally:
         starter.kill()
         starter.wait()

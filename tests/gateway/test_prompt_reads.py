@@ -48,11 +48,15 @@ def test_the_size_check_refuses_exactly_the_texts_over_the_limit_in_bytes(char):
             assert _refused(text, tokens, per_token, size) == (size > 200), (char, n, prefix)
 
 
-@pytest.mark.parametrize("text,max_context,refused", [
-    (BIG, 1_000, True),  # over the limit
-    (BIG, 1_500_000, False),  # within it, but not within a quarter of it in characters
-    ("\u00e9" * 1_000_000, 1_500_000, False),  # 2 MB, within a quarter
-], ids=["ascii-refused", "ascii-fits", "non-ascii-fits"])
+@pytest.mark.parametrize(
+    "text,max_context,refused",
+    [
+        (BIG, 1_000, True),  # over the limit
+        (BIG, 1_500_000, False),  # within it, but not within a quarter of it in characters
+        ("\u00e9" * 1_000_000, 1_500_000, False),  # 2 MB, within a quarter
+    ],
+    ids=["ascii-refused", "ascii-fits", "non-ascii-fits"],
+)
 def test_the_size_check_makes_no_copy(text, max_context, refused):
     """An ASCII text, and any text within a quarter of the limit in characters, is measured without
     encoding it (before: a bytes copy of the whole prompt, 2-4 MB here)."""
@@ -92,11 +96,14 @@ async def _refusal(tokenizer, request: ReadCounting) -> GatewayError:
         await servicer.close()
 
 
-@pytest.mark.parametrize("fields,field,says", [
-    (dict(prompt=BIG, max_new_tokens=4), "prompt", "4000000 bytes of text cannot fit in 512 tokens"),
-    (dict(prompt="def f(x):", max_new_tokens=0), "max_new_tokens", "must be positive"),  # after tokenizing
-    (dict(prompt="def f(x):", prompt_ids=[1], max_new_tokens=4), "prompt", "not both"),
-])
+@pytest.mark.parametrize(
+    "fields,field,says",
+    [
+        (dict(prompt=BIG, max_new_tokens=4), "prompt", "4000000 bytes of text cannot fit in 512 tokens"),
+        (dict(prompt="def f(x):", max_new_tokens=0), "max_new_tokens", "must be positive"),  # after tokenizing
+        (dict(prompt="def f(x):", prompt_ids=[1], max_new_tokens=4), "prompt", "not both"),
+    ],
+)
 def test_generate_reads_the_prompt_once(byte_tokenizer, fields, field, says):
     request = ReadCounting(gateway_pb2.GenerateRequest(draft="none", **fields))
     error = asyncio.run(_refusal(byte_tokenizer, request))

@@ -26,12 +26,30 @@ def stack(tmp_path_factory):
     procs = [
         Proc("target", ["--model", str(target), "--listen", sock["t"], "--num-kv-blocks", "256"], env),
         Proc("draft", ["--draft", "mtp", "--model", str(target), "--listen", sock["mtp"]], env),
-        Proc("draft", ["--draft", "dflash", "--draft-model", str(zlab), "--model", str(target), "--listen",
-                       sock["zlab"]], env),
+        Proc(
+            "draft",
+            ["--draft", "dflash", "--draft-model", str(zlab), "--model", str(target), "--listen", sock["zlab"]],
+            env,
+        ),
     ]
-    gateway = Proc("gateway", ["--target", sock["t"], "--draft-service", f"mtp={sock['mtp']}", "--draft-service",
-                               f"zlab={sock['zlab']}", "--model", str(target), "--port", "0",
-                               "--draft-step-timeout-s", "5"], env)
+    gateway = Proc(
+        "gateway",
+        [
+            "--target",
+            sock["t"],
+            "--draft-service",
+            f"mtp={sock['mtp']}",
+            "--draft-service",
+            f"zlab={sock['zlab']}",
+            "--model",
+            str(target),
+            "--port",
+            "0",
+            "--draft-step-timeout-s",
+            "5",
+        ],
+        env,
+    )
     procs.append(gateway)
     try:
         procs[1].wait_line("draft (mtp) listening on ", timeout=180)
@@ -46,8 +64,13 @@ def stack(tmp_path_factory):
 
 
 def generate(stub, draft: str, k: int, **sampling) -> tuple[list[int], gateway_pb2.FinalMessage]:
-    req = gateway_pb2.GenerateRequest(prompt_ids=PROMPT, max_new_tokens=20, draft=draft, num_speculative_tokens=k,
-                                      sampling=common_pb2.SamplingParams(**sampling))
+    req = gateway_pb2.GenerateRequest(
+        prompt_ids=PROMPT,
+        max_new_tokens=20,
+        draft=draft,
+        num_speculative_tokens=k,
+        sampling=common_pb2.SamplingParams(**sampling),
+    )
     ids, final = [], None
     for msg in stub.Generate(req, timeout=120):
         if msg.HasField("final"):
@@ -81,8 +104,17 @@ def test_generate_reads_the_published_layouts_as_they_are(tmp_path, capsys):
 
     target = save_tiny_deepseek_mtp(TINY_DEEPSEEK_MTP, tmp_path / "target", seed=7)
     zlab = save_zlab_dflash(tmp_path / "zlab", target_layer_ids=(0, 1))
-    flags = ["--model", str(target), "--prompt-ids", ",".join(map(str, PROMPT)), "--max-new-tokens", "12", "--json",
-             "--num-speculative-tokens", "3"]
+    flags = [
+        "--model",
+        str(target),
+        "--prompt-ids",
+        ",".join(map(str, PROMPT)),
+        "--max-new-tokens",
+        "12",
+        "--json",
+        "--num-speculative-tokens",
+        "3",
+    ]
     outputs = {}
     for name, extra in {"none": [], "dflash": ["--draft-model", str(zlab)], "mtp": []}.items():
         capsys.readouterr()

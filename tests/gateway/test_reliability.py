@@ -45,10 +45,27 @@ class Stack:
         self.draft_procs = {name: self.start_draft(name) for name in self.drafts}
         self.gateway = Proc(
             "gateway",
-            ["--target", self.target_addr, *[a for n, addr in self.drafts.items() for a in ("--draft-service", f"{n}={addr}")],
-             "--port", "0", "--draft-step-timeout-s", "2", "--max-sessions", str(MAX_SESSIONS),
-             "--max-queued", str(MAX_QUEUED), "--max-output-tokens", "200", "--max-stop-strings", "4",
-             "--max-stop-length", "16", "--max-message-bytes", "65536"],
+            [
+                "--target",
+                self.target_addr,
+                *[a for n, addr in self.drafts.items() for a in ("--draft-service", f"{n}={addr}")],
+                "--port",
+                "0",
+                "--draft-step-timeout-s",
+                "2",
+                "--max-sessions",
+                str(MAX_SESSIONS),
+                "--max-queued",
+                str(MAX_QUEUED),
+                "--max-output-tokens",
+                "200",
+                "--max-stop-strings",
+                "4",
+                "--max-stop-length",
+                "16",
+                "--max-message-bytes",
+                "65536",
+            ],
             self.env,
         )
         self.gateway_addr = self.gateway.wait_line("gateway listening on ", timeout=180).split()[-1]
@@ -59,8 +76,22 @@ class Stack:
 
     def start_target(self) -> Proc:
         # 40 blocks of 16 tokens: fewer than 16 requests' reservations (up to ~5 blocks each) -> queueing
-        return Proc("target", ["--model", str(self.ckpt), "--listen", self.target_addr, "--num-kv-blocks", "40",
-                               "--max-sessions", str(MAX_SESSIONS), "--max-queued", "32"], self.env)
+        return Proc(
+            "target",
+            [
+                "--model",
+                str(self.ckpt),
+                "--listen",
+                self.target_addr,
+                "--num-kv-blocks",
+                "40",
+                "--max-sessions",
+                str(MAX_SESSIONS),
+                "--max-queued",
+                "32",
+            ],
+            self.env,
+        )
 
     def start_draft(self, name: str) -> Proc:
         family = ["--draft", "ngram"] if name == "ngram" else ["--draft", "model", "--draft-model", str(self.ckpt)]
@@ -72,7 +103,9 @@ class Stack:
 
     def draft_active(self, name: str) -> int:
         with grpc.insecure_channel(self.drafts[name]) as ch:
-            return draft_pb2_grpc.DraftServiceStub(ch).GetStats(draft_pb2.DraftStatsRequest(), timeout=5).active_sessions
+            return (
+                draft_pb2_grpc.DraftServiceStub(ch).GetStats(draft_pb2.DraftStatsRequest(), timeout=5).active_sessions
+            )
 
     def healthy(self, address: str) -> bool:
         with grpc.insecure_channel(address) as ch:
@@ -93,7 +126,9 @@ def stack(tiny_target_dir, tmp_path_factory):
 
 
 def req(prompt: int, n: int, draft: str) -> gateway_pb2.GenerateRequest:
-    return gateway_pb2.GenerateRequest(prompt_ids=PROMPTS[prompt], max_new_tokens=n, draft=draft, num_speculative_tokens=4)
+    return gateway_pb2.GenerateRequest(
+        prompt_ids=PROMPTS[prompt], max_new_tokens=n, draft=draft, num_speculative_tokens=4
+    )
 
 
 def stream(stack: Stack, request, timeout: float = 60.0):
@@ -166,8 +201,9 @@ def wait_idle(stack: Stack, timeout: float = 5.0) -> None:
 def test_tree_requests_through_the_gateway_are_lossless_and_checked(stack, refs):
     """A dynamic-tree request through gateway -> model draft -> target gives the target-only tokens;
     a tree for a chain-only drafter, or with no drafter, is INVALID_ARGUMENT naming tree_nodes."""
-    tree = gateway_pb2.GenerateRequest(prompt_ids=PROMPTS[0], max_new_tokens=REF_LEN, draft="model",
-                                       tree_nodes=6, tree_top_k=2, tree_depth=3)
+    tree = gateway_pb2.GenerateRequest(
+        prompt_ids=PROMPTS[0], max_new_tokens=REF_LEN, draft="model", tree_nodes=6, tree_top_k=2, tree_depth=3
+    )
     ids, final, code, _ = stream(stack, tree)
     assert code is None and ids == refs[0]
     assert final.stats.mean_accepted_length > 1.0  # the tiny target drafting for itself: trees get accepted
@@ -193,8 +229,16 @@ def test_load_32_streams_admission_and_lossless(stack, refs):
 def test_limits_name_the_flag(stack):
     cases = [
         (gateway_pb2.GenerateRequest(prompt_ids=[1, 2], max_new_tokens=201), "max_new_tokens", "--max-output-tokens"),
-        (gateway_pb2.GenerateRequest(prompt_ids=[1], max_new_tokens=2, stop=list("abcde")), "stop", "--max-stop-strings"),
-        (gateway_pb2.GenerateRequest(prompt_ids=[1], max_new_tokens=2, stop=["x" * 17]), "stop[0]", "--max-stop-length"),
+        (
+            gateway_pb2.GenerateRequest(prompt_ids=[1], max_new_tokens=2, stop=list("abcde")),
+            "stop",
+            "--max-stop-strings",
+        ),
+        (
+            gateway_pb2.GenerateRequest(prompt_ids=[1], max_new_tokens=2, stop=["x" * 17]),
+            "stop[0]",
+            "--max-stop-length",
+        ),
     ]
     for request, field, flag in cases:
         with pytest.raises(grpc.RpcError) as info:
@@ -209,13 +253,17 @@ def test_limits_name_the_flag(stack):
         tgt = target_pb2_grpc.TargetServiceStub(ch)
         tgt.Prefill(target_pb2.PrefillRequest(session_id="lim", prompt_ids=[1, 2, 3]), timeout=10)
         with pytest.raises(grpc.RpcError) as info:
-            tgt.Verify(target_pb2.VerifyRequest(session_id="lim", draft=common_pb2.DraftBlock(token_ids=[1] * 257)),
-                       timeout=10)
+            tgt.Verify(
+                target_pb2.VerifyRequest(session_id="lim", draft=common_pb2.DraftBlock(token_ids=[1] * 257)), timeout=10
+            )
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "--max-draft-tokens" in info.value.details()
         tgt.Release(target_pb2.ReleaseRequest(session_id="lim"), timeout=10)
         with pytest.raises(grpc.RpcError) as info:
-            tgt.Prefill(target_pb2.PrefillRequest(session_id="big", prompt_ids=[1] * 500), timeout=10,
-                        metadata=(("specserve-reserve-tokens", "5000"),))
+            tgt.Prefill(
+                target_pb2.PrefillRequest(session_id="big", prompt_ids=[1] * 500),
+                timeout=10,
+                metadata=(("specserve-reserve-tokens", "5000"),),
+            )
         assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "KV blocks" in info.value.details()
     wait_idle(stack)
 
@@ -230,8 +278,9 @@ def test_target_reserves_kv_blocks_at_admission(stack):
         with pytest.raises(grpc.RpcError) as info:
             tgt.Prefill(target_pb2.PrefillRequest(session_id="r2", prompt_ids=[1, 2]), timeout=1, metadata=reserve(200))
         assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-        waiting = tgt.Prefill.future(target_pb2.PrefillRequest(session_id="r3", prompt_ids=[3]), timeout=20,
-                                     metadata=reserve(200))
+        waiting = tgt.Prefill.future(
+            target_pb2.PrefillRequest(session_id="r3", prompt_ids=[3]), timeout=20, metadata=reserve(200)
+        )
         time.sleep(0.3)
         assert not waiting.done()
         tgt.Release(target_pb2.ReleaseRequest(session_id="r1"), timeout=10)
@@ -248,8 +297,9 @@ _requests = st.builds(
     prompt=st.one_of(st.just(""), st.text(max_size=40)),
     prompt_ids=st.lists(st.one_of(st.integers(0, 255), st.integers(-(2**31), 2**31 - 1)), max_size=40),
     max_new_tokens=_ints,
-    sampling=st.builds(common_pb2.SamplingParams, temperature=_floats, top_p=_floats, top_k=_ints,
-                       seed=st.integers(0, 2**63 - 1)),
+    sampling=st.builds(
+        common_pb2.SamplingParams, temperature=_floats, top_p=_floats, top_k=_ints, seed=st.integers(0, 2**63 - 1)
+    ),
     draft=st.sampled_from(["", "none", "ngram", "model", "nosuch", "\x00"]),
     num_speculative_tokens=_ints,
     stop=st.lists(st.text(max_size=20), max_size=6),
@@ -275,7 +325,7 @@ def test_random_bytes_on_the_wire(stack, raw):
         call = getattr(stack.channel, kind)(f"/specserve.v1.Gateway/{method}")  # identity serializers: raw bytes
         try:
             out = call(raw, timeout=20)
-            for msg in ([out] if kind == "unary_unary" else out):
+            for msg in [out] if kind == "unary_unary" else out:
                 (gateway_pb2.GenerateResult if kind == "unary_unary" else gateway_pb2.GenerateResponse).FromString(msg)
         except grpc.RpcError as exc:
             assert exc.code() in OK_CODES and exc.details(), (exc.code(), exc.details())

@@ -72,11 +72,14 @@ def test_serve_takes_a_demo_name(capsys):
     assert served["token_ids"] == _generate(capsys, "--draft", "none")["token_ids"]
 
 
-@pytest.mark.parametrize("flags, words", [
-    (["generate", "--model", "demo@nope", "--prompt", "x"], "unknown demo size 'nope'"),
-    (["draft", "--model", "demo@small-moonlight:x"], "layer count must be a positive integer"),
-    (["serve", "--model", "/nonexistent/m"], "model folder /nonexistent/m does not exist"),
-])
+@pytest.mark.parametrize(
+    "flags, words",
+    [
+        (["generate", "--model", "demo@nope", "--prompt", "x"], "unknown demo size 'nope'"),
+        (["draft", "--model", "demo@small-moonlight:x"], "layer count must be a positive integer"),
+        (["serve", "--model", "/nonexistent/m"], "model folder /nonexistent/m does not exist"),
+    ],
+)
 def test_bad_demo_names_are_one_line_errors(flags, words, capsys):
     capsys.readouterr()
     assert main(flags) == 2

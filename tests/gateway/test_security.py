@@ -62,15 +62,26 @@ class SecureStack:
         self.draft_addr = f"127.0.0.1:{free_port()}"
         env = base_env()
         self.target = Proc("target", ["--model", str(ckpt), "--listen", self.target_addr, *certs.server_flags()], env)
-        self.draft = Proc("draft", ["--draft", "ngram", "--model", str(ckpt), "--listen", self.draft_addr,
-                                    *certs.server_flags()], env)
-        self.gateway = Proc("gateway", [*self.gateway_argv(), *self.downstream_flags()],
-                            dict(env, SPECSERVE_AUTH_TOKEN=TOKEN))
+        self.draft = Proc(
+            "draft", ["--draft", "ngram", "--model", str(ckpt), "--listen", self.draft_addr, *certs.server_flags()], env
+        )
+        self.gateway = Proc(
+            "gateway", [*self.gateway_argv(), *self.downstream_flags()], dict(env, SPECSERVE_AUTH_TOKEN=TOKEN)
+        )
         self.gateway_addr = self.gateway.wait_line("gateway listening on ", timeout=180).split()[-1]
 
     def gateway_argv(self) -> list[str]:
-        return ["--target", self.target_addr, "--draft-service", f"ngram={self.draft_addr}", "--port", "0",
-                *self.certs.server_flags(), "--connect-timeout-s", "120"]
+        return [
+            "--target",
+            self.target_addr,
+            "--draft-service",
+            f"ngram={self.draft_addr}",
+            "--port",
+            "0",
+            *self.certs.server_flags(),
+            "--connect-timeout-s",
+            "120",
+        ]
 
     def downstream_flags(self, with_cert: bool = True) -> list[str]:
         flags = ["--downstream-tls-ca", str(self.certs.ca.path)]
@@ -106,8 +117,9 @@ def auth(token: str = TOKEN):
 
 def generate(stub, n: int = 8, draft: str = "ngram", metadata=auth()):
     ids, final = [], None
-    for msg in stub.Generate(gateway_pb2.GenerateRequest(prompt_ids=PROMPT, max_new_tokens=n, draft=draft),
-                             timeout=30, metadata=metadata):
+    for msg in stub.Generate(
+        gateway_pb2.GenerateRequest(prompt_ids=PROMPT, max_new_tokens=n, draft=draft), timeout=30, metadata=metadata
+    ):
         if msg.HasField("final"):
             final = msg.final
         else:
@@ -123,17 +135,39 @@ def test_client_with_certificate_and_token_is_served_over_mtls_hops(secure, cert
         ids, final = generate(stub)  # gateway -> draft and -> target over mutual TLS: no fallback
     assert ids == base and len(ids) == 8 and not final.stats.draft_fallback and final.stats.steps >= 1
     capsys.readouterr()
-    code = main(["client", "--gateway", secure.gateway_addr, "--tls-ca", str(certs.ca.path),
-                 "--tls-cert", str(certs.user[0]), "--tls-key", str(certs.user[1]), "--auth-token", TOKEN,
-                 "--prompt-ids", ",".join(map(str, PROMPT)), "--max-new-tokens", "8", "--json", "--timeout", "30"])
+    code = main(
+        [
+            "client",
+            "--gateway",
+            secure.gateway_addr,
+            "--tls-ca",
+            str(certs.ca.path),
+            "--tls-cert",
+            str(certs.user[0]),
+            "--tls-key",
+            str(certs.user[1]),
+            "--auth-token",
+            TOKEN,
+            "--prompt-ids",
+            ",".join(map(str, PROMPT)),
+            "--max-new-tokens",
+            "8",
+            "--json",
+            "--timeout",
+            "30",
+        ]
+    )
     out = capsys.readouterr().out
     assert code == 0 and json.loads(out)["token_ids"] == base
 
 
 @pytest.mark.parametrize("who", ["no client certificate", "certificate from another CA", "plaintext"])
 def test_client_without_a_valid_certificate_is_refused(secure, certs, who):
-    tls = {"no client certificate": certs.tls(), "certificate from another CA": certs.tls(certs.rogue_user),
-           "plaintext": None}[who]
+    tls = {
+        "no client certificate": certs.tls(),
+        "certificate from another CA": certs.tls(certs.rogue_user),
+        "plaintext": None,
+    }[who]
     channel, stub = secure.stub(tls)
     with channel, pytest.raises(grpc.RpcError) as info:
         generate(stub)
@@ -156,17 +190,39 @@ def test_bearer_token(secure, certs, capsys):
         health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)  # no token
         assert health.status == health_pb2.HealthCheckResponse.SERVING
     capsys.readouterr()
-    code = main(["client", "--gateway", secure.gateway_addr, "--tls-ca", str(certs.ca.path),
-                 "--tls-cert", str(certs.user[0]), "--tls-key", str(certs.user[1]), "--auth-token", "nope",
-                 "--prompt-ids", "1,2", "--timeout", "10"])
+    code = main(
+        [
+            "client",
+            "--gateway",
+            secure.gateway_addr,
+            "--tls-ca",
+            str(certs.ca.path),
+            "--tls-cert",
+            str(certs.user[0]),
+            "--tls-key",
+            str(certs.user[1]),
+            "--auth-token",
+            "nope",
+            "--prompt-ids",
+            "1,2",
+            "--timeout",
+            "10",
+        ]
+    )
     err = capsys.readouterr().err
     assert code != 0 and err.count("\n") == 1 and "UNAUTHENTICATED" in err and "Traceback" not in err
 
 
 def test_target_and_draft_require_the_gateways_certificate(secure, certs):
     for address, call in (
-        (secure.target_addr, lambda ch: target_pb2_grpc.TargetServiceStub(ch).GetInfo(target_pb2.TargetInfoRequest(), timeout=10)),
-        (secure.draft_addr, lambda ch: draft_pb2_grpc.DraftServiceStub(ch).GetInfo(draft_pb2.DraftInfoRequest(), timeout=10)),
+        (
+            secure.target_addr,
+            lambda ch: target_pb2_grpc.TargetServiceStub(ch).GetInfo(target_pb2.TargetInfoRequest(), timeout=10),
+        ),
+        (
+            secure.draft_addr,
+            lambda ch: draft_pb2_grpc.DraftServiceStub(ch).GetInfo(draft_pb2.DraftInfoRequest(), timeout=10),
+        ),
     ):
         with sync_channel(address, certs.tls(certs.gateway_client)) as ch:
             assert call(ch).vocab_hash
@@ -210,21 +266,66 @@ def test_start_up_refusals(secure, certs, tiny_target_dir, tmp_path):
     env = base_env()
     alien_draft = f"unix:{tmp_path}/alien.sock"
     procs = {
-        "draft vocab": Proc("draft", ["--draft", "model", "--draft-model", str(alien), "--model", str(tiny_target_dir),
-                                      "--listen", f"unix:{tmp_path}/x.sock"], env),
+        "draft vocab": Proc(
+            "draft",
+            [
+                "--draft",
+                "model",
+                "--draft-model",
+                str(alien),
+                "--model",
+                str(tiny_target_dir),
+                "--listen",
+                f"unix:{tmp_path}/x.sock",
+            ],
+            env,
+        ),
         "target corrupt": Proc("target", ["--model", str(corrupt), "--listen", f"unix:{tmp_path}/y.sock"], env),
-        "draft corrupt": Proc("draft", ["--draft", "model", "--draft-model", str(corrupt), "--model",
-                                        str(tiny_target_dir), "--listen", f"unix:{tmp_path}/z.sock"], env),
-        "alien ngram": Proc("draft", ["--draft", "ngram", "--model", str(alien), "--listen", alien_draft,
-                                      *certs.server_flags()], env),
+        "draft corrupt": Proc(
+            "draft",
+            [
+                "--draft",
+                "model",
+                "--draft-model",
+                str(corrupt),
+                "--model",
+                str(tiny_target_dir),
+                "--listen",
+                f"unix:{tmp_path}/z.sock",
+            ],
+            env,
+        ),
+        "alien ngram": Proc(
+            "draft", ["--draft", "ngram", "--model", str(alien), "--listen", alien_draft, *certs.server_flags()], env
+        ),
         "gateway without client cert": Proc(
-            "gateway", ["--target", secure.target_addr, "--port", "0", "--connect-timeout-s", "3",
-                        *secure.downstream_flags(with_cert=False)], env),
+            "gateway",
+            [
+                "--target",
+                secure.target_addr,
+                "--port",
+                "0",
+                "--connect-timeout-s",
+                "3",
+                *secure.downstream_flags(with_cert=False),
+            ],
+            env,
+        ),
     }
     procs["alien ngram"].wait_line("draft (ngram) listening on ", timeout=120)
     procs["gateway with alien draft"] = Proc(
-        "gateway", ["--target", secure.target_addr, "--draft-service", f"alien={alien_draft}", "--port", "0",
-                    *secure.downstream_flags()], env)
+        "gateway",
+        [
+            "--target",
+            secure.target_addr,
+            "--draft-service",
+            f"alien={alien_draft}",
+            "--port",
+            "0",
+            *secure.downstream_flags(),
+        ],
+        env,
+    )
     try:
         _one_line_error(procs["draft vocab"], "vocabulary", "does not match")
         _one_line_error(procs["target corrupt"], "model.safetensors")

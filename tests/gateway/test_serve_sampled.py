@@ -24,8 +24,12 @@ POS = 3  # the emitted token compared (0 = the prefill's)
 
 @pytest.fixture(scope="module")
 def serve(tiny_target_dir):
-    proc = Proc("serve", ["--model", str(tiny_target_dir), "--draft", "model", "--draft-model", str(tiny_target_dir),
-                          "--port", "0"], base_env(), merge_stderr=False)
+    proc = Proc(
+        "serve",
+        ["--model", str(tiny_target_dir), "--draft", "model", "--draft-model", str(tiny_target_dir), "--port", "0"],
+        base_env(),
+        merge_stderr=False,
+    )
     line = proc.wait_line("gateway listening on ", timeout=240)
     yield line.split()[-1]
     proc.stop()
@@ -35,8 +39,9 @@ def sample(address: str, draft: str, temperature: float, seed0: int) -> tuple[Co
     """Counts of emitted token POS over N requests (seeds seed0..), and the steps that drafted."""
 
     def one(i: int):
-        req = gateway_pb2.GenerateRequest(prompt_ids=PROMPT, max_new_tokens=POS + 1, draft=draft,
-                                          num_speculative_tokens=4)
+        req = gateway_pb2.GenerateRequest(
+            prompt_ids=PROMPT, max_new_tokens=POS + 1, draft=draft, num_speculative_tokens=4
+        )
         req.sampling.temperature, req.sampling.top_k, req.sampling.seed = temperature, 6, seed0 + i
         return stub.GenerateUnary(req, timeout=60)
 

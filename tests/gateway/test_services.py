@@ -65,8 +65,20 @@ class Stack:
         self.draft = self.start_draft()
         self.gateway = Proc(
             "gateway",
-            ["--target", self.target_addr, "--draft-service", f"ngram={self.draft_addr}", "--model", str(ckpt),
-             "--port", "0", "--draft-step-timeout-s", "2", "--admin-token", ADMIN_TOKEN],
+            [
+                "--target",
+                self.target_addr,
+                "--draft-service",
+                f"ngram={self.draft_addr}",
+                "--model",
+                str(ckpt),
+                "--port",
+                "0",
+                "--draft-step-timeout-s",
+                "2",
+                "--admin-token",
+                ADMIN_TOKEN,
+            ],
             dict(self.env, OTEL_SERVICE_NAME="specserve-gateway"),
         )
         line = self.gateway.wait_line("gateway listening on ", timeout=180)
@@ -78,12 +90,18 @@ class Stack:
         self.tgt = target_pb2_grpc.TargetServiceStub(self.tgt_channel)
 
     def start_target(self) -> Proc:
-        return Proc("target", ["--model", str(self.ckpt), "--listen", self.target_addr, "--num-kv-blocks", "256"],
-                    dict(self.env, OTEL_SERVICE_NAME="specserve-target"))
+        return Proc(
+            "target",
+            ["--model", str(self.ckpt), "--listen", self.target_addr, "--num-kv-blocks", "256"],
+            dict(self.env, OTEL_SERVICE_NAME="specserve-target"),
+        )
 
     def start_draft(self) -> Proc:
-        return Proc("draft", ["--draft", "ngram", "--model", str(self.ckpt), "--listen", self.draft_addr],
-                    dict(self.env, OTEL_SERVICE_NAME="specserve-draft"))
+        return Proc(
+            "draft",
+            ["--draft", "ngram", "--model", str(self.ckpt), "--listen", self.draft_addr],
+            dict(self.env, OTEL_SERVICE_NAME="specserve-draft"),
+        )
 
     def draft_stats(self) -> draft_pb2.DraftStats:
         with grpc.insecure_channel(self.draft_addr) as ch:
@@ -108,8 +126,11 @@ def stack(tiny_target_dir, tmp_path_factory, otlp_receiver):
 
 def request(draft: str = "", n: int = 24, prompt=PROMPT, **sampling) -> gateway_pb2.GenerateRequest:
     return gateway_pb2.GenerateRequest(
-        prompt_ids=prompt, max_new_tokens=n, draft=draft,
-        sampling=common_pb2.SamplingParams(**sampling), num_speculative_tokens=4,
+        prompt_ids=prompt,
+        max_new_tokens=n,
+        draft=draft,
+        sampling=common_pb2.SamplingParams(**sampling),
+        num_speculative_tokens=4,
     )
 
 
@@ -152,8 +173,11 @@ def test_one_trace_across_three_services(stack, otlp_receiver):
         count = lambda svc, name: sum(s.service == svc and s.name == name for s in mine)  # noqa: E731
         steps = count("specserve-gateway", SPAN_TARGET_VERIFY)
         proposals = count("specserve-gateway", SPAN_DRAFT_PROPOSE)
-        if steps and count("specserve-target", SPAN_TARGET_VERIFY) == steps and proposals and (
-            count("specserve-draft", SPAN_DRAFT_PROPOSE) == proposals
+        if (
+            steps
+            and count("specserve-target", SPAN_TARGET_VERIFY) == steps
+            and proposals
+            and (count("specserve-draft", SPAN_DRAFT_PROPOSE) == proposals)
         ):
             return roots[-1], mine
         return None
@@ -175,8 +199,14 @@ def test_one_trace_across_three_services(stack, otlp_receiver):
     assert all(s.parent_span_id in gateway_ids for s in t_verify + d_propose)
     assert {s.parent_span_id for s in t_verify} == {s.span_id for s in g_verify}
     # the gateway's speculative-decoding metrics arrive over OTLP as well
-    wanted = {"specserve.spec.accepted", "specserve.spec.drafted", "specserve.spec.step_latency",
-              "specserve.spec.accepted_length", "specserve.request.tokens", "specserve.request.ttft"}
+    wanted = {
+        "specserve.spec.accepted",
+        "specserve.spec.drafted",
+        "specserve.spec.step_latency",
+        "specserve.spec.accepted_length",
+        "specserve.request.tokens",
+        "specserve.request.ttft",
+    }
     wait_until(lambda: wanted <= otlp_receiver.metric_names, 10, f"metrics {wanted}")
 
 
@@ -219,9 +249,11 @@ def test_cancel_frees_both_sessions_within_a_second(stack):
     t0 = time.monotonic()
     call.cancel()
     wait_until(
-        lambda: stack.target_stats().active_sessions == 0
-        and stack.target_stats().kv_blocks_used == 0
-        and stack.draft_stats().active_sessions == 0,
+        lambda: (
+            stack.target_stats().active_sessions == 0
+            and stack.target_stats().kv_blocks_used == 0
+            and stack.draft_stats().active_sessions == 0
+        ),
         1.0,
         "both services report the session freed",
     )
@@ -232,8 +264,11 @@ def test_deadline_is_enforced_and_frees_sessions(stack):
     with pytest.raises(grpc.RpcError) as info:
         generate(stack, request(draft="ngram", n=400), timeout=0.3)
     assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    wait_until(lambda: stack.target_stats().active_sessions == 0 and stack.draft_stats().active_sessions == 0,
-               2.0, "sessions freed after the deadline")
+    wait_until(
+        lambda: stack.target_stats().active_sessions == 0 and stack.draft_stats().active_sessions == 0,
+        2.0,
+        "sessions freed after the deadline",
+    )
 
 
 def test_step_batching_one_forward_for_concurrent_sessions(stack):
@@ -312,8 +347,11 @@ def broken_drafts(tmp_path_factory):
     socks = tmp_path_factory.mktemp("broken")
     server = BackgroundServer()
     addrs = {}
-    for name, servicer in {"junk": BrokenDraft(), "slow": BrokenDraft(delay_s=2.5),
-                           "alien": BrokenDraft(vocab_hash="sha256:not-this-vocabulary")}.items():
+    for name, servicer in {
+        "junk": BrokenDraft(),
+        "slow": BrokenDraft(delay_s=2.5),
+        "alien": BrokenDraft(vocab_hash="sha256:not-this-vocabulary"),
+    }.items():
         addrs[name] = f"unix:{socks}/{name}.sock"
         server.serve(draft_pb2_grpc.add_DraftServiceServicer_to_server, servicer, addrs[name])
     yield addrs
@@ -337,8 +375,9 @@ def test_set_draft_needs_the_operator_credential(stack, broken_drafts):
 def test_set_draft_and_broken_drafts_stay_lossless(stack, broken_drafts):
     base, _ = generate(stack, request(draft="none", n=16))
     for name in ("junk", "slow"):
-        resp = stack.gw.SetDraft(gateway_pb2.SetDraftRequest(name=name, address=broken_drafts[name]), timeout=10,
-                                 metadata=ADMIN)
+        resp = stack.gw.SetDraft(
+            gateway_pb2.SetDraftRequest(name=name, address=broken_drafts[name]), timeout=10, metadata=ADMIN
+        )
         assert resp.address == broken_drafts[name]
     assert set(stack.gw.ListDrafts(gateway_pb2.ListDraftsRequest()).drafts) == {"ngram", "junk", "slow"}
     ids, final = generate(stack, request(draft="junk", n=16), timeout=60)
@@ -347,8 +386,9 @@ def test_set_draft_and_broken_drafts_stay_lossless(stack, broken_drafts):
     ids, final = generate(stack, request(draft="slow", n=16), timeout=60)
     assert ids == base and final.stats.draft_fallback and time.monotonic() - t0 < 10
     with pytest.raises(grpc.RpcError) as info:
-        stack.gw.SetDraft(gateway_pb2.SetDraftRequest(name="alien", address=broken_drafts["alien"]), timeout=10,
-                          metadata=ADMIN)
+        stack.gw.SetDraft(
+            gateway_pb2.SetDraftRequest(name="alien", address=broken_drafts["alien"]), timeout=10, metadata=ADMIN
+        )
     assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "vocabulary" in info.value.details()
     (logged,) = [line for line in stack.gateway.lines if "gateway: SetDraft 'alien'" in line]
     assert "failed: FAILED_PRECONDITION: address:" in logged, logged  # not logged like a swap that happened

@@ -40,10 +40,18 @@ N_LONG = 400  # long enough that every request is still running when its target 
 class Stack(ServedStack):
     def __init__(self, ckpt, socks) -> None:
         self.ckpt = ckpt
-        drafts = {"model": ["--draft", "model", "--draft-model", str(ckpt), "--model", str(ckpt)],
-                  "ngram": ["--draft", "ngram", "--model", str(ckpt)]}
-        super().__init__(socks, ["--model", str(ckpt)], drafts, {"shm": base_env(), "grpc": base_env(SPECSERVE_SHM="0")},
-                         step_timeout_s=10, start_timeout_s=180)
+        drafts = {
+            "model": ["--draft", "model", "--draft-model", str(ckpt), "--model", str(ckpt)],
+            "ngram": ["--draft", "ngram", "--model", str(ckpt)],
+        }
+        super().__init__(
+            socks,
+            ["--model", str(ckpt)],
+            drafts,
+            {"shm": base_env(), "grpc": base_env(SPECSERVE_SHM="0")},
+            step_timeout_s=10,
+            start_timeout_s=180,
+        )
 
 
 @pytest.fixture(scope="module")
@@ -60,10 +68,6 @@ def one_process(tiny_target_dir):
 
     engine = build_engine(EngineConfig(model=tiny_target_dir, num_kv_blocks=256, kv_block_size=4))
     return {i: engine.generate_greedy(p, N_LONG) for i, p in enumerate(PROMPTS)}
-
-
-
-
 
 
 def test_greedy_shm_equals_grpc_equals_one_process(stack, one_process):
@@ -98,8 +102,9 @@ def test_an_offer_nobody_attaches_to_leaves_the_session_on_grpc_and_nothing_behi
     before; its first step over gRPC removes the offered names."""
     with grpc.insecure_channel(stack.target_addr) as ch:
         stub = target_pb2_grpc.TargetServiceStub(ch)
-        pre = stub.Prefill(target_pb2.PrefillRequest(session_id="far-away", prompt_ids=PROMPTS[0], want_shm=True),
-                           timeout=10)
+        pre = stub.Prefill(
+            target_pb2.PrefillRequest(session_id="far-away", prompt_ids=PROMPTS[0], want_shm=True), timeout=10
+        )
         assert pre.shm_channel.partition(":")[0] in leftover_names()  # offered, not attached (a ticket: name:key)
         got = [pre.next_token]
         steps = stub.VerifyStream(iter([target_pb2.VerifyRequest(session_id="far-away")] * 5), timeout=10)
@@ -108,8 +113,6 @@ def test_an_offer_nobody_attaches_to_leaves_the_session_on_grpc_and_nothing_behi
         assert got == one_process[0][:6]
         wait_no_names(stack, timeout=2.0)  # steps over gRPC withdrew the offer (not the 5 s attach timeout)
         stub.Release(target_pb2.ReleaseRequest(session_id="far-away"), timeout=10)
-
-
 
 
 def test_cancel_and_deadline_reach_both_services_over_shm(stack):
@@ -121,13 +124,19 @@ def test_cancel_and_deadline_reach_both_services_over_shm(stack):
     assert t1.active_sessions == 1 and d1.active_sessions == 1
     started = time.monotonic()
     call.cancel()
-    wait_until(lambda: stack.target_stats().active_sessions == 0 and stack.draft_stats("ngram").active_sessions == 0,
-               1.0, "both services freed the cancelled session")
+    wait_until(
+        lambda: stack.target_stats().active_sessions == 0 and stack.draft_stats("ngram").active_sessions == 0,
+        1.0,
+        "both services freed the cancelled session",
+    )
     assert time.monotonic() - started < 1.0
     _, _, code, _ = generate(stack, "shm", req(PROMPTS[2], N_LONG, "ngram"), timeout=0.3)
     assert code == grpc.StatusCode.DEADLINE_EXCEEDED
-    wait_until(lambda: stack.target_stats().active_sessions == 0 and stack.draft_stats("ngram").active_sessions == 0,
-               2.0, "both services freed the session after its deadline")
+    wait_until(
+        lambda: stack.target_stats().active_sessions == 0 and stack.draft_stats("ngram").active_sessions == 0,
+        2.0,
+        "both services freed the session after its deadline",
+    )
     wait_no_names(stack)
 
 
@@ -157,10 +166,6 @@ def test_sampled_shm_path_follows_the_target(stack):
     assert two_sample_pvalue(control, ref) < 1e-3, (dict(control), dict(ref))  # the test can tell laws apart
 
 
-
-
-
-
 # ------------------------------------------------------------------------------------------ faults
 def test_drafter_killed_mid_step_goes_on_target_only_losslessly(stack, one_process):
     specs = [(i % len(PROMPTS), "model") for i in range(8)]
@@ -176,7 +181,9 @@ def test_drafter_killed_mid_step_goes_on_target_only_losslessly(stack, one_proce
     assert [r[2] for r in results] == [None] * len(specs)
     for (p, _), (ids, final, _, seconds) in zip(specs, results):
         assert ids == one_process[p][:N_NEW]
-        assert seconds < 5  # the dead drafter is noticed at once (its doorbell's end-of-file), not after the 10 s step timeout
+        assert (
+            seconds < 5
+        )  # the dead drafter is noticed at once (its doorbell's end-of-file), not after the 10 s step timeout
     assert any(r[1].stats.draft_fallback for r in results)
     wait_no_names(stack)
 

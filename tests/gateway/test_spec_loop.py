@@ -73,9 +73,21 @@ def other_model_dir(tmp_path_factory):
     """A small dense draft LM with the target's vocabulary and random weights (its drafts are often refused)."""
     from tiny_hf import save_tiny_hf
 
-    config = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=16, max_position_embeddings=512, initializer_range=0.2,
-                  tie_word_embeddings=False, eos_token_id=None, bos_token_id=None, pad_token_id=None)
+    config = dict(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+        initializer_range=0.2,
+        tie_word_embeddings=False,
+        eos_token_id=None,
+        bos_token_id=None,
+        pad_token_id=None,
+    )
     return save_tiny_hf("llama", config, tmp_path_factory.mktemp("draft") / "llama", seed=1)
 
 
@@ -97,7 +109,9 @@ def _cheap_drafting(max_k: int = 4) -> AdaptiveSpeculation:
 @pytest.mark.parametrize("adaptive,draft_ahead", [(False, False), (True, False), (False, True), (True, True)])
 def test_greedy_output_is_target_only_output_under_every_policy(engine, adaptive, draft_ahead):
     base = _generate(engine, None, GenerationRequest(PROMPT, max_new_tokens=24))
-    request = GenerationRequest(PROMPT, max_new_tokens=24, num_speculative_tokens=4, adaptive=adaptive, draft_ahead=draft_ahead)
+    request = GenerationRequest(
+        PROMPT, max_new_tokens=24, num_speculative_tokens=4, adaptive=adaptive, draft_ahead=draft_ahead
+    )
     steps = []
     spec = _generate(engine, _ngram(), request, AdaptiveSpeculation(AdaptiveConfig(max_k=4)), steps)
     assert spec.token_ids == base.token_ids and len(base.token_ids) == 24
@@ -186,7 +200,9 @@ def test_sampled_output_follows_the_target_distribution_with_adaptive_speculatio
                 r = await _final(target, None, GenerationRequest(PROMPT, 3, sampling(10_000 + i)))
                 s = await _final(target, draft, GenerationRequest(PROMPT, 3, sampling(i), adaptive=True), adaptive)
                 lt = await _final(target, liar, GenerationRequest(PROMPT, 3, sampling(20_000 + i)))
-                lu = await _final(target, liar, GenerationRequest(PROMPT, 3, sampling(30_000 + i), trust_draft_probs=False))
+                lu = await _final(
+                    target, liar, GenerationRequest(PROMPT, 3, sampling(30_000 + i), trust_draft_probs=False)
+                )
                 for name, final in (("ref", r), ("spec", s), ("lie_trusted", lt), ("lie_untrusted", lu)):
                     out[name][final.token_ids[2]] += 1
         finally:
@@ -214,8 +230,9 @@ def _sampled_5th_tokens(engine, checkpoint, adaptive, n: int, **request) -> tupl
         try:
             for i in range(n):
                 r = await _final(target, None, GenerationRequest(PROMPT, pos + 1, sampling(10_000 + i)))
-                s = await _final(target, draft, GenerationRequest(PROMPT, pos + 1, sampling(i), adaptive=True, **request),
-                                 adaptive)
+                s = await _final(
+                    target, draft, GenerationRequest(PROMPT, pos + 1, sampling(i), adaptive=True, **request), adaptive
+                )
                 ref[r.token_ids[pos]] += 1
                 spec[s.token_ids[pos]] += 1
                 stats.append(s.stats)
@@ -228,7 +245,9 @@ def _sampled_5th_tokens(engine, checkpoint, adaptive, n: int, **request) -> tupl
 
 
 @pytest.mark.parametrize("drafter", ["other", "target"])
-def test_sampled_output_is_lossless_with_adaptive_draft_ahead_and_a_model_drafter(engine, other_model_dir, tiny_target_dir, drafter):
+def test_sampled_output_is_lossless_with_adaptive_draft_ahead_and_a_model_drafter(
+    engine, other_model_dir, tiny_target_dir, drafter
+):
     """Chi-square on the 5th emitted token: adaptive + draft-ahead with a model drafter that sends
     probabilities (its q feeds the calibration; ahead blocks are truncated) vs target-only sampling.
     "other" (random weights): drafts often refused; "target" (the target's own weights): drafts always
@@ -261,8 +280,16 @@ def test_generate_cli_tree_flags(tiny_target_dir, capsys):
 
     from specserve.cli.main import main
 
-    flags = ["generate", "--model", str(tiny_target_dir), "--prompt-ids", ",".join(map(str, PROMPT)),
-             "--max-new-tokens", "16", "--json"]
+    flags = [
+        "generate",
+        "--model",
+        str(tiny_target_dir),
+        "--prompt-ids",
+        ",".join(map(str, PROMPT)),
+        "--max-new-tokens",
+        "16",
+        "--json",
+    ]
     assert main(flags) == 0
     base = json.loads(capsys.readouterr().out)
     tree = ["--draft", "model", "--draft-model", str(tiny_target_dir), "--tree-nodes", "6", "--tree-depth", "3"]
@@ -280,8 +307,20 @@ def test_generate_cli_tiny_temperature_decodes_as_greedy(tiny_target_dir, capsys
 
     from specserve.cli.main import main
 
-    flags = ["generate", "--model", str(tiny_target_dir), "--prompt-ids", ",".join(map(str, PROMPT)),
-             "--max-new-tokens", "8", "--json", "--draft", "model", "--draft-model", str(tiny_target_dir)]
+    flags = [
+        "generate",
+        "--model",
+        str(tiny_target_dir),
+        "--prompt-ids",
+        ",".join(map(str, PROMPT)),
+        "--max-new-tokens",
+        "8",
+        "--json",
+        "--draft",
+        "model",
+        "--draft-model",
+        str(tiny_target_dir),
+    ]
     assert main(flags) == 0
     greedy = json.loads(capsys.readouterr().out)["token_ids"]
     assert main(flags + ["--temperature", "1e-40"]) == 0

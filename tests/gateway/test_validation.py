@@ -12,16 +12,20 @@ TARGET = target_pb2.TargetInfo(vocab_size=256, max_context=512)
 
 
 def check(**fields):
-    return validate_request(gateway_pb2.GenerateRequest(prompt_ids=[1, 2, 3], max_new_tokens=4, **fields), TARGET,
-                            {"model"}, "model")
+    return validate_request(
+        gateway_pb2.GenerateRequest(prompt_ids=[1, 2, 3], max_new_tokens=4, **fields), TARGET, {"model"}, "model"
+    )
 
 
-@pytest.mark.parametrize("fields,field", [
-    (dict(tree_nodes=64, tree_top_k=1_000_000, tree_depth=2), "tree_top_k"),
-    (dict(tree_nodes=8, tree_top_k=2, tree_depth=10_000), "tree_depth"),
-    (dict(tree_nodes=65), "tree_nodes"),
-    (dict(speculation=99), "speculation"),
-])
+@pytest.mark.parametrize(
+    "fields,field",
+    [
+        (dict(tree_nodes=64, tree_top_k=1_000_000, tree_depth=2), "tree_top_k"),
+        (dict(tree_nodes=8, tree_top_k=2, tree_depth=10_000), "tree_depth"),
+        (dict(tree_nodes=65), "tree_nodes"),
+        (dict(speculation=99), "speculation"),
+    ],
+)
 def test_out_of_range_values_are_refused_naming_the_field(fields, field):
     with pytest.raises(InvalidRequest) as info:
         check(**fields)

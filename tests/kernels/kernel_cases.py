@@ -35,15 +35,20 @@ def paged_case(
     tables = random_block_tables(kv, block_size, num_blocks, gen)
     masks = [random_tree_mask(q, gen) for q in q_lens] if tree else None
     batch = PagedBatch.build(q_lens, ctx_lens, tables, block_size, masks)
-    rows = PagedRows.from_batch(batch, device, num_rows=batch.num_tokens + pad_rows,
-                                num_requests=batch.num_requests + pad_requests,
-                                max_blocks=max_blocks or max(len(t) for t in tables) + 2,
-                                max_new=max_new or max(q_lens) + 1)
+    rows = PagedRows.from_batch(
+        batch,
+        device,
+        num_rows=batch.num_tokens + pad_rows,
+        num_requests=batch.num_requests + pad_requests,
+        max_blocks=max_blocks or max(len(t) for t in tables) + 2,
+        max_new=max_new or max(q_lens) + 1,
+    )
     return batch, rows, num_blocks
 
 
-def randn(shape: tuple[int, ...], gen: torch.Generator, device: str, dtype: torch.dtype,
-          scale: float = 1.0) -> torch.Tensor:
+def randn(
+    shape: tuple[int, ...], gen: torch.Generator, device: str, dtype: torch.dtype, scale: float = 1.0
+) -> torch.Tensor:
     return (torch.randn(shape, generator=gen) * scale).to(device=device, dtype=dtype)
 
 
@@ -80,8 +85,9 @@ def run_gqa_case(device, shape, q_lens, ctx, block_size, tree, dtype, num_splits
     out = nan_like((rows.num_rows, hq, d), device, dtype)
     ws = nan_like((rows.num_rows * hq * num_splits * (d + 2),), device, torch.float32)
     poison_cuda_allocator()
-    got = paged_gqa_attention(q, cache, rows, 0.3, out=out, num_splits=num_splits, workspace=ws, validate=True,
-                              block_n=block_n)
+    got = paged_gqa_attention(
+        q, cache, rows, 0.3, out=out, num_splits=num_splits, workspace=ws, validate=True, block_n=block_n
+    )
     sync(device)
     assert got.data_ptr() == out.data_ptr()
     assert rel_err(out[:n], ref[:n]) < tol
@@ -104,20 +110,20 @@ def run_mla_case(device, shape, q_lens, ctx, block_size, tree, dtype, num_splits
     out = nan_like((rows.num_rows, h, r), device, dtype)
     ws = nan_like((rows.num_rows * h * num_splits * (r + 2),), device, torch.float32)
     poison_cuda_allocator()
-    paged_mla_attention(qn, qp, cache, rows, scale, out=out, num_splits=num_splits, workspace=ws, validate=True,
-                        block_n=block_n)
+    paged_mla_attention(
+        qn, qp, cache, rows, scale, out=out, num_splits=num_splits, workspace=ws, validate=True, block_n=block_n
+    )
     sync(device)
     assert rel_err(out[:n], ref[:n]) < tol
     assert torch.equal(out[n:], torch.zeros_like(out[n:])), "padding rows must be zeros"
 
 
-
-
 ULP = {torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10, torch.float32: 2.0**-20}
 
 
-def assert_close_ulps(out: torch.Tensor, ref: torch.Tensor, ulps: float = 2.0, exact_share: float = 0.98,
-                      row_scale: bool = False) -> None:
+def assert_close_ulps(
+    out: torch.Tensor, ref: torch.Tensor, ulps: float = 2.0, exact_share: float = 0.98, row_scale: bool = False
+) -> None:
     """Within `ulps` units in the last place of the io dtype everywhere, and bit-equal in most elements
     (bf16/fp16: the kernels round the same fp32 values as torch; only rsqrt and sum order differ). NaN fails.
     row_scale: ulps of the row's largest element (an input ulp carried through a difference, as in RoPE)."""
@@ -155,8 +161,16 @@ def _router_margins_ok(logits: torch.Tensor, bias: torch.Tensor | None, cfg, rel
     return ok & (torch.nan_to_num(diffs, posinf=1e9) > gap[:, None]).all(dim=-1)
 
 
-def router_case(t: int, cfg, with_bias: bool, dtype: torch.dtype, gen: torch.Generator, device: str,
-                scale: float = 2.0, bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+def router_case(
+    t: int,
+    cfg,
+    with_bias: bool,
+    dtype: torch.dtype,
+    gen: torch.Generator,
+    device: str,
+    scale: float = 2.0,
+    bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(logits [T, E] in dtype, bias [E] fp32 or None) with no near-tie in any row (rows redrawn until so);
     `bias` reuses a given correction bias."""
     if bias is None and with_bias:
@@ -174,30 +188,34 @@ def router_case(t: int, cfg, with_bias: bool, dtype: torch.dtype, gen: torch.Gen
 
 
 # The routers of public MoE models and odd sizes: name -> (config, with a correction bias).
-ROUTERS = MappingProxyType({  # name: (config, with correction bias)
-    "qwen3_30b_a3b": (RouterConfig(128, 8, "softmax", norm_topk_prob=True), False),
-    "qwen3_moe_no_renorm": (RouterConfig(128, 8, "softmax", norm_topk_prob=False), False),
-    "mixtral": (RouterConfig(8, 2, "softmax"), False),
-    "qwen2_moe_60": (RouterConfig(60, 6, "softmax", norm_topk_prob=False), False),
-    "deepseek_v3": (RouterConfig(256, 8, "sigmoid", 8, 4, True, 2.5), True),
-    "kimi_k2": (RouterConfig(384, 8, "sigmoid", 1, 1, True, 2.827), True),
-    "demo": (RouterConfig(16, 4, "sigmoid", 4, 2, True, 1.0), True),
-    "odd_groups": (RouterConfig(72, 5, "sigmoid", 3, 2, True, 1.5), True),
-    "one_expert_groups": (RouterConfig(8, 3, "sigmoid", 8, 4, False, 1.0), False),
-    "sigmoid_no_bias": (RouterConfig(64, 6, "sigmoid", 4, 3, True, 1.0), False),
-})
+ROUTERS = MappingProxyType(
+    {  # name: (config, with correction bias)
+        "qwen3_30b_a3b": (RouterConfig(128, 8, "softmax", norm_topk_prob=True), False),
+        "qwen3_moe_no_renorm": (RouterConfig(128, 8, "softmax", norm_topk_prob=False), False),
+        "mixtral": (RouterConfig(8, 2, "softmax"), False),
+        "qwen2_moe_60": (RouterConfig(60, 6, "softmax", norm_topk_prob=False), False),
+        "deepseek_v3": (RouterConfig(256, 8, "sigmoid", 8, 4, True, 2.5), True),
+        "kimi_k2": (RouterConfig(384, 8, "sigmoid", 1, 1, True, 2.827), True),
+        "demo": (RouterConfig(16, 4, "sigmoid", 4, 2, True, 1.0), True),
+        "odd_groups": (RouterConfig(72, 5, "sigmoid", 3, 2, True, 1.5), True),
+        "one_expert_groups": (RouterConfig(8, 3, "sigmoid", 8, 4, False, 1.0), False),
+        "sigmoid_no_bias": (RouterConfig(64, 6, "sigmoid", 4, 3, True, 1.0), False),
+    }
+)
 
 
-def rope_tables(max_pos: int, dim: int, dtype: torch.dtype, device: str,
-                theta: float = 10000.0) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(
+    max_pos: int, dim: int, dtype: torch.dtype, device: str, theta: float = 10000.0
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin [max_pos, dim / 2] in dtype, computed as RotaryEmbedding.cos_sin computes them (default rope)."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     freqs = torch.arange(max_pos).float()[:, None] * inv_freq[None, :]
     return freqs.cos().to(device=device, dtype=dtype), freqs.sin().to(device=device, dtype=dtype)
 
 
-def slots_and_positions(t: int, num_slots: int, max_pos: int, gen: torch.Generator,
-                        device: str) -> tuple[torch.Tensor, torch.Tensor]:
+def slots_and_positions(
+    t: int, num_slots: int, max_pos: int, gen: torch.Generator, device: str
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Distinct random cache slots (every fourth token -1: not written) and random positions, [T] int64 each."""
     slots = torch.randperm(num_slots, generator=gen)[:t]
     slots[torch.arange(t) % 4 == 3] = -1
@@ -233,8 +251,8 @@ def run_rope_gqa_case(device, shape, t, dtype, interleaved, qk_norm, seed, loose
     gen = torch.Generator().manual_seed(seed)
     qkv = randn((t, (hq + 2 * hkv) * d), gen, device, dtype, scale=2.0)
     q = qkv[:, : hq * d].view(t, hq, d)
-    k = qkv[:, hq * d: (hq + hkv) * d].view(t, hkv, d)
-    v = qkv[:, (hq + hkv) * d:].view(t, hkv, d)
+    k = qkv[:, hq * d : (hq + hkv) * d].view(t, hkv, d)
+    v = qkv[:, (hq + hkv) * d :].view(t, hkv, d)
     cos, sin = rope_tables(4096, d, dtype, device)
     nb, bs = -(-2 * t // 16) + 1, 16
     slots, positions = slots_and_positions(t, nb * bs, 4096, gen, device)
@@ -244,8 +262,21 @@ def run_rope_gqa_case(device, shape, t, dtype, interleaved, qk_norm, seed, loose
     ref_q = rope_cache_gqa_reference(q, k, v, positions, cos, sin, ref_cache, slots, interleaved, qw, kw)
     q_out = nan_like((t, hq, d), device, dtype)
     poison_cuda_allocator()
-    rope_cache_gqa(q, k, v, positions, cos, sin, cache, slots, interleaved=interleaved, q_norm_weight=qw,
-                   k_norm_weight=kw, q_out=q_out, validate=True)
+    rope_cache_gqa(
+        q,
+        k,
+        v,
+        positions,
+        cos,
+        sin,
+        cache,
+        slots,
+        interleaved=interleaved,
+        q_norm_weight=qw,
+        k_norm_weight=kw,
+        q_out=q_out,
+        validate=True,
+    )
     sync(device)
     exact = not qk_norm and dtype != torch.float32
     _compare(q_out, ref_q, exact, loose)
@@ -273,8 +304,20 @@ def run_rope_mla_case(device, shape, t, dtype, interleaved, latent_norm, seed, l
     ref_q = rope_cache_mla_reference(q_pe, k_pe, latent, positions, cos, sin, ref_cache, slots, interleaved, lw)
     q_out = nan_like((t, h, p), device, dtype)
     poison_cuda_allocator()
-    rope_cache_mla(q_pe, k_pe, latent, positions, cos, sin, cache, slots, interleaved=interleaved,
-                   latent_norm_weight=lw, q_pe_out=q_out, validate=True)
+    rope_cache_mla(
+        q_pe,
+        k_pe,
+        latent,
+        positions,
+        cos,
+        sin,
+        cache,
+        slots,
+        interleaved=interleaved,
+        latent_norm_weight=lw,
+        q_pe_out=q_out,
+        validate=True,
+    )
     sync(device)
     _compare(q_out, ref_q, dtype != torch.float32, loose)  # no norm on q_pe
     assert torch.equal(cache.isnan(), ref_cache.isnan()), "written slots must be written, the rest untouched"

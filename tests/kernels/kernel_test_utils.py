@@ -51,6 +51,6 @@ def random_block_tables(kv_lens: list[int], block_size: int, num_blocks: int, ge
     assert sum(need) <= num_blocks, "test cache too small"
     tables, at = [], 0
     for n in need:
-        tables.append(perm[at: at + n])
+        tables.append(perm[at : at + n])
         at += n
     return tables

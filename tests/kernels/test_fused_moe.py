@@ -77,11 +77,14 @@ def test_int32_ids_fp16_and_bf16_weights() -> None:
         assert rel_err(out, ref) < TOL
 
 
-@pytest.mark.parametrize("cfg", [
-    MoETileConfig(16, 64, 64, 4, 3, 32, 64, 4, 3),
-    MoETileConfig(32, 32, 128, 4, 4, 128, 64, 8, 3),
-    MoETileConfig(64, 128, 64, 8, 3, 128, 64, 8, 3),
-])
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        MoETileConfig(16, 64, 64, 4, 3, 32, 64, 4, 3),
+        MoETileConfig(32, 32, 128, 4, 4, 128, 64, 8, 3),
+        MoETileConfig(64, 128, 64, 8, 3, 128, 64, 8, 3),
+    ],
+)
 def test_explicit_tile_configs(cfg: MoETileConfig) -> None:
     x, w13, w2, ids, weights = _case("qwen3_30b_a3b", 24, seed=31)
     ref = moe_reference(x, w13, w2, ids, weights)

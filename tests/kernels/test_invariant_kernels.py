@@ -28,8 +28,9 @@ DEVICE = "cuda" if ON_CUDA else "cpu"
 DTYPE = torch.bfloat16 if ON_CUDA else torch.float16  # the interpreter multiplies bf16 dots as raw bits
 ROWS = 17
 BLOCK = 16
-runs_kernels = pytest.mark.skipif(not (HAS_TRITON and (ON_CUDA or triton_interpreting())),
-                                  reason="needs triton on CUDA, or TRITON_INTERPRET=1")
+runs_kernels = pytest.mark.skipif(
+    not (HAS_TRITON and (ON_CUDA or triton_interpreting())), reason="needs triton on CUDA, or TRITON_INTERPRET=1"
+)
 needs_cuda = pytest.mark.skipif(not ON_CUDA, reason="needs a CUDA GPU")
 PARENTS = (-1, 0, 0, 1, 1, 2, -1, 6)  # a tree of 8 drafted nodes (node 0 of the step is the pending token)
 
@@ -45,12 +46,29 @@ def _rows(kv_len: int, new_start: int, real: int, tree: torch.Tensor | None, pat
         mask = torch.zeros(ROWS, ROWS, dtype=torch.bool)
         mask[:real, :real] = own
         mask[real:] = mask[real - 1]
-    rows = PagedRows(table, torch.tensor([kv_len], dtype=torch.int32), torch.tensor([new_start], dtype=torch.int32),
-                     torch.zeros(ROWS, dtype=torch.int32), row_idx, mask)
+    rows = PagedRows(
+        table,
+        torch.tensor([kv_len], dtype=torch.int32),
+        torch.tensor([new_start], dtype=torch.int32),
+        torch.zeros(ROWS, dtype=torch.int32),
+        row_idx,
+        mask,
+    )
     rows = rows.with_paths() if paths else rows
-    return PagedRows(*(None if t is None else t.to(DEVICE) for t in (
-        rows.block_tables, rows.kv_lens, rows.new_starts, rows.row_request, rows.row_index, rows.tree_mask,
-        rows.tree_paths)))
+    return PagedRows(
+        *(
+            None if t is None else t.to(DEVICE)
+            for t in (
+                rows.block_tables,
+                rows.kv_lens,
+                rows.new_starts,
+                rows.row_request,
+                rows.row_index,
+                rows.tree_mask,
+                rows.tree_paths,
+            )
+        )
+    )
 
 
 def _tree_mask(parents: tuple[int, ...]) -> torch.Tensor:  # [n + 1, n + 1] bool with the pending token as node 0
@@ -65,8 +83,9 @@ def _path(mask: torch.Tensor, j: int) -> list[int]:
     return mask[j].nonzero().flatten().tolist()
 
 
-def _attention(mla: bool, ctx: int, tree: torch.Tensor | None, paths: bool, split_chunk: int,
-               num_splits: int) -> list[int]:
+def _attention(
+    mla: bool, ctx: int, tree: torch.Tensor | None, paths: bool, split_chunk: int, num_splits: int
+) -> list[int]:
     """Rows of a verify (ctx cached tokens, then its new tokens: a chain of ROWS or the tree) whose output differs from
     the decode of their path."""
     gen = torch.Generator().manual_seed(ctx + (7 if mla else 0))
@@ -92,11 +111,13 @@ def _attention(mla: bool, ctx: int, tree: torch.Tensor | None, paths: bool, spli
     bad = []
     for j in range(real):
         path = _path(own, j)
-        flat[second: second + ctx] = flat[:ctx]
-        flat[second + ctx: second + ctx + len(path)] = flat[torch.tensor(path, device=DEVICE) + ctx]
+        flat[second : second + ctx] = flat[:ctx]
+        flat[second + ctx : second + ctx + len(path)] = flat[torch.tensor(path, device=DEVICE) + ctx]
         rows = _rows(ctx + len(path), ctx + len(path) - 1, 1, None, paths)
         rows.block_tables.add_(blocks // 2)
-        alone = run(rows, q[j: j + 1].expand(ROWS, -1, -1).contiguous(), qp[j: j + 1].expand(ROWS, -1, -1).contiguous())
+        alone = run(
+            rows, q[j : j + 1].expand(ROWS, -1, -1).contiguous(), qp[j : j + 1].expand(ROWS, -1, -1).contiguous()
+        )
         if not torch.equal(verify[j], alone[0]):
             bad.append(j)
     return bad
@@ -127,8 +148,11 @@ def test_attention_without_fixed_ranges_or_paths_rounds_differently(mla):
 def _row_invariant(fn, *rows_args: torch.Tensor) -> list[int]:
     """Rows j where fn over ROWS rows differs from fn over ROWS copies of row j (every argument has rows first)."""
     full = fn(*rows_args)
-    return [j for j in range(ROWS)
-            if not torch.equal(full[j], fn(*(a[j: j + 1].expand(ROWS, *a.shape[1:]).contiguous() for a in rows_args))[0])]
+    return [
+        j
+        for j in range(ROWS)
+        if not torch.equal(full[j], fn(*(a[j : j + 1].expand(ROWS, *a.shape[1:]).contiguous() for a in rows_args))[0])
+    ]
 
 
 GEMMS = [(2048, 4096 + 2 * 512), (4096, 2048), (2048, 151936), (7168, 576 + 1536), (256, 4096), (2048, 128)]
@@ -162,8 +186,11 @@ def test_kernels_at_the_steps_row_count_round_differently():
         w = torch.randn(n, k, device="cuda", generator=gen).to(torch.bfloat16)
         x = torch.randn(ROWS, k, device="cuda", generator=gen).to(torch.bfloat16)
         full = torch.nn.functional.linear(x, w)
-        differ += [(f"gemm {k}x{n}", m) for m in range(1, ROWS)
-                   if not torch.equal(full[:m], torch.nn.functional.linear(x[:m], w))]
+        differ += [
+            (f"gemm {k}x{n}", m)
+            for m in range(1, ROWS)
+            if not torch.equal(full[:m], torch.nn.functional.linear(x[:m], w))
+        ]
     h, e, inter, top = 2048, 64, 1408, 6
     x = torch.randn(ROWS, h, device="cuda", generator=gen).to(torch.bfloat16)
     w13 = (torch.randn(e, 2 * inter, h, device="cuda", generator=gen) * 0.02).to(torch.bfloat16)
@@ -171,8 +198,11 @@ def test_kernels_at_the_steps_row_count_round_differently():
     ids = torch.randint(0, e, (ROWS, top), device="cuda", generator=gen)
     weights = torch.rand(ROWS, top, device="cuda", generator=gen)
     full = fused_moe(x, w13, w2, ids, weights)
-    differ += [("fused moe", m) for m in range(1, ROWS)
-               if not torch.equal(full[:m], fused_moe(x[:m], w13, w2, ids[:m], weights[:m]))]
+    differ += [
+        ("fused moe", m)
+        for m in range(1, ROWS)
+        if not torch.equal(full[:m], fused_moe(x[:m], w13, w2, ids[:m], weights[:m]))
+    ]
     print("rounds differently at the step's row count:", differ)
     assert differ, "every GEMM and the fused MoE gave the same bits at 1..16 rows as at 17: padding was not needed"
 
@@ -199,8 +229,15 @@ def test_fused_moe_and_layer_kernels_rows_do_not_depend_on_the_other_rows():
     nw = rnd(h)
     assert _row_invariant(lambda a: rms_norm(a, nw, 1e-6), x) == []
     assert _row_invariant(lambda a, r: fused_add_rms_norm(a, r, nw, 1e-6)[0], x, rnd(ROWS, h)) == []
-    rule = RouterConfig(num_experts=e, top_k=k, scoring="softmax", n_group=1, topk_group=1, norm_topk_prob=True,
-                        routed_scaling_factor=1.0)
+    rule = RouterConfig(
+        num_experts=e,
+        top_k=k,
+        scoring="softmax",
+        n_group=1,
+        topk_group=1,
+        norm_topk_prob=True,
+        routed_scaling_factor=1.0,
+    )
     assert _row_invariant(lambda lg: route(lg, rule)[1], torch.randn(ROWS, e, device="cuda", generator=gen)) == []
     hq, hkv, d = 32, 4, 128
     cos, sin = rnd(4096, d // 2), rnd(4096, d // 2)
@@ -208,7 +245,17 @@ def test_fused_moe_and_layer_kernels_rows_do_not_depend_on_the_other_rows():
     pos = torch.full((ROWS,), 700, dtype=torch.int64, device="cuda")
 
     def rope(q, kk, v, p):
-        return rope_cache_gqa(q, kk, v, p, cos, sin, cache, torch.full_like(p, -1), q_norm_weight=rnd(d) * 0 + 1,
-                              k_norm_weight=rnd(d) * 0 + 1)
+        return rope_cache_gqa(
+            q,
+            kk,
+            v,
+            p,
+            cos,
+            sin,
+            cache,
+            torch.full_like(p, -1),
+            q_norm_weight=rnd(d) * 0 + 1,
+            k_norm_weight=rnd(d) * 0 + 1,
+        )
 
     assert _row_invariant(rope, rnd(ROWS, hq, d), rnd(ROWS, hkv, d), rnd(ROWS, hkv, d), pos) == []

@@ -190,8 +190,12 @@ def test_paged_reference_matches_contiguous_sdpa(tree: bool) -> None:
         own = masks[b] if tree else torch.ones(q_lens[b], q_lens[b], dtype=torch.bool).tril()
         mask = torch.cat([torch.ones(q_lens[b], ctx[b], dtype=torch.bool), own], dim=1)
         ref = F.scaled_dot_product_attention(
-            q[s:e].transpose(0, 1), ks[b].transpose(0, 1), vs[b].transpose(0, 1), attn_mask=mask,
-            scale=0.3, enable_gqa=True,
+            q[s:e].transpose(0, 1),
+            ks[b].transpose(0, 1),
+            vs[b].transpose(0, 1),
+            attn_mask=mask,
+            scale=0.3,
+            enable_gqa=True,
         ).transpose(0, 1)
         assert rel_err(out[s:e], ref) < 1e-5
 

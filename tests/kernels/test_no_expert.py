@@ -25,15 +25,16 @@ ROWS = 17  # the GPU's invariant row count (graph_max_draft 16 + 1)
 REAL = 3  # real rows of the padded step; rows REAL.. are pad rows
 DEV = "cuda" if HAS_CUDA else "cpu"
 ACT = torch.bfloat16 if HAS_CUDA else torch.float16  # the interpreter mishandles bf16 dots
-runs_triton = pytest.mark.skipif(not (HAS_TRITON and (HAS_CUDA or triton_interpreting())),
-                                 reason="needs triton on CUDA, or TRITON_INTERPRET=1")
+runs_triton = pytest.mark.skipif(
+    not (HAS_TRITON and (HAS_CUDA or triton_interpreting())), reason="needs triton on CUDA, or TRITON_INTERPRET=1"
+)
 
 
 def _padded(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, real: int = REAL):
     """(x with rows real.. copying row real - 1, the skipping routing, the copying routing): pad rows as the target
     makes them now (NO_EXPERT; the MoE block gives them weight 0 too, but NO_EXPERT alone must skip, so they keep the
     copied weights here) and as it made them before (the last real row's choices)."""
-    x = torch.cat([x[:real], x[real - 1: real].expand(x.shape[0] - real, -1)])
+    x = torch.cat([x[:real], x[real - 1 : real].expand(x.shape[0] - real, -1)])
     copy_ids, copy_w = ids.clone(), weights.clone()
     copy_ids[real:], copy_w[real:] = ids[real - 1], weights[real - 1]
     skip_ids = copy_ids.clone()
@@ -94,8 +95,10 @@ def test_grouped_mm_skips_pad_rows():
 
 
 def test_quantized_references_skip_pad_rows():
-    for case, ref, fmt in ((_int4_case("tiny", ROWS, seed=5), w4a16_moe_reference, {"group_size": 32}),
-                           (_fp8_case("tiny", ROWS, seed=6, block=(16, 24)), fp8_moe_reference, {"block": (16, 24)})):
+    for case, ref, fmt in (
+        (_int4_case("tiny", ROWS, seed=5), w4a16_moe_reference, {"group_size": 32}),
+        (_fp8_case("tiny", ROWS, seed=6, block=(16, 24)), fp8_moe_reference, {"block": (16, 24)}),
+    ):
         x, w13, s13, w2, s2, ids, weights = (a.cpu() for a in case)
         x, (skip_ids, skip_w), _ = _padded(x.float(), ids, weights)
         args = (w13, s13, w2, s2)
@@ -118,7 +121,11 @@ def test_triton_align_drops_pad_slots_as_the_torch_align_does():
         a_slot, a_exp, a_nb = align_torch(skip_ids, 40, bm)
         b_slot, b_exp, b_nb = align_triton(skip_ids, 40, bm)
         nb = int(a_nb)
-        assert nb == int(b_nb) and torch.equal(a_slot[: nb * bm], b_slot[: nb * bm]) and torch.equal(a_exp[:nb], b_exp[:nb])
+        assert (
+            nb == int(b_nb)
+            and torch.equal(a_slot[: nb * bm], b_slot[: nb * bm])
+            and torch.equal(a_exp[:nb], b_exp[:nb])
+        )
 
 
 def _same_real_rows_and_zero_pads(run, x, skip, copy) -> None:
@@ -153,8 +160,9 @@ def test_w4a16_moe_skips_pad_rows(path):
     gemv = 0 if path == "dot" else ROWS
 
     def run(a, i_, w):
-        return w4a16_moe(a, w13, s13, w2, s2, i_, w, group_size=32, gemv_max_tokens=gemv,
-                         gemv_tiles=GEMV_VARIANTS.get(path))
+        return w4a16_moe(
+            a, w13, s13, w2, s2, i_, w, group_size=32, gemv_max_tokens=gemv, gemv_tiles=GEMV_VARIANTS.get(path)
+        )
 
     _same_real_rows_and_zero_pads(run, x, skip, copy)
 
@@ -182,13 +190,14 @@ def test_w4a16_gemv_rows_do_not_depend_on_the_row_count(variant):
     args = (w13, s13, w2, s2)
     tiles = GEMV_VARIANTS.get(variant)
     full = w4a16_moe(x, *args, ids, weights, group_size=32, gemv_max_tokens=ROWS, gemv_tiles=tiles)
-    alone = [w4a16_moe(x[j: j + 1], *args, ids[j: j + 1], weights[j: j + 1], group_size=32, gemv_tiles=tiles)
-             for j in range(ROWS)]
+    alone = [
+        w4a16_moe(x[j : j + 1], *args, ids[j : j + 1], weights[j : j + 1], group_size=32, gemv_tiles=tiles)
+        for j in range(ROWS)
+    ]
     _sync()
     assert [j for j in range(ROWS) if not torch.equal(full[j], alone[j][0])] == []
     dot = w4a16_moe(x, *args, ids, weights, group_size=32, gemv_max_tokens=0)
     assert [j for j in range(ROWS) if not torch.equal(dot[j], alone[j][0])] != []
-
 
 
 @pytest.mark.gpu
@@ -200,8 +209,15 @@ def test_router_routes_rows_past_the_live_count_to_no_expert(scoring):
     from specserve.kernels.router import RouterConfig, route
 
     sigmoid = scoring == "sigmoid"
-    rule = RouterConfig(num_experts=64, top_k=6, scoring=scoring, n_group=8 if sigmoid else 1,
-                        topk_group=4 if sigmoid else 1, norm_topk_prob=True, routed_scaling_factor=2.5)
+    rule = RouterConfig(
+        num_experts=64,
+        top_k=6,
+        scoring=scoring,
+        n_group=8 if sigmoid else 1,
+        topk_group=4 if sigmoid else 1,
+        norm_topk_prob=True,
+        routed_scaling_factor=2.5,
+    )
     logits = torch.randn(ROWS, 64, generator=torch.Generator().manual_seed(21)).to(DEV)
     ids, weights = route(logits, rule)
     live_ids, live_w = route(logits, rule, live_rows=torch.tensor([REAL], device=DEV))

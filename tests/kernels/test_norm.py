@@ -75,7 +75,7 @@ def test_head_rms_norm_on_a_qkv_slice(dtype, heads, d, n) -> None:
     kv_heads = max(1, heads // 4)
     qkv = randn((n, (heads + 2 * kv_heads) * d), gen, "cuda", dtype, scale=2.0)
     q = qkv[:, : heads * d].view(n, heads, d)
-    k = qkv[:, heads * d: (heads + kv_heads) * d].view(n, kv_heads, d)
+    k = qkv[:, heads * d : (heads + kv_heads) * d].view(n, kv_heads, d)
     wq, wk = norm_weight(d, gen, "cuda", dtype), norm_weight(d, gen, "cuda", dtype)
     ref_q, ref_k = rms_norm_reference(q, wq, 1e-6), rms_norm_reference(k, wk, 1e-6)
     out = nan_like((n, heads, d), "cuda", dtype)
@@ -83,10 +83,10 @@ def test_head_rms_norm_on_a_qkv_slice(dtype, heads, d, n) -> None:
     head_rms_norm(q, wq, 1e-6, out=out)
     torch.cuda.synchronize()
     assert_close_ulps(out, ref_q)
-    v_before = qkv[:, (heads + kv_heads) * d:].clone()
+    v_before = qkv[:, (heads + kv_heads) * d :].clone()
     head_rms_norm(k, wk, 1e-6, out=k)
     assert_close_ulps(k, ref_k)
-    assert torch.equal(qkv[:, (heads + kv_heads) * d:], v_before), "in-place k norm must not touch v"
+    assert torch.equal(qkv[:, (heads + kv_heads) * d :], v_before), "in-place k norm must not touch v"
 
 
 def test_norms_capture_in_a_graph() -> None:

@@ -32,8 +32,10 @@ def _close(out: torch.Tensor, ref: torch.Tensor) -> None:
         assert_close_ulps(out, ref)
 
 
-interpreted = pytest.mark.skipif(not (HAS_TRITON and triton_interpreting()),
-                                 reason="needs triton and TRITON_INTERPRET=1 (runs the kernels on the CPU)")
+interpreted = pytest.mark.skipif(
+    not (HAS_TRITON and triton_interpreting()),
+    reason="needs triton and TRITON_INTERPRET=1 (runs the kernels on the CPU)",
+)
 
 
 def naive_rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:  # fp64 [T, H]
@@ -113,8 +115,9 @@ def test_norm_kernels_under_interpreter(dtype, h) -> None:
     rms_norm(x, w, 1e-6, out=out)
     _close(out, rms_norm_reference(x, w, 1e-6))
     ref, ref_res = fused_add_rms_norm_reference(x, res, w, 1e-6)
-    out, res_out = fused_add_rms_norm(x, res, w, 1e-6, out=nan_like((t, h), "cpu", dtype),
-                                      residual_out=nan_like((t, h), "cpu", dtype))
+    out, res_out = fused_add_rms_norm(
+        x, res, w, 1e-6, out=nan_like((t, h), "cpu", dtype), residual_out=nan_like((t, h), "cpu", dtype)
+    )
     _same(res_out, ref_res)
     _close(out, ref)
     out, res_out = fused_add_rms_norm(x.clone(), res.clone(), w, 1e-6)
@@ -133,7 +136,7 @@ def test_head_norm_under_interpreter(dtype, heads, d) -> None:
     ref = rms_norm_reference(q, w, 1e-6)
     out = head_rms_norm(q, w, 1e-6, out=nan_like((n, heads, d), "cpu", dtype))
     _close(out, ref)
-    tail = qkv[:, heads * d:].clone()
+    tail = qkv[:, heads * d :].clone()
     head_rms_norm(q, w, 1e-6, out=q)
     _close(q, ref)
-    assert torch.equal(qkv[:, heads * d:], tail)
+    assert torch.equal(qkv[:, heads * d :], tail)

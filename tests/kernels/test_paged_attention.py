@@ -44,8 +44,17 @@ def test_gqa_matches_reference(shape, case) -> None:
 @pytest.mark.parametrize("num_splits", [1, 3, 8])
 @pytest.mark.parametrize("tree", [False, True])
 def test_gqa_blocks_splits_trees(block_size, num_splits, tree) -> None:
-    run_gqa_case("cuda", (12, 3, 80), [5, 1, 9], [40, 0, 300], block_size, tree, torch.bfloat16, num_splits,
-             seed=block_size * 10 + num_splits + int(tree))
+    run_gqa_case(
+        "cuda",
+        (12, 3, 80),
+        [5, 1, 9],
+        [40, 0, 300],
+        block_size,
+        tree,
+        torch.bfloat16,
+        num_splits,
+        seed=block_size * 10 + num_splits + int(tree),
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
@@ -83,8 +92,17 @@ def test_mla_matches_reference(shape, case, tree) -> None:
 @pytest.mark.parametrize("block_size", [1, 5, 64])
 @pytest.mark.parametrize("num_splits", [2, 7])
 def test_mla_blocks_and_splits(block_size, num_splits) -> None:
-    run_mla_case("cuda", (4, 64, 16), [1, 4, 1], [700, 30, 0], block_size, True, torch.bfloat16, num_splits,
-             seed=block_size + num_splits)
+    run_mla_case(
+        "cuda",
+        (4, 64, 16),
+        [1, 4, 1],
+        [700, 30, 0],
+        block_size,
+        True,
+        torch.bfloat16,
+        num_splits,
+        seed=block_size + num_splits,
+    )
 
 
 def test_mla_fp16() -> None:
@@ -95,8 +113,9 @@ def test_graph_replay_follows_new_metadata() -> None:
     """Captured once over static buffers; each replay with new lengths, blocks, rows and trees matches the reference."""
     hq, hkv, d, bs = 8, 2, 48, 16
     gen = torch.Generator().manual_seed(21)
-    _, rows, _ = paged_case([3, 2], [10, 50], bs, True, gen, "cuda", pad_rows=3, pad_requests=1, max_blocks=12,
-                            max_new=8)
+    _, rows, _ = paged_case(
+        [3, 2], [10, 50], bs, True, gen, "cuda", pad_rows=3, pad_requests=1, max_blocks=12, max_new=8
+    )
     cache = randn((64, bs, 2, hkv, d), gen, "cuda", torch.bfloat16)
     q = randn((rows.num_rows, hq, d), gen, "cuda", torch.bfloat16)
     out = torch.empty(rows.num_rows, hq, d, dtype=torch.bfloat16, device="cuda")
@@ -107,8 +126,18 @@ def test_graph_replay_follows_new_metadata() -> None:
     with torch.cuda.graph(graph):
         paged_gqa_attention(q, cache, rows, out=out, num_splits=4, workspace=ws)
     for step, (q_lens, ctx) in enumerate([([1, 4], [70, 3]), ([5], [120]), ([2, 2], [0, 1])]):
-        _, new, _ = paged_case(q_lens, ctx, bs, True, gen, "cuda", pad_rows=8 - sum(q_lens),
-                               pad_requests=3 - len(q_lens), max_blocks=12, max_new=8)
+        _, new, _ = paged_case(
+            q_lens,
+            ctx,
+            bs,
+            True,
+            gen,
+            "cuda",
+            pad_rows=8 - sum(q_lens),
+            pad_requests=3 - len(q_lens),
+            max_blocks=12,
+            max_new=8,
+        )
         for field in ("block_tables", "kv_lens", "new_starts", "row_request", "row_index", "tree_mask"):
             getattr(rows, field).copy_(getattr(new, field))
         q.copy_(randn(tuple(q.shape), gen, "cuda", torch.bfloat16))
@@ -134,8 +163,9 @@ def test_mla_graph_replay_decode() -> None:
     with torch.cuda.graph(graph):
         paged_mla_attention(qn, qp, cache, rows, 0.125, out=out)
     for step, ctx in enumerate([[100, 0, 7], [3], [140, 141]]):
-        _, new, _ = paged_case([1] * len(ctx), ctx, bs, False, gen, "cuda", pad_rows=3 - len(ctx),
-                               pad_requests=3 - len(ctx), max_blocks=10)
+        _, new, _ = paged_case(
+            [1] * len(ctx), ctx, bs, False, gen, "cuda", pad_rows=3 - len(ctx), pad_requests=3 - len(ctx), max_blocks=10
+        )
         for field in ("block_tables", "kv_lens", "new_starts", "row_request", "row_index"):
             getattr(rows, field).copy_(getattr(new, field))
         qn.copy_(randn((3, h, r), gen, "cuda", torch.bfloat16))

@@ -18,8 +18,10 @@ from specserve.kernels.paged_attention import HAS_TRITON, num_splits_for, paged_
 from specserve.kernels.paged_attention_reference import gqa_rows_reference, mla_rows_reference
 from specserve.kernels.paged_rows import PagedRows, allocate_rows, write_rows_
 
-interpreted = pytest.mark.skipif(not (HAS_TRITON and triton_interpreting()),
-                                 reason="needs triton and TRITON_INTERPRET=1 (runs the kernels on the CPU)")
+interpreted = pytest.mark.skipif(
+    not (HAS_TRITON and triton_interpreting()),
+    reason="needs triton and TRITON_INTERPRET=1 (runs the kernels on the CPU)",
+)
 
 
 def _naive_scores_rows(rows: PagedRows, block_size: int):
@@ -66,8 +68,7 @@ def naive_mla(qn, qp, cache, rows, scale):  # -> [N, H, R] fp64
     out = torch.zeros(n, h, r, dtype=torch.float64)
     for i, seen in enumerate(_naive_scores_rows(rows, cache.shape[1])):
         for hh in range(h):
-            scores = [float(qn[i, hh].double() @ flat[s, :r] + qp[i, hh].double() @ flat[s, r:]) * scale
-                      for s in seen]
+            scores = [float(qn[i, hh].double() @ flat[s, :r] + qp[i, hh].double() @ flat[s, r:]) * scale for s in seen]
             out[i, hh] = _naive_softmax(scores, [flat[s, :r] for s in seen], r)
     return out
 
@@ -112,35 +113,50 @@ def test_tree_mask_columns_past_the_new_tokens_are_ignored() -> None:
 
 
 def _rows(**over) -> dict:
-    base = dict(block_tables=torch.zeros(2, 3, dtype=torch.int32), kv_lens=torch.tensor([4, 1], dtype=torch.int32),
-                new_starts=torch.tensor([3, 0], dtype=torch.int32), row_request=torch.tensor([0, 1, -1], dtype=torch.int32),
-                row_index=torch.zeros(3, dtype=torch.int32))
+    base = dict(
+        block_tables=torch.zeros(2, 3, dtype=torch.int32),
+        kv_lens=torch.tensor([4, 1], dtype=torch.int32),
+        new_starts=torch.tensor([3, 0], dtype=torch.int32),
+        row_request=torch.tensor([0, 1, -1], dtype=torch.int32),
+        row_index=torch.zeros(3, dtype=torch.int32),
+    )
     base.update(over)
     return base
 
 
-@pytest.mark.parametrize("over,match", [
-    (dict(kv_lens=torch.tensor([4, 1])), "kv_lens has dtype"),
-    (dict(kv_lens=torch.tensor([4, 1, 1], dtype=torch.int32)), "kv_lens.shape\\[0\\]"),
-    (dict(row_index=torch.zeros(2, dtype=torch.int32)), "row_index.shape\\[0\\]"),
-    (dict(block_tables=torch.zeros(2, 3, dtype=torch.int32).t()), "contiguous"),
-    (dict(tree_mask=torch.ones(3, 2, dtype=torch.int32)), "tree_mask has dtype"),
-    (dict(tree_mask=torch.ones(2, 2, dtype=torch.bool)), "tree_mask.shape\\[0\\]"),
-    (dict(row_request=torch.zeros(0, dtype=torch.int32), row_index=torch.zeros(0, dtype=torch.int32)), "one row"),
-])
+@pytest.mark.parametrize(
+    "over,match",
+    [
+        (dict(kv_lens=torch.tensor([4, 1])), "kv_lens has dtype"),
+        (dict(kv_lens=torch.tensor([4, 1, 1], dtype=torch.int32)), "kv_lens.shape\\[0\\]"),
+        (dict(row_index=torch.zeros(2, dtype=torch.int32)), "row_index.shape\\[0\\]"),
+        (dict(block_tables=torch.zeros(2, 3, dtype=torch.int32).t()), "contiguous"),
+        (dict(tree_mask=torch.ones(3, 2, dtype=torch.int32)), "tree_mask has dtype"),
+        (dict(tree_mask=torch.ones(2, 2, dtype=torch.bool)), "tree_mask.shape\\[0\\]"),
+        (dict(row_request=torch.zeros(0, dtype=torch.int32), row_index=torch.zeros(0, dtype=torch.int32)), "one row"),
+    ],
+)
 def test_rows_reject_bad_metadata(over, match) -> None:
     with pytest.raises(KernelArgumentError, match=match):
         PagedRows(**_rows(**over))
 
 
-@pytest.mark.parametrize("over,match", [
-    (dict(kv_lens=torch.tensor([13, 1], dtype=torch.int32)), "kv_lens\\[0\\] = 13"),
-    (dict(new_starts=torch.tensor([5, 0], dtype=torch.int32)), "new_starts\\[0\\] = 5"),
-    (dict(block_tables=torch.tensor([[0, 9, 0], [1, 0, 0]], dtype=torch.int32),
-          kv_lens=torch.tensor([5, 1], dtype=torch.int32)), "block ids in \\[0, 9\\]"),
-    (dict(row_request=torch.tensor([0, 2, -1], dtype=torch.int32)), "row_request\\[1\\] = 2"),
-    (dict(row_index=torch.tensor([1, 0, 0], dtype=torch.int32)), "row 0: new token 1"),
-])
+@pytest.mark.parametrize(
+    "over,match",
+    [
+        (dict(kv_lens=torch.tensor([13, 1], dtype=torch.int32)), "kv_lens\\[0\\] = 13"),
+        (dict(new_starts=torch.tensor([5, 0], dtype=torch.int32)), "new_starts\\[0\\] = 5"),
+        (
+            dict(
+                block_tables=torch.tensor([[0, 9, 0], [1, 0, 0]], dtype=torch.int32),
+                kv_lens=torch.tensor([5, 1], dtype=torch.int32),
+            ),
+            "block ids in \\[0, 9\\]",
+        ),
+        (dict(row_request=torch.tensor([0, 2, -1], dtype=torch.int32)), "row_request\\[1\\] = 2"),
+        (dict(row_index=torch.tensor([1, 0, 0], dtype=torch.int32)), "row 0: new token 1"),
+    ],
+)
 def test_rows_validate_catches_bad_values(over, match) -> None:
     rows = PagedRows(**_rows(**over))
     with pytest.raises(KernelArgumentError, match=match):

@@ -107,37 +107,54 @@ def test_w4a16_gemv_takes_an_expert_run_longer_than_its_rows(t: int, zero_weight
 
 
 def test_w4a16_group_128_and_explicit_tiles() -> None:
-    cfg = MoETileConfig(16, 16, 16, 4, 1, 16, 16, 4, 1) if TINY_ONLY else MoETileConfig(32, 32, 128, 4, 4, 128, 64, 8, 3)
+    cfg = (
+        MoETileConfig(16, 16, 16, 4, 1, 16, 16, 4, 1) if TINY_ONLY else MoETileConfig(32, 32, 128, 4, 4, 128, 64, 8, 3)
+    )
     shape = "tiny" if TINY_ONLY else "qwen3_30b_a3b"
     for group, config in ((32, cfg), (32 if TINY_ONLY else 128, None)):
         args = _int4_case(shape, 5, seed=7, group=group)
-        assert rel_err(w4a16_moe(*args, group_size=group, config=config), w4a16_moe_reference(*args, group_size=group)) < TOL
+        assert (
+            rel_err(w4a16_moe(*args, group_size=group, config=config), w4a16_moe_reference(*args, group_size=group))
+            < TOL
+        )
 
 
 # The GEMV kernels' choices (GemvTile): input chunks (split), prefetch, program rows per k (lanes). At the tiny shape
 # (gate/up 12 words a row, down 8) they cover whole steps, a partial last step (bkw 8 of 12) and empty chunks (split 4);
 # at Kimi width (896 and 256 words) tiles of the sweep's grid, with uneven chunks (split 4 of 14 steps)
-GEMV_VARIANTS = {
-    "split2": GemvTiles(GemvTile(16, 4, 1, 1, split=2), GemvTile(16, 4, 2, 1, split=2)),
-    "split4-prefetch": GemvTiles(GemvTile(16, 8, 2, 1, split=4, prefetch=True),
-                                 GemvTile(32, 4, 1, 1, split=4, prefetch=True)),
-    "prefetch-lanes": GemvTiles(GemvTile(16, 4, 1, 1, prefetch=True, lanes=1),
-                                GemvTile(16, 8, 4, 1, prefetch=True, lanes=8)),
-} if TINY_ONLY else {
-    "split2": GemvTiles(GemvTile(64, 32, 4, 1, split=2), GemvTile(32, 32, 2, 1, split=2)),
-    "split4-prefetch": GemvTiles(GemvTile(32, 64, 4, 1, split=4, prefetch=True),
-                                 GemvTile(64, 16, 2, 1, split=4, prefetch=True)),
-    "prefetch-lanes": GemvTiles(GemvTile(64, 32, 4, 1, prefetch=True, lanes=1),
-                                GemvTile(32, 32, 4, 1, prefetch=True, lanes=8)),
-}
+GEMV_VARIANTS = (
+    {
+        "split2": GemvTiles(GemvTile(16, 4, 1, 1, split=2), GemvTile(16, 4, 2, 1, split=2)),
+        "split4-prefetch": GemvTiles(
+            GemvTile(16, 8, 2, 1, split=4, prefetch=True), GemvTile(32, 4, 1, 1, split=4, prefetch=True)
+        ),
+        "prefetch-lanes": GemvTiles(
+            GemvTile(16, 4, 1, 1, prefetch=True, lanes=1), GemvTile(16, 8, 4, 1, prefetch=True, lanes=8)
+        ),
+    }
+    if TINY_ONLY
+    else {
+        "split2": GemvTiles(GemvTile(64, 32, 4, 1, split=2), GemvTile(32, 32, 2, 1, split=2)),
+        "split4-prefetch": GemvTiles(
+            GemvTile(32, 64, 4, 1, split=4, prefetch=True), GemvTile(64, 16, 2, 1, split=4, prefetch=True)
+        ),
+        "prefetch-lanes": GemvTiles(
+            GemvTile(64, 32, 4, 1, prefetch=True, lanes=1), GemvTile(32, 32, 4, 1, prefetch=True, lanes=8)
+        ),
+    }
+)
 
 
-@pytest.mark.parametrize("tiles", [
-    GemvTiles(GemvTile(16, 64, 2, 1), GemvTile(64, 16, 8, 1)),
-    GemvTiles(GemvTile(64, 32, 4, 2), GemvTile(16, 32, 4, 3)),
-    GemvTiles(GemvTile(16, 8, 1, 1), GemvTile(32, 64, 4, 2)),
-    *GEMV_VARIANTS.values(),
-], ids=["narrow-wide", "stages", "small", *GEMV_VARIANTS])
+@pytest.mark.parametrize(
+    "tiles",
+    [
+        GemvTiles(GemvTile(16, 64, 2, 1), GemvTile(64, 16, 8, 1)),
+        GemvTiles(GemvTile(64, 32, 4, 2), GemvTile(16, 32, 4, 3)),
+        GemvTiles(GemvTile(16, 8, 1, 1), GemvTile(32, 64, 4, 2)),
+        *GEMV_VARIANTS.values(),
+    ],
+    ids=["narrow-wide", "stages", "small", *GEMV_VARIANTS],
+)
 def test_w4a16_gemv_with_other_tiles_matches_reference(tiles) -> None:
     """The GEMV's tiles are parameters (the sweep, bench/gemv_sweep.py, tries others): any tile gives the reference's
     function, one slot a program row (T = 3) and past W4A16_GEMV_MAX_TOKENS (T = 9, program rows in turn)."""
@@ -164,7 +181,6 @@ def test_w4a16_gemv_variants_give_weight_0_slots_nothing(variant: str) -> None:
     out = w4a16_moe(x, w13, s13, w2, s2, ids, weights, group_size=32, gemv_tiles=GEMV_VARIANTS[variant])
     _sync()
     assert rel_err(out, ref) < TOL
-
 
 
 @pytest.mark.parametrize("shape", _shapes(MOE_SHAPES))

@@ -61,12 +61,15 @@ def test_quantized_moe_references_equal_moe_reference_on_dequantized_weights():
     w13 = torch.stack([dequant_int4(pack_int4(q13[j]), s13[j], 32, h) for j in range(e)])
     w2 = torch.stack([dequant_int4(pack_int4(q2[j]), s2[j], 32, i) for j in range(e)])
     packed = (torch.stack([pack_int4(q) for q in q13]), s13, torch.stack([pack_int4(q) for q in q2]), s2)
-    torch.testing.assert_close(w4a16_moe_reference(x, *packed, ids, weights, 32), moe_reference(x, w13, w2, ids, weights))
+    torch.testing.assert_close(
+        w4a16_moe_reference(x, *packed, ids, weights, 32), moe_reference(x, w13, w2, ids, weights)
+    )
     f13, f2 = (torch.randn(e, 2 * i, h, generator=gen) / 8), (torch.randn(e, h, i, generator=gen) / 8)
     quant = ([fp8_quantize(f[j], (16, 24), torch.float32) for j in range(e)] for f in (f13, f2))
     (a8, a_s, a_deq), (b8, b_s, b_deq) = ([torch.stack(p) for p in zip(*q, strict=True)] for q in quant)
-    torch.testing.assert_close(fp8_moe_reference(x, a8, a_s, b8, b_s, ids, weights, (16, 24)),
-                               moe_reference(x, a_deq, b_deq, ids, weights))
+    torch.testing.assert_close(
+        fp8_moe_reference(x, a8, a_s, b8, b_s, ids, weights, (16, 24)), moe_reference(x, a_deq, b_deq, ids, weights)
+    )
     torch.testing.assert_close(fp8_linear_reference(x, a8[0], a_s[0], (16, 24)), x @ a_deq[0].t())
 
 

@@ -54,7 +54,7 @@ def test_in_place_query_and_graph_capture() -> None:
     hq, hkv, d, t = 8, 2, 64, 6
     gen = torch.Generator().manual_seed(12)
     qkv = torch.randn(t, (hq + 2 * hkv) * d, generator=gen).to("cuda", torch.bfloat16)
-    q, k, v = (qkv[:, a * d: b * d].view(t, b - a, d) for a, b in ((0, hq), (hq, hq + hkv), (hq + hkv, hq + 2 * hkv)))
+    q, k, v = (qkv[:, a * d : b * d].view(t, b - a, d) for a, b in ((0, hq), (hq, hq + hkv), (hq + hkv, hq + 2 * hkv)))
     cos, sin = rope_tables(512, d, torch.bfloat16, "cuda")
     cache = torch.randn(4, 16, 2, hkv, d, generator=gen).to("cuda", torch.bfloat16)
     slots, positions = slots_and_positions(t, 64, 512, gen, "cuda")
@@ -65,10 +65,10 @@ def test_in_place_query_and_graph_capture() -> None:
         rope_cache_gqa(q, k, v, positions, cos, sin, cache, slots, q_out=q)
 
     q_in.copy_(q)
-    kv_before = qkv[:, hq * d:].clone()
+    kv_before = qkv[:, hq * d :].clone()
     step()
     torch.cuda.synchronize()
-    assert torch.equal(qkv[:, hq * d:], kv_before)
+    assert torch.equal(qkv[:, hq * d :], kv_before)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         step()
@@ -94,20 +94,24 @@ def test_mla_graph_capture() -> None:
     cache = torch.randn(2, 16, r + p, generator=gen).to("cuda", torch.bfloat16)
     slots, positions = slots_and_positions(t, 32, 256, gen, "cuda")
     out = torch.empty_like(q_pe)
-    rope_cache_mla(q_pe, kv_a[:, r:], kv_a[:, :r], positions, cos, sin, cache, slots, latent_norm_weight=w, q_pe_out=out)
+    rope_cache_mla(
+        q_pe, kv_a[:, r:], kv_a[:, :r], positions, cos, sin, cache, slots, latent_norm_weight=w, q_pe_out=out
+    )
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        rope_cache_mla(q_pe, kv_a[:, r:], kv_a[:, :r], positions, cos, sin, cache, slots, latent_norm_weight=w,
-                       q_pe_out=out)
+        rope_cache_mla(
+            q_pe, kv_a[:, r:], kv_a[:, :r], positions, cos, sin, cache, slots, latent_norm_weight=w, q_pe_out=out
+        )
     for _ in range(3):
         new_slots, new_pos = slots_and_positions(t, 32, 256, gen, "cuda")
         slots.copy_(new_slots)
         positions.copy_(new_pos)
         kv_a.copy_(torch.randn(t, r + p, generator=gen).to("cuda", torch.bfloat16))
         ref_cache = cache.clone()
-        ref_q = rope_cache_mla_reference(q_pe, kv_a[:, r:], kv_a[:, :r], positions, cos, sin, ref_cache, slots,
-                                         latent_norm_weight=w)
+        ref_q = rope_cache_mla_reference(
+            q_pe, kv_a[:, r:], kv_a[:, :r], positions, cos, sin, ref_cache, slots, latent_norm_weight=w
+        )
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, ref_q)

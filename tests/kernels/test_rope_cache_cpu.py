@@ -22,8 +22,10 @@ from specserve.models.kv_cache import PagedKVCache
 from specserve.models.layers import RMSNorm
 from specserve.models.rope import RotaryEmbedding
 
-interpreted = pytest.mark.skipif(not (HAS_TRITON and triton_interpreting()),
-                                 reason="needs triton and TRITON_INTERPRET=1 (runs the kernels on the CPU)")
+interpreted = pytest.mark.skipif(
+    not (HAS_TRITON and triton_interpreting()),
+    reason="needs triton and TRITON_INTERPRET=1 (runs the kernels on the CPU)",
+)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -47,8 +49,9 @@ def test_gqa_reference_is_the_model_path(dtype, interleaved) -> None:
     km = RotaryEmbedding.apply(k_norm(k), cos, sin, interleaved)
     model_cache.write(0, slots, torch.stack([km, v], dim=1))
     cache = torch.zeros(4, bs, 2, hkv, d, dtype=dtype)
-    q_ref = rope_cache_gqa_reference(q, k, v, positions, cos_t, sin_t, cache, slots, interleaved,
-                                     q_norm.weight.data, k_norm.weight.data, 1e-6)
+    q_ref = rope_cache_gqa_reference(
+        q, k, v, positions, cos_t, sin_t, cache, slots, interleaved, q_norm.weight.data, k_norm.weight.data, 1e-6
+    )
     assert torch.equal(q_ref, qm)
     assert torch.equal(cache, model_cache.layers[0])
 
@@ -71,8 +74,9 @@ def test_mla_reference_is_the_model_path() -> None:
     model_cache = PagedKVCache(1, 4, 4, (r + p,), dtype, "cpu")
     model_cache.write(0, slots, torch.cat([norm(latent), k_model], dim=-1))
     cache = torch.zeros(4, 4, r + p, dtype=dtype)
-    q_ref = rope_cache_mla_reference(q_pe, kv_a[:, r:], kv_a[:, :r], positions, cos_t, sin_t, cache, slots, True,
-                                     norm.weight.data, 1e-6)
+    q_ref = rope_cache_mla_reference(
+        q_pe, kv_a[:, r:], kv_a[:, :r], positions, cos_t, sin_t, cache, slots, True, norm.weight.data, 1e-6
+    )
     assert torch.equal(q_ref, q_model)
     assert torch.equal(cache, model_cache.layers[0])
 
@@ -123,11 +127,25 @@ def test_wrappers_reject_bad_arguments() -> None:
         rope_cache_gqa(q, k.half(), v, pos, cos, sin, cache, slots)
     mla_cache = torch.zeros(2, 4, 24)
     with pytest.raises(KernelArgumentError, match="cache.shape\\[2\\]"):
-        rope_cache_mla(torch.randn(t, 4, 8), torch.randn(t, 8), torch.randn(t, 8), pos, *rope_tables(32, 8, torch.float32, "cpu"),
-                       mla_cache, slots)
+        rope_cache_mla(
+            torch.randn(t, 4, 8),
+            torch.randn(t, 8),
+            torch.randn(t, 8),
+            pos,
+            *rope_tables(32, 8, torch.float32, "cpu"),
+            mla_cache,
+            slots,
+        )
     with pytest.raises(KernelArgumentError, match="k_pe.shape\\[1\\]"):
-        rope_cache_mla(torch.randn(t, 4, 8), torch.randn(t, 6), torch.randn(t, 16), pos, *rope_tables(32, 8, torch.float32, "cpu"),
-                       mla_cache, slots)
+        rope_cache_mla(
+            torch.randn(t, 4, 8),
+            torch.randn(t, 6),
+            torch.randn(t, 16),
+            pos,
+            *rope_tables(32, 8, torch.float32, "cpu"),
+            mla_cache,
+            slots,
+        )
     if HAS_TRITON and triton_interpreting():
         with pytest.raises(KernelArgumentError, match="positions lie in"):
             rope_cache_gqa(q, k, v, pos + 30, cos, sin, cache, slots, validate=True)
@@ -144,8 +162,9 @@ def test_wrappers_reject_bad_arguments() -> None:
 @pytest.mark.parametrize("interleaved", [False, True])
 def test_gqa_kernel_under_interpreter(dtype, shape, interleaved) -> None:
     for qk_norm in (False, True):
-        run_rope_gqa_case("cpu", shape, 5, dtype, interleaved, qk_norm, seed=shape[2] + int(qk_norm),
-                          loose=dtype == torch.bfloat16)
+        run_rope_gqa_case(
+            "cpu", shape, 5, dtype, interleaved, qk_norm, seed=shape[2] + int(qk_norm), loose=dtype == torch.bfloat16
+        )
 
 
 @interpreted
@@ -154,5 +173,13 @@ def test_gqa_kernel_under_interpreter(dtype, shape, interleaved) -> None:
 @pytest.mark.parametrize("interleaved", [False, True])
 def test_mla_kernel_under_interpreter(dtype, shape, interleaved) -> None:
     for latent_norm in (False, True):
-        run_rope_mla_case("cpu", shape, 5, dtype, interleaved, latent_norm, seed=shape[1] + int(latent_norm),
-                          loose=dtype == torch.bfloat16)
+        run_rope_mla_case(
+            "cpu",
+            shape,
+            5,
+            dtype,
+            interleaved,
+            latent_norm,
+            seed=shape[1] + int(latent_norm),
+            loose=dtype == torch.bfloat16,
+        )

@@ -15,8 +15,10 @@ from specserve.kernels.router_reference import RouterConfig, router_reference
 from specserve.models.config import MoEConfig
 from specserve.models.moe import TopKRouter
 
-interpreted = pytest.mark.skipif(not (HAS_TRITON and triton_interpreting()),
-                                 reason="needs triton and TRITON_INTERPRET=1 (runs the kernels on the CPU)")
+interpreted = pytest.mark.skipif(
+    not (HAS_TRITON and triton_interpreting()),
+    reason="needs triton and TRITON_INTERPRET=1 (runs the kernels on the CPU)",
+)
 
 
 def _by_id(ids: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -24,17 +26,26 @@ def _by_id(ids: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     return ids.gather(1, order), w.gather(1, order)
 
 
-@pytest.mark.parametrize("name", ["qwen3_30b_a3b", "qwen3_moe_no_renorm", "mixtral", "deepseek_v3", "kimi_k2",
-                                  "demo", "odd_groups"])
+@pytest.mark.parametrize(
+    "name", ["qwen3_30b_a3b", "qwen3_moe_no_renorm", "mixtral", "deepseek_v3", "kimi_k2", "demo", "odd_groups"]
+)
 def test_reference_is_the_model_router(name) -> None:
     """The model's TopKRouter with an identity gate (its logits are its input): same ids and weights."""
     cfg, with_bias = ROUTERS[name]
     gen = torch.Generator().manual_seed(len(name))
     logits, bias = router_case(33, cfg, with_bias, torch.float32, gen, "cpu")
-    moe = MoEConfig(num_experts=cfg.num_experts, top_k=cfg.top_k, intermediate_size=8, layers=(0,),
-                    scoring=cfg.scoring, norm_topk_prob=cfg.norm_topk_prob,
-                    routed_scaling_factor=cfg.routed_scaling_factor, n_group=cfg.n_group,
-                    topk_group=cfg.topk_group, correction_bias=with_bias)
+    moe = MoEConfig(
+        num_experts=cfg.num_experts,
+        top_k=cfg.top_k,
+        intermediate_size=8,
+        layers=(0,),
+        scoring=cfg.scoring,
+        norm_topk_prob=cfg.norm_topk_prob,
+        routed_scaling_factor=cfg.routed_scaling_factor,
+        n_group=cfg.n_group,
+        topk_group=cfg.topk_group,
+        correction_bias=with_bias,
+    )
     router = TopKRouter(moe, cfg.num_experts)
     router.weight.data.copy_(torch.eye(cfg.num_experts))
     if with_bias:
@@ -65,7 +76,7 @@ def naive_route(logits: torch.Tensor, cfg: RouterConfig, bias: torch.Tensor | No
         c = [v + (float(bias[i]) if bias is not None else 0.0) for i, v in enumerate(s)]
         allowed = set(range(e))
         if cfg.n_group > 1:
-            gscore = [sum(sorted(c[g * per:(g + 1) * per], reverse=True)[:2]) for g in range(cfg.n_group)]
+            gscore = [sum(sorted(c[g * per : (g + 1) * per], reverse=True)[:2]) for g in range(cfg.n_group)]
             groups = sorted(range(cfg.n_group), key=lambda g: -gscore[g])[: cfg.topk_group]
             allowed = {g * per + p for g in groups for p in range(per)}
         ids = sorted(allowed, key=lambda i: -c[i])[: cfg.top_k]

@@ -21,11 +21,19 @@ from specserve.kernels.skinny_gemm_reference import skinny_linear_reference
 ON_CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if ON_CUDA else "cpu"
 DTYPE = torch.bfloat16 if ON_CUDA else torch.float16  # the interpreter multiplies bf16 dots as raw bits
-runs_kernels = pytest.mark.skipif(not (HAS_TRITON and (ON_CUDA or triton_interpreting())),
-                                  reason="needs triton on CUDA, or TRITON_INTERPRET=1")
+runs_kernels = pytest.mark.skipif(
+    not (HAS_TRITON and (ON_CUDA or triton_interpreting())), reason="needs triton on CUDA, or TRITON_INTERPRET=1"
+)
 # (N, K): Moonlight's merged q + kv_a, o_proj, shared experts' gate_up (silu_mul) and down; K2.6's kv_a; odd sizes
-CUDA_SHAPES = [(3072 + 576, 2048, "none"), (2048, 2048, "none"), (2 * 2816, 2048, "silu_mul"), (2048, 2816, "none"),
-               (576 + 1536, 7168, "none"), (200, 72, "none"), (2 * 40, 300, "silu_mul")]
+CUDA_SHAPES = [
+    (3072 + 576, 2048, "none"),
+    (2048, 2048, "none"),
+    (2 * 2816, 2048, "silu_mul"),
+    (2048, 2816, "none"),
+    (576 + 1536, 7168, "none"),
+    (200, 72, "none"),
+    (2 * 40, 300, "silu_mul"),
+]
 CPU_SHAPES = [(48, 40, "none"), (2 * 24, 72, "silu_mul")]
 SHAPES = CUDA_SHAPES if ON_CUDA else CPU_SHAPES
 
@@ -65,7 +73,7 @@ def test_skinny_linear_rows_do_not_depend_on_the_other_rows(n, k, epilogue):
     tile = None if ON_CUDA else skinny_gemm.SkinnyTile(block_k=16, split_k=2)  # a K split here too
     full = skinny_linear(x, w, b, epilogue=epilogue, add=a, tile=tile)
     for j in range(17):
-        alone = skinny_linear(x[j: j + 1], w, b, epilogue=epilogue, add=a[j: j + 1], tile=tile)
+        alone = skinny_linear(x[j : j + 1], w, b, epilogue=epilogue, add=a[j : j + 1], tile=tile)
         assert torch.equal(alone[0], full[j]), f"row {j} differs between a 17-row and a 1-row call"
 
 
@@ -84,6 +92,7 @@ def test_a_kernel_that_skips_the_last_k_block_is_caught(monkeypatch):
                 args = list(args)
                 args[8] = max(1, args[8] - kw["BLOCK_K"])  # K
                 return real[grid](*args, **kw)
+
             return launch
 
     monkeypatch.setattr(skinny_gemm._k, "skinny_gemm_kernel", Truncated())

@@ -20,7 +20,7 @@ def test_cost_model_recovers_linear_costs_and_reports_heldout_error() -> None:
     steps = []
     for _ in range(300):
         n = int(rng.integers(1, 17))
-        e = int(8 * n ** 0.7 + rng.integers(0, 4))
+        e = int(8 * n**0.7 + rng.integers(0, 4))
         ms = 1.0 + 0.05 * n + 0.02 * e + float(rng.normal(0, 0.01))
         steps.append((n, e, ms))
     for n, e, ms in steps[:250]:
@@ -222,12 +222,22 @@ def test_plan_ahead_follows_the_gate_and_probes_the_other_way() -> None:
 
 
 def test_config_is_validated() -> None:
-    for bad in (dict(max_k=0), dict(ema=0.0), dict(draft_window=0), dict(accept_memory=0.5), dict(accept_prior_weight=0.0), dict(prior_accept=1.5), dict(calibration_bins=0)):
+    for bad in (
+        dict(max_k=0),
+        dict(ema=0.0),
+        dict(draft_window=0),
+        dict(accept_memory=0.5),
+        dict(accept_prior_weight=0.0),
+        dict(prior_accept=1.5),
+        dict(calibration_bins=0),
+    ):
         with pytest.raises(ValueError):
             AdaptiveConfig(**bad)
 
 
-def _dear_drafter(probe: ProbePolicy | None = None, draft_ms: float = 20.0, verify_ms: float = 8.0) -> AdaptiveSpeculation:
+def _dear_drafter(
+    probe: ProbePolicy | None = None, draft_ms: float = 20.0, verify_ms: float = 8.0
+) -> AdaptiveSpeculation:
     """A chooser that has measured steady draft calls of ``draft_ms`` and flat verifies of ``verify_ms``:
     drafting does not pay at the prior acceptance."""
     spec = AdaptiveSpeculation(AdaptiveConfig(max_k=4, probe=probe or ProbePolicy()))
@@ -237,7 +247,9 @@ def _dear_drafter(probe: ProbePolicy | None = None, draft_ms: float = 20.0, veri
     return spec
 
 
-def _drive(spec: AdaptiveSpeculation, steps: int, accept: float, draft_ms: float, verify_ms: float, rng) -> list[tuple[int, bool]]:
+def _drive(
+    spec: AdaptiveSpeculation, steps: int, accept: float, draft_ms: float, verify_ms: float, rng
+) -> list[tuple[int, bool]]:
     """Steps as gateway/spec_loop.py drives the chooser: plan, draft (a probe catches up: not steady), verify."""
     out = []
     for _ in range(steps):
@@ -355,8 +367,16 @@ def test_the_overhead_of_a_drafted_step_is_charged() -> None:
     assert spec.overhead_ms == pytest.approx([0.2, 5.2], rel=0.05) and spec.choose_k(4) == 0
 
 
-@pytest.mark.parametrize("bad", [dict(min_interval=0), dict(min_interval=9, max_interval=8),
-                                 dict(max_cost_fraction=0.0), dict(tokens=0), dict(window=0)])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        dict(min_interval=0),
+        dict(min_interval=9, max_interval=8),
+        dict(max_cost_fraction=0.0),
+        dict(tokens=0),
+        dict(window=0),
+    ],
+)
 def test_probe_policy_is_validated(bad) -> None:
     with pytest.raises(ValueError):
         ProbePolicy(**bad)

@@ -86,7 +86,9 @@ def _unconfident_dspark(root):
     by the chooser's calibration, as it should be)."""
     cfg, _ = read_config(read_config_json(root / "dflash", "dflash"))
     cfg = dataclasses.replace(cfg, denoise_steps=1)
-    model = DSparkModel(DSparkConfig(cfg, 8), load_block(cfg, {}, root / "dflash", "cpu", torch.float32, root / "target"))
+    model = DSparkModel(
+        DSparkConfig(cfg, 8), load_block(cfg, {}, root / "dflash", "cpu", torch.float32, root / "target")
+    )
     with torch.no_grad():
         gen = torch.Generator().manual_seed(0)
         for p in model.markov.parameters():

@@ -73,13 +73,16 @@ def _named(size: int) -> int:
     return fd
 
 
-@pytest.mark.parametrize("offered, refusal", [
-    (lambda: _unsealed(CONTROL + 2 * 4096), "not sealed"),  # a memfd its maker can still truncate
-    (lambda: _named(CONTROL + 2 * 4096), "not sealed"),  # a file of /dev/shm (what a channel was before)
-    (lambda: _read_end(), "not a memory file"),
-    (lambda: _sealed(CONTROL + 2 * 4096 + 8), "is not a channel"),  # sealed, not a channel's size
-    (lambda: _sealed(0), "is not a channel"),
-])
+@pytest.mark.parametrize(
+    "offered, refusal",
+    [
+        (lambda: _unsealed(CONTROL + 2 * 4096), "not sealed"),  # a memfd its maker can still truncate
+        (lambda: _named(CONTROL + 2 * 4096), "not sealed"),  # a file of /dev/shm (what a channel was before)
+        (lambda: _read_end(), "not a memory file"),
+        (lambda: _sealed(CONTROL + 2 * 4096 + 8), "is not a channel"),  # sealed, not a channel's size
+        (lambda: _sealed(0), "is not a channel"),
+    ],
+)
 def test_the_attacher_maps_nothing_it_cannot_trust(offered, refusal):
     """A hostile creator hands over its own descriptor at the channel's socket: RingError naming why, before any
     mmap (the attacher holds no mapping and no descriptor after)."""

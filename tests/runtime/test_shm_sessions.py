@@ -32,11 +32,13 @@ def test_a_release_during_a_step_lets_the_step_finish_then_ends_the_channel():
         async def on_end(session_id):
             ended.append(session_id)
 
-        sessions = ShmSessions("unit", ShmOffer(), target_pb2.VerifyRequest, handle,
-                               lambda exc: grpc.StatusCode.INTERNAL, on_end)
+        sessions = ShmSessions(
+            "unit", ShmOffer(), target_pb2.VerifyRequest, handle, lambda exc: grpc.StatusCode.INTERNAL, on_end
+        )
         client = await ShmClient.attach(sessions.offer("s", None))
         exchange = asyncio.ensure_future(
-            client.exchange(target_pb2.VerifyRequest(session_id="s"), target_pb2.VerifyResponse, 10))
+            client.exchange(target_pb2.VerifyRequest(session_id="s"), target_pb2.VerifyResponse, 10)
+        )
         await asyncio.wait_for(started.wait(), 10)
         sessions.close_session("s")  # released while the step runs
         go.set()
@@ -71,8 +73,9 @@ def test_an_offer_nobody_attaches_to_and_no_grpc_step_withdraws_releases_its_ses
             raise AssertionError("no step comes")
 
         offer = ShmOffer(attach_timeout_s=0.1, abandon_s=0.4)
-        sessions = ShmSessions("unit", offer, target_pb2.VerifyRequest, handle, lambda exc: grpc.StatusCode.INTERNAL,
-                               on_end)
+        sessions = ShmSessions(
+            "unit", offer, target_pb2.VerifyRequest, handle, lambda exc: grpc.StatusCode.INTERNAL, on_end
+        )
         gone, kept = sessions.offer("gone", None), sessions.offer("kept", None)
         assert gone and kept
         await asyncio.sleep(0.2)

@@ -112,9 +112,9 @@ def test_init_runs_first_on_the_thread_and_a_failed_init_fails_every_call():
     failed = OneThread("unit-broken", init=broken)
 
     async def main():
-        return await worker.call(seen.append, "call"), await asyncio.gather(failed.call(seen.append, "x"),
-                                                                             failed.call(seen.append, "y"),
-                                                                             return_exceptions=True)
+        return await worker.call(seen.append, "call"), await asyncio.gather(
+            failed.call(seen.append, "x"), failed.call(seen.append, "y"), return_exceptions=True
+        )
 
     try:
         _, errors = asyncio.run(main())

@@ -17,8 +17,26 @@ def main(argv: list[str]) -> int:
 
 
 def test_two_gloo_ranks_time_every_width(tmp_path, capsys):
-    argv = ["--device", "cpu", "--world-size", "2", "--tokens", "1,3", "--hidden", "64", "--vocab", "100",
-            "--reps", "3", "--calls", "2", "--warmup", "1", "--out", str(tmp_path)]
+    argv = [
+        "--device",
+        "cpu",
+        "--world-size",
+        "2",
+        "--tokens",
+        "1,3",
+        "--hidden",
+        "64",
+        "--vocab",
+        "100",
+        "--reps",
+        "3",
+        "--calls",
+        "2",
+        "--warmup",
+        "1",
+        "--out",
+        str(tmp_path),
+    ]
     assert main(argv) == 0
     report = json.loads((tmp_path / "allreduce.json").read_text())
     assert json.loads((tmp_path / "summary.json").read_text())["suites"]["allreduce"] == report
@@ -26,7 +44,9 @@ def test_two_gloo_ranks_time_every_width(tmp_path, capsys):
     assert (report["world_size"], report["backend"], report["hidden"]) == (2, "gloo", 64)
     assert report["env"]["NCCL_NVLS_ENABLE"] == "0"  # NVLink multicast off, as the serving ranks keep it
     assert [(p["tokens"], p["bytes"], p["mode"], p["samples"]) for p in report["all_reduce"]] == [
-        (1, 1 * 64 * 2, "eager", 3), (3, 3 * 64 * 2, "eager", 3)]  # [T, hidden] bf16
+        (1, 1 * 64 * 2, "eager", 3),
+        (3, 3 * 64 * 2, "eager", 3),
+    ]  # [T, hidden] bf16
     assert [p["bytes"] for p in report["all_gather_logits"]] == [1 * 50 * 4, 3 * 50 * 4]  # [T, ceil(V / N)] fp32
     for p in report["all_reduce"] + report["all_gather_logits"]:
         assert 0 < p["p10_us"] <= p["median_us"] <= p["p90_us"]

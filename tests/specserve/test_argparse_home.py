@@ -13,6 +13,10 @@ FLAGS = re.compile(r"^\s*(import argparse|from argparse import)|\.add_argument\(
 
 
 def test_argparse_only_in_cli_and_tools():
-    found = sorted(str(f.relative_to(ROOT)) for package in PACKAGES for f in (ROOT / package).rglob("*.py")
-                   if not any(home in f.parents for home in HOMES) and FLAGS.search(f.read_text(encoding="utf-8")))
+    found = sorted(
+        str(f.relative_to(ROOT))
+        for package in PACKAGES
+        for f in (ROOT / package).rglob("*.py")
+        if not any(home in f.parents for home in HOMES) and FLAGS.search(f.read_text(encoding="utf-8"))
+    )
     assert found == [], f"argparse outside cli/ and tools/: {found}"

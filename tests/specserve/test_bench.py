@@ -40,8 +40,15 @@ from specserve.bench.summary import acceptance_by_position
 
 # ---------------------------------------------------------------- floors (pure arithmetic)
 def _mb(**over) -> ModelBytes:
-    kw = dict(dense_bytes={"attention": 1000, "lm_head": 500}, embedding_row_bytes=8, expert_bytes=300,
-              num_moe_layers=2, num_experts=4, kv_entry_bytes=10, num_layers=3)
+    kw = dict(
+        dense_bytes={"attention": 1000, "lm_head": 500},
+        embedding_row_bytes=8,
+        expert_bytes=300,
+        num_moe_layers=2,
+        num_experts=4,
+        kv_entry_bytes=10,
+        num_layers=3,
+    )
     kw.update(over)
     return ModelBytes(**kw)
 
@@ -138,11 +145,20 @@ def test_projection_timings_file_round_trip(tmp_path):
     with pytest.raises(ProjectionError):
         ShapeTimings("X", "", "", {1: 2.0}, {})  # no k=0 baseline
     # the step_bench.json layout (GPU synthetic-model run); hand-made rows, not a measurement
-    report = {"device_name": "test", "results": [
-        {"model": "kimi-k2-layer", "error": "out of memory"},
-        {"model": "qwen3-30b-a3b", "rows": [
-            {"context": 127, "k": 0, "graph_ms": 2.0}, {"context": 128, "k": 1, "graph_ms": 2.5},
-            {"context": 4095, "k": 0, "graph_ms": 3.0}]}]}
+    report = {
+        "device_name": "test",
+        "results": [
+            {"model": "kimi-k2-layer", "error": "out of memory"},
+            {
+                "model": "qwen3-30b-a3b",
+                "rows": [
+                    {"context": 127, "k": 0, "graph_ms": 2.0},
+                    {"context": 128, "k": 1, "graph_ms": 2.5},
+                    {"context": 4095, "k": 0, "graph_ms": 3.0},
+                ],
+            },
+        ],
+    }
     (tmp_path / "step_bench.json").write_text(json.dumps(report))
     got = load_shape_timings(tmp_path / "step_bench.json")
     assert dict(got.verify_ms_by_k) == {0: 2.0, 1: 2.5} and "qwen3-30b-a3b" in got.shape
@@ -180,8 +196,13 @@ def test_prose_set_is_pinned_natural_language_and_taken_by_name():
 
 
 def test_plan_skips_draft_ahead_for_hidden_state_drafters(tmp_path):
-    cfg = BenchConfig(model=tmp_path, out=tmp_path, drafters=("none", "ngram", "eagle3"),
-                      speculation=("fixed", "adaptive"), draft_ahead=(False, True))
+    cfg = BenchConfig(
+        model=tmp_path,
+        out=tmp_path,
+        drafters=("none", "ngram", "eagle3"),
+        speculation=("fixed", "adaptive"),
+        draft_ahead=(False, True),
+    )
     methods, skipped = plan_methods(cfg, {"ngram": True, "eagle3": True}, {"eagle3": True})
     names = [m.name for m in methods]
     assert names[0] == "target-only" and "ngram/adaptive/ahead" in names
@@ -201,8 +222,22 @@ def test_cli_flags_map_onto_the_config(bench_target, tmp_path):
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)
-    args = parser.parse_args(["--model", str(bench_target), "--draft-models", f"model={tmp_path},eagle3={tmp_path}",
-                              "--speculation", "both", "--draft-ahead", "off", "--k-sweep", "4,0,2", "--out", str(tmp_path)])
+    args = parser.parse_args(
+        [
+            "--model",
+            str(bench_target),
+            "--draft-models",
+            f"model={tmp_path},eagle3={tmp_path}",
+            "--speculation",
+            "both",
+            "--draft-ahead",
+            "off",
+            "--k-sweep",
+            "4,0,2",
+            "--out",
+            str(tmp_path),
+        ]
+    )
     cfg = config_from_args(args)
     assert cfg.speculation == ("fixed", "adaptive") and cfg.draft_ahead == (False,)
     assert cfg.k_sweep == (0, 2, 4) and set(cfg.draft_models) == {"model", "eagle3"} and not cfg.demo_drafters
@@ -211,13 +246,38 @@ def test_cli_flags_map_onto_the_config(bench_target, tmp_path):
 
 
 # ---------------------------------------------------------------- a real run: the artifact schema
-STEP_KEYS = {"method", "drafter", "speculation", "draft_ahead", "prompt", "step", "context_len", "drafted",
-             "accepted", "draft_ms", "verify_ms", "verify_wall_ms", "wall_ms", "overhead_ms", "experts_touched",
-             "floor_bytes", "floor_ms", "k"}
+STEP_KEYS = {
+    "method",
+    "drafter",
+    "speculation",
+    "draft_ahead",
+    "prompt",
+    "step",
+    "context_len",
+    "drafted",
+    "accepted",
+    "draft_ms",
+    "verify_ms",
+    "verify_wall_ms",
+    "wall_ms",
+    "overhead_ms",
+    "experts_touched",
+    "floor_bytes",
+    "floor_ms",
+    "k",
+}
 METHOD_KEYS = {"kind", "prompts", "completion_tokens", "tokens_per_s", "ttft_s_mean", "matches_target_only"}
-SPEC_KEYS = METHOD_KEYS | {"steps", "mean_accepted_length", "acceptance_by_position", "chosen_k", "per_step_ms",
-                           "floor_fraction_of_step", "draft_ahead_stats", "experts_touched_mean",
-                           "draft_ms_per_drafted_token"}
+SPEC_KEYS = METHOD_KEYS | {
+    "steps",
+    "mean_accepted_length",
+    "acceptance_by_position",
+    "chosen_k",
+    "per_step_ms",
+    "floor_fraction_of_step",
+    "draft_ahead_stats",
+    "experts_touched_mean",
+    "draft_ms_per_drafted_token",
+}
 
 
 def test_artifacts_exist(bench_run):
@@ -258,8 +318,15 @@ def test_step_rows_and_method_summaries(bench_run):
     assert methods["model/fixed/k2"]["draft_ms_per_drafted_token"] == pytest.approx(per_token, abs=1e-3)
     assert methods["target-only"]["draft_ms_per_drafted_token"] is None  # drafted nothing
     ours = [m for m in methods.values() if m["kind"] == "specserve"]
-    assert {"target-only", "ngram/fixed/k1", "ngram/fixed/k2", "ngram/adaptive/ahead", "model/fixed/k1",
-            "model/fixed/k2/ahead", "model/adaptive/ahead"} <= methods.keys()
+    assert {
+        "target-only",
+        "ngram/fixed/k1",
+        "ngram/fixed/k2",
+        "ngram/adaptive/ahead",
+        "model/fixed/k1",
+        "model/fixed/k2/ahead",
+        "model/adaptive/ahead",
+    } <= methods.keys()
     for m in ours:
         assert SPEC_KEYS <= m.keys()
         assert m["matches_target_only"] == 1.0  # greedy speculative decoding is lossless

@@ -45,12 +45,27 @@ def test_bad_fixed_k_flag_is_one_line_not_a_traceback(value, capsys):
 
 
 def test_plan_runs_each_fixed_method_once_per_k(tmp_path):
-    cfg = BenchConfig(model=tmp_path, out=tmp_path, drafters=("none", "ngram", "eagle3"), num_speculative_tokens=2,
-                      fixed_ks=(3, 1), speculation=("fixed", "adaptive"), draft_ahead=(False, True))
+    cfg = BenchConfig(
+        model=tmp_path,
+        out=tmp_path,
+        drafters=("none", "ngram", "eagle3"),
+        num_speculative_tokens=2,
+        fixed_ks=(3, 1),
+        speculation=("fixed", "adaptive"),
+        draft_ahead=(False, True),
+    )
     methods, skipped = plan_methods(cfg, {"ngram": True, "eagle3": True}, {"eagle3": True})
     assert [m.name for m in methods] == [
-        "target-only", "ngram/fixed/k1", "ngram/fixed/k1/ahead", "ngram/fixed/k3", "ngram/fixed/k3/ahead",
-        "ngram/adaptive", "ngram/adaptive/ahead", "eagle3/fixed/k1", "eagle3/fixed/k3", "eagle3/adaptive",
+        "target-only",
+        "ngram/fixed/k1",
+        "ngram/fixed/k1/ahead",
+        "ngram/fixed/k3",
+        "ngram/fixed/k3/ahead",
+        "ngram/adaptive",
+        "ngram/adaptive/ahead",
+        "eagle3/fixed/k1",
+        "eagle3/fixed/k3",
+        "eagle3/adaptive",
     ]
     assert {m.k for m in methods if m.adaptive} == {3}  # adaptive's cap: the largest k of the run
     assert [m.k for m in methods if m.drafter == "none"] == [0]
@@ -59,17 +74,31 @@ def test_plan_runs_each_fixed_method_once_per_k(tmp_path):
 
 # ---------------------------------------------------------------- comparison block (hand-made entries)
 def _m(drafter, speculation, k, tps, ahead=False, **more):
-    return {"kind": "specserve", "drafter": drafter, "speculation": speculation, "draft_ahead": ahead, "k": k,
-            "tokens_per_s": tps, **more}
+    return {
+        "kind": "specserve",
+        "drafter": drafter,
+        "speculation": speculation,
+        "draft_ahead": ahead,
+        "k": k,
+        "tokens_per_s": tps,
+        **more,
+    }
 
 
 def test_comparison_picks_the_best_fixed_k_hand_computed():
     methods = {
         "target-only": _m("none", "fixed", 0, 50.0),
         "model/fixed/k1": _m("model", "fixed", 1, 60.0, per_step_ms={"verify": 5.0}),
-        "model/fixed/k1/ahead": _m("model", "fixed", 1, 66.0, ahead=True, per_step_ms={"verify": 5.5},
-                                   draft_ahead_stats={"hits": 3, "ahead_ms": 9.0, "hidden_ms": 7.5, "wait_ms": 1.5},
-                                   steps=10),
+        "model/fixed/k1/ahead": _m(
+            "model",
+            "fixed",
+            1,
+            66.0,
+            ahead=True,
+            per_step_ms={"verify": 5.5},
+            draft_ahead_stats={"hits": 3, "ahead_ms": 9.0, "hidden_ms": 7.5, "wait_ms": 1.5},
+            steps=10,
+        ),
         "model/fixed/k2": _m("model", "fixed", 2, 80.0),
         "model/adaptive": _m("model", "adaptive", 2, 70.0, chosen_k={"1": 4, "2": 6}),
         "hf/greedy": {"kind": "transformers", "drafter": "greedy", "tokens_per_s": 10.0},
@@ -80,13 +109,30 @@ def test_comparison_picks_the_best_fixed_k_hand_computed():
     assert (off["drafter"], off["draft_ahead"], on["draft_ahead"]) == ("model", False, True)
     assert off["fixed_tokens_per_s_by_k"] == {"1": 60.0, "2": 80.0}
     assert off["best_fixed"] == {"method": "model/fixed/k2", "k": 2, "tokens_per_s": 80.0, "vs_target_only": 1.6}
-    assert off["adaptive"] == {"method": "model/adaptive", "max_k": 2, "tokens_per_s": 70.0, "vs_target_only": 1.4,
-                               "chosen_k": {"1": 4, "2": 6}}
+    assert off["adaptive"] == {
+        "method": "model/adaptive",
+        "max_k": 2,
+        "tokens_per_s": 70.0,
+        "vs_target_only": 1.4,
+        "chosen_k": {"1": 4, "2": 6},
+    }
     assert off["adaptive_over_best_fixed"] == 0.875
     assert on["best_fixed"]["k"] == 1 and on["adaptive"] is None and on["adaptive_over_best_fixed"] is None
-    assert c["draft_ahead"] == [{"method": "model/fixed/k1", "off_tokens_per_s": 60.0, "on_tokens_per_s": 66.0,
-                                 "on_over_off": 1.1, "ahead_hits": 3, "ahead_ms": 9.0, "hidden_ms": 7.5,
-                                 "wait_ms": 1.5, "off_verify_ms": 5.0, "on_verify_ms": 5.5, "steps": 10}]
+    assert c["draft_ahead"] == [
+        {
+            "method": "model/fixed/k1",
+            "off_tokens_per_s": 60.0,
+            "on_tokens_per_s": 66.0,
+            "on_over_off": 1.1,
+            "ahead_hits": 3,
+            "ahead_ms": 9.0,
+            "hidden_ms": 7.5,
+            "wait_ms": 1.5,
+            "off_verify_ms": 5.0,
+            "on_verify_ms": 5.5,
+            "steps": 10,
+        }
+    ]
     md = format_comparison(c, "title")
     assert "| model | off | k1: 60.0 k2: 80.0 | 2 | 80.0 (1.60x) | 70.0 (1.40x) (cap 2) | 0.88x | 1:4 2:6 |" in md
     assert "| model/fixed/k1 | 60.0 | 66.0 | 1.10x | 3 / 10 | 9.0 | 7.5 | 1.5 | 5.00 -> 5.50 |" in md
@@ -105,7 +151,8 @@ def test_projection_prices_each_step_at_its_own_drafted_count():
         "hf/greedy": {"kind": "transformers", "tokens_per_s": 1.0},
     }
     steps = [
-        {"method": "target-only", "drafted": 0, "accepted": 0}, {"method": "target-only", "drafted": 0, "accepted": 0},
+        {"method": "target-only", "drafted": 0, "accepted": 0},
+        {"method": "target-only", "drafted": 0, "accepted": 0},
         {"method": "ngram/adaptive", "drafted": 0, "accepted": 0},
         {"method": "ngram/adaptive", "drafted": 2, "accepted": 2},
         {"method": "ngram/adaptive", "drafted": 3, "accepted": 1},

@@ -15,10 +15,26 @@ from specserve.bench.result import ENVIRONMENT_KEYS, SCHEMA_VERSION, SUMMARY_KEY
 from specserve.cli.main import build_parser, main
 
 ROOT = Path(__file__).resolve().parents[2]
-DOCS = ("README.md", "BENCHMARKS.md", "ARCHITECTURE.md", "Makefile", *sorted(f"docs/{p.name}" for p in (ROOT / "docs").glob("*.md")))
+DOCS = (
+    "README.md",
+    "BENCHMARKS.md",
+    "ARCHITECTURE.md",
+    "Makefile",
+    *sorted(f"docs/{p.name}" for p in (ROOT / "docs").glob("*.md")),
+)
 # modules whose flags and output moved behind `specserve bench` (their `python -m` entry points are gone)
-MOVED = ("step_bench", "step_profile", "kernel_bench", "quant_kernel_bench", "serve_overhead", "k2_projection",
-         "draft_profile", "ring_rtt", "projection ", "allreduce_bench")
+MOVED = (
+    "step_bench",
+    "step_profile",
+    "kernel_bench",
+    "quant_kernel_bench",
+    "serve_overhead",
+    "k2_projection",
+    "draft_profile",
+    "ring_rtt",
+    "projection ",
+    "allreduce_bench",
+)
 
 
 def assert_schema(summary: dict, bench: str) -> None:
@@ -36,9 +52,31 @@ def _read(out: Path) -> dict:
 
 def test_step_then_project_from_its_summary_and_an_e2e_runs_acceptance(bench_run, tmp_path, capsys):
     step = tmp_path / "step"
-    rc = main(["bench", "step", "--model", "tiny-kimi-k2-int4:1,tiny-kimi-k2-int4:3", "--device", "cpu",
-               "--dtype", "float32", "--no-graphs", "--contexts", "8", "--max-k", "1", "--reps", "1",
-               "--eager-reps", "0", "--shard", "0/4", "--out", str(step)])
+    rc = main(
+        [
+            "bench",
+            "step",
+            "--model",
+            "tiny-kimi-k2-int4:1,tiny-kimi-k2-int4:3",
+            "--device",
+            "cpu",
+            "--dtype",
+            "float32",
+            "--no-graphs",
+            "--contexts",
+            "8",
+            "--max-k",
+            "1",
+            "--reps",
+            "1",
+            "--eager-reps",
+            "0",
+            "--shard",
+            "0/4",
+            "--out",
+            str(step),
+        ]
+    )
     assert rc == 0
     summary = _read(step)
     assert_schema(summary, "step")
@@ -53,8 +91,21 @@ def test_step_then_project_from_its_summary_and_an_e2e_runs_acceptance(bench_run
     e2e_out, _ = bench_run
     proj = tmp_path / "proj"
     capsys.readouterr()
-    assert main(["bench", "project", "--step", str(step / "summary.json"), "--acceptance",
-                 str(e2e_out / "summary.json"), "--out", str(proj)]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "project",
+                "--step",
+                str(step / "summary.json"),
+                "--acceptance",
+                str(e2e_out / "summary.json"),
+                "--out",
+                str(proj),
+            ]
+        )
+        == 0
+    )
     result = _read(proj)
     assert_schema(result, "project")
     assert result["projection_inputs"]["shard_model"] == "tiny-kimi-k2-int4"
@@ -62,8 +113,22 @@ def test_step_then_project_from_its_summary_and_an_e2e_runs_acceptance(bench_run
     assert set(result["projection_tokens_per_s_by_k"]) >= {"ngram/fixed/k2", "eagle3/fixed/k2"}
     assert "projection | target-only" in capsys.readouterr().out
     shape = tmp_path / "shape"  # the same step rows as the e2e run's own projection line (bench/projection.py)
-    assert main(["bench", "project", "--shape", "--step", str(step / "summary.json"), "--acceptance",
-                 str(e2e_out / "summary.json"), "--out", str(shape)]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "project",
+                "--shape",
+                "--step",
+                str(step / "summary.json"),
+                "--acceptance",
+                str(e2e_out / "summary.json"),
+                "--out",
+                str(shape),
+            ]
+        )
+        == 0
+    )
     projected = _read(shape)
     assert_schema(projected, "project-shape")
     assert projected["projection"]["label"] == "projection" and projected["projection"]["methods"]
@@ -71,9 +136,32 @@ def test_step_then_project_from_its_summary_and_an_e2e_runs_acceptance(bench_run
 
 def test_step_takes_a_demo_at_name(tmp_path):
     out = tmp_path / "step"
-    assert main(["bench", "step", "--model", "demo@small-moonlight:5", "--device", "cpu", "--dtype", "float32",
-                 "--no-graphs", "--contexts", "4", "--max-k", "0", "--reps", "1", "--eager-reps", "0",
-                 "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "step",
+                "--model",
+                "demo@small-moonlight:5",
+                "--device",
+                "cpu",
+                "--dtype",
+                "float32",
+                "--no-graphs",
+                "--contexts",
+                "4",
+                "--max-k",
+                "0",
+                "--reps",
+                "1",
+                "--eager-reps",
+                "0",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     (res,) = _read(out)["results"]
     assert "error" not in res, res
     assert res["model"] == "demo@small-moonlight:5" and res["layers"] == 5 and res["rows"][0]["graph_ms"] > 0
@@ -81,8 +169,25 @@ def test_step_takes_a_demo_at_name(tmp_path):
 
 def test_draft_goes_through_draft_profiles_entry_point(tmp_path):
     out = tmp_path / "draft"
-    assert main(["bench", "draft", "--drafters", "ngram", "--max-new-tokens", "4", "--top", "2", "--device", "cpu",
-                 "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "draft",
+                "--drafters",
+                "ngram",
+                "--max-new-tokens",
+                "4",
+                "--top",
+                "2",
+                "--device",
+                "cpu",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     summary = _read(out)
     assert_schema(summary, "draft")
     (row,) = summary["rows"]
@@ -96,18 +201,38 @@ def test_e2e_summary_has_the_schema(bench_run):
     assert summary["environment"]["bandwidth"]["bytes_per_s"] > 0 and summary["methods"]
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["kernels", "--device", "cpu"], "bench kernels times Triton and FlashInfer kernels; it needs --device cuda"),
-    (["kernels", "--suite", "moe,bogus", "--device", "cpu"], "--suite: choose from moe, quant"),
-    (["kernels", "--suite", "moe", "--gemv-sweep", "--device", "cpu"], "--gemv-sweep runs in the quant suite"),
-    (["step", "--census", "--device", "cpu"], "needs a CUDA GPU"),
-    (["step", "--model", "demo@no-such-model", "--device", "cpu", "--no-graphs", "--contexts", "4", "--max-k", "0",
-      "--reps", "1", "--eager-reps", "0"], None),
-    (["project", "--step", "/nonexistent/summary.json", "--acceptance", "/nonexistent/s.json"], "does not exist"),
-    (["draft", "--drafters", "ngram,medusa"], "--drafters: choose from"),
-    (["draft", "--model", "demo@no-such-model"], "--model demo@no-such-model"),
-    (["kernels", "--suite", "allreduce", "--world-size", "1", "--device", "cpu"], "--world-size must be >= 2"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["kernels", "--device", "cpu"], "bench kernels times Triton and FlashInfer kernels; it needs --device cuda"),
+        (["kernels", "--suite", "moe,bogus", "--device", "cpu"], "--suite: choose from moe, quant"),
+        (["kernels", "--suite", "moe", "--gemv-sweep", "--device", "cpu"], "--gemv-sweep runs in the quant suite"),
+        (["step", "--census", "--device", "cpu"], "needs a CUDA GPU"),
+        (
+            [
+                "step",
+                "--model",
+                "demo@no-such-model",
+                "--device",
+                "cpu",
+                "--no-graphs",
+                "--contexts",
+                "4",
+                "--max-k",
+                "0",
+                "--reps",
+                "1",
+                "--eager-reps",
+                "0",
+            ],
+            None,
+        ),
+        (["project", "--step", "/nonexistent/summary.json", "--acceptance", "/nonexistent/s.json"], "does not exist"),
+        (["draft", "--drafters", "ngram,medusa"], "--drafters: choose from"),
+        (["draft", "--model", "demo@no-such-model"], "--model demo@no-such-model"),
+        (["kernels", "--suite", "allreduce", "--world-size", "1", "--device", "cpu"], "--world-size must be >= 2"),
+    ],
+)
 def test_refusals_are_one_line(argv, message, tmp_path, capsys):
     rc = main(["bench", *argv, "--out", str(tmp_path / "out")])
     err = capsys.readouterr().err.strip().splitlines()
@@ -124,8 +249,9 @@ def test_bare_bench_is_e2e(bench_target, tmp_path):
     parser, _ = build_parser(["bench", "e2e", *argv])
     named = parser.parse_args(["bench", "e2e", *argv])
     assert bare.bench_command is None and named.bench_command == "e2e"
-    assert {k: v for k, v in vars(bare).items() if k != "bench_command"} == \
-           {k: v for k, v in vars(named).items() if k != "bench_command"}
+    assert {k: v for k, v in vars(bare).items() if k != "bench_command"} == {
+        k: v for k, v in vars(named).items() if k != "bench_command"
+    }
 
 
 def _doc_commands() -> list[tuple[str, list[str]]]:

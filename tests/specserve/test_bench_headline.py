@@ -23,8 +23,16 @@ RUNS = {  # stage -> a committed summary of the same command (BENCHMARKS.md's pa
 
 def test_every_stage_is_a_command_the_cli_takes(tmp_path):
     plan = stages(tmp_path)
-    assert [s.name for s in plan] == ["moon-a", "moon-b", "k26", "k26-serve-a", "k26-serve-b", "census", "k26-shard",
-                                      "k26-projection"]
+    assert [s.name for s in plan] == [
+        "moon-a",
+        "moon-b",
+        "k26",
+        "k26-serve-a",
+        "k26-serve-b",
+        "census",
+        "k26-shard",
+        "k26-projection",
+    ]
     for s in plan:
         parser, _ = build_parser(list(s.argv))
         args = parser.parse_args(list(s.argv))  # a wrong flag exits here
@@ -38,8 +46,10 @@ def test_the_table_from_the_h200_runs(tmp_path):
         (tmp_path / stage).mkdir()
         shutil.copy(RESULTS / rel, tmp_path / stage / "summary.json")
     lines = headline_table(tmp_path).splitlines()
-    moon, k26, proj = (next(line for line in lines if line.startswith(f"| {t}")) for t in (
-        "`demo@moonlight-16b-a3b`", "`demo@kimi-k2.6:6`", "Kimi-K2.6 on 4 GPUs"))
+    moon, k26, proj = (
+        next(line for line in lines if line.startswith(f"| {t}"))
+        for t in ("`demo@moonlight-16b-a3b`", "`demo@kimi-k2.6:6`", "Kimi-K2.6 on 4 GPUs")
+    )
     # BENCHMARKS.md, the fourth pass: target-only 211.5 / 209.4 tok/s, EAGLE-3 k=2 through serve 1.16x
     assert "| 209.4-211.5 tok/s (4.73 ms a step) |" in moon and "| EAGLE-3 k=2: 1.16x |" in moon
     assert moon.endswith("| 1.00 |")

@@ -10,8 +10,18 @@ from specserve.bench import plots  # noqa: E402
 
 
 def _steps(method: str, n: int) -> list[dict]:
-    return [{"method": method, "prompt": "p0", "step": i, "draft_ms": 0.5, "verify_ms": 1.0 + 0.1 * i,
-             "overhead_ms": 0.2, "floor_ms": 0.4} for i in range(n)]
+    return [
+        {
+            "method": method,
+            "prompt": "p0",
+            "step": i,
+            "draft_ms": 0.5,
+            "verify_ms": 1.0 + 0.1 * i,
+            "overhead_ms": 0.2,
+            "floor_ms": 0.4,
+        }
+        for i in range(n)
+    ]
 
 
 def test_phase_steps_ticks_are_whole_steps_and_the_legend_is_over_no_panel(tmp_path):
@@ -37,8 +47,12 @@ def test_phase_steps_ticks_are_whole_steps_and_the_legend_is_over_no_panel(tmp_p
 def test_phase_steps_leave_no_blank_band_over_the_panels():
     """The title, then the legend's strip, then the panels: no more than a few tenths of an inch between the
     legend and the top panels (tight_layout used to make room for the title again: ~0.8 inch of nothing)."""
-    rows = _steps("target-only", 30) + _steps("ngram/fixed/k4", 20) + _steps("model/fixed/k4", 15) + _steps(
-        "eagle3/fixed/k4", 18)
+    rows = (
+        _steps("target-only", 30)
+        + _steps("ngram/fixed/k4", 20)
+        + _steps("model/fixed/k4", 15)
+        + _steps("eagle3/fixed/k4", 18)
+    )
     fig = plots.phase_steps_figure(rows, "per-step phases")
     fig.canvas.draw()
     renderer = fig.canvas.get_renderer()

@@ -10,13 +10,48 @@ from specserve.cli.main import main
 
 def test_bench_via_serve_measures_each_method_three_ways(bench_target, bench_draft_lm, tmp_path, capsys):
     out = tmp_path / "via"
-    rc = main([
-        "bench", "--via", "serve", "--model", str(bench_target), "--draft-models", f"model={bench_draft_lm}",
-        "--drafters", "none,model", "--max-new-tokens", "8", "--num-speculative-tokens", "2", "--prompts", "1",
-        "--speculation", "fixed", "--draft-ahead", "off", "--no-hf", "--k-sweep", "0,1", "--tax-context", "16",
-        "--tax-repeats", "1", "--warmup", "0", "--bandwidth-mib", "1", "--num-kv-blocks", "64",
-        "--kv-block-size", "8", "--no-plots", "--quiet", "--out", str(out),
-    ])
+    rc = main(
+        [
+            "bench",
+            "--via",
+            "serve",
+            "--model",
+            str(bench_target),
+            "--draft-models",
+            f"model={bench_draft_lm}",
+            "--drafters",
+            "none,model",
+            "--max-new-tokens",
+            "8",
+            "--num-speculative-tokens",
+            "2",
+            "--prompts",
+            "1",
+            "--speculation",
+            "fixed",
+            "--draft-ahead",
+            "off",
+            "--no-hf",
+            "--k-sweep",
+            "0,1",
+            "--tax-context",
+            "16",
+            "--tax-repeats",
+            "1",
+            "--warmup",
+            "0",
+            "--bandwidth-mib",
+            "1",
+            "--num-kv-blocks",
+            "64",
+            "--kv-block-size",
+            "8",
+            "--no-plots",
+            "--quiet",
+            "--out",
+            str(out),
+        ]
+    )
     assert rc == 0
     printed = capsys.readouterr().out
     summary = json.loads((out / "summary.json").read_text())

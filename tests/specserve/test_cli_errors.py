@@ -57,8 +57,9 @@ def _truncated(src, dst, file="model.safetensors"):
 
 def test_a_truncated_target_checkpoint_under_generate_is_one_line(bench_target, tmp_path, capsys):
     cut = _truncated(bench_target, tmp_path / "target")
-    line = _one_line_error(capsys, ["generate", "--model", str(cut.parent), "--prompt-ids", "1,2"],
-                           "specserve generate: error: ")
+    line = _one_line_error(
+        capsys, ["generate", "--model", str(cut.parent), "--prompt-ids", "1,2"], "specserve generate: error: "
+    )
     assert str(cut) in line
 
 
@@ -71,9 +72,18 @@ def bench_dflash(bench_target, tmp_path_factory):
     from specserve.draft_service.dflash import DFlashConfig, DFlashModel, save_dflash
 
     torch.manual_seed(0)
-    cfg = DFlashConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
-                       head_dim=8, intermediate_size=32, vocab_size=TARGET["vocab_size"], block_size=5,
-                       target_hidden_size=TARGET["hidden_size"], target_layer_ids=(0, 2))
+    cfg = DFlashConfig(
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+        intermediate_size=32,
+        vocab_size=TARGET["vocab_size"],
+        block_size=5,
+        target_hidden_size=TARGET["hidden_size"],
+        target_layer_ids=(0, 2),
+    )
     out = tmp_path_factory.mktemp("dflash") / "dflash"
     save_dflash(DFlashModel(cfg), out)
     return out
@@ -81,9 +91,12 @@ def bench_dflash(bench_target, tmp_path_factory):
 
 @pytest.mark.parametrize("family", ["eagle3", "dflash", "model"])
 @pytest.mark.parametrize("command", ["generate", "draft"])
-def test_a_truncated_drafter_checkpoint_is_one_line(bench_target, bench_eagle3, bench_dflash, bench_draft_lm, tmp_path,
-                                                    capsys, family, command):
-    cut = _truncated({"eagle3": bench_eagle3, "dflash": bench_dflash, "model": bench_draft_lm}[family], tmp_path / family)
+def test_a_truncated_drafter_checkpoint_is_one_line(
+    bench_target, bench_eagle3, bench_dflash, bench_draft_lm, tmp_path, capsys, family, command
+):
+    cut = _truncated(
+        {"eagle3": bench_eagle3, "dflash": bench_dflash, "model": bench_draft_lm}[family], tmp_path / family
+    )
     argv = [command, "--model", str(bench_target), "--draft", family, "--draft-model", str(cut.parent)]
     if command == "generate":
         argv += ["--prompt-ids", "1,2"]
@@ -95,8 +108,11 @@ def test_a_truncated_drafter_checkpoint_is_one_line(bench_target, bench_eagle3, 
 
 def test_generate_refuses_more_new_tokens_than_the_context_holds(bench_target, capsys):
     """As the gateway refuses it (client): up front, one line (generate ran to the context's end, exit 0)."""
-    line = _one_line_error(capsys, ["generate", "--model", str(bench_target), "--prompt-ids", "1,2",
-                                    "--max-new-tokens", "100000000"], "specserve generate: error: --max-new-tokens: ")
+    line = _one_line_error(
+        capsys,
+        ["generate", "--model", str(bench_target), "--prompt-ids", "1,2", "--max-new-tokens", "100000000"],
+        "specserve generate: error: --max-new-tokens: ",
+    )
     assert "context of 1024" in line
 
 
@@ -110,8 +126,11 @@ def test_an_unknown_device_is_one_line(capsys, command, device):
 
 def test_a_bad_given_commit_is_one_line_before_the_bench_measures(capsys, monkeypatch, tmp_path):
     monkeypatch.setenv("SPECSERVE_GIT_COMMIT", "main")
-    line = _one_line_error(capsys, ["bench", "overhead", "--ring", "--n", "5", "--out", str(tmp_path)],
-                           "specserve bench: error: SPECSERVE_GIT_COMMIT: 'main' is not a commit")
+    line = _one_line_error(
+        capsys,
+        ["bench", "overhead", "--ring", "--n", "5", "--out", str(tmp_path)],
+        "specserve bench: error: SPECSERVE_GIT_COMMIT: 'main' is not a commit",
+    )
     assert "git describe --always --dirty" in line and not (tmp_path / "summary.json").exists()
 
 
@@ -120,13 +139,23 @@ def test_float32_on_cuda_is_refused_before_anything_loads(capsys):
     --dtype auto is bfloat16 on CUDA."""
     from specserve.cli.common import check_target_placement, dtype_for
 
-    line = _one_line_error(capsys, ["generate", "--device", "cuda", "--dtype", "float32", "--prompt-ids", "1"],
-                           "specserve generate: error: --dtype float32 on CUDA: ")
+    line = _one_line_error(
+        capsys,
+        ["generate", "--device", "cuda", "--dtype", "float32", "--prompt-ids", "1"],
+        "specserve generate: error: --dtype float32 on CUDA: ",
+    )
     assert "without CUDA graphs" in line and "use --dtype bfloat16" in line
-    _one_line_error(capsys, ["serve", "--device", "cuda:0", "--dtype", "float32"], "specserve serve: error: --dtype float32")
+    _one_line_error(
+        capsys, ["serve", "--device", "cuda:0", "--dtype", "float32"], "specserve serve: error: --dtype float32"
+    )
     assert (dtype_for("cuda", "auto"), dtype_for("cuda:1", "auto"), dtype_for("cpu", "auto")) == (
-        "bfloat16", "bfloat16", "float32")
-    assert check_target_placement("cpu", "auto") == "float32" and check_target_placement("cpu", "bfloat16") == "bfloat16"
+        "bfloat16",
+        "bfloat16",
+        "float32",
+    )
+    assert (
+        check_target_placement("cpu", "auto") == "float32" and check_target_placement("cpu", "bfloat16") == "bfloat16"
+    )
 
 
 def test_an_unknown_flag_is_named_before_a_missing_one(capsys):
@@ -142,17 +171,27 @@ def test_help_shows_defaults(capsys):
     out = capsys.readouterr().out
     assert info.value.code == 0
     flat = " ".join(out.split())
-    for shown in ("--num-kv-blocks NUM_KV_BLOCKS default: 4096", "--max-new-tokens MAX_NEW_TOKENS default: 64",
-                  "--draft {none,ngram,model,eagle3,dflash,dspark,mtp} default: none", "(default: cpu)"):
+    for shown in (
+        "--num-kv-blocks NUM_KV_BLOCKS default: 4096",
+        "--max-new-tokens MAX_NEW_TOKENS default: 64",
+        "--draft {none,ngram,model,eagle3,dflash,dspark,mtp} default: none",
+        "(default: cpu)",
+    ):
         assert shown in flat, shown
 
 
 def test_a_k_with_draft_none_warns(capsys):
-    assert main(["generate", "--prompt-ids", "1,2,3", "--max-new-tokens", "2", "--num-speculative-tokens", "100",
-                 "--json"]) == 0
+    assert (
+        main(
+            ["generate", "--prompt-ids", "1,2,3", "--max-new-tokens", "2", "--num-speculative-tokens", "100", "--json"]
+        )
+        == 0
+    )
     err = capsys.readouterr().err
-    assert ("specserve generate: warning: --num-speculative-tokens 100 has no effect with --draft none "
-            "(target-only decoding)") in err
+    assert (
+        "specserve generate: warning: --num-speculative-tokens 100 has no effect with --draft none "
+        "(target-only decoding)"
+    ) in err
     assert main(["generate", "--prompt-ids", "1,2,3", "--max-new-tokens", "2", "--json"]) == 0
     assert "warning" not in capsys.readouterr().err
 
@@ -172,12 +211,18 @@ def test_a_busy_port_is_one_line_before_the_model_loads(command):
         port = holder.getsockname()[1]
         flag = ["--listen", f"127.0.0.1:{port}"] if command[0] in ("target", "draft") else ["--port", str(port)]
         t0 = time.monotonic()
-        out = subprocess.run([sys.executable, "-m", "specserve.cli.main", *command, *flag], capture_output=True,
-                             text=True, timeout=120, env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+        out = subprocess.run(
+            [sys.executable, "-m", "specserve.cli.main", *command, *flag],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={**__import__("os").environ, "OMP_NUM_THREADS": "1"},
+        )
         took = time.monotonic() - t0
     lines = out.stderr.strip().splitlines()
     assert out.returncode == 2 and lines == [
-        f"specserve {command[0]}: error: cannot listen on 127.0.0.1:{port}: Address already in use"], out.stderr
+        f"specserve {command[0]}: error: cannot listen on 127.0.0.1:{port}: Address already in use"
+    ], out.stderr
     assert took < 30
 
 
@@ -208,5 +253,8 @@ def test_threads_sizes_the_process_pool(capsys):
         holder.bind(("127.0.0.1", 0))
         holder.listen()
         port = holder.getsockname()[1]
-        _one_line_error(capsys, ["serve", "--threads", "-1", "--host", "127.0.0.1", "--port", str(port)],
-                        "specserve serve: error: --threads must be >= 0")
+        _one_line_error(
+            capsys,
+            ["serve", "--threads", "-1", "--host", "127.0.0.1", "--port", str(port)],
+            "specserve serve: error: --threads must be >= 0",
+        )

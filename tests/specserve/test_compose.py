@@ -72,11 +72,14 @@ def _argv(service: dict, env: dict[str, str], tmp_path: Path) -> list[str]:
     bin_dir, seen = tmp_path / "bin", tmp_path / "argv.json"
     bin_dir.mkdir(exist_ok=True)
     stand_in = bin_dir / "specserve"
-    stand_in.write_text(f'#!/bin/sh\nexec python3 -c "import json, sys; json.dump(sys.argv[1:], open(\'{seen}\', \'w\'))" "$@"\n')
+    stand_in.write_text(
+        f"#!/bin/sh\nexec python3 -c \"import json, sys; json.dump(sys.argv[1:], open('{seen}', 'w'))\" \"$@\"\n"
+    )
     stand_in.chmod(0o755)
     container_env = {k: str(v) for k, v in service.get("environment", {}).items()}
-    subprocess.run(["sh", "-c", argv[2]], env={"PATH": f"{bin_dir}:{os.environ['PATH']}", **container_env},
-                   check=True, timeout=30)
+    subprocess.run(
+        ["sh", "-c", argv[2]], env={"PATH": f"{bin_dir}:{os.environ['PATH']}", **container_env}, check=True, timeout=30
+    )
     return ["specserve", *json.loads(seen.read_text())]
 
 
@@ -91,8 +94,11 @@ def _port(address: str) -> str:
     return address.rsplit(":", 1)[1]
 
 
-@pytest.mark.parametrize("env, files", [(DEFAULTS, ()), (EAGLE3, ()), (EAGLE3, ("docker-compose.draft-gpu.yml",))],
-                         ids=["defaults", "eagle3", "eagle3-on-gpu"])
+@pytest.mark.parametrize(
+    "env, files",
+    [(DEFAULTS, ()), (EAGLE3, ()), (EAGLE3, ("docker-compose.draft-gpu.yml",))],
+    ids=["defaults", "eagle3", "eagle3-on-gpu"],
+)
 def test_every_service_command_parses_with_the_cli(env, files, tmp_path):
     services = _services(env, *files)
     ours = {name: s for name, s in services.items() if "build" in s}
@@ -113,8 +119,10 @@ def test_every_service_command_parses_with_the_cli(env, files, tmp_path):
         assert reserves_gpu == device.startswith("cuda"), f"{name}: device {device}"
         assert service["depends_on"]["check-env"]["condition"] == "service_completed_successfully"
     family = env.get("SPECSERVE_DRAFT", "ngram")
-    assert args["draft"].draft == family and str(args["draft"].draft_model or "") == env.get("SPECSERVE_DRAFT_MODEL", "")
-    (name, address), = args["gateway"].draft_service  # (name, address) pairs
+    assert args["draft"].draft == family and str(args["draft"].draft_model or "") == env.get(
+        "SPECSERVE_DRAFT_MODEL", ""
+    )
+    ((name, address),) = args["gateway"].draft_service  # (name, address) pairs
     assert name == family and address == f"draft:{_port(args['draft'].listen[0])}"
     assert args["gateway"].target == f"target:{_port(args['target'].listen[0])}"
 
@@ -124,10 +132,19 @@ def test_the_cpu_profile_runs_the_target_on_the_cpu_under_the_same_name():
     the default, which a --profile flag replaces), listening where the gateway dials and reserving no GPU."""
     services = _services(DEFAULTS)
     profiles = {name: s.get("profiles") for name, s in services.items()}
-    assert profiles == {"check-env": None, "jaeger": None, "target": ["gpu"], "target-cpu": ["cpu"], "draft": None,
-                        "gateway": None}
-    env_file = dict(line.split("=", 1) for line in (ROOT / ".env").read_text().splitlines()
-                    if line.strip() and not line.startswith("#"))
+    assert profiles == {
+        "check-env": None,
+        "jaeger": None,
+        "target": ["gpu"],
+        "target-cpu": ["cpu"],
+        "draft": None,
+        "gateway": None,
+    }
+    env_file = dict(
+        line.split("=", 1)
+        for line in (ROOT / ".env").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    )
     assert env_file == {"COMPOSE_PROFILES": "gpu"}
     cpu, gpu = services["target-cpu"], services["target"]
     assert "deploy" not in cpu and "deploy" in gpu

@@ -17,8 +17,9 @@ from specserve.kernels.quant_moe import GemvTile, GemvTiles
 HAS_CUDA = torch.cuda.is_available()
 DEV = "cuda" if HAS_CUDA else "cpu"
 ACT = torch.bfloat16 if HAS_CUDA else torch.float16
-runs_triton = pytest.mark.skipif(not (HAS_TRITON and (HAS_CUDA or triton_interpreting())),
-                                 reason="needs triton on CUDA, or TRITON_INTERPRET=1")
+runs_triton = pytest.mark.skipif(
+    not (HAS_TRITON and (HAS_CUDA or triton_interpreting())), reason="needs triton on CUDA, or TRITON_INTERPRET=1"
+)
 # down reads 32 words a row (I = 256), so its tile's step (BKW) changes the fp32 sums' order; one slot a token and
 # 9 rows (past W4A16_GEMV_MAX_TOKENS: the program rows take the slots in turn) keep the interpreter quick
 TINY = gs.SweepShape(experts=4, hidden=16, inter=256, top_k=1, group=16)
@@ -27,10 +28,17 @@ GATE_UP = GemvTile(256, 2)
 
 def _row(config: str, passed: bool, ms: float) -> dict:
     tile = dict(zip(("bn", "bkw", "warps", "stages"), map(int, config.split(","))))
-    times = {k: {t: {"ms": ms * t, "bytes": 1e6, "TBps": 1e6 / (ms * t * 1e-3) / 1e12} for t in (1, 4, 8)}
-             for k in gs.KERNELS}
-    return {"config": GemvTile(**tile).label(), "tile": tile, "passed": passed,
-            "failures": [] if passed else ["T=1: rel. error 5.00e-02 >= 1e-02"], "times": times}
+    times = {
+        k: {t: {"ms": ms * t, "bytes": 1e6, "TBps": 1e6 / (ms * t * 1e-3) / 1e12} for t in (1, 4, 8)}
+        for k in gs.KERNELS
+    }
+    return {
+        "config": GemvTile(**tile).label(),
+        "tile": tile,
+        "passed": passed,
+        "failures": [] if passed else ["T=1: rel. error 5.00e-02 >= 1e-02"],
+        "times": times,
+    }
 
 
 def test_a_failed_tile_is_never_named_best():
@@ -39,8 +47,15 @@ def test_a_failed_tile_is_never_named_best():
     assert best == {"gate_up": "bn64_bkw16_w8_s1", "down": "bn64_bkw16_w8_s1"}
     line = gs.default_line(rows, best)
     assert line == "GEMV_TILES = GemvTiles(gate_up=GemvTile(64, 16, 8, 1), down=GemvTile(64, 16, 8, 1))"
-    result = {"tokens": [1, 4, 8], "best_over": [1, 4], "rows": rows, "best": best, "best_line": line,
-              "default": "bn32_bkw32_w4_s1", "seconds": 1.0}
+    result = {
+        "tokens": [1, 4, 8],
+        "best_over": [1, 4],
+        "rows": rows,
+        "best": best,
+        "best_line": line,
+        "default": "bn32_bkw32_w4_s1",
+        "seconds": 1.0,
+    }
     table = gs.format_result(result)
     failed = [ln for ln in table.splitlines() if "bn16_bkw64_w4_s2" in ln]
     assert len(failed) == 2 and all("FAILED" in ln and not ln.startswith("*") for ln in failed)
@@ -57,7 +72,7 @@ def test_checks_reject_wrong_results():
     nan[1, 2] = float("nan")  # an unwritten element
     assert gs.check_reference(nan, ref) is not None
     assert "shape" in gs.check_reference(ref[:2], ref)
-    alone = [ref[j: j + 1].clone() for j in range(3)]
+    alone = [ref[j : j + 1].clone() for j in range(3)]
     assert gs.check_invariant("down rows", ref, alone) is None
     alone[2][0, 7] = torch.nextafter(alone[2][0, 7], torch.tensor(1e9))  # one ulp
     assert "rows [2]" in gs.check_invariant("down rows", ref, alone)
@@ -92,8 +107,18 @@ def test_a_tile_picked_by_the_row_count_fails_the_invariance_check():
 @pytest.mark.gpu
 @runs_triton
 def test_the_sweep_runs_checks_and_names_the_best_on_tiny_shapes():
-    result = gs.run_sweep(TINY, tokens=(1,), grid=(GemvTile(256, 4), GemvTile(256, 32, 2, 2)), device=DEV, dtype=ACT,
-                          reps=2, warmup=1, routings=1, invariant_rows=9, log=lambda msg: None)
+    result = gs.run_sweep(
+        TINY,
+        tokens=(1,),
+        grid=(GemvTile(256, 4), GemvTile(256, 32, 2, 2)),
+        device=DEV,
+        dtype=ACT,
+        reps=2,
+        warmup=1,
+        routings=1,
+        invariant_rows=9,
+        log=lambda msg: None,
+    )
     assert [r["passed"] for r in result["rows"]] == [True, True], [r["failures"] for r in result["rows"]]
     assert set(result["best"].values()) <= {"bn256_bkw4_w4_s1", "bn256_bkw32_w2_s2"}
     assert result["best_pair_failures"] == []

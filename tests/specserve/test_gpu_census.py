@@ -19,8 +19,28 @@ pytestmark = [
 @pytest.mark.parametrize("flag, padded", [("on", True), ("off", False)])
 def test_census_runs_the_invariance_it_is_asked_for(flag: str, padded: bool, tmp_path) -> None:
     out = tmp_path / flag
-    assert main(["bench", "step", "--census", "--model", "demo", "--k", "0,3", "--steps", "2", "--contexts", "64",
-                 "--invariant-steps", flag, "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "step",
+                "--census",
+                "--model",
+                "demo",
+                "--k",
+                "0,3",
+                "--steps",
+                "2",
+                "--contexts",
+                "64",
+                "--invariant-steps",
+                flag,
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     rows = json.loads((out / "summary.json").read_text())["rows"]
     assert [r["k"] for r in rows] == [0, 3]
     assert all((r["invariant_rows"] > 0) == padded for r in rows)

@@ -16,32 +16,60 @@ from specserve.cli.main import main as cli_main
 def main(argv: list[str]) -> int:
     return cli_main(["bench", "project", *argv])
 
+
 LM_HEAD = 40960 * 7168 * 2
 
 
 def _rows(layers: int, context: int = 10240, max_k: int = 8) -> list[dict]:
     # step = 1.0 + 0.1 k (fixed) + layers x (0.12 + 0.002 k) ms; step_bench's row context = cached + k
-    return [{"context": context - 1 + k, "k": k, "graph_ms": 1.0 + 0.1 * k + layers * (0.12 + 0.002 * k)}
-            for k in range(max_k + 1)]
+    return [
+        {"context": context - 1 + k, "k": k, "graph_ms": 1.0 + 0.1 * k + layers * (0.12 + 0.002 * k)}
+        for k in range(max_k + 1)
+    ]
 
 
 def _shard_report(layer_counts=(1, 4), rows=_rows) -> dict:
-    return {"device_name": "hand-made", "bandwidth": {"bytes_per_s": 4.0e12}, "results": [
-        {"model": "kimi-k2-layer", "rows": rows(1)},  # not a shard: ignored
-        *({"model": f"kimi-k2-layer-int4:{n}", "layers": n, "shard": {"rank": 0, "size": 4, "ep": True},
-           "lm_head_bytes": LM_HEAD, "rows": rows(n)} for n in layer_counts)]}
+    return {
+        "device_name": "hand-made",
+        "bandwidth": {"bytes_per_s": 4.0e12},
+        "results": [
+            {"model": "kimi-k2-layer", "rows": rows(1)},  # not a shard: ignored
+            *(
+                {
+                    "model": f"kimi-k2-layer-int4:{n}",
+                    "layers": n,
+                    "shard": {"rank": 0, "size": 4, "ep": True},
+                    "lm_head_bytes": LM_HEAD,
+                    "rows": rows(n),
+                }
+                for n in layer_counts
+            ),
+        ],
+    }
 
 
 def _allreduce(world: int = 4, tokens=(1, 2, 4, 8, 16)) -> dict:
-    return {"world_size": world, "hidden": 7168, "backend": "nccl", "device": "hand-made", "date_utc": "-",
-            "all_reduce": [{"tokens": t, "median_us": 10.0 + t, "mode": "cuda_graph"} for t in tokens],
-            "all_gather_logits": [{"tokens": t, "median_us": 20.0 + t} for t in tokens]}
+    return {
+        "world_size": world,
+        "hidden": 7168,
+        "backend": "nccl",
+        "device": "hand-made",
+        "date_utc": "-",
+        "all_reduce": [{"tokens": t, "median_us": 10.0 + t, "mode": "cuda_graph"} for t in tokens],
+        "all_gather_logits": [{"tokens": t, "median_us": 20.0 + t} for t in tokens],
+    }
 
 
 METHODS = {
     "target-only": {"kind": "specserve", "drafter": "none", "speculation": "fixed", "k": 0},
-    "eagle3/fixed/k2": {"kind": "specserve", "drafter": "eagle3", "speculation": "fixed", "draft_ahead": False,
-                        "k": 2, "acceptance_by_position": {"conditional": [0.5, 0.5]}},
+    "eagle3/fixed/k2": {
+        "kind": "specserve",
+        "drafter": "eagle3",
+        "speculation": "fixed",
+        "draft_ahead": False,
+        "k": 2,
+        "acceptance_by_position": {"conditional": [0.5, 0.5]},
+    },
 }
 
 
@@ -84,19 +112,28 @@ def test_widths_without_a_collective_time_are_left_out_with_a_note():
     assert any("T = 5" in note for note in out["projection_notes"])
 
 
-@pytest.mark.parametrize("shard, allreduce, summary, message", [
-    (None, None, "ok", "does not exist"),
-    ({"results": [{"model": "qwen3-30b-a3b", "rows": _rows(1)}]}, None, "ok", "no shard rows"),
-    (_shard_report(layer_counts=(4,)), None, "ok", "one layer count"),
-    (_shard_report(rows=lambda n: _rows(5 - n)), None, "ok", "does not grow with layers"),
-    (_shard_report(), _allreduce(world=2), "ok", "2 ranks"),
-    (_shard_report(), {"world_size": 4}, "ok", "malformed"),
-    (_shard_report(), None, "bad", "not a bench summary"),
-    (_shard_report(), None, "no-drafter", "no fixed-k drafter"),
-])
+@pytest.mark.parametrize(
+    "shard, allreduce, summary, message",
+    [
+        (None, None, "ok", "does not exist"),
+        ({"results": [{"model": "qwen3-30b-a3b", "rows": _rows(1)}]}, None, "ok", "no shard rows"),
+        (_shard_report(layer_counts=(4,)), None, "ok", "one layer count"),
+        (_shard_report(rows=lambda n: _rows(5 - n)), None, "ok", "does not grow with layers"),
+        (_shard_report(), _allreduce(world=2), "ok", "2 ranks"),
+        (_shard_report(), {"world_size": 4}, "ok", "malformed"),
+        (_shard_report(), None, "bad", "not a bench summary"),
+        (_shard_report(), None, "no-drafter", "no fixed-k drafter"),
+    ],
+)
 def test_bad_input_is_one_line(tmp_path, capsys, shard, allreduce, summary, message):
-    argv = ["--shard-step", str(tmp_path / "step_bench.json"), "--acceptance", str(tmp_path / "summary.json"),
-            "--out", str(tmp_path / "out")]
+    argv = [
+        "--shard-step",
+        str(tmp_path / "step_bench.json"),
+        "--acceptance",
+        str(tmp_path / "summary.json"),
+        "--out",
+        str(tmp_path / "out"),
+    ]
     if shard is not None:
         (tmp_path / "step_bench.json").write_text(json.dumps(shard))
     if allreduce is not None:
@@ -111,16 +148,37 @@ def test_bad_input_is_one_line(tmp_path, capsys, shard, allreduce, summary, mess
 
 
 def test_cli_writes_the_labelled_json_and_picks_the_context(tmp_path, capsys):
-    two = {"device_name": "hand-made", "results": [
-        {"model": f"kimi-k2-layer-int4:{n}", "layers": n, "shard": {"rank": 0, "size": 4},
-         "rows": _rows(n, context=128) + _rows(n, context=10240)} for n in (1, 2)]}
+    two = {
+        "device_name": "hand-made",
+        "results": [
+            {
+                "model": f"kimi-k2-layer-int4:{n}",
+                "layers": n,
+                "shard": {"rank": 0, "size": 4},
+                "rows": _rows(n, context=128) + _rows(n, context=10240),
+            }
+            for n in (1, 2)
+        ],
+    }
     (tmp_path / "step_bench.json").write_text(json.dumps(two))
     (tmp_path / "summary.json").write_text(json.dumps({"methods": METHODS}))
-    (tmp_path / "steps.jsonl").write_text("".join(json.dumps(r) + "\n" for r in (
-        {"method": "eagle3/fixed/k2", "drafted": 2, "accepted": 1},
-        {"method": "eagle3/fixed/k2", "drafted": 2, "accepted": 2})))
-    base = ["--step", str(tmp_path / "step_bench.json"), "--acceptance", str(tmp_path / "summary.json"),
-            "--out", str(tmp_path / "proj")]
+    (tmp_path / "steps.jsonl").write_text(
+        "".join(
+            json.dumps(r) + "\n"
+            for r in (
+                {"method": "eagle3/fixed/k2", "drafted": 2, "accepted": 1},
+                {"method": "eagle3/fixed/k2", "drafted": 2, "accepted": 2},
+            )
+        )
+    )
+    base = [
+        "--step",
+        str(tmp_path / "step_bench.json"),
+        "--acceptance",
+        str(tmp_path / "summary.json"),
+        "--out",
+        str(tmp_path / "proj"),
+    ]
     assert main(base) == 0
     out = json.loads((tmp_path / "proj" / "summary.json").read_text())
     assert out["bench"] == "project" and out["environment"]["git"]
@@ -152,4 +210,3 @@ def test_three_layer_counts_fit_by_least_squares_with_a_residual():
     assert fit["per_layer_ms"] == pytest.approx(0.12 - 0.3 / 14, rel=1e-6)
     assert fit["max_abs_residual_ms"] == pytest.approx(0.3 * (1 - 1 / 3 - (1 / 9) / (14 / 3)))  # at 2 layers
     assert k2_projection.shard_fit(_shard_report())["by_k"][0]["max_abs_residual_ms"] == pytest.approx(0.0, abs=1e-9)
-

@@ -32,7 +32,7 @@ def _name(folder: Path, package_dir: dict[str, str]) -> str:
     for package, root in roots:
         rel = folder.relative_to(ROOT)
         if rel.parts[: len(Path(root).parts)] == Path(root).parts:
-            return ".".join([package, *rel.parts[len(Path(root).parts):]])
+            return ".".join([package, *rel.parts[len(Path(root).parts) :]])
     raise AssertionError(f"{folder} is under no package-dir root")
 
 
@@ -68,13 +68,24 @@ def test_no_artifacts_inside_the_packages():
     used to ride along in specserve/bench/)."""
     cfg = _setuptools()
     package_dir = cfg["package-dir"]
-    data = {f for package, patterns in cfg["package-data"].items()
-            for pattern in patterns for f in _folder(package, package_dir).glob(pattern)}
-    extra = [f for root in set(package_dir.values()) for f in (ROOT / root).rglob("*")
-             if f.is_file() and "__pycache__" not in f.parts and f.suffix not in {".py", ".pyi", ".pyc", ".so"}
-             and f not in data]
+    data = {
+        f
+        for package, patterns in cfg["package-data"].items()
+        for pattern in patterns
+        for f in _folder(package, package_dir).glob(pattern)
+    }
+    extra = [
+        f
+        for root in set(package_dir.values())
+        for f in (ROOT / root).rglob("*")
+        if f.is_file()
+        and "__pycache__" not in f.parts
+        and f.suffix not in {".py", ".pyi", ".pyc", ".so"}
+        and f not in data
+    ]
     total = sum(f.stat().st_size for f in extra)
     biggest = sorted(extra, key=lambda f: -f.stat().st_size)[:3]
     assert total < 256 * 1024, f"{len(extra)} non-Python files ({total} bytes) inside the packages, e.g. " + ", ".join(
-        str(f.relative_to(ROOT)) for f in biggest)
+        str(f.relative_to(ROOT)) for f in biggest
+    )
     assert (ROOT / "benchmarks" / "results").is_dir()

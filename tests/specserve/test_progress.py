@@ -49,10 +49,37 @@ def test_the_bench_shows_progress_off_a_terminal(bench_target, tmp_path, capsys)
     """A short run (seconds): its closing line at least; a long one a line every 5 s as well."""
     from specserve.cli.main import main
 
-    rc = main(["bench", "--model", str(bench_target), "--drafters", "none", "--max-new-tokens", "4", "--prompts",
-               "2", "--no-hf", "--k-sweep", "0", "--tax-context", "16", "--tax-repeats", "1", "--warmup", "0",
-               "--bandwidth-mib", "1", "--num-kv-blocks", "64", "--kv-block-size", "8", "--no-plots",
-               "--out", str(tmp_path / "b")])
+    rc = main(
+        [
+            "bench",
+            "--model",
+            str(bench_target),
+            "--drafters",
+            "none",
+            "--max-new-tokens",
+            "4",
+            "--prompts",
+            "2",
+            "--no-hf",
+            "--k-sweep",
+            "0",
+            "--tax-context",
+            "16",
+            "--tax-repeats",
+            "1",
+            "--warmup",
+            "0",
+            "--bandwidth-mib",
+            "1",
+            "--num-kv-blocks",
+            "64",
+            "--kv-block-size",
+            "8",
+            "--no-plots",
+            "--out",
+            str(tmp_path / "b"),
+        ]
+    )
     assert rc == 0
     lines = [l for l in capsys.readouterr().err.splitlines() if l.startswith("specserve bench: ")]
     assert lines and lines[-1].startswith("specserve bench: 3/3 runs"), lines

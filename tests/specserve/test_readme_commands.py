@@ -16,8 +16,11 @@ DOCS = (ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")))  # the README
 
 
 def readme_commands(paths=DOCS) -> list[list[str]]:
-    blocks = [b for p in paths  # each file on its own: a fence never pairs across two files
-              for b in re.findall(r"^```\n(.*?)^```", p.read_text(encoding="utf-8"), flags=re.DOTALL | re.MULTILINE)]
+    blocks = [
+        b
+        for p in paths  # each file on its own: a fence never pairs across two files
+        for b in re.findall(r"^```\n(.*?)^```", p.read_text(encoding="utf-8"), flags=re.DOTALL | re.MULTILINE)
+    ]
     commands = []
     for block in blocks:
         for line in block.replace("\\\n", " ").splitlines():
@@ -30,8 +33,15 @@ def readme_commands(paths=DOCS) -> list[list[str]]:
 
 def test_every_readme_example_parses():
     commands = readme_commands()
-    assert len(commands) >= 15 and {c[0] for c in commands} >= {"generate", "serve", "client", "target", "draft",
-                                                                 "gateway", "train"}
+    assert len(commands) >= 15 and {c[0] for c in commands} >= {
+        "generate",
+        "serve",
+        "client",
+        "target",
+        "draft",
+        "gateway",
+        "train",
+    }
     for argv in commands:
         parser, mod = build_parser(argv)
         assert mod is not None, argv

@@ -15,8 +15,10 @@ from specserve.runtime.shm_layout import SHM_DIR, leftover_names
 def test_ring_rtt_measures_every_transport(tmp_path, monkeypatch):
     monkeypatch.setenv("SPECSERVE_GIT_COMMIT", "1fc4c0f-dirty")  # the commit the summary names, not .git's
     before = set(leftover_names())
-    assert main(["bench", "overhead", "--ring", "--n", "40", "--warmup", "5", "--spin-us", "5",
-                 "--out", str(tmp_path)]) == 0
+    assert (
+        main(["bench", "overhead", "--ring", "--n", "40", "--warmup", "5", "--spin-us", "5", "--out", str(tmp_path)])
+        == 0
+    )
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["bench"] == "overhead-ring"
     assert summary["environment"]["git"] == {"commit": "1fc4c0f", "dirty": True, "source": "SPECSERVE_GIT_COMMIT"}

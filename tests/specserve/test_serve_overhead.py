@@ -16,8 +16,26 @@ from specserve.runtime.shm_layout import SHM_DIR, leftover_names
 @pytest.mark.skipif(not SHM_DIR.is_dir(), reason="no /dev/shm on this host")
 def test_serve_overhead_reports_each_via_with_the_model_time_taken_out(bench_target, tmp_path, capsys):
     before = set(leftover_names())
-    rc = main(["bench", "overhead", "--model", str(bench_target), "--drafters", "none,ngram", "--k", "2",
-               "--requests", "1", "--max-new-tokens", "8", "--rounds", "1", "--out", str(tmp_path)])
+    rc = main(
+        [
+            "bench",
+            "overhead",
+            "--model",
+            str(bench_target),
+            "--drafters",
+            "none,ngram",
+            "--k",
+            "2",
+            "--requests",
+            "1",
+            "--max-new-tokens",
+            "8",
+            "--rounds",
+            "1",
+            "--out",
+            str(tmp_path),
+        ]
+    )
     assert rc == 0
     result = json.loads((tmp_path / "summary.json").read_text())
     assert result["bench"] == "overhead" and result["config"]["k"] == 2

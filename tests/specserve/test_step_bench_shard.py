@@ -37,8 +37,27 @@ def test_kimi_k2_int4_shard_bytes_hand_computed():
 
 def test_shard_runs_alone_on_cpu_and_counts_its_own_experts(tmp_path):
     # tiny-kimi-k2-int4: 2 layers (dense, then MoE with 8 experts top-2 + a shared expert), 4 MLA heads
-    argv = ["--models", "tiny-kimi-k2-int4", "--contexts", "8", "--max-k", "2", "--reps", "1", "--eager-reps", "1",
-            "--device", "cpu", "--dtype", "float32", "--no-graphs", "--shard", "1/4", "--out", str(tmp_path)]
+    argv = [
+        "--models",
+        "tiny-kimi-k2-int4",
+        "--contexts",
+        "8",
+        "--max-k",
+        "2",
+        "--reps",
+        "1",
+        "--eager-reps",
+        "1",
+        "--device",
+        "cpu",
+        "--dtype",
+        "float32",
+        "--no-graphs",
+        "--shard",
+        "1/4",
+        "--out",
+        str(tmp_path),
+    ]
     assert main(["bench", "step", *argv]) == 0
     report = json.loads((tmp_path / "summary.json").read_text())
     (res,) = report["results"]
@@ -74,8 +93,22 @@ def test_shard_rows_replay_cuda_graphs_on_gpu(tmp_path):
     # tiny-kimi-k2-int4: a dense layer then an int4 MoE layer of 8 experts; rank 0 of 4 holds 2 of them and 1 of its
     # 4 MLA heads (mini-kimi-k2-int4 cannot be split 4 ways: its dense MLP is 2633 wide; the H200 run of 12:44 UTC
     # failed on that, before this preset was chosen)
-    argv = ["--models", "tiny-kimi-k2-int4", "--contexts", "64", "--max-k", "3", "--reps", "3",
-            "--eager-reps", "1", "--shard", "0/4", "--out", str(tmp_path)]
+    argv = [
+        "--models",
+        "tiny-kimi-k2-int4",
+        "--contexts",
+        "64",
+        "--max-k",
+        "3",
+        "--reps",
+        "3",
+        "--eager-reps",
+        "1",
+        "--shard",
+        "0/4",
+        "--out",
+        str(tmp_path),
+    ]
     assert main(["bench", "step", *argv]) == 0
     results = json.loads((tmp_path / "summary.json").read_text())["results"]
     assert [r["layers"] for r in results] == [2]
@@ -112,9 +145,29 @@ def test_a_demo_at_shard_is_its_slice_of_the_unsharded_model():
 
 
 def test_step_times_a_demo_at_shard(tmp_path):
-    argv = ["bench", "step", "--model", "demo@small-kimi-k2.6", "--contexts", "6", "--max-k", "1", "--reps", "1",
-            "--eager-reps", "0", "--device", "cpu", "--dtype", "float32", "--no-graphs", "--shard", "1/4",
-            "--out", str(tmp_path)]
+    argv = [
+        "bench",
+        "step",
+        "--model",
+        "demo@small-kimi-k2.6",
+        "--contexts",
+        "6",
+        "--max-k",
+        "1",
+        "--reps",
+        "1",
+        "--eager-reps",
+        "0",
+        "--device",
+        "cpu",
+        "--dtype",
+        "float32",
+        "--no-graphs",
+        "--shard",
+        "1/4",
+        "--out",
+        str(tmp_path),
+    ]
     assert main(argv) == 0
     (res,) = json.loads((tmp_path / "summary.json").read_text())["results"]
     assert "error" not in res, res
@@ -126,8 +179,24 @@ def test_step_times_a_demo_at_shard(tmp_path):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_demo_at_shard_replays_cuda_graphs_on_gpu(tmp_path):
-    argv = ["bench", "step", "--model", "demo@small-kimi-k2.6:5,demo@small-kimi-k2.6:8", "--contexts", "64",
-            "--max-k", "3", "--reps", "3", "--eager-reps", "1", "--shard", "0/4", "--out", str(tmp_path)]
+    argv = [
+        "bench",
+        "step",
+        "--model",
+        "demo@small-kimi-k2.6:5,demo@small-kimi-k2.6:8",
+        "--contexts",
+        "64",
+        "--max-k",
+        "3",
+        "--reps",
+        "3",
+        "--eager-reps",
+        "1",
+        "--shard",
+        "0/4",
+        "--out",
+        str(tmp_path),
+    ]
     assert main(argv) == 0
     results = json.loads((tmp_path / "summary.json").read_text())["results"]
     assert [r["layers"] for r in results] == [5, 8]

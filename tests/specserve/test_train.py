@@ -19,23 +19,94 @@ from specserve.train.corpus import CorpusSpec, load_corpus, prompt_snippets, spl
 
 CORPUS = ["--max-files", "3", "--max-chars-per-file", "1500"]
 TINY_TARGET = [
-    "--arch", "hidden_size=32", "--arch", "num_layers=3", "--arch", "num_heads=2", "--arch", "q_lora_rank=16",
-    "--arch", "kv_lora_rank=16", "--arch", "qk_nope_head_dim=8", "--arch", "qk_rope_head_dim=8",
-    "--arch", "v_head_dim=8", "--arch", "intermediate_size=48", "--arch", "moe_intermediate_size=16",
-    "--arch", "n_routed_experts=4", "--arch", "n_group=2", "--arch", "topk_group=1",
-    "--arch", "num_experts_per_tok=2",
+    "--arch",
+    "hidden_size=32",
+    "--arch",
+    "num_layers=3",
+    "--arch",
+    "num_heads=2",
+    "--arch",
+    "q_lora_rank=16",
+    "--arch",
+    "kv_lora_rank=16",
+    "--arch",
+    "qk_nope_head_dim=8",
+    "--arch",
+    "qk_rope_head_dim=8",
+    "--arch",
+    "v_head_dim=8",
+    "--arch",
+    "intermediate_size=48",
+    "--arch",
+    "moe_intermediate_size=16",
+    "--arch",
+    "n_routed_experts=4",
+    "--arch",
+    "n_group=2",
+    "--arch",
+    "topk_group=1",
+    "--arch",
+    "num_experts_per_tok=2",
 ]
 DRAFT_ARCH = {
     "model": ["--arch", "hidden_size=32", "--arch", "num_layers=1", "--arch", "intermediate_size=32"],
-    "eagle3": ["--arch", "num_heads=2", "--arch", "num_kv_heads=1", "--arch", "head_dim=16",
-               "--arch", "intermediate_size=32", "--arch", "ttt_steps=2", "--arch", "group=2"],
-    "dflash": ["--arch", "hidden_size=32", "--arch", "num_layers=1", "--arch", "num_heads=2",
-               "--arch", "num_kv_heads=1", "--arch", "head_dim=16", "--arch", "intermediate_size=32",
-               "--arch", "block_size=3", "--arch", "anchors=4", "--arch", "group=2"],
+    "eagle3": [
+        "--arch",
+        "num_heads=2",
+        "--arch",
+        "num_kv_heads=1",
+        "--arch",
+        "head_dim=16",
+        "--arch",
+        "intermediate_size=32",
+        "--arch",
+        "ttt_steps=2",
+        "--arch",
+        "group=2",
+    ],
+    "dflash": [
+        "--arch",
+        "hidden_size=32",
+        "--arch",
+        "num_layers=1",
+        "--arch",
+        "num_heads=2",
+        "--arch",
+        "num_kv_heads=1",
+        "--arch",
+        "head_dim=16",
+        "--arch",
+        "intermediate_size=32",
+        "--arch",
+        "block_size=3",
+        "--arch",
+        "anchors=4",
+        "--arch",
+        "group=2",
+    ],
     "mtp": ["--arch", "ttt_steps=2", "--arch", "group=2"],
-    "dspark": ["--arch", "hidden_size=32", "--arch", "num_layers=1", "--arch", "num_heads=2",
-               "--arch", "num_kv_heads=1", "--arch", "head_dim=16", "--arch", "intermediate_size=32",
-               "--arch", "block_size=3", "--arch", "anchors=4", "--arch", "group=2", "--arch", "markov_rank=4"],
+    "dspark": [
+        "--arch",
+        "hidden_size=32",
+        "--arch",
+        "num_layers=1",
+        "--arch",
+        "num_heads=2",
+        "--arch",
+        "num_kv_heads=1",
+        "--arch",
+        "head_dim=16",
+        "--arch",
+        "intermediate_size=32",
+        "--arch",
+        "block_size=3",
+        "--arch",
+        "anchors=4",
+        "--arch",
+        "group=2",
+        "--arch",
+        "markov_rank=4",
+    ],
 }
 SHARED_DFLASH = [*DRAFT_ARCH["dflash"], "--arch", "shared_target_head=1", "--arch", "num_layers=2"]
 SD = ["--sd-prompts", "4", "--sd-prompt-len", "8", "--sd-new-tokens", "8", "--sd-batch-size", "4"]
@@ -59,8 +130,21 @@ def test_prompt_snippets_end_after_a_header():
 def test_bad_arch_override_is_a_clear_error(tmp_path, capsys):
     rc = main(["train", "tokenizer", "--out", str(tmp_path / "tok"), "--vocab-size", "300", *CORPUS])
     assert rc == 0
-    rc = main(["train", "target", "--tokenizer", str(tmp_path / "tok"), "--out", str(tmp_path / "t"),
-               "--steps", "1", "--arch", "no_such_field=3", *CORPUS])
+    rc = main(
+        [
+            "train",
+            "target",
+            "--tokenizer",
+            str(tmp_path / "tok"),
+            "--out",
+            str(tmp_path / "t"),
+            "--steps",
+            "1",
+            "--arch",
+            "no_such_field=3",
+            *CORPUS,
+        ]
+    )
     assert rc == 2 and "no_such_field" in capsys.readouterr().err
 
 
@@ -68,15 +152,78 @@ def test_bad_arch_override_is_a_clear_error(tmp_path, capsys):
 def demo(tmp_path_factory):
     root = tmp_path_factory.mktemp("demo")
     assert main(["train", "tokenizer", "--out", str(root / "tok"), "--vocab-size", "300", *CORPUS]) == 0
-    assert main(["train", "target", "--tokenizer", str(root / "tok"), "--out", str(root / "target"), "--steps", "3",
-                 "--batch-size", "2", "--seq-len", "32", "--eval-every", "2", "--eval-windows", "2",
-                 "--num-prompts", "2", *TINY_TARGET, *CORPUS]) == 0
+    assert (
+        main(
+            [
+                "train",
+                "target",
+                "--tokenizer",
+                str(root / "tok"),
+                "--out",
+                str(root / "target"),
+                "--steps",
+                "3",
+                "--batch-size",
+                "2",
+                "--seq-len",
+                "32",
+                "--eval-every",
+                "2",
+                "--eval-windows",
+                "2",
+                "--num-prompts",
+                "2",
+                *TINY_TARGET,
+                *CORPUS,
+            ]
+        )
+        == 0
+    )
     for family, arch in DRAFT_ARCH.items():
-        assert main(["train", "draft", "--family", family, "--target", str(root / "target"),
-                     "--out", str(root / family), "--steps", "2", "--batch-size", "4", *SD, *arch, *CORPUS]) == 0
-    assert main(["train", "draft", "--family", "dflash", "--target", str(root / "target"), "--out",
-                 str(root / "shared" / "dflash"), "--steps", "2", "--batch-size", "4", *SD, *SHARED_DFLASH,
-                 *CORPUS]) == 0
+        assert (
+            main(
+                [
+                    "train",
+                    "draft",
+                    "--family",
+                    family,
+                    "--target",
+                    str(root / "target"),
+                    "--out",
+                    str(root / family),
+                    "--steps",
+                    "2",
+                    "--batch-size",
+                    "4",
+                    *SD,
+                    *arch,
+                    *CORPUS,
+                ]
+            )
+            == 0
+        )
+    assert (
+        main(
+            [
+                "train",
+                "draft",
+                "--family",
+                "dflash",
+                "--target",
+                str(root / "target"),
+                "--out",
+                str(root / "shared" / "dflash"),
+                "--steps",
+                "2",
+                "--batch-size",
+                "4",
+                *SD,
+                *SHARED_DFLASH,
+                *CORPUS,
+            ]
+        )
+        == 0
+    )
     (root / "shared" / "target").symlink_to(root / "target")  # a demo dir whose dflash shares the target head
     return root
 
@@ -103,7 +250,7 @@ def test_target_loads_in_transformers_and_engine_with_same_logits(demo):
     with torch.no_grad():
         ref = hf(input_ids=torch.tensor([prompt + [pending, *block]])).logits[0]  # [15, V]
     assert pending == int(ref[len(prompt) - 1].argmax())
-    torch.testing.assert_close(scores, ref[len(prompt):], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(scores, ref[len(prompt) :], rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("family", ["ngram", "model", "eagle3", "dflash", "dspark", "mtp"])
@@ -121,8 +268,14 @@ def test_each_drafter_loads_and_is_lossless(demo, family):
 def test_card_table_shows_per_position_acceptance_and_reads_older_reports():
     from specserve.train.acceptance import card_table
 
-    row = {"family": "eagle3", "mean_accepted_length": 2.5, "acceptance_rate": 0.5, "verify_steps": 4,
-           "lossless_prompts": 1, "prompts": 1}
+    row = {
+        "family": "eagle3",
+        "mean_accepted_length": 2.5,
+        "acceptance_rate": 0.5,
+        "verify_steps": 4,
+        "lossless_prompts": 1,
+        "prompts": 1,
+    }
     report = {"k": 3, "prompts": 1, "max_new_tokens": 8, "device": "cpu", "dtype": "float32"}
     new = card_table({**report, "results": [{**row, "accepted_per_position": [4, 2, 0]}]})
     assert "| eagle3 | 2.50 | 0.500 | 1.00 / 0.50 / 0.00 | 4 | 1/1 |" in new
@@ -165,8 +318,9 @@ def test_eagle3_ttt_pass_two_matches_drafting_from_the_head_output():
         out2, _, _ = head.step(emb, f2, pos, k1, v1, masks[1])
         j = 6  # entry for sequence position j (index j - 1); pending token at position j - 1
         ctx_k, ctx_v = k1[: j - 1], v1[: j - 1]  # pass-1 entries of positions 1..j-1
-        ref, _, _ = head.step(emb[j - 1 : j], out1[j - 2 : j - 1], pos[j - 1 : j], ctx_k, ctx_v,
-                              torch.ones(1, j, dtype=torch.bool))
+        ref, _, _ = head.step(
+            emb[j - 1 : j], out1[j - 2 : j - 1], pos[j - 1 : j], ctx_k, ctx_v, torch.ones(1, j, dtype=torch.bool)
+        )
     torch.testing.assert_close(out2[j - 1], ref[0], rtol=1e-4, atol=1e-5)
 
 
@@ -211,7 +365,7 @@ def test_shipped_demo_fits_the_budget_and_loads_in_engine_and_transformers():
     with torch.no_grad():
         ref = hf(input_ids=torch.tensor([prompt + [pending, *block]])).logits[0]
     assert pending == int(ref[len(prompt) - 1].argmax())
-    torch.testing.assert_close(scores, ref[len(prompt):], rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close(scores, ref[len(prompt) :], rtol=1e-3, atol=1e-3)
 
 
 def test_shared_head_dflash_trained_by_the_cli_is_lossless_and_saves_no_head(demo):
@@ -223,9 +377,15 @@ def test_shared_head_dflash_trained_by_the_cli_is_lossless_and_saves_no_head(dem
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["shared_target_head"] is True and cfg["hidden_size"] == cfg["target_hidden_size"] == 32
     names = set(load_file(str(out / "model.safetensors")))
-    assert "embed_tokens.weight" not in names and "lm_head.weight" not in names and "layers.1.self_attn.q_proj.weight" in names
+    assert (
+        "embed_tokens.weight" not in names
+        and "lm_head.weight" not in names
+        and "layers.1.self_attn.q_proj.weight" in names
+    )
     assert json.loads((out / "train_info.json").read_text())["train"]["arch"]["hidden_size"] == 32
-    (r,) = evaluate(demo / "shared", ["dflash"], k=3, max_new=8, num_prompts=2, device="cpu", dtype="float32")["results"]
+    (r,) = evaluate(demo / "shared", ["dflash"], k=3, max_new=8, num_prompts=2, device="cpu", dtype="float32")[
+        "results"
+    ]
     assert r["lossless_prompts"] == r["prompts"] == 2
 
 
@@ -244,8 +404,16 @@ def test_shared_head_dflash_trains_frozen_head_and_reloads_with_the_same_logits(
     )
 
     target = load_target(demo / "target", torch.device("cpu"))  # what the trainer reads
-    spec = DFlashSpec(num_layers=2, num_heads=2, num_kv_heads=1, head_dim=16, intermediate_size=32, block_size=3,
-                      anchors=4, shared_target_head=True)
+    spec = DFlashSpec(
+        num_layers=2,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=16,
+        intermediate_size=32,
+        block_size=3,
+        anchors=4,
+        shared_target_head=True,
+    )
     torch.manual_seed(0)
     layers = (0, 1, 2)
     model = build_dflash(target, spec, layers).train()
@@ -278,8 +446,26 @@ def test_dflash_init_from_continues_a_saved_drafter(demo, tmp_path, capsys):
     not); another arch, or a family without it, is a one-line error before any training."""
     from safetensors.torch import load_file
 
-    base = [str(x) for x in ("train", "draft", "--family", "dflash", "--target", demo / "target", "--steps", "1",
-                             "--batch-size", "4", "--lr", "1e-4", *SD, *SHARED_DFLASH, *CORPUS)]
+    base = [
+        str(x)
+        for x in (
+            "train",
+            "draft",
+            "--family",
+            "dflash",
+            "--target",
+            demo / "target",
+            "--steps",
+            "1",
+            "--batch-size",
+            "4",
+            "--lr",
+            "1e-4",
+            *SD,
+            *SHARED_DFLASH,
+            *CORPUS,
+        )
+    ]
     init = demo / "shared" / "dflash"
     # seed 1: a fresh start differs from the saved drafter (trained from seed 0)
     assert main([*base, "--out", str(tmp_path / "resumed"), "--seed", "1", "--init-from", str(init)]) == 0
@@ -297,8 +483,23 @@ def test_dflash_init_from_continues_a_saved_drafter(demo, tmp_path, capsys):
     assert main([*base, "--out", str(tmp_path / "x"), "--init-from", str(demo / "dflash")]) == 2
     err = capsys.readouterr().err
     assert "another DFlash config" in err and "shared_target_head" in err and "Traceback" not in err
-    assert main(["train", "draft", "--family", "eagle3", "--target", str(demo / "target"), "--out",
-                 str(tmp_path / "e"), "--init-from", str(demo / "eagle3")]) == 2
+    assert (
+        main(
+            [
+                "train",
+                "draft",
+                "--family",
+                "eagle3",
+                "--target",
+                str(demo / "target"),
+                "--out",
+                str(tmp_path / "e"),
+                "--init-from",
+                str(demo / "eagle3"),
+            ]
+        )
+        == 2
+    )
     assert "--init-from is supported for dflash, dspark, mtp, not 'eagle3'" in capsys.readouterr().err
     assert not (tmp_path / "e").exists()  # refused before anything was written
     assert main([*base, "--out", str(tmp_path / "resumed"), "--init-from", str(tmp_path / "resumed")]) == 2
@@ -326,7 +527,8 @@ def test_self_distill_cache_is_compact_and_reused(demo, tmp_path):
     assert self_distill_sequences(target, stream, spec, torch.device("cpu"), cache).eq(0).all()  # read, not rerun
     other = replace(spec, seed=5)
     assert self_distill_sequences(target, stream, other, torch.device("cpu"), cache).equal(
-        self_distill_sequences(target, stream, other, torch.device("cpu"), None))
+        self_distill_sequences(target, stream, other, torch.device("cpu"), None)
+    )
 
 
 def test_given_tokens_dflash_drafts_in_passes_and_stays_lossless(demo, tmp_path, capsys):
@@ -337,17 +539,61 @@ def test_given_tokens_dflash_drafts_in_passes_and_stays_lossless(demo, tmp_path,
 
     from specserve.train.acceptance import card_table
 
-    base = [str(x) for x in ("train", "draft", "--family", "dflash", "--target", demo / "target", "--steps", "1",
-                             "--batch-size", "4", "--lr", "1e-4", *SD, *SHARED_DFLASH, *CORPUS)]
+    base = [
+        str(x)
+        for x in (
+            "train",
+            "draft",
+            "--family",
+            "dflash",
+            "--target",
+            demo / "target",
+            "--steps",
+            "1",
+            "--batch-size",
+            "4",
+            "--lr",
+            "1e-4",
+            *SD,
+            *SHARED_DFLASH,
+            *CORPUS,
+        )
+    ]
     root = tmp_path / "demo"
     shutil.copytree(demo / "target", root / "target")
-    assert main([*base, "--arch", "given_tokens=1", "--out", str(root / "dflash"),
-                 "--init-from", str(demo / "shared" / "dflash")]) == 0
+    assert (
+        main(
+            [
+                *base,
+                "--arch",
+                "given_tokens=1",
+                "--out",
+                str(root / "dflash"),
+                "--init-from",
+                str(demo / "shared" / "dflash"),
+            ]
+        )
+        == 0
+    )
     assert json.loads((root / "dflash" / "config.json").read_text())["denoise_steps"] == 2
     for passes in (None, 1):
         out = tmp_path / f"acc{passes}.json"
-        argv = ["train", "eval-acceptance", "--demo-dir", str(root), "--drafters", "dflash", "--k", "2",
-                "--max-new-tokens", "8", "--num-prompts", "2", "--out-json", str(out)]
+        argv = [
+            "train",
+            "eval-acceptance",
+            "--demo-dir",
+            str(root),
+            "--drafters",
+            "dflash",
+            "--k",
+            "2",
+            "--max-new-tokens",
+            "8",
+            "--num-prompts",
+            "2",
+            "--out-json",
+            str(out),
+        ]
         assert main(argv + (["--denoise-steps", str(passes)] if passes else [])) == 0
         report = json.loads(out.read_text())
         assert report["denoise_steps"] == passes and report["results"][0]["lossless_prompts"] == 2
@@ -371,9 +617,35 @@ def test_train_target_ends_by_its_time_limit_with_a_progress_bar(demo, tmp_path,
     monkeypatch.setattr(sys, "stderr", _Terminal())
     limit = 6.0
     t0 = time.monotonic()
-    assert main(["train", "target", "--tokenizer", str(demo / "tok"), "--out", str(tmp_path / "t"), "--steps",
-                 "1000000", "--batch-size", "2", "--seq-len", "32", "--eval-every", "1000000", "--eval-windows", "2",
-                 "--num-prompts", "2", "--time-limit-s", str(limit), *TINY_TARGET, *CORPUS]) == 0
+    assert (
+        main(
+            [
+                "train",
+                "target",
+                "--tokenizer",
+                str(demo / "tok"),
+                "--out",
+                str(tmp_path / "t"),
+                "--steps",
+                "1000000",
+                "--batch-size",
+                "2",
+                "--seq-len",
+                "32",
+                "--eval-every",
+                "1000000",
+                "--eval-windows",
+                "2",
+                "--num-prompts",
+                "2",
+                "--time-limit-s",
+                str(limit),
+                *TINY_TARGET,
+                *CORPUS,
+            ]
+        )
+        == 0
+    )
     elapsed = time.monotonic() - t0
     info = json.loads((tmp_path / "t" / "train_info.json").read_text())
     assert info["train"]["stopped_by"] == "time_limit" and info["train"]["steps_run"] > 1
@@ -384,9 +656,30 @@ def test_train_target_ends_by_its_time_limit_with_a_progress_bar(demo, tmp_path,
 
 
 def test_train_target_refuses_a_time_limit_the_final_evaluations_do_not_fit(demo, tmp_path, capsys):
-    rc = main(["train", "target", "--tokenizer", str(demo / "tok"), "--out", str(tmp_path / "t"), "--steps", "5",
-               "--batch-size", "2", "--seq-len", "32", "--eval-windows", "2", "--num-prompts", "2",
-               "--time-limit-s", "0.5", *TINY_TARGET, *CORPUS])
+    rc = main(
+        [
+            "train",
+            "target",
+            "--tokenizer",
+            str(demo / "tok"),
+            "--out",
+            str(tmp_path / "t"),
+            "--steps",
+            "5",
+            "--batch-size",
+            "2",
+            "--seq-len",
+            "32",
+            "--eval-windows",
+            "2",
+            "--num-prompts",
+            "2",
+            "--time-limit-s",
+            "0.5",
+            *TINY_TARGET,
+            *CORPUS,
+        ]
+    )
     err = capsys.readouterr().err
     assert rc == 2 and "--time-limit-s leaves no time to train" in err and err.count("\n") == 1  # it trained past it
 
@@ -431,7 +724,11 @@ def test_mtp_trained_by_the_cli_drafts_what_its_training_passes_compute(demo):
     from specserve.train.draft_mtp import MTPTrainLayer, load_published_state, mtp_pass_outputs
 
     info = json.loads((demo / "mtp" / "train_info.json").read_text())
-    assert info["family"] == "mtp" and info["train"]["steps_run"] == 2 and len(info["train"]["heldout_agreement_by_pass"]) == 2
+    assert (
+        info["family"] == "mtp"
+        and info["train"]["steps_run"] == 2
+        and len(info["train"]["heldout_agreement_by_pass"]) == 2
+    )
     saved = load_file(str(demo / "mtp" / "model.safetensors"))
     n = json.loads((demo / "target" / "config.json").read_text())["num_hidden_layers"]
     assert f"model.layers.{n}.eh_proj.weight" in saved and f"model.layers.{n}.mlp.experts.3.up_proj.weight" in saved
@@ -441,8 +738,9 @@ def test_mtp_trained_by_the_cli_drafts_what_its_training_passes_compute(demo):
     load_published_state(layer, demo / "mtp")  # the saved (bfloat16) weights, back in the training module
     model, config = load_model(demo / "target", dtype=torch.float32, progress=False)
     engine = TargetEngine(model, config, None, num_blocks=16, block_size=16)
-    proposer = build_proposer(DrafterConfig(family="mtp", checkpoint=demo / "mtp", target_checkpoint=demo / "target",
-                                            max_block_size=3))
+    proposer = build_proposer(
+        DrafterConfig(family="mtp", checkpoint=demo / "mtp", target_checkpoint=demo / "target", max_block_size=3)
+    )
     prompt, sampling = list(range(3, 23)), SamplingParams(temperature=1.0, seed=4)
     pre = engine.prefill("s", prompt, sampling, proposer.info.hidden_layers)
     seq = prompt + [pre.next_token]
@@ -468,8 +766,25 @@ def test_dspark_trains_from_a_dflash_block_and_drafts_with_confidence(demo, tmp_
     from specserve.draft_service.registry import build_proposer
 
     dspark = [a for a in SHARED_DFLASH if a != "--arch"]
-    args = [str(x) for x in ("train", "draft", "--family", "dspark", "--target", demo / "target", "--steps", "1",
-                             "--batch-size", "4", "--lr", "1e-4", *SD, *CORPUS)]
+    args = [
+        str(x)
+        for x in (
+            "train",
+            "draft",
+            "--family",
+            "dspark",
+            "--target",
+            demo / "target",
+            "--steps",
+            "1",
+            "--batch-size",
+            "4",
+            "--lr",
+            "1e-4",
+            *SD,
+            *CORPUS,
+        )
+    ]
     args += [x for a in dspark for x in ("--arch", a)] + ["--arch", "markov_rank=4"]
     init = demo / "shared" / "dflash"
     assert main([*args, "--out", str(tmp_path / "ds"), "--init-from", str(init)]) == 0

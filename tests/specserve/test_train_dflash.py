@@ -23,8 +23,16 @@ def test_batched_dflash_blocks_match_the_proposer_forward(shared):
 
         lm_head = torch.nn.Linear(8, 50, bias=False)
 
-    spec = DFlashSpec(hidden_size=16, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=8,
-                      intermediate_size=24, block_size=4, shared_target_head=shared)
+    spec = DFlashSpec(
+        hidden_size=16,
+        num_layers=2,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=8,
+        intermediate_size=24,
+        block_size=4,
+        shared_target_head=shared,
+    )
     model = build_dflash(_T, spec, (0, 1)).eval()
     assert model.cfg.hidden_size == (8 if shared else 16)
     if shared:
@@ -157,8 +165,20 @@ def test_given_tokens_chain_mask_and_loss():
         class config:  # noqa: N801 - mimics a transformers config
             hidden_size, vocab_size = 16, V
 
-    model = build_dflash(_T, DFlashSpec(hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8,
-                                        intermediate_size=24, block_size=b, given_tokens=2), (0,)).eval()
+    model = build_dflash(
+        _T,
+        DFlashSpec(
+            hidden_size=16,
+            num_layers=1,
+            num_heads=2,
+            num_kv_heads=1,
+            head_dim=8,
+            intermediate_size=24,
+            block_size=b,
+            given_tokens=2,
+        ),
+        (0,),
+    ).eval()
     assert model.cfg.denoise_steps == 3
     feats = torch.randn(G, T, 16, generator=gen)
     all_given = torch.full((G, A), 2)
@@ -188,8 +208,9 @@ def test_dflash_chain_labels_loss_ignores_off_chain_blocks():
         class config:  # noqa: N801 - mimics a transformers config
             hidden_size, vocab_size = 16, 11
 
-    spec = DFlashSpec(hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8,
-                      intermediate_size=24, block_size=3)
+    spec = DFlashSpec(
+        hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8, intermediate_size=24, block_size=3
+    )
     torch.manual_seed(0)
     model = build_dflash(_T, spec, (0,)).eval()
     gen = torch.Generator().manual_seed(5)
@@ -207,8 +228,9 @@ def test_dflash_chain_labels_loss_ignores_off_chain_blocks():
     bumped[:, off] = bumped[:, off].flip(-1)  # other labels there, same argmax chain elsewhere
     assert greedy_chain_mask(ids, bumped.argmax(-1), idx).equal(chain)  # same chains
     with torch.no_grad():
-        masked = [block_loss(model, ids, feats, p, p.argmax(-1), anchors, 0.8, chain_labels=True)[0]
-                  for p in (probs, bumped)]
+        masked = [
+            block_loss(model, ids, feats, p, p.argmax(-1), anchors, 0.8, chain_labels=True)[0] for p in (probs, bumped)
+        ]
         plain = [block_loss(model, ids, feats, p, p.argmax(-1), anchors, 0.8)[0] for p in (probs, bumped)]
     torch.testing.assert_close(masked[0], masked[1])
     assert not torch.allclose(plain[0], plain[1])

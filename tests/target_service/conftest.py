@@ -93,7 +93,10 @@ TINY_ARCHS: dict[str, tuple[str, dict]] = {
         "qwen3_moe",
         dict(TINY_BASE, **TINY_QWEN3_MOE, num_hidden_layers=3, mlp_only_layers=[1]),
     ),
-    "mixtral": ("mixtral", dict(TINY_BASE, intermediate_size=64, num_local_experts=4, num_experts_per_tok=2, sliding_window=8)),
+    "mixtral": (
+        "mixtral",
+        dict(TINY_BASE, intermediate_size=64, num_local_experts=4, num_experts_per_tok=2, sliding_window=8),
+    ),
     "llama": (
         "llama",
         dict(

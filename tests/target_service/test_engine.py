@@ -215,6 +215,7 @@ def test_verify_batch_equals_one_at_a_time(load, temperature):
 def test_seed_reproduces_sampled_output(load):
     """The same seed, the same draws wherever the seed key is the same (one engine, or engines that
     share a pinned key); engines of their own keys draw their own (models/probs.py)."""
+
     def sampled(eng, sid="s") -> list[int]:
         first = eng.prefill(sid, PROMPT, SamplingParams(temperature=1.0, seed=123)).next_token
         return [first] + [t for _ in range(6) for t in eng.decode(sid).emitted]
@@ -315,8 +316,12 @@ def test_hidden_out_holds_every_committed_row_at_its_position(load, temperature)
         eng.prefill(sid, PROMPT[:4], sampling, layers)
     assert torch.equal(sink[: len(PROMPT)], pre.hidden) and torch.equal(pre.hidden, ref.hidden)
     rows = [pre.hidden.clone()]
-    blocks = [DraftBlock(token_ids=(3, 9, 11)), DraftBlock(token_ids=(4, 8, 8, 2), parents=(-1, -1, 0, 1)),
-              DraftBlock(token_ids=()), DraftBlock(token_ids=tuple(range(20, 30)))]
+    blocks = [
+        DraftBlock(token_ids=(3, 9, 11)),
+        DraftBlock(token_ids=(4, 8, 8, 2), parents=(-1, -1, 0, 1)),
+        DraftBlock(token_ids=()),
+        DraftBlock(token_ids=tuple(range(20, 30))),
+    ]
     while len(blocks) < 12:  # then plain decode steps, on past the sink's rows
         blocks.append(DraftBlock(token_ids=()))
     for i, block in enumerate(blocks):
@@ -351,8 +356,12 @@ def test_a_session_without_a_sink_returns_its_rows_as_one_buffer_of_its_own(load
     pre = eng.prefill("own", PROMPT, GREEDY, layers)
     eng.prefill("ref", PROMPT, GREEDY, layers, hidden_out=torch.full((64, width), float("nan")))
     parts, kept = [pre.hidden], [pre.hidden.clone()]
-    blocks = [DraftBlock(token_ids=(3, 9, 11)), DraftBlock(token_ids=()), DraftBlock(token_ids=(4, 8)),
-              DraftBlock(token_ids=(4, 8, 8, 2), parents=(-1, -1, 0, 1))] + [DraftBlock(token_ids=())] * 8
+    blocks = [
+        DraftBlock(token_ids=(3, 9, 11)),
+        DraftBlock(token_ids=()),
+        DraftBlock(token_ids=(4, 8)),
+        DraftBlock(token_ids=(4, 8, 8, 2), parents=(-1, -1, 0, 1)),
+    ] + [DraftBlock(token_ids=())] * 8
     for block in blocks:
         got, want = eng.verify("own", block), eng.verify("ref", block)
         assert got.emitted == want.emitted and torch.equal(got.hidden, want.hidden)
@@ -365,7 +374,7 @@ def test_a_session_without_a_sink_returns_its_rows_as_one_buffer_of_its_own(load
     assert complete == [True] * 4 + [False] + [True] * 8, complete  # the tree's rows are written after it
     first_buffer = [p for p in parts if p.untyped_storage().data_ptr() == parts[0].untyped_storage().data_ptr()]
     assert 3 <= len(first_buffer) < len(parts)  # it grew
-    for run in (first_buffer, parts[len(first_buffer):]):
+    for run in (first_buffer, parts[len(first_buffer) :]):
         joined = consecutive_rows(run)
         assert joined is not None and joined.untyped_storage().data_ptr() == run[0].untyped_storage().data_ptr()
         assert torch.equal(joined, torch.cat(run))
@@ -376,4 +385,6 @@ def test_a_session_without_a_sink_returns_its_rows_as_one_buffer_of_its_own(load
     view = eng._columns.select(captured, (0, 1, 2), (1, 2))  # consecutive: a view, no copy
     assert view.untyped_storage().data_ptr() == captured.untyped_storage().data_ptr()
     assert torch.equal(view, captured[:, h:])
-    assert torch.equal(eng._columns.select(captured, (0, 1, 2), (2, 0)), torch.cat([captured[:, 2 * h:], captured[:, :h]], 1))
+    assert torch.equal(
+        eng._columns.select(captured, (0, 1, 2), (2, 0)), torch.cat([captured[:, 2 * h :], captured[:, :h]], 1)
+    )

@@ -32,6 +32,8 @@ PAGED_BACKENDS = {"triton_paged": TritonPagedBackend, "paged_torch": PagedTorchB
 
 def _model(spec: str):
     return demo_checkpoint("target") if spec == "demo" else spec
+
+
 TREE = DraftBlock(token_ids=(5, 6, 7, 8, 9), parents=(-1, 0, 0, 1, -1))
 
 
@@ -103,8 +105,17 @@ def test_gpu_matches_cpu_on_tiny_checkpoints(tiny_checkpoint, arch):
 @pytest.mark.parametrize("spec", MINIS)
 def test_flashinfer_matches_torch_attention(spec):
     engines = {
-        kind: build_engine(EngineConfig(model=f"synthetic:{spec}", device="cuda", dtype="bfloat16", num_kv_blocks=64,
-                                        kv_block_size=16, attention_backend=kind, cuda_graphs=False))
+        kind: build_engine(
+            EngineConfig(
+                model=f"synthetic:{spec}",
+                device="cuda",
+                dtype="bfloat16",
+                num_kv_blocks=64,
+                kv_block_size=16,
+                attention_backend=kind,
+                cuda_graphs=False,
+            )
+        )
         for kind in ("torch", "flashinfer")
     }
     assert engines["flashinfer"].model.attn_backend is not None and engines["torch"].model.attn_backend is None
@@ -114,8 +125,12 @@ def test_flashinfer_matches_torch_attention(spec):
     out = {}
     for kind, e in engines.items():
         first = e.prefill("s", prompt).next_token
-        out[kind] = (first, e.score_block("s", DraftBlock(token_ids=())), e.score_block("s", chain),
-                     e.score_block("s", TREE))
+        out[kind] = (
+            first,
+            e.score_block("s", DraftBlock(token_ids=())),
+            e.score_block("s", chain),
+            e.score_block("s", TREE),
+        )
     for a, b in zip(out["flashinfer"][1:], out["torch"][1:]):
         _close(a, b, 0.1)
 
@@ -125,7 +140,9 @@ def _check_graph_replay(engine) -> None:
     assert runner.graph_for((1,)) is not None and runner.graph_for((6,), tree=True) is not None
     vocab = engine.info().vocab_size
     engine.prefill("s", _prompt(40, vocab))
-    for block in [DraftBlock(token_ids=())] + [DraftBlock(token_ids=tuple(_prompt(k, vocab, k))) for k in (1, 3, 5)] + [TREE]:
+    for block in (
+        [DraftBlock(token_ids=())] + [DraftBlock(token_ids=tuple(_prompt(k, vocab, k))) for k in (1, 3, 5)] + [TREE]
+    ):
         runner.use_graphs = True
         before = runner.graph_steps
         graph = engine.score_block("s", block).clone()
@@ -146,9 +163,19 @@ def _check_graph_replay(engine) -> None:
 
 
 def _graph_engine(model, graph_max_draft: int, tree_size: int, attention: str = "auto"):
-    return build_engine(EngineConfig(model=model, device="cuda", dtype="bfloat16", num_kv_blocks=64,
-                                     kv_block_size=16, graph_max_draft=graph_max_draft, graph_tree_sizes=(tree_size,),
-                                     max_context=512, attention_backend=attention))
+    return build_engine(
+        EngineConfig(
+            model=model,
+            device="cuda",
+            dtype="bfloat16",
+            num_kv_blocks=64,
+            kv_block_size=16,
+            graph_max_draft=graph_max_draft,
+            graph_tree_sizes=(tree_size,),
+            max_context=512,
+            attention_backend=attention,
+        )
+    )
 
 
 @needs_flashinfer
@@ -179,10 +206,21 @@ FUSED_SPECS = PAGED + tuple(f"synthetic:{m}" for m in MINIS)
 def test_fused_layers_match_plain_torch(spec):
     """float32, eager: the fused layers (merged projections, norm / residual / router kernels, QK-norm + RoPE +
     cache write in one kernel, Triton paged attention) compute the plain-torch model's logits and greedy tokens."""
+
     def engine(fused: bool):
-        return build_engine(EngineConfig(model=_model(spec), device="cuda", dtype="float32", num_kv_blocks=64,
-                                         kv_block_size=16, moe_backend="torch", fused_layers=fused,
-                                         attention_backend="triton_paged" if fused else "torch", cuda_graphs=False))
+        return build_engine(
+            EngineConfig(
+                model=_model(spec),
+                device="cuda",
+                dtype="float32",
+                num_kv_blocks=64,
+                kv_block_size=16,
+                moe_backend="torch",
+                fused_layers=fused,
+                attention_backend="triton_paged" if fused else "torch",
+                cuda_graphs=False,
+            )
+        )
 
     fused, plain = engine(True), engine(False)
     assert fused.model.fused_layers and not plain.model.fused_layers
@@ -220,7 +258,6 @@ def _check_lossless_through_graphs(engine) -> None:
         if engine.config.moe is not None:
             assert res.experts_touched > 0
     assert engine.runner.graph_steps >= 4
-
 
 
 @needs_flashinfer

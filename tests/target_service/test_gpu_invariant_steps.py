@@ -15,8 +15,14 @@ from specserve.paths import demo_checkpoint
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
-MODELS = ["demo", "synthetic:tiny-qwen3-moe", "synthetic:tiny-kimi-k2", "synthetic:mini-qwen3-moe",
-          "synthetic:qwen3-30b-a3b:2", "synthetic:tiny-kimi-k2-int4"]
+MODELS = [
+    "demo",
+    "synthetic:tiny-qwen3-moe",
+    "synthetic:tiny-kimi-k2",
+    "synthetic:mini-qwen3-moe",
+    "synthetic:qwen3-30b-a3b:2",
+    "synthetic:tiny-kimi-k2-int4",
+]
 PROMPT = [5, 17, 101, 33, 64, 9, 150, 77, 3, 120, 41, 8, 199, 60, 21, 90, 14, 180, 2, 55] * 3
 
 

@@ -40,7 +40,7 @@ def test_one_graph_skips_each_steps_pad_rows(spec):
     assert runner.invariant_rows == ROWS and runner.graph_for((1,)) is not None, runner.capture_errors
     _step(runner, PROMPT, 0)
     full = _step(runner, DRAFT, CTX)  # ROWS real tokens: no pad row
-    logits, entries = full.logits.clone(), [_flat(layer)[CTX: CTX + ROWS].clone() for layer in cache.layers]
+    logits, entries = full.logits.clone(), [_flat(layer)[CTX : CTX + ROWS].clone() for layer in cache.layers]
     before = runner.graph_steps
     for t in (1, 4, 9, 16):
         for layer in cache.layers:
@@ -48,8 +48,8 @@ def test_one_graph_skips_each_steps_pad_rows(spec):
         run = _step(runner, DRAFT[:t], CTX)
         assert torch.equal(run.logits, logits[:t]), f"t = {t}"
         for layer, real in zip(cache.layers, entries):
-            assert torch.equal(_flat(layer)[CTX: CTX + t], real[:t]), f"t = {t}"
-            assert bool((_flat(layer)[CTX + t:] == POISON).all()), f"t = {t}: a pad row wrote the cache"
+            assert torch.equal(_flat(layer)[CTX : CTX + t], real[:t]), f"t = {t}"
+            assert bool((_flat(layer)[CTX + t :] == POISON).all()), f"t = {t}: a pad row wrote the cache"
         routed = run.out.routed_experts  # the real rows' [MoE layers, t, top_k]
         # the graph counted the experts of all ROWS rows: the pad rows added none
         assert int(run.summary[2]) == int(distinct_experts(routed, runner.num_experts, routed.device)), f"t = {t}"

@@ -52,8 +52,9 @@ def test_full_size_builds_in_under_a_minute(spec):
 @pytest.fixture(scope="module")
 def moonlight32():
     engine = build_engine(EngineConfig(model=MOONLIGHT, device="cuda", dtype="float32", num_kv_blocks=1024))
-    demo = build_engine(EngineConfig(model=demo_checkpoint("target"), device="cuda", dtype="float32",
-                                     num_kv_blocks=256))
+    demo = build_engine(
+        EngineConfig(model=demo_checkpoint("target"), device="cuda", dtype="float32", num_kv_blocks=256)
+    )
     yield engine, demo
     del engine, demo
     _free()
@@ -70,8 +71,16 @@ def _proposer(family: str):
     from specserve.draft_service.registry import build_proposer
 
     checkpoint = None if family == "ngram" else demo_checkpoint(family)
-    return build_proposer(DrafterConfig(family=family, checkpoint=checkpoint, target_checkpoint=demo_checkpoint("target"),
-                                        device="cuda", dtype="float32", max_block_size=9))
+    return build_proposer(
+        DrafterConfig(
+            family=family,
+            checkpoint=checkpoint,
+            target_checkpoint=demo_checkpoint("target"),
+            device="cuda",
+            dtype="float32",
+            max_block_size=9,
+        )
+    )
 
 
 @pytest.mark.parametrize("family", DRAFTERS)

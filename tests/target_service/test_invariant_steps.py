@@ -12,8 +12,12 @@ from specserve.paths import demo_checkpoint
 from specserve.target_service.factory import CPU_ROWS, EngineConfig, build_engine
 
 PROMPT = [5, 17, 101, 33, 64, 9, 150, 77, 3, 120, 41, 8, 199, 60, 21, 90, 14, 180, 2, 55]
-CASES = [(str(demo_checkpoint("target")), "bfloat16"), (str(demo_checkpoint("target")), "float32"),
-         ("synthetic:tiny-qwen3-moe", "bfloat16"), ("synthetic:tiny-kimi-k2", "float32")]
+CASES = [
+    (str(demo_checkpoint("target")), "bfloat16"),
+    (str(demo_checkpoint("target")), "float32"),
+    ("synthetic:tiny-qwen3-moe", "bfloat16"),
+    ("synthetic:tiny-kimi-k2", "float32"),
+]
 
 
 @pytest.mark.parametrize("model,dtype", CASES, ids=["demo-bf16", "demo-fp32", "tiny-qwen3-bf16", "tiny-kimi-fp32"])
@@ -36,8 +40,11 @@ def test_invariant_steps_refuse_a_backend_that_is_not_invariant():
     from specserve.models.attn_backend import AttentionBackendError
 
     with pytest.raises(AttentionBackendError, match="invariant steps need"):
-        build_engine(EngineConfig(model="synthetic:tiny-qwen3-moe", attention_backend="torch", invariant_steps=True,
-                                  num_kv_blocks=8))
+        build_engine(
+            EngineConfig(
+                model="synthetic:tiny-qwen3-moe", attention_backend="torch", invariant_steps=True, num_kv_blocks=8
+            )
+        )
 
 
 def test_a_padded_steps_summary_never_accepts_a_pad_row():
@@ -80,19 +87,30 @@ def test_triton_steps_metadata_of_a_padded_step():
     tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dtype=torch.bool)
     for mask in (None, tree):
         own = torch.ones(4, 4, dtype=torch.bool).tril() if mask is None else mask
-        attn = AttentionBatch(query_lens=(4,), context_lens=(30,), block_tables=((3, 1, 2),),
-                              slot_mapping=torch.arange(50, 54), tree_masks=(mask,))
+        attn = AttentionBatch(
+            query_lens=(4,),
+            context_lens=(30,),
+            block_tables=((3, 1, 2),),
+            slot_mapping=torch.arange(50, 54),
+            tree_masks=(mask,),
+        )
         ids, pos, padded = pad_step([1, 2, 3, 4], [30, 31, 32, 32], attn, 8)
-        assert (ids, pos, padded.slot_mapping.tolist()) == ([1, 2, 3, 4] + [4] * 4, [30, 31, 32, 32] + [32] * 4,
-                                                            [50, 51, 52, 53] + [-1] * 4)
+        assert (ids, pos, padded.slot_mapping.tolist()) == (
+            [1, 2, 3, 4] + [4] * 4,
+            [30, 31, 32, 32] + [32] * 4,
+            [50, 51, 52, 53] + [-1] * 4,
+        )
         assert padded.live_rows.tolist() == [4] and padded.pad_rows == 4
         step.fill(padded, 16)
         rows = step.rows
         paths, depth = tree_paths_of(own)
         assert rows.tree_paths[:4, :4].tolist() == paths.tolist() and rows.row_index[:4].tolist() == depth.tolist()
         assert rows.row_request.tolist() == [0] * 4 + [-1] * 4 and not rows.tree_paths[4:].any()
-        assert (rows.kv_lens.tolist(), rows.new_starts.tolist(), rows.block_tables[0, :3].tolist()) == ([34], [30],
-                                                                                                         [3, 1, 2])
+        assert (rows.kv_lens.tolist(), rows.new_starts.tolist(), rows.block_tables[0, :3].tolist()) == (
+            [34],
+            [30],
+            [3, 1, 2],
+        )
 
 
 def test_a_prefill_keeps_the_usual_split_count_under_invariant_steps():

@@ -31,8 +31,9 @@ def _target_only(eng, n: int, sampling=SamplingParams()):
         ids.append(res.next_token)
         lps.append(res.logprobs)
     eng.release("ref")
-    return ids, [(lp.token_ids[i], lp.logprobs[i], lp.top_ids[i], lp.top_logprobs[i]) for lp in lps
-                 for i in range(len(lp))]
+    return ids, [
+        (lp.token_ids[i], lp.logprobs[i], lp.top_ids[i], lp.top_logprobs[i]) for lp in lps for i in range(len(lp))
+    ]
 
 
 def _close(got, want) -> None:
@@ -75,7 +76,9 @@ def test_prompt_logprobs_score_each_token_where_it_stands(engine):
     engine.release("p")
     lp = pre.prompt_logprobs
     assert lp.token_ids == tuple(seq[1:])
-    tail = [(lp.token_ids[j], lp.logprobs[j], lp.top_ids[j], lp.top_logprobs[j]) for j in range(len(PROMPT) - 1, len(lp))]
+    tail = [
+        (lp.token_ids[j], lp.logprobs[j], lp.top_ids[j], lp.top_logprobs[j]) for j in range(len(PROMPT) - 1, len(lp))
+    ]
     _close(tail, want[:5])
 
 
@@ -100,6 +103,8 @@ def test_a_batch_gives_each_session_its_own_logprobs(engine):
     for sid in ("x", "y"):
         engine.release(sid)
     assert y.logprobs is None
-    _close([(x.logprobs.token_ids[0], x.logprobs.logprobs[0], x.logprobs.top_ids[0], x.logprobs.top_logprobs[0])],
-           want[1:2])
+    _close(
+        [(x.logprobs.token_ids[0], x.logprobs.logprobs[0], x.logprobs.top_ids[0], x.logprobs.top_logprobs[0])],
+        want[1:2],
+    )
     assert torch.tensor(x.logprobs.top_logprobs[0]).exp().sum() <= 1 + 1e-6

@@ -75,7 +75,7 @@ def _cache_after(runner, cache, batch: AttentionBatch, ids: list[int], pos: list
 def _real_entries(runner, cache, t: int) -> list[torch.Tensor]:
     """Each layer's entries of the first t drafted tokens, written by a step of CPU_ROWS real tokens (no pad rows)."""
     runner.model(torch.tensor(DRAFT), torch.arange(CTX, CTX + CPU_ROWS), _batch(runner, DRAFT, CTX), cache)
-    return [_flat(layer)[CTX: CTX + t].clone() for layer in cache.layers]
+    return [_flat(layer)[CTX : CTX + t].clone() for layer in cache.layers]
 
 
 def _padded(runner, t: int):
@@ -83,8 +83,11 @@ def _padded(runner, t: int):
     return pad_step(tokens, positions, _batch(runner, tokens, CTX), CPU_ROWS)
 
 
-@pytest.mark.parametrize("model,dtype", [(DEMO, "float32"), ("synthetic:tiny-kimi-k2-int4", "bfloat16")],
-                         ids=["demo-fp32", "tiny-kimi-int4-bf16"])
+@pytest.mark.parametrize(
+    "model,dtype",
+    [(DEMO, "float32"), ("synthetic:tiny-kimi-k2-int4", "bfloat16")],
+    ids=["demo-fp32", "tiny-kimi-int4-bf16"],
+)
 def test_pad_rows_write_no_cache_slot_and_route_to_no_expert(model, dtype):
     runner, cache = _setup(model, dtype, invariant=True)
     t = 5
@@ -94,8 +97,8 @@ def test_pad_rows_write_no_cache_slot_and_route_to_no_expert(model, dtype):
     assert padded.slot_mapping[t:].tolist() == [-1] * (CPU_ROWS - t) and padded.live_rows.tolist() == [t]
     after = _cache_after(runner, cache, padded, ids, pos)
     for layer, real in zip(after, written):
-        assert torch.equal(layer[CTX: CTX + t], real)  # the real rows' entries
-        assert bool((layer[CTX + t:] == 1024.0).all())  # nothing else written
+        assert torch.equal(layer[CTX : CTX + t], real)  # the real rows' entries
+        assert bool((layer[CTX + t :] == 1024.0).all())  # nothing else written
 
     out = runner.model(torch.tensor(ids), torch.tensor(pos), padded, cache)
     routed = out.routed_experts  # [MoE layers, CPU_ROWS, top_k]
@@ -116,4 +119,4 @@ def test_pad_rows_that_skip_their_work_must_not_keep_the_last_slot():
     last = padded.slot_mapping[t - 1]
     broken = dataclasses.replace(padded, slot_mapping=torch.cat([padded.slot_mapping[:t], last.expand(CPU_ROWS - t)]))
     after = _cache_after(runner, cache, broken, ids, pos)
-    assert any(not torch.equal(layer[CTX: CTX + t], real) for layer, real in zip(after, written))
+    assert any(not torch.equal(layer[CTX : CTX + t], real) for layer, real in zip(after, written))

@@ -98,8 +98,23 @@ def test_engine_matches_one_process(arch, ranks, ep, tiny_checkpoint, reference)
 
 def _generate(capsys, ckpt, *extra: str) -> list[int]:
     capsys.readouterr()
-    argv = ["generate", "--model", str(ckpt), "--prompt-ids", ",".join(map(str, PROMPT)), "--max-new-tokens", "12",
-            "--draft", "ngram", "--num-speculative-tokens", "3", "--num-kv-blocks", "64", "--json", *extra]
+    argv = [
+        "generate",
+        "--model",
+        str(ckpt),
+        "--prompt-ids",
+        ",".join(map(str, PROMPT)),
+        "--max-new-tokens",
+        "12",
+        "--draft",
+        "ngram",
+        "--num-speculative-tokens",
+        "3",
+        "--num-kv-blocks",
+        "64",
+        "--json",
+        *extra,
+    ]
     assert main(argv) == 0
     out = json.loads(capsys.readouterr().out)
     assert len(out["token_ids"]) == 12
@@ -139,5 +154,7 @@ def test_a_worker_that_dies_fails_the_engine_with_a_clear_error(tiny_checkpoint)
         engine.close()
     assert not engine._group.procs
     # the process can host a new parallel target afterwards
-    with ParallelTargetEngine(tiny_checkpoint("qwen3_moe"), tensor_parallel_size=2, progress=False, **ENGINE_KW) as again:
+    with ParallelTargetEngine(
+        tiny_checkpoint("qwen3_moe"), tensor_parallel_size=2, progress=False, **ENGINE_KW
+    ) as again:
         assert len(again.generate_greedy(PROMPT, 3)) == 3

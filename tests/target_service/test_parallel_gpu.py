@@ -34,8 +34,9 @@ def _run(engine) -> tuple[list[int], torch.Tensor, torch.Tensor]:
 def _compare(tiny_checkpoint, arch: str, ranks: int, ep: bool) -> None:
     model, config = load_model(tiny_checkpoint(arch), progress=False)
     want = _run(TargetEngine(model, config, **KW))
-    with ParallelTargetEngine(tiny_checkpoint(arch), tensor_parallel_size=ranks, expert_parallel=ep, device="cuda",
-                              progress=False, **KW) as engine:
+    with ParallelTargetEngine(
+        tiny_checkpoint(arch), tensor_parallel_size=ranks, expert_parallel=ep, device="cuda", progress=False, **KW
+    ) as engine:
         assert engine.kv_cache.layers[0].is_cuda
         assert all(os.environ.get(k) == v for k, v in MULTICAST_OFF.items())
         got = _run(engine)

@@ -52,12 +52,33 @@ def test_env_rendezvous_start_on_loopback(tiny_checkpoint, capsys):
     want = _generate_json(capsys, ckpt, "--draft", "ngram")["token_ids"]
     port = str(_free_port())
     common = dict(WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
-    argv = [sys.executable, "-m", "specserve.cli.parallel_launch", "generate", "--model", str(ckpt),
-            "--num-kv-blocks", "64", "--tensor-parallel-size", "2", "--enable-expert-parallel", "--draft", "ngram", *FLAGS]
-    worker = subprocess.Popen(argv, env=_env(RANK="1", LOCAL_RANK="1", **common), cwd=REPO,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    rank0 = subprocess.run(argv, env=_env(RANK="0", LOCAL_RANK="0", **common), cwd=REPO,
-                           capture_output=True, text=True, timeout=240)
+    argv = [
+        sys.executable,
+        "-m",
+        "specserve.cli.parallel_launch",
+        "generate",
+        "--model",
+        str(ckpt),
+        "--num-kv-blocks",
+        "64",
+        "--tensor-parallel-size",
+        "2",
+        "--enable-expert-parallel",
+        "--draft",
+        "ngram",
+        *FLAGS,
+    ]
+    worker = subprocess.Popen(
+        argv,
+        env=_env(RANK="1", LOCAL_RANK="1", **common),
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    rank0 = subprocess.run(
+        argv, env=_env(RANK="0", LOCAL_RANK="0", **common), cwd=REPO, capture_output=True, text=True, timeout=240
+    )
     out, err = worker.communicate(timeout=60)
     assert rank0.returncode == 0, rank0.stderr[-2000:]
     assert json.loads(rank0.stdout)["token_ids"] == want
@@ -85,8 +106,14 @@ os.kill(os.getpid(), 9)
 
 
 def test_workers_end_when_rank_zero_is_killed(tiny_checkpoint):
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, str(tiny_checkpoint("qwen3_moe"))], env=_env(), cwd=REPO,
-                          capture_output=True, text=True, timeout=240)
+    proc = subprocess.run(
+        [sys.executable, "-c", SCRIPT, str(tiny_checkpoint("qwen3_moe"))],
+        env=_env(),
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
     pids = [int(p) for p in proc.stdout.split()]
     assert len(pids) == 1
@@ -99,9 +126,27 @@ def test_workers_end_when_rank_zero_is_killed(tiny_checkpoint):
 def test_tp2_target_behind_the_gateway_matches_generate(tiny_checkpoint, capsys):
     ckpt = tiny_checkpoint("qwen3_moe")
     serve = subprocess.Popen(
-        [sys.executable, "-m", "specserve.cli.main", "serve", "--model", str(ckpt), "--draft", "ngram", "--port", "0",
-         "--tensor-parallel-size", "2", "--num-kv-blocks", "64"],
-        env=_env(), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        [
+            sys.executable,
+            "-m",
+            "specserve.cli.main",
+            "serve",
+            "--model",
+            str(ckpt),
+            "--draft",
+            "ngram",
+            "--port",
+            "0",
+            "--tensor-parallel-size",
+            "2",
+            "--num-kv-blocks",
+            "64",
+        ],
+        env=_env(),
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     errors: list[str] = []
     threading.Thread(target=lambda: errors.extend(serve.stderr), daemon=True).start()

@@ -30,7 +30,12 @@ def test_qwen3_30b_a3b_preset_matches_the_public_config():
     c = synthetic_config("qwen3-30b-a3b")
     assert (c.model_type, c.num_layers, c.hidden_size, c.vocab_size) == ("qwen3_moe", 48, 2048, 151936)
     assert isinstance(c.attention, GQAConfig)
-    assert (c.attention.num_heads, c.attention.num_kv_heads, c.attention.head_dim, c.attention.qk_norm) == (32, 4, 128, True)
+    assert (c.attention.num_heads, c.attention.num_kv_heads, c.attention.head_dim, c.attention.qk_norm) == (
+        32,
+        4,
+        128,
+        True,
+    )
     assert (c.moe.num_experts, c.moe.top_k, c.moe.intermediate_size) == (128, 8, 768)
     assert c.moe.layers == tuple(range(48))
 
@@ -88,7 +93,10 @@ def test_random_weights_are_nonzero_seeded_and_bf16():
 
 
 def test_int4_presets_keep_kimi_experts_packed():
-    b, full = parameter_bytes(synthetic_config("kimi-k2-layer-int4")), parameter_bytes(synthetic_config("kimi-k2-layer"))
+    b, full = (
+        parameter_bytes(synthetic_config("kimi-k2-layer-int4")),
+        parameter_bytes(synthetic_config("kimi-k2-layer")),
+    )
     # per expert: gate + up [2048, 7168] and down [7168, 2048] as int32 words (8 values) + bf16 scales per 32
     assert b["expert"] == 2 * 2048 * (7168 // 8 * 4 + 7168 // 32 * 2) + 7168 * (2048 // 8 * 4 + 2048 // 32 * 2)
     assert (b["dense"], b["embed"]) == (full["dense"], full["embed"]) and full["expert"] == 3 * 2048 * 7168 * 2
@@ -165,12 +173,15 @@ def test_fast_path_plumbing_matches_torch_attention(spec, backend):
     (static-shape windows through the block table) == plain-torch attention: prefill, chain verify, tree verify,
     greedy decode."""
     engines = [
-        build_engine(EngineConfig(model=f"synthetic:{spec}", num_kv_blocks=64, kv_block_size=4, seed=1,
-                                  attention_backend=kind))
+        build_engine(
+            EngineConfig(model=f"synthetic:{spec}", num_kv_blocks=64, kv_block_size=4, seed=1, attention_backend=kind)
+        )
         for kind in ("torch", backend)
     ]
-    assert type(engines[1].model.attn_backend).__name__ == {"reference": "ReferencePagedBackend",
-                                                          "paged_torch": "PagedTorchBackend"}[backend]
+    assert (
+        type(engines[1].model.attn_backend).__name__
+        == {"reference": "ReferencePagedBackend", "paged_torch": "PagedTorchBackend"}[backend]
+    )
     assert engines[0].kv_cache.dtype == torch.float32  # EngineConfig's default dtype: a tight comparison
     prompt = list(range(3, 21))
     chain = DraftBlock(token_ids=(7, 8, 9))

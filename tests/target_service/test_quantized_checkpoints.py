@@ -61,7 +61,9 @@ WIDE = "deepseek_v3_wide_experts"  # moe_intermediate_size 64: two int4 groups, 
 def _wide_experts(src: Path, out: Path) -> Path:
     raw = json.loads((src / "config.json").read_text())
     skip = ("model_type", "architectures", "transformers_version", "dtype", "torch_dtype")
-    return save_tiny_hf("deepseek_v3", {**{k: v for k, v in raw.items() if k not in skip}, "moe_intermediate_size": 64}, out)
+    return save_tiny_hf(
+        "deepseek_v3", {**{k: v for k, v in raw.items() if k not in skip}, "moe_intermediate_size": 64}, out
+    )
 
 
 def _experts(model) -> list:
@@ -107,8 +109,10 @@ def test_int4_experts_split_into_groups_stay_packed_else_load_dequantized(quanti
     narrow, _ = quantized("int4")  # I = 32 over 2 ranks: 16 columns, not a whole group of 32
     half = load_model(narrow, progress=False, parallel=ParallelConfig(tp_rank=1, tp_size=2))[0]
     assert not any(isinstance(e, Int4StackedExperts) for e in _experts(half))
-    assert all(isinstance(e, Int4StackedExperts) for e in _experts(load_model(
-        narrow, progress=False, parallel=ParallelConfig(tp_rank=1, tp_size=2, ep=True))[0]))
+    assert all(
+        isinstance(e, Int4StackedExperts)
+        for e in _experts(load_model(narrow, progress=False, parallel=ParallelConfig(tp_rank=1, tp_size=2, ep=True))[0])
+    )
 
 
 @pytest.mark.parametrize("scale", list(SCALE_DTYPES))
@@ -147,8 +151,12 @@ def test_parallel_ranks_match_one_process(kind, ranks, ep, quantized):
     its 32-column half of every expert packed (the down projection split between groups); fp8: blocks of
     20 x 24, experts dequantized, attention split mid-block; fp8_packed: blocks of 16, experts held in e4m3
     with each TP rank's 16 rows / columns of every expert."""
-    kw = {"int4": {}, "int4_wide": {}, "fp8": {"block": (20, 24), "scale_dtype": torch.bfloat16},
-          "fp8_packed": {"block": (16, 16), "scale_dtype": torch.float32}}[kind]
+    kw = {
+        "int4": {},
+        "int4_wide": {},
+        "fp8": {"block": (20, 24), "scale_dtype": torch.bfloat16},
+        "fp8_packed": {"block": (16, 16), "scale_dtype": torch.float32},
+    }[kind]
     ckpt, _ = quantized(kind[:4].rstrip("_"), WIDE if kind == "int4_wide" else "deepseek_v3", **kw)
     if kind == "fp8_packed":
         half = load_model(ckpt, progress=False, parallel=ParallelConfig(tp_rank=1, tp_size=2, ep=ep))[0]
@@ -159,7 +167,9 @@ def test_parallel_ranks_match_one_process(kind, ranks, ep, quantized):
     ref.prefill("a", PROMPT)
     want_scores = ref.score_block("a", tree)
     want = ref.generate_greedy(PROMPT, 12)
-    with ParallelTargetEngine(ckpt, tensor_parallel_size=ranks, expert_parallel=ep, progress=False, **ENGINE_KW) as engine:
+    with ParallelTargetEngine(
+        ckpt, tensor_parallel_size=ranks, expert_parallel=ep, progress=False, **ENGINE_KW
+    ) as engine:
         engine.prefill("a", PROMPT)
         torch.testing.assert_close(engine.score_block("a", tree), want_scores, atol=1e-5, rtol=1e-5)
         assert engine.generate_greedy(PROMPT, 12) == want
@@ -172,8 +182,22 @@ def test_generate_serves_the_quantized_checkpoint(kind, quantized, capsys):
     model, config = load_model(ckpt, progress=False)
     want = TargetEngine(model, config, **ENGINE_KW).generate_greedy(PROMPT, 10)
     capsys.readouterr()
-    argv = ["generate", "--model", str(ckpt), "--prompt-ids", ",".join(map(str, PROMPT)), "--max-new-tokens", "10",
-            "--draft", "ngram", "--num-speculative-tokens", "3", "--num-kv-blocks", "64", "--json"]
+    argv = [
+        "generate",
+        "--model",
+        str(ckpt),
+        "--prompt-ids",
+        ",".join(map(str, PROMPT)),
+        "--max-new-tokens",
+        "10",
+        "--draft",
+        "ngram",
+        "--num-speculative-tokens",
+        "3",
+        "--num-kv-blocks",
+        "64",
+        "--json",
+    ]
     assert main(argv) == 0
     assert json.loads(capsys.readouterr().out)["token_ids"] == want
 
@@ -216,7 +240,11 @@ def test_a_rank_reads_only_its_shard_of_packed_words_and_scales(tmp_path):
     g = torch.Generator().manual_seed(0)
     q = torch.randint(-8, 8, (16, 256), generator=g, dtype=torch.int8)
     scale = torch.rand(16, 8, generator=g).to(torch.bfloat16)
-    tensors = {"m.weight_packed": pack_to_int32(q, 4), "m.weight_scale": scale, "m.weight_shape": torch.tensor([16, 256])}
+    tensors = {
+        "m.weight_packed": pack_to_int32(q, 4),
+        "m.weight_scale": scale,
+        "m.weight_shape": torch.tensor([16, 256]),
+    }
     reads = {}
     name, view = open_tensor("m.weight_packed", _handles(tensors, tmp_path / "a.safetensors", reads), Int4PackConfig())
     assert name == "m.weight" and view.shape == (16, 256)
@@ -241,7 +269,10 @@ def test_a_rank_reads_only_its_shard_of_packed_words_and_scales(tmp_path):
 
 
 def _int4_raw(tiny_checkpoint) -> dict:
-    return {**json.loads((tiny_checkpoint("deepseek_v3") / "config.json").read_text()), "quantization_config": int4_config()}
+    return {
+        **json.loads((tiny_checkpoint("deepseek_v3") / "config.json").read_text()),
+        "quantization_config": int4_config(),
+    }
 
 
 @pytest.mark.parametrize(
@@ -251,12 +282,38 @@ def _int4_raw(tiny_checkpoint) -> dict:
         ({"quant_method": "gptq", "bits": 4}, "quant_method 'gptq'"),
         ({"quant_method": "bitsandbytes"}, "quant_method 'bitsandbytes'"),
         ({"quant_method": "fp8", "activation_scheme": "dynamic"}, "weight_block_size None"),
-        ({"quant_method": "fp8", "activation_scheme": "static", "weight_block_size": [128, 128]}, "activation_scheme 'static'"),
+        (
+            {"quant_method": "fp8", "activation_scheme": "static", "weight_block_size": [128, 128]},
+            "activation_scheme 'static'",
+        ),
         ({**int4_config(), "format": "float-quantized"}, "format 'float-quantized'"),
-        ({**int4_config(), "config_groups": {"g": {"format": "pack-quantized", "weights": {
-            "num_bits": 4, "type": "int", "symmetric": False, "strategy": "group", "group_size": 32}}}}, "'symmetric': False"),
-        ({**int4_config(), "config_groups": {"g": {"weights": {
-            "num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel"}}}}, "'num_bits': 8"),
+        (
+            {
+                **int4_config(),
+                "config_groups": {
+                    "g": {
+                        "format": "pack-quantized",
+                        "weights": {
+                            "num_bits": 4,
+                            "type": "int",
+                            "symmetric": False,
+                            "strategy": "group",
+                            "group_size": 32,
+                        },
+                    }
+                },
+            },
+            "'symmetric': False",
+        ),
+        (
+            {
+                **int4_config(),
+                "config_groups": {
+                    "g": {"weights": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel"}}
+                },
+            },
+            "'num_bits': 8",
+        ),
     ],
     ids=["awq", "gptq", "bnb", "fp8_no_block", "fp8_static", "ct_float", "ct_asymmetric", "ct_int8"],
 )
@@ -301,8 +358,11 @@ def test_broken_quantized_tensors_are_named(quantized, tmp_path):
 def test_bytes_floor_counts_packed_weights_and_scales(quantized, tiny_checkpoint):
     """One routed expert costs what the checkpoint stores for it (packed words + bf16 group scales;
     fp8 bytes + float32 block scales), and fp8 attention likewise, not the dequantized floats."""
-    cases = (("int4", {}), ("fp8", {"block": (20, 24), "scale_dtype": torch.float32}),  # experts packed; dequantized
-             ("fp8", {"block": (16, 24), "scale_dtype": torch.float32}))  # fp8 experts held packed
+    cases = (
+        ("int4", {}),
+        ("fp8", {"block": (20, 24), "scale_dtype": torch.float32}),  # experts packed; dequantized
+        ("fp8", {"block": (16, 24), "scale_dtype": torch.float32}),
+    )  # fp8 experts held packed
     for kind, kw in cases:
         ckpt, _ = quantized(kind, **kw)
         stored = _stored(ckpt)

@@ -284,12 +284,16 @@ def test_tiny_temperatures_decode_and_never_give_nan():
         params = SamplingParams(temperature=t)
         assert params.greedy
         layout = layout_of(DraftBlock(token_ids=(0,)))
-        assert verify_step(layout, torch.tensor([0]), logits.repeat(2, 1), None, params, None) == ((1,), 0)  # node 1 accepted
+        assert verify_step(layout, torch.tensor([0]), logits.repeat(2, 1), None, params, None) == (
+            (1,),
+            0,
+        )  # node 1 accepted
 
 
 def _on_cuda(verifier):
     """The verifier run on the GPU (the engine's device-side rule): rows, p and q moved to CUDA, draws from a CUDA
     generator seeded from the CPU one, results back on the CPU for the same chi-square."""
+
     def run(layout, tokens, p, q, gen):
         cuda_gen = torch.Generator(device="cuda").manual_seed(int(torch.randint(0, 2**62, (1,), generator=gen)))
         last, nxt = verifier(layout, tokens.cuda(), p.cuda(), None if q is None else q.cuda(), cuda_gen)
@@ -316,8 +320,9 @@ def test_rejection_sampling_on_the_gpu_is_lossless(name, layout, params, mode):
     draft_p = torch.softmax(draft_logits / max(params.temperature, 1e-6), dim=-1)
     e1, e2, _ = _first_two_emitted(layout, target_logits, draft_p, params, mode, _on_cuda(verify_sampled), 13)
     assert _chisquare_pvalue(e1, e2, target_logits, params) > 1e-3
-    e1b, e2b, _ = _first_two_emitted(layout, target_logits, draft_p, params, mode,
-                                     _on_cuda(_biased_5pct_any_device), 13)
+    e1b, e2b, _ = _first_two_emitted(
+        layout, target_logits, draft_p, params, mode, _on_cuda(_biased_5pct_any_device), 13
+    )
     assert _chisquare_pvalue(e1b, e2b, target_logits, params) < 1e-3
 
 

@@ -62,7 +62,7 @@ def _check_same_function(spec: str, prompts: list[list[int]], quantized: bool) -
         a, b = _scores(ref, prompt, block), _scores(ours, prompt, block)
         assert b.shape == (len(block) + 1, wc.vocab_size) and a.shape[1] == dc.vocab_size
         torch.testing.assert_close(b[:, : dc.vocab_size], a, rtol=0, atol=1e-4)
-        assert torch.isneginf(b[:, dc.vocab_size:]).all()  # the padded vocabulary is never a token
+        assert torch.isneginf(b[:, dc.vocab_size :]).all()  # the padded vocabulary is never a token
         if quantized:  # negative control: the int4 round trip is real (the plain demo is measurably elsewhere)
             assert (_scores(plain, prompt, block) - a).abs().max() > 1e-3
 
@@ -96,7 +96,8 @@ def test_silent_layers_are_real_layers():
             # random router, or on a demo layer (small-moonlight: 4 experts a group) the demo's rows, zeros past them
             assert bool(layer.mlp.gate.weight[:16, 257:].abs().sum() > 0) == silent
             assert (layer.mlp.experts.w2.abs().sum(dim=(1, 2)) == 0).sum() == (
-                wc.moe.num_experts if silent else wc.moe.top_k - 4)  # silent: every down is zero; demo: the nulls
+                wc.moe.num_experts if silent else wc.moe.top_k - 4
+            )  # silent: every down is zero; demo: the nulls
 
 
 def _bytes(config) -> tuple[int, int, int]:
@@ -112,8 +113,11 @@ def _bytes(config) -> tuple[int, int, int]:
             torch.set_default_dtype(old)
     mb = model_bytes(model, config)
     per_token = mb.dense_total + mb.embedding_row_bytes + config.moe.top_k * mb.expert_bytes * mb.num_moe_layers
-    layer = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
-                if n.startswith("model.layers.1.") and ".experts." not in n)
+    layer = sum(
+        p.numel() * p.element_size()
+        for n, p in model.named_parameters()
+        if n.startswith("model.layers.1.") and ".experts." not in n
+    )
     return mb.param_bytes_total, per_token, layer + config.moe.top_k * mb.expert_bytes
 
 
@@ -142,10 +146,13 @@ def _demo_config():
     return ModelConfig.from_file(demo_checkpoint("target"))
 
 
-@pytest.mark.parametrize("spec, words", [
-    ("demo@nope", "unknown demo size 'nope'"),
-    ("demo@moonlight-16b-a3b:x", "layer count must be a positive integer"),
-])
+@pytest.mark.parametrize(
+    "spec, words",
+    [
+        ("demo@nope", "unknown demo size 'nope'"),
+        ("demo@moonlight-16b-a3b:x", "layer count must be a positive integer"),
+    ],
+)
 def test_bad_names_are_one_line_errors(spec, words):
     with pytest.raises(SpecserveError, match=words):
         EngineConfig(model=spec)

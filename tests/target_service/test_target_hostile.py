@@ -43,7 +43,9 @@ class HostileTarget(InProcessServer):
 @pytest.fixture(scope="module")
 def served(tiny_checkpoint, tmp_path_factory):
     cfg = EngineConfig(model=tiny_checkpoint("qwen3_moe"), num_kv_blocks=320, kv_block_size=4)
-    s = HostileTarget(cfg, f"unix:{tmp_path_factory.mktemp('hsock')}/t.sock", TargetLimits(session_idle_timeout_s=IDLE_S))
+    s = HostileTarget(
+        cfg, f"unix:{tmp_path_factory.mktemp('hsock')}/t.sock", TargetLimits(session_idle_timeout_s=IDLE_S)
+    )
     yield s
     s.close()
 
@@ -52,7 +54,9 @@ def prefill(served, sid: str, temperature: float = 0.0):
     sampling = target_pb2.PrefillRequest().sampling
     sampling.temperature = temperature
     sampling.seed = 1
-    return served.stub.Prefill(target_pb2.PrefillRequest(session_id=sid, prompt_ids=PROMPT, sampling=sampling), timeout=10)
+    return served.stub.Prefill(
+        target_pb2.PrefillRequest(session_id=sid, prompt_ids=PROMPT, sampling=sampling), timeout=10
+    )
 
 
 def verify(served, sid: str, ids, probs=None):
@@ -107,8 +111,9 @@ def test_unparseable_bytes_and_huge_inputs_get_short_invalid_argument(served):
     """Bytes that are no request get INVALID_ARGUMENT (gRPC alone says UNKNOWN), on unary and stream
     methods; a Prefill naming 10,000 hidden layers gets INVALID_ARGUMENT with a short message (an echo
     of the whole input would pass the 16 KB metadata limit and turn into RESOURCE_EXHAUSTED)."""
-    assert_unparseable_bytes_refused(served.channel, "specserve.v1.TargetService", ("Prefill", "Verify", "Release"),
-                                     "VerifyStream")
+    assert_unparseable_bytes_refused(
+        served.channel, "specserve.v1.TargetService", ("Prefill", "Verify", "Release"), "VerifyStream"
+    )
     req = target_pb2.PrefillRequest(session_id="h", prompt_ids=PROMPT, hidden_layers=list(range(100, 10_100)))
     with pytest.raises(grpc.RpcError) as info:
         served.stub.Prefill(req, timeout=10)
@@ -116,8 +121,10 @@ def test_unparseable_bytes_and_huge_inputs_get_short_invalid_argument(served):
     assert served.active() == 0
 
 
-@pytest.mark.parametrize("setting,value", [("temperature", float("inf")), ("temperature", float("nan")),
-                                           ("top_p", float("inf")), ("top_p", float("nan"))])
+@pytest.mark.parametrize(
+    "setting,value",
+    [("temperature", float("inf")), ("temperature", float("nan")), ("top_p", float("inf")), ("top_p", float("nan"))],
+)
 def test_non_finite_sampling_is_refused_by_the_target_itself(served, setting, value):
     """A direct gRPC caller (no gateway before it) gets the gateway's refusal: the contract's SamplingParams
     is the one check (issue #44; before, temperature = inf passed ``not t >= 0`` and the session opened)."""

@@ -70,7 +70,12 @@ def test_info_health_reflection(served, local):
     info = served.stub.GetInfo(target_pb2.TargetInfoRequest(), timeout=10)
     ref = local.info()
     assert (info.model_type, info.vocab_size, info.vocab_hash, info.max_context, info.num_layers) == (
-        ref.model_type, ref.vocab_size, ref.vocab_hash, ref.max_context, ref.num_layers)
+        ref.model_type,
+        ref.vocab_size,
+        ref.vocab_hash,
+        ref.max_context,
+        ref.num_layers,
+    )
     assert info.model_name == "tiny" and info.tensor_parallel_size == 1
     health = health_pb2_grpc.HealthStub(served.channel)
     for name in ("", SERVICE_NAME):
@@ -85,7 +90,8 @@ def test_stream_matches_local_engine(served, local):
     engine, token for token and row for row."""
     layers = (0, 1)
     pre = served.stub.Prefill(
-        target_pb2.PrefillRequest(session_id="s1", prompt_ids=PROMPT, hidden_layers=list(layers)), timeout=30)
+        target_pb2.PrefillRequest(session_id="s1", prompt_ids=PROMPT, hidden_layers=list(layers)), timeout=30
+    )
     ref = local.prefill("s1", PROMPT, SamplingParams(), layers)
     assert pre.next_token == ref.next_token
     assert torch.allclose(convert.tensor_from_proto(pre.hidden), ref.hidden.float())
@@ -93,7 +99,11 @@ def test_stream_matches_local_engine(served, local):
     reqs = iter([target_pb2.VerifyRequest(session_id="s1", draft=block_msg(b)) for b in blocks])
     for b, resp in zip(blocks, served.stub.VerifyStream(reqs, timeout=30)):
         want = local.verify("s1", DraftBlock(token_ids=tuple(b)))
-        assert (tuple(resp.accepted_ids), resp.next_token, resp.num_drafted) == (want.accepted_ids, want.next_token, len(b))
+        assert (tuple(resp.accepted_ids), resp.next_token, resp.num_drafted) == (
+            want.accepted_ids,
+            want.next_token,
+            len(b),
+        )
         assert torch.allclose(convert.tensor_from_proto(resp.hidden), want.hidden.float())
         assert resp.batch_size == 1 and resp.timings.forward_ms > 0 and resp.timings.total_ms > 0
     local.release("s1")
@@ -108,12 +118,18 @@ def test_errors_map_to_status_and_leave_session_usable(served):
     stub = served.stub
     cases = [
         (lambda: stub.Verify(target_pb2.VerifyRequest(session_id="nope"), timeout=10), grpc.StatusCode.NOT_FOUND),
-        (lambda: stub.Prefill(target_pb2.PrefillRequest(session_id="e", prompt_ids=[1, 999]), timeout=10),
-         grpc.StatusCode.INVALID_ARGUMENT),
-        (lambda: stub.Prefill(target_pb2.PrefillRequest(session_id="e", prompt_ids=[]), timeout=10),
-         grpc.StatusCode.INVALID_ARGUMENT),
-        (lambda: stub.Prefill(target_pb2.PrefillRequest(session_id="e", prompt_ids=[1] * 600), timeout=10),
-         grpc.StatusCode.OUT_OF_RANGE),
+        (
+            lambda: stub.Prefill(target_pb2.PrefillRequest(session_id="e", prompt_ids=[1, 999]), timeout=10),
+            grpc.StatusCode.INVALID_ARGUMENT,
+        ),
+        (
+            lambda: stub.Prefill(target_pb2.PrefillRequest(session_id="e", prompt_ids=[]), timeout=10),
+            grpc.StatusCode.INVALID_ARGUMENT,
+        ),
+        (
+            lambda: stub.Prefill(target_pb2.PrefillRequest(session_id="e", prompt_ids=[1] * 600), timeout=10),
+            grpc.StatusCode.OUT_OF_RANGE,
+        ),
     ]
     for call, code in cases:
         with pytest.raises(grpc.RpcError) as info:
@@ -145,11 +161,17 @@ def test_concurrent_sessions_share_one_forward_losslessly(served, local):
         local.prefill(sid, prompts[sid], SamplingParams(), ())
     want = {sid: local.verify(sid, DraftBlock(token_ids=tuple(block[sid]))) for sid in sids}
     with concurrent.futures.ThreadPoolExecutor(5) as pool:
-        busy = [pool.submit(served.stub.Prefill, target_pb2.PrefillRequest(session_id=b, prompt_ids=[5] * 500),
-                            timeout=60) for b in ("busy1", "busy2")]  # keep the engine thread busy a while
+        busy = [
+            pool.submit(served.stub.Prefill, target_pb2.PrefillRequest(session_id=b, prompt_ids=[5] * 500), timeout=60)
+            for b in ("busy1", "busy2")
+        ]  # keep the engine thread busy a while
         time.sleep(0.01)
-        futs = {sid: pool.submit(served.stub.Verify, target_pb2.VerifyRequest(session_id=sid, draft=block_msg(block[sid])),
-                                 timeout=60) for sid in sids}
+        futs = {
+            sid: pool.submit(
+                served.stub.Verify, target_pb2.VerifyRequest(session_id=sid, draft=block_msg(block[sid])), timeout=60
+            )
+            for sid in sids
+        }
         got = {sid: f.result() for sid, f in futs.items()}
         [b.result() for b in busy]
     for sid in sids:
@@ -200,8 +222,10 @@ def test_worker_runs_calls_in_order_skips_cancelled_ones_and_close_answers_every
         assert step.result.num_drafted == 1  # "w" was not released by the cancelled call
         hold = asyncio.ensure_future(worker.prefill("busy2", [5] * 400, SamplingParams(), ()))
         await asyncio.sleep(0.005)
-        waiting = [asyncio.ensure_future(worker.verify("w", DraftBlock(token_ids=(9,)))),
-                   asyncio.ensure_future(worker.call(worker.engine.kv_usage))]
+        waiting = [
+            asyncio.ensure_future(worker.verify("w", DraftBlock(token_ids=(9,)))),
+            asyncio.ensure_future(worker.call(worker.engine.kv_usage)),
+        ]
         await asyncio.sleep(0)
         await asyncio.wait_for(worker.close(), 30)
         outcomes = await asyncio.wait_for(asyncio.gather(*waiting, return_exceptions=True), 5)
@@ -241,7 +265,10 @@ def test_a_verify_answer_runs_on_the_engine_thread_before_the_loop_hears_of_the_
             for sid, answer in (("a2", declining), ("a3", failing)):
                 got = await worker.verify(sid, DraftBlock(token_ids=(9, 9)), answer)
                 assert not got.answered
-                assert (got.result.accepted_ids, got.result.next_token) == (out.result.accepted_ids, out.result.next_token)
+                assert (got.result.accepted_ids, got.result.next_token) == (
+                    out.result.accepted_ids,
+                    out.result.next_token,
+                )
         finally:
             await worker.close()
 

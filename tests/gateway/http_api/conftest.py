@@ -56,4 +56,3 @@ def served(stacks):
 @pytest.fixture(scope="package")
 def tiny(stacks):
     return stacks[1]
-

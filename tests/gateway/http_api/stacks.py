@@ -54,12 +54,34 @@ def total(metrics: dict[str, float], name: str) -> float:
 # ------------------------------------------------------------------------------ demo model stack
 class Served:
     def __init__(self, model_dir, otlp) -> None:
-        env = base_env(OTEL_EXPORTER_OTLP_ENDPOINT=otlp.endpoint, OTEL_BSP_SCHEDULE_DELAY="100",
-                       OTEL_METRICS_EXPORTER="none")
-        self.proc = Proc("serve", ["--model", str(model_dir), "--draft", "ngram", "--port", "0", "--http-port", "0",
-                                   "--auth-token", TOKEN, "--target-metrics-port", "0", "--draft-metrics-port", "0",
-                                   "--max-output-tokens", "4000", "--max-queued", "8"],
-                         env, merge_stderr=False)
+        env = base_env(
+            OTEL_EXPORTER_OTLP_ENDPOINT=otlp.endpoint, OTEL_BSP_SCHEDULE_DELAY="100", OTEL_METRICS_EXPORTER="none"
+        )
+        self.proc = Proc(
+            "serve",
+            [
+                "--model",
+                str(model_dir),
+                "--draft",
+                "ngram",
+                "--port",
+                "0",
+                "--http-port",
+                "0",
+                "--auth-token",
+                TOKEN,
+                "--target-metrics-port",
+                "0",
+                "--draft-metrics-port",
+                "0",
+                "--max-output-tokens",
+                "4000",
+                "--max-queued",
+                "8",
+            ],
+            env,
+            merge_stderr=False,
+        )
         self.model = model_dir.name
 
     def ready(self) -> Served:
@@ -71,7 +93,11 @@ class Served:
     def specserve_client(self, *args: str) -> dict:
         out = subprocess.run(
             [sys.executable, "-m", "specserve.cli.main", "client", "--gateway", self.grpc_addr, "--json", *args],
-            capture_output=True, text=True, timeout=120, cwd=REPO, env=base_env(SPECSERVE_AUTH_TOKEN=TOKEN),
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=REPO,
+            env=base_env(SPECSERVE_AUTH_TOKEN=TOKEN),
         )
         assert out.returncode == 0, out.stderr
         return json.loads(out.stdout)
@@ -102,19 +128,41 @@ def stream_text(stream) -> tuple[str, list, object]:
     return "".join(parts), chunks, chunks[-1].usage
 
 
-
 class TinyStack:
     def __init__(self, ckpt, sockets) -> None:
         env = base_env()
         t_addr, d_addr = f"unix:{sockets}/t.sock", f"unix:{sockets}/d.sock"
-        self.target = Proc("target", ["--model", str(ckpt), "--listen", t_addr, "--num-kv-blocks", "256",
-                                      "--metrics-port", "0"], env)
-        self.draft = Proc("draft", ["--draft", "ngram", "--model", str(ckpt), "--listen", d_addr,
-                                    "--metrics-port", "0"], env)
+        self.target = Proc(
+            "target", ["--model", str(ckpt), "--listen", t_addr, "--num-kv-blocks", "256", "--metrics-port", "0"], env
+        )
+        self.draft = Proc(
+            "draft", ["--draft", "ngram", "--model", str(ckpt), "--listen", d_addr, "--metrics-port", "0"], env
+        )
         # the gateway waits for the target itself (--connect-timeout-s)
-        self.gateway = Proc("gateway", ["--target", t_addr, "--draft-service", f"ngram={d_addr}", "--model", str(ckpt),
-                                        "--port", "0", "--http-port", "0", "--max-sessions", "1", "--max-queued", "0",
-                                        "--served-model-name", "tiny-served", "--metrics-interval-s", "0"], env)
+        self.gateway = Proc(
+            "gateway",
+            [
+                "--target",
+                t_addr,
+                "--draft-service",
+                f"ngram={d_addr}",
+                "--model",
+                str(ckpt),
+                "--port",
+                "0",
+                "--http-port",
+                "0",
+                "--max-sessions",
+                "1",
+                "--max-queued",
+                "0",
+                "--served-model-name",
+                "tiny-served",
+                "--metrics-interval-s",
+                "0",
+            ],
+            env,
+        )
         self.model = "tiny-served"
 
     def ready(self) -> TinyStack:
@@ -129,4 +177,3 @@ class TinyStack:
     def close(self) -> None:
         for p in (self.gateway, self.draft, self.target):
             p.stop()
-

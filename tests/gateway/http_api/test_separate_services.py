@@ -29,13 +29,21 @@ def test_metrics_have_help_explicit_buckets_and_every_series_from_the_start(tiny
         for smp in f.samples:
             labels = {k: v for k, v in smp.labels.items() if not k.startswith("otel_scope")}
             values[smp.name + (json.dumps(labels, sort_keys=True) if labels else "")] = smp.value
-    for hist in ("specserve_request_ttft_seconds", "specserve_request_e2e_latency_seconds",
-                 "specserve_request_inter_token_latency_seconds", "specserve_request_queue_time_seconds",
-                 "specserve_request_tokens_per_second", "specserve_request_prompt_tokens",
-                 "specserve_request_completion_tokens"):
+    for hist in (
+        "specserve_request_ttft_seconds",
+        "specserve_request_e2e_latency_seconds",
+        "specserve_request_inter_token_latency_seconds",
+        "specserve_request_queue_time_seconds",
+        "specserve_request_tokens_per_second",
+        "specserve_request_prompt_tokens",
+        "specserve_request_completion_tokens",
+    ):
         assert families[hist].type == "histogram" and values[f"{hist}_count"] == 0, hist
-    itl = sorted(float(s.labels["le"]) for s in families["specserve_request_inter_token_latency_seconds"].samples
-                 if s.name.endswith("_bucket"))
+    itl = sorted(
+        float(s.labels["le"])
+        for s in families["specserve_request_inter_token_latency_seconds"].samples
+        if s.name.endswith("_bucket")
+    )
     assert itl[0] == 0.0001 and itl[-2] == 10.0
     for draft in ("ngram", "none"):
         assert values[f'specserve_spec_accepted_length_count{{"draft": "{draft}"}}'] == 0
@@ -75,8 +83,9 @@ def test_chat_without_a_template_is_a_400_that_says_so(tiny):
 
 def test_admission_429_and_a_disconnect_cancels_and_releases(tiny):
     before = scrape(tiny.url)
-    held = tiny.client.completions.create(model=tiny.model, prompt=[5, 17, 99, 5, 17, 3], max_tokens=480,
-                                          temperature=0, stream=True)
+    held = tiny.client.completions.create(
+        model=tiny.model, prompt=[5, 17, 99, 5, 17, 3], max_tokens=480, temperature=0, stream=True
+    )
     first = next(iter(held))  # admitted and prefilled: the gateway's one running slot is taken
     assert first.choices[0].text is not None
     with pytest.raises(openai.RateLimitError, match="busy: 1 requests running"):
@@ -90,8 +99,11 @@ def test_admission_429_and_a_disconnect_cancels_and_releases(tiny):
 
     def released():
         gw, tg, dr = scrape(tiny.url), scrape(tiny.target_metrics), scrape(tiny.draft_metrics)
-        return (gw["specserve_gateway_requests_running"] == 0 and tg["specserve_target_sessions"] == 0
-                and dr["specserve_draft_sessions"] == 0)
+        return (
+            gw["specserve_gateway_requests_running"] == 0
+            and tg["specserve_target_sessions"] == 0
+            and dr["specserve_draft_sessions"] == 0
+        )
 
     wait_until(released, 10, "the gateway slot and both services' sessions released")
     after = scrape(tiny.url)
