@@ -4,12 +4,13 @@
       (in x's dtype, or float32 with out_dtype=torch.float32)
 Same function as skinny_gemm_reference.py (fp32 accumulation, one rounding to the io dtype at the end).
 
-Why: at M <= 32 every projection of a layer is a matrix-vector product bound by reading W once, and cuBLAS's
-kernels for these shapes read it at about a third of the bandwidth (BENCHMARKS.md, the fused-layer census), and
-need a split-K reduce and separate launches for SiLU * up and the residual adds. Here programs own BLOCK_N output
-columns over all rows and a K range; a column block's last program sums the ranges in order and applies the
+Why: at M <= 32 every projection of a layer is a matrix-vector product bound by reading W once; cuBLAS reads these
+shapes at about a third of the bandwidth (BENCHMARKS.md, the fused-layer census) and needs a split-K reduce and
+separate launches for SiLU * up and the residual adds. Here programs own BLOCK_N output columns over all rows and a
+K range (one range by default; with a split the column block's last program sums them in order) and apply the
 epilogue (kernels/skinny_gemm_triton.py): one launch, and a row's bits do not depend on how many rows the step
-carries. No host syncs: CUDA-graph capturable (the counters are left at zero by every call).
+carries. Measured beside cuBLAS on the H200 it is slower (BENCHMARKS' tenth pass), so the engine uses it only when
+asked (EngineConfig.skinny_gemm; the census mode `skinny`). No host syncs: CUDA-graph capturable (the counters are left at zero by every call).
 """
 
 from __future__ import annotations
@@ -49,10 +50,16 @@ MAX_SPLIT_K = 16
 
 
 def default_tile(n_out: int, k: int) -> SkinnyTile:
-    """The tile for an [n_out, k] weight (silu_mul: n_out gate columns). A small weight's few column blocks each
-    split K, so its bytes are requested by many programs at once rather than streamed by a few (the census: one
-    program per 16 columns over the whole K ran a 2048 x 2048 projection at ~1 TB/s)."""
-    block_k = 256 if k >= 256 else max(16, triton.next_power_of_2(k))
+    """The tile for an [n_out, k] weight (silu_mul: n_out gate columns): no K split. On the H200's Moonlight decode
+    (BENCHMARKS' tenth pass) its 161 projections took 1.20 ms unsplit and 1.76 ms split to ~1024 programs a call
+    (split_tile: the partials' round trip and the last program's sum in turn cost more than the extra loads in
+    flight bought); cuBLAS's projections were faster than either, so the engine keeps cuBLAS by default."""
+    return SkinnyTile(block_k=256 if k >= 256 else max(16, triton.next_power_of_2(k)))
+
+
+def split_tile(n_out: int, k: int) -> SkinnyTile:
+    """The K-split tile for an [n_out, k] weight: ~TARGET_PROGRAMS programs a call (measured slower; kept to measure)."""
+    block_k = default_tile(n_out, k).block_k
     blocks = -(-n_out // 16)
     split = max(1, min(MAX_SPLIT_K, TARGET_PROGRAMS // blocks, -(-k // block_k)))
     return SkinnyTile(block_k=block_k, split_k=split)

@@ -34,7 +34,7 @@ class EngineConfig:
     )
     moe_backend: str = "auto"  # auto | torch | fused
     fused_layers: bool | None = None  # None: on with the fused MoE (models/backends.select_backends)
-    skinny_gemm: bool = True  # the fused layers' projections through kernels/skinny_gemm.py (False: cuBLAS)
+    skinny_gemm: bool = False  # the fused layers' projections through kernels/skinny_gemm.py (default cuBLAS: faster)
     cuda_graphs: bool | None = None  # None: on when the chosen attention backend is graph-safe (GRAPH_ATTENTION)
     graph_max_draft: int = 16  # graphs for decode and chain verify of 1..graph_max_draft drafted tokens
     graph_tree_sizes: tuple[int, ...] = ()  # graphs for tree verify steps of these node counts

@@ -112,7 +112,7 @@ MODES = MappingProxyType(
         "auto": MappingProxyType({}),  # the engine as it serves: FlashInfer or Triton paged attention, CUDA graphs
         "triton": MappingProxyType({"attention_backend": "triton_paged"}),  # Triton paged attention at any size
         "unfused": MappingProxyType({"fused_layers": False}),  # the graphs without the fused layers
-        "cublas": MappingProxyType({"skinny_gemm": False}),  # the fused layers with cuBLAS projections
+        "skinny": MappingProxyType({"skinny_gemm": True}),  # the fused layers' projections through the skinny GEMM
         "eager": MappingProxyType(
             {"attention_backend": "torch", "cuda_graphs": False}
         ),  # per-sequence torch, no graphs

@@ -82,7 +82,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--modes",
         type=name_list,
         default=("auto",),
-        help="--census: engine modes (auto, cublas, triton, unfused, eager)",
+        help="--census: engine modes (auto, skinny, triton, unfused, eager)",
     )
     p.add_argument("--steps", type=positive_int, default=20, help="--census: profiled steps per point")
     p.add_argument("--host-profile", action="store_true", help="--census: also cProfile the host side")

@@ -33,7 +33,7 @@ class BackendChoice:
     moe: str  # "torch" | "fused"
     fused_layers: bool = False  # CausalLM.set_fused_layers: Triton norm / RoPE + cache write / router kernels
     invariant: bool = False  # token-count invariant steps: the attention and torch MoE below in their invariant form
-    skinny_gemm: bool = True  # with the fused layers: their projections through the skinny GEMM, else cuBLAS
+    skinny_gemm: bool = False  # with the fused layers: their projections through the skinny GEMM, else cuBLAS
 
     def __post_init__(self) -> None:
         if self.attention not in ("torch", "flashinfer", "triton_paged", "paged_torch", "reference"):
@@ -86,7 +86,7 @@ def select_backends(
     moe: str = "auto",
     fused_layers: bool | None = None,
     invariant: bool | None = False,
-    skinny_gemm: bool = True,
+    skinny_gemm: bool = False,
 ) -> BackendChoice:
     """'auto' takes the fast backend where it can run; asking for a fast backend where it cannot is an error.
     fused_layers None: on with the fused MoE (bf16 / fp16 on CUDA); True: on (CUDA, any dtype); False: off.

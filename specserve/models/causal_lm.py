@@ -140,7 +140,7 @@ class CausalLM(nn.Module):
             if isinstance(module, Int4StackedExperts):
                 module.gemv_max_tokens = max(W4A16_GEMV_MAX_TOKENS, rows)
 
-    def set_fused_layers(self, enabled: bool, skinny_gemm: bool = True) -> None:
+    def set_fused_layers(self, enabled: bool, skinny_gemm: bool = False) -> None:
         """The decode graph's fused layers (Triton kernels, CUDA only), or the plain-torch code everywhere:
 
         - every RMSNorm one launch, each residual add fused into the norm after it (kernels/norm.py);
@@ -149,9 +149,9 @@ class CausalLM(nn.Module):
         - QK-norm (MLA: the kv_a norm) + RoPE + the paged-cache write in one kernel (kernels/rope_cache.py), when
           the attention backend attends over a cache written beforehand (every paged backend does);
         - the router after its gate GEMM in one kernel (kernels/router.py);
-        - a step's few rows through the skinny GEMM (kernels/skinny_gemm.py) in every projection but lm_head, SiLU *
-          up in the gate/up GEMM's epilogue and the routed experts' sum in the shared experts' down GEMM's (unless
-          skinny_gemm is False: cuBLAS then, as before)."""
+        - with skinny_gemm (off by default: cuBLAS measured faster, BENCHMARKS' tenth pass), a step's few rows through
+          the skinny GEMM (kernels/skinny_gemm.py) in every projection but lm_head, SiLU * up in the gate/up GEMM's
+          epilogue and the routed experts' sum in the shared experts' down GEMM's."""
         from specserve.kernels.skinny_gemm import new_counters
         from specserve.models.layers import (
             ColumnParallelLinear,
