@@ -28,7 +28,7 @@ from specserve.kernels.checks import (
     require,
     triton_interpreting,
 )
-from specserve.kernels.moe_reference import NO_EXPERT
+from specserve.kernels.moe_reference import NO_EXPERT, SharedExperts
 
 try:
     import triton
@@ -123,6 +123,29 @@ def check_moe_args(
     return t, h, e, inter, topk_ids.shape[1]
 
 
+def check_shared(shared: SharedExperts | None, hidden: torch.Tensor, inter: int) -> int:  # hidden [T, H]
+    """Validate shared experts run as routed experts E..E+count-1; return their count (0 for None)."""
+    if shared is None:
+        return 0
+    require(isinstance(shared, SharedExperts), f"shared must be a SharedExperts, got {type(shared).__name__}")
+    require(shared.count >= 1, f"shared.count must be >= 1, got {shared.count}")
+    check_tensor("shared.w13", shared.w13, 2, _FLOAT_DTYPES)
+    check_tensor("shared.w2", shared.w2, 2, _FLOAT_DTYPES)
+    h = hidden.shape[1]
+    rows = shared.count * inter
+    require(
+        tuple(shared.w13.shape) == (2 * rows, h) and tuple(shared.w2.shape) == (h, rows),
+        f"shared weights must be [2*{shared.count}*I, H] = {(2 * rows, h)} and [H, {shared.count}*I] = {(h, rows)}, "
+        f"got {tuple(shared.w13.shape)} and {tuple(shared.w2.shape)}",
+    )
+    require(
+        shared.w13.dtype == hidden.dtype and shared.w2.dtype == hidden.dtype,
+        f"shared weights must have hidden's dtype {hidden.dtype}, got {shared.w13.dtype}, {shared.w2.dtype}",
+    )
+    check_same_device([("hidden", hidden), ("shared.w13", shared.w13), ("shared.w2", shared.w2)])
+    return shared.count
+
+
 def check_routing_ids(topk_ids: torch.Tensor, num_experts: int) -> None:
     """Check 0 <= topk_ids < E (one device sync; call it in debug paths, not per decode step)."""
     lo, hi = int(topk_ids.min()), int(topk_ids.max())
@@ -203,6 +226,7 @@ def fused_moe_triton(
     topk_ids: torch.Tensor,  # [T, K]
     topk_weights: torch.Tensor,  # [T, K]
     config: MoETileConfig | None = None,
+    shared: SharedExperts | None = None,
 ) -> torch.Tensor:  # [T, H]
     """The Triton path (arguments already checked)."""
     t, h = hidden.shape
@@ -210,10 +234,12 @@ def fused_moe_triton(
     inter, k = two_i // 2, topk_ids.shape[1]
     n = t * k
     cfg = config or default_tile_config(t, h, inter)
+    s = 0 if shared is None else shared.count
     if n <= ALIGN_IN_TRITON_MAX_SLOTS:
-        sorted_slot, block_expert, num_blocks = align_triton(topk_ids, e, cfg.bm)
+        sorted_slot, block_expert, num_blocks = align_triton(topk_ids, e + s, cfg.bm)
     else:
-        sorted_slot, block_expert, num_blocks = align_torch(topk_ids, e, cfg.bm)
+        sorted_slot, block_expert, num_blocks = align_torch(topk_ids, e + s, cfg.bm)
+    ws13, ws2 = (w13, w2) if shared is None else (shared.w13, shared.w2)  # unread without shared
     maxb = block_expert.numel()
     act = torch.empty(maxb * cfg.bm, inter, dtype=hidden.dtype, device=hidden.device)  # [MAXP, I]
     moe_triton.moe_gate_up_kernel[(maxb, triton.cdiv(inter, cfg.gu_bn))](
@@ -223,17 +249,22 @@ def fused_moe_triton(
         sorted_slot,
         block_expert,
         num_blocks,
+        ws13,
         n,
         k,
         h,
         inter,
+        e,
+        s * inter,
         hidden.stride(0),
         w13.stride(0),
         w13.stride(1),
+        ws13.stride(-2),
         act.stride(0),
         BM=cfg.bm,
         BN=cfg.gu_bn,
         BK=cfg.gu_bk,
+        HAS_SHARED=shared is not None,
         num_warps=cfg.gu_warps,
         num_stages=cfg.gu_stages,
     )
@@ -246,16 +277,20 @@ def fused_moe_triton(
         sorted_slot,
         block_expert,
         num_blocks,
+        ws2,
         n,
         h,
         inter,
+        e,
         act.stride(0),
         w2.stride(0),
         w2.stride(1),
+        ws2.stride(-2),
         per_slot.stride(0),
         BM=cfg.bm,
         BN=cfg.dn_bn,
         BK=cfg.dn_bk,
+        HAS_SHARED=shared is not None,
         num_warps=cfg.dn_warps,
         num_stages=cfg.dn_stages,
     )
@@ -273,13 +308,16 @@ def moe_grouped_mm(
     w2: torch.Tensor,  # [E, H, I]
     topk_ids: torch.Tensor,  # [T, K]
     topk_weights: torch.Tensor,  # [T, K]
+    shared: SharedExperts | None = None,
 ) -> torch.Tensor:  # [T, H]
-    """Library baseline: tokens sorted by expert, two torch._grouped_mm calls, SiLU*up between (no host sync)."""
+    """Library baseline: tokens sorted by expert, two torch._grouped_mm calls, SiLU*up between (no host sync).
+    Shared chunks (ids E..) run as dense MLPs over every row, times each row's weight for them (0 if not chosen)."""
     check_moe_args(hidden, w13, w2, topk_ids, topk_weights)
     t, k = topk_ids.shape
     e, inter = w13.shape[0], w13.shape[1] // 2
+    check_shared(shared, hidden, inter)
     flat = topk_ids.reshape(-1).long()  # [N]
-    live = flat != NO_EXPERT  # [N]
+    live = (flat != NO_EXPERT) & (flat < e)  # [N] routed slots
     key = torch.where(live, flat, e)  # skipped slots sort last, past every group's rows
     order = torch.argsort(key, stable=True)  # [N]
     tok = order // k  # [N]
@@ -293,7 +331,13 @@ def moe_grouped_mm(
     y = y.float() * topk_weights.reshape(-1)[order, None].float()
     y = torch.where(live[order, None], y, 0.0)  # rows past the last group are not computed
     out = torch.zeros(t, hidden.shape[1], dtype=torch.float32, device=hidden.device)
-    return out.index_add_(0, tok, y).to(hidden.dtype)
+    out.index_add_(0, tok, y)
+    for j in range(0 if shared is None else shared.count):
+        gu_w, down_w = shared.expert(j, inter)  # [2I, H], [H, I]
+        gu = hidden @ gu_w.t()  # [T, 2I]
+        weight = (topk_weights.float() * (topk_ids == e + j)).sum(1, keepdim=True)  # [T, 1]
+        out += ((F.silu(gu[:, :inter]) * gu[:, inter:]) @ down_w.t()).float() * weight
+    return out.to(hidden.dtype)
 
 
 # Triton measured faster than grouped_mm at every T tried (1..4096 Qwen3-30B-A3B, 1..256 Kimi-K2; NOTES.md);
@@ -317,21 +361,24 @@ def fused_moe(
     backend: str = "auto",
     config: MoETileConfig | None = None,
     validate_ids: bool = False,
+    shared: SharedExperts | None = None,  # shared experts as routed experts E.. (the router gives their ids)
 ) -> torch.Tensor:  # [T, H]
     """Routed-experts MoE; same function as moe_reference. backend: auto | triton | grouped_mm.
 
     auto = Triton on CUDA for T <= GROUPED_MM_ABOVE_TOKENS, torch._grouped_mm otherwise (CPU included).
-    validate_ids=True checks 0 <= topk_ids < E first (one device sync); out-of-range ids are not caught otherwise.
+    validate_ids=True checks 0 <= topk_ids < E (+ shared.count) first (one device sync); out-of-range ids are not
+    caught otherwise.
     """
-    _, _, e, _, _ = check_moe_args(hidden, w13, w2, topk_ids, topk_weights)
+    _, _, e, inter, _ = check_moe_args(hidden, w13, w2, topk_ids, topk_weights)
+    s = check_shared(shared, hidden, inter)
     require(backend in BACKENDS, f"backend must be one of {BACKENDS}, got {backend!r}")
     if validate_ids:
-        check_routing_ids(topk_ids, e)
+        check_routing_ids(topk_ids, e + s)
     chosen = pick_backend(hidden) if backend == "auto" else backend
     if chosen == "grouped_mm":
-        return moe_grouped_mm(hidden, w13, w2, topk_ids, topk_weights)
+        return moe_grouped_mm(hidden, w13, w2, topk_ids, topk_weights, shared)
     require(HAS_TRITON, "backend 'triton' needs the triton package, which is not installed")
     require(
         hidden.is_cuda or triton_interpreting(), f"the Triton MoE needs CUDA tensors, got hidden on {hidden.device}"
     )
-    return fused_moe_triton(hidden, w13, w2, topk_ids, topk_weights, config)
+    return fused_moe_triton(hidden, w13, w2, topk_ids, topk_weights, config, shared)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -9,6 +11,39 @@ import torch.nn.functional as F
 # 0 too). Every MoE path (these references, kernels/fused_moe.py, kernels/quant_moe.py) gives such a slot no work and
 # a contribution of exactly 0; a row of only such slots gets 0.
 NO_EXPERT = -1
+
+
+@dataclass(frozen=True)
+class SharedExperts:
+    """Shared experts run as always-routed experts of the routed launch: a gated MLP of intermediate count * I (I the
+    routed experts') is `count` experts of I, chunk j of its intermediate being expert E + j. The router gives every
+    live row those ids at weight 1 (after its top-k), and the down projections' sum adds them with the routed ones.
+    The weights are the MLP's own (a GatedMLP's merged gate_up and its down), read in place."""
+
+    w13: torch.Tensor  # [2 * count * I, H]: gate rows then up rows
+    w2: torch.Tensor  # [H, count * I]
+    count: int
+
+    def expert(self, j: int, inter: int) -> tuple[torch.Tensor, torch.Tensor]:  # -> (w13 [2I, H], w2 [H, I])
+        """Chunk j as a routed expert's weights (a copy of its gate and up rows)."""
+        rows = self.count * inter
+        gate = self.w13[j * inter : (j + 1) * inter]
+        up = self.w13[rows + j * inter : rows + (j + 1) * inter]
+        return torch.cat([gate, up]), self.w2[:, j * inter : (j + 1) * inter]
+
+
+def expert_weights(
+    w13: torch.Tensor,  # [E, 2I, H]
+    w2: torch.Tensor,  # [E, H, I]
+    e: int,
+    shared: SharedExperts | None,
+) -> tuple[torch.Tensor, torch.Tensor]:  # (w13_e [2I, H], w2_e [H, I])
+    """Expert e's weights: a routed one (e < E) or shared chunk e - E."""
+    if e < w13.shape[0]:
+        return w13[e], w2[e]
+    if shared is None or e - w13.shape[0] >= shared.count:
+        raise IndexError(f"expert {e} is neither one of the {w13.shape[0]} routed experts nor a shared chunk")
+    return shared.expert(e - w13.shape[0], w2.shape[-1])
 
 
 def used_experts(topk_ids: torch.Tensor) -> list[int]:  # topk_ids [T, K] -> the distinct experts, NO_EXPERT left out
@@ -22,6 +57,7 @@ def moe_reference(
     w2: torch.Tensor,  # [E, H, I]
     topk_ids: torch.Tensor,  # [T, K] int64 expert ids
     topk_weights: torch.Tensor,  # [T, K] routing weights (applied after the down projection)
+    shared: SharedExperts | None = None,  # ids E.. are its chunks
 ) -> torch.Tensor:  # [T, H]
     """sum_k w[t,k] * down_e(silu(gate_e(x_t)) * up_e(x_t)) with e = topk_ids[t,k]; each used expert once (a slot of
     NO_EXPERT adds nothing)."""
@@ -30,9 +66,10 @@ def moe_reference(
     for e in used_experts(topk_ids):
         rows, slot = (topk_ids == e).nonzero(as_tuple=True)
         x = hidden[rows]
-        gate_up = x @ w13[e].t()
+        w13_e, w2_e = expert_weights(w13, w2, e, shared)
+        gate_up = x @ w13_e.t()
         act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
-        y = (act @ w2[e].t()).float() * topk_weights[rows, slot, None].float()
+        y = (act @ w2_e.t()).float() * topk_weights[rows, slot, None].float()
         out.index_add_(0, rows, y)
     return out.to(hidden.dtype)
 
@@ -43,6 +80,7 @@ def moe_reference_fixed_rows(
     w2: torch.Tensor,  # [E, H, I]
     topk_ids: torch.Tensor,  # [T, K] int64 expert ids
     topk_weights: torch.Tensor,  # [T, K]
+    shared: SharedExperts | None = None,  # ids E.. are its chunks
 ) -> torch.Tensor:  # [T, H]
     """moe_reference's function with every used expert run over all T rows, so each GEMM has M = T whatever the
     routing: a row's result then depends on its own choices only (torch CPU GEMMs pick their kernel by M), and
@@ -52,9 +90,10 @@ def moe_reference_fixed_rows(
     inter = w2.shape[-1]
     for e in used_experts(topk_ids):
         chose = topk_ids == e  # [T, K]
-        gate_up = hidden @ w13[e].t()
+        w13_e, w2_e = expert_weights(w13, w2, e, shared)
+        gate_up = hidden @ w13_e.t()
         act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
         weight = (topk_weights.float() * chose).sum(1, keepdim=True)  # [T, 1]: the row's weight for e, or 0
-        y = (act @ w2[e].t()).float() * weight
+        y = (act @ w2_e.t()).float() * weight
         out += torch.where(chose.any(1, keepdim=True), y, 0.0)
     return out.to(hidden.dtype)

@@ -3,6 +3,10 @@
 Row space: the T*K (token, k) slots are sorted by expert and each expert's run is padded to a multiple of BM
 rows, so one M-block holds rows of a single expert. `sorted_slot[r]` is the flat slot t*K+k of padded row r, or
 N = T*K for a padding row; `block_expert[b]` is the expert of M-block b; `num_blocks[0]` how many blocks are used.
+
+Shared experts (HAS_SHARED) are always-routed experts of the same launches: a shared MLP of intermediate S * I is
+S chunks of the routed experts' I, chunk j being expert E + j (kernels/moe_reference.SharedExperts). A block of
+such an expert reads its rows of the shared weights in place, so nothing is copied into the routed stack.
 """
 
 from __future__ import annotations
@@ -64,17 +68,22 @@ def moe_gate_up_kernel(
     sorted_slot_ptr,  # [MAXP] int32
     block_expert_ptr,  # [MAXB] int32
     num_blocks_ptr,  # [1] int32
+    ws13_ptr,  # [2 * S * I, H] (HAS_SHARED): the shared experts' gate rows then up rows, expert E + j = chunk j
     N,
     TOPK,
     H,
     I,
+    E,  # routed experts: block experts >= E are shared chunks (HAS_SHARED)
+    S_ROWS,  # S * I: where the shared up rows start
     stride_xt,
     stride_we,
     stride_wn,
+    stride_sn,
     stride_am,
     BM: tl.constexpr,
     BN: tl.constexpr,
     BK: tl.constexpr,
+    HAS_SHARED: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -91,6 +100,10 @@ def moe_gate_up_kernel(
     x_ptrs = x_ptr + tok[:, None] * stride_xt + offs_k[None, :]
     wg_ptrs = w13_ptr + e * stride_we + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
     wu_ptrs = wg_ptrs + I * stride_wn
+    if HAS_SHARED:
+        if e >= E:  # shared chunk j: gate rows j*I.., up rows S*I + j*I.. of the shared gate_up weight
+            wg_ptrs = ws13_ptr + ((e - E) * I + offs_n[:, None].to(tl.int64)) * stride_sn + offs_k[None, :]
+            wu_ptrs = wg_ptrs + S_ROWS * stride_sn
     acc_g = tl.zeros([BM, BN], dtype=tl.float32)
     acc_u = tl.zeros([BM, BN], dtype=tl.float32)
     for k0 in range(0, H, BK):
@@ -117,16 +130,20 @@ def moe_down_kernel(
     sorted_slot_ptr,  # [MAXP] int32
     block_expert_ptr,  # [MAXB] int32
     num_blocks_ptr,  # [1] int32
+    ws2_ptr,  # [H, S * I] (HAS_SHARED): the shared experts' down weight, expert E + j = columns j*I..
     N,
     H,
     I,
+    E,  # routed experts: block experts >= E are shared chunks (HAS_SHARED)
     stride_am,
     stride_we,
     stride_wn,
+    stride_sn,
     stride_on,
     BM: tl.constexpr,
     BN: tl.constexpr,
     BK: tl.constexpr,
+    HAS_SHARED: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -141,6 +158,9 @@ def moe_down_kernel(
     offs_k = tl.arange(0, BK)
     a_ptrs = act_ptr + rows[:, None].to(tl.int64) * stride_am + offs_k[None, :]
     w_ptrs = w2_ptr + e * stride_we + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
+    if HAS_SHARED:
+        if e >= E:  # shared chunk j: columns j*I.. of the shared down weight
+            w_ptrs = ws2_ptr + (e - E) * I + offs_n[:, None].to(tl.int64) * stride_sn + offs_k[None, :]
     acc = tl.zeros([BM, BN], dtype=tl.float32)
     for k0 in range(0, I, BK):
         kvalid = (offs_k + k0) < I

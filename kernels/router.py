@@ -7,6 +7,8 @@ Same rule as router_reference.py (the model's TopKRouter): on inputs without tie
 same order (descending choice score); ties go to the lowest expert id. One program per token, no host syncs
 (CUDA-graph capturable); `topk_ids=` / `topk_weights=` take caller buffers. `live_rows=` ([1] int64, device data:
 the target's invariant steps) routes the rows from it on to NO_EXPERT (-1) at weight 0 without scoring them.
+`shared=S` appends S columns routing every live row to experts E..E+S-1 at weight 1: the shared experts run as
+routed ones by kernels/fused_moe.py (moe_reference.SharedExperts).
 """
 
 from __future__ import annotations
@@ -49,7 +51,8 @@ def route(
     topk_ids: torch.Tensor | None = None,  # [T, K] int32 out
     topk_weights: torch.Tensor | None = None,  # [T, K] fp32 out
     live_rows: torch.Tensor | None = None,  # [1] int64 on the logits' device: rows from it on route to NO_EXPERT
-) -> tuple[torch.Tensor, torch.Tensor]:  # (topk_ids [T, K] int32, topk_weights [T, K] fp32)
+    shared: int = 0,  # shared experts run as routed ones (fused_moe's `shared`): K + shared columns, ids E.. at 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:  # (topk_ids [T, K + shared] int32, topk_weights [T, K + shared] fp32)
     require(isinstance(cfg, RouterConfig), f"cfg must be a RouterConfig, got {type(cfg).__name__}")
     check_tensor("logits", logits, 2, _LOGIT_DTYPES, contiguous=False)
     require(logits.stride(1) == 1, f"logits must be contiguous in its last dim, strides {logits.stride()}")
@@ -71,13 +74,12 @@ def route(
     check_same_device(named)
     require(HAS_TRITON, "the Triton router needs the triton package, which is not installed")
     require(logits.is_cuda or triton_interpreting(), f"the Triton router needs CUDA tensors, got {logits.device}")
+    require(0 <= shared <= MAX_TOP_K, f"shared must lie in [0, {MAX_TOP_K}], got {shared}")
     k = cfg.top_k
-    topk_ids = _out("topk_ids", topk_ids, (t, k), torch.int32, logits)
-    topk_weights = _out("topk_weights", topk_weights, (t, k), torch.float32, logits)
+    topk_ids = _out("topk_ids", topk_ids, (t, k + shared), torch.int32, logits)
+    topk_weights = _out("topk_weights", topk_weights, (t, k + shared), torch.float32, logits)
     if t == 0:
         return topk_ids, topk_weights
-    per_group = e // cfg.n_group
-    g_pad, pg_pad = triton.next_power_of_2(cfg.n_group), triton.next_power_of_2(per_group)
     _k.router_kernel[(t,)](
         logits,
         correction_bias if correction_bias is not None else logits,
@@ -89,18 +91,115 @@ def route(
         topk_weights.stride(0),
         float(cfg.routed_scaling_factor),
         cfg.renorm_eps,
+        **_rule_args(cfg, e, live_rows is not None, correction_bias is not None, shared),
+    )
+    return topk_ids, topk_weights
+
+
+def _rule_args(cfg: RouterConfig, e: int, has_live: bool, has_bias: bool, shared: int) -> dict:
+    """The routing rule's compile-time arguments (both kernels) and the program's warps."""
+    per_group = e // cfg.n_group
+    g_pad, pg_pad = triton.next_power_of_2(cfg.n_group), triton.next_power_of_2(per_group)
+    return dict(
         E=e,
-        K=k,
-        K_PAD=triton.next_power_of_2(k),
+        K=cfg.top_k,
+        K_PAD=triton.next_power_of_2(cfg.top_k),
         N_GROUP=cfg.n_group,
         PER_GROUP=per_group,
         TOPK_GROUP=cfg.topk_group,
         G_PAD=g_pad,
         PG_PAD=pg_pad,
         SIGMOID=cfg.scoring == "sigmoid",
-        HAS_BIAS=correction_bias is not None,
+        HAS_BIAS=has_bias,
         RENORM=cfg.norm_topk_prob,
-        HAS_LIVE=live_rows is not None,
+        HAS_LIVE=has_live,
+        SHARED=shared,
+        S_PAD=triton.next_power_of_2(max(1, shared)),
         num_warps=1 if g_pad * pg_pad <= 128 else 2 if g_pad * pg_pad <= 512 else 4,
     )
-    return topk_ids, topk_weights
+
+
+GATE_MAX_ROWS = 64  # route_gate takes up to this many rows (a step's); the counters hold one per row
+GATE_PROGRAM_BYTES = 64 << 10  # weight bytes a gate program reads: EB experts of H
+
+
+def new_gate_counters(device: torch.device | str) -> torch.Tensor:  # [GATE_MAX_ROWS] int32 zeros
+    """Arrival counters for route_gate (each call leaves them at zero; a model's routers run one at a time)."""
+    return torch.zeros(GATE_MAX_ROWS, dtype=torch.int32, device=device)
+
+
+def can_route_gate(x: torch.Tensor, weight: torch.Tensor) -> bool:  # x [T, H], weight [E, H]
+    """Whether route_gate takes this call (else the gate GEMM, then route)."""
+    return (
+        HAS_TRITON
+        and (x.is_cuda or triton_interpreting())
+        and x.dim() == 2
+        and 1 <= x.shape[0] <= GATE_MAX_ROWS
+        and x.dtype in (torch.bfloat16, torch.float16)
+        and weight.dtype == x.dtype
+        and x.stride(1) == 1
+        and weight.is_contiguous()
+    )
+
+
+def route_gate(
+    x: torch.Tensor,  # [T, H] the MoE block's input, T <= GATE_MAX_ROWS
+    weight: torch.Tensor,  # [E, H] the gate weight, x's dtype
+    cfg: RouterConfig,
+    counters: torch.Tensor,  # [GATE_MAX_ROWS] int32 from new_gate_counters
+    correction_bias: torch.Tensor | None = None,  # [E]
+    *,
+    live_rows: torch.Tensor | None = None,  # [1] int64
+    shared: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:  # (topk_ids [T, K + shared] int32, topk_weights [T, K + shared] fp32)
+    """The gate GEMM and route() in one launch. The logits are fp32 sums of x's products with the weight (the
+    sigmoid rule's float32 GEMM up to summation order), rounded to x's dtype for the softmax rule (its GEMM's
+    output dtype); then the rule as route() applies it."""
+    require(isinstance(cfg, RouterConfig), f"cfg must be a RouterConfig, got {type(cfg).__name__}")
+    require(can_route_gate(x, weight), "route_gate needs bf16/fp16 x [T <= 64, H] and weight [E, H] on CUDA")
+    check_tensor("counters", counters, 1, (torch.int32,))
+    require(counters.numel() >= x.shape[0], f"counters hold {counters.numel()} rows, x has {x.shape[0]}")
+    t, h = x.shape
+    e = cfg.num_experts
+    check_dim("weight", weight, 0, e, "cfg.num_experts")
+    check_dim("weight", weight, 1, h, "the hidden size H = x.shape[1]")
+    require(
+        e <= MAX_EXPERTS and cfg.top_k <= MAX_TOP_K and 0 <= shared <= MAX_TOP_K,
+        f"at most {MAX_EXPERTS} experts, top_k {MAX_TOP_K} and {MAX_TOP_K} shared, got {e}, {cfg.top_k}, {shared}",
+    )
+    named = [("x", x), ("weight", weight), ("counters", counters)]
+    if correction_bias is not None:
+        check_dim("correction_bias", correction_bias, 0, e, "cfg.num_experts")
+        named.append(("correction_bias", correction_bias))
+    if live_rows is not None:
+        check_tensor("live_rows", live_rows, 1, (torch.int64,))
+        named.append(("live_rows", live_rows))
+    check_same_device(named)
+    k = cfg.top_k
+    ids = torch.empty(t, k + shared, dtype=torch.int32, device=x.device)
+    weights = torch.empty(t, k + shared, dtype=torch.float32, device=x.device)
+    logits = torch.empty(t, e, dtype=torch.float32, device=x.device)
+    per_program = max(1, GATE_PROGRAM_BYTES // (h * x.element_size()))  # experts whose weights fit a program's bytes
+    eb = min(triton.next_power_of_2(e), 1 << (per_program.bit_length() - 1))
+    _k.gate_router_kernel[(t, triton.cdiv(e, eb))](
+        x,
+        weight,
+        logits,
+        counters,
+        correction_bias if correction_bias is not None else logits,
+        ids,
+        weights,
+        live_rows if live_rows is not None else ids,
+        h,
+        x.stride(0),
+        weight.stride(0),
+        ids.stride(0),
+        weights.stride(0),
+        float(cfg.routed_scaling_factor),
+        cfg.renorm_eps,
+        EB=eb,
+        BK=max(16, min(512, 4096 // eb)),
+        ROUND_LOGITS=cfg.scoring != "sigmoid",
+        **_rule_args(cfg, e, live_rows is not None, correction_bias is not None, shared),
+    )
+    return ids, weights

@@ -1,6 +1,12 @@
 """Triton kernel of the MoE router (imported only where triton is installed; see router.py for the wrapper).
 
-One program per token. Its E logits are held as a [G_PAD, PG_PAD] tile, row g = expert group g (expert
+router_kernel: one program per token over logits the gate GEMM wrote. gate_router_kernel: the gate GEMM too, in
+one launch: program (t, b) computes row t's logits of experts b*EB.. (fp32 sums of x's products with the bf16
+weight, in a fixed order), writes them to a scratch row and counts itself in at row t's arrival counter; the
+program that arrives last (acq_rel atomics at gpu scope, the others' logits read past L1) routes the row and
+resets the counter. A row's logits and routing depend on that row only.
+
+Each routing program: its E logits are held as a [G_PAD, PG_PAD] tile, row g = expert group g (expert
 g * PER_GROUP + p), so group scores are row reductions. Selection is K rounds of "take the largest remaining
 choice score" (ties: the lowest expert id), which yields the ids in descending order of the choice score.
 Each pick is a max, then a min over the tile positions holding that max: plain max/min reductions on the 2-D
@@ -27,16 +33,26 @@ def _first_max(x, idx):
 
 
 @triton.jit
-def router_kernel(
-    logits_ptr,  # [T, E]
-    bias_ptr,  # [E] fp32 (HAS_BIAS)
-    ids_ptr,  # [T, K] int32 out
-    weights_ptr,  # [T, K] fp32 out
-    live_ptr,  # [1] int64 (HAS_LIVE): rows from it on are pad rows, routed to NO_EXPERT (-1) at weight 0 unscored
-    stride_l,
-    stride_i,
-    stride_w,
-    scaling,  # routed_scaling_factor
+def _route_pad_row(
+    ids_row, weights_row, K: tl.constexpr, K_PAD: tl.constexpr, SHARED: tl.constexpr, S_PAD: tl.constexpr
+):
+    """A pad row: NO_EXPERT (-1) at weight 0 in every column, shared ones included."""
+    k_out = tl.arange(0, K_PAD)
+    tl.store(ids_row + k_out, tl.full([K_PAD], -1, dtype=tl.int32), mask=k_out < K)
+    tl.store(weights_row + k_out, tl.zeros([K_PAD], dtype=tl.float32), mask=k_out < K)
+    if SHARED > 0:
+        j = tl.arange(0, S_PAD)
+        tl.store(ids_row + K + j, tl.full([S_PAD], -1, dtype=tl.int32), mask=j < SHARED)
+        tl.store(weights_row + K + j, tl.zeros([S_PAD], dtype=tl.float32), mask=j < SHARED)
+
+
+@triton.jit
+def _route_row(
+    logits_row,  # [E] this row's logits
+    bias_ptr,
+    ids_row,  # [K + SHARED] int32 out
+    weights_row,  # [K + SHARED] fp32 out
+    scaling,
     renorm_eps,
     E: tl.constexpr,
     K: tl.constexpr,
@@ -49,20 +65,19 @@ def router_kernel(
     SIGMOID: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     RENORM: tl.constexpr,
-    HAS_LIVE: tl.constexpr,
+    SHARED: tl.constexpr,
+    S_PAD: tl.constexpr,
+    CACHE: tl.constexpr,  # the logits' load cache modifier ("" or ".cg": written by other programs of this launch)
 ):
-    t = tl.program_id(0).to(tl.int64)
-    if HAS_LIVE:
-        if t >= tl.load(live_ptr):
-            k_out = tl.arange(0, K_PAD)
-            tl.store(ids_ptr + t * stride_i + k_out, tl.full([K_PAD], -1, dtype=tl.int32), mask=k_out < K)
-            tl.store(weights_ptr + t * stride_w + k_out, tl.zeros([K_PAD], dtype=tl.float32), mask=k_out < K)
-            return
+    if SHARED > 0:  # apart from the top-k's K_PAD vectors, so the weights' sums keep their order and bits
+        j = tl.arange(0, S_PAD)
+        tl.store(ids_row + K + j, E + j, mask=j < SHARED)
+        tl.store(weights_row + K + j, tl.full([S_PAD], 1.0, dtype=tl.float32), mask=j < SHARED)
     g = tl.arange(0, G_PAD)[:, None]
     p = tl.arange(0, PG_PAD)[None, :]
     valid = (g < N_GROUP) & (p < PER_GROUP)  # [G_PAD, PG_PAD]
     expert = g * PER_GROUP + p
-    x = tl.load(logits_ptr + t * stride_l + expert, mask=valid, other=0.0).to(tl.float32)
+    x = tl.load(logits_row + expert, mask=valid, other=0.0, cache_modifier=CACHE).to(tl.float32)
     if SIGMOID:
         scores = tl.where(valid, tl.sigmoid(x), 0.0)
     else:
@@ -104,5 +119,147 @@ def router_kernel(
         choice = tl.where(hit, NEG_INF, choice)
     if RENORM:
         sel_w = sel_w / (tl.sum(sel_w, 0) + renorm_eps)
-    tl.store(ids_ptr + t * stride_i + offs_k, sel_ids, mask=offs_k < K)
-    tl.store(weights_ptr + t * stride_w + offs_k, sel_w * scaling, mask=offs_k < K)
+    tl.store(ids_row + offs_k, sel_ids, mask=offs_k < K)
+    tl.store(weights_row + offs_k, sel_w * scaling, mask=offs_k < K)
+
+
+@triton.jit
+def router_kernel(
+    logits_ptr,  # [T, E]
+    bias_ptr,  # [E] fp32 (HAS_BIAS)
+    ids_ptr,  # [T, K + SHARED] int32 out
+    weights_ptr,  # [T, K + SHARED] fp32 out
+    live_ptr,  # [1] int64 (HAS_LIVE): rows from it on are pad rows, routed to NO_EXPERT (-1) at weight 0 unscored
+    stride_l,
+    stride_i,
+    stride_w,
+    scaling,  # routed_scaling_factor
+    renorm_eps,
+    E: tl.constexpr,
+    K: tl.constexpr,
+    K_PAD: tl.constexpr,
+    N_GROUP: tl.constexpr,
+    PER_GROUP: tl.constexpr,
+    TOPK_GROUP: tl.constexpr,
+    G_PAD: tl.constexpr,
+    PG_PAD: tl.constexpr,
+    SIGMOID: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    RENORM: tl.constexpr,
+    HAS_LIVE: tl.constexpr,
+    SHARED: tl.constexpr,  # shared experts as routed ones: columns K.. get ids E.. at weight 1 (fused_moe's shared)
+    S_PAD: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    if HAS_LIVE:
+        if t >= tl.load(live_ptr):
+            _route_pad_row(ids_ptr + t * stride_i, weights_ptr + t * stride_w, K, K_PAD, SHARED, S_PAD)
+            return
+    _route_row(
+        logits_ptr + t * stride_l,
+        bias_ptr,
+        ids_ptr + t * stride_i,
+        weights_ptr + t * stride_w,
+        scaling,
+        renorm_eps,
+        E,
+        K,
+        K_PAD,
+        N_GROUP,
+        PER_GROUP,
+        TOPK_GROUP,
+        G_PAD,
+        PG_PAD,
+        SIGMOID,
+        HAS_BIAS,
+        RENORM,
+        SHARED,
+        S_PAD,
+        "",
+    )
+
+
+@triton.jit
+def gate_router_kernel(
+    x_ptr,  # [T, H] the MoE input
+    w_ptr,  # [E, H] the gate weight
+    logits_ptr,  # [T, E] fp32 scratch
+    counter_ptr,  # [>= T] int32 arrival counters, zero between calls
+    bias_ptr,  # [E] (HAS_BIAS)
+    ids_ptr,  # [T, K + SHARED] int32 out
+    weights_ptr,  # [T, K + SHARED] fp32 out
+    live_ptr,  # [1] int64 (HAS_LIVE)
+    H,
+    stride_x,
+    stride_wr,
+    stride_i,
+    stride_w,
+    scaling,
+    renorm_eps,
+    E: tl.constexpr,
+    EB: tl.constexpr,  # experts a program scores
+    BK: tl.constexpr,
+    ROUND_LOGITS: tl.constexpr,  # round each logit to x's dtype first (the softmax rule's bf16 GEMM output)
+    K: tl.constexpr,
+    K_PAD: tl.constexpr,
+    N_GROUP: tl.constexpr,
+    PER_GROUP: tl.constexpr,
+    TOPK_GROUP: tl.constexpr,
+    G_PAD: tl.constexpr,
+    PG_PAD: tl.constexpr,
+    SIGMOID: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    RENORM: tl.constexpr,
+    HAS_LIVE: tl.constexpr,
+    SHARED: tl.constexpr,
+    S_PAD: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    b = tl.program_id(1)
+    nb = tl.num_programs(1)
+    if HAS_LIVE:
+        if t >= tl.load(live_ptr):
+            if b == 0:
+                _route_pad_row(ids_ptr + t * stride_i, weights_ptr + t * stride_w, K, K_PAD, SHARED, S_PAD)
+            return
+    offs_e = b * EB + tl.arange(0, EB)
+    e_ok = offs_e < E
+    offs_k = tl.arange(0, BK)
+    acc = tl.zeros([EB], dtype=tl.float32)
+    for k0 in range(0, H, BK):
+        k_ok = (offs_k + k0) < H
+        xk = tl.load(x_ptr + t * stride_x + k0 + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+        w = tl.load(
+            w_ptr + offs_e[:, None].to(tl.int64) * stride_wr + k0 + offs_k[None, :],
+            mask=e_ok[:, None] & k_ok[None, :],
+            other=0.0,
+        ).to(tl.float32)
+        acc += tl.sum(w * xk[None, :], 1)
+    if ROUND_LOGITS:
+        acc = acc.to(x_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(logits_ptr + t * E + offs_e, acc, mask=e_ok)
+    arrived = tl.atomic_add(counter_ptr + t, 1, sem="acq_rel", scope="gpu")
+    if arrived == nb - 1:  # the last of row t's programs: every logit of the row is written
+        _route_row(
+            logits_ptr + t * E,
+            bias_ptr,
+            ids_ptr + t * stride_i,
+            weights_ptr + t * stride_w,
+            scaling,
+            renorm_eps,
+            E,
+            K,
+            K_PAD,
+            N_GROUP,
+            PER_GROUP,
+            TOPK_GROUP,
+            G_PAD,
+            PG_PAD,
+            SIGMOID,
+            HAS_BIAS,
+            RENORM,
+            SHARED,
+            S_PAD,
+            ".cg",
+        )
+        tl.atomic_xchg(counter_ptr + t, 0, sem="relaxed", scope="gpu")  # ready for the next call

@@ -148,10 +148,12 @@ class CausalLM(nn.Module):
           experts), their weights merged in place (layers.merge_linears);
         - QK-norm (MLA: the kv_a norm) + RoPE + the paged-cache write in one kernel (kernels/rope_cache.py), when
           the attention backend attends over a cache written beforehand (every paged backend does);
-        - the router after its gate GEMM in one kernel (kernels/router.py);
+        - the router and its gate GEMM in one kernel for a step's rows (kernels/router.route_gate);
+        - the shared experts as always-routed experts of the routed experts' launches (MoEBlock.set_shared_as_routed);
         - with skinny_gemm (off by default: cuBLAS measured faster, BENCHMARKS' tenth pass), a step's few rows through
           the skinny GEMM (kernels/skinny_gemm.py) in every projection but lm_head, SiLU * up in the gate/up GEMM's
           epilogue and the routed experts' sum in the shared experts' down GEMM's."""
+        from specserve.kernels.router import new_gate_counters
         from specserve.kernels.skinny_gemm import new_counters
         from specserve.models.layers import (
             ColumnParallelLinear,
@@ -165,9 +167,12 @@ class CausalLM(nn.Module):
         self.fused_layers = enabled
         weight = self.model.embed_tokens.weight
         skinny = new_counters(weight.device) if enabled and skinny_gemm else None  # one set: GEMMs run one at a time
+        gate_counters = new_gate_counters(weight.device) if enabled else None  # one set: routers run one at a time
         for module in self.modules():
             if isinstance(module, (RMSNorm, TopKRouter)):
                 module.use_kernel = enabled
+            if isinstance(module, TopKRouter):
+                module.gate_counters = gate_counters
             if isinstance(module, (TopKRouter, ReplicatedLinear, ColumnParallelLinear, RowParallelLinear)):
                 module.skinny = skinny
             elif isinstance(module, GatedMLP):
@@ -178,6 +183,8 @@ class CausalLM(nn.Module):
             table = rotary.table(self.config.max_position_embeddings, weight.dtype, weight.device)
         for layer in self.model.layers:
             layer.self_attn.fuse(table, skinny)
+            if layer.is_moe:
+                layer.mlp.set_shared_as_routed(enabled)
 
     def set_attention_backend(self, backend) -> None:
         """Route every attention layer through `backend` (models/attn_backend.py: FlashInferBackend or

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specserve.kernels.moe_reference import NO_EXPERT, moe_reference
+from specserve.kernels.moe_reference import NO_EXPERT, SharedExperts, moe_reference
 from specserve.models.config import MoEConfig, ParallelConfig
 from specserve.models.layers import (
     GatedMLP,
@@ -26,6 +26,7 @@ from specserve.models.layers import (
 )
 
 # (hidden [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_ids [T, K], topk_weights [T, K]) -> [T, H]
+# (may also take shared=SharedExperts: the shared experts as routed experts E.., MoEBlock.set_shared_as_routed)
 ExpertsFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 EXPERT_SHARDS = ("gate", "up", "gate_up", "down")
@@ -44,20 +45,32 @@ class TopKRouter(nn.Module):
             self.e_score_correction_bias.weight_loader = lambda p, w: copy_checked(p.data, w)
         self.use_kernel = False  # CausalLM.set_fused_layers: the rule after the gate GEMM in one Triton launch
         self.skinny = None  # CausalLM.set_fused_layers: the skinny GEMM's counters for the gate GEMM
+        self.gate_counters = (
+            None  # CausalLM.set_fused_layers: kernels/router.route_gate's (gate GEMM + rule, one launch)
+        )
 
-    def forward(self, x: torch.Tensor, live_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [T, H], live_rows [1] int64 on x's device or None (all T) -> (topk_ids [T, K] int64 (int32 from the
-        kernel), topk_weights [T, K] float32). Rows from live_rows on (pad rows) get NO_EXPERT at weight 0."""
+    def forward(
+        self, x: torch.Tensor, live_rows: torch.Tensor | None = None, shared: int = 0
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, H], live_rows [1] int64 on x's device or None (all T) -> (topk_ids [T, K + shared] int64 (int32 from
+        the kernel), topk_weights [T, K + shared] float32). Rows from live_rows on (pad rows) get NO_EXPERT at weight
+        0. `shared` columns after the top-k route every live row to experts E.. at weight 1 (SharedExperts)."""
         if self.use_kernel:
-            return self._kernel(x, live_rows)
+            return self._kernel(x, live_rows, shared)
         ids, weights = self._sigmoid_grouped(x) if self.cfg.scoring == "sigmoid" else self._softmax(x)
+        if shared:
+            e = self.cfg.num_experts
+            ids = torch.cat([ids, torch.arange(e, e + shared, device=x.device).expand(x.shape[0], shared)], dim=1)
+            weights = torch.cat([weights, weights.new_ones(x.shape[0], shared)], dim=1)
         if live_rows is not None:
             pad = torch.arange(x.shape[0], device=x.device)[:, None] >= live_rows  # [T, 1]
             ids, weights = ids.masked_fill(pad, NO_EXPERT), weights.masked_fill(pad, 0.0)
         return ids, weights
 
-    def _kernel(self, x: torch.Tensor, live_rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        from specserve.kernels.router import RouterConfig, route
+    def _kernel(
+        self, x: torch.Tensor, live_rows: torch.Tensor | None, shared: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        from specserve.kernels.router import RouterConfig, can_route_gate, route, route_gate
 
         cfg = self.cfg
         sigmoid = cfg.scoring == "sigmoid"
@@ -70,9 +83,10 @@ class TopKRouter(nn.Module):
             norm_topk_prob=cfg.norm_topk_prob,
             routed_scaling_factor=cfg.routed_scaling_factor,
         )
-        logits = self._logits(x, sigmoid)
         bias = self.e_score_correction_bias if sigmoid and cfg.correction_bias else None
-        return route(logits, rule, bias, live_rows=live_rows)
+        if self.gate_counters is not None and can_route_gate(x, self.weight):
+            return route_gate(x, self.weight, rule, self.gate_counters, bias, live_rows=live_rows, shared=shared)
+        return route(self._logits(x, sigmoid), rule, bias, live_rows=live_rows, shared=shared)
 
     def _logits(self, x: torch.Tensor, sigmoid: bool) -> torch.Tensor:  # x [T, H] -> [T, E]
         """The gate GEMM as the torch rules compute it (sigmoid: float32 products and sums, softmax: x's dtype). A
@@ -142,9 +156,18 @@ class StackedExperts(nn.Module):
         self.w13.weight_loader = self.weight_loader
         self.w2.weight_loader = self.weight_loader
 
-    def run(self, experts_fn: ExpertsFn, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """x [T, H], ids / weights [T, K] (local) -> [T, H] through the block's experts_fn."""
-        return experts_fn(x, self.w13, self.w2, ids, weights)
+    def run(
+        self,
+        experts_fn: ExpertsFn,
+        x: torch.Tensor,  # [T, H]
+        ids: torch.Tensor,  # [T, K (+ shared.count)] local ids
+        weights: torch.Tensor,  # [T, K (+ shared.count)]
+        shared: SharedExperts | None = None,  # the shared experts as routed experts E.. (MoEBlock.shared_as_routed)
+    ) -> torch.Tensor:  # [T, H]
+        """The routed experts (and the shared ones riding along) through the block's experts_fn."""
+        if shared is None:
+            return experts_fn(x, self.w13, self.w2, ids, weights)
+        return experts_fn(x, self.w13, self.w2, ids, weights, shared=shared)
 
     def local_experts(self) -> range:
         """Global ids of the experts stored here."""
@@ -218,6 +241,27 @@ class MoEBlock(nn.Module):
         )
         self.experts_fn = experts_fn
         self.parallel = parallel
+        self.shared_as_routed: SharedExperts | None = None  # set_shared_as_routed
+
+    def set_shared_as_routed(self, enabled: bool) -> None:
+        """Run the shared experts as always-routed experts of the routed experts' launches (SharedExperts): one
+        gate-up and one down launch for both, summed with the routed outputs in one fixed order, instead of a gate-up
+        GEMM, its SiLU * up, a down GEMM and an add. The weights stay the shared MLP's own (its gate and up merged
+        in place). Taken where the layout allows: float routed experts (int4 ones run their own kernels), no bias,
+        the shared intermediate a multiple of the routed experts' (under tp: this rank's slices of both), and not
+        expert-parallel (there the shared experts are tp slices and the routed ones whole)."""
+        self.shared_as_routed = None
+        mlp = self.shared_experts
+        if not enabled or mlp is None or type(self.experts) is not StackedExperts:
+            return
+        if (self.parallel.ep and self.parallel.tp_size > 1) or mlp.down_proj.bias is not None:
+            return
+        inter, local = self.experts.inter, mlp.gate_proj.weight.shape[0]
+        if local % inter or mlp.gate_proj.bias is not None:
+            return
+        if mlp.gate_up is None:
+            mlp.fuse(True)
+        self.shared_as_routed = SharedExperts(mlp.gate_up[0], mlp.down_proj.weight, local // inter)
 
     def forward(self, x: torch.Tensor, live_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H], live_rows [1] int64 on x's device (None: all T) -> (out [T, H], topk_ids [T, K]).
@@ -227,6 +271,11 @@ class MoEBlock(nn.Module):
         captured at the padded row count skips however many rows each replay pads.
         Under tp each rank's routed output is partial (TP: its I-slice of every expert; EP: its experts'
         choices only), as is its shared-experts output (TP slice); one all-reduce sums both."""
+        shared = self.shared_as_routed
+        if shared is not None:  # one launch set for routed and shared experts; ids E.. are the shared ones
+            topk_ids, topk_weights = self.gate(x, live_rows, shared=shared.count)
+            out = self.experts.run(self.experts_fn, x, topk_ids, topk_weights, shared)
+            return all_reduce(out, self.parallel), topk_ids[:, : self.cfg.top_k]
         topk_ids, topk_weights = self.gate(x, live_rows)
         ids, weights = self.experts.localize(topk_ids, topk_weights)
         out = self.experts.run(self.experts_fn, x, ids, weights)

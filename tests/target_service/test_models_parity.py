@@ -84,3 +84,23 @@ def test_dense_model_reports_no_routed_experts(tiny_checkpoint, paged_runner):
     model, _ = load_model(tiny_checkpoint("qwen3"), progress=False)
     out = paged_runner(model).step([0], [prompt(5, seed=4)])
     assert out.routed_experts is None and out.captured is None
+
+
+@pytest.mark.parametrize("name", ("deepseek_v3", "deepseek_v3_plain"))
+def test_shared_experts_as_routed_experts_match_transformers(name, tiny_checkpoint, hf_reference_dir, paged_runner):
+    """The fused layers' layout of the shared experts (MoEBlock.set_shared_as_routed: chunks of the routed experts'
+    intermediate routed at weight 1 with the top-k) computes transformers' logits, prefill and decode."""
+    model, config = load_model(tiny_checkpoint(name), progress=False)
+    moe = [layer.mlp for layer in model.model.layers if layer.is_moe]
+    for block in moe:
+        block.set_shared_as_routed(True)
+    assert moe and all(block.shared_as_routed is not None for block in moe)
+    hf = hf_model(hf_reference_dir(name))
+    ids = prompt(13, seed=4)
+    runner = paged_runner(model, block_size=4)
+    out = runner.step([0], [ids[:9]])
+    assert out.routed_experts.shape[-1] == config.moe.top_k  # the shared chunks are not counted as routed
+    logits = [runner.logits(out)] + [runner.logits(runner.step([0], [[tok]])) for tok in ids[9:]]
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0]
+    assert rel_err(torch.cat(logits), ref) < RTOL
