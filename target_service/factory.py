@@ -35,6 +35,7 @@ class EngineConfig:
     moe_backend: str = "auto"  # auto | torch | fused
     fused_layers: bool | None = None  # None: on with the fused MoE (models/backends.select_backends)
     skinny_gemm: bool = False  # the fused layers' projections through kernels/skinny_gemm.py (default cuBLAS: faster)
+    fused_moe_block: bool = True  # the fused layers' MoE block: gate GEMM in the router kernel, shared experts routed
     cuda_graphs: bool | None = None  # None: on when the chosen attention backend is graph-safe (GRAPH_ATTENTION)
     graph_max_draft: int = 16  # graphs for decode and chain verify of 1..graph_max_draft drafted tokens
     graph_tree_sizes: tuple[int, ...] = ()  # graphs for tree verify steps of these node counts
@@ -132,6 +133,7 @@ def build_model_for(cfg: EngineConfig):
         cfg.fused_layers,
         invariant,
         cfg.skinny_gemm,
+        cfg.fused_moe_block,
     )
     install_backends(model, choice, cfg.kv_block_size, cfg.device, dtype)
     return model, model_config, tokenizer, choice

@@ -113,6 +113,7 @@ MODES = MappingProxyType(
         "triton": MappingProxyType({"attention_backend": "triton_paged"}),  # Triton paged attention at any size
         "unfused": MappingProxyType({"fused_layers": False}),  # the graphs without the fused layers
         "skinny": MappingProxyType({"skinny_gemm": True}),  # the fused layers' projections through the skinny GEMM
+        "split_moe": MappingProxyType({"fused_moe_block": False}),  # gate GEMM + router kernel, shared MLP apart
         "eager": MappingProxyType(
             {"attention_backend": "torch", "cuda_graphs": False}
         ),  # per-sequence torch, no graphs

@@ -34,6 +34,7 @@ class BackendChoice:
     fused_layers: bool = False  # CausalLM.set_fused_layers: Triton norm / RoPE + cache write / router kernels
     invariant: bool = False  # token-count invariant steps: the attention and torch MoE below in their invariant form
     skinny_gemm: bool = False  # with the fused layers: their projections through the skinny GEMM, else cuBLAS
+    moe_block: bool = True  # with the fused layers: the gate GEMM in the router's kernel, shared experts routed
 
     def __post_init__(self) -> None:
         if self.attention not in ("torch", "flashinfer", "triton_paged", "paged_torch", "reference"):
@@ -87,6 +88,7 @@ def select_backends(
     fused_layers: bool | None = None,
     invariant: bool | None = False,
     skinny_gemm: bool = False,
+    moe_block: bool = True,
 ) -> BackendChoice:
     """'auto' takes the fast backend where it can run; asking for a fast backend where it cannot is an error.
     fused_layers None: on with the fused MoE (bf16 / fp16 on CUDA); True: on (CUDA, any dtype); False: off.
@@ -116,7 +118,12 @@ def select_backends(
         raise AttentionBackendError(f"the fused layers cannot run here: {why_layers}")
     fused = (not why) if fused_layers is None else fused_layers
     return BackendChoice(
-        attention=att, moe="torch" if why else "fused", fused_layers=fused, invariant=invariant, skinny_gemm=skinny_gemm
+        attention=att,
+        moe="torch" if why else "fused",
+        fused_layers=fused,
+        invariant=invariant,
+        skinny_gemm=skinny_gemm,
+        moe_block=moe_block,
     )
 
 
@@ -130,7 +137,7 @@ def install_backends(
         model.set_experts_fn(fused_moe)
     else:
         model.set_experts_fn(moe_reference_fixed_rows if choice.invariant else moe_reference)
-    model.set_fused_layers(choice.fused_layers, skinny_gemm=choice.skinny_gemm)
+    model.set_fused_layers(choice.fused_layers, skinny_gemm=choice.skinny_gemm, moe_block=choice.moe_block)
     model.set_attention_backend(
         make_attention_backend(model, choice.attention, block_size, device, dtype, invariant=choice.invariant)
     )

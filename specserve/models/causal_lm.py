@@ -140,7 +140,7 @@ class CausalLM(nn.Module):
             if isinstance(module, Int4StackedExperts):
                 module.gemv_max_tokens = max(W4A16_GEMV_MAX_TOKENS, rows)
 
-    def set_fused_layers(self, enabled: bool, skinny_gemm: bool = False) -> None:
+    def set_fused_layers(self, enabled: bool, skinny_gemm: bool = False, moe_block: bool = True) -> None:
         """The decode graph's fused layers (Triton kernels, CUDA only), or the plain-torch code everywhere:
 
         - every RMSNorm one launch, each residual add fused into the norm after it (kernels/norm.py);
@@ -148,8 +148,9 @@ class CausalLM(nn.Module):
           experts), their weights merged in place (layers.merge_linears);
         - QK-norm (MLA: the kv_a norm) + RoPE + the paged-cache write in one kernel (kernels/rope_cache.py), when
           the attention backend attends over a cache written beforehand (every paged backend does);
-        - the router and its gate GEMM in one kernel for a step's rows (kernels/router.route_gate);
-        - the shared experts as always-routed experts of the routed experts' launches (MoEBlock.set_shared_as_routed);
+        - with moe_block (on by default), the router and its gate GEMM in one kernel for a step's rows
+          (kernels/router.route_gate), and the shared experts as always-routed experts of the routed experts' launches
+          (MoEBlock.set_shared_as_routed); else the gate GEMM, then the router kernel, and the shared MLP apart;
         - with skinny_gemm (off by default: cuBLAS measured faster, BENCHMARKS' tenth pass), a step's few rows through
           the skinny GEMM (kernels/skinny_gemm.py) in every projection but lm_head, SiLU * up in the gate/up GEMM's
           epilogue and the routed experts' sum in the shared experts' down GEMM's."""
@@ -167,7 +168,7 @@ class CausalLM(nn.Module):
         self.fused_layers = enabled
         weight = self.model.embed_tokens.weight
         skinny = new_counters(weight.device) if enabled and skinny_gemm else None  # one set: GEMMs run one at a time
-        gate_counters = new_gate_counters(weight.device) if enabled else None  # one set: routers run one at a time
+        gate_counters = new_gate_counters(weight.device) if enabled and moe_block else None  # routers run one at a time
         for module in self.modules():
             if isinstance(module, (RMSNorm, TopKRouter)):
                 module.use_kernel = enabled
@@ -184,7 +185,7 @@ class CausalLM(nn.Module):
         for layer in self.model.layers:
             layer.self_attn.fuse(table, skinny)
             if layer.is_moe:
-                layer.mlp.set_shared_as_routed(enabled)
+                layer.mlp.set_shared_as_routed(enabled and moe_block)
 
     def set_attention_backend(self, backend) -> None:
         """Route every attention layer through `backend` (models/attn_backend.py: FlashInferBackend or
