@@ -13,6 +13,8 @@ routed ones by kernels/fused_moe.py (moe_reference.SharedExperts).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from specserve.kernels.checks import check_dim, check_same_device, check_tensor, require, triton_interpreting
@@ -120,7 +122,22 @@ def _rule_args(cfg: RouterConfig, e: int, has_live: bool, has_bias: bool, shared
 
 
 GATE_MAX_ROWS = 64  # route_gate takes up to this many rows (a step's); the counters hold one per row
-GATE_PROGRAM_BYTES = 64 << 10  # weight bytes a gate program reads: EB experts of H
+
+
+@dataclass(frozen=True)
+class GateTile:
+    """route_gate's programs: eb experts each (a power of two), bk of H a load, warps."""
+
+    eb: int
+    bk: int
+    warps: int = 4
+
+
+def default_gate_tile(num_experts: int, hidden: int) -> GateTile:
+    """One expert a program, 2 warps: the fastest tile of the H200 sweep at Moonlight's, Qwen3-30B-A3B's and K2.6's
+    gates (BENCHMARKS' eleventh pass, `gate-sweep.json`: 5.0-6.2 us a call against 7.4-29 us for the float32 GEMM
+    and the router kernel; more experts a program was slower at every width)."""
+    return GateTile(1, max(16, min(triton.next_power_of_2(hidden), 4096)), 2)
 
 
 def new_gate_counters(device: torch.device | str) -> torch.Tensor:  # [GATE_MAX_ROWS] int32 zeros
@@ -151,6 +168,7 @@ def route_gate(
     *,
     live_rows: torch.Tensor | None = None,  # [1] int64
     shared: int = 0,
+    tile: GateTile | None = None,  # None: default_gate_tile
 ) -> tuple[torch.Tensor, torch.Tensor]:  # (topk_ids [T, K + shared] int32, topk_weights [T, K + shared] fp32)
     """The gate GEMM and route() in one launch. The logits are fp32 sums of x's products with the weight (the
     sigmoid rule's float32 GEMM up to summation order), rounded to x's dtype for the softmax rule (its GEMM's
@@ -179,9 +197,14 @@ def route_gate(
     ids = torch.empty(t, k + shared, dtype=torch.int32, device=x.device)
     weights = torch.empty(t, k + shared, dtype=torch.float32, device=x.device)
     logits = torch.empty(t, e, dtype=torch.float32, device=x.device)
-    per_program = max(1, GATE_PROGRAM_BYTES // (h * x.element_size()))  # experts whose weights fit a program's bytes
-    eb = min(triton.next_power_of_2(e), 1 << (per_program.bit_length() - 1))
-    _k.gate_router_kernel[(t, triton.cdiv(e, eb))](
+    tile = tile or default_gate_tile(e, h)
+    require(
+        isinstance(tile, GateTile)
+        and min(tile.eb, tile.bk // 16) >= 1
+        and not (tile.eb & (tile.eb - 1) or tile.bk & (tile.bk - 1)),
+        f"tile must be a GateTile with powers of two eb and bk >= 16, got {tile}",
+    )
+    _k.gate_router_kernel[(t, triton.cdiv(e, tile.eb))](
         x,
         weight,
         logits,
@@ -197,9 +220,9 @@ def route_gate(
         weights.stride(0),
         float(cfg.routed_scaling_factor),
         cfg.renorm_eps,
-        EB=eb,
-        BK=max(16, min(512, 4096 // eb)),
+        EB=tile.eb,
+        BK=tile.bk,
         ROUND_LOGITS=cfg.scoring != "sigmoid",
-        **_rule_args(cfg, e, live_rows is not None, correction_bias is not None, shared),
+        **dict(_rule_args(cfg, e, live_rows is not None, correction_bias is not None, shared), num_warps=tile.warps),
     )
     return ids, weights

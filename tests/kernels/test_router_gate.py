@@ -11,7 +11,8 @@ import torch.nn.functional as F
 from kernel_test_utils import HAS_CUDA, poison_cuda_allocator
 
 from specserve.kernels.checks import KernelArgumentError, triton_interpreting
-from specserve.kernels.router import HAS_TRITON, RouterConfig, new_gate_counters, route, route_gate
+from specserve.kernels.router import HAS_TRITON, GateTile, RouterConfig, new_gate_counters, route
+from specserve.kernels.router import route_gate as _route_gate
 
 pytestmark = pytest.mark.skipif(
     not (HAS_TRITON and (HAS_CUDA or triton_interpreting())), reason="needs triton on CUDA, or TRITON_INTERPRET=1"
@@ -43,6 +44,11 @@ def _case(name: str, t: int, seed: int):
     w = (torch.randn(e, h, generator=gen) / h**0.5).to(DEVICE, torch.bfloat16)
     bias = (torch.randn(e, generator=gen) * 0.1).to(DEVICE) if scoring == "sigmoid" else None
     return x, w, rule, bias
+
+
+def route_gate(*args, **kw):
+    """The default tile on CUDA; under the interpreter 16 experts a program (one a program is 16x the programs)."""
+    return _route_gate(*args, **kw, tile=None if HAS_CUDA else GateTile(16, 128, 2))
 
 
 def _two_launches(x, w, rule, bias, **kw):
@@ -87,11 +93,11 @@ def test_rows_do_not_depend_on_the_other_rows_and_pad_rows_route_nowhere(name):
 
 
 def test_counters_left_non_zero_leave_rows_unrouted():
-    """Negative control: the last-arriver test is what routes a row; counters a broken call left at 1 make no program
-    the last, so the poisoned outputs stay unwritten (the check the routing tests rely on can fail)."""
+    """Negative control: the last-arriver test is what routes a row; counters a broken call left high make no program
+    the last, so the outputs stay unwritten (the check the routing tests rely on can fail)."""
     x, w, rule, bias = _case("sigmoid_grouped", 2, seed=5)
     good = route_gate(x, w, rule, new_gate_counters(DEVICE), bias)[0]
-    broken = new_gate_counters(DEVICE) + 1
+    broken = new_gate_counters(DEVICE) + 10_000
     poison_cuda_allocator()
     ids = route_gate(x, w, rule, broken, bias)[0]
     assert not torch.equal(ids, good)
