@@ -183,6 +183,9 @@ def rope_cache_gqa(
     return q_out
 
 
+ABSORB_COLUMNS = 64  # latent columns a W_UK program computes (a [DN, 64] tile of W_UK: 16 KB at DN 128 in bf16)
+
+
 def rope_cache_mla(
     q_pe: torch.Tensor,  # [T, H, P]
     k_pe: torch.Tensor,  # [T, P]
@@ -198,7 +201,10 @@ def rope_cache_mla(
     eps: float = 1e-6,
     q_pe_out: torch.Tensor | None = None,  # [T, H, P] (may be q_pe)
     validate: bool = False,
-) -> torch.Tensor:  # roped q_pe [T, H, P]
+    absorb: tuple[torch.Tensor, torch.Tensor] | None = None,  # (q_nope [T, H, DN], W_UK [H, DN, R]): also q_latent
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # roped q_pe [T, H, P] (, q_latent [T, H, R] with absorb)
+    """RoPE on q_pe and k_pe, the latent's norm and the paged cache write in one launch; with `absorb`, the same
+    launch also gives the absorbed MLA's q_latent = q_nope W_UK per head (rope_cache_mla_reference's absorb)."""
     q_pe = _view3("q_pe", q_pe, None, None, None)
     t, h, p = q_pe.shape
     require(p % 2 == 0, f"rope dim must be even, got {p}")
@@ -229,11 +235,30 @@ def rope_cache_mla(
     q_pe_out = _q_out("q_pe_out", q_pe_out, q_pe)
     if validate:
         _validate(positions, slot_mapping, cos.shape[0], cache.shape[0] * cache.shape[1])
+    q_nope, w_uk, q_latent, dn = latent, latent, None, 1  # unread without absorb
+    if absorb is not None:
+        q_nope, w_uk = absorb
+        check_tensor("q_nope", q_nope, 3, (q_pe.dtype,), contiguous=False)
+        check_tensor("w_uk", w_uk, 3, (q_pe.dtype,), contiguous=False)
+        require(
+            q_nope.stride(2) == 1 and w_uk.stride(2) == 1,
+            f"q_nope and w_uk must be contiguous in their last dim, strides {q_nope.stride()}, {w_uk.stride()}",
+        )
+        dn = q_nope.shape[2]
+        require(
+            tuple(q_nope.shape[:2]) == (t, h) and tuple(w_uk.shape) == (h, dn, r),
+            f"absorb needs q_nope [T, H, DN] = [{t}, {h}, DN] and w_uk [H, DN, R] = [{h}, {dn}, {r}], got "
+            f"{tuple(q_nope.shape)} and {tuple(w_uk.shape)}",
+        )
+        check_same_device([("q_pe", q_pe), ("q_nope", q_nope), ("w_uk", w_uk)])
+        q_latent = torch.empty(t, h, r, dtype=q_pe.dtype, device=q_pe.device)
     if t == 0:
-        return q_pe_out
+        return q_pe_out if absorb is None else (q_pe_out, q_latent)
     half = p // 2
     h_pad, r_pad, half_pad = (triton.next_power_of_2(x) for x in (h, r, half))
-    _k.rope_cache_mla_kernel[(t,)](
+    rb = min(r_pad, ABSORB_COLUMNS)
+    parts = 1 + (h * triton.cdiv(r, rb) if absorb is not None else 0)
+    _k.rope_cache_mla_kernel[(t, parts)](
         q_pe,
         k_pe,
         latent,
@@ -261,7 +286,18 @@ def rope_cache_mla(
         HALF_PAD=half_pad,
         INTERLEAVED=interleaved,
         L_NORM=latent_norm_weight is not None,
-        num_warps=1 if h_pad * half_pad + r_pad <= 512 else 4,
+        qn_ptr=q_nope,
+        wuk_ptr=w_uk,
+        ql_ptr=q_latent if q_latent is not None else q_pe_out,
+        stride_qnt=q_nope.stride(0),
+        stride_qnh=q_nope.stride(1) if absorb is not None else 0,
+        stride_wh=w_uk.stride(0),
+        stride_wd=w_uk.stride(1) if absorb is not None else 0,
+        DN=dn,
+        DN_PAD=triton.next_power_of_2(dn),
+        RB=rb,
+        ABSORB=absorb is not None,
+        num_warps=4 if absorb is not None or h_pad * half_pad + r_pad > 512 else 1,
         enable_fp_fusion=False,  # keep each product rounded (see NO_FMA)
     )
-    return q_pe_out
+    return q_pe_out if absorb is None else (q_pe_out, q_latent)

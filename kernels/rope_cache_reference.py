@@ -74,7 +74,24 @@ def rope_cache_mla_reference(
     interleaved: bool = True,
     latent_norm_weight: torch.Tensor | None = None,  # [R] kv_a_layernorm
     eps: float = 1e-6,
-) -> torch.Tensor:  # roped q_pe [T, H, P]
+    absorb: tuple[torch.Tensor, torch.Tensor] | None = None,  # (q_nope [T, H, DN], W_UK [H, DN, R])
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # roped q_pe [T, H, P] (, q_latent [T, H, R] with absorb)
+    if absorb is not None:  # float32 products and sums, rounded once (the batched GEMM's function)
+        q_nope, w_uk = absorb
+        q_latent = torch.einsum("thd,hdr->thr", q_nope.float(), w_uk.float()).to(q_nope.dtype)
+        return rope_cache_mla_reference(
+            q_pe,
+            k_pe,
+            latent,
+            positions,
+            cos_table,
+            sin_table,
+            cache,
+            slot_mapping,
+            interleaved,
+            latent_norm_weight,
+            eps,
+        ), q_latent
     if latent_norm_weight is not None:
         latent = rms_norm_reference(latent, latent_norm_weight, eps)
     pos = positions.long()

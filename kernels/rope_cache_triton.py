@@ -166,8 +166,40 @@ def rope_cache_mla_kernel(
     HALF_PAD: tl.constexpr,
     INTERLEAVED: tl.constexpr,
     L_NORM: tl.constexpr,
+    qn_ptr,  # [T, H, DN] the query's nope part (ABSORB)
+    wuk_ptr,  # [H, DN, R] W_UK, last dim contiguous (ABSORB)
+    ql_ptr,  # [T, H, R] out: q_nope W_UK, contiguous (ABSORB)
+    stride_qnt,
+    stride_qnh,
+    stride_wh,
+    stride_wd,
+    DN: tl.constexpr,
+    DN_PAD: tl.constexpr,
+    RB: tl.constexpr,  # latent columns a W_UK program computes
+    ABSORB: tl.constexpr,
 ):
+    """Program (t, 0): RoPE of the row's q_pe and k_pe, the latent's norm, the cache write. With ABSORB, programs
+    (t, 1 + b) compute columns b*RB.. of the row's q_latent = q_nope W_UK (per head; float32 sums over DN in one
+    fixed order, rounded once), so the absorbed MLA's first per-head product needs no launch of its own."""
     t = tl.program_id(0).to(tl.int64)
+    if ABSORB:
+        part = tl.program_id(1)
+        if part > 0:
+            blocks: tl.constexpr = (R + RB - 1) // RB
+            hh = ((part - 1) // blocks).to(tl.int64)
+            offs_c = ((part - 1) % blocks) * RB + tl.arange(0, RB)
+            offs_d = tl.arange(0, DN_PAD)
+            c_ok = offs_c < R
+            d_ok = offs_d < DN
+            q = tl.load(qn_ptr + t * stride_qnt + hh * stride_qnh + offs_d, mask=d_ok, other=0.0).to(tl.float32)
+            w = tl.load(
+                wuk_ptr + hh * stride_wh + offs_d[:, None] * stride_wd + offs_c[None, :],
+                mask=d_ok[:, None] & c_ok[None, :],
+                other=0.0,
+            ).to(tl.float32)
+            acc = tl.sum(w * q[:, None], 0)  # [RB]
+            tl.store(ql_ptr + (t * H + hh) * R + offs_c, acc.to(ql_ptr.dtype.element_ty), mask=c_ok)
+            return
     DT: tl.constexpr = qpe_ptr.dtype.element_ty
     offs_i = tl.arange(0, HALF_PAD)
     i_ok = offs_i < HALF

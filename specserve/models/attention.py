@@ -306,7 +306,7 @@ class MLAAttention(nn.Module):
         q_nope, q_rot = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
         latent = a[:, width : width + cfg.kv_lora_rank]  # [T, R] before kv_a_layernorm
         k_rot = a[:, width + cfg.kv_lora_rank :]  # [T, Dr]
-        q_pe = rope_cache_mla(
+        q_pe, q_latent = rope_cache_mla(
             q_rot,
             k_rot,
             latent,
@@ -318,8 +318,16 @@ class MLAAttention(nn.Module):
             interleaved=cfg.rope_interleave,
             latent_norm_weight=self.kv_a_layernorm.weight,
             eps=self.kv_a_layernorm.eps,
+            absorb=(q_nope, self._absorbed_weights()[0]),  # q_nope W_UK in the same launch
         )
-        return self.o_proj(self._attend_absorbed(q_nope, q_pe, None, attn, kv_cache).reshape(t, -1))
+        return self.o_proj(
+            self._attend_absorbed(q_latent, q_pe, None, attn, kv_cache, latent_query=True).reshape(t, -1)
+        )
+
+    def _absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:  # (W_UK [Hq, Dn, R], W_UV [Hq, Dv, R]) views
+        cfg = self.cfg
+        w = self.kv_b_proj.weight.view(self.num_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
+        return w.split([cfg.qk_nope_head_dim, cfg.v_head_dim], dim=1)
 
     def _attend_absorbed(
         self,
@@ -328,13 +336,13 @@ class MLAAttention(nn.Module):
         entries: torch.Tensor | None,  # [T, R + Dr] to write first; None: the cache already holds them
         attn: AttentionBatch,
         kv_cache: PagedKVCache,
+        latent_query: bool = False,  # q_nope is already q_latent [T, Hq, R] (rope_cache_mla's absorb)
     ) -> torch.Tensor:  # [T, Hq, Dv]
         """q_nope . (W_UK latent) = (W_UK^T q_nope) . latent; output W_UV (sum p * latent): same function."""
         cfg, backend = self.cfg, self.attn_backend
-        w = self.kv_b_proj.weight.view(self.num_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
-        w_uk, w_uv = w.split([cfg.qk_nope_head_dim, cfg.v_head_dim], dim=1)  # [Hq, Dn, R], [Hq, Dv, R]
+        w_uk, w_uv = self._absorbed_weights()  # [Hq, Dn, R], [Hq, Dv, R]
         # per-head products as batched GEMMs over strided views (no copy of the weights or of q): [Hq, T, R]
-        q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [T, Hq, R], contiguous in R
+        q_latent = q_nope if latent_query else torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)
         if entries is None:
             out_latent = backend.mla_cached(self.layer, q_latent, q_rot, attn, kv_cache)  # [T, Hq, R]
         else:

@@ -285,8 +285,10 @@ def run_rope_gqa_case(device, shape, t, dtype, interleaved, qk_norm, seed, loose
     assert torch.equal(cache[:, :, 1], ref_cache[:, :, 1]), "v is copied exactly"
 
 
-def run_rope_mla_case(device, shape, t, dtype, interleaved, latent_norm, seed, loose=False):
-    """rope_cache_mla on latent / k_pe views of one kv_a output, NaN q_pe_out and NaN target cache slots."""
+def run_rope_mla_case(device, shape, t, dtype, interleaved, latent_norm, seed, loose=False, absorb_dn=0):
+    """rope_cache_mla on latent / k_pe views of one kv_a output, NaN q_pe_out and NaN target cache slots. absorb_dn:
+    also q_nope [T, H, DN] (a strided view of the query) times W_UK [H, DN, R] (a strided view of kv_b), checked
+    against the float32 einsum; returns (q_latent, (q_nope, w_uk)) for further checks."""
     from specserve.kernels.rope_cache import rope_cache_mla
     from specserve.kernels.rope_cache_reference import rope_cache_mla_reference
 
@@ -301,10 +303,18 @@ def run_rope_mla_case(device, shape, t, dtype, interleaved, latent_norm, seed, l
     lw = norm_weight(r, gen, device, dtype) if latent_norm else None
     cache = poison_slots(randn((nb, bs, r + p), gen, device, dtype), slots)
     ref_cache = cache.clone()
-    ref_q = rope_cache_mla_reference(q_pe, k_pe, latent, positions, cos, sin, ref_cache, slots, interleaved, lw)
+    absorb = None
+    if absorb_dn:
+        q_full = randn((t, h, absorb_dn + p), gen, device, dtype)  # the query: [nope | pe] per head
+        kv_b = randn((h, absorb_dn + 32, r), gen, device, dtype, scale=r**-0.5)  # [W_UK; W_UV] per head
+        absorb = (q_full[:, :, :absorb_dn], kv_b[:, :absorb_dn])
+    ref = rope_cache_mla_reference(
+        q_pe, k_pe, latent, positions, cos, sin, ref_cache, slots, interleaved, lw, absorb=absorb
+    )
+    ref_q, ref_latent = ref if absorb else (ref, None)
     q_out = nan_like((t, h, p), device, dtype)
     poison_cuda_allocator()
-    rope_cache_mla(
+    got = rope_cache_mla(
         q_pe,
         k_pe,
         latent,
@@ -317,8 +327,16 @@ def run_rope_mla_case(device, shape, t, dtype, interleaved, latent_norm, seed, l
         latent_norm_weight=lw,
         q_pe_out=q_out,
         validate=True,
+        absorb=absorb,
     )
     sync(device)
     _compare(q_out, ref_q, dtype != torch.float32, loose)  # no norm on q_pe
     assert torch.equal(cache.isnan(), ref_cache.isnan()), "written slots must be written, the rest untouched"
     _compare(torch.nan_to_num(cache), torch.nan_to_num(ref_cache), not latent_norm and dtype != torch.float32, loose)
+    if absorb:
+        q_latent = got[1]
+        assert q_latent.shape == (t, h, r) and not q_latent.isnan().any()
+        tol = 2e-2 if loose else 1e-2 if dtype != torch.float32 else 1e-5
+        torch.testing.assert_close(q_latent.float(), ref_latent.float(), rtol=tol, atol=tol)
+        return q_latent, absorb
+    return None

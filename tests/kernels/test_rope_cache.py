@@ -116,3 +116,35 @@ def test_mla_graph_capture() -> None:
         torch.cuda.synchronize()
         assert torch.equal(out, ref_q)
         assert_close_ulps(cache, ref_cache, row_scale=True)
+
+
+@pytest.mark.parametrize("t", [1, 4, 17])
+def test_mla_absorbs_w_uk(t) -> None:
+    """Moonlight's MLA (16 heads, latent 512, rope 64, nope 128): q_latent = q_nope W_UK in the RoPE + cache launch,
+    poisoned outputs, against the float32 einsum."""
+    run_rope_mla_case("cuda", (16, 512, 64), t, torch.bfloat16, True, True, seed=40 + t, absorb_dn=128)
+
+
+def test_mla_absorbed_rows_do_not_depend_on_the_other_rows() -> None:
+    """Row j of a 17-row call equals the same row computed in a 17-row call of copies of it (invariant steps)."""
+    from specserve.kernels.rope_cache import rope_cache_mla
+
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    h, r, p, dn, t = 16, 512, 64, 128, 17
+    q_nope = torch.randn(t, h, dn, device="cuda", generator=gen).bfloat16()
+    w_uk = (torch.randn(h, dn, r, device="cuda", generator=gen) * dn**-0.5).bfloat16()
+    cos, sin = rope_tables(4096, p, torch.bfloat16, "cuda")
+
+    def latent_of(qn):
+        n = qn.shape[0]
+        cache = torch.zeros(4, 16, r + p, device="cuda", dtype=torch.bfloat16)
+        slots = torch.full((n,), -1, device="cuda", dtype=torch.int64)
+        q_pe = torch.zeros(n, h, p, device="cuda", dtype=torch.bfloat16)
+        k_pe = torch.zeros(n, p, device="cuda", dtype=torch.bfloat16)
+        lat = torch.zeros(n, r, device="cuda", dtype=torch.bfloat16)
+        pos = torch.zeros(n, device="cuda", dtype=torch.int64)
+        return rope_cache_mla(q_pe, k_pe, lat, pos, cos, sin, cache, slots, absorb=(qn, w_uk))[1]
+
+    full = latent_of(q_nope)
+    for j in (0, 9, 16):
+        assert torch.equal(full[j], latent_of(q_nope[j].expand(t, -1, -1).contiguous())[0]), j

@@ -183,3 +183,15 @@ def test_mla_kernel_under_interpreter(dtype, shape, interleaved) -> None:
             seed=shape[1] + int(latent_norm),
             loose=dtype == torch.bfloat16,
         )
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_mla_kernel_absorbs_w_uk_under_interpreter(dtype) -> None:
+    """The same launch gives q_latent = q_nope W_UK per head (strided views of the query and of kv_b); a row's
+    q_latent does not depend on the other rows; negative control: W_UK of the next head does not match."""
+    q_latent, (q_nope, w_uk) = run_rope_mla_case("cpu", (3, 80, 16), 5, dtype, True, True, seed=11, absorb_dn=24)
+    alone = run_rope_mla_case("cpu", (3, 80, 16), 5, dtype, True, True, seed=11, absorb_dn=24)[0]
+    assert torch.equal(alone, q_latent)
+    wrong = torch.einsum("thd,hdr->thr", q_nope.float(), w_uk.roll(1, 0).float())
+    assert not torch.allclose(q_latent.float(), wrong, rtol=1e-2, atol=1e-2)
