@@ -320,6 +320,8 @@ class RemoteDraft:
         except convert.ConversionError as exc:
             raise MalformedDraft(f"draft {self._ep.name}: {exc}") from None
 
+    propose_ahead = propose  # block n+1 while block n is verified: a propose like any other
+
     async def _propose_shm(self, req):
         where = f"draft {self._ep.name} over shared memory"
         if self._shm is None:

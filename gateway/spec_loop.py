@@ -166,7 +166,7 @@ class _DraftSync:
     ) -> DraftBlock:
         """Block n+1 while block n is verified: S + block n as if accepted in full (k + 1 tokens: the first
         is the drafter's guess of the bonus token)."""
-        return await draft.propose(sid, self.known, seq[self.known :] + list(block.token_ids), None, k + 1, None)
+        return await draft.propose_ahead(sid, self.known, seq[self.known :] + list(block.token_ids), None, k + 1, None)
 
     def verified_ahead(self, seq_len: int, accepted: int) -> None:
         """After a verify with a block drafted ahead: the drafter holds S + block (+ its own tail); confirmed
@@ -286,6 +286,7 @@ class _Run:
         t0 = time.perf_counter()
         if block.is_chain and len(block) and self.ahead_planned(len(block), decide=True):
             ahead_task = asyncio.ensure_future(self.draft_next_ahead(block))
+            await asyncio.sleep(0)  # it hands its block to the drafter before the verify (a direct verify never waits)
         try:
             with names.step_span(self.tracer, names.SPAN_TARGET_VERIFY) as vspan:
                 sent = block

@@ -47,17 +47,19 @@ def _new_loop() -> asyncio.AbstractEventLoop:
 
 
 class SpecRunner:
-    """Holds the engine, the drafters (each in its own thread, as in `generate`) and one event loop."""
+    """Holds the engine (on its own thread, where the in-process step loop runs, as in `generate`), the drafters and
+    one event loop."""
 
     def __init__(
         self, engine, proposers: dict, config: BenchConfig, model_bytes: ModelBytes, bandwidth: float, served=None
     ) -> None:
-        from specserve.gateway.local import LocalDraft, LocalTarget
+        from specserve.gateway.engine_thread import EngineThread
+        from specserve.gateway.local import LocalDraft
 
         self.config = config
         self.engine = engine
         self.info = engine.info()
-        self.target = LocalTarget(engine)
+        self.target = EngineThread(engine)  # in process the step loop runs on the engine's thread
         self.drafts = {family: LocalDraft(p) for family, p in proposers.items()}
         self.model_bytes = model_bytes
         self.bandwidth = bandwidth
@@ -144,22 +146,26 @@ class SpecRunner:
             mark[0] = now
 
         t0 = time.perf_counter()
-        t_first = None
+        first: list[float] = []  # when the first event was made (a step's wall counts from the event before it)
         final = None
-        async for event in run_request(
-            request,
-            target,
-            draft,
-            target_info=self.info,
-            adaptive=chooser,
-            session_id=f"bench-{self._counter}",
-            on_step=on_step,
-        ):
-            if t_first is None:
-                t_first = mark[0] = time.perf_counter()
+
+        def on_event(event) -> None:  # where the events are made: the engine's thread in process
+            if not first:
+                first.append(time.perf_counter())
+                mark[0] = first[0]
+
+        kwargs = dict(target_info=self.info, adaptive=chooser, session_id=f"bench-{self._counter}", on_step=on_step)
+        if via == "process":
+            events = self.target.generate(request, draft, on_event=on_event, **kwargs)
+        else:
+            events = run_request(request, target, draft, **kwargs)
+        async for event in events:
+            if via != "process":
+                on_event(event)
             if isinstance(event, FinalEvent):
                 final = event
         t_end = time.perf_counter()
+        t_first = first[0] if first else None
         if final is None:
             raise RuntimeError(f"{spec.name} on {prompt_id}: the request ended without a final event")
         stats = final.stats.as_dict()

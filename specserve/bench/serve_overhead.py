@@ -3,10 +3,12 @@
     specserve bench overhead [--model DIR | synthetic:NAME[:LAYERS]] [--drafters none,ngram]
         [--k 4] [--requests 3] [--max-new-tokens 64] [--rounds 2] [--deadline-s 120] [--out DIR]
 
-Each method (target-only; each drafter at chain length ``--k``, greedy) runs the gateway's own spec loop
-(gateway/spec_loop.py) three ways, interleaved round by round: over in-process adapters (``process``),
-over the remote adapters to a `specserve target` (+ `specserve draft`) process with the shared-memory
-data plane (``serve-shm``), and with every step over gRPC (``serve-grpc``). Per step:
+Each method (target-only; each drafter at chain length ``--k``, greedy) runs the one step loop
+(gateway/spec_loop.py) four ways, interleaved round by round: in process on the engine's thread, direct calls
+(``process``: what `generate` and `bench` run, gateway/engine_thread.py), in process over the threaded adapters
+(``process-hops``: the loop on the caller's event loop, each verify and propose a round trip to the part's thread,
+as before issue #42), over the remote adapters to a `specserve target` (+ `specserve draft`) process with the
+shared-memory data plane (``serve-shm``), and with every step over gRPC (``serve-grpc``). Per step:
 
     overhead = step wall - engine compute - proposer compute
 
@@ -30,7 +32,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-VIAS = ("process", "serve-shm", "serve-grpc")
+VIAS = ("process", "process-hops", "serve-shm", "serve-grpc")
+IN_PROCESS = ("process", "process-hops")
 DRAFTERS = ("none", "ngram")  # drafters without a checkpoint of their own
 
 
@@ -110,6 +113,7 @@ class _Clients:
     def __init__(self, config: OverheadConfig, stack) -> None:
         from specserve.draft_service.drafter_config import DrafterConfig
         from specserve.draft_service.registry import build_proposer
+        from specserve.gateway.engine_thread import EngineThread
         from specserve.gateway.local import LocalDraft, LocalTarget
         from specserve.target_service.factory import EngineConfig, build_engine
 
@@ -126,6 +130,7 @@ class _Clients:
             )
         )
         self.info = engine.info()
+        self.engine_thread = EngineThread(engine)
         self.local_target = LocalTarget(engine)
         self.proposers: dict[str, _TimedProposer] = {}
         self.local_drafts: dict[str, LocalDraft] = {}
@@ -148,7 +153,7 @@ class _Clients:
 
     def session(self, via: str, drafter: str):
         """(target client, draft client or None, a reading of the draft's summed compute ms)."""
-        if via == "process":
+        if via in IN_PROCESS:
             draft = self.local_drafts.get(drafter)
             proposer = self.proposers.get(drafter)
             return self.local_target, draft, (lambda: proposer.compute_ms) if proposer else (lambda: 0.0)
@@ -158,6 +163,7 @@ class _Clients:
         return target, draft, (lambda: draft.compute_ms) if draft is not None else (lambda: 0.0)
 
     def close(self) -> None:
+        self.engine_thread.close()
         self.local_target.close()
         for d in self.local_drafts.values():
             d.close()
@@ -179,6 +185,10 @@ async def _one_request(clients: _Clients, via: str, drafter: str, k: int, prompt
     rows: list[dict] = []
     mark = [0.0]
     seen = [draft_compute()]
+
+    def on_event(event) -> None:  # where the events are made (the engine's thread for ``process``)
+        if not mark[0]:
+            mark[0] = time.perf_counter()  # the first step's wall starts at the first token
 
     def on_step(rec) -> None:
         now = time.perf_counter()
@@ -202,9 +212,14 @@ async def _one_request(clients: _Clients, via: str, drafter: str, k: int, prompt
         mark[0] = now
 
     tokens: tuple[int, ...] = ()
-    async for event in run_request(request, target, draft, target_info=clients.info, session_id=tag, on_step=on_step):
-        if not mark[0]:
-            mark[0] = time.perf_counter()  # the first step's wall starts at the first token
+    kwargs = dict(target_info=clients.info, session_id=tag, on_step=on_step)
+    if via == "process":
+        events = clients.engine_thread.generate(request, draft, on_event=on_event, **kwargs)
+    else:
+        events = run_request(request, target, draft, **kwargs)
+    async for event in events:
+        if via != "process":
+            on_event(event)
         if isinstance(event, FinalEvent):
             tokens = event.token_ids
     prev = 0.0
@@ -231,7 +246,7 @@ def summarize(rows: list[dict], via: str) -> dict:
     transport = []
     for r in rows:
         t = 0.0
-        if via != "process":
+        if via not in IN_PROCESS:
             t += max(0.0, r["verify_wall_ms"] - r["verify_service_ms"]) if r["verify_service_ms"] > 0 else 0.0
             t += max(0.0, r["draft_wall_ms"] - r["draft_service_ms"]) if r["draft_wall_ms"] > 0 else 0.0
         transport.append(t)

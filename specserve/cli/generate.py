@@ -58,8 +58,9 @@ def build_local(args: argparse.Namespace):
 
 async def _generate(args: argparse.Namespace) -> dict:
     from specserve.contract.types import GenerationRequest
-    from specserve.gateway.local import LocalDraft, LocalTarget
-    from specserve.gateway.spec_loop import FinalEvent, run_request
+    from specserve.gateway.engine_thread import EngineThread
+    from specserve.gateway.local import LocalDraft
+    from specserve.gateway.spec_loop import FinalEvent
     from specserve.loop.adaptive import AdaptiveConfig, AdaptiveSpeculation
 
     k = speculative_tokens(args, "generate") or DEFAULT_K
@@ -87,12 +88,12 @@ async def _generate(args: argparse.Namespace) -> dict:
         adaptive=args.speculation == "adaptive",
         draft_ahead=args.draft_ahead == "on",
     )
-    target = LocalTarget(engine)
+    target = EngineThread(engine)  # the step loop runs on the engine's thread
     draft = LocalDraft(proposer) if proposer is not None else None
     final = None
     try:
         adaptive = AdaptiveSpeculation(AdaptiveConfig(max_k=max(1, k)))
-        async for event in run_request(request, target, draft, tokenizer=tokenizer, adaptive=adaptive):
+        async for event in target.generate(request, draft, tokenizer=tokenizer, adaptive=adaptive):
             if isinstance(event, FinalEvent):
                 final = event  # the last event; the generator then closes on its own
             elif not args.json and event.text:

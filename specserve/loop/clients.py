@@ -1,7 +1,7 @@
 """What the per-request loop needs from a target and a drafter, local or remote.
 
-Both sides are async: a local adapter (gateway/local.py) runs the synchronous engine or proposer in
-its own thread; a remote adapter (gateway/remote.py) calls the gRPC service.
+Both sides are async: a local adapter (gateway/local.py) calls the synchronous engine or proposer directly (the loop
+on the engine's thread) or on its own thread; a remote adapter (gateway/remote.py) calls the gRPC service.
 """
 
 from __future__ import annotations
@@ -73,5 +73,15 @@ class DraftClient(Protocol):
         num_tokens: int,
         tree=None,
     ) -> DraftBlock: ...
+
+    async def propose_ahead(
+        self,
+        session_id: str,
+        prefix_len: int,
+        append_ids: Sequence[int],
+        append_hidden: torch.Tensor | SharedRows | None,
+        num_tokens: int,
+        tree=None,
+    ) -> DraftBlock: ...  # propose's, for block n+1 while block n is verified (in process: on the drafter's thread)
 
     async def release(self, session_id: str) -> None: ...

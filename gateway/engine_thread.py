@@ -1,0 +1,112 @@
+"""In process, the step loop runs on the engine's thread: `generate`, `bench` and `bench overhead`'s ``process``.
+
+``EngineThread`` gives the engine a thread with an event loop of its own, and runs each request's step loop
+(gateway/spec_loop.py's ``run_request``, the one loop of every mode) there as a task. Its target is a direct
+``LocalTarget`` and its drafter an ``InlineDraft`` (gateway/local.py): a prefill, a verify and a propose are plain
+calls on the thread that launches the target's graph, so a step hands nothing to another thread and waits on no
+wake-up (the threaded adapters cost two round trips a step: loop -> drafter -> loop -> engine -> loop). Only a block
+drafted ahead runs on the drafter's own thread, to overlap the verify.
+
+Several requests share the thread: each task yields after each step's event, so their steps take turns. The
+caller's event loop only receives the events (one ``call_soon_threadsafe`` a step, which the step does not wait
+for); closing the caller's iterator early cancels the request's task there, which releases both sessions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+from specserve.gateway.local import InlineDraft, LocalDraft, LocalTarget
+from specserve.gateway.spec_loop import FinalEvent, TokenEvent, run_request
+
+_END = object()  # the queue item after a request's last event
+
+
+@dataclass(frozen=True)
+class _Failed:
+    error: BaseException
+
+
+def _new_loop() -> asyncio.AbstractEventLoop:
+    try:
+        import uvloop
+
+        return uvloop.new_event_loop()
+    except ImportError:  # uvloop is a dependency; plain asyncio is only a fallback
+        return asyncio.new_event_loop()
+
+
+class EngineThread:
+    """The engine's own thread, running an event loop on which every request's step loop runs (module docstring).
+    ``close`` stops it (after the requests running there ended)."""
+
+    def __init__(self, engine, name: str = "target-engine") -> None:
+        self.engine = engine
+        self.target = LocalTarget(engine, direct=True)  # call it only from this thread
+        self._loop = _new_loop()
+        self._drafts: dict[int, InlineDraft] = {}  # one InlineDraft per LocalDraft (its count of calls on its thread)
+        self._thread = threading.Thread(target=self._loop.run_forever, name=name, daemon=True)
+        self._thread.start()
+
+    def _inline(self, draft: LocalDraft | None) -> InlineDraft | None:
+        if draft is None:
+            return None
+        inline = self._drafts.get(id(draft))
+        if inline is None or inline.draft is not draft:
+            inline = self._drafts[id(draft)] = InlineDraft(draft)
+        return inline
+
+    async def generate(
+        self,
+        request,
+        draft: LocalDraft | None,
+        on_event: Callable[[object], None] | None = None,
+        **kwargs,
+    ) -> AsyncIterator[TokenEvent | FinalEvent]:
+        """``run_request(request, this engine, draft, **kwargs)`` on the engine's thread, its events here.
+        ``on_event(event)`` runs on the engine's thread as each event is made (a benchmark's clock); kwargs'
+        ``on_step`` runs there too."""
+        caller = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+
+        def put(item) -> None:
+            try:
+                caller.call_soon_threadsafe(events.put_nowait, item)
+            except RuntimeError:  # the caller's loop closed: nobody reads
+                pass
+
+        async def steps() -> None:  # on the engine's thread
+            try:
+                async for event in run_request(request, self.target, self._inline(draft), **kwargs):
+                    if on_event is not None:
+                        on_event(event)
+                    put(event)
+                    await asyncio.sleep(0)  # the other requests' steps take their turn
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller (cancellation included)
+                put(_Failed(exc))
+                raise
+            finally:
+                put(_END)
+
+        task = asyncio.run_coroutine_threadsafe(steps(), self._loop)
+        try:
+            while True:
+                item = await events.get()
+                if item is _END:
+                    return
+                if isinstance(item, _Failed):
+                    raise item.error
+                yield item
+        finally:
+            task.cancel()  # a caller that stopped reading: the request's task ends there, releasing its sessions
+
+    def close(self) -> None:
+        """Stop the thread's loop and wait for it (from synchronous code, not from the thread)."""
+        if not self._thread.is_alive():
+            return
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
+        self._loop.close()
