@@ -148,6 +148,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the transports alone instead: one small message's round trip through the shared-memory "
         "ring against a gRPC unix-socket stream (bench/ring_rtt.py): --bytes, --n, --warmup, --spin-us",
     )
+    p.add_argument(
+        "--chooser",
+        action="store_true",
+        help="the adaptive chooser's host time a step instead, no model (bench/chooser_cost.py): --n steps",
+    )
     p.add_argument("--bytes", type=positive_int, default=200, help="--ring: message size")
     p.add_argument("--n", type=positive_int, default=3000, help="--ring: timed round trips per transport")
     p.add_argument("--warmup", type=int, default=300, help="--ring: untimed round trips first")
@@ -390,6 +395,8 @@ def _run_overhead(args: argparse.Namespace) -> int:
 
     if args.ring:
         return _run_ring(args)
+    if args.chooser:
+        return _run_chooser(args)
     cfg = serve_overhead.OverheadConfig(
         model=args.model or str(demo_checkpoint("target")),
         device=args.device,
@@ -418,6 +425,16 @@ def _run_ring(args: argparse.Namespace) -> int:
     _finish(
         args, "overhead-ring", config, env, {"results": results}, ring_rtt.format_result(results, args.bytes, args.n)
     )
+    return 0
+
+
+def _run_chooser(args: argparse.Namespace) -> int:
+    from specserve.bench import chooser_cost
+    from specserve.bench.environment import environment
+
+    config = {"steps": args.n, "max_k": args.k, "seed": args.seed}
+    result = chooser_cost.run(args.n, args.k, seed=args.seed)
+    _finish(args, "overhead-chooser", config, environment("cpu"), {"parts": result}, chooser_cost.table(result))
     return 0
 
 

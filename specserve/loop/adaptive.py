@@ -34,6 +34,11 @@ probabilities; else from a running per-position acceptance estimate.
                   not (k = 0): a drafted step also pays the propose call's hop, checks and truncation
 
 The rule itself is specserve/loop/verify_length.py's (pure, over a precomputed table of step costs by k: ``step_costs``).
+A choice reads tables, made when what they come from changes (issue #42: no per-step recomputation): the step costs
+by (k, ahead) once per cost-model change (a draft timing that moves no k's least changes nothing), alpha once per
+acceptance observation, the calibration as each bin's line (offset, slope), plain floats (numpy's per-call overhead
+dominates a handful of positions). What is left on a step is best_length's few divisions; the verify fit, every
+``refit_every`` steps, is the one amortised recomputation.
 Before drafting, k maximises E[emitted | k] / (draft_ms(k) + verify_ms(k + 1) + overhead(k)); k = 0 is
 target-only's rate 1 / (verify_ms(1) + overhead(0)), so speculation is off whenever it does not pay.
 After a block is drafted its cost is sunk: the verify length maximises E[emitted | k] / (sunk_ms +
@@ -110,20 +115,26 @@ class AcceptanceEstimator:
     a prior mean: ``prior`` for position 0, the estimate of position i - 1 for position i (positions
     of one drafter tend to be alike; a chain's tail is seen least). Every step decays the counts of
     every position by 1 - 1/memory, so a position the chooser stopped drafting drifts back to its
-    prior and gets drafted again, instead of staying at one unlucky early observation."""
+    prior and gets drafted again, instead of staying at one unlucky early observation.
+
+    ``alpha`` is a table: made once per observation (``version``), read by every choice until the next one."""
 
     def __init__(self, max_k: int, prior: float, memory: float, prior_weight: float = 4.0) -> None:
         self.hits = np.zeros(max_k)
         self.trials = np.zeros(max_k)
         self._prior, self._keep, self._weight = prior, 1.0 - 1.0 / memory, prior_weight
         self.version = 0  # bumped by every observation that changes the estimate
+        self._alpha: tuple[int, list[float]] | None = None  # (version, alpha as plain floats)
 
     @property
-    def alpha(self) -> np.ndarray:
-        out, mean = np.empty(len(self.hits)), self._prior
-        for i in range(len(out)):
-            mean = out[i] = (self.hits[i] + self._weight * mean) / (self.trials[i] + self._weight)
-        return out
+    def alpha(self) -> list[float]:  # [max_k], plain floats (a copy: the caller may change it)
+        if self._alpha is None or self._alpha[0] != self.version:
+            out, mean = [], self._prior
+            for hits, trials in zip(self.hits.tolist(), self.trials.tolist()):
+                mean = (hits + self._weight * mean) / (trials + self._weight)
+                out.append(mean)
+            self._alpha = (self.version, out)
+        return list(self._alpha[1])
 
     def observe(self, num_drafted: int, num_accepted: int, unverified: Sequence[float] = ()) -> None:
         """Positions 0..num_accepted-1 were accepted; position num_accepted (if drafted) was refused. ``unverified``:
@@ -153,31 +164,44 @@ class ConfidenceCalibration:
 
     Each bin starts with ``prior`` pseudo-observations at q itself, so an unseen bin trusts q and a
     drafter whose q overstates (or understates) acceptance is corrected as steps arrive. Counts are
-    halved when a bin passes ``window`` observations, so the map follows drift."""
+    halved when a bin passes ``window`` observations, so the map follows drift.
+
+    The map is a table of plain floats, bin b's line (hits_b + prior * q) / (trials_b + prior) as its offset and
+    slope, remade for the bins an observation changed: a choice reads it without numpy (a handful of positions)."""
 
     def __init__(self, bins: int, prior: float, window: int) -> None:
         self.hits = np.zeros(bins)
         self.trials = np.zeros(bins)
         self._prior, self._window = prior, window
+        self._lines = [(0.0, 1.0)] * bins  # [bins] (offset, slope) of each bin's map
 
-    def _bin(self, q: np.ndarray) -> np.ndarray:
-        return np.clip((np.asarray(q) * len(self.hits)).astype(int), 0, len(self.hits) - 1)
+    def _bin(self, q: float) -> int:
+        return min(max(int(q * len(self._lines)), 0), len(self._lines) - 1)
 
-    def observe(self, q: np.ndarray, num_accepted: int) -> None:
+    def observe(self, q, num_accepted: int) -> None:
         """q [k] of a verified chain; positions up to the first refusal were observed."""
         seen = min(len(q), num_accepted + 1)
         for i in range(seen):
-            b = int(self._bin(q[i]))
+            b = self._bin(float(q[i]))
             self.hits[b] += 1.0 if i < num_accepted else 0.0
             self.trials[b] += 1.0
             if self.trials[b] > self._window:
                 self.hits[b] /= 2
                 self.trials[b] /= 2
+            denominator = float(self.trials[b]) + self._prior
+            self._lines[b] = (float(self.hits[b]) / denominator, self._prior / denominator)
 
-    def __call__(self, q: np.ndarray) -> np.ndarray:
-        q = np.clip(np.asarray(q, dtype=float), 0.0, 1.0)
-        b = self._bin(q)
-        return (self.hits[b] + self._prior * q) / (self.trials[b] + self._prior)
+    def calibrated(self, q) -> list[float]:
+        """The map of each q [n] (plain floats in and out)."""
+        out = []
+        for x in q:
+            x = min(max(float(x), 0.0), 1.0)
+            offset, slope = self._lines[self._bin(x)]
+            out.append(offset + slope * x)
+        return out
+
+    def __call__(self, q) -> np.ndarray:
+        return np.asarray(self.calibrated(np.asarray(q, dtype=float).ravel().tolist()))
 
 
 class AdaptiveSpeculation:
@@ -194,7 +218,7 @@ class AdaptiveSpeculation:
         self.calibration = ConfidenceCalibration(config.calibration_bins, config.calibration_prior, config.window)
         self.ahead_hit_rate = 0.5  # running share of ahead blocks that were used
         self._ahead_steps = 0
-        self._cost_cache: tuple | None = None
+        self._cost_cache: tuple | None = None  # (the models' versions, StepCosts by (kmax, ahead))
         self._choice_cache: tuple | None = None  # (inputs, k) of the last choice before drafting
         self.overhead_ms = [0.0, 0.0]  # running step overhead of k = 0 and k >= 1 steps
         self._overhead_seen = [0, 0]
@@ -240,7 +264,7 @@ class AdaptiveSpeculation:
         self.cost.observe(num_drafted + 1, experts, ms, ahead)
         if self.cost.version != version:
             self._overhead_used = tuple(self.overhead_ms)
-        soft = () if unverified is None or not len(unverified) else self.calibration(unverified).tolist()
+        soft = () if unverified is None or not len(unverified) else self.calibration.calibrated(unverified)
         self.accept.observe(num_drafted, num_accepted, soft)
         if confidence is not None and len(confidence) == num_drafted:
             self.calibration.observe(confidence, num_accepted)
@@ -293,11 +317,11 @@ class AdaptiveSpeculation:
         step_ms = self.cost.predict(1) + self._overhead_used[0]
         return self.probing.interval(self.draft.predict(self.config.probe.tokens), step_ms)
 
-    def alpha(self, kmax: int, confidence: np.ndarray | None = None) -> np.ndarray:
-        alpha = self.accept.alpha[:kmax].copy()
+    def alpha(self, kmax: int, confidence=None) -> list[float]:  # [kmax] plain floats; confidence [n] or None
+        alpha = self.accept.alpha[:kmax]
         if confidence is not None:
             m = min(len(confidence), kmax)
-            alpha[:m] = self.calibration(confidence[:m])
+            alpha[:m] = self.calibration.calibrated(confidence[:m])
         return alpha
 
     def choose_k(
@@ -332,17 +356,20 @@ class AdaptiveSpeculation:
             )
             if self._choice_cache is not None and self._choice_cache[0] == key:
                 return self._choice_cache[1]
-        k = best_length(self.alpha(kmax, confidence).tolist(), self.step_costs(kmax, bool(ahead)), sunk_ms, least)
+        k = best_length(self.alpha(kmax, confidence), self.step_costs(kmax, bool(ahead)), sunk_ms, least)
         if key is not None:
             self._choice_cache = (key, k)
         return k
 
     def step_costs(self, kmax: int, ahead: bool = False) -> StepCosts:
         """The table specserve/loop/verify_length.py reads: verify ms of k + 1 tokens (expected experts) and draft ms of k,
-        k = 0..kmax, and the step overheads; cached until a cost model changes."""
-        key = (kmax, ahead, self.cost.version, self.draft.version, self._overhead_used)
-        if self._cost_cache is None or self._cost_cache[0] != key:
-            ks = np.arange(kmax + 1)
-            verify = tuple(self.cost.predict_many(ks + 1, (ks > 0) & ahead).tolist())
-            self._cost_cache = (key, StepCosts(verify, tuple(self.draft.costs(kmax)), tuple(self._overhead_used)))
-        return self._cost_cache[1]
+        k = 0..kmax, and the step overheads: made once per (kmax, ahead) until a cost model changes, then read."""
+        version = (self.cost.version, self.draft.version, self._overhead_used)
+        if self._cost_cache is None or self._cost_cache[0] != version:
+            self._cost_cache = (version, {})
+        tables = self._cost_cache[1]
+        costs = tables.get((kmax, ahead))
+        if costs is None:
+            verify = self.cost.table(kmax, ahead)
+            costs = tables[kmax, ahead] = StepCosts(verify, tuple(self.draft.costs(kmax)), tuple(self._overhead_used))
+        return costs

@@ -63,6 +63,7 @@ class VerifyCostModel:
         self._experts_by_n: dict[int, tuple[float, int]] = {}
         self._experts_table: tuple[np.ndarray, np.ndarray] | None = None  # sorted n, mean e (as of the fit)
         self.version = 0  # bumped by every fit: predictions only change then
+        self._tables: dict = {}  # table()'s, as of the fit "version": ms by ahead flag
 
     def observe(self, n_tokens: int, experts: int, ms: float, ahead: bool = False) -> None:
         i = self._count % len(self._y)
@@ -122,6 +123,17 @@ class VerifyCostModel:
             self._experts_table = (np.array(ns, dtype=float), np.array([self._experts_by_n[n][0] for n in ns]))
         return np.interp(n_tokens, *self._experts_table)
 
+    def table(self, kmax: int, ahead: bool = False) -> tuple[float, ...]:
+        """[kmax + 1] predicted ms of a verify of k + 1 tokens, k = 0..kmax (a k >= 1 step drafting ahead when
+        ``ahead``), plain floats; made once per fit (``version``) and size, then read."""
+        if self._tables.get("version") != self.version:
+            self._tables = {"version": self.version}
+        made = self._tables.get(ahead)
+        if made is None or len(made) <= kmax:  # one table per flag, as long as the longest asked for
+            ks = np.arange(max(kmax, 8) + 1)
+            made = self._tables[ahead] = tuple(self.predict_many(ks + 1, (ks > 0) & ahead).tolist())
+        return made[: kmax + 1]
+
     def predict_many(self, n_tokens: np.ndarray, ahead: np.ndarray | bool = False) -> np.ndarray:
         """Predicted ms for each n [K] (expected experts), ``ahead`` [K] or one flag for all."""
         n = np.asarray(n_tokens, dtype=float)
@@ -165,9 +177,12 @@ class DraftCostModel:
         if k <= 0:
             return
         timings = self._timings.setdefault(k, deque(maxlen=self._window))
+        settled = self.settled(k)
         timings.append(ms)
-        self._least[k] = min(timings)
-        self.fit()
+        least = min(timings)
+        if least != self._least.get(k) or settled != self.settled(k):  # else every cost stays as it was
+            self._least[k] = least
+            self.fit()
 
     def settled(self, k: int) -> bool:
         """Whether k was timed ``window`` times (its cost is then its own least timing)."""
