@@ -82,11 +82,15 @@ def decode(frame: bytes, message_cls):
 ANSWERED = object()  # a handler's return: the reply already went out (ShmSessions.sender), nothing to send
 
 
-# No spin on a service's end of a session's channel: its next request comes a whole step after its answer,
+# By default no spin on a service's end of a session's channel: its next request comes a whole step after its answer,
 # so a spin would only burn the event loop (per waiting session) before the doorbell wakes it anyway. The
 # caller's end (ShmClient) busy-polls for its reply a bounded time first, where cores are plenty
 # (``default_spin_us``: 20 us on hosts with >= 8 CPUs, none on fewer, where the spin takes the core its
 # peer needs): a reply that comes within it (an n-gram proposal, a short verify) skips the doorbell wake-up.
+# A drafter in a process of its own may be woken through the ring instead (`specserve draft --shm-spin-us`, issue
+# #42): its end then spins that long for the next request before it blocks on the doorbell, but only while its
+# channel is the service's one attached channel (ShmSessions._serve): with several, a spin would hold the event loop
+# from the others' requests.
 SESSION_RING = RingConfig(spin_us=0.0)
 
 
@@ -246,8 +250,8 @@ class ShmSessions:
                         encode_status(grpc.StatusCode.DEADLINE_EXCEEDED, "the session's deadline passed")
                     )
                     return
-                try:
-                    frame = await channel.arecv(left)
+                try:  # a lone channel spins its bounded spin_us on the ring before the doorbell; several do not
+                    frame = await channel.arecv(left, spin=len(self._channels) == 1)
                 except RingTimeout:
                     continue  # the deadline check above ends it
                 try:

@@ -355,13 +355,15 @@ class ShmChannel:
                 await self._await_doorbell(self._waiting_deadline(deadline))
             self._left(deadline)
 
-    async def arecv(self, timeout: float | None = None) -> bytes:
+    async def arecv(self, timeout: float | None = None, spin: bool = True) -> bytes:
+        """The next message; first a spin on the ring of at most the config's ``spin_us`` (unless ``spin`` is off),
+        then the doorbell."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             msg = self._try_read_usable()
             if msg is not None:
                 return msg
-            if self._spin(self._rings.can_read):
+            if spin and self._spin(self._rings.can_read):
                 continue
             await self._await_doorbell(deadline)
 

@@ -32,6 +32,8 @@ def _one_line_error(capsys, argv: list[str], prefix: str) -> str:
         (["generate", "--prompt-ids", "1,2,"], "--prompt-ids"),
         (["client", "--prompt-ids", "1", "--max-new-tokens", "x"], "--max-new-tokens"),
         (["draft", "--draft", "nope"], "--draft"),
+        (["draft", "--draft", "ngram", "--shm-spin-us", "-1"], "--shm-spin-us"),
+        (["draft", "--draft", "ngram", "--shm-spin-us", "soon"], "--shm-spin-us"),
         (["target", "--graph-hidden-layers", "1,x"], "--graph-hidden-layers"),
         (["target", "--graph-hidden-layers", "-1"], "--graph-hidden-layers"),
         (["serve", "--max-output-tokens", "0"], "--max-output-tokens"),
