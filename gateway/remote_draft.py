@@ -39,8 +39,8 @@ from specserve.contract.types import (
     SharedRows,
 )
 from specserve.gateway.remote import RELEASE_TIMEOUT_S, BidiStream, Deadline
-from specserve.gateway.spec_loop import MalformedDraft
 from specserve.loop.clients import DraftError
+from specserve.loop.step_loop import MalformedDraft
 from specserve.models.probs import derive_seed, new_seed_key
 from specserve.protos import convert
 from specserve.protos.specserve.v1 import (

@@ -1,6 +1,6 @@
 """The gateway gRPC service: Generate (server streaming), GenerateUnary, SetDraft, ListDrafts.
 
-Each request: validate -> the lead's spec loop (gateway/spec_loop.py) over the remote adapters
+Each request: validate -> the lead's spec loop (specserve/loop/step_loop.py) over the remote adapters
 (gateway/remote.py) -> token deltas, then one final message. The client's deadline is forwarded to
 both services; a client that cancels closes the loop, which releases the session on both services.
 ``GatewayServicer.generate`` is that path for every front end: gRPC here, the OpenAI HTTP API in
@@ -32,7 +32,6 @@ from specserve.errors import SpecserveError
 from specserve.gateway.draft_table import DraftTable
 from specserve.gateway.remote import RemoteTarget, TargetCallError
 from specserve.gateway.remote_draft import BreakerConfig, incompatible
-from specserve.gateway.spec_loop import FinalEvent, run_request
 from specserve.gateway.validation import (
     NO_DRAFT,
     InvalidRequest,
@@ -44,6 +43,7 @@ from specserve.gateway.validation import (
 )
 from specserve.loop.adaptive import AdaptiveConfig, AdaptiveSpeculation
 from specserve.loop.clients import RequestRejected, TargetUnavailable
+from specserve.loop.step_loop import FinalEvent, run_request
 from specserve.protos import convert
 from specserve.protos.specserve.v1 import gateway_pb2, gateway_pb2_grpc
 from specserve.runtime import tracing as tn

@@ -5,7 +5,7 @@ k, so the steps of one drafter's fixed run (no draft-ahead) give acceptance samp
 Verify time by tokens in the forward comes from every chain step without draft-ahead (all methods
 share the target), draft time by requested k from a table (e.g. the per-step draft ms of k-sweep
 runs). ``replay`` then draws steps with common random numbers and scores a policy, fixed k or an
-AdaptiveSpeculation driven the way gateway/spec_loop.py drives it (its plan: skip or probe, then truncate
+AdaptiveSpeculation driven the way specserve/loop/step_loop.py drives it (its plan: skip or probe, then truncate
 the drafted block with its cost sunk). Sequences do not diverge with k here (steps are drawn
 independently), which is what makes policies comparable on one recorded run.
 

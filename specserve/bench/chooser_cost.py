@@ -1,5 +1,5 @@
 """The chooser's host time a step (`specserve bench overhead --chooser`): adaptive speculation driven as the step loop
-drives it (gateway/spec_loop.py: plan, the draft's timing, the verify length's cut from each drafted token's confidence,
+drives it (specserve/loop/step_loop.py: plan, the draft's timing, the verify length's cut from each drafted token's confidence,
 the verify's observation), on synthetic timings and acceptances, no model. Per part and per whole step, in us.
 
 The verify fit (every ``refit_every`` steps) lands on one step in 16: the median shows a step without it, the mean

@@ -53,8 +53,8 @@ class SpecRunner:
     def __init__(
         self, engine, proposers: dict, config: BenchConfig, model_bytes: ModelBytes, bandwidth: float, served=None
     ) -> None:
-        from specserve.gateway.engine_thread import EngineThread
-        from specserve.gateway.local import LocalDraft
+        from specserve.loop.engine_thread import EngineThread
+        from specserve.loop.local import LocalDraft
 
         self.config = config
         self.engine = engine
@@ -115,7 +115,7 @@ class SpecRunner:
         via: str = "process",
     ) -> RequestResult:
         from specserve.contract.types import SamplingParams
-        from specserve.gateway.spec_loop import (
+        from specserve.loop.step_loop import (
             FinalEvent,
             GenerationRequest,
             run_request,

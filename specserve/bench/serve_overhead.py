@@ -4,8 +4,8 @@
         [--k 4] [--requests 3] [--max-new-tokens 64] [--rounds 2] [--deadline-s 120] [--out DIR]
 
 Each method (target-only; each drafter at chain length ``--k``, greedy) runs the one step loop
-(gateway/spec_loop.py) four ways, interleaved round by round: in process on the engine's thread, direct calls
-(``process``: what `generate` and `bench` run, gateway/engine_thread.py), in process over the threaded adapters
+(specserve/loop/step_loop.py) four ways, interleaved round by round: in process on the engine's thread, direct calls
+(``process``: what `generate` and `bench` run, specserve/loop/engine_thread.py), in process over the threaded adapters
 (``process-hops``: the loop on the caller's event loop, each verify and propose a round trip to the part's thread,
 as before issue #42), over the remote adapters to a `specserve target` (+ `specserve draft`) process with the
 shared-memory data plane (``serve-shm``), and with every step over gRPC (``serve-grpc``). Per step:
@@ -113,8 +113,8 @@ class _Clients:
     def __init__(self, config: OverheadConfig, stack) -> None:
         from specserve.draft_service.drafter_config import DrafterConfig
         from specserve.draft_service.registry import build_proposer
-        from specserve.gateway.engine_thread import EngineThread
-        from specserve.gateway.local import LocalDraft, LocalTarget
+        from specserve.loop.engine_thread import EngineThread
+        from specserve.loop.local import LocalDraft, LocalTarget
         from specserve.target_service.factory import EngineConfig, build_engine
 
         self.stack = stack
@@ -171,7 +171,7 @@ class _Clients:
 
 async def _one_request(clients: _Clients, via: str, drafter: str, k: int, prompt, max_new_tokens: int, tag: str):
     from specserve.contract.types import GenerationRequest, SamplingParams
-    from specserve.gateway.spec_loop import FinalEvent, run_request
+    from specserve.loop.step_loop import FinalEvent, run_request
 
     request = GenerationRequest(
         prompt_ids=prompt,

@@ -58,10 +58,10 @@ def build_local(args: argparse.Namespace):
 
 async def _generate(args: argparse.Namespace) -> dict:
     from specserve.contract.types import GenerationRequest
-    from specserve.gateway.engine_thread import EngineThread
-    from specserve.gateway.local import LocalDraft
-    from specserve.gateway.spec_loop import FinalEvent
     from specserve.loop.adaptive import AdaptiveConfig, AdaptiveSpeculation
+    from specserve.loop.engine_thread import EngineThread
+    from specserve.loop.local import LocalDraft
+    from specserve.loop.step_loop import FinalEvent
 
     k = speculative_tokens(args, "generate") or DEFAULT_K
     tree = tree_from_args(args)

@@ -1,6 +1,6 @@
 """What the per-request loop needs from a target and a drafter, local or remote.
 
-Both sides are async: a local adapter (gateway/local.py) calls the synchronous engine or proposer directly (the loop
+Both sides are async: a local adapter (specserve/loop/local.py) calls the synchronous engine or proposer directly (the loop
 on the engine's thread) or on its own thread; a remote adapter (gateway/remote.py) calls the gRPC service.
 """
 

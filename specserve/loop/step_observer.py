@@ -1,6 +1,6 @@
 """What a request's steps leave behind besides their tokens: one observer fed once per draft and per verify.
 
-``StepObserver`` keeps the loop (gateway/spec_loop.py) the algorithm: the loop tells it what happened, and it
+``StepObserver`` keeps the loop (specserve/loop/step_loop.py) the algorithm: the loop tells it what happened, and it
 feeds the request's ``SpecStats``, the verify span's attributes, the per-step ``StepRecord`` (benchmark JSONL,
 metrics) and what adaptive speculation (specserve/loop/adaptive.py) learns from each step.
 """

@@ -44,7 +44,7 @@ from specserve.draft_service.eagle3_head import (
 )
 from specserve.draft_service.registry import build_proposer
 from specserve.draft_service.target_tensors import read_target_tensors
-from specserve.gateway.spec_loop import truncate_chain
+from specserve.loop.step_loop import truncate_chain
 from specserve.loop.step_observer import drafted_confidence
 from specserve.loop.verify_length import StepCosts, best_length
 from specserve.models.loader import load_model

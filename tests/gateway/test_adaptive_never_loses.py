@@ -27,10 +27,10 @@ from specserve.contract.types import GenerationRequest
 from specserve.draft_service import registry
 from specserve.draft_service.drafter_config import DrafterConfig
 from specserve.draft_service.ngram import NgramProposer
-from specserve.gateway.local import LocalDraft, LocalTarget
-from specserve.gateway.spec_loop import FinalEvent, run_request
 from specserve.loop.adaptive import AdaptiveConfig, AdaptiveSpeculation
+from specserve.loop.local import LocalDraft, LocalTarget
 from specserve.loop.probing import ProbePolicy
+from specserve.loop.step_loop import FinalEvent, run_request
 from specserve.paths import demo_dir
 from specserve.target_service.factory import EngineConfig, build_engine
 

@@ -1,4 +1,4 @@
-"""In process the step loop runs on the engine's thread (gateway/engine_thread.py, issue #42): a step's prefill,
+"""In process the step loop runs on the engine's thread (specserve/loop/engine_thread.py, issue #42): a step's prefill,
 verify, propose and its record all run on that one thread, while the threaded adapters (the path `generate` and
 `bench` took before) hop to two other threads each step (the control: this test tells the two apart). Same tokens
 either way; requests on one engine take turns step by step; a block drafted ahead still goes to the drafter's
@@ -15,9 +15,9 @@ import pytest
 from specserve.contract.types import GenerationRequest, SamplingParams
 from specserve.draft_service.drafter_config import DrafterConfig
 from specserve.draft_service.registry import build_proposer
-from specserve.gateway.engine_thread import EngineThread
-from specserve.gateway.local import LocalDraft, LocalTarget
-from specserve.gateway.spec_loop import FinalEvent, run_request
+from specserve.loop.engine_thread import EngineThread
+from specserve.loop.local import LocalDraft, LocalTarget
+from specserve.loop.step_loop import FinalEvent, run_request
 from specserve.target_service.factory import EngineConfig, build_engine
 
 PROMPT = (5, 17, 99, 5, 17, 3, 42, 7, 5, 17, 99, 5)

@@ -1,4 +1,4 @@
-"""A drafter in process runs on its own CUDA stream (gateway/local.py, runtime/device_stream.py; issue #30), on the
+"""A drafter in process runs on its own CUDA stream (specserve/loop/local.py, runtime/device_stream.py; issue #30), on the
 shipped demo, on the GPU (marked gpu, skipped without CUDA), with invariant steps (greedy speculation gives
 target-only's tokens bit for bit):
 
@@ -20,8 +20,8 @@ import torch
 from specserve.contract.types import GenerationRequest
 from specserve.draft_service import registry
 from specserve.draft_service.drafter_config import DrafterConfig
-from specserve.gateway.local import LocalDraft, LocalTarget
-from specserve.gateway.spec_loop import FinalEvent, run_request
+from specserve.loop.local import LocalDraft, LocalTarget
+from specserve.loop.step_loop import FinalEvent, run_request
 from specserve.paths import demo_dir
 from specserve.target_service.factory import EngineConfig, build_engine
 

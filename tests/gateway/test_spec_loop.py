@@ -18,10 +18,10 @@ from stats_helpers import two_sample_pvalue
 from specserve.contract.types import DraftBlock, GenerationRequest, SamplingParams
 from specserve.draft_service.drafter_config import DrafterConfig
 from specserve.draft_service.registry import build_proposer
-from specserve.gateway.local import LocalDraft, LocalTarget
-from specserve.gateway.spec_loop import FinalEvent, run_request
 from specserve.loop.adaptive import AdaptiveConfig, AdaptiveSpeculation
+from specserve.loop.local import LocalDraft, LocalTarget
 from specserve.loop.probing import ProbePolicy
+from specserve.loop.step_loop import FinalEvent, run_request
 from specserve.target_service.factory import EngineConfig, build_engine
 
 PROMPT = (5, 17, 99, 5, 17, 3, 42, 7, 5, 17, 99, 5)

@@ -250,7 +250,7 @@ def _dear_drafter(
 def _drive(
     spec: AdaptiveSpeculation, steps: int, accept: float, draft_ms: float, verify_ms: float, rng
 ) -> list[tuple[int, bool]]:
-    """Steps as gateway/spec_loop.py drives the chooser: plan, draft (a probe catches up: not steady), verify."""
+    """Steps as specserve/loop/step_loop.py drives the chooser: plan, draft (a probe catches up: not steady), verify."""
     out = []
     for _ in range(steps):
         k, probe = spec.plan(4)

@@ -17,9 +17,9 @@ from specserve.draft_service.dflash import load_block, read_config_json
 from specserve.draft_service.dflash_config import read_config
 from specserve.draft_service.drafter_config import DrafterConfig
 from specserve.draft_service.dspark import DSparkConfig, DSparkModel, DSparkProposer
-from specserve.gateway.local import LocalDraft, LocalTarget
-from specserve.gateway.spec_loop import FinalEvent, run_request
 from specserve.loop.adaptive import AdaptiveConfig, AdaptiveSpeculation
+from specserve.loop.local import LocalDraft, LocalTarget
+from specserve.loop.step_loop import FinalEvent, run_request
 from specserve.loop.verify_length import StepCosts, best_length, expected_emitted
 from specserve.paths import demo_dir
 from specserve.target_service.factory import EngineConfig, build_engine
@@ -140,7 +140,7 @@ def test_a_cut_keeps_each_tokens_own_q_and_confidence():
     """The verified prefix carries the q rows and confidences of its own tokens (the target's rule needs each token's
     q), and a cut to nothing is an empty block (a target-only step)."""
     from specserve.contract.types import DraftBlock
-    from specserve.gateway.spec_loop import truncate_chain
+    from specserve.loop.step_loop import truncate_chain
 
     q = torch.softmax(torch.randn(4, 16, generator=torch.Generator().manual_seed(0)), -1)
     block = DraftBlock(token_ids=(3, 1, 4, 1), probs=q, confidence=(0.9, 0.5, 0.25, 0.1))

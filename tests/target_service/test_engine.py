@@ -343,10 +343,10 @@ def test_hidden_out_holds_every_committed_row_at_its_position(load, temperature)
 def test_a_session_without_a_sink_returns_its_rows_as_one_buffer_of_its_own(load, monkeypatch):
     """In process (no sink given), a session that reads hidden rows gets each step's committed rows as a view of one
     engine-owned buffer, written once (no gather, no host-to-device copy a step), each step's starting where the last
-    one's ended, so the gateway hands a drafter many skipped steps' rows as one view (spec_loop.consecutive_rows),
+    one's ended, so the gateway hands a drafter many skipped steps' rows as one view (step_loop.consecutive_rows),
     no copy; the buffer doubles when full and rows returned before stay valid. The rows equal those of a session
     with a sink of its own (the target service's path) step for step."""
-    from specserve.gateway.spec_loop import consecutive_rows
+    from specserve.loop.step_loop import consecutive_rows
     from specserve.target_service.engine import hidden_rows
 
     monkeypatch.setattr(hidden_rows, "OWN_ROWS_SPARE", 0)  # the buffer starts at twice the prompt: it grows here

@@ -1,4 +1,5 @@
-"""The per-request loop: prefill, then propose -> verify -> stream, until a stop.
+"""A session's step loop: prefill, then propose -> verify -> stream, until a stop. The one loop of every mode (issue
+#42): in process on the engine's thread (specserve/loop/engine_thread.py), and over the services' clients.
 
 One sequence S = prompt + emitted tokens; its last token is the pending token (glossary:
 specserve/contract/types.py). The drafter keeps its own copy of S; each propose call tells it how
@@ -30,8 +31,6 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import torch
-
 from specserve.contract.types import (
     BadProbs,
     DraftBlock,
@@ -41,15 +40,16 @@ from specserve.contract.types import (
     join_hidden,
 )
 from specserve.contract.types import check_block as contract_check_block
-from specserve.gateway.detok import IncrementalText
 from specserve.loop.adaptive import AdaptiveSpeculation
 from specserve.loop.clients import DraftClient, DraftError, TargetClient
+from specserve.loop.detok import IncrementalText
 from specserve.loop.stats import SpecStats
 from specserve.loop.step_observer import StepObserver, VerifyWalls, drafted_confidence
 from specserve.runtime import tracing as names
-from specserve.runtime.device_stream import COMPLETE, mark_complete
 
 if TYPE_CHECKING:
+    import torch
+
     from specserve.contract.types import Hidden
 
 EMPTY_BLOCK = DraftBlock(token_ids=())
@@ -95,7 +95,12 @@ def check_block(block: DraftBlock, max_nodes: int, vocab_size: int) -> None:
 
 def consecutive_rows(parts: list[Hidden]) -> torch.Tensor | None:  # [sum of rows, F], or None
     """Tensors each starting where the one before ends in one buffer (same storage, strides and width), as one view of
-    it (no copy, no device work; complete, runtime/device_stream.py, when every part is); None otherwise."""
+    it (no copy, no device work; complete, runtime/device_stream.py, when every part is); None otherwise. (torch is
+    imported here: only an in-process engine's rows are tensors, and the loop's module stays torch-free.)"""
+    import torch
+
+    from specserve.runtime.device_stream import COMPLETE, mark_complete
+
     first = parts[0]
     if not all(isinstance(p, torch.Tensor) and p.dim() == 2 for p in parts):
         return None

@@ -1,7 +1,7 @@
 """In-process adapters: the engine and the proposer as the loop's TargetClient and DraftClient.
 
 Two ways to call them. **Direct** (``LocalTarget(engine, direct=True)``, ``InlineDraft``): the step loop runs on the
-engine's own thread (gateway/engine_thread.py), so a verify is a plain call on the thread that launches the target's
+engine's own thread (specserve/loop/engine_thread.py), so a verify is a plain call on the thread that launches the target's
 graph and a propose a plain call on the same thread, on the drafter's CUDA stream: no thread hand-off in a step.
 **Threaded** (the default, a caller on its own event loop): each call hops to the part's own thread (runtime/worker.py),
 one thread per part, so the synchronous engine and proposer never see two calls at once.
@@ -34,7 +34,7 @@ from specserve.runtime.worker import OneThread
 
 class LocalTarget:
     """The engine as a TargetClient: threaded (each call on the engine's own thread) or ``direct`` (each call on the
-    calling thread, which must be the engine's: the step loop runs there, gateway/engine_thread.py)."""
+    calling thread, which must be the engine's: the step loop runs there, specserve/loop/engine_thread.py)."""
 
     def __init__(self, engine, direct: bool = False) -> None:
         self.engine = engine
@@ -119,7 +119,7 @@ class LocalDraft(OneThread):
 
 
 class InlineDraft:
-    """A LocalDraft called from the engine's thread (gateway/engine_thread.py): start, propose and release run on the
+    """A LocalDraft called from the engine's thread (specserve/loop/engine_thread.py): start, propose and release run on the
     calling thread, on the drafter's stream; a block drafted ahead (``propose_ahead``) runs on the drafter's own thread,
     so it overlaps the verify. While a call is in flight there, every call goes there too (queued behind it), so the
     proposer never runs on two threads at once. Any exception becomes a DraftError, as in LocalDraft."""

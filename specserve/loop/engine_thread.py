@@ -1,8 +1,8 @@
 """In process, the step loop runs on the engine's thread: `generate`, `bench` and `bench overhead`'s ``process``.
 
 ``EngineThread`` gives the engine a thread with an event loop of its own, and runs each request's step loop
-(gateway/spec_loop.py's ``run_request``, the one loop of every mode) there as a task. Its target is a direct
-``LocalTarget`` and its drafter an ``InlineDraft`` (gateway/local.py): a prefill, a verify and a propose are plain
+(specserve/loop/step_loop.py's ``run_request``, the one loop of every mode) there as a task. Its target is a direct
+``LocalTarget`` and its drafter an ``InlineDraft`` (specserve/loop/local.py): a prefill, a verify and a propose are plain
 calls on the thread that launches the target's graph, so a step hands nothing to another thread and waits on no
 wake-up (the threaded adapters cost two round trips a step: loop -> drafter -> loop -> engine -> loop). Only a block
 drafted ahead runs on the drafter's own thread, to overlap the verify.
@@ -19,8 +19,8 @@ import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
-from specserve.gateway.local import InlineDraft, LocalDraft, LocalTarget
-from specserve.gateway.spec_loop import FinalEvent, TokenEvent, run_request
+from specserve.loop.local import InlineDraft, LocalDraft, LocalTarget
+from specserve.loop.step_loop import FinalEvent, TokenEvent, run_request
 
 _END = object()  # the queue item after a request's last event
 
