@@ -11,7 +11,6 @@ served.py), with the draft time the draft service measured (so transport is over
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -37,15 +36,6 @@ class RequestResult:
         return len(self.token_ids)
 
 
-def _new_loop() -> asyncio.AbstractEventLoop:
-    try:
-        import uvloop
-
-        return uvloop.new_event_loop()
-    except ImportError:  # uvloop is a dependency; plain asyncio is only a fallback
-        return asyncio.new_event_loop()
-
-
 class SpecRunner:
     """Holds the engine (on its own thread, where the in-process step loop runs, as in `generate`), the drafters and
     one event loop."""
@@ -53,7 +43,7 @@ class SpecRunner:
     def __init__(
         self, engine, proposers: dict, config: BenchConfig, model_bytes: ModelBytes, bandwidth: float, served=None
     ) -> None:
-        from specserve.loop.engine_thread import EngineThread
+        from specserve.loop.engine_thread import EngineThread, new_loop
         from specserve.loop.local import LocalDraft
 
         self.config = config
@@ -63,7 +53,7 @@ class SpecRunner:
         self.drafts = {family: LocalDraft(p) for family, p in proposers.items()}
         self.model_bytes = model_bytes
         self.bandwidth = bandwidth
-        self.loop = _new_loop()
+        self.loop = new_loop()
         self._counter = 0
         self.served = served  # a ServedStack (or None: in-process only)
         if served is not None:
@@ -156,7 +146,7 @@ class SpecRunner:
 
         kwargs = dict(target_info=self.info, adaptive=chooser, session_id=f"bench-{self._counter}", on_step=on_step)
         if via == "process":
-            events = self.target.generate(request, draft, on_event=on_event, **kwargs)
+            events = self.target.generate(request, draft, on_event=on_event, tokens=False, **kwargs)
         else:
             events = run_request(request, target, draft, **kwargs)
         async for event in events:

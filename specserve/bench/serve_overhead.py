@@ -214,7 +214,7 @@ async def _one_request(clients: _Clients, via: str, drafter: str, k: int, prompt
     tokens: tuple[int, ...] = ()
     kwargs = dict(target_info=clients.info, session_id=tag, on_step=on_step)
     if via == "process":
-        events = clients.engine_thread.generate(request, draft, on_event=on_event, **kwargs)
+        events = clients.engine_thread.generate(request, draft, on_event=on_event, tokens=False, **kwargs)
     else:
         events = run_request(request, target, draft, **kwargs)
     async for event in events:

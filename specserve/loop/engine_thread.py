@@ -30,7 +30,8 @@ class _Failed:
     error: BaseException
 
 
-def _new_loop() -> asyncio.AbstractEventLoop:
+def new_loop() -> asyncio.AbstractEventLoop:
+    """A uvloop event loop (plain asyncio's without uvloop)."""
     try:
         import uvloop
 
@@ -46,7 +47,7 @@ class EngineThread:
     def __init__(self, engine, name: str = "target-engine") -> None:
         self.engine = engine
         self.target = LocalTarget(engine, direct=True)  # call it only from this thread
-        self._loop = _new_loop()
+        self._loop = new_loop()
         self._drafts: dict[int, InlineDraft] = {}  # one InlineDraft per LocalDraft (its count of calls on its thread)
         self._thread = threading.Thread(target=self._loop.run_forever, name=name, daemon=True)
         self._thread.start()
@@ -64,11 +65,13 @@ class EngineThread:
         request,
         draft: LocalDraft | None,
         on_event: Callable[[object], None] | None = None,
+        tokens: bool = True,
         **kwargs,
     ) -> AsyncIterator[TokenEvent | FinalEvent]:
         """``run_request(request, this engine, draft, **kwargs)`` on the engine's thread, its events here.
         ``on_event(event)`` runs on the engine's thread as each event is made (a benchmark's clock); kwargs'
-        ``on_step`` runs there too."""
+        ``on_step`` runs there too. ``tokens=False``: only the FinalEvent comes here (a caller that reads only the
+        end, a benchmark: waking its loop a step costs the engine's thread the GIL while that loop runs)."""
         caller = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
 
@@ -83,7 +86,8 @@ class EngineThread:
                 async for event in run_request(request, self.target, self._inline(draft), **kwargs):
                     if on_event is not None:
                         on_event(event)
-                    put(event)
+                    if tokens or isinstance(event, FinalEvent):
+                        put(event)
                     await asyncio.sleep(0)  # the other requests' steps take their turn
             except BaseException as exc:  # noqa: BLE001 - handed to the caller (cancellation included)
                 put(_Failed(exc))

@@ -92,6 +92,20 @@ def test_an_offer_nobody_attaches_to_and_no_grpc_step_withdraws_releases_its_ses
         ShmOffer(attach_timeout_s=5.0, abandon_s=1.0)
 
 
+def _echoing_sessions(spin_us: float) -> ShmSessions:
+    """Channels whose service answers each request with its session id's length, spinning ``spin_us`` when lone."""
+    from specserve.runtime.data_plane import session_ring
+
+    async def handle(session_id, request):
+        return target_pb2.VerifyResponse(session_id=request.session_id, next_token=len(request.session_id))
+
+    async def on_end(session_id):
+        pass
+
+    offer = ShmOffer(ring=session_ring(spin_us=spin_us))
+    return ShmSessions("unit", offer, target_pb2.VerifyRequest, handle, lambda e: grpc.StatusCode.INTERNAL, on_end)
+
+
 def _post_without_ringing(client: ShmClient, request) -> None:
     """Write a request into the ring as a caller does, but ring no doorbell: only a reader polling the ring sees it."""
     from specserve.runtime.data_plane import encode_message
@@ -106,21 +120,10 @@ def test_a_lone_channel_spins_on_the_ring_for_its_next_request(spin_us):
     """A drafter woken through shared memory (`specserve draft --shm-spin-us`, issue #42): after its answer, a lone
     session's channel spins on the ring before it sleeps on the doorbell, so a request that comes within the spin is
     read without any wake-up. Control: with no spin the same request, its doorbell never rung, waits."""
-    from specserve.runtime.data_plane import session_ring
-
     before = set(leftover_names())
 
     async def main():
-        async def handle(session_id, request):
-            return target_pb2.VerifyResponse(session_id=request.session_id, next_token=len(request.session_id))
-
-        async def on_end(session_id):
-            pass
-
-        offer = ShmOffer(ring=session_ring(spin_us=spin_us))
-        sessions = ShmSessions(
-            "unit", offer, target_pb2.VerifyRequest, handle, lambda e: grpc.StatusCode.INTERNAL, on_end
-        )
+        sessions = _echoing_sessions(spin_us)
         client = await ShmClient.attach(sessions.offer("s", None))
         first = target_pb2.VerifyRequest(session_id="abc")  # echoed as its length
         second = target_pb2.VerifyRequest(session_id="abcd")
@@ -148,21 +151,10 @@ def test_with_several_channels_none_spins_and_holds_the_others():
     """The spin holds the service's event loop, so only a lone channel spins: with two sessions attached, B's request
     right after A's answer is answered at once, not after A's channel has spun its 0.5 s (the callers run on a loop
     of their own, in another thread, so their clock is not the service's)."""
-    from specserve.runtime.data_plane import session_ring
-
     before = set(leftover_names())
 
     async def main():
-        async def handle(session_id, request):
-            return target_pb2.VerifyResponse(session_id=request.session_id, next_token=len(request.session_id))
-
-        async def on_end(session_id):
-            pass
-
-        offer = ShmOffer(ring=session_ring(spin_us=5e5))
-        sessions = ShmSessions(
-            "unit", offer, target_pb2.VerifyRequest, handle, lambda e: grpc.StatusCode.INTERNAL, on_end
-        )
+        sessions = _echoing_sessions(5e5)
         tickets = sessions.offer("a", None), sessions.offer("b", None)
 
         async def callers() -> float:
