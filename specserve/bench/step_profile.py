@@ -18,6 +18,7 @@ The front door prints the rows and writes them to --out's summary.json. GPU only
 
 from __future__ import annotations
 
+import gc
 import statistics
 import time
 from collections import defaultdict
@@ -200,7 +201,8 @@ def profile_model(spec: str, mode: str, args: CensusConfig, bandwidth: float) ->
         row["wall_over_floor"] = row["wall_ms"] / row["floor_ms"]
         rows.append(row)
         engine.release(sid)
-    del engine
+    del engine, runner, mb  # and collect: the engine's parts refer to each other, so the next mode's model fits
+    gc.collect()
     torch.cuda.empty_cache()
     return rows
 
