@@ -21,21 +21,21 @@ import hmac
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator, Mapping
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator
 
 import grpc
 from opentelemetry import context as otel_context
 
 from specserve.contract.speculation import MAX_K, KTooLong, k_on_draft
 from specserve.errors import SpecserveError
+from specserve.gateway.config import GatewayConfig
 from specserve.gateway.draft_table import DraftTable
+from specserve.gateway.grpc_handlers import MalformedMessage
 from specserve.gateway.remote import RemoteTarget, TargetCallError
-from specserve.gateway.remote_draft import BreakerConfig, incompatible
+from specserve.gateway.remote_draft import incompatible
 from specserve.gateway.validation import (
     NO_DRAFT,
     InvalidRequest,
-    RequestLimits,
     check_prompt_bytes,
     encode_text,
     max_token_bytes,
@@ -50,11 +50,9 @@ from specserve.runtime import tracing as tn
 from specserve.runtime.admission import Admission, AdmissionConfig, AdmissionRefused
 from specserve.runtime.grpc_guard import UNAUTHENTICATED_MESSAGE
 from specserve.runtime.metrics import SpecMetrics
-from specserve.runtime.servers_common import TlsFiles, check_address, short
+from specserve.runtime.servers_common import short
 
-SERVICE_NAME = gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name
 ADMIN_METADATA = "specserve-admin-token"  # SetDraft's credential, separate from the clients' bearer token
-REQUEST_SHARE = 4  # one request holds at most 1 / REQUEST_SHARE of the running sessions (GatewayConfig.max_choices)
 
 
 def too_long_block(checked, draft_info) -> str:
@@ -68,61 +66,6 @@ def too_long_block(checked, draft_info) -> str:
     )
 
 
-@dataclass(frozen=True)
-class GatewayConfig:
-    target_address: str
-    drafts: Mapping[str, str] = field(default_factory=dict)  # draft name -> draft service address
-    default_draft: str | None = None  # None: the first of drafts (if any)
-    draft_step_timeout_s: float = 5.0  # a propose slower than this drops the draft for the request
-    set_draft_timeout_s: float = 10.0
-    max_sessions: int = 64  # requests running at once
-    max_queued: int = 64  # requests waiting for one of them; more get RESOURCE_EXHAUSTED
-    limits: RequestLimits = field(default_factory=RequestLimits)
-    auth_token: str | None = field(default=None, repr=False)  # None: no bearer token required
-    downstream_tls: TlsFiles | None = None  # TLS (and client certificate) for the target and draft channels
-    # drafts (of ``drafts``) whose q the target may use; the others are verified proposal-only
-    trusted_drafts: frozenset[str] = frozenset()
-    draft_breaker: BreakerConfig = field(default_factory=BreakerConfig)
-    downstream_token: str | None = field(default=None, repr=False)  # bearer token for target and drafts
-    # SetDraft needs the metadata `specserve-admin-token: <admin_token>`; None: SetDraft is off
-    admin_token: str | None = field(default=None, repr=False)
-    # ask target and drafts for the shared-memory data plane (used per session where it opens: same host)
-    shm: bool = True
-    # with shm: a draft that reads hidden rows gets them in the target's shared buffer where it can map it
-    hidden_share: bool = True
-    served_model_name: str | None = None  # the model's name in responses and the HTTP API (None: the target's)
-
-    @property
-    def max_choices(self) -> int:
-        """Sessions one request may hold at once (the HTTP API's prompts x n): a quarter of max_sessions, so one
-        request never holds them all."""
-        return max(1, self.max_sessions // REQUEST_SHARE)
-
-    def __post_init__(self) -> None:
-        check_address(self.target_address)
-        for name in ("auth_token", "downstream_token", "admin_token"):
-            value = getattr(self, name)
-            if value is not None and not value.strip():
-                raise ValueError(f"{name} is empty")
-        if self.served_model_name is not None and not self.served_model_name.strip():
-            raise ValueError("served_model_name is empty")
-        if self.admin_token is not None and self.admin_token == self.auth_token:
-            raise ValueError("the admin token must differ from the clients' auth token")
-        AdmissionConfig(self.max_sessions, self.max_queued)  # validates both
-        for name, address in self.drafts.items():
-            if not name or name == NO_DRAFT:
-                raise ValueError(f"draft name {name!r} is reserved or empty")
-            check_address(address)
-        if self.default_draft is not None and self.default_draft not in self.drafts:
-            raise ValueError(f"default draft {self.default_draft!r} is not among the drafts {sorted(self.drafts)}")
-        if not self.draft_step_timeout_s > 0:
-            raise ValueError(f"draft_step_timeout_s must be > 0, got {self.draft_step_timeout_s}")
-        object.__setattr__(self, "trusted_drafts", frozenset(self.trusted_drafts))
-        unknown = sorted(self.trusted_drafts - set(self.drafts))
-        if unknown:
-            raise ValueError(f"trusted drafts {unknown} are not among the drafts {sorted(self.drafts)}")
-
-
 class GatewayError(SpecserveError):
     """A request ends with this status and one-line message (the transport maps ``code`` to its own
     status: a gRPC status, or an HTTP status). ``field``: the request field at fault, if one is."""
@@ -131,45 +74,6 @@ class GatewayError(SpecserveError):
         super().__init__(message)
         self.code = code
         self.field = field
-
-
-class MalformedMessage:
-    """A request whose bytes do not parse (the lenient deserializer's result; answered INVALID_ARGUMENT)."""
-
-    def __init__(self, type_name: str, error: Exception) -> None:
-        self.problem = f"request: not a valid {type_name} message ({type(error).__name__}: {str(error)[:200]})"
-
-
-def _lenient(message_cls):
-    def parse(data: bytes):
-        try:
-            return message_cls.FromString(data)
-        except Exception as exc:  # noqa: BLE001 - any decode failure: the handler answers INVALID_ARGUMENT
-            return MalformedMessage(message_cls.DESCRIPTOR.full_name, exc)
-
-    return parse
-
-
-def add_gateway_to_server(servicer, server) -> None:
-    """gateway_pb2_grpc.add_GatewayServicer_to_server, but bytes that do not parse reach the servicer as
-    a MalformedMessage (INVALID_ARGUMENT with a message) instead of gRPC's generic UNKNOWN."""
-    pb = gateway_pb2
-    handlers = {
-        "Generate": grpc.unary_stream_rpc_method_handler(
-            servicer.Generate, _lenient(pb.GenerateRequest), pb.GenerateResponse.SerializeToString
-        ),
-        "GenerateUnary": grpc.unary_unary_rpc_method_handler(
-            servicer.GenerateUnary, _lenient(pb.GenerateRequest), pb.GenerateResult.SerializeToString
-        ),
-        "SetDraft": grpc.unary_unary_rpc_method_handler(
-            servicer.SetDraft, _lenient(pb.SetDraftRequest), pb.SetDraftResponse.SerializeToString
-        ),
-        "ListDrafts": grpc.unary_unary_rpc_method_handler(
-            servicer.ListDrafts, _lenient(pb.ListDraftsRequest), pb.ListDraftsResponse.SerializeToString
-        ),
-    }
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
-    server.add_registered_method_handlers(SERVICE_NAME, handlers)
 
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):

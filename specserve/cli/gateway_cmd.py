@@ -148,8 +148,8 @@ def run(args: argparse.Namespace) -> int:
     from specserve.cli.common import apply_threads
 
     apply_threads(args.threads)
+    from specserve.gateway.config import GatewayConfig
     from specserve.gateway.remote_draft import BreakerConfig
-    from specserve.gateway.server import GatewayConfig
     from specserve.gateway.validation import RequestLimits
     from specserve.runtime.data_plane import shm_allowed
     from specserve.runtime.hidden_share import hidden_share_allowed
@@ -233,12 +233,9 @@ async def _serve(
 ) -> None:
     import grpc
 
+    from specserve.gateway.grpc_handlers import SERVICE_NAME, add_gateway_to_server
     from specserve.gateway.remote import RemoteTarget
-    from specserve.gateway.server import (
-        SERVICE_NAME,
-        GatewayServicer,
-        add_gateway_to_server,
-    )
+    from specserve.gateway.server import GatewayServicer
     from specserve.runtime.servers_common import ServiceBinding, serve_until_signal
     from specserve.runtime.tracing import setup_telemetry
 

@@ -15,8 +15,9 @@ import grpc
 import pytest
 from opentelemetry import context as otel_context
 
+from specserve.gateway.config import GatewayConfig
 from specserve.gateway.remote import RemoteTarget
-from specserve.gateway.server import GatewayConfig, GatewayError, GatewayServicer
+from specserve.gateway.server import GatewayError, GatewayServicer
 from specserve.gateway.validation import InvalidRequest, RequestLimits, check_prompt_bytes
 from specserve.protos.specserve.v1 import gateway_pb2, target_pb2
 
