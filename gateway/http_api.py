@@ -6,9 +6,9 @@
     GET  /metrics                                      Prometheus text of the gateway's OpenTelemetry metrics (token)
 
 Every generation goes through ``GatewayServicer.generate``, the per-request path of gRPC Generate
-(validation, admission, spec loop, spans, metrics); this module only translates bodies
-(gateway/openai_schema.py), renders chat prompts (gateway/chat_template.py) and maps a GatewayError
-to the API's error shape and HTTP status. A client that disconnects cancels its request (both
+(validation, admission, spec loop, spans, metrics); this module only translates bodies (requests:
+gateway/openai_schema.py, responses: gateway/openai_responses.py), renders chat prompts (gateway/chat_template.py)
+and maps a GatewayError to the API's error shape and HTTP status. A client that disconnects cancels its request (both
 services release its session), streamed or not. The W3C trace context of the HTTP headers is the
 parent of the request's spans, so an HTTP request is one trace across gateway, draft and target.
 """
@@ -30,20 +30,17 @@ from starlette.routing import Route
 from specserve.gateway.chat_template import ChatTemplate, ChatTemplateError
 from specserve.gateway.http_streaming import EventStream, Generation, gather_all, sse, until_disconnect
 from specserve.gateway.metrics_relay import ScrapeCache, ScrapePacer, ScrapesBusy, relay_text
-from specserve.gateway.openai_schema import (
+from specserve.gateway.openai_responses import (
     EXTENSION,
     FINISH_REASONS,
-    ApiError,
-    ApiRequest,
     ChoiceResult,
     LogprobsLog,
     ResponseHead,
     StopHoldback,
-    from_gateway_error,
-    parse_request,
     stats_extension,
     usage_body,
 )
+from specserve.gateway.openai_schema import ApiError, ApiRequest, from_gateway_error, parse_request
 from specserve.gateway.server import UNAUTHENTICATED_MESSAGE, GatewayError, GatewayServicer
 from specserve.gateway.validation import InvalidRequest
 from specserve.runtime import tracing as tn

@@ -9,7 +9,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from specserve.gateway.chat_template import ChatTemplate, ChatTemplateError, load_chat_template
-from specserve.gateway.openai_schema import ApiError, StopHoldback, api_param, parse_request
+from specserve.gateway.openai_responses import StopHoldback
+from specserve.gateway.openai_schema import ApiError, api_param, parse_request
 from specserve.protos.specserve.v1 import gateway_pb2
 
 CHATML = (
