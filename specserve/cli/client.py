@@ -44,7 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="print the gateway's drafts as JSON (their addresses only with --admin-token)",
     )
-    from specserve.cli.common import add_tls_arguments
+    from specserve.cli.service_flags import add_tls_arguments
 
     add_tls_arguments(parser, side="client")
     parser.add_argument(
@@ -76,7 +76,7 @@ def _call(fn, *args, **kw):
 
 def run(args: argparse.Namespace) -> int:
 
-    from specserve.cli.common import tls_from_args
+    from specserve.cli.service_flags import tls_from_args
     from specserve.protos.specserve.v1 import gateway_pb2, gateway_pb2_grpc
     from specserve.runtime.servers_common import sync_channel
 

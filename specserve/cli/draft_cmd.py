@@ -9,12 +9,14 @@ from pathlib import Path
 
 from specserve.cli.common import (
     add_denoise_argument,
-    add_listen_arguments,
     add_threads_argument,
     checkpoint_errors_as_user_errors,
     device_arg,
-    metrics_http_from_args,
     positive_int,
+)
+from specserve.cli.service_flags import (
+    add_listen_arguments,
+    metrics_http_from_args,
     server_config_from_args,
     shm_offer_from_args,
     start_metrics_server,

@@ -7,14 +7,12 @@ import os
 import sys
 from pathlib import Path
 
-from specserve.cli.common import (
+from specserve.cli.common import add_threads_argument, checkpoint_errors_as_user_errors, positive_int
+from specserve.cli.service_flags import (
     add_http_limit_arguments,
     add_request_limit_arguments,
-    add_threads_argument,
     add_tls_arguments,
-    checkpoint_errors_as_user_errors,
     http_config_from_args,
-    positive_int,
     tls_from_args,
 )
 from specserve.errors import SpecserveError

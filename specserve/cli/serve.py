@@ -19,15 +19,8 @@ import threading
 import time
 from pathlib import Path
 
-from specserve.cli.common import (
-    add_http_limit_arguments,
-    add_model_arguments,
-    add_request_limit_arguments,
-    check_target_placement,
-    http_limit_argv,
-    split_threads,
-    usable_cores,
-)
+from specserve.cli.common import add_model_arguments, check_target_placement, split_threads, usable_cores
+from specserve.cli.service_flags import add_http_limit_arguments, add_request_limit_arguments, http_limit_argv
 from specserve.contract.speculation import DEFAULT_MAX_BLOCK_SIZE
 from specserve.errors import SpecserveError
 from specserve.progress import EVERY_S, Heartbeat
@@ -108,7 +101,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="passed to the target: layers whose hidden rows the drafter reads (EAGLE-3, DFlash), so "
         "its steps replay CUDA graphs too",
     )
-    from specserve.cli.common import add_tls_arguments
+    from specserve.cli.service_flags import add_tls_arguments
 
     add_tls_arguments(parser)  # the gateway's public port (the inner hops are unix sockets in a private folder)
     parser.add_argument(

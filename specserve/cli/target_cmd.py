@@ -8,12 +8,14 @@ from pathlib import Path
 
 from specserve.cli.common import (
     add_engine_arguments,
-    add_listen_arguments,
     add_threads_argument,
     checkpoint_errors_as_user_errors,
     engine_config_from_args,
-    metrics_http_from_args,
     positive_int,
+)
+from specserve.cli.service_flags import (
+    add_listen_arguments,
+    metrics_http_from_args,
     server_config_from_args,
     shm_offer_from_args,
     start_metrics_server,
