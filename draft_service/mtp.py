@@ -67,7 +67,7 @@ from specserve.models.config import ModelConfig, ParallelConfig
 from specserve.models.kv_cache import PagedKVCache
 from specserve.models.layers import Embedding, ParallelLMHead, ReplicatedLinear, RMSNorm
 from specserve.models.moe import StackedExperts, moe_reference
-from specserve.models.scaled_demo import is_scaled_demo
+from specserve.models.scaled_shapes import is_scaled_demo
 
 _OWN = ("embed_tokens", "enorm", "hnorm", "eh_proj", "shared_head")  # layer N's tensors outside the block
 _TARGET_NORM = "model.norm.weight"

@@ -58,7 +58,7 @@ class EngineConfig:
         from specserve.models.errors import ModelConfigError
         from specserve.models.model_names import resolve_model
         from specserve.models.presets import is_synthetic
-        from specserve.models.scaled_demo import is_scaled_demo
+        from specserve.models.scaled_shapes import is_scaled_demo
 
         if self.dtype not in ENGINE_DTYPES:
             raise SpecserveError(f"--dtype must be one of {sorted(ENGINE_DTYPES)}, got {self.dtype!r}")
@@ -97,7 +97,8 @@ def build_model_for(cfg: EngineConfig):
     from specserve.models.backends import install_backends, select_backends
     from specserve.models.loader import load_model, load_tokenizer
     from specserve.models.presets import build_synthetic_model, is_synthetic
-    from specserve.models.scaled_demo import build_scaled_demo, is_scaled_demo
+    from specserve.models.scaled_demo import build_scaled_demo
+    from specserve.models.scaled_shapes import is_scaled_demo
 
     dtype = DTYPES[cfg.dtype]
     parallel = None

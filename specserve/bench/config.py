@@ -102,7 +102,7 @@ class BenchConfig:
         elif self.device != "cpu":
             raise BenchConfigError(f"device must be cpu or cuda[:N], got {self.device!r}")
         from specserve.models.errors import ModelConfigError
-        from specserve.models.scaled_demo import is_scaled_demo, parse_scaled_spec
+        from specserve.models.scaled_shapes import is_scaled_demo, parse_scaled_spec
 
         if is_scaled_demo(self.model):
             try:
@@ -116,7 +116,7 @@ class BenchConfig:
     def model_folder(self) -> Path:
         """The checkpoint folder behind the model: its tokenizer, and the target files drafters read (a demo@ model:
         the shipped demo target's)."""
-        from specserve.models.scaled_demo import is_scaled_demo
+        from specserve.models.scaled_shapes import is_scaled_demo
         from specserve.paths import demo_checkpoint
 
         return demo_checkpoint("target") if is_scaled_demo(self.model) else Path(self.model)

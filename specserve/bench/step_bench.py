@@ -75,7 +75,7 @@ def model_name(spec: str) -> str:
     """The engine's name of a --model entry: demo@NAME[:LAYERS] and synthetic:NAME[:LAYERS] as given, a bare preset
     NAME[:LAYERS] as synthetic:NAME[:LAYERS] (the names step_bench took before demo@)."""
     from specserve.models.presets import SYNTHETIC_PREFIX, is_synthetic
-    from specserve.models.scaled_demo import is_scaled_demo
+    from specserve.models.scaled_shapes import is_scaled_demo
 
     return spec if is_scaled_demo(spec) or is_synthetic(spec) else SYNTHETIC_PREFIX + spec
 

@@ -142,7 +142,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def config_from_args(args: argparse.Namespace):
     from specserve.bench.config import BenchConfig
-    from specserve.models.scaled_demo import is_scaled_demo
+    from specserve.models.scaled_shapes import is_scaled_demo
     from specserve.paths import demo_checkpoint
     from specserve.target_service.factory import INVARIANT_STEPS
 

@@ -45,7 +45,7 @@ class ModelName:
     def config(self) -> ModelConfig:
         """The model's config (demo@: the wide one)."""
         if self.scaled:
-            from specserve.models.scaled_demo import scaled_config
+            from specserve.models.scaled_shapes import scaled_config
 
             return scaled_config(self.name, ModelConfig.from_file(self.folder))
         if self.folder is None:
@@ -88,7 +88,7 @@ class ModelName:
 def resolve_model(model: str | os.PathLike[str]) -> ModelName:
     """The ModelName of `model`; an unknown demo@ / synthetic name or a missing folder is a ModelConfigError."""
     from specserve.models.presets import is_synthetic, parse_spec
-    from specserve.models.scaled_demo import is_scaled_demo, parse_scaled_spec
+    from specserve.models.scaled_shapes import is_scaled_demo, parse_scaled_spec
 
     text = os.fspath(model)
     if is_scaled_demo(text):

@@ -54,7 +54,7 @@ import torch
 from specserve.models.config import GQAConfig, ModelConfig
 from specserve.models.errors import ModelConfigError
 from specserve.models.model_names import ModelName
-from specserve.models.scaled_demo import constant_channel, demo_positions, parse_scaled_spec
+from specserve.models.scaled_shapes import constant_channel, demo_positions, parse_scaled_spec
 from specserve.models.scaled_weights import (
     check_gqa,
     corner,

@@ -24,8 +24,8 @@ import torch
 
 from specserve.models.errors import ModelConfigError
 from specserve.models.model_names import ModelName
-from specserve.models.scaled_demo import parse_scaled_spec
 from specserve.models.scaled_drafters import scaled_dflash
+from specserve.models.scaled_shapes import parse_scaled_spec
 from specserve.models.scaled_weights import corner, wide_default_dtype
 
 DSPARK_MARKOV_RANKS: Mapping[str, int] = MappingProxyType(

@@ -36,7 +36,7 @@ import torch
 from specserve.models.config import ModelConfig
 from specserve.models.errors import ModelConfigError
 from specserve.models.model_names import ModelName
-from specserve.models.scaled_demo import embed_decoder_layer
+from specserve.models.scaled_embed import embed_decoder_layer
 from specserve.models.scaled_weights import corner, plain_norm, project, residual_norm, wide_default_dtype
 
 CHANNEL = 2.0**-20  # tau: the embedding's channel value (exact in bf16); its square is far below float32 rounding

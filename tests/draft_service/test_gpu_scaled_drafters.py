@@ -30,7 +30,8 @@ NEW_TOKENS = 32
 
 def _engines(spec: str):
     """(the demo target, or the int4-quantized demo for an int4 shape; the demo@ target), float32 on the GPU."""
-    from specserve.models.scaled_demo import load_demo, quantized_demo
+    from specserve.models.scaled_demo import load_demo
+    from specserve.models.scaled_int4 import quantized_demo
     from specserve.target_service.engine.engine import TargetEngine
     from specserve.target_service.factory import EngineConfig, build_engine
 
@@ -105,7 +106,7 @@ def test_full_size_scaled_mtp_proposes_the_demo_size_chains_and_is_lossless(engi
     """The demo's MTP layer at the target's size (models/scaled_mtp.py): its first drafted token's law the
     demo-size layer's, every chain equal and greedy speculation target-only's (K2.6 width: against the int4-quantized
     demo-size layer, as the target is against the int4-quantized demo)."""
-    from specserve.models.scaled_demo import quantize_layer_experts_
+    from specserve.models.scaled_int4 import quantize_layer_experts_
 
     spec, pair = engines
     drafters = _drafters("mtp", spec)

@@ -15,7 +15,8 @@ from specserve.contract.types import SamplingParams, TreeSpec
 from specserve.draft_service.drafter_config import DrafterConfig
 from specserve.draft_service.drafter_errors import DrafterConfigError
 from specserve.draft_service.registry import build_proposer
-from specserve.models.scaled_demo import build_scaled_demo, constant_channel, load_demo
+from specserve.models.scaled_demo import build_scaled_demo, load_demo
+from specserve.models.scaled_shapes import constant_channel
 from specserve.models.vocab import vocab_hash
 from specserve.paths import demo_checkpoint
 from specserve.target_service.engine.engine import TargetEngine

@@ -21,7 +21,8 @@ from specserve.draft_service.drafter_config import DrafterConfig
 from specserve.draft_service.registry import build_proposer
 from specserve.models.attn_metadata import AttentionBatch
 from specserve.models.kv_cache import PagedKVCache
-from specserve.models.scaled_demo import build_scaled_demo, load_demo, quantize_layer_experts_, quantized_demo
+from specserve.models.scaled_demo import build_scaled_demo, load_demo
+from specserve.models.scaled_int4 import quantize_layer_experts_, quantized_demo
 from specserve.paths import demo_checkpoint
 from specserve.target_service.engine.engine import TargetEngine
 

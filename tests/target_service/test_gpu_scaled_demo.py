@@ -14,7 +14,8 @@ import torch
 from demo_helpers import chisquare_pvalue, demo_prompts, exact_demo_laws
 
 from specserve.contract.types import SamplingParams
-from specserve.models.scaled_demo import build_scaled_demo, load_demo, quantized_demo
+from specserve.models.scaled_demo import build_scaled_demo, load_demo
+from specserve.models.scaled_int4 import quantized_demo
 from specserve.paths import demo_checkpoint
 from specserve.target_service.factory import EngineConfig, build_engine
 

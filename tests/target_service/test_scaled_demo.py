@@ -14,14 +14,9 @@ from specserve.contract.types import DraftBlock
 from specserve.errors import SpecserveError
 from specserve.models.causal_lm import build_model
 from specserve.models.presets import PRESETS
-from specserve.models.scaled_demo import (
-    SHAPES,
-    build_scaled_demo,
-    demo_positions,
-    load_demo,
-    quantized_demo,
-    scaled_config,
-)
+from specserve.models.scaled_demo import build_scaled_demo, load_demo
+from specserve.models.scaled_int4 import quantized_demo
+from specserve.models.scaled_shapes import SHAPES, demo_positions, scaled_config
 from specserve.paths import demo_checkpoint
 from specserve.target_service.engine.engine import TargetEngine
 from specserve.target_service.factory import EngineConfig
