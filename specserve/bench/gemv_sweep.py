@@ -1,4 +1,4 @@
-"""A sweep of the W4A16 per-slot GEMV's tile (kernels/quant_moe.py GemvTile) at Kimi-K2.6 width.
+"""A sweep of the W4A16 per-slot GEMV's tile (kernels/quant_gemv.py GemvTile) at Kimi-K2.6 width.
 
 Run on the GPU machine:  specserve bench kernels --suite quant --gemv-sweep [--out DIR]
 Shape: 384 experts, H 7168, I 2048, top-8, int4 in groups of 32 (random packed words and bf16 scales, random
@@ -30,7 +30,7 @@ import torch
 
 from specserve.bench.floors import int4_linear_bytes
 from specserve.bench.kernel_bench import rel_err
-from specserve.kernels.quant_moe import GEMV_TILES, GemvTile, GemvTiles
+from specserve.kernels.quant_gemv import GEMV_TILES, GemvTile, GemvTiles
 
 KERNELS = ("gate_up", "down")
 TOKENS = (1, 4, 8)
@@ -212,7 +212,7 @@ def check_invariant(what: str, full: torch.Tensor, alone: Sequence[torch.Tensor]
 
 def _launch(case: Case, step, tiles: GemvTiles):
     """(act [T*K, I], per_slot [T*K, H]) of one step with these tiles."""
-    from specserve.kernels.quant_moe import w4a16_gemv_down, w4a16_gemv_gate_up
+    from specserve.kernels.quant_gemv import w4a16_gemv_down, w4a16_gemv_gate_up
 
     x, ids, w = step
     w13, s13, w2, s2 = case.weights
@@ -283,7 +283,7 @@ def median_ms(fn: Callable[[int], object], calls: int, cuda: bool, reps: int = R
 def time_tile(case: Case, tile: GemvTile, reps: int = REPS, warmup: int = WARMUP) -> dict:
     """{kernel: {T: {ms, bytes, TBps}}} of one tile, both kernels running it: gate/up with its second pass when split,
     down with the top-k sum (which adds a split tile's chunks)."""
-    from specserve.kernels.quant_moe import w4a16_gemv_down, w4a16_gemv_gate_up, w4a16_gemv_sum
+    from specserve.kernels.quant_gemv import w4a16_gemv_down, w4a16_gemv_gate_up, w4a16_gemv_sum
 
     w13, s13, w2, s2 = case.weights
     g = case.shape.group
@@ -332,7 +332,7 @@ def best_configs(rows: Sequence[dict], over: Sequence[int] = BEST_OVER) -> dict:
 
 
 def default_line(rows: Sequence[dict], best: dict) -> str | None:
-    """The one line of kernels/quant_moe.py that makes the best tiles the default."""
+    """The one line of kernels/quant_gemv.py that makes the best tiles the default."""
     tiles = {r["config"]: r["tile"] for r in rows}
     if None in best.values():
         return None
@@ -420,5 +420,5 @@ def format_result(result: dict) -> str:
     if result.get("best_pair_failures"):
         lines.append(f"the two best together FAILED: {result['best_pair_failures']}")
     if result["best_line"]:
-        lines.append(f"to make it the default (kernels/quant_moe.py): {result['best_line']}")
+        lines.append(f"to make it the default (kernels/quant_gemv.py): {result['best_line']}")
     return "\n".join(lines)

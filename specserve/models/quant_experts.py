@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from specserve.kernels.moe_reference import moe_reference
-from specserve.kernels.quant_moe import W4A16_GEMV_MAX_TOKENS
+from specserve.kernels.quant_gemv import W4A16_GEMV_MAX_TOKENS
 from specserve.kernels.quant_reference import fp8_moe_reference, w4a16_moe_reference
 from specserve.models.config import ModelConfig, ParallelConfig
 from specserve.models.layers import WeightShapeError, copy_checked, new_param

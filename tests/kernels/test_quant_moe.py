@@ -11,7 +11,8 @@ from kernel_test_utils import HAS_CUDA, poison_cuda_allocator, random_routing, r
 
 from specserve.kernels.checks import triton_interpreting
 from specserve.kernels.fused_moe import HAS_TRITON, MoETileConfig
-from specserve.kernels.quant_moe import GemvTile, GemvTiles, fp8_linear, fp8_moe, w4a16_moe
+from specserve.kernels.quant_gemv import GemvTile, GemvTiles
+from specserve.kernels.quant_moe import fp8_linear, fp8_moe, w4a16_moe
 from specserve.kernels.quant_reference import (
     fp8_linear_reference,
     fp8_moe_reference,

@@ -12,7 +12,7 @@ import torch
 from specserve.bench import gemv_sweep as gs
 from specserve.kernels.checks import KernelArgumentError, triton_interpreting
 from specserve.kernels.fused_moe import HAS_TRITON
-from specserve.kernels.quant_moe import GemvTile, GemvTiles
+from specserve.kernels.quant_gemv import GemvTile, GemvTiles
 
 HAS_CUDA = torch.cuda.is_available()
 DEV = "cuda" if HAS_CUDA else "cpu"
