@@ -126,6 +126,7 @@ class DrafterWorker:
         # session id -> its mapping of the target's hidden-row buffer (opened, read and closed on the drafter thread)
         self.views: dict[str, HiddenView] = self.host.buffers
         self.hidden_rows_shared = 0  # rows read from mapped buffers (GetStats)
+        self._undoing: set[asyncio.Task] = set()  # cancelled starts being undone (_undo_start)
 
     @property
     def expired(self) -> int:
@@ -166,16 +167,44 @@ class DrafterWorker:
         self.active[session_id] = len(token_ids)
         self.host.enter(session_id)
         fetched = _Fetched()
+        fetch: asyncio.Future | None = None  # the segment's fetch while it has not come back
         try:
             if share is not None and share.kind == HOST_SHM:  # the segment's hand-over waits on the target: not
-                fetched.fd = await asyncio.to_thread(self._fetch, share)  # on the drafter's thread
+                fetch = asyncio.ensure_future(asyncio.to_thread(self._fetch, share))  # on the drafter's thread
+                fetched.fd = await asyncio.shield(fetch)
+                fetch = None
             await self.call(self._start_on_thread, session_id, token_ids, hidden, sampling, share, fetched)
+        except asyncio.CancelledError:
+            # the caller went (a gateway killed mid-StartSession): a fetch or a start already on its thread runs
+            # to its end there (the start maps the target's buffer and opens the proposer's session); both are
+            # undone after it, as the target frees a cancelled prefill (before: they stayed for the process's life)
+            self._forget(session_id)
+            undo = asyncio.get_running_loop().create_task(self._undo_start(session_id, fetch, fetched))
+            self._undoing.add(undo)  # held until it ends (the loop keeps only a weak reference)
+            undo.add_done_callback(self._undoing.discard)
+            raise
         except BaseException:
             self._forget(session_id)
+            fetched.close()
             raise
         finally:
-            fetched.close()
             self.host.leave(session_id)
+        fetched.close()  # a descriptor no start took (none: the start maps it)
+
+    async def _undo_start(self, session_id: str, fetch: asyncio.Future | None, fetched: _Fetched) -> None:
+        """A cancelled start's cleanup: the fetched descriptor closed once its fetch is back (no start ran), else
+        the session's buffer and proposer state released on the drafter thread after the start (calls run in
+        order; a start that had not begun does not run)."""
+        if fetch is not None:
+            try:
+                os.close(await fetch)
+            except Exception:  # noqa: BLE001 - the fetch failed: nothing to close
+                pass
+            return
+        try:
+            await self.host.release_on_thread(self._release_on_thread, session_id)
+        finally:
+            fetched.close()
 
     @staticmethod
     def _fetch(share: HiddenHandle) -> int:
