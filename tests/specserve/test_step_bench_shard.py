@@ -12,7 +12,7 @@ from specserve.cli.main import main
 from specserve.errors import SpecserveError
 from specserve.models.config import ParallelConfig
 from specserve.models.presets import parameter_bytes, synthetic_config
-from target_service.factory import EngineConfig
+from specserve.target_service.factory import EngineConfig
 
 
 def _int4(out_features: int, in_features: int) -> int:  # int32 words of 8 values + a bf16 scale per 32
