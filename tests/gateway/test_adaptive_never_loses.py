@@ -201,8 +201,11 @@ def test_adaptive_stays_at_target_only_speed_over_a_few_short_requests(demo_targ
     steps). The slow drafter's every propose costs 18 target steps: the warm-up request turns it off (its first
     draft calls) and makes the one probe forgiven as a possible one-off, and the exploring probes are charged to
     the budget, so the timed requests' probes cost at most 1% of their time, less one probe not yet paid off,
-    within PROBE_NOISE (before: two probes of 18 steps in ~190, 10x the budget). Pairs of (target-only, adaptive) runs are interleaved in alternating order; their median tokens/s
-    ratio is checked loosely (a shared machine's noise), the chooser's own accounting strictly."""
+    within PROBE_NOISE (before: two probes of 18 steps in ~190, 10x the budget). Pairs of (target-only, adaptive)
+    runs are interleaved in alternating order; their median tokens/s ratio is checked loosely (a shared machine's
+    noise). Both are wall-clock figures, so an attempt whose ratio or probe share misses is made again (up to
+    ATTEMPTS: a busy machine's spike in one probe's wall time spoilt a whole run before); whether adaptive drafted
+    outside its probes is checked in every run."""
     engine, target, device = demo_target
     n = SHORT_TOKENS[device]
     prompt = _prompt(engine, CODE_PROMPT)
@@ -231,7 +234,7 @@ def test_adaptive_stays_at_target_only_speed_over_a_few_short_requests(demo_targ
         draft = _drafter(monkeypatch, "slow-ngram", 18 / tps)
         try:
             for _ in range(ATTEMPTS):  # a machine busy with other work may spoil an attempt's timing
-                ratios = []
+                ratios, over = [], []
                 for i in range(SHORT_PAIRS):
                     out = {}
                     for name in ("target-only", "adaptive") if i % 2 else ("adaptive", "target-only"):
@@ -242,20 +245,22 @@ def test_adaptive_stays_at_target_only_speed_over_a_few_short_requests(demo_targ
                     # step ms (the budget's unit) may lag a busy machine's by up to PROBE_NOISE
                     budget = chooser.config.probe.max_cost_fraction
                     unpaid = (chooser.probing.probe_ms or 0.0) if timed["probes"] else 0.0
-                    assert timed["probe_ms"] <= PROBE_NOISE * budget * wall_ms + unpaid, (
-                        f"the timed requests' {timed['probes']} probes cost {timed['probe_ms']:.0f} ms of "
-                        f"{wall_ms:.0f} ms (one probe: {unpaid:.0f} ms)"
-                    )
+                    if timed["probe_ms"] > PROBE_NOISE * budget * wall_ms + unpaid:  # timing: this attempt is spoilt
+                        over.append(
+                            f"the timed requests' {timed['probes']} probes cost {timed['probe_ms']:.0f} ms of "
+                            f"{wall_ms:.0f} ms (one probe: {unpaid:.0f} ms)"
+                        )
                     drafted = sum(c for k, c in timed["chosen"].items() if k)
                     assert drafted <= timed["probes"], f"adaptive drafted on {drafted} steps of {timed['chosen']}"
                     ratios.append(tps_adaptive / out["target-only"][0])
-                if statistics.median(ratios) >= 0.9:
+                if statistics.median(ratios) >= 0.9 and not over:
                     break
-            return ratios
+            return ratios, over
         finally:
             draft.close()
 
-    ratios = asyncio.run(go())
+    ratios, over = asyncio.run(go())
+    assert not over, over
     assert statistics.median(ratios) >= 0.9, f"adaptive / target-only tokens/s: {[round(r, 3) for r in ratios]}"
 
 
@@ -294,11 +299,41 @@ def test_adaptive_keeps_a_cheap_accepted_drafter_on(demo_target, monkeypatch, no
     assert final.stats.mean_accepted_length > 2.0, final.stats.as_dict()
 
 
+FIRST_USE_REQUESTS = 8  # at most: the requests until one pays no first-use cost
+
+
 def test_a_drafter_dear_only_on_first_use_is_turned_back_on(demo_target, monkeypatch, no_gc):
     """A drafter whose first propose at each shape costs many target steps (a graph captured on first use) and is
-    cheap and accepted after: the one-off costs must not keep speculation off."""
-    share, chosen = _drafted_share(_last_of_repeated_requests(demo_target, monkeypatch, "first-use-ngram", 4))
-    assert share >= 0.8, chosen
+    cheap and accepted after: the one-off costs must not keep speculation off. Requests (one chooser) run until one
+    pays no first-use cost (at most FIRST_USE_REQUESTS; every shape seen, or none new asked for); that request must
+    draft on >= 80% of its steps. Which shapes come up when depends on the steps' timing (the k chosen, the probes):
+    the 4th request once still met two new shapes on a busy machine and drafted on 5 of 16 steps; a chooser that
+    stays off after the one-offs asks for no new shape and fails here at once."""
+    engine, target, device = demo_target
+    draft = _drafter(monkeypatch, "first-use-ngram", FIRST_USE_S[device])
+    seen = draft.proposer.seen  # the shapes whose first-use cost was paid
+    chooser = AdaptiveSpeculation(AdaptiveConfig(max_k=4))
+    prompt = _prompt(engine, REPEAT_PROMPT)
+    n = NEW_TOKENS[device]
+
+    async def go():
+        base, _ = await _timed(target, None, prompt, None, n)
+        news = []
+        for _ in range(FIRST_USE_REQUESTS):
+            before = len(seen)
+            final, _ = await _timed(target, draft, prompt, chooser, n)
+            assert final.token_ids == base.token_ids
+            news.append(len(seen) - before)
+            if len(news) >= 2 and news[-1] == 0:
+                return final, news
+        raise AssertionError(f"every one of {FIRST_USE_REQUESTS} requests met a new shape: {news}")
+
+    try:
+        final, news = asyncio.run(go())
+    finally:
+        draft.close()
+    share, chosen = _drafted_share(final)
+    assert share >= 0.8, (chosen, f"new shapes by request: {news}")
 
 
 class _Recorded:
