@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 from hostile_drafters import FORCED, MIRROR_SAMPLING, SEED_KEY, ForcingDraft, MirrorDraft, RogueFrameDraft
-from service_helpers import BackgroundServer, Proc, base_env
+from service_helpers import BackgroundServer, Proc, base_env, wait_until
 
 from specserve.protos.specserve.v1 import (
     draft_pb2,
@@ -255,6 +255,10 @@ def test_a_frozen_draft_trips_the_breaker_then_is_used_again(hostile):
     once it runs again (SIGCONT), requests use it again."""
     request = gateway_pb2.GenerateRequest(prompt_ids=PROMPT, max_new_tokens=8, draft="ngram", num_speculative_tokens=4)
     base, _ = hostile.generate(gateway_pb2.GenerateRequest(prompt_ids=PROMPT, max_new_tokens=8, draft="none"))
+    # from a request the draft served (its breaker closed, no failure counted): on a busy machine an earlier test's
+    # step may have passed the 1 s step timeout and left the breaker counting, or open (then the first frozen
+    # request went target-only at once: 0.18 s)
+    wait_until(lambda: not hostile.generate(request)[1].stats.draft_fallback, 30, "the ngram draft serving requests")
     pid = hostile.draft_procs["ngram"].popen.pid
     os.kill(pid, signal.SIGSTOP)
     try:
