@@ -29,6 +29,7 @@ IN_PROCESS_FILES = frozenset(
         "test_adaptive_replay.py",
         "test_admission.py",
         "test_convert.py",
+        "test_engine_thread.py",
         "test_openai_schema.py",
         "test_prompt_reads.py",
         "test_scrape_cache.py",
