@@ -1,5 +1,5 @@
 """Triton kernels of the W4A16 per-slot GEMV (few tokens: each (token, k) slot against its expert's packed int4 rows,
-no tensor cores; wrappers and tiles in quant_moe.py, format in quant_reference.py).
+no tensor cores; wrappers and tiles in quant_gemv.py, format in quant_reference.py).
 
 A program computes BN output rows of a slot, walking the input BKW packed words (8 * BKW columns) a step; nibble j
 of word w is input column 8w + j. Per weight three full-rate instructions and no int-to-float conversion: the
@@ -7,7 +7,7 @@ nibble at bits b..b+3 (b <= 16), OR-ed under the exponent of 2^(23 - b), is the 
 one subtraction gives q - 8 (the stored offset), exact in fp32, and one FMA adds (q - 8) * x. A word's eight
 products are summed, then times the word's group scale (group sizes are multiples of 8).
 
-Choices the tile makes (kernels/quant_moe.py GemvTile; the sweep, bench/gemv_sweep.py, times them):
+Choices the tile makes (kernels/quant_gemv.py GemvTile; the sweep, bench/gemv_sweep.py, times them):
 - PREFETCH: the next step's words and scales are loaded before this step's arithmetic (registers double-buffered),
   so loads stay in flight while the program computes;
 - SPLIT: the input is cut into SPLIT fixed chunks of whole steps, each its own program (grid axis 2), writing fp32

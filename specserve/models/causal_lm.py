@@ -133,7 +133,7 @@ class CausalLM(nn.Module):
         """The row count the target's invariant steps pad to (0: off). Int4 routed experts then run their per-slot
         GEMV at every step of up to that many rows (its rows do not depend on T), so a padded step's pad rows cost
         no expert reads and a decode costs one token's experts (kernels/quant_moe.w4a16_moe)."""
-        from specserve.kernels.quant_moe import W4A16_GEMV_MAX_TOKENS
+        from specserve.kernels.quant_gemv import W4A16_GEMV_MAX_TOKENS
         from specserve.models.quant_experts import Int4StackedExperts
 
         for module in self.modules():
