@@ -1,14 +1,17 @@
 """Per-step orchestration overhead: one process, the shared-memory data plane and gRPC only, in one run.
 
     specserve bench overhead [--model DIR | synthetic:NAME[:LAYERS]] [--drafters none,ngram]
-        [--k 4] [--requests 3] [--max-new-tokens 64] [--rounds 2] [--deadline-s 120] [--out DIR]
+        [--vias process,process-hops,serve-shm,serve-grpc] [--k 4] [--requests 3] [--max-new-tokens 64] [--rounds 2]
+        [--deadline-s 120] [--out DIR]
 
 Each method (target-only; each drafter at chain length ``--k``, greedy) runs the one step loop
 (specserve/loop/step_loop.py) four ways, interleaved round by round: in process on the engine's thread, direct calls
 (``process``: what `generate` and `bench` run, specserve/loop/engine_thread.py), in process over the threaded adapters
 (``process-hops``: the loop on the caller's event loop, each verify and propose a round trip to the part's thread,
 as before issue #42), over the remote adapters to a `specserve target` (+ `specserve draft`) process with the
-shared-memory data plane (``serve-shm``), and with every step over gRPC (``serve-grpc``). Per step:
+shared-memory data plane (``serve-shm``), and with every step over gRPC (``serve-grpc``); ``--vias`` picks some of
+them (``process`` always: the others are compared with it), and without a served via no service process starts.
+Per step:
 
     overhead = step wall - engine compute - proposer compute
 
@@ -43,6 +46,7 @@ class OverheadConfig:
     device: str = "cpu"
     dtype: str = "float32"
     drafters: tuple[str, ...] = ("none", "ngram")
+    vias: tuple[str, ...] = VIAS  # in VIAS' order; "process" among them
     k: int = 4
     requests: int = 3
     max_new_tokens: int = 64
@@ -58,6 +62,8 @@ class OverheadConfig:
         unknown = [d for d in self.drafters if d not in DRAFTERS]
         if unknown or not self.drafters:
             raise ValueError(f"--drafters: choose from {', '.join(DRAFTERS)}, got {','.join(self.drafters)}")
+        if "process" not in self.vias or any(v not in VIAS for v in self.vias):
+            raise ValueError(f"--vias: choose from {', '.join(VIAS)}, process among them, got {','.join(self.vias)}")
         if str(self.model).startswith("synthetic:") and "ngram" in self.drafters:
             raise ValueError("--drafters ngram needs a checkpoint folder as --model (its vocabulary)")
         if not self.deadline_s > 0:
@@ -65,6 +71,11 @@ class OverheadConfig:
         for name in ("k", "requests", "max_new_tokens", "rounds", "prompt_len", "num_kv_blocks", "kv_block_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+    @property
+    def served(self) -> bool:
+        """Whether a via runs through the service processes."""
+        return any(v not in IN_PROCESS for v in self.vias)
 
     @property
     def drafter_block_size(self) -> int:  # what the served stack gives `specserve draft --max-block-size`
@@ -262,7 +273,9 @@ def summarize(rows: list[dict], via: str) -> dict:
 
 
 async def _run_all(config: OverheadConfig, clients: _Clients) -> dict:
-    await clients.stack.connect()
+    vias = tuple(v for v in VIAS if v in config.vias)
+    if clients.stack is not None:
+        await clients.stack.connect()
     try:
         prompts = _prompts(config, clients.info.vocab_size)
         rows: dict[tuple[str, str], list[dict]] = {}
@@ -270,12 +283,12 @@ async def _run_all(config: OverheadConfig, clients: _Clients) -> dict:
         wall: dict[tuple[str, str], float] = {}
         n = 0
         for drafter in config.drafters:  # warm-up: one request each way (graphs, allocator, channels)
-            for via in VIAS:
+            for via in vias:
                 n += 1
                 await _one_request(clients, via, drafter, config.k, prompts[0], 8, f"warmup-{n}")
         for _ in range(config.rounds):
             for drafter in config.drafters:
-                for via in VIAS:
+                for via in vias:
                     key = (drafter, via)
                     t0 = time.perf_counter()
                     for prompt in prompts:
@@ -287,20 +300,21 @@ async def _run_all(config: OverheadConfig, clients: _Clients) -> dict:
                         tokens.setdefault(key, []).append(toks)
                     wall[key] = wall.get(key, 0.0) + time.perf_counter() - t0
     finally:
-        await clients.stack.disconnect()
+        if clients.stack is not None:
+            await clients.stack.disconnect()
     out: dict = {}
     for drafter in config.drafters:
         method = "target-only" if drafter == "none" else f"{drafter}/k{config.k}"
         reference = tokens[("none", "process")] if "none" in config.drafters else tokens[(drafter, "process")]
         out[method] = {}
-        for via in VIAS:
+        for via in vias:
             key = (drafter, via)
             s = summarize(rows[key], via)
             s["tokens_per_s"] = round(sum(len(t) for t in tokens[key]) / wall[key], 1)
             s["same_tokens"] = tokens[key] == reference
             out[method][via] = s
         base = out[method]["process"]["overhead_us"]["median"]
-        for via in VIAS[1:]:
+        for via in vias[1:]:
             out[method][via]["overhead_vs_process_us"] = round(out[method][via]["overhead_us"]["median"] - base, 1)
     return out
 
@@ -310,7 +324,7 @@ def run(config: OverheadConfig) -> dict:
     from specserve.runtime.servers_common import run_async
 
     families = [d for d in config.drafters if d != "none"]
-    stack = ServedStack(config, {}, families, start_timeout_s=300.0)
+    stack = ServedStack(config, {}, families, start_timeout_s=300.0) if config.served else None
     clients = None
     try:
         clients = _Clients(config, stack)
@@ -320,11 +334,13 @@ def run(config: OverheadConfig) -> dict:
             result["methods"] = await _run_all(config, clients)
 
         run_async(main())
-        result["services"] = stack.service_stats()
+        if stack is not None:
+            result["services"] = stack.service_stats()
     finally:
         if clients is not None:
             clients.close()
-        stack.close()
+        if stack is not None:
+            stack.close()
     return result
 
 

@@ -12,8 +12,24 @@ import numpy as np
 IDLE_REFIT_FACTOR = 16  # the verify fit's refit interval is this many times longer while speculation is off
 
 
-def nonneg_lstsq(x: np.ndarray, y: np.ndarray, order: tuple[int, ...] | None = None) -> np.ndarray:
-    """min |x c - y| with every c >= 0 (x [N, P], y [N], small P).
+class Subsets:
+    """nonneg_lstsq's column subsets for P columns tried in ``order``: which they are and their masks, made once (a
+    cost model's fit reuses them: making them was a tenth of a fit)."""
+
+    def __init__(self, p: int, order: tuple[int, ...] | None = None) -> None:
+        self.p, self.order = p, tuple(range(p)) if order is None else order
+        self.cols = [cols for size in range(1, p + 1) for cols in combinations(self.order, size)]
+        self.mask = np.zeros((len(self.cols), p), dtype=bool)  # [S, P]
+        for i, cols in enumerate(self.cols):
+            self.mask[i, list(cols)] = True
+        self.both = self.mask[:, :, None] & self.mask[:, None, :]  # [S, P, P]
+        self.pad = np.where(self.mask, 0.0, 1.0)[:, :, None] * np.eye(p)  # [S, P, P]: identity on columns left out
+
+
+def nonneg_lstsq(
+    x: np.ndarray, y: np.ndarray, order: tuple[int, ...] | None = None, subsets: Subsets | None = None
+) -> np.ndarray:
+    """min |x c - y| with every c >= 0 (x [N, P], y [N], small P); ``subsets``: Subsets(P, order), made here if not given.
 
     The optimum is the unconstrained fit on some subset of columns; every well-conditioned subset
     whose fit is non-negative is tried (from the normal equations, all subsets in one batched solve),
@@ -22,20 +38,16 @@ def nonneg_lstsq(x: np.ndarray, y: np.ndarray, order: tuple[int, ...] | None = N
     coefficients, and a tie goes to the earlier column in ``order``.
     """
     p = x.shape[1]
-    order = tuple(range(p)) if order is None else order
+    sub = Subsets(p, order) if subsets is None else subsets
     scale = np.sqrt((x * x).sum(axis=0))
     scale[scale == 0] = 1.0
     xs = x / scale  # unit columns: the conditioning test below is scale-free
     gram, xty, yty = xs.T @ xs, xs.T @ y, float(y @ y)
-    subsets = [cols for size in range(1, p + 1) for cols in combinations(order, size)]
-    mask = np.zeros((len(subsets), p), dtype=bool)  # [S, P]
-    for i, cols in enumerate(subsets):
-        mask[i, list(cols)] = True
-    both = mask[:, :, None] & mask[:, None, :]  # [S, P, P]
+    mask = sub.mask
     # each subset's normal equations, padded to P x P with the identity on the columns it leaves out
-    g = np.where(both, gram, 0.0) + np.where(mask, 0.0, 1.0)[:, :, None] * np.eye(p)
+    g = np.where(sub.both, gram, 0.0) + sub.pad
     ok = np.linalg.eigvalsh(g)[:, 0] >= 1e-9  # (near-)collinear or empty columns: skip
-    c = np.zeros((len(subsets), p))
+    c = np.zeros((len(sub.cols), p))
     c[ok] = np.linalg.solve(g[ok], np.where(mask[ok], xty, 0.0)[..., None])[..., 0]
     err = yty - c @ xty  # residual of each subset's least-squares fit
     best, best_err = np.zeros(p), yty
@@ -43,6 +55,23 @@ def nonneg_lstsq(x: np.ndarray, y: np.ndarray, order: tuple[int, ...] | None = N
         if err[i] < best_err - 1e-9 * (1.0 + abs(best_err)):
             best, best_err = c[i], float(err[i])
     return best / scale
+
+
+def group_medians(keys: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:  # [N] float, [N] int
+    """Each value's group's median, as np.median gives it, and the group's size (groups: equal keys [N]), from one
+    sort of all."""
+    order = np.lexsort((values, keys))
+    k, v = keys[order], values[order]
+    new_group = np.empty(len(k), dtype=bool)
+    new_group[0] = True
+    np.not_equal(k[1:], k[:-1], out=new_group[1:])
+    starts = np.flatnonzero(new_group)
+    counts = np.diff(starts, append=len(k))
+    low, high = v[starts + (counts - 1) // 2], v[starts + counts // 2]
+    medians, sizes = np.empty(len(k)), np.empty(len(k), dtype=np.int64)
+    medians[order] = np.repeat(np.where(counts % 2 == 1, high, (low + high) / 2), counts)
+    sizes[order] = np.repeat(counts, counts)
+    return medians, sizes
 
 
 class VerifyCostModel:
@@ -64,6 +93,7 @@ class VerifyCostModel:
         self._experts_table: tuple[np.ndarray, np.ndarray] | None = None  # sorted n, mean e (as of the fit)
         self.version = 0  # bumped by every fit: predictions only change then
         self._tables: dict = {}  # table()'s, as of the fit "version": ms by ahead flag
+        self._subsets = Subsets(4, self._ORDER)
 
     def observe(self, n_tokens: int, experts: int, ms: float, ahead: bool = False) -> None:
         i = self._count % len(self._y)
@@ -94,16 +124,12 @@ class VerifyCostModel:
         if not m:
             return
         x, y = np.array(self._x[:m], dtype=float), np.array(self._y[:m])
-        keep = np.ones(m, dtype=bool)
-        groups = x[:, 1] * 2 + x[:, 3]  # (n, ahead) as one key
-        for g in np.unique(groups):
-            members = groups == g
-            if members.sum() >= 3:
-                keep &= ~members | (y <= 2.0 * np.median(y[members]))
+        medians, sizes = group_medians(x[:, 1] * 2 + x[:, 3], y)  # by (n, ahead) as one key
+        keep = (sizes < 3) | (y <= 2.0 * medians)  # in groups of 3 or more
         x, y = x[keep], y[keep]
         if len(np.unique(x[:, 1])) < 3:
             x[:, 2] = 0.0  # the experts column left out (an empty column gets coefficient 0)
-        self.coef = nonneg_lstsq(x, y, self._ORDER)
+        self.coef = nonneg_lstsq(x, y, self._ORDER, self._subsets)
 
     @property
     def observed(self) -> int:

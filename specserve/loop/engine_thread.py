@@ -7,8 +7,11 @@ calls on the thread that launches the target's graph, so a step hands nothing to
 wake-up (the threaded adapters cost two round trips a step: loop -> drafter -> loop -> engine -> loop). Only a block
 drafted ahead runs on the drafter's own thread, to overlap the verify.
 
-Several requests share the thread: each task yields after each step's event, so their steps take turns. The
-caller's event loop only receives the events (one ``call_soon_threadsafe`` a step, which the step does not wait
+Several requests share the thread: while more than one was handed to it, each task yields after each step's event,
+so their steps take turns. A lone request yields only when another thread handed the loop something else (a
+cancellation: ``_handed``), since a direct step never waits on anything: a yield a step was one turn of the event
+loop (a poll of its file descriptors) a step for nothing, a fifth of the in-process step's host time here (issue #42).
+The caller's event loop only receives the events (one ``call_soon_threadsafe`` a step, which the step does not wait
 for); closing the caller's iterator early cancels the request's task there, which releases both sessions.
 """
 
@@ -49,6 +52,14 @@ class EngineThread:
         self.target = LocalTarget(engine, direct=True)  # call it only from this thread
         self._loop = new_loop()
         self._drafts: dict[int, InlineDraft] = {}  # one InlineDraft per LocalDraft (its count of calls on its thread)
+        # requests handed to the thread (counted by the callers, under the lock) and ended there: while more than one
+        # is on it, each step yields (a request is counted when handed, not when its task starts, which takes a turn)
+        self._lock = threading.Lock()
+        self._submitted = 0
+        self._ended = 0
+        # set by another thread just after it handed the loop a callback (a cancellation, the loop's stop), cleared
+        # there by the step that then yields to it
+        self._handed = False
         self._thread = threading.Thread(target=self._loop.run_forever, name=name, daemon=True)
         self._thread.start()
 
@@ -88,14 +99,24 @@ class EngineThread:
                         on_event(event)
                     if tokens or isinstance(event, FinalEvent):
                         put(event)
-                    await asyncio.sleep(0)  # the other requests' steps take their turn
+                    if self._submitted - self._ended > 1 or self._handed:  # the others take a turn
+                        self._handed = False
+                        await asyncio.sleep(0)
             except BaseException as exc:  # noqa: BLE001 - handed to the caller (cancellation included)
                 put(_Failed(exc))
                 raise
             finally:
+                self._ended += 1
                 put(_END)
 
-        task = asyncio.run_coroutine_threadsafe(steps(), self._loop)
+        with self._lock:
+            self._submitted += 1
+        try:
+            task = asyncio.run_coroutine_threadsafe(steps(), self._loop)
+        except BaseException:
+            with self._lock:
+                self._submitted -= 1
+            raise
         try:
             while True:
                 item = await events.get()
@@ -106,11 +127,13 @@ class EngineThread:
                 yield item
         finally:
             task.cancel()  # a caller that stopped reading: the request's task ends there, releasing its sessions
+            self._handed = True  # after the hand-over: a step that sees it yields to it
 
     def close(self) -> None:
         """Stop the thread's loop and wait for it (from synchronous code, not from the thread)."""
         if not self._thread.is_alive():
             return
         self._loop.call_soon_threadsafe(self._loop.stop)
+        self._handed = True
         self._thread.join()
         self._loop.close()

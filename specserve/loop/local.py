@@ -14,7 +14,6 @@ thread) overlaps a verify on the same GPU; the target's hidden rows cross to the
 
 from __future__ import annotations
 
-import contextlib
 import threading
 from collections.abc import Sequence
 
@@ -134,10 +133,13 @@ class InlineDraft:
     async def _call(self, fn, *args):
         if self._on_thread:
             return await self._threaded(fn, *args)
-        self.draft.ready.wait()
+        if not self.draft.ready.is_set():  # (a flag read; wait() takes the event's lock every call)
+            self.draft.ready.wait()
         stream = self.draft.stream
         try:
-            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            if stream is None:  # off CUDA
+                return fn(*args)
+            with torch.cuda.stream(stream):
                 return fn(*args)
         except Exception as exc:  # the drafter's failure must never fail the request
             raise DraftError(f"{type(exc).__name__}: {exc}") from exc

@@ -24,7 +24,6 @@ Two optional policies change only *which* tokens are verified, never the accepta
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -190,6 +189,9 @@ class _Run:
         self.observer = StepObserver(self.stats, self.adaptive, on_step, tree=request.tree is not None)
         self.text = IncrementalText(tokenizer, request.stop)
         self.tracer = names.tracer()
+        # per-step spans: whether a tracer provider is installed, asked once a request (the question reads the
+        # environment; three times a step it was a tenth of the in-process step's host time, issue #42)
+        self.spans = names.tracing_installed()
         self.seq: list[int] = []
         self.emitted: list[int] = []
         self.sync = _DraftSync(needs_hidden=False)
@@ -198,6 +200,10 @@ class _Run:
         self.step_started = 0.0  # perf_counter at the current step's propose
         self.draft_session = draft  # released at the end even if the request fell back to target-only
         self.cut_confidence = None  # [n] confidence of the drafted tokens this step's verify length cut, or None
+
+    def step_span(self, name: str):
+        """The span of one per-step phase (runtime/tracing.step_span); none at all while tracing is off."""
+        return names.step_span(self.tracer, name) if self.spans else names.NO_SPAN
 
     def fallback(self, span, exc: Exception) -> None:
         """Drop the drafter for the rest of the request."""
@@ -255,7 +261,7 @@ class _Run:
             if not self.sync.started:
                 with self.tracer.start_as_current_span(names.SPAN_DRAFT_START):
                     await self.sync.start(self.draft, self.sid, self.seq, self.request.sampling)
-            with names.step_span(self.tracer, names.SPAN_DRAFT_PROPOSE) as dspan:
+            with self.step_span(names.SPAN_DRAFT_PROPOSE) as dspan:
                 dspan.set_attribute(names.ATTR_K, k)
                 block = await self.sync.propose(self.draft, self.sid, self.seq, k, self.request.tree)
             self.in_step = True
@@ -293,13 +299,14 @@ class _Run:
             ahead_task = asyncio.ensure_future(self.draft_next_ahead(block))
             await asyncio.sleep(0)  # it hands its block to the drafter before the verify (a direct verify never waits)
         try:
-            with names.step_span(self.tracer, names.SPAN_TARGET_VERIFY) as vspan:
+            with self.step_span(names.SPAN_TARGET_VERIFY) as vspan:
                 sent = block
                 if not self.request.trust_draft_probs and block.probs is not None:
                     sent = DraftBlock(token_ids=block.token_ids, parents=block.parents)  # proposal-only
                 res = await self.target.verify(self.sid, sent)
                 verify_wall_ms = (time.perf_counter() - t0) * 1e3
-                self.observer.verify_span(vspan, block, res)
+                if self.spans:
+                    self.observer.verify_span(vspan, block, res)
         finally:
             drafted_ahead = await ahead_task if ahead_task is not None else None
         walls = VerifyWalls(
@@ -318,7 +325,7 @@ class _Run:
             if hit:  # its first token was the bonus token: the rest is the next block
                 probs = None if ahead.probs is None else ahead.probs[1:]
                 self.ahead = DraftBlock(token_ids=ahead.token_ids[1:], probs=probs, confidence=ahead.confidence[1:])
-            walls = dataclasses.replace(walls, ahead_hit=hit, ahead_ms=ahead_ms)
+            walls = walls._replace(ahead_hit=hit, ahead_ms=ahead_ms)
         self.observer.verified(block, res, walls)
         self.sync.add_hidden(res.hidden)
         return res
@@ -395,7 +402,7 @@ async def run_request(
             run.stats.first_token()
             new, new_lp, prompt_lp = [pre.next_token], pre.logprobs, pre.prompt_logprobs
             while True:
-                with names.step_span(tracer, names.SPAN_ACCEPT_STREAM):
+                with run.step_span(names.SPAN_ACCEPT_STREAM):
                     new, finish, delta = run.cut(new)
                 if new:
                     lp = None if new_lp is None else new_lp.head(len(new))

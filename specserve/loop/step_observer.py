@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -19,9 +19,9 @@ from specserve.loop.stats import SpecStats
 from specserve.runtime import tracing as names
 
 
-@dataclass(frozen=True)
-class StepRecord:
-    """One verify step, for per-step artifacts (benchmark JSONL) and metrics."""
+class StepRecord(NamedTuple):
+    """One verify step, for per-step artifacts (benchmark JSONL) and metrics. (A NamedTuple, not a frozen dataclass:
+    one is made every step, and a frozen dataclass's __init__ sets each of its fields through object.__setattr__.)"""
 
     step: int
     context_len: int  # tokens of S before the step (the pending token included)
@@ -42,9 +42,8 @@ class StepRecord:
     ahead_hit: bool | None = None  # None: no block drafted ahead came back
 
 
-@dataclass(frozen=True)
-class VerifyWalls:
-    """How one verify step went, as the loop saw it."""
+class VerifyWalls(NamedTuple):
+    """How one verify step went, as the loop saw it (made every step: a NamedTuple, as StepRecord)."""
 
     context_len: int  # tokens of S before the step
     verify_wall_ms: float  # the verify call

@@ -192,7 +192,7 @@ def tracer() -> trace.Tracer:
 
 # what step_span gives when no tracer provider is installed: a shared context manager of the API's
 # non-recording span (its set_attribute / add_event / record_exception do nothing)
-_NO_SPAN = contextlib.nullcontext(trace.INVALID_SPAN)
+NO_SPAN = contextlib.nullcontext(trace.INVALID_SPAN)
 
 
 def tracing_installed() -> bool:
@@ -205,7 +205,7 @@ def step_span(tracer_: trace.Tracer, name: str, context=None, kind: trace.SpanKi
     off) no span is made at all: the no-op tracer's span still costs context attach / detach and a
     call per attribute on every step, which is most of the loop's own time on a fast step."""
     if not tracing_installed():
-        return _NO_SPAN
+        return NO_SPAN
     return tracer_.start_as_current_span(name, context=context, kind=kind)
 
 

@@ -2,7 +2,8 @@
 verify, propose and its record all run on that one thread, while the threaded adapters (the path `generate` and
 `bench` took before) hop to two other threads each step (the control: this test tells the two apart). Same tokens
 either way; requests on one engine take turns step by step; a block drafted ahead still goes to the drafter's
-thread; a caller that stops reading releases the session."""
+thread; a caller that stops reading releases the session. A lone request's steps do not turn the thread's event loop
+(only what another thread hands it does), and the loop asks whether tracing is on once a request."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from specserve.draft_service.registry import build_proposer
 from specserve.loop.engine_thread import EngineThread
 from specserve.loop.local import LocalDraft, LocalTarget
 from specserve.loop.step_loop import FinalEvent, run_request
+from specserve.runtime import tracing
 from specserve.target_service.factory import EngineConfig, build_engine
 
 PROMPT = (5, 17, 99, 5, 17, 3, 42, 7, 5, 17, 99, 5)
@@ -181,3 +183,84 @@ def test_a_caller_that_stops_reading_releases_the_session(engine) -> None:
             target.close()
 
     assert asyncio.run(go()) is False
+
+
+def test_a_lone_request_turns_the_event_loop_only_when_handed_something(engine) -> None:
+    """A direct step never waits, so a lone request's steps yield to the engine thread's event loop only when another
+    thread handed it something (issue #42: a turn of the loop a step was a fifth of the in-process step's host time):
+    a callback that each step leaves on that loop runs there at the request's end, not a step later (before: one turn
+    a step). A request arriving mid-way still starts at the next step, and a caller that leaves is heard at once."""
+
+    async def go():
+        target = EngineThread(engine)
+        ran, seen, order, left = [0], [], [], []
+        b_sent = threading.Event()
+
+        def tick() -> None:
+            ran[0] += 1
+
+        def on_lone(rec) -> None:  # on the engine's thread
+            asyncio.get_running_loop().call_soon(tick)
+            seen.append(ran[0])
+
+        def on_a(rec) -> None:
+            order.append("a")
+            if len(order) == 3:  # hold a's third step until b has been handed to the loop
+                b_sent.wait(10)
+
+        try:
+            await _tokens(target.generate(_request(num_speculative_tokens=0), None, on_step=on_lone))
+            a = asyncio.ensure_future(
+                _tokens(target.generate(_request(num_speculative_tokens=0), None, session_id="a", on_step=on_a))
+            )
+            while len(order) < 3:
+                await asyncio.sleep(0.001)
+            b = asyncio.ensure_future(
+                _tokens(
+                    target.generate(
+                        _request(num_speculative_tokens=0), None, session_id="b", on_step=lambda rec: order.append("b")
+                    )
+                )
+            )
+            await asyncio.sleep(0.05)  # b's generate ran up to its first wait: b is on the engine's loop
+            b_sent.set()
+            await asyncio.gather(a, b)
+            events = target.generate(
+                _request(max_new_tokens=200, num_speculative_tokens=0), None, on_step=lambda rec: left.append(1)
+            )
+            async for _ in events:
+                break
+            await events.aclose()
+            return seen, order, left
+        finally:
+            target.close()
+
+    lone, order, left = asyncio.run(go())
+    assert len(lone) == 23 and lone[-1] <= 1  # before: lone[-1] == 22, a turn a step
+    assert "a" in order[order.index("b") :]  # b began before a ended
+    assert len(left) < 50  # cancelled a step or so after the caller left, not after 200
+
+
+def test_the_loop_asks_whether_tracing_is_on_once_a_request(engine, monkeypatch) -> None:
+    """Whether a tracer provider is installed is asked once a request, not at each of a step's spans (the question
+    reads the environment: three times a step it was a tenth of the in-process step's host time, issue #42)."""
+    asked = [0]
+    installed = tracing.tracing_installed
+
+    def counted() -> bool:
+        asked[0] += 1
+        return installed()
+
+    monkeypatch.setattr(tracing, "tracing_installed", counted)
+
+    async def go():
+        target = EngineThread(engine)
+        steps: list = []
+        try:
+            await _tokens(target.generate(_request(num_speculative_tokens=0), None, on_step=steps.append))
+            return len(steps)
+        finally:
+            target.close()
+
+    assert asyncio.run(go()) == 23
+    assert asked[0] == 1  # before: 2 a step (the verify's span and the stream's)

@@ -60,8 +60,28 @@ def test_serve_overhead_reports_each_via_with_the_model_time_taken_out(bench_tar
     assert left_behind(before) == set()  # other processes' names on a shared machine come and go
 
 
+def test_serve_overhead_in_process_only_starts_no_service(bench_target, tmp_path):
+    """--vias process,process-hops: the two in-process ways alone, compared as before, and no service process."""
+    args = ["bench", "overhead", "--model", str(bench_target), "--drafters", "none,ngram", "--k", "2"]
+    rc = main(
+        [*args, "--vias", "process-hops,process", "--requests", "1", "--max-new-tokens", "8", "--rounds", "1"]
+        + ["--out", str(tmp_path)]
+    )
+    assert rc == 0
+    result = json.loads((tmp_path / "summary.json").read_text())
+    assert "services" not in result
+    for vias in result["methods"].values():
+        assert list(vias) == ["process", "process-hops"]  # VIAS' order
+        assert vias["process-hops"]["same_tokens"] and "overhead_vs_process_us" in vias["process-hops"]
+
+
 def test_serve_overhead_refuses_bad_flags_in_one_line(capsys):
     assert main(["bench", "overhead", "--model", "synthetic:tiny-qwen3-moe:1", "--drafters", "ngram"]) == 2
     assert main(["bench", "overhead", "--model", "synthetic:tiny-qwen3-moe:1", "--drafters", "eagle9"]) == 2
+    assert main(["bench", "overhead", "--model", "synthetic:tiny-qwen3-moe:1", "--vias", "serve-shm"]) == 2
+    assert main(["bench", "overhead", "--model", "synthetic:tiny-qwen3-moe:1", "--vias", "process,smoke"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 2 and all(line.startswith("specserve bench: error: --drafters") for line in err), err
+    assert len(err) == 4 and all(line.startswith("specserve bench: error: --") for line in err), err
+    assert all(
+        "--vias: choose from process, process-hops, serve-shm, serve-grpc, process among them" in e for e in err[2:]
+    )
