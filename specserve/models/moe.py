@@ -45,9 +45,8 @@ class TopKRouter(nn.Module):
             self.e_score_correction_bias.weight_loader = lambda p, w: copy_checked(p.data, w)
         self.use_kernel = False  # CausalLM.set_fused_layers: the rule after the gate GEMM in one Triton launch
         self.skinny = None  # CausalLM.set_fused_layers: the skinny GEMM's counters for the gate GEMM
-        self.gate_counters = (
-            None  # CausalLM.set_fused_layers: kernels/router.route_gate's (gate GEMM + rule, one launch)
-        )
+        # CausalLM.set_fused_layers: the arrival counters of kernels/router.route_gate (gate GEMM + rule, one launch)
+        self.gate_counters = None
 
     def forward(
         self, x: torch.Tensor, live_rows: torch.Tensor | None = None, shared: int = 0
