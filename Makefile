@@ -33,7 +33,7 @@ lint: $(STAMP)
 	$(PY) -m specserve.tools.lint_imports
 
 test: lint
-	$(PY) -m pytest -q -x -rs --durations=15 -n 2 --dist loadgroup tests
+	$(PY) -m pytest -q -x -rs --durations=15 tests
 
 test-gpu: $(STAMP)
 	$(PY) -m pytest -q -m gpu tests

@@ -17,10 +17,10 @@ os.environ.setdefault(SEED_KEY_ENV, "7e57" * 16)
 
 
 # ------------------------------------------------------------------------------ two workers (pytest-xdist)
-# `make test` runs the suite on two workers (-n 2 --dist loadgroup). Tests that start service processes or make
-# shared-memory names run one at a time, on one worker (the xdist group "services"): their checks that no name is
-# left in /dev/shm see every process's names, and their deadlines and timing comparisons want no second stack
-# beside them. Every test under tests/gateway/ and tests/runtime/ is in it but the in-process ones named here, and
+# `make test` runs the suite on one worker; `-n 2 --dist loadgroup` (pytest-xdist) runs it on two. Tests that
+# start service processes or make shared-memory names run one at a time, on one worker (the xdist group
+# "services"): their checks that no name is left in /dev/shm see every process's names, and their deadlines and
+# timing comparisons want no second stack beside them. Every test under tests/gateway/ and tests/runtime/ is in it but the in-process ones named here, and
 # so are the service tests named below from the other folders; the rest spread over both workers. A new test that
 # starts a service or makes a shared-memory name outside gateway/ and runtime/ goes in SERVICE_FILES.
 SERVICE_FOLDERS = ("gateway", "runtime")
