@@ -45,6 +45,26 @@ def _out(
     return buf
 
 
+def _check_same_device_with(
+    *,
+    named: list[tuple[str, torch.Tensor]],
+    correction_bias: torch.Tensor | None,  # [E]
+    live_rows: torch.Tensor | None,  # [1] int64
+    e: int,
+) -> None:
+    """The router's optional inputs checked (route and route_gate), then every tensor on one device."""
+    named = list(named)
+    if correction_bias is not None:
+        check_tensor("correction_bias", correction_bias, 1, _LOGIT_DTYPES)
+        check_dim("correction_bias", correction_bias, 0, e, "the number of experts E")
+        named.append(("correction_bias", correction_bias))
+    if live_rows is not None:
+        check_tensor("live_rows", live_rows, 1, (torch.int64,))
+        check_dim("live_rows", live_rows, 0, 1, "one count")
+        named.append(("live_rows", live_rows))
+    check_same_device(named)
+
+
 def route(
     logits: torch.Tensor,  # [T, E] gate GEMM output (rows may be strided; last dim contiguous)
     cfg: RouterConfig,
@@ -64,16 +84,7 @@ def route(
         e <= MAX_EXPERTS and cfg.top_k <= MAX_TOP_K,
         f"at most {MAX_EXPERTS} experts and top_k {MAX_TOP_K}, got {e} and {cfg.top_k}",
     )
-    named = [("logits", logits)]
-    if correction_bias is not None:
-        check_tensor("correction_bias", correction_bias, 1, _LOGIT_DTYPES)
-        check_dim("correction_bias", correction_bias, 0, e, "the number of experts E = logits.shape[1]")
-        named.append(("correction_bias", correction_bias))
-    if live_rows is not None:
-        check_tensor("live_rows", live_rows, 1, (torch.int64,))
-        check_dim("live_rows", live_rows, 0, 1, "one count")
-        named.append(("live_rows", live_rows))
-    check_same_device(named)
+    _check_same_device_with(named=[("logits", logits)], correction_bias=correction_bias, live_rows=live_rows, e=e)
     require(HAS_TRITON, "the Triton router needs the triton package, which is not installed")
     require(logits.is_cuda or triton_interpreting(), f"the Triton router needs CUDA tensors, got {logits.device}")
     require(0 <= shared <= MAX_TOP_K, f"shared must lie in [0, {MAX_TOP_K}], got {shared}")
@@ -186,13 +197,7 @@ def route_gate(
         f"at most {MAX_EXPERTS} experts, top_k {MAX_TOP_K} and {MAX_TOP_K} shared, got {e}, {cfg.top_k}, {shared}",
     )
     named = [("x", x), ("weight", weight), ("counters", counters)]
-    if correction_bias is not None:
-        check_dim("correction_bias", correction_bias, 0, e, "cfg.num_experts")
-        named.append(("correction_bias", correction_bias))
-    if live_rows is not None:
-        check_tensor("live_rows", live_rows, 1, (torch.int64,))
-        named.append(("live_rows", live_rows))
-    check_same_device(named)
+    _check_same_device_with(named=named, correction_bias=correction_bias, live_rows=live_rows, e=e)
     k = cfg.top_k
     ids = torch.empty(t, k + shared, dtype=torch.int32, device=x.device)
     weights = torch.empty(t, k + shared, dtype=torch.float32, device=x.device)
