@@ -7,7 +7,8 @@ Triton path (three launches plus a deterministic top-k sum, no host sync, CUDA-g
   1. moe_align_kernel sorts the T*K slots by expert and pads each expert's run to BM rows;
   2. moe_gate_up_kernel: per (M-block, N-tile of I) both gate and up GEMMs and SiLU(gate)*up, one pass over H;
   3. moe_down_kernel: per (M-block, N-tile of H) the down GEMM times the routing weight, into [T*K, H] fp32;
-  4. sum_topk_kernel: sum over k in fixed order.
+  4. sum_topk_kernel: sum over k in fixed order (or, with sum_slots=False, the fused add + RMSNorm after the MoE:
+     fused_moe returns the slots as a SlotRows and kernels/norm.fused_add_rms_norm sums them in its launch).
 With BM >= the most rows any expert can get (T for T <= 64), every routed expert's weights are read once per call.
 A slot routed to NO_EXPERT (kernels/moe_reference.py: the pad rows of invariant steps) gets no row in step 1, so it
 costs no GEMM work and reads no weights, and step 4 adds 0 for it (its [T*K, H] row is never written).
@@ -28,7 +29,7 @@ from specserve.kernels.checks import (
     require,
     triton_interpreting,
 )
-from specserve.kernels.moe_reference import NO_EXPERT, SharedExperts
+from specserve.kernels.moe_reference import NO_EXPERT, SharedExperts, SlotRows
 
 try:
     import triton
@@ -227,7 +228,8 @@ def fused_moe_triton(
     topk_weights: torch.Tensor,  # [T, K]
     config: MoETileConfig | None = None,
     shared: SharedExperts | None = None,
-) -> torch.Tensor:  # [T, H]
+    sum_slots: bool = True,
+) -> torch.Tensor | SlotRows:  # [T, H], or the slots before their sum (sum_slots=False)
     """The Triton path (arguments already checked)."""
     t, h = hidden.shape
     e, two_i, _ = w13.shape
@@ -294,10 +296,19 @@ def fused_moe_triton(
         num_warps=cfg.dn_warps,
         num_stages=cfg.dn_stages,
     )
-    out = torch.empty_like(hidden)
+    slots = SlotRows(per_slot, topk_ids.reshape(-1), k, hidden.dtype)
+    return sum_slots_of(slots) if sum_slots else slots
+
+
+def sum_slots_of(slots: SlotRows) -> torch.Tensor:  # [T, H] slots.dtype
+    """A SlotRows' sum: one Triton launch where it can run (sum_topk_kernel), else SlotRows.total in torch."""
+    if not (HAS_TRITON and (slots.rows.is_cuda or triton_interpreting())):
+        return slots.total()
+    t, h = slots.shape
+    out = torch.empty(t, h, dtype=slots.dtype, device=slots.rows.device)
     bh = min(1024, triton_next_pow2(h))
     moe_triton.sum_topk_kernel[(t, triton.cdiv(h, bh))](
-        per_slot, topk_ids.reshape(-1), out, h, TOPK=k, BH=bh, SKIP=True, PARTS=1, num_warps=4
+        slots.rows, slots.ids, out, h, TOPK=slots.k, BH=bh, SKIP=True, PARTS=1, num_warps=4
     )
     return out
 
@@ -362,7 +373,8 @@ def fused_moe(
     config: MoETileConfig | None = None,
     validate_ids: bool = False,
     shared: SharedExperts | None = None,  # shared experts as routed experts E.. (the router gives their ids)
-) -> torch.Tensor:  # [T, H]
+    sum_slots: bool = True,  # False: the Triton path returns its slots before the top-k sum (SlotRows)
+) -> torch.Tensor | SlotRows:  # [T, H]
     """Routed-experts MoE; same function as moe_reference. backend: auto | triton | grouped_mm.
 
     auto = Triton on CUDA for T <= GROUPED_MM_ABOVE_TOKENS, torch._grouped_mm otherwise (CPU included).
@@ -381,4 +393,4 @@ def fused_moe(
     require(
         hidden.is_cuda or triton_interpreting(), f"the Triton MoE needs CUDA tensors, got hidden on {hidden.device}"
     )
-    return fused_moe_triton(hidden, w13, w2, topk_ids, topk_weights, config, shared)
+    return fused_moe_triton(hidden, w13, w2, topk_ids, topk_weights, config, shared, sum_slots)

@@ -14,6 +14,31 @@ NO_EXPERT = -1
 
 
 @dataclass(frozen=True)
+class SlotRows:
+    """A MoE's output before its top-k sum: out[t] = sum over j < k of rows[t * k + j] in float32, in that order, a
+    slot routed to NO_EXPERT adding 0 (its row is never written), rounded to `dtype` once. fused_moe(sum_slots=False)
+    returns it so the fused add + RMSNorm after the MoE (kernels/norm.fused_add_rms_norm) sums the slots in its own
+    launch: the same bits as summing first (kernels.fused_moe.sum_slots), one launch fewer."""
+
+    rows: torch.Tensor  # [T * k, H] float32
+    ids: torch.Tensor  # [T * k] int32/int64 expert ids (NO_EXPERT: a slot with no expert)
+    k: int
+    dtype: torch.dtype  # the sum's dtype (the MoE's input dtype)
+
+    @property
+    def shape(self) -> tuple[int, int]:  # (T, H) of the sum
+        return self.rows.shape[0] // self.k, self.rows.shape[1]
+
+    def total(self) -> torch.Tensor:  # [T, H] dtype, in torch (the kernels' order)
+        t, h = self.shape
+        rows = torch.where((self.ids >= 0)[:, None], self.rows, 0.0).view(t, self.k, h)
+        acc = torch.zeros(t, h, dtype=torch.float32, device=self.rows.device)
+        for j in range(self.k):
+            acc += rows[:, j]
+        return acc.to(self.dtype)
+
+
+@dataclass(frozen=True)
 class SharedExperts:
     """Shared experts run as always-routed experts of the routed launch: a gated MLP of intermediate count * I (I the
     routed experts') is `count` experts of I, chunk j of its intermediate being expert E + j. The router gives every

@@ -2,7 +2,8 @@
 
   rms_norm(x [T, H], weight [H], eps) -> [T, H]
   fused_add_rms_norm(x [T, H], residual [T, H], weight [H], eps) -> (normed [T, H], new_residual [T, H])
-      new_residual = x + residual (rounded to the io dtype), normed = rms_norm(new_residual)
+      new_residual = x + residual (rounded to the io dtype), normed = rms_norm(new_residual); x may be a MoE's
+      slots before their top-k sum (moe_reference.SlotRows), summed in the same launch
   head_rms_norm(x [N, heads, D], weight [D], eps) -> [N, heads, D]  (x may be a strided view, e.g. q inside qkv)
 Same numerics as norm_reference.py (fp32 math, bf16/fp16/fp32 io). Every output can be a caller buffer (`out=`,
 `residual_out=`); in place is allowed (out=x, residual_out=residual). No host syncs: CUDA-graph capturable.
@@ -13,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from specserve.kernels.checks import check_dim, check_same_device, check_tensor, require, triton_interpreting
+from specserve.kernels.moe_reference import SlotRows
 
 try:
     import triton
@@ -95,8 +97,22 @@ def rms_norm(
     return out
 
 
+def _check_slots(slots: SlotRows, residual: torch.Tensor) -> None:
+    """A MoE's slots (SlotRows) in place of x: float32 [T * k, H] rows, [T * k] ids, summing to residual's shape."""
+    check_tensor("slot rows", slots.rows, 2, (torch.float32,))
+    check_tensor("slot ids", slots.ids, 1, (torch.int32, torch.int64))
+    require(slots.k >= 1, f"slots need k >= 1, got {slots.k}")
+    require(
+        slots.rows.shape[0] == residual.shape[0] * slots.k and slots.rows.shape[1] == residual.shape[1],
+        f"slot rows {tuple(slots.rows.shape)} do not sum to residual's {tuple(residual.shape)} at k = {slots.k}",
+    )
+    check_dim("slot ids", slots.ids, 0, slots.rows.shape[0], "the slot rows")
+    require(slots.dtype == residual.dtype, f"the slots sum to {slots.dtype} but residual has {residual.dtype}")
+    check_same_device([("slot rows", slots.rows), ("slot ids", slots.ids), ("residual", residual)])
+
+
 def fused_add_rms_norm(
-    x: torch.Tensor,  # [T, H] this sublayer's output
+    x: torch.Tensor | SlotRows,  # [T, H] this sublayer's output, or a MoE's slots before their top-k sum
     residual: torch.Tensor,  # [T, H] residual stream so far
     weight: torch.Tensor,  # [H]
     eps: float,
@@ -104,21 +120,30 @@ def fused_add_rms_norm(
     out: torch.Tensor | None = None,  # [T, H] normed (may be x)
     residual_out: torch.Tensor | None = None,  # [T, H] x + residual (may be residual)
 ) -> tuple[torch.Tensor, torch.Tensor]:  # (normed [T, H], new residual [T, H])
-    x = _check_rows("x", x)
+    """x may be a SlotRows (fused_moe(sum_slots=False)): its top-k sum is taken in this launch, the same bits as
+    summing it first."""
     residual = _check_rows("residual", residual)
-    t, h = x.shape
-    require(residual.shape == x.shape, f"residual has shape {tuple(residual.shape)}, x has {tuple(x.shape)}")
-    require(residual.dtype == x.dtype, f"residual has dtype {residual.dtype} but x has {x.dtype}")
-    _check_common(x, weight, h, eps)
+    slots = x if isinstance(x, SlotRows) else None
+    if slots is not None:
+        _check_slots(slots, residual)
+        x, k, ids = slots.rows, slots.k, slots.ids
+    else:
+        x, k = _check_rows("x", x), 0
+        require(residual.shape == x.shape, f"residual has shape {tuple(residual.shape)}, x has {tuple(x.shape)}")
+        require(residual.dtype == x.dtype, f"residual has dtype {residual.dtype} but x has {x.dtype}")
+        ids = x
+    t, h = residual.shape
+    _check_common(residual, weight, h, eps)
     check_same_device([("x", x), ("residual", residual), ("weight", weight)])
-    out = _out("out", out, x, contiguous=False)
-    residual_out = _out("residual_out", residual_out, x, contiguous=False)
+    out = _out("out", out, residual, contiguous=False)
+    residual_out = _out("residual_out", residual_out, residual, contiguous=False)
     require(out.data_ptr() != residual_out.data_ptr() or t == 0, "out and residual_out must be different buffers")
     if t == 0:
         return out, residual_out
     block, rows, warps = _block(h)
     _k.add_rms_norm_kernel[(triton.cdiv(t, rows),)](
         x,
+        ids,
         residual,
         weight,
         out,
@@ -132,6 +157,7 @@ def fused_add_rms_norm(
         H=h,
         BLOCK=block,
         ROWS=rows,
+        TOPK=k,
         num_warps=warps,
     )
     return out, residual_out

@@ -50,7 +50,8 @@ def rms_norm_kernel(
 
 @triton.jit
 def add_rms_norm_kernel(
-    x_ptr,  # [T, H]
+    x_ptr,  # [T, H], or [T * TOPK, H] fp32 slot rows (TOPK > 0)
+    ids_ptr,  # [T * TOPK] the slots' expert ids (TOPK > 0): a slot of NO_EXPERT (< 0) adds 0, its row unread
     res_ptr,  # [T, H]
     w_ptr,  # [H]
     out_ptr,  # [T, H] normed (may be x)
@@ -64,14 +65,24 @@ def add_rms_norm_kernel(
     H: tl.constexpr,
     BLOCK: tl.constexpr,
     ROWS: tl.constexpr,
+    TOPK: tl.constexpr,  # > 0: x is a MoE's slots, summed here in order (moe_triton.sum_topk_kernel's sum)
 ):
     r = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
     cols = tl.arange(0, BLOCK)
-    mask = (r < num_rows)[:, None] & (cols < H)[None, :]
-    x = tl.load(x_ptr + r[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
+    row_ok = r < num_rows
+    mask = row_ok[:, None] & (cols < H)[None, :]
     res = tl.load(res_ptr + r[:, None] * stride_r + cols[None, :], mask=mask, other=0.0)
-    s = (x.to(tl.float32) + res.to(tl.float32)).to(x.dtype)  # the residual stream stays in the io dtype
+    if TOPK > 0:
+        acc = tl.zeros([ROWS, BLOCK], dtype=tl.float32)
+        for j in tl.static_range(TOPK):
+            slot = r * TOPK + j  # [ROWS]
+            live = tl.load(ids_ptr + slot, mask=row_ok, other=-1) >= 0
+            acc += tl.load(x_ptr + slot[:, None] * stride_x + cols[None, :], mask=mask & live[:, None], other=0.0)
+        x = acc.to(res.dtype)
+    else:
+        x = tl.load(x_ptr + r[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
+    s = (x.to(tl.float32) + res.to(tl.float32)).to(res.dtype)  # the residual stream stays in the io dtype
     tl.store(res_out_ptr + r[:, None] * stride_ro + cols[None, :], s, mask=mask)
     w = tl.load(w_ptr + cols, mask=cols < H, other=0.0).to(tl.float32)
-    y = _normed(s.to(tl.float32), w, eps, H, x.dtype)
+    y = _normed(s.to(tl.float32), w, eps, H, res.dtype)
     tl.store(out_ptr + r[:, None] * stride_o + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)

@@ -36,6 +36,7 @@ class EngineConfig:
     fused_layers: bool | None = None  # None: on with the fused MoE (models/backends.select_backends)
     skinny_gemm: bool = False  # the fused layers' projections through kernels/skinny_gemm.py (default cuBLAS: faster)
     fused_moe_block: bool = True  # the fused layers' MoE block: gate GEMM in the router kernel, shared experts routed
+    fold_epilogues: bool = True  # the fused layers' MoE top-k sum in the next norm, MLA's W_UV in its split merge
     cuda_graphs: bool | None = None  # None: on when the chosen attention backend is graph-safe (GRAPH_ATTENTION)
     graph_max_draft: int = 16  # graphs for decode and chain verify of 1..graph_max_draft drafted tokens
     graph_tree_sizes: tuple[int, ...] = ()  # graphs for tree verify steps of these node counts
@@ -135,6 +136,7 @@ def build_model_for(cfg: EngineConfig):
         invariant,
         cfg.skinny_gemm,
         cfg.fused_moe_block,
+        cfg.fold_epilogues,
     )
     install_backends(model, choice, cfg.kv_block_size, cfg.device, dtype)
     return model, model_config, tokenizer, choice

@@ -115,6 +115,7 @@ MODES = MappingProxyType(
         "unfused": MappingProxyType({"fused_layers": False}),  # the graphs without the fused layers
         "skinny": MappingProxyType({"skinny_gemm": True}),  # the fused layers' projections through the skinny GEMM
         "split_moe": MappingProxyType({"fused_moe_block": False}),  # gate GEMM + router kernel, shared MLP apart
+        "unfolded": MappingProxyType({"fold_epilogues": False}),  # top-k sum and W_UV in launches of their own
         "eager": MappingProxyType(
             {"attention_backend": "torch", "cuda_graphs": False}
         ),  # per-sequence torch, no graphs

@@ -35,6 +35,7 @@ class BackendChoice:
     invariant: bool = False  # token-count invariant steps: the attention and torch MoE below in their invariant form
     skinny_gemm: bool = False  # with the fused layers: their projections through the skinny GEMM, else cuBLAS
     moe_block: bool = True  # with the fused layers: the gate GEMM in the router's kernel, shared experts routed
+    fold_epilogues: bool = True  # with the fused layers: MoE top-k sum in the next norm, MLA's W_UV in its merge
 
     def __post_init__(self) -> None:
         if self.attention not in ("torch", "flashinfer", "triton_paged", "paged_torch", "reference"):
@@ -89,6 +90,7 @@ def select_backends(
     invariant: bool | None = False,
     skinny_gemm: bool = False,
     moe_block: bool = True,
+    fold_epilogues: bool = True,
 ) -> BackendChoice:
     """'auto' takes the fast backend where it can run; asking for a fast backend where it cannot is an error.
     fused_layers None: on with the fused MoE (bf16 / fp16 on CUDA); True: on (CUDA, any dtype); False: off.
@@ -124,6 +126,7 @@ def select_backends(
         invariant=invariant,
         skinny_gemm=skinny_gemm,
         moe_block=moe_block,
+        fold_epilogues=fold_epilogues,
     )
 
 
@@ -137,7 +140,12 @@ def install_backends(
         model.set_experts_fn(fused_moe)
     else:
         model.set_experts_fn(moe_reference_fixed_rows if choice.invariant else moe_reference)
-    model.set_fused_layers(choice.fused_layers, skinny_gemm=choice.skinny_gemm, moe_block=choice.moe_block)
+    model.set_fused_layers(
+        choice.fused_layers,
+        skinny_gemm=choice.skinny_gemm,
+        moe_block=choice.moe_block,
+        fold_epilogues=choice.fold_epilogues,
+    )
     model.set_attention_backend(
         make_attention_backend(model, choice.attention, block_size, device, dtype, invariant=choice.invariant)
     )

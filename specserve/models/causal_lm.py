@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specserve.kernels.moe_reference import SlotRows
 from specserve.models.attention import ATTENTION_CLASSES, kv_head_shards
 from specserve.models.attn_metadata import AttentionBatch
 from specserve.models.config import ModelConfig, ParallelConfig
@@ -66,14 +67,15 @@ class DecoderLayer(nn.Module):
 
     def forward_fused(
         self,
-        x: torch.Tensor,  # [T, H] the previous layer's output before its residual add (the embeddings at layer 0)
+        x: torch.Tensor | SlotRows,  # [T, H] the previous layer's output before its residual add (embeddings at 0)
         residual: torch.Tensor | None,  # [T, H] the residual stream before that add; None at layer 0
         positions: torch.Tensor,  # [T]
         attn: AttentionBatch,
         kv_cache: PagedKVCache,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:  # (mlp out [T, H], residual [T, H], topk_ids)
+    ) -> tuple[torch.Tensor | SlotRows, torch.Tensor, torch.Tensor | None]:  # (mlp out, residual [T, H], topk_ids)
         """The same layer with each residual add fused into the RMSNorm after it (one kernel for both): returns the
-        MLP output and the residual stream it is to be added to (by the next layer's fused norm, or the caller)."""
+        MLP output and the residual stream it is to be added to (by the next layer's fused norm, or the caller).
+        A MoE's output may be its slots before their top-k sum (MoEBlock.set_slots_out): the next norm sums them."""
         from specserve.kernels.norm import fused_add_rms_norm
 
         norm = self.input_layernorm
@@ -140,7 +142,9 @@ class CausalLM(nn.Module):
             if isinstance(module, Int4StackedExperts):
                 module.gemv_max_tokens = max(W4A16_GEMV_MAX_TOKENS, rows)
 
-    def set_fused_layers(self, enabled: bool, skinny_gemm: bool = False, moe_block: bool = True) -> None:
+    def set_fused_layers(
+        self, enabled: bool, skinny_gemm: bool = False, moe_block: bool = True, fold_epilogues: bool = True
+    ) -> None:
         """The decode graph's fused layers (Triton kernels, CUDA only), or the plain-torch code everywhere:
 
         - every RMSNorm one launch, each residual add fused into the norm after it (kernels/norm.py);
@@ -149,8 +153,11 @@ class CausalLM(nn.Module):
         - QK-norm (MLA: the kv_a norm) + RoPE + the paged-cache write in one kernel (kernels/rope_cache.py), when
           the attention backend attends over a cache written beforehand (every paged backend does);
         - with moe_block (on by default), the router and its gate GEMM in one kernel for a step's rows
-          (kernels/router.route_gate), and the shared experts as always-routed experts of the routed experts' launches
+          (kernels/router.route_gate), the shared experts as always-routed experts of the routed experts' launches
           (MoEBlock.set_shared_as_routed); else the gate GEMM, then the router kernel, and the shared MLP apart;
+        - with fold_epilogues (on by default), two small launches folded into the one before or after them: a MoE's
+          top-k sum into the fused add + RMSNorm after it (MoEBlock.set_slots_out, with moe_block) and MLA's W_UV
+          into its split merge (the attention's project_in_merge, where the backend can: projects_mla_out);
         - with skinny_gemm (off by default: cuBLAS measured faster, BENCHMARKS' tenth pass), a step's few rows through
           the skinny GEMM (kernels/skinny_gemm.py) in every projection but lm_head, SiLU * up in the gate/up GEMM's
           epilogue and the routed experts' sum in the shared experts' down GEMM's."""
@@ -184,8 +191,10 @@ class CausalLM(nn.Module):
             table = rotary.table(self.config.max_position_embeddings, weight.dtype, weight.device)
         for layer in self.model.layers:
             layer.self_attn.fuse(table, skinny)
+            layer.self_attn.project_in_merge = enabled and fold_epilogues
             if layer.is_moe:
                 layer.mlp.set_shared_as_routed(enabled and moe_block)
+                layer.mlp.set_slots_out(enabled and moe_block and fold_epilogues)
 
     def set_attention_backend(self, backend) -> None:
         """Route every attention layer through `backend` (models/attn_backend.py: FlashInferBackend or
@@ -256,6 +265,7 @@ class CausalLM(nn.Module):
         captured: dict[int, torch.Tensor],
         routed: list[torch.Tensor],
     ) -> torch.Tensor:  # x [T, H] embeddings -> [T, H] final-normed
+        from specserve.kernels.fused_moe import sum_slots_of
         from specserve.kernels.norm import fused_add_rms_norm
 
         residual = None
@@ -264,7 +274,7 @@ class CausalLM(nn.Module):
             if ids is not None:
                 routed.append(ids)
             if i in capture_layers:
-                captured[i] = x + residual
+                captured[i] = (sum_slots_of(x) if isinstance(x, SlotRows) else x) + residual
         norm = self.model.norm
         return fused_add_rms_norm(x, residual, norm.weight, norm.eps)[0]
 

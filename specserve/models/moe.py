@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specserve.kernels.moe_reference import NO_EXPERT, SharedExperts, moe_reference
+from specserve.kernels.moe_reference import NO_EXPERT, SharedExperts, SlotRows, moe_reference
 from specserve.models.config import MoEConfig, ParallelConfig
 from specserve.models.layers import (
     GatedMLP,
@@ -162,11 +162,15 @@ class StackedExperts(nn.Module):
         ids: torch.Tensor,  # [T, K (+ shared.count)] local ids
         weights: torch.Tensor,  # [T, K (+ shared.count)]
         shared: SharedExperts | None = None,  # the shared experts as routed experts E.. (MoEBlock.shared_as_routed)
-    ) -> torch.Tensor:  # [T, H]
+        slots_out: bool = False,  # fused_moe's slots before their sum (MoEBlock.set_slots_out)
+    ) -> torch.Tensor | SlotRows:  # [T, H]
         """The routed experts (and the shared ones riding along) through the block's experts_fn."""
-        if shared is None:
-            return experts_fn(x, self.w13, self.w2, ids, weights)
-        return experts_fn(x, self.w13, self.w2, ids, weights, shared=shared)
+        kwargs: dict[str, object] = {}
+        if shared is not None:
+            kwargs["shared"] = shared
+        if slots_out:
+            kwargs["sum_slots"] = False
+        return experts_fn(x, self.w13, self.w2, ids, weights, **kwargs)
 
     def local_experts(self) -> range:
         """Global ids of the experts stored here."""
@@ -241,6 +245,7 @@ class MoEBlock(nn.Module):
         self.experts_fn = experts_fn
         self.parallel = parallel
         self.shared_as_routed: SharedExperts | None = None  # set_shared_as_routed
+        self.slots_out = False  # set_slots_out
 
     def set_shared_as_routed(self, enabled: bool) -> None:
         """Run the shared experts as always-routed experts of the routed experts' launches (SharedExperts): one
@@ -262,7 +267,22 @@ class MoEBlock(nn.Module):
             mlp.fuse(True)
         self.shared_as_routed = SharedExperts(mlp.gate_up[0], mlp.down_proj.weight, local // inter)
 
-    def forward(self, x: torch.Tensor, live_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def set_slots_out(self, enabled: bool) -> None:
+        """Return the experts' slots before their top-k sum (kernels/moe_reference.SlotRows) for the fused add +
+        RMSNorm after the block to sum (one launch fewer a layer). Taken only where the experts_fn is fused_moe (the
+        one that can return them), no all-reduce follows (tp 1) and no shared MLP adds to the sum after it."""
+        from specserve.kernels.fused_moe import fused_moe
+
+        self.slots_out = (
+            enabled
+            and self.experts_fn is fused_moe
+            and self.parallel.tp_size == 1
+            and (self.shared_experts is None or self.shared_as_routed is not None)
+        )
+
+    def forward(
+        self, x: torch.Tensor, live_rows: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor | SlotRows, torch.Tensor]:
         """x [T, H], live_rows [1] int64 on x's device (None: all T) -> (out [T, H], topk_ids [T, K]).
 
         Rows from live_rows on are pad rows (AttentionBatch.pad_rows): they route to NO_EXPERT at weight 0, so every
@@ -273,11 +293,15 @@ class MoEBlock(nn.Module):
         shared = self.shared_as_routed
         if shared is not None:  # one launch set for routed and shared experts; ids E.. are the shared ones
             topk_ids, topk_weights = self.gate(x, live_rows, shared=shared.count)
-            out = self.experts.run(self.experts_fn, x, topk_ids, topk_weights, shared)
+            out = self.experts.run(self.experts_fn, x, topk_ids, topk_weights, shared, self.slots_out)
+            if self.slots_out:
+                return out, topk_ids[:, : self.cfg.top_k]
             return all_reduce(out, self.parallel), topk_ids[:, : self.cfg.top_k]
         topk_ids, topk_weights = self.gate(x, live_rows)
         ids, weights = self.experts.localize(topk_ids, topk_weights)
-        out = self.experts.run(self.experts_fn, x, ids, weights)
+        out = self.experts.run(self.experts_fn, x, ids, weights, slots_out=self.slots_out)
+        if self.slots_out:
+            return out, topk_ids
         if self.shared_experts is not None:  # the routed sum added in the shared down GEMM's epilogue (fused layers)
             out = self.shared_experts(x, add=out)
         return all_reduce(out, self.parallel), topk_ids
