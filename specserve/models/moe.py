@@ -270,12 +270,14 @@ class MoEBlock(nn.Module):
     def set_slots_out(self, enabled: bool) -> None:
         """Return the experts' slots before their top-k sum (kernels/moe_reference.SlotRows) for the fused add +
         RMSNorm after the block to sum (one launch fewer a layer). Taken only where the experts_fn is fused_moe (the
-        one that can return them), no all-reduce follows (tp 1) and no shared MLP adds to the sum after it."""
+        one that can return them) over float experts (int4 ones run their own kernels), no all-reduce follows (tp 1)
+        and no shared MLP adds to the sum after it."""
         from specserve.kernels.fused_moe import fused_moe
 
         self.slots_out = (
             enabled
             and self.experts_fn is fused_moe
+            and type(self.experts) is StackedExperts
             and self.parallel.tp_size == 1
             and (self.shared_experts is None or self.shared_as_routed is not None)
         )
@@ -299,9 +301,9 @@ class MoEBlock(nn.Module):
             return all_reduce(out, self.parallel), topk_ids[:, : self.cfg.top_k]
         topk_ids, topk_weights = self.gate(x, live_rows)
         ids, weights = self.experts.localize(topk_ids, topk_weights)
-        out = self.experts.run(self.experts_fn, x, ids, weights, slots_out=self.slots_out)
-        if self.slots_out:
-            return out, topk_ids
+        if self.slots_out:  # (set_slots_out: float experts through fused_moe, so StackedExperts.run)
+            return self.experts.run(self.experts_fn, x, ids, weights, slots_out=True), topk_ids
+        out = self.experts.run(self.experts_fn, x, ids, weights)
         if self.shared_experts is not None:  # the routed sum added in the shared down GEMM's epilogue (fused layers)
             out = self.shared_experts(x, add=out)
         return all_reduce(out, self.parallel), topk_ids
