@@ -29,7 +29,7 @@ from specserve.kernels.checks import (
     require,
     triton_interpreting,
 )
-from specserve.kernels.moe_reference import NO_EXPERT, SharedExperts, SlotRows
+from specserve.kernels.moe_reference import NO_EXPERT, ExpertRuns, SharedExperts, SlotRows
 
 try:
     import triton
@@ -183,6 +183,24 @@ def align_torch(
     return sorted_slot[: maxb * bm], block_expert, blk_cum[-1:].to(torch.int32)
 
 
+def check_runs(runs: ExpertRuns, num_slots: int, num_experts: int, bm: int, device: torch.device) -> None:
+    """A layout made elsewhere (the router's launch) must be this call's: same experts, block rows and sizes."""
+    require(isinstance(runs, ExpertRuns), f"runs must be an ExpertRuns, got {type(runs).__name__}")
+    require(
+        runs.bm == bm and runs.num_experts == num_experts,
+        f"runs were aligned for {runs.num_experts} experts in blocks of {runs.bm}, this call has {num_experts}, {bm}",
+    )
+    maxb = max_blocks(num_slots, num_experts, bm)
+    for name, tensor, size in (
+        ("sorted_slot", runs.sorted_slot, maxb * bm),
+        ("block_expert", runs.block_expert, maxb),
+        ("num_blocks", runs.num_blocks, 1),
+    ):
+        check_tensor(f"runs.{name}", tensor, 1, (torch.int32,))
+        check_dim(f"runs.{name}", tensor, 0, size, f"the layout of {num_slots} slots")
+        require(tensor.device == device, f"runs.{name} is on {tensor.device}, hidden on {device}")
+
+
 def max_blocks(num_slots: int, num_experts: int, bm: int) -> int:
     """Upper bound on BM-row blocks after padding each expert's run: ceil(N/BM) + min(E, N)."""
     return -(-num_slots // bm) + min(num_experts, num_slots)
@@ -229,6 +247,7 @@ def fused_moe_triton(
     config: MoETileConfig | None = None,
     shared: SharedExperts | None = None,
     sum_slots: bool = True,
+    runs: ExpertRuns | None = None,
 ) -> torch.Tensor | SlotRows:  # [T, H], or the slots before their sum (sum_slots=False)
     """The Triton path (arguments already checked)."""
     t, h = hidden.shape
@@ -237,7 +256,10 @@ def fused_moe_triton(
     n = t * k
     cfg = config or default_tile_config(t, h, inter)
     s = 0 if shared is None else shared.count
-    if n <= ALIGN_IN_TRITON_MAX_SLOTS:
+    if runs is not None:  # aligned in the router's launch (route_gate_with_runs)
+        check_runs(runs, n, e + s, cfg.bm, hidden.device)
+        sorted_slot, block_expert, num_blocks = runs.sorted_slot, runs.block_expert, runs.num_blocks
+    elif n <= ALIGN_IN_TRITON_MAX_SLOTS:
         sorted_slot, block_expert, num_blocks = align_triton(topk_ids, e + s, cfg.bm)
     else:
         sorted_slot, block_expert, num_blocks = align_torch(topk_ids, e + s, cfg.bm)
@@ -374,6 +396,7 @@ def fused_moe(
     validate_ids: bool = False,
     shared: SharedExperts | None = None,  # shared experts as routed experts E.. (the router gives their ids)
     sum_slots: bool = True,  # False: the Triton path returns its slots before the top-k sum (SlotRows)
+    runs: ExpertRuns | None = None,  # the Triton path's slot layout, made in the router's launch (else aligned here)
 ) -> torch.Tensor | SlotRows:  # [T, H]
     """Routed-experts MoE; same function as moe_reference. backend: auto | triton | grouped_mm.
 
@@ -393,4 +416,4 @@ def fused_moe(
     require(
         hidden.is_cuda or triton_interpreting(), f"the Triton MoE needs CUDA tensors, got hidden on {hidden.device}"
     )
-    return fused_moe_triton(hidden, w13, w2, topk_ids, topk_weights, config, shared, sum_slots)
+    return fused_moe_triton(hidden, w13, w2, topk_ids, topk_weights, config, shared, sum_slots, runs)

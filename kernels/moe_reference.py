@@ -14,6 +14,18 @@ NO_EXPERT = -1
 
 
 @dataclass(frozen=True)
+class ExpertRuns:
+    """fused_moe's slot layout (its align step): the T * k slots sorted by expert, each expert's run padded to bm rows.
+    Made in the router's launch (kernels/router.route_gate_with_runs) so fused_moe skips its own align launch."""
+
+    sorted_slot: torch.Tensor  # [max_blocks * bm] int32: padded row r's flat slot, or T * k for a pad row
+    block_expert: torch.Tensor  # [max_blocks] int32: the expert of each bm-row block
+    num_blocks: torch.Tensor  # [1] int32: blocks in use
+    bm: int
+    num_experts: int  # experts the slots were sorted by (routed + shared)
+
+
+@dataclass(frozen=True)
 class SlotRows:
     """A MoE's output before its top-k sum: out[t] = sum over j < k of rows[t * k + j] in float32, in that order, a
     slot routed to NO_EXPERT adding 0 (its row is never written), rounded to `dtype` once. fused_moe(sum_slots=False)

@@ -34,10 +34,32 @@ def moe_align_kernel(
     BM: tl.constexpr,
     FILL: tl.constexpr,
 ):
-    """One program: sort slots by (expert, slot), cut each expert's run into BM-row blocks, scatter. A slot of
-    NO_EXPERT (< 0) sorts with the padding, after every expert, and gets no row."""
+    """One program: align_slots."""
+    align_slots(
+        ids_ptr, sorted_slot_ptr, block_expert_ptr, num_blocks_ptr, scratch_ptr, N, E, MAXP, N_PAD, BM, FILL, ""
+    )
+
+
+@triton.jit
+def align_slots(
+    ids_ptr,
+    sorted_slot_ptr,
+    block_expert_ptr,
+    num_blocks_ptr,
+    scratch_ptr,
+    N,
+    E,
+    MAXP,
+    N_PAD: tl.constexpr,
+    BM: tl.constexpr,
+    FILL: tl.constexpr,
+    CACHE: tl.constexpr,  # the ids' load cache modifier ("" or ".cg": written by other programs of the launch)
+):
+    """Sort slots by (expert, slot), cut each expert's run into BM-row blocks, scatter (one program: moe_align_kernel,
+    or the router's last program, router_triton.gate_router_kernel ALIGN). A slot of NO_EXPERT (< 0) sorts with the
+    padding, after every expert, and gets no row."""
     offs = tl.arange(0, N_PAD)
-    ids = tl.load(ids_ptr + offs, mask=offs < N, other=E).to(tl.int32)  # padding sorts after every expert
+    ids = tl.load(ids_ptr + offs, mask=offs < N, other=E, cache_modifier=CACHE).to(tl.int32)  # padding sorts last
     ids = tl.where(ids < 0, E, ids)
     key = tl.sort(ids * N_PAD + offs)
     sid = key // N_PAD  # [N_PAD] expert of sorted position p

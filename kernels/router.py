@@ -18,6 +18,8 @@ from dataclasses import dataclass
 import torch
 
 from specserve.kernels.checks import check_dim, check_same_device, check_tensor, require, triton_interpreting
+from specserve.kernels.fused_moe import max_blocks
+from specserve.kernels.moe_reference import ExpertRuns
 from specserve.kernels.router_reference import RouterConfig
 
 try:
@@ -151,9 +153,10 @@ def default_gate_tile(num_experts: int, hidden: int) -> GateTile:
     return GateTile(1, max(16, min(triton.next_power_of_2(hidden), 4096)), 2)
 
 
-def new_gate_counters(device: torch.device | str) -> torch.Tensor:  # [GATE_MAX_ROWS] int32 zeros
-    """Arrival counters for route_gate (each call leaves them at zero; a model's routers run one at a time)."""
-    return torch.zeros(GATE_MAX_ROWS, dtype=torch.int32, device=device)
+def new_gate_counters(device: torch.device | str) -> torch.Tensor:  # [GATE_MAX_ROWS + 1] int32 zeros
+    """Arrival counters for route_gate: one a row, then the routed-rows count of route_gate_with_runs (each call
+    leaves them at zero; a model's routers run one at a time)."""
+    return torch.zeros(GATE_MAX_ROWS + 1, dtype=torch.int32, device=device)
 
 
 def can_route_gate(x: torch.Tensor, weight: torch.Tensor) -> bool:  # x [T, H], weight [E, H]
@@ -184,6 +187,41 @@ def route_gate(
     """The gate GEMM and route() in one launch. The logits are fp32 sums of x's products with the weight (the
     sigmoid rule's float32 GEMM up to summation order), rounded to x's dtype for the softmax rule (its GEMM's
     output dtype); then the rule as route() applies it."""
+    ids, weights, _ = _route_gate(x, weight, cfg, counters, correction_bias, live_rows, shared, tile, 0)
+    return ids, weights
+
+
+def route_gate_with_runs(
+    x: torch.Tensor,  # [T, H] the MoE block's input, T <= GATE_MAX_ROWS
+    weight: torch.Tensor,  # [E, H] the gate weight, x's dtype
+    cfg: RouterConfig,
+    counters: torch.Tensor,  # [GATE_MAX_ROWS + 1] int32 from new_gate_counters
+    bm: int,  # fused_moe's block rows for T tokens (fused_moe.default_tile_config(T, ...).bm)
+    correction_bias: torch.Tensor | None = None,  # [E]
+    *,
+    live_rows: torch.Tensor | None = None,  # [1] int64
+    shared: int = 0,
+    tile: GateTile | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, ExpertRuns]:  # route_gate's two, and fused_moe's slot layout of them
+    """route_gate, and in the same launch fused_moe's align step over the T * (K + shared) slots (the program that
+    routes the step's last row sorts them): fused_moe(runs=...) then skips its own align launch. Same layout as
+    fused_moe.align_triton of the returned ids."""
+    require(isinstance(bm, int) and bm >= 1 and not bm & (bm - 1), f"bm must be a power of two, got {bm!r}")
+    require(counters.numel() > GATE_MAX_ROWS, f"counters hold {counters.numel()}, need {GATE_MAX_ROWS + 1}")
+    return _route_gate(x, weight, cfg, counters, correction_bias, live_rows, shared, tile, bm)
+
+
+def _route_gate(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    cfg: RouterConfig,
+    counters: torch.Tensor,
+    correction_bias: torch.Tensor | None,
+    live_rows: torch.Tensor | None,
+    shared: int,
+    tile: GateTile | None,
+    bm: int,  # > 0: also the slots' layout (route_gate_with_runs)
+) -> tuple[torch.Tensor, torch.Tensor, ExpertRuns | None]:
     require(isinstance(cfg, RouterConfig), f"cfg must be a RouterConfig, got {type(cfg).__name__}")
     require(can_route_gate(x, weight), "route_gate needs bf16/fp16 x [T <= 64, H] and weight [E, H] on CUDA")
     check_tensor("counters", counters, 1, (torch.int32,))
@@ -209,6 +247,19 @@ def route_gate(
         and not (tile.eb & (tile.eb - 1) or tile.bk & (tile.bk - 1)),
         f"tile must be a GateTile with powers of two eb and bk >= 16, got {tile}",
     )
+    runs, n_pad = None, 1
+    if bm:
+        n = t * (k + shared)
+        n_pad = triton.next_power_of_2(n)
+        maxb = max_blocks(n, e + shared, bm)
+        runs = ExpertRuns(
+            torch.empty(maxb * bm, dtype=torch.int32, device=x.device),
+            torch.empty(maxb, dtype=torch.int32, device=x.device),
+            torch.empty(1, dtype=torch.int32, device=x.device),
+            bm,
+            e + shared,
+        )
+    scratch = torch.empty(n_pad, dtype=torch.int32, device=x.device) if bm else ids
     _k.gate_router_kernel[(t, triton.cdiv(e, tile.eb))](
         x,
         weight,
@@ -228,6 +279,17 @@ def route_gate(
         EB=tile.eb,
         BK=tile.bk,
         ROUND_LOGITS=cfg.scoring != "sigmoid",
+        sorted_slot_ptr=runs.sorted_slot if runs else ids,
+        block_expert_ptr=runs.block_expert if runs else ids,
+        num_blocks_ptr=runs.num_blocks if runs else ids,
+        scratch_ptr=scratch,
+        all_at=GATE_MAX_ROWS,
+        align_experts=e + shared,
+        maxp=runs.sorted_slot.numel() if runs else 0,
+        ALIGN=bool(bm),
+        N_PAD=n_pad,
+        BM=max(bm, 1),
+        FILL=1024,
         **dict(_rule_args(cfg, e, live_rows is not None, correction_bias is not None, shared), num_warps=tile.warps),
     )
-    return ids, weights
+    return ids, weights, runs

@@ -21,6 +21,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from specserve.kernels.moe_triton import align_slots
+
 NEG_INF = tl.constexpr(float("-inf"))
 BIG = tl.constexpr(1 << 30)
 
@@ -213,6 +215,17 @@ def gate_router_kernel(
     HAS_LIVE: tl.constexpr,
     SHARED: tl.constexpr,
     S_PAD: tl.constexpr,
+    sorted_slot_ptr,  # [MAXP] int32 out (ALIGN): fused_moe's slot layout, moe_triton.align_slots
+    block_expert_ptr,  # [MAXB] int32 out (ALIGN)
+    num_blocks_ptr,  # [1] int32 out (ALIGN)
+    scratch_ptr,  # [N_PAD] int32 (ALIGN)
+    all_at,  # counter_ptr + all_at: the routed-rows counter (ALIGN)
+    align_experts,  # experts the layout sorts by: E + SHARED (ALIGN)
+    maxp,  # MAXB * BM (ALIGN)
+    ALIGN: tl.constexpr,  # the program that routes the step's last row also aligns its slots (fused_moe's step 1)
+    N_PAD: tl.constexpr,
+    BM: tl.constexpr,
+    FILL: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     b = tl.program_id(1)
@@ -221,6 +234,22 @@ def gate_router_kernel(
         if t >= tl.load(live_ptr):
             if b == 0:
                 _route_pad_row(ids_ptr + t * stride_i, weights_ptr + t * stride_w, K, K_PAD, SHARED, S_PAD)
+                if ALIGN:
+                    _row_routed(
+                        counter_ptr,
+                        all_at,
+                        ids_ptr,
+                        sorted_slot_ptr,
+                        block_expert_ptr,
+                        num_blocks_ptr,
+                        scratch_ptr,
+                        (K + SHARED) * tl.num_programs(0),
+                        align_experts,
+                        maxp,
+                        N_PAD,
+                        BM,
+                        FILL,
+                    )
             return
     offs_e = b * EB + tl.arange(0, EB)
     e_ok = offs_e < E
@@ -263,3 +292,55 @@ def gate_router_kernel(
             ".cg",
         )
         tl.atomic_xchg(counter_ptr + t, 0, sem="relaxed", scope="gpu")  # ready for the next call
+        if ALIGN:
+            _row_routed(
+                counter_ptr,
+                all_at,
+                ids_ptr,
+                sorted_slot_ptr,
+                block_expert_ptr,
+                num_blocks_ptr,
+                scratch_ptr,
+                (K + SHARED) * tl.num_programs(0),
+                align_experts,
+                maxp,
+                N_PAD,
+                BM,
+                FILL,
+            )
+
+
+@triton.jit
+def _row_routed(
+    counter_ptr,
+    all_at,
+    ids_ptr,  # [T * (K + SHARED)] int32: every row's ids, contiguous
+    sorted_slot_ptr,
+    block_expert_ptr,
+    num_blocks_ptr,
+    scratch_ptr,
+    n_slots,
+    align_experts,
+    maxp,
+    N_PAD: tl.constexpr,
+    BM: tl.constexpr,
+    FILL: tl.constexpr,
+):
+    """Count a routed row in (after its ids are stored); the program that counts the step's last row aligns every
+    row's slots (their ids read past L1: other programs wrote them) and resets the counter for the next call."""
+    if tl.atomic_add(counter_ptr + all_at, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) - 1:
+        align_slots(
+            ids_ptr,
+            sorted_slot_ptr,
+            block_expert_ptr,
+            num_blocks_ptr,
+            scratch_ptr,
+            n_slots,
+            align_experts,
+            maxp,
+            N_PAD,
+            BM,
+            FILL,
+            ".cg",
+        )
+        tl.atomic_xchg(counter_ptr + all_at, 0, sem="relaxed", scope="gpu")

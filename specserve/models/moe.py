@@ -13,7 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specserve.kernels.moe_reference import NO_EXPERT, SharedExperts, SlotRows, moe_reference
+from specserve.kernels.moe_reference import NO_EXPERT, ExpertRuns, SharedExperts, SlotRows, moe_reference
+from specserve.kernels.router_reference import RouterConfig
 from specserve.models.config import MoEConfig, ParallelConfig
 from specserve.models.layers import (
     GatedMLP,
@@ -66,11 +67,21 @@ class TopKRouter(nn.Module):
             ids, weights = ids.masked_fill(pad, NO_EXPERT), weights.masked_fill(pad, 0.0)
         return ids, weights
 
-    def _kernel(
-        self, x: torch.Tensor, live_rows: torch.Tensor | None, shared: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        from specserve.kernels.router import RouterConfig, can_route_gate, route, route_gate
+    def route_with_runs(
+        self, x: torch.Tensor, live_rows: torch.Tensor | None, shared: int, bm: int
+    ) -> tuple[torch.Tensor, torch.Tensor, ExpertRuns | None]:  # forward's two, and fused_moe's layout of the slots
+        """forward, and, where route_gate takes the call, fused_moe's slot layout in the same launch (else None:
+        fused_moe aligns the slots itself)."""
+        from specserve.kernels.router import can_route_gate, route_gate_with_runs
 
+        if not (self.use_kernel and self.gate_counters is not None and can_route_gate(x, self.weight)):
+            return *self.forward(x, live_rows, shared), None
+        rule, bias = self._rule()
+        return route_gate_with_runs(
+            x, self.weight, rule, self.gate_counters, bm, bias, live_rows=live_rows, shared=shared
+        )
+
+    def _rule(self) -> tuple[RouterConfig, torch.Tensor | None]:  # the kernels' rule and its correction bias
         cfg = self.cfg
         sigmoid = cfg.scoring == "sigmoid"
         rule = RouterConfig(  # the softmax rule ignores groups and bias, as _softmax does
@@ -83,6 +94,15 @@ class TopKRouter(nn.Module):
             routed_scaling_factor=cfg.routed_scaling_factor,
         )
         bias = self.e_score_correction_bias if sigmoid and cfg.correction_bias else None
+        return rule, bias
+
+    def _kernel(
+        self, x: torch.Tensor, live_rows: torch.Tensor | None, shared: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        from specserve.kernels.router import can_route_gate, route, route_gate
+
+        rule, bias = self._rule()
+        sigmoid = self.cfg.scoring == "sigmoid"
         if self.gate_counters is not None and can_route_gate(x, self.weight):
             return route_gate(x, self.weight, rule, self.gate_counters, bias, live_rows=live_rows, shared=shared)
         return route(self._logits(x, sigmoid), rule, bias, live_rows=live_rows, shared=shared)
@@ -163,6 +183,7 @@ class StackedExperts(nn.Module):
         weights: torch.Tensor,  # [T, K (+ shared.count)]
         shared: SharedExperts | None = None,  # the shared experts as routed experts E.. (MoEBlock.shared_as_routed)
         slots_out: bool = False,  # fused_moe's slots before their sum (MoEBlock.set_slots_out)
+        runs: ExpertRuns | None = None,  # fused_moe's slot layout, made in the router's launch
     ) -> torch.Tensor | SlotRows:  # [T, H]
         """The routed experts (and the shared ones riding along) through the block's experts_fn."""
         kwargs: dict[str, object] = {}
@@ -170,6 +191,8 @@ class StackedExperts(nn.Module):
             kwargs["shared"] = shared
         if slots_out:
             kwargs["sum_slots"] = False
+        if runs is not None:
+            kwargs["runs"] = runs
         return experts_fn(x, self.w13, self.w2, ids, weights, **kwargs)
 
     def local_experts(self) -> range:
@@ -269,7 +292,8 @@ class MoEBlock(nn.Module):
 
     def set_slots_out(self, enabled: bool) -> None:
         """Return the experts' slots before their top-k sum (kernels/moe_reference.SlotRows) for the fused add +
-        RMSNorm after the block to sum (one launch fewer a layer). Taken only where the experts_fn is fused_moe (the
+        RMSNorm after the block to sum, and have the router's launch sort the slots by expert for fused_moe
+        (TopKRouter.route_with_runs): two launches fewer a layer. Taken only where the experts_fn is fused_moe (the
         one that can return them) over float experts (int4 ones run their own kernels), no all-reduce follows (tp 1)
         and no shared MLP adds to the sum after it."""
         from specserve.kernels.fused_moe import fused_moe
@@ -293,16 +317,20 @@ class MoEBlock(nn.Module):
         Under tp each rank's routed output is partial (TP: its I-slice of every expert; EP: its experts'
         choices only), as is its shared-experts output (TP slice); one all-reduce sums both."""
         shared = self.shared_as_routed
+        if self.slots_out:  # float experts through fused_moe at tp 1 (set_slots_out): aligned in the router's launch
+            from specserve.kernels.fused_moe import default_tile_config
+
+            count = 0 if shared is None else shared.count
+            bm = default_tile_config(x.shape[0], x.shape[1], self.experts.inter).bm
+            topk_ids, topk_weights, runs = self.gate.route_with_runs(x, live_rows, count, bm)
+            out = self.experts.run(self.experts_fn, x, topk_ids, topk_weights, shared, slots_out=True, runs=runs)
+            return out, topk_ids[:, : self.cfg.top_k]
         if shared is not None:  # one launch set for routed and shared experts; ids E.. are the shared ones
             topk_ids, topk_weights = self.gate(x, live_rows, shared=shared.count)
-            out = self.experts.run(self.experts_fn, x, topk_ids, topk_weights, shared, self.slots_out)
-            if self.slots_out:
-                return out, topk_ids[:, : self.cfg.top_k]
+            out = self.experts.run(self.experts_fn, x, topk_ids, topk_weights, shared)
             return all_reduce(out, self.parallel), topk_ids[:, : self.cfg.top_k]
         topk_ids, topk_weights = self.gate(x, live_rows)
         ids, weights = self.experts.localize(topk_ids, topk_weights)
-        if self.slots_out:  # (set_slots_out: float experts through fused_moe, so StackedExperts.run)
-            return self.experts.run(self.experts_fn, x, ids, weights, slots_out=True), topk_ids
         out = self.experts.run(self.experts_fn, x, ids, weights)
         if self.shared_experts is not None:  # the routed sum added in the shared down GEMM's epilogue (fused layers)
             out = self.shared_experts(x, add=out)

@@ -11,7 +11,8 @@ import torch.nn.functional as F
 from kernel_test_utils import HAS_CUDA, poison_cuda_allocator
 
 from specserve.kernels.checks import KernelArgumentError, triton_interpreting
-from specserve.kernels.router import HAS_TRITON, GateTile, RouterConfig, new_gate_counters, route
+from specserve.kernels.fused_moe import align_torch, default_tile_config
+from specserve.kernels.router import HAS_TRITON, GateTile, RouterConfig, new_gate_counters, route, route_gate_with_runs
 from specserve.kernels.router import route_gate as _route_gate
 
 pytestmark = pytest.mark.skipif(
@@ -49,6 +50,10 @@ def _case(name: str, t: int, seed: int):
 def route_gate(*args, **kw):
     """The default tile on CUDA; under the interpreter 16 experts a program (one a program is 16x the programs)."""
     return _route_gate(*args, **kw, tile=None if HAS_CUDA else GateTile(16, 128, 2))
+
+
+def _with_runs(*args, **kw):
+    return route_gate_with_runs(*args, **kw, tile=None if HAS_CUDA else GateTile(16, 128, 2))
 
 
 def _two_launches(x, w, rule, bias, **kw):
@@ -126,3 +131,27 @@ def test_route_gate_in_a_cuda_graph():
         graph.replay()
         ref = route_gate(static_x, w, rule, counters, bias, shared=2)
         assert torch.equal(out[0], ref[0]) and torch.equal(out[1], ref[1])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t,live", [(1, None), (4, None), (17, 12)])
+def test_route_gate_with_runs_aligns_the_slots_as_fused_moe_would(t, live):
+    """The program that routes the step's last row (pad rows included) sorts every slot by expert: the layout
+    fused_moe's own align step makes of the same ids (align_torch). Two calls in turn: the routed-rows counter is left
+    at zero (a counter left high would leave the second call's layout unwritten)."""
+    live_rows = None if live is None else torch.tensor([live], device=DEVICE)
+    counters = new_gate_counters(DEVICE)
+    for seed in (40 + t, 80 + t):
+        x, w, rule, bias = _case("sigmoid_grouped", t, seed=seed)
+        bm = default_tile_config(t, x.shape[1], 1408).bm
+        poison_cuda_allocator()
+        ids, weights, runs = _with_runs(x, w, rule, counters, bm, bias, live_rows=live_rows, shared=2)
+        ref_ids, ref_w = route_gate(x, w, rule, new_gate_counters(DEVICE), bias, live_rows=live_rows, shared=2)
+        assert torch.equal(ids, ref_ids) and torch.equal(weights, ref_w)
+        slot, block_expert, num_blocks = align_torch(ids, rule.num_experts + 2, bm)
+        assert (runs.bm, runs.num_experts) == (bm, rule.num_experts + 2)
+        assert torch.equal(runs.num_blocks, num_blocks)
+        assert torch.equal(runs.sorted_slot, slot)
+        used = int(num_blocks)
+        assert torch.equal(runs.block_expert[:used], block_expert[:used])
+        assert not counters.any()
