@@ -117,14 +117,11 @@ def _combine(
     dv: int,
     splits: int,
     block_size: int,
-    w_out: torch.Tensor | None = None,  # [H, DVO, DV] (per-row ranges only): out is [N, H, DVO] = w_out[h] @ merged
 ) -> None:
     """Merge the split partials into out [N, H, DV]: per-row ranges (up to the row's last) or derived ranges."""
     if split_chunk:
         dv_block = min(_pow2(dv), 64)  # [S_PAD, 64] fp32 partials a program: no spills at 64 splits
-        dvo = dv if w_out is None else w_out.shape[1]
-        grid_d = 1 if w_out is not None else triton.cdiv(dv, dv_block)
-        _k.combine_fixed_splits_kernel[(n, heads, grid_d)](
+        _k.combine_fixed_splits_kernel[(n, heads, triton.cdiv(dv, dv_block))](
             ws_acc,
             ws_ml,
             out,
@@ -137,22 +134,15 @@ def _combine(
             split_chunk,
             out.stride(0),
             out.stride(1),
-            w_out if w_out is not None else out,
-            w_out.stride(0) if w_out is not None else 0,
-            w_out.stride(1) if w_out is not None else 0,
             H=heads,
             DV=dv,
             DV_BLOCK=dv_block,
             SPLITS=splits,
             S_PAD=_pow2(splits, 2),
             HAS_TREE=rows.tree_mask is not None,
-            HAS_WO=w_out is not None,
-            DVO=dvo,
-            DVO_PAD=_pow2(dvo),
             num_warps=4,
         )
         return
-    require(w_out is None, "an output projection in the merge needs per-row split ranges (split_chunk > 0)")
     _k.combine_splits_kernel[(n, heads)](
         ws_acc,
         ws_ml,
@@ -278,11 +268,8 @@ def paged_mla_attention(
     heads_per_program: int | None = None,
     block_n: int | None = None,
     validate: bool = False,
-    w_out: torch.Tensor | None = None,  # [H, DVO, R] each head's output projection (MLA's W_UV), applied last
-) -> torch.Tensor:  # [N, H, R], or [N, H, DVO] with w_out
-    """Absorbed MLA over the paged latent cache; every head reads the same latent and rope key. With w_out the
-    result is each head's w_out[h] @ (its output rounded to q's dtype): inside the split merge's launch where the
-    call has per-row split ranges (num_splits > 1, split_chunk > 0), else as a batched GEMM after it."""
+) -> torch.Tensor:  # [N, H, R]
+    """Absorbed MLA over the paged latent cache; every head reads the same latent and rope key."""
     check_tensor("cache", cache, 3, _DTYPES)
     nb, bs, width = cache.shape
     q_nope = _check_query("q_nope", q_nope, None, None, cache.dtype)
@@ -293,28 +280,7 @@ def paged_mla_attention(
     check_dim("cache", cache, 2, r + p, "kv_lora_rank + rope_dim (q_nope.shape[2] + q_pe.shape[2])")
     check_rows_match(rows, "q_nope", q_nope)
     _check_launch(rows, [("q_nope", q_nope), ("q_pe", q_pe), ("cache", cache)], num_splits)
-    if w_out is not None:
-        check_tensor("w_out", w_out, 3, (q_nope.dtype,), contiguous=False)
-        check_dim("w_out", w_out, 0, h, "the number of heads")
-        check_dim("w_out", w_out, 2, r, "kv_lora_rank R")
-        require(w_out.stride(-1) == 1, f"w_out must be contiguous in its last dim, strides {w_out.stride()}")
-        check_same_device([("q_nope", q_nope), ("w_out", w_out)])
-        if num_splits == 1 or split_chunk == 0:  # no merge launch to ride: project after
-            latent = paged_mla_attention(
-                q_nope,
-                q_pe,
-                cache,
-                rows,
-                sm_scale,
-                num_splits=num_splits,
-                workspace=workspace,
-                split_chunk=split_chunk,
-                heads_per_program=heads_per_program,
-                block_n=block_n,
-                validate=validate,
-            )
-            return project_heads(latent, w_out, out)
-    out = _out_buffer(out, (n, h, r if w_out is None else w_out.shape[1]), q_nope)
+    out = _out_buffer(out, (n, h, r), q_nope)
     if validate:
         rows.validate(nb, bs)
     require(math.isfinite(sm_scale) and sm_scale > 0, f"sm_scale must be a positive number, got {sm_scale}")
@@ -359,19 +325,7 @@ def paged_mla_attention(
         num_warps=4 if r <= 128 else 8,
     )
     if num_splits > 1:
-        _combine(ws_acc, ws_ml, out, rows, split_chunk, n, h, r, num_splits, bs, w_out)
-    return out
-
-
-def project_heads(
-    x: torch.Tensor,  # [N, H, R]
-    w: torch.Tensor,  # [H, DVO, R] (strided views allowed: a split of kv_b_proj's weight)
-    out: torch.Tensor | None = None,  # [N, H, DVO]
-) -> torch.Tensor:  # [N, H, DVO]: out[:, h] = x[:, h] @ w[h]^T, one batched GEMM over strided views (no copies)
-    """Each head's output projection (MLA's W_UV) as one batched GEMM."""
-    if out is None:
-        out = torch.empty(x.shape[0], x.shape[1], w.shape[1], dtype=x.dtype, device=x.device)
-    torch.bmm(x.transpose(0, 1), w.transpose(1, 2), out=out.transpose(0, 1))
+        _combine(ws_acc, ws_ml, out, rows, split_chunk, n, h, r, num_splits, bs)
     return out
 
 

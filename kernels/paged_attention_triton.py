@@ -418,28 +418,20 @@ def combine_fixed_splits_kernel(
     split_chunk,  # the per-row ranges' granule (> 0, _row_chunk)
     stride_on,
     stride_oh,
-    wo_ptr,  # [H, DVO, DV] (HAS_WO): each head's output projection (MLA's W_UV), applied to the merged row
-    stride_woh,
-    stride_wov,
     H: tl.constexpr,
     DV: tl.constexpr,
-    DV_BLOCK: tl.constexpr,  # output columns per program (grid axis 2), or the projection's input chunk (HAS_WO)
+    DV_BLOCK: tl.constexpr,  # output columns per program (grid axis 2)
     SPLITS: tl.constexpr,
     S_PAD: tl.constexpr,
     HAS_TREE: tl.constexpr,
-    HAS_WO: tl.constexpr,
-    DVO: tl.constexpr,
-    DVO_PAD: tl.constexpr,
 ):
     """The per-row splits of a row merged at once: out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s over the
     splits that hold keys the row sees (the others masked to exact zeros). Which splits those are, and the order of
     every sum, are functions of the row's own visible length (_row_span, _row_chunk), so a row's result depends on
-    neither the step's rows nor its request's kv length (token-count invariant steps).
-    HAS_WO: one program a (row, head) merges its DV columns chunk by chunk, rounds each to the io dtype (as out
-    would hold them) and projects them through the head's [DVO, DV] weight in fp32, chunks summed in order: out is
-    [N, H, DVO] (MLA's absorbed output, W_UV o, in the merge's launch instead of a batched GEMM after it)."""
+    neither the step's rows nor its request's kv length (token-count invariant steps)."""
     row = tl.program_id(0)
     head = tl.program_id(1)
+    offs_d = tl.program_id(2) * DV_BLOCK + tl.arange(0, DV_BLOCK)
     req = tl.load(row_req_ptr + row)
     valid = (req >= 0) & (req < num_requests)
     kv_len, seen, new_start, j = _row_span(
@@ -451,31 +443,9 @@ def combine_fixed_splits_kernel(
     base = ((row * H + head) * SPLITS + offs_s).to(tl.int64)  # [S_PAD]
     m = tl.load(ws_ml_ptr + base * 2, mask=s_ok, other=M_INIT)
     l_s = tl.load(ws_ml_ptr + base * 2 + 1, mask=s_ok, other=0.0)
+    d_ok = offs_d < DV
+    acc = tl.load(ws_acc_ptr + base[:, None] * DV + offs_d[None, :], mask=s_ok[:, None] & d_ok[None, :], other=0.0)
     w = tl.where(s_ok, tl.exp2(m - tl.max(m, 0)), 0.0)  # [S_PAD]
     total = tl.sum(w * l_s, 0)
-    denom = tl.where(total > 0, total, 1.0)
-    io = out_ptr.dtype.element_ty
-    if HAS_WO:
-        offs_o = tl.arange(0, DVO_PAD)
-        o_ok = offs_o < DVO
-        proj = tl.zeros([DVO_PAD], dtype=tl.float32)
-        for c in tl.static_range(0, DV, DV_BLOCK):
-            offs_d = c + tl.arange(0, DV_BLOCK)
-            d_ok = offs_d < DV
-            acc = tl.load(
-                ws_acc_ptr + base[:, None] * DV + offs_d[None, :], mask=s_ok[:, None] & d_ok[None, :], other=0.0
-            )
-            o = (tl.sum(acc * w[:, None], 0) / denom).to(io).to(tl.float32)  # [DV_BLOCK]
-            wt = tl.load(
-                wo_ptr + head * stride_woh + offs_o[:, None] * stride_wov + offs_d[None, :],
-                mask=o_ok[:, None] & d_ok[None, :],
-                other=0.0,
-            ).to(tl.float32)  # [DVO_PAD, DV_BLOCK]
-            proj += tl.sum(wt * o[None, :], 1)
-        tl.store(out_ptr + row * stride_on + head * stride_oh + offs_o, proj.to(io), mask=o_ok)
-    else:
-        offs_d = tl.program_id(2) * DV_BLOCK + tl.arange(0, DV_BLOCK)
-        d_ok = offs_d < DV
-        acc = tl.load(ws_acc_ptr + base[:, None] * DV + offs_d[None, :], mask=s_ok[:, None] & d_ok[None, :], other=0.0)
-        o = tl.sum(acc * w[:, None], 0) / denom
-        tl.store(out_ptr + row * stride_on + head * stride_oh + offs_d, o.to(io), mask=d_ok)
+    o = tl.sum(acc * w[:, None], 0) / tl.where(total > 0, total, 1.0)
+    tl.store(out_ptr + row * stride_on + head * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty), mask=d_ok)

@@ -112,7 +112,6 @@ class GQAAttention(nn.Module):
         self.scale = d**-0.5
         self.attn_backend = None  # FlashInferBackend when CausalLM.set_attention_backend installed one
         self.fused = None  # FusedRope: one q/k/v GEMM and the fused QK-norm + RoPE + cache-write kernel
-        self.project_in_merge = False  # CausalLM.set_fused_layers (fold_epilogues): unused by GQA
 
     def fuse(self, rope_table: tuple[torch.Tensor, torch.Tensor] | None, skinny: torch.Tensor | None = None) -> None:
         """Fused layers on (the model's shared cos / sin tables [P, D/2], its skinny-GEMM counters) or off (None)."""
@@ -241,7 +240,6 @@ class MLAAttention(nn.Module):
         self.scale = qk**-0.5 * softmax_scale_multiplier(rope)
         self.attn_backend = None  # FlashInferBackend when CausalLM.set_attention_backend installed one
         self.fused = None  # FusedRope: q_a (or q) and kv_a in one GEMM, kv_a norm + RoPE + cache write in one kernel
-        self.project_in_merge = False  # CausalLM.set_fused_layers (fold_epilogues): W_UV in the attention's merge
 
     def fuse(self, rope_table: tuple[torch.Tensor, torch.Tensor] | None, skinny: torch.Tensor | None = None) -> None:
         """Fused layers on (the model's shared cos / sin tables [P, Dr/2], its skinny-GEMM counters) or off (None)."""
@@ -341,19 +339,19 @@ class MLAAttention(nn.Module):
         latent_query: bool = False,  # q_nope is already q_latent [T, Hq, R] (rope_cache_mla's absorb)
     ) -> torch.Tensor:  # [T, Hq, Dv]
         """q_nope . (W_UK latent) = (W_UK^T q_nope) . latent; output W_UV (sum p * latent): same function."""
-        from specserve.kernels.paged_attention import project_heads
-
-        backend = self.attn_backend
+        cfg, backend = self.cfg, self.attn_backend
         w_uk, w_uv = self._absorbed_weights()  # [Hq, Dn, R], [Hq, Dv, R]
         # per-head products as batched GEMMs over strided views (no copy of the weights or of q): [Hq, T, R]
         q_latent = q_nope if latent_query else torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)
-        if entries is None and self.project_in_merge and backend.projects_mla_out:  # W_UV in the merge's launch
-            return backend.mla_cached(self.layer, q_latent, q_rot, attn, kv_cache, w_out=w_uv)  # [T, Hq, Dv]
         if entries is None:
             out_latent = backend.mla_cached(self.layer, q_latent, q_rot, attn, kv_cache)  # [T, Hq, R]
         else:
             out_latent = backend.mla(self.layer, q_latent, q_rot, entries, attn, kv_cache)
-        return project_heads(out_latent, w_uv)  # [T, Hq, Dv]
+        out = torch.empty(
+            out_latent.shape[0], self.num_heads, cfg.v_head_dim, dtype=out_latent.dtype, device=out_latent.device
+        )  # [T, Hq, Dv], written head by head through its transpose
+        torch.bmm(out_latent.transpose(0, 1), w_uv.transpose(1, 2), out=out.transpose(0, 1))
+        return out
 
     def _attend_sequence(
         self,

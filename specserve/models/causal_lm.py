@@ -155,9 +155,9 @@ class CausalLM(nn.Module):
         - with moe_block (on by default), the router and its gate GEMM in one kernel for a step's rows
           (kernels/router.route_gate), the shared experts as always-routed experts of the routed experts' launches
           (MoEBlock.set_shared_as_routed); else the gate GEMM, then the router kernel, and the shared MLP apart;
-        - with fold_epilogues (on by default), two small launches folded into the one before or after them: a MoE's
-          top-k sum into the fused add + RMSNorm after it (MoEBlock.set_slots_out, with moe_block) and MLA's W_UV
-          into its split merge (the attention's project_in_merge, where the backend can: projects_mla_out);
+        - with fold_epilogues (on by default, with moe_block), two small launches of the MoE folded into its
+          neighbours: its align step into the router's launch and its top-k sum into the fused add + RMSNorm after
+          it (MoEBlock.set_slots_out);
         - with skinny_gemm (off by default: cuBLAS measured faster, BENCHMARKS' tenth pass), a step's few rows through
           the skinny GEMM (kernels/skinny_gemm.py) in every projection but lm_head, SiLU * up in the gate/up GEMM's
           epilogue and the routed experts' sum in the shared experts' down GEMM's."""
@@ -191,7 +191,6 @@ class CausalLM(nn.Module):
             table = rotary.table(self.config.max_position_embeddings, weight.dtype, weight.device)
         for layer in self.model.layers:
             layer.self_attn.fuse(table, skinny)
-            layer.self_attn.project_in_merge = enabled and fold_epilogues
             if layer.is_moe:
                 layer.mlp.set_shared_as_routed(enabled and moe_block)
                 layer.mlp.set_slots_out(enabled and moe_block and fold_epilogues)

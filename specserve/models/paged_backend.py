@@ -20,7 +20,6 @@ class PagedBackend:
 
     error: type[Exception] = ValueError
     what = "paged attention"
-    projects_mla_out = False  # mla_cached takes w_out (W_UV) and applies it in its own launches
 
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size

@@ -136,8 +136,6 @@ class TritonPagedBackend(PagedBackend):
     `gqa_cached` / `mla_cached` attend over a cache this step's entries were already written to (by the fused
     RoPE + cache-write kernel); `gqa` / `mla` write them first."""
 
-    projects_mla_out = True
-
     error = TritonPagedError
     what = "Triton paged attention"
 
@@ -208,15 +206,9 @@ class TritonPagedBackend(PagedBackend):
         )
 
     def mla_cached(
-        self,
-        layer: int,
-        q_nope: torch.Tensor,  # [T, H, R]
-        q_pe: torch.Tensor,  # [T, H, P]
-        attn: AttentionBatch,
-        kv_cache: PagedKVCache,
-        w_out: torch.Tensor | None = None,  # [H, Dv, R] W_UV: projected in the split merge's launch where it can
+        self, layer: int, q_nope: torch.Tensor, q_pe: torch.Tensor, attn: AttentionBatch, kv_cache: PagedKVCache
     ) -> torch.Tensor:
-        """Absorbed MLA over a cache that already holds this step's entries -> [T, H, R] ([T, H, Dv] with w_out)."""
+        """Absorbed MLA over a cache that already holds this step's entries -> [T, H, R]."""
         step = self._planned(attn)
         return paged_mla_attention(
             q_nope,
@@ -227,5 +219,4 @@ class TritonPagedBackend(PagedBackend):
             num_splits=step.shape.num_splits,
             workspace=step.workspace,
             split_chunk=step.shape.split_chunk,
-            w_out=w_out,
         )

@@ -9,7 +9,7 @@ import torch
 from kernel_test_utils import poison_cuda_allocator, random_block_tables, random_tree_mask, rel_err
 
 from specserve.kernels.attention_reference import mla_attention_reference, paged_attention_reference
-from specserve.kernels.paged_attention import paged_gqa_attention, paged_mla_attention, project_heads
+from specserve.kernels.paged_attention import paged_gqa_attention, paged_mla_attention
 from specserve.kernels.paged_attention_reference import gqa_rows_reference, mla_rows_reference
 from specserve.kernels.paged_batch import PagedBatch
 from specserve.kernels.paged_rows import PagedRows
@@ -94,12 +94,8 @@ def run_gqa_case(device, shape, q_lens, ctx, block_size, tree, dtype, num_splits
     assert torch.equal(out[n:], torch.zeros_like(out[n:])), "padding rows must be zeros"
 
 
-def run_mla_case(
-    device, shape, q_lens, ctx, block_size, tree, dtype, num_splits, seed, tol=1e-2, block_n=None, split_chunk=0, dvo=0
-):
-    """One MLA kernel call on NaN-filled out/workspace buffers against both references. dvo > 0: with an output
-    projection w_out [h, dvo, r] (a strided view, like W_UV's split of kv_b_proj), against project_heads of the
-    reference rounded to the io dtype."""
+def run_mla_case(device, shape, q_lens, ctx, block_size, tree, dtype, num_splits, seed, tol=1e-2, block_n=None):
+    """One MLA kernel call on NaN-filled out/workspace buffers against both references."""
     h, r, p = shape
     gen = torch.Generator().manual_seed(seed)
     batch, rows, nb = paged_case(q_lens, ctx, block_size, tree, gen, device, pad_rows=1, pad_requests=1)
@@ -111,26 +107,11 @@ def run_mla_case(
     ref = mla_rows_reference(qn, qp, cache, rows, scale)
     n = batch.num_tokens
     assert rel_err(ref[:n], mla_attention_reference(qn[:n], qp[:n], cache, batch, scale)) < 1e-2
-    w_out = None
-    if dvo:
-        w_out = (randn((h, dvo + 3, r), gen, device, dtype) * r**-0.5)[:, 3:]  # [h, dvo, r], strided
-        ref = project_heads(ref.to(dtype).float(), w_out.float())
-    out = nan_like((rows.num_rows, h, dvo or r), device, dtype)
+    out = nan_like((rows.num_rows, h, r), device, dtype)
     ws = nan_like((rows.num_rows * h * num_splits * (r + 2),), device, torch.float32)
     poison_cuda_allocator()
     paged_mla_attention(
-        qn,
-        qp,
-        cache,
-        rows,
-        scale,
-        out=out,
-        num_splits=num_splits,
-        workspace=ws,
-        validate=True,
-        block_n=block_n,
-        split_chunk=split_chunk,
-        w_out=w_out,
+        qn, qp, cache, rows, scale, out=out, num_splits=num_splits, workspace=ws, validate=True, block_n=block_n
     )
     sync(device)
     assert rel_err(out[:n], ref[:n]) < tol

@@ -84,10 +84,10 @@ def _path(mask: torch.Tensor, j: int) -> list[int]:
 
 
 def _attention(
-    mla: bool, ctx: int, tree: torch.Tensor | None, paths: bool, split_chunk: int, num_splits: int, dvo: int = 0
+    mla: bool, ctx: int, tree: torch.Tensor | None, paths: bool, split_chunk: int, num_splits: int
 ) -> list[int]:
     """Rows of a verify (ctx cached tokens, then its new tokens: a chain of ROWS or the tree) whose output differs from
-    the decode of their path. dvo > 0: MLA with an output projection (W_UV) in the merge."""
+    the decode of their path."""
     gen = torch.Generator().manual_seed(ctx + (7 if mla else 0))
     real = tree.shape[0] if tree is not None else ROWS
     heads, width, rope = (4, 32, 16) if mla else (4, 16, 0)
@@ -98,12 +98,8 @@ def _attention(
     qp = torch.randn(ROWS, heads, max(rope, 1), generator=gen).to(DTYPE).to(DEVICE)[..., :rope]
     q[real:], qp[real:] = q[real - 1], qp[real - 1]
 
-    w_out = torch.randn(heads, max(dvo, 1), width, generator=gen).to(DTYPE).to(DEVICE) if dvo else None
-
     def run(rows: PagedRows, qn: torch.Tensor, qr: torch.Tensor) -> torch.Tensor:
         kw = {"num_splits": num_splits, "split_chunk": split_chunk}
-        if w_out is not None:
-            kw["w_out"] = w_out
         if mla:
             return paged_mla_attention(qn, qr, cache, rows, 0.1, **kw)
         return paged_gqa_attention(qn, cache, rows, **kw)
@@ -136,16 +132,6 @@ def test_paged_attention_rows_do_not_depend_on_the_step(mla, tree):
     splits, chunk = fixed_splits(2048, 512) if ON_CUDA else fixed_splits(256, 64)
     mask = _tree_mask(PARENTS) if tree else None
     assert _attention(mla, ctx, mask, paths=True, split_chunk=chunk, num_splits=splits) == []
-
-
-@pytest.mark.gpu
-@runs_kernels
-@pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
-def test_mla_with_its_output_projection_rows_do_not_depend_on_the_step(tree):
-    ctx = 700 if ON_CUDA else 150
-    splits, chunk = fixed_splits(2048, 512) if ON_CUDA else fixed_splits(256, 64)
-    mask = _tree_mask(PARENTS) if tree else None
-    assert _attention(True, ctx, mask, paths=True, split_chunk=chunk, num_splits=splits, dvo=24) == []
 
 
 @pytest.mark.gpu

@@ -105,25 +105,6 @@ def test_mla_blocks_and_splits(block_size, num_splits) -> None:
     )
 
 
-@pytest.mark.parametrize("num_splits,split_chunk", [(1, 0), (9, 64), (4, 256)])
-@pytest.mark.parametrize("tree", [False, True])
-def test_mla_output_projection(num_splits, split_chunk, tree) -> None:
-    """Moonlight's MLA widths with W_UV (16 heads, latent 512 -> 128) in the merge's launch or after it."""
-    run_mla_case(
-        "cuda",
-        (16, 512, 64),
-        [1, 4, 2],
-        [700, 30, 0],
-        16,
-        tree,
-        torch.bfloat16,
-        num_splits,
-        seed=num_splits + int(tree),
-        split_chunk=split_chunk,
-        dvo=128,
-    )
-
-
 def test_mla_fp16() -> None:
     run_mla_case("cuda", (16, 512, 64), [2, 3], [90, 5], 16, True, torch.float16, 1, seed=3)
 

@@ -244,26 +244,3 @@ def test_mla_kernel_under_interpreter(dtype, shape, num_splits) -> None:
     tol = 1e-5 if dtype == torch.float32 else 2e-3
     run_mla_case("cpu", shape, [1, 1, 1], [0, 60, 6], 16, False, dtype, num_splits, seed=shape[1], tol=tol, block_n=16)
     run_mla_case("cpu", shape, [3, 5], [40, 1], 3, True, dtype, num_splits, seed=shape[1] + 1, tol=tol, block_n=16)
-
-
-@interpreted
-@pytest.mark.parametrize("num_splits", [1, 3])
-@pytest.mark.parametrize("split_chunk", [0, 64])
-def test_mla_output_projection_under_interpreter(num_splits, split_chunk) -> None:
-    """W_UV in the split merge's launch (per-row ranges, several splits) or after it (one split, derived ranges)."""
-    for tree in (False, True):
-        run_mla_case(
-            "cpu",
-            (4, 32, 16),
-            [2, 3],
-            [130, 7],
-            16,
-            tree,
-            torch.float16,
-            num_splits,
-            seed=5 + int(tree),
-            tol=3e-3,
-            block_n=16,
-            split_chunk=split_chunk,
-            dvo=24,
-        )
