@@ -193,6 +193,9 @@ def gqa_rows_kernel(
         HAS_TREE,
         ROW_RANGES,
     )
+    if ROW_RANGES and SPLITS > 1:
+        if lo >= hi:  # a split past what the row sees (a pad row sees nothing): no partial, the merge skips it
+            return
     offs_g = tl.arange(0, G_PAD)
     offs_d = tl.arange(0, D_PAD)
     offs_n = tl.arange(0, BLOCK_N)
@@ -310,6 +313,9 @@ def mla_rows_kernel(
         HAS_TREE,
         ROW_RANGES,
     )
+    if ROW_RANGES and SPLITS > 1:
+        if lo >= hi:  # a split past what the row sees (a pad row sees nothing): no partial, the merge skips it
+            return
     offs_h = tl.arange(0, HB)
     offs_r = tl.arange(0, R_PAD)
     offs_p = tl.arange(0, P_PAD)

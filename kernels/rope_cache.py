@@ -202,9 +202,12 @@ def rope_cache_mla(
     q_pe_out: torch.Tensor | None = None,  # [T, H, P] (may be q_pe)
     validate: bool = False,
     absorb: tuple[torch.Tensor, torch.Tensor] | None = None,  # (q_nope [T, H, DN], W_UK [H, DN, R]): also q_latent
+    live_rows: torch.Tensor | None = None,  # [1] int64 (with absorb): q_latent's rows from it on are left unwritten
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # roped q_pe [T, H, P] (, q_latent [T, H, R] with absorb)
     """RoPE on q_pe and k_pe, the latent's norm and the paged cache write in one launch; with `absorb`, the same
-    launch also gives the absorbed MLA's q_latent = q_nope W_UK per head (rope_cache_mla_reference's absorb)."""
+    launch also gives the absorbed MLA's q_latent = q_nope W_UK per head (rope_cache_mla_reference's absorb). With
+    live_rows, the pad rows after it (AttentionBatch.pad_rows: no keys, their outputs ignored) skip the W_UK product,
+    their q_latent rows unwritten: a padded step's absorb costs its live rows only."""
     q_pe = _view3("q_pe", q_pe, None, None, None)
     t, h, p = q_pe.shape
     require(p % 2 == 0, f"rope dim must be even, got {p}")
@@ -252,6 +255,10 @@ def rope_cache_mla(
         )
         check_same_device([("q_pe", q_pe), ("q_nope", q_nope), ("w_uk", w_uk)])
         q_latent = torch.empty(t, h, r, dtype=q_pe.dtype, device=q_pe.device)
+        if live_rows is not None:
+            check_tensor("live_rows", live_rows, 1, (torch.int64,))
+            check_dim("live_rows", live_rows, 0, 1, "one count")
+            check_same_device([("q_pe", q_pe), ("live_rows", live_rows)])
     if t == 0:
         return q_pe_out if absorb is None else (q_pe_out, q_latent)
     half = p // 2
@@ -297,6 +304,8 @@ def rope_cache_mla(
         DN_PAD=triton.next_power_of_2(dn),
         RB=rb,
         ABSORB=absorb is not None,
+        live_ptr=live_rows if live_rows is not None and absorb is not None else slot_mapping,
+        HAS_LIVE=live_rows is not None and absorb is not None,
         num_warps=4 if absorb is not None or h_pad * half_pad + r_pad > 512 else 1,
         enable_fp_fusion=False,  # keep each product rounded (see NO_FMA)
     )

@@ -177,6 +177,8 @@ def rope_cache_mla_kernel(
     DN_PAD: tl.constexpr,
     RB: tl.constexpr,  # latent columns a W_UK program computes
     ABSORB: tl.constexpr,
+    live_ptr,  # [1] int64 (HAS_LIVE): rows from it on are pad rows, their q_latent not computed
+    HAS_LIVE: tl.constexpr,
 ):
     """Program (t, 0): RoPE of the row's q_pe and k_pe, the latent's norm, the cache write. With ABSORB, programs
     (t, 1 + b) compute columns b*RB.. of the row's q_latent = q_nope W_UK (per head; float32 sums over DN in one
@@ -185,6 +187,9 @@ def rope_cache_mla_kernel(
     if ABSORB:
         part = tl.program_id(1)
         if part > 0:
+            if HAS_LIVE:
+                if t >= tl.load(live_ptr):
+                    return
             blocks: tl.constexpr = (R + RB - 1) // RB
             hh = ((part - 1) // blocks).to(tl.int64)
             offs_c = ((part - 1) % blocks) * RB + tl.arange(0, RB)

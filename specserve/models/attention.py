@@ -319,6 +319,7 @@ class MLAAttention(nn.Module):
             latent_norm_weight=self.kv_a_layernorm.weight,
             eps=self.kv_a_layernorm.eps,
             absorb=(q_nope, self._absorbed_weights()[0]),  # q_nope W_UK in the same launch
+            live_rows=attn.live_rows,  # pad rows (no keys, outputs ignored) skip it
         )
         return self.o_proj(
             self._attend_absorbed(q_latent, q_pe, None, attn, kv_cache, latent_query=True).reshape(t, -1)

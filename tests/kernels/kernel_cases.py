@@ -340,3 +340,25 @@ def run_rope_mla_case(device, shape, t, dtype, interleaved, latent_norm, seed, l
         torch.testing.assert_close(q_latent.float(), ref_latent.float(), rtol=tol, atol=tol)
         return q_latent, absorb
     return None
+
+
+def check_absorb_live_rows(device: str, dtype: torch.dtype, h: int, r: int, p: int, dn: int, t: int) -> None:
+    """rope_cache_mla's W_UK product with live_rows: the live rows' q_latent equal the call without it, bit for bit
+    (the pad rows after them are skipped: their q_latent rows are not part of the result)."""
+    from specserve.kernels.rope_cache import rope_cache_mla
+
+    gen = torch.Generator().manual_seed(t)
+    q_nope = randn((t, h, dn), gen, device, dtype)
+    w_uk = randn((h, dn, r), gen, device, dtype, scale=dn**-0.5)
+    cos, sin = rope_tables(4096, p, dtype, device)
+
+    def call(live: torch.Tensor | None) -> torch.Tensor:
+        cache = torch.zeros(4, 16, r + p, device=device, dtype=dtype)
+        slots = torch.full((t,), -1, device=device, dtype=torch.int64)
+        zeros = [torch.zeros(*shape, device=device, dtype=dtype) for shape in ((t, h, p), (t, p), (t, r))]
+        pos = torch.zeros(t, device=device, dtype=torch.int64)
+        return rope_cache_mla(*zeros, pos, cos, sin, cache, slots, absorb=(q_nope, w_uk), live_rows=live)[1]
+
+    full = call(None)
+    for live in (1, t // 2, t):
+        assert torch.equal(call(torch.tensor([live], device=device))[:live], full[:live]), live

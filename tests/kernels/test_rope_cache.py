@@ -6,7 +6,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_cases import assert_close_ulps, rope_tables, run_rope_gqa_case, run_rope_mla_case, slots_and_positions
+from kernel_cases import (
+    assert_close_ulps,
+    check_absorb_live_rows,
+    rope_tables,
+    run_rope_gqa_case,
+    run_rope_mla_case,
+    slots_and_positions,
+)
 from kernel_test_utils import HAS_CUDA
 
 from specserve.kernels.rope_cache import HAS_TRITON, rope_cache_gqa, rope_cache_mla
@@ -148,3 +155,7 @@ def test_mla_absorbed_rows_do_not_depend_on_the_other_rows() -> None:
     full = latent_of(q_nope)
     for j in (0, 9, 16):
         assert torch.equal(full[j], latent_of(q_nope[j].expand(t, -1, -1).contiguous())[0]), j
+
+
+def test_mla_absorb_skips_pad_rows() -> None:
+    check_absorb_live_rows("cuda", torch.bfloat16, 16, 512, 64, 128, 17)

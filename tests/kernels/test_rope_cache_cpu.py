@@ -8,7 +8,15 @@ import math
 
 import pytest
 import torch
-from kernel_cases import norm_weight, randn, rope_tables, run_rope_gqa_case, run_rope_mla_case, slots_and_positions
+from kernel_cases import (
+    check_absorb_live_rows,
+    norm_weight,
+    randn,
+    rope_tables,
+    run_rope_gqa_case,
+    run_rope_mla_case,
+    slots_and_positions,
+)
 
 from specserve.kernels.checks import KernelArgumentError, triton_interpreting
 from specserve.kernels.rope_cache import HAS_TRITON, rope_cache_gqa, rope_cache_mla
@@ -195,3 +203,8 @@ def test_mla_kernel_absorbs_w_uk_under_interpreter(dtype) -> None:
     assert torch.equal(alone, q_latent)
     wrong = torch.einsum("thd,hdr->thr", q_nope.float(), w_uk.roll(1, 0).float())
     assert not torch.allclose(q_latent.float(), wrong, rtol=1e-2, atol=1e-2)
+
+
+@interpreted
+def test_mla_absorb_skips_pad_rows_under_interpreter() -> None:
+    check_absorb_live_rows("cpu", torch.float16, 3, 80, 16, 24, 6)
