@@ -74,9 +74,12 @@ class MoETileConfig:
 
 
 def default_tile_config(num_tokens: int, hidden: int, inter: int) -> MoETileConfig:
-    """Heuristic tiles: decode sizes stream weights with narrow N tiles; prefill sizes use wide tiles."""
+    """Heuristic tiles: decode sizes stream weights with narrow N tiles; prefill sizes use wide tiles. Up to 32 rows
+    the blocks hold 16: a padded step of 17 rows (the invariant steps' decode and verify) has few live rows, and 32-row
+    blocks cost its decode 0.1 ms of MMA at Moonlight (BENCHMARKS' twelfth pass); an expert that more than 16 live
+    rows choose (a shared expert in a 17-token verify) is then read twice."""
     if num_tokens <= 64:
-        bm = max(16, triton_next_pow2(num_tokens))
+        bm = 16 if num_tokens <= 32 else max(16, triton_next_pow2(num_tokens))
         gu_bn = 32 if bm <= 32 else 64
         return MoETileConfig(bm, gu_bn, 128 if bm <= 32 else 64, 4, 4, 64, 128 if bm <= 32 else 64, 4, 4)
     return MoETileConfig(64, 128, 64, 8, 3, 128, 64, 8, 3)
