@@ -52,7 +52,7 @@ While speculation is off, a step does what a target-only step does (no drafter c
 catches up on the skipped tokens at the next propose). Now and then a probe drafts anyway, so acceptance
 stays measured and speculation comes back on when it pays again; specserve/loop/probing.py spaces the probes by
 their measured cost (the draft call and what the probe's step spends beyond a skipped one: ``probe_extra_ms``, the
-verify of its token and a drafted step's overhead) within about 1% of the skipped steps' time, and by a floor that
+verify of its token and a drafted step's overhead) within about 0.5% of the skipped steps' time, and by a floor that
 backs off geometrically while probes keep losing (at most 1 probe in 257 steps after 6 losing ones). A probe at a
 k never timed may have been dear once (a graph captured on first use): the dearest such is forgiven while
 exploring; a probe at a timed k is charged in full (its dear part is a catch-up every probe pays). A draft call

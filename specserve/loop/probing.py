@@ -47,7 +47,7 @@ class ProbePolicy:
 
     min_interval: int = 8  # skipped steps between two probes, at least
     max_interval: int = 4096  # ... and at most: how late a rise in acceptance may be noticed
-    max_cost_fraction: float = 0.01  # probes' time over the skipped steps' time, at most (once explored)
+    max_cost_fraction: float = 0.005  # probes' time over the skipped steps' time, at most (once explored)
     tokens: int = 1  # drafted tokens of a probe
     window: int = 4  # probes whose median is the probe cost; probes timed before the budget alone spaces them
     backoff_max: int = 256  # the losing probes' geometric floor stops growing here (1 probe in 257 steps at most)

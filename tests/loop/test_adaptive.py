@@ -492,3 +492,35 @@ def test_one_dear_timing_of_a_k_makes_no_k_dear() -> None:
     model.observe(1, 2.0)
     model.observe(4, 250.0)
     assert model.costs(4) == pytest.approx([0.0, 2.0, 4.0, 6.0, 8.0])
+
+
+def test_a_dear_drafter_costs_a_short_bench_run_no_probe() -> None:
+    """The H200 bench's adaptive DFlash at Moonlight (issue #43): one 16-token warm-up request, then two timed 48-token
+    requests with the same chooser; drafting costs 1.35 + 1.11 ms a token steady, a request's first drafter call
+    10 ms more (its session start over the prompt), a catch-up 0.1 ms a skipped step; 70% of drafted tokens accepted,
+    steps of 3.9-5.6 ms: drafting about breaks even, so the chooser turns it off in the warm-up, and no probe may
+    land in the timed requests' 94 steps (the old chooser's second exploring probe, forgiven, landed on the first
+    timed request's step ~17: a 19 ms step, 3.5% of the run)."""
+    import random
+
+    verify = {0: 3.92, 1: 4.56, 2: 4.99, 3: 5.3, 4: 5.6}
+    rng = random.Random(0)
+    spec = AdaptiveSpeculation(AdaptiveConfig(max_k=4))
+    timed_probes = 0
+    for request, tokens in enumerate((16, 48, 48)):
+        emitted, in_step, started, skipped = 1, False, False, 0
+        while emitted < tokens:
+            k, probe = spec.plan(min(4, tokens - emitted - 1))
+            if not k:
+                in_step, skipped, emitted = False, skipped + 1, emitted + 1
+                spec.observe_verify(0, 0, 156, verify[0], overhead_ms=0.43)
+                continue
+            ms = 1.35 + 1.11 * k + (0.0 if in_step else 0.1 * skipped) + (0.0 if started else 10.0)
+            started, in_step, skipped = True, True, 0
+            spec.observe_draft(k, ms, steady=not probe and ms < 9.0, probe=probe)
+            k = spec.choose_k(k, sunk_ms=ms, least=int(probe))
+            accepted = next((i for i in range(k) if rng.random() >= 0.7), k)
+            spec.observe_verify(k, accepted, 156 * (k + 1), verify[k], overhead_ms=0.5)
+            emitted += accepted + 1
+            timed_probes += probe and request > 0
+    assert timed_probes == 0, (spec.probing.probes, spec.probing.probe_ms)
