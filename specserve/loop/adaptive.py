@@ -299,7 +299,9 @@ class AdaptiveSpeculation:
             # skipped step to a chooser whose drafter only ever proposed empty blocks)
             self._overhead_used = (self.overhead_ms[0], self.overhead_ms[1 if self._overhead_seen[1] else 0])
         soft = [] if unverified is None or not len(unverified) else self.calibration.calibrated(unverified)
-        self.accept.observe(num_drafted, num_accepted, soft + [0.0] * missing)
+        if missing:
+            soft += [0.0] * missing
+        self.accept.observe(num_drafted, num_accepted, soft)
         if confidence is not None and len(confidence) == num_drafted:
             self.calibration.observe(confidence, num_accepted)
 

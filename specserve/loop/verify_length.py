@@ -73,7 +73,9 @@ def best_length(
     gain = expected_emitted(alpha[:kmax])
     best_k, best_rate = least, -1.0
     for k in range(least, kmax + 1):
-        rate = gain[k] / costs.step_ms(k, sunk_ms) * (1.0 + margin if k == 0 else 1.0)
+        rate = gain[k] / costs.step_ms(k, sunk_ms)
+        if not k:
+            rate *= 1.0 + margin
         if rate > best_rate:  # the first best, like argmax
             best_k, best_rate = k, rate
     return best_k
