@@ -6,9 +6,16 @@ position i. The drafted tokens are then chosen one after another, each condition
 head (prev_1 = the pending token, prev_i = drafted token i - 1):
 
     u_i      = silu(h_proj z_i + e_proj embed(prev_i))                  [r]   (embed: the block's, the target's)
-    logits_i = lm_head z_i + out u_i                                      [V]   (a rank-r correction of the logits)
+    logits_i = lm_head z_i + out u_i                                      [V]   (a rank-r correction of the logits,
+                                                                                 from position markov_from on)
     x_i      ~ q_i = the request's sampling transform of logits_i        (greedy: the argmax)
     c_i      = sigmoid(w_z . z_i + w_u . u_i + w_lp * log softmax(logits_i)[x_i] + bias)
+
+``markov_from`` (config.json; 0 when absent, as in the first checkpoints; 1 for those trained since issue #43's CPU
+study): the first position the correction applies to. Position 1's previous token is the pending token, which the
+block already reads as its input 0, so its correction is redundant, and trained it overfits: on held-out blocks with
+the shipped DFlash block frozen, rank 32 took position 1's agreement from 0.747 to 0.656 (BENCHMARKS.md, issue #43).
+u_1 is still made (the confidence head reads it).
 
 lm_head runs once over the block's rows (one GEMM, as DFlash's); the Markov head adds a [V, r] GEMV a position. c_i is
 the head's estimate that x_i is accepted given x_1..x_{i-1} were: it goes out as DraftBlock.confidence and sets how
@@ -18,7 +25,7 @@ drawn before it (they are all the Markov head saw), so sampled verification stay
 Checkpoint layout (``save_dspark`` / ``load_dspark``): config.json = the block's DFlash config.json (dflash.py's
 layout) with ``model_type: "dspark"`` and ``markov_rank``; model.safetensors = the block's tensors under DFlash's
 names, plus ``markov.{h_proj,e_proj,out}.weight`` ([r, H], [r, H], [V, r]) and ``confidence.{w_z.weight [1, H],
-w_z.bias [1], w_u.weight [1, r], w_lp [1]}``. The block shares the target's embeddings and lm_head (read from the
+w_z.bias [1], w_u.weight [1, r], w_lp [1]}``; ``markov_from`` in config.json. The block shares the target's embeddings and lm_head (read from the
 target at load) or has its own, as DFlash's does. No published DSpark layout is documented; this is ours.
 
 Serving is DFlash's proposer (its session cache, context extension and graphs' window) with the block's drafting
@@ -63,17 +70,22 @@ Draw = Callable[[torch.Tensor, int], torch.Tensor]  # (logits [1, V] of position
 class DSparkConfig:
     block: DFlashConfig  # the parallel block (one pass: denoise_steps 1)
     markov_rank: int
+    markov_from: int = 0  # the first drafted position (0-based) the Markov correction applies to (module docstring)
 
     def __post_init__(self) -> None:
         if not isinstance(self.markov_rank, int) or self.markov_rank <= 0:
             raise DrafterConfigError(f"dspark config: markov_rank must be a positive int, got {self.markov_rank!r}")
+        if not isinstance(self.markov_from, int) or self.markov_from < 0:
+            raise DrafterConfigError(f"dspark config: markov_from must be an int >= 0, got {self.markov_from!r}")
         if self.block.denoise_steps != 1:
             raise DrafterConfigError(
                 f"dspark config: the block runs in one pass (denoise_steps 1), got {self.block.denoise_steps}"
             )
 
     def to_dict(self) -> dict:
-        return dict(self.block.to_dict(), model_type="dspark", markov_rank=self.markov_rank)
+        return dict(
+            self.block.to_dict(), model_type="dspark", markov_rank=self.markov_rank, markov_from=self.markov_from
+        )
 
     @staticmethod
     def from_dict(raw: dict) -> DSparkConfig:
@@ -81,8 +93,9 @@ class DSparkConfig:
             raise DrafterConfigError(f"dspark config.json must say model_type 'dspark', got {raw.get('model_type')!r}")
         if "markov_rank" not in raw:
             raise DrafterConfigError("dspark config.json lacks markov_rank")
-        block = {k: v for k, v in raw.items() if k != "markov_rank"}
-        return DSparkConfig(DFlashConfig.from_dict(dict(block, model_type="dflash")), raw["markov_rank"])
+        block = {k: v for k, v in raw.items() if k not in ("markov_rank", "markov_from")}
+        block_cfg = DFlashConfig.from_dict(dict(block, model_type="dflash"))
+        return DSparkConfig(block_cfg, raw["markov_rank"], raw.get("markov_from", 0))
 
 
 class MarkovHead(nn.Module):
@@ -94,9 +107,13 @@ class MarkovHead(nn.Module):
         self.e_proj = nn.Linear(hidden, rank, bias=False)
         self.out = nn.Linear(rank, vocab, bias=False)
 
+    def u(self, z: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+        """z [..., H], e [..., H] -> u [..., r] (what the confidence head reads; no [V, r] GEMV)."""
+        return F.silu(self.h_proj(z) + self.e_proj(e))
+
     def forward(self, z: torch.Tensor, e: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """z [..., H] block rows, e [..., H] embeddings of the previous tokens -> (u [..., r], delta [..., V] f32)."""
-        u = F.silu(self.h_proj(z) + self.e_proj(e))
+        u = self.u(z, e)
         return u, self.out(u).float()
 
 
@@ -138,8 +155,12 @@ class DSparkModel(nn.Module):
         base = self.block.head_logits(z)  # [k, V] one lm_head GEMM for the block
         prev, tokens, conf = first, [], []
         for i in range(z.shape[0]):
-            u, delta = self.markov(z[i : i + 1], self.block.embed_tokens(prev))  # [1, r], [1, V]
-            logits = base[i : i + 1] + delta
+            e = self.block.embed_tokens(prev)  # [1, H]
+            if i >= self.spark_cfg.markov_from:
+                u, delta = self.markov(z[i : i + 1], e)  # [1, r], [1, V]
+                logits = base[i : i + 1] + delta
+            else:  # no correction here (module docstring): u alone, for the confidence head
+                u, logits = self.markov.u(z[i : i + 1], e), base[i : i + 1]
             tok = draw(logits, i)  # [1]
             lp = torch.log_softmax(logits, dim=-1).gather(-1, tok[:, None])[:, 0]  # [1]
             conf.append(self.confidence(z[i : i + 1], u, lp))

@@ -51,13 +51,21 @@ untouched.
 While speculation is off, a step does what a target-only step does (no drafter call: the drafter
 catches up on the skipped tokens at the next propose). Now and then a probe drafts anyway, so acceptance
 stays measured and speculation comes back on when it pays again; specserve/loop/probing.py spaces the probes by
-their measured cost: a probe is made only while the probes so far, less the dearest (a dear probe may be a
-one-off), took at most about 1% of the skipped steps' time, the first few (exploring, at growing intervals)
-included, so a dear drafter costs a run of a few short requests two probes, then about 1%. A draft call that
-caught up more than one step (a probe, a request's first) is an upper bound of a steady call: it is a timing of
-its k only where k is not settled and it undercuts k's cost.
+their measured cost (the draft call and what the probe's step spends beyond a skipped one: ``probe_extra_ms``, the
+verify of its token and a drafted step's overhead) within about 0.5% of the skipped steps' time, and by a floor that
+backs off geometrically while probes keep losing (at most 1 probe in 257 steps after 6 losing ones). A probe at a
+k never timed may have been dear once (a graph captured on first use): the dearest such is forgiven while
+exploring; a probe at a timed k is charged in full (its dear part is a catch-up every probe pays). A draft call
+that caught up more than one step (a probe, a request's first) is an upper bound of a steady call: it is a timing
+of its k only where k is not settled and it undercuts k's cost.
 So a probe can turn speculation back on when its k was timed only on one-offs (or never), and only steady
 calls revise a settled k.
+
+Issue #43's guards against losing to target-only where a drafter does not pay: before drafting, a k >= 1 must be
+predicted to beat target-only's rate by ``AdaptiveConfig.margin``; a block shorter than asked (an n-gram without a
+match) refuses the positions it did not propose in the per-position estimate (``observe_draft`` notes the k asked,
+the truncation's ``choose_k`` the block's length; a concurrent request's draft in between can misattribute one
+step's count, never what is verified); and a drafted step's overhead is a skipped step's until one was measured.
 """
 
 from __future__ import annotations
@@ -87,6 +95,9 @@ class AdaptiveConfig:
     calibration_bins: int = 10  # q bins of the confidence calibration
     calibration_prior: float = 4.0  # pseudo-observations at q itself in each bin
     probe: ProbePolicy = ProbePolicy()  # while speculation is off
+    # before drafting, a k >= 1 must be predicted to beat target-only's rate by this share (the estimates are noisy
+    # and a step that drafts for a predicted 1% loses when they are a little optimistic; issue #43)
+    margin: float = 0.03
 
     def __post_init__(self) -> None:
         if self.max_k < 1:
@@ -106,6 +117,8 @@ class AdaptiveConfig:
             raise ValueError(f"prior_accept must be in [0, 1], got {self.prior_accept}")
         if self.calibration_bins < 1 or self.calibration_prior <= 0:
             raise ValueError("calibration_bins must be >= 1 and calibration_prior > 0")
+        if not 0.0 <= self.margin < 1.0:
+            raise ValueError(f"margin must be in [0, 1), got {self.margin}")
 
 
 class AcceptanceEstimator:
@@ -225,17 +238,29 @@ class AdaptiveSpeculation:
         self._overhead_used = (0.0, 0.0)  # what choices charge: overhead_ms as of the last verify refit
         self._plan_cache: tuple | None = None  # (inputs, k, probe interval) of the last plan
         self.probing = ProbeSchedule(config.probe)  # skipped steps, probes made and their cost
+        # (k asked, tokens the drafter proposed or None) of the last draft call, until its verify is observed: a
+        # drafter that proposes fewer than asked (n-gram without a match) is refused the positions it did not draft
+        self._asked: tuple[int, int | None] | None = None
 
     def observe_draft(self, k: int, ms: float, steady: bool = True, probe: bool = False) -> None:
         """A draft call asked for k tokens and took ms (drafting ahead is not observed: it overlaps).
         ``steady``: the drafter was in step (the request's previous step drafted); otherwise the call
         also caught up on skipped tokens (or started the drafter's session), so it is an upper bound of a
         steady call: a timing of k only where it undercuts k's cost and k is not settled (module docstring).
-        ``probe``: ``plan`` made it a probe."""
+        ``probe``: ``plan`` made it a probe (charged with what its step spends beyond a skipped one; forgivable as a
+        possible one-off only if k was never timed)."""
+        self._asked = (k, None)
         if probe:
-            self.probing.observe(ms)
+            self.probing.observe(ms + self.probe_extra_ms(k), forgivable=not self.draft.timed(k))
         if steady or (not self.draft.settled(k) and ms < self.draft.predict(k)):
             self.draft.observe(k, ms)
+
+    def probe_extra_ms(self, k: int) -> float:
+        """What a step verifying k drafted tokens spends beyond a skipped step, its draft call aside: the verify of
+        k + 1 tokens against 1 and a drafted step's extra overhead (by the current fit; >= 0)."""
+        verify = self.cost.table(max(k, 1))
+        extra = verify[k] - verify[0] + self._overhead_used[1] - self._overhead_used[0]
+        return max(extra, 0.0)
 
     def observe_overhead(self, drafted: bool, ms: float) -> None:
         """One step's wall time outside its draft and verify calls; charged from the next verify refit on."""
@@ -260,11 +285,22 @@ class AdaptiveSpeculation:
         its draft and verify calls, ``unverified`` the confidence of the drafted tokens the step cut."""
         if overhead_ms is not None:
             self.observe_overhead(num_drafted > 0, overhead_ms)
+        asked, self._asked = self._asked, None
+        cut = 0 if unverified is None else len(unverified)
+        missing = 0
+        if asked is not None and asked[1] is not None and num_drafted + cut == asked[1]:
+            missing = max(0, asked[0] - asked[1])  # positions the drafter did not propose: refused
+        elif asked is not None and asked[1] is None and num_drafted == 0:
+            missing = asked[0]  # an empty block (truncate never saw it): position 0 refused
         version = self.cost.version
         self.cost.observe(num_drafted + 1, experts, ms, ahead)
         if self.cost.version != version:
-            self._overhead_used = tuple(self.overhead_ms)
-        soft = () if unverified is None or not len(unverified) else self.calibration.calibrated(unverified)
+            # a drafted step's overhead before any was seen is a skipped one's (0 made drafting look cheaper than a
+            # skipped step to a chooser whose drafter only ever proposed empty blocks)
+            self._overhead_used = (self.overhead_ms[0], self.overhead_ms[1 if self._overhead_seen[1] else 0])
+        soft = [] if unverified is None or not len(unverified) else self.calibration.calibrated(unverified)
+        if missing:
+            soft += [0.0] * missing
         self.accept.observe(num_drafted, num_accepted, soft)
         if confidence is not None and len(confidence) == num_drafted:
             self.calibration.observe(confidence, num_accepted)
@@ -304,7 +340,9 @@ class AdaptiveSpeculation:
             k = self.choose_k(limit, ahead=ahead)
             self._plan_cache = (key, k, self.probe_interval() if k == 0 else 0)
         _, k, interval = self._plan_cache
-        if k > 0 or limit <= 0:
+        if limit <= 0:
+            return 0, False
+        if k > 0:
             self.probing.drafted()
             return k, False
         if not self.probing.due(interval):
@@ -313,9 +351,11 @@ class AdaptiveSpeculation:
 
     def probe_interval(self) -> int:
         """Skipped steps before the next probe (specserve/loop/probing.py), a skipped step costing the verify fit's
-        1-token step plus a skipped step's overhead; before any probe was timed its cost is the draft fit's."""
+        1-token step plus a skipped step's overhead; before any probe was timed its cost is the draft fit's plus what
+        its step spends beyond a skipped one (``probe_extra_ms``)."""
         step_ms = self.cost.predict(1) + self._overhead_used[0]
-        return self.probing.interval(self.draft.predict(self.config.probe.tokens), step_ms)
+        tokens = self.config.probe.tokens
+        return self.probing.interval(self.draft.predict(tokens) + self.probe_extra_ms(tokens), step_ms)
 
     def alpha(self, kmax: int, confidence=None) -> list[float]:  # [kmax] plain floats; confidence [n] or None
         alpha = self.accept.alpha[:kmax]
@@ -341,6 +381,8 @@ class AdaptiveSpeculation:
         before drafting without confidence is cached until an estimate it reads changes (a step that skips drafting
         then costs a lookup)."""
         kmax = max(0, min(limit, self.config.max_k))
+        if sunk_ms is not None and self._asked is not None and self._asked[1] is None:
+            self._asked = (self._asked[0], limit)  # the block the last draft call proposed: ``limit`` tokens
         if kmax == 0:
             return 0
         key = None
@@ -356,7 +398,8 @@ class AdaptiveSpeculation:
             )
             if self._choice_cache is not None and self._choice_cache[0] == key:
                 return self._choice_cache[1]
-        k = best_length(self.alpha(kmax, confidence), self.step_costs(kmax, bool(ahead)), sunk_ms, least)
+        margin = self.config.margin if sunk_ms is None else 0.0  # a drafted block's cost is sunk: no margin
+        k = best_length(self.alpha(kmax, confidence), self.step_costs(kmax, bool(ahead)), sunk_ms, least, margin)
         if key is not None:
             self._choice_cache = (key, k)
         return k

@@ -210,6 +210,10 @@ class DraftCostModel:
             self._least[k] = least
             self.fit()
 
+    def timed(self, k: int) -> bool:
+        """Whether k has a timing (a steady call's, or a catch-up's that undercut it)."""
+        return bool(self._timings.get(k))
+
     def settled(self, k: int) -> bool:
         """Whether k was timed ``window`` times (its cost is then its own least timing)."""
         return len(self._timings.get(k, ())) >= self._window

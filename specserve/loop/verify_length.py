@@ -9,6 +9,7 @@ each drafted position and a precomputed table of step costs by verify length, an
     step_ms(k)     = draft_ms[k] + verify_ms[k] + overhead(k)    before drafting
                    = sunk_ms + verify_ms[k]                     once the block is drafted (its cost is sunk)
     k*             = argmax_{least <= k <= K} E[emitted | k] / step_ms(k)   (the first best)
+                     with k = 0's rate raised by ``margin`` (before drafting: a k >= 1 must beat target-only by it)
 
 verify_ms[k] is the verify of k + 1 tokens on the target: on an MoE it grows with the distinct experts those tokens
 route to, so the table comes from a fit on tokens and experts (gateway/cost_models.py), not from a per-token line.
@@ -61,15 +62,20 @@ def expected_emitted(alpha: Sequence[float]) -> list[float]:
     return out
 
 
-def best_length(alpha: Sequence[float], costs: StepCosts, sunk_ms: float | None = None, least: int = 0) -> int:
+def best_length(
+    alpha: Sequence[float], costs: StepCosts, sunk_ms: float | None = None, least: int = 0, margin: float = 0.0
+) -> int:
     """k* of the module docstring over k = least..min(len(alpha), costs.max_k); ``least`` = 1 makes a step verify
-    something whatever the estimates say (a probe, which is there to measure)."""
+    something whatever the estimates say (a probe, which is there to measure); ``margin``: k = 0's rate is raised by
+    that share, so a k >= 1 is chosen only if predicted to beat target-only by it (noisy estimates)."""
     kmax = min(len(alpha), costs.max_k)
     least = min(max(least, 0), kmax)
     gain = expected_emitted(alpha[:kmax])
     best_k, best_rate = least, -1.0
     for k in range(least, kmax + 1):
         rate = gain[k] / costs.step_ms(k, sunk_ms)
+        if not k:
+            rate *= 1.0 + margin
         if rate > best_rate:  # the first best, like argmax
             best_k, best_rate = k, rate
     return best_k

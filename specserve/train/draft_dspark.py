@@ -5,7 +5,9 @@ Alignment as draft_dflash.py's: block output i (anchor a) predicts the token at 
 token before it, the one at a + i, teacher-forced: on a greedy-chain block (the only blocks whose outputs count with
 ``chain_labels``, on by default here) that is the token the drafter itself drafted when drafts 0..i-1 were accepted,
 so training sees what serving sees. The loss of the block and the Markov head is draft_dflash's soft cross entropy
-(``logits_loss``) of the Markov-corrected logits. The confidence head is trained beside it, on detached inputs (it
+(``logits_loss``) of the Markov-corrected logits; the correction applies from output ``markov_from`` on (1 by
+default: output 0's previous token is the pending token, the block's own input 0, and its correction only overfit
+in issue #43's CPU study; dspark.py's docstring). The confidence head is trained beside it, on detached inputs (it
 never pulls the drafter), by binary cross entropy against whether output i's argmax is the target's greedy token,
 over the greedy-chain blocks where output i counts: its c_i estimates acceptance of drafted token i given 0..i-1 were
 accepted, which is what the verify-length rule (specserve/loop/verify_length.py) reads.
@@ -40,10 +42,11 @@ from specserve.train.draft_eagle3 import default_capture_layers
 class DSparkSpec:
     markov_rank: int = 32
     confidence_weight: float = 1.0
+    markov_from: int = 1  # the first block output the Markov correction applies to (module docstring)
 
     def __post_init__(self) -> None:
-        if self.markov_rank <= 0 or self.confidence_weight < 0:
-            raise TrainError(f"DSparkSpec: markov_rank must be > 0 and confidence_weight >= 0, got {self}")
+        if self.markov_rank <= 0 or self.confidence_weight < 0 or self.markov_from < 0:
+            raise TrainError(f"DSparkSpec: markov_rank must be > 0, confidence_weight and markov_from >= 0, got {self}")
 
 
 def split_arch(arch: dict[str, str]) -> tuple[dict[str, str], dict[str, str]]:
@@ -56,7 +59,7 @@ def build_dspark(target, spec: DSparkSpec, block_spec: DFlashSpec, layers: tuple
     from specserve.draft_service.dspark import DSparkConfig, DSparkModel
 
     block = build_dflash(target, replace(block_spec, given_tokens=0), layers)
-    model = DSparkModel(DSparkConfig(block.cfg, spec.markov_rank), block)
+    model = DSparkModel(DSparkConfig(block.cfg, spec.markov_rank, spec.markov_from), block)
     with torch.no_grad():
         torch.nn.init.normal_(model.markov.h_proj.weight, std=0.02)
         torch.nn.init.normal_(model.markov.e_proj.weight, std=0.02)
@@ -92,14 +95,25 @@ def init_dspark_from(model, path, target_dir) -> None:
     model.load_state_dict(saved.state_dict())
 
 
-def dspark_loss(model, ids, feats, probs, greedy, anchors, decay: float, confidence_weight: float):
-    """(block + Markov soft cross entropy + confidence_weight x confidence BCE, agreement [b] on the chain blocks)."""
+def dspark_logits(model, ids, feats, anchors):
+    """ids [G, T], feats [G, T, F], anchors [G, A] -> (z [G, A, b, H], u [G, A, b, r], logits [G, A, b, V] float32): the
+    block's rows and its Markov-corrected logits, each output's previous token teacher-forced (module docstring)."""
     b = model.block.cfg.block_size
     z = blocks_hidden(model.block, ids, feats, anchors)  # [G, A, b, H]
     idx = anchors[:, :, None] + torch.arange(b, device=ids.device)  # [G, A, b] label positions a + i
     prev = torch.gather(ids, 1, idx.reshape(ids.shape[0], -1)).view_as(idx)  # the token before output i
     u, delta = model.markov(z, model.block.embed_tokens(prev))
-    logits = model.block.lm_head(z).float() + delta  # [G, A, b, V]
+    first = model.spark_cfg.markov_from
+    if first:  # outputs before markov_from get no correction, as dspark.py drafts them
+        delta = torch.cat([torch.zeros_like(delta[:, :, :first]), delta[:, :, first:]], dim=2)
+    return z, u, model.block.lm_head(z).float() + delta
+
+
+def dspark_loss(model, ids, feats, probs, greedy, anchors, decay: float, confidence_weight: float):
+    """(block + Markov soft cross entropy + confidence_weight x confidence BCE, agreement [b] on the chain blocks)."""
+    b = model.block.cfg.block_size
+    z, u, logits = dspark_logits(model, ids, feats, anchors)
+    idx = anchors[:, :, None] + torch.arange(b, device=ids.device)  # [G, A, b] label positions a + i
     loss, agree = logits_loss(logits, ids, probs, greedy, anchors, decay, chain_labels=True)
     with torch.no_grad():
         lp, drafted = torch.log_softmax(logits, dim=-1).max(dim=-1)  # [G, A, b] log q of the greedy draft

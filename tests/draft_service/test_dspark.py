@@ -27,7 +27,7 @@ from specserve.draft_service.registry import build_proposer
 VOCAB, TH, LAYERS, RANK = 40, 12, (0, 2), 6
 
 
-def random_dspark(seed: int = 0) -> DSparkModel:
+def random_dspark(seed: int = 0, markov_from: int = 0) -> DSparkModel:
     block = DFlashConfig(
         hidden_size=16,
         num_hidden_layers=2,
@@ -40,16 +40,17 @@ def random_dspark(seed: int = 0) -> DSparkModel:
         target_hidden_size=TH,
         target_layer_ids=LAYERS,
     )
-    model = randomize_(DSparkModel(DSparkConfig(block, RANK)), seed)
+    model = randomize_(DSparkModel(DSparkConfig(block, RANK, markov_from)), seed)
     with torch.no_grad():
         model.markov.out.weight.mul_(8.0)  # a Markov correction that changes the argmax often
     return model
 
 
-@pytest.fixture(scope="module")
-def saved(tmp_path_factory):
-    """(the random drafter, its folder), saved once for the module's tests (none of them changes the folder)."""
-    model, path = random_dspark(), tmp_path_factory.mktemp("dspark")
+@pytest.fixture(scope="module", params=[0, 1], ids=["markov-from-0", "markov-from-1"])
+def saved(tmp_path_factory, request):
+    """(the random drafter, its folder), saved once for the module's tests (none of them changes the folder); its
+    Markov correction from position 0 (the first checkpoints) or 1 (issue #43: position 1's is the block's input)."""
+    model, path = random_dspark(markov_from=request.param), tmp_path_factory.mktemp("dspark")
     save_dspark(model, path)
     return model, path
 
@@ -105,7 +106,9 @@ def reference_chain(m: DSparkModel, z: torch.Tensor, pending: int, drawn: list[i
     prev, tokens, conf, rows = pending, [], [], []
     for i in range(z.shape[0]):
         u = torch.nn.functional.silu(mk.h_proj.weight @ z[i] + mk.e_proj.weight @ E[prev])  # [r]
-        logits = m.block.lm_head.weight @ z[i] + mk.out.weight @ u  # [V]
+        logits = m.block.lm_head.weight @ z[i]  # [V]
+        if i >= m.spark_cfg.markov_from:  # the correction from position markov_from on
+            logits = logits + mk.out.weight @ u
         tok = int(logits.argmax()) if drawn is None else drawn[i]
         lp = float(torch.log_softmax(logits.double(), -1)[tok])
         s = float(ch.w_z.weight[0] @ z[i] + ch.w_z.bias[0] + ch.w_u.weight[0] @ u) + float(ch.w_lp[0]) * lp
@@ -205,19 +208,26 @@ def test_training_form_is_the_proposers_on_greedy_chain_blocks(saved):
     """draft_dspark's batched logits (teacher-forced previous tokens) equal the proposer's chain where the sequence's
     tokens are the drafted ones, and its confidence logits the confidence head's."""
     from specserve.train.draft_dflash import blocks_hidden
+    from specserve.train.draft_dspark import dspark_logits
 
     model, _ = saved
     feats, seq = FakeFeatures(VOCAB, len(LAYERS) * TH), [3, 9, 14, 1, 7, 22, 5]
     z = reference_rows(model, feats.rows(seq, 0, len(seq) - 1), seq[-1])
-    tokens, conf, _ = reference_chain(model, z, seq[-1])
+    tokens, conf, ref_logits = reference_chain(model, z, seq[-1])
     ids = torch.tensor([seq + tokens])  # [1, T]: the drafted chain written after the anchor
     anchor = len(seq) - 1
-    rows = blocks_hidden(model.block, ids, feats.rows(ids[0].tolist(), 0, ids.shape[1])[None], torch.tensor([[anchor]]))
+    feats_t = feats.rows(ids[0].tolist(), 0, ids.shape[1])[None]
+    rows = blocks_hidden(model.block, ids, feats_t, torch.tensor([[anchor]]))
     torch.testing.assert_close(rows[0, 0], z, rtol=0, atol=1e-5)
     prev = ids[0, anchor : anchor + 5]
     u, delta = model.markov(rows[0, 0], model.block.embed_tokens(prev))
+    delta[: model.spark_cfg.markov_from] = 0.0  # as the proposer: no correction before markov_from
     logits = model.block.lm_head(rows[0, 0]) + delta
     assert logits.argmax(-1).tolist() == tokens
+    torch.testing.assert_close(logits, ref_logits, rtol=0, atol=1e-4)
+    _, u_train, train_logits = dspark_logits(model, ids, feats_t, torch.tensor([[anchor]]))  # draft_dspark's own form
+    torch.testing.assert_close(train_logits[0, 0], ref_logits, rtol=0, atol=1e-4)
+    torch.testing.assert_close(u_train[0, 0], u, rtol=0, atol=1e-5)
     c = torch.sigmoid(model.confidence.logit(rows[0, 0], u, torch.log_softmax(logits, -1).max(-1).values))
     assert c.tolist() == pytest.approx(conf, abs=1e-5)
 
@@ -234,3 +244,17 @@ def test_a_broken_confidence_head_drafts_with_confidence_zero(saved):
     _start(p, seq, feats, SamplingParams(), sid="n")
     got = p.propose("n", len(seq), [], None, 3)
     assert got.token_ids == want.token_ids and got.confidence == (0.0, 0.0, 0.0)
+
+
+def test_markov_from_is_read_as_0_when_a_config_predates_it(saved, tmp_path):
+    """The first checkpoints' config.json has no markov_from: their correction applies from position 0, as they were
+    trained; one saved now says which."""
+    import json
+
+    model, path = saved
+    raw = json.loads((path / "config.json").read_text())
+    assert raw["markov_from"] == model.spark_cfg.markov_from
+    del raw["markov_from"]
+    assert DSparkConfig.from_dict(raw).markov_from == 0
+    with pytest.raises(DrafterConfigError, match="markov_from"):
+        DSparkConfig.from_dict(dict(raw, markov_from=-1))
