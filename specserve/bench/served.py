@@ -119,7 +119,7 @@ class ServedStack:
     async def connect(self) -> None:
         """Make the remote adapters (on the running loop: grpc.aio channels belong to their loop)."""
         from specserve.gateway.remote import RemoteTarget
-        from specserve.gateway.remote_draft import RemoteDraftEndpoint
+        from specserve.loop.remote_draft import RemoteDraftEndpoint
 
         for via in SERVED_VIAS:
             shm = via == "serve-shm"

@@ -40,6 +40,7 @@ from specserve.runtime.tracing import (
     SPAN_DRAFT_START,
     SPAN_PREFILL,
     SPAN_REQUEST,
+    SPAN_TARGET_RUN,
     SPAN_TARGET_VERIFY,
 )
 
@@ -161,7 +162,10 @@ def test_draft_and_target_only_agree_greedy(stack):
 
 
 def test_one_trace_across_three_services(stack, otlp_receiver):
-    generate(stack, request(draft="ngram", n=12))
+    """The target runs the step loop (Run, issue #42): the gateway's request span, the target's ``target.run`` under
+    it, the loop's per-step ``draft.propose`` / ``target.verify`` spans under that (one a step), each draft-side
+    propose span the child of the loop's span of the same step; the gateway has no per-step span any more."""
+    _, final = generate(stack, request(draft="ngram", n=12))
 
     def trace_complete():
         spans = otlp_receiver.snapshot()
@@ -171,11 +175,11 @@ def test_one_trace_across_three_services(stack, otlp_receiver):
         tid = roots[-1].trace_id
         mine = [s for s in spans if s.trace_id == tid]
         count = lambda svc, name: sum(s.service == svc and s.name == name for s in mine)  # noqa: E731
-        steps = count("specserve-gateway", SPAN_TARGET_VERIFY)
-        proposals = count("specserve-gateway", SPAN_DRAFT_PROPOSE)
+        steps = count("specserve-target", SPAN_TARGET_VERIFY)
+        proposals = count("specserve-target", SPAN_DRAFT_PROPOSE)
         if (
-            steps
-            and count("specserve-target", SPAN_TARGET_VERIFY) == steps
+            count("specserve-target", SPAN_TARGET_RUN) == 1
+            and steps == final.stats.steps
             and proposals
             and (count("specserve-draft", SPAN_DRAFT_PROPOSE) == proposals)
         ):
@@ -183,21 +187,25 @@ def test_one_trace_across_three_services(stack, otlp_receiver):
         return None
 
     root, spans = wait_until(trace_complete, 15, "spans of all three services in one trace")
+    assert root.service == "specserve-gateway"
     assert root.attributes[ATTR_MODEL] and root.attributes[ATTR_INPUT_TOKENS] == len(PROMPT)
     assert ATTR_TTFT_S in root.attributes
     by = lambda svc, name: [s for s in spans if s.service == svc and s.name == name]  # noqa: E731
+    (run,) = by("specserve-target", SPAN_TARGET_RUN)
+    assert run.parent_span_id == root.span_id
     assert by("specserve-target", SPAN_PREFILL) and by("specserve-draft", SPAN_DRAFT_START)
+    assert not by("specserve-gateway", SPAN_TARGET_VERIFY) and not by("specserve-gateway", SPAN_DRAFT_PROPOSE)
     t_verify = by("specserve-target", SPAN_TARGET_VERIFY)
+    t_propose = by("specserve-target", SPAN_DRAFT_PROPOSE)
     d_propose = by("specserve-draft", SPAN_DRAFT_PROPOSE)
-    g_verify = by("specserve-gateway", SPAN_TARGET_VERIFY)
-    assert t_verify and d_propose and len(g_verify) == len(t_verify)
-    for s in t_verify:
-        assert s.kind == SERVER_KIND
+    assert len(t_verify) == final.stats.steps and len(d_propose) == len(t_propose) >= 1
+    for s in t_verify:  # the loop's step span, with the engine's side of the step
+        assert s.parent_span_id == run.span_id
         assert {ATTR_K, ATTR_ACCEPTED, ATTR_FORWARD_MS, ATTR_BATCH_SIZE} <= s.attributes.keys()
-    # each service-side step span is the child of the gateway's span of the same step
-    gateway_ids = {s.span_id for s in spans if s.service == "specserve-gateway"}
-    assert all(s.parent_span_id in gateway_ids for s in t_verify + d_propose)
-    assert {s.parent_span_id for s in t_verify} == {s.span_id for s in g_verify}
+    assert all(s.parent_span_id == run.span_id for s in t_propose)
+    # each draft-side propose span is the child of the target loop's span of the same step
+    assert {s.parent_span_id for s in d_propose} == {s.span_id for s in t_propose}
+    assert all(s.kind == SERVER_KIND for s in d_propose)
     # the gateway's speculative-decoding metrics arrive over OTLP as well
     wanted = {
         "specserve.spec.accepted",
@@ -397,7 +405,8 @@ def test_set_draft_and_broken_drafts_stay_lossless(stack, broken_drafts):
             gateway_pb2.SetDraftRequest(name="alien", address=broken_drafts["alien"]), timeout=10, metadata=ADMIN
         )
     assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "vocabulary" in info.value.details()
-    (logged,) = [line for line in stack.gateway.lines if "gateway: SetDraft 'alien'" in line]
+    alien = lambda: [line for line in list(stack.gateway.lines) if "gateway: SetDraft 'alien'" in line] or None  # noqa: E731
+    (logged,) = wait_until(alien, 10, "the gateway's SetDraft 'alien' line")  # read after the reply (late under load)
     assert "failed: FAILED_PRECONDITION: address:" in logged, logged  # not logged like a swap that happened
     swapped = [line for line in stack.gateway.lines if "gateway: SetDraft 'junk' -> 'unix" in line]
     assert swapped and all(line.endswith(": in use") for line in swapped), swapped

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from . import common_pb2 as specserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19specserve/v1/target.proto\x12\x0cspecserve.v1\x1a\x19specserve/v1/common.proto\"\x13\n\x11TargetInfoRequest\"\xfb\x01\n\nTargetInfo\x12\x12\n\nmodel_type\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\x05\x12\x12\n\nvocab_hash\x18\x03 \x01(\t\x12\x13\n\x0bmax_context\x18\x04 \x01(\x05\x12\x12\n\nnum_layers\x18\x05 \x01(\x05\x12\x13\n\x0bhidden_size\x18\x06 \x01(\x05\x12\x15\n\reos_token_ids\x18\x07 \x03(\x05\x12\x1c\n\x14tensor_parallel_size\x18\x08 \x01(\x05\x12\x12\n\nmodel_name\x18\t \x01(\t\x12\x19\n\x11hidden_share_kind\x18\n \x01(\t\x12\x0f\n\x07host_id\x18\x0b \x01(\t\"\xda\x01\n\x0ePrefillRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.specserve.v1.SamplingParams\x12\x15\n\rhidden_layers\x18\x04 \x03(\x05\x12\x10\n\x08want_shm\x18\x05 \x01(\x08\x12\x19\n\x11want_hidden_share\x18\x06 \x01(\x08\x12,\n\x08logprobs\x18\x07 \x01(\x0b\x32\x1a.specserve.v1.LogprobsSpec\"\xe5\x02\n\x0fPrefillResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x12\n\nnext_token\x18\x02 \x01(\x05\x12$\n\x06hidden\x18\x03 \x01(\x0b\x32\x14.specserve.v1.Tensor\x12*\n\x07timings\x18\x04 \x01(\x0b\x32\x19.specserve.v1.StepTimings\x12\x13\n\x0bshm_channel\x18\x05 \x01(\t\x12/\n\x0chidden_share\x18\x06 \x01(\x0b\x32\x19.specserve.v1.HiddenShare\x12-\n\x0bhidden_rows\x18\x07 \x01(\x0b\x32\x18.specserve.v1.HiddenRows\x12-\n\x08logprobs\x18\x08 \x01(\x0b\x32\x1b.specserve.v1.TokenLogprobs\x12\x34\n\x0fprompt_logprobs\x18\t \x01(\x0b\x32\x1b.specserve.v1.TokenLogprobs\"\xc7\x01\n\rVerifyRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\'\n\x05\x64raft\x18\x02 \x01(\x0b\x32\x18.specserve.v1.DraftBlock\x12\x44\n\rtrace_context\x18\x03 \x03(\x0b\x32-.specserve.v1.VerifyRequest.TraceContextEntry\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xc0\x02\n\x0eVerifyResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x14\n\x0c\x61\x63\x63\x65pted_ids\x18\x02 \x03(\x05\x12\x12\n\nnext_token\x18\x03 \x01(\x05\x12$\n\x06hidden\x18\x04 \x01(\x0b\x32\x14.specserve.v1.Tensor\x12\x13\n\x0bnum_drafted\x18\x05 \x01(\x05\x12\x17\n\x0f\x65xperts_touched\x18\x06 \x01(\x05\x12*\n\x07timings\x18\x07 \x01(\x0b\x32\x19.specserve.v1.StepTimings\x12\x12\n\nbatch_size\x18\x08 \x01(\x05\x12-\n\x0bhidden_rows\x18\t \x01(\x0b\x32\x18.specserve.v1.HiddenRows\x12-\n\x08logprobs\x18\n \x01(\x0b\x32\x1b.specserve.v1.TokenLogprobs\"$\n\x0eReleaseRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"\x14\n\x12TargetStatsRequest\"\xe1\x01\n\x0bTargetStats\x12\x17\n\x0f\x61\x63tive_sessions\x18\x01 \x01(\x05\x12\x17\n\x0fkv_blocks_total\x18\x02 \x01(\x05\x12\x16\n\x0ekv_blocks_used\x18\x03 \x01(\x05\x12\r\n\x05steps\x18\x04 \x01(\x03\x12\x11\n\tshm_steps\x18\x05 \x01(\x03\x12\x14\n\x0cshm_channels\x18\x06 \x01(\x05\x12\x1a\n\x12hidden_rows_shared\x18\x07 \x01(\x03\x12\x1c\n\x14hidden_rows_as_bytes\x18\x08 \x01(\x03\x12\x16\n\x0ehidden_buffers\x18\t \x01(\x05\x32\xc2\x03\n\rTargetService\x12\x44\n\x07GetInfo\x12\x1f.specserve.v1.TargetInfoRequest\x1a\x18.specserve.v1.TargetInfo\x12\x46\n\x07Prefill\x12\x1c.specserve.v1.PrefillRequest\x1a\x1d.specserve.v1.PrefillResponse\x12\x43\n\x06Verify\x12\x1b.specserve.v1.VerifyRequest\x1a\x1c.specserve.v1.VerifyResponse\x12M\n\x0cVerifyStream\x12\x1b.specserve.v1.VerifyRequest\x1a\x1c.specserve.v1.VerifyResponse(\x01\x30\x01\x12\x46\n\x07Release\x12\x1c.specserve.v1.ReleaseRequest\x1a\x1d.specserve.v1.ReleaseResponse\x12G\n\x08GetStats\x12 .specserve.v1.TargetStatsRequest\x1a\x19.specserve.v1.TargetStatsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19specserve/v1/target.proto\x12\x0cspecserve.v1\x1a\x19specserve/v1/common.proto\"\x13\n\x11TargetInfoRequest\"\x8e\x02\n\nTargetInfo\x12\x12\n\nmodel_type\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\x05\x12\x12\n\nvocab_hash\x18\x03 \x01(\t\x12\x13\n\x0bmax_context\x18\x04 \x01(\x05\x12\x12\n\nnum_layers\x18\x05 \x01(\x05\x12\x13\n\x0bhidden_size\x18\x06 \x01(\x05\x12\x15\n\reos_token_ids\x18\x07 \x03(\x05\x12\x1c\n\x14tensor_parallel_size\x18\x08 \x01(\x05\x12\x12\n\nmodel_name\x18\t \x01(\t\x12\x19\n\x11hidden_share_kind\x18\n \x01(\t\x12\x0f\n\x07host_id\x18\x0b \x01(\t\x12\x11\n\truns_loop\x18\x0c \x01(\x08\"\xda\x01\n\x0ePrefillRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.specserve.v1.SamplingParams\x12\x15\n\rhidden_layers\x18\x04 \x03(\x05\x12\x10\n\x08want_shm\x18\x05 \x01(\x08\x12\x19\n\x11want_hidden_share\x18\x06 \x01(\x08\x12,\n\x08logprobs\x18\x07 \x01(\x0b\x32\x1a.specserve.v1.LogprobsSpec\"\xe5\x02\n\x0fPrefillResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x12\n\nnext_token\x18\x02 \x01(\x05\x12$\n\x06hidden\x18\x03 \x01(\x0b\x32\x14.specserve.v1.Tensor\x12*\n\x07timings\x18\x04 \x01(\x0b\x32\x19.specserve.v1.StepTimings\x12\x13\n\x0bshm_channel\x18\x05 \x01(\t\x12/\n\x0chidden_share\x18\x06 \x01(\x0b\x32\x19.specserve.v1.HiddenShare\x12-\n\x0bhidden_rows\x18\x07 \x01(\x0b\x32\x18.specserve.v1.HiddenRows\x12-\n\x08logprobs\x18\x08 \x01(\x0b\x32\x1b.specserve.v1.TokenLogprobs\x12\x34\n\x0fprompt_logprobs\x18\t \x01(\x0b\x32\x1b.specserve.v1.TokenLogprobs\"\xc7\x01\n\rVerifyRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\'\n\x05\x64raft\x18\x02 \x01(\x0b\x32\x18.specserve.v1.DraftBlock\x12\x44\n\rtrace_context\x18\x03 \x03(\x0b\x32-.specserve.v1.VerifyRequest.TraceContextEntry\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xc0\x02\n\x0eVerifyResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x14\n\x0c\x61\x63\x63\x65pted_ids\x18\x02 \x03(\x05\x12\x12\n\nnext_token\x18\x03 \x01(\x05\x12$\n\x06hidden\x18\x04 \x01(\x0b\x32\x14.specserve.v1.Tensor\x12\x13\n\x0bnum_drafted\x18\x05 \x01(\x05\x12\x17\n\x0f\x65xperts_touched\x18\x06 \x01(\x05\x12*\n\x07timings\x18\x07 \x01(\x0b\x32\x19.specserve.v1.StepTimings\x12\x12\n\nbatch_size\x18\x08 \x01(\x05\x12-\n\x0bhidden_rows\x18\t \x01(\x0b\x32\x18.specserve.v1.HiddenRows\x12-\n\x08logprobs\x18\n \x01(\x0b\x32\x1b.specserve.v1.TokenLogprobs\"$\n\x0eReleaseRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"\x14\n\x12TargetStatsRequest\"\xe1\x01\n\x0bTargetStats\x12\x17\n\x0f\x61\x63tive_sessions\x18\x01 \x01(\x05\x12\x17\n\x0fkv_blocks_total\x18\x02 \x01(\x05\x12\x16\n\x0ekv_blocks_used\x18\x03 \x01(\x05\x12\r\n\x05steps\x18\x04 \x01(\x03\x12\x11\n\tshm_steps\x18\x05 \x01(\x03\x12\x14\n\x0cshm_channels\x18\x06 \x01(\x05\x12\x1a\n\x12hidden_rows_shared\x18\x07 \x01(\x03\x12\x1c\n\x14hidden_rows_as_bytes\x18\x08 \x01(\x03\x12\x16\n\x0ehidden_buffers\x18\t \x01(\x05\"\xa9\x04\n\nRunRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\x12\x16\n\x0emax_new_tokens\x18\x03 \x01(\x05\x12.\n\x08sampling\x18\x04 \x01(\x0b\x32\x1c.specserve.v1.SamplingParams\x12\x1e\n\x16num_speculative_tokens\x18\x05 \x01(\x05\x12\x12\n\ntree_nodes\x18\x06 \x01(\x05\x12\x12\n\ntree_top_k\x18\x07 \x01(\x05\x12\x12\n\ntree_depth\x18\x08 \x01(\x05\x12\x10\n\x08\x61\x64\x61ptive\x18\t \x01(\x08\x12\x13\n\x0b\x64raft_ahead\x18\n \x01(\x08\x12\x19\n\x11trust_draft_probs\x18\x0b \x01(\x08\x12,\n\x08logprobs\x18\x0c \x01(\x0b\x32\x1a.specserve.v1.LogprobsSpec\x12\x12\n\nmodel_name\x18\r \x01(\t\x12\x15\n\rdraft_address\x18\x0e \x01(\t\x12\x12\n\ndraft_name\x18\x0f \x01(\t\x12\x1c\n\x14\x64raft_step_timeout_s\x18\x10 \x01(\x01\x12\x16\n\x0ereserve_tokens\x18\x11 \x01(\x03\x12\x1e\n\x16\x64raft_breaker_failures\x18\x12 \x01(\x05\x12\x1b\n\x13\x64raft_probe_every_s\x18\x13 \x01(\x01\x12\x14\n\x0cno_draft_shm\x18\x14 \x01(\x08\x12\x17\n\x0fno_hidden_share\x18\x15 \x01(\x08\"\xe9\x01\n\tRunTokens\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12-\n\x08logprobs\x18\x02 \x01(\x0b\x32\x1b.specserve.v1.TokenLogprobs\x12\x34\n\x0fprompt_logprobs\x18\x03 \x01(\x0b\x32\x1b.specserve.v1.TokenLogprobs\x12\x0f\n\x07\x64rafted\x18\x04 \x01(\x05\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x05 \x01(\x05\x12\x19\n\x11verify_compute_ms\x18\x06 \x01(\x01\x12\x18\n\x10\x64raft_compute_ms\x18\x07 \x01(\x01\x12\x0c\n\x04step\x18\x08 \x01(\x08\"{\n\x08RunFinal\x12\x15\n\rfinish_reason\x18\x01 \x01(\t\x12\x15\n\rprompt_tokens\x18\x02 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\x05\x12&\n\x05stats\x18\x04 \x01(\x0b\x32\x17.specserve.v1.SpecStats\"f\n\x08RunEvent\x12)\n\x06tokens\x18\x01 \x01(\x0b\x32\x17.specserve.v1.RunTokensH\x00\x12\'\n\x05\x66inal\x18\x02 \x01(\x0b\x32\x16.specserve.v1.RunFinalH\x00\x42\x06\n\x04kind2\xfd\x03\n\rTargetService\x12\x44\n\x07GetInfo\x12\x1f.specserve.v1.TargetInfoRequest\x1a\x18.specserve.v1.TargetInfo\x12\x46\n\x07Prefill\x12\x1c.specserve.v1.PrefillRequest\x1a\x1d.specserve.v1.PrefillResponse\x12\x43\n\x06Verify\x12\x1b.specserve.v1.VerifyRequest\x1a\x1c.specserve.v1.VerifyResponse\x12M\n\x0cVerifyStream\x12\x1b.specserve.v1.VerifyRequest\x1a\x1c.specserve.v1.VerifyResponse(\x01\x30\x01\x12\x46\n\x07Release\x12\x1c.specserve.v1.ReleaseRequest\x1a\x1d.specserve.v1.ReleaseResponse\x12G\n\x08GetStats\x12 .specserve.v1.TargetStatsRequest\x1a\x19.specserve.v1.TargetStats\x12\x39\n\x03Run\x12\x18.specserve.v1.RunRequest\x1a\x16.specserve.v1.RunEvent0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,25 +37,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TARGETINFOREQUEST']._serialized_start=70
   _globals['_TARGETINFOREQUEST']._serialized_end=89
   _globals['_TARGETINFO']._serialized_start=92
-  _globals['_TARGETINFO']._serialized_end=343
-  _globals['_PREFILLREQUEST']._serialized_start=346
-  _globals['_PREFILLREQUEST']._serialized_end=564
-  _globals['_PREFILLRESPONSE']._serialized_start=567
-  _globals['_PREFILLRESPONSE']._serialized_end=924
-  _globals['_VERIFYREQUEST']._serialized_start=927
-  _globals['_VERIFYREQUEST']._serialized_end=1126
-  _globals['_VERIFYREQUEST_TRACECONTEXTENTRY']._serialized_start=1075
-  _globals['_VERIFYREQUEST_TRACECONTEXTENTRY']._serialized_end=1126
-  _globals['_VERIFYRESPONSE']._serialized_start=1129
-  _globals['_VERIFYRESPONSE']._serialized_end=1449
-  _globals['_RELEASEREQUEST']._serialized_start=1451
-  _globals['_RELEASEREQUEST']._serialized_end=1487
-  _globals['_RELEASERESPONSE']._serialized_start=1489
-  _globals['_RELEASERESPONSE']._serialized_end=1524
-  _globals['_TARGETSTATSREQUEST']._serialized_start=1526
-  _globals['_TARGETSTATSREQUEST']._serialized_end=1546
-  _globals['_TARGETSTATS']._serialized_start=1549
-  _globals['_TARGETSTATS']._serialized_end=1774
-  _globals['_TARGETSERVICE']._serialized_start=1777
-  _globals['_TARGETSERVICE']._serialized_end=2227
+  _globals['_TARGETINFO']._serialized_end=362
+  _globals['_PREFILLREQUEST']._serialized_start=365
+  _globals['_PREFILLREQUEST']._serialized_end=583
+  _globals['_PREFILLRESPONSE']._serialized_start=586
+  _globals['_PREFILLRESPONSE']._serialized_end=943
+  _globals['_VERIFYREQUEST']._serialized_start=946
+  _globals['_VERIFYREQUEST']._serialized_end=1145
+  _globals['_VERIFYREQUEST_TRACECONTEXTENTRY']._serialized_start=1094
+  _globals['_VERIFYREQUEST_TRACECONTEXTENTRY']._serialized_end=1145
+  _globals['_VERIFYRESPONSE']._serialized_start=1148
+  _globals['_VERIFYRESPONSE']._serialized_end=1468
+  _globals['_RELEASEREQUEST']._serialized_start=1470
+  _globals['_RELEASEREQUEST']._serialized_end=1506
+  _globals['_RELEASERESPONSE']._serialized_start=1508
+  _globals['_RELEASERESPONSE']._serialized_end=1543
+  _globals['_TARGETSTATSREQUEST']._serialized_start=1545
+  _globals['_TARGETSTATSREQUEST']._serialized_end=1565
+  _globals['_TARGETSTATS']._serialized_start=1568
+  _globals['_TARGETSTATS']._serialized_end=1793
+  _globals['_RUNREQUEST']._serialized_start=1796
+  _globals['_RUNREQUEST']._serialized_end=2349
+  _globals['_RUNTOKENS']._serialized_start=2352
+  _globals['_RUNTOKENS']._serialized_end=2585
+  _globals['_RUNFINAL']._serialized_start=2587
+  _globals['_RUNFINAL']._serialized_end=2710
+  _globals['_RUNEVENT']._serialized_start=2712
+  _globals['_RUNEVENT']._serialized_end=2814
+  _globals['_TARGETSERVICE']._serialized_start=2817
+  _globals['_TARGETSERVICE']._serialized_end=3326
 # @@protoc_insertion_point(module_scope)
