@@ -48,6 +48,7 @@ from specserve.loop.clients import RequestRejected, TargetUnavailable
 from specserve.loop.detok import IncrementalText
 from specserve.loop.stats import SpecStats
 from specserve.loop.step_loop import FinalEvent, TokenEvent, end_request_span
+from specserve.loop.step_observer import StepRecord
 from specserve.protos import convert
 from specserve.protos.specserve.v1 import (
     target_pb2,
@@ -291,9 +292,12 @@ class TargetRun:
         tokenizer=None,
         started: float | None = None,
         span=None,
+        on_step=None,
     ) -> None:
+        """``on_step(StepRecord, RunTokens)``: each step as its event arrives (a benchmark's rows), or None."""
         self._target, self._request, self._deadline = target, request, deadline
         self._metrics, self._tokenizer, self._span = metrics, tokenizer, span
+        self._on_step = on_step
         self.stats = SpecStats() if started is None else SpecStats(started=started)
         self.token_ids: list[int] = []  # emitted so far
 
@@ -326,6 +330,8 @@ class TargetRun:
                     stats.record_step(tok.drafted, tok.accepted)
                     if self._metrics is not None:
                         self._metrics.record_step(tok.drafted, tok.accepted, (now - last) * 1e3)
+                    if self._on_step is not None:
+                        self._on_step(self._record(stats.steps, tok), tok)
                 else:
                     stats.first_token()
                 last = now
@@ -347,6 +353,20 @@ class TargetRun:
             else:
                 call.cancel()
         raise TargetCallError(grpc.StatusCode.UNAVAILABLE, "target Run ended without a final message")
+
+    def _record(self, step: int, tok: target_pb2.RunTokens) -> StepRecord:
+        return StepRecord(
+            step=step,
+            context_len=tok.context_len,
+            drafted=tok.drafted,
+            accepted=tok.accepted,
+            draft_ms=tok.draft_ms,
+            verify_ms=tok.verify_ms,
+            verify_wall_ms=tok.verify_wall_ms,
+            experts_touched=tok.experts_touched,
+            tree=self._request.tree_nodes > 0,
+            verify_compute_ms=tok.verify_compute_ms,
+        )
 
     @staticmethod
     async def _drain(call) -> None:

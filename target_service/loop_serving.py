@@ -175,7 +175,7 @@ async def run_events(
         share_with = None if request.no_hidden_share else ep  # the draft whose hidden rows may go in a buffer
         target = HostTarget(worker, info, request.reserve_tokens or None, share_with, drafts.wire_info, count_hidden)
         step = [None]  # the StepRecord of the step whose tokens come next (None: the prefill's first token)
-        seen_compute = 0.0  # the draft service's proposer ms summed, as of the last event
+        seen = (0.0, 0.0)  # the draft service's proposer ms and handling ms summed, as of the last event
         events = run_request(
             gen,
             target,
@@ -201,10 +201,17 @@ async def run_events(
                 msg = target_pb2.RunTokens(token_ids=event.token_ids)
                 rec, step[0] = step[0], None
                 if rec is not None:
-                    compute = draft.compute_ms if draft is not None else 0.0
+                    compute, service = (draft.compute_ms, draft.service_ms) if draft is not None else (0.0, 0.0)
                     msg.step, msg.drafted, msg.accepted = True, rec.drafted, rec.accepted
-                    msg.verify_compute_ms, msg.draft_compute_ms = rec.verify_compute_ms, compute - seen_compute
-                    seen_compute = compute
+                    msg.verify_compute_ms, msg.draft_compute_ms = rec.verify_compute_ms, compute - seen[0]
+                    msg.draft_service_ms = service - seen[1]
+                    seen = (compute, service)
+                    msg.verify_ms, msg.experts_touched, msg.context_len = (
+                        rec.verify_ms,
+                        rec.experts_touched,
+                        rec.context_len,
+                    )
+                    msg.draft_ms, msg.verify_wall_ms = rec.draft_ms, rec.verify_wall_ms
                 if event.logprobs is not None:
                     msg.logprobs.CopyFrom(convert.token_logprobs_to_proto(event.logprobs))
                 if event.prompt_logprobs is not None:
@@ -215,18 +222,41 @@ async def run_events(
             drafts.release(address)
 
 
+_END = object()  # after a Run's last event
+
+
 async def serve_run(worker, info, drafts: LoopDrafts, request, context, abort, count_hidden=None):
-    """The Run call's replies: the caller's trace context around the loop, each event as it comes, a failure ended
-    with ``abort(context, exc)`` (the servicer's status for it)."""
+    """The Run call's replies: the loop runs in a task of its own under the caller's trace context and hands its
+    events over a queue, so a step's reply (a gRPC write, which waits for its send) is written while the next step
+    proposes and verifies, not before it; a failure ends the call with ``abort(context, exc)`` (the servicer's status
+    for it). The call ends after the loop's end (its releases included); a caller that goes away cancels the loop."""
+    out: asyncio.Queue = asyncio.Queue()
+
+    async def pump() -> None:
+        try:
+            events = run_events(worker, info, drafts, request, context.time_remaining(), count_hidden)
+            async with contextlib.aclosing(events):
+                async for msg in events:
+                    out.put_nowait(msg)
+        except Exception as exc:  # noqa: BLE001 - handed to the call, mapped to a status there
+            out.put_nowait(exc)
+        finally:
+            out.put_nowait(_END)
+
     token = otel_context.attach(tn.context_from_metadata(context.invocation_metadata()))
-    events = run_events(worker, info, drafts, request, context.time_remaining(), count_hidden)
     try:
-        async with contextlib.aclosing(events):
-            async for msg in events:
-                yield msg
-    except (asyncio.CancelledError, GeneratorExit):
-        raise
-    except Exception as exc:  # noqa: BLE001 - mapped to a status
-        await abort(context, exc)
+        task = asyncio.get_running_loop().create_task(pump())  # (a copy of this context: the caller's trace)
     finally:
         otel_context.detach(token)
+    try:
+        while (item := await out.get()) is not _END:
+            if isinstance(item, Exception):
+                await abort(context, item)
+            yield item
+    finally:
+        if not task.done():
+            task.cancel()  # the caller went away (or the call ended): the loop's end releases both sessions
+        try:
+            await asyncio.shield(task)
+        except BaseException:  # noqa: BLE001 - its outcome was handed over (or the caller is gone)
+            pass

@@ -205,7 +205,7 @@ class RunRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., num_speculative_tokens: _Optional[int] = ..., tree_nodes: _Optional[int] = ..., tree_top_k: _Optional[int] = ..., tree_depth: _Optional[int] = ..., adaptive: _Optional[bool] = ..., draft_ahead: _Optional[bool] = ..., trust_draft_probs: _Optional[bool] = ..., logprobs: _Optional[_Union[_common_pb2.LogprobsSpec, _Mapping]] = ..., model_name: _Optional[str] = ..., draft_address: _Optional[str] = ..., draft_name: _Optional[str] = ..., draft_step_timeout_s: _Optional[float] = ..., reserve_tokens: _Optional[int] = ..., draft_breaker_failures: _Optional[int] = ..., draft_probe_every_s: _Optional[float] = ..., no_draft_shm: _Optional[bool] = ..., no_hidden_share: _Optional[bool] = ...) -> None: ...
 
 class RunTokens(_message.Message):
-    __slots__ = ("token_ids", "logprobs", "prompt_logprobs", "drafted", "accepted", "verify_compute_ms", "draft_compute_ms", "step")
+    __slots__ = ("token_ids", "logprobs", "prompt_logprobs", "drafted", "accepted", "verify_compute_ms", "draft_compute_ms", "step", "verify_ms", "experts_touched", "context_len", "draft_ms", "verify_wall_ms", "draft_service_ms")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
@@ -214,6 +214,12 @@ class RunTokens(_message.Message):
     VERIFY_COMPUTE_MS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_COMPUTE_MS_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_MS_FIELD_NUMBER: _ClassVar[int]
+    EXPERTS_TOUCHED_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_LEN_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_MS_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_WALL_MS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_SERVICE_MS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _common_pb2.TokenLogprobs
     prompt_logprobs: _common_pb2.TokenLogprobs
@@ -222,7 +228,13 @@ class RunTokens(_message.Message):
     verify_compute_ms: float
     draft_compute_ms: float
     step: bool
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Union[_common_pb2.TokenLogprobs, _Mapping]] = ..., prompt_logprobs: _Optional[_Union[_common_pb2.TokenLogprobs, _Mapping]] = ..., drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., verify_compute_ms: _Optional[float] = ..., draft_compute_ms: _Optional[float] = ..., step: _Optional[bool] = ...) -> None: ...
+    verify_ms: float
+    experts_touched: int
+    context_len: int
+    draft_ms: float
+    verify_wall_ms: float
+    draft_service_ms: float
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Union[_common_pb2.TokenLogprobs, _Mapping]] = ..., prompt_logprobs: _Optional[_Union[_common_pb2.TokenLogprobs, _Mapping]] = ..., drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., verify_compute_ms: _Optional[float] = ..., draft_compute_ms: _Optional[float] = ..., step: _Optional[bool] = ..., verify_ms: _Optional[float] = ..., experts_touched: _Optional[int] = ..., context_len: _Optional[int] = ..., draft_ms: _Optional[float] = ..., verify_wall_ms: _Optional[float] = ..., draft_service_ms: _Optional[float] = ...) -> None: ...
 
 class RunFinal(_message.Message):
     __slots__ = ("finish_reason", "prompt_tokens", "completion_tokens", "stats")
