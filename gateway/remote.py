@@ -328,6 +328,7 @@ class TargetRun:
                 now = time.perf_counter()
                 if tok.step:
                     stats.record_step(tok.drafted, tok.accepted)
+                    stats.verify_ms += tok.verify_ms
                     if self._metrics is not None:
                         self._metrics.record_step(tok.drafted, tok.accepted, (now - last) * 1e3)
                     if self._on_step is not None:

@@ -184,7 +184,8 @@ class _Clients:
 
         address = "" if drafter == "none" else self.stack.draft_addresses[drafter]
         reserve = len(request.prompt_ids) + request.max_new_tokens + request.num_speculative_tokens + 1
-        msg = convert.run_request_to_proto(request, tag, address, self.deadline_s, reserve, shm=via == "serve-shm")
+        shm = via == "serve-shm"
+        msg = convert.run_request_to_proto(request, tag, address, self.deadline_s, reserve, shm=shm, hidden_share=shm)
         deadline = asyncio.get_running_loop().time() + self.deadline_s
         return self.stack.targets["serve-shm"].run(msg, deadline, on_step=on_step)
 
