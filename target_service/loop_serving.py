@@ -38,6 +38,7 @@ from specserve.loop.step_loop import FinalEvent, run_request
 from specserve.protos import convert
 from specserve.protos.specserve.v1 import target_pb2
 from specserve.runtime import tracing as tn
+from specserve.runtime.servers_common import check_address
 from specserve.target_service.engine_worker import EngineWorker
 
 MAX_DRAFT_ENDPOINTS = 64  # draft addresses the target keeps a channel to; past it the least recent unused one closes
@@ -111,7 +112,7 @@ class LoopDrafts:
         if ep is None:
             ep = RemoteDraftEndpoint(
                 name or address,
-                address,
+                check_address(address),  # HOST:PORT or unix:PATH (AddressError: INVALID_ARGUMENT)
                 step_timeout_s,
                 target_info=self.wire_info,
                 token=self.token,

@@ -218,6 +218,29 @@ def test_one_trace_across_three_services(stack, otlp_receiver):
     wait_until(lambda: wanted <= otlp_receiver.metric_names, 10, f"metrics {wanted}")
 
 
+def test_target_run_refuses_what_is_no_request_and_serves_on(stack):
+    """The target's Run (what a gateway hands it): a request that is none (no session, no tokens to make, a draft
+    address that is no address, an id outside the vocabulary) is refused with one line, nothing is left open, and
+    the next request runs to its final."""
+    run = lambda **kw: list(stack.tgt.Run(target_pb2.RunRequest(**kw), timeout=30))  # noqa: E731
+    bad = [
+        dict(prompt_ids=PROMPT, max_new_tokens=4),
+        dict(session_id="run-1", prompt_ids=PROMPT, max_new_tokens=0),
+        dict(session_id="run-2", prompt_ids=PROMPT, max_new_tokens=4, draft_address="nowhere", draft_step_timeout_s=1),
+        dict(session_id="run-3", prompt_ids=[1, 99999], max_new_tokens=4),
+    ]
+    for kw in bad:
+        with pytest.raises(grpc.RpcError) as info:
+            run(**kw)
+        assert info.value.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE), kw
+        assert "\n" not in info.value.details()
+    events = run(session_id="run-4", prompt_ids=PROMPT, max_new_tokens=6)
+    assert events[-1].HasField("final") and events[-1].final.completion_tokens == 6
+    assert sum(len(e.tokens.token_ids) for e in events[:-1]) == 6 and events[0].tokens.step is False
+    assert all(e.tokens.step for e in events[1:-1])  # each later event is one verify step's
+    wait_until(lambda: stack.target_stats().active_sessions == 0, 5, "the sessions released")
+
+
 @pytest.mark.parametrize(
     "req,field",
     [
