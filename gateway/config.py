@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from specserve.gateway.remote_draft import BreakerConfig
 from specserve.gateway.validation import NO_DRAFT, RequestLimits
+from specserve.loop.remote_draft import BreakerConfig
 from specserve.runtime.admission import AdmissionConfig
 from specserve.runtime.servers_common import TlsFiles, check_address
 
@@ -36,6 +36,9 @@ class GatewayConfig:
     # with shm: a draft that reads hidden rows gets them in the target's shared buffer where it can map it
     hidden_share: bool = True
     served_model_name: str | None = None  # the model's name in responses and the HTTP API (None: the target's)
+    # a target that runs a request's step loop itself (its GetInfo's runs_loop) is handed the request (Run: the
+    # served path of issue #42); False: the gateway drives every step (Prefill, VerifyStream, ProposeStream)
+    target_loop: bool = True
 
     @property
     def max_choices(self) -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
-from specserve.gateway.remote_draft import BreakerConfig, RemoteDraftEndpoint
+from specserve.loop.remote_draft import BreakerConfig, RemoteDraftEndpoint
 from specserve.runtime.servers_common import TlsFiles, check_address
 
 

@@ -45,6 +45,10 @@ from specserve.contract.types import (
     VerifyResult,
 )
 from specserve.loop.clients import RequestRejected, TargetUnavailable
+from specserve.loop.detok import IncrementalText
+from specserve.loop.stats import SpecStats
+from specserve.loop.step_loop import FinalEvent, TokenEvent, end_request_span
+from specserve.loop.step_observer import StepRecord
 from specserve.protos import convert
 from specserve.protos.specserve.v1 import (
     target_pb2,
@@ -52,12 +56,12 @@ from specserve.protos.specserve.v1 import (
 )
 from specserve.runtime import tracing as tn
 from specserve.runtime.data_plane import ShmClient, StatusFrame
+from specserve.runtime.grpc_stream import RELEASE_TIMEOUT_S, BidiStream, Deadline
 from specserve.runtime.hidden_share import host_id
 from specserve.runtime.metrics import StepRecorder
 from specserve.runtime.servers_common import TlsFiles, aio_channel, bearer_metadata
 from specserve.runtime.shm_ring import RingError, RingTimeout
 
-RELEASE_TIMEOUT_S = 2.0  # releases run even past the request's deadline, but never hang
 RESERVE_METADATA = "specserve-reserve-tokens"  # the target reserves KV blocks for this many tokens
 
 # target status codes that mean "your input was refused", not "the target is broken"
@@ -87,62 +91,6 @@ def _target_error(exc: grpc.aio.AioRpcError) -> Exception:
     if code not in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.INTERNAL, grpc.StatusCode.RESOURCE_EXHAUSTED):
         code = grpc.StatusCode.UNAVAILABLE
     return TargetCallError(code, f"target {exc.code().name}: {details}")
-
-
-class Deadline:
-    """A request's absolute deadline on the event loop's clock (None = no deadline)."""
-
-    def __init__(self, deadline: float | None) -> None:
-        self.deadline = deadline
-
-    def remaining(self, cap: float | None = None) -> float | None:
-        if self.deadline is None:
-            return cap
-        left = self.deadline - asyncio.get_running_loop().time()
-        return left if cap is None else min(left, cap)
-
-
-class BidiStream:
-    """A bidi stream used strictly request -> response, opened on first use."""
-
-    def __init__(self, opener) -> None:
-        self._opener = opener
-        self._call = None
-
-    async def exchange(self, request, timeout: float | None):
-        if self._call is None:
-            self._call = self._opener()
-        try:
-            await self._call.write(request)
-        except (asyncio.InvalidStateError, grpc.aio.UsageError) as exc:  # the peer ended the call meanwhile
-            status = await self._status()
-            if status is not None:
-                raise status from None
-            raise EOFError(f"the stream already ended: {exc}") from None
-        if timeout is None:
-            resp = await self._call.read()
-        else:  # a timeout on this task (asyncio.wait_for would wrap the read in a task of its own every step)
-            async with asyncio.timeout(timeout):
-                resp = await self._call.read()
-        if resp is grpc.aio.EOF:
-            raise EOFError("the stream ended without a response")
-        return resp
-
-    async def _status(self) -> grpc.aio.AioRpcError | None:
-        """The ended call's status as an AioRpcError (None when it ended OK or cannot tell)."""
-        try:
-            code = await asyncio.wait_for(self._call.code(), 1.0)
-            details = await asyncio.wait_for(self._call.details(), 1.0)
-        except Exception:  # noqa: BLE001 - no status to report
-            return None
-        if code == grpc.StatusCode.OK:
-            return None
-        return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
-
-    def close(self) -> None:
-        if self._call is not None:
-            self._call.cancel()
-            self._call = None
 
 
 def _result_of(convert_reply, resp):
@@ -177,6 +125,15 @@ class RemoteTarget:
             target_pb2.TargetInfoRequest(), timeout=timeout_s, wait_for_ready=wait_for_ready, metadata=self.auth
         )
         return self.target_info
+
+    @property
+    def runs_loop(self) -> bool:
+        """Whether the target runs a request's step loop itself (Run), as its GetInfo said."""
+        return self.target_info is not None and self.target_info.runs_loop
+
+    def run(self, request: target_pb2.RunRequest, deadline: float | None, **kw):
+        """A request's step loop on the target (``TargetRun``: its events as the loop's)."""
+        return TargetRun(self, request, Deadline(deadline), **kw).events()
 
     def session(
         self,
@@ -316,3 +273,108 @@ class RemoteTargetSession:
             )
         except grpc.aio.AioRpcError:
             pass  # the target also frees a session when its verify stream ends
+
+
+class TargetRun:
+    """One request whose step loop the target runs (its Run call; target_service/loop_serving.py): the target's
+    RunEvents as the loop's TokenEvent / FinalEvent, so the gateway streams them as it streams its own loop's. The
+    text is made here (the tokenizer stays with the gateway); a request's stats are the target's, on the gateway's
+    clock (TTFT from ``started``); the per-step metrics are recorded as each step's event arrives. Failures map as the
+    target session's (RequestRejected, TargetCallError); closing the events cancels the call, and the target's loop
+    releases both sessions."""
+
+    def __init__(
+        self,
+        target: RemoteTarget,
+        request: target_pb2.RunRequest,
+        deadline: Deadline,
+        metrics: StepRecorder | None = None,
+        tokenizer=None,
+        started: float | None = None,
+        span=None,
+        on_step=None,
+    ) -> None:
+        """``on_step(StepRecord, RunTokens)``: each step as its event arrives (a benchmark's rows), or None."""
+        self._target, self._request, self._deadline = target, request, deadline
+        self._metrics, self._tokenizer, self._span = metrics, tokenizer, span
+        self._on_step = on_step
+        self.stats = SpecStats() if started is None else SpecStats(started=started)
+        self.token_ids: list[int] = []  # emitted so far
+
+    async def events(self):
+        left = self._deadline.remaining()
+        if left is not None and left <= 0:
+            raise TargetCallError(grpc.StatusCode.DEADLINE_EXCEEDED, "the request's deadline passed")
+        call = self._target.stub.Run(self._request, timeout=left, metadata=tn.outgoing_metadata(self._target.auth))
+        text = IncrementalText(self._tokenizer, ())
+        stats, ids = self.stats, self.token_ids
+        finished = False  # the final came: the call then ends by itself, after the target's releases
+        last = time.perf_counter()
+        try:
+            async for msg in call:
+                if msg.HasField("final"):
+                    fin = msg.final
+                    stats.draft_fallback = fin.stats.draft_fallback
+                    stats.draft_ms, stats.draft_hidden_ms = fin.stats.draft_ms, fin.stats.draft_hidden_ms
+                    stats.draft_ahead_hits = fin.stats.draft_ahead_hits
+                    if self._span is not None:
+                        end_request_span(self._span, stats, len(ids), fin.finish_reason)
+                    final_text = text.text if self._tokenizer is not None else None
+                    prompt_len = len(self._request.prompt_ids)
+                    finished = True
+                    yield FinalEvent(tuple(ids), final_text, fin.finish_reason, prompt_len, len(ids), stats)
+                    return
+                tok = msg.tokens
+                now = time.perf_counter()
+                if tok.step:
+                    stats.record_step(tok.drafted, tok.accepted)
+                    stats.verify_ms += tok.verify_ms
+                    if self._metrics is not None:
+                        self._metrics.record_step(tok.drafted, tok.accepted, (now - last) * 1e3)
+                    if self._on_step is not None:
+                        self._on_step(self._record(stats.steps, tok), tok)
+                else:
+                    stats.first_token()
+                last = now
+                new = list(tok.token_ids)
+                ids.extend(new)
+                stats.completion_tokens = len(ids)
+                delta, _ = text.push(new)
+                yield TokenEvent(
+                    tuple(new),
+                    delta,
+                    _result_of(lambda m: convert.token_logprobs_from_proto(m, "logprobs"), tok),
+                    _result_of(lambda m: convert.token_logprobs_from_proto(m, "prompt_logprobs"), tok),
+                )
+        except grpc.aio.AioRpcError as exc:
+            raise _target_error(exc) from None
+        finally:
+            if finished:  # the call ends once the target's loop released both sessions (as the gateway's own loop
+                await self._drain(call)  # ends after its releases): a draft's failed release counts before the next
+            else:
+                call.cancel()
+        raise TargetCallError(grpc.StatusCode.UNAVAILABLE, "target Run ended without a final message")
+
+    def _record(self, step: int, tok: target_pb2.RunTokens) -> StepRecord:
+        return StepRecord(
+            step=step,
+            context_len=tok.context_len,
+            drafted=tok.drafted,
+            accepted=tok.accepted,
+            draft_ms=tok.draft_ms,
+            verify_ms=tok.verify_ms,
+            verify_wall_ms=tok.verify_wall_ms,
+            experts_touched=tok.experts_touched,
+            tree=self._request.tree_nodes > 0,
+            verify_compute_ms=tok.verify_compute_ms,
+        )
+
+    @staticmethod
+    async def _drain(call) -> None:
+        """Wait for the call's end (the target's releases), at most RELEASE_TIMEOUT_S per session and service."""
+        try:
+            async with asyncio.timeout(2 * RELEASE_TIMEOUT_S + 1.0):
+                async for _ in call:
+                    pass
+        except (grpc.aio.AioRpcError, TimeoutError):
+            call.cancel()

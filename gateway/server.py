@@ -32,7 +32,6 @@ from specserve.gateway.config import GatewayConfig
 from specserve.gateway.draft_table import DraftTable
 from specserve.gateway.grpc_handlers import MalformedMessage
 from specserve.gateway.remote import RemoteTarget, TargetCallError
-from specserve.gateway.remote_draft import incompatible
 from specserve.gateway.validation import (
     NO_DRAFT,
     InvalidRequest,
@@ -43,6 +42,7 @@ from specserve.gateway.validation import (
 )
 from specserve.loop.adaptive import AdaptiveConfig, AdaptiveSpeculation
 from specserve.loop.clients import RequestRejected, TargetUnavailable
+from specserve.loop.remote_draft import incompatible
 from specserve.loop.step_loop import FinalEvent, run_request
 from specserve.protos import convert
 from specserve.protos.specserve.v1 import gateway_pb2, gateway_pb2_grpc
@@ -250,16 +250,20 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             reserve = len(gen.prompt_ids) + gen.max_new_tokens + block + 1  # S at most, plus one draft block
             share = endpoint is not None and endpoint.maps_hidden_of(self.target.target_info)
             steps = self.metrics.steps(checked.draft_name or NO_DRAFT)
-            events = run_request(
-                gen,
-                self.target.session(deadline, steps, reserve_tokens=reserve, share_hidden=share),
-                endpoint.session(deadline) if endpoint is not None else None,
-                tokenizer=self.tokenizer,
-                target_info=info,
-                adaptive=self._adaptive(checked.draft_name) if gen.adaptive else None,
-                session_id=uuid.uuid4().hex,
-                started=arrived,
-            )
+            sid = uuid.uuid4().hex
+            if self._target_runs(gen):
+                events = self._run_on_target(gen, sid, endpoint, deadline, reserve, steps, arrived)
+            else:
+                events = run_request(
+                    gen,
+                    self.target.session(deadline, steps, reserve_tokens=reserve, share_hidden=share),
+                    endpoint.session(deadline) if endpoint is not None else None,
+                    tokenizer=self.tokenizer,
+                    target_info=info,
+                    adaptive=self._adaptive(checked.draft_name) if gen.adaptive else None,
+                    session_id=sid,
+                    started=arrived,
+                )
             last = None  # when the previous delta came (inter-token latency)
             async with contextlib.aclosing(events):
                 async for event in events:
@@ -291,6 +295,36 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             if endpoint is not None:
                 self.drafts.release(endpoint)
 
+    def _target_runs(self, gen) -> bool:
+        """Whether the target runs this request's step loop (Run): it can (its GetInfo), the gateway lets it
+        (``target_loop``), the request has no stop strings (their cut is the gateway's, on the text, between two
+        steps) and the drafts need no TLS (the target dials them with a token only)."""
+        return self.config.target_loop and self.target.runs_loop and not gen.stop and self.config.downstream_tls is None
+
+    async def _run_on_target(self, gen, sid: str, endpoint, deadline, reserve: int, steps, arrived: float):
+        """The request's step loop on the target: its events as the loop's, under the gateway's request span."""
+        request = convert.run_request_to_proto(
+            gen,
+            sid,
+            endpoint.address if endpoint is not None else "",
+            self.config.draft_step_timeout_s,
+            reserve,
+            self.config.draft_breaker.failures,
+            self.config.draft_breaker.probe_every_s,
+            shm=self.config.shm,
+            hidden_share=endpoint is not None and endpoint.hidden_share,
+        )
+        with tn.tracer().start_as_current_span(tn.SPAN_REQUEST) as span:
+            span.set_attribute(tn.ATTR_MODEL, gen.model_name)
+            span.set_attribute(tn.ATTR_INPUT_TOKENS, len(gen.prompt_ids))
+            span.set_attribute(tn.ATTR_SESSION, sid)
+            events = self.target.run(
+                request, deadline, metrics=steps, tokenizer=self.tokenizer, started=arrived, span=span
+            )
+            async with contextlib.aclosing(events):
+                async for event in events:
+                    yield event
+
     def _final(self, event: FinalEvent, draft_name: str | None, arrived: float) -> gateway_pb2.GenerateResponse:
         stats = event.stats.as_dict()
         self.metrics.record_request(
@@ -305,18 +339,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             final=gateway_pb2.FinalMessage(
                 finish_reason=event.finish_reason,
                 usage=gateway_pb2.Usage(prompt_tokens=event.prompt_tokens, completion_tokens=event.completion_tokens),
-                stats=gateway_pb2.SpecStats(
-                    steps=stats["steps"],
-                    mean_accepted_length=stats["mean_accepted_length"],
-                    accepted_per_position=stats["accepted_per_position"],
-                    tokens_per_s=stats["tokens_per_s"],
-                    ttft_s=stats["ttft_s"],
-                    draft_fallback=bool(stats.get("draft_fallback", event.stats.draft_fallback)),
-                    draft_ms=stats.get("draft_ms", 0.0),
-                    draft_hidden_ms=stats.get("draft_hidden_ms", 0.0),
-                    draft_ahead_hits=stats.get("draft_ahead_hits", 0),
-                    chosen_k=stats.get("chosen_k", {}),
-                ),
+                stats=convert.spec_stats_to_proto(stats),
                 has_text=event.text is not None,
                 text=event.text or "",
             )

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from specserve.contract.types import (
     DraftBlock,
+    GenerationRequest,
     InvalidBlock,
     LogprobsSpec,
     PrefillResult,
@@ -326,4 +327,88 @@ def verify_result_from_proto(msg: target_pb2.VerifyResponse) -> VerifyResult:
         experts_touched=msg.experts_touched,
         timings=timings_from_proto(msg.timings),
         logprobs=token_logprobs_from_proto(msg),
+    )
+
+
+# ------------------------------------------------------------------- the target's own loop (Run)
+def run_request_to_proto(
+    gen: GenerationRequest,
+    session_id: str,
+    draft_address: str,
+    draft_step_timeout_s: float,
+    reserve_tokens: int,
+    breaker_failures: int = 0,
+    probe_every_s: float = 0.0,
+    shm: bool = True,
+    hidden_share: bool = True,
+) -> target_pb2.RunRequest:
+    """A validated request for the target's step loop (its stop strings stay with the gateway: the text cut)."""
+    msg = target_pb2.RunRequest(
+        session_id=session_id,
+        prompt_ids=list(gen.prompt_ids),
+        max_new_tokens=gen.max_new_tokens,
+        sampling=sampling_to_proto(gen.sampling),
+        num_speculative_tokens=gen.num_speculative_tokens,
+        adaptive=gen.adaptive,
+        draft_ahead=gen.draft_ahead,
+        trust_draft_probs=gen.trust_draft_probs,
+        model_name=gen.model_name,
+        draft_address=draft_address,
+        draft_name=gen.draft_name or "",
+        draft_step_timeout_s=draft_step_timeout_s,
+        reserve_tokens=reserve_tokens,
+        draft_breaker_failures=breaker_failures,
+        draft_probe_every_s=probe_every_s,
+        no_draft_shm=not shm,
+        no_hidden_share=not hidden_share,
+    )
+    if gen.tree is not None:
+        msg.tree_nodes, msg.tree_top_k, msg.tree_depth = gen.tree.num_nodes, gen.tree.top_k, gen.tree.depth
+    if gen.logprobs is not None:
+        msg.logprobs.CopyFrom(logprobs_spec_to_proto(gen.logprobs))
+    return msg
+
+
+def run_request_from_proto(msg: target_pb2.RunRequest) -> GenerationRequest:
+    """The RunRequest as the loop's GenerationRequest (ConversionError naming the field on a bad one)."""
+    tree = None
+    if msg.tree_nodes:
+        tree = tree_spec_from_proto(
+            draft_pb2.TreeSpec(num_nodes=msg.tree_nodes, top_k=msg.tree_top_k, depth=msg.tree_depth)
+        )
+    if not msg.session_id:
+        raise ConversionError("session_id: empty")
+    if msg.draft_address and not msg.draft_step_timeout_s > 0:
+        raise ConversionError(f"draft_step_timeout_s: must be > 0, got {msg.draft_step_timeout_s}")
+    try:
+        return GenerationRequest(
+            prompt_ids=tuple(msg.prompt_ids),
+            max_new_tokens=msg.max_new_tokens,
+            sampling=sampling_from_proto(msg.sampling),
+            num_speculative_tokens=msg.num_speculative_tokens if msg.draft_address else 0,
+            tree=tree,
+            model_name=msg.model_name,
+            adaptive=msg.adaptive and bool(msg.draft_address),
+            draft_ahead=msg.draft_ahead,
+            draft_name=(msg.draft_name or msg.draft_address) if msg.draft_address else None,
+            trust_draft_probs=msg.trust_draft_probs,
+            logprobs=logprobs_spec_from_proto(msg),
+        )
+    except ValueError as e:
+        raise ConversionError(str(e)) from None
+
+
+def spec_stats_to_proto(stats: dict) -> common_pb2.SpecStats:
+    """A request's statistics (SpecStats.as_dict())."""
+    return common_pb2.SpecStats(
+        steps=stats["steps"],
+        mean_accepted_length=stats["mean_accepted_length"],
+        accepted_per_position=stats["accepted_per_position"],
+        tokens_per_s=stats["tokens_per_s"],
+        ttft_s=stats["ttft_s"],
+        draft_fallback=bool(stats.get("draft_fallback", False)),
+        draft_ms=stats.get("draft_ms", 0.0),
+        draft_hidden_ms=stats.get("draft_hidden_ms", 0.0),
+        draft_ahead_hits=stats.get("draft_ahead_hits", 0),
+        chosen_k=stats.get("chosen_k", {}),
     )

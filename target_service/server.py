@@ -1,4 +1,8 @@
-"""The target gRPC service: Prefill, Verify, VerifyStream, Release, GetInfo, GetStats.
+"""The target gRPC service: Run, Prefill, Verify, VerifyStream, Release, GetInfo, GetStats.
+
+Run is a request's whole step loop here, beside the engine (loop_serving.py: the served path, issue #42); Prefill,
+VerifyStream and Release serve a caller that drives the steps itself (a gateway whose request has stop strings or
+whose drafts need TLS, the bench's gateway-driven vias).
 
 The engine runs on its own thread behind an EngineWorker (engine_worker.py: batched verify, admission, idle
 sessions); the servicer only awaits it and turns its results and errors into replies and status codes.
@@ -37,6 +41,7 @@ from specserve.target_service.engine.engine import (
     UnknownSession,
 )
 from specserve.target_service.engine_worker import EngineWorker, WireBlock
+from specserve.target_service.loop_serving import LoopDrafts, serve_run
 
 # the service's name, and its registration (request bytes that do not parse get INVALID_ARGUMENT, not UNKNOWN)
 SERVICE_NAME, add_target_to_server = registration(target_pb2, "TargetService")
@@ -72,8 +77,14 @@ def _status_for(exc: BaseException) -> grpc.StatusCode:
 
 class TargetServicer(target_pb2_grpc.TargetServiceServicer):
     def __init__(
-        self, worker: EngineWorker, model_name: str = "", tensor_parallel_size: int = 1, shm: ShmOffer | None = None
+        self,
+        worker: EngineWorker,
+        model_name: str = "",
+        tensor_parallel_size: int = 1,
+        shm: ShmOffer | None = None,
+        draft_token: str | None = None,
     ) -> None:
+        """``draft_token``: the bearer token the target's own loops send the draft services (Run)."""
         self.worker = worker
         self.info = worker.engine.info()
         self.model_name = model_name
@@ -90,6 +101,10 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         self.hidden_rows_shared = 0  # rows handed over as ranges (GetStats)
         self.hidden_rows_as_bytes = 0  # rows sent as bytes
         self._counts_lock = threading.Lock()
+        self.wire_info = self._info_proto()
+        self.loop_drafts = LoopDrafts(
+            self.wire_info, draft_token, self.shm.config.enabled, self.shm.config.shares_hidden
+        )
 
     def _count_hidden(self, hidden) -> None:
         """Count a reply's hidden rows: handed over as a range of the shared buffer, or as bytes."""
@@ -101,7 +116,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                 self.hidden_rows_as_bytes += int(hidden.shape[0])
 
     # -------------------------------------------------------------------------------- RPCs
-    async def GetInfo(self, request, context):
+    def _info_proto(self) -> target_pb2.TargetInfo:
         return convert.info_to_proto(
             target_pb2.TargetInfo,
             self.info,
@@ -109,6 +124,16 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             model_name=self.model_name,
             hidden_share_kind=self.hidden_kind,
             host_id=self.host_id,
+            runs_loop=True,
+        )
+
+    async def GetInfo(self, request, context):
+        return self.wire_info
+
+    def Run(self, request, context):
+        """A request's step loop here (loop_serving.py); its events as they come, then its final."""
+        return serve_run(
+            self.worker, self.info, self.loop_drafts, request, context, self.steps.abort, self._count_hidden
         )
 
     async def Prefill(self, request, context):

@@ -4,9 +4,11 @@ Per step: the loop's StepRecord (draft ms, verify ms as the target measured it, 
 context length) plus the step's wall time as seen here (from the previous step, or from the first
 token for step 1), overhead = wall - draft - verify, and the byte floor of the step.
 
-``via``: "process" runs engine and drafters in this process (one thread each); "serve-shm" and
-"serve-grpc" run the same loop over the service processes of a ``ServedStack`` (specserve/bench/
-served.py), with the draft time the draft service measured (so transport is overhead, not draft).
+``via``: "process" runs engine and drafters in this process (the loop on the engine's thread); "serve-shm" and
+"serve-grpc" hand each request to the `specserve target` process of a ``ServedStack`` (specserve/bench/served.py),
+whose own loop runs it (Run, as the gateway does) with the draft service over its ring or gRPC; a step's draft time is
+the one the draft service measured (so transport is overhead, not draft), its wall is from one step's event to the
+next as they reach this process (the gateway's place).
 """
 
 from __future__ import annotations
@@ -87,13 +89,24 @@ class SpecRunner:
         return self.loop.run_until_complete(self._run(spec, prompt_id, tuple(prompt_ids), chooser, max_new_tokens, via))
 
     def _clients(self, spec: MethodSpec, via: str):
-        """(target client, draft client or None) of one request."""
+        """(target client, draft client or None) of one request in process; served: (None, None)."""
         if via == "process":
             return self.target, None if spec.drafter == "none" else self.drafts[spec.drafter]
-        endpoint = None if spec.drafter == "none" else self.served.drafts[via][spec.drafter]
-        remote_target = self.served.targets[via]
-        share = endpoint is not None and endpoint.maps_hidden_of(remote_target.target_info)  # as the gateway decides
-        return remote_target.session(None, share_hidden=share), None if endpoint is None else endpoint.session(None)
+        return None, None
+
+    def _run_on_target(self, spec: MethodSpec, request, session_id: str, via: str, on_step):
+        """A served request: the target's loop (Run) with the draft service of the method's drafter, over its ring
+        (``serve-shm``) or gRPC (``serve-grpc``); its events as the loop's."""
+        import dataclasses
+
+        from specserve.protos import convert
+
+        address = "" if spec.drafter == "none" else self.served.draft_addresses[spec.drafter]
+        request = dataclasses.replace(request, draft_name=spec.drafter if address else None)
+        reserve = len(request.prompt_ids) + request.max_new_tokens + request.num_speculative_tokens + 1
+        shm = via == "serve-shm"
+        msg = convert.run_request_to_proto(request, session_id, address, 60.0, reserve, shm=shm, hidden_share=shm)
+        return self.served.targets[via].run(msg, None, on_step=on_step)
 
     async def _run(
         self,
@@ -108,7 +121,6 @@ class SpecRunner:
         from specserve.loop.step_loop import (
             FinalEvent,
             GenerationRequest,
-            run_request,
         )
 
         cfg = self.config
@@ -144,11 +156,17 @@ class SpecRunner:
                 first.append(time.perf_counter())
                 mark[0] = first[0]
 
+        def on_run_step(rec, tok) -> None:  # the target's loop: the draft service's time comes with the step
+            now = time.perf_counter()
+            draft_ms = tok.draft_service_ms if rec.draft_ms > 0 else 0.0  # drafted ahead: hidden, as in-process
+            steps.append(self._step_row(spec, prompt_id, rec, (now - mark[0]) * 1e3, via, draft_ms))
+            mark[0] = now
+
         kwargs = dict(target_info=self.info, adaptive=chooser, session_id=f"bench-{self._counter}", on_step=on_step)
         if via == "process":
             events = self.target.generate(request, draft, on_event=on_event, tokens=False, **kwargs)
-        else:
-            events = run_request(request, target, draft, **kwargs)
+        else:  # the target runs the loop (Run), as the gateway hands it a request: its own chooser per draft address
+            events = self._run_on_target(spec, request, kwargs["session_id"], via, on_run_step)
         async for event in events:
             if via != "process":
                 on_event(event)

@@ -1,22 +1,25 @@
 """Per-step orchestration overhead: one process, the shared-memory data plane and gRPC only, in one run.
 
     specserve bench overhead [--model DIR | synthetic:NAME[:LAYERS]] [--drafters none,ngram]
-        [--vias process,process-hops,serve-shm,serve-grpc] [--k 4] [--requests 3] [--max-new-tokens 64] [--rounds 2]
-        [--deadline-s 120] [--out DIR]
+        [--vias process,process-hops,gateway-shm,serve-shm,serve-grpc] [--k 4] [--requests 3] [--max-new-tokens 64]
+        [--rounds 2] [--deadline-s 120] [--out DIR]
 
 Each method (target-only; each drafter at chain length ``--k``, greedy) runs the one step loop
-(specserve/loop/step_loop.py) four ways, interleaved round by round: in process on the engine's thread, direct calls
+(specserve/loop/step_loop.py) five ways, interleaved round by round: in process on the engine's thread, direct calls
 (``process``: what `generate` and `bench` run, specserve/loop/engine_thread.py), in process over the threaded adapters
 (``process-hops``: the loop on the caller's event loop, each verify and propose a round trip to the part's thread,
-as before issue #42), over the remote adapters to a `specserve target` (+ `specserve draft`) process with the
-shared-memory data plane (``serve-shm``), and with every step over gRPC (``serve-grpc``); ``--vias`` picks some of
-them (``process`` always: the others are compared with it), and without a served via no service process starts.
+as before issue #42), in a `specserve target` process that runs the loop itself (its Run call, as the gateway hands
+it a request: target_service/loop_serving.py; what `serve` runs) proposing to a `specserve draft` process over the
+draft's shared-memory ring (``serve-shm``) or gRPC (``serve-grpc``), and the gateway's own loop over the remote
+adapters with the shared-memory data plane to both services (``gateway-shm``: the served path before the target ran
+the loop, still the one of a request with stop strings); ``--vias`` picks some of them (``process`` always: the others
+are compared with it), and without a served via no service process starts.
 Per step:
 
     overhead = step wall - engine compute - proposer compute
 
 where the step wall is the time from one verify step's end to the next (as `specserve bench` counts
-it), engine compute is the engine's own verify call as it measures it on its thread
+it; for the target's loop, from one step's event to the next as they reach this process, the gateway's place), engine compute is the engine's own verify call as it measures it on its thread
 (``StepTimings.compute_ms``), and proposer compute is the drafter's own propose call (the draft
 service reports it in the same field; in process it is timed around the proposer). What is left is
 orchestration: the loop, thread hops, protobuf and tensor conversion, transport, the event loops'
@@ -30,13 +33,15 @@ client's usually do: every wait then has a timeout, as in production.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-VIAS = ("process", "process-hops", "serve-shm", "serve-grpc")
+VIAS = ("process", "process-hops", "gateway-shm", "serve-shm", "serve-grpc")
 IN_PROCESS = ("process", "process-hops")
+TARGET_LOOP = ("serve-shm", "serve-grpc")  # the target runs the loop (Run); gateway-shm: this process does
 DRAFTERS = ("none", "ngram")  # drafters without a checkpoint of their own
 
 
@@ -169,9 +174,20 @@ class _Clients:
             proposer = self.proposers.get(drafter)
             return self.local_target, draft, (lambda: proposer.compute_ms) if proposer else (lambda: 0.0)
         deadline = asyncio.get_running_loop().time() + self.deadline_s
-        target = self.stack.targets[via].session(deadline)
-        draft = None if drafter == "none" else self.stack.drafts[via][drafter].session(deadline)
+        target = self.stack.targets["serve-shm"].session(deadline)  # gateway-shm: the adapters of the shm via
+        draft = None if drafter == "none" else self.stack.drafts["serve-shm"][drafter].session(deadline)
         return target, draft, (lambda: draft.compute_ms) if draft is not None else (lambda: 0.0)
+
+    def run_on_target(self, via: str, drafter: str, request, tag: str, on_step):
+        """The request's loop on the target (Run), its events as the loop's; ``on_step(StepRecord, RunTokens)``."""
+        from specserve.protos import convert
+
+        address = "" if drafter == "none" else self.stack.draft_addresses[drafter]
+        reserve = len(request.prompt_ids) + request.max_new_tokens + request.num_speculative_tokens + 1
+        shm = via == "serve-shm"
+        msg = convert.run_request_to_proto(request, tag, address, self.deadline_s, reserve, shm=shm, hidden_share=shm)
+        deadline = asyncio.get_running_loop().time() + self.deadline_s
+        return self.stack.targets["serve-shm"].run(msg, deadline, on_step=on_step)
 
     def close(self) -> None:
         self.engine_thread.close()
@@ -222,10 +238,25 @@ async def _one_request(clients: _Clients, via: str, drafter: str, k: int, prompt
         )
         mark[0] = now
 
+    service_total = [0.0]
+
+    def on_target_step(rec, tok) -> None:  # the target's loop: its compute and the draft's come with the event
+        service_total[0] += tok.draft_service_ms
+        on_step(rec)
+        rows[-1].update(
+            engine_ms=tok.verify_compute_ms,
+            draft_ms=tok.draft_compute_ms,
+            verify_service_ms=0.0,  # no hop to the target: the loop runs there
+            draft_service_total=service_total[0],
+        )
+
     tokens: tuple[int, ...] = ()
     kwargs = dict(target_info=clients.info, session_id=tag, on_step=on_step)
     if via == "process":
         events = clients.engine_thread.generate(request, draft, on_event=on_event, tokens=False, **kwargs)
+    elif via in TARGET_LOOP:
+        request = dataclasses.replace(request, draft_name=drafter if draft is not None else None)
+        events = clients.run_on_target(via, drafter, request, tag, on_target_step)
     else:
         events = run_request(request, target, draft, **kwargs)
     async for event in events:

@@ -2,10 +2,10 @@
 
 A ``ServedStack`` starts one `specserve target` and one `specserve draft` per drafter family (the
 same checkpoints, device and dtype as the in-process run) on unix sockets in a private folder. The
-bench process then plays the gateway: the same spec loop (specserve/loop/step_loop.py) over the gateway's
-own remote adapters (gateway/remote.py), once with the shared-memory data plane (``serve-shm``) and
-once with every step over gRPC (``serve-grpc``, as a peer on another host would be served). Each
-step's overhead is its wall time minus the draft time the draft service measured minus the verify
+bench process then plays the gateway: it hands each request to the target (its Run call, through the gateway's own
+adapter, gateway/remote.py), whose loop (specserve/loop/step_loop.py) drafts with the draft service over the draft's
+shared-memory ring (``serve-shm``) or with every step over gRPC (``serve-grpc``, as a peer on another host would be
+served). Each step's overhead is its wall time minus the draft time the draft service measured minus the verify
 time the target measured: what orchestration (transport, encoding, the event loops) costs per step.
 """
 
@@ -119,7 +119,7 @@ class ServedStack:
     async def connect(self) -> None:
         """Make the remote adapters (on the running loop: grpc.aio channels belong to their loop)."""
         from specserve.gateway.remote import RemoteTarget
-        from specserve.gateway.remote_draft import RemoteDraftEndpoint
+        from specserve.loop.remote_draft import RemoteDraftEndpoint
 
         for via in SERVED_VIAS:
             shm = via == "serve-shm"

@@ -131,7 +131,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p = sub.add_parser("overhead", help="per-step orchestration overhead: in process, shared memory, gRPC only")
     add_shared_arguments(p, out="bench_out/overhead", model_help=MODEL_HELP)
     p.add_argument("--drafters", type=name_list, default=("none", "ngram"), help="none and / or ngram")
-    vias = "process,process-hops,serve-shm,serve-grpc"  # no served via: no service process starts
+    vias = "process,process-hops,gateway-shm,serve-shm,serve-grpc"  # no served via: no service process starts
     p.add_argument("--vias", type=name_list, default=tuple(vias.split(",")), help=f"of {vias}; process always")
     p.add_argument(
         "--k",

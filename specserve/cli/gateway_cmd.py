@@ -95,6 +95,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "on this host (also SPECSERVE_SHM=0)",
     )
     parser.add_argument(
+        "--no-target-loop",
+        action="store_true",
+        help="drive every request's steps from the gateway (Prefill, VerifyStream, ProposeStream), even with a "
+        "target that runs the step loop itself (its Run call, the default; also SPECSERVE_TARGET_LOOP=0)",
+    )
+    parser.add_argument(
         "--no-hidden-share",
         action="store_true",
         help="EAGLE-3 / DFlash hidden rows as bytes through the gateway, never a target buffer the "
@@ -138,6 +144,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+TARGET_LOOP_ENV = "SPECSERVE_TARGET_LOOP"  # "0": the gateway drives every step (flag: --no-target-loop)
+
+
+def _env_on(name: str) -> bool:
+    return os.environ.get(name, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
 def _flag_or_env(value: str | None, env: str) -> str | None:
     return value if value is not None else os.environ.get(env) or None
 
@@ -147,8 +160,8 @@ def run(args: argparse.Namespace) -> int:
 
     apply_threads(args.threads)
     from specserve.gateway.config import GatewayConfig
-    from specserve.gateway.remote_draft import BreakerConfig
     from specserve.gateway.validation import RequestLimits
+    from specserve.loop.remote_draft import BreakerConfig
     from specserve.runtime.data_plane import shm_allowed
     from specserve.runtime.hidden_share import hidden_share_allowed
     from specserve.runtime.servers_common import ServerConfig, exit_now, run_async
@@ -176,6 +189,7 @@ def run(args: argparse.Namespace) -> int:
         downstream_token=_flag_or_env(args.downstream_auth_token, "SPECSERVE_DOWNSTREAM_TOKEN"),
         admin_token=_flag_or_env(args.admin_token, "SPECSERVE_ADMIN_TOKEN"),
         shm=shm_allowed(args.no_shm, os.environ),
+        target_loop=not args.no_target_loop and _env_on(TARGET_LOOP_ENV),
         hidden_share=hidden_share_allowed(args.no_hidden_share, os.environ),
         served_model_name=args.served_model_name,
     )
@@ -293,7 +307,7 @@ async def _check_drafts(servicer) -> None:
     yet is only reported (requests go target-only until it does)."""
     import grpc
 
-    from specserve.gateway.remote_draft import incompatible
+    from specserve.loop.remote_draft import incompatible
 
     for name in list(servicer.drafts.addresses()):
         ep = servicer.drafts.acquire(name)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from specserve.cli.service_flags import (
 )
 
 DEFAULT_LISTEN = "127.0.0.1:50052"
+DRAFT_TOKEN_ENV = "SPECSERVE_DOWNSTREAM_TOKEN"  # the gateway's token for target and drafts: the target's for drafts
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -45,6 +47,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--session-idle-timeout-s", type=float, default=300.0, help="release a session no call touched for this long"
+    )
+    parser.add_argument(
+        "--draft-auth-token",
+        default=None,
+        help="bearer token the target's own step loops (Run) send the draft services a gateway names (their "
+        "--auth-token; default: $SPECSERVE_DOWNSTREAM_TOKEN, else the target's own --auth-token: the gateway sends "
+        "target and drafts one token)",
     )
     parser.add_argument(
         "--graph-hidden-layers",
@@ -96,10 +105,18 @@ def run(args: argparse.Namespace) -> int:
             metrics_http,
             shm_offer_from_args(args),
             args.graph_hidden_layers,
+            _draft_token(args.draft_auth_token, server_config.auth_token),
         ),
     )
     exit_now(0)
     return 0
+
+
+def _draft_token(flag: str | None, own: str | None) -> str | None:
+    """The token the target's loops send drafts: the flag, the gateway's variable, else the target's own token."""
+    if flag is not None:
+        return flag
+    return os.environ.get(DRAFT_TOKEN_ENV) or own
 
 
 def _engine_with_graph_layers(engine_config, graph_layers: tuple[int, ...]):
@@ -134,6 +151,7 @@ async def _serve(
     metrics_http=None,
     shm=None,
     graph_layers: tuple[int, ...] = (),
+    draft_token: str | None = None,
 ) -> None:
     from specserve.runtime.servers_common import ServiceBinding, serve_until_signal
     from specserve.runtime.tracing import setup_telemetry
@@ -146,12 +164,17 @@ async def _serve(
     observe_worker(worker)
     companions = await start_metrics_server(metrics_http, telemetry, "target")
     servicer = TargetServicer(
-        worker, model_name=Path(engine_config.model).name, tensor_parallel_size=tensor_parallel_size, shm=shm
+        worker,
+        model_name=Path(engine_config.model).name,
+        tensor_parallel_size=tensor_parallel_size,
+        shm=shm,
+        draft_token=draft_token,
     )
     server_config = _sized(server_config, servicer.info, worker.limits.max_draft_tokens)
 
     async def on_stop() -> None:
         await servicer.shm.close()
+        await servicer.loop_drafts.close()
         await worker.close()
         telemetry.shutdown()
 

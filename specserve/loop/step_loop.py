@@ -363,12 +363,14 @@ async def run_request(
     session_id: str | None = None,
     on_step=None,
     started: float | None = None,
+    request_span: str = names.SPAN_REQUEST,
 ) -> AsyncIterator[TokenEvent | FinalEvent]:
     """Yield token deltas as they are accepted, then one FinalEvent. Releases both sessions at the end.
 
     ``adaptive`` is the process-wide chooser (its cost model outlives requests); it is used only when
     ``request.adaptive`` is set. ``on_step(StepRecord)`` is called after every verify step. ``started``: the
-    request's arrival on the ``time.perf_counter`` clock (TTFT counts from there; default: now).
+    request's arrival on the ``time.perf_counter`` clock (TTFT counts from there; default: now). ``request_span``: the
+    name of the request's span (the target's own loop: ``target.run``, under the gateway's request span).
     """
     sid = session_id or uuid.uuid4().hex
     info = target_info or await target.info()
@@ -378,7 +380,7 @@ async def run_request(
     if started is not None:
         run.stats.started = started
     tracer = run.tracer
-    with tracer.start_as_current_span(names.SPAN_REQUEST) as span:
+    with tracer.start_as_current_span(request_span) as span:
         span.set_attribute(names.ATTR_MODEL, request.model_name or info.model_type)
         span.set_attribute(names.ATTR_INPUT_TOKENS, len(request.prompt_ids))
         span.set_attribute(names.ATTR_SESSION, sid)
@@ -415,15 +417,20 @@ async def run_request(
                 new, new_lp = list(res.emitted), res.logprobs
                 run.seq.extend(new)
             stats = run.stats
-            span.set_attribute(names.ATTR_OUTPUT_TOKENS, len(run.emitted))
-            span.set_attribute(names.ATTR_FINISH_REASON, finish)
-            span.set_attribute(names.ATTR_MEAN_ACCEPTED_LENGTH, stats.mean_accepted_length)
-            span.set_attribute(names.ATTR_TTFT_S, (stats.first_token_at or stats.started) - stats.started)
-            span.set_attribute(names.ATTR_DRAFT_FALLBACK, stats.draft_fallback)
+            end_request_span(span, stats, len(run.emitted), finish)
             final_text = run.text.text if tokenizer is not None else None
             yield FinalEvent(tuple(run.emitted), final_text, finish, len(request.prompt_ids), len(run.emitted), stats)
         finally:
             await _release(sid, target, run.draft_session)
+
+
+def end_request_span(span, stats: SpecStats, output_tokens: int, finish: str) -> None:
+    """A request span's closing attributes (the loop's, and the gateway's when the target ran the loop)."""
+    span.set_attribute(names.ATTR_OUTPUT_TOKENS, output_tokens)
+    span.set_attribute(names.ATTR_FINISH_REASON, finish)
+    span.set_attribute(names.ATTR_MEAN_ACCEPTED_LENGTH, stats.mean_accepted_length)
+    span.set_attribute(names.ATTR_TTFT_S, (stats.first_token_at or stats.started) - stats.started)
+    span.set_attribute(names.ATTR_DRAFT_FALLBACK, stats.draft_fallback)
 
 
 async def _release(sid: str, target: TargetClient, draft: DraftClient | None) -> None:

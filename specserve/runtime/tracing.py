@@ -36,6 +36,7 @@ SPAN_TARGET_VERIFY = "target.verify"  # one verify of a session (per step)
 SPAN_ACCEPT_STREAM = "gateway.accept_stream"  # apply emitted tokens, detokenize, stop checks, stream
 SPAN_TARGET_BATCH = "target.verify_batch"  # target: one batched forward over several sessions
 SPAN_RELEASE = "release"  # target/draft: free a session
+SPAN_TARGET_RUN = "target.run"  # target: one request's step loop beside the engine (Run; its steps' spans inside)
 
 # ---------------------------------------------------------------------------- attribute keys
 # OpenTelemetry GenAI semantic conventions where they exist

@@ -117,12 +117,13 @@ def generate(stack: ServedStack, via: str, request, timeout: float = 120.0):
     return ids, final, code, time.monotonic() - t0
 
 
-def run_concurrently(stack: ServedStack, via: str, requests, timeout: float, during):
-    """generate() every request on its own thread, call during() while they run; their results in order."""
+def run_concurrently(stack: ServedStack, via, requests, timeout: float, during):
+    """generate() every request on its own thread, call during() while they run; their results in order. ``via``: a
+    gateway's name, or one per request."""
     results = [None] * len(requests)
 
     def one(i):
-        results[i] = generate(stack, via, requests[i], timeout)
+        results[i] = generate(stack, via if isinstance(via, str) else via[i], requests[i], timeout)
 
     threads = [threading.Thread(target=one, args=(i,)) for i in range(len(requests))]
     for t in threads:

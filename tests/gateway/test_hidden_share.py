@@ -312,8 +312,8 @@ def test_a_draft_that_cannot_map_costs_one_request_its_speculation_then_gets_byt
     import asyncio
 
     from specserve.contract.types import SamplingParams, SharedRows
-    from specserve.gateway.remote_draft import RemoteDraftEndpoint
     from specserve.loop.clients import DraftError
+    from specserve.loop.remote_draft import RemoteDraftEndpoint
 
     async def run() -> None:
         with grpc.insecure_channel(stack.target_addr) as ch:

@@ -40,6 +40,7 @@ from specserve.runtime.tracing import (
     SPAN_DRAFT_START,
     SPAN_PREFILL,
     SPAN_REQUEST,
+    SPAN_TARGET_RUN,
     SPAN_TARGET_VERIFY,
 )
 
@@ -161,7 +162,10 @@ def test_draft_and_target_only_agree_greedy(stack):
 
 
 def test_one_trace_across_three_services(stack, otlp_receiver):
-    generate(stack, request(draft="ngram", n=12))
+    """The target runs the step loop (Run, issue #42): the gateway's request span, the target's ``target.run`` under
+    it, the loop's per-step ``draft.propose`` / ``target.verify`` spans under that (one a step), each draft-side
+    propose span the child of the loop's span of the same step; the gateway has no per-step span any more."""
+    _, final = generate(stack, request(draft="ngram", n=12))
 
     def trace_complete():
         spans = otlp_receiver.snapshot()
@@ -171,11 +175,11 @@ def test_one_trace_across_three_services(stack, otlp_receiver):
         tid = roots[-1].trace_id
         mine = [s for s in spans if s.trace_id == tid]
         count = lambda svc, name: sum(s.service == svc and s.name == name for s in mine)  # noqa: E731
-        steps = count("specserve-gateway", SPAN_TARGET_VERIFY)
-        proposals = count("specserve-gateway", SPAN_DRAFT_PROPOSE)
+        steps = count("specserve-target", SPAN_TARGET_VERIFY)
+        proposals = count("specserve-target", SPAN_DRAFT_PROPOSE)
         if (
-            steps
-            and count("specserve-target", SPAN_TARGET_VERIFY) == steps
+            count("specserve-target", SPAN_TARGET_RUN) == 1
+            and steps == final.stats.steps
             and proposals
             and (count("specserve-draft", SPAN_DRAFT_PROPOSE) == proposals)
         ):
@@ -183,21 +187,25 @@ def test_one_trace_across_three_services(stack, otlp_receiver):
         return None
 
     root, spans = wait_until(trace_complete, 15, "spans of all three services in one trace")
+    assert root.service == "specserve-gateway"
     assert root.attributes[ATTR_MODEL] and root.attributes[ATTR_INPUT_TOKENS] == len(PROMPT)
     assert ATTR_TTFT_S in root.attributes
     by = lambda svc, name: [s for s in spans if s.service == svc and s.name == name]  # noqa: E731
+    (run,) = by("specserve-target", SPAN_TARGET_RUN)
+    assert run.parent_span_id == root.span_id
     assert by("specserve-target", SPAN_PREFILL) and by("specserve-draft", SPAN_DRAFT_START)
+    assert not by("specserve-gateway", SPAN_TARGET_VERIFY) and not by("specserve-gateway", SPAN_DRAFT_PROPOSE)
     t_verify = by("specserve-target", SPAN_TARGET_VERIFY)
+    t_propose = by("specserve-target", SPAN_DRAFT_PROPOSE)
     d_propose = by("specserve-draft", SPAN_DRAFT_PROPOSE)
-    g_verify = by("specserve-gateway", SPAN_TARGET_VERIFY)
-    assert t_verify and d_propose and len(g_verify) == len(t_verify)
-    for s in t_verify:
-        assert s.kind == SERVER_KIND
+    assert len(t_verify) == final.stats.steps and len(d_propose) == len(t_propose) >= 1
+    for s in t_verify:  # the loop's step span, with the engine's side of the step
+        assert s.parent_span_id == run.span_id
         assert {ATTR_K, ATTR_ACCEPTED, ATTR_FORWARD_MS, ATTR_BATCH_SIZE} <= s.attributes.keys()
-    # each service-side step span is the child of the gateway's span of the same step
-    gateway_ids = {s.span_id for s in spans if s.service == "specserve-gateway"}
-    assert all(s.parent_span_id in gateway_ids for s in t_verify + d_propose)
-    assert {s.parent_span_id for s in t_verify} == {s.span_id for s in g_verify}
+    assert all(s.parent_span_id == run.span_id for s in t_propose)
+    # each draft-side propose span is the child of the target loop's span of the same step
+    assert {s.parent_span_id for s in d_propose} == {s.span_id for s in t_propose}
+    assert all(s.kind == SERVER_KIND for s in d_propose)
     # the gateway's speculative-decoding metrics arrive over OTLP as well
     wanted = {
         "specserve.spec.accepted",
@@ -208,6 +216,29 @@ def test_one_trace_across_three_services(stack, otlp_receiver):
         "specserve.request.ttft",
     }
     wait_until(lambda: wanted <= otlp_receiver.metric_names, 10, f"metrics {wanted}")
+
+
+def test_target_run_refuses_what_is_no_request_and_serves_on(stack):
+    """The target's Run (what a gateway hands it): a request that is none (no session, no tokens to make, a draft
+    address that is no address, an id outside the vocabulary) is refused with one line, nothing is left open, and
+    the next request runs to its final."""
+    run = lambda **kw: list(stack.tgt.Run(target_pb2.RunRequest(**kw), timeout=30))  # noqa: E731
+    bad = [
+        dict(prompt_ids=PROMPT, max_new_tokens=4),
+        dict(session_id="run-1", prompt_ids=PROMPT, max_new_tokens=0),
+        dict(session_id="run-2", prompt_ids=PROMPT, max_new_tokens=4, draft_address="nowhere", draft_step_timeout_s=1),
+        dict(session_id="run-3", prompt_ids=[1, 99999], max_new_tokens=4),
+    ]
+    for kw in bad:
+        with pytest.raises(grpc.RpcError) as info:
+            run(**kw)
+        assert info.value.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE), kw
+        assert "\n" not in info.value.details()
+    events = run(session_id="run-4", prompt_ids=PROMPT, max_new_tokens=6)
+    assert events[-1].HasField("final") and events[-1].final.completion_tokens == 6
+    assert sum(len(e.tokens.token_ids) for e in events[:-1]) == 6 and events[0].tokens.step is False
+    assert all(e.tokens.step for e in events[1:-1])  # each later event is one verify step's
+    wait_until(lambda: stack.target_stats().active_sessions == 0, 5, "the sessions released")
 
 
 @pytest.mark.parametrize(
@@ -397,7 +428,8 @@ def test_set_draft_and_broken_drafts_stay_lossless(stack, broken_drafts):
             gateway_pb2.SetDraftRequest(name="alien", address=broken_drafts["alien"]), timeout=10, metadata=ADMIN
         )
     assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "vocabulary" in info.value.details()
-    (logged,) = [line for line in stack.gateway.lines if "gateway: SetDraft 'alien'" in line]
+    alien = lambda: [line for line in list(stack.gateway.lines) if "gateway: SetDraft 'alien'" in line] or None  # noqa: E731
+    (logged,) = wait_until(alien, 10, "the gateway's SetDraft 'alien' line")  # read after the reply (late under load)
     assert "failed: FAILED_PRECONDITION: address:" in logged, logged  # not logged like a swap that happened
     swapped = [line for line in stack.gateway.lines if "gateway: SetDraft 'junk' -> 'unix" in line]
     assert swapped and all(line.endswith(": in use") for line in swapped), swapped

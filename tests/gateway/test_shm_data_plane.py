@@ -48,7 +48,13 @@ class Stack(ServedStack):
             socks,
             ["--model", str(ckpt)],
             drafts,
-            {"shm": base_env(), "grpc": base_env(SPECSERVE_SHM="0")},
+            {
+                # the gateway drives the steps (a request with stop strings; a target without Run): its own channels
+                "shm": base_env(SPECSERVE_TARGET_LOOP="0"),
+                "grpc": base_env(SPECSERVE_SHM="0", SPECSERVE_TARGET_LOOP="0"),
+                # the target runs the loop (Run, issue #42): its proposals over the draft's ring, no gateway channel
+                "loop": base_env(),
+            },
             step_timeout_s=10,
             start_timeout_s=180,
         )
@@ -81,6 +87,22 @@ def test_greedy_shm_equals_grpc_equals_one_process(stack, one_process):
     # every verify step of those requests went through shared memory, and every proposal
     assert t1.shm_steps - t0.shm_steps == t1.steps - t0.steps > 0
     assert t1.shm_channels - t0.shm_channels == 3 * len(PROMPTS)
+    assert m1.shm_proposals - m0.shm_proposals == m1.proposals - m0.proposals > 0
+    assert n1.shm_proposals - n0.shm_proposals == n1.proposals - n0.proposals > 0
+    assert not stack.new_names()
+
+
+def test_target_loop_drafts_over_shm_and_the_gateway_opens_no_channel(stack, one_process):
+    """The target runs the step loop (Run): the same tokens; every proposal over the draft's ring, from the target;
+    no step between gateway and target at all (no channel, no VerifyStream: the loop calls the engine's host)."""
+    t0, m0, n0 = stack.target_stats(), stack.draft_stats("model"), stack.draft_stats("ngram")
+    for draft in ("model", "ngram", "none"):
+        for i, prompt in enumerate(PROMPTS):
+            ids, final, code, _ = generate(stack, "loop", req(prompt, N_NEW, draft))
+            assert code is None and ids == one_process[i][:N_NEW], (draft, i)
+            assert not final.stats.draft_fallback and final.stats.steps > 0
+    t1, m1, n1 = stack.target_stats(), stack.draft_stats("model"), stack.draft_stats("ngram")
+    assert t1.steps > t0.steps and (t1.shm_steps, t1.shm_channels) == (t0.shm_steps, t0.shm_channels)
     assert m1.shm_proposals - m0.shm_proposals == m1.proposals - m0.proposals > 0
     assert n1.shm_proposals - n0.shm_proposals == n1.proposals - n0.proposals > 0
     assert not stack.new_names()
@@ -169,6 +191,7 @@ def test_sampled_shm_path_follows_the_target(stack):
 # ------------------------------------------------------------------------------------------ faults
 def test_drafter_killed_mid_step_goes_on_target_only_losslessly(stack, one_process):
     specs = [(i % len(PROMPTS), "model") for i in range(8)]
+    vias = ["shm", "loop"] * 4  # half the gateway's loops, half the target's
     proposals0 = stack.draft_stats("model").shm_proposals
 
     def kill_draft():
@@ -177,20 +200,22 @@ def test_drafter_killed_mid_step_goes_on_target_only_losslessly(stack, one_proce
             time.sleep(0.01)  # the requests are drafting over shared memory now
         stack.draft_procs["model"].stop(signal.SIGKILL)
 
-    results = run_concurrently(stack, "shm", [req(PROMPTS[p], N_NEW, d, k=2) for p, d in specs], 60.0, kill_draft)
+    results = run_concurrently(stack, vias, [req(PROMPTS[p], N_NEW, d, k=2) for p, d in specs], 60.0, kill_draft)
     assert [r[2] for r in results] == [None] * len(specs)
     for (p, _), (ids, final, _, seconds) in zip(specs, results):
         assert ids == one_process[p][:N_NEW]
         assert (
             seconds < 5
         )  # the dead drafter is noticed at once (its doorbell's end-of-file), not after the 10 s step timeout
-    assert any(r[1].stats.draft_fallback for r in results)
+    assert any(r[1].stats.draft_fallback for v, r in zip(vias, results) if v == "shm")
+    assert any(r[1].stats.draft_fallback for v, r in zip(vias, results) if v == "loop")
     wait_no_names(stack)
 
 
 def test_target_killed_mid_step_gives_unavailable_within_the_deadline(stack, one_process):
     deadline_s = 8.0
     specs = [(i % len(PROMPTS), ("ngram", "none")[i % 2]) for i in range(8)]
+    vias = ["shm", "shm", "loop", "loop"] * 2  # the gateway's loops and the target's, drafted and not
     steps0 = stack.target_stats().shm_steps
 
     def kill_target():
@@ -199,7 +224,7 @@ def test_target_killed_mid_step_gives_unavailable_within_the_deadline(stack, one
             time.sleep(0.01)
         stack.target.stop(signal.SIGKILL)
 
-    results = run_concurrently(stack, "shm", [req(PROMPTS[p], N_LONG, d) for p, d in specs], deadline_s, kill_target)
+    results = run_concurrently(stack, vias, [req(PROMPTS[p], N_LONG, d) for p, d in specs], deadline_s, kill_target)
     for (p, _), (ids, final, code, seconds) in zip(specs, results):
         assert code == grpc.StatusCode.UNAVAILABLE, code
         assert seconds < deadline_s / 2  # at once (the doorbell's end-of-file), not at the deadline

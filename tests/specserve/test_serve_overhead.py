@@ -46,16 +46,21 @@ def test_serve_overhead_reports_each_via_with_the_model_time_taken_out(bench_tar
             assert s["same_tokens"], (method, via)  # greedy: the same tokens every way
             assert s["steps"] >= 1 and s["engine_compute_us"]["median"] > 0  # the engine's time came back
             assert s["overhead_us"]["median"] < s["wall_us"]["median"]
-            if via in serve_overhead.IN_PROCESS:
-                assert s["transport_us"]["median"] == 0.0
+            if via in serve_overhead.IN_PROCESS or (via in serve_overhead.TARGET_LOOP and method == "target-only"):
+                assert s["transport_us"]["median"] == 0.0  # the target's loop: no hop to the target at all
             else:
-                assert s["transport_us"]["median"] > 0.0
+                assert s["transport_us"]["median"] > 0.0  # the gateway's hops; the target loop's to the draft
         if method != "target-only":
             assert all(s["draft_compute_us"]["mean"] > 0 for s in vias.values())  # the proposer's time, every way
     svc = result["services"]
-    measured = sum(result["methods"][m]["serve-shm"]["steps"] for m in result["methods"])
-    assert svc["target"]["shm_steps"] > measured  # the measured steps (and the warm-ups') went over shared memory
-    assert svc["draft-ngram"]["shm_proposals"] > 0
+    measured = sum(result["methods"][m]["gateway-shm"]["steps"] for m in result["methods"])
+    # the gateway's loop: its measured steps (and the warm-ups') went over shared memory; the target's loop: none did
+    # (it calls its engine's host), and its proposals went over the draft's ring too
+    assert svc["target"]["shm_steps"] > measured
+    assert svc["target"]["steps"] > svc["target"]["shm_steps"] + sum(
+        result["methods"][m]["serve-shm"]["steps"] for m in result["methods"]
+    )
+    assert svc["draft-ngram"]["shm_proposals"] > result["methods"]["ngram/k2"]["gateway-shm"]["steps"]
     assert "| target-only | serve-shm |" in capsys.readouterr().out
     assert left_behind(before) == set()  # other processes' names on a shared machine come and go
 
@@ -83,5 +88,6 @@ def test_serve_overhead_refuses_bad_flags_in_one_line(capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 4 and all(line.startswith("specserve bench: error: --") for line in err), err
     assert all(
-        "--vias: choose from process, process-hops, serve-shm, serve-grpc, process among them" in e for e in err[2:]
+        "--vias: choose from process, process-hops, gateway-shm, serve-shm, serve-grpc, process among them" in e
+        for e in err[2:]
     )

@@ -97,3 +97,34 @@ class TokenLogprobs(_message.Message):
     top_ids: _containers.RepeatedScalarFieldContainer[int]
     top_logprobs: _containers.RepeatedScalarFieldContainer[float]
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., top: _Optional[int] = ..., top_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class SpecStats(_message.Message):
+    __slots__ = ("steps", "mean_accepted_length", "accepted_per_position", "tokens_per_s", "ttft_s", "draft_fallback", "draft_ms", "draft_hidden_ms", "draft_ahead_hits", "chosen_k")
+    class ChosenKEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    MEAN_ACCEPTED_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_PER_POSITION_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    TTFT_S_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_FALLBACK_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_MS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_HIDDEN_MS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_AHEAD_HITS_FIELD_NUMBER: _ClassVar[int]
+    CHOSEN_K_FIELD_NUMBER: _ClassVar[int]
+    steps: int
+    mean_accepted_length: float
+    accepted_per_position: _containers.RepeatedScalarFieldContainer[int]
+    tokens_per_s: float
+    ttft_s: float
+    draft_fallback: bool
+    draft_ms: float
+    draft_hidden_ms: float
+    draft_ahead_hits: int
+    chosen_k: _containers.ScalarMap[str, int]
+    def __init__(self, steps: _Optional[int] = ..., mean_accepted_length: _Optional[float] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., tokens_per_s: _Optional[float] = ..., ttft_s: _Optional[float] = ..., draft_fallback: _Optional[bool] = ..., draft_ms: _Optional[float] = ..., draft_hidden_ms: _Optional[float] = ..., draft_ahead_hits: _Optional[int] = ..., chosen_k: _Optional[_Mapping[str, int]] = ...) -> None: ...

@@ -25,45 +25,39 @@ _sym_db = _symbol_database.Default()
 from . import common_pb2 as specserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aspecserve/v1/gateway.proto\x12\x0cspecserve.v1\x1a\x19specserve/v1/common.proto\"\xe9\x02\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\x12\x16\n\x0emax_new_tokens\x18\x03 \x01(\x05\x12.\n\x08sampling\x18\x04 \x01(\x0b\x32\x1c.specserve.v1.SamplingParams\x12\r\n\x05\x64raft\x18\x05 \x01(\t\x12\x1e\n\x16num_speculative_tokens\x18\x06 \x01(\x05\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12.\n\x0bspeculation\x18\x08 \x01(\x0e\x32\x19.specserve.v1.Speculation\x12\x13\n\x0b\x64raft_ahead\x18\t \x01(\x08\x12\x12\n\ntree_nodes\x18\n \x01(\x05\x12\x12\n\ntree_top_k\x18\x0b \x01(\x05\x12\x12\n\ntree_depth\x18\x0c \x01(\x05\x12,\n\x08logprobs\x18\r \x01(\x0b\x32\x1a.specserve.v1.LogprobsSpec\"\x92\x01\n\nTokenDelta\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12-\n\x08logprobs\x18\x03 \x01(\x0b\x32\x1b.specserve.v1.TokenLogprobs\x12\x34\n\x0fprompt_logprobs\x18\x04 \x01(\x0b\x32\x1b.specserve.v1.TokenLogprobs\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\"\xc2\x02\n\tSpecStats\x12\r\n\x05steps\x18\x01 \x01(\x05\x12\x1c\n\x14mean_accepted_length\x18\x02 \x01(\x01\x12\x1d\n\x15\x61\x63\x63\x65pted_per_position\x18\x03 \x03(\x05\x12\x14\n\x0ctokens_per_s\x18\x04 \x01(\x01\x12\x0e\n\x06ttft_s\x18\x05 \x01(\x01\x12\x16\n\x0e\x64raft_fallback\x18\x06 \x01(\x08\x12\x10\n\x08\x64raft_ms\x18\x07 \x01(\x01\x12\x17\n\x0f\x64raft_hidden_ms\x18\x08 \x01(\x01\x12\x18\n\x10\x64raft_ahead_hits\x18\t \x01(\x05\x12\x36\n\x08\x63hosen_k\x18\n \x03(\x0b\x32$.specserve.v1.SpecStats.ChosenKEntry\x1a.\n\x0c\x43hosenKEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x05:\x02\x38\x01\"\x91\x01\n\x0c\x46inalMessage\x12\x15\n\rfinish_reason\x18\x01 \x01(\t\x12\"\n\x05usage\x18\x02 \x01(\x0b\x32\x13.specserve.v1.Usage\x12&\n\x05stats\x18\x03 \x01(\x0b\x32\x17.specserve.v1.SpecStats\x12\x10\n\x08has_text\x18\x04 \x01(\x08\x12\x0c\n\x04text\x18\x05 \x01(\t\"r\n\x10GenerateResponse\x12)\n\x05\x64\x65lta\x18\x01 \x01(\x0b\x32\x18.specserve.v1.TokenDeltaH\x00\x12+\n\x05\x66inal\x18\x02 \x01(\x0b\x32\x1a.specserve.v1.FinalMessageH\x00\x42\x06\n\x04kind\"\\\n\x0eGenerateResult\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12)\n\x05\x66inal\x18\x03 \x01(\x0b\x32\x1a.specserve.v1.FinalMessage\"0\n\x0fSetDraftRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\"1\n\x10SetDraftResponse\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\"\x13\n\x11ListDraftsRequest\"\x81\x01\n\x12ListDraftsResponse\x12<\n\x06\x64rafts\x18\x01 \x03(\x0b\x32,.specserve.v1.ListDraftsResponse.DraftsEntry\x1a-\n\x0b\x44raftsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01*>\n\x0bSpeculation\x12\x15\n\x11SPECULATION_FIXED\x10\x00\x12\x18\n\x14SPECULATION_ADAPTIVE\x10\x01\x32\xc0\x02\n\x07Gateway\x12K\n\x08Generate\x12\x1d.specserve.v1.GenerateRequest\x1a\x1e.specserve.v1.GenerateResponse0\x01\x12L\n\rGenerateUnary\x12\x1d.specserve.v1.GenerateRequest\x1a\x1c.specserve.v1.GenerateResult\x12I\n\x08SetDraft\x12\x1d.specserve.v1.SetDraftRequest\x1a\x1e.specserve.v1.SetDraftResponse\x12O\n\nListDrafts\x12\x1f.specserve.v1.ListDraftsRequest\x1a .specserve.v1.ListDraftsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aspecserve/v1/gateway.proto\x12\x0cspecserve.v1\x1a\x19specserve/v1/common.proto\"\xe9\x02\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\x12\x16\n\x0emax_new_tokens\x18\x03 \x01(\x05\x12.\n\x08sampling\x18\x04 \x01(\x0b\x32\x1c.specserve.v1.SamplingParams\x12\r\n\x05\x64raft\x18\x05 \x01(\t\x12\x1e\n\x16num_speculative_tokens\x18\x06 \x01(\x05\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12.\n\x0bspeculation\x18\x08 \x01(\x0e\x32\x19.specserve.v1.Speculation\x12\x13\n\x0b\x64raft_ahead\x18\t \x01(\x08\x12\x12\n\ntree_nodes\x18\n \x01(\x05\x12\x12\n\ntree_top_k\x18\x0b \x01(\x05\x12\x12\n\ntree_depth\x18\x0c \x01(\x05\x12,\n\x08logprobs\x18\r \x01(\x0b\x32\x1a.specserve.v1.LogprobsSpec\"\x92\x01\n\nTokenDelta\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12-\n\x08logprobs\x18\x03 \x01(\x0b\x32\x1b.specserve.v1.TokenLogprobs\x12\x34\n\x0fprompt_logprobs\x18\x04 \x01(\x0b\x32\x1b.specserve.v1.TokenLogprobs\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\"\x91\x01\n\x0c\x46inalMessage\x12\x15\n\rfinish_reason\x18\x01 \x01(\t\x12\"\n\x05usage\x18\x02 \x01(\x0b\x32\x13.specserve.v1.Usage\x12&\n\x05stats\x18\x03 \x01(\x0b\x32\x17.specserve.v1.SpecStats\x12\x10\n\x08has_text\x18\x04 \x01(\x08\x12\x0c\n\x04text\x18\x05 \x01(\t\"r\n\x10GenerateResponse\x12)\n\x05\x64\x65lta\x18\x01 \x01(\x0b\x32\x18.specserve.v1.TokenDeltaH\x00\x12+\n\x05\x66inal\x18\x02 \x01(\x0b\x32\x1a.specserve.v1.FinalMessageH\x00\x42\x06\n\x04kind\"\\\n\x0eGenerateResult\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12)\n\x05\x66inal\x18\x03 \x01(\x0b\x32\x1a.specserve.v1.FinalMessage\"0\n\x0fSetDraftRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\"1\n\x10SetDraftResponse\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\"\x13\n\x11ListDraftsRequest\"\x81\x01\n\x12ListDraftsResponse\x12<\n\x06\x64rafts\x18\x01 \x03(\x0b\x32,.specserve.v1.ListDraftsResponse.DraftsEntry\x1a-\n\x0b\x44raftsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01*>\n\x0bSpeculation\x12\x15\n\x11SPECULATION_FIXED\x10\x00\x12\x18\n\x14SPECULATION_ADAPTIVE\x10\x01\x32\xc0\x02\n\x07Gateway\x12K\n\x08Generate\x12\x1d.specserve.v1.GenerateRequest\x1a\x1e.specserve.v1.GenerateResponse0\x01\x12L\n\rGenerateUnary\x12\x1d.specserve.v1.GenerateRequest\x1a\x1c.specserve.v1.GenerateResult\x12I\n\x08SetDraft\x12\x1d.specserve.v1.SetDraftRequest\x1a\x1e.specserve.v1.SetDraftResponse\x12O\n\nListDrafts\x12\x1f.specserve.v1.ListDraftsRequest\x1a .specserve.v1.ListDraftsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specserve.v1.gateway_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_SPECSTATS_CHOSENKENTRY']._loaded_options = None
-  _globals['_SPECSTATS_CHOSENKENTRY']._serialized_options = b'8\001'
   _globals['_LISTDRAFTSRESPONSE_DRAFTSENTRY']._loaded_options = None
   _globals['_LISTDRAFTSRESPONSE_DRAFTSENTRY']._serialized_options = b'8\001'
-  _globals['_SPECULATION']._serialized_start=1580
-  _globals['_SPECULATION']._serialized_end=1642
+  _globals['_SPECULATION']._serialized_start=1255
+  _globals['_SPECULATION']._serialized_end=1317
   _globals['_GENERATEREQUEST']._serialized_start=72
   _globals['_GENERATEREQUEST']._serialized_end=433
   _globals['_TOKENDELTA']._serialized_start=436
   _globals['_TOKENDELTA']._serialized_end=582
   _globals['_USAGE']._serialized_start=584
   _globals['_USAGE']._serialized_end=641
-  _globals['_SPECSTATS']._serialized_start=644
-  _globals['_SPECSTATS']._serialized_end=966
-  _globals['_SPECSTATS_CHOSENKENTRY']._serialized_start=920
-  _globals['_SPECSTATS_CHOSENKENTRY']._serialized_end=966
-  _globals['_FINALMESSAGE']._serialized_start=969
-  _globals['_FINALMESSAGE']._serialized_end=1114
-  _globals['_GENERATERESPONSE']._serialized_start=1116
-  _globals['_GENERATERESPONSE']._serialized_end=1230
-  _globals['_GENERATERESULT']._serialized_start=1232
-  _globals['_GENERATERESULT']._serialized_end=1324
-  _globals['_SETDRAFTREQUEST']._serialized_start=1326
-  _globals['_SETDRAFTREQUEST']._serialized_end=1374
-  _globals['_SETDRAFTRESPONSE']._serialized_start=1376
-  _globals['_SETDRAFTRESPONSE']._serialized_end=1425
-  _globals['_LISTDRAFTSREQUEST']._serialized_start=1427
-  _globals['_LISTDRAFTSREQUEST']._serialized_end=1446
-  _globals['_LISTDRAFTSRESPONSE']._serialized_start=1449
-  _globals['_LISTDRAFTSRESPONSE']._serialized_end=1578
-  _globals['_LISTDRAFTSRESPONSE_DRAFTSENTRY']._serialized_start=1533
-  _globals['_LISTDRAFTSRESPONSE_DRAFTSENTRY']._serialized_end=1578
-  _globals['_GATEWAY']._serialized_start=1645
-  _globals['_GATEWAY']._serialized_end=1965
+  _globals['_FINALMESSAGE']._serialized_start=644
+  _globals['_FINALMESSAGE']._serialized_end=789
+  _globals['_GENERATERESPONSE']._serialized_start=791
+  _globals['_GENERATERESPONSE']._serialized_end=905
+  _globals['_GENERATERESULT']._serialized_start=907
+  _globals['_GENERATERESULT']._serialized_end=999
+  _globals['_SETDRAFTREQUEST']._serialized_start=1001
+  _globals['_SETDRAFTREQUEST']._serialized_end=1049
+  _globals['_SETDRAFTRESPONSE']._serialized_start=1051
+  _globals['_SETDRAFTRESPONSE']._serialized_end=1100
+  _globals['_LISTDRAFTSREQUEST']._serialized_start=1102
+  _globals['_LISTDRAFTSREQUEST']._serialized_end=1121
+  _globals['_LISTDRAFTSRESPONSE']._serialized_start=1124
+  _globals['_LISTDRAFTSRESPONSE']._serialized_end=1253
+  _globals['_LISTDRAFTSRESPONSE_DRAFTSENTRY']._serialized_start=1208
+  _globals['_LISTDRAFTSRESPONSE_DRAFTSENTRY']._serialized_end=1253
+  _globals['_GATEWAY']._serialized_start=1320
+  _globals['_GATEWAY']._serialized_end=1640
 # @@protoc_insertion_point(module_scope)

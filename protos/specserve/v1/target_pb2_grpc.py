@@ -65,6 +65,11 @@ class TargetServiceStub:
                 request_serializer=specserve_dot_v1_dot_target__pb2.TargetStatsRequest.SerializeToString,
                 response_deserializer=specserve_dot_v1_dot_target__pb2.TargetStats.FromString,
                 _registered_method=True)
+        self.Run = channel.unary_stream(
+                '/specserve.v1.TargetService/Run',
+                request_serializer=specserve_dot_v1_dot_target__pb2.RunRequest.SerializeToString,
+                response_deserializer=specserve_dot_v1_dot_target__pb2.RunEvent.FromString,
+                _registered_method=True)
 
 
 class TargetServiceServicer:
@@ -110,6 +115,15 @@ class TargetServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Run(self, request, context):
+        """The target drives one request's step loop beside its engine (issue #42): prefill, then propose (to the
+        draft service named in the request, over its shared-memory ring where it opens) -> verify -> emit, until a
+        stop; a RunEvent per step, then one RunFinal. Cancelling the call ends the request and frees both sessions.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TargetServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -142,6 +156,11 @@ def add_TargetServiceServicer_to_server(servicer, server):
                     servicer.GetStats,
                     request_deserializer=specserve_dot_v1_dot_target__pb2.TargetStatsRequest.FromString,
                     response_serializer=specserve_dot_v1_dot_target__pb2.TargetStats.SerializeToString,
+            ),
+            'Run': grpc.unary_stream_rpc_method_handler(
+                    servicer.Run,
+                    request_deserializer=specserve_dot_v1_dot_target__pb2.RunRequest.FromString,
+                    response_serializer=specserve_dot_v1_dot_target__pb2.RunEvent.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -307,6 +326,33 @@ class TargetService:
             '/specserve.v1.TargetService/GetStats',
             specserve_dot_v1_dot_target__pb2.TargetStatsRequest.SerializeToString,
             specserve_dot_v1_dot_target__pb2.TargetStats.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Run(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/specserve.v1.TargetService/Run',
+            specserve_dot_v1_dot_target__pb2.RunRequest.SerializeToString,
+            specserve_dot_v1_dot_target__pb2.RunEvent.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,5 +1,7 @@
-"""Remote draft adapter: the DraftClient protocol of specserve/loop/clients.py over gRPC (see gateway/remote.py for the
-target's, the shared bidi-stream plumbing and the data plane).
+"""Remote draft adapter: the DraftClient protocol of specserve/loop/clients.py over gRPC, for whichever process runs
+the step loop: the target's own loop (target_service/loop_serving.py, issue #42: the served path) and the gateway's
+(a target that does not run the loop, a request with stop strings). The bidi-stream plumbing is
+specserve/runtime/grpc_stream.py; the data plane is as gateway/remote.py describes for the target's client.
 
 One ``RemoteDraftEndpoint`` per draft service address (one channel, shared by all requests);
 ``.session(deadline)`` gives the per-request ``RemoteDraft`` the spec loop drives. Failure contract: anything at
@@ -28,9 +30,9 @@ import asyncio
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import grpc
-import torch
 
 from specserve.contract.speculation import MAX_K
 from specserve.contract.types import (
@@ -38,7 +40,6 @@ from specserve.contract.types import (
     SamplingParams,
     SharedRows,
 )
-from specserve.gateway.remote import RELEASE_TIMEOUT_S, BidiStream, Deadline
 from specserve.loop.clients import DraftError
 from specserve.loop.step_loop import MalformedDraft
 from specserve.models.probs import derive_seed, new_seed_key
@@ -50,9 +51,13 @@ from specserve.protos.specserve.v1 import (
 )
 from specserve.runtime import tracing as tn
 from specserve.runtime.data_plane import ShmClient, StatusFrame
+from specserve.runtime.grpc_stream import RELEASE_TIMEOUT_S, BidiStream, Deadline
 from specserve.runtime.hidden_share import host_id
 from specserve.runtime.servers_common import TlsFiles, aio_channel, bearer_metadata
 from specserve.runtime.shm_ring import PeerGone, RingTimeout
+
+if TYPE_CHECKING:
+    import torch
 
 _DOWN = frozenset({grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE})
 
@@ -99,7 +104,7 @@ class _Breaker:
         self.opened += 1
         ep = self.endpoint
         print(
-            f"gateway: draft {ep.name} at {ep.address} failed {self.consecutive} times in a row; requests go "
+            f"{ep.who}: draft {ep.name} at {ep.address} failed {self.consecutive} times in a row; requests go "
             "target-only until it answers again",
             file=sys.stderr,
             flush=True,
@@ -117,7 +122,7 @@ class _Breaker:
             except grpc.aio.AioRpcError:
                 continue
             self.is_open, self.consecutive = False, 0
-            print(f"gateway: draft {self.endpoint.name} answers again", file=sys.stderr, flush=True)
+            print(f"{self.endpoint.who}: draft {self.endpoint.name} answers again", file=sys.stderr, flush=True)
             return
 
     async def close(self) -> None:
@@ -144,7 +149,9 @@ class RemoteDraftEndpoint:
         token: str | None = None,
         shm: bool = True,
         hidden_share: bool = True,
+        who: str = "gateway",
     ) -> None:
+        self.who = who  # the process whose loop calls it (its log lines' prefix)
         self.auth = bearer_metadata(token)  # sent on every call (the draft's --auth-token)
         self.shm = shm  # ask for the shared-memory data plane per session (used when it opens here)
         self.hidden_share = shm and hidden_share  # hand it the target's hidden-row buffers where it can map them
@@ -196,8 +203,9 @@ class RemoteDraftEndpoint:
             and target_info.host_id == info.host_id
         )
 
-    def session(self, deadline: float | None) -> RemoteDraft:
-        return RemoteDraft(self, deadline)
+    def session(self, deadline: float | None, shm: bool = True) -> RemoteDraft:
+        """``shm=False``: this session's steps go over gRPC whatever the endpoint allows (its caller's --no-shm)."""
+        return RemoteDraft(self, deadline, shm)
 
     async def close(self) -> None:
         await self.breaker.close()
@@ -207,8 +215,9 @@ class RemoteDraftEndpoint:
 class RemoteDraft:
     """DraftClient for one request. Every failure is a DraftError: a draft never fails a request."""
 
-    def __init__(self, endpoint: RemoteDraftEndpoint, deadline: float | None) -> None:
+    def __init__(self, endpoint: RemoteDraftEndpoint, deadline: float | None, shm: bool = True) -> None:
         self._ep = endpoint
+        self._asks_shm = shm
         self._deadline = Deadline(deadline)
         self._stream = BidiStream(self._open_stream)
         self._shm: ShmClient | None = None  # this session's shared-memory channel, when it has one
@@ -242,7 +251,7 @@ class RemoteDraft:
             if exc.code() == grpc.StatusCode.FAILED_PRECONDITION and shared:
                 self._ep.hidden_share = False  # it cannot map the target's buffers: bytes from now on
                 print(
-                    f"gateway: draft {self._ep.name} cannot map the target's hidden-row buffers "
+                    f"{self._ep.who}: draft {self._ep.name} cannot map the target's hidden-row buffers "
                     f"({exc.details()}); its sessions get hidden rows as bytes",
                     file=sys.stderr,
                     flush=True,
@@ -273,7 +282,7 @@ class RemoteDraft:
             session_id=session_id,
             token_ids=list(token_ids),
             sampling=self._ep.draft_sampling(sampling),
-            want_shm=self._ep.asks_shm(),
+            want_shm=self._asks_shm and self._ep.asks_shm(),
         )
         if isinstance(hidden, SharedRows):  # in the target's buffer: relay its handle and the range
             req.hidden_share.CopyFrom(hidden.handle)
