@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import itertools
 import json
-import statistics
 import sys
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+
+from specserve.bench.gate_sweep import per_call_us
 
 # name -> (N, K): the demo@moonlight-16b-a3b layer's projections (q_a | kv_a merged, q_b, o_proj)
 SHAPES = {"q_a+kv_a": (1216 + 576, 2048), "q_b": (16 * 192, 1216), "o_proj": (2048, 2048)}
@@ -28,26 +29,14 @@ GRID = {
 }
 
 
-def per_call_us(fns: list[Callable[[], object]], reps: int = 7) -> float:
-    """Median microseconds a call over `reps` replays of a graph of the calls in turn."""
-    for fn in fns:
-        fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+def per_chain_us(fns: list[Callable[[], object]]) -> float:
+    """Median microseconds a call of a graph that runs the calls in turn (gate_sweep.per_call_us over the chain)."""
+
+    def chain() -> None:
         for fn in fns:
             fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / len(fns))
-    return statistics.median(times)
+
+    return per_call_us(chain, calls=1) / len(fns)
 
 
 def sweep() -> list[dict]:
@@ -60,7 +49,7 @@ def sweep() -> list[dict]:
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         outs = [torch.empty(m, n, device="cuda", dtype=torch.bfloat16) for _ in range(LAYERS)]
         mb = n * k * 2 / 1e6
-        cublas = per_call_us([lambda w=w, o=o: torch.matmul(x, w.t(), out=o) for w, o in zip(ws, outs)])
+        cublas = per_chain_us([lambda w=w, o=o: torch.matmul(x, w.t(), out=o) for w, o in zip(ws, outs)])
         row = {"shape": name, "n": n, "k": k, "rows": m, "mb": round(mb, 2), "cublas_us": round(cublas, 2)}
         row["cublas_tbs"] = round(mb / cublas, 2)
         want = F.linear(x.float(), ws[0].float())
@@ -73,7 +62,7 @@ def sweep() -> list[dict]:
                 if not torch.allclose(got, want, rtol=2e-2, atol=2e-2):
                     row[key] = "wrong"
                     continue
-                us = per_call_us(
+                us = per_chain_us(
                     [
                         lambda w=w, o=o: skinny_linear(x, w, out=o, counters=counters, tile=tile)
                         for w, o in zip(ws, outs)
