@@ -2,7 +2,9 @@
 
 Servicers only await. Verify requests are batched per step: whatever is queued when the engine thread becomes
 free runs as ONE ``engine.verify_batch`` call, so N concurrent sessions share one forward (the host's batching
-hook; its hand-over is plain loop callbacks, with no batcher task in between). Admission
+hook; its hand-over is plain loop callbacks, with no batcher task in between). The engine's thread is a LoopThread
+(runtime/worker.py), on whose event loop the served step loop runs: a lone session's verify is a plain call there
+(``verify_here``, loop_serving.py), with no hand-over. Admission
 (specserve/runtime/admission.py) reserves each session's KV blocks; see server.py for what callers state.
 """
 
@@ -27,7 +29,7 @@ from specserve.runtime.errors import LimitExceeded
 from specserve.runtime.hidden_fds import FdServer
 from specserve.runtime.hidden_share import HiddenBuffer, HiddenShareError
 from specserve.runtime.session_host import SessionHost, StepOutcome, build_on_thread
-from specserve.runtime.worker import OneThread
+from specserve.runtime.worker import LoopThread, OneThread
 from specserve.target_service.engine.engine import (
     DuplicateSession,
     UnknownSession,
@@ -95,7 +97,7 @@ class EngineWorker:
         self.reserved: dict[str, int] = {}  # session id -> KV blocks reserved at admission
         self.host = SessionHost(
             "target",
-            thread or OneThread("target-engine"),
+            thread or LoopThread("target-engine"),
             self.limits.session_idle_timeout_s,
             run_batch=self._run_batch,
             max_batch=max_batch,
@@ -106,9 +108,18 @@ class EngineWorker:
         self.shares: dict[str, HiddenBuffer] = self.host.buffers
         self.fd_server = FdServer()  # offers the host_shm buffers' segments to their drafters (runtime/hidden_fds.py)
 
+        self.direct_steps = 0  # verifies run on the engine's thread by a loop there (``verify_here``)
+
     @property
     def steps(self) -> int:
-        return self.host.steps
+        return self.host.steps + self.direct_steps
+
+    @property
+    def engine_loop(self) -> asyncio.AbstractEventLoop | None:
+        """The event loop on the engine's thread (a LoopThread's), where the served step loop runs; None with a
+        plain OneThread (the loop then runs on the service's event loop)."""
+        thread = self.host.thread
+        return thread.loop if isinstance(thread, LoopThread) else None
 
     @property
     def expired(self) -> int:
@@ -117,7 +128,7 @@ class EngineWorker:
     @classmethod
     async def build(cls, factory: Callable[[], object], **kw) -> EngineWorker:
         """Build the engine on the engine thread itself (model loading never blocks the loop)."""
-        thread, engine = await build_on_thread("target-engine", factory)
+        thread, engine = await build_on_thread("target-engine", factory, LoopThread)
         return cls(engine, thread=thread, **kw)
 
     def start(self) -> None:
@@ -211,6 +222,28 @@ class EngineWorker:
             raise UnknownSession(session_id)
         self.host.touch(session_id)
         return await self.host.step(session_id, block, answer)
+
+    def verify_here(self, session_id: str, block: DraftBlock) -> VerifyOutcome | None:
+        """On the engine's thread (a step loop running there, target_service/loop_serving.py): the session's step as
+        a plain call, with no hand-over, when it is the host's only session and nothing waits for the thread; None
+        otherwise (the caller then queues it with ``verify``, where it batches with the other sessions' steps).
+        Every engine call runs on this one thread, so the host's batches and calls wait their turn behind it."""
+        host = self.host
+        if self.engine_loop is None or len(self.active) != 1 or host.has_waiting() or not host.thread.on_thread():
+            return None
+        if len(block) > self.limits.max_draft_tokens:
+            raise LimitExceeded(
+                f"draft: {len(block)} drafted tokens exceed the limit of {self.limits.max_draft_tokens} (--max-draft-tokens)"
+            )
+        if self.active.get(session_id, -1) < 0:
+            raise UnknownSession(session_id)
+        host.touch(session_id)
+        res = self._run_batch([(session_id, block)])[0]
+        if isinstance(res, Exception):
+            raise res
+        self.direct_steps += 1
+        self._settle(session_id, res)
+        return VerifyOutcome(res, 0.0, 1)
 
     async def release(self, session_id: str) -> bool:
         if not self.host.forget(session_id, UnknownSession(session_id)):

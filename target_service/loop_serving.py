@@ -2,11 +2,14 @@
 
 The gateway validates and admits a request, then hands it to the target (``RunRequest``: the request, the draft
 service's address it chose, the draft's step timeout); the target runs the one step loop of every mode
-(specserve/loop/step_loop.py's ``run_request``) on its event loop: its target is the engine on its session host
-(``HostTarget``: a prefill and a verify are the host's calls, so a loop's verify batches with every other session's),
-its drafter the draft service at that address (specserve/loop/remote_draft.py, over the session's shared-memory ring
-where it opens). A step is then one ring round trip to the draft and one hand-over to the engine's thread, where the
-gateway's loop took four process hops (gateway -> draft -> gateway -> target -> gateway). The gateway gets a
+(specserve/loop/step_loop.py's ``run_request``) on its engine's thread (a LoopThread's event loop, as the in-process
+loop runs on specserve/loop/engine_thread.py's): its target is the engine on its session host (``HostTarget``: a
+lone session's verify is a plain call there, ``EngineWorker.verify_here``; with other sessions open it is the host's
+queued step, so it batches with theirs; the prefill and the release are the host's calls on the service's loop), its
+drafter the draft service at that address (specserve/loop/remote_draft.py, over the session's shared-memory ring
+where it opens, waited on from the engine's loop; its gRPC calls on the service's loop: ``EngineLoopDraft``). A
+lone session's step is then one ring round trip to the draft and no hand-over, where the gateway's loop took four
+process hops (gateway -> draft -> gateway -> target -> gateway). ARCHITECTURE.md, "The loop on the engine's thread". The gateway gets a
 ``RunEvent`` a step (the emitted tokens, what the step drafted and accepted, the engine's and the proposer's compute)
 and one ``RunFinal``; it keeps the text (detokenization, stop strings), the stream to the client and the metrics.
 
@@ -33,7 +36,7 @@ from opentelemetry import trace
 from specserve.contract.speculation import MAX_K
 from specserve.contract.types import DraftBlock, LogprobsSpec, PrefillResult, SamplingParams, VerifyResult
 from specserve.loop.adaptive import AdaptiveConfig, AdaptiveSpeculation
-from specserve.loop.remote_draft import BreakerConfig, RemoteDraftEndpoint
+from specserve.loop.remote_draft import BreakerConfig, RemoteDraft, RemoteDraftEndpoint
 from specserve.loop.step_loop import FinalEvent, run_request
 from specserve.protos import convert
 from specserve.protos.specserve.v1 import target_pb2
@@ -44,9 +47,19 @@ from specserve.target_service.engine_worker import EngineWorker
 MAX_DRAFT_ENDPOINTS = 64  # draft addresses the target keeps a channel to; past it the least recent unused one closes
 
 
+async def _on(loop: asyncio.AbstractEventLoop, coro):
+    """``coro`` run on ``loop`` (the service's, from the engine's thread), awaited here; the caller's context (its
+    trace) goes with it, and cancelling the wait cancels it there."""
+    return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, loop))
+
+
 class HostTarget:
     """The engine on its session host as the loop's TargetClient (one request): a prefill and a verify are the host's
-    calls (admission, the verify batch, the hidden-row buffers), as a gateway's Prefill and VerifyStream were."""
+    calls (admission, the verify batch, the hidden-row buffers), as a gateway's Prefill and VerifyStream were.
+
+    ``service_loop`` set: the loop runs on the engine's thread (``EngineWorker.engine_loop``); a verify there is a
+    plain call (``verify_here``) while its session is the host's only one, else it is queued on the service's loop
+    (``service_loop``), as are the prefill and the release (the host's admission and batches live there)."""
 
     def __init__(
         self,
@@ -56,11 +69,16 @@ class HostTarget:
         draft: RemoteDraftEndpoint | None,
         wire_info: target_pb2.TargetInfo,
         count_hidden=None,
+        service_loop: asyncio.AbstractEventLoop | None = None,
     ) -> None:
         """``count_hidden(rows)``: the service's count of the hidden rows it hands out (GetStats), or None."""
         self.worker, self._info, self._reserve = worker, info, reserve_tokens
         self._draft, self._wire_info = draft, wire_info
         self._count = count_hidden or (lambda rows: None)
+        self._service = service_loop
+
+    async def _host(self, coro):
+        return await (coro if self._service is None else _on(self._service, coro))
 
     async def info(self):
         return self._info
@@ -75,14 +93,18 @@ class HostTarget:
     ) -> PrefillResult:
         # the draft maps this target's hidden-row buffers (its GetInfo came first: the loop asks it before the prefill)
         share = bool(hidden_layers) and self._draft is not None and self._draft.maps_hidden_of(self._wire_info)
-        res = await self.worker.prefill(
-            session_id, list(prompt_ids), sampling, tuple(hidden_layers), self._reserve, share, logprobs=logprobs
+        res = await self._host(
+            self.worker.prefill(
+                session_id, list(prompt_ids), sampling, tuple(hidden_layers), self._reserve, share, logprobs=logprobs
+            )
         )
         self._count(res.hidden)
         return res
 
     async def verify(self, session_id: str, block: DraftBlock) -> VerifyResult:
-        out = await self.worker.verify(session_id, block)
+        out = self.worker.verify_here(session_id, block) if self._service is not None else None
+        if out is None:
+            out = await self._host(self.worker.verify(session_id, block))
         span = trace.get_current_span()  # the loop's target.verify span (none while tracing is off)
         if span.is_recording():
             span.set_attribute(tn.ATTR_BATCH_SIZE, out.batch_size)
@@ -91,7 +113,32 @@ class HostTarget:
         return out.result
 
     async def release(self, session_id: str) -> None:
-        await self.worker.release(session_id)
+        await self._host(self.worker.release(session_id))
+
+
+class EngineLoopDraft:
+    """A RemoteDraft called from the loop on the engine's thread: a proposal over its shared-memory ring waits there
+    (the ring follows the loop that waits on it); its gRPC calls (GetInfo, StartSession, Release, and proposals on
+    the gRPC stream) run on the service's loop, where its endpoint's channel lives."""
+
+    def __init__(self, draft: RemoteDraft, service_loop: asyncio.AbstractEventLoop) -> None:
+        self.draft, self._service = draft, service_loop
+
+    async def info(self):
+        return await _on(self._service, self.draft.info())
+
+    async def start(self, session_id, token_ids, hidden, sampling) -> None:
+        await _on(self._service, self.draft.start(session_id, token_ids, hidden, sampling))
+
+    async def propose(self, session_id, prefix_len, append_ids, append_hidden, num_tokens, tree=None):
+        call = self.draft.propose(session_id, prefix_len, append_ids, append_hidden, num_tokens, tree)
+        return await (call if self.draft.on_ring else _on(self._service, call))
+
+    propose_ahead = propose
+
+    async def release(self, session_id: str) -> None:
+        self.draft.close_ring()  # here: its doorbell is watched by this loop
+        await _on(self._service, self.draft.release(session_id))
 
 
 class LoopDrafts:
@@ -155,13 +202,9 @@ class LoopDrafts:
         self._endpoints.clear()
 
 
-async def run_events(
-    worker: EngineWorker, info, drafts: LoopDrafts, request: target_pb2.RunRequest, time_remaining, count_hidden=None
-):
-    """One Run call's events (RunEvent messages), the loop running here; raises what the engine raised (the servicer
-    maps it to a status) or ConversionError for a malformed request. ``count_hidden``: HostTarget's."""
-    gen = convert.run_request_from_proto(request)
-    address = request.draft_address
+def acquire_draft(drafts: LoopDrafts, request: target_pb2.RunRequest) -> RemoteDraftEndpoint | None:
+    """On the service's loop: the request's draft endpoint (``drafts.release(request.draft_address)`` it after), or
+    None; ConversionError for malformed breaker settings."""
     breaker = None
     if request.draft_breaker_failures:
         probe = request.draft_probe_every_s or BreakerConfig.probe_every_s
@@ -169,84 +212,156 @@ async def run_events(
             breaker = BreakerConfig(request.draft_breaker_failures, probe)
         except ValueError as exc:
             raise convert.ConversionError(f"draft_breaker_failures / draft_probe_every_s: {exc}") from None
-    ep = drafts.acquire(address, request.draft_name, request.draft_step_timeout_s, breaker) if address else None
-    try:
-        deadline = None if time_remaining is None else asyncio.get_running_loop().time() + time_remaining
-        draft = ep.session(deadline, shm=not request.no_draft_shm) if ep is not None else None
-        share_with = None if request.no_hidden_share else ep  # the draft whose hidden rows may go in a buffer
-        target = HostTarget(worker, info, request.reserve_tokens or None, share_with, drafts.wire_info, count_hidden)
-        step = [None]  # the StepRecord of the step whose tokens come next (None: the prefill's first token)
-        seen = (0.0, 0.0)  # the draft service's proposer ms and handling ms summed, as of the last event
-        events = run_request(
-            gen,
-            target,
-            draft,
-            target_info=info,
-            adaptive=drafts.adaptive(address) if gen.adaptive else None,
-            session_id=request.session_id,
-            on_step=lambda rec: step.__setitem__(0, rec),
-            request_span=tn.SPAN_TARGET_RUN,
-        )
-        async with contextlib.aclosing(events):
-            async for event in events:
-                if isinstance(event, FinalEvent):
-                    yield target_pb2.RunEvent(
-                        final=target_pb2.RunFinal(
-                            finish_reason=event.finish_reason,
-                            prompt_tokens=event.prompt_tokens,
-                            completion_tokens=event.completion_tokens,
-                            stats=convert.spec_stats_to_proto(event.stats.as_dict()),
-                        )
+    address = request.draft_address
+    if not address:
+        return None
+    ep = drafts.acquire(address, request.draft_name, request.draft_step_timeout_s, breaker)
+    ep.breaker.loop = asyncio.get_running_loop()  # its probe runs where its channel lives
+    return ep
+
+
+async def run_events(
+    worker: EngineWorker,
+    info,
+    drafts: LoopDrafts,
+    request: target_pb2.RunRequest,
+    ep: RemoteDraftEndpoint | None,
+    deadline: float | None,
+    count_hidden=None,
+    service_loop: asyncio.AbstractEventLoop | None = None,
+):
+    """One Run call's events (RunEvent messages), the loop running here; raises what the engine raised (the servicer
+    maps it to a status) or ConversionError for a malformed request. ``ep``: ``acquire_draft``'s; ``count_hidden``:
+    HostTarget's; ``service_loop``: the service's loop when this runs on the engine's (HostTarget)."""
+    gen = convert.run_request_from_proto(request)
+    address = request.draft_address
+    remote = ep.session(deadline, shm=not request.no_draft_shm) if ep is not None else None
+    draft = remote if remote is None or service_loop is None else EngineLoopDraft(remote, service_loop)
+    share_with = None if request.no_hidden_share else ep  # the draft whose hidden rows may go in a buffer
+    target = HostTarget(
+        worker, info, request.reserve_tokens or None, share_with, drafts.wire_info, count_hidden, service_loop
+    )
+    step = [None]  # the StepRecord of the step whose tokens come next (None: the prefill's first token)
+    seen = (0.0, 0.0)  # the draft service's proposer ms and handling ms summed, as of the last event
+    events = run_request(
+        gen,
+        target,
+        draft,
+        target_info=info,
+        adaptive=drafts.adaptive(address) if gen.adaptive else None,
+        session_id=request.session_id,
+        on_step=lambda rec: step.__setitem__(0, rec),
+        request_span=tn.SPAN_TARGET_RUN,
+    )
+    async with contextlib.aclosing(events):
+        async for event in events:
+            if isinstance(event, FinalEvent):
+                yield target_pb2.RunEvent(
+                    final=target_pb2.RunFinal(
+                        finish_reason=event.finish_reason,
+                        prompt_tokens=event.prompt_tokens,
+                        completion_tokens=event.completion_tokens,
+                        stats=convert.spec_stats_to_proto(event.stats.as_dict()),
                     )
-                    continue
-                msg = target_pb2.RunTokens(token_ids=event.token_ids)
-                rec, step[0] = step[0], None
-                if rec is not None:
-                    compute, service = (draft.compute_ms, draft.service_ms) if draft is not None else (0.0, 0.0)
-                    msg.step, msg.drafted, msg.accepted = True, rec.drafted, rec.accepted
-                    msg.verify_compute_ms, msg.draft_compute_ms = rec.verify_compute_ms, compute - seen[0]
-                    msg.draft_service_ms = service - seen[1]
-                    seen = (compute, service)
-                    msg.verify_ms, msg.experts_touched, msg.context_len = (
-                        rec.verify_ms,
-                        rec.experts_touched,
-                        rec.context_len,
-                    )
-                    msg.draft_ms, msg.verify_wall_ms = rec.draft_ms, rec.verify_wall_ms
-                if event.logprobs is not None:
-                    msg.logprobs.CopyFrom(convert.token_logprobs_to_proto(event.logprobs))
-                if event.prompt_logprobs is not None:
-                    msg.prompt_logprobs.CopyFrom(convert.token_logprobs_to_proto(event.prompt_logprobs))
-                yield target_pb2.RunEvent(tokens=msg)
-    finally:
-        if ep is not None:
-            drafts.release(address)
+                )
+                continue
+            msg = target_pb2.RunTokens(token_ids=event.token_ids)
+            rec, step[0] = step[0], None
+            if rec is not None:
+                compute, service = (remote.compute_ms, remote.service_ms) if remote is not None else (0.0, 0.0)
+                msg.step, msg.drafted, msg.accepted = True, rec.drafted, rec.accepted
+                msg.verify_compute_ms, msg.draft_compute_ms = rec.verify_compute_ms, compute - seen[0]
+                msg.draft_service_ms = service - seen[1]
+                seen = (compute, service)
+                msg.verify_ms, msg.experts_touched, msg.context_len = (
+                    rec.verify_ms,
+                    rec.experts_touched,
+                    rec.context_len,
+                )
+                msg.draft_ms, msg.verify_wall_ms = rec.draft_ms, rec.verify_wall_ms
+            if event.logprobs is not None:
+                msg.logprobs.CopyFrom(convert.token_logprobs_to_proto(event.logprobs))
+            if event.prompt_logprobs is not None:
+                msg.prompt_logprobs.CopyFrom(convert.token_logprobs_to_proto(event.prompt_logprobs))
+            yield target_pb2.RunEvent(tokens=msg)
 
 
 _END = object()  # after a Run's last event
 
 
+def _ended(finished: asyncio.Future, out: asyncio.Queue) -> None:
+    """On the service's loop: the Run's loop task is over (its releases included)."""
+    if not finished.done():
+        finished.set_result(None)
+    out.put_nowait(_END)  # (after its own: a task cancelled before it started put none)
+
+
 async def serve_run(worker, info, drafts: LoopDrafts, request, context, abort, count_hidden=None):
-    """The Run call's replies: the loop runs in a task of its own under the caller's trace context and hands its
-    events over a queue, so a step's reply (a gRPC write, which waits for its send) is written while the next step
-    proposes and verifies, not before it; a failure ends the call with ``abort(context, exc)`` (the servicer's status
-    for it). The call ends after the loop's end (its releases included); a caller that goes away cancels the loop."""
+    """The Run call's replies. The loop runs in a task of its own under the caller's trace context: on the engine's
+    thread (``worker.engine_loop``: a verify there is a plain call, no hand-over a step) or, without one, on this
+    loop; it hands its events over a queue (from the engine's thread, one ``call_soon_threadsafe`` an event), so a
+    step's reply (a gRPC write, which waits for its send) is written here while the next step proposes and verifies;
+    a failure ends the call with ``abort(context, exc)`` (the servicer's status for it). The call ends after the
+    loop's end (its releases included); a caller that goes away cancels the loop."""
+    here = asyncio.get_running_loop()
+    engine = worker.engine_loop
+    thread = worker.host.thread if engine is not None else None  # the LoopThread
     out: asyncio.Queue = asyncio.Queue()
+    try:
+        ep = acquire_draft(drafts, request)
+    except Exception as exc:  # noqa: BLE001 - mapped to a status
+        await abort(context, exc)
+        return
+    remaining = context.time_remaining()
+    deadline = None if remaining is None else here.time() + remaining
+
+    if engine is None:
+        put = out.put_nowait
+    else:
+
+        def put(item) -> None:  # on the engine's thread
+            try:
+                here.call_soon_threadsafe(out.put_nowait, item)
+            except RuntimeError:  # the service's loop closed: nobody reads
+                pass
 
     async def pump() -> None:
         try:
-            events = run_events(worker, info, drafts, request, context.time_remaining(), count_hidden)
+            events = run_events(
+                worker, info, drafts, request, ep, deadline, count_hidden, None if engine is None else here
+            )
             async with contextlib.aclosing(events):
                 async for msg in events:
-                    out.put_nowait(msg)
+                    put(msg)
+                    if thread is not None and thread.handed:  # a step never waits: the engine's loop takes a turn
+                        thread.handed = False
+                        await asyncio.sleep(0)
         except Exception as exc:  # noqa: BLE001 - handed to the call, mapped to a status there
-            out.put_nowait(exc)
+            put(exc)
         finally:
-            out.put_nowait(_END)
+            put(_END)
+
+    finished = here.create_future()
+
+    def done(_task) -> None:  # on the loop that ran it
+        try:
+            here.call_soon_threadsafe(_ended, finished, out)
+        except RuntimeError:  # the service's loop closed
+            pass
+
+    tasks: list[asyncio.Task] = []
+
+    def start() -> None:  # on the loop that runs it, in this call's context (the caller's trace)
+        task = asyncio.get_running_loop().create_task(pump())
+        task.add_done_callback(done)
+        tasks.append(task)
 
     token = otel_context.attach(tn.context_from_metadata(context.invocation_metadata()))
     try:
-        task = asyncio.get_running_loop().create_task(pump())  # (a copy of this context: the caller's trace)
+        if engine is None:
+            start()
+        else:
+            thread.hand(start)  # (call_soon copies this context: the caller's trace)
     finally:
         otel_context.detach(token)
     try:
@@ -255,9 +370,14 @@ async def serve_run(worker, info, drafts: LoopDrafts, request, context, abort, c
                 await abort(context, item)
             yield item
     finally:
-        if not task.done():
-            task.cancel()  # the caller went away (or the call ended): the loop's end releases both sessions
+        if not finished.done():  # the caller went away (or the call ended): the loop's end releases both sessions
+            if engine is None:
+                tasks[0].cancel()
+            else:
+                thread.hand(lambda: tasks[0].cancel())  # after start (call_soon keeps the order)
         try:
-            await asyncio.shield(task)
+            await asyncio.shield(finished)
         except BaseException:  # noqa: BLE001 - its outcome was handed over (or the caller is gone)
             pass
+        if ep is not None:
+            drafts.release(request.draft_address)

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 from specserve.loop.local import InlineDraft, LocalDraft, LocalTarget
 from specserve.loop.step_loop import FinalEvent, TokenEvent, run_request
+from specserve.runtime.worker import new_loop
 
 _END = object()  # the queue item after a request's last event
 
@@ -31,16 +32,6 @@ _END = object()  # the queue item after a request's last event
 @dataclass(frozen=True)
 class _Failed:
     error: BaseException
-
-
-def new_loop() -> asyncio.AbstractEventLoop:
-    """A uvloop event loop (plain asyncio's without uvloop)."""
-    try:
-        import uvloop
-
-        return uvloop.new_event_loop()
-    except ImportError:  # uvloop is a dependency; plain asyncio is only a fallback
-        return asyncio.new_event_loop()
 
 
 class EngineThread:

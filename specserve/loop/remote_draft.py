@@ -91,6 +91,9 @@ class _Breaker:
         self.is_open = False
         self.opened = 0  # times it opened (for tests and logs)
         self._probe: asyncio.Task | None = None
+        # the event loop the endpoint's channel lives on (None: the caller's): a failure seen by a loop on another
+        # thread (the target's served loop on its engine's thread) starts the probe there
+        self.loop: asyncio.AbstractEventLoop | None = None
 
     def succeeded(self) -> None:
         if not self.is_open:
@@ -109,7 +112,14 @@ class _Breaker:
             file=sys.stderr,
             flush=True,
         )
-        self._probe = asyncio.get_running_loop().create_task(self._probe_until_up(), name=f"probe-{ep.name}")
+        here = asyncio.get_running_loop()
+        if self.loop is None or self.loop is here:
+            self._start_probe()
+        else:
+            self.loop.call_soon_threadsafe(self._start_probe)
+
+    def _start_probe(self) -> None:
+        self._probe = asyncio.get_running_loop().create_task(self._probe_until_up(), name=f"probe-{self.endpoint.name}")
 
     async def _probe_until_up(self) -> None:
         every = self.config.probe_every_s
@@ -229,6 +239,18 @@ class RemoteDraft:
     def transport(self) -> str:
         """How this session's proposals travel: "shm" or "grpc"."""
         return "shm" if self._shm is not None else "grpc"
+
+    @property
+    def on_ring(self) -> bool:
+        """Whether its proposals go over its shared-memory ring (or fail at once: the ring ended), which any event
+        loop may wait on; else over the endpoint's gRPC channel, on the channel's loop."""
+        return self._shm is not None or self._shm_broken
+
+    def close_ring(self) -> None:
+        """Close its ring, on the loop its proposals waited on (``release`` closes it too)."""
+        if self._shm is not None:
+            self._shm.close()
+            self._shm, self._shm_broken = None, True
 
     def _timeout(self) -> float:
         if self._ep.breaker.is_open:

@@ -77,9 +77,10 @@ def answered_by(answer: Callable[..., object] | None, *args) -> bool:
         return False
 
 
-async def build_on_thread(name: str, factory: Callable[[], object]) -> tuple[OneThread, object]:
-    """A new model thread, and the model built on it (loading never blocks the event loop)."""
-    thread = OneThread(name)
+async def build_on_thread(name: str, factory: Callable[[], object], kind=OneThread) -> tuple[OneThread, object]:
+    """A new model thread (``kind``: OneThread, or LoopThread), and the model built on it (loading never blocks
+    the event loop)."""
+    thread = kind(name)
     model = await thread.call(factory)
     return thread, model
 
@@ -199,6 +200,10 @@ class SessionHost:
                 waiting.future.set_exception(gone)
         self._calls.clear()
         self._queue.clear()
+
+    def has_waiting(self) -> bool:
+        """Whether a step or a call waits for the model's thread (read from any thread: a hint, not a lock)."""
+        return bool(self._queue or self._calls)
 
     # ------------------------------------------------------------------------- the model's thread
     async def call(self, fn, *args):

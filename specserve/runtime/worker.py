@@ -3,7 +3,9 @@
 A call is the step's hot path (two thread hops per verify or propose), so it is one queue put and one
 ``call_soon_threadsafe`` back: no ``concurrent.futures`` Future, no ``wrap_future`` chain and no
 executor bookkeeping between the loop and the thread (``run_in_executor`` costed about twice as much
-per hop, ``specserve bench overhead``).
+per hop, ``specserve bench overhead``). ``LoopThread`` is the same contract on a thread that runs an event loop
+of its own, so a coroutine may run beside the model too (the target's served step loop: its verify is then a plain
+call, no hop).
 """
 
 from __future__ import annotations
@@ -65,6 +67,94 @@ class OneThread:
 
     async def aclose(self) -> None:
         """The same, awaited from the event loop without blocking it."""
+        self._stop()
+        await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
+
+
+def new_loop() -> asyncio.AbstractEventLoop:
+    """A uvloop event loop (plain asyncio's without uvloop)."""
+    try:
+        import uvloop
+
+        return uvloop.new_event_loop()
+    except ImportError:  # uvloop is a dependency; plain asyncio is only a fallback
+        return asyncio.new_event_loop()
+
+
+class LoopThread:
+    """OneThread's calls on a thread that runs an event loop of its own (``loop``): a call is a callback there, in
+    the order of the calls, and coroutines may run there as tasks too (the target's served step loop,
+    target_service/loop_serving.py: its verify is then a plain call on this thread, as the in-process loop's on
+    specserve/loop/engine_thread.py's). The same contract as OneThread otherwise."""
+
+    def __init__(self, name: str, init: Callable[[], object] | None = None) -> None:
+        self.loop = new_loop()
+        self._closed = False
+        self._failed: BaseException | None = None  # init's error: every call gets it
+        # set by another thread just after it handed the loop a callback (a call, a task to start or cancel); a
+        # task there that never waits on anything (the served step loop's direct steps) reads it after each step
+        # and yields to the loop when set (clearing it), so what was handed runs between two steps
+        self.handed = False
+        self._thread = threading.Thread(target=self._run, args=(init,), name=name, daemon=True)
+        self._thread.start()
+
+    def _run(self, init: Callable[[], object] | None) -> None:
+        asyncio.set_event_loop(self.loop)
+        try:
+            if init is not None:
+                init()
+        except BaseException as exc:  # noqa: BLE001 - handed to every caller
+            self._failed = exc
+        self.loop.run_forever()
+
+    def on_thread(self) -> bool:
+        """Whether the caller runs on this thread."""
+        return threading.current_thread() is self._thread
+
+    def call(self, fn: Callable[..., Any], *args: Any) -> asyncio.Future:
+        fut = asyncio.get_running_loop().create_future()
+        self.submit(fn, args, lambda result, error: _settle(fut, result, error), fut)
+        return fut
+
+    def submit(
+        self,
+        fn: Callable[..., Any],
+        args: tuple,
+        done: Callable[[Any, BaseException | None], None],
+        skip_if: asyncio.Future | None = None,
+    ) -> None:
+        if self._closed:
+            raise RuntimeError(f"{self._thread.name}: the worker thread was closed")
+        self.hand(self._one, asyncio.get_running_loop(), skip_if, fn, args, done)
+
+    def hand(self, callback: Callable[..., object], *args: Any) -> None:
+        """``callback(*args)`` on the thread's loop, in the caller's context (from another thread)."""
+        self.loop.call_soon_threadsafe(callback, *args)
+        self.handed = True
+
+    def _one(self, loop, skip_if, fn, args, done) -> None:
+        if skip_if is not None and skip_if.cancelled():
+            return
+        try:
+            result, error = (None, self._failed) if self._failed is not None else (fn(*args), None)
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller's callback
+            result, error = None, exc
+        try:
+            loop.call_soon_threadsafe(done, result, error)
+        except RuntimeError:  # the loop closed meanwhile: nobody waits for it
+            pass
+
+    def _stop(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self.loop.call_soon_threadsafe(self.loop.stop)  # after the calls already handed over
+
+    def close(self) -> None:
+        self._stop()
+        if self._thread is not threading.current_thread():
+            self._thread.join()
+
+    async def aclose(self) -> None:
         self._stop()
         await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
 

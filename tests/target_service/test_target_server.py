@@ -273,3 +273,85 @@ def test_a_verify_answer_runs_on_the_engine_thread_before_the_loop_hears_of_the_
             await worker.close()
 
     asyncio.run(main())
+
+
+def _run_tokens(served, sid: str, prompt, n: int = 12) -> tuple[list[int], list[target_pb2.RunEvent]]:
+    events = list(
+        served.stub.Run(target_pb2.RunRequest(session_id=sid, prompt_ids=prompt, max_new_tokens=n), timeout=60)
+    )
+    assert events[-1].HasField("final") and events[-1].final.completion_tokens == n
+    return [t for e in events[:-1] for t in e.tokens.token_ids], events
+
+
+def test_a_lone_run_verifies_on_the_engine_thread_with_no_hand_over_a_step(served, local):
+    """Issue #42: the served loop (Run) runs on the engine's thread: a lone session's verify is a plain call there
+    (no hand-over to the host's queue: worker.verify is never called, and every engine.verify runs on the engine's
+    thread, called from the loop's own thread); its tokens are the local engine's."""
+    worker = served.worker
+    queued, threads = [], []
+    verify, engine_verify = worker.verify, worker.engine.verify
+
+    async def counted(*args, **kw):
+        queued.append(args[0])
+        return await verify(*args, **kw)
+
+    def noted(*args, **kw):
+        threads.append(threading.current_thread().name)
+        return engine_verify(*args, **kw)
+
+    worker.verify, worker.engine.verify = counted, noted
+    try:
+        got, events = _run_tokens(served, "lone", PROMPT)
+    finally:
+        del worker.verify, worker.engine.verify
+    steps = events[-1].final.stats.steps
+    assert steps >= 1 and queued == []  # 0 hand-overs a step (before: one a step)
+    assert threads == ["target-engine"] * steps
+    local.prefill("lone-local", PROMPT, SamplingParams(), ())
+    want = [local.verify("lone-local", DraftBlock(token_ids=())).next_token for _ in range(1)]
+    local.release("lone-local")
+    assert got[1:2] == want  # the first verify's token (greedy, target-only): the local engine's
+    wait_until_free(served)
+
+
+def test_concurrent_runs_batch_their_verifies_and_keep_their_tokens(served):
+    """With several sessions open the loop's verify goes to the host's queue, where it batches with the others';
+    each Run's tokens are what it makes alone."""
+    prompts = {f"c{i}": PROMPT[i:] + [i + 1] for i in range(3)}
+    alone = {sid: _run_tokens(served, sid + "-alone", p)[0] for sid, p in prompts.items()}
+    steps_before = served.worker.host.steps
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        futs = {sid: pool.submit(_run_tokens, served, sid, p, 12) for sid, p in prompts.items()}
+        together = {sid: f.result()[0] for sid, f in futs.items()}
+    assert together == alone
+    assert served.worker.host.steps > steps_before  # some steps went through the host's batches
+    wait_until_free(served)
+
+
+def wait_until_free(served, timeout_s: float = 10.0) -> None:
+    end = time.monotonic() + timeout_s
+    while served.stats().active_sessions and time.monotonic() < end:
+        time.sleep(0.02)
+    assert served.stats().active_sessions == 0
+
+
+def test_a_call_handed_to_the_engine_thread_runs_between_a_lone_runs_steps(served):
+    """A lone Run's direct steps never wait on anything, so the engine thread's loop takes a turn when another
+    thread hands it something: another session's Prefill (and a cancellation) runs while the Run goes on, not after
+    its last step (before the turn, both waited for the Run's end)."""
+    worker = served.worker
+    req = target_pb2.RunRequest(session_id="long", prompt_ids=PROMPT, max_new_tokens=200)
+    before = worker.steps
+    call = served.stub.Run(req, timeout=60)
+    next(call), next(call)  # the Run's steps are under way
+    served.stub.Prefill(target_pb2.PrefillRequest(session_id="between", prompt_ids=PROMPT), timeout=60)
+    at_prefill = worker.steps - before
+    final = list(call)[-1].final
+    assert final.completion_tokens == 200 and at_prefill < final.stats.steps
+    served.stub.Release(target_pb2.ReleaseRequest(session_id="between"), timeout=10)
+    before = worker.steps
+    call = served.stub.Run(req, timeout=60)
+    next(call), next(call)
+    call.cancel()  # the cancellation runs between two steps: the loop ends there and releases the session
+    wait_until_free(served)
+    assert worker.steps - before < final.stats.steps
