@@ -20,7 +20,42 @@ from typing import Any
 _STOP = None  # the queue item that ends the thread
 
 
-class OneThread:
+class _Worker:
+    """What OneThread and LoopThread share: ``call`` over their ``submit``, and closing (``_stop`` is theirs)."""
+
+    _thread: threading.Thread
+
+    def call(self, fn: Callable[..., Any], *args: Any) -> asyncio.Future:
+        """Run fn(*args) on the thread; await the returned future for its result (or exception)."""
+        fut = asyncio.get_running_loop().create_future()
+        self.submit(fn, args, lambda result, error: _settle(fut, result, error), fut)
+        return fut
+
+    def submit(
+        self,
+        fn: Callable[..., Any],
+        args: tuple,
+        done: Callable[[Any, BaseException | None], None],
+        skip_if: asyncio.Future | None = None,
+    ) -> None:
+        raise NotImplementedError
+
+    def _stop(self) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Wait for the queued calls, then stop the thread (from synchronous code)."""
+        self._stop()
+        if self._thread is not threading.current_thread():
+            self._thread.join()
+
+    async def aclose(self) -> None:
+        """The same, awaited from the event loop without blocking it."""
+        self._stop()
+        await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
+
+
+class OneThread(_Worker):
     """One worker thread that owns a model (engine or proposer): every call runs there, one at a time,
     in the order of the calls. A call whose awaiting task was cancelled before it started is skipped (as
     an executor skips a cancelled future); one that started runs to its end and its result is dropped.
@@ -34,12 +69,6 @@ class OneThread:
         self._thread.start()
         # a worker nobody closed ends with its owner (daemon: interpreter exit never waits on an idle one)
         self._finalizer = weakref.finalize(self, self._queue.put, _STOP)
-
-    def call(self, fn: Callable[..., Any], *args: Any) -> asyncio.Future:
-        """Run fn(*args) on the thread; await the returned future for its result (or exception)."""
-        fut = asyncio.get_running_loop().create_future()
-        self.submit(fn, args, lambda result, error: _settle(fut, result, error), fut)
-        return fut
 
     def submit(
         self,
@@ -59,17 +88,6 @@ class OneThread:
         self._closed = True
         self._finalizer()  # puts the stop item once: calls already queued run first
 
-    def close(self) -> None:
-        """Wait for the queued calls, then stop the thread (from synchronous code)."""
-        self._stop()
-        if self._thread is not threading.current_thread():
-            self._thread.join()
-
-    async def aclose(self) -> None:
-        """The same, awaited from the event loop without blocking it."""
-        self._stop()
-        await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
-
 
 def new_loop() -> asyncio.AbstractEventLoop:
     """A uvloop event loop (plain asyncio's without uvloop)."""
@@ -81,7 +99,7 @@ def new_loop() -> asyncio.AbstractEventLoop:
         return asyncio.new_event_loop()
 
 
-class LoopThread:
+class LoopThread(_Worker):
     """OneThread's calls on a thread that runs an event loop of its own (``loop``): a call is a callback there, in
     the order of the calls, and coroutines may run there as tasks too (the target's served step loop,
     target_service/loop_serving.py: its verify is then a plain call on this thread, as the in-process loop's on
@@ -111,11 +129,6 @@ class LoopThread:
         """Whether the caller runs on this thread."""
         return threading.current_thread() is self._thread
 
-    def call(self, fn: Callable[..., Any], *args: Any) -> asyncio.Future:
-        fut = asyncio.get_running_loop().create_future()
-        self.submit(fn, args, lambda result, error: _settle(fut, result, error), fut)
-        return fut
-
     def submit(
         self,
         fn: Callable[..., Any],
@@ -135,28 +148,12 @@ class LoopThread:
     def _one(self, loop, skip_if, fn, args, done) -> None:
         if skip_if is not None and skip_if.cancelled():
             return
-        try:
-            result, error = (None, self._failed) if self._failed is not None else (fn(*args), None)
-        except BaseException as exc:  # noqa: BLE001 - handed to the caller's callback
-            result, error = None, exc
-        try:
-            loop.call_soon_threadsafe(done, result, error)
-        except RuntimeError:  # the loop closed meanwhile: nobody waits for it
-            pass
+        _run_call(loop, fn, args, done, self._failed)
 
     def _stop(self) -> None:
         if not self._closed:
             self._closed = True
             self.loop.call_soon_threadsafe(self.loop.stop)  # after the calls already handed over
-
-    def close(self) -> None:
-        self._stop()
-        if self._thread is not threading.current_thread():
-            self._thread.join()
-
-    async def aclose(self) -> None:
-        self._stop()
-        await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
 
 
 def _serve(work: queue.SimpleQueue, init: Callable[[], object] | None) -> None:
@@ -174,15 +171,20 @@ def _serve(work: queue.SimpleQueue, init: Callable[[], object] | None) -> None:
         loop, skip_if, fn, args, done = item
         if skip_if is not None and skip_if.cancelled():  # read from this thread: a cancel just missed is dropped later
             continue
-        try:
-            result, error = (None, failed) if failed is not None else (fn(*args), None)
-        except BaseException as exc:  # noqa: BLE001 - handed to the caller's callback
-            result, error = None, exc
-        try:
-            loop.call_soon_threadsafe(done, result, error)
-        except RuntimeError:  # the loop closed meanwhile: nobody waits for it
-            pass
-        del item, skip_if, fn, args, done, result, error  # hold nothing of the call while idle
+        _run_call(loop, fn, args, done, failed)
+        del item, skip_if, fn, args, done  # hold nothing of the call while idle
+
+
+def _run_call(loop, fn: Callable[..., Any], args: tuple, done, failed: BaseException | None) -> None:
+    """On the worker's thread: fn(*args) (or init's error), its result or error to ``done`` on the caller's loop."""
+    try:
+        result, error = (None, failed) if failed is not None else (fn(*args), None)
+    except BaseException as exc:  # noqa: BLE001 - handed to the caller's callback
+        result, error = None, exc
+    try:
+        loop.call_soon_threadsafe(done, result, error)
+    except RuntimeError:  # the loop closed meanwhile: nobody waits for it
+        pass
 
 
 def _settle(fut: asyncio.Future, result: Any, error: BaseException | None) -> None:
