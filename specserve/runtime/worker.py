@@ -21,7 +21,7 @@ _STOP = None  # the queue item that ends the thread
 
 
 class _Worker:
-    """What OneThread and LoopThread share: ``call`` over their ``submit``, and closing (``_stop`` is theirs)."""
+    """What OneThread and LoopThread share: ``call`` over their ``submit``, and closing over their ``_stop``."""
 
     _thread: threading.Thread
 
@@ -30,18 +30,6 @@ class _Worker:
         fut = asyncio.get_running_loop().create_future()
         self.submit(fn, args, lambda result, error: _settle(fut, result, error), fut)
         return fut
-
-    def submit(
-        self,
-        fn: Callable[..., Any],
-        args: tuple,
-        done: Callable[[Any, BaseException | None], None],
-        skip_if: asyncio.Future | None = None,
-    ) -> None:
-        raise NotImplementedError
-
-    def _stop(self) -> None:
-        raise NotImplementedError
 
     def close(self) -> None:
         """Wait for the queued calls, then stop the thread (from synchronous code)."""
