@@ -31,6 +31,7 @@ import numpy as np
 import pytest
 import torch
 from scipy.stats import chisquare
+from stats_helpers import suite_seed_key
 from tiny_hf import save_zlab_dflash
 
 from specserve.contract.types import DraftBlock, SamplingParams, TreeSpec
@@ -164,7 +165,7 @@ def _world(tiny_ckpt, tmp_path_factory, kind):
     model, mcfg = load_model(target, progress=False)
 
     def engine():
-        return TargetEngine(model, mcfg, num_blocks=8192, block_size=4)
+        return TargetEngine(model, mcfg, num_blocks=8192, block_size=4, seed_key=suite_seed_key())
 
     base = dict(target_checkpoint=target, max_block_size=4, kv_block_size=4, kv_num_blocks=8192)
     configs = {
