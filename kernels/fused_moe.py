@@ -29,6 +29,7 @@ from specserve.kernels.checks import (
     require,
     triton_interpreting,
 )
+from specserve.kernels.launch import chained
 from specserve.kernels.moe_reference import NO_EXPERT, ExpertRuns, SharedExperts, SlotRows
 
 try:
@@ -237,6 +238,7 @@ def align_triton(
         BM=bm,
         FILL=1024,
         num_warps=4 if n_pad <= 1024 else 8,
+        **chained(flat),
     )
     return sorted_slot, block_expert, num_blocks
 
@@ -294,6 +296,7 @@ def fused_moe_triton(
         HAS_SHARED=shared is not None,
         num_warps=cfg.gu_warps,
         num_stages=cfg.gu_stages,
+        **chained(hidden),
     )
     per_slot = torch.empty(n, h, dtype=torch.float32, device=hidden.device)  # [T*K, H]
     moe_triton.moe_down_kernel[(maxb, triton.cdiv(h, cfg.dn_bn))](
@@ -320,6 +323,7 @@ def fused_moe_triton(
         HAS_SHARED=shared is not None,
         num_warps=cfg.dn_warps,
         num_stages=cfg.dn_stages,
+        **chained(act),
     )
     slots = SlotRows(per_slot, topk_ids.reshape(-1), k, hidden.dtype)
     return sum_slots_of(slots) if sum_slots else slots
@@ -333,7 +337,7 @@ def sum_slots_of(slots: SlotRows) -> torch.Tensor:  # [T, H] slots.dtype
     out = torch.empty(t, h, dtype=slots.dtype, device=slots.rows.device)
     bh = min(1024, triton_next_pow2(h))
     moe_triton.sum_topk_kernel[(t, triton.cdiv(h, bh))](
-        slots.rows, slots.ids, out, h, TOPK=slots.k, BH=bh, SKIP=True, PARTS=1, num_warps=4
+        slots.rows, slots.ids, out, h, TOPK=slots.k, BH=bh, SKIP=True, PARTS=1, num_warps=4, **chained(out)
     )
     return out
 

@@ -14,6 +14,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from specserve.kernels.chain_triton import chain_in
+
 
 @triton.jit
 def _max_combine(a, b):
@@ -33,8 +35,10 @@ def moe_align_kernel(
     N_PAD: tl.constexpr,
     BM: tl.constexpr,
     FILL: tl.constexpr,
+    PDL: tl.constexpr,  # programmatic dependent launch (kernels/launch.py)
 ):
     """One program: align_slots."""
+    chain_in(PDL)
     align_slots(
         ids_ptr, sorted_slot_ptr, block_expert_ptr, num_blocks_ptr, scratch_ptr, N, E, MAXP, N_PAD, BM, FILL, ""
     )
@@ -106,7 +110,9 @@ def moe_gate_up_kernel(
     BN: tl.constexpr,
     BK: tl.constexpr,
     HAS_SHARED: tl.constexpr,
+    PDL: tl.constexpr,  # programmatic dependent launch (kernels/launch.py)
 ):
+    chain_in(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     if pid_m >= tl.load(num_blocks_ptr):
@@ -166,7 +172,9 @@ def moe_down_kernel(
     BN: tl.constexpr,
     BK: tl.constexpr,
     HAS_SHARED: tl.constexpr,
+    PDL: tl.constexpr,  # programmatic dependent launch (kernels/launch.py)
 ):
+    chain_in(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     if pid_m >= tl.load(num_blocks_ptr):
@@ -207,8 +215,10 @@ def sum_topk_kernel(
     BH: tl.constexpr,
     SKIP: tl.constexpr,
     PARTS: tl.constexpr,  # src rows a slot (the split W4A16 GEMV's input chunks; else 1)
+    PDL: tl.constexpr,  # programmatic dependent launch (kernels/launch.py)
 ):
     """out[t] = sum_k src[t, k] in fp32, cast to out's dtype (fixed order: deterministic)."""
+    chain_in(PDL)
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BH + tl.arange(0, BH)
     m = offs < H

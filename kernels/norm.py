@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from specserve.kernels.checks import check_dim, check_same_device, check_tensor, require, triton_interpreting
+from specserve.kernels.launch import chained
 from specserve.kernels.moe_reference import SlotRows
 
 try:
@@ -93,6 +94,7 @@ def rms_norm(
         BLOCK=block,
         ROWS=rows,
         num_warps=warps,
+        **chained(x),
     )
     return out
 
@@ -159,6 +161,7 @@ def fused_add_rms_norm(
         ROWS=rows,
         TOPK=k,
         num_warps=warps,
+        **chained(x),
     )
     return out, residual_out
 
@@ -195,5 +198,6 @@ def head_rms_norm(
         BLOCK=block,
         ROWS=rows,
         num_warps=warps,
+        **chained(x),
     )
     return out

@@ -10,6 +10,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from specserve.kernels.chain_triton import chain_in
+
 
 @triton.jit
 def _normed(h, w, eps, H: tl.constexpr, io_dtype: tl.constexpr):
@@ -34,7 +36,9 @@ def rms_norm_kernel(
     HEADS: tl.constexpr,
     BLOCK: tl.constexpr,
     ROWS: tl.constexpr,
+    PDL: tl.constexpr,  # programmatic dependent launch (kernels/launch.py)
 ):
+    chain_in(PDL)
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK)
     row_ok = r < num_rows
@@ -66,7 +70,9 @@ def add_rms_norm_kernel(
     BLOCK: tl.constexpr,
     ROWS: tl.constexpr,
     TOPK: tl.constexpr,  # > 0: x is a MoE's slots, summed here in order (moe_triton.sum_topk_kernel's sum)
+    PDL: tl.constexpr,  # programmatic dependent launch (kernels/launch.py)
 ):
+    chain_in(PDL)
     r = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     row_ok = r < num_rows

@@ -21,6 +21,7 @@ import math
 import torch
 
 from specserve.kernels.checks import check_dim, check_same_device, check_tensor, require, triton_interpreting
+from specserve.kernels.launch import chained
 from specserve.kernels.paged_rows import PagedRows, check_rows_match
 
 try:
@@ -141,6 +142,7 @@ def _combine(
             S_PAD=_pow2(splits, 2),
             HAS_TREE=rows.tree_mask is not None,
             num_warps=4,
+            **chained(ws_acc),
         )
         return
     _k.combine_splits_kernel[(n, heads)](
@@ -155,6 +157,7 @@ def _combine(
         SPLITS=splits,
         S_PAD=_pow2(splits, 2),
         num_warps=4,
+        **chained(ws_acc),
     )
 
 
@@ -248,6 +251,7 @@ def paged_gqa_attention(
         PRECISION=_precision(q.dtype),
         ROW_RANGES=split_chunk > 0,
         num_warps=4 if _pow2(d) <= 64 else 8,
+        **chained(q),
     )
     if num_splits > 1:
         _combine(ws_acc, ws_ml, out, rows, split_chunk, n, hq, d, num_splits, bs)
@@ -323,6 +327,7 @@ def paged_mla_attention(
         PRECISION=_precision(q_nope.dtype),
         ROW_RANGES=split_chunk > 0,
         num_warps=4 if r <= 128 else 8,
+        **chained(q_nope),
     )
     if num_splits > 1:
         _combine(ws_acc, ws_ml, out, rows, split_chunk, n, h, r, num_splits, bs)

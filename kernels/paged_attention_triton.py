@@ -13,6 +13,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from specserve.kernels.chain_triton import chain_in
+
 M_INIT = tl.constexpr(-1.0e30)  # finite start for the running max: an all-masked tile then gives p = 0, never NaN
 
 
@@ -174,7 +176,9 @@ def gqa_rows_kernel(
     SPLITS: tl.constexpr,
     PRECISION: tl.constexpr,
     ROW_RANGES: tl.constexpr,  # split_chunk > 0: per-row split ranges (_row_setup)
+    PDL: tl.constexpr,  # programmatic dependent launch (kernels/launch.py)
 ):
+    chain_in(PDL)
     row = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -294,7 +298,9 @@ def mla_rows_kernel(
     SPLITS: tl.constexpr,
     PRECISION: tl.constexpr,
     ROW_RANGES: tl.constexpr,  # split_chunk > 0: per-row split ranges (_row_setup)
+    PDL: tl.constexpr,  # programmatic dependent launch (kernels/launch.py)
 ):
+    chain_in(PDL)
     row = tl.program_id(0)
     hblk = tl.program_id(1)
     split = tl.program_id(2)
@@ -389,8 +395,10 @@ def combine_splits_kernel(
     DV_PAD: tl.constexpr,
     SPLITS: tl.constexpr,
     S_PAD: tl.constexpr,
+    PDL: tl.constexpr,  # programmatic dependent launch (kernels/launch.py)
 ):
     """out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s per (row, head); zeros where every l_s is 0."""
+    chain_in(PDL)
     row = tl.program_id(0)
     head = tl.program_id(1)
     offs_s = tl.arange(0, S_PAD)
@@ -430,11 +438,13 @@ def combine_fixed_splits_kernel(
     SPLITS: tl.constexpr,
     S_PAD: tl.constexpr,
     HAS_TREE: tl.constexpr,
+    PDL: tl.constexpr,  # programmatic dependent launch (kernels/launch.py)
 ):
     """The per-row splits of a row merged at once: out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s over the
     splits that hold keys the row sees (the others masked to exact zeros). Which splits those are, and the order of
     every sum, are functions of the row's own visible length (_row_span, _row_chunk), so a row's result depends on
     neither the step's rows nor its request's kv length (token-count invariant steps)."""
+    chain_in(PDL)
     row = tl.program_id(0)
     head = tl.program_id(1)
     offs_d = tl.program_id(2) * DV_BLOCK + tl.arange(0, DV_BLOCK)

@@ -11,6 +11,7 @@ import torch
 
 from specserve.kernels.checks import require
 from specserve.kernels.fused_moe import HAS_TRITON, triton_next_pow2
+from specserve.kernels.launch import chained
 
 if HAS_TRITON:
     import triton
@@ -143,11 +144,12 @@ def w4a16_gemv_gate_up(
         EVEN_K=even,
         num_warps=tile.warps,
         num_stages=tile.stages,
+        **chained(hidden),
     )
     if tile.split > 1:
         ba = min(1024, triton_next_pow2(inter))
         quant_gemv_triton.w4a16_gemv_act_kernel[(n, triton.cdiv(inter, ba))](
-            out, ids, act, inter, act.stride(0), SPLIT=tile.split, BA=ba, num_warps=4
+            out, ids, act, inter, act.stride(0), SPLIT=tile.split, BA=ba, num_warps=4, **chained(out)
         )
     return act
 
@@ -195,6 +197,7 @@ def w4a16_gemv_down(
         EVEN_K=even,
         num_warps=tile.warps,
         num_stages=tile.stages,
+        **chained(act),
     )
     return per_slot
 
@@ -229,6 +232,15 @@ def sum_rows(
     out = torch.empty(t, h, dtype=dtype, device=parts.device)
     bh = min(1024, triton_next_pow2(h))
     moe_triton.sum_topk_kernel[(t, triton.cdiv(h, bh))](
-        parts, parts if ids is None else ids, out, h, TOPK=s, BH=bh, SKIP=ids is not None, PARTS=per_id, num_warps=4
+        parts,
+        parts if ids is None else ids,
+        out,
+        h,
+        TOPK=s,
+        BH=bh,
+        SKIP=ids is not None,
+        PARTS=per_id,
+        num_warps=4,
+        **chained(out),
     )
     return out

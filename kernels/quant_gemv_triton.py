@@ -22,6 +22,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from specserve.kernels.chain_triton import chain_in
+
 EXP_BITS = 150 << 23  # the kernels' `exp_bits` argument: the fp32 bits of 2^23 (see _q_minus_8)
 
 
@@ -128,10 +130,12 @@ def w4a16_gemv_gate_up_kernel(
     SPLIT: tl.constexpr,
     PREFETCH: tl.constexpr,
     EVEN_K: tl.constexpr,  # H / 8 is a multiple of BKW: every step is whole
+    PDL: tl.constexpr,  # programmatic dependent launch (kernels/launch.py)
 ):
     """A slot of weight 0 (expert parallelism's other ranks' choices, on local expert 0) reads no weights: its act
     row is 0, and the down kernel gives it 0 as the weighted product would. A slot of NO_EXPERT (< 0: the pad rows
     of invariant steps) costs one load: no act row, no per-slot row (the top-k sum skips it unread)."""
+    chain_in(PDL)
     pid_n = tl.program_id(1)
     offs_n = pid_n * BN + tl.arange(0, BN)
     nvalid = offs_n < I
@@ -193,8 +197,10 @@ def w4a16_gemv_act_kernel(
     stride_an,
     SPLIT: tl.constexpr,
     BA: tl.constexpr,
+    PDL: tl.constexpr,  # programmatic dependent launch (kernels/launch.py)
 ):
     """The split gate/up's second pass: a slot's chunks summed in chunk order (fixed: invariant), then SiLU * up."""
+    chain_in(PDL)
     slot = tl.program_id(0).to(tl.int64)
     if tl.load(ids_ptr + slot) >= 0:
         offs = tl.program_id(1) * BA + tl.arange(0, BA)
@@ -235,9 +241,11 @@ def w4a16_gemv_down_kernel(
     SPLIT: tl.constexpr,
     PREFETCH: tl.constexpr,
     EVEN_K: tl.constexpr,  # I / 8 is a multiple of BKW
+    PDL: tl.constexpr,  # programmatic dependent launch (kernels/launch.py)
 ):
     """A slot of NO_EXPERT: its per-slot rows stay unwritten (the top-k sum skips them unread); of weight 0: no
     weights read, rows of 0 (see the gate/up kernel)."""
+    chain_in(PDL)
     pid_n = tl.program_id(1)
     offs_n = pid_n * BN + tl.arange(0, BN)
     nvalid = offs_n < H

@@ -24,6 +24,7 @@ from specserve.kernels.fused_moe import (
     align_triton,
     triton_next_pow2,
 )
+from specserve.kernels.launch import chained
 from specserve.kernels.quant_args import check_fp8_linear_args, check_fp8_moe_args, check_w4a16_args, require_triton
 from specserve.kernels.quant_gemv import GEMV_TILES, W4A16_GEMV_MAX_TOKENS, GemvTiles, sum_rows, w4a16_gemv
 
@@ -82,6 +83,7 @@ def _moe(hidden, w13, s13, w2, s2, topk_ids, topk_weights, e, inter, config, int
         num_warps=cfg.gu_warps,
         num_stages=cfg.gu_stages,
         **consts,
+        **chained(hidden),
     )
     per_slot = torch.empty(n, h, dtype=torch.float32, device=hidden.device)  # [T*K, H]
     quant_moe_triton.quant_moe_down_kernel[(maxb, triton.cdiv(h, cfg.dn_bn))](
@@ -107,6 +109,7 @@ def _moe(hidden, w13, s13, w2, s2, topk_ids, topk_weights, e, inter, config, int
         num_warps=cfg.dn_warps,
         num_stages=cfg.dn_stages,
         **consts,
+        **chained(act),
     )
     return sum_rows(per_slot.view(t, k, h), hidden.dtype, topk_ids.reshape(-1))
 
@@ -218,6 +221,7 @@ def fp8_linear(
         SPLIT=split,
         num_warps=4,
         num_stages=2,
+        **chained(x),
     )
     return y if split == 1 else sum_rows(dst, x.dtype)
 

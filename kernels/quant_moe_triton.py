@@ -21,6 +21,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from specserve.kernels.chain_triton import chain_in
+
 
 @triton.jit
 def _int4_load(wp_ptr, ws_ptr, offs_n, nvalid, wcols, K, stride_pn, stride_sn, G: tl.constexpr):
@@ -104,7 +106,9 @@ def quant_moe_gate_up_kernel(
     BM: tl.constexpr,
     BN: tl.constexpr,
     BK: tl.constexpr,
+    PDL: tl.constexpr,  # programmatic dependent launch (kernels/launch.py)
 ):
+    chain_in(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     if pid_m >= tl.load(num_blocks_ptr):
@@ -167,7 +171,9 @@ def quant_moe_down_kernel(
     BM: tl.constexpr,
     BN: tl.constexpr,
     BK: tl.constexpr,
+    PDL: tl.constexpr,  # programmatic dependent launch (kernels/launch.py)
 ):
+    chain_in(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     if pid_m >= tl.load(num_blocks_ptr):
@@ -220,9 +226,11 @@ def fp8_linear_kernel(
     BN: tl.constexpr,
     BK: tl.constexpr,
     SPLIT: tl.constexpr,
+    PDL: tl.constexpr,  # programmatic dependent launch (kernels/launch.py)
 ):
     """y = x W^T, W dequantized tile by tile. Decode sizes split K over SPLIT programs (moe_triton's
     sum_topk_kernel then adds the partials in a fixed order), so a small N still fills the GPU."""
+    chain_in(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)

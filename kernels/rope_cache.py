@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from specserve.kernels.checks import check_dim, check_same_device, check_tensor, require, triton_interpreting
+from specserve.kernels.launch import chained
 
 try:
     import triton
@@ -179,6 +180,7 @@ def rope_cache_gqa(
         K_NORM=k_norm_weight is not None,
         num_warps=1 if hq_pad * half_pad <= 256 else 4 if hq_pad * half_pad <= 4096 else 8,
         enable_fp_fusion=False,  # keep each product rounded (see NO_FMA)
+        **chained(q),
     )
     return q_out
 
@@ -308,5 +310,6 @@ def rope_cache_mla(
         HAS_LIVE=live_rows is not None and absorb is not None,
         num_warps=4 if absorb is not None or h_pad * half_pad + r_pad > 512 else 1,
         enable_fp_fusion=False,  # keep each product rounded (see NO_FMA)
+        **chained(q_pe),
     )
     return q_pe_out if absorb is None else (q_pe_out, q_latent)

@@ -14,6 +14,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from specserve.kernels.chain_triton import chain_in
+
 
 @triton.jit
 def _r(x, DT: tl.constexpr):
@@ -106,7 +108,9 @@ def rope_cache_gqa_kernel(
     INTERLEAVED: tl.constexpr,
     Q_NORM: tl.constexpr,
     K_NORM: tl.constexpr,
+    PDL: tl.constexpr,  # programmatic dependent launch (kernels/launch.py)
 ):
+    chain_in(PDL)
     t = tl.program_id(0).to(tl.int64)
     DT: tl.constexpr = q_ptr.dtype.element_ty
     offs_i = tl.arange(0, HALF_PAD)
@@ -179,10 +183,12 @@ def rope_cache_mla_kernel(
     ABSORB: tl.constexpr,
     live_ptr,  # [1] int64 (HAS_LIVE): rows from it on are pad rows, their q_latent not computed
     HAS_LIVE: tl.constexpr,
+    PDL: tl.constexpr,  # programmatic dependent launch (kernels/launch.py)
 ):
     """Program (t, 0): RoPE of the row's q_pe and k_pe, the latent's norm, the cache write. With ABSORB, programs
     (t, 1 + b) compute columns b*RB.. of the row's q_latent = q_nope W_UK (per head; float32 sums over DN in one
     fixed order, rounded once), so the absorbed MLA's first per-head product needs no launch of its own."""
+    chain_in(PDL)
     t = tl.program_id(0).to(tl.int64)
     if ABSORB:
         part = tl.program_id(1)

@@ -19,6 +19,7 @@ import torch
 
 from specserve.kernels.checks import check_dim, check_same_device, check_tensor, require, triton_interpreting
 from specserve.kernels.fused_moe import max_blocks
+from specserve.kernels.launch import chained
 from specserve.kernels.moe_reference import ExpertRuns
 from specserve.kernels.router_reference import RouterConfig
 
@@ -107,6 +108,7 @@ def route(
         float(cfg.routed_scaling_factor),
         cfg.renorm_eps,
         **_rule_args(cfg, e, live_rows is not None, correction_bias is not None, shared),
+        **chained(logits),
     )
     return topk_ids, topk_weights
 
@@ -291,5 +293,6 @@ def _route_gate(
         BM=max(bm, 1),
         FILL=1024,
         **dict(_rule_args(cfg, e, live_rows is not None, correction_bias is not None, shared), num_warps=tile.warps),
+        **chained(x),
     )
     return ids, weights, runs

@@ -21,6 +21,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from specserve.kernels.chain_triton import chain_in
 from specserve.kernels.moe_triton import align_slots
 
 NEG_INF = tl.constexpr(float("-inf"))
@@ -151,7 +152,9 @@ def router_kernel(
     HAS_LIVE: tl.constexpr,
     SHARED: tl.constexpr,  # shared experts as routed ones: columns K.. get ids E.. at weight 1 (fused_moe's shared)
     S_PAD: tl.constexpr,
+    PDL: tl.constexpr,  # programmatic dependent launch (kernels/launch.py)
 ):
+    chain_in(PDL)
     t = tl.program_id(0).to(tl.int64)
     if HAS_LIVE:
         if t >= tl.load(live_ptr):
@@ -226,7 +229,9 @@ def gate_router_kernel(
     N_PAD: tl.constexpr,
     BM: tl.constexpr,
     FILL: tl.constexpr,
+    PDL: tl.constexpr,  # programmatic dependent launch (kernels/launch.py)
 ):
+    chain_in(PDL)
     t = tl.program_id(0).to(tl.int64)
     b = tl.program_id(1)
     nb = tl.num_programs(1)

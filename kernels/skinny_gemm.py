@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from specserve.kernels.checks import check_dim, check_same_device, check_tensor, require, triton_interpreting
+from specserve.kernels.launch import chained
 
 try:
     import triton
@@ -175,5 +176,6 @@ def skinny_linear(
         PRECISION="ieee",
         num_warps=t.num_warps,
         num_stages=t.num_stages,
+        **chained(x),
     )
     return out

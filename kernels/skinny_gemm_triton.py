@@ -13,6 +13,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from specserve.kernels.chain_triton import chain_in
+
 
 @triton.jit
 def _epilogue_store(
@@ -69,7 +71,9 @@ def skinny_gemm_kernel(
     HAS_BIAS: tl.constexpr,
     HAS_ADD: tl.constexpr,
     PRECISION: tl.constexpr,
+    PDL: tl.constexpr,  # programmatic dependent launch (kernels/launch.py)
 ):
+    chain_in(PDL)
     pid = tl.program_id(0)
     split = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
