@@ -73,7 +73,6 @@ def skinny_gemm_kernel(
     PRECISION: tl.constexpr,
     PDL: tl.constexpr,  # programmatic dependent launch (kernels/launch.py)
 ):
-    chain_in(PDL)
     pid = tl.program_id(0)
     split = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
@@ -88,7 +87,19 @@ def skinny_gemm_kernel(
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     k_lo = split * K_CHUNK
     k_hi = tl.minimum(k_lo + K_CHUNK, K)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
+    # the weights do not come from the kernel before: the first K tile is read before waiting for it (with PDL, under
+    # that kernel's tail), then the loop goes on from the second, the same sums in the same order
+    k = k_lo + offs_k
+    k_ok = k < k_hi
+    w = tl.load(w_rows + k[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+    if SILU_MUL:
+        u = tl.load(up_rows + k[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+    chain_in(PDL)
+    x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+    acc = tl.dot(x, w, acc, input_precision=PRECISION)
+    if SILU_MUL:
+        acc_up = tl.dot(x, u, acc_up, input_precision=PRECISION)
+    for k0 in range(k_lo + BLOCK_K, k_hi, BLOCK_K):
         k = k0 + offs_k
         k_ok = k < k_hi
         x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
