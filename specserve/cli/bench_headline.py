@@ -48,8 +48,9 @@ def run_headline(args: argparse.Namespace) -> int:
     failed = []
     if not args.table_only:
         (args.out / "logs").mkdir(parents=True, exist_ok=True)
-        record = {}
-        start = time.monotonic()
+        record_path = args.out / "headline.json"
+        # a run of some stages (--only) adds to the record of the others, run before into the same folder
+        record = json.loads(record_path.read_text()) if record_path.is_file() else {}
         for i, s in enumerate(plan, 1):
             print(
                 f"headline: [{i}/{len(plan)}] {s.name}: {s.what} (log: {args.out / 'logs' / s.name}.log)",
@@ -75,8 +76,8 @@ def run_headline(args: argparse.Namespace) -> int:
                 file=sys.stderr,
                 flush=True,
             )
-        record["total_wall_s"] = round(time.monotonic() - start, 1)
-        (args.out / "headline.json").write_text(json.dumps(record, indent=2) + "\n")
+        record["total_wall_s"] = round(sum(r["wall_s"] for n, r in record.items() if n != "total_wall_s"), 1)
+        record_path.write_text(json.dumps(record, indent=2) + "\n")
     table = headline_table(args.out)
     (args.out / "headline.md").parent.mkdir(parents=True, exist_ok=True)
     (args.out / "headline.md").write_text(table + "\n")

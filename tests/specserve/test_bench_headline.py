@@ -4,6 +4,7 @@ rows came from), its cells equal to BENCHMARKS.md's."""
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -79,5 +80,19 @@ def test_a_stage_runs_in_its_own_process_and_its_row_is_printed(tmp_path, capsys
     out, err = capsys.readouterr()
     assert "headline: [1/1] k26-projection" in err and "headline: k26-projection done in " in err
     assert "Kimi-K2.6 on 4 GPUs, **PROJECTION**" in out and "tok/s" in out
-    record = __import__("json").loads((tmp_path / "headline.json").read_text())
+    record = json.loads((tmp_path / "headline.json").read_text())
     assert record["k26-projection"]["rc"] == 0 and (tmp_path / "logs" / "k26-projection.log").stat().st_size > 0
+
+
+def test_a_run_of_some_stages_adds_to_the_record_of_the_others(tmp_path):
+    """The headline split over two runs into one folder (`--only` each half: one device call is 10 minutes): the
+    second run's headline.json keeps the first's stages, and the total is every stage's time."""
+    for stage, rel in (("k26-shard", "h200-real-size-7/k26-shard/summary.json"), ("k26", RUNS["k26"])):
+        (tmp_path / stage).mkdir()
+        shutil.copy(RESULTS / rel, tmp_path / stage / "summary.json")
+    first = {"moon-a": {"argv": ["bench"], "rc": 0, "wall_s": 85.0}, "total_wall_s": 85.0}
+    (tmp_path / "headline.json").write_text(json.dumps(first))
+    assert main(["bench", "headline", "--only", "k26-projection", "--out", str(tmp_path)]) == 0
+    record = json.loads((tmp_path / "headline.json").read_text())
+    assert record["moon-a"] == first["moon-a"] and record["k26-projection"]["rc"] == 0
+    assert record["total_wall_s"] == round(85.0 + record["k26-projection"]["wall_s"], 1)
