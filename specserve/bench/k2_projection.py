@@ -10,9 +10,12 @@ Inputs:
                 ``kimi-k2-layer-int4:1,kimi-k2-layer-int4:4``): one rank's shard of a Kimi-K2-width model (INT4
                 routed experts, 96 of 384 here; MLA heads, shared expert and lm_head split 4 ways), its collectives
                 skipped. For each k, the full step time (``graph_ms``: metadata, plan,
-                forward, logits) is fitted as fixed + per_layer x layers (least squares over the layer counts): the
-                fixed part holds the embedding rows, final norm, the lm head shard (ceil(163840 / 4) x 7168 bf16) and
-                the host's work; per_layer is one decoder layer of the shard.
+                forward, logits) is fitted as fixed + per_layer x layers: per_layer is one decoder layer of the shard,
+                the least-squares slope of the graph replays' device time (``replay_ms``) over the layer counts (of
+                graph_ms where a row has no replay_ms), so the host's once-a-step work and its jitter are not
+                multiplied by the layers; the fixed part (graph_ms less the layers, averaged over the layer counts)
+                holds the embedding rows, final norm, the lm head shard (ceil(163840 / 4) x 7168 bf16) and the
+                host's work.
   --allreduce   the allreduce.json of ``specserve bench kernels --suite allreduce --world-size 4``: per-call
                 all_reduce of [T, 7168] bf16 (T = k + 1; linear between measured T) and the logits all_gather.
                 Without it, PUBLISHED_ALLREDUCE below (a stated figure with its source) is used for every T.
@@ -125,11 +128,18 @@ def notes_for(model: str) -> tuple[str, ...]:
     return (DEMO_NOTES if model.startswith("demo@") else SYNTHETIC_NOTES) + NOTES
 
 
+def _slope(pts: Sequence[tuple[int, float]]) -> float:
+    """Least-squares slope of (layers, ms) points."""
+    mx = sum(x for x, _ in pts) / len(pts)
+    my = sum(y for _, y in pts) / len(pts)
+    return sum((x - mx) * (y - my) for x, y in pts) / sum((x - mx) ** 2 for x, _ in pts)
+
+
 def shard_fit(report: Mapping, model: str | None = None, context: int | None = None) -> dict:
     """Fit fixed(k) + per_layer(k) x layers over the shard results of one preset at one base context.
 
     Returns {"model", "context", "shard", "layer_counts", "device", "lm_head_bytes", "bandwidth_bytes_per_s",
-    "by_k": {k: {"fixed_ms", "per_layer_ms", "points": [[layers, graph_ms], ...]}}}."""
+    "by_k": {k: {"fixed_ms", "per_layer_ms", "per_layer_from", "max_abs_residual_ms", "points": [[layers, graph_ms]]}}}."""
     results = [r for r in report.get("results", []) if isinstance(r, dict) and "error" not in r and r.get("rows")]
     shards = [r for r in results if r.get("shard")]
     if not shards:
@@ -165,28 +175,33 @@ def shard_fit(report: Mapping, model: str | None = None, context: int | None = N
             f"the shard rows of {model} have no context {context} at every layer count; they share {sorted(common)}"
         )
     times: dict[int, list[tuple[int, float]]] = {}
+    replays: dict[int, list[tuple[int, float]]] = {}
     for layers, r in sorted(by_layers.items()):
         for row in r["rows"]:
             if base(row) == context and "graph_ms" in row:
                 times.setdefault(int(row["k"]), []).append((layers, float(row["graph_ms"])))
+                if "replay_ms" in row:
+                    replays.setdefault(int(row["k"]), []).append((layers, float(row["replay_ms"])))
     by_k = {}
     for k, pts in sorted(times.items()):
         if len(pts) < 2:
             continue
-        n = len(pts)
-        mx = sum(x for x, _ in pts) / n
-        my = sum(y for _, y in pts) / n
-        slope = sum((x - mx) * (y - my) for x, y in pts) / sum((x - mx) ** 2 for x, _ in pts)
+        # a layer is device work: its slope comes from the graph replays when every point has one, and the host's
+        # work (once a step, with its jitter) stays in the fixed part instead of being multiplied by the layers
+        device = replays.get(k, [])
+        slope_pts, slope_from = (device, "replay_ms") if len(device) == len(pts) else (pts, "graph_ms")
+        slope = _slope(slope_pts)
         if slope <= 0:
             raise _fail(
-                f"the shard step of {model} does not grow with layers at k = {k} (points {pts}): the rows "
+                f"the shard step of {model} does not grow with layers at k = {k} (points {slope_pts}): the rows "
                 "are too noisy to project; rerun `specserve bench step` with more --reps or layer counts further apart"
             )
-        fixed = my - slope * mx
-        residual = max(abs(y - fixed - slope * x) for x, y in pts)  # 0 with two layer counts; a check with more
+        fixed = sum(y - slope * x for x, y in pts) / len(pts)
+        residual = max(abs(y - fixed - slope * x) for x, y in pts)  # 0 with two graph_ms fits; a check otherwise
         by_k[k] = {
             "fixed_ms": fixed,
             "per_layer_ms": slope,
+            "per_layer_from": slope_from,
             "max_abs_residual_ms": residual,
             "points": [list(p) for p in pts],
         }

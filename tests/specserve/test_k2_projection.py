@@ -210,3 +210,19 @@ def test_three_layer_counts_fit_by_least_squares_with_a_residual():
     assert fit["per_layer_ms"] == pytest.approx(0.12 - 0.3 / 14, rel=1e-6)
     assert fit["max_abs_residual_ms"] == pytest.approx(0.3 * (1 - 1 / 3 - (1 / 9) / (14 / 3)))  # at 2 layers
     assert k2_projection.shard_fit(_shard_report())["by_k"][0]["max_abs_residual_ms"] == pytest.approx(0.0, abs=1e-9)
+
+
+def test_a_layer_is_priced_by_the_replays_and_the_host_jitter_stays_fixed():
+    """Rows with the replays' device time: the slope is the replays' (0.12 ms a layer), not the host-inclusive graph
+    step's, whose host part (0.2 ms at 1 layer, 0.5 at 4: jitter, not a layer's work) would price a layer 0.1 ms
+    dearer and multiply that by 61; the fixed part is the graph step less the layers, averaged."""
+
+    def jittery(n: int) -> list[dict]:
+        host = 0.2 if n == 1 else 0.5
+        return [dict(r, replay_ms=r["graph_ms"], graph_ms=r["graph_ms"] + host) for r in _rows(n, max_k=0)]
+
+    fit = k2_projection.shard_fit(_shard_report(rows=jittery))["by_k"][0]
+    assert fit["per_layer_ms"] == pytest.approx(0.12) and fit["per_layer_from"] == "replay_ms"
+    assert fit["fixed_ms"] == pytest.approx(1.0 + 0.35)
+    plain = k2_projection.shard_fit(_shard_report())["by_k"][0]  # hand-made rows without replays: graph_ms alone
+    assert plain["per_layer_from"] == "graph_ms" and plain["per_layer_ms"] == pytest.approx(0.12)
