@@ -47,7 +47,7 @@ soak: $(STAMP)
 bench: $(STAMP)
 	$(VENV)/bin/specserve bench
 
-# BENCHMARKS.md's GPU headline table, every row, on one H200 (~15 min): artifacts in $(HEADLINE_OUT), the table
+# BENCHMARKS.md's GPU headline table, every row, on one H200 (~6 min; 329 s on 2026-12-03): artifacts in $(HEADLINE_OUT), the table
 # printed last. Needs no .venv: where the project is installed into the system python (the GPU machine), that is
 # the interpreter it runs (or name one: make bench-h200 BENCH_PY=python3).
 HEADLINE_OUT ?= bench_out/headline

@@ -1,7 +1,7 @@
 """BENCHMARKS.md's GPU headline in one command: `specserve bench headline` (or `make bench-h200`).
 
 Every row of the headline table, each a `specserve bench` run of its own (its own process, so each frees the GPU for
-the next), on one H200 in about 15 minutes:
+the next), on one H200 in about 6 minutes (329 s of stages on 2026-12-03):
 
     moon-a, moon-b   demo@moonlight-16b-a3b, every drafter at k = 1, 2, 4 and adaptive, in process, through serve over
                      shared memory and over gRPC only (two runs: the two stacks of one run hold two targets)

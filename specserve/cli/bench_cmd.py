@@ -7,7 +7,7 @@
     specserve bench draft ...     where a drafter's time goes (bench/draft_profile.py)
     specserve bench overhead ...  per-step orchestration overhead: in process, over shared memory, gRPC only
     specserve bench project ...   the labelled Kimi-K2.6 projection from a step shard and an e2e run's acceptance
-    specserve bench headline ...  every row of BENCHMARKS.md's GPU headline, one H200, ~15 min (make bench-h200)
+    specserve bench headline ...  every row of BENCHMARKS.md's GPU headline, one H200, ~6 min (make bench-h200)
 
 Every subcommand takes the shared flags that apply to it (bench_flags.py: --model, --device, --dtype, --out, --seed,
 --json) and writes --out/summary.json in one schema (bench/result.py: the environment, commit and source hash,
@@ -164,7 +164,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     bench_headline.add_arguments(
         sub.add_parser(
-            "headline", help="every row of BENCHMARKS.md's GPU headline table, one H200, ~15 min (bench/headline.py)"
+            "headline", help="every row of BENCHMARKS.md's GPU headline table, one H200, ~6 min (bench/headline.py)"
         )
     )
 
