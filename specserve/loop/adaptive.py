@@ -62,10 +62,31 @@ So a probe can turn speculation back on when its k was timed only on one-offs (o
 calls revise a settled k.
 
 Issue #43's guards against losing to target-only where a drafter does not pay: before drafting, a k >= 1 must be
-predicted to beat target-only's rate by ``AdaptiveConfig.margin``; a block shorter than asked (an n-gram without a
-match) refuses the positions it did not propose in the per-position estimate (``observe_draft`` notes the k asked,
-the truncation's ``choose_k`` the block's length; a concurrent request's draft in between can misattribute one
-step's count, never what is verified); and a drafted step's overhead is a skipped step's until one was measured.
+predicted to beat target-only's rate by ``AdaptiveConfig.margin`` while drafting is off; a block shorter than asked
+(an n-gram without a match) refuses the positions it did not propose in what a draft call yields (``yielded``;
+``observe_draft`` notes the k asked, the truncation's ``choose_k`` the block's length; a concurrent request's draft
+in between can misattribute one step's count, never what is verified); and a drafted step's overhead is a skipped
+step's until one was measured.
+
+Issue #43's second half, a drafter that pays kept on (the H200 headline run: n-gram at fixed k = 2 gave 1.15x
+target-only, adaptive chose k = 0 on 247 of 250 steps; replayed, specserve/bench/adaptive_replay.py):
+
+- A draft call's yield and its cost are priced over the block's length (``planned``). Per position, ``proposed`` is
+  the chance the drafter proposes it when asked, ``accept`` the chance a proposed token is accepted (what a drafted
+  block is cut by, its cost sunk) and ``yielded`` the chance of both, estimated as one (so a drafter that proposes
+  nothing goes off as fast as before). Before drafting, E[emitted | k] is ``yielded``'s and the verify is the one
+  of the block's expected length: an empty block verifies 1 token. Before, an empty block was charged a full
+  verify and, as a refusal, cut every proposed block too.
+- A position not yet observed starts from the prior, not from a weak position before it, once that one had a token
+  accepted lately (AcceptanceEstimator): n-gram's later positions are accepted 0.6-0.85 of the time after a first
+  one at 0.3, and the chain that pays was priced out before it was ever verified.
+- While drafting is on and tokens were accepted lately, it stays on until a k >= 1 is predicted to lose
+  (``AdaptiveConfig.keep_margin``, 0): the 3% margin both ways turned a drafter that pays by 5-10% off on each dip
+  of its estimate, and 1-token probes, a few in 250 steps, were slow to turn it back on.
+- Until DECODES_TIMED 1-token verifies were timed, every DECODE_EVERY-th drafting step is a target-only step: a
+  chooser that drafts from its first step had no decode timed, and its verify fit, on distinct experts, priced one
+  at the smallest verify seen (a decode's experts taken as a 2-token verify's), so a drafter that lost by 8% (MTP
+  on Moonlight) stayed on.
 """
 
 from __future__ import annotations
@@ -80,6 +101,11 @@ from specserve.loop.probing import ProbePolicy, ProbeSchedule
 from specserve.loop.verify_length import StepCosts, best_length
 
 AHEAD_PROBE_EVERY = 16  # every 16th step that could draft ahead does the opposite of the estimate
+# a chooser that drafts from its first step never times a target-only step (a 1-token verify): the verify fit then
+# prices it from drafted steps (a decode's experts taken as the smallest verify's seen), too dear, and drafting stays on
+# where it loses; so until DECODES_TIMED 1-token verifies were timed, every DECODE_EVERY-th drafting step is one
+DECODES_TIMED = 3
+DECODE_EVERY = 8
 
 
 @dataclass(frozen=True)
@@ -98,6 +124,9 @@ class AdaptiveConfig:
     # before drafting, a k >= 1 must be predicted to beat target-only's rate by this share (the estimates are noisy
     # and a step that drafts for a predicted 1% loses when they are a little optimistic; issue #43)
     margin: float = 0.03
+    # ... and, while drafting is on and tokens were accepted lately, by this share to stay on (hysteresis: a drafter
+    # that pays by a few % was turned off by each dip of its noisy estimate; issue #43's headline run)
+    keep_margin: float = 0.0
 
     def __post_init__(self) -> None:
         if self.max_k < 1:
@@ -119,6 +148,8 @@ class AdaptiveConfig:
             raise ValueError("calibration_bins must be >= 1 and calibration_prior > 0")
         if not 0.0 <= self.margin < 1.0:
             raise ValueError(f"margin must be in [0, 1), got {self.margin}")
+        if not -1.0 < self.keep_margin <= self.margin:
+            raise ValueError(f"keep_margin must be in (-1, margin], got {self.keep_margin}")
 
 
 class AcceptanceEstimator:
@@ -126,7 +157,10 @@ class AcceptanceEstimator:
 
     Per position: decayed counts of accepted / observed, plus ``prior_weight`` pseudo-observations at
     a prior mean: ``prior`` for position 0, the estimate of position i - 1 for position i (positions
-    of one drafter tend to be alike; a chain's tail is seen least). Every step decays the counts of
+    of one drafter tend to be alike; a chain's tail is seen least), but no less than ``prior`` once position i - 1
+    had a token accepted lately (decayed count >= 1): a weak head does not price out a tail never seen (n-gram's
+    positions after a first one at 0.3 are accepted 0.6-0.85 of the time), while a head never accepted (a drafter
+    proposing nothing) keeps its tail as low as itself. Every step decays the counts of
     every position by 1 - 1/memory, so a position the chooser stopped drafting drifts back to its
     prior and gets drafted again, instead of staying at one unlucky early observation.
 
@@ -142,10 +176,12 @@ class AcceptanceEstimator:
     @property
     def alpha(self) -> list[float]:  # [max_k], plain floats (a copy: the caller may change it)
         if self._alpha is None or self._alpha[0] != self.version:
-            out, mean = [], self._prior
+            out, mean, accepted = [], self._prior, 1.0
             for hits, trials in zip(self.hits.tolist(), self.trials.tolist()):
-                mean = (hits + self._weight * mean) / (trials + self._weight)
+                prior = max(mean, self._prior) if accepted >= 1.0 else mean
+                mean = (hits + self._weight * prior) / (trials + self._weight)
                 out.append(mean)
+                accepted = hits
             self._alpha = (self.version, out)
         return list(self._alpha[1])
 
@@ -228,6 +264,16 @@ class AdaptiveSpeculation:
         self.accept = AcceptanceEstimator(
             config.max_k, config.prior_accept, config.accept_memory, config.accept_prior_weight
         )
+        # the chance the drafter proposes drafted position i when asked for it, given it proposed < i (a full block:
+        # 1; n-gram without a match proposes nothing): what a draft call yields, apart from what is accepted of it
+        self.proposed = AcceptanceEstimator(config.max_k, 1.0, config.accept_memory, config.accept_prior_weight)
+        # ... and the chance it proposes position i and i is accepted, given i - 1 was (a position it did not propose
+        # refused): what a draft call asking for i yields, estimated as one (the product of the two estimates, each
+        # near its prior, would keep a drafter that proposes nothing on)
+        self.yielded = AcceptanceEstimator(
+            config.max_k, config.prior_accept, config.accept_memory, config.accept_prior_weight
+        )
+        self.short_blocks = False  # a block shorter than asked was seen: ``proposed`` and ``yielded`` kept from then
         self.calibration = ConfidenceCalibration(config.calibration_bins, config.calibration_prior, config.window)
         self.ahead_hit_rate = 0.5  # running share of ahead blocks that were used
         self._ahead_steps = 0
@@ -241,6 +287,8 @@ class AdaptiveSpeculation:
         # (k asked, tokens the drafter proposed or None) of the last draft call, until its verify is observed: a
         # drafter that proposes fewer than asked (n-gram without a match) is refused the positions it did not draft
         self._asked: tuple[int, int | None] | None = None
+        self._on = False  # the last plan drafted (not a probe): speculation is on
+        self._untimed = 0  # drafting steps planned while 1-token verifies were not yet timed DECODES_TIMED times
 
     def observe_draft(self, k: int, ms: float, steady: bool = True, probe: bool = False) -> None:
         """A draft call asked for k tokens and took ms (drafting ahead is not observed: it overlaps).
@@ -287,11 +335,17 @@ class AdaptiveSpeculation:
             self.observe_overhead(num_drafted > 0, overhead_ms)
         asked, self._asked = self._asked, None
         cut = 0 if unverified is None else len(unverified)
-        missing = 0
+        missing, proposed = 0, None
         if asked is not None and asked[1] is not None and num_drafted + cut == asked[1]:
             missing = max(0, asked[0] - asked[1])  # positions the drafter did not propose: refused
+            proposed = min(asked[1], asked[0])  # a block of asked[1] of the asked[0] tokens
         elif asked is not None and asked[1] is None and num_drafted == 0:
-            missing = asked[0]  # an empty block (truncate never saw it): position 0 refused
+            missing, proposed = asked[0], 0  # an empty block (truncate never saw it): position 0 refused
+        if missing and not self.short_blocks:  # the first short block: the yield was the acceptance until now
+            self.short_blocks = True
+            self.yielded.hits[:], self.yielded.trials[:] = self.accept.hits, self.accept.trials
+        if self.short_blocks and proposed is not None:
+            self.proposed.observe(asked[0], proposed)
         version = self.cost.version
         self.cost.observe(num_drafted + 1, experts, ms, ahead)
         if self.cost.version != version:
@@ -299,9 +353,9 @@ class AdaptiveSpeculation:
             # skipped step to a chooser whose drafter only ever proposed empty blocks)
             self._overhead_used = (self.overhead_ms[0], self.overhead_ms[1 if self._overhead_seen[1] else 0])
         soft = [] if unverified is None or not len(unverified) else self.calibration.calibrated(unverified)
-        if missing:
-            soft += [0.0] * missing
         self.accept.observe(num_drafted, num_accepted, soft)
+        if self.short_blocks:
+            self.yielded.observe(num_drafted, num_accepted, soft + [0.0] * missing)
         if confidence is not None and len(confidence) == num_drafted:
             self.calibration.observe(confidence, num_accepted)
 
@@ -333,8 +387,11 @@ class AdaptiveSpeculation:
             self.cost.version,
             self.draft.version,
             self.accept.version,
+            self.proposed.version,
+            self.yielded.version,
             self._overhead_used,
             self.probing.version,
+            self._on,
         )
         if self._plan_cache is None or self._plan_cache[0] != key:  # else nothing it reads has changed
             k = self.choose_k(limit, ahead=ahead)
@@ -342,6 +399,11 @@ class AdaptiveSpeculation:
         _, k, interval = self._plan_cache
         if limit <= 0:
             return 0, False
+        self._on = k > 0 and self.accept.hits[0] >= 1.0  # drafting, and a drafted token was accepted lately
+        if k > 0 and self.cost.seen(1) < DECODES_TIMED:
+            self._untimed += 1
+            if self._untimed % DECODE_EVERY == 0:
+                return 0, False  # a target-only step, to time one
         if k > 0:
             self.probing.drafted()
             return k, False
@@ -393,16 +455,45 @@ class AdaptiveSpeculation:
                 self.cost.version,
                 self.draft.version,
                 self.accept.version,
+                self.proposed.version,
+                self.yielded.version,
                 self._overhead_used,
                 least,
+                self._on,
             )
             if self._choice_cache is not None and self._choice_cache[0] == key:
                 return self._choice_cache[1]
-        margin = self.config.margin if sunk_ms is None else 0.0  # a drafted block's cost is sunk: no margin
-        k = best_length(self.alpha(kmax, confidence), self.step_costs(kmax, bool(ahead)), sunk_ms, least, margin)
+        if sunk_ms is not None:  # a drafted block's cost is sunk (no margin), its length known
+            k = best_length(self.alpha(kmax, confidence), self.step_costs(kmax, bool(ahead)), sunk_ms, least)
+        else:  # a draft call may propose less than asked: its chance of yielding each position, and the verify then
+            alpha, costs = self.planned(kmax, bool(ahead), confidence)
+            k = best_length(alpha, costs, None, least, self.config.keep_margin if self._on else self.config.margin)
         if key is not None:
             self._choice_cache = (key, k)
         return k
+
+    def planned(self, kmax: int, ahead: bool = False, confidence=None) -> tuple[list[float], StepCosts]:
+        """What a draft call asking for k = 0..kmax tokens yields, before it is made: the chance of each position being
+        proposed and accepted (``yielded``) and the step costs with the verify expected over the block's length by
+        ``proposed`` (a block of l < k tokens verifies l + 1: an empty one is a target-only step's verify). (alpha,
+        ``step_costs``) for a drafter that has proposed all it was asked for (neither estimate is kept until it did not:
+        their observations were a quarter of a step's chooser time). A table per (kmax, ahead, proposed's
+        version), made with the step costs and dropped with them."""
+        alpha, costs = self.alpha(kmax, confidence), self.step_costs(kmax, ahead)
+        if not self.short_blocks:
+            return alpha, costs  # nothing short seen: the yield is the acceptance, the block full
+        proposed = self.proposed.alpha[:kmax]
+        key = (kmax, ahead, self.proposed.version)
+        planned = self._cost_cache[1].get(key)  # made with the step costs, dropped with them
+        if planned is None:
+            verify, reach = [costs.verify_ms[0]], [1.0]  # reach[l]: the chance the block has >= l tokens
+            for p in proposed:
+                reach.append(reach[-1] * p)
+            for k in range(1, kmax + 1):  # l = 0..k - 1: the block stopped at l; k: it is full
+                shares = [reach[i] - reach[i + 1] for i in range(k)] + [reach[k]]
+                verify.append(sum(w * costs.verify_ms[i] for i, w in enumerate(shares)))
+            planned = self._cost_cache[1][key] = StepCosts(tuple(verify), costs.draft_ms, costs.overhead_ms)
+        return self.yielded.alpha[:kmax], planned
 
     def step_costs(self, kmax: int, ahead: bool = False) -> StepCosts:
         """The table specserve/loop/verify_length.py reads: verify ms of k + 1 tokens (expected experts) and draft ms of k,

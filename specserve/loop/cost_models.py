@@ -135,6 +135,10 @@ class VerifyCostModel:
     def observed(self) -> int:
         return min(self._count, len(self._y))
 
+    def seen(self, n_tokens: int) -> int:
+        """Verifies of ``n_tokens`` tokens observed, over the model's life."""
+        return self._experts_by_n.get(n_tokens, (0.0, 0))[1]
+
     @property
     def observed_ahead(self) -> int:
         """Steps in the window that drafted ahead while verifying."""
