@@ -18,7 +18,7 @@ if HAS_TRITON:
 
     from specserve.kernels import moe_triton, quant_gemv_triton
 
-W4A16_GEMV_MAX_TOKENS = 8  # up to here the W4A16 MoE runs as per-slot GEMVs (no tensor cores): BENCHMARKS.md
+W4A16_GEMV_MAX_TOKENS = 16  # up to here the W4A16 MoE runs as per-slot GEMVs (no tensor cores): BENCHMARKS.md
 GEMV_LANE_TOKENS = 4  # past W4A16_GEMV_MAX_TOKENS: program rows per k (GemvTile.lanes; the sweep tries others)
 
 

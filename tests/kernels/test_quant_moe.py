@@ -11,7 +11,7 @@ from kernel_test_utils import HAS_CUDA, poison_cuda_allocator, random_routing, r
 
 from specserve.kernels.checks import triton_interpreting
 from specserve.kernels.fused_moe import HAS_TRITON, MoETileConfig
-from specserve.kernels.quant_gemv import GemvTile, GemvTiles
+from specserve.kernels.quant_gemv import W4A16_GEMV_MAX_TOKENS, GemvTile, GemvTiles
 from specserve.kernels.quant_moe import fp8_linear, fp8_moe, w4a16_moe
 from specserve.kernels.quant_reference import (
     fp8_linear_reference,
@@ -158,9 +158,9 @@ GEMV_VARIANTS = (
 )
 def test_w4a16_gemv_with_other_tiles_matches_reference(tiles) -> None:
     """The GEMV's tiles are parameters (the sweep, bench/gemv_sweep.py, tries others): any tile gives the reference's
-    function, one slot a program row (T = 3) and past W4A16_GEMV_MAX_TOKENS (T = 9, program rows in turn)."""
+    function, one slot a program row (T = 3) and past W4A16_GEMV_MAX_TOKENS (program rows in turn)."""
     shape = "tiny" if TINY_ONLY else "kimi_k2_width"
-    for t in (3, 9):
+    for t in (3, W4A16_GEMV_MAX_TOKENS + 1):
         args = _int4_case(shape, t, seed=40 + t)
         ref = w4a16_moe_reference(*args, group_size=32)
         poison_cuda_allocator()

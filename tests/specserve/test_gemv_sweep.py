@@ -12,7 +12,7 @@ import torch
 from specserve.bench import gemv_sweep as gs
 from specserve.kernels.checks import KernelArgumentError, triton_interpreting
 from specserve.kernels.fused_moe import HAS_TRITON
-from specserve.kernels.quant_gemv import GemvTile, GemvTiles
+from specserve.kernels.quant_gemv import W4A16_GEMV_MAX_TOKENS, GemvTile, GemvTiles
 
 HAS_CUDA = torch.cuda.is_available()
 DEV = "cuda" if HAS_CUDA else "cpu"
@@ -21,9 +21,10 @@ runs_triton = pytest.mark.skipif(
     not (HAS_TRITON and (HAS_CUDA or triton_interpreting())), reason="needs triton on CUDA, or TRITON_INTERPRET=1"
 )
 # down reads 32 words a row (I = 256), so its tile's step (BKW) changes the fp32 sums' order; one slot a token and
-# 9 rows (past W4A16_GEMV_MAX_TOKENS: the program rows take the slots in turn) keep the interpreter quick
+# ROWS rows (past W4A16_GEMV_MAX_TOKENS: the program rows take the slots in turn) keep the interpreter quick
 TINY = gs.SweepShape(experts=4, hidden=16, inter=256, top_k=1, group=16)
 GATE_UP = GemvTile(256, 2)
+ROWS = W4A16_GEMV_MAX_TOKENS + 1
 
 
 def _row(config: str, passed: bool, ms: float) -> dict:
@@ -95,9 +96,9 @@ def test_gemv_tile_labels_and_source() -> None:
 @pytest.mark.gpu
 @runs_triton
 def test_a_tile_picked_by_the_row_count_fails_the_invariance_check():
-    """Negative control: a candidate whose 1-row step runs another down tile (BKW 4) than its 9-row step (BKW 32)
+    """Negative control: a candidate whose 1-row step runs another down tile (BKW 4) than its ROWS-row step (BKW 32)
     sums in another order, and the check says so; the same candidate with one tile passes."""
-    case = gs.make_case(TINY, (1,), DEV, ACT, routings=1, invariant_rows=9)
+    case = gs.make_case(TINY, (1,), DEV, ACT, routings=1, invariant_rows=ROWS)
     one, other = GemvTiles(GATE_UP, GemvTile(16, 4)), GemvTiles(GATE_UP, GemvTile(16, 32))
     assert gs.check_tiles(case, lambda rows: one) == []
     failures = gs.check_tiles(case, lambda rows: one if rows == 1 else other)
@@ -116,7 +117,7 @@ def test_the_sweep_runs_checks_and_names_the_best_on_tiny_shapes():
         reps=2,
         warmup=1,
         routings=1,
-        invariant_rows=9,
+        invariant_rows=ROWS,
         log=lambda msg: None,
     )
     assert [r["passed"] for r in result["rows"]] == [True, True], [r["failures"] for r in result["rows"]]
