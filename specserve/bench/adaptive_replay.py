@@ -19,14 +19,13 @@ prompts whose name starts with it (``prose-``: the run's prose prompts alone).
 
 from __future__ import annotations
 
-import gzip
-import json
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
 
+from specserve.bench.result import read_jsonl
 from specserve.loop.adaptive import AdaptiveConfig, AdaptiveSpeculation
 
 
@@ -173,9 +172,7 @@ def compare(model: StepModel, steps: int, seeds: int, order: str = "drawn") -> d
 
 def load_rows(steps_jsonl: str) -> list[dict]:
     """A bench's steps.jsonl (or steps.jsonl.gz: large committed artifacts are gzipped)."""
-    opener = gzip.open if steps_jsonl.endswith(".gz") else open
-    with opener(steps_jsonl, "rt") as f:
-        return [json.loads(line) for line in f if line.strip()]
+    return read_jsonl(steps_jsonl)
 
 
 def run(

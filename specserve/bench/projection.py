@@ -22,6 +22,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from specserve.bench.result import jsonl_exists, read_jsonl
 from specserve.errors import SpecserveError
 from specserve.loop.verify_length import expected_emitted
 
@@ -271,9 +272,4 @@ def load_run(summary_path: Path) -> tuple[dict, list[dict]]:
         if m.get("kind") == "specserve" and "k" not in m:
             m["k"] = 0 if m.get("drafter") == "none" else k
     steps_path = Path(summary_path).parent / "steps.jsonl"
-    steps = (
-        [json.loads(line) for line in steps_path.read_text(encoding="utf-8").splitlines() if line.strip()]
-        if steps_path.exists()
-        else []
-    )
-    return methods, steps
+    return methods, read_jsonl(steps_path) if jsonl_exists(steps_path) else []

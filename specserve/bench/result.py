@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import dataclasses
+import gzip
 import json
 import sys
 from collections.abc import Mapping
@@ -53,3 +54,23 @@ def write_summary(out: Path, summary: Mapping) -> Path:
     path = out / "summary.json"
     path.write_text(json.dumps(summary, indent=2, default=str) + "\n", encoding="utf-8")
     return path
+
+
+def read_jsonl(path: str | Path) -> list[dict]:
+    """The rows of a bench's .jsonl artifact (steps.jsonl, requests.jsonl, ...), or of its gzipped copy: committed
+    artifacts keep their large .jsonl files as .jsonl.gz (benchmarks/results/), so a reader given either name takes
+    whichever is there (FileNotFoundError naming the plain path when neither is)."""
+    path = Path(path)
+    plain = path.with_suffix("") if path.suffix == ".gz" else path
+    zipped = plain.with_name(plain.name + ".gz")
+    if not plain.exists() and not zipped.exists():
+        raise FileNotFoundError(f"{plain}: no such file (nor {zipped.name})")
+    opener, real = (open, plain) if plain.exists() else (gzip.open, zipped)
+    with opener(real, "rt", encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def jsonl_exists(path: str | Path) -> bool:
+    """Whether a .jsonl artifact is there, plain or gzipped (read_jsonl)."""
+    plain = Path(path)
+    return plain.exists() or plain.with_name(plain.name + ".gz").exists()

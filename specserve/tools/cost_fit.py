@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from specserve.bench.cost_fit import cost_model_error
+from specserve.bench.result import read_jsonl
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -21,7 +22,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.steps.is_file():
         print(f"cost_fit: error: {args.steps} does not exist", file=sys.stderr)
         return 2
-    steps = [json.loads(line) for line in args.steps.read_text().splitlines() if line.strip()]
+    steps = read_jsonl(args.steps)
     print(json.dumps(cost_model_error(steps, args.train_fraction), indent=1))
     return 0
 
