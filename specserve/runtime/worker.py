@@ -96,22 +96,15 @@ class LoopThread(_Worker):
     def __init__(self, name: str, init: Callable[[], object] | None = None) -> None:
         self.loop = new_loop()
         self._closed = False
-        self._failed: BaseException | None = None  # init's error: every call gets it
+        self._failed: list[BaseException] = []  # init's error (filled by the thread): every call gets it
         # set by another thread just after it handed the loop a callback (a call, a task to start or cancel); a
         # task there that never waits on anything (the served step loop's direct steps) reads it after each step
         # and yields to the loop when set (clearing it), so what was handed runs between two steps
         self.handed = False
-        self._thread = threading.Thread(target=self._run, args=(init,), name=name, daemon=True)
+        # the thread holds the loop, not this object, so a worker nobody closed is collected and its thread ends
+        self._thread = threading.Thread(target=_run_loop, args=(self.loop, init, self._failed), name=name, daemon=True)
         self._thread.start()
-
-    def _run(self, init: Callable[[], object] | None) -> None:
-        asyncio.set_event_loop(self.loop)
-        try:
-            if init is not None:
-                init()
-        except BaseException as exc:  # noqa: BLE001 - handed to every caller
-            self._failed = exc
-        self.loop.run_forever()
+        self._finalizer = weakref.finalize(self, _stop_loop, self.loop)
 
     def on_thread(self) -> bool:
         """Whether the caller runs on this thread."""
@@ -136,12 +129,30 @@ class LoopThread(_Worker):
     def _one(self, loop, skip_if, fn, args, done) -> None:
         if skip_if is not None and skip_if.cancelled():
             return
-        _run_call(loop, fn, args, done, self._failed)
+        _run_call(loop, fn, args, done, self._failed[0] if self._failed else None)
 
     def _stop(self) -> None:
-        if not self._closed:
-            self._closed = True
-            self.loop.call_soon_threadsafe(self.loop.stop)  # after the calls already handed over
+        self._closed = True
+        self._finalizer()  # stops the loop once, after the calls already handed over
+
+
+def _run_loop(loop: asyncio.AbstractEventLoop, init: Callable[[], object] | None, failed: list) -> None:
+    """A LoopThread's thread: init (its error kept in ``failed``), then the loop until it is stopped."""
+    asyncio.set_event_loop(loop)
+    try:
+        if init is not None:
+            init()
+    except BaseException as exc:  # noqa: BLE001 - handed to every caller
+        failed.append(exc)
+    del init
+    loop.run_forever()
+
+
+def _stop_loop(loop: asyncio.AbstractEventLoop) -> None:
+    try:
+        loop.call_soon_threadsafe(loop.stop)
+    except RuntimeError:  # the loop was closed already
+        pass
 
 
 def _serve(work: queue.SimpleQueue, init: Callable[[], object] | None) -> None:

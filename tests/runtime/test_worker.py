@@ -1,4 +1,5 @@
-"""OneThread (specserve/runtime/worker.py): the one thread that owns a model, and its hop to and from the loop."""
+"""OneThread and LoopThread (specserve/runtime/worker.py): the one thread that owns a model, and its hop to and from
+the loop."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import time
 
 import pytest
 
-from specserve.runtime.worker import OneThread
+from specserve.runtime.worker import LoopThread, OneThread
 
 
 def test_calls_run_on_one_named_thread_in_order_and_return_or_raise():
@@ -123,3 +124,37 @@ def test_init_runs_first_on_the_thread_and_a_failed_init_fails_every_call():
         failed.close()
     assert seen == ["unit-owner", "call"]
     assert [str(e) for e in errors] == ["no stream", "no stream"] and all(isinstance(e, RuntimeError) for e in errors)
+
+
+@pytest.mark.parametrize("kind", [OneThread, LoopThread])
+def test_a_worker_nobody_closed_ends_its_thread_when_collected(kind):
+    """A worker dropped without close (an engine built and let go) stops its thread once collected: its thread holds
+    the queue or the loop, not the worker. LoopThread's held the worker itself, so it never ended."""
+    import gc
+
+    async def main(worker):
+        return await worker.call(threading.current_thread)
+
+    worker = kind("unit-dropped")
+    thread = asyncio.run(main(worker))
+    assert thread.name == "unit-dropped" and thread.is_alive()
+    del worker  # its last reference
+    gc.collect()
+    thread.join(timeout=5)
+    assert not thread.is_alive()
+
+
+def test_a_loop_thread_answers_every_call_with_its_failed_init():
+    def broken() -> None:
+        raise RuntimeError("no stream")
+
+    worker = LoopThread("unit-loop-broken", init=broken)
+
+    async def main():
+        return await asyncio.gather(worker.call(int, "1"), worker.call(int, "2"), return_exceptions=True)
+
+    try:
+        errors = asyncio.run(main())
+    finally:
+        worker.close()
+    assert [str(e) for e in errors] == ["no stream", "no stream"]
